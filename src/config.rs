@@ -1,0 +1,396 @@
+//! Configuration: the `proxy.toml` schema, built-in defaults, and the layering
+//! CLI > environment > file > defaults.
+//!
+//! Owns parsing and validation only. Unknown keys are rejected by name
+//! (`deny_unknown_fields`) so a typo never silently falls back to a default.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+/// Default listen address: loopback, so a fresh install exposes nothing.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:8787";
+/// Default upstream: OpenAI's API.
+pub const DEFAULT_UPSTREAM: &str = "https://api.openai.com/v1";
+/// Default request body limit for the parsed endpoints (32 MiB).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+
+/// The whole configuration, as read from `proxy.toml` and then overridden.
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct Config {
+    /// Where the proxy listens and how it treats client connections.
+    pub server: ServerConfig,
+    /// The real OpenAI-compatible API the proxy forwards to.
+    pub upstream: UpstreamConfig,
+    /// Where records are kept.
+    pub store: StoreConfig,
+    /// When and how conversations are compacted.
+    pub compaction: CompactionConfig,
+    /// Per-model context windows; the built-in table is consulted after these.
+    pub models: Vec<ModelConfig>,
+}
+
+/// `[server]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServerConfig {
+    /// Address to listen on.
+    pub listen: String,
+    /// Largest accepted body for the parsed endpoints; larger ones get 413.
+    pub max_body_bytes: usize,
+    /// How long in-flight requests and streams may take to finish at shutdown.
+    pub shutdown_grace_secs: u64,
+}
+
+impl Default for ServerConfig {
+    fn default() -> Self {
+        Self {
+            listen: DEFAULT_LISTEN.to_string(),
+            max_body_bytes: DEFAULT_MAX_BODY_BYTES,
+            shutdown_grace_secs: 30,
+        }
+    }
+}
+
+/// `[upstream]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamConfig {
+    /// Base URL including the API prefix, e.g. `https://api.openai.com/v1`.
+    pub base_url: String,
+    /// Name of an environment variable holding a key the proxy sends upstream
+    /// instead of the client's own credential. Empty: pass the client's through.
+    pub api_key_env: String,
+    /// Seconds to establish the TCP/TLS connection.
+    pub connect_timeout_secs: u64,
+    /// Seconds until the upstream's response headers must arrive (504 after).
+    pub response_timeout_secs: u64,
+    /// Seconds a response body may stay silent before it is abandoned.
+    pub idle_timeout_secs: u64,
+}
+
+impl Default for UpstreamConfig {
+    fn default() -> Self {
+        Self {
+            base_url: DEFAULT_UPSTREAM.to_string(),
+            api_key_env: String::new(),
+            connect_timeout_secs: 10,
+            response_timeout_secs: 600,
+            idle_timeout_secs: 300,
+        }
+    }
+}
+
+/// `[store]`
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct StoreConfig {
+    /// SQLite database file. Empty: the platform data dir.
+    pub path: String,
+}
+
+/// `[compaction]`
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CompactionConfig {
+    /// Compact once the last exchange used this fraction of the model's window.
+    pub trigger_ratio: f64,
+    /// Log a warning once the last exchange used this fraction of the window.
+    pub warn_ratio: f64,
+    /// Token budget of verbatim user messages kept from the summarized part.
+    pub recent_user_tokens: u64,
+}
+
+impl Default for CompactionConfig {
+    fn default() -> Self {
+        Self {
+            trigger_ratio: 0.75,
+            warn_ratio: 0.6,
+            recent_user_tokens: 20_000,
+        }
+    }
+}
+
+/// One `[[models]]` entry.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// Exact model name or a glob (`*` and `?`).
+    #[serde(rename = "match")]
+    pub pattern: String,
+    /// Context window in tokens.
+    pub context_window: u64,
+    /// Largest completion the model may produce, in tokens.
+    #[serde(default)]
+    pub max_output_tokens: Option<u64>,
+    /// Per-model override of `compaction.trigger_ratio`.
+    #[serde(default)]
+    pub trigger_ratio: Option<f64>,
+}
+
+/// What the proxy knows about one model's limits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ModelLimits {
+    /// Context window in tokens.
+    pub context_window: u64,
+    /// Largest completion, in tokens.
+    pub max_output_tokens: u64,
+    /// Fraction of the window at which compaction triggers.
+    pub trigger_ratio: f64,
+}
+
+/// Built-in defaults for common model families: (glob, window, max output).
+/// Consulted after the user's `[[models]]`, so any entry there wins.
+const BUILTIN_MODELS: &[(&str, u64, u64)] = &[
+    ("gpt-4o*", 128_000, 16_384),
+    ("chatgpt-4o*", 128_000, 16_384),
+    ("gpt-4.1*", 1_047_576, 32_768),
+    ("gpt-5*", 400_000, 128_000),
+    ("codex-*", 400_000, 128_000),
+    ("o1*", 200_000, 100_000),
+    ("o3*", 200_000, 100_000),
+    ("o4*", 200_000, 100_000),
+    ("gpt-4-turbo*", 128_000, 4_096),
+    ("gpt-4", 8_192, 4_096),
+    ("gpt-3.5-turbo*", 16_385, 4_096),
+    ("gpt-oss*", 131_072, 32_768),
+    ("claude*", 200_000, 32_000),
+    ("*llama-3*", 131_072, 8_192),
+    ("*qwen2.5*", 32_768, 8_192),
+    ("*qwen3*", 40_960, 8_192),
+    ("*mistral*", 32_768, 8_192),
+    ("*deepseek*", 128_000, 8_192),
+    ("*gemma*", 131_072, 8_192),
+    ("*smollm2*", 8_192, 2_048),
+    ("*", 128_000, 16_384),
+];
+
+impl Config {
+    /// Parses a TOML document; unknown keys are an error naming the key.
+    pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
+        let config: Config =
+            toml::from_str(text).map_err(|e| ConfigError::Parse(e.message().to_string(), e.span()))?;
+        config.validate()?;
+        Ok(config)
+    }
+
+    /// Reads and parses a config file.
+    pub fn from_file(path: &Path) -> Result<Self, ConfigError> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| ConfigError::Read(path.display().to_string(), e.to_string()))?;
+        Self::from_toml(&text).map_err(|e| e.in_file(path))
+    }
+
+    /// Checks values that parse but make no sense.
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let invalid = |key: &str, why: &str| Err(ConfigError::Invalid(key.to_string(), why.to_string()));
+        if self.listen_addr().is_err() {
+            return invalid("server.listen", "not a socket address like 127.0.0.1:8787");
+        }
+        if self.server.max_body_bytes == 0 {
+            return invalid("server.max_body_bytes", "must be greater than 0");
+        }
+        match reqwest::Url::parse(&self.upstream.base_url) {
+            Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}
+            _ => return invalid("upstream.base_url", "not an http(s) URL"),
+        }
+        let c = &self.compaction;
+        if !(c.trigger_ratio > 0.0 && c.trigger_ratio <= 1.0) {
+            return invalid("compaction.trigger_ratio", "must be in (0, 1]");
+        }
+        if !(c.warn_ratio > 0.0 && c.warn_ratio <= 1.0) {
+            return invalid("compaction.warn_ratio", "must be in (0, 1]");
+        }
+        for m in &self.models {
+            if m.context_window == 0 {
+                return invalid("models.context_window", "must be greater than 0");
+            }
+            if let Some(r) = m.trigger_ratio {
+                if !(r > 0.0 && r <= 1.0) {
+                    return invalid("models.trigger_ratio", "must be in (0, 1]");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// The listen address as a socket address.
+    pub fn listen_addr(&self) -> Result<SocketAddr, std::net::AddrParseError> {
+        self.server.listen.parse()
+    }
+
+    /// The store path, falling back to the platform data dir.
+    pub fn store_path(&self) -> PathBuf {
+        if self.store.path.is_empty() {
+            default_store_path()
+        } else {
+            PathBuf::from(&self.store.path)
+        }
+    }
+
+    /// Limits of `model`. Order: the user's `[[models]]` entries (first match),
+    /// then the built-in families, and only then a user entry of bare `*` —
+    /// so a fallback for unknown models does not hide what is known of gpt-5.
+    pub fn model_limits(&self, model: &str) -> ModelLimits {
+        let lower = model.to_ascii_lowercase();
+        let user = |fallback: bool| {
+            self.models
+                .iter()
+                .find(|m| (m.pattern == "*") == fallback && glob_match(&m.pattern.to_ascii_lowercase(), &lower))
+        };
+        let builtin = BUILTIN_MODELS
+            .iter()
+            .find(|(p, _, _)| *p != "*" && glob_match(p, &lower))
+            .map(|(_, w, o)| (*w, *o));
+        let chosen = user(false).or(if builtin.is_none() { user(true) } else { None });
+        if let Some(m) = chosen {
+            let default_out = builtin.map(|b| b.1).unwrap_or(16_384);
+            return ModelLimits {
+                context_window: m.context_window,
+                max_output_tokens: m
+                    .max_output_tokens
+                    .unwrap_or_else(|| default_out.min(m.context_window / 4)),
+                trigger_ratio: m.trigger_ratio.unwrap_or(self.compaction.trigger_ratio),
+            };
+        }
+        let (window, out) = builtin.unwrap_or((128_000, 16_384));
+        ModelLimits {
+            context_window: window,
+            max_output_tokens: out,
+            trigger_ratio: self.compaction.trigger_ratio,
+        }
+    }
+
+    /// The effective models table (user entries, then built-ins), for the banner.
+    pub fn models_table(&self) -> Vec<(String, u64, String)> {
+        let mut rows: Vec<(String, u64, String)> = self
+            .models
+            .iter()
+            .map(|m| (m.pattern.clone(), m.context_window, "config".to_string()))
+            .collect();
+        rows.extend(
+            BUILTIN_MODELS
+                .iter()
+                .map(|(p, w, _)| (p.to_string(), *w, "built-in".to_string())),
+        );
+        rows
+    }
+}
+
+/// The platform's data dir for the default database.
+pub fn default_store_path() -> PathBuf {
+    dirs::data_dir()
+        .unwrap_or_else(|| PathBuf::from("."))
+        .join("compactor")
+        .join("compactor.db")
+}
+
+/// Glob match with `*` (any run) and `?` (one char); everything else literal.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let p: Vec<char> = pattern.chars().collect();
+    let t: Vec<char> = text.chars().collect();
+    let (mut pi, mut ti) = (0, 0);
+    // Position of the last `*` and the text index it was tried at, for backtracking.
+    let mut star: Option<(usize, usize)> = None;
+    while ti < t.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some((pi, ti));
+            pi += 1;
+        } else if let Some((sp, st)) = star {
+            pi = sp + 1;
+            ti = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|c| *c == '*')
+}
+
+/// Why a configuration was rejected.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read config file {0}: {1}")]
+    Read(String, String),
+    /// TOML syntax error or unknown key; the message names it.
+    #[error("{0}")]
+    Parse(String, Option<std::ops::Range<usize>>),
+    /// A key has a value that makes no sense.
+    #[error("invalid value for `{0}`: {1}")]
+    Invalid(String, String),
+    /// Any of the above, located in a file.
+    #[error("{0}: {1}")]
+    InFile(String, Box<ConfigError>),
+}
+
+impl ConfigError {
+    fn in_file(self, path: &Path) -> Self {
+        match self {
+            ConfigError::Read(..) => self,
+            other => ConfigError::InFile(path.display().to_string(), Box::new(other)),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_key_is_named() {
+        let err = Config::from_toml("[server]\nlisten = \"127.0.0.1:1\"\nlisten_port = 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("listen_port"), "{err}");
+        let err = Config::from_toml("[compactoin]\n").unwrap_err().to_string();
+        assert!(err.contains("compactoin"), "{err}");
+    }
+
+    #[test]
+    fn example_config_parses() {
+        let text = include_str!("../proxy.toml");
+        let c = Config::from_toml(text).expect("proxy.toml must parse");
+        assert_eq!(c.server.listen, "127.0.0.1:8787");
+        assert_eq!(c.model_limits("gpt-4o-mini").context_window, 128_000);
+    }
+
+    #[test]
+    fn globs() {
+        assert!(glob_match("gpt-4o*", "gpt-4o-mini"));
+        assert!(glob_match("*", ""));
+        assert!(glob_match("*qwen3*", "Qwen/qwen3-8b".to_lowercase().as_str()));
+        assert!(glob_match("a?c", "abc"));
+        assert!(!glob_match("gpt-4o*", "gpt-4.1"));
+        assert!(!glob_match("gpt-4", "gpt-4o"));
+        assert!(glob_match("*a*b", "xxaxxbxb"));
+    }
+
+    #[test]
+    fn user_models_win_over_builtins() {
+        let c = Config::from_toml(
+            "[[models]]\nmatch = \"gpt-4o*\"\ncontext_window = 1000\ntrigger_ratio = 0.5\n",
+        )
+        .unwrap();
+        let l = c.model_limits("gpt-4o");
+        assert_eq!(l.context_window, 1000);
+        assert_eq!(l.trigger_ratio, 0.5);
+        assert_eq!(c.model_limits("gpt-5-codex").context_window, 400_000);
+        assert_eq!(c.model_limits("something-new").context_window, 128_000);
+        let c = Config::from_toml("[[models]]\nmatch = \"*\"\ncontext_window = 4096\n").unwrap();
+        assert_eq!(c.model_limits("gpt-5").context_window, 400_000);
+        assert_eq!(c.model_limits("my-local-model").context_window, 4096);
+    }
+
+    #[test]
+    fn bad_values_rejected() {
+        assert!(Config::from_toml("[compaction]\ntrigger_ratio = 1.5\n").is_err());
+        assert!(Config::from_toml("[server]\nlisten = \"nope\"\n").is_err());
+        assert!(Config::from_toml("[upstream]\nbase_url = \"ftp://x\"\n").is_err());
+    }
+}

@@ -1,0 +1,218 @@
+//! Which conversation a request belongs to.
+//!
+//! Stateless APIs resend the whole history every turn, so a request is
+//! matched to a known conversation by content: the chained hash of each of
+//! its prefixes is looked up among the prefixes recorded for earlier
+//! exchanges of the same tenant; the longest match wins. Explicit ids
+//! (`session-id`, `prompt_cache_key`, our header) and `previous_response_id`
+//! take precedence. Everything is keyed by tenant: nothing is ever shared
+//! between two credentials, even for byte-identical histories.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use crate::store::{IndexedExchange, PrefixRef, Snapshot};
+use crate::wire::ItemHash;
+
+/// Salted hash of the client's credential: identifies a tenant without
+/// storing the key. Clients without a credential share the tenant of "".
+pub fn tenant_of(salt: &[u8; 32], credential: Option<&[u8]>) -> String {
+    let h = blake3::keyed_hash(salt, credential.unwrap_or_default());
+    h.to_hex()[..24].to_string()
+}
+
+/// A new random conversation id.
+pub fn new_conversation_id() -> String {
+    let mut b = [0u8; 12];
+    if getrandom::fill(&mut b).is_err() {
+        // Fall back to time: ids need to be unique, not secret.
+        let t = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0);
+        b.copy_from_slice(&t.to_le_bytes()[..12]);
+    }
+    format!("conv_{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+}
+
+/// The result of matching a request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Identified {
+    /// Conversation id.
+    pub conversation: String,
+    /// Whether this request opens the conversation.
+    pub is_new: bool,
+    /// The longest earlier prefix this request repeats, if any.
+    pub prefix: Option<PrefixRef>,
+}
+
+#[derive(Debug, Clone)]
+struct Hit {
+    conversation: String,
+    prefix: PrefixRef,
+}
+
+#[derive(Default)]
+struct Inner {
+    by_chain: HashMap<(String, ItemHash), Hit>,
+    by_key: HashMap<(String, String), String>,
+    by_response: HashMap<(String, String), String>,
+}
+
+/// In-memory index from prefixes, keys and response ids to conversations;
+/// rebuilt from the store at start-up.
+#[derive(Default)]
+pub struct ConversationIndex {
+    inner: Mutex<Inner>,
+}
+
+impl ConversationIndex {
+    /// Rebuilds the index from a store snapshot.
+    pub fn from_snapshot(snap: &Snapshot) -> Self {
+        let idx = Self::default();
+        for ex in &snap.exchanges {
+            idx.remember(ex);
+        }
+        {
+            let mut inner = idx.lock();
+            for (tenant, key, conv) in &snap.keys {
+                inner.by_key.insert((tenant.clone(), key.clone()), conv.clone());
+            }
+        }
+        idx
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Matches a request: `chains[i]` is the chain hash of its first `i + 1`
+    /// items.
+    pub fn identify(
+        &self,
+        tenant: &str,
+        explicit_key: Option<&str>,
+        previous_response_id: Option<&str>,
+        chains: &[ItemHash],
+    ) -> Identified {
+        let mut inner = self.lock();
+        let mut key = (tenant.to_string(), [0u8; 32]);
+        let hit = chains.iter().rev().find_map(|c| {
+            key.1 = *c;
+            inner.by_chain.get(&key).cloned()
+        });
+        let prefix = hit.as_ref().map(|h| h.prefix);
+        if let Some(k) = explicit_key {
+            let entry = inner.by_key.entry((tenant.to_string(), k.to_string()));
+            let is_new = matches!(entry, std::collections::hash_map::Entry::Vacant(_));
+            let conversation = entry.or_insert_with(new_conversation_id).clone();
+            return Identified { conversation, is_new, prefix };
+        }
+        if let Some(prev) = previous_response_id {
+            if let Some(c) = inner.by_response.get(&(tenant.to_string(), prev.to_string())) {
+                return Identified { conversation: c.clone(), is_new: false, prefix };
+            }
+        }
+        match hit {
+            Some(h) => Identified { conversation: h.conversation, is_new: false, prefix },
+            None => Identified { conversation: new_conversation_id(), is_new: true, prefix: None },
+        }
+    }
+
+    /// Records a completed exchange's prefixes so later requests find it.
+    pub fn remember(&self, ex: &IndexedExchange) {
+        let mut inner = self.lock();
+        let mut put = |chain: Option<ItemHash>, len: usize, full: bool| {
+            if let (Some(c), true) = (chain, len > 0) {
+                inner.by_chain.insert(
+                    (ex.tenant.clone(), c),
+                    Hit {
+                        conversation: ex.conversation.clone(),
+                        prefix: PrefixRef { exchange: ex.id, len, full },
+                    },
+                );
+            }
+        };
+        put(ex.chain_request, ex.request_len, false);
+        put(ex.chain_full, ex.request_len + ex.response_len, true);
+        if let Some(r) = &ex.response_id {
+            inner
+                .by_response
+                .insert((ex.tenant.clone(), r.clone()), ex.conversation.clone());
+        }
+    }
+
+    /// Number of distinct prefixes indexed (for metrics and tests).
+    pub fn len(&self) -> usize {
+        self.lock().by_chain.len()
+    }
+
+    /// Whether nothing is indexed.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::{chain_hashes, item_hash};
+    use serde_json::json;
+
+    fn chains(n: usize) -> Vec<ItemHash> {
+        let items: Vec<ItemHash> = (0..n).map(|i| item_hash(&json!({"n": i}))).collect();
+        chain_hashes(&items)
+    }
+
+    fn ex(id: i64, conv: &str, tenant: &str, c: &[ItemHash], req: usize) -> IndexedExchange {
+        IndexedExchange {
+            id,
+            conversation: conv.into(),
+            tenant: tenant.into(),
+            request_len: req,
+            response_len: 1,
+            chain_request: Some(c[req - 1]),
+            chain_full: Some(c[req]),
+            response_id: Some(format!("resp_{id}")),
+        }
+    }
+
+    #[test]
+    fn extending_history_matches_longest_prefix() {
+        let idx = ConversationIndex::default();
+        let c = chains(6);
+        let first = idx.identify("t", None, None, &c[..2]);
+        assert!(first.is_new);
+        idx.remember(&ex(1, &first.conversation, "t", &c, 2));
+        let second = idx.identify("t", None, None, &c[..4]);
+        assert_eq!(second.conversation, first.conversation);
+        assert_eq!(second.prefix, Some(PrefixRef { exchange: 1, len: 3, full: true }));
+    }
+
+    #[test]
+    fn tenants_never_share() {
+        let idx = ConversationIndex::default();
+        let c = chains(4);
+        let a = idx.identify("a", None, None, &c[..2]);
+        idx.remember(&ex(1, &a.conversation, "a", &c, 2));
+        let b = idx.identify("b", None, None, &c[..4]);
+        assert!(b.is_new);
+        assert_ne!(a.conversation, b.conversation);
+        assert_eq!(b.prefix, None);
+        let b2 = idx.identify("b", None, Some("resp_1"), &c[..1]);
+        assert!(b2.is_new);
+    }
+
+    #[test]
+    fn explicit_keys_and_response_ids_group() {
+        let idx = ConversationIndex::default();
+        let x = idx.identify("t", Some("k"), None, &chains(1));
+        let y = idx.identify("t", Some("k"), None, &chains(3)[2..]);
+        assert_eq!(x.conversation, y.conversation);
+        assert!(x.is_new && !y.is_new);
+        let c = chains(3);
+        idx.remember(&ex(7, "conv_z", "t", &c, 2));
+        let z = idx.identify("t", None, Some("resp_7"), &[]);
+        assert_eq!(z.conversation, "conv_z");
+    }
+}

@@ -1,0 +1,139 @@
+//! The proxy's request-path error type and its one mapping to an
+//! OpenAI-style JSON error (`{"error":{"message","type","code"}}`).
+//!
+//! Upstream answers (4xx/5xx) are not errors here: they are relayed verbatim.
+//! These are the failures the proxy itself must explain. Messages never carry
+//! request headers, so credentials cannot leak through them.
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Response, StatusCode};
+use http_body_util::{combinators::UnsyncBoxBody, BodyExt, Full};
+
+/// Body type of every response the proxy produces.
+pub type ProxyBody = UnsyncBoxBody<Bytes, BodyError>;
+
+/// Error type a response body may fail with (ends the connection uncleanly).
+pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A failure the proxy answers itself, tagged with where it came from.
+#[derive(Debug, thiserror::Error)]
+pub enum ProxyError {
+    /// The client's body is not JSON or not the shape the endpoint needs.
+    #[error("{0}")]
+    BadRequest(String),
+    /// The client's body exceeds `server.max_body_bytes`.
+    #[error("request body exceeds the limit of {limit} bytes")]
+    PayloadTooLarge {
+        /// The configured limit.
+        limit: usize,
+    },
+    /// The path is not one the proxy serves.
+    #[error("unknown endpoint: {method} {path}")]
+    NotFound {
+        /// Request method.
+        method: String,
+        /// Request path (no query string).
+        path: String,
+    },
+    /// The upstream could not be reached or broke the connection.
+    #[error("upstream unreachable: {0}")]
+    UpstreamUnreachable(String),
+    /// The upstream did not answer in time.
+    #[error("upstream timed out after {0} s")]
+    UpstreamTimeout(u64),
+    /// A bug or resource failure inside the proxy.
+    #[error("internal error")]
+    Internal(String),
+}
+
+impl ProxyError {
+    /// HTTP status the client sees.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::NotFound { .. } => StatusCode::NOT_FOUND,
+            ProxyError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
+            ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// OpenAI's `type` field.
+    fn kind(&self) -> &'static str {
+        match self {
+            ProxyError::BadRequest(_) | ProxyError::PayloadTooLarge { .. } | ProxyError::NotFound { .. } => {
+                "invalid_request_error"
+            }
+            ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => "upstream_error",
+            ProxyError::Internal(_) => "server_error",
+        }
+    }
+
+    /// OpenAI's `code` field.
+    fn code(&self) -> &'static str {
+        match self {
+            ProxyError::BadRequest(_) => "invalid_json",
+            ProxyError::PayloadTooLarge { .. } => "request_too_large",
+            ProxyError::NotFound { .. } => "unknown_url",
+            ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
+            ProxyError::UpstreamTimeout(_) => "upstream_timeout",
+            ProxyError::Internal(_) => "internal_error",
+        }
+    }
+
+    /// The JSON body the client receives.
+    pub fn body(&self) -> serde_json::Value {
+        serde_json::json!({
+            "error": {
+                "message": self.to_string(),
+                "type": self.kind(),
+                "param": null,
+                "code": self.code(),
+            }
+        })
+    }
+
+    /// Logs at the right level and renders the response. Client mistakes are
+    /// not logged as errors; internal details are logged, never shown.
+    pub fn into_response(self) -> Response<ProxyBody> {
+        match &self {
+            ProxyError::Internal(detail) => tracing::error!(detail = %detail, "internal error"),
+            ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => {
+                tracing::warn!(error = %self, "upstream failure")
+            }
+            _ => tracing::debug!(error = %self, "rejected request"),
+        }
+        json_response(self.status(), &self.body())
+    }
+}
+
+/// A complete JSON response.
+pub fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<ProxyBody> {
+    let bytes = Bytes::from(serde_json::to_vec(value).unwrap_or_default());
+    let mut resp = Response::new(full(bytes));
+    *resp.status_mut() = status;
+    resp.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp
+}
+
+/// A body made of one buffer.
+pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
+    Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_shape_is_openai_style() {
+        let e = ProxyError::PayloadTooLarge { limit: 10 };
+        assert_eq!(e.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        let b = e.body();
+        assert_eq!(b["error"]["type"], "invalid_request_error");
+        assert_eq!(b["error"]["code"], "request_too_large");
+        assert!(b["error"]["message"].as_str().unwrap().contains("10 bytes"));
+    }
+}

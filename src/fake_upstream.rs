@@ -1,0 +1,367 @@
+//! A scriptable OpenAI-compatible upstream on a real socket, for tests,
+//! benchmarks and the offline demo.
+//!
+//! It records every request it receives and answers from a queue of
+//! scripted [`Reply`]s; with the queue empty it answers like a small model
+//! would: a short text, usage figures derived from the request size, SSE when
+//! `stream` is set (with the usage chunk only when `include_usage` is).
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::{Frame, Incoming};
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use serde_json::{json, Value};
+use tokio::net::TcpListener;
+
+use crate::error::{BodyError, ProxyBody};
+
+/// The text the automatic replies answer with.
+pub const AUTO_TEXT: &str = "Hello from the fake upstream.";
+
+/// One request as the upstream received it.
+#[derive(Debug, Clone)]
+pub struct Received {
+    /// Method.
+    pub method: http::Method,
+    /// Path (no query).
+    pub path: String,
+    /// Query string.
+    pub query: Option<String>,
+    /// Headers.
+    pub headers: HeaderMap,
+    /// Body bytes.
+    pub body: Bytes,
+}
+
+impl Received {
+    /// The body parsed as JSON (`Null` if it is not).
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.body).unwrap_or(Value::Null)
+    }
+}
+
+/// A scripted answer.
+#[derive(Debug, Clone)]
+pub enum Reply {
+    /// A complete body.
+    Full {
+        /// Status.
+        status: u16,
+        /// Extra headers (a content type is added if none is given).
+        headers: Vec<(String, String)>,
+        /// Body bytes.
+        body: Bytes,
+    },
+    /// An SSE body sent chunk by chunk.
+    Sse {
+        /// The chunks, sent as separate writes.
+        chunks: Vec<Bytes>,
+        /// Pause before each chunk.
+        gap: Duration,
+        /// Break the connection after this many chunks.
+        reset_after: Option<usize>,
+    },
+    /// Wait, then answer.
+    Delay(Duration, Box<Reply>),
+}
+
+impl Reply {
+    /// A JSON answer.
+    pub fn json(status: u16, body: Value) -> Reply {
+        Reply::Full {
+            status,
+            headers: vec![("content-type".into(), "application/json".into())],
+            body: Bytes::from(body.to_string()),
+        }
+    }
+
+    /// A chat completion with the given text and usage.
+    pub fn chat(text: &str, prompt_tokens: u64, completion_tokens: u64) -> Reply {
+        Reply::json(200, chat_body(text, prompt_tokens, completion_tokens))
+    }
+
+    /// A chat completion asking for tool calls: (id, name, arguments).
+    pub fn chat_tool_calls(calls: &[(&str, &str, &str)], prompt_tokens: u64, completion_tokens: u64) -> Reply {
+        let tool_calls: Vec<Value> = calls
+            .iter()
+            .map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
+            .collect();
+        Reply::json(
+            200,
+            json!({
+                "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": "fake",
+                "choices": [{"index": 0, "finish_reason": "tool_calls",
+                             "message": {"role": "assistant", "content": null, "tool_calls": tool_calls}}],
+                "usage": usage_chat(prompt_tokens, completion_tokens),
+            }),
+        )
+    }
+
+    /// A streamed chat completion: one chunk per text piece, then (when
+    /// `usage` is given) the usage-only chunk, then `[DONE]`. Chunks carry
+    /// `"usage": null` when usage is given, as OpenAI does.
+    pub fn chat_stream(pieces: &[&str], usage: Option<(u64, u64)>) -> Reply {
+        Reply::sse(chat_stream_events(pieces, usage))
+    }
+
+    /// A Responses answer with the given text and usage.
+    pub fn responses(text: &str, input_tokens: u64, output_tokens: u64) -> Reply {
+        Reply::json(200, responses_body("resp_fake", text, input_tokens, output_tokens))
+    }
+
+    /// A streamed Responses answer.
+    pub fn responses_stream(pieces: &[&str], input_tokens: u64, output_tokens: u64) -> Reply {
+        Reply::sse(responses_stream_events("resp_fake", pieces, input_tokens, output_tokens))
+    }
+
+    /// An SSE body from complete event strings (each must end in a blank line).
+    pub fn sse(events: Vec<String>) -> Reply {
+        Reply::Sse { chunks: events.into_iter().map(Bytes::from).collect(), gap: Duration::ZERO, reset_after: None }
+    }
+
+    /// OpenAI's context-length error.
+    pub fn context_length_exceeded() -> Reply {
+        Reply::json(
+            400,
+            json!({"error": {"message": "This model's maximum context length is 128000 tokens. However, your messages resulted in 130000 tokens.",
+                             "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}),
+        )
+    }
+}
+
+/// Usage object of Chat Completions.
+pub fn usage_chat(prompt: u64, completion: u64) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+           "prompt_tokens_details": {"cached_tokens": 0}})
+}
+
+/// A complete chat completion body.
+pub fn chat_body(text: &str, prompt: u64, completion: u64) -> Value {
+    json!({
+        "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": "fake",
+        "choices": [{"index": 0, "finish_reason": "stop",
+                     "message": {"role": "assistant", "content": text, "refusal": null}}],
+        "usage": usage_chat(prompt, completion),
+    })
+}
+
+/// The events of a streamed chat completion.
+pub fn chat_stream_events(pieces: &[&str], usage: Option<(u64, u64)>) -> Vec<String> {
+    let head = r#""id":"chatcmpl-fake","object":"chat.completion.chunk","created":1,"model":"fake""#;
+    let null_usage = if usage.is_some() { r#","usage":null"# } else { "" };
+    let mut ev = vec![format!(
+        "data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"finish_reason\":null}}]{null_usage}}}\n\n"
+    )];
+    for p in pieces {
+        let text = serde_json::to_string(p).unwrap_or_default();
+        ev.push(format!(
+            "data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{text}}},\"finish_reason\":null}}]{null_usage}}}\n\n"
+        ));
+    }
+    ev.push(format!(
+        "data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{}},\"finish_reason\":\"stop\"}}]{null_usage}}}\n\n"
+    ));
+    if let Some((p, c)) = usage {
+        ev.push(format!("data: {{{head},\"choices\":[],\"usage\":{}}}\n\n", usage_chat(p, c)));
+    }
+    ev.push("data: [DONE]\n\n".into());
+    ev
+}
+
+/// A complete Responses body.
+pub fn responses_body(id: &str, text: &str, input: u64, output: u64) -> Value {
+    json!({
+        "id": id, "object": "response", "created_at": 1, "status": "completed", "model": "fake",
+        "output": [{"type": "message", "id": format!("msg_{id}"), "status": "completed", "role": "assistant",
+                    "content": [{"type": "output_text", "text": text, "annotations": []}]}],
+        "usage": {"input_tokens": input, "output_tokens": output, "total_tokens": input + output},
+    })
+}
+
+/// The events of a streamed Responses answer.
+pub fn responses_stream_events(id: &str, pieces: &[&str], input: u64, output: u64) -> Vec<String> {
+    let text: String = pieces.concat();
+    let mut seq = 0;
+    let mut ev = Vec::new();
+    let mut push = |kind: &str, mut data: Value| {
+        data["type"] = json!(kind);
+        data["sequence_number"] = json!(seq);
+        seq += 1;
+        ev.push(format!("event: {kind}\ndata: {data}\n\n"));
+    };
+    let created = json!({"id": id, "object": "response", "status": "in_progress", "output": []});
+    push("response.created", json!({"response": created}));
+    push("response.in_progress", json!({"response": created}));
+    let item_id = format!("msg_{id}");
+    push("response.output_item.added", json!({"output_index": 0,
+        "item": {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}}));
+    for p in pieces {
+        push("response.output_text.delta", json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": p}));
+    }
+    let done = responses_body(id, &text, input, output);
+    push("response.output_item.done", json!({"output_index": 0, "item": done["output"][0]}));
+    push("response.completed", json!({"response": done}));
+    ev
+}
+
+#[derive(Default)]
+struct Shared {
+    received: Vec<Received>,
+    script: VecDeque<Reply>,
+}
+
+/// A running fake upstream.
+#[derive(Clone)]
+pub struct FakeUpstream {
+    addr: SocketAddr,
+    shared: Arc<Mutex<Shared>>,
+}
+
+impl FakeUpstream {
+    /// Starts on an ephemeral loopback port.
+    pub async fn start() -> std::io::Result<FakeUpstream> {
+        let listener = TcpListener::bind("127.0.0.1:0").await?;
+        let addr = listener.local_addr()?;
+        let shared = Arc::new(Mutex::new(Shared::default()));
+        let fake = FakeUpstream { addr, shared };
+        let server = fake.clone();
+        tokio::spawn(async move {
+            let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                let _ = stream.set_nodelay(true);
+                let me = server.clone();
+                let svc = service_fn(move |req| {
+                    let me = me.clone();
+                    async move { Ok::<_, Infallible>(me.answer(req).await) }
+                });
+                let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
+                tokio::spawn(async move {
+                    let _ = conn.await;
+                });
+            }
+        });
+        Ok(fake)
+    }
+
+    /// The address it listens on.
+    pub fn addr(&self) -> SocketAddr {
+        self.addr
+    }
+
+    /// Base URL including `/v1`.
+    pub fn url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Queues a reply for the next request.
+    pub fn push(&self, reply: Reply) {
+        self.lock().script.push_back(reply);
+    }
+
+    /// Everything received so far.
+    pub fn received(&self) -> Vec<Received> {
+        self.lock().received.clone()
+    }
+
+    /// Number of requests received.
+    pub fn count(&self) -> usize {
+        self.lock().received.len()
+    }
+
+    /// The most recent request.
+    pub fn last(&self) -> Option<Received> {
+        self.lock().received.last().cloned()
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
+        self.shared.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    async fn answer(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        let (parts, body) = req.into_parts();
+        let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+        let rec = Received {
+            method: parts.method,
+            path: parts.uri.path().to_string(),
+            query: parts.uri.query().map(String::from),
+            headers: parts.headers,
+            body,
+        };
+        let scripted = {
+            let mut sh = self.lock();
+            sh.received.push(rec.clone());
+            sh.script.pop_front()
+        };
+        let reply = scripted.unwrap_or_else(|| auto_reply(&rec));
+        render(reply).await
+    }
+}
+
+/// What the fake answers when nothing is scripted.
+pub fn auto_reply(rec: &Received) -> Reply {
+    let body = rec.json();
+    let prompt = (rec.body.len() as u64 / 4).max(1);
+    let completion = 7;
+    let stream = body.get("stream").and_then(Value::as_bool) == Some(true);
+    if rec.path.ends_with("/chat/completions") {
+        if stream {
+            let include = body.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true);
+            return Reply::chat_stream(&["Hello", " from the", " fake upstream."], include.then_some((prompt, completion)));
+        }
+        return Reply::chat(AUTO_TEXT, prompt, completion);
+    }
+    if rec.path.ends_with("/responses") {
+        if stream {
+            return Reply::responses_stream(&["Hello", " from the", " fake upstream."], prompt, completion);
+        }
+        return Reply::responses(AUTO_TEXT, prompt, completion);
+    }
+    Reply::json(200, json!({"object": "list", "data": [], "path": rec.path, "method": rec.method.as_str()}))
+}
+
+async fn render(reply: Reply) -> Response<ProxyBody> {
+    match reply {
+        Reply::Delay(d, inner) => {
+            tokio::time::sleep(d).await;
+            Box::pin(render(*inner)).await
+        }
+        Reply::Full { status, headers, body } => {
+            let mut resp = Response::new(crate::error::full(body));
+            *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+            for (k, v) in headers {
+                if let (Ok(k), Ok(v)) = (http::HeaderName::from_bytes(k.as_bytes()), http::HeaderValue::from_str(&v)) {
+                    resp.headers_mut().append(k, v);
+                }
+            }
+            resp
+        }
+        Reply::Sse { chunks, gap, reset_after } => {
+            let stream = futures_util::stream::unfold((chunks.into_iter(), 0usize), move |(mut it, n)| async move {
+                if reset_after == Some(n) {
+                    let e: BodyError = "scripted reset".into();
+                    return Some((Err(e), (it, n + 1)));
+                }
+                let chunk = it.next()?;
+                if !gap.is_zero() {
+                    tokio::time::sleep(gap).await;
+                }
+                Some((Ok(Frame::data(chunk)), (it, n + 1)))
+            });
+            let mut resp = Response::new(StreamBody::new(stream).boxed_unsync());
+            resp.headers_mut()
+                .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/event-stream"));
+            resp.headers_mut()
+                .insert(http::header::CACHE_CONTROL, http::HeaderValue::from_static("no-cache"));
+            resp
+        }
+    }
+}

@@ -1,0 +1,32 @@
+//! compactor: a transparent, OpenAI-compatible reverse proxy that records
+//! each conversation and keeps long ones alive by compacting them.
+//!
+//! # Layout
+//!
+//! - [`config`]: `proxy.toml` schema, defaults, layering, the models table.
+//! - [`cli`]: the `compactor` command line.
+//! - [`server`]: accept loop, graceful shutdown, routing, the proxied endpoints.
+//! - [`upstream`]: the pooled client to the real API, header hygiene, credentials.
+//! - [`wire`]: the item view of Chat Completions and Responses, content
+//!   hashes, usage, the SSE tee.
+//! - [`conversation`]: tenants and matching a request to its conversation.
+//! - [`store`]: records (conversations, exchanges, content-addressed items);
+//!   the SQLite backend.
+//! - [`tokens`]: tiktoken estimates by section.
+//! - [`error`]: the request-path error type and its OpenAI-style JSON.
+//! - [`fake_upstream`]: a scriptable OpenAI-compatible server for tests,
+//!   benchmarks and the offline demo.
+
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod cli;
+pub mod config;
+pub mod conversation;
+pub mod error;
+pub mod fake_upstream;
+pub mod server;
+pub mod store;
+pub mod tokens;
+pub mod upstream;
+pub mod wire;

@@ -1,0 +1,225 @@
+//! One exchange under way: what is known when the request arrives, turned
+//! into a record when the answer is complete, then the accounting line.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_json::{Map, Value};
+
+use super::AppState;
+use crate::conversation::Identified;
+use crate::store::{ExchangeRecord, IndexedExchange};
+use crate::wire::{chain_extend, item_hash, Api, ItemHash, Usage};
+
+/// Most characters of an upstream error body kept in a record.
+const MAX_ERROR_CHARS: usize = 4096;
+
+/// An exchange between request and completion.
+pub struct PendingExchange {
+    /// Exchange id.
+    pub id: i64,
+    /// Which conversation.
+    pub ident: Identified,
+    /// The explicit key the conversation goes by, if any.
+    pub explicit_key: Option<String>,
+    /// Tenant hash.
+    pub tenant: String,
+    /// Which API.
+    pub api: Api,
+    /// Requested model.
+    pub model: String,
+    /// The request body as sent upstream.
+    pub body: Arc<Value>,
+    /// Its items.
+    pub items: Arc<Vec<Value>>,
+    /// Their hashes.
+    pub hashes: Arc<Vec<ItemHash>>,
+    /// Chain hash over all request items (zeros if none).
+    pub chain_request: ItemHash,
+    /// Whether the client asked for a stream.
+    pub streamed: bool,
+    /// When the request arrived.
+    pub started: Instant,
+    /// Same, as Unix ms.
+    pub started_ms: i64,
+}
+
+/// How an exchange ended.
+#[derive(Debug, Default)]
+pub struct Outcome {
+    /// Status the client received.
+    pub status: u16,
+    /// Reported usage.
+    pub usage: Option<Usage>,
+    /// Output items.
+    pub response_items: Vec<Value>,
+    /// Upstream's answer id.
+    pub response_id: Option<String>,
+    /// What went wrong, if anything.
+    pub error: Option<String>,
+    /// The answer was cut short.
+    pub partial: bool,
+    /// Time to upstream's response headers, ms.
+    pub ttfb_ms: Option<f64>,
+}
+
+impl PendingExchange {
+    /// Builds the record: claims item bodies not yet stored, computes chains.
+    pub fn into_record(&self, state: &AppState, outcome: Outcome) -> ExchangeRecord {
+        let mut new_items = Vec::new();
+        let mut claim = |hash: &ItemHash, item: &Value| {
+            if state.store.claim_item(hash) {
+                new_items.push((*hash, serde_json::to_string(item).unwrap_or_default()));
+            }
+        };
+        for (h, item) in self.hashes.iter().zip(self.items.iter()) {
+            claim(h, item);
+        }
+        let params = params_of(self.api, &self.body);
+        let params_hash = item_hash(&params);
+        claim(&params_hash, &params);
+        let response_hashes: Vec<ItemHash> = outcome.response_items.iter().map(item_hash).collect();
+        for (h, item) in response_hashes.iter().zip(&outcome.response_items) {
+            claim(h, item);
+        }
+        let suffix_from = self.ident.prefix.map(|p| p.len).unwrap_or(0);
+        let complete = !outcome.partial && (200..300).contains(&outcome.status);
+        ExchangeRecord {
+            id: self.id,
+            conversation: self.ident.conversation.clone(),
+            new_conversation: self.ident.is_new,
+            explicit_key: self.explicit_key.clone(),
+            tenant: self.tenant.clone(),
+            api: self.api,
+            model: self.model.clone(),
+            prefix: self.ident.prefix,
+            suffix_items: self.hashes[suffix_from.min(self.hashes.len())..].to_vec(),
+            request_len: self.hashes.len(),
+            params: params_hash,
+            response_items: response_hashes.clone(),
+            new_items,
+            response_id: outcome.response_id,
+            usage: outcome.usage,
+            status: outcome.status,
+            streamed: self.streamed,
+            partial: outcome.partial,
+            error: outcome.error.map(|e| truncate(e, MAX_ERROR_CHARS)),
+            started_ms: self.started_ms,
+            latency_ms: self.started.elapsed().as_secs_f64() * 1000.0,
+            ttfb_ms: outcome.ttfb_ms,
+            chain_request: (!self.hashes.is_empty()).then_some(self.chain_request),
+            // Only a complete answer can be continued by the next request.
+            chain_full: (complete && !response_hashes.is_empty())
+                .then(|| chain_extend(self.chain_request, &response_hashes)),
+        }
+    }
+
+    /// Records the exchange (waiting for the commit), indexes it, and logs
+    /// the accounting line in the background.
+    pub async fn finish(&self, state: &Arc<AppState>, outcome: Outcome) {
+        let rec = self.into_record(state, outcome);
+        let indexed = indexed(&rec);
+        let usage = rec.usage;
+        let status = rec.status;
+        if let Err(e) = state.store.record(rec).await {
+            tracing::error!(error = %e, exchange = self.id, "exchange not recorded");
+        }
+        state.conversations.remember(&indexed);
+        self.account(state, usage, status);
+    }
+
+    /// Records without waiting (the client is gone; nothing can wait).
+    pub fn finish_detached(&self, state: &Arc<AppState>, outcome: Outcome) {
+        let rec = self.into_record(state, outcome);
+        state.conversations.remember(&indexed(&rec));
+        state.store.record_detached(rec);
+    }
+
+    /// The per-exchange accounting line: reported usage, estimate by
+    /// section, fraction of the model's window; a warning past `warn_ratio`.
+    fn account(&self, state: &Arc<AppState>, usage: Option<Usage>, status: u16) {
+        let state = state.clone();
+        let (api, body, items, hashes) = (self.api, self.body.clone(), self.items.clone(), self.hashes.clone());
+        let (conversation, model, id) = (self.ident.conversation.clone(), self.model.clone(), self.id);
+        tokio::task::spawn_blocking(move || {
+            let est = state.tokens.estimate(api, &body, &items, &hashes);
+            let limits = state.config.model_limits(&model);
+            let (used, source) = match usage {
+                Some(u) => (u.total(), "reported"),
+                None => (est.total(), "estimate"),
+            };
+            let fraction = used as f64 / limits.context_window as f64;
+            let warn = fraction >= state.config.compaction.warn_ratio;
+            macro_rules! line {
+                ($level:ident) => {
+                    tracing::$level!(
+                        conversation = %conversation, exchange = id, model = %model, status,
+                        input_tokens = usage.map(|u| u.input_tokens),
+                        output_tokens = usage.map(|u| u.output_tokens),
+                        tokens = used, tokens_source = source,
+                        est_system = est.system, est_messages = est.messages,
+                        est_tool_outputs = est.tool_outputs, est_tool_definitions = est.tool_definitions,
+                        window = limits.context_window, fraction = format!("{fraction:.3}"),
+                        "exchange"
+                    )
+                };
+            }
+            if warn {
+                line!(warn);
+            } else {
+                line!(info);
+            }
+        });
+    }
+}
+
+fn indexed(rec: &ExchangeRecord) -> IndexedExchange {
+    IndexedExchange {
+        id: rec.id,
+        conversation: rec.conversation.clone(),
+        tenant: rec.tenant.clone(),
+        request_len: rec.request_len,
+        response_len: rec.response_items.len(),
+        chain_request: rec.chain_request,
+        chain_full: rec.chain_full,
+        response_id: rec.response_id.clone(),
+    }
+}
+
+/// The request body without its items: model, tools, sampling parameters.
+fn params_of(api: Api, body: &Value) -> Value {
+    let skip: &[&str] = match api {
+        Api::Chat => &["messages"],
+        Api::Responses => &["input", "instructions"],
+    };
+    let map: Map<String, Value> = body
+        .as_object()
+        .map(|m| {
+            m.iter()
+                .filter(|(k, _)| !skip.contains(&k.as_str()))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect()
+        })
+        .unwrap_or_default();
+    Value::Object(map)
+}
+
+fn truncate(mut s: String, max: usize) -> String {
+    if s.len() > max {
+        let mut cut = max;
+        while !s.is_char_boundary(cut) {
+            cut -= 1;
+        }
+        s.truncate(cut);
+        s.push('…');
+    }
+    s
+}
+
+/// Milliseconds since the Unix epoch.
+pub fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_millis() as i64)
+        .unwrap_or(0)
+}

@@ -1,0 +1,123 @@
+//! HTTP plumbing: the accept loop, graceful shutdown, routing.
+//!
+//! `run` takes a bound listener (never binds itself, so tests and the CLI
+//! choose the port) and a shutdown future.
+
+mod exchange;
+mod passthrough;
+mod proxy;
+
+use std::convert::Infallible;
+use std::future::Future;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{Method, Request, Response, StatusCode};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use tokio::net::TcpListener;
+use tracing::Instrument;
+
+use crate::config::Config;
+use crate::conversation::ConversationIndex;
+use crate::error::{json_response, ProxyBody, ProxyError};
+use crate::store::{sqlite::SqliteBackend, Store};
+use crate::tokens::TokenCounter;
+use crate::upstream::Upstream;
+use crate::wire::Api;
+
+/// Everything a request handler needs, shared by all connections.
+pub struct AppState {
+    /// The effective configuration.
+    pub config: Config,
+    /// The upstream client.
+    pub upstream: Upstream,
+    /// Records.
+    pub store: Arc<Store>,
+    /// Prefix / key / response-id → conversation.
+    pub conversations: ConversationIndex,
+    /// Token estimates.
+    pub tokens: Arc<TokenCounter>,
+    /// Salt of tenant hashes (per store).
+    pub tenant_salt: [u8; 32],
+}
+
+impl AppState {
+    /// Opens the store and builds the upstream client.
+    pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
+        let path = config.store_path();
+        let backend = SqliteBackend::open(&path)
+            .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
+        let (store, snapshot) = Store::start(Box::new(backend))?;
+        let conversations = ConversationIndex::from_snapshot(&snapshot);
+        Ok(Arc::new(AppState {
+            upstream: Upstream::new(&config.upstream)?,
+            store,
+            conversations,
+            tokens: TokenCounter::new_warm(),
+            tenant_salt: snapshot.salt,
+            config,
+        }))
+    }
+}
+
+/// Serves connections from `listener` until `shutdown` resolves, then stops
+/// accepting and gives in-flight requests `server.shutdown_grace_secs` to end.
+pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Future<Output = ()>) {
+    let graceful = hyper_util::server::graceful::GracefulShutdown::new();
+    let builder = auto::Builder::new(TokioExecutor::new());
+    tokio::pin!(shutdown);
+    loop {
+        let (stream, peer) = tokio::select! {
+            accepted = listener.accept() => match accepted {
+                Ok(a) => a,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off, keep serving.
+                    tracing::warn!(error = %e, "accept failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            _ = &mut shutdown => break,
+        };
+        let _ = stream.set_nodelay(true);
+        let state = state.clone();
+        let service = service_fn(move |req| {
+            let state = state.clone();
+            async move { Ok::<_, Infallible>(route(state, peer, req).await) }
+        });
+        let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
+        let conn = graceful.watch(conn);
+        tokio::spawn(async move {
+            if let Err(e) = conn.await {
+                tracing::debug!(error = %e, "connection ended with an error");
+            }
+        });
+    }
+    drop(listener);
+    let grace = Duration::from_secs(state.config.server.shutdown_grace_secs);
+    tracing::info!(grace_secs = grace.as_secs(), "shutting down: draining in-flight requests");
+    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
+        tracing::warn!("grace period over; closing remaining connections");
+    }
+}
+
+async fn route(state: Arc<AppState>, peer: SocketAddr, req: Request<Incoming>) -> Response<ProxyBody> {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    let span = tracing::info_span!("request", %method, %path, %peer, conversation = tracing::field::Empty);
+    async move {
+        match (&method, path.as_str()) {
+            (&Method::GET, "/healthz") => json_response(StatusCode::OK, &serde_json::json!({"status": "ok"})),
+            (&Method::POST, "/v1/chat/completions") => proxy::handle(state, Api::Chat, req).await,
+            (&Method::POST, "/v1/responses") => proxy::handle(state, Api::Responses, req).await,
+            (_, p) if p.starts_with("/v1/") => passthrough::handle(state, req).await,
+            _ => ProxyError::NotFound { method: method.to_string(), path: path.clone() }.into_response(),
+        }
+    }
+    .instrument(span)
+    .await
+}

@@ -1,0 +1,49 @@
+//! Every `/v1/*` path the proxy does not parse (models, embeddings, files…):
+//! request and response stream through untouched, both directions.
+
+use std::sync::Arc;
+
+use futures_util::TryStreamExt;
+use http::{Request, Response};
+use http_body_util::{BodyExt, BodyStream, StreamBody};
+use hyper::body::{Frame, Incoming};
+
+use super::AppState;
+use crate::error::{BodyError, ProxyBody};
+use crate::upstream::strip_hop_by_hop;
+
+/// Forwards the request as is and streams the answer back.
+pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
+    let (parts, body) = req.into_parts();
+    let below = parts.uri.path().strip_prefix("/v1").unwrap_or(parts.uri.path());
+    let url = state.upstream.url(below, parts.uri.query());
+    let headers = state.upstream.request_headers(&parts.headers, false);
+    // Stream the client's body upstream without buffering it.
+    let body_stream = BodyStream::new(body)
+        .try_filter_map(|frame| async move { Ok(frame.into_data().ok()) });
+    let upstream_body = reqwest::Body::wrap_stream(body_stream);
+    let resp = match state
+        .upstream
+        .send(parts.method.clone(), &url, headers, upstream_body)
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => return e.into_response(),
+    };
+    relay(resp)
+}
+
+/// Streams an upstream response to the client unchanged (status, end-to-end
+/// headers, body bytes — compressed bodies stay compressed).
+pub fn relay(resp: reqwest::Response) -> Response<ProxyBody> {
+    let status = resp.status();
+    let headers = strip_hop_by_hop(resp.headers());
+    let stream = resp
+        .bytes_stream()
+        .map_ok(Frame::data)
+        .map_err(|e| -> BodyError { Box::new(e) });
+    let mut out = Response::new(StreamBody::new(stream).boxed_unsync());
+    *out.status_mut() = status;
+    *out.headers_mut() = headers;
+    out
+}

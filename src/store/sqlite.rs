@@ -1,0 +1,267 @@
+//! The embedded SQLite backend (WAL). Nothing to install; one file.
+//!
+//! Durability: WAL with `synchronous = NORMAL` makes every committed
+//! transaction survive the process being killed (the data is in the OS once
+//! `COMMIT` returns); only a power loss may cost the last transactions.
+
+use std::path::Path;
+
+use rusqlite::{params, Connection, OptionalExtension};
+
+use super::{Backend, ExchangeRecord, IndexedExchange, Snapshot, StoreError};
+use crate::wire::ItemHash;
+
+const SCHEMA: &str = r#"
+CREATE TABLE IF NOT EXISTS meta (
+    key   TEXT PRIMARY KEY,
+    value BLOB NOT NULL
+);
+-- Each distinct item (message, tool output, request parameters…) once.
+CREATE TABLE IF NOT EXISTS items (
+    hash BLOB PRIMARY KEY,
+    body TEXT NOT NULL
+) WITHOUT ROWID;
+CREATE TABLE IF NOT EXISTS conversations (
+    id           TEXT PRIMARY KEY,
+    tenant       TEXT NOT NULL,
+    explicit_key TEXT,
+    created_ms   INTEGER NOT NULL,
+    last_seen_ms INTEGER NOT NULL,
+    model        TEXT NOT NULL DEFAULT ''
+);
+CREATE UNIQUE INDEX IF NOT EXISTS conversations_key
+    ON conversations (tenant, explicit_key) WHERE explicit_key IS NOT NULL;
+-- Request items are stored as a reference to an earlier exchange's items
+-- (prefix_exchange, prefix_len, prefix_full) plus the hashes that follow
+-- (suffix_items: concatenated 32-byte hashes).
+CREATE TABLE IF NOT EXISTS exchanges (
+    id              INTEGER PRIMARY KEY,
+    conversation_id TEXT NOT NULL REFERENCES conversations(id),
+    tenant          TEXT NOT NULL,
+    endpoint        TEXT NOT NULL,
+    model           TEXT NOT NULL,
+    prefix_exchange INTEGER,
+    prefix_len      INTEGER NOT NULL DEFAULT 0,
+    prefix_full     INTEGER NOT NULL DEFAULT 0,
+    suffix_items    BLOB NOT NULL,
+    request_len     INTEGER NOT NULL,
+    params          BLOB NOT NULL,
+    response_items  BLOB NOT NULL,
+    response_id     TEXT,
+    input_tokens    INTEGER,
+    output_tokens   INTEGER,
+    cached_tokens   INTEGER,
+    status          INTEGER NOT NULL,
+    streamed        INTEGER NOT NULL,
+    partial         INTEGER NOT NULL,
+    error           TEXT,
+    started_ms      INTEGER NOT NULL,
+    latency_ms      REAL NOT NULL,
+    ttfb_ms         REAL,
+    chain_request   BLOB,
+    chain_full      BLOB
+);
+CREATE INDEX IF NOT EXISTS exchanges_conversation ON exchanges (conversation_id, id);
+"#;
+
+/// SQLite backend over one database file.
+pub struct SqliteBackend {
+    conn: Connection,
+}
+
+impl SqliteBackend {
+    /// Opens (creating if needed) the database at `path`.
+    pub fn open(path: &Path) -> Result<Self, StoreError> {
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir)?;
+        }
+        let conn = Connection::open(path)?;
+        conn.pragma_update(None, "journal_mode", "WAL")?;
+        conn.pragma_update(None, "synchronous", "NORMAL")?;
+        conn.pragma_update(None, "foreign_keys", "ON")?;
+        conn.busy_timeout(std::time::Duration::from_secs(5))?;
+        conn.execute_batch(SCHEMA)?;
+        Ok(Self { conn })
+    }
+
+    /// The underlying connection, for read-only queries (CLI, tests).
+    pub fn connection(&self) -> &Connection {
+        &self.conn
+    }
+}
+
+/// Concatenates hashes into one blob.
+pub fn pack_hashes(hashes: &[ItemHash]) -> Vec<u8> {
+    hashes.iter().flat_map(|h| h.iter().copied()).collect()
+}
+
+/// Splits a blob of concatenated hashes.
+pub fn unpack_hashes(blob: &[u8]) -> Vec<ItemHash> {
+    blob.chunks_exact(32)
+        .map(|c| {
+            let mut h = [0u8; 32];
+            h.copy_from_slice(c);
+            h
+        })
+        .collect()
+}
+
+fn opt_hash(blob: Option<Vec<u8>>) -> Option<ItemHash> {
+    blob.and_then(|b| unpack_hashes(&b).into_iter().next())
+}
+
+impl Backend for SqliteBackend {
+    fn load(&mut self) -> Result<Snapshot, StoreError> {
+        let mut snap = Snapshot::default();
+        let salt: Option<Vec<u8>> = self
+            .conn
+            .query_row("SELECT value FROM meta WHERE key = 'tenant_salt'", [], |r| r.get(0))
+            .optional()?;
+        match salt {
+            Some(s) if s.len() == 32 => snap.salt.copy_from_slice(&s),
+            _ => {
+                getrandom::fill(&mut snap.salt)
+                    .map_err(|e| StoreError::Io(std::io::Error::other(e.to_string())))?;
+                self.conn.execute(
+                    "INSERT OR REPLACE INTO meta (key, value) VALUES ('tenant_salt', ?1)",
+                    params![snap.salt.to_vec()],
+                )?;
+            }
+        }
+        let mut stmt = self.conn.prepare("SELECT hash FROM items")?;
+        snap.item_hashes = stmt
+            .query_map([], |r| r.get::<_, Vec<u8>>(0))?
+            .filter_map(|r| r.ok().and_then(|b| opt_hash(Some(b))))
+            .collect();
+        let mut stmt = self.conn.prepare(
+            "SELECT id, conversation_id, tenant, request_len, length(response_items) / 32,
+                    chain_request, chain_full, response_id
+             FROM exchanges ORDER BY id",
+        )?;
+        snap.exchanges = stmt
+            .query_map([], |r| {
+                Ok(IndexedExchange {
+                    id: r.get(0)?,
+                    conversation: r.get(1)?,
+                    tenant: r.get(2)?,
+                    request_len: r.get::<_, i64>(3)? as usize,
+                    response_len: r.get::<_, i64>(4)? as usize,
+                    chain_request: opt_hash(r.get(5)?),
+                    chain_full: opt_hash(r.get(6)?),
+                    response_id: r.get(7)?,
+                })
+            })?
+            .collect::<Result<_, _>>()?;
+        snap.max_exchange_id = snap.exchanges.last().map(|e| e.id).unwrap_or(0);
+        let mut stmt = self.conn.prepare(
+            "SELECT tenant, explicit_key, id FROM conversations WHERE explicit_key IS NOT NULL",
+        )?;
+        snap.keys = stmt
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+            .collect::<Result<_, _>>()?;
+        Ok(snap)
+    }
+
+    fn write(&mut self, batch: &[ExchangeRecord]) -> Result<(), StoreError> {
+        let tx = self.conn.transaction()?;
+        {
+            let mut item = tx.prepare_cached("INSERT OR IGNORE INTO items (hash, body) VALUES (?1, ?2)")?;
+            let mut conv = tx.prepare_cached(
+                "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model)
+                 VALUES (?1, ?2, ?3, ?4, ?4, ?5)
+                 ON CONFLICT(id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms,
+                                               model = excluded.model",
+            )?;
+            let mut ex = tx.prepare_cached(
+                "INSERT OR REPLACE INTO exchanges (id, conversation_id, tenant, endpoint, model,
+                    prefix_exchange, prefix_len, prefix_full, suffix_items, request_len, params,
+                    response_items, response_id, input_tokens, output_tokens, cached_tokens,
+                    status, streamed, partial, error, started_ms, latency_ms, ttfb_ms,
+                    chain_request, chain_full)
+                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
+                         ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25)",
+            )?;
+            for rec in batch {
+                for (hash, body) in &rec.new_items {
+                    item.execute(params![hash.to_vec(), body])?;
+                }
+                conv.execute(params![
+                    rec.conversation,
+                    rec.tenant,
+                    rec.explicit_key,
+                    rec.started_ms,
+                    rec.model
+                ])?;
+                ex.execute(params![
+                    rec.id,
+                    rec.conversation,
+                    rec.tenant,
+                    rec.api.endpoint(),
+                    rec.model,
+                    rec.prefix.map(|p| p.exchange),
+                    rec.prefix.map(|p| p.len as i64).unwrap_or(0),
+                    rec.prefix.map(|p| p.full).unwrap_or(false),
+                    pack_hashes(&rec.suffix_items),
+                    rec.request_len as i64,
+                    rec.params.to_vec(),
+                    pack_hashes(&rec.response_items),
+                    rec.response_id,
+                    rec.usage.map(|u| u.input_tokens as i64),
+                    rec.usage.map(|u| u.output_tokens as i64),
+                    rec.usage.and_then(|u| u.cached_tokens).map(|c| c as i64),
+                    rec.status,
+                    rec.streamed,
+                    rec.partial,
+                    rec.error,
+                    rec.started_ms,
+                    rec.latency_ms,
+                    rec.ttfb_ms,
+                    rec.chain_request.map(|h| h.to_vec()),
+                    rec.chain_full.map(|h| h.to_vec()),
+                ])?;
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+}
+
+/// Reconstructs the request items of exchange `id` (as hashes) by following
+/// its prefix references back.
+pub fn request_item_hashes(conn: &Connection, id: i64) -> Result<Vec<ItemHash>, StoreError> {
+    // Collect the chain of references newest-first, then rebuild oldest-first.
+    let mut chain: Vec<(Option<i64>, usize, bool, Vec<ItemHash>, Vec<ItemHash>)> = Vec::new();
+    let mut cur = Some(id);
+    while let Some(eid) = cur {
+        let row: (Option<i64>, i64, bool, Vec<u8>, Vec<u8>) = conn.query_row(
+            "SELECT prefix_exchange, prefix_len, prefix_full, suffix_items, response_items
+             FROM exchanges WHERE id = ?1",
+            params![eid],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
+        )?;
+        cur = row.0;
+        chain.push((row.0, row.1 as usize, row.2, unpack_hashes(&row.3), unpack_hashes(&row.4)));
+    }
+    let mut items: Vec<ItemHash> = Vec::new();
+    let mut prev_response: Vec<ItemHash> = Vec::new();
+    for (prefix, len, full, suffix, response) in chain.into_iter().rev() {
+        if prefix.is_some() {
+            if full {
+                items.extend(prev_response.iter().copied());
+            }
+            items.truncate(len);
+        } else {
+            items.clear();
+        }
+        items.extend(suffix);
+        prev_response = response;
+    }
+    Ok(items)
+}
+
+/// The stored body of an item.
+pub fn item_body(conn: &Connection, hash: &ItemHash) -> Result<Option<String>, StoreError> {
+    Ok(conn
+        .query_row("SELECT body FROM items WHERE hash = ?1", params![hash.to_vec()], |r| r.get(0))
+        .optional()?)
+}

@@ -1,0 +1,178 @@
+//! Token estimates with tiktoken (o200k_base), by section, cached per item.
+//!
+//! Used where the upstream reports no usage and for the per-exchange
+//! accounting line. Never on a request's critical path: callers run it after
+//! the answer is delivered, on a blocking thread.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use serde::Serialize;
+use serde_json::Value;
+use tiktoken_rs::CoreBPE;
+
+use crate::wire::{item_hash, Api, ItemHash};
+
+/// Per-message framing overhead OpenAI documents for chat formats.
+const PER_ITEM_OVERHEAD: u64 = 4;
+/// Cache entries kept before the cache is cleared (bounds memory).
+const CACHE_LIMIT: usize = 200_000;
+
+/// Estimated tokens of a request, by section.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct Estimate {
+    /// Leading system / developer items and `instructions`.
+    pub system: u64,
+    /// User and assistant messages, tool calls, reasoning.
+    pub messages: u64,
+    /// Tool results.
+    pub tool_outputs: u64,
+    /// The `tools` definitions.
+    pub tool_definitions: u64,
+}
+
+impl Estimate {
+    /// Sum of all sections.
+    pub fn total(&self) -> u64 {
+        self.system + self.messages + self.tool_outputs + self.tool_definitions
+    }
+}
+
+/// Counts tokens; cheap to share.
+#[derive(Default)]
+pub struct TokenCounter {
+    bpe: OnceLock<Option<CoreBPE>>,
+    cache: Mutex<HashMap<ItemHash, u64>>,
+}
+
+impl TokenCounter {
+    /// A counter whose tokenizer loads in the background now, so the first
+    /// estimate does not pay for it.
+    pub fn new_warm() -> Arc<Self> {
+        let me = Arc::new(Self::default());
+        let warm = me.clone();
+        std::thread::spawn(move || {
+            warm.bpe();
+        });
+        me
+    }
+
+    fn bpe(&self) -> Option<&CoreBPE> {
+        self.bpe
+            .get_or_init(|| match tiktoken_rs::o200k_base() {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    tracing::warn!(error = %e, "tokenizer unavailable; estimating 4 bytes per token");
+                    None
+                }
+            })
+            .as_ref()
+    }
+
+    /// Tokens of a piece of text.
+    pub fn count_text(&self, text: &str) -> u64 {
+        match self.bpe() {
+            Some(b) => b.encode_ordinary(text).len() as u64,
+            None => text.len().div_ceil(4) as u64,
+        }
+    }
+
+    /// Tokens of one item (its text leaves plus framing), cached by hash.
+    pub fn count_item(&self, hash: &ItemHash, item: &Value) -> u64 {
+        if let Some(n) = self.cache.lock().unwrap_or_else(|p| p.into_inner()).get(hash) {
+            return *n;
+        }
+        let mut text = String::new();
+        collect_text(item, &mut text);
+        let n = self.count_text(&text) + PER_ITEM_OVERHEAD;
+        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
+        if cache.len() >= CACHE_LIMIT {
+            cache.clear();
+        }
+        cache.insert(*hash, n);
+        n
+    }
+
+    /// Estimates a request by section.
+    pub fn estimate(&self, api: Api, body: &Value, items: &[Value], hashes: &[ItemHash]) -> Estimate {
+        let mut e = Estimate::default();
+        for (item, hash) in items.iter().zip(hashes) {
+            let n = self.count_item(hash, item);
+            match section(api, item) {
+                Section::System => e.system += n,
+                Section::Messages => e.messages += n,
+                Section::ToolOutputs => e.tool_outputs += n,
+            }
+        }
+        if let Some(tools) = body.get("tools").filter(|t| !t.is_null()) {
+            e.tool_definitions = self.count_item(&item_hash(tools), tools);
+        }
+        e
+    }
+}
+
+enum Section {
+    System,
+    Messages,
+    ToolOutputs,
+}
+
+fn section(api: Api, item: &Value) -> Section {
+    let role = item.get("role").and_then(Value::as_str).unwrap_or("");
+    let kind = item.get("type").and_then(Value::as_str).unwrap_or("");
+    if role == "system" || role == "developer" || kind == "instructions" {
+        return Section::System;
+    }
+    let tool_output = match api {
+        Api::Chat => role == "tool" || role == "function",
+        Api::Responses => kind.ends_with("_output"),
+    };
+    if tool_output {
+        Section::ToolOutputs
+    } else {
+        Section::Messages
+    }
+}
+
+/// Appends every string leaf (values, not keys) of `v`, space separated.
+fn collect_text(v: &Value, out: &mut String) {
+    match v {
+        Value::String(s) => {
+            if !out.is_empty() {
+                out.push(' ');
+            }
+            out.push_str(s);
+        }
+        Value::Array(a) => a.iter().for_each(|x| collect_text(x, out)),
+        Value::Object(m) => m.values().for_each(|x| collect_text(x, out)),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn sections_are_counted_apart() {
+        let t = TokenCounter::default();
+        let body = json!({
+            "messages": [
+                {"role": "system", "content": "You are terse."},
+                {"role": "user", "content": "hello there"},
+                {"role": "tool", "tool_call_id": "c", "content": "a b c d e f g"}
+            ],
+            "tools": [{"type": "function", "function": {"name": "sh"}}]
+        });
+        let items = Api::Chat.request_items(&body);
+        let hashes: Vec<_> = items.iter().map(item_hash).collect();
+        let e = t.estimate(Api::Chat, &body, &items, &hashes);
+        assert!(e.system > PER_ITEM_OVERHEAD, "{e:?}");
+        assert!(e.messages > PER_ITEM_OVERHEAD);
+        assert!(e.tool_outputs > e.messages, "{e:?}");
+        assert!(e.tool_definitions > 0);
+        // Cached: the same answer again.
+        assert_eq!(t.estimate(Api::Chat, &body, &items, &hashes), e);
+    }
+}

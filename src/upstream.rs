@@ -1,0 +1,199 @@
+//! The upstream client: one pooled reqwest client (keep-alive, HTTP/1.1 and
+//! HTTP/2 by ALPN, rustls), URL mapping, header hygiene and credentials.
+
+use std::fmt;
+use std::time::Duration;
+
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+
+use crate::config::UpstreamConfig;
+use crate::error::ProxyError;
+
+/// A secret that never prints.
+#[derive(Clone)]
+pub struct Secret(String);
+
+impl fmt::Debug for Secret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("MASKED")
+    }
+}
+
+/// Headers that describe one connection, not the message (RFC 9110 §7.6.1),
+/// plus the ones the proxy recomputes.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authenticate",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+];
+
+/// The configured upstream.
+pub struct Upstream {
+    client: reqwest::Client,
+    base: String,
+    api_key: Option<Secret>,
+    /// How long to wait for response headers.
+    pub response_timeout: Duration,
+    /// How long a response body may stay silent.
+    pub idle_timeout: Duration,
+}
+
+impl fmt::Debug for Upstream {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Upstream")
+            .field("base", &self.base)
+            .field("api_key", &self.api_key)
+            .finish()
+    }
+}
+
+impl Upstream {
+    /// Builds the client. Reads the server-side key from the environment
+    /// variable the config names, if any.
+    pub fn new(cfg: &UpstreamConfig) -> anyhow::Result<Self> {
+        let client = reqwest::Client::builder()
+            .connect_timeout(Duration::from_secs(cfg.connect_timeout_secs))
+            .pool_idle_timeout(Duration::from_secs(90))
+            .pool_max_idle_per_host(256)
+            .tcp_nodelay(true)
+            // Redirects are the client's business, as with a direct connection.
+            .redirect(reqwest::redirect::Policy::none())
+            .build()?;
+        let api_key = if cfg.api_key_env.is_empty() {
+            None
+        } else {
+            match std::env::var(&cfg.api_key_env) {
+                Ok(v) if !v.is_empty() => Some(Secret(v)),
+                _ => anyhow::bail!(
+                    "upstream.api_key_env names `{}`, which is not set in the environment",
+                    cfg.api_key_env
+                ),
+            }
+        };
+        Ok(Self {
+            client,
+            base: cfg.base_url.trim_end_matches('/').to_string(),
+            api_key,
+            response_timeout: Duration::from_secs(cfg.response_timeout_secs),
+            idle_timeout: Duration::from_secs(cfg.idle_timeout_secs),
+        })
+    }
+
+    /// The upstream URL for a client path below `/v1` (e.g. `/models`).
+    pub fn url(&self, below_v1: &str, query: Option<&str>) -> String {
+        match query {
+            Some(q) => format!("{}{}?{}", self.base, below_v1, q),
+            None => format!("{}{}", self.base, below_v1),
+        }
+    }
+
+    /// The base URL, for the banner.
+    pub fn base(&self) -> &str {
+        &self.base
+    }
+
+    /// Request headers to send upstream: the client's, minus hop-by-hop and
+    /// proxy-internal ones, with the server-side key swapped in if configured.
+    /// `identity` asks the upstream not to compress (the proxy reads the body).
+    pub fn request_headers(&self, incoming: &HeaderMap, identity: bool) -> HeaderMap {
+        let mut out = strip_hop_by_hop(incoming);
+        out.remove(header::HOST);
+        out.remove(header::CONTENT_LENGTH);
+        out.remove("x-compactor-conversation");
+        if identity {
+            out.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+        }
+        if let Some(Secret(key)) = &self.api_key {
+            out.remove("api-key");
+            if let Ok(v) = HeaderValue::from_str(&format!("Bearer {key}")) {
+                let mut v = v;
+                v.set_sensitive(true);
+                out.insert(header::AUTHORIZATION, v);
+            }
+        }
+        out
+    }
+
+    /// Sends a request; maps connection failures to 502 and a missing answer
+    /// within `response_timeout` to 504.
+    pub async fn send(
+        &self,
+        method: http::Method,
+        url: &str,
+        headers: HeaderMap,
+        body: reqwest::Body,
+    ) -> Result<reqwest::Response, ProxyError> {
+        let req = self.client.request(method, url).headers(headers).body(body);
+        match tokio::time::timeout(self.response_timeout, req.send()).await {
+            Err(_) => Err(ProxyError::UpstreamTimeout(self.response_timeout.as_secs())),
+            Ok(Err(e)) if e.is_timeout() => Err(ProxyError::UpstreamTimeout(self.response_timeout.as_secs())),
+            Ok(Err(e)) => Err(ProxyError::UpstreamUnreachable(describe(&e))),
+            Ok(Ok(resp)) => Ok(resp),
+        }
+    }
+}
+
+/// Describes a reqwest error without its URL (which could carry a key in a
+/// query string) — only the kind and the innermost cause.
+pub fn describe(e: &reqwest::Error) -> String {
+    let mut source: &dyn std::error::Error = e;
+    while let Some(s) = source.source() {
+        source = s;
+    }
+    let kind = if e.is_connect() {
+        "connection failed"
+    } else if e.is_body() || e.is_decode() {
+        "response body failed"
+    } else {
+        "request failed"
+    };
+    format!("{kind}: {source}")
+}
+
+/// Copies headers without hop-by-hop ones (including those the `Connection`
+/// header names).
+pub fn strip_hop_by_hop(incoming: &HeaderMap) -> HeaderMap {
+    let named: Vec<HeaderName> = incoming
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|n| HeaderName::from_bytes(n.trim().as_bytes()).ok())
+        .collect();
+    let mut out = HeaderMap::with_capacity(incoming.len());
+    for (name, value) in incoming {
+        if HOP_BY_HOP.contains(&name.as_str()) || named.contains(name) {
+            continue;
+        }
+        out.append(name.clone(), value.clone());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hop_by_hop_and_named_headers_are_dropped() {
+        let mut h = HeaderMap::new();
+        h.insert("connection", "keep-alive, x-trace".parse().unwrap());
+        h.insert("x-trace", "1".parse().unwrap());
+        h.insert("te", "trailers".parse().unwrap());
+        h.insert("authorization", "Bearer k".parse().unwrap());
+        let out = strip_hop_by_hop(&h);
+        assert!(out.get("x-trace").is_none() && out.get("te").is_none());
+        assert_eq!(out.get("authorization").unwrap(), "Bearer k");
+    }
+
+    #[test]
+    fn secret_never_prints() {
+        assert_eq!(format!("{:?}", Secret("sk-live".into())), "MASKED");
+    }
+}

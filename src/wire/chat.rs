@@ -1,0 +1,296 @@
+//! Chat Completions: `messages[]` as items, the answer's message, stream deltas.
+
+use serde_json::{Map, Value};
+
+use super::Usage;
+
+/// Each `messages[]` entry is an item.
+pub fn request_items(body: &Value) -> Vec<Value> {
+    body.get("messages")
+        .and_then(Value::as_array)
+        .cloned()
+        .unwrap_or_default()
+}
+
+/// `messages` must be a list of objects.
+pub fn validate(obj: &Map<String, Value>) -> Result<(), String> {
+    match obj.get("messages") {
+        None => Err("missing required field `messages`".into()),
+        Some(Value::Array(msgs)) => {
+            if let Some(i) = msgs.iter().position(|m| !m.is_object()) {
+                Err(format!("`messages[{i}]` must be an object"))
+            } else {
+                Ok(())
+            }
+        }
+        Some(_) => Err("`messages` must be an array".into()),
+    }
+}
+
+/// The message of each choice of a complete answer.
+pub fn response_items(body: &Value) -> Vec<Value> {
+    body.get("choices")
+        .and_then(Value::as_array)
+        .map(|cs| cs.iter().filter_map(|c| c.get("message").cloned()).collect())
+        .unwrap_or_default()
+}
+
+/// For a streamed request that did not ask for usage, asks for it. Returns
+/// true when the body was changed (the usage chunk must then be hidden from
+/// the client again).
+pub fn ensure_stream_usage(body: &mut Value) -> bool {
+    let Some(obj) = body.as_object_mut() else { return false };
+    if obj.get("stream").and_then(Value::as_bool) != Some(true) {
+        return false;
+    }
+    let opts = obj
+        .entry("stream_options")
+        .or_insert_with(|| Value::Object(Map::new()));
+    if opts.is_null() {
+        *opts = Value::Object(Map::new());
+    }
+    let Some(opts) = opts.as_object_mut() else { return false };
+    if opts.get("include_usage").and_then(Value::as_bool) == Some(true) {
+        return false;
+    }
+    opts.insert("include_usage".into(), Value::Bool(true));
+    true
+}
+
+/// What to do with one streamed chunk when the client did not ask for usage.
+#[derive(Debug, PartialEq)]
+pub enum Strip {
+    /// Forward unchanged.
+    Keep,
+    /// Drop: the usage-only chunk the client would not have received.
+    Drop,
+    /// Forward this re-serialised data instead (`"usage": null` removed).
+    Replace(String),
+}
+
+/// Decides how a chunk's `data` must change so the client sees what it would
+/// have seen without `include_usage`.
+pub fn strip_usage(data: &str) -> Strip {
+    if !data.contains("\"usage\"") {
+        return Strip::Keep;
+    }
+    let Ok(mut v) = serde_json::from_str::<Value>(data) else { return Strip::Keep };
+    let Some(obj) = v.as_object_mut() else { return Strip::Keep };
+    let no_choices = obj
+        .get("choices")
+        .and_then(Value::as_array)
+        .is_none_or(|c| c.is_empty());
+    match obj.get("usage") {
+        Some(Value::Null) => {
+            obj.remove("usage");
+            Strip::Replace(serde_json::to_string(&v).unwrap_or_else(|_| data.to_string()))
+        }
+        Some(_) if no_choices => Strip::Drop,
+        Some(_) => {
+            // Usage riding on a content chunk (some servers do this): keep the
+            // content, hide the usage.
+            obj.remove("usage");
+            Strip::Replace(serde_json::to_string(&v).unwrap_or_else(|_| data.to_string()))
+        }
+        None => Strip::Keep,
+    }
+}
+
+/// Rebuilds the assistant message(s) and usage from a chat stream's chunks.
+#[derive(Debug, Default)]
+pub struct ChatCollector {
+    choices: Vec<ChoiceAcc>,
+    /// Usage from the usage chunk, when one came.
+    pub usage: Option<Usage>,
+    /// The raw usage object.
+    pub usage_raw: Option<Value>,
+    /// An `error` object sent inside the stream.
+    pub error: Option<Value>,
+    /// The `[DONE]` sentinel was seen.
+    pub done: bool,
+    /// The upstream's completion id.
+    pub id: Option<String>,
+}
+
+#[derive(Debug, Default)]
+struct ChoiceAcc {
+    role: Option<String>,
+    content: Option<String>,
+    reasoning: Option<String>,
+    refusal: Option<String>,
+    tool_calls: Vec<ToolCallAcc>,
+    finish_reason: Option<String>,
+}
+
+#[derive(Debug, Default)]
+struct ToolCallAcc {
+    id: Option<String>,
+    kind: Option<String>,
+    name: String,
+    arguments: String,
+}
+
+impl ChatCollector {
+    /// Feeds one event's `data`.
+    pub fn push(&mut self, data: &str) {
+        let data = data.trim();
+        if data == "[DONE]" {
+            self.done = true;
+            return;
+        }
+        let Ok(v) = serde_json::from_str::<Value>(data) else { return };
+        if let Some(e) = v.get("error") {
+            self.error = Some(e.clone());
+        }
+        if self.id.is_none() {
+            self.id = v.get("id").and_then(Value::as_str).map(String::from);
+        }
+        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
+            self.usage = Usage::from_value(u);
+            self.usage_raw = Some(u.clone());
+        }
+        for c in v.get("choices").and_then(Value::as_array).into_iter().flatten() {
+            let idx = c.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
+            if idx > 1024 {
+                continue;
+            }
+            if self.choices.len() <= idx {
+                self.choices.resize_with(idx + 1, ChoiceAcc::default);
+            }
+            let acc = &mut self.choices[idx];
+            if let Some(f) = c.get("finish_reason").and_then(Value::as_str) {
+                acc.finish_reason = Some(f.to_string());
+            }
+            let Some(d) = c.get("delta") else { continue };
+            if let Some(r) = d.get("role").and_then(Value::as_str) {
+                acc.role = Some(r.to_string());
+            }
+            append(&mut acc.content, d.get("content"));
+            append(&mut acc.reasoning, d.get("reasoning_content"));
+            append(&mut acc.refusal, d.get("refusal"));
+            for tc in d.get("tool_calls").and_then(Value::as_array).into_iter().flatten() {
+                let ti = tc.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
+                if ti > 1024 {
+                    continue;
+                }
+                if acc.tool_calls.len() <= ti {
+                    acc.tool_calls.resize_with(ti + 1, ToolCallAcc::default);
+                }
+                let t = &mut acc.tool_calls[ti];
+                if let Some(id) = tc.get("id").and_then(Value::as_str) {
+                    t.id = Some(id.to_string());
+                }
+                if let Some(k) = tc.get("type").and_then(Value::as_str) {
+                    t.kind = Some(k.to_string());
+                }
+                if let Some(f) = tc.get("function") {
+                    if let Some(n) = f.get("name").and_then(Value::as_str) {
+                        t.name.push_str(n);
+                    }
+                    if let Some(a) = f.get("arguments").and_then(Value::as_str) {
+                        t.arguments.push_str(a);
+                    }
+                }
+            }
+        }
+    }
+
+    /// The assistant message of each choice, shaped like a non-streamed answer's.
+    pub fn items(&self) -> Vec<Value> {
+        self.choices
+            .iter()
+            .map(|c| {
+                let mut m = Map::new();
+                m.insert(
+                    "role".into(),
+                    Value::String(c.role.clone().unwrap_or_else(|| "assistant".into())),
+                );
+                m.insert(
+                    "content".into(),
+                    c.content.clone().map(Value::String).unwrap_or(Value::Null),
+                );
+                if let Some(r) = &c.reasoning {
+                    m.insert("reasoning_content".into(), Value::String(r.clone()));
+                }
+                if let Some(r) = &c.refusal {
+                    m.insert("refusal".into(), Value::String(r.clone()));
+                }
+                if !c.tool_calls.is_empty() {
+                    let calls = c
+                        .tool_calls
+                        .iter()
+                        .map(|t| {
+                            serde_json::json!({
+                                "id": t.id.clone().unwrap_or_default(),
+                                "type": t.kind.clone().unwrap_or_else(|| "function".into()),
+                                "function": {"name": t.name, "arguments": t.arguments},
+                            })
+                        })
+                        .collect();
+                    m.insert("tool_calls".into(), Value::Array(calls));
+                }
+                Value::Object(m)
+            })
+            .collect()
+    }
+
+    /// The stream reached its end marker.
+    pub fn finished(&self) -> bool {
+        self.done
+    }
+}
+
+fn append(acc: &mut Option<String>, piece: Option<&Value>) {
+    if let Some(s) = piece.and_then(Value::as_str) {
+        acc.get_or_insert_with(String::new).push_str(s);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn usage_requested_only_when_missing() {
+        let mut b = json!({"stream": true, "messages": []});
+        assert!(ensure_stream_usage(&mut b));
+        assert_eq!(b["stream_options"]["include_usage"], true);
+        assert!(!ensure_stream_usage(&mut b));
+        let mut b = json!({"messages": []});
+        assert!(!ensure_stream_usage(&mut b));
+        let mut b = json!({"stream": true, "stream_options": {"include_obfuscation": false}});
+        assert!(ensure_stream_usage(&mut b));
+        assert_eq!(b["stream_options"]["include_obfuscation"], false);
+    }
+
+    #[test]
+    fn strip_rules() {
+        assert_eq!(strip_usage(r#"{"choices":[{"delta":{"content":"a"}}]}"#), Strip::Keep);
+        assert_eq!(
+            strip_usage(r#"{"id":"x","choices":[],"usage":{"prompt_tokens":1}}"#),
+            Strip::Drop
+        );
+        assert_eq!(
+            strip_usage(r#"{"id":"x","choices":[{"delta":{}}],"usage":null}"#),
+            Strip::Replace(r#"{"id":"x","choices":[{"delta":{}}]}"#.into())
+        );
+    }
+
+    #[test]
+    fn collects_content_and_tool_calls() {
+        let mut c = ChatCollector::default();
+        c.push(r#"{"id":"c1","choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"}}]}"#);
+        c.push(r#"{"choices":[{"index":0,"delta":{"content":"lo"}}]}"#);
+        c.push(r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"sh","arguments":"{\"cmd\":"}}]}}]}"#);
+        c.push(r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\"ls\"}"}}]},"finish_reason":"tool_calls"}]}"#);
+        c.push(r#"{"choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}"#);
+        c.push("[DONE]");
+        assert!(c.finished());
+        assert_eq!(c.usage.unwrap().total(), 7);
+        let items = c.items();
+        assert_eq!(items[0]["content"], "Hello");
+        assert_eq!(items[0]["tool_calls"][0]["function"]["arguments"], "{\"cmd\":\"ls\"}");
+        assert_eq!(items[0]["tool_calls"][0]["id"], "call_1");
+    }
+}

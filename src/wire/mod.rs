@@ -1,0 +1,180 @@
+//! Wire formats: an *item* view over both OpenAI APIs, content hashes, usage.
+//!
+//! Owns the knowledge of where the history lives in a request body
+//! (`messages` for Chat Completions, `instructions` + `input` for Responses)
+//! and where usage and output live in an answer. Works on `serde_json::Value`
+//! so nothing the proxy does not understand is ever dropped.
+
+pub mod chat;
+pub mod hash;
+pub mod responses;
+pub mod sse;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+pub use hash::{chain_extend, chain_hashes, item_hash, ItemHash};
+
+/// Which of the two parsed APIs a request belongs to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Api {
+    /// `POST /v1/chat/completions`
+    Chat,
+    /// `POST /v1/responses`
+    Responses,
+}
+
+impl Api {
+    /// The endpoint path below the API prefix, as recorded.
+    pub fn endpoint(self) -> &'static str {
+        match self {
+            Api::Chat => "/chat/completions",
+            Api::Responses => "/responses",
+        }
+    }
+
+    /// The history of a request as an ordered list of items.
+    pub fn request_items(self, body: &Value) -> Vec<Value> {
+        match self {
+            Api::Chat => chat::request_items(body),
+            Api::Responses => responses::request_items(body),
+        }
+    }
+
+    /// Checks that the body has the shape this endpoint needs, naming the
+    /// offending field otherwise.
+    pub fn validate(self, body: &Value) -> Result<(), String> {
+        let obj = body
+            .as_object()
+            .ok_or_else(|| "request body must be a JSON object".to_string())?;
+        if let Some(m) = obj.get("model") {
+            if !m.is_string() {
+                return Err("`model` must be a string".into());
+            }
+        }
+        if let Some(s) = obj.get("stream") {
+            if !s.is_boolean() && !s.is_null() {
+                return Err("`stream` must be a boolean".into());
+            }
+        }
+        match self {
+            Api::Chat => chat::validate(obj),
+            Api::Responses => responses::validate(obj),
+        }
+    }
+
+    /// Usage figures of a complete (non-streamed) answer body.
+    pub fn usage(self, body: &Value) -> Option<Usage> {
+        Usage::from_value(body.get("usage")?)
+    }
+
+    /// Output items of a complete (non-streamed) answer body.
+    pub fn response_items(self, body: &Value) -> Vec<Value> {
+        match self {
+            Api::Chat => chat::response_items(body),
+            Api::Responses => responses::response_items(body),
+        }
+    }
+}
+
+/// Token usage as the upstream reported it, normalised across both APIs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Usage {
+    /// Prompt / input tokens.
+    pub input_tokens: u64,
+    /// Completion / output tokens.
+    pub output_tokens: u64,
+    /// Prompt tokens served from the upstream's cache, when reported.
+    pub cached_tokens: Option<u64>,
+}
+
+impl Usage {
+    /// Reads either API's usage object (`prompt_tokens`/`completion_tokens`
+    /// or `input_tokens`/`output_tokens`). `null` or no figures: `None`.
+    pub fn from_value(v: &Value) -> Option<Usage> {
+        let obj = v.as_object()?;
+        let get = |k: &str| obj.get(k).and_then(Value::as_u64);
+        let input = get("prompt_tokens").or_else(|| get("input_tokens"))?;
+        let output = get("completion_tokens")
+            .or_else(|| get("output_tokens"))
+            .unwrap_or(0);
+        let cached = obj
+            .get("prompt_tokens_details")
+            .or_else(|| obj.get("input_tokens_details"))
+            .and_then(|d| d.get("cached_tokens"))
+            .and_then(Value::as_u64);
+        Some(Usage {
+            input_tokens: input,
+            output_tokens: output,
+            cached_tokens: cached,
+        })
+    }
+
+    /// Input plus output: what the conversation occupies after this exchange.
+    pub fn total(&self) -> u64 {
+        self.input_tokens + self.output_tokens
+    }
+}
+
+/// What a client's credential header holds, if any: `Authorization` or `api-key`.
+pub fn credential(headers: &http::HeaderMap) -> Option<&[u8]> {
+    headers
+        .get(http::header::AUTHORIZATION)
+        .or_else(|| headers.get("api-key"))
+        .map(|v| v.as_bytes())
+}
+
+/// An explicit conversation key the client sent, in order of preference:
+/// our own header, the `session-id`/`session_id` header, `prompt_cache_key`,
+/// then `metadata.session_id`/`metadata.conversation_id`.
+pub fn explicit_conversation_key(headers: &http::HeaderMap, body: &Value) -> Option<String> {
+    for name in ["x-compactor-conversation", "session-id", "session_id"] {
+        if let Some(v) = headers.get(name).and_then(|v| v.to_str().ok()) {
+            if !v.is_empty() {
+                return Some(format!("{name}:{v}"));
+            }
+        }
+    }
+    if let Some(k) = body.get("prompt_cache_key").and_then(Value::as_str) {
+        // Codex sends the same value as its `session-id` header; keep one namespace.
+        return Some(format!("session-id:{k}"));
+    }
+    let meta = body.get("metadata")?;
+    for key in ["session_id", "conversation_id"] {
+        if let Some(v) = meta.get(key).and_then(Value::as_str) {
+            return Some(format!("session-id:{v}"));
+        }
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn usage_of_both_apis() {
+        let chat = json!({"prompt_tokens": 32, "completion_tokens": 8, "total_tokens": 40,
+                          "prompt_tokens_details": {"cached_tokens": 4}});
+        assert_eq!(
+            Usage::from_value(&chat),
+            Some(Usage { input_tokens: 32, output_tokens: 8, cached_tokens: Some(4) })
+        );
+        let resp = json!({"input_tokens": 10, "output_tokens": 3, "total_tokens": 13});
+        assert_eq!(Usage::from_value(&resp).unwrap().total(), 13);
+        assert_eq!(Usage::from_value(&Value::Null), None);
+    }
+
+    #[test]
+    fn explicit_keys_share_a_namespace() {
+        let mut h = http::HeaderMap::new();
+        h.insert("session-id", "abc".parse().unwrap());
+        let body = json!({"prompt_cache_key": "abc"});
+        assert_eq!(
+            explicit_conversation_key(&h, &json!({})),
+            explicit_conversation_key(&http::HeaderMap::new(), &body)
+        );
+    }
+}

@@ -1,0 +1,281 @@
+//! The SSE tee: upstream bytes go to the client as they arrive while a copy
+//! is parsed (eventsource-stream) to collect output items and usage.
+//!
+//! Forwarding is chunk by chunk and never waits for more data, except in one
+//! case: when the proxy asked a chat stream for usage the client did not ask
+//! for, the usage must be hidden again, so bytes are released a whole event
+//! at a time (upstreams send one event per chunk, so this adds no delay).
+
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+
+use bytes::{Bytes, BytesMut};
+use eventsource_stream::EventStream;
+use futures_util::Stream;
+use serde_json::Value;
+
+use super::chat::{self, ChatCollector, Strip};
+use super::responses::ResponsesCollector;
+use super::{Api, Usage};
+
+/// A stream the tee pushes chunks into and the event parser pulls from.
+#[derive(Default, Clone)]
+struct Feed(Arc<Mutex<FeedState>>);
+
+#[derive(Default)]
+struct FeedState {
+    queue: VecDeque<Bytes>,
+    closed: bool,
+}
+
+impl Stream for Feed {
+    type Item = Result<Bytes, Infallible>;
+    fn poll_next(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
+        let mut st = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        match st.queue.pop_front() {
+            Some(b) => Poll::Ready(Some(Ok(b))),
+            None if st.closed => Poll::Ready(None),
+            // Nothing to wake later: the tee polls again after each push.
+            None => Poll::Pending,
+        }
+    }
+}
+
+/// What the tee collected, per API.
+#[derive(Debug)]
+pub enum Collected {
+    /// A chat stream.
+    Chat(ChatCollector),
+    /// A Responses stream.
+    Responses(ResponsesCollector),
+}
+
+/// Parses a copy of an SSE body while it is forwarded.
+pub struct SseTee {
+    feed: Feed,
+    events: EventStream<Feed>,
+    /// What has been collected so far.
+    pub collected: Collected,
+    /// Present when usage must be hidden from the client: bytes of an event
+    /// not yet complete.
+    strip: Option<BytesMut>,
+}
+
+impl SseTee {
+    /// A tee for `api`; `strip_usage` hides the usage the proxy injected.
+    pub fn new(api: Api, strip_usage: bool) -> Self {
+        let feed = Feed::default();
+        Self {
+            events: EventStream::new(feed.clone()),
+            feed,
+            collected: match api {
+                Api::Chat => Collected::Chat(ChatCollector::default()),
+                Api::Responses => Collected::Responses(ResponsesCollector::default()),
+            },
+            strip: strip_usage.then(BytesMut::new),
+        }
+    }
+
+    /// Takes one upstream chunk and returns the bytes to send the client now.
+    pub fn push(&mut self, chunk: Bytes) -> Bytes {
+        {
+            let mut st = self.feed.0.lock().unwrap_or_else(|p| p.into_inner());
+            st.queue.push_back(chunk.clone());
+        }
+        self.drain_events();
+        match &mut self.strip {
+            None => chunk,
+            Some(pending) => {
+                pending.extend_from_slice(&chunk);
+                release_complete_events(pending)
+            }
+        }
+    }
+
+    /// The upstream body ended: parse what is left and return any held bytes.
+    pub fn finish(&mut self) -> Bytes {
+        {
+            let mut st = self.feed.0.lock().unwrap_or_else(|p| p.into_inner());
+            st.closed = true;
+        }
+        self.drain_events();
+        match &mut self.strip {
+            None => Bytes::new(),
+            Some(pending) => {
+                // An unterminated last event is forwarded as it came.
+                let mut out = BytesMut::from(&release_complete_events(pending)[..]);
+                out.extend_from_slice(pending);
+                pending.clear();
+                out.freeze()
+            }
+        }
+    }
+
+    fn drain_events(&mut self) {
+        let mut cx = Context::from_waker(futures_util::task::noop_waker_ref());
+        while let Poll::Ready(Some(ev)) = Pin::new(&mut self.events).poll_next(&mut cx) {
+            let Ok(ev) = ev else { continue };
+            match &mut self.collected {
+                Collected::Chat(c) => c.push(&ev.data),
+                Collected::Responses(c) => c.push(&ev.event, &ev.data),
+            }
+        }
+    }
+
+    /// The stream's terminal event (`[DONE]`, `response.completed`…) was seen.
+    pub fn finished(&self) -> bool {
+        match &self.collected {
+            Collected::Chat(c) => c.finished(),
+            Collected::Responses(c) => c.finished(),
+        }
+    }
+
+    /// Usage collected so far.
+    pub fn usage(&self) -> Option<Usage> {
+        match &self.collected {
+            Collected::Chat(c) => c.usage,
+            Collected::Responses(c) => c.usage,
+        }
+    }
+
+    /// Output items collected so far.
+    pub fn items(&self) -> Vec<Value> {
+        match &self.collected {
+            Collected::Chat(c) => c.items(),
+            Collected::Responses(c) => c.items(),
+        }
+    }
+
+    /// The upstream's id for this answer.
+    pub fn response_id(&self) -> Option<String> {
+        match &self.collected {
+            Collected::Chat(c) => c.id.clone(),
+            Collected::Responses(c) => c.id.clone(),
+        }
+    }
+
+    /// An error the upstream reported inside the stream.
+    pub fn error(&self) -> Option<Value> {
+        match &self.collected {
+            Collected::Chat(c) => c.error.clone(),
+            Collected::Responses(c) => c.error.clone(),
+        }
+    }
+}
+
+/// Takes every complete event off the front of `pending`, rewritten so the
+/// usage the client did not ask for stays hidden.
+fn release_complete_events(pending: &mut BytesMut) -> Bytes {
+    let mut out = BytesMut::new();
+    while let Some(end) = event_end(pending) {
+        let block = pending.split_to(end);
+        match usage_rewrite(&block) {
+            Strip::Keep => out.extend_from_slice(&block),
+            Strip::Drop => {}
+            Strip::Replace(data) => {
+                out.extend_from_slice(b"data: ");
+                out.extend_from_slice(data.as_bytes());
+                out.extend_from_slice(b"\n\n");
+            }
+        }
+    }
+    out.freeze()
+}
+
+/// Index just past the blank line ending the first event, if complete.
+fn event_end(buf: &[u8]) -> Option<usize> {
+    let mut i = 0;
+    while i < buf.len() {
+        // A line ends at \n, \r\n or \r; an empty line ends the event.
+        let line_end = buf[i..].iter().position(|b| *b == b'\n' || *b == b'\r')? + i;
+        let mut next = line_end + 1;
+        if buf[line_end] == b'\r' {
+            match buf.get(next) {
+                Some(b'\n') => next += 1,
+                None => return None, // a \n may still follow
+                _ => {}
+            }
+        }
+        if line_end == i && i > 0 {
+            return Some(next);
+        }
+        if line_end == i && i == 0 {
+            // A leading blank line is an empty event: release it alone.
+            return Some(next);
+        }
+        i = next;
+    }
+    None
+}
+
+fn usage_rewrite(block: &[u8]) -> Strip {
+    let Ok(text) = std::str::from_utf8(block) else { return Strip::Keep };
+    let mut data = String::new();
+    let mut other_fields = false;
+    for line in text.lines() {
+        if let Some(d) = line.strip_prefix("data:") {
+            if !data.is_empty() {
+                data.push('\n');
+            }
+            data.push_str(d.strip_prefix(' ').unwrap_or(d));
+        } else if !line.is_empty() {
+            other_fields = true;
+        }
+    }
+    match chat::strip_usage(&data) {
+        // Only chunks made of data lines alone are rewritten; anything else
+        // is forwarded as it came.
+        Strip::Replace(_) if other_fields => Strip::Keep,
+        s => s,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tee_forwards_bytes_unchanged_and_collects() {
+        let mut tee = SseTee::new(Api::Chat, false);
+        let body = "data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\ndata: {\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n";
+        let mut out = Vec::new();
+        // Split at awkward places, including inside an event.
+        for piece in body.as_bytes().chunks(7) {
+            out.extend_from_slice(&tee.push(Bytes::copy_from_slice(piece)));
+        }
+        out.extend_from_slice(&tee.finish());
+        assert_eq!(out, body.as_bytes());
+        assert!(tee.finished());
+        assert_eq!(tee.usage().unwrap().total(), 4);
+        assert_eq!(tee.items()[0]["content"], "hi");
+    }
+
+    #[test]
+    fn tee_hides_injected_usage() {
+        let mut tee = SseTee::new(Api::Chat, true);
+        let body = "data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}],\"usage\":null}\r\n\r\ndata: {\"id\":\"a\",\"choices\":[],\"usage\":{\"prompt_tokens\":3,\"completion_tokens\":1}}\n\ndata: [DONE]\n\n";
+        let mut out = Vec::new();
+        for piece in body.as_bytes().chunks(5) {
+            out.extend_from_slice(&tee.push(Bytes::copy_from_slice(piece)));
+        }
+        out.extend_from_slice(&tee.finish());
+        let out = String::from_utf8(out).unwrap();
+        assert_eq!(
+            out,
+            "data: {\"id\":\"a\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"}}]}\n\ndata: [DONE]\n\n"
+        );
+        assert_eq!(tee.usage().unwrap().input_tokens, 3);
+    }
+
+    #[test]
+    fn event_boundaries() {
+        assert_eq!(event_end(b"data: x\n\nrest"), Some(9));
+        assert_eq!(event_end(b"data: x\r\n\r\n"), Some(11));
+        assert_eq!(event_end(b"data: x\r"), None);
+        assert_eq!(event_end(b"data: x\n"), None);
+        assert_eq!(event_end(b"event: a\ndata: x\n\n"), Some(18));
+    }
+}
