@@ -170,8 +170,8 @@ const BUILTIN_MODELS: &[(&str, u64, u64)] = &[
 impl Config {
     /// Parses a TOML document; unknown keys are an error naming the key.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let config: Config =
-            toml::from_str(text).map_err(|e| ConfigError::Parse(e.message().to_string(), e.span()))?;
+        let config: Config = toml::from_str(text)
+            .map_err(|e| ConfigError::Parse(e.message().to_string(), e.span()))?;
         config.validate()?;
         Ok(config)
     }
@@ -185,7 +185,8 @@ impl Config {
 
     /// Checks values that parse but make no sense.
     pub fn validate(&self) -> Result<(), ConfigError> {
-        let invalid = |key: &str, why: &str| Err(ConfigError::Invalid(key.to_string(), why.to_string()));
+        let invalid =
+            |key: &str, why: &str| Err(ConfigError::Invalid(key.to_string(), why.to_string()));
         if self.listen_addr().is_err() {
             return invalid("server.listen", "not a socket address like 127.0.0.1:8787");
         }
@@ -236,9 +237,10 @@ impl Config {
     pub fn model_limits(&self, model: &str) -> ModelLimits {
         let lower = model.to_ascii_lowercase();
         let user = |fallback: bool| {
-            self.models
-                .iter()
-                .find(|m| (m.pattern == "*") == fallback && glob_match(&m.pattern.to_ascii_lowercase(), &lower))
+            self.models.iter().find(|m| {
+                (m.pattern == "*") == fallback
+                    && glob_match(&m.pattern.to_ascii_lowercase(), &lower)
+            })
         };
         let builtin = BUILTIN_MODELS
             .iter()
@@ -364,7 +366,10 @@ mod tests {
     fn globs() {
         assert!(glob_match("gpt-4o*", "gpt-4o-mini"));
         assert!(glob_match("*", ""));
-        assert!(glob_match("*qwen3*", "Qwen/qwen3-8b".to_lowercase().as_str()));
+        assert!(glob_match(
+            "*qwen3*",
+            "Qwen/qwen3-8b".to_lowercase().as_str()
+        ));
         assert!(glob_match("a?c", "abc"));
         assert!(!glob_match("gpt-4o*", "gpt-4.1"));
         assert!(!glob_match("gpt-4", "gpt-4o"));

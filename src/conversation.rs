@@ -32,7 +32,10 @@ pub fn new_conversation_id() -> String {
             .unwrap_or(0);
         b.copy_from_slice(&t.to_le_bytes()[..12]);
     }
-    format!("conv_{}", b.iter().map(|x| format!("{x:02x}")).collect::<String>())
+    format!(
+        "conv_{}",
+        b.iter().map(|x| format!("{x:02x}")).collect::<String>()
+    )
 }
 
 /// The result of matching a request.
@@ -76,7 +79,9 @@ impl ConversationIndex {
         {
             let mut inner = idx.lock();
             for (tenant, key, conv) in &snap.keys {
-                inner.by_key.insert((tenant.clone(), key.clone()), conv.clone());
+                inner
+                    .by_key
+                    .insert((tenant.clone(), key.clone()), conv.clone());
             }
         }
         idx
@@ -106,16 +111,35 @@ impl ConversationIndex {
             let entry = inner.by_key.entry((tenant.to_string(), k.to_string()));
             let is_new = matches!(entry, std::collections::hash_map::Entry::Vacant(_));
             let conversation = entry.or_insert_with(new_conversation_id).clone();
-            return Identified { conversation, is_new, prefix };
+            return Identified {
+                conversation,
+                is_new,
+                prefix,
+            };
         }
         if let Some(prev) = previous_response_id {
-            if let Some(c) = inner.by_response.get(&(tenant.to_string(), prev.to_string())) {
-                return Identified { conversation: c.clone(), is_new: false, prefix };
+            if let Some(c) = inner
+                .by_response
+                .get(&(tenant.to_string(), prev.to_string()))
+            {
+                return Identified {
+                    conversation: c.clone(),
+                    is_new: false,
+                    prefix,
+                };
             }
         }
         match hit {
-            Some(h) => Identified { conversation: h.conversation, is_new: false, prefix },
-            None => Identified { conversation: new_conversation_id(), is_new: true, prefix: None },
+            Some(h) => Identified {
+                conversation: h.conversation,
+                is_new: false,
+                prefix,
+            },
+            None => Identified {
+                conversation: new_conversation_id(),
+                is_new: true,
+                prefix: None,
+            },
         }
     }
 
@@ -128,7 +152,11 @@ impl ConversationIndex {
                     (ex.tenant.clone(), c),
                     Hit {
                         conversation: ex.conversation.clone(),
-                        prefix: PrefixRef { exchange: ex.id, len, full },
+                        prefix: PrefixRef {
+                            exchange: ex.id,
+                            len,
+                            full,
+                        },
                     },
                 );
             }
@@ -186,7 +214,14 @@ mod tests {
         idx.remember(&ex(1, &first.conversation, "t", &c, 2));
         let second = idx.identify("t", None, None, &c[..4]);
         assert_eq!(second.conversation, first.conversation);
-        assert_eq!(second.prefix, Some(PrefixRef { exchange: 1, len: 3, full: true }));
+        assert_eq!(
+            second.prefix,
+            Some(PrefixRef {
+                exchange: 1,
+                len: 3,
+                full: true
+            })
+        );
     }
 
     #[test]

@@ -62,9 +62,9 @@ impl ProxyError {
     /// OpenAI's `type` field.
     fn kind(&self) -> &'static str {
         match self {
-            ProxyError::BadRequest(_) | ProxyError::PayloadTooLarge { .. } | ProxyError::NotFound { .. } => {
-                "invalid_request_error"
-            }
+            ProxyError::BadRequest(_)
+            | ProxyError::PayloadTooLarge { .. }
+            | ProxyError::NotFound { .. } => "invalid_request_error",
             ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => "upstream_error",
             ProxyError::Internal(_) => "server_error",
         }
@@ -113,14 +113,18 @@ pub fn json_response(status: StatusCode, value: &serde_json::Value) -> Response<
     let bytes = Bytes::from(serde_json::to_vec(value).unwrap_or_default());
     let mut resp = Response::new(full(bytes));
     *resp.status_mut() = status;
-    resp.headers_mut()
-        .insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    resp.headers_mut().insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
     resp
 }
 
 /// A body made of one buffer.
 pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
-    Full::new(bytes.into()).map_err(|never| match never {}).boxed_unsync()
+    Full::new(bytes.into())
+        .map_err(|never| match never {})
+        .boxed_unsync()
 }
 
 #[cfg(test)]

@@ -89,7 +89,11 @@ impl Reply {
     }
 
     /// A chat completion asking for tool calls: (id, name, arguments).
-    pub fn chat_tool_calls(calls: &[(&str, &str, &str)], prompt_tokens: u64, completion_tokens: u64) -> Reply {
+    pub fn chat_tool_calls(
+        calls: &[(&str, &str, &str)],
+        prompt_tokens: u64,
+        completion_tokens: u64,
+    ) -> Reply {
         let tool_calls: Vec<Value> = calls
             .iter()
             .map(|(id, name, args)| json!({"id": id, "type": "function", "function": {"name": name, "arguments": args}}))
@@ -114,17 +118,29 @@ impl Reply {
 
     /// A Responses answer with the given text and usage.
     pub fn responses(text: &str, input_tokens: u64, output_tokens: u64) -> Reply {
-        Reply::json(200, responses_body("resp_fake", text, input_tokens, output_tokens))
+        Reply::json(
+            200,
+            responses_body("resp_fake", text, input_tokens, output_tokens),
+        )
     }
 
     /// A streamed Responses answer.
     pub fn responses_stream(pieces: &[&str], input_tokens: u64, output_tokens: u64) -> Reply {
-        Reply::sse(responses_stream_events("resp_fake", pieces, input_tokens, output_tokens))
+        Reply::sse(responses_stream_events(
+            "resp_fake",
+            pieces,
+            input_tokens,
+            output_tokens,
+        ))
     }
 
     /// An SSE body from complete event strings (each must end in a blank line).
     pub fn sse(events: Vec<String>) -> Reply {
-        Reply::Sse { chunks: events.into_iter().map(Bytes::from).collect(), gap: Duration::ZERO, reset_after: None }
+        Reply::Sse {
+            chunks: events.into_iter().map(Bytes::from).collect(),
+            gap: Duration::ZERO,
+            reset_after: None,
+        }
     }
 
     /// OpenAI's context-length error.
@@ -155,8 +171,13 @@ pub fn chat_body(text: &str, prompt: u64, completion: u64) -> Value {
 
 /// The events of a streamed chat completion.
 pub fn chat_stream_events(pieces: &[&str], usage: Option<(u64, u64)>) -> Vec<String> {
-    let head = r#""id":"chatcmpl-fake","object":"chat.completion.chunk","created":1,"model":"fake""#;
-    let null_usage = if usage.is_some() { r#","usage":null"# } else { "" };
+    let head =
+        r#""id":"chatcmpl-fake","object":"chat.completion.chunk","created":1,"model":"fake""#;
+    let null_usage = if usage.is_some() {
+        r#","usage":null"#
+    } else {
+        ""
+    };
     let mut ev = vec![format!(
         "data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"finish_reason\":null}}]{null_usage}}}\n\n"
     )];
@@ -170,7 +191,10 @@ pub fn chat_stream_events(pieces: &[&str], usage: Option<(u64, u64)>) -> Vec<Str
         "data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{}},\"finish_reason\":\"stop\"}}]{null_usage}}}\n\n"
     ));
     if let Some((p, c)) = usage {
-        ev.push(format!("data: {{{head},\"choices\":[],\"usage\":{}}}\n\n", usage_chat(p, c)));
+        ev.push(format!(
+            "data: {{{head},\"choices\":[],\"usage\":{}}}\n\n",
+            usage_chat(p, c)
+        ));
     }
     ev.push("data: [DONE]\n\n".into());
     ev
@@ -201,13 +225,22 @@ pub fn responses_stream_events(id: &str, pieces: &[&str], input: u64, output: u6
     push("response.created", json!({"response": created}));
     push("response.in_progress", json!({"response": created}));
     let item_id = format!("msg_{id}");
-    push("response.output_item.added", json!({"output_index": 0,
-        "item": {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}}));
+    push(
+        "response.output_item.added",
+        json!({"output_index": 0,
+        "item": {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}}),
+    );
     for p in pieces {
-        push("response.output_text.delta", json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": p}));
+        push(
+            "response.output_text.delta",
+            json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": p}),
+        );
     }
     let done = responses_body(id, &text, input, output);
-    push("response.output_item.done", json!({"output_index": 0, "item": done["output"][0]}));
+    push(
+        "response.output_item.done",
+        json!({"output_index": 0, "item": done["output"][0]}),
+    );
     push("response.completed", json!({"response": done}));
     ev
 }
@@ -236,14 +269,18 @@ impl FakeUpstream {
         tokio::spawn(async move {
             let builder = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new());
             loop {
-                let Ok((stream, _)) = listener.accept().await else { continue };
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
                 let _ = stream.set_nodelay(true);
                 let me = server.clone();
                 let svc = service_fn(move |req| {
                     let me = me.clone();
                     async move { Ok::<_, Infallible>(me.answer(req).await) }
                 });
-                let conn = builder.serve_connection(TokioIo::new(stream), svc).into_owned();
+                let conn = builder
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .into_owned();
                 tokio::spawn(async move {
                     let _ = conn.await;
                 });
@@ -288,7 +325,11 @@ impl FakeUpstream {
 
     async fn answer(&self, req: Request<Incoming>) -> Response<ProxyBody> {
         let (parts, body) = req.into_parts();
-        let body = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+        let body = body
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
         let rec = Received {
             method: parts.method,
             path: parts.uri.path().to_string(),
@@ -314,18 +355,31 @@ pub fn auto_reply(rec: &Received) -> Reply {
     let stream = body.get("stream").and_then(Value::as_bool) == Some(true);
     if rec.path.ends_with("/chat/completions") {
         if stream {
-            let include = body.pointer("/stream_options/include_usage").and_then(Value::as_bool) == Some(true);
-            return Reply::chat_stream(&["Hello", " from the", " fake upstream."], include.then_some((prompt, completion)));
+            let include = body
+                .pointer("/stream_options/include_usage")
+                .and_then(Value::as_bool)
+                == Some(true);
+            return Reply::chat_stream(
+                &["Hello", " from the", " fake upstream."],
+                include.then_some((prompt, completion)),
+            );
         }
         return Reply::chat(AUTO_TEXT, prompt, completion);
     }
     if rec.path.ends_with("/responses") {
         if stream {
-            return Reply::responses_stream(&["Hello", " from the", " fake upstream."], prompt, completion);
+            return Reply::responses_stream(
+                &["Hello", " from the", " fake upstream."],
+                prompt,
+                completion,
+            );
         }
         return Reply::responses(AUTO_TEXT, prompt, completion);
     }
-    Reply::json(200, json!({"object": "list", "data": [], "path": rec.path, "method": rec.method.as_str()}))
+    Reply::json(
+        200,
+        json!({"object": "list", "data": [], "path": rec.path, "method": rec.method.as_str()}),
+    )
 }
 
 async fn render(reply: Reply) -> Response<ProxyBody> {
@@ -334,33 +388,51 @@ async fn render(reply: Reply) -> Response<ProxyBody> {
             tokio::time::sleep(d).await;
             Box::pin(render(*inner)).await
         }
-        Reply::Full { status, headers, body } => {
+        Reply::Full {
+            status,
+            headers,
+            body,
+        } => {
             let mut resp = Response::new(crate::error::full(body));
             *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
             for (k, v) in headers {
-                if let (Ok(k), Ok(v)) = (http::HeaderName::from_bytes(k.as_bytes()), http::HeaderValue::from_str(&v)) {
+                if let (Ok(k), Ok(v)) = (
+                    http::HeaderName::from_bytes(k.as_bytes()),
+                    http::HeaderValue::from_str(&v),
+                ) {
                     resp.headers_mut().append(k, v);
                 }
             }
             resp
         }
-        Reply::Sse { chunks, gap, reset_after } => {
-            let stream = futures_util::stream::unfold((chunks.into_iter(), 0usize), move |(mut it, n)| async move {
-                if reset_after == Some(n) {
-                    let e: BodyError = "scripted reset".into();
-                    return Some((Err(e), (it, n + 1)));
-                }
-                let chunk = it.next()?;
-                if !gap.is_zero() {
-                    tokio::time::sleep(gap).await;
-                }
-                Some((Ok(Frame::data(chunk)), (it, n + 1)))
-            });
+        Reply::Sse {
+            chunks,
+            gap,
+            reset_after,
+        } => {
+            let stream = futures_util::stream::unfold(
+                (chunks.into_iter(), 0usize),
+                move |(mut it, n)| async move {
+                    if reset_after == Some(n) {
+                        let e: BodyError = "scripted reset".into();
+                        return Some((Err(e), (it, n + 1)));
+                    }
+                    let chunk = it.next()?;
+                    if !gap.is_zero() {
+                        tokio::time::sleep(gap).await;
+                    }
+                    Some((Ok(Frame::data(chunk)), (it, n + 1)))
+                },
+            );
             let mut resp = Response::new(StreamBody::new(stream).boxed_unsync());
-            resp.headers_mut()
-                .insert(http::header::CONTENT_TYPE, http::HeaderValue::from_static("text/event-stream"));
-            resp.headers_mut()
-                .insert(http::header::CACHE_CONTROL, http::HeaderValue::from_static("no-cache"));
+            resp.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("text/event-stream"),
+            );
+            resp.headers_mut().insert(
+                http::header::CACHE_CONTROL,
+                http::HeaderValue::from_static("no-cache"),
+            );
             resp
         }
     }

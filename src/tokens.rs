@@ -79,7 +79,12 @@ impl TokenCounter {
 
     /// Tokens of one item (its text leaves plus framing), cached by hash.
     pub fn count_item(&self, hash: &ItemHash, item: &Value) -> u64 {
-        if let Some(n) = self.cache.lock().unwrap_or_else(|p| p.into_inner()).get(hash) {
+        if let Some(n) = self
+            .cache
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(hash)
+        {
             return *n;
         }
         let mut text = String::new();
@@ -94,7 +99,13 @@ impl TokenCounter {
     }
 
     /// Estimates a request by section.
-    pub fn estimate(&self, api: Api, body: &Value, items: &[Value], hashes: &[ItemHash]) -> Estimate {
+    pub fn estimate(
+        &self,
+        api: Api,
+        body: &Value,
+        items: &[Value],
+        hashes: &[ItemHash],
+    ) -> Estimate {
         let mut e = Estimate::default();
         for (item, hash) in items.iter().zip(hashes) {
             let n = self.count_item(hash, item);

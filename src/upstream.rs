@@ -107,7 +107,10 @@ impl Upstream {
         out.remove(header::CONTENT_LENGTH);
         out.remove("x-compactor-conversation");
         if identity {
-            out.insert(header::ACCEPT_ENCODING, HeaderValue::from_static("identity"));
+            out.insert(
+                header::ACCEPT_ENCODING,
+                HeaderValue::from_static("identity"),
+            );
         }
         if let Some(Secret(key)) = &self.api_key {
             out.remove("api-key");
@@ -132,7 +135,9 @@ impl Upstream {
         let req = self.client.request(method, url).headers(headers).body(body);
         match tokio::time::timeout(self.response_timeout, req.send()).await {
             Err(_) => Err(ProxyError::UpstreamTimeout(self.response_timeout.as_secs())),
-            Ok(Err(e)) if e.is_timeout() => Err(ProxyError::UpstreamTimeout(self.response_timeout.as_secs())),
+            Ok(Err(e)) if e.is_timeout() => {
+                Err(ProxyError::UpstreamTimeout(self.response_timeout.as_secs()))
+            }
             Ok(Err(e)) => Err(ProxyError::UpstreamUnreachable(describe(&e))),
             Ok(Ok(resp)) => Ok(resp),
         }

@@ -65,7 +65,7 @@ pub struct Outcome {
 
 impl PendingExchange {
     /// Builds the record: claims item bodies not yet stored, computes chains.
-    pub fn into_record(&self, state: &AppState, outcome: Outcome) -> ExchangeRecord {
+    pub fn to_record(&self, state: &AppState, outcome: Outcome) -> ExchangeRecord {
         let mut new_items = Vec::new();
         let mut claim = |hash: &ItemHash, item: &Value| {
             if state.store.claim_item(hash) {
@@ -117,7 +117,7 @@ impl PendingExchange {
     /// Records the exchange (waiting for the commit), indexes it, and logs
     /// the accounting line in the background.
     pub async fn finish(&self, state: &Arc<AppState>, outcome: Outcome) {
-        let rec = self.into_record(state, outcome);
+        let rec = self.to_record(state, outcome);
         let indexed = indexed(&rec);
         let usage = rec.usage;
         let status = rec.status;
@@ -130,7 +130,7 @@ impl PendingExchange {
 
     /// Records without waiting (the client is gone; nothing can wait).
     pub fn finish_detached(&self, state: &Arc<AppState>, outcome: Outcome) {
-        let rec = self.into_record(state, outcome);
+        let rec = self.to_record(state, outcome);
         state.conversations.remember(&indexed(&rec));
         state.store.record_detached(rec);
     }
@@ -139,8 +139,14 @@ impl PendingExchange {
     /// section, fraction of the model's window; a warning past `warn_ratio`.
     fn account(&self, state: &Arc<AppState>, usage: Option<Usage>, status: u16) {
         let state = state.clone();
-        let (api, body, items, hashes) = (self.api, self.body.clone(), self.items.clone(), self.hashes.clone());
-        let (conversation, model, id) = (self.ident.conversation.clone(), self.model.clone(), self.id);
+        let (api, body, items, hashes) = (
+            self.api,
+            self.body.clone(),
+            self.items.clone(),
+            self.hashes.clone(),
+        );
+        let (conversation, model, id) =
+            (self.ident.conversation.clone(), self.model.clone(), self.id);
         tokio::task::spawn_blocking(move || {
             let est = state.tokens.estimate(api, &body, &items, &hashes);
             let limits = state.config.model_limits(&model);

@@ -89,7 +89,9 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
             let state = state.clone();
             async move { Ok::<_, Infallible>(route(state, peer, req).await) }
         });
-        let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
+        let conn = builder
+            .serve_connection(TokioIo::new(stream), service)
+            .into_owned();
         let conn = graceful.watch(conn);
         tokio::spawn(async move {
             if let Err(e) = conn.await {
@@ -99,23 +101,40 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
     }
     drop(listener);
     let grace = Duration::from_secs(state.config.server.shutdown_grace_secs);
-    tracing::info!(grace_secs = grace.as_secs(), "shutting down: draining in-flight requests");
-    if tokio::time::timeout(grace, graceful.shutdown()).await.is_err() {
+    tracing::info!(
+        grace_secs = grace.as_secs(),
+        "shutting down: draining in-flight requests"
+    );
+    if tokio::time::timeout(grace, graceful.shutdown())
+        .await
+        .is_err()
+    {
         tracing::warn!("grace period over; closing remaining connections");
     }
 }
 
-async fn route(state: Arc<AppState>, peer: SocketAddr, req: Request<Incoming>) -> Response<ProxyBody> {
+async fn route(
+    state: Arc<AppState>,
+    peer: SocketAddr,
+    req: Request<Incoming>,
+) -> Response<ProxyBody> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
-    let span = tracing::info_span!("request", %method, %path, %peer, conversation = tracing::field::Empty);
+    let span =
+        tracing::info_span!("request", %method, %path, %peer, conversation = tracing::field::Empty);
     async move {
         match (&method, path.as_str()) {
-            (&Method::GET, "/healthz") => json_response(StatusCode::OK, &serde_json::json!({"status": "ok"})),
+            (&Method::GET, "/healthz") => {
+                json_response(StatusCode::OK, &serde_json::json!({"status": "ok"}))
+            }
             (&Method::POST, "/v1/chat/completions") => proxy::handle(state, Api::Chat, req).await,
             (&Method::POST, "/v1/responses") => proxy::handle(state, Api::Responses, req).await,
             (_, p) if p.starts_with("/v1/") => passthrough::handle(state, req).await,
-            _ => ProxyError::NotFound { method: method.to_string(), path: path.clone() }.into_response(),
+            _ => ProxyError::NotFound {
+                method: method.to_string(),
+                path: path.clone(),
+            }
+            .into_response(),
         }
     }
     .instrument(span)

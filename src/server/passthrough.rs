@@ -15,12 +15,16 @@ use crate::upstream::strip_hop_by_hop;
 /// Forwards the request as is and streams the answer back.
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
     let (parts, body) = req.into_parts();
-    let below = parts.uri.path().strip_prefix("/v1").unwrap_or(parts.uri.path());
+    let below = parts
+        .uri
+        .path()
+        .strip_prefix("/v1")
+        .unwrap_or(parts.uri.path());
     let url = state.upstream.url(below, parts.uri.query());
     let headers = state.upstream.request_headers(&parts.headers, false);
     // Stream the client's body upstream without buffering it.
-    let body_stream = BodyStream::new(body)
-        .try_filter_map(|frame| async move { Ok(frame.into_data().ok()) });
+    let body_stream =
+        BodyStream::new(body).try_filter_map(|frame| async move { Ok(frame.into_data().ok()) });
     let upstream_body = reqwest::Body::wrap_stream(body_stream);
     let resp = match state
         .upstream

@@ -50,7 +50,11 @@ async fn handle_inner(
         .map_err(|e| ProxyError::BadRequest(format!("request body is not valid JSON: {e}")))?;
     api.validate(&body).map_err(ProxyError::BadRequest)?;
 
-    let model = body.get("model").and_then(Value::as_str).unwrap_or_default().to_string();
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
     let streamed = body.get("stream").and_then(Value::as_bool) == Some(true);
     let tenant = tenant_of(&state.tenant_salt, wire::credential(&parts.headers));
     let items = api.request_items(&body);
@@ -118,7 +122,11 @@ async fn handle_inner(
 }
 
 /// Reads the whole body, refusing more than `limit` bytes with 413.
-async fn read_body(body: Incoming, headers: &http::HeaderMap, limit: usize) -> Result<Bytes, ProxyError> {
+async fn read_body(
+    body: Incoming,
+    headers: &http::HeaderMap,
+    limit: usize,
+) -> Result<Bytes, ProxyError> {
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -128,13 +136,22 @@ async fn read_body(body: Incoming, headers: &http::HeaderMap, limit: usize) -> R
     }
     match Limited::new(body, limit).collect().await {
         Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(ProxyError::PayloadTooLarge { limit }),
-        Err(e) => Err(ProxyError::BadRequest(format!("could not read request body: {e}"))),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            Err(ProxyError::PayloadTooLarge { limit })
+        }
+        Err(e) => Err(ProxyError::BadRequest(format!(
+            "could not read request body: {e}"
+        ))),
     }
 }
 
 /// Copies the upstream's status and end-to-end headers and adds ours.
-fn response_head(status: http::StatusCode, upstream: &http::HeaderMap, conversation: &str, body: ProxyBody) -> Response<ProxyBody> {
+fn response_head(
+    status: http::StatusCode,
+    upstream: &http::HeaderMap,
+    conversation: &str,
+    body: ProxyBody,
+) -> Response<ProxyBody> {
     let mut out = Response::new(body);
     *out.status_mut() = status;
     *out.headers_mut() = strip_hop_by_hop(upstream);
@@ -158,16 +175,40 @@ async fn buffered_response(
         Ok(Ok(b)) => b,
         Ok(Err(e)) => {
             let err = ProxyError::UpstreamUnreachable(describe(&e));
-            pending.finish(&state, Outcome { status: 502, error: Some(err.to_string()), ttfb_ms: Some(ttfb_ms), ..Outcome::default() }).await;
+            pending
+                .finish(
+                    &state,
+                    Outcome {
+                        status: 502,
+                        error: Some(err.to_string()),
+                        ttfb_ms: Some(ttfb_ms),
+                        ..Outcome::default()
+                    },
+                )
+                .await;
             return Err(err);
         }
         Err(_) => {
             let err = ProxyError::UpstreamTimeout(state.upstream.idle_timeout.as_secs());
-            pending.finish(&state, Outcome { status: 504, error: Some(err.to_string()), ttfb_ms: Some(ttfb_ms), ..Outcome::default() }).await;
+            pending
+                .finish(
+                    &state,
+                    Outcome {
+                        status: 504,
+                        error: Some(err.to_string()),
+                        ttfb_ms: Some(ttfb_ms),
+                        ..Outcome::default()
+                    },
+                )
+                .await;
             return Err(err);
         }
     };
-    let mut outcome = Outcome { status: status.as_u16(), ttfb_ms: Some(ttfb_ms), ..Outcome::default() };
+    let mut outcome = Outcome {
+        status: status.as_u16(),
+        ttfb_ms: Some(ttfb_ms),
+        ..Outcome::default()
+    };
     if status.is_success() {
         if let Ok(v) = serde_json::from_slice::<Value>(&bytes) {
             outcome.usage = pending.api.usage(&v);
@@ -178,7 +219,12 @@ async fn buffered_response(
         outcome.error = Some(String::from_utf8_lossy(&bytes).into_owned());
     }
     pending.finish(&state, outcome).await;
-    Ok(response_head(status, &headers, &pending.ident.conversation, full(bytes)))
+    Ok(response_head(
+        status,
+        &headers,
+        &pending.ident.conversation,
+        full(bytes),
+    ))
 }
 
 type UpstreamStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;
@@ -221,7 +267,10 @@ impl Drop for Relay {
         if let Some(p) = self.pending.take() {
             // The client went away mid-stream: dropping `upstream` cancels the
             // upstream request; the exchange is kept as partial.
-            let outcome = self.outcome(true, Some("client disconnected before the end of the stream".into()));
+            let outcome = self.outcome(
+                true,
+                Some("client disconnected before the end of the stream".into()),
+            );
             p.finish_detached(&self.state, outcome);
         }
     }
@@ -251,7 +300,12 @@ fn stream_response(
         done: false,
     };
     let body = futures_util::stream::unfold(relay, next_frame);
-    response_head(status, &headers, &conversation, BodyExt::boxed_unsync(StreamBody::new(body)))
+    response_head(
+        status,
+        &headers,
+        &conversation,
+        BodyExt::boxed_unsync(StreamBody::new(body)),
+    )
 }
 
 async fn next_frame(mut r: Relay) -> Option<(Result<Frame<Bytes>, BodyError>, Relay)> {
@@ -274,7 +328,11 @@ async fn next_frame(mut r: Relay) -> Option<(Result<Frame<Bytes>, BodyError>, Re
             Ok(None) => {
                 let out = r.tee.finish();
                 let complete = r.tee.finished();
-                r.record(!complete, (!complete).then(|| "upstream ended the stream without a final event".into())).await;
+                r.record(
+                    !complete,
+                    (!complete).then(|| "upstream ended the stream without a final event".into()),
+                )
+                .await;
                 r.done = true;
                 if out.is_empty() {
                     return None;

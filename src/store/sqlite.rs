@@ -115,7 +115,11 @@ impl Backend for SqliteBackend {
         let mut snap = Snapshot::default();
         let salt: Option<Vec<u8>> = self
             .conn
-            .query_row("SELECT value FROM meta WHERE key = 'tenant_salt'", [], |r| r.get(0))
+            .query_row(
+                "SELECT value FROM meta WHERE key = 'tenant_salt'",
+                [],
+                |r| r.get(0),
+            )
             .optional()?;
         match salt {
             Some(s) if s.len() == 32 => snap.salt.copy_from_slice(&s),
@@ -165,7 +169,8 @@ impl Backend for SqliteBackend {
     fn write(&mut self, batch: &[ExchangeRecord]) -> Result<(), StoreError> {
         let tx = self.conn.transaction()?;
         {
-            let mut item = tx.prepare_cached("INSERT OR IGNORE INTO items (hash, body) VALUES (?1, ?2)")?;
+            let mut item =
+                tx.prepare_cached("INSERT OR IGNORE INTO items (hash, body) VALUES (?1, ?2)")?;
             let mut conv = tx.prepare_cached(
                 "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model)
                  VALUES (?1, ?2, ?3, ?4, ?4, ?5)
@@ -230,7 +235,9 @@ impl Backend for SqliteBackend {
 /// its prefix references back.
 pub fn request_item_hashes(conn: &Connection, id: i64) -> Result<Vec<ItemHash>, StoreError> {
     // Collect the chain of references newest-first, then rebuild oldest-first.
-    let mut chain: Vec<(Option<i64>, usize, bool, Vec<ItemHash>, Vec<ItemHash>)> = Vec::new();
+    /// (prefix exchange, prefix length, prefix includes response, suffix, response)
+    type Link = (Option<i64>, usize, bool, Vec<ItemHash>, Vec<ItemHash>);
+    let mut chain: Vec<Link> = Vec::new();
     let mut cur = Some(id);
     while let Some(eid) = cur {
         let row: (Option<i64>, i64, bool, Vec<u8>, Vec<u8>) = conn.query_row(
@@ -240,7 +247,13 @@ pub fn request_item_hashes(conn: &Connection, id: i64) -> Result<Vec<ItemHash>, 
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
         )?;
         cur = row.0;
-        chain.push((row.0, row.1 as usize, row.2, unpack_hashes(&row.3), unpack_hashes(&row.4)));
+        chain.push((
+            row.0,
+            row.1 as usize,
+            row.2,
+            unpack_hashes(&row.3),
+            unpack_hashes(&row.4),
+        ));
     }
     let mut items: Vec<ItemHash> = Vec::new();
     let mut prev_response: Vec<ItemHash> = Vec::new();
@@ -262,6 +275,10 @@ pub fn request_item_hashes(conn: &Connection, id: i64) -> Result<Vec<ItemHash>, 
 /// The stored body of an item.
 pub fn item_body(conn: &Connection, hash: &ItemHash) -> Result<Option<String>, StoreError> {
     Ok(conn
-        .query_row("SELECT body FROM items WHERE hash = ?1", params![hash.to_vec()], |r| r.get(0))
+        .query_row(
+            "SELECT body FROM items WHERE hash = ?1",
+            params![hash.to_vec()],
+            |r| r.get(0),
+        )
         .optional()?)
 }

@@ -31,7 +31,11 @@ pub fn validate(obj: &Map<String, Value>) -> Result<(), String> {
 pub fn response_items(body: &Value) -> Vec<Value> {
     body.get("choices")
         .and_then(Value::as_array)
-        .map(|cs| cs.iter().filter_map(|c| c.get("message").cloned()).collect())
+        .map(|cs| {
+            cs.iter()
+                .filter_map(|c| c.get("message").cloned())
+                .collect()
+        })
         .unwrap_or_default()
 }
 
@@ -39,7 +43,9 @@ pub fn response_items(body: &Value) -> Vec<Value> {
 /// true when the body was changed (the usage chunk must then be hidden from
 /// the client again).
 pub fn ensure_stream_usage(body: &mut Value) -> bool {
-    let Some(obj) = body.as_object_mut() else { return false };
+    let Some(obj) = body.as_object_mut() else {
+        return false;
+    };
     if obj.get("stream").and_then(Value::as_bool) != Some(true) {
         return false;
     }
@@ -49,7 +55,9 @@ pub fn ensure_stream_usage(body: &mut Value) -> bool {
     if opts.is_null() {
         *opts = Value::Object(Map::new());
     }
-    let Some(opts) = opts.as_object_mut() else { return false };
+    let Some(opts) = opts.as_object_mut() else {
+        return false;
+    };
     if opts.get("include_usage").and_then(Value::as_bool) == Some(true) {
         return false;
     }
@@ -74,8 +82,12 @@ pub fn strip_usage(data: &str) -> Strip {
     if !data.contains("\"usage\"") {
         return Strip::Keep;
     }
-    let Ok(mut v) = serde_json::from_str::<Value>(data) else { return Strip::Keep };
-    let Some(obj) = v.as_object_mut() else { return Strip::Keep };
+    let Ok(mut v) = serde_json::from_str::<Value>(data) else {
+        return Strip::Keep;
+    };
+    let Some(obj) = v.as_object_mut() else {
+        return Strip::Keep;
+    };
     let no_choices = obj
         .get("choices")
         .and_then(Value::as_array)
@@ -138,7 +150,9 @@ impl ChatCollector {
             self.done = true;
             return;
         }
-        let Ok(v) = serde_json::from_str::<Value>(data) else { return };
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            return;
+        };
         if let Some(e) = v.get("error") {
             self.error = Some(e.clone());
         }
@@ -149,7 +163,12 @@ impl ChatCollector {
             self.usage = Usage::from_value(u);
             self.usage_raw = Some(u.clone());
         }
-        for c in v.get("choices").and_then(Value::as_array).into_iter().flatten() {
+        for c in v
+            .get("choices")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+        {
             let idx = c.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
             if idx > 1024 {
                 continue;
@@ -168,7 +187,12 @@ impl ChatCollector {
             append(&mut acc.content, d.get("content"));
             append(&mut acc.reasoning, d.get("reasoning_content"));
             append(&mut acc.refusal, d.get("refusal"));
-            for tc in d.get("tool_calls").and_then(Value::as_array).into_iter().flatten() {
+            for tc in d
+                .get("tool_calls")
+                .and_then(Value::as_array)
+                .into_iter()
+                .flatten()
+            {
                 let ti = tc.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
                 if ti > 1024 {
                     continue;
@@ -266,7 +290,10 @@ mod tests {
 
     #[test]
     fn strip_rules() {
-        assert_eq!(strip_usage(r#"{"choices":[{"delta":{"content":"a"}}]}"#), Strip::Keep);
+        assert_eq!(
+            strip_usage(r#"{"choices":[{"delta":{"content":"a"}}]}"#),
+            Strip::Keep
+        );
         assert_eq!(
             strip_usage(r#"{"id":"x","choices":[],"usage":{"prompt_tokens":1}}"#),
             Strip::Drop
@@ -280,7 +307,9 @@ mod tests {
     #[test]
     fn collects_content_and_tool_calls() {
         let mut c = ChatCollector::default();
-        c.push(r#"{"id":"c1","choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"}}]}"#);
+        c.push(
+            r#"{"id":"c1","choices":[{"index":0,"delta":{"role":"assistant","content":"Hel"}}]}"#,
+        );
         c.push(r#"{"choices":[{"index":0,"delta":{"content":"lo"}}]}"#);
         c.push(r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"id":"call_1","type":"function","function":{"name":"sh","arguments":"{\"cmd\":"}}]}}]}"#);
         c.push(r#"{"choices":[{"index":0,"delta":{"tool_calls":[{"index":0,"function":{"arguments":"\"ls\"}"}}]},"finish_reason":"tool_calls"}]}"#);
@@ -290,7 +319,10 @@ mod tests {
         assert_eq!(c.usage.unwrap().total(), 7);
         let items = c.items();
         assert_eq!(items[0]["content"], "Hello");
-        assert_eq!(items[0]["tool_calls"][0]["function"]["arguments"], "{\"cmd\":\"ls\"}");
+        assert_eq!(
+            items[0]["tool_calls"][0]["function"]["arguments"],
+            "{\"cmd\":\"ls\"}"
+        );
         assert_eq!(items[0]["tool_calls"][0]["id"], "call_1");
     }
 }

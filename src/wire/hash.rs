@@ -91,7 +91,10 @@ mod tests {
         let a: Value = serde_json::from_str(r#"{"role":"user","content":"hi"}"#).unwrap();
         let b: Value = serde_json::from_str(r#"{ "content" : "hi", "role": "user" }"#).unwrap();
         assert_eq!(item_hash(&a), item_hash(&b));
-        assert_ne!(item_hash(&a), item_hash(&json!({"role":"user","content":"hi!"})));
+        assert_ne!(
+            item_hash(&a),
+            item_hash(&json!({"role":"user","content":"hi!"}))
+        );
         // Structure, not just the characters, is hashed.
         assert_ne!(item_hash(&json!(["a,b"])), item_hash(&json!(["a", "b"])));
     }

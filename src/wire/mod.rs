@@ -160,7 +160,11 @@ mod tests {
                           "prompt_tokens_details": {"cached_tokens": 4}});
         assert_eq!(
             Usage::from_value(&chat),
-            Some(Usage { input_tokens: 32, output_tokens: 8, cached_tokens: Some(4) })
+            Some(Usage {
+                input_tokens: 32,
+                output_tokens: 8,
+                cached_tokens: Some(4)
+            })
         );
         let resp = json!({"input_tokens": 10, "output_tokens": 3, "total_tokens": 13});
         assert_eq!(Usage::from_value(&resp).unwrap().total(), 13);

@@ -63,7 +63,9 @@ pub struct ResponsesCollector {
 impl ResponsesCollector {
     /// Feeds one event: its `event:` name (may be empty) and `data`.
     pub fn push(&mut self, event: &str, data: &str) {
-        let Ok(v) = serde_json::from_str::<Value>(data) else { return };
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            return;
+        };
         let kind = v
             .get("type")
             .and_then(Value::as_str)
@@ -97,7 +99,11 @@ impl ResponsesCollector {
     /// The output items: the final response's, else those seen done so far.
     pub fn items(&self) -> Vec<Value> {
         match &self.final_response {
-            Some(r) if r.get("output").and_then(Value::as_array).is_some_and(|o| !o.is_empty()) => {
+            Some(r)
+                if r.get("output")
+                    .and_then(Value::as_array)
+                    .is_some_and(|o| !o.is_empty()) =>
+            {
                 response_items(r)
             }
             _ => self.done_items.clone(),
@@ -112,7 +118,10 @@ impl ResponsesCollector {
 
 /// True for the event names that end a Responses stream.
 pub fn is_terminal_event(kind: &str) -> bool {
-    matches!(kind, "response.completed" | "response.incomplete" | "response.failed")
+    matches!(
+        kind,
+        "response.completed" | "response.incomplete" | "response.failed"
+    )
 }
 
 #[cfg(test)]
@@ -132,8 +141,14 @@ mod tests {
     #[test]
     fn collects_completed_response() {
         let mut c = ResponsesCollector::default();
-        c.push("response.created", r#"{"type":"response.created","response":{"id":"resp_1","output":[]}}"#);
-        c.push("", r#"{"type":"response.output_item.done","item":{"type":"message","id":"m1"}}"#);
+        c.push(
+            "response.created",
+            r#"{"type":"response.created","response":{"id":"resp_1","output":[]}}"#,
+        );
+        c.push(
+            "",
+            r#"{"type":"response.output_item.done","item":{"type":"message","id":"m1"}}"#,
+        );
         assert!(!c.finished());
         assert_eq!(c.items().len(), 1);
         c.push("response.completed", r#"{"type":"response.completed","response":{"id":"resp_1","output":[{"type":"message","id":"m1"}],"usage":{"input_tokens":7,"output_tokens":2}}}"#);

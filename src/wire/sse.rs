@@ -212,7 +212,9 @@ fn event_end(buf: &[u8]) -> Option<usize> {
 }
 
 fn usage_rewrite(block: &[u8]) -> Strip {
-    let Ok(text) = std::str::from_utf8(block) else { return Strip::Keep };
+    let Ok(text) = std::str::from_utf8(block) else {
+        return Strip::Keep;
+    };
     let mut data = String::new();
     let mut other_fields = false;
     for line in text.lines() {

@@ -1,0 +1,340 @@
+//! Bad input and faults: each gets a clear OpenAI-style error (or the
+//! upstream's own answer), nothing leaks the credential, the process keeps
+//! serving, and the exchange is recorded.
+
+mod support;
+
+use std::time::Duration;
+
+use compactor::fake_upstream::{chat_stream_events, Reply};
+use serde_json::{json, Value};
+use support::{client, post, post_raw, within, Harness};
+
+const KEY: &str = "sk-test-SECRET-never-echo-42";
+
+fn error_of(body: &[u8]) -> Value {
+    let v: Value = serde_json::from_slice(body).expect("error body is JSON");
+    let e = v.get("error").expect("has error").clone();
+    assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()), "{v}");
+    assert!(e["type"].is_string() && e["code"].is_string(), "{v}");
+    assert!(
+        !String::from_utf8_lossy(body).contains(KEY),
+        "credential echoed: {v}"
+    );
+    e
+}
+
+async fn still_serving(h: &Harness) {
+    let resp = within(client().get(format!("http://{}/healthz", h.addr)).send())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let (status, _, _) = post(
+        &format!("{}/chat/completions", h.url()),
+        KEY,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "still there?"}]}),
+    )
+    .await;
+    assert_eq!(status, 200);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_and_mistyped_bodies_get_400_naming_the_problem() {
+    let h = Harness::start().await;
+    let url = format!("{}/chat/completions", h.url());
+    let cases: Vec<(Vec<u8>, &str)> = vec![
+        (b"{not json".to_vec(), "not valid JSON"),
+        (b"[1,2]".to_vec(), "JSON object"),
+        (br#"{"model":"m"}"#.to_vec(), "messages"),
+        (
+            br#"{"model":"m","messages":"hi"}"#.to_vec(),
+            "`messages` must be an array",
+        ),
+        (br#"{"model":"m","messages":[1]}"#.to_vec(), "messages[0]"),
+        (
+            br#"{"model":7,"messages":[]}"#.to_vec(),
+            "`model` must be a string",
+        ),
+        (
+            br#"{"model":"m","stream":"yes","messages":[]}"#.to_vec(),
+            "`stream`",
+        ),
+    ];
+    for (body, needle) in cases {
+        let (status, headers, resp) = post_raw(&url, KEY, body.clone()).await;
+        assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+        assert_eq!(headers.get("content-type").unwrap(), "application/json");
+        let e = error_of(&resp);
+        assert_eq!(e["type"], "invalid_request_error");
+        assert!(
+            e["message"].as_str().unwrap().contains(needle),
+            "{e} should mention {needle}"
+        );
+    }
+    let (status, _, resp) = post_raw(
+        &format!("{}/responses", h.url()),
+        KEY,
+        br#"{"input":42}"#.to_vec(),
+    )
+    .await;
+    assert_eq!(status, 400);
+    assert!(error_of(&resp)["message"]
+        .as_str()
+        .unwrap()
+        .contains("input"));
+    assert_eq!(h.fake.count(), 0, "nothing malformed went upstream");
+    still_serving(&h).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_bodies_get_413() {
+    let h = Harness::start_with(|c| c.server.max_body_bytes = 10_000).await;
+    let big = json!({"model": "m", "messages": [{"role": "user", "content": "x".repeat(20_000)}]});
+    let (status, _, resp) = post(&format!("{}/chat/completions", h.url()), KEY, &big).await;
+    assert_eq!(status, 413);
+    assert_eq!(error_of(&resp)["code"], "request_too_large");
+    // Without a content-length (chunked upload) the limit holds too.
+    let chunks: Vec<Result<Vec<u8>, std::io::Error>> =
+        vec![Ok(vec![b' '; 6000]), Ok(vec![b' '; 6000])];
+    let resp = within(
+        client()
+            .post(format!("{}/responses", h.url()))
+            .body(reqwest::Body::wrap_stream(futures_util::stream::iter(
+                chunks,
+            )))
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 413);
+    assert_eq!(h.fake.count(), 0);
+    still_serving(&h).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_endpoints_get_404() {
+    let h = Harness::start().await;
+    let resp = within(client().get(format!("http://{}/nope", h.addr)).send())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 404);
+    let body = within(resp.bytes()).await.unwrap();
+    assert_eq!(error_of(&body)["code"], "unknown_url");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_errors_pass_through_verbatim_and_are_recorded() {
+    let h = Harness::start().await;
+    let url = format!("{}/chat/completions", h.url());
+    let req = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]});
+    let overflow = Reply::context_length_exceeded();
+    let Reply::Full { body: expected, .. } = overflow.clone() else {
+        unreachable!()
+    };
+    h.fake.push(overflow);
+    let (status, headers, body) = post(&url, KEY, &req).await;
+    assert_eq!(status, 400);
+    assert_eq!(body, expected);
+    assert!(headers.get("x-compactor-conversation").is_some());
+
+    h.fake.push(Reply::Full {
+        status: 503,
+        headers: vec![
+            ("content-type".into(), "text/plain".into()),
+            ("retry-after".into(), "7".into()),
+        ],
+        body: "overloaded".into(),
+    });
+    let (status, headers, body) = post(&url, KEY, &req).await;
+    assert_eq!(status, 503);
+    assert_eq!(headers.get("retry-after").unwrap(), "7");
+    assert_eq!(&body[..], b"overloaded");
+    // A stream request answered with an error is relayed as is, too.
+    h.fake.push(Reply::json(429, json!({"error": {"message": "slow down", "type": "rate_limit", "code": "rate_limit_exceeded"}})));
+    let mut sreq = req.clone();
+    sreq["stream"] = json!(true);
+    let (status, _, body) = post(&url, KEY, &sreq).await;
+    assert_eq!(status, 429);
+    assert!(String::from_utf8_lossy(&body).contains("slow down"));
+
+    let statuses: Vec<(i64, Option<String>)> = h
+        .db()
+        .prepare("SELECT status, error FROM exchanges ORDER BY id")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        statuses.iter().map(|s| s.0).collect::<Vec<_>>(),
+        vec![400, 503, 429]
+    );
+    assert!(statuses[0]
+        .1
+        .as_deref()
+        .unwrap()
+        .contains("context_length_exceeded"));
+    still_serving(&h).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_upstream_gives_502() {
+    // A port that was just free: nothing listens there.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let h =
+        Harness::start_with(|c| c.upstream.base_url = format!("http://127.0.0.1:{port}/v1")).await;
+    let (status, _, body) = post(
+        &format!("{}/chat/completions", h.url()),
+        KEY,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 502);
+    assert_eq!(error_of(&body)["code"], "upstream_unreachable");
+    let resp = within(client().get(format!("{}/models", h.url())).send())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 502);
+    let recorded: i64 = h
+        .db()
+        .query_row("SELECT status FROM exchanges", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(recorded, 502);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_upstream_gives_504_and_the_proxy_keeps_serving() {
+    let h = Harness::start_with(|c| c.upstream.response_timeout_secs = 1).await;
+    h.fake.push(Reply::Delay(
+        Duration::from_secs(3),
+        Box::new(Reply::chat("late", 1, 1)),
+    ));
+    let (status, _, body) = post(
+        &format!("{}/chat/completions", h.url()),
+        KEY,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 504);
+    assert_eq!(error_of(&body)["code"], "upstream_timeout");
+    still_serving(&h).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_reset_mid_stream_reaches_the_client_and_is_recorded_partial() {
+    let h = Harness::start().await;
+    let events = chat_stream_events(&["a", "b", "c", "d"], Some((9, 4)));
+    // A gap lets the status line and first chunks leave before the reset.
+    h.fake.push(Reply::Sse {
+        chunks: events.into_iter().map(Into::into).collect(),
+        gap: Duration::from_millis(50),
+        reset_after: Some(2),
+    });
+    let req = json!({"model": "m", "stream": true, "stream_options": {"include_usage": true},
+                     "messages": [{"role": "user", "content": "hi"}]});
+    let resp = within(
+        client()
+            .post(format!("{}/chat/completions", h.url()))
+            .json(&req)
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    // The body must end in an error, not look complete.
+    assert!(
+        within(resp.bytes()).await.is_err(),
+        "a broken upstream stream must not look complete"
+    );
+    h.wait_exchanges(1).await;
+    let (partial, error): (i64, Option<String>) = h
+        .db()
+        .query_row("SELECT partial, error FROM exchanges", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .unwrap();
+    assert_eq!(partial, 1);
+    assert!(error.is_some());
+    still_serving(&h).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_leaving_mid_stream_cancels_upstream_and_records_partial() {
+    let h = Harness::start().await;
+    let pieces: Vec<String> = (0..50).map(|i| format!("w{i} ")).collect();
+    let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+    let events = chat_stream_events(&refs, Some((9, 50)));
+    h.fake.push(Reply::Sse {
+        chunks: events.into_iter().map(Into::into).collect(),
+        gap: Duration::from_millis(100),
+        reset_after: None,
+    });
+    let req = json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "long answer"}]});
+    let mut resp = within(
+        client()
+            .post(format!("{}/chat/completions", h.url()))
+            .json(&req)
+            .send(),
+    )
+    .await
+    .unwrap();
+    let _first = within(resp.chunk()).await.unwrap();
+    let _second = within(resp.chunk()).await.unwrap();
+    drop(resp);
+    h.wait_exchanges(1).await;
+    let (partial, error, content): (i64, String, String) = h
+        .db()
+        .query_row(
+            "SELECT e.partial, e.error, i.body FROM exchanges e JOIN items i ON i.hash = substr(e.response_items, 1, 32)",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .unwrap();
+    assert_eq!(partial, 1);
+    assert!(error.contains("client disconnected"), "{error}");
+    assert!(
+        content.contains("w0"),
+        "what was relayed before the client left is kept: {content}"
+    );
+    still_serving(&h).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_drains_an_in_flight_stream() {
+    let mut h = Harness::start().await;
+    let events = chat_stream_events(&["x", "y", "z"], None);
+    h.fake.push(Reply::Sse {
+        chunks: events.into_iter().map(Into::into).collect(),
+        gap: Duration::from_millis(200),
+        reset_after: None,
+    });
+    let req = json!({"model": "m", "stream": true, "stream_options": {"include_usage": false},
+                     "messages": [{"role": "user", "content": "hi"}]});
+    let mut resp = within(
+        client()
+            .post(format!("{}/chat/completions", h.url()))
+            .json(&req)
+            .send(),
+    )
+    .await
+    .unwrap();
+    let first = within(resp.chunk()).await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    let body = tokio::spawn(async move { within(resp.bytes()).await });
+    h.stop().await;
+    let rest = within(body)
+        .await
+        .unwrap()
+        .expect("stream finished during shutdown");
+    assert!(String::from_utf8_lossy(&rest).ends_with("data: [DONE]\n\n"));
+    // After shutdown nothing accepts connections.
+    assert!(
+        within(client().get(format!("http://{}/healthz", h.addr)).send())
+            .await
+            .is_err()
+    );
+}

@@ -1,0 +1,296 @@
+//! Forwarding through real sockets: what the upstream receives and what the
+//! client receives, JSON and SSE, both APIs, plus passthrough paths.
+
+mod support;
+
+use std::time::Duration;
+
+use compactor::fake_upstream::{chat_stream_events, responses_stream_events, Reply};
+use serde_json::{json, Value};
+use support::{client, post, post_raw, within, Harness};
+
+const KEY: &str = "sk-test-forwarding-0123456789";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_json_reaches_upstream_byte_for_byte_and_back() {
+    let h = Harness::start().await;
+    // Unknown fields, odd spacing and key order must survive untouched.
+    let raw = br#"{ "model":"gpt-4o-mini", "zz_unknown": {"keep": [1, 2.50, null]},
+        "messages": [{"role":"system","content":"be brief"},{"content":"hi","role":"user","x_extra":true}] }"#;
+    let upstream_answer = json!({"id": "chatcmpl-1", "object": "chat.completion", "weird_field": [1, {"a": null}],
+        "choices": [{"index": 0, "message": {"role": "assistant", "content": "hello"}, "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 11, "completion_tokens": 2, "total_tokens": 13}});
+    h.fake.push(Reply::json(200, upstream_answer.clone()));
+    let (status, headers, body) =
+        post_raw(&format!("{}/chat/completions", h.url()), KEY, raw.to_vec()).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        body,
+        upstream_answer.to_string().as_bytes(),
+        "client gets the upstream's bytes"
+    );
+    assert!(headers
+        .get("x-compactor-conversation")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .starts_with("conv_"));
+    let got = h.fake.last().unwrap();
+    assert_eq!(got.path, "/v1/chat/completions");
+    assert_eq!(&got.body[..], &raw[..], "upstream gets the client's bytes");
+    assert_eq!(
+        got.headers.get("authorization").unwrap(),
+        &format!("Bearer {KEY}")
+    );
+    assert!(got.headers.get("x-compactor-conversation").is_none());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_stream_with_usage_requested_is_relayed_unchanged() {
+    let h = Harness::start().await;
+    let events = chat_stream_events(&["Hel", "lo"], Some((20, 2)));
+    h.fake.push(Reply::sse(events.clone()));
+    let req = json!({"model": "gpt-4o", "stream": true, "stream_options": {"include_usage": true},
+                     "messages": [{"role": "user", "content": "hi"}]});
+    let (status, headers, body) = post(&format!("{}/chat/completions", h.url()), KEY, &req).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers.get("content-type").unwrap(), "text/event-stream");
+    assert_eq!(String::from_utf8(body.to_vec()).unwrap(), events.concat());
+    assert_eq!(h.fake.last().unwrap().json(), req);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_stream_gets_usage_injected_upstream_and_hidden_from_client() {
+    let h = Harness::start().await;
+    // No script: the fake answers like OpenAI, honouring include_usage.
+    let req =
+        json!({"model": "gpt-4o", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
+    let (status, _, body) = post(&format!("{}/chat/completions", h.url()), KEY, &req).await;
+    assert_eq!(status, 200);
+    let sent = h.fake.last().unwrap().json();
+    assert_eq!(
+        sent["stream_options"]["include_usage"], true,
+        "proxy asks for usage"
+    );
+    // What a client asking directly without include_usage would have seen.
+    let direct = chat_stream_events(&["Hello", " from the", " fake upstream."], None).concat();
+    assert_eq!(String::from_utf8(body.to_vec()).unwrap(), direct);
+    // ...while the usage was read and recorded.
+    let (input, output): (Option<i64>, Option<i64>) = h
+        .db()
+        .query_row(
+            "SELECT input_tokens, output_tokens FROM exchanges",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert!(input.unwrap() > 0);
+    assert_eq!(output, Some(7));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_json_and_stream_are_relayed_unchanged() {
+    let h = Harness::start().await;
+    let answer = compactor::fake_upstream::responses_body("resp_A", "hi there", 12, 3);
+    h.fake.push(Reply::json(200, answer.clone()));
+    let req = json!({"model": "gpt-5", "instructions": "be brief", "input": "hi", "store": false,
+                     "reasoning": {"effort": "low"}, "unknown_knob": 1});
+    let (status, _, body) = post(&format!("{}/responses", h.url()), KEY, &req).await;
+    assert_eq!(status, 200);
+    assert_eq!(body, answer.to_string().as_bytes());
+    assert_eq!(h.fake.last().unwrap().json(), req);
+
+    let events = responses_stream_events("resp_B", &["a", "b"], 30, 2);
+    h.fake.push(Reply::sse(events.clone()));
+    let mut req = req.clone();
+    req["stream"] = json!(true);
+    let (status, _, body) = post(&format!("{}/responses", h.url()), KEY, &req).await;
+    assert_eq!(status, 200);
+    assert_eq!(String::from_utf8(body.to_vec()).unwrap(), events.concat());
+    assert_eq!(
+        h.fake.last().unwrap().json(),
+        req,
+        "no usage injection for Responses"
+    );
+    let rows: Vec<(Option<String>, i64, i64, i64)> = h
+        .db()
+        .prepare(
+            "SELECT response_id, input_tokens, output_tokens, streamed FROM exchanges ORDER BY id",
+        )
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            (Some("resp_A".into()), 12, 3, 0),
+            (Some("resp_B".into()), 30, 2, 1)
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stream_chunks_arrive_as_they_are_sent() {
+    let h = Harness::start().await;
+    let events = chat_stream_events(&["one", "two", "three"], Some((5, 3)));
+    let gap = Duration::from_millis(300);
+    h.fake.push(Reply::Sse {
+        chunks: events.into_iter().map(Into::into).collect(),
+        gap,
+        reset_after: None,
+    });
+    let req = json!({"model": "m", "stream": true, "stream_options": {"include_usage": true},
+                     "messages": [{"role": "user", "content": "count"}]});
+    let started = std::time::Instant::now();
+    let mut resp = within(
+        client()
+            .post(format!("{}/chat/completions", h.url()))
+            .json(&req)
+            .send(),
+    )
+    .await
+    .unwrap();
+    let first = within(resp.chunk()).await.unwrap().unwrap();
+    let first_at = started.elapsed();
+    assert!(String::from_utf8_lossy(&first).contains("\"role\":\"assistant\""));
+    let mut rest = 0;
+    while within(resp.chunk()).await.unwrap().is_some() {
+        rest += 1;
+    }
+    let total = started.elapsed();
+    assert!(
+        rest >= 5,
+        "chunks were forwarded separately, got {rest} more"
+    );
+    // The first chunk left before the upstream had sent the rest (7 gaps).
+    assert!(
+        first_at < total - gap * 4,
+        "first chunk at {first_at:?} of {total:?}: body was buffered"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passthrough_paths_stream_untouched_both_ways() {
+    let h = Harness::start().await;
+    let resp = within(
+        client()
+            .get(format!("{}/models?limit=2", h.url()))
+            .header("authorization", format!("Bearer {KEY}"))
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers().get("x-compactor-conversation").is_none());
+    let body: Value = within(resp.json()).await.unwrap();
+    assert_eq!(body["path"], "/v1/models");
+    let got = h.fake.last().unwrap();
+    assert_eq!(got.query.as_deref(), Some("limit=2"));
+    assert_eq!(
+        got.headers.get("authorization").unwrap(),
+        &format!("Bearer {KEY}")
+    );
+
+    // A compressed answer reaches the client exactly as the upstream sent it.
+    let gz: Vec<u8> = vec![0x1f, 0x8b, 8, 0, 0, 0, 0, 0, 0, 3, 1, 2, 3, 4, 5, 6];
+    h.fake.push(Reply::Full {
+        status: 200,
+        headers: vec![
+            ("content-encoding".into(), "gzip".into()),
+            ("content-type".into(), "application/json".into()),
+        ],
+        body: gz.clone().into(),
+    });
+    let payload: Vec<u8> = (0..200_000u32).map(|i| (i % 251) as u8).collect();
+    let resp = within(
+        client()
+            .post(format!("{}/files", h.url()))
+            .header("accept-encoding", "zstd,gzip")
+            .body(payload.clone())
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(resp.headers().get("content-encoding").unwrap(), "gzip");
+    assert_eq!(within(resp.bytes()).await.unwrap().to_vec(), gz);
+    let got = h.fake.last().unwrap();
+    assert_eq!(
+        got.body.to_vec(),
+        payload,
+        "request body streamed through intact"
+    );
+    assert_eq!(got.headers.get("accept-encoding").unwrap(), "zstd,gzip");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn parsed_endpoints_ask_upstream_for_an_uncompressed_answer() {
+    let h = Harness::start().await;
+    let resp = within(
+        client()
+            .post(format!("{}/chat/completions", h.url()))
+            .header("accept-encoding", "zstd,gzip")
+            .json(&json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    // The proxy must read usage out of the body, so it asks for identity;
+    // the client gets a plain body, which every client accepts.
+    assert_eq!(
+        h.fake
+            .last()
+            .unwrap()
+            .headers
+            .get("accept-encoding")
+            .unwrap(),
+        "identity"
+    );
+    assert!(resp.headers().get("content-encoding").is_none());
+    let body: Value = within(resp.json()).await.unwrap();
+    assert_eq!(body["choices"][0]["message"]["role"], "assistant");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hop_by_hop_headers_stay_on_their_hop() {
+    let h = Harness::start().await;
+    let resp = within(
+        client()
+            .post(format!("{}/chat/completions", h.url()))
+            .header("connection", "x-hop")
+            .header("x-hop", "1")
+            .header("x-end-to-end", "2")
+            .header("session-id", "s-1")
+            .json(&json!({"model": "m", "messages": [{"role": "user", "content": "x"}]}))
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    let got = h.fake.last().unwrap();
+    assert!(got.headers.get("x-hop").is_none());
+    assert_eq!(got.headers.get("x-end-to-end").unwrap(), "2");
+    assert_eq!(got.headers.get("session-id").unwrap(), "s-1");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn server_side_key_replaces_the_clients() {
+    // The variable name is used by this test alone.
+    std::env::set_var("COMPACTOR_TEST_SERVER_KEY", "sk-server-side");
+    let h =
+        Harness::start_with(|c| c.upstream.api_key_env = "COMPACTOR_TEST_SERVER_KEY".into()).await;
+    let (status, _, _) = post(
+        &format!("{}/chat/completions", h.url()),
+        KEY,
+        &json!({"model": "m", "messages": []}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        h.fake.last().unwrap().headers.get("authorization").unwrap(),
+        "Bearer sk-server-side"
+    );
+}

@@ -1,0 +1,325 @@
+//! Records: conversation grouping, tenants, content-addressed items, and
+//! durability of the real binary under `kill -9`.
+
+mod support;
+
+use std::io::{BufRead, BufReader};
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+use compactor::store::sqlite::request_item_hashes;
+use compactor::wire::item_hash;
+use serde_json::{json, Value};
+use support::{post, within, Harness};
+
+fn conv(headers: &http::HeaderMap) -> String {
+    headers
+        .get("x-compactor-conversation")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
+/// Sends `history`, appends the assistant's answer as the client would, and
+/// returns the conversation id.
+async fn turn(url: &str, key: &str, history: &mut Vec<Value>, user: &str) -> String {
+    history.push(json!({"role": "user", "content": user}));
+    let (status, headers, body) =
+        post(url, key, &json!({"model": "gpt-4o", "messages": history})).await;
+    assert_eq!(status, 200);
+    let answer: Value = serde_json::from_slice(&body).unwrap();
+    // Clients resend the answer in their own shape, not byte-identically.
+    let text = answer["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    history.push(json!({"role": "assistant", "content": text}));
+    conv(&headers)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_extending_histories_group_and_others_do_not() {
+    let h = Harness::start().await;
+    let url = format!("{}/chat/completions", h.url());
+    let mut a = vec![json!({"role": "system", "content": "You are a coding agent."})];
+    let mut b = a.clone();
+    let a1 = turn(&url, "k1", &mut a, "fix the bug in parser.rs").await;
+    let a2 = turn(&url, "k1", &mut a, "now add a test").await;
+    let b1 = turn(&url, "k1", &mut b, "write a poem").await;
+    let a3 = turn(&url, "k1", &mut a, "run it").await;
+    let b2 = turn(&url, "k1", &mut b, "shorter").await;
+    assert_eq!(a1, a2);
+    assert_eq!(a2, a3);
+    assert_eq!(b1, b2);
+    assert_ne!(a1, b1, "sharing only the system prompt does not group");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn explicit_ids_group_unrelated_requests() {
+    let h = Harness::start().await;
+    let client = support::client();
+    let mut ids = Vec::new();
+    for text in ["first", "entirely different", "third"] {
+        let body = json!({"model": "gpt-5", "input": text});
+        let resp = within(
+            client
+                .post(format!("{}/responses", h.url()))
+                .header("authorization", "Bearer k")
+                .header("session-id", "019a-session")
+                .json(&body)
+                .send(),
+        )
+        .await
+        .unwrap();
+        ids.push(conv(resp.headers()));
+        within(resp.bytes()).await.unwrap();
+    }
+    // Codex sends the same id as `prompt_cache_key` in the body.
+    let (_, headers, _) = post(
+        &format!("{}/responses", h.url()),
+        "k",
+        &json!({"model": "gpt-5", "input": "fourth", "prompt_cache_key": "019a-session"}),
+    )
+    .await;
+    ids.push(conv(&headers));
+    assert!(ids.windows(2).all(|w| w[0] == w[1]), "{ids:?}");
+    let (key, n): (String, i64) = h
+        .db()
+        .query_row(
+            "SELECT explicit_key, (SELECT count(*) FROM exchanges) FROM conversations",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(key, "session-id:019a-session");
+    assert_eq!(n, 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identical_histories_under_two_keys_are_two_tenants() {
+    let h = Harness::start().await;
+    let url = format!("{}/chat/completions", h.url());
+    let mut a = vec![json!({"role": "system", "content": "same"})];
+    let mut b = a.clone();
+    let a1 = turn(&url, "sk-alice-aaaaaaaaaaaa", &mut a, "same question").await;
+    let b1 = turn(&url, "sk-bob-bbbbbbbbbbbbbb", &mut b, "same question").await;
+    let a2 = turn(&url, "sk-alice-aaaaaaaaaaaa", &mut a, "next").await;
+    let b2 = turn(&url, "sk-bob-bbbbbbbbbbbbbb", &mut b, "next").await;
+    assert_ne!(a1, b1);
+    assert_eq!(a1, a2);
+    assert_eq!(b1, b2);
+    // The same explicit id under two keys is two conversations as well.
+    let session = |key: &'static str| {
+        let url = format!("{}/responses", h.url());
+        async move {
+            let resp = within(
+                support::client()
+                    .post(url)
+                    .header("authorization", format!("Bearer {key}"))
+                    .header("session-id", "shared-id")
+                    .json(&json!({"model": "gpt-5", "input": "hi"}))
+                    .send(),
+            )
+            .await
+            .unwrap();
+            conv(resp.headers())
+        }
+    };
+    assert_ne!(
+        session("sk-alice-aaaaaaaaaaaa").await,
+        session("sk-bob-bbbbbbbbbbbbbb").await
+    );
+    let tenants: i64 = h
+        .db()
+        .query_row("SELECT count(DISTINCT tenant) FROM exchanges", [], |r| {
+            r.get(0)
+        })
+        .unwrap();
+    assert_eq!(tenants, 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn raw_keys_never_reach_the_store() {
+    let h = Harness::start().await;
+    let key = "sk-proj-RAWKEY-must-not-be-stored-7f3a";
+    let url = format!("{}/chat/completions", h.url());
+    let mut hist = vec![];
+    turn(&url, key, &mut hist, "hello").await;
+    let (status, _, _) = post(
+        &format!("{}/responses", h.url()),
+        key,
+        &json!({"input": "x", "stream": true}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    // Look in the database and its WAL, as bytes.
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir(h.dir.path()).unwrap() {
+        let path = entry.unwrap().path();
+        let bytes = std::fs::read(&path).unwrap();
+        assert!(!bytes.is_empty() || !path.ends_with("compactor.db"));
+        if bytes.windows(key.len()).any(|w| w == key.as_bytes())
+            || bytes.windows(6).any(|w| w == b"RAWKEY")
+        {
+            found.push(path);
+        }
+    }
+    assert!(found.is_empty(), "raw key found in {found:?}");
+    let n: i64 = h
+        .db()
+        .query_row("SELECT count(*) FROM exchanges", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(n, 2, "the exchanges themselves were recorded");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_resent_history_is_stored_once_and_reconstructs_exactly() {
+    let h = Harness::start().await;
+    let url = format!("{}/chat/completions", h.url());
+    let mut hist = vec![json!({"role": "system", "content": "sys"})];
+    const TURNS: usize = 30;
+    for i in 0..TURNS {
+        turn(
+            &url,
+            "k",
+            &mut hist,
+            &format!("step {i}: {}", "detail ".repeat(50)),
+        )
+        .await;
+    }
+    let db = h.db();
+    let items: i64 = db
+        .query_row("SELECT count(*) FROM items", [], |r| r.get(0))
+        .unwrap();
+    // Per turn: the user message, the answer as the upstream sent it and as
+    // the client resent it; plus the system message and the parameters.
+    assert!(
+        items as usize <= 3 * TURNS + 2,
+        "items = {items}: storage must be linear"
+    );
+    let suffix_hashes: i64 = db
+        .query_row(
+            "SELECT sum(length(suffix_items)) / 32 FROM exchanges",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(
+        suffix_hashes as usize <= 3 * TURNS + 1,
+        "suffixes = {suffix_hashes}: each turn stores only what is new"
+    );
+    // The last request's items come back exactly from the prefix references.
+    let last_id: i64 = db
+        .query_row("SELECT max(id) FROM exchanges", [], |r| r.get(0))
+        .unwrap();
+    let sent: Vec<_> = hist[..hist.len() - 1].iter().map(item_hash).collect();
+    assert_eq!(request_item_hashes(&db, last_id).unwrap(), sent);
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_exchanges_survive_kill_9() {
+    let fake = within(compactor::fake_upstream::FakeUpstream::start())
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("kill9.db");
+    let port = free_port();
+    let mut child = Command::new(env!("CARGO_BIN_EXE_compactor"))
+        .args([
+            "serve",
+            "--listen",
+            &format!("127.0.0.1:{port}"),
+            "--upstream",
+            &fake.url(),
+        ])
+        .arg("--db")
+        .arg(&db)
+        .env("RUST_LOG", "info")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("start compactor");
+    // Wait for the banner.
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("compactor listening") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    rx.recv_timeout(Duration::from_secs(20))
+        .expect("compactor started");
+    let base = format!("http://127.0.0.1:{port}/v1");
+    let (s1, _, _) = post(
+        &format!("{base}/chat/completions"),
+        "k",
+        &json!({"model": "m", "messages": [{"role": "user", "content": "one"}]}),
+    )
+    .await;
+    let (s2, _, b2) = post(
+        &format!("{base}/chat/completions"),
+        "k",
+        &json!({"model": "m", "stream": true, "messages": [{"role": "user", "content": "two"}]}),
+    )
+    .await;
+    let (s3, _, _) = post(
+        &format!("{base}/responses"),
+        "k",
+        &json!({"model": "m", "input": "three", "stream": true}),
+    )
+    .await;
+    assert_eq!((s1, s2, s3), (200, 200, 200));
+    assert!(String::from_utf8_lossy(&b2).ends_with("data: [DONE]\n\n"));
+    // Right after the last answer: SIGKILL, no chance to flush anything.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let rows: Vec<(String, i64, Option<i64>)> = conn
+        .prepare("SELECT endpoint, streamed, output_tokens FROM exchanges ORDER BY id")
+        .unwrap()
+        .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(
+        rows,
+        vec![
+            ("/chat/completions".into(), 0, Some(7)),
+            ("/chat/completions".into(), 1, Some(7)),
+            ("/responses".into(), 1, Some(7)),
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn restart_on_the_same_store_keeps_grouping() {
+    let mut h = Harness::start().await;
+    let url = format!("{}/chat/completions", h.url());
+    let mut hist = vec![];
+    let before = turn(&url, "k", &mut hist, "remember me").await;
+    h.stop().await;
+    let config = h.state.config.clone();
+    let (fake, db) = (h.fake.clone(), h.db.clone());
+    let dir = std::mem::replace(&mut h.dir, tempfile::tempdir().unwrap());
+    drop(h);
+    let h2 = Harness::start_on(fake, dir, db, config).await;
+    let after = turn(
+        &format!("{}/chat/completions", h2.url()),
+        "k",
+        &mut hist,
+        "again",
+    )
+    .await;
+    assert_eq!(before, after);
+}

@@ -1,0 +1,161 @@
+//! Shared test plumbing: a proxy on an ephemeral port in front of the fake
+//! upstream, a temporary store, and a timeout around every await.
+
+#![allow(dead_code)]
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use compactor::config::Config;
+use compactor::fake_upstream::FakeUpstream;
+use compactor::server::{self, AppState};
+use tokio::sync::oneshot;
+
+/// Upper bound for any single await in a test.
+pub const STEP: Duration = Duration::from_secs(20);
+
+/// Awaits `f` or fails the test after [`STEP`].
+pub async fn within<T>(f: impl Future<Output = T>) -> T {
+    tokio::time::timeout(STEP, f)
+        .await
+        .expect("test step timed out")
+}
+
+/// A running proxy with its fake upstream and store.
+pub struct Harness {
+    pub addr: SocketAddr,
+    pub fake: FakeUpstream,
+    pub state: Arc<AppState>,
+    pub db: PathBuf,
+    pub dir: tempfile::TempDir,
+    shutdown: Option<oneshot::Sender<()>>,
+    pub server: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Harness {
+    /// Proxy + fake upstream with default settings.
+    pub async fn start() -> Harness {
+        Self::start_with(|_| {}).await
+    }
+
+    /// Proxy + fake upstream, with a chance to adjust the config.
+    pub async fn start_with(adjust: impl FnOnce(&mut Config)) -> Harness {
+        let fake = within(FakeUpstream::start()).await.expect("fake upstream");
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = dir.path().join("compactor.db");
+        let mut config = Config::default();
+        config.upstream.base_url = fake.url();
+        config.store.path = db.display().to_string();
+        config.server.shutdown_grace_secs = 5;
+        adjust(&mut config);
+        Self::start_on(fake, dir, db, config).await
+    }
+
+    /// A proxy over an existing fake and config (e.g. to restart on a store).
+    pub async fn start_on(
+        fake: FakeUpstream,
+        dir: tempfile::TempDir,
+        db: PathBuf,
+        config: Config,
+    ) -> Harness {
+        let state = AppState::open(config).expect("open state");
+        let listener = within(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (tx, rx) = oneshot::channel::<()>();
+        let st = state.clone();
+        let server = tokio::spawn(async move {
+            server::run(listener, st, async {
+                let _ = rx.await;
+            })
+            .await
+        });
+        Harness {
+            addr,
+            fake,
+            state,
+            db,
+            dir,
+            shutdown: Some(tx),
+            server: Some(server),
+        }
+    }
+
+    /// Base URL clients use (with `/v1`).
+    pub fn url(&self) -> String {
+        format!("http://{}/v1", self.addr)
+    }
+
+    /// Signals shutdown and waits for the server to drain.
+    pub async fn stop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(s) = self.server.take() {
+            within(s).await.expect("server task");
+        }
+    }
+
+    /// A read-only connection to the store.
+    pub fn db(&self) -> rusqlite::Connection {
+        rusqlite::Connection::open_with_flags(&self.db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .expect("open db")
+    }
+
+    /// Waits until the store holds `n` exchanges (records of streams cut
+    /// short are written after the client has gone).
+    pub async fn wait_exchanges(&self, n: i64) {
+        within(async {
+            loop {
+                let count: i64 = self
+                    .db()
+                    .query_row("SELECT count(*) FROM exchanges", [], |r| r.get(0))
+                    .unwrap_or(0);
+                if count >= n {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+    }
+}
+
+/// A client that never pools, follows nothing, and does not decompress.
+pub fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .redirect(reqwest::redirect::Policy::none())
+        .build()
+        .expect("client")
+}
+
+/// POSTs JSON bytes with a bearer key; returns status, headers and body.
+pub async fn post(
+    url: &str,
+    key: &str,
+    body: &serde_json::Value,
+) -> (u16, http::HeaderMap, bytes::Bytes) {
+    post_raw(url, key, serde_json::to_vec(body).unwrap()).await
+}
+
+/// POSTs raw bytes with a bearer key.
+pub async fn post_raw(url: &str, key: &str, body: Vec<u8>) -> (u16, http::HeaderMap, bytes::Bytes) {
+    let resp = within(
+        client()
+            .post(url)
+            .header("authorization", format!("Bearer {key}"))
+            .header("content-type", "application/json")
+            .body(body)
+            .send(),
+    )
+    .await
+    .expect("request");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = within(resp.bytes()).await.expect("body");
+    (status, headers, body)
+}
