@@ -38,10 +38,12 @@ impl Estimate {
     }
 }
 
+/// The tokenizer, loaded once per process (it takes a while to build).
+static BPE: OnceLock<Option<CoreBPE>> = OnceLock::new();
+
 /// Counts tokens; cheap to share.
 #[derive(Default)]
 pub struct TokenCounter {
-    bpe: OnceLock<Option<CoreBPE>>,
     cache: Mutex<HashMap<ItemHash, u64>>,
 }
 
@@ -50,28 +52,28 @@ impl TokenCounter {
     /// estimate does not pay for it.
     pub fn new_warm() -> Arc<Self> {
         let me = Arc::new(Self::default());
-        let warm = me.clone();
-        std::thread::spawn(move || {
-            warm.bpe();
-        });
+        if BPE.get().is_none() {
+            std::thread::spawn(|| {
+                Self::bpe();
+            });
+        }
         me
     }
 
-    fn bpe(&self) -> Option<&CoreBPE> {
-        self.bpe
-            .get_or_init(|| match tiktoken_rs::o200k_base() {
-                Ok(b) => Some(b),
-                Err(e) => {
-                    tracing::warn!(error = %e, "tokenizer unavailable; estimating 4 bytes per token");
-                    None
-                }
-            })
-            .as_ref()
+    fn bpe() -> Option<&'static CoreBPE> {
+        BPE.get_or_init(|| match tiktoken_rs::o200k_base() {
+            Ok(b) => Some(b),
+            Err(e) => {
+                tracing::warn!(error = %e, "tokenizer unavailable; estimating 4 bytes per token");
+                None
+            }
+        })
+        .as_ref()
     }
 
     /// Tokens of a piece of text.
     pub fn count_text(&self, text: &str) -> u64 {
-        match self.bpe() {
+        match Self::bpe() {
             Some(b) => b.encode_ordinary(text).len() as u64,
             None => text.len().div_ceil(4) as u64,
         }

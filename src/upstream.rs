@@ -133,7 +133,44 @@ impl Upstream {
         body: reqwest::Body,
     ) -> Result<reqwest::Response, ProxyError> {
         let req = self.client.request(method, url).headers(headers).body(body);
-        match tokio::time::timeout(self.response_timeout, req.send()).await {
+        self.execute(req).await
+    }
+
+    /// Sends a request whose body is in memory. A pooled connection the
+    /// upstream closed while idle (llama-server closes after every stream
+    /// although it announces keep-alive) fails before any answer byte; such
+    /// a request never reached the upstream, so it is sent once more.
+    pub async fn send_bytes(
+        &self,
+        method: http::Method,
+        url: &str,
+        headers: HeaderMap,
+        body: bytes::Bytes,
+    ) -> Result<reqwest::Response, ProxyError> {
+        let build = || {
+            self.client
+                .request(method.clone(), url)
+                .headers(headers.clone())
+                .body(body.clone())
+        };
+        match tokio::time::timeout(self.response_timeout, build().send()).await {
+            Ok(Err(e)) if stale_connection(&e) => {
+                tracing::debug!(error = %describe(&e), "pooled upstream connection was closed; retrying once");
+                self.execute(build()).await
+            }
+            other => self.map(other),
+        }
+    }
+
+    async fn execute(&self, req: reqwest::RequestBuilder) -> Result<reqwest::Response, ProxyError> {
+        self.map(tokio::time::timeout(self.response_timeout, req.send()).await)
+    }
+
+    fn map(
+        &self,
+        sent: Result<reqwest::Result<reqwest::Response>, tokio::time::error::Elapsed>,
+    ) -> Result<reqwest::Response, ProxyError> {
+        match sent {
             Err(_) => Err(ProxyError::UpstreamTimeout(self.response_timeout.as_secs())),
             Ok(Err(e)) if e.is_timeout() => {
                 Err(ProxyError::UpstreamTimeout(self.response_timeout.as_secs()))
@@ -142,6 +179,35 @@ impl Upstream {
             Ok(Ok(resp)) => Ok(resp),
         }
     }
+}
+
+/// Whether a send failed because the connection was closed under it before
+/// any response arrived (a stale pooled connection), not because the
+/// upstream is down.
+fn stale_connection(e: &reqwest::Error) -> bool {
+    if e.is_connect() || e.is_timeout() {
+        return false;
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
+    while let Some(s) = source {
+        if let Some(h) = s.downcast_ref::<hyper::Error>() {
+            if h.is_incomplete_message() || h.is_canceled() {
+                return true;
+            }
+        }
+        if let Some(io) = s.downcast_ref::<std::io::Error>() {
+            if matches!(
+                io.kind(),
+                std::io::ErrorKind::ConnectionReset
+                    | std::io::ErrorKind::BrokenPipe
+                    | std::io::ErrorKind::ConnectionAborted
+            ) {
+                return true;
+            }
+        }
+        source = s.source();
+    }
+    false
 }
 
 /// Describes a reqwest error without its URL (which could carry a key in a

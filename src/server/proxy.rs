@@ -94,7 +94,7 @@ async fn handle_inner(
     let headers = state.upstream.request_headers(&parts.headers, true);
     let resp = match state
         .upstream
-        .send(Method::POST, &url, headers, upstream_bytes.into())
+        .send_bytes(Method::POST, &url, headers, upstream_bytes)
         .await
     {
         Ok(r) => r,
