@@ -101,6 +101,21 @@ pub struct CompactionConfig {
     pub warn_ratio: f64,
     /// Token budget of verbatim user messages kept from the summarized part.
     pub recent_user_tokens: u64,
+    /// Token budget of the verbatim tail after the cut (capped at 20% of the window).
+    pub tail_tokens: u64,
+    /// A compaction aims to bring the request to this fraction of the window.
+    pub target_ratio: f64,
+    /// Model used for summaries; empty: the conversation's own model.
+    pub summarizer_model: String,
+    /// Compute compactions in the background after the triggering answer.
+    pub background: bool,
+    /// Rung 1 truncates tool outputs longer than this many bytes.
+    pub tool_output_max_bytes: usize,
+    /// ...keeping this many bytes of them (two thirds head, one third tail).
+    pub tool_output_keep_bytes: usize,
+    /// How long a request that does not fit waits for a background
+    /// compaction still being computed, seconds.
+    pub wait_secs: u64,
 }
 
 impl Default for CompactionConfig {
@@ -109,6 +124,13 @@ impl Default for CompactionConfig {
             trigger_ratio: 0.75,
             warn_ratio: 0.6,
             recent_user_tokens: 20_000,
+            tail_tokens: 16_000,
+            target_ratio: 0.4,
+            summarizer_model: String::new(),
+            background: true,
+            tool_output_max_bytes: 8_192,
+            tool_output_keep_bytes: 3_072,
+            wait_secs: 120,
         }
     }
 }
@@ -203,6 +225,15 @@ impl Config {
         }
         if !(c.warn_ratio > 0.0 && c.warn_ratio <= 1.0) {
             return invalid("compaction.warn_ratio", "must be in (0, 1]");
+        }
+        if !(c.target_ratio > 0.0 && c.target_ratio < c.trigger_ratio) {
+            return invalid("compaction.target_ratio", "must be in (0, trigger_ratio)");
+        }
+        if c.tool_output_keep_bytes >= c.tool_output_max_bytes {
+            return invalid(
+                "compaction.tool_output_keep_bytes",
+                "must be less than tool_output_max_bytes",
+            );
         }
         for m in &self.models {
             if m.context_window == 0 {

@@ -354,6 +354,9 @@ pub fn auto_reply(rec: &Received) -> Reply {
     let completion = 7;
     let stream = body.get("stream").and_then(Value::as_bool) == Some(true);
     if rec.path.ends_with("/chat/completions") {
+        if let Some(narrative) = summarizer_narrative(&body) {
+            return Reply::chat(&narrative, prompt, 60);
+        }
         if stream {
             let include = body
                 .pointer("/stream_options/include_usage")
@@ -380,6 +383,62 @@ pub fn auto_reply(rec: &Received) -> Reply {
         200,
         json!({"object": "list", "data": [], "path": rec.path, "method": rec.method.as_str()}),
     )
+}
+
+/// For a summarizer request (a system message carrying
+/// [`SUMMARIZER_MARKER`](crate::compaction::summary::SUMMARIZER_MARKER)),
+/// a narrative with every section, each one short line derived from the
+/// transcript: DECISIONS and OPEN ITEMS name the last `[user]` line seen.
+fn summarizer_narrative(body: &Value) -> Option<String> {
+    use crate::compaction::summary::{NARRATIVE_SECTIONS, SUMMARIZER_MARKER};
+    let messages = body.get("messages")?.as_array()?;
+    let text =
+        |m: &Value| crate::compaction::items::value_text(m.get("content").unwrap_or(&Value::Null));
+    let is = |m: &&Value, r: &str| m.get("role").and_then(Value::as_str) == Some(r);
+    if !messages
+        .iter()
+        .filter(|m| is(m, "system"))
+        .any(|m| text(m).contains(SUMMARIZER_MARKER))
+    {
+        return None;
+    }
+    let user = messages
+        .iter()
+        .rev()
+        .find(|m| is(m, "user"))
+        .map(text)
+        .unwrap_or_default();
+    let last_user = user
+        .lines()
+        .rev()
+        .find_map(|l| l.strip_prefix("[user] "))
+        .map(|l| l.chars().take(120).collect::<String>())
+        .unwrap_or_else(|| "(none)".into());
+    let calls = user
+        .lines()
+        .filter(|l| l.starts_with("[tool call "))
+        .count();
+    let error = user
+        .lines()
+        .filter(|l| l.starts_with("[tool output "))
+        .find(|l| l.to_ascii_lowercase().contains("error"))
+        .map(|l| l.chars().take(120).collect::<String>())
+        .unwrap_or_else(|| "none".into());
+    let lines = [
+        format!("- fake plan: continue the work ({calls} tool calls seen)"),
+        format!("- fake decision: last user line seen: {last_user}"),
+        "- fake workspace: see the files recorded by the proxy".to_string(),
+        "- fake constraints: none stated".to_string(),
+        format!("- fake errors: {error}"),
+        format!("- fake next step: answer \"{last_user}\""),
+    ];
+    let narrative = NARRATIVE_SECTIONS
+        .iter()
+        .zip(lines)
+        .map(|(h, l)| format!("## {h}\n{l}"))
+        .collect::<Vec<_>>()
+        .join("\n\n");
+    Some(narrative)
 }
 
 async fn render(reply: Reply) -> Response<ProxyBody> {

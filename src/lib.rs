@@ -5,6 +5,8 @@
 //!
 //! - [`config`]: `proxy.toml` schema, defaults, layering, the models table.
 //! - [`cli`]: the `compactor` command line.
+//! - [`compaction`]: when, where and how a history is compacted (pure layer)
+//!   and the engine that runs it (summaries, background jobs, replay).
 //! - [`server`]: accept loop, graceful shutdown, routing, the proxied endpoints.
 //! - [`upstream`]: the pooled client to the real API, header hygiene, credentials.
 //! - [`wire`]: the item view of Chat Completions and Responses, content
@@ -21,6 +23,7 @@
 #![warn(missing_docs)]
 
 pub mod cli;
+pub mod compaction;
 pub mod config;
 pub mod conversation;
 pub mod error;

@@ -7,6 +7,8 @@ use std::time::Instant;
 use serde_json::{Map, Value};
 
 use super::AppState;
+use crate::compaction::engine::{self, Input};
+use crate::compaction::Compaction;
 use crate::conversation::Identified;
 use crate::store::{ExchangeRecord, IndexedExchange};
 use crate::wire::{chain_extend, item_hash, Api, ItemHash, Usage};
@@ -36,6 +38,14 @@ pub struct PendingExchange {
     pub hashes: Arc<Vec<ItemHash>>,
     /// Chain hash over all request items (zeros if none).
     pub chain_request: ItemHash,
+    /// Chain hash of each prefix of the request items.
+    pub chains: Arc<Vec<ItemHash>>,
+    /// The items as sent upstream (after compaction; the same as `items` when none applied).
+    pub view: Arc<Vec<Value>>,
+    /// The compaction applied, if any.
+    pub compaction: Option<Arc<Compaction>>,
+    /// The client's credential headers, kept in memory for summary calls.
+    pub auth: http::HeaderMap,
     /// Whether the client asked for a stream.
     pub streamed: bool,
     /// When the request arrived.
@@ -111,6 +121,7 @@ impl PendingExchange {
             // Only a complete answer can be continued by the next request.
             chain_full: (complete && !response_hashes.is_empty())
                 .then(|| chain_extend(self.chain_request, &response_hashes)),
+            compaction: self.compaction.as_ref().map(|c| c.id.clone()),
         }
     }
 
@@ -121,11 +132,12 @@ impl PendingExchange {
         let indexed = indexed(&rec);
         let usage = rec.usage;
         let status = rec.status;
+        let complete = !rec.partial && (200..300).contains(&rec.status);
         if let Err(e) = state.store.record(rec).await {
             tracing::error!(error = %e, exchange = self.id, "exchange not recorded");
         }
         state.conversations.remember(&indexed);
-        self.account(state, usage, status);
+        self.account(state, usage, status, complete);
     }
 
     /// Records without waiting (the client is gone; nothing can wait).
@@ -136,19 +148,31 @@ impl PendingExchange {
     }
 
     /// The per-exchange accounting line: reported usage, estimate by
-    /// section, fraction of the model's window; a warning past `warn_ratio`.
-    fn account(&self, state: &Arc<AppState>, usage: Option<Usage>, status: u16) {
+    /// section of what was sent, fraction of the model's window; a warning
+    /// past `warn_ratio`. Then the compaction decision for the next request.
+    fn account(&self, state: &Arc<AppState>, usage: Option<Usage>, status: u16, complete: bool) {
         let state = state.clone();
-        let (api, body, items, hashes) = (
-            self.api,
-            self.body.clone(),
-            self.items.clone(),
-            self.hashes.clone(),
-        );
+        let (api, body, view) = (self.api, self.body.clone(), self.view.clone());
+        let hashes = Arc::ptr_eq(&self.view, &self.items).then(|| self.hashes.clone());
+        // Only chat conversations are compacted so far; only a complete
+        // answer says how large the conversation now is.
+        let next = (complete && api == Api::Chat).then(|| Input {
+            tenant: self.tenant.clone(),
+            conversation: self.ident.conversation.clone(),
+            model: self.model.clone(),
+            view: self.view.clone(),
+            chains: self.chains.clone(),
+            base: self.compaction.clone(),
+            auth: self.auth.clone(),
+            reason: String::new(),
+            requested_ms: self.started_ms,
+        });
         let (conversation, model, id) =
             (self.ident.conversation.clone(), self.model.clone(), self.id);
+        let compaction = self.compaction.as_ref().map(|c| c.id.clone());
         tokio::task::spawn_blocking(move || {
-            let est = state.tokens.estimate(api, &body, &items, &hashes);
+            let hashes = hashes.unwrap_or_else(|| Arc::new(view.iter().map(item_hash).collect()));
+            let est = state.tokens.estimate(api, &body, &view, &hashes);
             let limits = state.config.model_limits(&model);
             let (used, source) = match usage {
                 Some(u) => (u.total(), "reported"),
@@ -160,6 +184,7 @@ impl PendingExchange {
                 ($level:ident) => {
                     tracing::$level!(
                         conversation = %conversation, exchange = id, model = %model, status,
+                        compaction = compaction.as_deref().unwrap_or(""),
                         input_tokens = usage.map(|u| u.input_tokens),
                         output_tokens = usage.map(|u| u.output_tokens),
                         tokens = used, tokens_source = source,
@@ -174,6 +199,9 @@ impl PendingExchange {
                 line!(warn);
             } else {
                 line!(info);
+            }
+            if let Some(input) = next {
+                engine::after_exchange(&state, input, used, usage.is_none());
             }
         });
     }

@@ -4,6 +4,7 @@
 //! choose the port) and a shutdown future.
 
 mod exchange;
+pub use exchange::now_ms;
 mod passthrough;
 mod proxy;
 
@@ -21,6 +22,7 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tracing::Instrument;
 
+use crate::compaction::engine::Compactions;
 use crate::config::Config;
 use crate::conversation::ConversationIndex;
 use crate::error::{json_response, ProxyBody, ProxyError};
@@ -43,6 +45,8 @@ pub struct AppState {
     pub tokens: Arc<TokenCounter>,
     /// Salt of tenant hashes (per store).
     pub tenant_salt: [u8; 32],
+    /// Stored compactions and running compaction jobs.
+    pub compactions: Compactions,
 }
 
 impl AppState {
@@ -51,9 +55,11 @@ impl AppState {
         let path = config.store_path();
         let backend = SqliteBackend::open(&path)
             .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
-        let (store, snapshot) = Store::start(Box::new(backend))?;
+        let (store, mut snapshot) = Store::start(Box::new(backend))?;
         let conversations = ConversationIndex::from_snapshot(&snapshot);
+        let compactions = Compactions::from_stored(std::mem::take(&mut snapshot.compactions));
         Ok(Arc::new(AppState {
+            compactions,
             upstream: Upstream::new(&config.upstream)?,
             store,
             conversations,

@@ -20,6 +20,7 @@ use serde_json::Value;
 
 use super::exchange::{now_ms, Outcome, PendingExchange};
 use super::AppState;
+use crate::compaction::{engine, policy, rewrite, Compaction};
 use crate::conversation::tenant_of;
 use crate::error::{full, BodyError, ProxyBody, ProxyError};
 use crate::upstream::{describe, strip_hop_by_hop};
@@ -28,6 +29,8 @@ use crate::wire::{self, chain_hashes, chat, item_hash, Api, ItemHash};
 
 /// Response header naming the conversation.
 pub const CONVERSATION_HEADER: &str = "x-compactor-conversation";
+/// Response header naming the compaction applied to the request.
+pub const COMPACTED_HEADER: &str = "x-compactor-compacted";
 
 /// Handles one parsed-endpoint request; every failure becomes a JSON error.
 pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Incoming>) -> Response<ProxyBody> {
@@ -68,13 +71,32 @@ async fn handle_inner(
     tracing::Span::current().record("conversation", ident.conversation.as_str());
 
     let strip_usage = api == Api::Chat && chat::ensure_stream_usage(&mut body);
-    let upstream_bytes = if strip_usage {
+    let items = Arc::new(items);
+    let chains = Arc::new(chains);
+    let conversation = ident.conversation.clone();
+
+    // A stored compaction covering a prefix of this request replaces it.
+    let mut applied = match api {
+        Api::Chat => state.compactions.find(&tenant, &chains),
+        Api::Responses => None,
+    };
+    if api == Api::Chat {
+        let view = view_of(&items, applied.as_deref());
+        if engine::wait_if_needed(&state, &tenant, &conversation, &model, view).await {
+            applied = state.compactions.find(&tenant, &chains);
+        }
+    }
+    let original_bytes = if strip_usage {
         Bytes::from(serde_json::to_vec(&body).map_err(|e| ProxyError::Internal(e.to_string()))?)
     } else {
         raw
     };
-
-    let pending = PendingExchange {
+    let view = view_of(&items, applied.as_deref());
+    let mut upstream_bytes = match &applied {
+        Some(_) => with_items(&body, &view)?,
+        None => original_bytes.clone(),
+    };
+    let mut pending = PendingExchange {
         id: state.store.next_exchange_id(),
         ident,
         explicit_key,
@@ -82,9 +104,13 @@ async fn handle_inner(
         api,
         model,
         body: Arc::new(body),
-        items: Arc::new(items),
         chain_request: chains.last().copied().unwrap_or([0; 32]),
         hashes: Arc::new(hashes),
+        items,
+        chains,
+        view,
+        compaction: applied,
+        auth: engine::auth_headers(&parts.headers),
         streamed,
         started,
         started_ms,
@@ -92,33 +118,162 @@ async fn handle_inner(
 
     let url = state.upstream.url(api.endpoint(), parts.uri.query());
     let headers = state.upstream.request_headers(&parts.headers, true);
-    let resp = match state
-        .upstream
-        .send_bytes(Method::POST, &url, headers, upstream_bytes)
-        .await
-    {
-        Ok(r) => r,
-        Err(e) => {
-            let outcome = Outcome {
-                status: e.status().as_u16(),
-                error: Some(e.to_string()),
-                ..Outcome::default()
-            };
-            pending.finish(&state, outcome).await;
-            return Err(e);
+    let mut retried = false;
+    let answer = loop {
+        let resp = match state
+            .upstream
+            .send_bytes(Method::POST, &url, headers.clone(), upstream_bytes.clone())
+            .await
+        {
+            Ok(r) => r,
+            Err(e) => {
+                let outcome = Outcome {
+                    status: e.status().as_u16(),
+                    error: Some(e.to_string()),
+                    ..Outcome::default()
+                };
+                pending.finish(&state, outcome).await;
+                return Err(e);
+            }
+        };
+        if resp.status().is_success() {
+            break Answer::Upstream(resp);
+        }
+        // An error answer is small: read it whole to see whether it says the
+        // prompt did not fit.
+        let status = resp.status();
+        let resp_headers = resp.headers().clone();
+        let bytes = match tokio::time::timeout(state.upstream.idle_timeout, resp.bytes()).await {
+            Ok(Ok(b)) => b,
+            _ => Bytes::new(),
+        };
+        if !retried && api == Api::Chat {
+            if policy::is_context_overflow(status.as_u16(), &bytes) {
+                let input = engine::Input {
+                    tenant: pending.tenant.clone(),
+                    conversation: conversation.clone(),
+                    model: pending.model.clone(),
+                    view: pending.view.clone(),
+                    chains: pending.chains.clone(),
+                    base: pending.compaction.clone(),
+                    auth: pending.auth.clone(),
+                    reason: format!("overflow: upstream answered {status}"),
+                    requested_ms: pending.started_ms,
+                };
+                match engine::compact(&state, input).await {
+                    Ok(c) => {
+                        pending.view = view_of(&pending.items, Some(&c));
+                        upstream_bytes = with_items(&pending.body, &pending.view)?;
+                        pending.compaction = Some(c);
+                        retried = true;
+                        tracing::info!("retrying once with the compacted request");
+                        continue;
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "overflow could not be compacted; relaying the upstream's answer")
+                    }
+                }
+            } else if pending.compaction.is_some() && status.is_client_error() {
+                // Compaction must never turn a request that would have
+                // succeeded into a failure: send the client's own request.
+                tracing::warn!(%status, "compacted request refused; resending it uncompacted");
+                pending.compaction = None;
+                pending.view = pending.items.clone();
+                upstream_bytes = original_bytes.clone();
+                retried = true;
+                continue;
+            }
+        }
+        break Answer::Error(status, resp_headers, bytes);
+    };
+    let applied = pending.compaction.clone();
+    let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
+    let mut response = match answer {
+        Answer::Upstream(resp) => {
+            let is_sse = resp
+                .headers()
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|ct| ct.starts_with("text/event-stream"));
+            if is_sse {
+                stream_response(state, pending, resp, strip_usage, ttfb_ms)
+            } else {
+                let status = resp.status();
+                let headers = resp.headers().clone();
+                match tokio::time::timeout(state.upstream.idle_timeout, resp.bytes()).await {
+                    Ok(Ok(b)) => {
+                        buffered_response(state, pending, status, headers, b, ttfb_ms).await
+                    }
+                    Ok(Err(e)) => {
+                        let err = ProxyError::UpstreamUnreachable(describe(&e));
+                        pending
+                            .finish(
+                                &state,
+                                Outcome {
+                                    status: 502,
+                                    error: Some(err.to_string()),
+                                    ttfb_ms: Some(ttfb_ms),
+                                    ..Outcome::default()
+                                },
+                            )
+                            .await;
+                        return Err(err);
+                    }
+                    Err(_) => {
+                        let err =
+                            ProxyError::UpstreamTimeout(state.upstream.idle_timeout.as_secs());
+                        pending
+                            .finish(
+                                &state,
+                                Outcome {
+                                    status: 504,
+                                    error: Some(err.to_string()),
+                                    ttfb_ms: Some(ttfb_ms),
+                                    ..Outcome::default()
+                                },
+                            )
+                            .await;
+                        return Err(err);
+                    }
+                }
+            }
+        }
+        Answer::Error(status, headers, bytes) => {
+            buffered_response(state, pending, status, headers, bytes, ttfb_ms).await
         }
     };
-    let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
-    let is_sse = resp
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| ct.starts_with("text/event-stream"));
-    if is_sse && resp.status().is_success() {
-        Ok(stream_response(state, pending, resp, strip_usage, ttfb_ms))
-    } else {
-        buffered_response(state, pending, resp, ttfb_ms).await
+    if let Some(c) = &applied {
+        if let Ok(v) = HeaderValue::from_str(&c.id) {
+            response.headers_mut().insert(COMPACTED_HEADER, v);
+        }
     }
+    Ok(response)
+}
+
+/// What the upstream finally answered.
+enum Answer {
+    /// A success, body not yet read.
+    Upstream(reqwest::Response),
+    /// An error answer, read whole.
+    Error(http::StatusCode, http::HeaderMap, Bytes),
+}
+
+/// The items as they go upstream: the compaction's replacement, then the
+/// rest of the client's items; the client's items when none applies.
+fn view_of(items: &Arc<Vec<Value>>, applied: Option<&Compaction>) -> Arc<Vec<Value>> {
+    match applied {
+        Some(c) => Arc::new(rewrite::rewrite(items, c)),
+        None => items.clone(),
+    }
+}
+
+/// The request body with its `messages` replaced by `view`.
+fn with_items(body: &Value, view: &[Value]) -> Result<Bytes, ProxyError> {
+    let mut out = body.clone();
+    out["messages"] = Value::Array(view.to_vec());
+    serde_json::to_vec(&out)
+        .map(Bytes::from)
+        .map_err(|e| ProxyError::Internal(e.to_string()))
 }
 
 /// Reads the whole body, refusing more than `limit` bytes with 413.
@@ -161,49 +316,16 @@ fn response_head(
     out
 }
 
-/// A JSON (or error) answer: read whole, parsed for usage and output,
+/// A JSON (or error) answer, read whole: parsed for usage and output,
 /// recorded, then released to the client byte for byte.
 async fn buffered_response(
     state: Arc<AppState>,
     pending: PendingExchange,
-    resp: reqwest::Response,
+    status: http::StatusCode,
+    headers: http::HeaderMap,
+    bytes: Bytes,
     ttfb_ms: f64,
-) -> Result<Response<ProxyBody>, ProxyError> {
-    let status = resp.status();
-    let headers = resp.headers().clone();
-    let bytes = match tokio::time::timeout(state.upstream.idle_timeout, resp.bytes()).await {
-        Ok(Ok(b)) => b,
-        Ok(Err(e)) => {
-            let err = ProxyError::UpstreamUnreachable(describe(&e));
-            pending
-                .finish(
-                    &state,
-                    Outcome {
-                        status: 502,
-                        error: Some(err.to_string()),
-                        ttfb_ms: Some(ttfb_ms),
-                        ..Outcome::default()
-                    },
-                )
-                .await;
-            return Err(err);
-        }
-        Err(_) => {
-            let err = ProxyError::UpstreamTimeout(state.upstream.idle_timeout.as_secs());
-            pending
-                .finish(
-                    &state,
-                    Outcome {
-                        status: 504,
-                        error: Some(err.to_string()),
-                        ttfb_ms: Some(ttfb_ms),
-                        ..Outcome::default()
-                    },
-                )
-                .await;
-            return Err(err);
-        }
-    };
+) -> Response<ProxyBody> {
     let mut outcome = Outcome {
         status: status.as_u16(),
         ttfb_ms: Some(ttfb_ms),
@@ -219,12 +341,7 @@ async fn buffered_response(
         outcome.error = Some(String::from_utf8_lossy(&bytes).into_owned());
     }
     pending.finish(&state, outcome).await;
-    Ok(response_head(
-        status,
-        &headers,
-        &pending.ident.conversation,
-        full(bytes),
-    ))
+    response_head(status, &headers, &pending.ident.conversation, full(bytes))
 }
 
 type UpstreamStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>;

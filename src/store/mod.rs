@@ -16,6 +16,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use serde::Serialize;
 use tokio::sync::oneshot;
 
+use crate::compaction::Compaction;
 use crate::wire::{Api, ItemHash, Usage};
 
 /// Most records the writer commits in one transaction.
@@ -86,6 +87,17 @@ pub struct ExchangeRecord {
     pub chain_request: Option<ItemHash>,
     /// Chain hash over the request items followed by the response items.
     pub chain_full: Option<ItemHash>,
+    /// The compaction applied to the request, if any.
+    pub compaction: Option<String>,
+}
+
+/// Anything the writer thread persists.
+#[derive(Debug, Clone)]
+pub enum Record {
+    /// A request/response pair.
+    Exchange(Box<ExchangeRecord>),
+    /// A computed compaction.
+    Compaction(Box<Compaction>),
 }
 
 /// What start-up needs to rebuild the in-memory conversation index.
@@ -101,6 +113,8 @@ pub struct Snapshot {
     pub exchanges: Vec<IndexedExchange>,
     /// Explicit conversation keys: (tenant, key, conversation).
     pub keys: Vec<(String, String, String)>,
+    /// Every compaction, oldest first (replay re-applies them).
+    pub compactions: Vec<Compaction>,
 }
 
 /// The fields of an exchange the conversation index needs.
@@ -128,8 +142,8 @@ pub struct IndexedExchange {
 pub trait Backend: Send + 'static {
     /// Loads what start-up needs (creating the salt on first use).
     fn load(&mut self) -> Result<Snapshot, StoreError>;
-    /// Writes a batch of exchanges in one transaction.
-    fn write(&mut self, batch: &[ExchangeRecord]) -> Result<(), StoreError>;
+    /// Writes a batch of records in one transaction.
+    fn write(&mut self, batch: &[Record]) -> Result<(), StoreError>;
 }
 
 /// A store failure.
@@ -147,7 +161,7 @@ pub enum StoreError {
 }
 
 enum Cmd {
-    Write(ExchangeRecord, Option<oneshot::Sender<Result<(), String>>>),
+    Write(Record, Option<oneshot::Sender<Result<(), String>>>),
 }
 
 /// Handle to the store: cheap to share, writes through the writer thread.
@@ -189,6 +203,15 @@ impl Store {
 
     /// Records an exchange and waits until it is committed.
     pub async fn record(&self, rec: ExchangeRecord) -> Result<(), StoreError> {
+        self.write(Record::Exchange(Box::new(rec))).await
+    }
+
+    /// Records a compaction and waits until it is committed.
+    pub async fn record_compaction(&self, c: Compaction) -> Result<(), StoreError> {
+        self.write(Record::Compaction(Box::new(c))).await
+    }
+
+    async fn write(&self, rec: Record) -> Result<(), StoreError> {
         let (ack, done) = oneshot::channel();
         self.send(Cmd::Write(rec, Some(ack)))?;
         match done.await {
@@ -201,7 +224,10 @@ impl Store {
     /// Records an exchange without waiting (used where nothing can wait,
     /// e.g. when a client went away and its stream is being dropped).
     pub fn record_detached(&self, rec: ExchangeRecord) {
-        if self.send(Cmd::Write(rec, None)).is_err() {
+        if self
+            .send(Cmd::Write(Record::Exchange(Box::new(rec)), None))
+            .is_err()
+        {
             tracing::error!("store writer stopped; an exchange record was lost");
         }
     }

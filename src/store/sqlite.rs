@@ -8,7 +8,8 @@ use std::path::Path;
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::{Backend, ExchangeRecord, IndexedExchange, Snapshot, StoreError};
+use super::{Backend, ExchangeRecord, IndexedExchange, Record, Snapshot, StoreError};
+use crate::compaction::{Compaction, Rung};
 use crate::wire::ItemHash;
 
 const SCHEMA: &str = r#"
@@ -59,9 +60,33 @@ CREATE TABLE IF NOT EXISTS exchanges (
     latency_ms      REAL NOT NULL,
     ttfb_ms         REAL,
     chain_request   BLOB,
-    chain_full      BLOB
+    chain_full      BLOB,
+    compaction_id   TEXT
 );
 CREATE INDEX IF NOT EXISTS exchanges_conversation ON exchanges (conversation_id, id);
+-- A compaction replaces the first covered_len items whose chain hash is
+-- covered_chain with `replacement` (a JSON array, sent byte-identically).
+CREATE TABLE IF NOT EXISTS compactions (
+    id              TEXT PRIMARY KEY,
+    tenant          TEXT NOT NULL,
+    conversation_id TEXT NOT NULL,
+    covered_len     INTEGER NOT NULL,
+    covered_chain   BLOB NOT NULL,
+    replacement     TEXT NOT NULL,
+    rung            TEXT NOT NULL,
+    reason          TEXT NOT NULL,
+    tokens_before   INTEGER NOT NULL,
+    tokens_after    INTEGER NOT NULL,
+    items_removed   INTEGER NOT NULL,
+    items_kept      INTEGER NOT NULL,
+    summary         TEXT,
+    facts           TEXT,
+    base_id         TEXT,
+    summary_calls   INTEGER NOT NULL,
+    duration_ms     INTEGER NOT NULL,
+    created_ms      INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS compactions_conversation ON compactions (conversation_id, created_ms);
 "#;
 
 /// SQLite backend over one database file.
@@ -163,72 +188,143 @@ impl Backend for SqliteBackend {
         snap.keys = stmt
             .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
             .collect::<Result<_, _>>()?;
+        snap.compactions = load_compactions(&self.conn, None)?;
         Ok(snap)
     }
 
-    fn write(&mut self, batch: &[ExchangeRecord]) -> Result<(), StoreError> {
+    fn write(&mut self, batch: &[Record]) -> Result<(), StoreError> {
         let tx = self.conn.transaction()?;
-        {
-            let mut item =
-                tx.prepare_cached("INSERT OR IGNORE INTO items (hash, body) VALUES (?1, ?2)")?;
-            let mut conv = tx.prepare_cached(
-                "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model)
-                 VALUES (?1, ?2, ?3, ?4, ?4, ?5)
-                 ON CONFLICT(id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms,
-                                               model = excluded.model",
-            )?;
-            let mut ex = tx.prepare_cached(
-                "INSERT OR REPLACE INTO exchanges (id, conversation_id, tenant, endpoint, model,
-                    prefix_exchange, prefix_len, prefix_full, suffix_items, request_len, params,
-                    response_items, response_id, input_tokens, output_tokens, cached_tokens,
-                    status, streamed, partial, error, started_ms, latency_ms, ttfb_ms,
-                    chain_request, chain_full)
-                 VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
-                         ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25)",
-            )?;
-            for rec in batch {
-                for (hash, body) in &rec.new_items {
-                    item.execute(params![hash.to_vec(), body])?;
-                }
-                conv.execute(params![
-                    rec.conversation,
-                    rec.tenant,
-                    rec.explicit_key,
-                    rec.started_ms,
-                    rec.model
-                ])?;
-                ex.execute(params![
-                    rec.id,
-                    rec.conversation,
-                    rec.tenant,
-                    rec.api.endpoint(),
-                    rec.model,
-                    rec.prefix.map(|p| p.exchange),
-                    rec.prefix.map(|p| p.len as i64).unwrap_or(0),
-                    rec.prefix.map(|p| p.full).unwrap_or(false),
-                    pack_hashes(&rec.suffix_items),
-                    rec.request_len as i64,
-                    rec.params.to_vec(),
-                    pack_hashes(&rec.response_items),
-                    rec.response_id,
-                    rec.usage.map(|u| u.input_tokens as i64),
-                    rec.usage.map(|u| u.output_tokens as i64),
-                    rec.usage.and_then(|u| u.cached_tokens).map(|c| c as i64),
-                    rec.status,
-                    rec.streamed,
-                    rec.partial,
-                    rec.error,
-                    rec.started_ms,
-                    rec.latency_ms,
-                    rec.ttfb_ms,
-                    rec.chain_request.map(|h| h.to_vec()),
-                    rec.chain_full.map(|h| h.to_vec()),
-                ])?;
+        for rec in batch {
+            match rec {
+                Record::Exchange(e) => write_exchange(&tx, e)?,
+                Record::Compaction(c) => write_compaction(&tx, c)?,
             }
         }
         tx.commit()?;
         Ok(())
     }
+}
+
+fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Result<(), StoreError> {
+    let mut item = tx.prepare_cached("INSERT OR IGNORE INTO items (hash, body) VALUES (?1, ?2)")?;
+    for (hash, body) in &rec.new_items {
+        item.execute(params![hash.to_vec(), body])?;
+    }
+    tx.prepare_cached(
+        "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model)
+         VALUES (?1, ?2, ?3, ?4, ?4, ?5)
+         ON CONFLICT(id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms, model = excluded.model",
+    )?
+    .execute(params![rec.conversation, rec.tenant, rec.explicit_key, rec.started_ms, rec.model])?;
+    tx.prepare_cached(
+        "INSERT OR REPLACE INTO exchanges (id, conversation_id, tenant, endpoint, model,
+            prefix_exchange, prefix_len, prefix_full, suffix_items, request_len, params,
+            response_items, response_id, input_tokens, output_tokens, cached_tokens,
+            status, streamed, partial, error, started_ms, latency_ms, ttfb_ms,
+            chain_request, chain_full, compaction_id)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
+                 ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26)",
+    )?
+    .execute(params![
+        rec.id,
+        rec.conversation,
+        rec.tenant,
+        rec.api.endpoint(),
+        rec.model,
+        rec.prefix.map(|p| p.exchange),
+        rec.prefix.map(|p| p.len as i64).unwrap_or(0),
+        rec.prefix.map(|p| p.full).unwrap_or(false),
+        pack_hashes(&rec.suffix_items),
+        rec.request_len as i64,
+        rec.params.to_vec(),
+        pack_hashes(&rec.response_items),
+        rec.response_id,
+        rec.usage.map(|u| u.input_tokens as i64),
+        rec.usage.map(|u| u.output_tokens as i64),
+        rec.usage.and_then(|u| u.cached_tokens).map(|c| c as i64),
+        rec.status,
+        rec.streamed,
+        rec.partial,
+        rec.error,
+        rec.started_ms,
+        rec.latency_ms,
+        rec.ttfb_ms,
+        rec.chain_request.map(|h| h.to_vec()),
+        rec.chain_full.map(|h| h.to_vec()),
+        rec.compaction,
+    ])?;
+    Ok(())
+}
+
+fn write_compaction(tx: &rusqlite::Transaction<'_>, c: &Compaction) -> Result<(), StoreError> {
+    let replacement = serde_json::to_string(&c.replacement).unwrap_or_else(|_| "[]".into());
+    let facts = c.facts.as_ref().and_then(|f| serde_json::to_string(f).ok());
+    tx.prepare_cached(
+        "INSERT OR REPLACE INTO compactions (id, tenant, conversation_id, covered_len, covered_chain,
+            replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept,
+            summary, facts, base_id, summary_calls, duration_ms, created_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)",
+    )?
+    .execute(params![
+        c.id,
+        c.tenant,
+        c.conversation,
+        c.covered_len as i64,
+        c.covered_chain.to_vec(),
+        replacement,
+        c.rung.as_str(),
+        c.reason,
+        c.tokens_before as i64,
+        c.tokens_after as i64,
+        c.items_removed as i64,
+        c.items_kept as i64,
+        c.summary,
+        facts,
+        c.base,
+        c.summary_calls,
+        c.duration_ms as i64,
+        c.created_ms,
+    ])?;
+    Ok(())
+}
+
+/// Compactions, oldest first; all of them or one conversation's.
+pub fn load_compactions(
+    conn: &Connection,
+    conversation: Option<&str>,
+) -> Result<Vec<Compaction>, StoreError> {
+    let mut stmt = conn.prepare(
+        "SELECT id, tenant, conversation_id, covered_len, covered_chain, replacement, rung, reason,
+                tokens_before, tokens_after, items_removed, items_kept, summary, facts, base_id,
+                summary_calls, duration_ms, created_ms
+         FROM compactions WHERE ?1 IS NULL OR conversation_id = ?1 ORDER BY created_ms, rowid",
+    )?;
+    let rows = stmt.query_map(params![conversation], |r| {
+        let replacement: String = r.get(5)?;
+        let facts: Option<String> = r.get(13)?;
+        let rung: String = r.get(6)?;
+        Ok(Compaction {
+            id: r.get(0)?,
+            tenant: r.get(1)?,
+            conversation: r.get(2)?,
+            covered_len: r.get::<_, i64>(3)? as usize,
+            covered_chain: opt_hash(r.get(4)?).unwrap_or([0; 32]),
+            replacement: serde_json::from_str(&replacement).unwrap_or_default(),
+            rung: Rung::parse(&rung).unwrap_or(Rung::Fallback),
+            reason: r.get(7)?,
+            tokens_before: r.get::<_, i64>(8)? as u64,
+            tokens_after: r.get::<_, i64>(9)? as u64,
+            items_removed: r.get::<_, i64>(10)? as usize,
+            items_kept: r.get::<_, i64>(11)? as usize,
+            summary: r.get(12)?,
+            facts: facts.and_then(|f| serde_json::from_str(&f).ok()),
+            base: r.get(14)?,
+            summary_calls: r.get(15)?,
+            duration_ms: r.get::<_, i64>(16)? as u64,
+            created_ms: r.get(17)?,
+        })
+    })?;
+    Ok(rows.collect::<Result<_, _>>()?)
 }
 
 /// Reconstructs the request items of exchange `id` (as hashes) by following

@@ -61,6 +61,19 @@ impl Harness {
         db: PathBuf,
         config: Config,
     ) -> Harness {
+        // `RUST_LOG=info cargo test …` shows the proxy's logs.
+        if std::env::var_os("RUST_LOG").is_some() {
+            let _ = tracing_subscriber::fmt()
+                .with_writer(std::io::stderr)
+                .try_init();
+        }
+        // Load the tokenizer first (seconds in a debug build), so the first
+        // exchanges' compaction decisions are not all delayed to the same moment.
+        within(tokio::task::spawn_blocking(|| {
+            compactor::tokens::TokenCounter::default().count_text("warm up")
+        }))
+        .await
+        .expect("tokenizer");
         let state = AppState::open(config).expect("open state");
         let listener = within(tokio::net::TcpListener::bind("127.0.0.1:0"))
             .await

@@ -1,0 +1,529 @@
+//! The compaction engine: the I/O around the pure layer. Keeps the
+//! per-tenant index of stored compactions, runs background jobs after a
+//! triggering answer, computes reactive compactions on overflow, calls the
+//! summarizer, stores results, and backs off from clients whose edits keep
+//! compactions from ever matching.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use http::HeaderMap;
+use serde_json::{json, Value};
+use tokio::sync::watch;
+
+use super::policy::{decide, hard_limit};
+use super::summary;
+use super::{cheap_rungs, prepare, rewrite, summary_replacement, Compaction, Params, Rung};
+use crate::server::AppState;
+use crate::wire::{item_hash, ItemHash};
+
+/// Bytes of one item's text shown to the summarizer (head and tail kept).
+const TRANSCRIPT_ITEM_BYTES: usize = 2_000;
+/// Longest back-off, in triggering exchanges skipped.
+const MAX_BACKOFF: u32 = 64;
+
+/// Why no compaction came out.
+#[derive(Debug, thiserror::Error)]
+pub enum CompactError {
+    /// No safe cut leaves anything to compact.
+    #[error("nothing to compact: no safe cut point")]
+    NothingToCompact,
+    /// The result would not be smaller (circuit breaker).
+    #[error("compaction discarded: {before} tokens before, {after} after")]
+    NoShrink {
+        /// Tokens before.
+        before: u64,
+        /// Tokens after.
+        after: u64,
+    },
+    /// A worker thread failed.
+    #[error("internal: {0}")]
+    Internal(String),
+}
+
+/// What a compaction starts from: the request as it would go upstream.
+#[derive(Clone)]
+pub struct Input {
+    /// Tenant.
+    pub tenant: String,
+    /// Conversation.
+    pub conversation: String,
+    /// The conversation's model.
+    pub model: String,
+    /// The request's items after any compaction already applied.
+    pub view: Arc<Vec<Value>>,
+    /// Chain hashes of the original (client-sent) items.
+    pub chains: Arc<Vec<ItemHash>>,
+    /// The compaction already applied, if any.
+    pub base: Option<Arc<Compaction>>,
+    /// The client's credential headers, for the summarizer call (memory only).
+    pub auth: HeaderMap,
+    /// Why.
+    pub reason: String,
+    /// When the request arrived (Unix ms).
+    pub requested_ms: i64,
+}
+
+#[derive(Default)]
+struct Backoff {
+    /// Compactions registered that no request has matched since.
+    unmatched: u32,
+    /// Exponent of the next back-off.
+    level: u32,
+    /// Triggering exchanges still to skip.
+    skip: u32,
+}
+
+/// The registry of stored compactions and running jobs.
+#[derive(Default)]
+pub struct Compactions {
+    by_tenant: Mutex<HashMap<String, HashMap<ItemHash, Arc<Compaction>>>>,
+    jobs: Mutex<HashMap<(String, String), watch::Receiver<bool>>>,
+    backoff: Mutex<HashMap<String, Backoff>>,
+    /// When each conversation's newest compaction was stored (Unix ms).
+    newest: Mutex<HashMap<(String, String), i64>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Compactions {
+    /// Rebuilds the registry from stored compactions (replay).
+    pub fn from_stored(list: Vec<Compaction>) -> Self {
+        let me = Self::default();
+        for c in list {
+            me.insert(Arc::new(c));
+        }
+        me
+    }
+
+    fn insert(&self, c: Arc<Compaction>) {
+        let mut newest = lock(&self.newest);
+        let at = newest
+            .entry((c.tenant.clone(), c.conversation.clone()))
+            .or_default();
+        *at = (*at).max(c.created_ms);
+        drop(newest);
+        lock(&self.by_tenant)
+            .entry(c.tenant.clone())
+            .or_default()
+            .insert(c.covered_chain, c);
+    }
+
+    /// The longest stored compaction of `tenant` that covers a prefix of the
+    /// request; a match also clears the tenant's back-off.
+    pub fn find(&self, tenant: &str, chains: &[ItemHash]) -> Option<Arc<Compaction>> {
+        let found = {
+            let idx = lock(&self.by_tenant);
+            idx.get(tenant)
+                .and_then(|m| rewrite::find(chains, m).cloned())
+        };
+        if found.is_some() {
+            if let Some(b) = lock(&self.backoff).get_mut(tenant) {
+                *b = Backoff::default();
+            }
+        }
+        found
+    }
+
+    /// A background job still computing for this conversation.
+    pub fn job(&self, tenant: &str, conversation: &str) -> Option<watch::Receiver<bool>> {
+        lock(&self.jobs)
+            .get(&(tenant.to_string(), conversation.to_string()))
+            .filter(|rx| !*rx.borrow())
+            .cloned()
+    }
+
+    /// Number of stored compactions.
+    pub fn len(&self) -> usize {
+        lock(&self.by_tenant).values().map(HashMap::len).sum()
+    }
+
+    /// Whether none is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether a triggering exchange of `tenant` should be skipped: after
+    /// two compactions nothing matched, skip 2, 4, 8… triggers.
+    fn backing_off(&self, tenant: &str) -> bool {
+        let mut all = lock(&self.backoff);
+        let b = all.entry(tenant.to_string()).or_default();
+        if b.skip > 0 {
+            b.skip -= 1;
+            return true;
+        }
+        if b.unmatched >= 2 {
+            b.level += 1;
+            b.skip = (1u32 << b.level.min(6)).min(MAX_BACKOFF) - 1;
+            b.unmatched = 0;
+            return true;
+        }
+        // Counted when the job starts, so jobs racing each other see it.
+        b.unmatched += 1;
+        false
+    }
+
+    /// A background job produced nothing: it cannot go unmatched.
+    fn job_failed(&self, tenant: &str) {
+        if let Some(b) = lock(&self.backoff).get_mut(tenant) {
+            b.unmatched = b.unmatched.saturating_sub(1);
+        }
+    }
+}
+
+/// Tokens of each item (tokenizer work, off the async threads).
+async fn count_items(
+    state: &Arc<AppState>,
+    items: Arc<Vec<Value>>,
+) -> Result<(Vec<ItemHash>, Vec<u64>), CompactError> {
+    let st = state.clone();
+    tokio::task::spawn_blocking(move || {
+        let hashes: Vec<ItemHash> = items.iter().map(item_hash).collect();
+        let tokens = items
+            .iter()
+            .zip(&hashes)
+            .map(|(i, h)| st.tokens.count_item(h, i))
+            .collect();
+        (hashes, tokens)
+    })
+    .await
+    .map_err(|e| CompactError::Internal(e.to_string()))
+}
+
+/// Estimated tokens of a request view.
+pub async fn estimate_view(state: &Arc<AppState>, view: Arc<Vec<Value>>) -> u64 {
+    count_items(state, view)
+        .await
+        .map(|(_, t)| t.iter().sum())
+        .unwrap_or(0)
+}
+
+/// Computes a compaction for `input`, stores it and makes it apply to later
+/// requests. Logs one event with the figures.
+pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compaction>, CompactError> {
+    let started = Instant::now();
+    let limits = state.config.model_limits(&input.model);
+    let params = Params::new(&state.config.compaction, &limits);
+    let (hashes, tokens) = count_items(state, input.view.clone()).await?;
+    let view = &input.view;
+    let base = input.base.as_deref();
+    let prepared = prepare(view, &tokens, base, &params).ok_or(CompactError::NothingToCompact)?;
+    let counter = state.tokens.clone();
+    let count = move |v: &Value| counter.count_item(&item_hash(v), v);
+
+    let (rung, replacement, after, summary_text, facts, calls, kept_users) =
+        match cheap_rungs(view, &hashes, &prepared, &params, &count) {
+            Some((rung, replacement, after)) => (
+                rung,
+                replacement,
+                after,
+                None,
+                base.and_then(|b| b.facts.clone()),
+                0,
+                0,
+            ),
+            None => {
+                let part = &view[prepared.lead..prepared.cut];
+                let facts = summary::extract_facts(part, base.and_then(|b| b.facts.as_ref()));
+                let (narrative, calls) = summarize(state, &input, part, &params).await;
+                let rung = if narrative.is_some() {
+                    Rung::Summary
+                } else {
+                    Rung::Fallback
+                };
+                let text = summary::assemble(
+                    &facts,
+                    narrative.as_deref(),
+                    prepared.covered_len,
+                    params.summary_max_bytes,
+                );
+                let (replacement, after, kept) =
+                    summary_replacement(view, &tokens, &prepared, &params, text.clone(), &count);
+                (
+                    rung,
+                    replacement,
+                    after,
+                    Some(text),
+                    Some(facts),
+                    calls,
+                    kept,
+                )
+            }
+        };
+    if after >= prepared.before {
+        let err = CompactError::NoShrink {
+            before: prepared.before,
+            after,
+        };
+        tracing::warn!(conversation = %input.conversation, rung = rung.as_str(), error = %err, "compaction discarded");
+        return Err(err);
+    }
+    let covered_chain = input.chains[prepared.covered_len - 1];
+    let items_kept = prepared.lead + kept_users + (view.len() - prepared.cut);
+    let c = Compaction {
+        id: new_id(),
+        tenant: input.tenant.clone(),
+        conversation: input.conversation.clone(),
+        covered_len: prepared.covered_len,
+        covered_chain,
+        replacement,
+        rung,
+        reason: input.reason.clone(),
+        tokens_before: prepared.before,
+        tokens_after: after,
+        items_removed: prepared.cut - prepared.lead - kept_users,
+        items_kept,
+        summary: summary_text,
+        facts,
+        base: base.map(|b| b.id.clone()),
+        summary_calls: calls,
+        duration_ms: started.elapsed().as_millis() as u64,
+        created_ms: crate::server::now_ms(),
+    };
+    if let Err(e) = state.store.record_compaction(c.clone()).await {
+        tracing::error!(error = %e, "compaction not recorded");
+    }
+    let c = Arc::new(c);
+    state.compactions.insert(c.clone());
+    tracing::info!(
+        compaction = %c.id, conversation = %c.conversation, rung = c.rung.as_str(), reason = %c.reason,
+        tokens_before = c.tokens_before, tokens_after = c.tokens_after,
+        items_removed = c.items_removed, items_kept = c.items_kept,
+        duration_ms = c.duration_ms, summary_bytes = c.summary.as_ref().map(String::len).unwrap_or(0),
+        summary_calls = c.summary_calls, base = c.base.as_deref().unwrap_or(""),
+        "compacted"
+    );
+    Ok(c)
+}
+
+/// After an exchange: decides from its usage and, past the trigger, starts a
+/// background compaction that the next request will find.
+pub fn after_exchange(state: &Arc<AppState>, input: Input, used: u64, estimated: bool) {
+    let cfg = &state.config.compaction;
+    let limits = state.config.model_limits(&input.model);
+    let d = decide(used, estimated, &limits, cfg.warn_ratio);
+    if !d.compact || !cfg.background {
+        return;
+    }
+    let key = (input.tenant.clone(), input.conversation.clone());
+    // A compaction stored after this request left was not applied to it; the
+    // next request will be rewritten and its usage will tell.
+    if lock(&state.compactions.newest)
+        .get(&key)
+        .is_some_and(|&t| t >= input.requested_ms)
+    {
+        return;
+    }
+    let mut jobs = lock(&state.compactions.jobs);
+    if jobs.get(&key).is_some_and(|rx| !*rx.borrow()) {
+        return;
+    }
+    if state.compactions.backing_off(&input.tenant) {
+        tracing::info!(conversation = %input.conversation, "compaction backed off: earlier compactions were never matched (client rewrites its history)");
+        return;
+    }
+    let (tx, rx) = watch::channel(false);
+    jobs.insert(key.clone(), rx);
+    drop(jobs);
+    let state = state.clone();
+    let mut input = input;
+    input.reason = format!("threshold: {}", d.reason());
+    tokio::spawn(async move {
+        let tenant = input.tenant.clone();
+        if let Err(e) = compact(&state, input).await {
+            tracing::info!(error = %e, "background compaction produced nothing");
+            state.compactions.job_failed(&tenant);
+        }
+        let _ = tx.send(true);
+        let mut jobs = lock(&state.compactions.jobs);
+        if jobs.get(&key).is_some_and(|rx| *rx.borrow()) {
+            jobs.remove(&key);
+        }
+    });
+}
+
+/// Waits for a running background job of the conversation when the request
+/// would not fit without it; returns whether it waited.
+pub async fn wait_if_needed(
+    state: &Arc<AppState>,
+    tenant: &str,
+    conversation: &str,
+    model: &str,
+    view: Arc<Vec<Value>>,
+) -> bool {
+    let Some(mut rx) = state.compactions.job(tenant, conversation) else {
+        return false;
+    };
+    let limits = state.config.model_limits(model);
+    let tokens = estimate_view(state, view).await;
+    if tokens <= hard_limit(&limits) {
+        return false;
+    }
+    let wait = Duration::from_secs(state.config.compaction.wait_secs);
+    tracing::info!(
+        conversation,
+        tokens,
+        "request over the hard limit waits for the compaction under way"
+    );
+    let _ = tokio::time::timeout(wait, rx.wait_for(|done| *done)).await;
+    true
+}
+
+/// Runs the summarizer over `part`, chunk by chunk; `None` when the model
+/// did not produce a valid summary (after one retry per chunk).
+async fn summarize(
+    state: &Arc<AppState>,
+    input: &Input,
+    part: &[Value],
+    params: &Params,
+) -> (Option<String>, u32) {
+    let lines = summary::render_transcript(part, TRANSCRIPT_ITEM_BYTES);
+    let chunks = {
+        let counter = state.tokens.clone();
+        let budget = params.summary_chunk_tokens;
+        tokio::task::spawn_blocking(move || chunk_lines(&lines, budget, |s| counter.count_text(s)))
+            .await
+            .unwrap_or_default()
+    };
+    let mut narrative: Option<String> = None;
+    let mut calls = 0;
+    for chunk in chunks {
+        let messages = summary::summarizer_messages(narrative.as_deref(), &chunk);
+        let mut got = None;
+        for _attempt in 0..2 {
+            calls += 1;
+            match call_summarizer(state, input, &messages, params).await {
+                Ok(text) => match summary::validate(&text) {
+                    Ok(()) => {
+                        got = Some(text);
+                        break;
+                    }
+                    Err(missing) => tracing::warn!(?missing, "summary lacks mandatory sections"),
+                },
+                Err(e) => tracing::warn!(error = %e, "summary call failed"),
+            }
+        }
+        match got {
+            Some(t) => narrative = Some(t),
+            None => return (None, calls),
+        }
+    }
+    (narrative, calls)
+}
+
+/// Groups transcript lines into chunks of at most `budget` tokens (a single
+/// longer line is its own chunk).
+pub fn chunk_lines(lines: &[String], budget: u64, count: impl Fn(&str) -> u64) -> Vec<String> {
+    let mut chunks = Vec::new();
+    let mut cur = String::new();
+    let mut used = 0;
+    for line in lines {
+        let t = count(line);
+        if !cur.is_empty() && used + t > budget {
+            chunks.push(std::mem::take(&mut cur));
+            used = 0;
+        }
+        cur.push_str(line);
+        cur.push('\n');
+        used += t;
+    }
+    if !cur.is_empty() {
+        chunks.push(cur);
+    }
+    chunks
+}
+
+async fn call_summarizer(
+    state: &Arc<AppState>,
+    input: &Input,
+    messages: &[Value],
+    params: &Params,
+) -> Result<String, String> {
+    let cfg = &state.config.compaction;
+    let model = if cfg.summarizer_model.is_empty() {
+        input.model.as_str()
+    } else {
+        cfg.summarizer_model.as_str()
+    };
+    let mut body = json!({"model": model, "messages": messages, "stream": false});
+    // Reasoning-model families reject `max_tokens`.
+    let lower = model.to_ascii_lowercase();
+    let key = if lower.starts_with('o') && lower.chars().nth(1).is_some_and(|c| c.is_ascii_digit())
+        || lower.starts_with("gpt-5")
+    {
+        "max_completion_tokens"
+    } else {
+        "max_tokens"
+    };
+    body[key] = json!(params.summary_output_tokens);
+    let mut headers = input.auth.clone();
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    headers.insert(
+        http::header::ACCEPT_ENCODING,
+        http::HeaderValue::from_static("identity"),
+    );
+    let url = state.upstream.url("/chat/completions", None);
+    let bytes = bytes::Bytes::from(serde_json::to_vec(&body).map_err(|e| e.to_string())?);
+    let resp = state
+        .upstream
+        .send_bytes(http::Method::POST, &url, headers, bytes)
+        .await
+        .map_err(|e| e.to_string())?;
+    let status = resp.status();
+    let body = tokio::time::timeout(state.upstream.idle_timeout, resp.bytes())
+        .await
+        .map_err(|_| "summary answer timed out".to_string())?
+        .map_err(|e| e.to_string())?;
+    if !status.is_success() {
+        return Err(format!(
+            "summarizer answered {status}: {}",
+            String::from_utf8_lossy(&body[..body.len().min(300)])
+        ));
+    }
+    let v: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+    v.pointer("/choices/0/message/content")
+        .and_then(Value::as_str)
+        .map(String::from)
+        .ok_or_else(|| "summarizer answer has no message content".into())
+}
+
+/// The credential headers of a request (kept in memory for the summarizer).
+pub fn auth_headers(headers: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::new();
+    for name in [http::header::AUTHORIZATION.as_str(), "api-key"] {
+        if let Some(v) = headers.get(name) {
+            let mut v = v.clone();
+            v.set_sensitive(true);
+            if let Ok(n) = http::HeaderName::from_bytes(name.as_bytes()) {
+                out.insert(n, v);
+            }
+        }
+    }
+    out
+}
+
+fn new_id() -> String {
+    crate::conversation::new_conversation_id().replacen("conv_", "cmp_", 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chunks_respect_the_budget() {
+        let lines: Vec<String> = ["aaaa", "bb", "cccccc", "d"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let chunks = chunk_lines(&lines, 6, |s| s.len() as u64);
+        assert_eq!(chunks, vec!["aaaa\nbb\n", "cccccc\n", "d\n"]);
+        assert!(chunk_lines(&[], 5, |s| s.len() as u64).is_empty());
+    }
+}

@@ -1,0 +1,154 @@
+//! The cheap rungs of the ladder, no model call: truncate oversized tool
+//! outputs (head and tail kept, a marker naming the elided size and the
+//! archived original), then prune old tool outputs to a one-line stub. The
+//! tool calls themselves are kept, so pairing is untouched.
+
+use serde_json::Value;
+
+use super::items::{is_tool_output, output_field, value_text};
+use crate::wire::hash::hex;
+use crate::wire::ItemHash;
+
+/// Limits of rung 1.
+#[derive(Debug, Clone, Copy)]
+pub struct TruncateLimits {
+    /// Outputs longer than this many bytes are truncated.
+    pub max_bytes: usize,
+    /// Bytes kept from the start.
+    pub keep_head: usize,
+    /// Bytes kept from the end.
+    pub keep_tail: usize,
+}
+
+/// The reference under which the original is kept in the store's items.
+pub fn archive_ref(hash: &ItemHash) -> String {
+    format!("item:{}", &hex(hash)[..16])
+}
+
+/// Rung 1: truncates each tool output over `max_bytes`. Returns the new
+/// items and how many were truncated.
+pub fn truncate_outputs(
+    part: &[Value],
+    hashes: &[ItemHash],
+    limits: TruncateLimits,
+) -> (Vec<Value>, usize) {
+    let mut changed = 0;
+    let out = part
+        .iter()
+        .zip(hashes)
+        .map(|(item, hash)| {
+            if !is_tool_output(item) {
+                return item.clone();
+            }
+            let field = output_field(item);
+            let text = item.get(field).map(value_text).unwrap_or_default();
+            if text.len() <= limits.max_bytes {
+                return item.clone();
+            }
+            let head = floor_boundary(&text, limits.keep_head);
+            let tail = ceil_boundary(&text, text.len().saturating_sub(limits.keep_tail).max(head));
+            let elided = tail - head;
+            let marker = format!(
+                "\n[compactor: {elided} bytes of tool output elided; original archived as {}]\n",
+                archive_ref(hash)
+            );
+            let mut new = item.clone();
+            new[field] = Value::String(format!("{}{marker}{}", &text[..head], &text[tail..]));
+            changed += 1;
+            new
+        })
+        .collect();
+    (out, changed)
+}
+
+/// Rung 2: replaces every tool output with a one-line stub naming its size
+/// and the archived original.
+pub fn prune_outputs(part: &[Value], hashes: &[ItemHash]) -> (Vec<Value>, usize) {
+    let mut changed = 0;
+    let out = part
+        .iter()
+        .zip(hashes)
+        .map(|(item, hash)| {
+            if !is_tool_output(item) {
+                return item.clone();
+            }
+            let field = output_field(item);
+            let text = item.get(field).map(value_text).unwrap_or_default();
+            if text.starts_with("[compactor: tool output pruned") {
+                return item.clone();
+            }
+            let mut new = item.clone();
+            new[field] = Value::String(format!(
+                "[compactor: tool output pruned ({} bytes); original archived as {}]",
+                text.len(),
+                archive_ref(hash)
+            ));
+            changed += 1;
+            new
+        })
+        .collect();
+    (out, changed)
+}
+
+fn floor_boundary(s: &str, mut i: usize) -> usize {
+    i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+fn ceil_boundary(s: &str, mut i: usize) -> usize {
+    i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i += 1;
+    }
+    i
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::item_hash;
+    use serde_json::json;
+
+    #[test]
+    fn truncation_keeps_head_tail_and_names_the_archive() {
+        let big = format!("HEAD{}TAIL", "é".repeat(5000));
+        let items = vec![
+            json!({"role": "tool", "tool_call_id": "a", "content": big}),
+            json!({"type": "function_call_output", "call_id": "b", "output": "short"}),
+        ];
+        let hashes: Vec<_> = items.iter().map(item_hash).collect();
+        let (out, n) = truncate_outputs(
+            &items,
+            &hashes,
+            TruncateLimits {
+                max_bytes: 100,
+                keep_head: 10,
+                keep_tail: 10,
+            },
+        );
+        assert_eq!(n, 1);
+        let t = out[0]["content"].as_str().unwrap();
+        assert!(t.starts_with("HEAD") && t.ends_with("TAIL"), "{t}");
+        assert!(t.contains(&archive_ref(&hashes[0])) && t.contains("bytes of tool output elided"));
+        assert_eq!(out[0]["tool_call_id"], "a");
+        assert_eq!(out[1], items[1]);
+    }
+
+    #[test]
+    fn pruning_stubs_every_output_once() {
+        let items = vec![
+            json!({"type": "function_call", "call_id": "b", "name": "sh"}),
+            json!({"type": "function_call_output", "call_id": "b", "output": "x".repeat(300)}),
+        ];
+        let hashes: Vec<_> = items.iter().map(item_hash).collect();
+        let (out, n) = prune_outputs(&items, &hashes);
+        assert_eq!(n, 1);
+        assert_eq!(out[0], items[0]);
+        assert!(out[1]["output"].as_str().unwrap().contains("300 bytes"));
+        let (again, n2) = prune_outputs(&out, &hashes);
+        assert_eq!((again, n2), (out, 0));
+    }
+}

@@ -1,0 +1,241 @@
+//! Compaction: when, where and how a conversation's history is rewritten.
+//!
+//! The pure layer decides and computes; [`engine`] does the I/O (summary
+//! calls, storage, background jobs):
+//!
+//! - [`policy`]: should this conversation compact? (`decide`)
+//! - [`cut`]: where is the cut? (safe cuts: tool batches atomic)
+//! - [`ladder`]: the cheap rungs — truncate, then prune tool outputs
+//! - [`summary`]: facts the proxy extracts itself, the summarizer prompt,
+//!   validation, the assembled summary and its deterministic fallback
+//! - [`rewrite`]: applying a stored compaction to a request (longest match)
+//!
+//! A compaction replaces the first `covered_len` items the client sends —
+//! identified by their chain hash, so it can never apply to bytes it did not
+//! cover — with `replacement`: the leading system items verbatim, then either
+//! the older items with tool outputs truncated or pruned, or one summary
+//! message plus the most recent user messages verbatim. Compacting again
+//! works on the rewritten view, so a new summary covers [previous summary +
+//! newer items], never the raw history again.
+
+pub mod cut;
+pub mod engine;
+pub mod items;
+pub mod ladder;
+pub mod policy;
+pub mod rewrite;
+pub mod summary;
+
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+
+use crate::config::{CompactionConfig, ModelLimits};
+use crate::wire::ItemHash;
+use ladder::TruncateLimits;
+use summary::Facts;
+
+/// Which rung of the ladder produced a compaction.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Rung {
+    /// Oversized tool outputs truncated (head and tail kept).
+    Truncate,
+    /// Old tool outputs replaced by stubs.
+    Prune,
+    /// A model-written structured summary with extracted facts.
+    Summary,
+    /// The summary model failed twice: extracted facts only.
+    Fallback,
+}
+
+impl Rung {
+    /// Name used in records, logs and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Rung::Truncate => "truncate",
+            Rung::Prune => "prune",
+            Rung::Summary => "summary",
+            Rung::Fallback => "fallback",
+        }
+    }
+
+    /// Parses [`Rung::as_str`].
+    pub fn parse(s: &str) -> Option<Rung> {
+        [Rung::Truncate, Rung::Prune, Rung::Summary, Rung::Fallback]
+            .into_iter()
+            .find(|r| r.as_str() == s)
+    }
+}
+
+/// A computed compaction, as stored and applied.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct Compaction {
+    /// `cmp_…`
+    pub id: String,
+    /// Tenant it belongs to; never applied to another.
+    pub tenant: String,
+    /// Conversation it was computed for.
+    pub conversation: String,
+    /// Number of leading original items it replaces.
+    pub covered_len: usize,
+    /// Chain hash of those items.
+    pub covered_chain: ItemHash,
+    /// What is sent in their place.
+    pub replacement: Vec<Value>,
+    /// Rung used.
+    pub rung: Rung,
+    /// Why it ran (threshold figures, overflow, manual).
+    pub reason: String,
+    /// Estimated tokens of the request before.
+    pub tokens_before: u64,
+    /// Estimated tokens of the request after.
+    pub tokens_after: u64,
+    /// Items of the view that were compacted away.
+    pub items_removed: usize,
+    /// Items of the view kept verbatim (leading, recent users, tail).
+    pub items_kept: usize,
+    /// The summary text, for summary rungs.
+    pub summary: Option<String>,
+    /// Extracted facts, carried into the next compaction.
+    pub facts: Option<Facts>,
+    /// The compaction this one extends, if any.
+    pub base: Option<String>,
+    /// Summarizer calls made.
+    pub summary_calls: u32,
+    /// Wall time to compute, ms.
+    pub duration_ms: u64,
+    /// Unix ms.
+    pub created_ms: i64,
+}
+
+/// Budgets for one compaction, derived from the config and the model.
+#[derive(Debug, Clone, Copy)]
+pub struct Params {
+    /// Tokens of verbatim tail to keep.
+    pub tail_budget: u64,
+    /// Tokens of verbatim user messages kept from the compacted part.
+    pub recent_user_budget: u64,
+    /// The request should end up at or under this many tokens.
+    pub target_tokens: u64,
+    /// Rung 1 limits.
+    pub truncate: TruncateLimits,
+    /// Largest summary message, bytes.
+    pub summary_max_bytes: usize,
+    /// Largest answer asked of the summarizer, tokens.
+    pub summary_output_tokens: u64,
+    /// Largest transcript chunk per summarizer call, tokens.
+    pub summary_chunk_tokens: u64,
+}
+
+impl Params {
+    /// Budgets for `limits`, scaled down for small windows so a compacted
+    /// request always has room left.
+    pub fn new(cfg: &CompactionConfig, limits: &ModelLimits) -> Params {
+        let w = limits.context_window;
+        let frac = |f: f64| (w as f64 * f) as u64;
+        let summary_output_tokens = frac(0.12).clamp(128, 4096);
+        Params {
+            tail_budget: cfg.tail_tokens.min(frac(0.2)),
+            recent_user_budget: cfg.recent_user_tokens.min(frac(0.1)),
+            target_tokens: frac(cfg.target_ratio),
+            truncate: TruncateLimits {
+                max_bytes: cfg.tool_output_max_bytes,
+                keep_head: cfg.tool_output_keep_bytes * 2 / 3,
+                keep_tail: cfg.tool_output_keep_bytes / 3,
+            },
+            summary_max_bytes: (frac(0.15) * 4).clamp(1024, 48_000) as usize,
+            summary_output_tokens,
+            // Room for the prompt, the previous summary and the answer.
+            summary_chunk_tokens: w.saturating_sub(summary_output_tokens * 3 + 400).max(256),
+        }
+    }
+}
+
+/// The cut and figures a compaction starts from.
+#[derive(Debug, Clone)]
+pub struct Prepared {
+    /// Cut in the view.
+    pub cut: usize,
+    /// Cut in the original items (what the compaction covers).
+    pub covered_len: usize,
+    /// Leading system items.
+    pub lead: usize,
+    /// Tokens of the whole view.
+    pub before: u64,
+    /// Tokens of the view's tail (from the cut on).
+    pub tail: u64,
+}
+
+/// Chooses the cut for `view` (the request as it would go upstream, after
+/// `base` if one applied). `None` when there is nothing safe to compact.
+pub fn prepare(
+    view: &[Value],
+    tokens: &[u64],
+    base: Option<&Compaction>,
+    params: &Params,
+) -> Option<Prepared> {
+    let lead = items::leading_system(view);
+    // A cut inside the base's replacement could not be mapped back to the
+    // client's items: the previous summary is compacted with what follows.
+    let min_cut = base.map(|b| b.replacement.len()).unwrap_or(0);
+    let sub_tokens: Vec<u64> = tokens.to_vec();
+    let cut = cut::choose_cut(view, &sub_tokens, params.tail_budget).map(|c| c.max(min_cut))?;
+    let safe = cut::safe_cuts(view);
+    // Moving the cut forward past the replacement must land on a safe cut too.
+    let cut = (cut..view.len()).find(|&i| safe[i] && i > lead)?;
+    let covered_len = rewrite::view_to_original(cut, base)?;
+    Some(Prepared {
+        cut,
+        covered_len,
+        lead,
+        before: tokens.iter().sum(),
+        tail: tokens[cut..].iter().sum(),
+    })
+}
+
+/// Rungs 1 and 2 on `view[..cut]`: the first whose result fits the target,
+/// as (rung, replacement, tokens after).
+pub fn cheap_rungs(
+    view: &[Value],
+    hashes: &[ItemHash],
+    p: &Prepared,
+    params: &Params,
+    count: &dyn Fn(&Value) -> u64,
+) -> Option<(Rung, Vec<Value>, u64)> {
+    let part = &view[..p.cut];
+    let (truncated, n1) = ladder::truncate_outputs(part, &hashes[..p.cut], params.truncate);
+    let after1: u64 = truncated.iter().map(count).sum::<u64>() + p.tail;
+    if n1 > 0 && after1 <= params.target_tokens {
+        return Some((Rung::Truncate, truncated, after1));
+    }
+    let (pruned, n2) = ladder::prune_outputs(&truncated, &hashes[..p.cut]);
+    let after2: u64 = pruned.iter().map(count).sum::<u64>() + p.tail;
+    if n1 + n2 > 0 && after2 <= params.target_tokens {
+        return Some((Rung::Prune, pruned, after2));
+    }
+    None
+}
+
+/// Rung 3's replacement: leading items, the summary message, and the recent
+/// user messages of the compacted part (the latest user message always, when
+/// it is there). Returns (replacement, tokens after, user messages kept).
+pub fn summary_replacement(
+    view: &[Value],
+    tokens: &[u64],
+    p: &Prepared,
+    params: &Params,
+    summary_text: String,
+    count: &dyn Fn(&Value) -> u64,
+) -> (Vec<Value>, u64, usize) {
+    let part = &view[p.lead..p.cut];
+    let part_tokens = &tokens[p.lead..p.cut];
+    // The latest user message of the whole view must reach the model verbatim.
+    let newest_is_here = items::latest_user(view).is_some_and(|i| i >= p.lead && i < p.cut);
+    let recent =
+        cut::recent_user_messages(part, part_tokens, params.recent_user_budget, newest_is_here);
+    let mut replacement: Vec<Value> = view[..p.lead].to_vec();
+    replacement.push(items::user_message(summary_text));
+    replacement.extend(recent.iter().map(|&i| part[i].clone()));
+    let after = replacement.iter().map(count).sum::<u64>() + p.tail;
+    (replacement, after, recent.len())
+}

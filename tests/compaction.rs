@@ -1,0 +1,524 @@
+//! Compaction of Chat Completions conversations through real sockets:
+//! background after the trigger, reactive on overflow, cache-stable
+//! replacement, tenancy, safety valves, and replay after a restart.
+
+mod support;
+
+use std::time::Duration;
+
+use compactor::compaction::summary::SUMMARIZER_MARKER;
+use compactor::config::{Config, ModelConfig};
+use compactor::fake_upstream::{Received, Reply};
+use serde_json::{json, Value};
+use support::{post, within, Harness};
+
+const KEY: &str = "sk-compaction-tests";
+const MODEL: &str = "tiny-test";
+
+/// A 3000-token window: compaction triggers past 2250 reported tokens. The
+/// fake reports a token per 4 bytes of request.
+fn small_window(c: &mut Config) {
+    c.models.push(ModelConfig {
+        pattern: "tiny*".into(),
+        context_window: 3000,
+        max_output_tokens: Some(300),
+        trigger_ratio: None,
+    });
+}
+
+fn is_summary_call(r: &Received) -> bool {
+    r.json()["messages"][0]["content"]
+        .as_str()
+        .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
+}
+
+fn client_calls(h: &Harness) -> Vec<Value> {
+    h.fake
+        .received()
+        .iter()
+        .filter(|r| !is_summary_call(r))
+        .map(|r| r.json())
+        .collect()
+}
+
+struct Chat {
+    url: String,
+    key: String,
+    history: Vec<Value>,
+}
+
+impl Chat {
+    fn new(h: &Harness, key: &str) -> Chat {
+        Chat {
+            url: format!("{}/chat/completions", h.url()),
+            key: key.into(),
+            history: vec![json!({"role": "system", "content": "You are a careful coding agent."})],
+        }
+    }
+
+    /// One user turn: sends the whole history, appends the answer.
+    async fn turn(&mut self, text: &str) -> (u16, http::HeaderMap, Value) {
+        self.history.push(json!({"role": "user", "content": text}));
+        let (status, headers, body) = post(
+            &self.url,
+            &self.key,
+            &json!({"model": MODEL, "messages": self.history}),
+        )
+        .await;
+        let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        if status == 200 {
+            let content = v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or_default();
+            self.history
+                .push(json!({"role": "assistant", "content": content}));
+        }
+        (status, headers, v)
+    }
+}
+
+fn filler(i: usize) -> String {
+    format!(
+        "Step {i}: please look at src/module_{i}.rs and explain it. {}",
+        "lorem ipsum dolor ".repeat(25)
+    )
+}
+
+/// About 200 tokens: ten of these turns fill two thirds of the window.
+fn big_filler(i: usize) -> String {
+    format!(
+        "Step {i}: read src/module_{i}.rs and report. {}",
+        "sit amet consectetur adipiscing elit ".repeat(22)
+    )
+}
+
+async fn wait_compactions(h: &Harness, n: i64) {
+    within(async {
+        loop {
+            let c: i64 = h
+                .db()
+                .query_row("SELECT count(*) FROM compactions", [], |r| r.get(0))
+                .unwrap_or(0);
+            if c >= n {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    })
+    .await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crossing_the_trigger_compacts_in_the_background_and_rewrites_the_next_request() {
+    let h = Harness::start_with(small_window).await;
+    let mut chat = Chat::new(&h, KEY);
+    chat.history
+        .push(json!({"role": "user", "content": "TASK: refactor the parser so that it streams."}));
+    chat.history
+        .push(json!({"role": "assistant", "content": "Understood."}));
+    let mut turns = 0;
+    // Grow until the store holds a compaction (the trigger is ~9 KB of request).
+    while h
+        .db()
+        .query_row("SELECT count(*) FROM compactions", [], |r| {
+            r.get::<_, i64>(0)
+        })
+        .unwrap()
+        == 0
+    {
+        let (status, headers, _) = chat.turn(&filler(turns)).await;
+        assert_eq!(status, 200);
+        assert!(
+            headers.get("x-compactor-compacted").is_none(),
+            "nothing compacted yet"
+        );
+        turns += 1;
+        assert!(turns < 40, "never compacted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    wait_compactions(&h, 1).await;
+    assert!(
+        h.fake.received().iter().any(is_summary_call),
+        "the summary went through the same upstream"
+    );
+    let summary_auth = h.fake.received().into_iter().find(is_summary_call).unwrap();
+    assert_eq!(
+        summary_auth.headers.get("authorization").unwrap(),
+        &format!("Bearer {KEY}"),
+        "with the client's credentials"
+    );
+    assert!(summary_auth.json().get("tools").is_none() && summary_auth.json()["stream"] == false);
+
+    let (status, headers, _) = chat.turn("What is the next step?").await;
+    assert_eq!(status, 200);
+    let id = headers
+        .get("x-compactor-compacted")
+        .expect("the next request was rewritten")
+        .to_str()
+        .unwrap()
+        .to_string();
+    let sent = client_calls(&h).pop().unwrap();
+    let msgs = sent["messages"].as_array().unwrap();
+    assert_eq!(msgs[0], chat.history[0], "system prompt verbatim");
+    let summary = msgs[1]["content"].as_str().unwrap();
+    assert!(summary.starts_with("[compactor summary"), "{summary}");
+    assert!(
+        summary.contains("TASK: refactor the parser so that it streams."),
+        "TASK verbatim: {summary}"
+    );
+    assert!(
+        msgs.len() < chat.history.len() - 1,
+        "fewer items sent than the client holds"
+    );
+    assert_eq!(
+        msgs.last().unwrap()["content"],
+        "What is the next step?",
+        "latest user message verbatim"
+    );
+    // The record says what happened.
+    let (rung, before, after, applied): (String, i64, i64, String) = h
+        .db()
+        .query_row(
+            "SELECT c.rung, c.tokens_before, c.tokens_after, e.compaction_id FROM compactions c
+             JOIN exchanges e ON e.compaction_id = c.id ORDER BY e.id DESC LIMIT 1",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+        )
+        .unwrap();
+    assert_eq!(applied, id);
+    assert_eq!(rung, "summary");
+    assert!(after < before, "{before} -> {after}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_replacement_is_byte_identical_on_every_later_request() {
+    let h = Harness::start_with(small_window).await;
+    let mut chat = Chat::new(&h, KEY);
+    let mut i = 0;
+    loop {
+        chat.turn(&filler(i)).await;
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        if h.db()
+            .query_row("SELECT count(*) FROM compactions", [], |r| {
+                r.get::<_, i64>(0)
+            })
+            .unwrap()
+            > 0
+        {
+            break;
+        }
+        assert!(i < 40);
+    }
+    let mut bodies = Vec::new();
+    for q in ["short question one", "short question two", "three"] {
+        let (status, headers, _) = chat.turn(q).await;
+        assert_eq!(status, 200);
+        assert!(headers.get("x-compactor-compacted").is_some());
+        bodies.push(
+            h.fake
+                .received()
+                .into_iter()
+                .rev()
+                .find(|r| !is_summary_call(r))
+                .unwrap()
+                .body,
+        );
+    }
+    // The bytes up to the end of the replacement are the same every time, so
+    // the upstream's prompt cache keeps hitting.
+    let first = String::from_utf8(bodies[0].to_vec()).unwrap();
+    let cut = first.find("short question one").unwrap();
+    for b in &bodies[1..] {
+        assert_eq!(&b[..cut], &bodies[0][..cut]);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overflow_answer_is_compacted_and_retried_transparently() {
+    let h = Harness::start_with(|c| {
+        small_window(c);
+        c.compaction.background = false;
+    })
+    .await;
+    let mut chat = Chat::new(&h, KEY);
+    for i in 0..10 {
+        assert_eq!(chat.turn(&big_filler(i)).await.0, 200);
+    }
+    h.fake.push(Reply::context_length_exceeded());
+    let (status, headers, body) = chat.turn("and now?").await;
+    assert_eq!(status, 200, "the client never sees the overflow: {body}");
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let calls = client_calls(&h);
+    let (failed, retried) = (&calls[calls.len() - 2], &calls[calls.len() - 1]);
+    assert!(
+        retried["messages"].as_array().unwrap().len()
+            < failed["messages"].as_array().unwrap().len()
+    );
+    assert_eq!(
+        retried["messages"].as_array().unwrap().last().unwrap()["content"],
+        "and now?"
+    );
+    let reason: String = h
+        .db()
+        .query_row("SELECT reason FROM compactions", [], |r| r.get(0))
+        .unwrap();
+    assert!(reason.starts_with("overflow"), "{reason}");
+
+    // Streamed requests too (another conversation, llama.cpp's wording):
+    // the overflow comes as an HTTP error before any event.
+    let mut other = Chat::new(&h, "sk-other");
+    for i in 0..10 {
+        other.turn(&big_filler(i)).await;
+    }
+    h.fake.push(Reply::json(
+        400,
+        json!({"error": {"code": 400, "message": "request (4601 tokens) exceeds the available context size (2048 tokens), try increasing it", "type": "exceed_context_size_error"}}),
+    ));
+    other
+        .history
+        .push(json!({"role": "user", "content": "stream it"}));
+    let (status, headers, body) = post(
+        &other.url,
+        "sk-other",
+        &json!({"model": MODEL, "stream": true, "messages": other.history}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    assert!(String::from_utf8_lossy(&body).ends_with("data: [DONE]\n\n"));
+}
+
+/// A summarizer answer with every mandatory section.
+fn valid_narrative() -> Reply {
+    let text = compactor::compaction::summary::NARRATIVE_SECTIONS
+        .iter()
+        .map(|s| format!("## {s}\n- noted\n"))
+        .collect::<String>();
+    Reply::chat(&text, 100, 60)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn when_the_retry_still_overflows_the_client_gets_the_upstreams_error() {
+    let h = Harness::start_with(|c| {
+        small_window(c);
+        c.compaction.background = false;
+    })
+    .await;
+    let mut chat = Chat::new(&h, KEY);
+    for i in 0..10 {
+        chat.turn(&big_filler(i)).await;
+    }
+    let overflow = Reply::context_length_exceeded();
+    // First attempt overflows, the summary call succeeds, the retry overflows.
+    h.fake.push(overflow.clone());
+    h.fake.push(valid_narrative());
+    h.fake.push(overflow.clone());
+    chat.history
+        .push(json!({"role": "user", "content": "again"}));
+    let (status, _, resp) = post(
+        &chat.url,
+        KEY,
+        &json!({"model": MODEL, "messages": chat.history}),
+    )
+    .await;
+    let Reply::Full { body: expected, .. } = overflow else {
+        unreachable!()
+    };
+    assert_eq!(status, 400);
+    assert_eq!(resp, expected, "the upstream's own error, verbatim");
+    assert_eq!(client_calls(&h).len(), 10 + 2, "exactly one retry");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compaction_never_applies_to_another_tenant() {
+    let h = Harness::start_with(small_window).await;
+    let mut alice = Chat::new(&h, "sk-alice");
+    let mut i = 0;
+    while h
+        .db()
+        .query_row("SELECT count(*) FROM compactions", [], |r| {
+            r.get::<_, i64>(0)
+        })
+        .unwrap()
+        == 0
+    {
+        alice.turn(&filler(i)).await;
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert!(i < 40);
+    }
+    // Bob sends Alice's history byte for byte.
+    let (status, headers, _) = post(
+        &alice.url,
+        "sk-bob",
+        &json!({"model": MODEL, "messages": alice.history}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_none());
+    let sent = client_calls(&h).pop().unwrap();
+    assert_eq!(
+        sent["messages"].as_array().unwrap().len(),
+        alice.history.len(),
+        "sent uncompacted"
+    );
+    // Alice sending the same gets her compaction.
+    let (_, headers, _) = post(
+        &alice.url,
+        "sk-alice",
+        &json!({"model": MODEL, "messages": alice.history}),
+    )
+    .await;
+    assert!(headers.get("x-compactor-compacted").is_some());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compacted_request_the_upstream_refuses_is_resent_uncompacted() {
+    let h = Harness::start_with(small_window).await;
+    let mut chat = Chat::new(&h, KEY);
+    let mut i = 0;
+    while h
+        .db()
+        .query_row("SELECT count(*) FROM compactions", [], |r| {
+            r.get::<_, i64>(0)
+        })
+        .unwrap()
+        == 0
+    {
+        chat.turn(&filler(i)).await;
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert!(i < 40);
+    }
+    h.fake.push(Reply::json(400, json!({"error": {"message": "Invalid 'messages[1]'", "type": "invalid_request_error", "code": null}})));
+    let (status, headers, _) = chat.turn("next").await;
+    assert_eq!(
+        status, 200,
+        "compaction must not turn a success into a failure"
+    );
+    assert!(headers.get("x-compactor-compacted").is_none());
+    let sent = client_calls(&h).pop().unwrap();
+    assert_eq!(
+        sent["messages"].as_array().unwrap().len(),
+        chat.history.len() - 1
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_summarizer_falls_back_to_extracted_facts() {
+    let h = Harness::start_with(|c| {
+        small_window(c);
+        c.compaction.background = false;
+    })
+    .await;
+    let mut chat = Chat::new(&h, KEY);
+    chat.history
+        .push(json!({"role": "user", "content": "TASK: make the tests pass"}));
+    chat.history.push(json!({"role": "assistant", "content": null, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "write_file", "arguments": "{\"path\":\"src/auth.py\",\"content\":\"def login():\\n    return True\\n\"}"}}]}));
+    chat.history
+        .push(json!({"role": "tool", "tool_call_id": "c1", "content": "ok"}));
+    for i in 0..10 {
+        chat.turn(&big_filler(i)).await;
+    }
+    h.fake.push(Reply::context_length_exceeded());
+    // Both summary attempts fail: one error, one answer without the sections.
+    h.fake
+        .push(Reply::json(500, json!({"error": {"message": "boom"}})));
+    h.fake.push(Reply::chat("I cannot summarize.", 10, 3));
+    let (status, headers, _) = chat.turn("continue").await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let (rung, summary): (String, String) = h
+        .db()
+        .query_row("SELECT rung, summary FROM compactions", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .unwrap();
+    assert_eq!(rung, "fallback");
+    assert!(summary.contains("TASK: make the tests pass"), "{summary}");
+    assert!(
+        summary.contains("src/auth.py") && summary.contains("return True"),
+        "file state kept: {summary}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_rewrites_its_history_is_backed_off() {
+    let h = Harness::start_with(small_window).await;
+    let url = format!("{}/chat/completions", h.url());
+    // Like aider: every turn re-wraps earlier messages, so no compaction ever matches.
+    for turn in 0..16 {
+        let msgs: Vec<Value> = std::iter::once(json!({"role": "system", "content": format!("system, reminder {turn}")}))
+            .chain((0..12).map(|i| json!({"role": if i % 2 == 0 { "user" } else { "assistant" }, "content": format!("{} (v{turn})", big_filler(i))})))
+            .collect();
+        let (status, headers, _) =
+            post(&url, KEY, &json!({"model": MODEL, "messages": msgs})).await;
+        assert_eq!(status, 200);
+        assert!(headers.get("x-compactor-compacted").is_none());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let compactions: i64 = h
+        .db()
+        .query_row("SELECT count(*) FROM compactions", [], |r| r.get(0))
+        .unwrap();
+    assert!(compactions >= 2, "it did try: {compactions}");
+    assert!(
+        compactions <= 8,
+        "but backed off instead of compacting every turn: {compactions}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replay_after_a_restart_rewrites_exactly_as_before() {
+    let mut h = Harness::start_with(small_window).await;
+    let mut chat = Chat::new(&h, KEY);
+    let mut i = 0;
+    while h
+        .db()
+        .query_row("SELECT count(*) FROM compactions", [], |r| {
+            r.get::<_, i64>(0)
+        })
+        .unwrap()
+        == 0
+    {
+        chat.turn(&filler(i)).await;
+        i += 1;
+        tokio::time::sleep(Duration::from_millis(30)).await;
+        assert!(i < 40);
+    }
+    let (_, headers, _) = chat.turn("before restart").await;
+    let id = headers.get("x-compactor-compacted").unwrap().clone();
+    let before = h
+        .fake
+        .received()
+        .into_iter()
+        .rev()
+        .find(|r| !is_summary_call(r))
+        .unwrap();
+    // Same history again after a restart on the same store.
+    chat.history.truncate(chat.history.len() - 2);
+    h.stop().await;
+    let config = h.state.config.clone();
+    let (fake, db) = (h.fake.clone(), h.db.clone());
+    let dir = std::mem::replace(&mut h.dir, tempfile::tempdir().unwrap());
+    drop(h);
+    let h2 = Harness::start_on(fake, dir, db, config).await;
+    chat.url = format!("{}/chat/completions", h2.url());
+    let (status, headers, _) = chat.turn("before restart").await;
+    assert_eq!(status, 200);
+    assert_eq!(headers.get("x-compactor-compacted"), Some(&id));
+    let after = h2
+        .fake
+        .received()
+        .into_iter()
+        .rev()
+        .find(|r| !is_summary_call(r))
+        .unwrap();
+    assert_eq!(
+        after.body, before.body,
+        "byte-identical request after the restart"
+    );
+}
