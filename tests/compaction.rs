@@ -522,3 +522,52 @@ async fn replay_after_a_restart_rewrites_exactly_as_before() {
         "byte-identical request after the restart"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manual_compaction_applies_to_the_next_request() {
+    let h = Harness::start_with(|c| {
+        small_window(c);
+        c.compaction.background = false;
+    })
+    .await;
+    let mut chat = Chat::new(&h, KEY);
+    let mut conv = String::new();
+    for i in 0..10 {
+        let (_, headers, _) = chat.turn(&big_filler(i)).await;
+        conv = headers.get("x-compactor-conversation").unwrap().to_str().unwrap().to_string();
+    }
+    assert!(h.state.compactions.request_manual(&conv));
+    let (status, headers, _) = chat.turn("compact now please").await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let reason: String = h.db().query_row("SELECT reason FROM compactions", [], |r| r.get(0)).unwrap();
+    assert_eq!(reason, "manual");
+    assert!(!h.state.compactions.take_manual(&conv), "used up");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_over_the_hard_limit_waits_for_the_compaction_under_way() {
+    let h = Harness::start_with(small_window).await;
+    let mut chat = Chat::new(&h, KEY);
+    // Grow to just past the trigger, with a slow summarizer scripted for the
+    // background job that the crossing answer starts.
+    let mut i = 0;
+    loop {
+        let (_, _, v) = chat.turn(&big_filler(i)).await;
+        i += 1;
+        if v["usage"]["prompt_tokens"].as_u64().unwrap() >= 2250 {
+            break;
+        }
+        assert!(i < 30);
+    }
+    let slow = Duration::from_millis(1500);
+    h.fake.push(Reply::Delay(slow, Box::new(valid_narrative())));
+    // The next request is far over the hard limit (3000 - 300 tokens).
+    let huge = format!("Here is the whole log: {}", "trace line with details ".repeat(600));
+    let started = std::time::Instant::now();
+    let (status, headers, _) = chat.turn(&huge).await;
+    let waited = started.elapsed();
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some(), "it went out compacted");
+    assert!(waited >= slow / 2, "it waited for the compaction ({waited:?})");
+}

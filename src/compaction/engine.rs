@@ -83,6 +83,8 @@ pub struct Compactions {
     backoff: Mutex<HashMap<String, Backoff>>,
     /// When each conversation's newest compaction was stored (Unix ms).
     newest: Mutex<HashMap<(String, String), i64>>,
+    /// Conversations whose next request is to be compacted (manual).
+    manual: Mutex<std::collections::HashSet<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
@@ -100,11 +102,14 @@ impl Compactions {
     }
 
     fn insert(&self, c: Arc<Compaction>) {
+        // The time it became visible, not when it was computed: a request
+        // that started before this moment may have missed it.
+        let visible = crate::server::now_ms().max(c.created_ms);
         let mut newest = lock(&self.newest);
         let at = newest
             .entry((c.tenant.clone(), c.conversation.clone()))
             .or_default();
-        *at = (*at).max(c.created_ms);
+        *at = (*at).max(visible);
         drop(newest);
         lock(&self.by_tenant)
             .entry(c.tenant.clone())
@@ -126,6 +131,18 @@ impl Compactions {
             }
         }
         found
+    }
+
+    /// Asks for the conversation's next request to be compacted, like
+    /// Codex's `/compact`. The proxy needs that request's credentials for
+    /// the summary, so it happens then. False if already asked.
+    pub fn request_manual(&self, conversation: &str) -> bool {
+        lock(&self.manual).insert(conversation.to_string())
+    }
+
+    /// Takes a pending manual request for the conversation.
+    pub fn take_manual(&self, conversation: &str) -> bool {
+        lock(&self.manual).remove(conversation)
     }
 
     /// A background job still computing for this conversation.

@@ -91,6 +91,23 @@ async fn handle_inner(
     } else {
         raw
     };
+    if api == Api::Chat && state.compactions.take_manual(&conversation) {
+        let input = engine::Input {
+            tenant: tenant.clone(),
+            conversation: conversation.clone(),
+            model: model.clone(),
+            view: view_of(&items, applied.as_deref()),
+            chains: chains.clone(),
+            base: applied.clone(),
+            auth: engine::auth_headers(&parts.headers),
+            reason: "manual".into(),
+            requested_ms: started_ms,
+        };
+        match engine::compact(&state, input).await {
+            Ok(c) => applied = Some(c),
+            Err(e) => tracing::warn!(error = %e, "manual compaction produced nothing"),
+        }
+    }
     let view = view_of(&items, applied.as_deref());
     let mut upstream_bytes = match &applied {
         Some(_) => with_items(&body, &view)?,
