@@ -120,14 +120,14 @@ impl Reply {
     pub fn responses(text: &str, input_tokens: u64, output_tokens: u64) -> Reply {
         Reply::json(
             200,
-            responses_body("resp_fake", text, input_tokens, output_tokens),
+            responses_body(&next_response_id(), text, input_tokens, output_tokens),
         )
     }
 
     /// A streamed Responses answer.
     pub fn responses_stream(pieces: &[&str], input_tokens: u64, output_tokens: u64) -> Reply {
         Reply::sse(responses_stream_events(
-            "resp_fake",
+            &next_response_id(),
             pieces,
             input_tokens,
             output_tokens,
@@ -151,6 +151,15 @@ impl Reply {
                              "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}),
         )
     }
+}
+
+/// A fresh `resp_…` id: every Responses answer has its own, as upstreams do.
+pub fn next_response_id() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+    format!(
+        "resp_fake{}",
+        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    )
 }
 
 /// Usage object of Chat Completions.

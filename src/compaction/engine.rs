@@ -63,6 +63,9 @@ pub struct Input {
     pub reason: String,
     /// When the request arrived (Unix ms).
     pub requested_ms: i64,
+    /// Compact the whole history, keeping no verbatim tail (explicit
+    /// compaction requests: `/v1/responses/compact`, `compaction_trigger`).
+    pub whole: bool,
 }
 
 #[derive(Default)]
@@ -83,6 +86,8 @@ pub struct Compactions {
     backoff: Mutex<HashMap<String, Backoff>>,
     /// When each conversation's newest compaction was stored (Unix ms).
     newest: Mutex<HashMap<(String, String), i64>>,
+    /// Every stored compaction by id (to expand `compaction` items).
+    by_id: Mutex<HashMap<String, Arc<Compaction>>>,
     /// Conversations whose next request is to be compacted (manual).
     manual: Mutex<std::collections::HashSet<String>>,
 }
@@ -111,6 +116,7 @@ impl Compactions {
             .or_default();
         *at = (*at).max(visible);
         drop(newest);
+        lock(&self.by_id).insert(c.id.clone(), c.clone());
         lock(&self.by_tenant)
             .entry(c.tenant.clone())
             .or_default()
@@ -131,6 +137,14 @@ impl Compactions {
             }
         }
         found
+    }
+
+    /// A stored compaction by id, only if it belongs to `tenant`.
+    pub fn get(&self, tenant: &str, id: &str) -> Option<Arc<Compaction>> {
+        lock(&self.by_id)
+            .get(id)
+            .filter(|c| c.tenant == tenant)
+            .cloned()
     }
 
     /// Asks for the conversation's next request to be compacted, like
@@ -227,49 +241,56 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
     let (hashes, tokens) = count_items(state, input.view.clone()).await?;
     let view = &input.view;
     let base = input.base.as_deref();
-    let prepared = prepare(view, &tokens, base, &params).ok_or(CompactError::NothingToCompact)?;
+    let prepared = if input.whole {
+        super::prepare_whole(view, &tokens, base)
+    } else {
+        prepare(view, &tokens, base, &params)
+    }
+    .ok_or(CompactError::NothingToCompact)?;
     let counter = state.tokens.clone();
     let count = move |v: &Value| counter.count_item(&item_hash(v), v);
 
-    let (rung, replacement, after, summary_text, facts, calls, kept_users) =
-        match cheap_rungs(view, &hashes, &prepared, &params, &count) {
-            Some((rung, replacement, after)) => (
+    let (rung, replacement, after, summary_text, facts, calls, kept_users) = match (!input.whole)
+        .then(|| cheap_rungs(view, &hashes, &prepared, &params, &count))
+        .flatten()
+    {
+        Some((rung, replacement, after)) => (
+            rung,
+            replacement,
+            after,
+            None,
+            base.and_then(|b| b.facts.clone()),
+            0,
+            0,
+        ),
+        None => {
+            let part = &view[prepared.lead..prepared.cut];
+            let facts = summary::extract_facts(part, base.and_then(|b| b.facts.as_ref()));
+            let (narrative, calls) = summarize(state, &input, part, &params).await;
+            let rung = if narrative.is_some() {
+                Rung::Summary
+            } else {
+                Rung::Fallback
+            };
+            let text = summary::assemble(
+                &facts,
+                narrative.as_deref(),
+                prepared.covered_len,
+                params.summary_max_bytes,
+            );
+            let (replacement, after, kept) =
+                summary_replacement(view, &tokens, &prepared, &params, text.clone(), &count);
+            (
                 rung,
                 replacement,
                 after,
-                None,
-                base.and_then(|b| b.facts.clone()),
-                0,
-                0,
-            ),
-            None => {
-                let part = &view[prepared.lead..prepared.cut];
-                let facts = summary::extract_facts(part, base.and_then(|b| b.facts.as_ref()));
-                let (narrative, calls) = summarize(state, &input, part, &params).await;
-                let rung = if narrative.is_some() {
-                    Rung::Summary
-                } else {
-                    Rung::Fallback
-                };
-                let text = summary::assemble(
-                    &facts,
-                    narrative.as_deref(),
-                    prepared.covered_len,
-                    params.summary_max_bytes,
-                );
-                let (replacement, after, kept) =
-                    summary_replacement(view, &tokens, &prepared, &params, text.clone(), &count);
-                (
-                    rung,
-                    replacement,
-                    after,
-                    Some(text),
-                    Some(facts),
-                    calls,
-                    kept,
-                )
-            }
-        };
+                Some(text),
+                Some(facts),
+                calls,
+                kept,
+            )
+        }
+    };
     if after >= prepared.before {
         let err = CompactError::NoShrink {
             before: prepared.before,

@@ -9,6 +9,8 @@
 //! - [`summary`]: facts the proxy extracts itself, the summarizer prompt,
 //!   validation, the assembled summary and its deterministic fallback
 //! - [`rewrite`]: applying a stored compaction to a request (longest match)
+//! - [`remote`]: compaction the client asks for (`/v1/responses/compact`,
+//!   `compaction_trigger`) and the `compaction` items that stand for it
 //!
 //! A compaction replaces the first `covered_len` items the client sends —
 //! identified by their chain hash, so it can never apply to bytes it did not
@@ -23,6 +25,7 @@ pub mod engine;
 pub mod items;
 pub mod ladder;
 pub mod policy;
+pub mod remote;
 pub mod rewrite;
 pub mod summary;
 
@@ -174,15 +177,41 @@ pub fn prepare(
     base: Option<&Compaction>,
     params: &Params,
 ) -> Option<Prepared> {
-    let lead = items::leading_system(view);
     // A cut inside the base's replacement could not be mapped back to the
     // client's items: the previous summary is compacted with what follows.
     let min_cut = base.map(|b| b.replacement.len()).unwrap_or(0);
-    let sub_tokens: Vec<u64> = tokens.to_vec();
-    let cut = cut::choose_cut(view, &sub_tokens, params.tail_budget).map(|c| c.max(min_cut))?;
+    let cut = cut::choose_cut(view, tokens, params.tail_budget)?.max(min_cut);
+    finish_prepare(view, tokens, base, cut, false)
+}
+
+/// Like [`prepare`], but compacts everything after the leading items that
+/// can be compacted safely: an explicit compaction request
+/// (`/v1/responses/compact`, `compaction_trigger`) keeps no verbatim tail.
+pub fn prepare_whole(
+    view: &[Value],
+    tokens: &[u64],
+    base: Option<&Compaction>,
+) -> Option<Prepared> {
+    let min_cut = base.map(|b| b.replacement.len()).unwrap_or(0);
+    finish_prepare(view, tokens, base, min_cut, true)
+}
+
+fn finish_prepare(
+    view: &[Value],
+    tokens: &[u64],
+    base: Option<&Compaction>,
+    from: usize,
+    whole: bool,
+) -> Option<Prepared> {
+    let lead = items::leading_system(view);
     let safe = cut::safe_cuts(view);
-    // Moving the cut forward past the replacement must land on a safe cut too.
-    let cut = (cut..view.len()).find(|&i| safe[i] && i > lead)?;
+    let ok = |i: &usize| safe[*i] && *i > lead;
+    let cut = if whole {
+        (from..=view.len()).rev().find(ok)?
+    } else {
+        // Moving the cut forward past the replacement must land on a safe cut too.
+        (from..view.len()).find(ok)?
+    };
     let covered_len = rewrite::view_to_original(cut, base)?;
     Some(Prepared {
         cut,

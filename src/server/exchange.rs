@@ -74,6 +74,51 @@ pub struct Outcome {
 }
 
 impl PendingExchange {
+    /// Applies a compaction: the view becomes its replacement followed by
+    /// the rest of the client's items.
+    pub fn apply(&mut self, c: Arc<Compaction>) {
+        self.view = Arc::new(crate::compaction::rewrite::rewrite(&self.items, &c));
+        self.compaction = Some(c);
+    }
+
+    /// Goes back to the client's own items.
+    pub fn unapply(&mut self) {
+        self.view = self.items.clone();
+        self.compaction = None;
+    }
+
+    /// The body to send upstream: the client's (`original`) unless a
+    /// compaction applies.
+    pub fn upstream_bytes(
+        &self,
+        original: &bytes::Bytes,
+    ) -> Result<bytes::Bytes, crate::error::ProxyError> {
+        if self.compaction.is_none() {
+            return Ok(original.clone());
+        }
+        let mut body = (*self.body).clone();
+        super::proxy::set_items(self.api, &mut body, &self.view);
+        serde_json::to_vec(&body)
+            .map(bytes::Bytes::from)
+            .map_err(|e| crate::error::ProxyError::Internal(e.to_string()))
+    }
+
+    /// What a compaction of this request starts from.
+    pub fn input(&self, reason: String, whole: bool) -> Input {
+        Input {
+            tenant: self.tenant.clone(),
+            conversation: self.ident.conversation.clone(),
+            model: self.model.clone(),
+            view: self.view.clone(),
+            chains: self.chains.clone(),
+            base: self.compaction.clone(),
+            auth: self.auth.clone(),
+            reason,
+            requested_ms: self.started_ms,
+            whole,
+        }
+    }
+
     /// Builds the record: claims item bodies not yet stored, computes chains.
     pub fn to_record(&self, state: &AppState, outcome: Outcome) -> ExchangeRecord {
         let mut new_items = Vec::new();
@@ -154,19 +199,8 @@ impl PendingExchange {
         let state = state.clone();
         let (api, body, view) = (self.api, self.body.clone(), self.view.clone());
         let hashes = Arc::ptr_eq(&self.view, &self.items).then(|| self.hashes.clone());
-        // Only chat conversations are compacted so far; only a complete
-        // answer says how large the conversation now is.
-        let next = (complete && api == Api::Chat).then(|| Input {
-            tenant: self.tenant.clone(),
-            conversation: self.ident.conversation.clone(),
-            model: self.model.clone(),
-            view: self.view.clone(),
-            chains: self.chains.clone(),
-            base: self.compaction.clone(),
-            auth: self.auth.clone(),
-            reason: String::new(),
-            requested_ms: self.started_ms,
-        });
+        // Only a complete answer says how large the conversation now is.
+        let next = complete.then(|| self.input(String::new(), false));
         let (conversation, model, id) =
             (self.ident.conversation.clone(), self.model.clone(), self.id);
         let compaction = self.compaction.as_ref().map(|c| c.id.clone());

@@ -135,6 +135,7 @@ async fn route(
             }
             (&Method::POST, "/v1/chat/completions") => proxy::handle(state, Api::Chat, req).await,
             (&Method::POST, "/v1/responses") => proxy::handle(state, Api::Responses, req).await,
+            (&Method::POST, "/v1/responses/compact") => proxy::handle_compact(state, req).await,
             (_, p) if p.starts_with("/v1/") => passthrough::handle(state, req).await,
             _ => ProxyError::NotFound {
                 method: method.to_string(),

@@ -20,7 +20,7 @@ use serde_json::Value;
 
 use super::exchange::{now_ms, Outcome, PendingExchange};
 use super::AppState;
-use crate::compaction::{engine, policy, rewrite, Compaction};
+use crate::compaction::{engine, policy, remote, Compaction};
 use crate::conversation::tenant_of;
 use crate::error::{full, BodyError, ProxyBody, ProxyError};
 use crate::upstream::{describe, strip_hop_by_hop};
@@ -40,79 +40,91 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Incoming>) -> R
     }
 }
 
-async fn handle_inner(
-    state: Arc<AppState>,
+/// A parsed request, before it goes upstream.
+struct Parsed {
+    /// The exchange under way (items, view, compaction applied…).
+    pending: PendingExchange,
+    /// The client's body as it goes upstream when no compaction applies.
+    original_bytes: Bytes,
+    /// The proxy asked for stream usage the client did not ask for.
+    strip_usage: bool,
+    /// The input ended with Codex's in-band `compaction_trigger`.
+    trigger: bool,
+}
+
+/// Reads, parses and validates a request of `api`; expands what the proxy
+/// stands for (a recorded `previous_response_id` chain, its own `compaction`
+/// items); identifies the conversation; applies a stored compaction.
+async fn parse(
+    state: &Arc<AppState>,
     api: Api,
-    req: Request<Incoming>,
-) -> Result<Response<ProxyBody>, ProxyError> {
-    let started = Instant::now();
-    let started_ms = now_ms();
-    let (parts, body) = req.into_parts();
+    parts: &http::request::Parts,
+    body: Incoming,
+    started: Instant,
+    started_ms: i64,
+) -> Result<Parsed, ProxyError> {
     let raw = read_body(body, &parts.headers, state.config.server.max_body_bytes).await?;
     let mut body: Value = serde_json::from_slice(&raw)
         .map_err(|e| ProxyError::BadRequest(format!("request body is not valid JSON: {e}")))?;
     api.validate(&body).map_err(ProxyError::BadRequest)?;
 
+    let tenant = tenant_of(&state.tenant_salt, wire::credential(&parts.headers));
+    let previous = body
+        .get("previous_response_id")
+        .and_then(Value::as_str)
+        .map(String::from);
+    let mut rewritten = false;
+    let mut items = api.request_items(&body);
+    if api == Api::Responses {
+        // A chain the proxy recorded is expanded into full input, so it can
+        // be compacted and works with upstreams that keep no responses.
+        if let Some(prev) = &previous {
+            if let Some(mut history) = previous_history(state, &tenant, prev).await {
+                history.extend(
+                    items
+                        .drain(..)
+                        .filter(|i| !wire::responses::is_instructions_item(i)),
+                );
+                if let Some(obj) = body.as_object_mut() {
+                    obj.remove("previous_response_id");
+                }
+                items = history;
+                rewritten = true;
+            }
+        }
+        rewritten |= remote::expand_items(&mut items, |id| state.compactions.get(&tenant, id));
+        if rewritten {
+            set_items(api, &mut body, &items);
+        }
+    }
+    let trigger = api == Api::Responses && remote::ends_with_trigger(&items);
+    if trigger {
+        items.pop();
+    }
     let model = body
         .get("model")
         .and_then(Value::as_str)
         .unwrap_or_default()
         .to_string();
     let streamed = body.get("stream").and_then(Value::as_bool) == Some(true);
-    let tenant = tenant_of(&state.tenant_salt, wire::credential(&parts.headers));
-    let items = api.request_items(&body);
     let hashes: Vec<ItemHash> = items.iter().map(item_hash).collect();
     let chains = chain_hashes(&hashes);
     let explicit_key = wire::explicit_conversation_key(&parts.headers, &body);
-    let previous = body.get("previous_response_id").and_then(Value::as_str);
-    let ident = state
-        .conversations
-        .identify(&tenant, explicit_key.as_deref(), previous, &chains);
+    let ident = state.conversations.identify(
+        &tenant,
+        explicit_key.as_deref(),
+        previous.as_deref(),
+        &chains,
+    );
     tracing::Span::current().record("conversation", ident.conversation.as_str());
 
     let strip_usage = api == Api::Chat && chat::ensure_stream_usage(&mut body);
-    let items = Arc::new(items);
-    let chains = Arc::new(chains);
-    let conversation = ident.conversation.clone();
-
-    // A stored compaction covering a prefix of this request replaces it.
-    let mut applied = match api {
-        Api::Chat => state.compactions.find(&tenant, &chains),
-        Api::Responses => None,
-    };
-    if api == Api::Chat {
-        let view = view_of(&items, applied.as_deref());
-        if engine::wait_if_needed(&state, &tenant, &conversation, &model, view).await {
-            applied = state.compactions.find(&tenant, &chains);
-        }
-    }
-    let original_bytes = if strip_usage {
+    let original_bytes = if strip_usage || rewritten {
         Bytes::from(serde_json::to_vec(&body).map_err(|e| ProxyError::Internal(e.to_string()))?)
     } else {
         raw
     };
-    if api == Api::Chat && state.compactions.take_manual(&conversation) {
-        let input = engine::Input {
-            tenant: tenant.clone(),
-            conversation: conversation.clone(),
-            model: model.clone(),
-            view: view_of(&items, applied.as_deref()),
-            chains: chains.clone(),
-            base: applied.clone(),
-            auth: engine::auth_headers(&parts.headers),
-            reason: "manual".into(),
-            requested_ms: started_ms,
-        };
-        match engine::compact(&state, input).await {
-            Ok(c) => applied = Some(c),
-            Err(e) => tracing::warn!(error = %e, "manual compaction produced nothing"),
-        }
-    }
-    let view = view_of(&items, applied.as_deref());
-    let mut upstream_bytes = match &applied {
-        Some(_) => with_items(&body, &view)?,
-        None => original_bytes.clone(),
-    };
+    let items = Arc::new(items);
     let mut pending = PendingExchange {
         id: state.store.next_exchange_id(),
         ident,
@@ -123,15 +135,76 @@ async fn handle_inner(
         body: Arc::new(body),
         chain_request: chains.last().copied().unwrap_or([0; 32]),
         hashes: Arc::new(hashes),
+        view: items.clone(),
         items,
-        chains,
-        view,
-        compaction: applied,
+        chains: Arc::new(chains),
+        compaction: None,
         auth: engine::auth_headers(&parts.headers),
         streamed,
         started,
         started_ms,
     };
+    // A stored compaction covering a prefix of this request replaces it; a
+    // request too large to go without one waits for one under way.
+    if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+        pending.apply(c);
+    }
+    if engine::wait_if_needed(
+        state,
+        &pending.tenant,
+        &pending.ident.conversation,
+        &pending.model,
+        pending.view.clone(),
+    )
+    .await
+    {
+        if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+            pending.apply(c);
+        }
+    }
+    Ok(Parsed {
+        pending,
+        original_bytes,
+        strip_usage,
+        trigger,
+    })
+}
+
+/// Computes a compaction of the request's view now and applies it.
+async fn compact_now(state: &Arc<AppState>, pending: &mut PendingExchange, reason: String) -> bool {
+    match engine::compact(state, pending.input(reason, false)).await {
+        Ok(c) => {
+            pending.apply(c);
+            true
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "no compaction could be applied");
+            false
+        }
+    }
+}
+
+async fn handle_inner(
+    state: Arc<AppState>,
+    api: Api,
+    req: Request<Incoming>,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let started = Instant::now();
+    let started_ms = now_ms();
+    let (parts, body) = req.into_parts();
+    let Parsed {
+        mut pending,
+        original_bytes,
+        strip_usage,
+        trigger,
+    } = parse(&state, api, &parts, body, started, started_ms).await?;
+    if trigger {
+        return answer_trigger(&state, pending).await;
+    }
+    if state.compactions.take_manual(&pending.ident.conversation) {
+        compact_now(&state, &mut pending, "manual".into()).await;
+    }
+    let mut upstream_bytes = pending.upstream_bytes(&original_bytes)?;
 
     let url = state.upstream.url(api.endpoint(), parts.uri.query());
     let headers = state.upstream.request_headers(&parts.headers, true);
@@ -143,18 +216,36 @@ async fn handle_inner(
             .await
         {
             Ok(r) => r,
-            Err(e) => {
-                let outcome = Outcome {
-                    status: e.status().as_u16(),
-                    error: Some(e.to_string()),
-                    ..Outcome::default()
-                };
-                pending.finish(&state, outcome).await;
-                return Err(e);
-            }
+            Err(e) => return Err(fail(&state, pending, e, None).await),
         };
         if resp.status().is_success() {
-            break Answer::Upstream(resp);
+            if api != Api::Responses || !is_sse(resp.headers()) {
+                break Answer::Upstream(resp);
+            }
+            // Hold the first events back until the upstream commits to an
+            // answer, so a start that fails for lack of room can be retried.
+            let held = match hold_back(resp, state.upstream.idle_timeout).await {
+                Ok(h) => h,
+                Err(e) => return Err(fail(&state, pending, e, None).await),
+            };
+            let overflow = held
+                .failure
+                .as_ref()
+                .is_some_and(|data| policy::is_context_overflow(400, data.as_bytes()));
+            if overflow
+                && !retried
+                && compact_now(
+                    &state,
+                    &mut pending,
+                    "overflow: upstream stream failed".into(),
+                )
+                .await
+            {
+                upstream_bytes = pending.upstream_bytes(&original_bytes)?;
+                retried = true;
+                continue;
+            }
+            break Answer::Held(held);
         }
         // An error answer is small: read it whole to see whether it says the
         // prompt did not fit.
@@ -164,94 +255,55 @@ async fn handle_inner(
             Ok(Ok(b)) => b,
             _ => Bytes::new(),
         };
-        if !retried && api == Api::Chat {
-            if policy::is_context_overflow(status.as_u16(), &bytes) {
-                let input = engine::Input {
-                    tenant: pending.tenant.clone(),
-                    conversation: conversation.clone(),
-                    model: pending.model.clone(),
-                    view: pending.view.clone(),
-                    chains: pending.chains.clone(),
-                    base: pending.compaction.clone(),
-                    auth: pending.auth.clone(),
-                    reason: format!("overflow: upstream answered {status}"),
-                    requested_ms: pending.started_ms,
-                };
-                match engine::compact(&state, input).await {
-                    Ok(c) => {
-                        pending.view = view_of(&pending.items, Some(&c));
-                        upstream_bytes = with_items(&pending.body, &pending.view)?;
-                        pending.compaction = Some(c);
-                        retried = true;
-                        tracing::info!("retrying once with the compacted request");
-                        continue;
-                    }
-                    Err(e) => {
-                        tracing::warn!(error = %e, "overflow could not be compacted; relaying the upstream's answer")
-                    }
-                }
-            } else if pending.compaction.is_some() && status.is_client_error() {
-                // Compaction must never turn a request that would have
-                // succeeded into a failure: send the client's own request.
-                tracing::warn!(%status, "compacted request refused; resending it uncompacted");
-                pending.compaction = None;
-                pending.view = pending.items.clone();
-                upstream_bytes = original_bytes.clone();
+        if !retried && policy::is_context_overflow(status.as_u16(), &bytes) {
+            if compact_now(
+                &state,
+                &mut pending,
+                format!("overflow: upstream answered {status}"),
+            )
+            .await
+            {
+                upstream_bytes = pending.upstream_bytes(&original_bytes)?;
                 retried = true;
                 continue;
             }
+        } else if !retried && pending.compaction.is_some() && status.is_client_error() {
+            // Compaction must never turn a request that would have succeeded
+            // into a failure: send the client's own request.
+            tracing::warn!(%status, "compacted request refused; resending it uncompacted");
+            pending.unapply();
+            upstream_bytes = original_bytes.clone();
+            retried = true;
+            continue;
         }
         break Answer::Error(status, resp_headers, bytes);
     };
     let applied = pending.compaction.clone();
     let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
     let mut response = match answer {
+        Answer::Held(held) => stream_response(state, pending, held, strip_usage, ttfb_ms),
+        Answer::Upstream(resp) if is_sse(resp.headers()) => {
+            let held = Held {
+                status: resp.status(),
+                headers: resp.headers().clone(),
+                chunks: Vec::new(),
+                failure: None,
+                rest: Box::pin(resp.bytes_stream()),
+            };
+            stream_response(state, pending, held, strip_usage, ttfb_ms)
+        }
         Answer::Upstream(resp) => {
-            let is_sse = resp
-                .headers()
-                .get(header::CONTENT_TYPE)
-                .and_then(|v| v.to_str().ok())
-                .is_some_and(|ct| ct.starts_with("text/event-stream"));
-            if is_sse {
-                stream_response(state, pending, resp, strip_usage, ttfb_ms)
-            } else {
-                let status = resp.status();
-                let headers = resp.headers().clone();
-                match tokio::time::timeout(state.upstream.idle_timeout, resp.bytes()).await {
-                    Ok(Ok(b)) => {
-                        buffered_response(state, pending, status, headers, b, ttfb_ms).await
-                    }
-                    Ok(Err(e)) => {
-                        let err = ProxyError::UpstreamUnreachable(describe(&e));
-                        pending
-                            .finish(
-                                &state,
-                                Outcome {
-                                    status: 502,
-                                    error: Some(err.to_string()),
-                                    ttfb_ms: Some(ttfb_ms),
-                                    ..Outcome::default()
-                                },
-                            )
-                            .await;
-                        return Err(err);
-                    }
-                    Err(_) => {
-                        let err =
-                            ProxyError::UpstreamTimeout(state.upstream.idle_timeout.as_secs());
-                        pending
-                            .finish(
-                                &state,
-                                Outcome {
-                                    status: 504,
-                                    error: Some(err.to_string()),
-                                    ttfb_ms: Some(ttfb_ms),
-                                    ..Outcome::default()
-                                },
-                            )
-                            .await;
-                        return Err(err);
-                    }
+            let status = resp.status();
+            let headers = resp.headers().clone();
+            match tokio::time::timeout(state.upstream.idle_timeout, resp.bytes()).await {
+                Ok(Ok(b)) => buffered_response(state, pending, status, headers, b, ttfb_ms).await,
+                Ok(Err(e)) => {
+                    let err = ProxyError::UpstreamUnreachable(describe(&e));
+                    return Err(fail(&state, pending, err, Some(ttfb_ms)).await);
+                }
+                Err(_) => {
+                    let err = ProxyError::UpstreamTimeout(state.upstream.idle_timeout.as_secs());
+                    return Err(fail(&state, pending, err, Some(ttfb_ms)).await);
                 }
             }
         }
@@ -267,30 +319,272 @@ async fn handle_inner(
     Ok(response)
 }
 
+/// Records an exchange that failed before an answer could be relayed and
+/// returns the error for the client.
+async fn fail(
+    state: &Arc<AppState>,
+    pending: PendingExchange,
+    err: ProxyError,
+    ttfb_ms: Option<f64>,
+) -> ProxyError {
+    let outcome = Outcome {
+        status: err.status().as_u16(),
+        error: Some(err.to_string()),
+        ttfb_ms,
+        ..Outcome::default()
+    };
+    pending.finish(state, outcome).await;
+    err
+}
+
+/// Codex's in-band compaction: the input ended with `compaction_trigger`.
+/// Answered by the proxy itself with exactly one `compaction` item, which
+/// later requests carry and the proxy expands into its summary.
+async fn answer_trigger(
+    state: &Arc<AppState>,
+    pending: PendingExchange,
+) -> Result<Response<ProxyBody>, ProxyError> {
+    let c = engine::compact(
+        state,
+        pending.input("requested: compaction_trigger".into(), true),
+    )
+    .await
+    .map_err(|e| ProxyError::BadRequest(format!("nothing to compact: {e}")))?;
+    let item = remote::compaction_item(&c, remote::Form::Full);
+    let response = compaction_response(&c, &pending.model, vec![item.clone()]);
+    let outcome = Outcome {
+        status: 200,
+        usage: pending.api.usage(&response),
+        response_items: vec![item],
+        response_id: response.get("id").and_then(Value::as_str).map(String::from),
+        ..Outcome::default()
+    };
+    pending.finish(state, outcome).await;
+    let body = if pending.streamed {
+        let events = compaction_events(&response);
+        let mut resp = Response::new(full(events));
+        resp.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        resp
+    } else {
+        crate::error::json_response(http::StatusCode::OK, &response)
+    };
+    let mut resp = body;
+    for (name, value) in [
+        (CONVERSATION_HEADER, &pending.ident.conversation),
+        (COMPACTED_HEADER, &c.id),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(value) {
+            resp.headers_mut().insert(name, v);
+        }
+    }
+    Ok(resp)
+}
+
+/// A completed Responses answer carrying compaction output.
+fn compaction_response(c: &Compaction, model: &str, output: Vec<Value>) -> Value {
+    let output_tokens = c.tokens_after.saturating_sub(c.items_kept as u64);
+    serde_json::json!({
+        "id": format!("resp_{}", c.id),
+        "object": "response",
+        "created_at": c.created_ms / 1000,
+        "status": "completed",
+        "model": model,
+        "output": output,
+        "usage": {"input_tokens": c.tokens_before, "output_tokens": output_tokens,
+                  "total_tokens": c.tokens_before + output_tokens},
+    })
+}
+
+/// The SSE events of a completed response (created, each item added and
+/// done, completed).
+fn compaction_events(response: &Value) -> Bytes {
+    let mut out = String::new();
+    let mut seq = 0;
+    let mut push = |kind: &str, mut data: Value| {
+        data["type"] = Value::String(kind.into());
+        data["sequence_number"] = seq.into();
+        seq += 1;
+        out.push_str(&format!("event: {kind}\ndata: {data}\n\n"));
+    };
+    let mut created = response.clone();
+    created["status"] = "in_progress".into();
+    created["output"] = Value::Array(Vec::new());
+    push("response.created", serde_json::json!({"response": created}));
+    for (i, item) in response["output"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .enumerate()
+    {
+        push(
+            "response.output_item.added",
+            serde_json::json!({"output_index": i, "item": item}),
+        );
+        push(
+            "response.output_item.done",
+            serde_json::json!({"output_index": i, "item": item}),
+        );
+    }
+    push(
+        "response.completed",
+        serde_json::json!({"response": response}),
+    );
+    Bytes::from(out)
+}
+
+/// `POST /v1/responses/compact`, served by the proxy for any upstream:
+/// compacts the given input and answers in OpenAI's shape.
+pub async fn handle_compact(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
+    let started = Instant::now();
+    let started_ms = now_ms();
+    let (parts, body) = req.into_parts();
+    let result = async {
+        let Parsed { pending, .. } =
+            parse(&state, Api::Responses, &parts, body, started, started_ms).await?;
+        let c = engine::compact(
+            &state,
+            pending.input("requested: /v1/responses/compact".into(), true),
+        )
+        .await
+        .map_err(|e| ProxyError::BadRequest(format!("nothing to compact: {e}")))?;
+        let mut answer = compaction_response(&c, &pending.model, remote::endpoint_output(&c));
+        answer["object"] = "response.compaction".into();
+        answer["id"] = Value::String(c.id.clone());
+        let mut resp = crate::error::json_response(http::StatusCode::OK, &answer);
+        for (name, value) in [
+            (CONVERSATION_HEADER, &pending.ident.conversation),
+            (COMPACTED_HEADER, &c.id),
+        ] {
+            if let Ok(v) = HeaderValue::from_str(value) {
+                resp.headers_mut().insert(name, v);
+            }
+        }
+        Ok::<_, ProxyError>(resp)
+    }
+    .await;
+    result.unwrap_or_else(ProxyError::into_response)
+}
+
 /// What the upstream finally answered.
 enum Answer {
     /// A success, body not yet read.
     Upstream(reqwest::Response),
+    /// A stream whose first events were read and held back.
+    Held(Held),
     /// An error answer, read whole.
     Error(http::StatusCode, http::HeaderMap, Bytes),
 }
 
-/// The items as they go upstream: the compaction's replacement, then the
-/// rest of the client's items; the client's items when none applies.
-fn view_of(items: &Arc<Vec<Value>>, applied: Option<&Compaction>) -> Arc<Vec<Value>> {
-    match applied {
-        Some(c) => Arc::new(rewrite::rewrite(items, c)),
-        None => items.clone(),
+/// A stream whose first events are held back.
+struct Held {
+    status: http::StatusCode,
+    headers: http::HeaderMap,
+    /// Bytes read so far, in order.
+    chunks: Vec<Bytes>,
+    /// The data of a `response.failed` / `error` event seen before any output.
+    failure: Option<String>,
+    /// The rest of the body.
+    rest: UpstreamStream,
+}
+
+/// Event types that come before a Responses stream commits to an answer.
+const PRELUDE_EVENTS: &[&str] = &[
+    "response.created",
+    "response.in_progress",
+    "response.queued",
+];
+
+/// Reads a Responses stream until its first event past the prelude: an
+/// output event (committed) or a failure.
+async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, ProxyError> {
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let mut rest: UpstreamStream = Box::pin(resp.bytes_stream());
+    let mut chunks = Vec::new();
+    let mut buf = Vec::new();
+    let mut scanned = 0;
+    loop {
+        let next = tokio::time::timeout(idle, rest.next())
+            .await
+            .map_err(|_| ProxyError::UpstreamTimeout(idle.as_secs()))?;
+        let Some(chunk) = next else { break };
+        let chunk = chunk.map_err(|e| ProxyError::UpstreamUnreachable(describe(&e)))?;
+        buf.extend_from_slice(&chunk);
+        chunks.push(chunk);
+        let (events, used) = wire::sse::complete_events(&buf[scanned..]);
+        scanned += used;
+        for (name, data) in events {
+            let kind = serde_json::from_str::<Value>(&data)
+                .ok()
+                .and_then(|v| v.get("type").and_then(Value::as_str).map(String::from))
+                .unwrap_or(name);
+            if PRELUDE_EVENTS.contains(&kind.as_str()) {
+                continue;
+            }
+            let failure = (kind == "response.failed" || kind == "error").then_some(data);
+            return Ok(Held {
+                status,
+                headers,
+                chunks,
+                failure,
+                rest,
+            });
+        }
+    }
+    Ok(Held {
+        status,
+        headers,
+        chunks,
+        failure: None,
+        rest,
+    })
+}
+
+fn is_sse(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|ct| ct.starts_with("text/event-stream"))
+}
+
+/// Replaces the request body's items with `items`: `messages` for chat;
+/// `input` for Responses (where `instructions` stays the body's own field
+/// and a leading instructions pseudo-item is dropped).
+pub(super) fn set_items(api: Api, body: &mut Value, items: &[Value]) {
+    match api {
+        Api::Chat => body["messages"] = Value::Array(items.to_vec()),
+        Api::Responses => {
+            let skip = usize::from(
+                items
+                    .first()
+                    .is_some_and(wire::responses::is_instructions_item),
+            );
+            body["input"] = Value::Array(items[skip..].to_vec());
+        }
     }
 }
 
-/// The request body with its `messages` replaced by `view`.
-fn with_items(body: &Value, view: &[Value]) -> Result<Bytes, ProxyError> {
-    let mut out = body.clone();
-    out["messages"] = Value::Array(view.to_vec());
-    serde_json::to_vec(&out)
-        .map(Bytes::from)
-        .map_err(|e| ProxyError::Internal(e.to_string()))
+/// The recorded history a `previous_response_id` continues, if the proxy
+/// relayed that response for this tenant.
+async fn previous_history(state: &Arc<AppState>, tenant: &str, id: &str) -> Option<Vec<Value>> {
+    let path = state.config.store_path();
+    let (tenant, id) = (tenant.to_string(), id.to_string());
+    tokio::task::spawn_blocking(move || {
+        let conn = rusqlite::Connection::open_with_flags(
+            &path,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+        )
+        .ok()?;
+        crate::store::sqlite::response_history(&conn, &tenant, &id)
+            .ok()
+            .flatten()
+    })
+    .await
+    .ok()
+    .flatten()
 }
 
 /// Reads the whole body, refusing more than `limit` bytes with 413.
@@ -366,6 +660,8 @@ type UpstreamStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>
 /// State of a streamed answer between chunks.
 struct Relay {
     state: Arc<AppState>,
+    /// Chunks read while the start was held back, released first.
+    held: std::collections::VecDeque<Bytes>,
     upstream: UpstreamStream,
     tee: SseTee,
     /// Taken once the exchange is recorded; still here on drop = client left.
@@ -416,18 +712,24 @@ impl Drop for Relay {
 fn stream_response(
     state: Arc<AppState>,
     pending: PendingExchange,
-    resp: reqwest::Response,
+    held: Held,
     strip_usage: bool,
     ttfb_ms: f64,
 ) -> Response<ProxyBody> {
-    let status = resp.status();
-    let mut headers = resp.headers().clone();
+    let Held {
+        status,
+        mut headers,
+        chunks,
+        rest,
+        ..
+    } = held;
     headers.remove(header::CONTENT_LENGTH);
     let conversation = pending.ident.conversation.clone();
     let relay = Relay {
         tee: SseTee::new(pending.api, strip_usage),
         state,
-        upstream: Box::pin(resp.bytes_stream()),
+        held: chunks.into(),
+        upstream: rest,
         pending: Some(pending),
         status: status.as_u16(),
         ttfb_ms,
@@ -448,7 +750,11 @@ async fn next_frame(mut r: Relay) -> Option<(Result<Frame<Bytes>, BodyError>, Re
             return None;
         }
         let idle: Duration = r.state.upstream.idle_timeout;
-        match tokio::time::timeout(idle, r.upstream.next()).await {
+        let next = match r.held.pop_front() {
+            Some(chunk) => Ok(Some(Ok(chunk))),
+            None => tokio::time::timeout(idle, r.upstream.next()).await,
+        };
+        match next {
             Ok(Some(Ok(chunk))) => {
                 let out = r.tee.push(chunk);
                 if r.tee.finished() {

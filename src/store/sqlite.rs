@@ -378,3 +378,41 @@ pub fn item_body(conn: &Connection, hash: &ItemHash) -> Result<Option<String>, S
         )
         .optional()?)
 }
+
+/// The whole history a recorded response continued, for expanding a
+/// `previous_response_id`: the request's items (without the instructions
+/// pseudo-item; instructions are not carried over) followed by the
+/// response's output items. Only the tenant's own responses are found.
+pub fn response_history(
+    conn: &Connection,
+    tenant: &str,
+    response_id: &str,
+) -> Result<Option<Vec<serde_json::Value>>, StoreError> {
+    let row: Option<(i64, Vec<u8>)> = conn
+        .query_row(
+            "SELECT id, response_items FROM exchanges
+             WHERE tenant = ?1 AND response_id = ?2 AND status BETWEEN 200 AND 299 AND partial = 0
+             ORDER BY id DESC LIMIT 1",
+            params![tenant, response_id],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .optional()?;
+    let Some((id, response)) = row else {
+        return Ok(None);
+    };
+    let mut hashes = request_item_hashes(conn, id)?;
+    hashes.extend(unpack_hashes(&response));
+    let mut items = Vec::with_capacity(hashes.len());
+    for h in &hashes {
+        let Some(body) = item_body(conn, h)? else {
+            return Ok(None);
+        };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else {
+            return Ok(None);
+        };
+        if !crate::wire::responses::is_instructions_item(&v) {
+            items.push(v);
+        }
+    }
+    Ok(Some(items))
+}

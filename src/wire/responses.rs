@@ -20,6 +20,11 @@ pub fn request_items(body: &Value) -> Vec<Value> {
     items
 }
 
+/// Whether an item is the pseudo-item standing for `instructions`.
+pub fn is_instructions_item(item: &Value) -> bool {
+    item.get("type").and_then(Value::as_str) == Some("instructions")
+}
+
 /// `input` must be a string or a list of objects; `instructions` a string.
 pub fn validate(obj: &Map<String, Value>) -> Result<(), String> {
     match obj.get("input") {

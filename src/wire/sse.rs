@@ -185,6 +185,33 @@ fn release_complete_events(pending: &mut BytesMut) -> Bytes {
     out.freeze()
 }
 
+/// The complete events at the start of `buf` as (event name, data), and
+/// the number of bytes they span. For deciding about a stream's first events
+/// before any byte of it is forwarded.
+pub fn complete_events(buf: &[u8]) -> (Vec<(String, String)>, usize) {
+    let mut out = Vec::new();
+    let mut at = 0;
+    while let Some(len) = event_end(&buf[at..]) {
+        let text = String::from_utf8_lossy(&buf[at..at + len]);
+        let (mut name, mut data) = (String::new(), String::new());
+        for line in text.lines() {
+            if let Some(v) = line.strip_prefix("event:") {
+                name = v.trim_start().to_string();
+            } else if let Some(v) = line.strip_prefix("data:") {
+                if !data.is_empty() {
+                    data.push('\n');
+                }
+                data.push_str(v.strip_prefix(' ').unwrap_or(v));
+            }
+        }
+        if !name.is_empty() || !data.is_empty() {
+            out.push((name, data));
+        }
+        at += len;
+    }
+    (out, at)
+}
+
 /// Index just past the blank line ending the first event, if complete.
 fn event_end(buf: &[u8]) -> Option<usize> {
     let mut i = 0;
