@@ -1,12 +1,14 @@
 //! The `compactor` command line: parsing, config layering, start-up.
 
-use std::path::PathBuf;
+use std::io::Write;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::config::{Config, ConfigError};
 use crate::server::{self, AppState};
+use crate::store::query::{self, CompactionRow, ConversationDetail, ConversationSummary};
 
 /// Exit status for a bad configuration or invocation (sysexits EX_USAGE).
 pub const EXIT_USAGE: u8 = 64;
@@ -25,6 +27,94 @@ pub struct Cli {
 pub enum Command {
     /// Run the proxy.
     Serve(ServeArgs),
+    /// Inspect recorded conversations (reads the store; works while the proxy runs).
+    #[command(subcommand)]
+    Conversations(ConversationsCommand),
+    /// Compact a conversation's next request, like Codex's `/compact` (asks
+    /// the running proxy through its admin API).
+    Compact(CompactArgs),
+    /// Watch compaction work, offline: the proxy in front of a built-in
+    /// scripted upstream, driven through a long agent session.
+    Demo(DemoArgs),
+}
+
+/// `compactor demo` options.
+#[derive(Debug, clap::Args)]
+pub struct DemoArgs {
+    /// Number of requests the scripted agent sends.
+    #[arg(long, default_value_t = 48)]
+    pub requests: usize,
+    /// Context window of the demo model, in tokens.
+    #[arg(long, default_value_t = 8000)]
+    pub window: u64,
+    /// Keep the demo's SQLite store here (default: a temporary one).
+    #[arg(long)]
+    pub db: Option<PathBuf>,
+    /// Pause between requests, in milliseconds (to watch it live).
+    #[arg(long, default_value_t = 0)]
+    pub pause_ms: u64,
+}
+
+/// `compactor conversations …`
+#[derive(Debug, Subcommand)]
+pub enum ConversationsCommand {
+    /// List conversations, most recently seen first.
+    List {
+        /// Where the store is.
+        #[command(flatten)]
+        store: StoreArgs,
+        /// Show at most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// One conversation's timeline: exchanges, compactions, summaries.
+    Show {
+        /// Conversation id (or a unique prefix of one).
+        id: String,
+        /// Where the store is.
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Everything recorded about a conversation, as JSON: original items,
+    /// the rewritten view, compactions, archived tool outputs.
+    Export {
+        /// Conversation id (or a unique prefix of one).
+        id: String,
+        /// Where the store is.
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+}
+
+/// Where the read-only commands find the store; the same layering as
+/// `serve`: flag > environment > config file > defaults.
+#[derive(Debug, clap::Args)]
+pub struct StoreArgs {
+    /// Config file (TOML; see proxy.toml).
+    #[arg(long, env = "COMPACTOR_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// SQLite database path.
+    #[arg(long, env = "COMPACTOR_DB")]
+    pub db: Option<PathBuf>,
+    /// Machine-readable JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `compactor compact ID`
+#[derive(Debug, clap::Args)]
+pub struct CompactArgs {
+    /// Conversation id (or a unique prefix of one).
+    pub id: String,
+    /// Config file (TOML; see proxy.toml): the listen address and admin token.
+    #[arg(long, env = "COMPACTOR_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address the proxy listens on, e.g. 127.0.0.1:8787.
+    #[arg(long, env = "COMPACTOR_LISTEN")]
+    pub listen: Option<String>,
+    /// Print the proxy's JSON answer.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Log output format.
@@ -64,28 +154,82 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// The effective configuration: file (if any) with flags/env on top.
     pub fn load_config(&self) -> Result<Config, ConfigError> {
-        let mut config = match &self.config {
-            Some(path) => Config::from_file(path)?,
-            None => Config::default(),
-        };
-        if let Some(l) = &self.listen {
-            config.server.listen = l.clone();
-        }
-        if let Some(u) = &self.upstream {
-            config.upstream.base_url = u.clone();
-        }
-        if let Some(d) = &self.db {
-            config.store.path = d.display().to_string();
-        }
-        config.validate()?;
-        Ok(config)
+        layered_config(
+            self.config.as_deref(),
+            self.listen.as_deref(),
+            self.upstream.as_deref(),
+            self.db.as_deref(),
+        )
     }
+}
+
+/// The file (if any) with the given flag/env values on top, validated.
+pub fn layered_config(
+    file: Option<&Path>,
+    listen: Option<&str>,
+    upstream: Option<&str>,
+    db: Option<&Path>,
+) -> Result<Config, ConfigError> {
+    let mut config = match file {
+        Some(path) => Config::from_file(path)?,
+        None => Config::default(),
+    };
+    if let Some(l) = listen {
+        config.server.listen = l.to_string();
+    }
+    if let Some(u) = upstream {
+        config.upstream.base_url = u.to_string();
+    }
+    if let Some(d) = db {
+        config.store.path = d.display().to_string();
+    }
+    config.validate()?;
+    Ok(config)
 }
 
 /// Runs the parsed command line.
 pub fn main(cli: Cli) -> ExitCode {
     match cli.command {
         Command::Serve(args) => serve(args),
+        Command::Conversations(cmd) => conversations(cmd),
+        Command::Compact(args) => compact(args),
+        Command::Demo(args) => demo(args),
+    }
+}
+
+fn demo(args: DemoArgs) -> ExitCode {
+    // Only real warnings: the demo's own lines tell the story (the
+    // per-exchange accounting warns past the warn ratio by design).
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
+        tracing_subscriber::EnvFilter::new("warn,compactor::server::exchange=error")
+    });
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .try_init();
+    let opts = crate::demo::DemoOptions {
+        requests: args.requests,
+        window: args.window,
+        store: args.db,
+        pause: std::time::Duration::from_millis(args.pause_ms),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("compactor: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut out = std::io::stdout();
+    match runtime.block_on(crate::demo::run_and_print(opts, &mut out)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("compactor demo: {e:#}");
+            ExitCode::FAILURE
+        }
     }
 }
 
@@ -143,6 +287,7 @@ async fn serve_async(config: Config) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
     let state = AppState::open(config)?;
     banner(&state, listener.local_addr()?);
+    admin_notice(&state.config);
     server::run(listener, state, shutdown_signal()).await;
     Ok(())
 }
@@ -184,5 +329,486 @@ pub async fn shutdown_signal() {
     tokio::select! {
         _ = ctrl_c => {},
         _ = term => {},
+    }
+}
+
+/// Says at start-up who may use `/admin/`.
+fn admin_notice(config: &Config) {
+    let loopback = config
+        .listen_addr()
+        .is_ok_and(|a| a.ip().to_canonical().is_loopback());
+    let name = &config.admin.token_env;
+    let token_set = !name.is_empty() && std::env::var(name).is_ok_and(|t| !t.is_empty());
+    if !name.is_empty() && !token_set {
+        tracing::warn!(token_env = %name, "admin.token_env names a variable that is unset or empty: /admin/ answers loopback clients of a loopback listener only");
+    } else if !loopback && !token_set {
+        tracing::warn!("listening on a non-loopback address without [admin] token_env: /admin/ refuses every request");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// compactor conversations …
+
+fn conversations(cmd: ConversationsCommand) -> ExitCode {
+    let store = match &cmd {
+        ConversationsCommand::List { store, .. }
+        | ConversationsCommand::Show { store, .. }
+        | ConversationsCommand::Export { store, .. } => store,
+    };
+    let config = match layered_config(store.config.as_deref(), None, None, store.db.as_deref()) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("compactor: configuration error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let path = config.store_path();
+    let conn = match query::open_read_only(&path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("compactor: cannot open the store {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    let json = store.json;
+    let out = match &cmd {
+        ConversationsCommand::List { limit, .. } => {
+            query::list_conversations(&conn, &config, *limit).map(|list| {
+                if json {
+                    to_json(&serde_json::json!({ "conversations": list }), false)
+                } else {
+                    render_list(&list)
+                }
+            })
+        }
+        ConversationsCommand::Show { id, .. } => query::show(&conn, &config, id).map(|d| {
+            if json {
+                to_json(&d, false)
+            } else {
+                render_show(&d)
+            }
+        }),
+        // Export is JSON either way; --json makes it one line.
+        ConversationsCommand::Export { id, .. } => {
+            query::export(&conn, &config, id).map(|e| to_json(&e, !json))
+        }
+    };
+    match out {
+        Ok(text) => print_out(&text),
+        Err(e) => {
+            eprintln!("compactor: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn to_json<T: serde::Serialize>(value: &T, pretty: bool) -> String {
+    let text = if pretty {
+        serde_json::to_string_pretty(value)
+    } else {
+        serde_json::to_string(value)
+    };
+    let mut text = text.unwrap_or_default();
+    text.push('\n');
+    text
+}
+
+/// Writes to stdout; a closed pipe (`| head`) is not an error.
+fn print_out(text: &str) -> ExitCode {
+    let mut out = std::io::stdout().lock();
+    match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("compactor: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// `12345` → `12,345`.
+fn thousands(n: u64) -> String {
+    let digits = n.to_string();
+    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
+    for (i, c) in digits.chars().enumerate() {
+        if i > 0 && (digits.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+fn opt_thousands(n: Option<u64>) -> String {
+    n.map(thousands).unwrap_or_else(|| "-".into())
+}
+
+fn percent(part: Option<u64>, whole: u64) -> String {
+    match part {
+        Some(p) if whole > 0 => format!("{:.0}%", 100.0 * p as f64 / whole as f64),
+        _ => "-".into(),
+    }
+}
+
+/// Unix ms → `YYYY-MM-DD HH:MM:SS` (UTC).
+pub fn utc_time(ms: i64) -> String {
+    let secs = ms.div_euclid(1000);
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (H. Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02} {:02}:{:02}:{:02}",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    )
+}
+
+/// Left-aligned columns except those marked numeric (right-aligned).
+fn table(header: &[(&str, bool)], rows: &[Vec<String>]) -> String {
+    let mut widths: Vec<usize> = header.iter().map(|(h, _)| h.chars().count()).collect();
+    for row in rows {
+        for (w, cell) in widths.iter_mut().zip(row) {
+            *w = (*w).max(cell.chars().count());
+        }
+    }
+    let line = |cells: Vec<&str>| {
+        let mut out = String::new();
+        for (i, cell) in cells.iter().enumerate() {
+            let pad = widths[i].saturating_sub(cell.chars().count());
+            if i > 0 {
+                out.push_str("  ");
+            }
+            if header[i].1 {
+                out.push_str(&" ".repeat(pad));
+                out.push_str(cell);
+            } else {
+                out.push_str(cell);
+                if i + 1 < cells.len() {
+                    out.push_str(&" ".repeat(pad));
+                }
+            }
+        }
+        let mut out = out.trim_end().to_string();
+        out.push('\n');
+        out
+    };
+    let mut out = line(header.iter().map(|(h, _)| *h).collect());
+    for row in rows {
+        out.push_str(&line(row.iter().map(String::as_str).collect()));
+    }
+    out
+}
+
+fn last_tokens(c: &ConversationSummary) -> String {
+    match c.last_tokens {
+        Some(t) => format!(
+            "{} / {} ({})",
+            thousands(t),
+            thousands(c.context_window),
+            percent(Some(t), c.context_window)
+        ),
+        None => format!("- / {}", thousands(c.context_window)),
+    }
+}
+
+fn render_list(list: &[ConversationSummary]) -> String {
+    if list.is_empty() {
+        return "no conversations recorded\n".into();
+    }
+    let rows: Vec<Vec<String>> = list
+        .iter()
+        .map(|c| {
+            vec![
+                c.id.clone(),
+                c.tenant.clone(),
+                c.model.clone(),
+                thousands(c.exchanges),
+                thousands(c.compactions),
+                last_tokens(c),
+                utc_time(c.last_seen_ms),
+            ]
+        })
+        .collect();
+    table(
+        &[
+            ("CONVERSATION", false),
+            ("TENANT", false),
+            ("MODEL", false),
+            ("EXCHANGES", true),
+            ("COMPACTIONS", true),
+            ("LAST TOKENS / WINDOW", true),
+            ("LAST SEEN (UTC)", false),
+        ],
+        &rows,
+    )
+}
+
+fn render_compaction(n: usize, k: &CompactionRow) -> String {
+    let saved = if k.tokens_before > 0 {
+        100.0 * (k.tokens_before as f64 - k.tokens_after as f64) / k.tokens_before as f64
+    } else {
+        0.0
+    };
+    let mut out = format!(
+        "  ── compaction {n} {} · rung {} · {} UTC\n     tokens {} → {} (−{saved:.0}%), {} items compacted, {} kept verbatim\n     reason: {}\n",
+        k.id,
+        k.rung,
+        utc_time(k.created_ms),
+        thousands(k.tokens_before),
+        thousands(k.tokens_after),
+        thousands(k.items_removed),
+        thousands(k.items_kept),
+        k.reason,
+    );
+    match &k.summary {
+        Some(text) => {
+            out.push_str("     summary:\n");
+            for line in text.lines() {
+                out.push_str("       │ ");
+                out.push_str(line);
+                out.push('\n');
+            }
+        }
+        None => {
+            out.push_str("     (no summary: older tool outputs replaced; originals in `export`)\n")
+        }
+    }
+    out
+}
+
+fn render_show(d: &ConversationDetail) -> String {
+    let c = &d.conversation;
+    let mut out = format!(
+        "conversation {}\n  tenant      {}\n  model       {} (window {}, trigger {})\n  first seen  {} UTC\n  last seen   {} UTC\n  exchanges   {}, compactions {}, last tokens {}\n\n",
+        c.id,
+        c.tenant,
+        c.model,
+        thousands(c.context_window),
+        thousands(c.trigger_tokens),
+        utc_time(c.created_ms),
+        utc_time(c.last_seen_ms),
+        thousands(c.exchanges),
+        thousands(c.compactions),
+        last_tokens(c),
+    );
+    // Each compaction goes just before the first request it rewrote, or
+    // after the last exchange that started before it.
+    let position = |k: &CompactionRow| {
+        d.exchanges
+            .iter()
+            .position(|e| Some(e.id) == k.first_applied_exchange)
+            .unwrap_or_else(|| {
+                d.exchanges
+                    .iter()
+                    .filter(|e| e.started_ms <= k.created_ms)
+                    .count()
+            })
+    };
+    let rows: Vec<Vec<String>> = d
+        .exchanges
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            vec![
+                (i + 1).to_string(),
+                e.id.to_string(),
+                utc_time(e.started_ms),
+                format!("{}{}", e.status, if e.partial { " partial" } else { "" }),
+                opt_thousands(e.input_tokens),
+                opt_thousands(e.output_tokens),
+                percent(e.input_tokens, c.context_window),
+                e.compaction.clone().unwrap_or_default(),
+            ]
+        })
+        .collect();
+    let rendered = table(
+        &[
+            ("#", true),
+            ("EXCHANGE", true),
+            ("STARTED (UTC)", false),
+            ("STATUS", false),
+            ("INPUT", true),
+            ("OUTPUT", true),
+            ("OF WINDOW", true),
+            ("COMPACTION APPLIED", false),
+        ],
+        &rows,
+    );
+    let mut lines = rendered.lines();
+    if let Some(head) = lines.next() {
+        out.push_str(&format!("  {head}\n"));
+    }
+    let positions: Vec<usize> = d.compactions.iter().map(position).collect();
+    for (i, line) in lines.enumerate() {
+        for (n, k) in d.compactions.iter().enumerate() {
+            if positions[n] == i {
+                out.push_str(&render_compaction(n + 1, k));
+            }
+        }
+        out.push_str(&format!("  {line}\n"));
+    }
+    for (n, k) in d.compactions.iter().enumerate() {
+        if positions[n] >= d.exchanges.len() {
+            out.push_str(&render_compaction(n + 1, k));
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------------------
+// compactor compact ID
+
+fn compact(args: CompactArgs) -> ExitCode {
+    let config = match layered_config(args.config.as_deref(), args.listen.as_deref(), None, None) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("compactor: configuration error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let id = args.id.trim();
+    if id.is_empty()
+        || !id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    {
+        eprintln!("compactor: {id:?} is not a conversation id");
+        return ExitCode::from(EXIT_USAGE);
+    }
+    let addr = match config.listen_addr() {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("compactor: configuration error: server.listen: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let target = admin_target(addr);
+    let url = format!("http://{target}/admin/api/conversations/{id}/compact");
+    let token = Some(&config.admin.token_env)
+        .filter(|n| !n.is_empty())
+        .and_then(|n| std::env::var(n).ok())
+        .filter(|t| !t.is_empty());
+    let runtime = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("compactor: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let answer = runtime.block_on(async {
+        let client = reqwest::Client::builder()
+            .no_proxy()
+            .timeout(std::time::Duration::from_secs(15))
+            .build()?;
+        let mut req = client.post(&url);
+        if let Some(t) = &token {
+            req = req.header(crate::admin::TOKEN_HEADER, t);
+        }
+        let resp = req.send().await?;
+        let status = resp.status();
+        let body = resp.bytes().await?;
+        Ok::<_, reqwest::Error>((status, body))
+    });
+    let (status, body) = match answer {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!(
+                "compactor: cannot reach the proxy's admin API at http://{target} ({}): is `compactor serve` running there? (address from server.listen / --listen / COMPACTOR_LISTEN)",
+                describe_error(&e)
+            );
+            return ExitCode::FAILURE;
+        }
+    };
+    let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+    if !status.is_success() {
+        let message = value
+            .pointer("/error/message")
+            .and_then(|m| m.as_str())
+            .map(str::to_string)
+            .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
+        eprintln!("compactor: the proxy at {target} answered {status}: {message}");
+        return ExitCode::FAILURE;
+    }
+    if args.json {
+        return print_out(&to_json(&value, false));
+    }
+    let conversation = value["conversation"].as_str().unwrap_or(id);
+    let text = if value["already_pending"] == true {
+        format!("compaction of {conversation} was already requested: its next request will be compacted\n")
+    } else {
+        format!("compaction of {conversation} requested: its next request will be compacted before it goes upstream\n")
+    };
+    print_out(&text)
+}
+
+/// Where to reach a proxy listening on `addr`: an unspecified address
+/// (`0.0.0.0`, `::`) is reached over loopback.
+pub fn admin_target(addr: std::net::SocketAddr) -> std::net::SocketAddr {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+    match addr.ip() {
+        IpAddr::V4(ip) if ip.is_unspecified() => (Ipv4Addr::LOCALHOST, addr.port()).into(),
+        IpAddr::V6(ip) if ip.is_unspecified() => (Ipv6Addr::LOCALHOST, addr.port()).into(),
+        _ => addr,
+    }
+}
+
+fn describe_error(e: &reqwest::Error) -> String {
+    let mut text = e.to_string();
+    let mut source = std::error::Error::source(e);
+    while let Some(s) = source {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        source = s.source();
+    }
+    text
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn utc_times() {
+        assert_eq!(utc_time(0), "1970-01-01 00:00:00");
+        assert_eq!(utc_time(951_782_400_000), "2000-02-29 00:00:00");
+        assert_eq!(utc_time(1_700_000_000_123), "2023-11-14 22:13:20");
+    }
+
+    #[test]
+    fn numbers() {
+        assert_eq!(thousands(0), "0");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1_000), "1,000");
+        assert_eq!(thousands(1_234_567), "1,234,567");
+        assert_eq!(percent(Some(750), 1000), "75%");
+        assert_eq!(percent(None, 1000), "-");
+    }
+
+    #[test]
+    fn unspecified_listen_is_reached_over_loopback() {
+        assert_eq!(
+            admin_target("0.0.0.0:8787".parse().unwrap()).to_string(),
+            "127.0.0.1:8787"
+        );
+        assert_eq!(
+            admin_target("[::]:1".parse().unwrap()).to_string(),
+            "[::1]:1"
+        );
+        assert_eq!(
+            admin_target("10.1.2.3:5".parse().unwrap()).to_string(),
+            "10.1.2.3:5"
+        );
     }
 }

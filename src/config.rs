@@ -30,6 +30,8 @@ pub struct Config {
     pub compaction: CompactionConfig,
     /// Per-model context windows; the built-in table is consulted after these.
     pub models: Vec<ModelConfig>,
+    /// Who may use the admin page and API (`/admin/`).
+    pub admin: AdminConfig,
 }
 
 /// `[server]`
@@ -135,6 +137,16 @@ impl Default for CompactionConfig {
     }
 }
 
+/// `[admin]`
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdminConfig {
+    /// Name of an environment variable holding the admin token, sent as
+    /// `Authorization: Bearer …` or `x-compactor-admin-token`. Empty: the
+    /// admin page and API answer loopback clients of a loopback listener only.
+    pub token_env: String,
+}
+
 /// One `[[models]]` entry.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -234,6 +246,10 @@ impl Config {
                 "compaction.tool_output_keep_bytes",
                 "must be less than tool_output_max_bytes",
             );
+        }
+        let token_env = &self.admin.token_env;
+        if token_env.contains(['=', '\0']) || token_env.trim() != token_env {
+            return invalid("admin.token_env", "not an environment variable name");
         }
         for m in &self.models {
             if m.context_window == 0 {

@@ -3,6 +3,8 @@
 //!
 //! # Layout
 //!
+//! - [`admin`]: the admin page and JSON API (`/admin/`): conversations,
+//!   their compactions and token figures, manual compaction.
 //! - [`config`]: `proxy.toml` schema, defaults, layering, the models table.
 //! - [`cli`]: the `compactor` command line.
 //! - [`compaction`]: when, where and how a history is compacted (pure layer)
@@ -18,16 +20,23 @@
 //! - [`error`]: the request-path error type and its OpenAI-style JSON.
 //! - [`fake_upstream`]: a scriptable OpenAI-compatible server for tests,
 //!   benchmarks and the offline demo.
+//! - [`metrics`]: Prometheus counters, histograms and scrape-time gauges
+//!   (`GET /metrics`).
+//! - [`demo`]: `compactor demo`, a scripted agent session through the proxy
+//!   against the fake upstream, offline.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod admin;
 pub mod cli;
 pub mod compaction;
 pub mod config;
 pub mod conversation;
+pub mod demo;
 pub mod error;
 pub mod fake_upstream;
+pub mod metrics;
 pub mod server;
 pub mod store;
 pub mod tokens;

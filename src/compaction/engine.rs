@@ -326,6 +326,14 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
     }
     let c = Arc::new(c);
     state.compactions.insert(c.clone());
+    state.metrics.compaction(
+        c.rung.as_str(),
+        crate::metrics::reason_kind(&c.reason),
+        c.tokens_before.saturating_sub(c.tokens_after),
+    );
+    if c.rung == Rung::Fallback {
+        state.metrics.summary_fallback();
+    }
     tracing::info!(
         compaction = %c.id, conversation = %c.conversation, rung = c.rung.as_str(), reason = %c.reason,
         tokens_before = c.tokens_before, tokens_after = c.tokens_after,
@@ -439,9 +447,15 @@ async fn summarize(
                         got = Some(text);
                         break;
                     }
-                    Err(missing) => tracing::warn!(?missing, "summary lacks mandatory sections"),
+                    Err(missing) => {
+                        state.metrics.summary_failure();
+                        tracing::warn!(?missing, "summary lacks mandatory sections")
+                    }
                 },
-                Err(e) => tracing::warn!(error = %e, "summary call failed"),
+                Err(e) => {
+                    state.metrics.summary_failure();
+                    tracing::warn!(error = %e, "summary call failed")
+                }
             }
         }
         match got {

@@ -174,6 +174,7 @@ impl PendingExchange {
     /// the accounting line in the background.
     pub async fn finish(&self, state: &Arc<AppState>, outcome: Outcome) {
         let rec = self.to_record(state, outcome);
+        observe(state, &rec);
         let indexed = indexed(&rec);
         let usage = rec.usage;
         let status = rec.status;
@@ -188,6 +189,7 @@ impl PendingExchange {
     /// Records without waiting (the client is gone; nothing can wait).
     pub fn finish_detached(&self, state: &Arc<AppState>, outcome: Outcome) {
         let rec = self.to_record(state, outcome);
+        observe(state, &rec);
         state.conversations.remember(&indexed(&rec));
         state.store.record_detached(rec);
     }
@@ -238,6 +240,14 @@ impl PendingExchange {
                 engine::after_exchange(&state, input, used, usage.is_none());
             }
         });
+    }
+}
+
+/// Latency figures of a finished exchange, for `/metrics`.
+fn observe(state: &AppState, rec: &ExchangeRecord) {
+    state.metrics.upstream_latency(rec.latency_ms / 1000.0);
+    if let Some(t) = rec.ttfb_ms {
+        state.metrics.ttfb(t / 1000.0);
     }
 }
 

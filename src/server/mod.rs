@@ -47,6 +47,8 @@ pub struct AppState {
     pub tenant_salt: [u8; 32],
     /// Stored compactions and running compaction jobs.
     pub compactions: Compactions,
+    /// Prometheus metrics (`GET /metrics`).
+    pub metrics: crate::metrics::Metrics,
 }
 
 impl AppState {
@@ -65,6 +67,7 @@ impl AppState {
             conversations,
             tokens: TokenCounter::new_warm(),
             tenant_salt: snapshot.salt,
+            metrics: crate::metrics::Metrics::new(),
             config,
         }))
     }
@@ -129,20 +132,41 @@ async fn route(
     let span =
         tracing::info_span!("request", %method, %path, %peer, conversation = tracing::field::Empty);
     async move {
-        match (&method, path.as_str()) {
-            (&Method::GET, "/healthz") => {
-                json_response(StatusCode::OK, &serde_json::json!({"status": "ok"}))
+        let metrics_state = state.clone();
+        let (endpoint, response) = match (&method, path.as_str()) {
+            (&Method::GET, "/healthz") => (
+                "healthz",
+                json_response(StatusCode::OK, &serde_json::json!({"status": "ok"})),
+            ),
+            (&Method::GET, "/metrics") => ("metrics", crate::metrics::serve(&state)),
+            (&Method::POST, "/v1/chat/completions") => {
+                ("chat", proxy::handle(state, Api::Chat, req).await)
             }
-            (&Method::POST, "/v1/chat/completions") => proxy::handle(state, Api::Chat, req).await,
-            (&Method::POST, "/v1/responses") => proxy::handle(state, Api::Responses, req).await,
-            (&Method::POST, "/v1/responses/compact") => proxy::handle_compact(state, req).await,
-            (_, p) if p.starts_with("/v1/") => passthrough::handle(state, req).await,
-            _ => ProxyError::NotFound {
-                method: method.to_string(),
-                path: path.clone(),
+            (&Method::POST, "/v1/responses") => {
+                ("responses", proxy::handle(state, Api::Responses, req).await)
             }
-            .into_response(),
-        }
+            (&Method::POST, "/v1/responses/compact") => {
+                ("responses_compact", proxy::handle_compact(state, req).await)
+            }
+            (_, p) if p.starts_with("/v1/") => {
+                ("passthrough", passthrough::handle(state, req).await)
+            }
+            (_, p) if p == "/admin" || p.starts_with("/admin/") => {
+                ("admin", crate::admin::handle(state, peer, req).await)
+            }
+            _ => (
+                "other",
+                ProxyError::NotFound {
+                    method: method.to_string(),
+                    path: path.clone(),
+                }
+                .into_response(),
+            ),
+        };
+        metrics_state
+            .metrics
+            .request(endpoint, response.status().as_u16());
+        response
     }
     .instrument(span)
     .await

@@ -117,6 +117,7 @@ async fn parse(
         &chains,
     );
     tracing::Span::current().record("conversation", ident.conversation.as_str());
+    state.metrics.conversation_seen(&ident.conversation);
 
     let strip_usage = api == Api::Chat && chat::ensure_stream_usage(&mut body);
     let original_bytes = if strip_usage || rewritten {
@@ -243,6 +244,7 @@ async fn handle_inner(
             {
                 upstream_bytes = pending.upstream_bytes(&original_bytes)?;
                 retried = true;
+                state.metrics.reactive_retry();
                 continue;
             }
             break Answer::Held(held);
@@ -265,6 +267,7 @@ async fn handle_inner(
             {
                 upstream_bytes = pending.upstream_bytes(&original_bytes)?;
                 retried = true;
+                state.metrics.reactive_retry();
                 continue;
             }
         } else if !retried && pending.compaction.is_some() && status.is_client_error() {

@@ -7,6 +7,7 @@
 //! the commit of its own exchange, just before its last bytes are released,
 //! which is what makes an acknowledged exchange survive a crash.
 
+pub mod query;
 pub mod sqlite;
 
 use std::collections::HashSet;

@@ -1,0 +1,111 @@
+//! The admin API's handlers: store reads on a blocking thread with their own
+//! read-only connection (never the writer thread's), and manual compaction.
+
+use std::sync::Arc;
+
+use http::{Response, StatusCode};
+use serde::Serialize;
+
+use super::error;
+use crate::error::{json_response, ProxyBody};
+use crate::server::AppState;
+use crate::store::query::{self, QueryError};
+
+/// Conversations listed when the request names no `limit`.
+pub const DEFAULT_LIMIT: usize = 200;
+
+/// Runs `f` over a fresh read-only connection on a blocking thread and
+/// renders its result (or the error) as JSON.
+async fn read<T, F>(state: Arc<AppState>, f: F) -> Response<ProxyBody>
+where
+    T: Serialize + Send + 'static,
+    F: FnOnce(&rusqlite::Connection, &AppState) -> Result<T, QueryError> + Send + 'static,
+{
+    let result = tokio::task::spawn_blocking(move || {
+        let conn = query::open_read_only(&state.config.store_path())?;
+        f(&conn, &state)
+    })
+    .await;
+    match result {
+        Ok(Ok(value)) => match serde_json::to_value(&value) {
+            Ok(v) => json_response(StatusCode::OK, &v),
+            Err(e) => internal(&e.to_string()),
+        },
+        Ok(Err(e)) => query_error(&e),
+        Err(e) => internal(&e.to_string()),
+    }
+}
+
+fn query_error(e: &QueryError) -> Response<ProxyBody> {
+    match e {
+        QueryError::NotFound(_) => error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            "conversation_not_found",
+            &e.to_string(),
+        ),
+        QueryError::Ambiguous(..) => error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            "conversation_id_ambiguous",
+            &e.to_string(),
+        ),
+        QueryError::Store(s) => internal(&s.to_string()),
+    }
+}
+
+fn internal(detail: &str) -> Response<ProxyBody> {
+    tracing::error!(detail, "admin read failed");
+    error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "server_error",
+        "store_unavailable",
+        "the store could not be read",
+    )
+}
+
+/// `GET /admin/api/conversations`
+pub async fn list(state: Arc<AppState>, limit: usize) -> Response<ProxyBody> {
+    read(state, move |conn, st| {
+        let conversations = query::list_conversations(conn, &st.config, limit)?;
+        Ok(serde_json::json!({ "conversations": conversations }))
+    })
+    .await
+}
+
+/// `GET /admin/api/conversations/ID`
+pub async fn show(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
+    read(state, move |conn, st| query::show(conn, &st.config, &id)).await
+}
+
+/// `GET /admin/api/conversations/ID/export`
+pub async fn export(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
+    read(state, move |conn, st| query::export(conn, &st.config, &id)).await
+}
+
+/// `POST /admin/api/conversations/ID/compact`: the conversation's next
+/// request is compacted (it carries the credentials the summary needs).
+pub async fn compact(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
+    let st = state.clone();
+    let resolved = tokio::task::spawn_blocking(move || {
+        let conn = query::open_read_only(&st.config.store_path())?;
+        query::resolve_id(&conn, &id)
+    })
+    .await;
+    let id = match resolved {
+        Ok(Ok(id)) => id,
+        Ok(Err(e)) => return query_error(&e),
+        Err(e) => return internal(&e.to_string()),
+    };
+    let newly = state.compactions.request_manual(&id);
+    tracing::info!(conversation = %id, newly, "manual compaction requested");
+    json_response(
+        StatusCode::ACCEPTED,
+        &serde_json::json!({
+            "conversation": id,
+            "pending": true,
+            "already_pending": !newly,
+            "message": "the conversation's next Chat Completions request will be compacted before it goes upstream",
+        }),
+    )
+}

@@ -1,0 +1,926 @@
+//! `compactor demo`: watch tokens climb, compaction fire and tokens drop,
+//! offline.
+//!
+//! The demo starts the [fake upstream](crate::fake_upstream) and a real proxy
+//! in front of it on `127.0.0.1:0` (temporary store, a model with a small
+//! window), then plays a deterministic coding-agent session through the
+//! proxy: a system prompt with tools, a task, then tool calls — file reads,
+//! greps, patches, test runs with their errors — and a few user follow-ups.
+//! The agent side (both the tool calls and their results) is scripted by
+//! the demo; the fake upstream answers every request and reports usage as
+//! it always does (a token per 4 bytes of the request it received), and
+//! answers the proxy's summarizer calls. Everything the proxy does is the
+//! real thing: usage-driven trigger, background compaction, rewrite.
+//!
+//! Between requests the agent "runs its tool": when the last answer crossed
+//! the trigger the demo waits for the background compaction, so the output
+//! is the same on every run.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+
+use crate::compaction::summary::SUMMARIZER_MARKER;
+use crate::config::{Config, ModelConfig};
+use crate::fake_upstream::{FakeUpstream, Received};
+use crate::server::{self, AppState};
+
+/// The model name the demo session uses (matched by its `[[models]]` entry).
+pub const MODEL: &str = "demo-agent";
+/// The demo client's key (the fake upstream accepts anything).
+const KEY: &str = "sk-demo-offline";
+/// The session id the demo client sends, like Codex does.
+const SESSION: &str = "demo-session";
+/// Completion tokens the fake reports for an ordinary answer.
+const FAKE_COMPLETION_TOKENS: u64 = 7;
+
+/// What to run.
+#[derive(Debug, Clone)]
+pub struct DemoOptions {
+    /// Requests the session sends (at least 2).
+    pub requests: usize,
+    /// Context window of the demo model, tokens (at least 2,000).
+    pub window: u64,
+    /// Keep the store at this path (for `compactor conversations … --db`);
+    /// `None`: a temporary store, removed at the end.
+    pub store: Option<PathBuf>,
+    /// Pause between requests, for watching (zero: as fast as it goes).
+    pub pause: Duration,
+}
+
+impl Default for DemoOptions {
+    fn default() -> Self {
+        DemoOptions {
+            requests: 48,
+            window: 8_000,
+            store: None,
+            pause: Duration::ZERO,
+        }
+    }
+}
+
+/// One request of the session, as the client and the upstream saw it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RequestFigures {
+    /// 1-based number.
+    pub n: usize,
+    /// Messages the client sent.
+    pub client_items: usize,
+    /// Messages the upstream received.
+    pub sent_items: usize,
+    /// Input tokens of the client's full request (bytes / 4, the fake's rule).
+    pub uncompacted_tokens: u64,
+    /// Input tokens the upstream reported.
+    pub prompt_tokens: u64,
+    /// Input + output tokens the upstream reported (what the trigger uses).
+    pub total_tokens: u64,
+    /// The compaction applied to the request, if any.
+    pub compaction: Option<String>,
+}
+
+/// A compaction, as first applied to a request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CompactionEvent {
+    /// `cmp_…`
+    pub id: String,
+    /// The first request it rewrote.
+    pub first_request: usize,
+    /// Rung used (`truncate`, `prune`, `summary`, `fallback`).
+    pub rung: String,
+    /// Why it ran.
+    pub reason: String,
+    /// Messages the client sent in that request.
+    pub items_before: usize,
+    /// Messages that went upstream instead.
+    pub items_after: usize,
+    /// Estimated tokens of the request it was computed from.
+    pub tokens_before: u64,
+    /// Estimated tokens after.
+    pub tokens_after: u64,
+}
+
+/// What the session showed.
+#[derive(Debug, Clone, Default)]
+pub struct DemoReport {
+    /// The model's window.
+    pub window: u64,
+    /// Per request.
+    pub requests: Vec<RequestFigures>,
+    /// Compactions, in order of first use.
+    pub compactions: Vec<CompactionEvent>,
+    /// Summarizer calls the proxy made.
+    pub summarizer_calls: usize,
+    /// Input tokens of those calls (bytes / 4).
+    pub summarizer_input_tokens: u64,
+    /// Where the store was kept, if it was.
+    pub store: Option<PathBuf>,
+}
+
+impl DemoReport {
+    /// Input tokens the client's requests would have cost uncompacted.
+    pub fn uncompacted_input_tokens(&self) -> u64 {
+        self.requests.iter().map(|r| r.uncompacted_tokens).sum()
+    }
+
+    /// Input tokens the upstream received for the client's requests.
+    pub fn compacted_input_tokens(&self) -> u64 {
+        self.requests.iter().map(|r| r.prompt_tokens).sum()
+    }
+}
+
+/// Runs the demo silently and returns its figures.
+pub async fn run(opts: DemoOptions) -> anyhow::Result<DemoReport> {
+    run_with_output(opts, &mut std::io::sink()).await
+}
+
+/// Runs the demo, printing as it goes to `out` (for `compactor demo`).
+pub async fn run_and_print(opts: DemoOptions, out: &mut (dyn Write + Send)) -> anyhow::Result<()> {
+    run_with_output(opts, out).await.map(|_| ())
+}
+
+/// Runs the demo, printing as it goes, and returns its figures.
+pub async fn run_with_output(
+    opts: DemoOptions,
+    out: &mut (dyn Write + Send),
+) -> anyhow::Result<DemoReport> {
+    if opts.requests < 2 {
+        bail!("the demo needs at least 2 requests");
+    }
+    if opts.window < 2_000 {
+        bail!("the demo needs a window of at least 2,000 tokens");
+    }
+    let (dir, db, temporary) = match &opts.store {
+        Some(p) => {
+            if let Some(parent) = p.parent().filter(|p| !p.as_os_str().is_empty()) {
+                std::fs::create_dir_all(parent)
+                    .with_context(|| format!("cannot create {}", parent.display()))?;
+            }
+            (None, p.clone(), false)
+        }
+        None => {
+            // Unique per run, even for runs started together in one process.
+            static RUNS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let run = RUNS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let dir = std::env::temp_dir().join(format!(
+                "compactor-demo-{}-{}-{run}",
+                std::process::id(),
+                server::now_ms()
+            ));
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("cannot create {}", dir.display()))?;
+            let db = dir.join("demo.db");
+            (Some(dir), db, true)
+        }
+    };
+    let result = session(&opts, &db, out).await;
+    if let Some(dir) = dir {
+        let _ = std::fs::remove_dir_all(dir);
+    }
+    let mut report = result?;
+    if !temporary {
+        report.store = Some(db);
+    }
+    Ok(report)
+}
+
+/// A proxy over the fake upstream, stopped on drop of the sender.
+struct Running {
+    state: Arc<AppState>,
+    fake: FakeUpstream,
+    url: String,
+    shutdown: Option<oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Running {
+    async fn start(window: u64, db: &Path) -> anyhow::Result<Running> {
+        let fake = FakeUpstream::start()
+            .await
+            .context("cannot start the fake upstream")?;
+        let mut config = Config::default();
+        config.upstream.base_url = fake.url();
+        config.store.path = db.display().to_string();
+        config.server.shutdown_grace_secs = 2;
+        config.models.insert(
+            0,
+            ModelConfig {
+                pattern: MODEL.into(),
+                context_window: window,
+                max_output_tokens: Some(window / 8),
+                trigger_ratio: None,
+            },
+        );
+        config.validate()?;
+        let state = tokio::task::spawn_blocking(move || AppState::open(config)).await??;
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
+        let url = format!("http://{}/v1", listener.local_addr()?);
+        let (tx, rx) = oneshot::channel::<()>();
+        let st = state.clone();
+        let server = tokio::spawn(async move {
+            server::run(listener, st, async {
+                let _ = rx.await;
+            })
+            .await
+        });
+        Ok(Running {
+            state,
+            fake,
+            url,
+            shutdown: Some(tx),
+            server: Some(server),
+        })
+    }
+
+    async fn stop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(s) = self.server.take() {
+            let _ = tokio::time::timeout(Duration::from_secs(5), s).await;
+        }
+    }
+}
+
+impl Drop for Running {
+    fn drop(&mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+async fn session(
+    opts: &DemoOptions,
+    db: &Path,
+    out: &mut (dyn Write + Send),
+) -> anyhow::Result<DemoReport> {
+    let mut proxy = Running::start(opts.window, db).await?;
+    let result = drive(opts, &proxy, db, out).await;
+    proxy.stop().await;
+    result
+}
+
+async fn drive(
+    opts: &DemoOptions,
+    proxy: &Running,
+    db: &Path,
+    out: &mut (dyn Write + Send),
+) -> anyhow::Result<DemoReport> {
+    let state = &proxy.state;
+    let limits = state.config.model_limits(MODEL);
+    let trigger = (limits.context_window as f64 * limits.trigger_ratio) as u64;
+    let window = limits.context_window;
+    writeln!(
+        out,
+        "compactor demo: a scripted coding-agent session through the proxy, offline"
+    )?;
+    writeln!(
+        out,
+        "model {MODEL}: window {} tokens, compaction triggers at {:.0}% ({} tokens)",
+        thousands(window),
+        limits.trigger_ratio * 100.0,
+        thousands(trigger)
+    )?;
+    writeln!(
+        out,
+        "proxy {} -> built-in fake upstream {} (usage: a token per 4 bytes received)",
+        proxy.url,
+        proxy.fake.url()
+    )?;
+    writeln!(out)?;
+    out.flush()?;
+
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .timeout(Duration::from_secs(120))
+        .build()?;
+    let url = format!("{}/chat/completions", proxy.url);
+    let credential = format!("Bearer {KEY}");
+    let tenant = crate::conversation::tenant_of(&state.tenant_salt, Some(credential.as_bytes()));
+    let mut script = Script::new(opts.requests);
+    let mut history = script.opening();
+    let mut report = DemoReport {
+        window,
+        ..DemoReport::default()
+    };
+    let mut last_compaction: Option<String> = None;
+
+    for n in 1..=opts.requests {
+        let what = if n == 1 {
+            "user: the task".to_string()
+        } else {
+            script.step(n, &mut history)
+        };
+        let body = json!({"model": MODEL, "messages": history, "tools": tools()});
+        let bytes = serde_json::to_vec(&body)?;
+        let uncompacted = (bytes.len() as u64 / 4).max(1);
+        let seen_before = proxy.fake.count();
+        let compactions_before = state.compactions.len();
+        let resp = client
+            .post(&url)
+            .header("authorization", &credential)
+            .header("content-type", "application/json")
+            .header("session_id", SESSION)
+            .body(bytes)
+            .send()
+            .await
+            .with_context(|| format!("request #{n} failed"))?;
+        let status = resp.status();
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(String::from)
+        };
+        let compaction = header("x-compactor-compacted");
+        let conversation = header("x-compactor-conversation").unwrap_or_default();
+        let answer = resp.bytes().await?;
+        if !status.is_success() {
+            bail!(
+                "request #{n} answered {status}: {}",
+                String::from_utf8_lossy(&answer)
+            );
+        }
+        let answer: Value = serde_json::from_slice(&answer)?;
+        let usage = &answer["usage"];
+        let prompt = usage["prompt_tokens"].as_u64().unwrap_or(0);
+        let total = usage["total_tokens"]
+            .as_u64()
+            .unwrap_or(prompt + FAKE_COMPLETION_TOKENS);
+        let received = proxy.fake.received();
+        let sent: Vec<Value> = received[seen_before.min(received.len())..]
+            .iter()
+            .rev()
+            .find(|r| !is_summarizer_call(r))
+            .and_then(|r| r.json()["messages"].as_array().cloned())
+            .unwrap_or_default();
+        let sent_items = sent.len();
+
+        if let Some(id) = compaction.as_deref() {
+            if last_compaction.as_deref() != Some(id) {
+                let ev = lookup_compaction(db, id, n, history.len(), sent_items)?;
+                // Items the client never sent: the summary, stubs, truncated outputs.
+                let rewritten = sent.iter().filter(|m| !history.contains(m)).count();
+                let detail = match ev.rung.as_str() {
+                    "prune" => format!(" ({rewritten} tool outputs stubbed)"),
+                    "truncate" => format!(" ({rewritten} tool outputs truncated)"),
+                    _ => String::new(),
+                };
+                writeln!(
+                    out,
+                    "[compacted: {} items → {}{detail}, {} → {} tokens, {}]  ({}; {})",
+                    ev.items_before,
+                    ev.items_after,
+                    kilo(ev.tokens_before),
+                    kilo(ev.tokens_after),
+                    ev.rung,
+                    crate::metrics::reason_kind(&ev.reason),
+                    ev.id
+                )?;
+                report.compactions.push(ev);
+            }
+        }
+        last_compaction = compaction.clone();
+
+        let pct = 100.0 * total as f64 / window as f64;
+        let mut line = format!(
+            "[#{n} context ~{} tokens / window {}, {:.0}%] {} {what}",
+            thousands(total),
+            thousands(window),
+            pct,
+            bar(total, window),
+        );
+        if compaction.is_some() {
+            if sent_items == history.len() {
+                line.push_str(" · compacted");
+            } else {
+                line.push_str(&format!(
+                    " · sent {sent_items} of {} messages",
+                    history.len()
+                ));
+            }
+        }
+        let crossed = total >= trigger;
+        if crossed {
+            line.push_str(" · past the trigger: compacting in the background");
+        }
+        writeln!(out, "{line}")?;
+        out.flush()?;
+        report.requests.push(RequestFigures {
+            n,
+            client_items: history.len(),
+            sent_items,
+            uncompacted_tokens: uncompacted,
+            prompt_tokens: prompt,
+            total_tokens: total,
+            compaction,
+        });
+
+        // The model "answered"; the agent runs its tool meanwhile, and the
+        // proxy computes its compaction.
+        if crossed && n < opts.requests {
+            settle(state, &tenant, &conversation, compactions_before).await;
+        }
+        if !opts.pause.is_zero() {
+            tokio::time::sleep(opts.pause).await;
+        }
+    }
+
+    let summaries: Vec<Received> = proxy
+        .fake
+        .received()
+        .into_iter()
+        .filter(is_summarizer_call)
+        .collect();
+    report.summarizer_calls = summaries.len();
+    report.summarizer_input_tokens = summaries
+        .iter()
+        .map(|r| (r.body.len() as u64 / 4).max(1))
+        .sum();
+    print_table(&report, out)?;
+    Ok(report)
+}
+
+/// Waits (bounded) for the background compaction the last answer started.
+async fn settle(state: &Arc<AppState>, tenant: &str, conversation: &str, before: usize) {
+    let start = Instant::now();
+    loop {
+        if state.compactions.len() > before {
+            return;
+        }
+        if let Some(mut rx) = state.compactions.job(tenant, conversation) {
+            let _ = tokio::time::timeout(Duration::from_secs(60), rx.wait_for(|done| *done)).await;
+            return;
+        }
+        // The job is registered right after the answer, on a blocking thread.
+        if start.elapsed() > Duration::from_secs(3) {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+}
+
+fn is_summarizer_call(r: &Received) -> bool {
+    r.json()["messages"][0]["content"]
+        .as_str()
+        .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
+}
+
+fn lookup_compaction(
+    db: &Path,
+    id: &str,
+    n: usize,
+    items_before: usize,
+    items_after: usize,
+) -> anyhow::Result<CompactionEvent> {
+    let conn =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)?;
+    let (rung, reason, before, after) = conn
+        .query_row(
+            "SELECT rung, reason, tokens_before, tokens_after FROM compactions WHERE id = ?1",
+            [id],
+            |r| {
+                Ok((
+                    r.get::<_, String>(0)?,
+                    r.get::<_, String>(1)?,
+                    r.get::<_, i64>(2)?,
+                    r.get::<_, i64>(3)?,
+                ))
+            },
+        )
+        .with_context(|| format!("compaction {id} is not in the store"))?;
+    Ok(CompactionEvent {
+        id: id.to_string(),
+        first_request: n,
+        rung,
+        reason,
+        items_before,
+        items_after,
+        tokens_before: before.max(0) as u64,
+        tokens_after: after.max(0) as u64,
+    })
+}
+
+fn print_table(r: &DemoReport, out: &mut (dyn Write + Send)) -> std::io::Result<()> {
+    let un = r.uncompacted_input_tokens();
+    let co = r.compacted_input_tokens();
+    let total = co + r.summarizer_input_tokens;
+    let peak_un = r
+        .requests
+        .iter()
+        .map(|q| q.uncompacted_tokens + FAKE_COMPLETION_TOKENS)
+        .max()
+        .unwrap_or(0);
+    let peak_co = r.requests.iter().map(|q| q.total_tokens).max().unwrap_or(0);
+    let over_un = r
+        .requests
+        .iter()
+        .filter(|q| q.uncompacted_tokens + FAKE_COMPLETION_TOKENS > r.window)
+        .count();
+    let over_co = r
+        .requests
+        .iter()
+        .filter(|q| q.total_tokens > r.window)
+        .count();
+    let pct = |a: u64| format!("{:.0}%", 100.0 * a as f64 / un.max(1) as f64);
+    writeln!(out)?;
+    writeln!(
+        out,
+        "{} requests, {} compactions ({})",
+        r.requests.len(),
+        r.compactions.len(),
+        rungs(r)
+    )?;
+    writeln!(
+        out,
+        "{:<30}{:>20}{:>18}",
+        "tokens", "without compaction", "with compaction"
+    )?;
+    let rows: [(String, String, String, String); 5] = [
+        (
+            "input tokens, client requests".into(),
+            thousands(un),
+            thousands(co),
+            pct(co),
+        ),
+        (
+            format!("+ summarizer calls ({})", r.summarizer_calls),
+            "-".into(),
+            thousands(r.summarizer_input_tokens),
+            String::new(),
+        ),
+        (
+            "= input tokens, total".into(),
+            thousands(un),
+            thousands(total),
+            pct(total),
+        ),
+        (
+            "largest request".into(),
+            thousands(peak_un),
+            thousands(peak_co),
+            format!("window {}", thousands(r.window)),
+        ),
+        (
+            "requests over the window".into(),
+            over_un.to_string(),
+            over_co.to_string(),
+            String::new(),
+        ),
+    ];
+    for (label, a, b, note) in rows {
+        let line = format!("{label:<30}{a:>20}{b:>18}  {note}");
+        writeln!(out, "{}", line.trim_end())?;
+    }
+    if let Some(db) = &r.store {
+        writeln!(
+            out,
+            "\nstore kept at {}: try `compactor conversations list --db {}`",
+            db.display(),
+            db.display()
+        )?;
+    }
+    out.flush()
+}
+
+fn rungs(r: &DemoReport) -> String {
+    let mut counts: Vec<(String, usize)> = Vec::new();
+    for c in &r.compactions {
+        match counts.iter_mut().find(|(k, _)| *k == c.rung) {
+            Some((_, n)) => *n += 1,
+            None => counts.push((c.rung.clone(), 1)),
+        }
+    }
+    if counts.is_empty() {
+        return "none".into();
+    }
+    counts
+        .iter()
+        .map(|(k, n)| format!("{n} {k}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// `12,345`.
+pub fn thousands(n: u64) -> String {
+    let s = n.to_string();
+    let mut out = String::with_capacity(s.len() + s.len() / 3);
+    for (i, c) in s.chars().enumerate() {
+        if i > 0 && (s.len() - i).is_multiple_of(3) {
+            out.push(',');
+        }
+        out.push(c);
+    }
+    out
+}
+
+/// `6.1k` (or the plain number under 1,000).
+pub fn kilo(n: u64) -> String {
+    if n < 1000 {
+        n.to_string()
+    } else {
+        format!("{:.1}k", n as f64 / 1000.0)
+    }
+}
+
+/// A 20-cell gauge of `used` against `window`.
+fn bar(used: u64, window: u64) -> String {
+    let cells = 20u64;
+    let full = (used * cells).div_ceil(window.max(1)).min(cells);
+    let mut s = String::from("▕");
+    for i in 0..cells {
+        s.push(if i < full { '█' } else { '░' });
+    }
+    s.push('▏');
+    s
+}
+
+// ---------------------------------------------------------------------------
+// The scripted session.
+
+const SYSTEM: &str = "You are a coding agent working in the `kvcache` repository (a small Rust \
+key-value cache library). Use the tools to inspect files, run the tests and apply patches. Make \
+small, reviewable changes, run the tests after every change, and never weaken a test to make it \
+pass. Answer concisely.";
+
+const TASK: &str = "TASK: add per-entry TTL support to the cache in src/cache.rs. Add \
+`Cache::insert_with_ttl(key, value, ttl: Duration)`; expired entries must never be returned by \
+`get` (expire lazily on read) and `Cache::purge_expired()` removes them all. Time comes from the \
+injectable `Clock` in src/clock.rs so tests can advance it. Keep the rest of the public API \
+unchanged and make `cargo test` pass.";
+
+const FOLLOW_UPS: &[&str] = &[
+    "Also: `purge_expired` must not take longer than O(expired entries) — keep a min-heap of \
+     expiry times rather than scanning the whole map. And please don't touch src/metrics.rs, \
+     another team owns it.",
+    "One more constraint from review: `insert` (without TTL) must keep its exact current \
+     behaviour, including the eviction order. Add a test for an entry expiring exactly at the \
+     TTL boundary (expired at `now == expires_at`).",
+    "Looks good so far. Before you finish, run clippy with `-D warnings` and fix what it reports.",
+];
+
+const FILES: &[&str] = &[
+    "src/cache.rs",
+    "src/store.rs",
+    "src/clock.rs",
+    "src/eviction.rs",
+    "src/lib.rs",
+    "tests/ttl.rs",
+    "src/config.rs",
+    "src/stats.rs",
+];
+
+fn tools() -> Value {
+    let tool = |name: &str, desc: &str, params: Value| {
+        json!({"type": "function", "function": {"name": name, "description": desc,
+               "parameters": {"type": "object", "properties": params,
+                              "required": params.as_object().map(|m| m.keys().cloned().collect::<Vec<_>>()).unwrap_or_default()}}})
+    };
+    json!([
+        tool(
+            "read_file",
+            "Read a file of the repository.",
+            json!({"path": {"type": "string"}})
+        ),
+        tool(
+            "grep",
+            "Search the repository with a regular expression.",
+            json!({"pattern": {"type": "string"}})
+        ),
+        tool(
+            "apply_patch",
+            "Apply a unified diff to one file.",
+            json!({"path": {"type": "string"}, "patch": {"type": "string"}})
+        ),
+        tool(
+            "run",
+            "Run a shell command in the repository (cargo test, cargo clippy…).",
+            json!({"command": {"type": "string"}})
+        ),
+    ])
+}
+
+/// The deterministic session: what each request adds to the history.
+struct Script {
+    requests: usize,
+    call: usize,
+}
+
+impl Script {
+    fn new(requests: usize) -> Script {
+        Script { requests, call: 0 }
+    }
+
+    fn opening(&self) -> Vec<Value> {
+        vec![
+            json!({"role": "system", "content": SYSTEM}),
+            json!({"role": "user", "content": TASK}),
+        ]
+    }
+
+    /// Appends what happened since request `n - 1` and says what it was.
+    fn step(&mut self, n: usize, history: &mut Vec<Value>) -> String {
+        let last = self.requests;
+        if n == last {
+            history.push(json!({"role": "assistant", "content":
+                "All tests pass and clippy is clean. TTL support is in: `insert_with_ttl`, lazy expiry in `get`, \
+                 `purge_expired` over a min-heap of expiry times."}));
+            history.push(json!({"role": "user", "content":
+                "Thanks. Summarize what you changed, file by file, and list anything left open."}));
+            return "user: wrap up".into();
+        }
+        // Follow-ups at fixed fractions of the session.
+        for (i, text) in FOLLOW_UPS.iter().enumerate() {
+            let at = (last * (i + 1) / (FOLLOW_UPS.len() + 1)).max(2);
+            if n == at {
+                history.push(json!({"role": "assistant", "content":
+                    format!("Progress update: step {n}; continuing with the TTL work.")}));
+                history.push(json!({"role": "user", "content": text}));
+                return format!("user: follow-up {}", i + 1);
+            }
+        }
+        let k = n - 2;
+        let round = k / 7;
+        let file = FILES[(k + round) % FILES.len()];
+        let (name, args, thought, output, what) = match k % 7 {
+            0 | 4 => {
+                let f = if k % 7 == 4 {
+                    FILES[(k + 3) % FILES.len()]
+                } else {
+                    file
+                };
+                (
+                    "read_file",
+                    json!({"path": f}),
+                    format!("Let me read {f} to see how entries are stored and where `get` looks them up before changing anything."),
+                    source_file(f, 60 + (k * 7) % 40),
+                    format!("read_file {f}"),
+                )
+            }
+            1 => {
+                let pat = ["fn get", "expires_at", "Clock::now", "impl Drop", "evict"][round % 5];
+                (
+                    "grep",
+                    json!({"pattern": pat}),
+                    format!("I need every use of `{pat}` so the change stays consistent across modules."),
+                    grep_output(pat, k),
+                    format!("grep {pat:?}"),
+                )
+            }
+            2 | 5 => {
+                let patch = patch_for(file, k);
+                (
+                    "apply_patch",
+                    json!({"path": file, "patch": patch}),
+                    format!("Applying the change to {file}: thread the expiry time through and keep the old code path for plain inserts."),
+                    format!("Applied patch to {file}: 1 file changed, {} insertions(+), {} deletions(-)", 6 + k % 9, 1 + k % 3),
+                    format!("apply_patch {file}"),
+                )
+            }
+            _ => {
+                let failing = round.is_multiple_of(2);
+                (
+                    "run",
+                    json!({"command": "cargo test"}),
+                    "Running the test suite to check the change.".to_string(),
+                    test_output(k, failing),
+                    format!(
+                        "run cargo test ({})",
+                        if failing { "fails" } else { "passes" }
+                    ),
+                )
+            }
+        };
+        let id = format!("call_{:03}", self.call);
+        self.call += 1;
+        history.push(json!({"role": "assistant", "content": thought, "tool_calls": [
+            {"id": id, "type": "function", "function": {"name": name, "arguments": args.to_string()}}
+        ]}));
+        history.push(json!({"role": "tool", "tool_call_id": id, "content": output}));
+        what
+    }
+}
+
+fn source_file(path: &str, lines: usize) -> String {
+    let module = path
+        .rsplit('/')
+        .next()
+        .unwrap_or(path)
+        .trim_end_matches(".rs");
+    let mut s = format!(
+        "// {path}: part of kvcache\nuse std::collections::HashMap;\nuse std::time::Duration;\n\nuse crate::clock::Clock;\n\n"
+    );
+    let mut i = 0;
+    while s.lines().count() < lines {
+        s.push_str(&format!(
+            "/// {module}: operation {i} on the entry table; keeps the eviction order stable.\n\
+             pub fn {module}_op_{i}(table: &mut HashMap<String, Entry>, key: &str, clock: &dyn Clock) -> Option<u64> {{\n    \
+             let entry = table.get_mut(key)?;\n    \
+             entry.hits += {i};\n    \
+             if entry.inserted_at + {} < clock.now() {{\n        return None;\n    }}\n    \
+             Some(entry.value.len() as u64 + {i})\n}}\n\n",
+            100 + i * 17
+        ));
+        i += 1;
+    }
+    s
+}
+
+fn grep_output(pat: &str, k: usize) -> String {
+    (0..8)
+        .map(|i| {
+            let f = FILES[(k + i) % FILES.len()];
+            format!(
+                "{f}:{}:    // {pat} used here by the {} path",
+                10 + i * 13 + k,
+                ["read", "write", "evict", "purge"][i % 4]
+            )
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
+fn patch_for(file: &str, k: usize) -> String {
+    format!(
+        "--- a/{file}\n+++ b/{file}\n@@ -{l},7 +{l},12 @@\n pub struct Entry {{\n     value: Vec<u8>,\n     inserted_at: u64,\n\
+         +    /// When the entry stops being visible (None: never).\n+    expires_at: Option<u64>,\n     hits: u32,\n }}\n\
+         +\n+fn expired(e: &Entry, now: u64) -> bool {{\n+    e.expires_at.is_some_and(|t| now >= t)\n+}}\n",
+        l = 20 + k
+    )
+}
+
+fn test_output(k: usize, failing: bool) -> String {
+    let mut s = String::from("   Compiling kvcache v0.3.1 (/work/kvcache)\n    Finished `test` profile [unoptimized + debuginfo] target(s) in 2.41s\n     Running unittests src/lib.rs (target/debug/deps/kvcache-5f2c)\n\n");
+    let tests = 24 + k % 6;
+    s.push_str(&format!("running {tests} tests\n"));
+    for i in 0..tests {
+        let fails = failing && i == tests - 2;
+        s.push_str(&format!(
+            "test {}::tests::case_{i:02} ... {}\n",
+            ["cache", "store", "eviction", "ttl"][i % 4],
+            if fails { "FAILED" } else { "ok" }
+        ));
+    }
+    if failing {
+        s.push_str(&format!(
+            "\nfailures:\n\n---- ttl::tests::case_{:02} stdout ----\n\
+             thread 'ttl::tests::case_{:02}' panicked at tests/ttl.rs:{}:5:\nassertion `left == right` failed: expired entry returned by get\n  left: Some(b\"v7\")\n right: None\n\
+             note: run with `RUST_BACKTRACE=1` environment variable to display a backtrace\n\n\
+             error: test failed, to rerun pass `--lib`\n\ntest result: FAILED. {} passed; 1 failed; 0 ignored\n",
+            tests - 2,
+            tests - 2,
+            30 + k,
+            tests - 1
+        ));
+    } else {
+        s.push_str(&format!(
+            "\ntest result: ok. {tests} passed; 0 failed; 0 ignored; finished in 0.02s\n"
+        ));
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn number_formats() {
+        assert_eq!(thousands(0), "0");
+        assert_eq!(thousands(999), "999");
+        assert_eq!(thousands(1000), "1,000");
+        assert_eq!(thousands(1234567), "1,234,567");
+        assert_eq!(kilo(950), "950");
+        assert_eq!(kilo(6140), "6.1k");
+        assert_eq!(bar(0, 100).chars().filter(|&c| c == '█').count(), 0);
+        assert_eq!(bar(50, 100).chars().filter(|&c| c == '█').count(), 10);
+        assert_eq!(bar(500, 100).chars().filter(|&c| c == '█').count(), 20);
+    }
+
+    #[test]
+    fn the_script_is_deterministic_and_keeps_calls_paired() {
+        let run = || {
+            let mut s = Script::new(40);
+            let mut h = s.opening();
+            for n in 2..=40 {
+                s.step(n, &mut h);
+            }
+            h
+        };
+        let a = run();
+        assert_eq!(a, run());
+        for (i, m) in a.iter().enumerate() {
+            if let Some(calls) = m["tool_calls"].as_array() {
+                assert_eq!(a[i + 1]["tool_call_id"], calls[0]["id"]);
+            }
+        }
+        assert_eq!(a.last().unwrap()["role"], "user");
+        let users = a.iter().filter(|m| m["role"] == "user").count();
+        assert_eq!(users, 2 + FOLLOW_UPS.len());
+    }
+}

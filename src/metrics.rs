@@ -1,0 +1,794 @@
+//! Prometheus metrics, hand-written: lock-free counters and fixed-bucket
+//! histograms updated on the request path, gauges computed at scrape time,
+//! and the text exposition format (version 0.0.4) served on `GET /metrics`.
+//!
+//! Every label comes from a small closed set (endpoints, rungs, reasons) or
+//! a bounded range (HTTP status codes), so the number of series is bounded
+//! whatever clients send. Recording is a few relaxed atomic adds; only the
+//! "active conversations" map takes a lock, once per request.
+
+use std::collections::HashMap;
+use std::fmt::Write as _;
+use std::path::Path;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use http::header::{HeaderValue, CONTENT_TYPE};
+use http::{Response, StatusCode};
+
+use crate::error::{full, ProxyBody};
+use crate::server::AppState;
+
+/// Content type of the text exposition format.
+pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+
+/// Endpoint labels of `compactor_requests_total`; anything else counts as `other`.
+pub const ENDPOINTS: &[&str] = &[
+    "chat",
+    "responses",
+    "responses_compact",
+    "passthrough",
+    "admin",
+    "metrics",
+    "healthz",
+    "other",
+];
+
+/// Rung labels of the compaction counters; anything else counts as `other`.
+pub const RUNGS: &[&str] = &["truncate", "prune", "summary", "fallback", "other"];
+
+/// Reason labels of `compactor_compactions_total`; anything else counts as `other`.
+pub const REASONS: &[&str] = &["threshold", "overflow", "manual", "other"];
+
+/// A conversation counts as active this long after its last request.
+pub const ACTIVE_WINDOW: Duration = Duration::from_secs(15 * 60);
+
+/// Most conversations tracked for the active gauge (bounds memory; past it,
+/// the least recently seen are forgotten).
+pub const MAX_TRACKED_CONVERSATIONS: usize = 100_000;
+
+/// Bucket upper bounds (seconds) of the upstream latency histogram: whole
+/// exchanges, from a cached short answer to a long agent turn.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+
+/// Bucket upper bounds (seconds) of the time-to-first-byte histogram.
+pub const TTFB_BUCKETS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0,
+];
+
+/// Lowest and highest status code counted separately (others are clamped).
+const STATUS_MIN: u16 = 100;
+const STATUS_MAX: u16 = 599;
+const STATUS_SLOTS: usize = (STATUS_MAX - STATUS_MIN + 1) as usize;
+
+/// A histogram with fixed bucket bounds: one atomic per bucket plus `+Inf`,
+/// the sum (f64 bits) and the count.
+pub struct Histogram {
+    bounds: &'static [f64],
+    /// Per-bucket (not cumulative) counts; the last slot is `+Inf`.
+    buckets: Box<[AtomicU64]>,
+    sum_bits: AtomicU64,
+    count: AtomicU64,
+}
+
+impl Histogram {
+    /// A histogram over `bounds` (strictly increasing upper bounds).
+    pub fn new(bounds: &'static [f64]) -> Self {
+        debug_assert!(bounds.windows(2).all(|w| w[0] < w[1]));
+        Histogram {
+            bounds,
+            buckets: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
+            sum_bits: AtomicU64::new(0f64.to_bits()),
+            count: AtomicU64::new(0),
+        }
+    }
+
+    /// Records one observation. Negative and NaN values are ignored.
+    pub fn observe(&self, value: f64) {
+        if value.is_nan() || value < 0.0 {
+            return;
+        }
+        let slot = self.bounds.partition_point(|&b| b < value);
+        self.buckets[slot].fetch_add(1, Ordering::Relaxed);
+        let _ = self
+            .sum_bits
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
+                Some((f64::from_bits(bits) + value).to_bits())
+            });
+        self.count.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Number of observations.
+    pub fn count(&self) -> u64 {
+        self.count.load(Ordering::Relaxed)
+    }
+
+    /// Sum of the observations.
+    pub fn sum(&self) -> f64 {
+        f64::from_bits(self.sum_bits.load(Ordering::Relaxed))
+    }
+
+    /// Cumulative counts per upper bound, ending with `+Inf` (= `count`
+    /// as of the snapshot).
+    pub fn cumulative(&self) -> Vec<(f64, u64)> {
+        let mut acc = 0;
+        self.buckets
+            .iter()
+            .enumerate()
+            .map(|(i, b)| {
+                acc += b.load(Ordering::Relaxed);
+                (self.bounds.get(i).copied().unwrap_or(f64::INFINITY), acc)
+            })
+            .collect()
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        header(out, name, help, "histogram");
+        let buckets = self.cumulative();
+        for (le, n) in &buckets {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{}\"}} {n}", fmt_le(*le));
+        }
+        // `_count` must equal the `+Inf` bucket even if observations raced the scrape.
+        let count = buckets.last().map(|b| b.1).unwrap_or(0);
+        let _ = writeln!(out, "{name}_sum {}", fmt_f64(self.sum()));
+        let _ = writeln!(out, "{name}_count {count}");
+    }
+}
+
+/// Figures gathered at scrape time rather than recorded as they happen.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Gauges {
+    /// Bytes of the store on disk (database file + `-wal`).
+    pub store_bytes: Option<u64>,
+    /// Conversations with a request in the last [`ACTIVE_WINDOW`].
+    pub active_conversations: Option<u64>,
+    /// Compactions held in memory (all tenants).
+    pub compactions_stored: Option<u64>,
+}
+
+/// All of the proxy's metrics. One per process, in [`AppState`].
+pub struct Metrics {
+    /// `[endpoint][status - 100]`.
+    requests: Box<[AtomicU64]>,
+    upstream_latency: Histogram,
+    ttfb: Histogram,
+    /// `[rung][reason]`.
+    compactions: Box<[AtomicU64]>,
+    /// `[rung]`.
+    tokens_saved: Box<[AtomicU64]>,
+    summary_failures: AtomicU64,
+    summary_fallbacks: AtomicU64,
+    reactive_retries: AtomicU64,
+    /// Conversation id → last request.
+    seen: Mutex<HashMap<String, Instant>>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn zeros(n: usize) -> Box<[AtomicU64]> {
+    (0..n).map(|_| AtomicU64::new(0)).collect()
+}
+
+fn index_of(set: &[&str], label: &str) -> usize {
+    set.iter()
+        .position(|&s| s == label)
+        .unwrap_or(set.len() - 1)
+}
+
+/// The reason kind of a compaction reason string: `"threshold: reported …"`
+/// → `threshold`; `"overflow: …"` → `overflow`; `manual…` → `manual`.
+pub fn reason_kind(reason: &str) -> &'static str {
+    let head = reason
+        .split(|c: char| c == ':' || c.is_whitespace())
+        .next()
+        .unwrap_or_default();
+    REASONS
+        .iter()
+        .find(|&&r| r == head)
+        .copied()
+        .unwrap_or("other")
+}
+
+impl Metrics {
+    /// Empty metrics.
+    pub fn new() -> Self {
+        Metrics {
+            requests: zeros(ENDPOINTS.len() * STATUS_SLOTS),
+            upstream_latency: Histogram::new(LATENCY_BUCKETS),
+            ttfb: Histogram::new(TTFB_BUCKETS),
+            compactions: zeros(RUNGS.len() * REASONS.len()),
+            tokens_saved: zeros(RUNGS.len()),
+            summary_failures: AtomicU64::new(0),
+            summary_fallbacks: AtomicU64::new(0),
+            reactive_retries: AtomicU64::new(0),
+            seen: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// A request answered: call once per client request when its status is
+    /// known (for streams: when the head is sent), with the endpoint label
+    /// (one of [`ENDPOINTS`]: `chat`, `responses`, `passthrough`, `admin`…;
+    /// others count as `other`) and the status the client received.
+    pub fn request(&self, endpoint: &str, status: u16) {
+        let e = index_of(ENDPOINTS, endpoint);
+        let s = (status.clamp(STATUS_MIN, STATUS_MAX) - STATUS_MIN) as usize;
+        self.requests[e * STATUS_SLOTS + s].fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Requests counted for `endpoint` and `status` so far.
+    pub fn requests(&self, endpoint: &str, status: u16) -> u64 {
+        let e = index_of(ENDPOINTS, endpoint);
+        let s = (status.clamp(STATUS_MIN, STATUS_MAX) - STATUS_MIN) as usize;
+        self.requests[e * STATUS_SLOTS + s].load(Ordering::Relaxed)
+    }
+
+    /// The upstream exchange is over: call once per proxied request with the
+    /// seconds from sending the request upstream to the end of its answer
+    /// (the whole body, or the end of the stream).
+    pub fn upstream_latency(&self, seconds: f64) {
+        self.upstream_latency.observe(seconds);
+    }
+
+    /// The first byte of the answer goes to the client: call once per
+    /// proxied request with the seconds since the request arrived.
+    pub fn ttfb(&self, seconds: f64) {
+        self.ttfb.observe(seconds);
+    }
+
+    /// A compaction was stored: call from the engine when it records one,
+    /// with its rung ([`crate::compaction::Rung::as_str`]), the kind of its
+    /// reason (`threshold`, `overflow` or `manual`; [`reason_kind`] derives
+    /// it from the reason string) and `tokens_before - tokens_after`.
+    pub fn compaction(&self, rung: &str, reason_kind: &str, tokens_saved: u64) {
+        let r = index_of(RUNGS, rung);
+        let k = index_of(REASONS, reason_kind);
+        self.compactions[r * REASONS.len() + k].fetch_add(1, Ordering::Relaxed);
+        self.tokens_saved[r].fetch_add(tokens_saved, Ordering::Relaxed);
+    }
+
+    /// A summarizer call failed or returned an invalid summary: call once
+    /// per failed attempt (a retried call that fails twice counts twice).
+    pub fn summary_failure(&self) {
+        self.summary_failures.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The summarizer gave up and the deterministic fallback was used: call
+    /// once per compaction stored with the `fallback` rung.
+    pub fn summary_fallback(&self) {
+        self.summary_fallbacks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// The upstream said the prompt did not fit and the proxy retried with a
+    /// compacted request: call once per such retry.
+    pub fn reactive_retry(&self) {
+        self.reactive_retries.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// A request of `conversation` arrived: call once per proxied request
+    /// after the conversation is identified (feeds the active gauge).
+    pub fn conversation_seen(&self, conversation: &str) {
+        self.conversation_seen_at(conversation, Instant::now());
+    }
+
+    fn conversation_seen_at(&self, conversation: &str, now: Instant) {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(t) = seen.get_mut(conversation) {
+            *t = now;
+            return;
+        }
+        if seen.len() >= MAX_TRACKED_CONVERSATIONS {
+            prune(&mut seen, now);
+        }
+        if seen.len() >= MAX_TRACKED_CONVERSATIONS {
+            // All recent: forget the older half (rare; keeps inserts amortized O(1)).
+            let mut times: Vec<Instant> = seen.values().copied().collect();
+            let mid = times.len() / 2;
+            let (_, median, _) = times.select_nth_unstable(mid);
+            let median = *median;
+            seen.retain(|_, t| *t > median);
+        }
+        seen.insert(conversation.to_string(), now);
+    }
+
+    /// Conversations seen within [`ACTIVE_WINDOW`] (forgets older ones).
+    pub fn active_conversations(&self) -> u64 {
+        self.active_at(Instant::now())
+    }
+
+    fn active_at(&self, now: Instant) -> u64 {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        prune(&mut seen, now);
+        seen.len() as u64
+    }
+
+    /// The scrape-time figures: the size of the store at `db` (file +
+    /// `-wal`), the active conversations, and `compactions_stored` if known.
+    pub fn gauges(&self, db: &Path, compactions_stored: Option<u64>) -> Gauges {
+        Gauges {
+            store_bytes: store_bytes(db),
+            active_conversations: Some(self.active_conversations()),
+            compactions_stored,
+        }
+    }
+
+    /// The text exposition of everything, with the scrape-time `extra`
+    /// gauges (those that are `None` are left out).
+    pub fn render(&self, extra: &Gauges) -> String {
+        let mut out = String::with_capacity(4096);
+        header(
+            &mut out,
+            "compactor_build_info",
+            "Version of the running compactor.",
+            "gauge",
+        );
+        let _ = writeln!(
+            out,
+            "compactor_build_info{{version=\"{}\"}} 1",
+            env!("CARGO_PKG_VERSION")
+        );
+
+        header(
+            &mut out,
+            "compactor_requests_total",
+            "Client requests answered, by endpoint and status.",
+            "counter",
+        );
+        for (e, endpoint) in ENDPOINTS.iter().enumerate() {
+            for s in 0..STATUS_SLOTS {
+                let n = self.requests[e * STATUS_SLOTS + s].load(Ordering::Relaxed);
+                if n > 0 {
+                    let status = s as u16 + STATUS_MIN;
+                    let _ = writeln!(
+                        out,
+                        "compactor_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}"
+                    );
+                }
+            }
+        }
+
+        self.upstream_latency.render(
+            &mut out,
+            "compactor_upstream_latency_seconds",
+            "Time from sending a request upstream to the end of its answer.",
+        );
+        self.ttfb.render(
+            &mut out,
+            "compactor_ttfb_seconds",
+            "Time from a request's arrival to the first byte of the answer sent to the client.",
+        );
+
+        header(
+            &mut out,
+            "compactor_compactions_total",
+            "Compactions stored, by rung and reason.",
+            "counter",
+        );
+        for (r, rung) in RUNGS.iter().enumerate() {
+            for (k, reason) in REASONS.iter().enumerate() {
+                let n = self.compactions[r * REASONS.len() + k].load(Ordering::Relaxed);
+                let _ = writeln!(
+                    out,
+                    "compactor_compactions_total{{rung=\"{rung}\",reason=\"{reason}\"}} {n}"
+                );
+            }
+        }
+        header(
+            &mut out,
+            "compactor_compaction_tokens_saved_total",
+            "Estimated tokens removed from requests by compactions, by rung.",
+            "counter",
+        );
+        for (r, rung) in RUNGS.iter().enumerate() {
+            let n = self.tokens_saved[r].load(Ordering::Relaxed);
+            let _ = writeln!(
+                out,
+                "compactor_compaction_tokens_saved_total{{rung=\"{rung}\"}} {n}"
+            );
+        }
+
+        for (name, help, v) in [
+            (
+                "compactor_summary_failures_total",
+                "Summarizer calls that failed or returned an invalid summary.",
+                &self.summary_failures,
+            ),
+            (
+                "compactor_summary_fallbacks_total",
+                "Compactions that fell back to the deterministic summary.",
+                &self.summary_fallbacks,
+            ),
+            (
+                "compactor_reactive_retries_total",
+                "Requests retried compacted after the upstream said the prompt was too long.",
+                &self.reactive_retries,
+            ),
+        ] {
+            header(&mut out, name, help, "counter");
+            let _ = writeln!(out, "{name} {}", v.load(Ordering::Relaxed));
+        }
+
+        for (name, help, v) in [
+            (
+                "compactor_store_bytes",
+                "Bytes of the store on disk (database file and write-ahead log).",
+                extra.store_bytes,
+            ),
+            (
+                "compactor_active_conversations",
+                "Conversations with a request in the last 15 minutes.",
+                extra.active_conversations,
+            ),
+            (
+                "compactor_compactions_stored",
+                "Compactions held in memory, ready to apply.",
+                extra.compactions_stored,
+            ),
+        ] {
+            if let Some(v) = v {
+                header(&mut out, name, help, "gauge");
+                let _ = writeln!(out, "{name} {v}");
+            }
+        }
+        out
+    }
+}
+
+/// Drops entries older than [`ACTIVE_WINDOW`].
+fn prune(seen: &mut HashMap<String, Instant>, now: Instant) {
+    seen.retain(|_, t| now.saturating_duration_since(*t) < ACTIVE_WINDOW);
+}
+
+/// Bytes of the SQLite database at `db` plus its `-wal` file; `None` when
+/// the database file cannot be read.
+pub fn store_bytes(db: &Path) -> Option<u64> {
+    let main = std::fs::metadata(db).ok()?.len();
+    let mut wal = db.as_os_str().to_owned();
+    wal.push("-wal");
+    let wal = std::fs::metadata(Path::new(&wal))
+        .map(|m| m.len())
+        .unwrap_or(0);
+    Some(main + wal)
+}
+
+/// `GET /metrics`: the exposition of `state`'s metrics with its gauges.
+pub fn serve(state: &AppState) -> Response<ProxyBody> {
+    let gauges = state.metrics.gauges(
+        &state.config.store_path(),
+        Some(state.compactions.len() as u64),
+    );
+    let mut resp = Response::new(full(state.metrics.render(&gauges)));
+    *resp.status_mut() = StatusCode::OK;
+    resp.headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE_TEXT));
+    resp
+}
+
+fn header(out: &mut String, name: &str, help: &str, kind: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+fn fmt_le(le: f64) -> String {
+    if le.is_infinite() {
+        "+Inf".into()
+    } else {
+        fmt_f64(le)
+    }
+}
+
+fn fmt_f64(v: f64) -> String {
+    if v.is_infinite() {
+        if v > 0.0 { "+Inf" } else { "-Inf" }.into()
+    } else if v.is_nan() {
+        "NaN".into()
+    } else {
+        // Shortest representation that parses back to the same value.
+        format!("{v:?}")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// One parsed sample line.
+    #[derive(Debug, PartialEq)]
+    struct Sample {
+        name: String,
+        labels: Vec<(String, String)>,
+        value: f64,
+    }
+
+    /// Parses the exposition back, checking its grammar line by line:
+    /// every sample's family has HELP then TYPE before it, exactly once.
+    fn parse(text: &str) -> Vec<Sample> {
+        let mut samples = Vec::new();
+        let mut typed: HashMap<String, String> = HashMap::new();
+        let mut helped = std::collections::HashSet::new();
+        assert!(text.ends_with('\n'), "ends with a newline");
+        for line in text.lines() {
+            assert!(!line.is_empty(), "no blank lines");
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let (name, help) = rest.split_once(' ').expect("HELP name text");
+                assert!(!help.is_empty());
+                assert!(helped.insert(name.to_string()), "one HELP for {name}");
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, kind) = rest.split_once(' ').expect("TYPE name kind");
+                assert!(helped.contains(name), "HELP before TYPE for {name}");
+                assert!(["counter", "gauge", "histogram"].contains(&kind), "{kind}");
+                assert!(
+                    typed.insert(name.into(), kind.into()).is_none(),
+                    "one TYPE for {name}"
+                );
+                continue;
+            }
+            assert!(!line.starts_with('#'), "unexpected comment {line}");
+            let (series, value) = line.rsplit_once(' ').expect("series value");
+            let value: f64 = match value {
+                "+Inf" => f64::INFINITY,
+                v => v.parse().unwrap_or_else(|_| panic!("value of {line}")),
+            };
+            let (name, labels) = match series.split_once('{') {
+                Some((n, rest)) => {
+                    let body = rest.strip_suffix('}').expect("closing brace");
+                    let labels = body
+                        .split(',')
+                        .map(|kv| {
+                            let (k, v) = kv.split_once('=').expect("label k=v");
+                            let v = v
+                                .strip_prefix('"')
+                                .and_then(|v| v.strip_suffix('"'))
+                                .expect("quoted label value");
+                            (k.to_string(), v.to_string())
+                        })
+                        .collect();
+                    (n.to_string(), labels)
+                }
+                None => (series.to_string(), Vec::new()),
+            };
+            assert!(name.starts_with("compactor_"), "{name}");
+            assert!(name.chars().all(|c| c.is_ascii_alphanumeric() || c == '_'));
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| {
+                    name.strip_suffix(s)
+                        .filter(|f| typed.get(*f).map(String::as_str) == Some("histogram"))
+                })
+                .unwrap_or(&name)
+                .to_string();
+            assert!(typed.contains_key(&family), "TYPE before sample {name}");
+            samples.push(Sample {
+                name,
+                labels,
+                value,
+            });
+        }
+        samples
+    }
+
+    fn value(samples: &[Sample], name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+        samples
+            .iter()
+            .find(|s| {
+                s.name == name
+                    && s.labels.len() == labels.len()
+                    && labels
+                        .iter()
+                        .all(|(k, v)| s.labels.iter().any(|(a, b)| a == k && b == v))
+            })
+            .map(|s| s.value)
+    }
+
+    #[test]
+    fn counters_render_with_labels_and_parse_back() {
+        let m = Metrics::new();
+        for _ in 0..3 {
+            m.request("chat", 200);
+        }
+        m.request("chat", 502);
+        m.request("responses", 200);
+        m.request("something-new", 404);
+        m.request("admin", 42); // out of range: clamped, still counted
+        m.compaction("summary", "threshold", 4000);
+        m.compaction("prune", "overflow", 1000);
+        m.compaction("summary", "threshold", 500);
+        m.compaction("weird", "because", 1);
+        m.summary_failure();
+        m.summary_failure();
+        m.summary_fallback();
+        m.reactive_retry();
+        let s = parse(&m.render(&Gauges::default()));
+        let req = "compactor_requests_total";
+        assert_eq!(
+            value(&s, req, &[("endpoint", "chat"), ("status", "200")]),
+            Some(3.0)
+        );
+        assert_eq!(
+            value(&s, req, &[("endpoint", "chat"), ("status", "502")]),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(&s, req, &[("endpoint", "responses"), ("status", "200")]),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(&s, req, &[("endpoint", "other"), ("status", "404")]),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(&s, req, &[("endpoint", "admin"), ("status", "100")]),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(&s, req, &[("endpoint", "passthrough"), ("status", "200")]),
+            None,
+            "zero request series are left out"
+        );
+        assert_eq!(m.requests("chat", 200), 3);
+        let c = "compactor_compactions_total";
+        assert_eq!(
+            value(&s, c, &[("rung", "summary"), ("reason", "threshold")]),
+            Some(2.0)
+        );
+        assert_eq!(
+            value(&s, c, &[("rung", "prune"), ("reason", "overflow")]),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(&s, c, &[("rung", "other"), ("reason", "other")]),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(&s, c, &[("rung", "truncate"), ("reason", "manual")]),
+            Some(0.0),
+            "the closed set is always there"
+        );
+        let saved = "compactor_compaction_tokens_saved_total";
+        assert_eq!(value(&s, saved, &[("rung", "summary")]), Some(4500.0));
+        assert_eq!(
+            value(&s, "compactor_summary_failures_total", &[]),
+            Some(2.0)
+        );
+        assert_eq!(
+            value(&s, "compactor_summary_fallbacks_total", &[]),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(&s, "compactor_reactive_retries_total", &[]),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(
+                &s,
+                "compactor_build_info",
+                &[("version", env!("CARGO_PKG_VERSION"))]
+            ),
+            Some(1.0)
+        );
+        assert_eq!(
+            value(&s, "compactor_store_bytes", &[]),
+            None,
+            "None gauges left out"
+        );
+    }
+
+    #[test]
+    fn histogram_buckets_are_cumulative_with_sum_and_count() {
+        let m = Metrics::new();
+        for v in [0.003, 0.004, 0.02, 0.7, 0.7, 12.0, 1000.0] {
+            m.upstream_latency(v);
+        }
+        m.upstream_latency(-1.0);
+        m.upstream_latency(f64::NAN);
+        m.ttfb(0.001); // on a bound: `le` is inclusive
+        let s = parse(&m.render(&Gauges::default()));
+        let name = "compactor_upstream_latency_seconds";
+        let buckets: Vec<(f64, f64)> = s
+            .iter()
+            .filter(|x| x.name == format!("{name}_bucket"))
+            .map(|x| {
+                let le = &x.labels.iter().find(|(k, _)| k == "le").unwrap().1;
+                let le = if le == "+Inf" {
+                    f64::INFINITY
+                } else {
+                    le.parse().unwrap()
+                };
+                (le, x.value)
+            })
+            .collect();
+        assert_eq!(buckets.len(), LATENCY_BUCKETS.len() + 1);
+        assert!(buckets.windows(2).all(|w| w[0].0 < w[1].0), "le increasing");
+        assert!(
+            buckets.windows(2).all(|w| w[0].1 <= w[1].1),
+            "counts cumulative"
+        );
+        let at = |le: f64| buckets.iter().find(|b| b.0 == le).unwrap().1;
+        assert_eq!(at(0.005), 2.0);
+        assert_eq!(at(0.025), 3.0);
+        assert_eq!(at(1.0), 5.0);
+        assert_eq!(at(30.0), 6.0);
+        assert_eq!(at(300.0), 6.0);
+        assert_eq!(at(f64::INFINITY), 7.0);
+        assert_eq!(value(&s, &format!("{name}_count"), &[]), Some(7.0));
+        let sum = value(&s, &format!("{name}_sum"), &[]).unwrap();
+        assert!((sum - 1013.427).abs() < 1e-9, "{sum}");
+        let t = "compactor_ttfb_seconds";
+        assert_eq!(
+            value(&s, &format!("{t}_bucket"), &[("le", "0.001")]),
+            Some(1.0)
+        );
+        assert_eq!(value(&s, &format!("{t}_count"), &[]), Some(1.0));
+        assert_eq!(value(&s, &format!("{t}_sum"), &[]), Some(0.001));
+    }
+
+    #[test]
+    fn gauges_from_the_store_file_and_recent_conversations() {
+        let dir = std::env::temp_dir().join(format!(
+            "compactor-metrics-test-{}-{}",
+            std::process::id(),
+            crate::server::now_ms()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let db = dir.join("x.db");
+        assert_eq!(store_bytes(&db), None);
+        std::fs::write(&db, vec![0u8; 1000]).unwrap();
+        assert_eq!(store_bytes(&db), Some(1000));
+        std::fs::write(dir.join("x.db-wal"), vec![0u8; 24]).unwrap();
+        assert_eq!(store_bytes(&db), Some(1024));
+
+        let m = Metrics::new();
+        let t0 = Instant::now();
+        m.conversation_seen_at("a", t0);
+        m.conversation_seen_at("b", t0);
+        m.conversation_seen_at("a", t0 + Duration::from_secs(600));
+        assert_eq!(m.active_at(t0 + Duration::from_secs(60)), 2);
+        assert_eq!(
+            m.active_at(t0 + Duration::from_secs(16 * 60)),
+            1,
+            "b expired"
+        );
+        let g = m.gauges(&db, Some(3));
+        assert_eq!(g.store_bytes, Some(1024));
+        let s = parse(&m.render(&g));
+        assert_eq!(value(&s, "compactor_store_bytes", &[]), Some(1024.0));
+        assert_eq!(value(&s, "compactor_compactions_stored", &[]), Some(3.0));
+        assert!(value(&s, "compactor_active_conversations", &[]).is_some());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_conversation_map_stays_bounded() {
+        let m = Metrics::new();
+        let t0 = Instant::now();
+        for i in 0..MAX_TRACKED_CONVERSATIONS + 10 {
+            m.conversation_seen_at(&format!("c{i}"), t0 + Duration::from_millis(i as u64));
+        }
+        let n = m.active_at(t0 + Duration::from_secs(200));
+        assert!(n <= MAX_TRACKED_CONVERSATIONS as u64 && n > 0, "{n}");
+    }
+
+    #[test]
+    fn reason_kinds() {
+        assert_eq!(
+            reason_kind("threshold: reported 6100 tokens of 8000 window"),
+            "threshold"
+        );
+        assert_eq!(
+            reason_kind("overflow: upstream answered 400 Bad Request"),
+            "overflow"
+        );
+        assert_eq!(reason_kind("manual"), "manual");
+        assert_eq!(reason_kind("manual: compactor compact"), "manual");
+        assert_eq!(reason_kind(""), "other");
+        assert_eq!(reason_kind("because"), "other");
+    }
+}

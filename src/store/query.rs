@@ -1,0 +1,560 @@
+//! Read-only queries over the SQLite store, shared by the CLI
+//! (`compactor conversations …`) and the admin API (`/admin/api/…`).
+//!
+//! Pure functions over a `&Connection` returning serialisable structs. They
+//! run on their own read-only connection ([`open_read_only`]), never on the
+//! writer thread's; WAL lets them read while the proxy writes.
+
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
+use serde::Serialize;
+use serde_json::Value;
+
+use super::sqlite::{item_body, load_compactions, request_item_hashes, unpack_hashes};
+use super::StoreError;
+use crate::compaction::{rewrite, Compaction};
+use crate::config::Config;
+use crate::wire::hash::hex;
+use crate::wire::ItemHash;
+
+/// Characters of the tenant hash shown (enough to tell tenants apart).
+pub const TENANT_PREFIX: usize = 12;
+
+/// Why a query gave no answer.
+#[derive(Debug, thiserror::Error)]
+pub enum QueryError {
+    /// No conversation has this id (or id prefix).
+    #[error("no conversation {0}")]
+    NotFound(String),
+    /// The id prefix matches several conversations.
+    #[error("conversation id prefix {0} is ambiguous ({1} matches)")]
+    Ambiguous(String, usize),
+    /// The store could not be read.
+    #[error(transparent)]
+    Store(#[from] StoreError),
+}
+
+impl From<rusqlite::Error> for QueryError {
+    fn from(e: rusqlite::Error) -> Self {
+        QueryError::Store(StoreError::Db(e))
+    }
+}
+
+/// Opens the database read-only (it must exist). Safe while the proxy runs.
+pub fn open_read_only(path: &Path) -> Result<Connection, StoreError> {
+    if !path.exists() {
+        return Err(StoreError::Io(std::io::Error::new(
+            std::io::ErrorKind::NotFound,
+            format!("no store at {}", path.display()),
+        )));
+    }
+    let conn = Connection::open_with_flags(
+        path,
+        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
+    )?;
+    conn.busy_timeout(std::time::Duration::from_secs(5))?;
+    Ok(conn)
+}
+
+/// One line of the conversation list.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ConversationSummary {
+    /// `conv_…`
+    pub id: String,
+    /// First characters of the tenant hash.
+    pub tenant: String,
+    /// The model of the latest exchange.
+    pub model: String,
+    /// Unix ms of the first exchange.
+    pub created_ms: i64,
+    /// Unix ms of the latest exchange.
+    pub last_seen_ms: i64,
+    /// Exchanges recorded.
+    pub exchanges: u64,
+    /// Compactions computed.
+    pub compactions: u64,
+    /// Input tokens of the latest exchange that reported usage.
+    pub last_input_tokens: Option<u64>,
+    /// Output tokens of the same exchange.
+    pub last_output_tokens: Option<u64>,
+    /// Input + output: what the conversation occupied after it.
+    pub last_tokens: Option<u64>,
+    /// The model's context window (from the configured models table).
+    pub context_window: u64,
+    /// Tokens at which compaction triggers.
+    pub trigger_tokens: u64,
+}
+
+/// One exchange of a conversation's timeline.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ExchangeRow {
+    /// Exchange id.
+    pub id: i64,
+    /// Unix ms the request arrived.
+    pub started_ms: i64,
+    /// `/chat/completions` or `/responses`.
+    pub endpoint: String,
+    /// Requested model.
+    pub model: String,
+    /// Status the client got.
+    pub status: u16,
+    /// Streamed answer.
+    pub streamed: bool,
+    /// Answer cut short.
+    pub partial: bool,
+    /// Items the client sent.
+    pub request_items: u64,
+    /// Items in the answer.
+    pub response_items: u64,
+    /// Reported input tokens.
+    pub input_tokens: Option<u64>,
+    /// Reported output tokens.
+    pub output_tokens: Option<u64>,
+    /// Reported cached input tokens.
+    pub cached_tokens: Option<u64>,
+    /// Time to the last byte, ms.
+    pub latency_ms: f64,
+    /// The compaction applied to the request, if any.
+    pub compaction: Option<String>,
+    /// What went wrong, if anything.
+    pub error: Option<String>,
+}
+
+/// A compaction as shown in a timeline.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CompactionRow {
+    /// `cmp_…`
+    pub id: String,
+    /// Unix ms it was stored.
+    pub created_ms: i64,
+    /// `truncate`, `prune`, `summary` or `fallback`.
+    pub rung: String,
+    /// Why it ran.
+    pub reason: String,
+    /// Estimated tokens of the request before.
+    pub tokens_before: u64,
+    /// Estimated tokens after.
+    pub tokens_after: u64,
+    /// Original items it replaces.
+    pub covered_len: u64,
+    /// Items compacted away.
+    pub items_removed: u64,
+    /// Items kept verbatim.
+    pub items_kept: u64,
+    /// The summary text (summary rungs).
+    pub summary: Option<String>,
+    /// The compaction it extends.
+    pub base: Option<String>,
+    /// Summarizer calls made.
+    pub summary_calls: u32,
+    /// Time to compute, ms.
+    pub duration_ms: u64,
+    /// The first exchange whose request it rewrote, if any yet.
+    pub first_applied_exchange: Option<i64>,
+    /// Exchanges whose request it rewrote.
+    pub applied_exchanges: u64,
+}
+
+/// `show`: a conversation's timeline.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ConversationDetail {
+    /// The list line.
+    pub conversation: ConversationSummary,
+    /// Every exchange, oldest first.
+    pub exchanges: Vec<ExchangeRow>,
+    /// Every compaction, oldest first.
+    pub compactions: Vec<CompactionRow>,
+}
+
+/// A compaction in an export: the timeline row plus what it sends.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct CompactionExport {
+    /// The timeline row.
+    #[serde(flatten)]
+    pub row: CompactionRow,
+    /// Chain hash of the covered prefix (hex).
+    pub covered_chain: String,
+    /// What is sent in place of the covered prefix.
+    pub replacement: Vec<Value>,
+    /// Facts extracted by the proxy.
+    pub facts: Option<Value>,
+}
+
+/// The request of one exchange as it went upstream.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct RewrittenView {
+    /// The exchange.
+    pub exchange: i64,
+    /// The compaction applied to it, if any.
+    pub compaction: Option<String>,
+    /// The items sent upstream.
+    pub items: Vec<Value>,
+}
+
+/// `export`: everything recorded about a conversation.
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct ConversationExport {
+    /// The list line.
+    pub conversation: ConversationSummary,
+    /// Every exchange, oldest first.
+    pub exchanges: Vec<ExchangeRow>,
+    /// The history as the client holds it: the latest exchange's request
+    /// items followed by its answer's items.
+    pub original_items: Vec<Value>,
+    /// The latest exchange's request as it went upstream (derived:
+    /// the original items rewritten by the compaction applied to it).
+    pub rewritten_view: Option<RewrittenView>,
+    /// Every compaction, oldest first.
+    pub compactions: Vec<CompactionExport>,
+    /// Originals of tool outputs the cheap rungs replaced, by the reference
+    /// their stubs carry (`item:<first 16 hex of the item hash>`).
+    pub archived: BTreeMap<String, Value>,
+}
+
+/// Resolves a conversation id or a unique prefix of one.
+pub fn resolve_id(conn: &Connection, id: &str) -> Result<String, QueryError> {
+    let exact: Option<String> = conn
+        .query_row(
+            "SELECT id FROM conversations WHERE id = ?1",
+            params![id],
+            |r| r.get(0),
+        )
+        .optional()?;
+    if let Some(found) = exact {
+        return Ok(found);
+    }
+    if id.len() < 6 {
+        return Err(QueryError::NotFound(id.to_string()));
+    }
+    let mut stmt =
+        conn.prepare("SELECT id FROM conversations WHERE substr(id, 1, length(?1)) = ?1 LIMIT 10")?;
+    let matches: Vec<String> = stmt
+        .query_map(params![id], |r| r.get(0))?
+        .collect::<Result<_, _>>()?;
+    match matches.len() {
+        0 => Err(QueryError::NotFound(id.to_string())),
+        1 => Ok(matches.into_iter().next().unwrap_or_default()),
+        n => Err(QueryError::Ambiguous(id.to_string(), n)),
+    }
+}
+
+const SUMMARY_SELECT: &str = "
+SELECT c.id, c.tenant, c.model, c.created_ms, c.last_seen_ms,
+       (SELECT count(*) FROM exchanges e WHERE e.conversation_id = c.id),
+       (SELECT count(*) FROM compactions k WHERE k.conversation_id = c.id),
+       l.input_tokens, l.output_tokens
+FROM conversations c
+LEFT JOIN exchanges l ON l.id = (SELECT max(e2.id) FROM exchanges e2
+                                 WHERE e2.conversation_id = c.id AND e2.input_tokens IS NOT NULL)";
+
+fn summary_row(r: &rusqlite::Row<'_>, config: &Config) -> rusqlite::Result<ConversationSummary> {
+    let tenant: String = r.get(1)?;
+    let model: String = r.get(2)?;
+    let input: Option<i64> = r.get(7)?;
+    let output: Option<i64> = r.get(8)?;
+    let limits = config.model_limits(&model);
+    Ok(ConversationSummary {
+        id: r.get(0)?,
+        tenant: tenant.chars().take(TENANT_PREFIX).collect(),
+        created_ms: r.get(3)?,
+        last_seen_ms: r.get(4)?,
+        exchanges: r.get::<_, i64>(5)? as u64,
+        compactions: r.get::<_, i64>(6)? as u64,
+        last_input_tokens: input.map(|v| v as u64),
+        last_output_tokens: output.map(|v| v as u64),
+        last_tokens: input.map(|i| (i + output.unwrap_or(0)) as u64),
+        context_window: limits.context_window,
+        trigger_tokens: (limits.context_window as f64 * limits.trigger_ratio) as u64,
+        model,
+    })
+}
+
+/// Conversations, most recently seen first; at most `limit`.
+pub fn list_conversations(
+    conn: &Connection,
+    config: &Config,
+    limit: usize,
+) -> Result<Vec<ConversationSummary>, QueryError> {
+    let sql = format!("{SUMMARY_SELECT} ORDER BY c.last_seen_ms DESC, c.id LIMIT ?1");
+    let mut stmt = conn.prepare(&sql)?;
+    let rows = stmt
+        .query_map(params![limit.min(i64::MAX as usize) as i64], |r| {
+            summary_row(r, config)
+        })?
+        .collect::<Result<_, _>>()?;
+    Ok(rows)
+}
+
+/// One conversation's list line (`id` exact or a unique prefix).
+pub fn conversation(
+    conn: &Connection,
+    config: &Config,
+    id: &str,
+) -> Result<ConversationSummary, QueryError> {
+    let id = resolve_id(conn, id)?;
+    let sql = format!("{SUMMARY_SELECT} WHERE c.id = ?1");
+    Ok(conn.query_row(&sql, params![id], |r| summary_row(r, config))?)
+}
+
+fn exchanges(conn: &Connection, id: &str) -> Result<Vec<ExchangeRow>, QueryError> {
+    let mut stmt = conn.prepare(
+        "SELECT id, started_ms, endpoint, model, status, streamed, partial, request_len,
+                length(response_items) / 32, input_tokens, output_tokens, cached_tokens,
+                latency_ms, compaction_id, error
+         FROM exchanges WHERE conversation_id = ?1 ORDER BY id",
+    )?;
+    let opt = |v: Option<i64>| v.map(|x| x as u64);
+    let rows = stmt
+        .query_map(params![id], |r| {
+            Ok(ExchangeRow {
+                id: r.get(0)?,
+                started_ms: r.get(1)?,
+                endpoint: r.get(2)?,
+                model: r.get(3)?,
+                status: r.get(4)?,
+                streamed: r.get(5)?,
+                partial: r.get(6)?,
+                request_items: r.get::<_, i64>(7)? as u64,
+                response_items: r.get::<_, i64>(8)? as u64,
+                input_tokens: opt(r.get(9)?),
+                output_tokens: opt(r.get(10)?),
+                cached_tokens: opt(r.get(11)?),
+                latency_ms: r.get(12)?,
+                compaction: r.get(13)?,
+                error: r.get(14)?,
+            })
+        })?
+        .collect::<Result<_, _>>()?;
+    Ok(rows)
+}
+
+fn compaction_row(c: &Compaction, exchanges: &[ExchangeRow]) -> CompactionRow {
+    let applied: Vec<i64> = exchanges
+        .iter()
+        .filter(|e| e.compaction.as_deref() == Some(c.id.as_str()))
+        .map(|e| e.id)
+        .collect();
+    CompactionRow {
+        id: c.id.clone(),
+        created_ms: c.created_ms,
+        rung: c.rung.as_str().to_string(),
+        reason: c.reason.clone(),
+        tokens_before: c.tokens_before,
+        tokens_after: c.tokens_after,
+        covered_len: c.covered_len as u64,
+        items_removed: c.items_removed as u64,
+        items_kept: c.items_kept as u64,
+        summary: c.summary.clone(),
+        base: c.base.clone(),
+        summary_calls: c.summary_calls,
+        duration_ms: c.duration_ms,
+        first_applied_exchange: applied.first().copied(),
+        applied_exchanges: applied.len() as u64,
+    }
+}
+
+/// A conversation's timeline (`id` exact or a unique prefix).
+pub fn show(
+    conn: &Connection,
+    config: &Config,
+    id: &str,
+) -> Result<ConversationDetail, QueryError> {
+    let conversation = conversation(conn, config, id)?;
+    let exchanges = exchanges(conn, &conversation.id)?;
+    let compactions = load_compactions(conn, Some(&conversation.id))?
+        .iter()
+        .map(|c| compaction_row(c, &exchanges))
+        .collect();
+    Ok(ConversationDetail {
+        conversation,
+        exchanges,
+        compactions,
+    })
+}
+
+/// Everything recorded about a conversation (`id` exact or a unique prefix).
+pub fn export(
+    conn: &Connection,
+    config: &Config,
+    id: &str,
+) -> Result<ConversationExport, QueryError> {
+    let conversation = conversation(conn, config, id)?;
+    let exchanges = exchanges(conn, &conversation.id)?;
+    let stored = load_compactions(conn, Some(&conversation.id))?;
+    let mut bodies = ItemCache::default();
+
+    let (original_items, rewritten_view) = match exchanges.last() {
+        None => (Vec::new(), None),
+        Some(last) => {
+            let request: Vec<Value> = request_item_hashes(conn, last.id)?
+                .iter()
+                .map(|h| bodies.get(conn, h))
+                .collect::<Result<_, _>>()?;
+            let applied = match &last.compaction {
+                None => None,
+                Some(cid) => match stored.iter().find(|c| &c.id == cid) {
+                    Some(c) => Some(c.clone()),
+                    // Applied from another conversation of the same tenant.
+                    None => load_compaction_by_id(conn, cid)?,
+                },
+            };
+            let items = match &applied {
+                Some(c) => rewrite::rewrite(&request, c),
+                None => request.clone(),
+            };
+            let response: Vec<u8> = conn.query_row(
+                "SELECT response_items FROM exchanges WHERE id = ?1",
+                params![last.id],
+                |r| r.get(0),
+            )?;
+            let mut original = request;
+            for h in unpack_hashes(&response) {
+                original.push(bodies.get(conn, &h)?);
+            }
+            let view = RewrittenView {
+                exchange: last.id,
+                compaction: last.compaction.clone(),
+                items,
+            };
+            (original, Some(view))
+        }
+    };
+
+    let mut archived = BTreeMap::new();
+    for c in &stored {
+        let text = serde_json::to_string(&c.replacement).unwrap_or_default();
+        for reference in archive_refs(&text) {
+            if archived.contains_key(&reference) {
+                continue;
+            }
+            if let Some(item) = archived_item(conn, &reference)? {
+                archived.insert(reference, item);
+            }
+        }
+    }
+    let compactions = stored
+        .iter()
+        .map(|c| CompactionExport {
+            row: compaction_row(c, &exchanges),
+            covered_chain: hex(&c.covered_chain),
+            replacement: c.replacement.clone(),
+            facts: c.facts.as_ref().and_then(|f| serde_json::to_value(f).ok()),
+        })
+        .collect();
+    Ok(ConversationExport {
+        conversation,
+        exchanges,
+        original_items,
+        rewritten_view,
+        compactions,
+        archived,
+    })
+}
+
+fn load_compaction_by_id(conn: &Connection, id: &str) -> Result<Option<Compaction>, QueryError> {
+    let conversation: Option<String> = conn
+        .query_row(
+            "SELECT conversation_id FROM compactions WHERE id = ?1",
+            params![id],
+            |r| r.get(0),
+        )
+        .optional()?;
+    let Some(conversation) = conversation else {
+        return Ok(None);
+    };
+    Ok(load_compactions(conn, Some(&conversation))?
+        .into_iter()
+        .find(|c| c.id == id))
+}
+
+/// Item bodies already read (a history repeats its items in every exchange).
+#[derive(Default)]
+struct ItemCache(HashMap<ItemHash, Value>);
+
+impl ItemCache {
+    fn get(&mut self, conn: &Connection, hash: &ItemHash) -> Result<Value, QueryError> {
+        if let Some(v) = self.0.get(hash) {
+            return Ok(v.clone());
+        }
+        let v = match item_body(conn, hash)? {
+            Some(body) => serde_json::from_str(&body).unwrap_or(Value::String(body)),
+            None => Value::Null,
+        };
+        self.0.insert(*hash, v.clone());
+        Ok(v)
+    }
+}
+
+/// The `item:<16 hex>` references in `text`, in order, without repeats.
+pub fn archive_refs(text: &str) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    let mut rest = text;
+    while let Some(at) = rest.find("item:") {
+        let after = &rest[at + 5..];
+        let hexlen = after
+            .bytes()
+            .take_while(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(b))
+            .count();
+        if hexlen == 16 {
+            let r = format!("item:{}", &after[..16]);
+            if !out.contains(&r) {
+                out.push(r);
+            }
+        }
+        rest = after;
+    }
+    out
+}
+
+/// The stored item an `item:<16 hex>` reference names, if any.
+pub fn archived_item(conn: &Connection, reference: &str) -> Result<Option<Value>, QueryError> {
+    let Some(prefix) = reference.strip_prefix("item:").and_then(parse_hex8) else {
+        return Ok(None);
+    };
+    // Range scan on the primary key: every hash starting with these 8 bytes.
+    let mut low = prefix.to_vec();
+    low.resize(32, 0);
+    let mut high = prefix.to_vec();
+    high.resize(32, 0xff);
+    let body: Option<String> = conn
+        .query_row(
+            "SELECT body FROM items WHERE hash >= ?1 AND hash <= ?2 LIMIT 1",
+            params![low, high],
+            |r| r.get(0),
+        )
+        .optional()?;
+    Ok(body.map(|b| serde_json::from_str(&b).unwrap_or(Value::String(b))))
+}
+
+fn parse_hex8(s: &str) -> Option<[u8; 8]> {
+    if s.len() != 16 {
+        return None;
+    }
+    let mut out = [0u8; 8];
+    for (i, byte) in out.iter_mut().enumerate() {
+        *byte = u8::from_str_radix(s.get(2 * i..2 * i + 2)?, 16).ok()?;
+    }
+    Some(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn finds_archive_references() {
+        let text = "x [compactor: 10 bytes elided; original archived as item:0123456789abcdef]\
+                    item:0123456789abcdef item:short item:fedcba9876543210";
+        assert_eq!(
+            archive_refs(text),
+            vec!["item:0123456789abcdef", "item:fedcba9876543210"]
+        );
+        assert_eq!(
+            parse_hex8("0123456789abcdef"),
+            Some([0x01, 0x23, 0x45, 0x67, 0x89, 0xab, 0xcd, 0xef])
+        );
+        assert_eq!(parse_hex8("0123"), None);
+    }
+}

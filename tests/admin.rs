@@ -1,0 +1,709 @@
+//! The admin API (`/admin/api/…`) and the CLI over the store
+//! (`compactor conversations …`, `compactor compact`), against a harness
+//! proxy whose conversations compact through the fake upstream.
+
+mod support;
+
+use std::path::Path;
+use std::process::Command;
+use std::time::Duration;
+
+use compactor::admin::{authorize, AccessRequest, Denial};
+use compactor::compaction::summary::SUMMARIZER_MARKER;
+use compactor::config::{Config, ModelConfig};
+use compactor::fake_upstream::Received;
+use serde_json::{json, Value};
+use support::{client, post, within, Harness};
+
+const KEY: &str = "sk-admin-tests";
+const MODEL: &str = "tiny-test";
+
+/// A 3000-token window: compaction triggers past 2250 reported tokens (the
+/// fake reports a token per 4 bytes of request).
+fn small_window(c: &mut Config) {
+    c.models.push(ModelConfig {
+        pattern: "tiny*".into(),
+        context_window: 3000,
+        max_output_tokens: Some(300),
+        trigger_ratio: None,
+    });
+}
+
+/// The same models table for the CLI, plus the store path.
+fn config_file(h: &Harness, extra: &str) -> std::path::PathBuf {
+    let path = h.dir.path().join("proxy.toml");
+    let text = format!(
+        "[store]\npath = {:?}\n{extra}\n[[models]]\nmatch = \"tiny*\"\ncontext_window = 3000\nmax_output_tokens = 300\n",
+        h.db.display().to_string()
+    );
+    std::fs::write(&path, text).unwrap();
+    path
+}
+
+fn is_summary_call(r: &Received) -> bool {
+    r.json()["messages"][0]["content"]
+        .as_str()
+        .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
+}
+
+/// What the upstream received for the client's latest request.
+fn last_client_call(h: &Harness) -> Value {
+    h.fake
+        .received()
+        .into_iter()
+        .rev()
+        .find(|r| !is_summary_call(r))
+        .expect("a client call")
+        .json()
+}
+
+struct Chat {
+    url: String,
+    history: Vec<Value>,
+    /// Prompt tokens the upstream reported, per turn.
+    reported: Vec<u64>,
+    conversation: String,
+}
+
+impl Chat {
+    fn new(h: &Harness) -> Chat {
+        Chat {
+            url: format!("{}/chat/completions", h.url()),
+            history: vec![
+                json!({"role": "system", "content": "You are a careful coding agent."}),
+                json!({"role": "user", "content": "TASK: refactor the parser so that it streams."}),
+                json!({"role": "assistant", "content": "Understood."}),
+            ],
+            reported: Vec::new(),
+            conversation: String::new(),
+        }
+    }
+
+    /// One turn: sends the whole history, appends the answer's message.
+    /// Returns the compaction applied, if any.
+    async fn turn(&mut self, text: &str) -> Option<String> {
+        self.history.push(json!({"role": "user", "content": text}));
+        let (status, headers, body) = post(
+            &self.url,
+            KEY,
+            &json!({"model": MODEL, "messages": self.history}),
+        )
+        .await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        self.history.push(v["choices"][0]["message"].clone());
+        self.reported
+            .push(v["usage"]["prompt_tokens"].as_u64().unwrap());
+        self.conversation = headers["x-compactor-conversation"]
+            .to_str()
+            .unwrap()
+            .to_string();
+        headers
+            .get("x-compactor-compacted")
+            .map(|v| v.to_str().unwrap().to_string())
+    }
+}
+
+fn filler(i: usize) -> String {
+    format!(
+        "Step {i}: please look at src/module_{i}.rs and explain it. {}",
+        "lorem ipsum dolor ".repeat(25)
+    )
+}
+
+fn compactions(h: &Harness) -> i64 {
+    h.db()
+        .query_row("SELECT count(*) FROM compactions", [], |r| r.get(0))
+        .unwrap_or(0)
+}
+
+/// Grows a conversation until the background compaction is stored, then
+/// sends one more turn, which goes upstream rewritten. Returns the chat and
+/// the compaction id.
+async fn compacted_conversation(h: &Harness) -> (Chat, String) {
+    let mut chat = Chat::new(h);
+    let mut i = 0;
+    while compactions(h) == 0 {
+        assert!(chat.turn(&filler(i)).await.is_none());
+        i += 1;
+        assert!(i < 40, "never compacted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let applied = chat
+        .turn("What is the next step?")
+        .await
+        .expect("the next request was rewritten");
+    (chat, applied)
+}
+
+async fn get(h: &Harness, path: &str, headers: &[(&str, &str)]) -> (u16, Value) {
+    let mut req = client().get(format!("http://{}{path}", h.addr));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = within(req.send()).await.expect("admin request");
+    let status = resp.status().as_u16();
+    let body = within(resp.bytes()).await.expect("body");
+    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+async fn post_admin(h: &Harness, path: &str) -> (u16, Value) {
+    let resp = within(client().post(format!("http://{}{path}", h.addr)).send())
+        .await
+        .expect("admin request");
+    let status = resp.status().as_u16();
+    let body = within(resp.bytes()).await.expect("body");
+    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+}
+
+/// Runs the real binary off the async threads (the proxy it may talk to
+/// runs on them); returns exit code, stdout, stderr.
+async fn cli(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_compactor"));
+    cmd.args(args)
+        .env_remove("COMPACTOR_CONFIG")
+        .env_remove("COMPACTOR_DB")
+        .env_remove("COMPACTOR_LISTEN");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = within(tokio::task::spawn_blocking(move || cmd.output()))
+        .await
+        .expect("join")
+        .expect("run compactor");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+fn path_str(p: &Path) -> &str {
+    p.to_str().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_api_lists_shows_and_exports_a_compacted_conversation() {
+    let h = Harness::start_with(small_window).await;
+    let (chat, applied) = compacted_conversation(&h).await;
+    let id = chat.conversation.clone();
+    let turns = chat.reported.len() as u64;
+
+    let (status, list) = get(&h, "/admin/api/conversations", &[]).await;
+    assert_eq!(status, 200, "{list}");
+    let list = list["conversations"].as_array().unwrap();
+    assert_eq!(list.len(), 1, "{list:?}");
+    let c = &list[0];
+    assert_eq!(c["id"], id.as_str());
+    assert_eq!(c["model"], MODEL);
+    assert_eq!(c["exchanges"], turns);
+    assert_eq!(c["compactions"], 1);
+    assert_eq!(c["context_window"], 3000);
+    assert_eq!(c["trigger_tokens"], 2250);
+    assert_eq!(c["last_input_tokens"], *chat.reported.last().unwrap());
+    assert_eq!(c["tenant"].as_str().unwrap().len(), 12);
+
+    let (status, show) = get(&h, &format!("/admin/api/conversations/{id}"), &[]).await;
+    assert_eq!(status, 200, "{show}");
+    let exchanges = show["exchanges"].as_array().unwrap();
+    let inputs: Vec<u64> = exchanges
+        .iter()
+        .map(|e| e["input_tokens"].as_u64().unwrap())
+        .collect();
+    assert_eq!(inputs, chat.reported, "input tokens of each request");
+    let last = exchanges.last().unwrap();
+    assert_eq!(last["compaction"], applied.as_str());
+    assert!(exchanges[..exchanges.len() - 1]
+        .iter()
+        .all(|e| e["compaction"].is_null()));
+    let k = &show["compactions"][0];
+    assert_eq!(k["id"], applied.as_str());
+    assert_eq!(k["rung"], "summary");
+    assert!(
+        k["reason"].as_str().unwrap().starts_with("threshold"),
+        "{k}"
+    );
+    assert!(
+        k["tokens_after"].as_u64() < k["tokens_before"].as_u64(),
+        "{k}"
+    );
+    assert!(k["summary"]
+        .as_str()
+        .unwrap()
+        .contains("TASK: refactor the parser so that it streams."));
+    assert_eq!(k["first_applied_exchange"], last["id"]);
+    assert_eq!(k["applied_exchanges"], 1);
+
+    let (status, export) = get(&h, &format!("/admin/api/conversations/{id}/export"), &[]).await;
+    assert_eq!(status, 200, "{export}");
+    let view = &export["rewritten_view"];
+    assert_eq!(view["exchange"], last["id"]);
+    assert_eq!(view["compaction"], applied.as_str());
+    assert_eq!(
+        view["items"],
+        last_client_call(&h)["messages"],
+        "the derived view is exactly what the upstream received"
+    );
+    assert_eq!(
+        export["original_items"],
+        Value::from(chat.history.clone()),
+        "the history as the client holds it"
+    );
+    let replacement = export["compactions"][0]["replacement"].as_array().unwrap();
+    assert_eq!(
+        replacement[..],
+        view["items"].as_array().unwrap()[..replacement.len()]
+    );
+    assert_eq!(export["compactions"][0]["summary"], k["summary"]);
+    assert_eq!(export["archived"], json!({}), "no tool output was replaced");
+
+    // A unique prefix of the id works; an unknown id is a 404 in OpenAI style.
+    let (status, by_prefix) =
+        get(&h, &format!("/admin/api/conversations/{}", &id[..12]), &[]).await;
+    assert_eq!(status, 200);
+    assert_eq!(by_prefix, show);
+    let (status, err) = get(&h, "/admin/api/conversations/conv_nope", &[]).await;
+    assert_eq!(status, 404);
+    assert_eq!(err["error"]["code"], "conversation_not_found");
+    let (status, err) = get(&h, "/admin/api/elsewhere", &[]).await;
+    assert_eq!(status, 404);
+    assert_eq!(err["error"]["code"], "unknown_url");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn export_carries_the_originals_of_truncated_tool_outputs() {
+    let h = Harness::start_with(small_window).await;
+    let mut chat = Chat::new(&h);
+    let log: String = (0..220)
+        .map(|i| format!("entry {i}: the quick brown fox jumps over the lazy dog\n"))
+        .collect();
+    let tool_output = json!({"role": "tool", "tool_call_id": "call_1", "content": log});
+    chat.history.push(json!({"role": "assistant", "content": null, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "read_log", "arguments": "{}"}}
+    ]}));
+    chat.history.push(tool_output.clone());
+    assert!(chat.turn("What does the log say?").await.is_none());
+    within(async {
+        while compactions(&h) == 0 {
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    })
+    .await;
+    let applied = chat.turn("And then?").await.expect("rewritten");
+    let (status, export) = get(
+        &h,
+        &format!("/admin/api/conversations/{}/export", chat.conversation),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200, "{export}");
+    assert_eq!(export["compactions"][0]["id"], applied.as_str());
+    assert_eq!(export["compactions"][0]["rung"], "truncate", "{export}");
+    let archived = export["archived"].as_object().unwrap();
+    assert_eq!(archived.len(), 1, "{archived:?}");
+    let (reference, original) = archived.iter().next().unwrap();
+    assert!(reference.starts_with("item:") && reference.len() == 21);
+    assert_eq!(original, &tool_output, "the original, byte for byte");
+    let sent = last_client_call(&h);
+    assert!(
+        sent.to_string().contains(reference.as_str()),
+        "the stub names it"
+    );
+    assert_eq!(export["rewritten_view"]["items"], sent["messages"]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cli_reads_the_store_while_the_proxy_runs() {
+    let h = Harness::start_with(small_window).await;
+    let (chat, applied) = compacted_conversation(&h).await;
+    let id = chat.conversation.clone();
+    let config = config_file(&h, "");
+    let config = path_str(&config);
+
+    // Human tables.
+    let (code, out, err) = cli(&["conversations", "list", "--config", config], &[]).await;
+    assert_eq!(code, 0, "{err}");
+    let mut lines = out.lines();
+    let head = lines.next().unwrap();
+    for col in [
+        "CONVERSATION",
+        "TENANT",
+        "MODEL",
+        "EXCHANGES",
+        "COMPACTIONS",
+        "LAST TOKENS / WINDOW",
+        "LAST SEEN",
+    ] {
+        assert!(head.contains(col), "{out}");
+    }
+    let row = lines.next().unwrap();
+    assert!(row.starts_with(&id), "{out}");
+    assert!(row.contains(MODEL) && row.contains("/ 3,000 ("), "{out}");
+
+    let (code, out, err) = cli(&["conversations", "show", &id, "--config", config], &[]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with(&format!("conversation {id}\n")), "{out}");
+    assert!(out.contains("window 3,000, trigger 2,250"), "{out}");
+    assert!(
+        out.contains(&format!("compaction 1 {applied} · rung summary")),
+        "{out}"
+    );
+    assert!(out.contains("reason: threshold"), "{out}");
+    assert!(out.contains("│ [compactor summary"), "{out}");
+    assert!(
+        out.contains("TASK: refactor the parser so that it streams."),
+        "{out}"
+    );
+    // The compaction sits just before the exchange it rewrote (the last one).
+    let marker = out.find("── compaction 1").unwrap();
+    let tail = &out[marker..];
+    assert_eq!(
+        tail.lines()
+            .filter(|l| l.trim_end().ends_with(&applied))
+            .count(),
+        1,
+        "{out}"
+    );
+    let exchange_rows = out
+        .lines()
+        .filter(|l| l.trim_start().starts_with(|c: char| c.is_ascii_digit()))
+        .count();
+    assert_eq!(exchange_rows, chat.reported.len(), "{out}");
+
+    // --json is the API's JSON; COMPACTOR_DB works like --db (without the
+    // config's models table the window is the built-in fallback's).
+    let (_, api_list) = get(&h, "/admin/api/conversations", &[]).await;
+    let (code, out, err) = cli(
+        &["conversations", "list", "--json", "--config", config],
+        &[],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(serde_json::from_str::<Value>(&out).unwrap(), api_list);
+    let (code, out, _) = cli(
+        &["conversations", "list", "--json"],
+        &[("COMPACTOR_DB", path_str(&h.db))],
+    )
+    .await;
+    assert_eq!(code, 0);
+    let v: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["conversations"][0]["id"], id.as_str());
+    assert_eq!(v["conversations"][0]["context_window"], 128_000);
+
+    let (_, api_show) = get(&h, &format!("/admin/api/conversations/{id}"), &[]).await;
+    let (code, out, _) = cli(
+        &["conversations", "show", &id, "--json", "--config", config],
+        &[],
+    )
+    .await;
+    assert_eq!(code, 0);
+    assert_eq!(serde_json::from_str::<Value>(&out).unwrap(), api_show);
+
+    let (_, api_export) = get(&h, &format!("/admin/api/conversations/{id}/export"), &[]).await;
+    let (code, out, _) = cli(&["conversations", "export", &id, "--config", config], &[]).await;
+    assert_eq!(code, 0);
+    assert!(out.starts_with("{\n"), "pretty by default");
+    let export: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(export, api_export);
+    assert_eq!(
+        export["rewritten_view"]["items"],
+        last_client_call(&h)["messages"]
+    );
+
+    // Errors are named.
+    let (code, _, err) = cli(
+        &["conversations", "show", "conv_nope", "--config", config],
+        &[],
+    )
+    .await;
+    assert_eq!(code, 1);
+    assert!(err.contains("no conversation conv_nope"), "{err}");
+    let missing = h.dir.path().join("absent.db");
+    let (code, _, err) = cli(&["conversations", "list", "--db", path_str(&missing)], &[]).await;
+    assert_eq!(code, 1);
+    assert!(err.contains("absent.db"), "{err}");
+    assert!(
+        !missing.exists(),
+        "a read-only command never creates a store"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manual_compaction_through_the_api_and_the_cli_applies_to_the_next_request() {
+    let h = Harness::start_with(|c| {
+        small_window(c);
+        c.compaction.background = false;
+    })
+    .await;
+    let mut chat = Chat::new(&h);
+    const TURNS: usize = 12;
+    for i in 0..TURNS {
+        assert!(chat.turn(&filler(i)).await.is_none());
+    }
+    let id = chat.conversation.clone();
+    let path = format!("/admin/api/conversations/{id}/compact");
+
+    let (status, v) = post_admin(&h, &path).await;
+    assert_eq!(status, 202, "{v}");
+    assert_eq!(v["conversation"], id.as_str());
+    assert_eq!(v["already_pending"], false);
+    let (status, v) = post_admin(&h, &path).await;
+    assert_eq!(status, 202);
+    assert_eq!(v["already_pending"], true);
+    let (status, v) = get(&h, &path, &[]).await;
+    assert_eq!(status, 405, "{v}");
+    let (status, v) = post_admin(&h, "/admin/api/conversations/conv_nope/compact").await;
+    assert_eq!(status, 404);
+    assert_eq!(v["error"]["code"], "conversation_not_found");
+
+    let first = chat.turn("Go on.").await.expect("compacted on request");
+    let (_, show) = get(&h, &format!("/admin/api/conversations/{id}"), &[]).await;
+    assert_eq!(show["compactions"][0]["id"], first.as_str());
+    assert_eq!(show["compactions"][0]["reason"], "manual");
+    assert_eq!(
+        show["compactions"][0]["first_applied_exchange"],
+        show["exchanges"][TURNS]["id"]
+    );
+    for i in TURNS..TURNS + 6 {
+        assert_eq!(chat.turn(&filler(i)).await, Some(first.clone()));
+    }
+
+    // The CLI asks the running proxy.
+    let config = config_file(&h, "");
+    let listen = h.addr.to_string();
+    let (code, out, err) = cli(
+        &[
+            "compact",
+            &id,
+            "--config",
+            path_str(&config),
+            "--listen",
+            &listen,
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.contains(&format!("compaction of {id} requested")),
+        "{out}"
+    );
+    chat.turn("Once more.").await.expect("compacted again");
+    let (_, show) = get(&h, &format!("/admin/api/conversations/{id}"), &[]).await;
+    let ks = show["compactions"].as_array().unwrap();
+    assert_eq!(ks.len(), 2, "{show}");
+    assert_eq!(ks[1]["reason"], "manual");
+    assert_eq!(ks[1]["base"], ks[0]["id"], "extends the first");
+    assert_eq!(
+        chat.turn("And now?").await.as_deref(),
+        ks[1]["id"].as_str(),
+        "still applies"
+    );
+
+    // Through COMPACTOR_LISTEN, with --json.
+    let (code, out, _) = cli(
+        &["compact", &id, "--json"],
+        &[("COMPACTOR_LISTEN", &listen)],
+    )
+    .await;
+    assert_eq!(code, 0);
+    assert_eq!(
+        serde_json::from_str::<Value>(&out).unwrap()["already_pending"],
+        false
+    );
+
+    // No proxy there: the error names the address.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_addr = dead.local_addr().unwrap().to_string();
+    drop(dead);
+    let (code, _, err) = cli(&["compact", &id, "--listen", &dead_addr], &[]).await;
+    assert_eq!(code, 1);
+    assert!(err.contains(&format!("http://{dead_addr}")), "{err}");
+    assert!(err.contains("cannot reach"), "{err}");
+    let (code, _, err) = cli(&["compact", "conv_nope", "--listen", &listen], &[]).await;
+    assert_eq!(code, 1);
+    assert!(
+        err.contains("404") && err.contains("no conversation"),
+        "{err}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_on_a_public_address_wants_the_admin_token() {
+    // The proxy is told it listens publicly (the harness binds loopback),
+    // so even loopback clients need the token.
+    const VAR: &str = "COMPACTOR_TEST_ADMIN_TOKEN_7F3A";
+    std::env::set_var(VAR, "s3cret-token");
+    let h = Harness::start_with(|c| {
+        c.server.listen = "0.0.0.0:8787".into();
+        c.admin.token_env = VAR.into();
+    })
+    .await;
+    let list = "/admin/api/conversations";
+    let (status, v) = get(&h, list, &[]).await;
+    assert_eq!(status, 403, "{v}");
+    assert_eq!(v["error"]["code"], "admin_token_required");
+    assert_eq!(v["error"]["type"], "permission_error");
+    assert!(v["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("x-compactor-admin-token"));
+    let (status, v) = get(&h, list, &[("authorization", "Bearer wrong")]).await;
+    assert_eq!(status, 403);
+    assert_eq!(v["error"]["code"], "admin_token_invalid");
+    let (status, v) = get(&h, list, &[("authorization", "Bearer s3cret-token")]).await;
+    assert_eq!(status, 200, "{v}");
+    assert_eq!(v["conversations"], json!([]));
+    let (status, _) = get(&h, list, &[("x-compactor-admin-token", "s3cret-token")]).await;
+    assert_eq!(status, 200);
+    // The page holds no data: it is served, and asks for the token.
+    let resp = within(client().get(format!("http://{}/admin/", h.addr)).send())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/html"));
+    // A browser page of another origin is refused even with the token.
+    let (status, v) = get(
+        &h,
+        list,
+        &[
+            ("x-compactor-admin-token", "s3cret-token"),
+            ("origin", "http://evil.example"),
+        ],
+    )
+    .await;
+    assert_eq!(status, 403);
+    assert_eq!(v["error"]["code"], "admin_cross_origin");
+
+    // The CLI sends the token named by the config.
+    let (_, headers, _) = post(
+        &format!("{}/chat/completions", h.url()),
+        KEY,
+        &json!({"model": "gpt-4o-mini", "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    let id = headers["x-compactor-conversation"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let config = config_file(&h, &format!("[admin]\ntoken_env = {VAR:?}\n"));
+    let listen = h.addr.to_string();
+    let args = [
+        "compact",
+        &id,
+        "--config",
+        path_str(&config),
+        "--listen",
+        &listen,
+    ];
+    let (code, _, err) = cli(&args, &[(VAR, "s3cret-token")]).await;
+    assert_eq!(code, 0, "{err}");
+    let (code, _, err) = cli(&args, &[(VAR, "")]).await;
+    assert_eq!(code, 1);
+    assert!(err.contains("403") && err.contains("admin token"), "{err}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn loopback_admin_refuses_other_origins_and_host_names() {
+    let h = Harness::start().await;
+    let list = "/admin/api/conversations";
+    assert_eq!(get(&h, list, &[]).await.0, 200);
+    let origin = format!("http://{}", h.addr);
+    assert_eq!(get(&h, list, &[("origin", origin.as_str())]).await.0, 200);
+    let (status, v) = get(&h, list, &[("origin", "https://evil.example")]).await;
+    assert_eq!(status, 403);
+    assert_eq!(v["error"]["code"], "admin_cross_origin");
+    let (status, v) = get(&h, list, &[("host", "rebound.evil.example")]).await;
+    assert_eq!(status, 403, "DNS rebinding");
+    assert_eq!(v["error"]["code"], "admin_foreign_host");
+    // `/admin` redirects to the page.
+    let resp = within(client().get(format!("http://{}/admin", h.addr)).send())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 308);
+    assert_eq!(resp.headers()["location"], "/admin/");
+}
+
+fn access<'a>(listen: &str, peer: &str) -> AccessRequest<'a> {
+    AccessRequest {
+        listen: listen.parse().unwrap(),
+        peer: peer.parse().unwrap(),
+        host: None,
+        origin: None,
+        token: None,
+    }
+}
+
+#[test]
+fn the_loopback_and_token_rule() {
+    let local = access("127.0.0.1:8787", "127.0.0.1:50000");
+    assert_eq!(authorize(&local, None), Ok(()), "loopback by default");
+    assert_eq!(
+        authorize(&local, Some("t")),
+        Ok(()),
+        "a token is not needed there"
+    );
+    let v6 = access("[::1]:8787", "[::1]:50000");
+    assert_eq!(authorize(&v6, None), Ok(()));
+
+    // A non-loopback peer (reachable only on a public listener).
+    let remote = access("0.0.0.0:8787", "203.0.113.9:40000");
+    assert_eq!(authorize(&remote, None), Err(Denial::NoTokenConfigured));
+    assert_eq!(authorize(&remote, Some("t")), Err(Denial::TokenRequired));
+    let with = AccessRequest {
+        token: Some("t"),
+        ..remote
+    };
+    assert_eq!(authorize(&with, Some("t")), Ok(()));
+    let wrong = AccessRequest {
+        token: Some("x"),
+        ..remote
+    };
+    assert_eq!(authorize(&wrong, Some("t")), Err(Denial::BadToken));
+    assert_eq!(
+        authorize(&with, None),
+        Err(Denial::NoTokenConfigured),
+        "no token configured: none accepted"
+    );
+
+    // Public listener, loopback peer (e.g. a local reverse proxy): token too.
+    let behind = access("0.0.0.0:8787", "127.0.0.1:40000");
+    assert_eq!(authorize(&behind, None), Err(Denial::NoTokenConfigured));
+    assert_eq!(authorize(&behind, Some("t")), Err(Denial::TokenRequired));
+    let loopback_listener_remote_peer = access("127.0.0.1:8787", "198.51.100.1:1");
+    assert_eq!(
+        authorize(&loopback_listener_remote_peer, None),
+        Err(Denial::NoTokenConfigured)
+    );
+
+    // Browser requests: same origin only; loopback host names only without a token.
+    let same = AccessRequest {
+        host: Some("127.0.0.1:8787"),
+        origin: Some("http://127.0.0.1:8787"),
+        ..local
+    };
+    assert_eq!(authorize(&same, None), Ok(()));
+    let cross = AccessRequest {
+        origin: Some("http://evil.example"),
+        ..same
+    };
+    assert_eq!(authorize(&cross, None), Err(Denial::CrossOrigin));
+    let rebound = AccessRequest {
+        host: Some("evil.example:8787"),
+        ..local
+    };
+    assert_eq!(authorize(&rebound, None), Err(Denial::ForeignHost));
+    let named = AccessRequest {
+        host: Some("localhost:8787"),
+        ..local
+    };
+    assert_eq!(authorize(&named, None), Ok(()));
+    let rebound_with_token = AccessRequest {
+        token: Some("t"),
+        ..rebound
+    };
+    assert_eq!(authorize(&rebound_with_token, Some("t")), Ok(()));
+}

@@ -1,0 +1,226 @@
+//! The admin page in a real browser: headless Chromium loads `/admin/`,
+//! runs its script, and the DOM it leaves lists the conversation this test
+//! created and shows its compaction (chart marker, expandable summary).
+//!
+//! Needs Debian's `chromium` (`apt-get install chromium`; `.ci/run` installs
+//! it), or a Chromium-compatible browser in `COMPACTOR_CHROMIUM`. Ignored by
+//! a bare `cargo test`; `scripts/test` runs it (`--include-ignored`), and it
+//! then fails, saying so, when no browser is installed.
+
+mod support;
+
+use std::path::PathBuf;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use compactor::config::{Config, ModelConfig};
+use serde_json::{json, Value};
+use support::{post, within, Harness};
+
+const KEY: &str = "sk-admin-browser-tests";
+const MODEL: &str = "tiny-test";
+/// Chromium's own start-up can take a while on a loaded machine.
+const BROWSER_DEADLINE: Duration = Duration::from_secs(90);
+
+fn small_window(c: &mut Config) {
+    c.models.push(ModelConfig {
+        pattern: "tiny*".into(),
+        context_window: 3000,
+        max_output_tokens: Some(300),
+        trigger_ratio: None,
+    });
+}
+
+fn chromium() -> PathBuf {
+    if let Some(p) = std::env::var_os("COMPACTOR_CHROMIUM") {
+        return PathBuf::from(p);
+    }
+    let candidates = [
+        "chromium",
+        "chromium-browser",
+        "google-chrome",
+        "google-chrome-stable",
+    ];
+    for dir in std::env::split_paths(&std::env::var_os("PATH").unwrap_or_default()) {
+        for name in candidates {
+            let p = dir.join(name);
+            if p.is_file() {
+                return p;
+            }
+        }
+    }
+    panic!(
+        "no Chromium found (looked for {candidates:?} on PATH): install Debian's `chromium` \
+         (apt-get install chromium; .ci/run does) or set COMPACTOR_CHROMIUM to a browser binary"
+    );
+}
+
+/// The DOM after the page's scripts ran, as headless Chromium dumps it.
+fn dump_dom(url: &str) -> String {
+    let browser = chromium();
+    let profile = tempfile::tempdir().expect("profile dir");
+    let out_path = profile.path().join("dom.html");
+    let err_path = profile.path().join("stderr.txt");
+    let mut child = Command::new(&browser)
+        .args([
+            "--headless",
+            "--no-sandbox",
+            "--disable-gpu",
+            "--disable-dev-shm-usage",
+            "--disable-quic",
+            "--no-first-run",
+            "--no-proxy-server",
+            "--disable-background-networking",
+            "--disable-component-update",
+            "--disable-sync",
+            "--virtual-time-budget=5000",
+        ])
+        .arg(format!(
+            "--user-data-dir={}",
+            profile.path().join("profile").display()
+        ))
+        .arg("--dump-dom")
+        .arg(url)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).unwrap())
+        .stderr(std::fs::File::create(&err_path).unwrap())
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {}: {e}", browser.display()));
+    let started = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait for chromium") {
+            break s;
+        }
+        if started.elapsed() > BROWSER_DEADLINE {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "chromium did not finish within {BROWSER_DEADLINE:?}; stderr:\n{}",
+                std::fs::read_to_string(&err_path).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let dom = std::fs::read_to_string(&out_path).unwrap_or_default();
+    assert!(
+        status.success() && !dom.is_empty(),
+        "chromium failed ({status}); stderr:\n{}",
+        std::fs::read_to_string(&err_path).unwrap_or_default()
+    );
+    dom
+}
+
+async fn browse(url: String) -> String {
+    tokio::time::timeout(
+        BROWSER_DEADLINE + Duration::from_secs(5),
+        tokio::task::spawn_blocking(move || dump_dom(&url)),
+    )
+    .await
+    .expect("browser step timed out")
+    .expect("browser thread")
+}
+
+fn compactions(h: &Harness) -> i64 {
+    h.db()
+        .query_row("SELECT count(*) FROM compactions", [], |r| r.get(0))
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs chromium; scripts/test runs it"]
+async fn the_admin_page_lists_the_conversation_and_shows_its_compaction() {
+    let h = Harness::start_with(small_window).await;
+    let url = format!("{}/chat/completions", h.url());
+    let mut history = vec![
+        json!({"role": "system", "content": "You are a careful coding agent."}),
+        json!({"role": "user", "content": "TASK: make the parser stream <fast> & safely."}),
+        json!({"role": "assistant", "content": "Understood."}),
+    ];
+    let mut conversation = String::new();
+    let mut compacted = None;
+    for i in 0..40 {
+        let text = if compactions(&h) > 0 {
+            "What is the next step?".to_string()
+        } else {
+            format!(
+                "Step {i}: explain src/module_{i}.rs. {}",
+                "lorem ipsum dolor ".repeat(25)
+            )
+        };
+        history.push(json!({"role": "user", "content": text}));
+        let (status, headers, body) =
+            post(&url, KEY, &json!({"model": MODEL, "messages": history})).await;
+        assert_eq!(status, 200);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        history.push(v["choices"][0]["message"].clone());
+        conversation = headers["x-compactor-conversation"].to_str().unwrap().into();
+        if let Some(c) = headers.get("x-compactor-compacted") {
+            compacted = Some(c.to_str().unwrap().to_string());
+            break;
+        }
+        within(tokio::time::sleep(Duration::from_millis(50))).await;
+    }
+    let compaction = compacted.expect("the conversation compacted");
+
+    // Straight to the page, which selects the most recent conversation.
+    let dom = browse(format!("http://{}/admin", h.addr)).await;
+    assert!(dom.contains("1 conversation<"), "the list loaded:\n{dom}");
+    assert!(
+        dom.contains(&format!(
+            r#"<tr class="conv selected" data-id="{conversation}">"#
+        )),
+        "the conversation is listed and selected:\n{dom}"
+    );
+    assert!(dom.contains(r#"id="token-chart""#), "the chart:\n{dom}");
+    assert!(dom.contains(r#"class="window-line""#) && dom.contains(r#"class="trigger-line""#));
+    assert!(
+        dom.contains("window 3,000") && dom.contains("trigger 2,250"),
+        "{dom}"
+    );
+    assert!(
+        dom.contains(&format!(
+            r#"class="compaction-marker" data-compaction="{compaction}""#
+        )),
+        "the compaction's marker on the chart:\n{dom}"
+    );
+    assert!(
+        dom.contains(r#"<details class="summary">"#),
+        "the summary, expandable:\n{dom}"
+    );
+    // Text from the page's data is rendered as text, never as markup.
+    assert!(
+        dom.contains("TASK: make the parser stream &lt;fast&gt; &amp; safely."),
+        "the summary text:\n{dom}"
+    );
+    assert_eq!(
+        dom.matches(r#"<tr class="exchange">"#).count(),
+        history.len() / 2 - 1,
+        "one row per exchange"
+    );
+
+    // A conversation named in the fragment is selected.
+    let (_, headers, _) = post(
+        &url,
+        KEY,
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "a new conversation"}]}),
+    )
+    .await;
+    let other = headers["x-compactor-conversation"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    assert_ne!(other, conversation);
+    let dom = browse(format!("http://{}/admin/#{conversation}", h.addr)).await;
+    assert!(dom.contains("2 conversations<"), "{dom}");
+    assert!(dom.contains(&format!(r#"data-id="{other}""#)), "{dom}");
+    assert!(
+        dom.contains(&format!(
+            r#"<tr class="conv selected" data-id="{conversation}">"#
+        )),
+        "{dom}"
+    );
+    assert!(
+        dom.contains(&format!(r#"data-compaction="{compaction}""#)),
+        "{dom}"
+    );
+}

@@ -1,0 +1,163 @@
+//! `compactor demo` end to end: the scripted session through a real proxy
+//! and the fake upstream, asserted on the text a newcomer would read.
+
+use std::time::Duration;
+
+use compactor::demo::{self, DemoOptions};
+
+/// Numbers in a line like `[#12 context ~5,230 tokens / window 8,000, 65%]`.
+fn context_of(line: &str) -> Option<(usize, u64)> {
+    let rest = line.strip_prefix("[#")?;
+    let (n, rest) = rest.split_once(" context ~")?;
+    let (tokens, _) = rest.split_once(" tokens")?;
+    Some((n.parse().ok()?, tokens.replace(',', "").parse().ok()?))
+}
+
+/// The number in a table row's column (`input tokens, total  412,300  147,300`).
+fn row(text: &str, label: &str) -> (u64, u64) {
+    let line = text
+        .lines()
+        .find(|l| l.starts_with(label))
+        .unwrap_or_else(|| panic!("no row {label:?} in:\n{text}"));
+    let nums: Vec<u64> = line[label.len()..]
+        .split_whitespace()
+        .filter_map(|w| w.replace(',', "").parse().ok())
+        .collect();
+    (nums[0], nums[1])
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_demo_shows_tokens_climb_compaction_fire_and_tokens_drop() {
+    let opts = DemoOptions {
+        requests: 30,
+        window: 6_000,
+        ..DemoOptions::default()
+    };
+    let mut out: Vec<u8> = Vec::new();
+    let report = tokio::time::timeout(
+        Duration::from_secs(120),
+        demo::run_with_output(opts, &mut out),
+    )
+    .await
+    .expect("the demo finishes")
+    .expect("the demo runs");
+    let text = String::from_utf8(out).expect("utf-8");
+    println!("{text}");
+
+    let lines: Vec<&str> = text.lines().collect();
+    let contexts: Vec<(usize, u64)> = lines.iter().filter_map(|l| context_of(l)).collect();
+    assert_eq!(contexts.len(), 30, "one line per request:\n{text}");
+    assert_eq!(
+        contexts.iter().map(|c| c.0).collect::<Vec<_>>(),
+        (1..=30).collect::<Vec<_>>()
+    );
+    assert!(
+        lines.iter().any(|l| l.contains("/ window 6,000,")),
+        "the window is shown"
+    );
+
+    // At least one compaction, and the request it rewrote is smaller than
+    // the one before it.
+    let compacted: Vec<usize> = lines
+        .iter()
+        .enumerate()
+        .filter(|(_, l)| l.starts_with("[compacted: "))
+        .map(|(i, _)| i)
+        .collect();
+    assert!(!compacted.is_empty(), "no compaction line:\n{text}");
+    for &i in &compacted {
+        let line = lines[i];
+        assert!(
+            line.contains(" items → ") && line.contains(" tokens, "),
+            "{line}"
+        );
+        let before = lines[..i]
+            .iter()
+            .rev()
+            .find_map(|l| context_of(l))
+            .expect("a request before");
+        let after = lines[i + 1..]
+            .iter()
+            .find_map(|l| context_of(l))
+            .expect("the rewritten request");
+        assert_eq!(after.0, before.0 + 1);
+        assert!(
+            after.1 < before.1,
+            "tokens drop after the compaction: {before:?} -> {after:?}\n{text}"
+        );
+    }
+    // Nothing went over the window once compaction was on.
+    assert!(
+        contexts.iter().all(|c| c.1 <= 6_000),
+        "no request over the window:\n{text}"
+    );
+
+    // The closing table: compacted < uncompacted, by far.
+    let (un, co) = row(&text, "input tokens, client requests");
+    assert!(co < un, "{co} < {un}");
+    let (un_total, co_total) = row(&text, "= input tokens, total");
+    assert_eq!(un_total, un);
+    assert!(
+        co_total < un_total,
+        "summaries included: {co_total} < {un_total}"
+    );
+    let (over_un, over_co) = row(&text, "requests over the window");
+    assert!(over_un > 0, "the uncompacted session would have overflowed");
+    assert_eq!(over_co, 0);
+
+    // The report agrees with the text.
+    assert_eq!(report.requests.len(), 30);
+    assert_eq!(report.compactions.len(), compacted.len());
+    assert_eq!(report.uncompacted_input_tokens(), un);
+    assert_eq!(report.compacted_input_tokens(), co);
+    assert!(report.summarizer_calls >= 1 || report.compactions.iter().all(|c| c.rung != "summary"));
+}
+
+/// The default session (what `compactor demo` runs) meets the brief's token
+/// economics: no request over the window, and cumulative input tokens —
+/// summarizer calls included — well under half of the uncompacted run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_default_demo_halves_the_input_tokens() {
+    let mut out: Vec<u8> = Vec::new();
+    let report = tokio::time::timeout(
+        Duration::from_secs(120),
+        demo::run_with_output(DemoOptions::default(), &mut out),
+    )
+    .await
+    .expect("the demo finishes")
+    .expect("the demo runs");
+    let text = String::from_utf8(out).expect("utf-8");
+    println!("{text}");
+    assert_eq!(report.requests.len(), DemoOptions::default().requests);
+    assert!(
+        report.compactions.iter().any(|c| c.rung == "summary"),
+        "{text}"
+    );
+    assert!(
+        report
+            .requests
+            .iter()
+            .all(|r| r.total_tokens <= report.window),
+        "{text}"
+    );
+    let total = report.compacted_input_tokens() + report.summarizer_input_tokens;
+    assert!(
+        total * 2 < report.uncompacted_input_tokens(),
+        "{total} vs {}:\n{text}",
+        report.uncompacted_input_tokens()
+    );
+}
+
+#[tokio::test]
+async fn bad_options_are_refused() {
+    let too_few = DemoOptions {
+        requests: 1,
+        ..DemoOptions::default()
+    };
+    assert!(demo::run(too_few).await.is_err());
+    let tiny = DemoOptions {
+        window: 100,
+        ..DemoOptions::default()
+    };
+    assert!(demo::run(tiny).await.is_err());
+}
