@@ -1,1 +1,1245 @@
-fn main(){}
+//! What the proxy adds over going direct to the upstream (DESIGN §9).
+//!
+//! `cargo bench --bench proxy` runs every scenario; `BENCH_QUICK=1` runs a
+//! short smoke version. Other knobs (environment):
+//!
+//! - `BENCH_FILTER=text` (or a first free argument): only scenarios whose
+//!   name contains `text`, e.g. `300KB` or `sse c=1`.
+//! - `BENCH_PROXY_THREADS` (default 1): worker threads of the proxy's runtime.
+//! - `BENCH_LOAD_THREADS` (default 1): worker threads of the runtime that runs
+//!   the clients and the fake upstream.
+//!
+//! Set-up, per scenario (so each starts from an empty store and the fake
+//! upstream's record of received bodies is freed afterwards):
+//!
+//! - runtime "bench-load": the reqwest clients and the in-process
+//!   [`FakeUpstream`] ("the rest of the world");
+//! - runtime "compactor": the proxy (`server::run`) over a fresh SQLite store
+//!   in a temp dir, upstream = the fake. Its store writer and blocking pool
+//!   (token estimates) are further OS threads.
+//!
+//! With 2 cores and one worker each, the proxy gets roughly a core of its own
+//! and the load generator + upstream the other, as when the upstream is
+//! another machine.
+//!
+//! Direct and proxied requests alternate (per request at c=1, per round at
+//! c=32) so machine noise hits both. Both sides send byte-identical bodies
+//! (same generator seeds). After the warm-up the bench waits until the
+//! process is idle: the first request of each session brings a whole new
+//! history, which the proxy tokenizes in the background. Only 127.0.0.1 is
+//! contacted. Nothing is asserted: the budgets are printed as PASS / MISS,
+//! with a line saying how much CPU other processes took meanwhile.
+//!
+//! Besides latency and throughput it prints the CPU per request of the
+//! proxy's threads and of the load runtime (read from /proc), and
+//! single-thread timings of the proxy's per-request steps (parse, clone,
+//! hash, …) on one body of each size, to show what the added latency is.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use compactor::config::Config;
+use compactor::fake_upstream::{FakeUpstream, AUTO_TEXT};
+use compactor::server::{self, AppState};
+use serde_json::json;
+use tokio::runtime::Runtime;
+use tokio::sync::oneshot;
+
+// ---------------------------------------------------------------- options
+
+struct Opts {
+    quick: bool,
+    c1_warm: usize,
+    c1_n: usize,
+    cn_warm_per_worker: usize,
+    cn_n: usize,
+    cn_rounds: usize,
+    proxy_threads: usize,
+    load_threads: usize,
+    filter: Option<String>,
+}
+
+fn env_usize(name: &str, default: usize) -> usize {
+    std::env::var(name)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .filter(|n| *n > 0)
+        .unwrap_or(default)
+}
+
+fn opts() -> Opts {
+    let quick = std::env::var("BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
+    // `cargo bench` passes `--bench`; a free argument is a filter.
+    let arg_filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let filter = std::env::var("BENCH_FILTER")
+        .ok()
+        .filter(|s| !s.is_empty())
+        .or(arg_filter);
+    Opts {
+        quick,
+        c1_warm: if quick { 5 } else { 30 },
+        c1_n: if quick { 30 } else { 300 },
+        cn_warm_per_worker: if quick { 1 } else { 2 },
+        cn_n: if quick { 192 } else { 2000 },
+        cn_rounds: if quick { 2 } else { 4 },
+        proxy_threads: env_usize("BENCH_PROXY_THREADS", 1),
+        load_threads: env_usize("BENCH_LOAD_THREADS", 1),
+        filter,
+    }
+}
+
+// ---------------------------------------------------------------- request bodies
+
+/// xorshift64*: deterministic content without a dependency.
+#[derive(Clone)]
+struct Rng(u64);
+
+impl Rng {
+    fn new(seed: u64) -> Self {
+        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0xD1B5_4A32_D192_ED03 | 1)
+    }
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.next() % n as u64) as usize
+    }
+    fn range(&mut self, lo: usize, hi: usize) -> usize {
+        lo + self.below(hi - lo + 1)
+    }
+    fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
+        xs[self.below(xs.len())]
+    }
+}
+
+const WORDS: &[&str] = &[
+    "the", "function", "returns", "error", "file", "module", "test", "value", "config", "request",
+    "proxy", "stream", "buffer", "handler", "should", "because", "when", "index", "update",
+    "parse", "async", "await", "struct", "field", "cache", "thread", "lock", "result", "option",
+    "match", "string", "vector", "commit", "branch", "merge", "build", "crate", "trait", "bytes",
+    "header", "client", "server", "latency", "budget", "history", "summary", "and", "of", "to",
+    "in", "is", "that", "it", "with", "for", "not", "we", "this", "but", "instead", "first",
+    "then", "after", "fails", "passes", "missing", "called", "once", "every", "time",
+];
+const IDENTS: &[&str] = &[
+    "conn", "state", "body", "items", "chain", "prefix", "store", "batch", "reply", "tenant",
+    "usage", "limit", "chunk", "event", "frame", "index", "writer", "reader", "token", "window",
+];
+const TYPES: &[&str] = &[
+    "Bytes", "Value", "String", "Vec<u8>", "Request", "Response", "Config", "Store",
+];
+const TOOL_NAMES: &[&str] = &[
+    "read_file",
+    "run_shell",
+    "search_code",
+    "list_dir",
+    "apply_patch",
+    "write_file",
+];
+
+fn prose(rng: &mut Rng, bytes: usize) -> String {
+    let mut s = String::with_capacity(bytes + 16);
+    let mut capital = true;
+    while s.len() < bytes {
+        let w = rng.pick(WORDS);
+        if capital {
+            let mut c = w.chars();
+            if let Some(f) = c.next() {
+                s.extend(f.to_uppercase());
+                s.push_str(c.as_str());
+            }
+            capital = false;
+        } else {
+            s.push(' ');
+            s.push_str(w);
+        }
+        match rng.below(14) {
+            0 => {
+                s.push_str(". ");
+                capital = true;
+            }
+            1 => s.push(','),
+            2 => s.push_str(&format!(" `{}`", rng.pick(IDENTS))),
+            _ => {}
+        }
+    }
+    s.push('.');
+    s
+}
+
+/// Something like a numbered source listing, as a file-reading tool returns.
+fn code(rng: &mut Rng, bytes: usize) -> String {
+    let mut s = String::with_capacity(bytes + 128);
+    let mut line = 1 + rng.below(300);
+    while s.len() < bytes {
+        let (a, b, c) = (rng.pick(IDENTS), rng.pick(IDENTS), rng.pick(IDENTS));
+        let t = rng.pick(TYPES);
+        let text = match rng.below(6) {
+            0 => format!("pub fn {a}_{b}(&self, {c}: &str) -> Result<{t}, Error> {{"),
+            1 => format!(
+                "    let {a} = self.{b}.get(\"{c}\").ok_or_else(|| anyhow!(\"missing {c}\"))?;"
+            ),
+            2 => format!(
+                "    if {a}.len() > {} {{ return Err(Error::TooLarge(\"{b}\")); }}",
+                rng.range(1, 9999)
+            ),
+            3 => format!("    // {}", prose(rng, 40)),
+            4 => format!("    {a}.{b}({c}.clone()).await?;"),
+            _ => "}".to_string(),
+        };
+        s.push_str(&format!("{line:>5}\t{text}\n"));
+        line += 1;
+    }
+    s
+}
+
+fn tools_json() -> serde_json::Value {
+    let tools: Vec<_> = TOOL_NAMES
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            json!({"type": "function", "function": {
+                "name": name,
+                "description": prose(&mut Rng::new(900 + i as u64), 220),
+                "parameters": {"type": "object", "additionalProperties": false,
+                    "required": ["path"],
+                    "properties": {
+                        "path": {"type": "string", "description": "Path relative to the workspace root."},
+                        "command": {"type": "string", "description": "Shell command to run, with arguments."},
+                        "timeout_ms": {"type": "integer", "description": "Give up after this many milliseconds."}}}}})
+        })
+        .collect();
+    serde_json::Value::Array(tools)
+}
+
+/// `{"model":…,"stream":…,"tools":[…],"messages":[` — shared by all sessions.
+/// The model has a 1M-token window, so no size here comes near a compaction
+/// threshold: this measures the pass-through path.
+fn body_head(stream: bool) -> Arc<Vec<u8>> {
+    let mut head = format!(
+        "{{\"model\":\"gpt-4.1-mini\",\"temperature\":0.2,\"stream\":{stream},\"tools\":{},\"messages\":[",
+        tools_json()
+    );
+    head.shrink_to_fit();
+    Arc::new(head.into_bytes())
+}
+
+const SYSTEM_SEED: u64 = 7;
+/// What a client appends after the fake's answer (its automatic text).
+fn assistant_reply() -> String {
+    json!({"role": "assistant", "content": AUTO_TEXT}).to_string()
+}
+
+/// One conversation's message history, serialised, comma-joined.
+struct Conv {
+    hist: Vec<u8>,
+    tag: u64,
+    seq: u64,
+    rng: Rng,
+}
+
+impl Conv {
+    /// An agent-like history that makes the body about `target` bytes:
+    /// a system prompt, then turns of user / assistant tool call / tool
+    /// output, and now and then an assistant text.
+    fn new(tag: u64, target: usize, head_len: usize) -> Conv {
+        let mut rng = Rng::new(tag);
+        // All sessions share the system prompt, as agents do.
+        let system = prose(&mut Rng::new(SYSTEM_SEED), 3000);
+        let mut hist = json!({"role": "system", "content": system})
+            .to_string()
+            .into_bytes();
+        let max_tool = (target / 40).clamp(1500, 6000);
+        let reserve = 450; // the varying last user message and the tail
+        let mut k = 0;
+        while head_len + hist.len() + reserve < target {
+            let mut push = |v: serde_json::Value| {
+                hist.push(b',');
+                hist.extend_from_slice(v.to_string().as_bytes());
+            };
+            let n = rng.range(80, 400);
+            push(json!({"role": "user", "content": prose(&mut rng, n)}));
+            let name = rng.pick(TOOL_NAMES);
+            let call_id = format!("call_{tag:x}_{k}");
+            let args = json!({"path": format!("src/{}/{}.rs", rng.pick(IDENTS), rng.pick(IDENTS)),
+                              "command": format!("cargo test -p {} -- {}", rng.pick(IDENTS), rng.pick(IDENTS))});
+            push(json!({"role": "assistant", "content": null, "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args.to_string()}}]}));
+            let n = rng.range(300, max_tool);
+            push(json!({"role": "tool", "tool_call_id": call_id, "content": code(&mut rng, n)}));
+            if k % 3 == 2 {
+                let n = rng.range(100, 600);
+                push(json!({"role": "assistant", "content": prose(&mut rng, n)}));
+            }
+            k += 1;
+        }
+        Conv {
+            hist,
+            tag,
+            seq: 0,
+            rng,
+        }
+    }
+
+    /// The next request body and the user message it ends with.
+    fn body(&mut self, head: &[u8]) -> (Vec<u8>, String) {
+        self.seq += 1;
+        let n = self.rng.range(150, 350);
+        let text = format!(
+            "[session {:x} request {}] {}",
+            self.tag,
+            self.seq,
+            prose(&mut self.rng, n)
+        );
+        let user = json!({"role": "user", "content": text}).to_string();
+        let mut b = Vec::with_capacity(head.len() + self.hist.len() + user.len() + 4);
+        b.extend_from_slice(head);
+        b.extend_from_slice(&self.hist);
+        b.push(b',');
+        b.extend_from_slice(user.as_bytes());
+        b.extend_from_slice(b"]}");
+        (b, user)
+    }
+
+    /// Continues the conversation: the user message and the answer join it.
+    fn extend(&mut self, user: &str, reply: &str) {
+        self.hist.push(b',');
+        self.hist.extend_from_slice(user.as_bytes());
+        self.hist.push(b',');
+        self.hist.extend_from_slice(reply.as_bytes());
+    }
+}
+
+#[derive(Clone, Copy, PartialEq)]
+enum Variant {
+    /// Same history every time; only the last user message differs.
+    Last,
+    /// Each request continues the previous one: the user message and the
+    /// answer join the history. A conversation starts at `GROW_FROM`% of the
+    /// target size and is replaced by a new one past `GROW_TO`%, so sizes
+    /// average the target and most requests add only a little new content.
+    Grow,
+}
+
+const GROW_FROM: usize = 85;
+const GROW_TO: usize = 115;
+
+/// A client session: produces bodies, continues its conversation.
+struct Session {
+    variant: Variant,
+    head: Arc<Vec<u8>>,
+    target: usize,
+    seed: u64,
+    generation: u64,
+    conv: Conv,
+    reply: Arc<String>,
+}
+
+impl Session {
+    fn new(
+        variant: Variant,
+        head: Arc<Vec<u8>>,
+        target: usize,
+        seed: u64,
+        reply: Arc<String>,
+    ) -> Session {
+        let first = match variant {
+            Variant::Last => target,
+            // Staggered, so sessions do not all start over at once.
+            Variant::Grow => {
+                target * (GROW_FROM + (seed as usize * 7) % (GROW_TO - GROW_FROM)) / 100
+            }
+        };
+        let conv = Conv::new(seed << 16, first, head.len());
+        Session {
+            variant,
+            head,
+            target,
+            seed,
+            generation: 0,
+            conv,
+            reply,
+        }
+    }
+
+    fn next(&mut self) -> (Vec<u8>, String) {
+        self.conv.body(&self.head)
+    }
+
+    fn done(&mut self, user: &str) {
+        if self.variant == Variant::Grow {
+            self.conv.extend(user, &self.reply);
+            if self.head.len() + self.conv.hist.len() + 450 > self.target * GROW_TO / 100 {
+                self.generation += 1;
+                self.conv = Conv::new(
+                    (self.seed << 16) + self.generation,
+                    self.target * GROW_FROM / 100,
+                    self.head.len(),
+                );
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------- load
+
+#[derive(Clone, Copy)]
+struct Sample {
+    total: Duration,
+    ttfb: Duration,
+    bytes: usize,
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    hay.windows(needle.len()).any(|w| w == needle)
+}
+
+/// One request; the clock runs from just before sending to the last byte.
+async fn send(
+    client: &reqwest::Client,
+    url: &str,
+    body: Vec<u8>,
+    stream: bool,
+) -> Result<Sample, String> {
+    let bytes = body.len();
+    let t0 = Instant::now();
+    let mut resp = client
+        .post(url)
+        .header("authorization", "Bearer sk-bench-0000000000000000")
+        .header("content-type", "application/json")
+        .body(body)
+        .send()
+        .await
+        .map_err(|e| format!("send: {e}"))?;
+    let status = resp.status();
+    let mut ttfb = None;
+    let mut buf = Vec::with_capacity(2048);
+    while let Some(chunk) = resp.chunk().await.map_err(|e| format!("body: {e}"))? {
+        if ttfb.is_none() && !chunk.is_empty() {
+            ttfb = Some(t0.elapsed());
+        }
+        buf.extend_from_slice(&chunk);
+    }
+    let total = t0.elapsed();
+    if !status.is_success() {
+        return Err(format!(
+            "status {status}: {}",
+            String::from_utf8_lossy(&buf[..buf.len().min(300)])
+        ));
+    }
+    let ok = if stream {
+        buf.ends_with(b"data: [DONE]\n\n") && contains(&buf, b"fake upstream.")
+    } else {
+        contains(&buf, AUTO_TEXT.as_bytes())
+    };
+    if !ok {
+        return Err(format!(
+            "unexpected answer: {}",
+            String::from_utf8_lossy(&buf[..buf.len().min(300)])
+        ));
+    }
+    Ok(Sample {
+        total,
+        ttfb: ttfb.unwrap_or(total),
+        bytes,
+    })
+}
+
+#[derive(Default)]
+struct Collected {
+    samples: Vec<Sample>,
+    /// Wall time of the measured requests (sum of rounds; at c=1 the sum of latencies).
+    wall: Duration,
+    errors: usize,
+    first_error: Option<String>,
+}
+
+impl Collected {
+    fn error(&mut self, e: String) {
+        self.errors += 1;
+        self.first_error.get_or_insert(e);
+    }
+    fn absorb(&mut self, other: Collected) {
+        self.samples.extend(other.samples);
+        self.errors += other.errors;
+        if self.first_error.is_none() {
+            self.first_error = other.first_error;
+        }
+    }
+}
+
+/// `count` requests spread over the sessions (one task each, so concurrency
+/// = number of sessions). Returns the sessions for the next round.
+async fn burst(
+    client: &reqwest::Client,
+    url: &str,
+    sessions: Vec<Session>,
+    count: usize,
+    stream: bool,
+) -> (Vec<Session>, Collected) {
+    let next = Arc::new(AtomicUsize::new(0));
+    let t0 = Instant::now();
+    let tasks: Vec<_> = sessions
+        .into_iter()
+        .map(|mut s| {
+            let (client, url, next) = (client.clone(), url.to_string(), next.clone());
+            tokio::spawn(async move {
+                let mut c = Collected::default();
+                while next.fetch_add(1, Ordering::Relaxed) < count {
+                    let (body, user) = s.next();
+                    match send(&client, &url, body, stream).await {
+                        Ok(sample) => {
+                            s.done(&user);
+                            c.samples.push(sample);
+                        }
+                        Err(e) => c.error(e),
+                    }
+                }
+                (s, c)
+            })
+        })
+        .collect();
+    let mut sessions = Vec::new();
+    let mut all = Collected::default();
+    for t in tasks {
+        let (s, c) = t.await.expect("load task");
+        sessions.push(s);
+        all.absorb(c);
+    }
+    all.wall = t0.elapsed();
+    (sessions, all)
+}
+
+// ---------------------------------------------------------------- rig
+
+struct Rig {
+    load_rt: Runtime,
+    proxy_rt: Runtime,
+    fake: FakeUpstream,
+    state: Option<Arc<AppState>>,
+    proxy_addr: std::net::SocketAddr,
+    shutdown: Option<oneshot::Sender<()>>,
+    server: Option<tokio::task::JoinHandle<()>>,
+    db: PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+impl Rig {
+    fn start(o: &Opts) -> Rig {
+        let load_rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(o.load_threads)
+            .thread_name("bench-load")
+            .enable_all()
+            .build()
+            .expect("load runtime");
+        let proxy_rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(o.proxy_threads)
+            .thread_name("compactor")
+            // Idle blocking threads must not exit (and take their CPU
+            // counters with them) while a scenario runs.
+            .thread_keep_alive(Duration::from_secs(600))
+            .enable_all()
+            .build()
+            .expect("proxy runtime");
+        let fake = load_rt
+            .block_on(FakeUpstream::start())
+            .expect("fake upstream");
+        // The fake would keep every body it receives; peak memory should be
+        // the proxy's.
+        fake.forget_requests();
+        let dir = tempfile::tempdir().expect("tempdir");
+        let db = dir.path().join("bench.db");
+        let mut config = Config::default();
+        config.upstream.base_url = fake.url();
+        config.store.path = db.display().to_string();
+        config.server.shutdown_grace_secs = 1;
+        let (state, listener) = proxy_rt.block_on(async {
+            let state = AppState::open(config).expect("open proxy state");
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            (state, listener)
+        });
+        // Blocks until the tokenizer (loaded in the background) is ready, so
+        // its loading does not land in the measurements.
+        state.tokens.count_text("warm up");
+        let proxy_addr = listener.local_addr().expect("addr");
+        let (tx, rx) = oneshot::channel::<()>();
+        let server = proxy_rt.spawn(server::run(listener, state.clone(), async move {
+            let _ = rx.await;
+        }));
+        Rig {
+            load_rt,
+            proxy_rt,
+            fake,
+            state: Some(state),
+            proxy_addr,
+            shutdown: Some(tx),
+            server: Some(server),
+            db,
+            _dir: dir,
+        }
+    }
+
+    fn urls(&self) -> [String; 2] {
+        [
+            format!("{}/chat/completions", self.fake.url()),
+            format!("http://{}/v1/chat/completions", self.proxy_addr),
+        ]
+    }
+
+    fn exchanges_recorded(&self) -> i64 {
+        rusqlite::Connection::open_with_flags(&self.db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .and_then(|c| c.query_row("SELECT count(*) FROM exchanges", [], |r| r.get(0)))
+            .unwrap_or(-1)
+    }
+
+    /// Bytes of request bodies the fake upstream is holding (it records all).
+    fn fake_retained(&self) -> usize {
+        self.fake.received().iter().map(|r| r.body.len()).sum()
+    }
+
+    fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(server) = self.server.take() {
+            let _ = self
+                .proxy_rt
+                .block_on(async { tokio::time::timeout(Duration::from_secs(5), server).await });
+        }
+        self.state = None;
+        let Rig {
+            load_rt, proxy_rt, ..
+        } = self;
+        proxy_rt.shutdown_timeout(Duration::from_secs(2));
+        load_rt.shutdown_timeout(Duration::from_secs(2));
+    }
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::builder()
+        .no_proxy()
+        .tcp_nodelay(true)
+        .pool_max_idle_per_host(256)
+        .pool_idle_timeout(Duration::from_secs(90))
+        .build()
+        .expect("client")
+}
+
+// ---------------------------------------------------------------- scenarios
+
+#[derive(Clone, Copy)]
+struct Scenario {
+    size: usize,
+    variant: Variant,
+    stream: bool,
+    conc: usize,
+}
+
+impl Scenario {
+    fn name(&self) -> String {
+        format!(
+            "{}KB {} {} c={}",
+            self.size / 1000,
+            match self.variant {
+                Variant::Last => "last",
+                Variant::Grow => "grow",
+            },
+            if self.stream { "sse " } else { "json" },
+            self.conc
+        )
+    }
+}
+
+struct SideStats {
+    p50: f64,
+    p99: f64,
+    ttfb50: f64,
+    rps: f64,
+    n: usize,
+    errors: usize,
+    first_error: Option<String>,
+    mean_kb: f64,
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1000.0
+}
+
+fn pct(sorted: &[Duration], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return f64::NAN;
+    }
+    let idx = ((p * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len()) - 1;
+    ms(sorted[idx])
+}
+
+fn stats(c: Collected) -> SideStats {
+    let n = c.samples.len();
+    let mut total: Vec<Duration> = c.samples.iter().map(|s| s.total).collect();
+    let mut ttfb: Vec<Duration> = c.samples.iter().map(|s| s.ttfb).collect();
+    total.sort_unstable();
+    ttfb.sort_unstable();
+    let bytes: usize = c.samples.iter().map(|s| s.bytes).sum();
+    SideStats {
+        p50: pct(&total, 0.50),
+        p99: pct(&total, 0.99),
+        ttfb50: pct(&ttfb, 0.50),
+        rps: if c.wall.is_zero() {
+            f64::NAN
+        } else {
+            n as f64 / c.wall.as_secs_f64()
+        },
+        n,
+        errors: c.errors,
+        first_error: c.first_error,
+        mean_kb: if n == 0 {
+            0.0
+        } else {
+            bytes as f64 / n as f64 / 1000.0
+        },
+    }
+}
+
+struct Row {
+    sc: Scenario,
+    name: String,
+    side: [SideStats; 2],
+    recorded: i64,
+    /// Seconds waited after warm-up for the proxy's background work.
+    settle: f64,
+    /// CPU of all the proxy's threads per proxied request, ms.
+    proxy_cpu_ms: f64,
+    /// CPU of the load runtime (clients at c=32, the fake upstream) per request, ms.
+    load_cpu_ms: f64,
+    secs: f64,
+}
+
+fn run_scenario(o: &Opts, sc: Scenario, retained_max: &mut usize) -> Row {
+    let started = Instant::now();
+    let rig = Rig::start(o);
+    let urls = rig.urls();
+    let head = body_head(sc.stream);
+    let reply = Arc::new(assistant_reply());
+    // Both sides get byte-identical sessions (same seeds).
+    let sessions = |n: usize| -> Vec<Session> {
+        (0..n)
+            .map(|i| {
+                Session::new(
+                    sc.variant,
+                    head.clone(),
+                    sc.size,
+                    1 + i as u64,
+                    reply.clone(),
+                )
+            })
+            .collect()
+    };
+    let (collected, settle, cpu) = rig.load_rt.block_on(async {
+        let client = client();
+        let mut out = [Collected::default(), Collected::default()];
+        let mut settle = Duration::ZERO;
+        let mut cpu0 = ThreadCpu::default();
+        if sc.conc == 1 {
+            let mut s = [sessions(1).pop().unwrap(), sessions(1).pop().unwrap()];
+            for i in 0..o.c1_warm + o.c1_n {
+                if i == o.c1_warm {
+                    settle = quiesce().await;
+                    cpu0 = thread_cpu();
+                }
+                let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
+                for side in order {
+                    let (body, user) = s[side].next();
+                    match send(&client, &urls[side], body, sc.stream).await {
+                        Ok(sample) => {
+                            s[side].done(&user);
+                            if i >= o.c1_warm {
+                                out[side].samples.push(sample);
+                                out[side].wall += sample.total;
+                            }
+                        }
+                        Err(e) => out[side].error(e),
+                    }
+                }
+            }
+        } else {
+            let mut s = [sessions(sc.conc), sessions(sc.conc)];
+            // Warm-up: opens the connections (client → proxy → upstream).
+            for side in 0..2 {
+                let taken = std::mem::take(&mut s[side]);
+                let (back, c) = burst(
+                    &client,
+                    &urls[side],
+                    taken,
+                    sc.conc * o.cn_warm_per_worker,
+                    sc.stream,
+                )
+                .await;
+                s[side] = back;
+                if c.errors > 0 {
+                    out[side].errors += c.errors;
+                    out[side].first_error = c.first_error;
+                }
+            }
+            settle = quiesce().await;
+            cpu0 = thread_cpu();
+            let per_round = o.cn_n / o.cn_rounds;
+            for round in 0..o.cn_rounds {
+                let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
+                for side in order {
+                    let taken = std::mem::take(&mut s[side]);
+                    let (back, c) = burst(&client, &urls[side], taken, per_round, sc.stream).await;
+                    s[side] = back;
+                    out[side].wall += c.wall;
+                    out[side].absorb(c);
+                }
+            }
+        }
+        // The proxy's background work for the last requests counts too.
+        quiesce().await;
+        (out, settle, thread_cpu().minus(&cpu0))
+    });
+    let recorded = rig.exchanges_recorded();
+    *retained_max = (*retained_max).max(rig.fake_retained());
+    rig.stop();
+    let [d, p] = collected;
+    let (dn, pn) = (d.samples.len() + d.errors, p.samples.len() + p.errors);
+    let proxy_cpu_ms = cpu.proxy * 1000.0 / pn.max(1) as f64;
+    // At c=1 the client runs on the main thread, so this is the fake alone.
+    let load_cpu_ms = cpu.load * 1000.0 / (dn + pn).max(1) as f64;
+    Row {
+        sc,
+        name: sc.name(),
+        side: [stats(d), stats(p)],
+        recorded,
+        settle: settle.as_secs_f64(),
+        proxy_cpu_ms,
+        load_cpu_ms,
+        secs: started.elapsed().as_secs_f64(),
+    }
+}
+
+/// CPU seconds used so far by the proxy's threads (runtime workers, blocking
+/// pool, store writer: names starting with "compactor") and by the load
+/// runtime ("bench-load").
+#[derive(Default)]
+struct ThreadCpu {
+    proxy: f64,
+    load: f64,
+}
+
+impl ThreadCpu {
+    fn minus(&self, before: &ThreadCpu) -> ThreadCpu {
+        ThreadCpu {
+            proxy: self.proxy - before.proxy,
+            load: self.load - before.load,
+        }
+    }
+}
+
+/// Clock ticks per second of /proc CPU times (USER_HZ; 100 on Linux).
+const USER_HZ: f64 = 100.0;
+
+fn thread_cpu() -> ThreadCpu {
+    let mut t = ThreadCpu::default();
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return t;
+    };
+    for entry in dir.flatten() {
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
+            continue;
+        };
+        let comm = &stat[open + 1..close];
+        let f: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+        let secs = (ticks(11) + ticks(12)) as f64 / USER_HZ;
+        if comm.starts_with("compactor") {
+            t.proxy += secs;
+        } else if comm.starts_with("bench-load") {
+            t.load += secs;
+        }
+    }
+    t
+}
+
+/// (busy, total) clock ticks of the whole machine, from /proc/stat.
+fn machine_ticks() -> (u64, u64) {
+    let stat = std::fs::read_to_string("/proc/stat").unwrap_or_default();
+    let f: Vec<u64> = stat
+        .lines()
+        .next()
+        .unwrap_or("")
+        .split_whitespace()
+        .skip(1)
+        .filter_map(|v| v.parse().ok())
+        .collect();
+    let total: u64 = f.iter().take(8).sum();
+    let idle = f.get(3).copied().unwrap_or(0) + f.get(4).copied().unwrap_or(0);
+    (total - idle, total)
+}
+
+/// CPU time of the whole process so far, in clock ticks (utime + stime).
+fn cpu_ticks() -> u64 {
+    let stat = std::fs::read_to_string("/proc/self/stat").unwrap_or_default();
+    // Fields after the parenthesised command name; utime and stime are the
+    // 14th and 15th fields of the line, so the 12th and 13th after it.
+    let rest = stat.rsplit_once(')').map(|(_, r)| r).unwrap_or("");
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    let get = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
+    get(11) + get(12)
+}
+
+/// Waits until the process is nearly idle (< ~10% of a core over 100 ms),
+/// at most 30 s: the proxy tokenizes new content in the background after
+/// answering (the warm-up's first requests bring whole histories), and that
+/// must not land in whichever side is measured first.
+async fn quiesce() -> Duration {
+    let t0 = Instant::now();
+    let mut last = cpu_ticks();
+    loop {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        let now = cpu_ticks();
+        if now.saturating_sub(last) <= 1 || t0.elapsed() > Duration::from_secs(30) {
+            return t0.elapsed();
+        }
+        last = now;
+    }
+}
+
+/// Single-thread timings of the CPU work the proxy does per request, on one
+/// body of each size, to tell what its added latency is made of.
+fn breakdown(o: &Opts) {
+    use compactor::tokens::TokenCounter;
+    use compactor::wire::{chain_hashes, item_hash, Api};
+    use serde_json::Value;
+
+    fn median_us(reps: usize, f: &mut dyn FnMut()) -> f64 {
+        let mut t: Vec<f64> = (0..reps)
+            .map(|_| {
+                let t0 = Instant::now();
+                f();
+                t0.elapsed().as_secs_f64() * 1e6
+            })
+            .collect();
+        t.sort_by(|a, b| a.total_cmp(b));
+        t[t.len() / 2]
+    }
+    let reps = if o.quick { 3 } else { 21 };
+    // Loads the (process-wide) tokenizer outside the timings.
+    TokenCounter::default().count_text("warm up");
+    println!();
+    println!("proxy request-path steps, one thread, median µs (SSE body of the `last` variant):");
+    println!(
+        "{:>7} {:>6} | {:>7} {:>7} {:>7} {:>6} {:>8} | {:>9} {:>9} {:>10}",
+        "body KB",
+        "items",
+        "parse",
+        "take",
+        "hash",
+        "chain",
+        "splice",
+        "store new",
+        "tok warm",
+        "tok cold"
+    );
+    for size in [30_000, 300_000] {
+        let head = body_head(true);
+        let mut conv = Conv::new(1 << 16, size, head.len());
+        let (body, _) = conv.body(&head);
+        let v: Value = serde_json::from_slice(&body).expect("body parses");
+        let items = Api::Chat.request_items(&v);
+        let hashes: Vec<_> = items.iter().map(item_hash).collect();
+        let parse = median_us(reps, &mut || {
+            let v: Value = serde_json::from_slice(&body).unwrap();
+            std::hint::black_box(&v);
+        });
+        // Moving the messages out of the parsed body (the clone it works on
+        // is timed separately and subtracted).
+        let copy = median_us(reps, &mut || {
+            std::hint::black_box(v.clone());
+        });
+        let take = median_us(reps, &mut || {
+            let mut w = v.clone();
+            std::hint::black_box(Api::Chat.take_items(&mut w));
+        }) - copy;
+        let hash = median_us(reps, &mut || {
+            std::hint::black_box(items.iter().map(item_hash).collect::<Vec<_>>());
+        });
+        let chain = median_us(reps, &mut || {
+            std::hint::black_box(chain_hashes(&hashes));
+        });
+        let splice = median_us(reps, &mut || {
+            std::hint::black_box(compactor::wire::chat::splice_stream_usage(&body));
+        });
+        // What a request with all-new items stores (each item as JSON text).
+        let store_new = median_us(reps, &mut || {
+            let texts: Vec<String> = items.iter().map(|i| i.to_string()).collect();
+            std::hint::black_box(texts);
+        });
+        let warm = TokenCounter::default();
+        warm.estimate(Api::Chat, &v, &items, &hashes);
+        let tok_warm = median_us(reps, &mut || {
+            std::hint::black_box(warm.estimate(Api::Chat, &v, &items, &hashes));
+        });
+        let tok_cold = median_us(reps.min(5), &mut || {
+            std::hint::black_box(TokenCounter::default().estimate(Api::Chat, &v, &items, &hashes));
+        });
+        println!(
+            "{:>7.1} {:>6} | {:>7.0} {:>7.0} {:>7.0} {:>6.0} {:>8.0} | {:>9.0} {:>9.0} {:>10.0}",
+            body.len() as f64 / 1000.0,
+            items.len(),
+            parse,
+            take.max(0.0),
+            hash,
+            chain,
+            splice,
+            store_new,
+            tok_warm,
+            tok_cold
+        );
+    }
+    println!(
+        "(parse, take of the messages, hash, chain: every request; splice: SSE requests \
+         without include_usage get stream_options spliced into their bytes; store new: items not stored before; tok: token estimate after the \
+         answer, on a blocking thread — cold = all items new)"
+    );
+}
+
+fn status_kb(key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    s.lines()
+        .find(|l| l.starts_with(key))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+fn verdict(ok: bool) -> &'static str {
+    if ok {
+        "PASS"
+    } else {
+        "MISS"
+    }
+}
+
+fn main() {
+    let o = opts();
+    let t0 = Instant::now();
+    let (machine0, own0) = (machine_ticks(), cpu_ticks());
+    let mut scenarios = Vec::new();
+    for size in [30_000, 300_000] {
+        for variant in [Variant::Last, Variant::Grow] {
+            for stream in [false, true] {
+                for conc in [1, 32] {
+                    scenarios.push(Scenario {
+                        size,
+                        variant,
+                        stream,
+                        conc,
+                    });
+                }
+            }
+        }
+    }
+    if let Some(f) = &o.filter {
+        scenarios.retain(|s| s.name().contains(f.as_str()));
+    }
+    println!(
+        "compactor proxy bench{}: {} scenarios; c=1: {} warm-up + {} measured per side, alternating per request; \
+         c=32: {} warm-up + {} measured per side in {} alternating rounds",
+        if o.quick { " (BENCH_QUICK)" } else { "" },
+        scenarios.len(),
+        o.c1_warm,
+        o.c1_n,
+        32 * o.cn_warm_per_worker,
+        o.cn_n / o.cn_rounds * o.cn_rounds,
+        o.cn_rounds
+    );
+    println!(
+        "runtimes: clients + fake upstream {} worker thread(s), proxy {} worker thread(s); {} CPUs. \
+         last = history fixed, last user message varies; grow = each request extends the previous \
+         (a conversation runs from {GROW_FROM}% to {GROW_TO}% of the size, then a new one starts). SSE requests do not ask for usage, so the proxy \
+         splices stream_options into the client's bytes.",
+        o.load_threads,
+        o.proxy_threads,
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+    );
+    let mut rows = Vec::new();
+    let mut retained_max = 0usize;
+    for sc in scenarios {
+        let row = run_scenario(&o, sc, &mut retained_max);
+        eprintln!(
+            "  done {:<20} in {:5.1} s (settled {:.1} s after warm-up; direct p50 {:.3} ms, proxy p50 {:.3} ms)",
+            row.name, row.secs, row.settle, row.side[0].p50, row.side[1].p50
+        );
+        rows.push(row);
+    }
+
+    println!();
+    println!(
+        "{:<20} {:>5} | {:>15} | {:>15} | {:>7} {:>7} | {:>6} {:>6} {:>5} | {:>13} {:>6} | {:>11} | {:>4}",
+        "scenario",
+        "KB",
+        "direct p50/p99",
+        "proxy p50/p99",
+        "+p50",
+        "+p99",
+        "rps d",
+        "rps p",
+        "ratio",
+        "ttfb50 d/p",
+        "+ttfb",
+        "cpu/req p/l",
+        "rec"
+    );
+    println!("{}", "-".repeat(144));
+    for r in &rows {
+        let [d, p] = &r.side;
+        let ttfb = if r.sc.stream {
+            (
+                format!("{:.2}/{:.2}", d.ttfb50, p.ttfb50),
+                format!("{:+.3}", p.ttfb50 - d.ttfb50),
+            )
+        } else {
+            ("-".into(), "-".into())
+        };
+        println!(
+            "{:<20} {:>5.0} | {:>15} | {:>15} | {:>+7.3} {:>+7.2} | {:>6.0} {:>6.0} {:>5.2} | {:>13} {:>6} | {:>11} | {:>4}",
+            r.name,
+            d.mean_kb,
+            format!("{:.3}/{:.2}", d.p50, d.p99),
+            format!("{:.3}/{:.2}", p.p50, p.p99),
+            p.p50 - d.p50,
+            p.p99 - d.p99,
+            d.rps,
+            p.rps,
+            p.rps / d.rps,
+            ttfb.0,
+            ttfb.1,
+            format!("{:.2}/{:.2}", r.proxy_cpu_ms, r.load_cpu_ms),
+            r.recorded
+        );
+    }
+    println!(
+        "(ms; rps = measured requests / wall time of their rounds (c=1: 1 / mean latency); ratio = proxy/direct rps; \
+         cpu/req p/l = CPU ms per request of the proxy's threads / of the load runtime (c=32: clients + fake; \
+         c=1: fake only); rec = exchanges in the proxy's store, warm-up included)"
+    );
+    for r in &rows {
+        for (side, s) in ["direct", "proxy"].iter().zip(&r.side) {
+            if s.errors > 0 {
+                println!(
+                    "ERRORS {} {side}: {} failed ({} ok); first: {}",
+                    r.name,
+                    s.errors,
+                    s.n,
+                    s.first_error.as_deref().unwrap_or("?")
+                );
+            }
+        }
+    }
+
+    println!();
+    println!("DESIGN §9 budgets (worst applicable scenario):");
+    let worst = |pred: &dyn Fn(&Row) -> bool, val: &dyn Fn(&Row) -> f64, higher_is_worse: bool| {
+        rows.iter()
+            .filter(|r| pred(r))
+            .map(|r| (val(r), r.name.clone()))
+            .fold(None, |acc: Option<(f64, String)>, x| match acc {
+                None => Some(x),
+                Some(a)
+                    if (higher_is_worse && x.0 > a.0)
+                        || (!higher_is_worse && x.0 < a.0)
+                        || a.0.is_nan() =>
+                {
+                    Some(x)
+                }
+                a => a,
+            })
+    };
+    let line = |label: &str, w: Option<(f64, String)>, ok: &dyn Fn(f64) -> bool, unit: &str| match w
+    {
+        Some((v, name)) => println!(
+            "  {label:<44} {v:>7.3}{unit:<3} ({name:<20}) {}",
+            verdict(ok(v) && !v.is_nan())
+        ),
+        None => println!("  {label:<44} not measured (filtered out)"),
+    };
+    let added = |r: &Row| r.side[1].p50 - r.side[0].p50;
+    line(
+        "added p50 < 1 ms, 30 KB, c=1",
+        worst(&|r| r.sc.size == 30_000 && r.sc.conc == 1, &added, true),
+        &|v| v < 1.0,
+        " ms",
+    );
+    line(
+        "added p50 < 2 ms, 300 KB, c=1",
+        worst(&|r| r.sc.size == 300_000 && r.sc.conc == 1, &added, true),
+        &|v| v < 2.0,
+        " ms",
+    );
+    line(
+        "throughput >= 80% of direct, c=32",
+        worst(
+            &|r| r.sc.conc == 32,
+            &|r| r.side[1].rps / r.side[0].rps,
+            false,
+        ),
+        &|v| v >= 0.8,
+        "",
+    );
+    line(
+        "streaming TTFB overhead < 1 ms (p50, c=1)",
+        worst(
+            &|r| r.sc.stream && r.sc.conc == 1,
+            &|r| r.side[1].ttfb50 - r.side[0].ttfb50,
+            true,
+        ),
+        &|v| v < 1.0,
+        " ms",
+    );
+    let errors: usize = rows
+        .iter()
+        .flat_map(|r| r.side.iter())
+        .map(|s| s.errors)
+        .sum();
+    if errors > 0 {
+        println!("  WARNING: {errors} requests failed; see ERRORS above");
+    }
+
+    let (machine1, own1) = (machine_ticks(), cpu_ticks());
+    let total = machine1.1.saturating_sub(machine0.1).max(1) as f64;
+    let others = machine1
+        .0
+        .saturating_sub(machine0.0)
+        .saturating_sub(own1 - own0) as f64;
+    println!(
+        "noise: other processes used {:.0}% of the machine's CPU during the scenarios (this bench {:.0}%); \
+         load average now {}",
+        100.0 * others / total,
+        100.0 * (own1 - own0) as f64 / total,
+        std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().take(3).collect::<Vec<_>>().join(" ")
+    );
+
+    breakdown(&o);
+
+    println!();
+    println!(
+        "peak RSS (VmHWM) {:.1} MB, RSS now {:.1} MB; the fake upstream keeps every body it receives \
+         (largest scenario: {:.1} MB), which dominates the peak. Total time {:.1} s.",
+        status_kb("VmHWM:").unwrap_or(0) as f64 / 1024.0,
+        status_kb("VmRSS:").unwrap_or(0) as f64 / 1024.0,
+        retained_max as f64 / 1e6,
+        t0.elapsed().as_secs_f64()
+    );
+}

@@ -39,7 +39,14 @@ pub const ENDPOINTS: &[&str] = &[
 pub const RUNGS: &[&str] = &["truncate", "prune", "summary", "fallback", "other"];
 
 /// Reason labels of `compactor_compactions_total`; anything else counts as `other`.
-pub const REASONS: &[&str] = &["threshold", "overflow", "manual", "other"];
+pub const REASONS: &[&str] = &[
+    "threshold",
+    "overflow",
+    "hard_limit",
+    "manual",
+    "requested",
+    "other",
+];
 
 /// A conversation counts as active this long after its last request.
 pub const ACTIVE_WINDOW: Duration = Duration::from_secs(15 * 60);

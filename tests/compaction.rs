@@ -534,13 +534,21 @@ async fn a_manual_compaction_applies_to_the_next_request() {
     let mut conv = String::new();
     for i in 0..10 {
         let (_, headers, _) = chat.turn(&big_filler(i)).await;
-        conv = headers.get("x-compactor-conversation").unwrap().to_str().unwrap().to_string();
+        conv = headers
+            .get("x-compactor-conversation")
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .to_string();
     }
     assert!(h.state.compactions.request_manual(&conv));
     let (status, headers, _) = chat.turn("compact now please").await;
     assert_eq!(status, 200);
     assert!(headers.get("x-compactor-compacted").is_some());
-    let reason: String = h.db().query_row("SELECT reason FROM compactions", [], |r| r.get(0)).unwrap();
+    let reason: String = h
+        .db()
+        .query_row("SELECT reason FROM compactions", [], |r| r.get(0))
+        .unwrap();
     assert_eq!(reason, "manual");
     assert!(!h.state.compactions.take_manual(&conv), "used up");
 }
@@ -563,11 +571,45 @@ async fn a_request_over_the_hard_limit_waits_for_the_compaction_under_way() {
     let slow = Duration::from_millis(1500);
     h.fake.push(Reply::Delay(slow, Box::new(valid_narrative())));
     // The next request is far over the hard limit (3000 - 300 tokens).
-    let huge = format!("Here is the whole log: {}", "trace line with details ".repeat(600));
+    let huge = format!(
+        "Here is the whole log: {}",
+        "trace line with details ".repeat(600)
+    );
     let started = std::time::Instant::now();
     let (status, headers, _) = chat.turn(&huge).await;
     let waited = started.elapsed();
     assert_eq!(status, 200);
-    assert!(headers.get("x-compactor-compacted").is_some(), "it went out compacted");
-    assert!(waited >= slow / 2, "it waited for the compaction ({waited:?})");
+    assert!(
+        headers.get("x-compactor-compacted").is_some(),
+        "it went out compacted"
+    );
+    assert!(
+        waited >= slow / 2,
+        "it waited for the compaction ({waited:?})"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_over_the_hard_limit_with_nothing_under_way_is_compacted_before_it_goes_out() {
+    let h = Harness::start_with(small_window).await;
+    // A client arriving with a long history the proxy has never seen
+    // (another proxy's restart, a resumed session): no usage to go by.
+    let mut history = vec![json!({"role": "system", "content": "You are a careful coding agent."})];
+    for i in 0..24 {
+        history.push(json!({"role": "user", "content": big_filler(i)}));
+        history.push(json!({"role": "assistant", "content": format!("Done with step {i}.")}));
+    }
+    history.push(json!({"role": "user", "content": "What next?"}));
+    let url = format!("{}/chat/completions", h.url());
+    let (status, headers, _) = post(&url, KEY, &json!({"model": MODEL, "messages": history})).await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let calls = client_calls(&h);
+    assert_eq!(calls.len(), 1, "one request upstream, already compacted");
+    assert!(calls[0]["messages"].as_array().unwrap().len() < history.len());
+    let reason: String = h
+        .db()
+        .query_row("SELECT reason FROM compactions", [], |r| r.get(0))
+        .unwrap();
+    assert!(reason.starts_with("hard_limit"), "{reason}");
 }

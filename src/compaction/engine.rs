@@ -391,23 +391,41 @@ pub fn after_exchange(state: &Arc<AppState>, input: Input, used: u64, estimated:
     });
 }
 
-/// Waits for a running background job of the conversation when the request
-/// would not fit without it; returns whether it waited.
-pub async fn wait_if_needed(
+/// Whether a request fits under the hard limit (window minus max output).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fit {
+    /// It does (or is small enough that it surely does).
+    Fits,
+    /// It did not, and it waited for the compaction under way.
+    Waited,
+    /// It does not and nothing is under way: about this many tokens.
+    Over(u64),
+}
+
+/// Checks a request against the hard limit; waits (bounded) for the
+/// conversation's compaction under way when it is over. `bytes`, when
+/// known, is the size of the request body: a token is at least one byte, so
+/// a body no larger than the limit needs no tokenizer.
+pub async fn check_fit(
     state: &Arc<AppState>,
     tenant: &str,
     conversation: &str,
     model: &str,
     view: Arc<Vec<Value>>,
-) -> bool {
-    let Some(mut rx) = state.compactions.job(tenant, conversation) else {
-        return false;
-    };
+    bytes: Option<usize>,
+) -> Fit {
     let limits = state.config.model_limits(model);
-    let tokens = estimate_view(state, view).await;
-    if tokens <= hard_limit(&limits) {
-        return false;
+    let hard = hard_limit(&limits);
+    if bytes.is_some_and(|b| b as u64 <= hard) {
+        return Fit::Fits;
     }
+    let tokens = estimate_view(state, view).await;
+    if tokens <= hard {
+        return Fit::Fits;
+    }
+    let Some(mut rx) = state.compactions.job(tenant, conversation) else {
+        return Fit::Over(tokens);
+    };
     let wait = Duration::from_secs(state.config.compaction.wait_secs);
     tracing::info!(
         conversation,
@@ -415,7 +433,7 @@ pub async fn wait_if_needed(
         "request over the hard limit waits for the compaction under way"
     );
     let _ = tokio::time::timeout(wait, rx.wait_for(|done| *done)).await;
-    true
+    Fit::Waited
 }
 
 /// Runs the summarizer over `part`, chunk by chunk; `None` when the model

@@ -117,6 +117,24 @@ pub fn latest_user(items: &[Value]) -> Option<usize> {
     items.iter().rposition(is_user_message)
 }
 
+/// The largest char boundary of `s` at or below `i`.
+pub(crate) fn floor_boundary(s: &str, mut i: usize) -> usize {
+    i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i -= 1;
+    }
+    i
+}
+
+/// The smallest char boundary of `s` at or above `i`.
+pub(crate) fn ceil_boundary(s: &str, mut i: usize) -> usize {
+    i = i.min(s.len());
+    while !s.is_char_boundary(i) {
+        i += 1;
+    }
+    i
+}
+
 /// A user message carrying `text`, in the given API's shape.
 pub fn user_message(text: String) -> Value {
     serde_json::json!({"role": "user", "content": text})

@@ -5,7 +5,7 @@
 
 use serde_json::Value;
 
-use super::items::{is_tool_output, output_field, value_text};
+use super::items::{ceil_boundary, floor_boundary, is_tool_output, output_field, value_text};
 use crate::wire::hash::hex;
 use crate::wire::ItemHash;
 
@@ -88,22 +88,6 @@ pub fn prune_outputs(part: &[Value], hashes: &[ItemHash]) -> (Vec<Value>, usize)
         })
         .collect();
     (out, changed)
-}
-
-fn floor_boundary(s: &str, mut i: usize) -> usize {
-    i = i.min(s.len());
-    while !s.is_char_boundary(i) {
-        i -= 1;
-    }
-    i
-}
-
-fn ceil_boundary(s: &str, mut i: usize) -> usize {
-    i = i.min(s.len());
-    while !s.is_char_boundary(i) {
-        i += 1;
-    }
-    i
 }
 
 #[cfg(test)]

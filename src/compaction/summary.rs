@@ -33,7 +33,8 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
 
 use super::items::{
-    is_summary, is_tool_output, is_user_message, output_id, text_of, value_text, SUMMARY_MARKER,
+    ceil_boundary, floor_boundary, is_summary, is_tool_output, is_user_message, output_id, text_of,
+    value_text, SUMMARY_MARKER,
 };
 
 /// Most error lines kept in [`Facts::errors`] (newest kept).
@@ -110,22 +111,6 @@ const NOT_PROVIDED: &str = "(not provided by the summarizer)";
 // ---------------------------------------------------------------------------
 // Small string helpers
 // ---------------------------------------------------------------------------
-
-fn floor_boundary(s: &str, mut i: usize) -> usize {
-    i = i.min(s.len());
-    while !s.is_char_boundary(i) {
-        i -= 1;
-    }
-    i
-}
-
-fn ceil_boundary(s: &str, mut i: usize) -> usize {
-    i = i.min(s.len());
-    while !s.is_char_boundary(i) {
-        i += 1;
-    }
-    i
-}
 
 /// `s` cut to at most `max` bytes (ending in `…` when cut).
 fn clip(s: &str, max: usize) -> String {

@@ -4,7 +4,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use super::AppState;
 use crate::compaction::engine::{self, Input};
@@ -30,7 +30,8 @@ pub struct PendingExchange {
     pub api: Api,
     /// Requested model.
     pub model: String,
-    /// The request body as sent upstream.
+    /// The request body without its items (they are in `items`): model,
+    /// tools, sampling parameters.
     pub body: Arc<Value>,
     /// Its items.
     pub items: Arc<Vec<Value>>,
@@ -130,9 +131,9 @@ impl PendingExchange {
         for (h, item) in self.hashes.iter().zip(self.items.iter()) {
             claim(h, item);
         }
-        let params = params_of(self.api, &self.body);
-        let params_hash = item_hash(&params);
-        claim(&params_hash, &params);
+        // The body holds everything but the items: model, tools, sampling.
+        let params_hash = item_hash(&self.body);
+        claim(&params_hash, &self.body);
         let response_hashes: Vec<ItemHash> = outcome.response_items.iter().map(item_hash).collect();
         for (h, item) in response_hashes.iter().zip(&outcome.response_items) {
             claim(h, item);
@@ -183,6 +184,12 @@ impl PendingExchange {
             tracing::error!(error = %e, exchange = self.id, "exchange not recorded");
         }
         state.conversations.remember(&indexed);
+        // With reported usage the decision needs no tokenizer: take it now,
+        // before the answer's last bytes are released, so a client that
+        // sends its next request at once finds the compaction under way.
+        if let (true, Some(u)) = (complete, usage) {
+            engine::after_exchange(state, self.input(String::new(), false), u.total(), false);
+        }
         self.account(state, usage, status, complete);
     }
 
@@ -201,8 +208,9 @@ impl PendingExchange {
         let state = state.clone();
         let (api, body, view) = (self.api, self.body.clone(), self.view.clone());
         let hashes = Arc::ptr_eq(&self.view, &self.items).then(|| self.hashes.clone());
-        // Only a complete answer says how large the conversation now is.
-        let next = complete.then(|| self.input(String::new(), false));
+        // Without reported usage the estimate decides (only a complete
+        // answer says how large the conversation now is).
+        let next = (complete && usage.is_none()).then(|| self.input(String::new(), false));
         let (conversation, model, id) =
             (self.ident.conversation.clone(), self.model.clone(), self.id);
         let compaction = self.compaction.as_ref().map(|c| c.id.clone());
@@ -237,7 +245,7 @@ impl PendingExchange {
                 line!(info);
             }
             if let Some(input) = next {
-                engine::after_exchange(&state, input, used, usage.is_none());
+                engine::after_exchange(&state, input, used, true);
             }
         });
     }
@@ -264,31 +272,9 @@ fn indexed(rec: &ExchangeRecord) -> IndexedExchange {
     }
 }
 
-/// The request body without its items: model, tools, sampling parameters.
-fn params_of(api: Api, body: &Value) -> Value {
-    let skip: &[&str] = match api {
-        Api::Chat => &["messages"],
-        Api::Responses => &["input", "instructions"],
-    };
-    let map: Map<String, Value> = body
-        .as_object()
-        .map(|m| {
-            m.iter()
-                .filter(|(k, _)| !skip.contains(&k.as_str()))
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect()
-        })
-        .unwrap_or_default();
-    Value::Object(map)
-}
-
 fn truncate(mut s: String, max: usize) -> String {
     if s.len() > max {
-        let mut cut = max;
-        while !s.is_char_boundary(cut) {
-            cut -= 1;
-        }
-        s.truncate(cut);
+        s.truncate(crate::compaction::items::floor_boundary(&s, max));
         s.push('…');
     }
     s

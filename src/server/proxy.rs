@@ -64,6 +64,7 @@ async fn parse(
     started_ms: i64,
 ) -> Result<Parsed, ProxyError> {
     let raw = read_body(body, &parts.headers, state.config.server.max_body_bytes).await?;
+    let raw_len = raw.len();
     let mut body: Value = serde_json::from_slice(&raw)
         .map_err(|e| ProxyError::BadRequest(format!("request body is not valid JSON: {e}")))?;
     api.validate(&body).map_err(ProxyError::BadRequest)?;
@@ -74,7 +75,7 @@ async fn parse(
         .and_then(Value::as_str)
         .map(String::from);
     let mut rewritten = false;
-    let mut items = api.request_items(&body);
+    let mut items = api.take_items(&mut body);
     if api == Api::Responses {
         // A chain the proxy recorded is expanded into full input, so it can
         // be compacted and works with upstreams that keep no responses.
@@ -93,9 +94,6 @@ async fn parse(
             }
         }
         rewritten |= remote::expand_items(&mut items, |id| state.compactions.get(&tenant, id));
-        if rewritten {
-            set_items(api, &mut body, &items);
-        }
     }
     let trigger = api == Api::Responses && remote::ends_with_trigger(&items);
     if trigger {
@@ -119,11 +117,19 @@ async fn parse(
     tracing::Span::current().record("conversation", ident.conversation.as_str());
     state.metrics.conversation_seen(&ident.conversation);
 
+    let had_stream_options = body.get("stream_options").is_some();
     let strip_usage = api == Api::Chat && chat::ensure_stream_usage(&mut body);
-    let original_bytes = if strip_usage || rewritten {
-        Bytes::from(serde_json::to_vec(&body).map_err(|e| ProxyError::Internal(e.to_string()))?)
-    } else {
-        raw
+    let spliced = (strip_usage && !had_stream_options && !rewritten)
+        .then(|| chat::splice_stream_usage(&raw))
+        .flatten();
+    let original_bytes = match spliced {
+        Some(b) => b,
+        None if strip_usage || rewritten => {
+            let mut full = body.clone();
+            set_items(api, &mut full, &items);
+            Bytes::from(serde_json::to_vec(&full).map_err(|e| ProxyError::Internal(e.to_string()))?)
+        }
+        None => raw,
     };
     let items = Arc::new(items);
     let mut pending = PendingExchange {
@@ -150,17 +156,32 @@ async fn parse(
     if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
         pending.apply(c);
     }
-    if engine::wait_if_needed(
+    let bytes = pending.compaction.is_none().then_some(raw_len);
+    match engine::check_fit(
         state,
         &pending.tenant,
         &pending.ident.conversation,
         &pending.model,
         pending.view.clone(),
+        bytes,
     )
     .await
     {
-        if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
-            pending.apply(c);
+        engine::Fit::Fits => {}
+        engine::Fit::Waited => {
+            if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+                pending.apply(c);
+            }
+        }
+        // Too large to go out as it is, and nothing under way: compact now
+        // rather than let the upstream refuse it.
+        engine::Fit::Over(tokens) => {
+            compact_now(
+                state,
+                &mut pending,
+                format!("hard_limit: ~{tokens} tokens leave no room for the answer"),
+            )
+            .await;
         }
     }
     Ok(Parsed {

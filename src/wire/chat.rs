@@ -65,6 +65,22 @@ pub fn ensure_stream_usage(body: &mut Value) -> bool {
     true
 }
 
+/// The client's bytes with `"stream_options":{"include_usage":true}` added
+/// as the first member, for a body that had no `stream_options` at all:
+/// cheaper than serialising a long history again.
+pub fn splice_stream_usage(raw: &[u8]) -> Option<bytes::Bytes> {
+    let open = raw.iter().position(|b| !b.is_ascii_whitespace())?;
+    if raw[open] != b'{' {
+        return None;
+    }
+    const MEMBER: &[u8] = br#""stream_options":{"include_usage":true},"#;
+    let mut out = Vec::with_capacity(raw.len() + MEMBER.len());
+    out.extend_from_slice(&raw[..=open]);
+    out.extend_from_slice(MEMBER);
+    out.extend_from_slice(&raw[open + 1..]);
+    Some(out.into())
+}
+
 /// What to do with one streamed chunk when the client did not ask for usage.
 #[derive(Debug, PartialEq)]
 pub enum Strip {
@@ -286,6 +302,16 @@ mod tests {
         let mut b = json!({"stream": true, "stream_options": {"include_obfuscation": false}});
         assert!(ensure_stream_usage(&mut b));
         assert_eq!(b["stream_options"]["include_obfuscation"], false);
+    }
+
+    #[test]
+    fn usage_is_spliced_into_the_clients_bytes() {
+        let raw = br#" {"model":"m","stream":true,"messages":[{"role":"user","content":"x"}]}"#;
+        let out = splice_stream_usage(raw).unwrap();
+        let v: Value = serde_json::from_slice(&out).unwrap();
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert_eq!(v["messages"][0]["content"], "x");
+        assert!(splice_stream_usage(b"[1]").is_none());
     }
 
     #[test]

@@ -10,11 +10,28 @@ use serde_json::Value;
 /// A 32-byte BLAKE3 digest.
 pub type ItemHash = [u8; 32];
 
-/// Hash of one item's canonical JSON.
+/// Hash of one item's canonical form.
 pub fn item_hash(item: &Value) -> ItemHash {
-    let mut h = blake3::Hasher::new();
-    write_canonical(&mut h, item);
-    *h.finalize().as_bytes()
+    CANONICAL.with(|buf| {
+        let mut buf = buf.borrow_mut();
+        buf.clear();
+        write_canonical(&mut buf, item);
+        let hash = *blake3::hash(&buf).as_bytes();
+        // Keep a moderate buffer for the next item; let a huge one go.
+        if buf.capacity() > MAX_KEPT_BUFFER {
+            *buf = Vec::new();
+        }
+        hash
+    })
+}
+
+/// Largest canonical-form buffer kept between items, bytes.
+const MAX_KEPT_BUFFER: usize = 1 << 20;
+
+thread_local! {
+    /// Reused per thread: an item's canonical form is built here, then hashed
+    /// in one call (hashing many tiny pieces is several times slower).
+    static CANONICAL: std::cell::RefCell<Vec<u8>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// `chain[i]` identifies the prefix `items[..=i]`: each link hashes the
@@ -45,40 +62,47 @@ pub fn hex(hash: &ItemHash) -> String {
     blake3::Hash::from_bytes(*hash).to_hex().to_string()
 }
 
-fn write_canonical(h: &mut blake3::Hasher, v: &Value) {
+/// The canonical form: a type tag per value, strings and numbers
+/// length-prefixed as raw bytes (no escaping to do), object keys sorted.
+/// Unambiguous, so equal forms mean equal values.
+fn write_canonical(out: &mut Vec<u8>, v: &Value) {
     match v {
-        Value::Object(map) => {
-            let mut keys: Vec<&String> = map.keys().collect();
-            keys.sort_unstable();
-            h.update(b"{");
-            for (i, k) in keys.into_iter().enumerate() {
-                if i > 0 {
-                    h.update(b",");
-                }
-                write_scalar(h, &Value::String(k.clone()));
-                h.update(b":");
-                write_canonical(h, &map[k]);
-            }
-            h.update(b"}");
+        Value::Null => out.push(b'n'),
+        Value::Bool(b) => out.push(if *b { b't' } else { b'f' }),
+        Value::Number(n) => {
+            out.push(b'#');
+            // Numbers keep serde_json's canonical text (`1.0` stays `1.0`).
+            let mark = out.len();
+            out.extend_from_slice(&[0; 8]);
+            let _ = write!(out, "{n}");
+            let len = (out.len() - mark - 8) as u64;
+            out[mark..mark + 8].copy_from_slice(&len.to_le_bytes());
         }
+        Value::String(s) => write_str(out, s),
         Value::Array(items) => {
-            h.update(b"[");
-            for (i, item) in items.iter().enumerate() {
-                if i > 0 {
-                    h.update(b",");
-                }
-                write_canonical(h, item);
+            out.push(b'[');
+            out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+            for item in items {
+                write_canonical(out, item);
             }
-            h.update(b"]");
         }
-        scalar => write_scalar(h, scalar),
+        Value::Object(map) => {
+            out.push(b'{');
+            out.extend_from_slice(&(map.len() as u64).to_le_bytes());
+            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
+            for (k, v) in entries {
+                write_str(out, k);
+                write_canonical(out, v);
+            }
+        }
     }
 }
 
-fn write_scalar(h: &mut blake3::Hasher, v: &Value) {
-    // Writing into a hasher cannot fail.
-    let _ = serde_json::to_writer(&mut *h, v);
-    let _ = h.flush();
+fn write_str(out: &mut Vec<u8>, s: &str) {
+    out.push(b's');
+    out.extend_from_slice(&(s.len() as u64).to_le_bytes());
+    out.extend_from_slice(s.as_bytes());
 }
 
 #[cfg(test)]

@@ -42,6 +42,19 @@ impl Api {
         }
     }
 
+    /// Moves the history out of a request body (leaving an empty list in
+    /// its place, so putting items back keeps the body's key order): the
+    /// same items as [`Api::request_items`], without copying them.
+    pub fn take_items(self, body: &mut Value) -> Vec<Value> {
+        match self {
+            Api::Chat => match body.get_mut("messages") {
+                Some(Value::Array(a)) => std::mem::take(a),
+                _ => Vec::new(),
+            },
+            Api::Responses => responses::take_items(body),
+        }
+    }
+
     /// Checks that the body has the shape this endpoint needs, naming the
     /// offending field otherwise.
     pub fn validate(self, body: &Value) -> Result<(), String> {

@@ -20,6 +20,24 @@ pub fn request_items(body: &Value) -> Vec<Value> {
     items
 }
 
+/// Like [`request_items`], but moves `input` out of the body (leaving an
+/// empty list) instead of copying it.
+pub fn take_items(body: &mut Value) -> Vec<Value> {
+    let mut items = Vec::new();
+    if let Some(instr) = body.get("instructions").filter(|v| !v.is_null()) {
+        items.push(json!({"type": "instructions", "content": instr}));
+    }
+    match body.get_mut("input") {
+        Some(input @ Value::String(_)) => {
+            let text = std::mem::replace(input, Value::Array(Vec::new()));
+            items.push(json!({"role": "user", "content": text}));
+        }
+        Some(Value::Array(list)) => items.append(list),
+        _ => {}
+    }
+    items
+}
+
 /// Whether an item is the pseudo-item standing for `instructions`.
 pub fn is_instructions_item(item: &Value) -> bool {
     item.get("type").and_then(Value::as_str) == Some("instructions")
