@@ -12,6 +12,10 @@ use serde_json::{json, Value};
 use support::{post, within, Harness};
 
 const CONVERSATION: &str = "x-compactor-conversation";
+
+/// llama-server runs one slot (`-np 1`): the tests take turns, so a long
+/// summary call of one never eats another's step timeout.
+static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const KEY: &str = "sk-real-upstream-test";
 
 /// The llama-server base URL (with `/v1`), or a panic saying how to get one.
@@ -142,6 +146,7 @@ fn assert_usage(row: &Row, input: &Value, output: &Value) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real llama-server: run scripts/test"]
 async fn chat_json_usage_matches_the_record() {
+    let _slot = ONE_AT_A_TIME.lock().await;
     let mut h = proxy().await;
     let (status, headers, body) = post(
         &format!("{}/chat/completions", h.url()),
@@ -184,6 +189,7 @@ async fn chat_json_usage_matches_the_record() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real llama-server: run scripts/test"]
 async fn chat_stream_hides_usage_the_client_did_not_ask_for() {
+    let _slot = ONE_AT_A_TIME.lock().await;
     let mut h = proxy().await;
     let url = format!("{}/chat/completions", h.url());
 
@@ -289,6 +295,7 @@ async fn chat_stream_hides_usage_the_client_did_not_ask_for() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real llama-server: run scripts/test"]
 async fn responses_json_usage_matches_the_record() {
+    let _slot = ONE_AT_A_TIME.lock().await;
     let mut h = proxy().await;
     let req = json!({"model": "smollm2", "input": "Say hello.", "max_output_tokens": 12});
     let (status, headers, body) = post(&format!("{}/responses", h.url()), KEY, &req).await;
@@ -327,6 +334,7 @@ async fn responses_json_usage_matches_the_record() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real llama-server: run scripts/test"]
 async fn responses_stream_usage_matches_the_completed_event() {
+    let _slot = ONE_AT_A_TIME.lock().await;
     let mut h = proxy().await;
     let req = json!({
         "model": "smollm2",
@@ -382,6 +390,7 @@ async fn responses_stream_usage_matches_the_completed_event() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real llama-server: run scripts/test"]
 async fn over_long_prompt_gets_the_upstream_400_verbatim() {
+    let _slot = ONE_AT_A_TIME.lock().await;
     let mut h = proxy().await;
     // One user message of 3000 words (far over the 2048-token window). It is
     // the latest user message, so no compaction may shorten it: the upstream's
@@ -426,6 +435,7 @@ async fn over_long_prompt_gets_the_upstream_400_verbatim() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real llama-server: run scripts/test"]
 async fn two_turns_land_in_one_conversation() {
+    let _slot = ONE_AT_A_TIME.lock().await;
     let mut h = proxy().await;
     let url = format!("{}/chat/completions", h.url());
     let user1 = json!({"role": "user", "content": "My name is Ada. Say hello."});
@@ -480,6 +490,7 @@ async fn two_turns_land_in_one_conversation() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs a real llama-server: run scripts/test"]
 async fn back_to_back_streams_all_succeed() {
+    let _slot = ONE_AT_A_TIME.lock().await;
     let mut h = proxy().await;
     let url = format!("{}/chat/completions", h.url());
     let mut failures = Vec::new();
@@ -508,4 +519,391 @@ async fn back_to_back_streams_all_succeed() {
         failures.join("\n")
     );
     h.stop().await;
+}
+
+// ---------------------------------------------------------------------------
+// A long conversation: through compactor it completes, direct it overflows.
+// ---------------------------------------------------------------------------
+
+/// Per-request cap of the long-conversation test: a request may queue
+/// behind background summary calls (several seconds each on 2 cores).
+const LONG_STEP: std::time::Duration = std::time::Duration::from_secs(180);
+const TURNS: usize = 30;
+const TURN_MAX_TOKENS: u64 = 20;
+const LLAMA_WINDOW: i64 = 2048;
+
+/// Awaits `f` or fails after [`LONG_STEP`].
+async fn within_long<T>(what: &str, f: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(LONG_STEP, f)
+        .await
+        .unwrap_or_else(|_| panic!("{what}: no answer within {LONG_STEP:?}"))
+}
+
+/// POSTs `body` as JSON; returns status, headers and the whole body.
+async fn post_long(url: &str, body: &Value) -> (u16, http::HeaderMap, bytes::Bytes) {
+    within_long(url, async {
+        let resp = support::client()
+            .post(url)
+            .header("authorization", format!("Bearer {KEY}"))
+            .json(body)
+            .send()
+            .await
+            .unwrap_or_else(|e| panic!("POST {url}: {e}"));
+        let status = resp.status().as_u16();
+        let headers = resp.headers().clone();
+        let bytes = resp
+            .bytes()
+            .await
+            .unwrap_or_else(|e| panic!("POST {url} body: {e}"));
+        (status, headers, bytes)
+    })
+    .await
+}
+
+/// The first user message: the task, as a coding agent would get it.
+const LONG_TASK: &str = "TASK: refactor the tokenizer in src/parser/lexer.rs so that it \
+streams tokens from a BufRead instead of loading the whole file into a String. Keep the \
+public function `parse_document(input: &str) -> Result<Document, ParseError>` working for \
+existing callers, add `parse_reader<R: BufRead>(r: R)`, and make `cargo test --all` pass. \
+Answer briefly: one short sentence per turn.";
+
+/// The user message of turn `i` (1-based, after the task): 60–120 tokens
+/// of varied coding-agent chatter with paths, commands and error strings.
+fn long_turn_message(i: usize) -> String {
+    const FILES: [&str; 10] = [
+        "src/parser/lexer.rs",
+        "src/parser/ast.rs",
+        "src/parser/mod.rs",
+        "src/io/reader.rs",
+        "tests/parser_roundtrip.rs",
+        "benches/lexer_throughput.rs",
+        "src/cli/args.rs",
+        "src/error.rs",
+        "Cargo.toml",
+        "docs/ARCHITECTURE.md",
+    ];
+    const ACTIONS: [&str; 6] = [
+        "I changed the struct `Lexer` to hold a `Peekable<Chars>` over a line buffer",
+        "I moved the span bookkeeping into a new type `SpanTracker`",
+        "I replaced the `Vec<Token>` return value with an iterator adapter",
+        "I added a ring buffer of 4096 bytes so lookahead can cross line boundaries",
+        "I renamed `next_token_inner` to `scan_token` and made it return `Option<Result<Token, LexError>>`",
+        "I split string-literal handling into `scan_string` with escape decoding",
+    ];
+    const OUTPUTS: [&str; 6] = [
+        "error[E0502]: cannot borrow `self.buf` as mutable because it is also borrowed as immutable",
+        "thread 'nested_lists' panicked at src/parser/ast.rs:212:9: index out of bounds: the len is 3 but the index is 7",
+        "test parser_roundtrip::unicode_escapes ... FAILED (left: \"\\u{1F600}\", right: \"\\\\u{1F600}\")",
+        "warning: unused variable: `line_start` --> src/parser/lexer.rs:88:13",
+        "error[E0308]: mismatched types: expected `Result<Token, LexError>`, found `Option<Token>`",
+        "test result: ok. 41 passed; 0 failed; 2 ignored; finished in 0.38s",
+    ];
+    const ASKS: [&str; 5] = [
+        "What should I check next?",
+        "Is that the right approach, or should the buffer live in the reader?",
+        "Which file should I edit next?",
+        "Summarize what is still broken.",
+        "What is the smallest fix?",
+    ];
+    let file = FILES[i % FILES.len()];
+    let other = FILES[(i * 7 + 3) % FILES.len()];
+    let action = ACTIONS[i % ACTIONS.len()];
+    let output = OUTPUTS[(i * 5 + 1) % OUTPUTS.len()];
+    let ask = ASKS[i % ASKS.len()];
+    let mut text = format!(
+        "Step {i}: {action} in {file}. Then I ran `cargo test --test parser_roundtrip -- --nocapture` \
+         and it printed: {output}. {ask}"
+    );
+    if i.is_multiple_of(3) {
+        text.push_str(&format!(" Note: {other} still uses the old signature."));
+    }
+    text
+}
+
+/// The assistant message of a chat answer as a client keeps it: the message
+/// as received, or rebuilt from the deltas of a stream.
+fn assistant_message(body: &[u8], streamed: bool) -> Value {
+    if !streamed {
+        let v = json_of(body);
+        let m = v["choices"][0]["message"].clone();
+        assert!(m.is_object(), "no assistant message: {v}");
+        return m;
+    }
+    let events = sse(body);
+    assert_eq!(
+        events.last().map(|e| e.1.as_str()),
+        Some("[DONE]"),
+        "stream does not end with [DONE]: {}",
+        String::from_utf8_lossy(body)
+    );
+    let mut content = String::new();
+    for (_, data) in &events[..events.len() - 1] {
+        let chunk = json_of(data.as_bytes());
+        if let Some(c) = chunk["choices"][0]["delta"]["content"].as_str() {
+            content.push_str(c);
+        }
+    }
+    json!({"role": "assistant", "content": content})
+}
+
+fn long_request(history: &[Value], streamed: bool) -> Value {
+    let mut req = json!({
+        "model": "smollm2",
+        "messages": history,
+        "max_tokens": TURN_MAX_TOKENS,
+        "temperature": 0.0,
+    });
+    if streamed {
+        req["stream"] = json!(true);
+    }
+    req
+}
+
+fn is_exceed_context(status: u16, body: &[u8]) -> bool {
+    status == 400
+        && serde_json::from_slice::<Value>(body)
+            .is_ok_and(|v| v["error"]["type"] == "exceed_context_size_error")
+}
+
+/// One stored compaction: the columns this test reports.
+#[derive(Debug)]
+struct CompactionRow {
+    id: String,
+    rung: String,
+    reason: String,
+    tokens_before: i64,
+    tokens_after: i64,
+    summary_calls: i64,
+    duration_ms: i64,
+}
+
+fn compaction_rows(h: &Harness) -> Vec<CompactionRow> {
+    let db = h.db();
+    let mut stmt = db
+        .prepare(
+            "SELECT id, rung, reason, tokens_before, tokens_after, summary_calls, duration_ms
+             FROM compactions ORDER BY created_ms, rowid",
+        )
+        .expect("prepare");
+    stmt.query_map([], |r| {
+        Ok(CompactionRow {
+            id: r.get(0)?,
+            rung: r.get(1)?,
+            reason: r.get(2)?,
+            tokens_before: r.get(3)?,
+            tokens_after: r.get(4)?,
+            summary_calls: r.get(5)?,
+            duration_ms: r.get(6)?,
+        })
+    })
+    .expect("query")
+    .collect::<Result<_, _>>()
+    .expect("rows")
+}
+
+/// The issue's acceptance test: a 30-turn conversation that outgrows the
+/// 2048-token window completes through compactor with no error reaching the
+/// client, while the same conversation sent direct is refused with
+/// `exceed_context_size_error`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real llama-server: run scripts/test"]
+async fn thirty_turns_fit_through_compactor_but_overflow_direct() {
+    let _slot = ONE_AT_A_TIME.lock().await;
+    let started = std::time::Instant::now();
+    let system = json!({"role": "system", "content": "You are a careful coding agent. Answer in one short sentence."});
+    let user = |i: usize| {
+        let text = if i == 0 {
+            LONG_TASK.to_string()
+        } else {
+            long_turn_message(i)
+        };
+        json!({"role": "user", "content": text})
+    };
+    // Turns 5, 12, 19 and 26 are streamed (SSE through the proxy).
+    let streamed = |i: usize| i % 7 == 5;
+
+    // 1. Direct: the growing conversation overflows the window.
+    let direct_url = format!("{}/chat/completions", llama_url());
+    let mut direct = vec![system.clone()];
+    let mut overflow_at = None;
+    let mut direct_prompt = Vec::new();
+    for i in 0..TURNS {
+        direct.push(user(i));
+        let s = streamed(i);
+        let (status, _, body) = post_long(&direct_url, &long_request(&direct, s)).await;
+        if is_exceed_context(status, &body) {
+            eprintln!(
+                "direct: turn {} refused: {}",
+                i + 1,
+                String::from_utf8_lossy(&body)
+            );
+            overflow_at = Some(i + 1);
+            break;
+        }
+        assert_eq!(
+            status,
+            200,
+            "direct turn {}: {}",
+            i + 1,
+            String::from_utf8_lossy(&body)
+        );
+        if !s {
+            direct_prompt.push(
+                json_of(&body)["usage"]["prompt_tokens"]
+                    .as_i64()
+                    .unwrap_or(-1),
+            );
+        }
+        direct.push(assistant_message(&body, s));
+    }
+    let overflow_at = overflow_at.unwrap_or_else(|| {
+        panic!("the conversation sent direct never overflowed in {TURNS} turns; prompt tokens: {direct_prompt:?}")
+    });
+    let direct_secs = started.elapsed().as_secs_f64();
+
+    // 2. Through compactor: every turn succeeds.
+    let mut h = within_long(
+        "proxy start",
+        Harness::start_with(|c| {
+            c.upstream.base_url = llama_url();
+            c.models.push(compactor::config::ModelConfig {
+                pattern: "smollm2".into(),
+                context_window: LLAMA_WINDOW as u64,
+                max_output_tokens: Some(64),
+                trigger_ratio: None,
+            });
+        }),
+    )
+    .await;
+    let url = format!("{}/chat/completions", h.url());
+    let mut history = vec![system.clone()];
+    let mut failures = Vec::new();
+    let mut conversations = std::collections::BTreeSet::new();
+    // Turns sent while a compaction was already stored, and whether each
+    // came back rewritten.
+    let mut after_first: Vec<(usize, Option<String>)> = Vec::new();
+    let mut last_compacted = None;
+    for i in 0..TURNS {
+        history.push(user(i));
+        let s = streamed(i);
+        let stored_before = compaction_rows(&h).len();
+        let t = std::time::Instant::now();
+        let (status, headers, body) = post_long(&url, &long_request(&history, s)).await;
+        let compacted = headers
+            .get("x-compactor-compacted")
+            .map(|v| v.to_str().unwrap_or_default().to_string());
+        if let Some(c) = headers.get(CONVERSATION) {
+            conversations.insert(c.to_str().unwrap_or_default().to_string());
+        }
+        eprintln!(
+            "proxy: turn {:2} {} status {status} in {:.1}s, {} messages held, compacted: {}",
+            i + 1,
+            if s { "stream" } else { "json  " },
+            t.elapsed().as_secs_f64(),
+            history.len(),
+            compacted.as_deref().unwrap_or("-")
+        );
+        if stored_before > 0 {
+            after_first.push((i + 1, compacted.clone()));
+        }
+        last_compacted = compacted;
+        if status != 200 {
+            failures.push(format!(
+                "turn {}: {status} {}",
+                i + 1,
+                String::from_utf8_lossy(&body)
+            ));
+            break;
+        }
+        history.push(assistant_message(&body, s));
+    }
+    // The exact conversation the client now holds does not fit the window.
+    let mut full = long_request(&history, false);
+    full["max_tokens"] = json!(1);
+    let (direct_status, _, direct_body) = post_long(&direct_url, &full).await;
+
+    let rows = rows(&h);
+    let compactions = compaction_rows(&h);
+    h.stop().await;
+    let secs = started.elapsed().as_secs_f64();
+
+    // The figures, whatever the verdict.
+    let mut by_rung = std::collections::BTreeMap::<&str, usize>::new();
+    for c in &compactions {
+        *by_rung.entry(c.rung.as_str()).or_default() += 1;
+    }
+    let max_input = rows.iter().filter_map(|r| r.input_tokens).max();
+    let max_total = rows
+        .iter()
+        .filter_map(|r| Some(r.input_tokens? + r.output_tokens?))
+        .max();
+    eprintln!(
+        "thirty turns: direct overflowed at turn {overflow_at} ({direct_secs:.0}s); \
+         through compactor {} exchanges, {} compactions by rung {by_rung:?}; \
+         max input_tokens {max_input:?} (max input+output {max_total:?}) of {LLAMA_WINDOW}; \
+         final history of {} messages sent direct: {direct_status}; {secs:.0}s in all",
+        rows.len(),
+        compactions.len(),
+        history.len(),
+    );
+    for c in &compactions {
+        eprintln!(
+            "  compaction {} {}: {} -> {} tokens, {} summary calls, {} ms ({})",
+            c.id, c.rung, c.tokens_before, c.tokens_after, c.summary_calls, c.duration_ms, c.reason
+        );
+    }
+    eprintln!(
+        "  input tokens per exchange: {:?}",
+        rows.iter().map(|r| r.input_tokens).collect::<Vec<_>>()
+    );
+
+    assert!(
+        failures.is_empty(),
+        "errors reached the client: {failures:?}"
+    );
+    assert!(
+        overflow_at <= TURNS,
+        "direct never overflowed within {TURNS} turns"
+    );
+    assert!(
+        is_exceed_context(direct_status, &direct_body),
+        "the proxied conversation, sent direct, should not fit: {direct_status} {}",
+        String::from_utf8_lossy(&direct_body)
+    );
+    assert_eq!(rows.len(), TURNS, "one record per turn: {rows:?}");
+    let bad: Vec<&Row> = rows.iter().filter(|r| r.status != 200).collect();
+    assert!(
+        bad.is_empty(),
+        "recorded exchanges with status != 200: {bad:?}"
+    );
+    assert!(
+        !compactions.is_empty(),
+        "no compaction fired although the conversation outgrew the window"
+    );
+    assert!(
+        compactions.iter().all(|c| c.tokens_after < c.tokens_before),
+        "a stored compaction did not shrink: {compactions:?}"
+    );
+    assert!(
+        last_compacted.is_some(),
+        "the last turn was not sent compacted"
+    );
+    let uncompacted: Vec<usize> = after_first
+        .iter()
+        .filter(|(_, c)| c.is_none())
+        .map(|(t, _)| *t)
+        .collect();
+    assert!(
+        uncompacted.is_empty(),
+        "turns sent while a compaction was stored went out uncompacted: {uncompacted:?}"
+    );
+    assert!(
+        max_input.is_some_and(|m| m < LLAMA_WINDOW),
+        "an exchange's input reached the window: {max_input:?}"
+    );
+    assert_eq!(
+        conversations.len(),
+        1,
+        "the turns were not recognised as one conversation: {conversations:?}"
+    );
 }
