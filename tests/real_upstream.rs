@@ -907,3 +907,110 @@ async fn thirty_turns_fit_through_compactor_but_overflow_direct() {
         "the turns were not recognised as one conversation: {conversations:?}"
     );
 }
+
+// ---------------------------------------------------------------------------
+// Responses: a previous_response_id chain llama-server cannot follow itself,
+// and a multi-turn conversation that overflows direct.
+// ---------------------------------------------------------------------------
+
+/// The id and assistant message of a Responses answer (JSON, or the
+/// `response.completed` event of a stream), the message as the next input item.
+fn responses_output(body: &[u8], streamed: bool) -> (String, Value) {
+    let response = if streamed {
+        let events = sse(body);
+        let (_, data) = events
+            .iter()
+            .find(|(e, _)| e.as_deref() == Some("response.completed"))
+            .expect("response.completed");
+        json_of(data.as_bytes())["response"].clone()
+    } else {
+        json_of(body)
+    };
+    let id = response["id"].as_str().expect("response id").to_string();
+    // The output message as the upstream wrote it: llama-server takes an
+    // assistant turn back only in this form.
+    let item = response["output"][0].clone();
+    assert_eq!(item["role"], "assistant", "{response}");
+    (id, item)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real llama-server: run scripts/test"]
+async fn responses_chains_and_long_conversations_work_through_compactor() {
+    let _slot = ONE_AT_A_TIME.lock().await;
+    let llama = llama_url();
+    let upstream = llama.clone();
+    let h = within(Harness::start_with(move |c| {
+        c.upstream.base_url = upstream;
+        c.models.push(compactor::config::ModelConfig {
+            pattern: "smollm2".into(),
+            context_window: LLAMA_WINDOW as u64,
+            max_output_tokens: Some(64),
+            trigger_ratio: None,
+        });
+    }))
+    .await;
+    let url = format!("{}/responses", h.url());
+    let ask = |input: Value, prev: Option<&str>, stream: bool| {
+        let mut body = json!({"model": "smollm2", "input": input, "max_output_tokens": 12, "temperature": 0.0});
+        if let Some(p) = prev {
+            body["previous_response_id"] = json!(p);
+        }
+        if stream {
+            body["stream"] = json!(true);
+        }
+        body
+    };
+
+    // A chain: llama-server refuses previous_response_id; through compactor
+    // the proxy expands it from its own records.
+    let (status, _, body) = post_long(&url, &ask(json!("Name one fruit."), None, false)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (id1, _) = responses_output(&body, false);
+    let next = ask(json!("Name another one."), Some(&id1), false);
+    let (status, _, direct) = post_long(&format!("{llama}/responses"), &next).await;
+    assert_eq!(status, 400, "llama-server itself cannot follow the chain");
+    assert!(String::from_utf8_lossy(&direct).contains("previous_response_id"));
+    let (status, _, body) = post_long(&url, &next).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (id2, _) = responses_output(&body, false);
+    let (status, _, body) = post_long(&url, &ask(json!("And a third?"), Some(&id2), true)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    responses_output(&body, true);
+
+    // A long conversation with full input each turn, JSON and SSE turns.
+    let mut input = vec![json!({"role": "user", "content": LONG_TASK})];
+    let mut compacted_turns = 0;
+    for i in 1..=16 {
+        input.push(json!({"role": "user", "content": long_turn_message(i)}));
+        let streamed = i % 4 == 0;
+        let (status, headers, body) =
+            post_long(&url, &ask(Value::Array(input.clone()), None, streamed)).await;
+        assert_eq!(status, 200, "turn {i}: {}", String::from_utf8_lossy(&body));
+        compacted_turns += usize::from(headers.get("x-compactor-compacted").is_some());
+        input.push(responses_output(&body, streamed).1);
+    }
+    let (status, _, body) = post_long(
+        &format!("{llama}/responses"),
+        &ask(Value::Array(input.clone()), None, false),
+    )
+    .await;
+    assert!(
+        is_exceed_context(status, &body),
+        "direct, the same input overflows: {status} {}",
+        String::from_utf8_lossy(&body)
+    );
+    assert!(
+        compacted_turns > 0,
+        "through compactor, later turns went out compacted"
+    );
+    let statuses: Vec<i64> = rows(&h).iter().map(|r| r.status).collect();
+    assert!(statuses.iter().all(|s| *s == 200), "{statuses:?}");
+    eprintln!(
+        "responses through compactor: {compacted_turns} of 16 turns compacted; compactions: {:?}",
+        compaction_rows(&h)
+            .iter()
+            .map(|c| (c.rung.clone(), c.tokens_before, c.tokens_after))
+            .collect::<Vec<_>>()
+    );
+}
