@@ -53,6 +53,9 @@ pub struct PendingExchange {
     pub started: Instant,
     /// Same, as Unix ms.
     pub started_ms: i64,
+    /// The request's span: token figures are recorded on it at the end,
+    /// also for streams, whose last bytes are sent outside it.
+    pub span: tracing::Span,
 }
 
 /// How an exchange ended.
@@ -176,6 +179,7 @@ impl PendingExchange {
     pub async fn finish(&self, state: &Arc<AppState>, outcome: Outcome) {
         let rec = self.to_record(state, outcome);
         observe(state, &rec);
+        self.record_on_span(&rec);
         let indexed = indexed(&rec);
         let usage = rec.usage;
         let status = rec.status;
@@ -248,6 +252,18 @@ impl PendingExchange {
                 engine::after_exchange(&state, input, used, true);
             }
         });
+    }
+}
+
+impl PendingExchange {
+    fn record_on_span(&self, rec: &ExchangeRecord) {
+        if let Some(u) = rec.usage {
+            self.span.record("input_tokens", u.input_tokens);
+            self.span.record("output_tokens", u.output_tokens);
+        }
+        if let Some(c) = &rec.compaction {
+            self.span.record("compaction", c.as_str());
+        }
     }
 }
 

@@ -129,8 +129,17 @@ async fn route(
 ) -> Response<ProxyBody> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
-    let span =
-        tracing::info_span!("request", %method, %path, %peer, conversation = tracing::field::Empty);
+    let span = tracing::info_span!(
+        "request",
+        %method,
+        %path,
+        %peer,
+        conversation = tracing::field::Empty,
+        model = tracing::field::Empty,
+        input_tokens = tracing::field::Empty,
+        output_tokens = tracing::field::Empty,
+        compaction = tracing::field::Empty,
+    );
     async move {
         let metrics_state = state.clone();
         let (endpoint, response) = match (&method, path.as_str()) {

@@ -114,7 +114,9 @@ async fn parse(
         previous.as_deref(),
         &chains,
     );
-    tracing::Span::current().record("conversation", ident.conversation.as_str());
+    let span = tracing::Span::current();
+    span.record("conversation", ident.conversation.as_str());
+    span.record("model", model.as_str());
     state.metrics.conversation_seen(&ident.conversation);
 
     let had_stream_options = body.get("stream_options").is_some();
@@ -150,6 +152,7 @@ async fn parse(
         streamed,
         started,
         started_ms,
+        span,
     };
     // A stored compaction covering a prefix of this request replaces it; a
     // request too large to go without one waits for one under way.
