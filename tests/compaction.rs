@@ -613,3 +613,39 @@ async fn a_request_over_the_hard_limit_with_nothing_under_way_is_compacted_befor
         .unwrap();
     assert!(reason.starts_with("hard_limit"), "{reason}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_hard_limit_is_checked_in_the_upstreams_tokens() {
+    use compactor::compaction::engine::{check_fit, Fit};
+    use std::sync::Arc;
+    let h = Harness::start_with(small_window).await;
+    let view: Arc<Vec<Value>> = Arc::new(
+        (0..14)
+            .map(|i| json!({"role": "user", "content": big_filler(i)}))
+            .collect(),
+    );
+    let estimate = compactor::compaction::engine::estimate_view(&h.state, view.clone()).await;
+    assert!(
+        estimate < 2700 && estimate * 2 > 2700,
+        "test premise: {estimate}"
+    );
+    let fit = |conv: &'static str| check_fit(&h.state, "t", conv, MODEL, view.clone(), None, None);
+    assert_eq!(
+        within(fit("c")).await,
+        Fit::Fits,
+        "by the proxy's own tokenizer it fits"
+    );
+    // This upstream counted twice as many tokens as the proxy estimated.
+    h.state
+        .compactions
+        .calibrate("t", "c", 2 * estimate, estimate);
+    match within(fit("c")).await {
+        Fit::Over(tokens) => assert_eq!(tokens, 2 * estimate),
+        other => panic!("expected Over, got {other:?}"),
+    }
+    assert_eq!(
+        within(fit("other")).await,
+        Fit::Fits,
+        "calibration is per conversation"
+    );
+}

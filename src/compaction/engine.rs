@@ -20,6 +20,9 @@ use crate::wire::{item_hash, ItemHash};
 
 /// Bytes of one item's text shown to the summarizer (head and tail kept).
 const TRANSCRIPT_ITEM_BYTES: usize = 2_000;
+/// Bounds of the estimate calibration (a wild figure is a misreport).
+const MIN_CALIBRATION: f64 = 0.5;
+const MAX_CALIBRATION: f64 = 3.0;
 /// Longest back-off, in triggering exchanges skipped.
 const MAX_BACKOFF: u32 = 64;
 
@@ -88,6 +91,11 @@ pub struct Compactions {
     newest: Mutex<HashMap<(String, String), i64>>,
     /// Every stored compaction by id (to expand `compaction` items).
     by_id: Mutex<HashMap<String, Arc<Compaction>>>,
+    /// Per conversation: the upstream's token count over the proxy's
+    /// estimate, from the last exchange that reported usage. The upstream
+    /// may tokenize differently (llama, qwen…); limits are checked in its
+    /// tokens.
+    calibration: Mutex<HashMap<(String, String), f64>>,
     /// Conversations whose next request is to be compacted (manual).
     manual: Mutex<std::collections::HashSet<String>>,
 }
@@ -145,6 +153,23 @@ impl Compactions {
             .get(id)
             .filter(|c| c.tenant == tenant)
             .cloned()
+    }
+
+    /// Learns how the upstream's token counts compare with the estimate.
+    pub fn calibrate(&self, tenant: &str, conversation: &str, reported: u64, estimated: u64) {
+        if reported == 0 || estimated == 0 {
+            return;
+        }
+        let ratio = (reported as f64 / estimated as f64).clamp(MIN_CALIBRATION, MAX_CALIBRATION);
+        lock(&self.calibration).insert((tenant.to_string(), conversation.to_string()), ratio);
+    }
+
+    /// Upstream tokens per estimated token for the conversation (1 until known).
+    pub fn calibration(&self, tenant: &str, conversation: &str) -> f64 {
+        lock(&self.calibration)
+            .get(&(tenant.to_string(), conversation.to_string()))
+            .copied()
+            .unwrap_or(1.0)
     }
 
     /// Asks for the conversation's next request to be compacted, like
@@ -405,13 +430,16 @@ pub enum Fit {
 /// Checks a request against the hard limit; waits (bounded) for the
 /// conversation's compaction under way when it is over. `bytes`, when
 /// known, is the size of the request body: a token is at least one byte, so
-/// a body no larger than the limit needs no tokenizer.
+/// a body no larger than the limit needs no tokenizer. `tools` are the
+/// request's tool definitions, which count too. The estimate is scaled by
+/// what the upstream reported for this conversation before.
 pub async fn check_fit(
     state: &Arc<AppState>,
     tenant: &str,
     conversation: &str,
     model: &str,
     view: Arc<Vec<Value>>,
+    tools: Option<Value>,
     bytes: Option<usize>,
 ) -> Fit {
     let limits = state.config.model_limits(model);
@@ -419,7 +447,18 @@ pub async fn check_fit(
     if bytes.is_some_and(|b| b as u64 <= hard) {
         return Fit::Fits;
     }
-    let tokens = estimate_view(state, view).await;
+    let tools_tokens = match tools {
+        Some(t) => {
+            let counter = state.tokens.clone();
+            tokio::task::spawn_blocking(move || counter.count_item(&item_hash(&t), &t))
+                .await
+                .unwrap_or(0)
+        }
+        None => 0,
+    };
+    let estimate = estimate_view(state, view).await + tools_tokens;
+    let tokens =
+        (estimate as f64 * state.compactions.calibration(tenant, conversation)).ceil() as u64;
     if tokens <= hard {
         return Fit::Fits;
     }

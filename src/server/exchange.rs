@@ -217,6 +217,7 @@ impl PendingExchange {
         let next = (complete && usage.is_none()).then(|| self.input(String::new(), false));
         let (conversation, model, id) =
             (self.ident.conversation.clone(), self.model.clone(), self.id);
+        let tenant = self.tenant.clone();
         let compaction = self.compaction.as_ref().map(|c| c.id.clone());
         tokio::task::spawn_blocking(move || {
             let hashes = hashes.unwrap_or_else(|| Arc::new(view.iter().map(item_hash).collect()));
@@ -226,6 +227,11 @@ impl PendingExchange {
                 Some(u) => (u.total(), "reported"),
                 None => (est.total(), "estimate"),
             };
+            if let Some(u) = usage {
+                state
+                    .compactions
+                    .calibrate(&tenant, &conversation, u.input_tokens, est.total());
+            }
             let fraction = used as f64 / limits.context_window as f64;
             let warn = fraction >= state.config.compaction.warn_ratio;
             macro_rules! line {

@@ -166,6 +166,7 @@ async fn parse(
         &pending.ident.conversation,
         &pending.model,
         pending.view.clone(),
+        pending.body.get("tools").filter(|t| !t.is_null()).cloned(),
         bytes,
     )
     .await
