@@ -9,25 +9,14 @@ use std::process::Command;
 use std::time::Duration;
 
 use compactor::admin::{authorize, AccessRequest, Denial};
-use compactor::compaction::summary::SUMMARIZER_MARKER;
-use compactor::config::{Config, ModelConfig};
-use compactor::fake_upstream::Received;
 use serde_json::{json, Value};
-use support::{client, post, within, Harness};
+use support::{
+    client, compactions, last_client_call, post, small_window, small_window_foreground, within,
+    Harness,
+};
 
 const KEY: &str = "sk-admin-tests";
 const MODEL: &str = "tiny-test";
-
-/// A 3000-token window: compaction triggers past 2250 reported tokens (the
-/// fake reports a token per 4 bytes of request).
-fn small_window(c: &mut Config) {
-    c.models.push(ModelConfig {
-        pattern: "tiny*".into(),
-        context_window: 3000,
-        max_output_tokens: Some(300),
-        trigger_ratio: None,
-    });
-}
 
 /// The same models table for the CLI, plus the store path.
 fn config_file(h: &Harness, extra: &str) -> std::path::PathBuf {
@@ -38,23 +27,6 @@ fn config_file(h: &Harness, extra: &str) -> std::path::PathBuf {
     );
     std::fs::write(&path, text).unwrap();
     path
-}
-
-fn is_summary_call(r: &Received) -> bool {
-    r.json()["messages"][0]["content"]
-        .as_str()
-        .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
-}
-
-/// What the upstream received for the client's latest request.
-fn last_client_call(h: &Harness) -> Value {
-    h.fake
-        .received()
-        .into_iter()
-        .rev()
-        .find(|r| !is_summary_call(r))
-        .expect("a client call")
-        .json()
 }
 
 struct Chat {
@@ -109,12 +81,6 @@ fn filler(i: usize) -> String {
         "Step {i}: please look at src/module_{i}.rs and explain it. {}",
         "lorem ipsum dolor ".repeat(25)
     )
-}
-
-fn compactions(h: &Harness) -> i64 {
-    h.db()
-        .query_row("SELECT count(*) FROM compactions", [], |r| r.get(0))
-        .unwrap_or(0)
 }
 
 /// Grows a conversation until the background compaction is stored, then
@@ -433,11 +399,7 @@ async fn the_cli_reads_the_store_while_the_proxy_runs() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn manual_compaction_through_the_api_and_the_cli_applies_to_the_next_request() {
-    let h = Harness::start_with(|c| {
-        small_window(c);
-        c.compaction.background = false;
-    })
-    .await;
+    let h = Harness::start_with(small_window_foreground).await;
     let mut chat = Chat::new(&h);
     const TURNS: usize = 12;
     for i in 0..TURNS {

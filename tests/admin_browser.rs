@@ -13,23 +13,13 @@ use std::path::PathBuf;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use compactor::config::{Config, ModelConfig};
 use serde_json::{json, Value};
-use support::{post, within, Harness};
+use support::{compactions, post, small_window, within, Harness};
 
 const KEY: &str = "sk-admin-browser-tests";
 const MODEL: &str = "tiny-test";
 /// Chromium's own start-up can take a while on a loaded machine.
 const BROWSER_DEADLINE: Duration = Duration::from_secs(90);
-
-fn small_window(c: &mut Config) {
-    c.models.push(ModelConfig {
-        pattern: "tiny*".into(),
-        context_window: 3000,
-        max_output_tokens: Some(300),
-        trigger_ratio: None,
-    });
-}
 
 fn chromium() -> PathBuf {
     if let Some(p) = std::env::var_os("COMPACTOR_CHROMIUM") {
@@ -118,12 +108,6 @@ async fn browse(url: String) -> String {
     .await
     .expect("browser step timed out")
     .expect("browser thread")
-}
-
-fn compactions(h: &Harness) -> i64 {
-    h.db()
-        .query_row("SELECT count(*) FROM compactions", [], |r| r.get(0))
-        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -20,11 +20,10 @@ use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use compactor::compaction::summary::SUMMARIZER_MARKER;
 use compactor::config::{Config, ModelConfig};
 use compactor::fake_upstream::{next_response_id, FakeUpstream, Received, Reply, AUTO_TEXT};
 use serde_json::{json, Value};
-use support::Harness;
+use support::{is_summary_call, Harness};
 
 const MODEL: &str = "tiny-codex";
 const KEY: &str = "sk-test";
@@ -326,12 +325,6 @@ fn function_call(n: u32, cmd: &str) -> Value {
     json!({"type": "function_call", "id": format!("fc_fake{n}"), "status": "completed",
            "call_id": format!("call_fake{n}"), "name": "exec_command",
            "arguments": json!({"cmd": cmd}).to_string()})
-}
-
-fn is_summary_call(r: &Received) -> bool {
-    r.json()["messages"][0]["content"]
-        .as_str()
-        .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
 }
 
 /// The Responses requests the fake received (not the proxy's summary calls).

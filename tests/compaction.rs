@@ -6,40 +6,15 @@ mod support;
 
 use std::time::Duration;
 
-use compactor::compaction::summary::SUMMARIZER_MARKER;
-use compactor::config::{Config, ModelConfig};
-use compactor::fake_upstream::{Received, Reply};
+use compactor::fake_upstream::Reply;
 use serde_json::{json, Value};
-use support::{post, within, Harness};
+use support::{
+    client_calls, compactions, is_summary_call, last_client_request, post, small_window,
+    small_window_foreground, wait_compactions, within, Harness,
+};
 
 const KEY: &str = "sk-compaction-tests";
 const MODEL: &str = "tiny-test";
-
-/// A 3000-token window: compaction triggers past 2250 reported tokens. The
-/// fake reports a token per 4 bytes of request.
-fn small_window(c: &mut Config) {
-    c.models.push(ModelConfig {
-        pattern: "tiny*".into(),
-        context_window: 3000,
-        max_output_tokens: Some(300),
-        trigger_ratio: None,
-    });
-}
-
-fn is_summary_call(r: &Received) -> bool {
-    r.json()["messages"][0]["content"]
-        .as_str()
-        .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
-}
-
-fn client_calls(h: &Harness) -> Vec<Value> {
-    h.fake
-        .received()
-        .iter()
-        .filter(|r| !is_summary_call(r))
-        .map(|r| r.json())
-        .collect()
-}
 
 struct Chat {
     url: String,
@@ -92,20 +67,18 @@ fn big_filler(i: usize) -> String {
     )
 }
 
-async fn wait_compactions(h: &Harness, n: i64) {
-    within(async {
-        loop {
-            let c: i64 = h
-                .db()
-                .query_row("SELECT count(*) FROM compactions", [], |r| r.get(0))
-                .unwrap_or(0);
-            if c >= n {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(25)).await;
-        }
-    })
-    .await
+/// Sends `filler` turns until the store holds a compaction (fewer than 40),
+/// pausing between turns for the background job. Returns each turn's status
+/// and headers.
+async fn grow_until_compacted(h: &Harness, chat: &mut Chat) -> Vec<(u16, http::HeaderMap)> {
+    let mut turns = Vec::new();
+    while compactions(h) == 0 {
+        let (status, headers, _) = chat.turn(&filler(turns.len())).await;
+        turns.push((status, headers));
+        assert!(turns.len() < 40, "never compacted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    turns
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -116,25 +89,13 @@ async fn crossing_the_trigger_compacts_in_the_background_and_rewrites_the_next_r
         .push(json!({"role": "user", "content": "TASK: refactor the parser so that it streams."}));
     chat.history
         .push(json!({"role": "assistant", "content": "Understood."}));
-    let mut turns = 0;
     // Grow until the store holds a compaction (the trigger is ~9 KB of request).
-    while h
-        .db()
-        .query_row("SELECT count(*) FROM compactions", [], |r| {
-            r.get::<_, i64>(0)
-        })
-        .unwrap()
-        == 0
-    {
-        let (status, headers, _) = chat.turn(&filler(turns)).await;
+    for (status, headers) in grow_until_compacted(&h, &mut chat).await {
         assert_eq!(status, 200);
         assert!(
             headers.get("x-compactor-compacted").is_none(),
             "nothing compacted yet"
         );
-        turns += 1;
-        assert!(turns < 40, "never compacted");
-        tokio::time::sleep(Duration::from_millis(50)).await;
     }
     wait_compactions(&h, 1).await;
     assert!(
@@ -194,36 +155,13 @@ async fn crossing_the_trigger_compacts_in_the_background_and_rewrites_the_next_r
 async fn the_replacement_is_byte_identical_on_every_later_request() {
     let h = Harness::start_with(small_window).await;
     let mut chat = Chat::new(&h, KEY);
-    let mut i = 0;
-    loop {
-        chat.turn(&filler(i)).await;
-        i += 1;
-        tokio::time::sleep(Duration::from_millis(30)).await;
-        if h.db()
-            .query_row("SELECT count(*) FROM compactions", [], |r| {
-                r.get::<_, i64>(0)
-            })
-            .unwrap()
-            > 0
-        {
-            break;
-        }
-        assert!(i < 40);
-    }
+    grow_until_compacted(&h, &mut chat).await;
     let mut bodies = Vec::new();
     for q in ["short question one", "short question two", "three"] {
         let (status, headers, _) = chat.turn(q).await;
         assert_eq!(status, 200);
         assert!(headers.get("x-compactor-compacted").is_some());
-        bodies.push(
-            h.fake
-                .received()
-                .into_iter()
-                .rev()
-                .find(|r| !is_summary_call(r))
-                .unwrap()
-                .body,
-        );
+        bodies.push(last_client_request(&h).body);
     }
     // The bytes up to the end of the replacement are the same every time, so
     // the upstream's prompt cache keeps hitting.
@@ -236,11 +174,7 @@ async fn the_replacement_is_byte_identical_on_every_later_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_overflow_answer_is_compacted_and_retried_transparently() {
-    let h = Harness::start_with(|c| {
-        small_window(c);
-        c.compaction.background = false;
-    })
-    .await;
+    let h = Harness::start_with(small_window_foreground).await;
     let mut chat = Chat::new(&h, KEY);
     for i in 0..10 {
         assert_eq!(chat.turn(&big_filler(i)).await.0, 200);
@@ -300,11 +234,7 @@ fn valid_narrative() -> Reply {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn when_the_retry_still_overflows_the_client_gets_the_upstreams_error() {
-    let h = Harness::start_with(|c| {
-        small_window(c);
-        c.compaction.background = false;
-    })
-    .await;
+    let h = Harness::start_with(small_window_foreground).await;
     let mut chat = Chat::new(&h, KEY);
     for i in 0..10 {
         chat.turn(&big_filler(i)).await;
@@ -334,20 +264,7 @@ async fn when_the_retry_still_overflows_the_client_gets_the_upstreams_error() {
 async fn a_compaction_never_applies_to_another_tenant() {
     let h = Harness::start_with(small_window).await;
     let mut alice = Chat::new(&h, "sk-alice");
-    let mut i = 0;
-    while h
-        .db()
-        .query_row("SELECT count(*) FROM compactions", [], |r| {
-            r.get::<_, i64>(0)
-        })
-        .unwrap()
-        == 0
-    {
-        alice.turn(&filler(i)).await;
-        i += 1;
-        tokio::time::sleep(Duration::from_millis(30)).await;
-        assert!(i < 40);
-    }
+    grow_until_compacted(&h, &mut alice).await;
     // Bob sends Alice's history byte for byte.
     let (status, headers, _) = post(
         &alice.url,
@@ -377,20 +294,7 @@ async fn a_compaction_never_applies_to_another_tenant() {
 async fn a_compacted_request_the_upstream_refuses_is_resent_uncompacted() {
     let h = Harness::start_with(small_window).await;
     let mut chat = Chat::new(&h, KEY);
-    let mut i = 0;
-    while h
-        .db()
-        .query_row("SELECT count(*) FROM compactions", [], |r| {
-            r.get::<_, i64>(0)
-        })
-        .unwrap()
-        == 0
-    {
-        chat.turn(&filler(i)).await;
-        i += 1;
-        tokio::time::sleep(Duration::from_millis(30)).await;
-        assert!(i < 40);
-    }
+    grow_until_compacted(&h, &mut chat).await;
     h.fake.push(Reply::json(400, json!({"error": {"message": "Invalid 'messages[1]'", "type": "invalid_request_error", "code": null}})));
     let (status, headers, _) = chat.turn("next").await;
     assert_eq!(
@@ -407,11 +311,7 @@ async fn a_compacted_request_the_upstream_refuses_is_resent_uncompacted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_summarizer_falls_back_to_extracted_facts() {
-    let h = Harness::start_with(|c| {
-        small_window(c);
-        c.compaction.background = false;
-    })
-    .await;
+    let h = Harness::start_with(small_window_foreground).await;
     let mut chat = Chat::new(&h, KEY);
     chat.history
         .push(json!({"role": "user", "content": "TASK: make the tests pass"}));
@@ -460,10 +360,7 @@ async fn a_client_that_rewrites_its_history_is_backed_off() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
-    let compactions: i64 = h
-        .db()
-        .query_row("SELECT count(*) FROM compactions", [], |r| r.get(0))
-        .unwrap();
+    let compactions = compactions(&h);
     assert!(compactions >= 2, "it did try: {compactions}");
     assert!(
         compactions <= 8,
@@ -475,29 +372,10 @@ async fn a_client_that_rewrites_its_history_is_backed_off() {
 async fn replay_after_a_restart_rewrites_exactly_as_before() {
     let mut h = Harness::start_with(small_window).await;
     let mut chat = Chat::new(&h, KEY);
-    let mut i = 0;
-    while h
-        .db()
-        .query_row("SELECT count(*) FROM compactions", [], |r| {
-            r.get::<_, i64>(0)
-        })
-        .unwrap()
-        == 0
-    {
-        chat.turn(&filler(i)).await;
-        i += 1;
-        tokio::time::sleep(Duration::from_millis(30)).await;
-        assert!(i < 40);
-    }
+    grow_until_compacted(&h, &mut chat).await;
     let (_, headers, _) = chat.turn("before restart").await;
     let id = headers.get("x-compactor-compacted").unwrap().clone();
-    let before = h
-        .fake
-        .received()
-        .into_iter()
-        .rev()
-        .find(|r| !is_summary_call(r))
-        .unwrap();
+    let before = last_client_request(&h);
     // Same history again after a restart on the same store.
     chat.history.truncate(chat.history.len() - 2);
     h.stop().await;
@@ -510,13 +388,7 @@ async fn replay_after_a_restart_rewrites_exactly_as_before() {
     let (status, headers, _) = chat.turn("before restart").await;
     assert_eq!(status, 200);
     assert_eq!(headers.get("x-compactor-compacted"), Some(&id));
-    let after = h2
-        .fake
-        .received()
-        .into_iter()
-        .rev()
-        .find(|r| !is_summary_call(r))
-        .unwrap();
+    let after = last_client_request(&h2);
     assert_eq!(
         after.body, before.body,
         "byte-identical request after the restart"
@@ -525,11 +397,7 @@ async fn replay_after_a_restart_rewrites_exactly_as_before() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_manual_compaction_applies_to_the_next_request() {
-    let h = Harness::start_with(|c| {
-        small_window(c);
-        c.compaction.background = false;
-    })
-    .await;
+    let h = Harness::start_with(small_window_foreground).await;
     let mut chat = Chat::new(&h, KEY);
     let mut conv = String::new();
     for i in 0..10 {

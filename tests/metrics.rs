@@ -5,9 +5,8 @@ mod support;
 
 use std::time::Duration;
 
-use compactor::config::{Config, ModelConfig};
 use serde_json::json;
-use support::{client, post, within, Harness};
+use support::{client, post, small_window, within, Harness};
 
 const KEY: &str = "sk-metrics-tests";
 
@@ -152,15 +151,7 @@ async fn requests_are_counted_by_endpoint_and_status() {
 /// Needs the engine to call `Metrics::compaction` when it stores one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compactions_are_counted_by_rung_and_reason() {
-    let h = Harness::start_with(|c: &mut Config| {
-        c.models.push(ModelConfig {
-            pattern: "tiny*".into(),
-            context_window: 3000,
-            max_output_tokens: Some(300),
-            trigger_ratio: None,
-        });
-    })
-    .await;
+    let h = Harness::start_with(small_window).await;
     let mut history = vec![
         json!({"role": "system", "content": "You are a careful coding agent."}),
         json!({"role": "user", "content": "TASK: refactor the parser so that it streams."}),

@@ -37,6 +37,17 @@ async fn proxy() -> Harness {
     within(Harness::start_with(move |c| c.upstream.base_url = url)).await
 }
 
+/// The real llama-server as upstream, with its window in the models table.
+fn through_llama_window(c: &mut compactor::config::Config) {
+    c.upstream.base_url = llama_url();
+    c.models.push(compactor::config::ModelConfig {
+        pattern: "smollm2".into(),
+        context_window: LLAMA_WINDOW as u64,
+        max_output_tokens: Some(64),
+        trigger_ratio: None,
+    });
+}
+
 /// One stored exchange: the columns these tests check.
 #[derive(Debug)]
 struct Row {
@@ -78,6 +89,29 @@ fn rows(h: &Harness) -> Vec<Row> {
     .expect("query")
     .collect::<Result<_, _>>()
     .expect("rows")
+}
+
+/// POSTs `req` with the test key and asserts a 200 (showing the body if not).
+async fn post_ok(url: &str, req: &Value) -> (http::HeaderMap, bytes::Bytes) {
+    let (status, headers, body) = post(url, KEY, req).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    (headers, body)
+}
+
+/// The one exchange in the store, asserting it is the only one.
+fn only_row(h: &Harness) -> Row {
+    let mut rows = rows(h);
+    assert_eq!(rows.len(), 1, "{rows:?}");
+    rows.remove(0)
+}
+
+/// Asserts the exchange was recorded whole with status 200, streamed or not.
+fn assert_whole_200(r: &Row, streamed: bool) {
+    assert_eq!(
+        (r.status, r.streamed, r.partial),
+        (200, streamed, false),
+        "{r:?}"
+    );
 }
 
 fn header(headers: &http::HeaderMap, name: &str) -> String {
@@ -148,13 +182,11 @@ fn assert_usage(row: &Row, input: &Value, output: &Value) {
 async fn chat_json_usage_matches_the_record() {
     let _slot = ONE_AT_A_TIME.lock().await;
     let mut h = proxy().await;
-    let (status, headers, body) = post(
+    let (headers, body) = post_ok(
         &format!("{}/chat/completions", h.url()),
-        KEY,
         &chat_body("Say hello.", 12),
     )
     .await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
     let v = json_of(&body);
     let msg = &v["choices"][0]["message"];
     assert_eq!(msg["role"], "assistant", "no assistant message: {v}");
@@ -164,14 +196,8 @@ async fn chat_json_usage_matches_the_record() {
     );
     let conv = header(&headers, CONVERSATION);
 
-    let rows = rows(&h);
-    assert_eq!(rows.len(), 1, "{rows:?}");
-    let r = &rows[0];
-    assert_eq!(
-        (r.status, r.streamed, r.partial),
-        (200, false, false),
-        "{r:?}"
-    );
+    let r = &only_row(&h);
+    assert_whole_200(r, false);
     assert!(r.endpoint.ends_with("chat/completions"), "{r:?}");
     assert_eq!(r.conversation, conv);
     assert_usage(
@@ -196,8 +222,7 @@ async fn chat_stream_hides_usage_the_client_did_not_ask_for() {
     // 1. No stream_options: the proxy asks upstream for usage and hides it.
     let mut req = chat_body("Count to three.", 8);
     req["stream"] = json!(true);
-    let (status, headers, body) = post(&url, KEY, &req).await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (headers, body) = post_ok(&url, &req).await;
     let ct = header(&headers, "content-type");
     assert!(ct.starts_with("text/event-stream"), "content-type {ct}");
     header(&headers, CONVERSATION);
@@ -235,14 +260,8 @@ async fn chat_stream_hides_usage_the_client_did_not_ask_for() {
         !String::from_utf8_lossy(&body).contains("\"usage\""),
         "usage leaked"
     );
-    let rows1 = rows(&h);
-    assert_eq!(rows1.len(), 1, "{rows1:?}");
-    let r = &rows1[0];
-    assert_eq!(
-        (r.status, r.streamed, r.partial),
-        (200, true, false),
-        "{r:?}"
-    );
+    let r = &only_row(&h);
+    assert_whole_200(r, true);
     assert!(
         r.input_tokens.is_some_and(|t| t > 0)
             && r.output_tokens.is_some_and(|t| (1..=8).contains(&t)),
@@ -253,8 +272,7 @@ async fn chat_stream_hides_usage_the_client_did_not_ask_for() {
     let mut req = chat_body("Count to three.", 8);
     req["stream"] = json!(true);
     req["stream_options"] = json!({"include_usage": true});
-    let (status, _, body) = post(&url, KEY, &req).await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (_, body) = post_ok(&url, &req).await;
     let events = sse(&body);
     assert_eq!(events.last().unwrap().1, "[DONE]");
     let usage_chunks: Vec<Value> = events[..events.len() - 1]
@@ -277,11 +295,7 @@ async fn chat_stream_hides_usage_the_client_did_not_ask_for() {
     let rows2 = rows(&h);
     assert_eq!(rows2.len(), 2, "{rows2:?}");
     let r = &rows2[1];
-    assert_eq!(
-        (r.status, r.streamed, r.partial),
-        (200, true, false),
-        "{r:?}"
-    );
+    assert_whole_200(r, true);
     assert_usage(
         r,
         &u["usage"]["prompt_tokens"],
@@ -298,8 +312,7 @@ async fn responses_json_usage_matches_the_record() {
     let _slot = ONE_AT_A_TIME.lock().await;
     let mut h = proxy().await;
     let req = json!({"model": "smollm2", "input": "Say hello.", "max_output_tokens": 12});
-    let (status, headers, body) = post(&format!("{}/responses", h.url()), KEY, &req).await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (headers, body) = post_ok(&format!("{}/responses", h.url()), &req).await;
     let v = json_of(&body);
     assert_eq!(v["object"], "response", "{v}");
     let out = v["output"]
@@ -312,14 +325,8 @@ async fn responses_json_usage_matches_the_record() {
     );
     let conv = header(&headers, CONVERSATION);
 
-    let rows = rows(&h);
-    assert_eq!(rows.len(), 1, "{rows:?}");
-    let r = &rows[0];
-    assert_eq!(
-        (r.status, r.streamed, r.partial),
-        (200, false, false),
-        "{r:?}"
-    );
+    let r = &only_row(&h);
+    assert_whole_200(r, false);
     assert_eq!(r.conversation, conv);
     assert!(r.endpoint.ends_with("responses"), "{r:?}");
     assert_eq!(
@@ -342,8 +349,7 @@ async fn responses_stream_usage_matches_the_completed_event() {
         "max_output_tokens": 8,
         "stream": true,
     });
-    let (status, headers, body) = post(&format!("{}/responses", h.url()), KEY, &req).await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (headers, body) = post_ok(&format!("{}/responses", h.url()), &req).await;
     let ct = header(&headers, "content-type");
     assert!(ct.starts_with("text/event-stream"), "content-type {ct}");
     let conv = header(&headers, CONVERSATION);
@@ -365,14 +371,8 @@ async fn responses_stream_usage_matches_the_completed_event() {
     let resp = &completed["response"];
     assert_eq!(resp["status"], "completed", "{completed}");
 
-    let rows = rows(&h);
-    assert_eq!(rows.len(), 1, "{rows:?}");
-    let r = &rows[0];
-    assert_eq!(
-        (r.status, r.streamed, r.partial),
-        (200, true, false),
-        "{r:?}"
-    );
+    let r = &only_row(&h);
+    assert_whole_200(r, true);
     assert_eq!(r.conversation, conv);
     assert_eq!(
         r.response_id.as_deref(),
@@ -423,9 +423,7 @@ async fn over_long_prompt_gets_the_upstream_400_verbatim() {
     );
     let conv = header(&headers, CONVERSATION);
 
-    let rows = rows(&h);
-    assert_eq!(rows.len(), 1, "{rows:?}");
-    let r = &rows[0];
+    let r = &only_row(&h);
     assert_eq!(r.status, 400, "{r:?}");
     assert_eq!(r.conversation, conv);
     assert_eq!((r.input_tokens, r.output_tokens), (None, None), "{r:?}");
@@ -440,8 +438,7 @@ async fn two_turns_land_in_one_conversation() {
     let url = format!("{}/chat/completions", h.url());
     let user1 = json!({"role": "user", "content": "My name is Ada. Say hello."});
     let req1 = json!({"model": "smollm2", "messages": [user1], "max_tokens": 12});
-    let (s1, h1, b1) = post(&url, KEY, &req1).await;
-    assert_eq!(s1, 200, "{}", String::from_utf8_lossy(&b1));
+    let (h1, b1) = post_ok(&url, &req1).await;
     let answer = json_of(&b1)["choices"][0]["message"].clone();
     assert!(answer.is_object(), "no message in turn 1");
     let conv1 = header(&h1, CONVERSATION);
@@ -452,8 +449,7 @@ async fn two_turns_land_in_one_conversation() {
         "messages": [user1, answer, {"role": "user", "content": "What is my name?"}],
         "max_tokens": 12,
     });
-    let (s2, h2, b2) = post(&url, KEY, &req2).await;
-    assert_eq!(s2, 200, "{}", String::from_utf8_lossy(&b2));
+    let (h2, _) = post_ok(&url, &req2).await;
     let conv2 = header(&h2, CONVERSATION);
     assert_eq!(
         conv1, conv2,
@@ -762,19 +758,7 @@ async fn thirty_turns_fit_through_compactor_but_overflow_direct() {
     let direct_secs = started.elapsed().as_secs_f64();
 
     // 2. Through compactor: every turn succeeds.
-    let mut h = within_long(
-        "proxy start",
-        Harness::start_with(|c| {
-            c.upstream.base_url = llama_url();
-            c.models.push(compactor::config::ModelConfig {
-                pattern: "smollm2".into(),
-                context_window: LLAMA_WINDOW as u64,
-                max_output_tokens: Some(64),
-                trigger_ratio: None,
-            });
-        }),
-    )
-    .await;
+    let mut h = within_long("proxy start", Harness::start_with(through_llama_window)).await;
     let url = format!("{}/chat/completions", h.url());
     let mut history = vec![system.clone()];
     let mut failures = Vec::new();
@@ -939,17 +923,7 @@ fn responses_output(body: &[u8], streamed: bool) -> (String, Value) {
 async fn responses_chains_and_long_conversations_work_through_compactor() {
     let _slot = ONE_AT_A_TIME.lock().await;
     let llama = llama_url();
-    let upstream = llama.clone();
-    let h = within(Harness::start_with(move |c| {
-        c.upstream.base_url = upstream;
-        c.models.push(compactor::config::ModelConfig {
-            pattern: "smollm2".into(),
-            context_window: LLAMA_WINDOW as u64,
-            max_output_tokens: Some(64),
-            trigger_ratio: None,
-        });
-    }))
-    .await;
+    let h = within(Harness::start_with(through_llama_window)).await;
     let url = format!("{}/responses", h.url());
     let ask = |input: Value, prev: Option<&str>, stream: bool| {
         let mut body = json!({"model": "smollm2", "input": input, "max_output_tokens": 12, "temperature": 0.0});

@@ -6,39 +6,15 @@ mod support;
 
 use std::time::Duration;
 
-use compactor::compaction::summary::SUMMARIZER_MARKER;
-use compactor::config::{Config, ModelConfig};
-use compactor::fake_upstream::{responses_stream_events, Received, Reply};
+use compactor::fake_upstream::{responses_stream_events, Reply};
 use serde_json::{json, Value};
-use support::{client, post, within, Harness};
+use support::{
+    client, client_calls, compactions, last_client_call, post, small_window,
+    small_window_foreground, within, Harness,
+};
 
 const KEY: &str = "sk-responses-tests";
 const MODEL: &str = "tiny-codex";
-
-fn small_window(c: &mut Config) {
-    c.models.push(ModelConfig {
-        pattern: "tiny*".into(),
-        context_window: 3000,
-        max_output_tokens: Some(300),
-        trigger_ratio: None,
-    });
-}
-
-fn is_summary_call(r: &Received) -> bool {
-    r.json()["messages"][0]["content"]
-        .as_str()
-        .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
-}
-
-fn last_client_call(h: &Harness) -> Value {
-    h.fake
-        .received()
-        .into_iter()
-        .rev()
-        .find(|r| !is_summary_call(r))
-        .unwrap()
-        .json()
-}
 
 /// A Codex-like session: developer prompt, environment context, task, then
 /// reasoning + function calls with outputs every turn. Full input each turn.
@@ -80,19 +56,13 @@ impl Session {
     }
 }
 
-async fn compactions(h: &Harness) -> i64 {
-    h.db()
-        .query_row("SELECT count(*) FROM compactions", [], |r| r.get(0))
-        .unwrap()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_input_sessions_compact_and_keep_reasoning_only_in_the_tail() {
     let h = Harness::start_with(small_window).await;
     let url = format!("{}/responses", h.url());
     let mut s = Session::new();
     let mut turns = 0;
-    while compactions(&h).await == 0 {
+    while compactions(&h) == 0 {
         s.step();
         let (status, _, _) = post(&url, KEY, &s.body(false)).await;
         assert_eq!(status, 200);
@@ -137,11 +107,7 @@ async fn full_input_sessions_compact_and_keep_reasoning_only_in_the_tail() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_that_fails_for_lack_of_room_is_compacted_and_retried_before_the_client_sees_it() {
-    let h = Harness::start_with(|c| {
-        small_window(c);
-        c.compaction.background = false;
-    })
-    .await;
+    let h = Harness::start_with(small_window_foreground).await;
     let url = format!("{}/responses", h.url());
     let mut s = Session::new();
     for _ in 0..8 {
@@ -238,12 +204,7 @@ async fn the_compact_endpoint_returns_an_item_the_proxy_expands_later() {
     for _ in 0..8 {
         s.step();
     }
-    let before = h
-        .fake
-        .received()
-        .iter()
-        .filter(|r| !is_summary_call(r))
-        .count();
+    let before = client_calls(&h).len();
     let (status, headers, body) = post(
         &format!("{}/responses/compact", h.url()),
         KEY,
@@ -264,15 +225,7 @@ async fn the_compact_endpoint_returns_an_item_the_proxy_expands_later() {
         .as_str()
         .unwrap()
         .starts_with("compactor.v1."));
-    assert_eq!(
-        h.fake
-            .received()
-            .iter()
-            .filter(|r| !is_summary_call(r))
-            .count(),
-        before,
-        "served by the proxy itself"
-    );
+    assert_eq!(client_calls(&h).len(), before, "served by the proxy itself");
 
     // The client continues from the returned output.
     let mut next = vec![s.input[0].clone()];
@@ -325,12 +278,7 @@ async fn codex_in_band_trigger_is_answered_with_exactly_one_compaction_item() {
         .as_array_mut()
         .unwrap()
         .push(json!({"type": "compaction_trigger"}));
-    let before = h
-        .fake
-        .received()
-        .iter()
-        .filter(|r| !is_summary_call(r))
-        .count();
+    let before = client_calls(&h).len();
     let resp = within(
         client()
             .post(format!("{}/responses", h.url()))
@@ -347,14 +295,7 @@ async fn codex_in_band_trigger_is_answered_with_exactly_one_compaction_item() {
         "text/event-stream"
     );
     let text = within(resp.text()).await.unwrap();
-    assert_eq!(
-        h.fake
-            .received()
-            .iter()
-            .filter(|r| !is_summary_call(r))
-            .count(),
-        before
-    );
+    assert_eq!(client_calls(&h).len(), before);
     let completed: Value = text
         .split("\n\n")
         .filter_map(|e| e.lines().find_map(|l| l.strip_prefix("data: ")))

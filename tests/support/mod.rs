@@ -9,9 +9,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use compactor::config::Config;
-use compactor::fake_upstream::FakeUpstream;
+use compactor::compaction::summary::SUMMARIZER_MARKER;
+use compactor::config::{Config, ModelConfig};
+use compactor::fake_upstream::{FakeUpstream, Received};
 use compactor::server::{self, AppState};
+use serde_json::Value;
 use tokio::sync::oneshot;
 
 /// Upper bound for any single await in a test.
@@ -171,4 +173,72 @@ pub async fn post_raw(url: &str, key: &str, body: Vec<u8>) -> (u16, http::Header
     let headers = resp.headers().clone();
     let body = within(resp.bytes()).await.expect("body");
     (status, headers, body)
+}
+
+/// A 3000-token window for `tiny*` models: compaction triggers past 2250
+/// reported tokens (the fake reports a token per 4 bytes of request).
+pub fn small_window(c: &mut Config) {
+    c.models.push(ModelConfig {
+        pattern: "tiny*".into(),
+        context_window: 3000,
+        max_output_tokens: Some(300),
+        trigger_ratio: None,
+    });
+}
+
+/// [`small_window`] without background compaction: conversations compact
+/// only on overflow, on request, or past the hard limit.
+pub fn small_window_foreground(c: &mut Config) {
+    small_window(c);
+    c.compaction.background = false;
+}
+
+/// Whether the upstream request is the proxy's own summarizer call.
+pub fn is_summary_call(r: &Received) -> bool {
+    r.json()["messages"][0]["content"]
+        .as_str()
+        .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
+}
+
+/// The bodies of the requests the fake upstream received that are not
+/// summarizer calls, oldest first.
+pub fn client_calls(h: &Harness) -> Vec<Value> {
+    h.fake
+        .received()
+        .iter()
+        .filter(|r| !is_summary_call(r))
+        .map(|r| r.json())
+        .collect()
+}
+
+/// What the upstream received for the client's latest request.
+pub fn last_client_request(h: &Harness) -> Received {
+    h.fake
+        .received()
+        .into_iter()
+        .rev()
+        .find(|r| !is_summary_call(r))
+        .expect("a client call")
+}
+
+/// The body of [`last_client_request`], as JSON.
+pub fn last_client_call(h: &Harness) -> Value {
+    last_client_request(h).json()
+}
+
+/// How many compactions the store holds.
+pub fn compactions(h: &Harness) -> i64 {
+    h.db()
+        .query_row("SELECT count(*) FROM compactions", [], |r| r.get(0))
+        .expect("count compactions")
+}
+
+/// Waits until the store holds `n` compactions.
+pub async fn wait_compactions(h: &Harness, n: i64) {
+    within(async {
+        while compactions(h) < n {
+            tokio::time::sleep(Duration::from_millis(25)).await;
+        }
+    })
+    .await
 }
