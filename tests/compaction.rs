@@ -484,7 +484,7 @@ async fn a_request_over_the_hard_limit_with_nothing_under_way_is_compacted_befor
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hard_limit_is_checked_in_the_upstreams_tokens() {
-    use compactor::compaction::engine::{check_fit, Fit};
+    use compactor::compaction::engine::{check_fit, Fit, FitCheck};
     use std::sync::Arc;
     let h = Harness::start_with(small_window).await;
     let view: Arc<Vec<Value>> = Arc::new(
@@ -492,12 +492,23 @@ async fn the_hard_limit_is_checked_in_the_upstreams_tokens() {
             .map(|i| json!({"role": "user", "content": big_filler(i)}))
             .collect(),
     );
-    let estimate = compactor::compaction::engine::estimate_view(&h.state, view.clone()).await;
+    let estimate = compactor::compaction::engine::estimate_view(&h.state, view.clone(), None).await;
     assert!(
         estimate < 2700 && estimate * 2 > 2700,
         "test premise: {estimate}"
     );
-    let fit = |conv: &'static str| check_fit(&h.state, "t", conv, MODEL, view.clone(), None, None);
+    let fit = |conv: &'static str| {
+        let check = FitCheck {
+            tenant: "t",
+            conversation: conv,
+            model: MODEL,
+            view: view.clone(),
+            hashes: None,
+            tools: None,
+            bytes: None,
+        };
+        check_fit(&h.state, check)
+    };
     assert_eq!(
         within(fit("c")).await,
         Fit::Fits,

@@ -234,10 +234,14 @@ impl Compactions {
 async fn count_items(
     state: &Arc<AppState>,
     items: Arc<Vec<Value>>,
+    known: Option<Arc<Vec<ItemHash>>>,
 ) -> Result<(Vec<ItemHash>, Vec<u64>), CompactError> {
     let st = state.clone();
     tokio::task::spawn_blocking(move || {
-        let hashes: Vec<ItemHash> = items.iter().map(item_hash).collect();
+        let hashes: Vec<ItemHash> = match known {
+            Some(h) if h.len() == items.len() => h.to_vec(),
+            _ => items.iter().map(item_hash).collect(),
+        };
         let tokens = items
             .iter()
             .zip(&hashes)
@@ -249,9 +253,14 @@ async fn count_items(
     .map_err(|e| CompactError::Internal(e.to_string()))
 }
 
-/// Estimated tokens of a request view.
-pub async fn estimate_view(state: &Arc<AppState>, view: Arc<Vec<Value>>) -> u64 {
-    count_items(state, view)
+/// Estimated tokens of a request view (`hashes`: its item hashes, when
+/// already computed).
+pub async fn estimate_view(
+    state: &Arc<AppState>,
+    view: Arc<Vec<Value>>,
+    hashes: Option<Arc<Vec<ItemHash>>>,
+) -> u64 {
+    count_items(state, view, hashes)
         .await
         .map(|(_, t)| t.iter().sum())
         .unwrap_or(0)
@@ -263,7 +272,7 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
     let started = Instant::now();
     let limits = state.config.model_limits(&input.model);
     let params = Params::new(&state.config.compaction, &limits);
-    let (hashes, tokens) = count_items(state, input.view.clone()).await?;
+    let (hashes, tokens) = count_items(state, input.view.clone(), None).await?;
     let view = &input.view;
     let base = input.base.as_deref();
     let prepared = if input.whole {
@@ -427,27 +436,46 @@ pub enum Fit {
     Over(u64),
 }
 
+/// A request to check against the hard limit.
+pub struct FitCheck<'a> {
+    /// Tenant.
+    pub tenant: &'a str,
+    /// Conversation.
+    pub conversation: &'a str,
+    /// Model (for its limits).
+    pub model: &'a str,
+    /// The items as they would go upstream.
+    pub view: Arc<Vec<Value>>,
+    /// Their hashes, when already computed.
+    pub hashes: Option<Arc<Vec<ItemHash>>>,
+    /// The request's tool definitions.
+    pub tools: Option<&'a Value>,
+    /// Size of the request body, when it is what goes upstream.
+    pub bytes: Option<usize>,
+}
+
 /// Checks a request against the hard limit; waits (bounded) for the
 /// conversation's compaction under way when it is over. `bytes`, when
 /// known, is the size of the request body: a token is at least one byte, so
 /// a body no larger than the limit needs no tokenizer. `tools` are the
 /// request's tool definitions, which count too. The estimate is scaled by
 /// what the upstream reported for this conversation before.
-pub async fn check_fit(
-    state: &Arc<AppState>,
-    tenant: &str,
-    conversation: &str,
-    model: &str,
-    view: Arc<Vec<Value>>,
-    tools: Option<Value>,
-    bytes: Option<usize>,
-) -> Fit {
+pub async fn check_fit(state: &Arc<AppState>, req: FitCheck<'_>) -> Fit {
+    let FitCheck {
+        tenant,
+        conversation,
+        model,
+        view,
+        hashes,
+        tools,
+        bytes,
+    } = req;
     let limits = state.config.model_limits(model);
     let hard = hard_limit(&limits);
     if bytes.is_some_and(|b| b as u64 <= hard) {
         return Fit::Fits;
     }
-    let tools_tokens = match tools {
+    let tools_tokens = match tools.cloned() {
         Some(t) => {
             let counter = state.tokens.clone();
             tokio::task::spawn_blocking(move || counter.count_item(&item_hash(&t), &t))
@@ -456,7 +484,7 @@ pub async fn check_fit(
         }
         None => 0,
     };
-    let estimate = estimate_view(state, view).await + tools_tokens;
+    let estimate = estimate_view(state, view, hashes).await + tools_tokens;
     let tokens =
         (estimate as f64 * state.compactions.calibration(tenant, conversation)).ceil() as u64;
     if tokens <= hard {

@@ -160,17 +160,16 @@ async fn parse(
         pending.apply(c);
     }
     let bytes = pending.compaction.is_none().then_some(raw_len);
-    match engine::check_fit(
-        state,
-        &pending.tenant,
-        &pending.ident.conversation,
-        &pending.model,
-        pending.view.clone(),
-        pending.body.get("tools").filter(|t| !t.is_null()).cloned(),
+    let check = engine::FitCheck {
+        tenant: &pending.tenant,
+        conversation: &pending.ident.conversation,
+        model: &pending.model,
+        view: pending.view.clone(),
+        hashes: Arc::ptr_eq(&pending.view, &pending.items).then(|| pending.hashes.clone()),
+        tools: pending.body.get("tools").filter(|t| !t.is_null()),
         bytes,
-    )
-    .await
-    {
+    };
+    match engine::check_fit(state, check).await {
         engine::Fit::Fits => {}
         engine::Fit::Waited => {
             if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
