@@ -153,6 +153,24 @@ async fn raw_keys_never_reach_the_store() {
     )
     .await;
     assert_eq!(status, 200);
+    // An upstream that quotes the key it refused: the client gets that
+    // answer, the store does not keep the key.
+    h.fake.push(compactor::fake_upstream::Reply::json(
+        401,
+        json!({"error": {"message": format!("Incorrect API key provided: {key}."),
+                         "type": "invalid_request_error", "code": "invalid_api_key"}}),
+    ));
+    let (status, _, body) = post(
+        &format!("{}/responses", h.url()),
+        key,
+        &json!({"input": "y"}),
+    )
+    .await;
+    assert_eq!(status, 401);
+    assert!(
+        String::from_utf8_lossy(&body).contains(key),
+        "relayed verbatim to its owner"
+    );
     // Look in the database and its WAL, as bytes.
     let mut found = Vec::new();
     for entry in std::fs::read_dir(h.dir.path()).unwrap() {
@@ -170,7 +188,7 @@ async fn raw_keys_never_reach_the_store() {
         .db()
         .query_row("SELECT count(*) FROM exchanges", [], |r| r.get(0))
         .unwrap();
-    assert_eq!(n, 2, "the exchanges themselves were recorded");
+    assert_eq!(n, 3, "the exchanges themselves were recorded");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
