@@ -93,6 +93,16 @@ impl Upstream {
         }
     }
 
+    /// Removes the server-side key from text bound for records or logs.
+    pub fn redact(&self, text: String) -> String {
+        match &self.api_key {
+            Some(Secret(key)) if key.len() >= 8 && text.contains(key.as_str()) => {
+                text.replace(key.as_str(), "[REDACTED]")
+            }
+            _ => text,
+        }
+    }
+
     /// The base URL, for the banner.
     pub fn base(&self) -> &str {
         &self.base

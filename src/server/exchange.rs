@@ -162,9 +162,12 @@ impl PendingExchange {
             status: outcome.status,
             streamed: self.streamed,
             partial: outcome.partial,
-            error: outcome
-                .error
-                .map(|e| truncate(redact(e, &self.auth), MAX_ERROR_CHARS)),
+            error: outcome.error.map(|e| {
+                truncate(
+                    state.upstream.redact(redact(e, &self.auth)),
+                    MAX_ERROR_CHARS,
+                )
+            }),
             started_ms: self.started_ms,
             latency_ms: self.started.elapsed().as_secs_f64() * 1000.0,
             ttfb_ms: outcome.ttfb_ms,
