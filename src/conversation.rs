@@ -8,7 +8,7 @@
 //! take precedence. Everything is keyed by tenant: nothing is ever shared
 //! between two credentials, even for byte-identical histories.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Mutex;
 
 use crate::store::{IndexedExchange, PrefixRef, Snapshot};
@@ -60,7 +60,21 @@ struct Inner {
     by_chain: HashMap<(String, ItemHash), Hit>,
     by_key: HashMap<(String, String), String>,
     by_response: HashMap<(String, String), String>,
+    /// Per conversation, its indexed prefixes and response ids, oldest
+    /// first, so the index stays bounded however long it runs.
+    recent: HashMap<(String, String), VecDeque<Indexed>>,
 }
+
+/// One index entry a conversation owns.
+enum Indexed {
+    Chain(ItemHash),
+    Response(String),
+}
+
+/// Prefixes (and response ids) kept per conversation. A client continues
+/// from one of its latest exchanges; one that resumes from an older point
+/// simply starts a new conversation.
+const MAX_ENTRIES_PER_CONVERSATION: usize = 64;
 
 /// In-memory index from prefixes, keys and response ids to conversations;
 /// rebuilt from the store at start-up.
@@ -146,27 +160,63 @@ impl ConversationIndex {
     /// Records a completed exchange's prefixes so later requests find it.
     pub fn remember(&self, ex: &IndexedExchange) {
         let mut inner = self.lock();
-        let mut put = |chain: Option<ItemHash>, len: usize, full: bool| {
+        let mut added = Vec::new();
+        for (chain, len, full) in [
+            (ex.chain_request, ex.request_len, false),
+            (ex.chain_full, ex.request_len + ex.response_len, true),
+        ] {
             if let (Some(c), true) = (chain, len > 0) {
-                inner.by_chain.insert(
-                    (ex.tenant.clone(), c),
-                    Hit {
-                        conversation: ex.conversation.clone(),
-                        prefix: PrefixRef {
-                            exchange: ex.id,
-                            len,
-                            full,
-                        },
-                    },
-                );
+                let prefix = PrefixRef {
+                    exchange: ex.id,
+                    len,
+                    full,
+                };
+                let hit = Hit {
+                    conversation: ex.conversation.clone(),
+                    prefix,
+                };
+                inner.by_chain.insert((ex.tenant.clone(), c), hit);
+                added.push(Indexed::Chain(c));
             }
-        };
-        put(ex.chain_request, ex.request_len, false);
-        put(ex.chain_full, ex.request_len + ex.response_len, true);
+        }
         if let Some(r) = &ex.response_id {
             inner
                 .by_response
                 .insert((ex.tenant.clone(), r.clone()), ex.conversation.clone());
+            added.push(Indexed::Response(r.clone()));
+        }
+        let key = (ex.tenant.clone(), ex.conversation.clone());
+        let recent = inner.recent.entry(key).or_default();
+        recent.extend(added);
+        let mut evicted = Vec::new();
+        while recent.len() > MAX_ENTRIES_PER_CONVERSATION {
+            evicted.extend(recent.pop_front());
+        }
+        for old in evicted {
+            // Only if the entry still names this conversation (another may
+            // have indexed the same prefix since).
+            match old {
+                Indexed::Chain(c) => {
+                    let k = (ex.tenant.clone(), c);
+                    if inner
+                        .by_chain
+                        .get(&k)
+                        .is_some_and(|h| h.conversation == ex.conversation)
+                    {
+                        inner.by_chain.remove(&k);
+                    }
+                }
+                Indexed::Response(r) => {
+                    let k = (ex.tenant.clone(), r);
+                    if inner
+                        .by_response
+                        .get(&k)
+                        .is_some_and(|c| *c == ex.conversation)
+                    {
+                        inner.by_response.remove(&k);
+                    }
+                }
+            }
         }
     }
 
@@ -222,6 +272,20 @@ mod tests {
                 full: true
             })
         );
+    }
+
+    #[test]
+    fn the_index_stays_bounded_per_conversation() {
+        let idx = ConversationIndex::default();
+        let c = chains(400);
+        for turn in 0..150 {
+            let req = 2 * turn + 1;
+            idx.remember(&ex(turn as i64, "conv_long", "t", &c, req));
+        }
+        assert!(idx.len() <= MAX_ENTRIES_PER_CONVERSATION, "{}", idx.len());
+        // The latest exchanges still continue the conversation.
+        let next = idx.identify("t", None, None, &c[..302]);
+        assert_eq!(next.conversation, "conv_long");
     }
 
     #[test]
