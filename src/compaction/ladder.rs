@@ -32,38 +32,44 @@ pub fn truncate_outputs(
     hashes: &[ItemHash],
     limits: TruncateLimits,
 ) -> (Vec<Value>, usize) {
-    let mut changed = 0;
-    let out = part
-        .iter()
-        .zip(hashes)
-        .map(|(item, hash)| {
-            if !is_tool_output(item) {
-                return item.clone();
-            }
-            let field = output_field(item);
-            let text = item.get(field).map(value_text).unwrap_or_default();
-            if text.len() <= limits.max_bytes {
-                return item.clone();
-            }
-            let head = floor_boundary(&text, limits.keep_head);
-            let tail = ceil_boundary(&text, text.len().saturating_sub(limits.keep_tail).max(head));
-            let elided = tail - head;
-            let marker = format!(
-                "\n[compactor: {elided} bytes of tool output elided; original archived as {}]\n",
-                archive_ref(hash)
-            );
-            let mut new = item.clone();
-            new[field] = Value::String(format!("{}{marker}{}", &text[..head], &text[tail..]));
-            changed += 1;
-            new
-        })
-        .collect();
-    (out, changed)
+    rewrite_outputs(part, hashes, |text, hash| {
+        if text.len() <= limits.max_bytes {
+            return None;
+        }
+        let head = floor_boundary(text, limits.keep_head);
+        let tail = ceil_boundary(text, text.len().saturating_sub(limits.keep_tail).max(head));
+        let elided = tail - head;
+        let marker = format!(
+            "\n[compactor: {elided} bytes of tool output elided; original archived as {}]\n",
+            archive_ref(hash)
+        );
+        Some(format!("{}{marker}{}", &text[..head], &text[tail..]))
+    })
 }
 
 /// Rung 2: replaces every tool output with a one-line stub naming its size
 /// and the archived original.
 pub fn prune_outputs(part: &[Value], hashes: &[ItemHash]) -> (Vec<Value>, usize) {
+    rewrite_outputs(part, hashes, |text, hash| {
+        if text.starts_with("[compactor: tool output pruned") {
+            return None;
+        }
+        Some(format!(
+            "[compactor: tool output pruned ({} bytes); original archived as {}]",
+            text.len(),
+            archive_ref(hash)
+        ))
+    })
+}
+
+/// Replaces the payload of each tool output for which `new_text` (given its
+/// text and the item's hash) returns one; everything else is copied as is.
+/// Returns the items and how many changed.
+fn rewrite_outputs(
+    part: &[Value],
+    hashes: &[ItemHash],
+    mut new_text: impl FnMut(&str, &ItemHash) -> Option<String>,
+) -> (Vec<Value>, usize) {
     let mut changed = 0;
     let out = part
         .iter()
@@ -74,17 +80,15 @@ pub fn prune_outputs(part: &[Value], hashes: &[ItemHash]) -> (Vec<Value>, usize)
             }
             let field = output_field(item);
             let text = item.get(field).map(value_text).unwrap_or_default();
-            if text.starts_with("[compactor: tool output pruned") {
-                return item.clone();
+            match new_text(&text, hash) {
+                Some(t) => {
+                    let mut new = item.clone();
+                    new[field] = Value::String(t);
+                    changed += 1;
+                    new
+                }
+                None => item.clone(),
             }
-            let mut new = item.clone();
-            new[field] = Value::String(format!(
-                "[compactor: tool output pruned ({} bytes); original archived as {}]",
-                text.len(),
-                archive_ref(hash)
-            ));
-            changed += 1;
-            new
         })
         .collect();
     (out, changed)
