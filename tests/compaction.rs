@@ -528,3 +528,93 @@ async fn the_hard_limit_is_checked_in_the_upstreams_tokens() {
         "calibration is per conversation"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_binary_rewrites_exactly_as_before_after_kill_9_and_a_restart() {
+    let fake = within(compactor::fake_upstream::FakeUpstream::start())
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("replay.db");
+    let config = dir.path().join("proxy.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[upstream]\nbase_url = \"{}\"\n[store]\npath = \"{}\"\n\
+             [[models]]\nmatch = \"tiny*\"\ncontext_window = 3000\nmax_output_tokens = 300\n",
+            fake.url(),
+            db.display()
+        ),
+    )
+    .unwrap();
+    let start = || {
+        let port = support::free_port();
+        (
+            support::spawn_binary(port, &["--config".as_ref(), config.as_os_str()]),
+            port,
+        )
+    };
+    let compactions = || {
+        rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .and_then(|c| {
+                c.query_row("SELECT count(*) FROM compactions", [], |r| {
+                    r.get::<_, i64>(0)
+                })
+            })
+            .unwrap_or(0)
+    };
+    let last_upstream_body = || {
+        fake.received()
+            .into_iter()
+            .rev()
+            .find(|r| !support::is_summary_call(r))
+            .expect("a client call")
+            .body
+    };
+    let (mut child, port) = start();
+    let mut history = vec![json!({"role": "system", "content": "You are a careful coding agent."})];
+    let mut turns = 0;
+    while compactions() == 0 {
+        history.push(json!({"role": "user", "content": big_filler(turns)}));
+        let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+        let (status, _, body) =
+            post(&url, KEY, &json!({"model": MODEL, "messages": history})).await;
+        assert_eq!(status, 200);
+        let answer: Value = serde_json::from_slice(&body).unwrap();
+        history.push(
+            json!({"role": "assistant", "content": answer["choices"][0]["message"]["content"]}),
+        );
+        turns += 1;
+        assert!(turns < 40, "never compacted");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    history.push(json!({"role": "user", "content": "before and after the restart"}));
+    let request = json!({"model": MODEL, "messages": history});
+    let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+    let (status, headers, _) = post(&url, KEY, &request).await;
+    assert_eq!(status, 200);
+    let id = headers
+        .get("x-compactor-compacted")
+        .expect("rewritten before the restart")
+        .clone();
+    let before = last_upstream_body();
+    // SIGKILL: nothing flushed, nothing handed over; only the store remains.
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let (mut child, port) = start();
+    let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+    let (status, headers, _) = post(&url, KEY, &request).await;
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert_eq!(status, 200);
+    assert_eq!(
+        headers.get("x-compactor-compacted"),
+        Some(&id),
+        "the same compaction, replayed"
+    );
+    assert_eq!(
+        last_upstream_body(),
+        before,
+        "byte-identical request after the restart"
+    );
+}

@@ -3,10 +3,6 @@
 
 mod support;
 
-use std::io::{BufRead, BufReader};
-use std::process::{Command, Stdio};
-use std::time::Duration;
-
 use compactor::store::sqlite::request_item_hashes;
 use compactor::wire::item_hash;
 use serde_json::{json, Value};
@@ -235,14 +231,6 @@ async fn a_resent_history_is_stored_once_and_reconstructs_exactly() {
     assert_eq!(request_item_hashes(&db, last_id).unwrap(), sent);
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_exchanges_survive_kill_9() {
     let fake = within(compactor::fake_upstream::FakeUpstream::start())
@@ -250,34 +238,16 @@ async fn acknowledged_exchanges_survive_kill_9() {
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("kill9.db");
-    let port = free_port();
-    let mut child = Command::new(env!("CARGO_BIN_EXE_compactor"))
-        .args([
-            "serve",
-            "--listen",
-            &format!("127.0.0.1:{port}"),
-            "--upstream",
-            &fake.url(),
-        ])
-        .arg("--db")
-        .arg(&db)
-        .env("RUST_LOG", "info")
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("start compactor");
-    // Wait for the banner.
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            if line.contains("compactor listening") {
-                let _ = tx.send(());
-            }
-        }
-    });
-    rx.recv_timeout(Duration::from_secs(20))
-        .expect("compactor started");
+    let port = support::free_port();
+    let mut child = support::spawn_binary(
+        port,
+        &[
+            "--upstream".as_ref(),
+            fake.url().as_ref(),
+            "--db".as_ref(),
+            db.as_os_str(),
+        ],
+    );
     let base = format!("http://127.0.0.1:{port}/v1");
     let (s1, _, _) = post(
         &format!("{base}/chat/completions"),

@@ -242,3 +242,63 @@ pub async fn wait_compactions(h: &Harness, n: i64) {
     })
     .await
 }
+
+/// A port that was free a moment ago (for the real binary, which binds it).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .expect("bind")
+        .local_addr()
+        .expect("addr")
+        .port()
+}
+
+/// A child process killed when dropped, so a failing test leaves no proxy
+/// running behind it.
+pub struct Binary(pub std::process::Child);
+
+impl std::ops::Deref for Binary {
+    type Target = std::process::Child;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
+}
+
+impl std::ops::DerefMut for Binary {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.0
+    }
+}
+
+impl Drop for Binary {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// The real `compactor serve` binary, started with `args`, once it has
+/// logged that it listens; its base URL is `http://127.0.0.1:{port}/v1`.
+pub fn spawn_binary(port: u16, args: &[&std::ffi::OsStr]) -> Binary {
+    use std::io::{BufRead, BufReader};
+    let listen = format!("127.0.0.1:{port}");
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_compactor"))
+        .args(["serve", "--listen", &listen])
+        .args(args)
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start compactor");
+    let stderr = child.stderr.take().expect("stderr");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("compactor listening") {
+                let _ = tx.send(());
+            }
+        }
+    });
+    let child = Binary(child);
+    rx.recv_timeout(STEP).expect("compactor started");
+    child
+}
