@@ -517,6 +517,10 @@ struct Held {
     rest: UpstreamStream,
 }
 
+/// Longest time a Responses stream's first events are held back waiting
+/// for the upstream to commit (a reasoning model may think silently first).
+const MAX_HOLD_BACK: Duration = Duration::from_secs(10);
+
 /// Event types that come before a Responses stream commits to an answer.
 const PRELUDE_EVENTS: &[&str] = &[
     "response.created",
@@ -533,10 +537,19 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
     let mut chunks = Vec::new();
     let mut buf = Vec::new();
     let mut scanned = 0;
+    let release_at = tokio::time::Instant::now() + MAX_HOLD_BACK;
     loop {
-        let next = tokio::time::timeout(idle, rest.next())
-            .await
-            .map_err(|_| ProxyError::UpstreamTimeout(idle.as_secs()))?;
+        // Past the hold-back limit the stream is released as it is (a later
+        // failure is relayed); the client must not wait on a silent start.
+        let wait = release_at.saturating_duration_since(tokio::time::Instant::now());
+        if wait.is_zero() {
+            break;
+        }
+        let next = match tokio::time::timeout(wait.min(idle), rest.next()).await {
+            Ok(next) => next,
+            Err(_) if wait <= idle => break,
+            Err(_) => return Err(ProxyError::UpstreamTimeout(idle.as_secs())),
+        };
         let Some(chunk) = next else { break };
         let chunk = chunk.map_err(|e| ProxyError::UpstreamUnreachable(describe(&e)))?;
         buf.extend_from_slice(&chunk);
