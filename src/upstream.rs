@@ -93,6 +93,16 @@ impl Upstream {
         }
     }
 
+    /// Reads a whole (small) answer body: 502 if the upstream breaks off, 504
+    /// if it stays silent longer than `idle_timeout`.
+    pub async fn read_body(&self, resp: reqwest::Response) -> Result<bytes::Bytes, ProxyError> {
+        match tokio::time::timeout(self.idle_timeout, resp.bytes()).await {
+            Ok(Ok(b)) => Ok(b),
+            Ok(Err(e)) => Err(ProxyError::UpstreamUnreachable(describe(&e))),
+            Err(_) => Err(ProxyError::UpstreamTimeout(self.idle_timeout.as_secs())),
+        }
+    }
+
     /// Removes the server-side key from text bound for records or logs.
     pub fn redact(&self, text: String) -> String {
         match &self.api_key {

@@ -478,9 +478,7 @@ async fn manual_compaction_through_the_api_and_the_cli_applies_to_the_next_reque
     );
 
     // No proxy there: the error names the address.
-    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let dead_addr = dead.local_addr().unwrap().to_string();
-    drop(dead);
+    let dead_addr = format!("127.0.0.1:{}", support::free_port());
     let (code, _, err) = cli(&["compact", &id, "--listen", &dead_addr], &[]).await;
     assert_eq!(code, 1);
     assert!(err.contains(&format!("http://{dead_addr}")), "{err}");

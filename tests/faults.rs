@@ -180,11 +180,7 @@ async fn upstream_errors_pass_through_verbatim_and_are_recorded() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_upstream_gives_502() {
     // A port that was just free: nothing listens there.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = support::free_port();
     let h =
         Harness::start_with(|c| c.upstream.base_url = format!("http://127.0.0.1:{port}/v1")).await;
     let (status, _, body) = post(

@@ -613,9 +613,10 @@ async fn call_summarizer(
         .await
         .map_err(|e| e.to_string())?;
     let status = resp.status();
-    let body = tokio::time::timeout(state.upstream.idle_timeout, resp.bytes())
+    let body = state
+        .upstream
+        .read_body(resp)
         .await
-        .map_err(|_| "summary answer timed out".to_string())?
         .map_err(|e| e.to_string())?;
     if !status.is_success() {
         return Err(format!(

@@ -277,10 +277,8 @@ async fn handle_inner(
         // prompt did not fit.
         let status = resp.status();
         let resp_headers = resp.headers().clone();
-        let bytes = match tokio::time::timeout(state.upstream.idle_timeout, resp.bytes()).await {
-            Ok(Ok(b)) => b,
-            _ => Bytes::new(),
-        };
+        // An unreadable error body is classified (and relayed) as empty.
+        let bytes = state.upstream.read_body(resp).await.unwrap_or_default();
         if !retried && policy::is_context_overflow(status.as_u16(), &bytes) {
             if compact_now(
                 &state,
@@ -322,16 +320,9 @@ async fn handle_inner(
         Answer::Upstream(resp) => {
             let status = resp.status();
             let headers = resp.headers().clone();
-            match tokio::time::timeout(state.upstream.idle_timeout, resp.bytes()).await {
-                Ok(Ok(b)) => buffered_response(state, pending, status, headers, b, ttfb_ms).await,
-                Ok(Err(e)) => {
-                    let err = ProxyError::UpstreamUnreachable(describe(&e));
-                    return Err(fail(&state, pending, err, Some(ttfb_ms)).await);
-                }
-                Err(_) => {
-                    let err = ProxyError::UpstreamTimeout(state.upstream.idle_timeout.as_secs());
-                    return Err(fail(&state, pending, err, Some(ttfb_ms)).await);
-                }
+            match state.upstream.read_body(resp).await {
+                Ok(b) => buffered_response(state, pending, status, headers, b, ttfb_ms).await,
+                Err(err) => return Err(fail(&state, pending, err, Some(ttfb_ms)).await),
             }
         }
         Answer::Error(status, headers, bytes) => {

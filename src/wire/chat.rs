@@ -4,14 +4,6 @@ use serde_json::{Map, Value};
 
 use super::Usage;
 
-/// Each `messages[]` entry is an item.
-pub fn request_items(body: &Value) -> Vec<Value> {
-    body.get("messages")
-        .and_then(Value::as_array)
-        .cloned()
-        .unwrap_or_default()
-}
-
 /// `messages` must be a list of objects.
 pub fn validate(obj: &Map<String, Value>) -> Result<(), String> {
     match obj.get("messages") {

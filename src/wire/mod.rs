@@ -34,17 +34,15 @@ impl Api {
         }
     }
 
-    /// The history of a request as an ordered list of items.
+    /// The history of a request as an ordered list of items (a copy; the
+    /// request path moves them out with [`Api::take_items`] instead).
     pub fn request_items(self, body: &Value) -> Vec<Value> {
-        match self {
-            Api::Chat => chat::request_items(body),
-            Api::Responses => responses::request_items(body),
-        }
+        self.take_items(&mut body.clone())
     }
 
     /// Moves the history out of a request body (leaving an empty list in
     /// its place, so putting items back keeps the body's key order): the
-    /// same items as [`Api::request_items`], without copying them.
+    /// items of the history, in order, without copying them.
     pub fn take_items(self, body: &mut Value) -> Vec<Value> {
         match self {
             Api::Chat => match body.get_mut("messages") {

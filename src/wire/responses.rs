@@ -6,22 +6,8 @@ use super::Usage;
 
 /// `instructions` (as a leading pseudo-item, so two conversations with
 /// different instructions never share a prefix) followed by the `input`
-/// items; a string `input` is one user message.
-pub fn request_items(body: &Value) -> Vec<Value> {
-    let mut items = Vec::new();
-    if let Some(instr) = body.get("instructions").filter(|v| !v.is_null()) {
-        items.push(json!({"type": "instructions", "content": instr}));
-    }
-    match body.get("input") {
-        Some(Value::String(s)) => items.push(json!({"role": "user", "content": s})),
-        Some(Value::Array(list)) => items.extend(list.iter().cloned()),
-        _ => {}
-    }
-    items
-}
-
-/// Like [`request_items`], but moves `input` out of the body (leaving an
-/// empty list) instead of copying it.
+/// items, moved out of the body (an empty list is left); a string `input`
+/// is one user message.
 pub fn take_items(body: &mut Value) -> Vec<Value> {
     let mut items = Vec::new();
     if let Some(instr) = body.get("instructions").filter(|v| !v.is_null()) {
@@ -154,7 +140,7 @@ mod tests {
     #[test]
     fn items_include_instructions_and_string_input() {
         let b = json!({"instructions": "be brief", "input": "hi"});
-        let items = request_items(&b);
+        let items = take_items(&mut b.clone());
         assert_eq!(items.len(), 2);
         assert_eq!(items[1]["content"], "hi");
         assert!(validate(json!({"input": 3}).as_object().unwrap()).is_err());
