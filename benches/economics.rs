@@ -72,6 +72,7 @@ use compactor::config::{Config, ModelConfig};
 use compactor::fake_upstream::{FakeUpstream, Received, Reply};
 use compactor::server::{self, AppState};
 use compactor::tokens::TokenCounter;
+use compactor::wire::items::ItemList;
 use compactor::wire::{item_hash, Api};
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -1009,9 +1010,10 @@ fn is_summary_call(r: &Received) -> bool {
 /// each, as the proxy estimates) plus the `tools` definitions.
 fn request_tokens(counter: &TokenCounter, body: &[u8]) -> u64 {
     let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    let items = Api::Chat.request_items(&v);
-    let hashes: Vec<_> = items.iter().map(item_hash).collect();
-    counter.estimate(Api::Chat, &v, &items, &hashes).total()
+    let items: ItemList = Api::Chat.request_items(&v).into();
+    counter
+        .estimate(Api::Chat, &v, &items, &items.hashes())
+        .total()
 }
 
 fn view_tokens(counter: &TokenCounter, items: &[Value]) -> u64 {

@@ -47,6 +47,11 @@ use serde_json::json;
 use tokio::runtime::Runtime;
 use tokio::sync::oneshot;
 
+/// The binary's allocator, so the proxy measured here allocates as it does in
+/// `compactor serve` (the load side shares it).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 // ---------------------------------------------------------------- options
 
 struct Opts {
@@ -919,6 +924,7 @@ async fn quiesce() -> Duration {
 /// body of each size, to tell what its added latency is made of.
 fn breakdown(o: &Opts) {
     use compactor::tokens::TokenCounter;
+    use compactor::wire::items::split_body;
     use compactor::wire::{chain_hashes, item_hash, Api};
     use serde_json::Value;
 
@@ -939,14 +945,15 @@ fn breakdown(o: &Opts) {
     println!();
     println!("proxy request-path steps, one thread, median µs (SSE body of the `last` variant):");
     println!(
-        "{:>7} {:>6} | {:>7} {:>7} {:>7} {:>6} {:>8} | {:>9} {:>9} {:>10}",
+        "{:>7} {:>6} | {:>7} {:>7} {:>7} {:>6} | {:>7} {:>6} {:>9} {:>9} {:>10}",
         "body KB",
         "items",
-        "parse",
-        "take",
+        "split",
         "hash",
         "chain",
         "splice",
+        "parse",
+        "canon",
         "store new",
         "tok warm",
         "tok cold"
@@ -955,24 +962,21 @@ fn breakdown(o: &Opts) {
         let head = body_head(true);
         let mut conv = Conv::new(1 << 16, size, head.len());
         let (body, _) = conv.body(&head);
-        let v: Value = serde_json::from_slice(&body).expect("body parses");
-        let items = Api::Chat.request_items(&v);
-        let hashes: Vec<_> = items.iter().map(item_hash).collect();
-        let parse = median_us(reps, &mut || {
-            let v: Value = serde_json::from_slice(&body).unwrap();
-            std::hint::black_box(&v);
+        let body = bytes::Bytes::from(body);
+        let split = |b: &bytes::Bytes| {
+            let s = split_body(b, "messages").expect("body splits");
+            let mut v = s.body;
+            let items = Api::Chat.item_list(&mut v, b.clone(), s.spans);
+            (v, items)
+        };
+        let (v, items) = split(&body);
+        let hashes = items.hashes();
+        let split_us = median_us(reps, &mut || {
+            std::hint::black_box(split(&body));
         });
-        // Moving the messages out of the parsed body (the clone it works on
-        // is timed separately and subtracted).
-        let copy = median_us(reps, &mut || {
-            std::hint::black_box(v.clone());
-        });
-        let take = median_us(reps, &mut || {
-            let mut w = v.clone();
-            std::hint::black_box(Api::Chat.take_items(&mut w));
-        }) - copy;
+        // Items seen before: a hash of their bytes finds their canonical hash.
         let hash = median_us(reps, &mut || {
-            std::hint::black_box(items.iter().map(item_hash).collect::<Vec<_>>());
+            std::hint::black_box(items.hashes());
         });
         let chain = median_us(reps, &mut || {
             std::hint::black_box(chain_hashes(&hashes));
@@ -980,9 +984,18 @@ fn breakdown(o: &Opts) {
         let splice = median_us(reps, &mut || {
             std::hint::black_box(compactor::wire::chat::splice_stream_usage(&body));
         });
+        // What new items cost: parsing them, hashing their canonical form.
+        let values = items.values();
+        let parse = median_us(reps, &mut || {
+            let all: Value = serde_json::from_slice(&body).unwrap();
+            std::hint::black_box(&all);
+        });
+        let canon = median_us(reps, &mut || {
+            std::hint::black_box(values.iter().map(item_hash).collect::<Vec<_>>());
+        });
         // What a request with all-new items stores (each item as JSON text).
         let store_new = median_us(reps, &mut || {
-            let texts: Vec<String> = items.iter().map(|i| i.to_string()).collect();
+            let texts: Vec<String> = (0..items.len()).map(|i| items.json(i)).collect();
             std::hint::black_box(texts);
         });
         let warm = TokenCounter::default();
@@ -994,23 +1007,27 @@ fn breakdown(o: &Opts) {
             std::hint::black_box(TokenCounter::default().estimate(Api::Chat, &v, &items, &hashes));
         });
         println!(
-            "{:>7.1} {:>6} | {:>7.0} {:>7.0} {:>7.0} {:>6.0} {:>8.0} | {:>9.0} {:>9.0} {:>10.0}",
+            "{:>7.1} {:>6} | {:>7.0} {:>7.0} {:>7.0} {:>6.0} | {:>7.0} {:>6.0} {:>9.0} {:>9.0} {:>10.0}",
             body.len() as f64 / 1000.0,
             items.len(),
-            parse,
-            take.max(0.0),
+            split_us,
             hash,
             chain,
             splice,
+            parse,
+            canon,
             store_new,
             tok_warm,
             tok_cold
         );
     }
     println!(
-        "(parse, take of the messages, hash, chain: every request; splice: SSE requests \
-         without include_usage get stream_options spliced into their bytes; store new: items not stored before; tok: token estimate after the \
-         answer, on a blocking thread — cold = all items new)"
+        "(every request: split = parse with the messages left as byte ranges, hash = item hashes \
+         through the bytes cache, chain; SSE requests without include_usage: splice of \
+         stream_options into their bytes; for comparison and for new items: parse = the whole \
+         body into a Value tree, canon = canonical hashes of all items; store new: items not \
+         stored before, as JSON text; tok: token estimate after the answer, on a blocking \
+         thread — cold = all items new)"
     );
 }
 

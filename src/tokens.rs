@@ -4,6 +4,7 @@
 //! accounting line. Never on a request's critical path: callers run it after
 //! the answer is delivered, on a blocking thread.
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -11,6 +12,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tiktoken_rs::CoreBPE;
 
+use crate::wire::items::ItemList;
 use crate::wire::{item_hash, Api, ItemHash};
 
 /// Per-message framing overhead OpenAI documents for chat formats.
@@ -44,7 +46,49 @@ static BPE: OnceLock<Option<CoreBPE>> = OnceLock::new();
 /// Counts tokens; cheap to share.
 #[derive(Default)]
 pub struct TokenCounter {
-    cache: Mutex<HashMap<ItemHash, u64>>,
+    cache: Mutex<HashMap<ItemHash, Counted>>,
+}
+
+/// What the cache keeps of an item: its tokens and what kind of item it
+/// is, so a cached item is never parsed again.
+#[derive(Clone, Copy)]
+struct Counted {
+    tokens: u64,
+    kind: Kind,
+}
+
+/// The item facts [`section`] needs, for either API.
+#[derive(Clone, Copy)]
+struct Kind {
+    system: bool,
+    chat_tool_output: bool,
+    responses_tool_output: bool,
+}
+
+impl Kind {
+    fn of(item: &Value) -> Kind {
+        let role = item.get("role").and_then(Value::as_str).unwrap_or("");
+        let kind = item.get("type").and_then(Value::as_str).unwrap_or("");
+        Kind {
+            system: role == "system" || role == "developer" || kind == "instructions",
+            chat_tool_output: role == "tool" || role == "function",
+            responses_tool_output: kind.ends_with("_output"),
+        }
+    }
+
+    fn section(self, api: Api) -> Section {
+        let tool_output = match api {
+            Api::Chat => self.chat_tool_output,
+            Api::Responses => self.responses_tool_output,
+        };
+        if self.system {
+            Section::System
+        } else if tool_output {
+            Section::ToolOutputs
+        } else {
+            Section::Messages
+        }
+    }
 }
 
 impl TokenCounter {
@@ -81,40 +125,58 @@ impl TokenCounter {
 
     /// Tokens of one item (its text leaves plus framing), cached by hash.
     pub fn count_item(&self, hash: &ItemHash, item: &Value) -> u64 {
-        if let Some(n) = self
+        self.count_item_with(hash, || Cow::Borrowed(item))
+    }
+
+    /// Like [`TokenCounter::count_item`], with the item fetched (parsed)
+    /// only when its hash is not cached.
+    pub fn count_item_with<'a>(
+        &self,
+        hash: &ItemHash,
+        item: impl FnOnce() -> Cow<'a, Value>,
+    ) -> u64 {
+        self.counted(hash, item).tokens
+    }
+
+    fn counted<'a>(&self, hash: &ItemHash, item: impl FnOnce() -> Cow<'a, Value>) -> Counted {
+        if let Some(c) = self
             .cache
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .get(hash)
         {
-            return *n;
+            return *c;
         }
+        let item = item();
         let mut text = String::new();
-        collect_text(item, &mut text);
-        let n = self.count_text(&text) + PER_ITEM_OVERHEAD;
+        collect_text(&item, &mut text);
+        let counted = Counted {
+            tokens: self.count_text(&text) + PER_ITEM_OVERHEAD,
+            kind: Kind::of(&item),
+        };
         let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
         if cache.len() >= CACHE_LIMIT {
             cache.clear();
         }
-        cache.insert(*hash, n);
-        n
+        cache.insert(*hash, counted);
+        counted
     }
 
-    /// Estimates a request by section.
+    /// Estimates a request by section (`hashes`: the items' hashes).
     pub fn estimate(
         &self,
         api: Api,
         body: &Value,
-        items: &[Value],
+        items: &ItemList,
         hashes: &[ItemHash],
     ) -> Estimate {
         let mut e = Estimate::default();
-        for (item, hash) in items.iter().zip(hashes) {
-            let n = self.count_item(hash, item);
-            match section(api, item) {
-                Section::System => e.system += n,
-                Section::Messages => e.messages += n,
-                Section::ToolOutputs => e.tool_outputs += n,
+        for (i, hash) in hashes.iter().enumerate().take(items.len()) {
+            let c = self.counted(hash, || items.item(i));
+            match c.kind.section(api) {
+                Section::System => e.system += c.tokens,
+                Section::Messages => e.messages += c.tokens,
+                Section::ToolOutputs => e.tool_outputs += c.tokens,
             }
         }
         if let Some(tools) = body.get("tools").filter(|t| !t.is_null()) {
@@ -128,23 +190,6 @@ enum Section {
     System,
     Messages,
     ToolOutputs,
-}
-
-fn section(api: Api, item: &Value) -> Section {
-    let role = item.get("role").and_then(Value::as_str).unwrap_or("");
-    let kind = item.get("type").and_then(Value::as_str).unwrap_or("");
-    if role == "system" || role == "developer" || kind == "instructions" {
-        return Section::System;
-    }
-    let tool_output = match api {
-        Api::Chat => role == "tool" || role == "function",
-        Api::Responses => kind.ends_with("_output"),
-    };
-    if tool_output {
-        Section::ToolOutputs
-    } else {
-        Section::Messages
-    }
 }
 
 /// Appends every string leaf (values, not keys) of `v`, space separated.
@@ -178,8 +223,8 @@ mod tests {
             ],
             "tools": [{"type": "function", "function": {"name": "sh"}}]
         });
-        let items = Api::Chat.request_items(&body);
-        let hashes: Vec<_> = items.iter().map(item_hash).collect();
+        let items: ItemList = Api::Chat.request_items(&body).into();
+        let hashes = items.hashes();
         let e = t.estimate(Api::Chat, &body, &items, &hashes);
         assert!(e.system > PER_ITEM_OVERHEAD, "{e:?}");
         assert!(e.messages > PER_ITEM_OVERHEAD);

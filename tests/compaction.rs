@@ -487,10 +487,11 @@ async fn the_hard_limit_is_checked_in_the_upstreams_tokens() {
     use compactor::compaction::engine::{check_fit, Fit, FitCheck};
     use std::sync::Arc;
     let h = Harness::start_with(small_window).await;
-    let view: Arc<Vec<Value>> = Arc::new(
+    let view: Arc<compactor::wire::items::ItemList> = Arc::new(
         (0..14)
             .map(|i| json!({"role": "user", "content": big_filler(i)}))
-            .collect(),
+            .collect::<Vec<Value>>()
+            .into(),
     );
     let estimate = compactor::compaction::engine::estimate_view(&h.state, view.clone(), None).await;
     assert!(

@@ -16,6 +16,7 @@ use super::policy::{decide, hard_limit};
 use super::summary;
 use super::{cheap_rungs, prepare, rewrite, summary_replacement, Compaction, Params, Rung};
 use crate::server::AppState;
+use crate::wire::items::ItemList;
 use crate::wire::{item_hash, ItemHash};
 
 /// Bytes of one item's text shown to the summarizer (head and tail kept).
@@ -55,7 +56,7 @@ pub struct Input {
     /// The conversation's model.
     pub model: String,
     /// The request's items after any compaction already applied.
-    pub view: Arc<Vec<Value>>,
+    pub view: Arc<ItemList>,
     /// Chain hashes of the original (client-sent) items.
     pub chains: Arc<Vec<ItemHash>>,
     /// The compaction already applied, if any.
@@ -233,19 +234,17 @@ impl Compactions {
 /// Tokens of each item (tokenizer work, off the async threads).
 async fn count_items(
     state: &Arc<AppState>,
-    items: Arc<Vec<Value>>,
+    items: Arc<ItemList>,
     known: Option<Arc<Vec<ItemHash>>>,
 ) -> Result<(Vec<ItemHash>, Vec<u64>), CompactError> {
     let st = state.clone();
     tokio::task::spawn_blocking(move || {
         let hashes: Vec<ItemHash> = match known {
             Some(h) if h.len() == items.len() => h.to_vec(),
-            _ => items.iter().map(item_hash).collect(),
+            _ => items.hashes(),
         };
-        let tokens = items
-            .iter()
-            .zip(&hashes)
-            .map(|(i, h)| st.tokens.count_item(h, i))
+        let tokens = (0..items.len())
+            .map(|i| st.tokens.count_item_with(&hashes[i], || items.item(i)))
             .collect();
         (hashes, tokens)
     })
@@ -257,7 +256,7 @@ async fn count_items(
 /// already computed).
 pub async fn estimate_view(
     state: &Arc<AppState>,
-    view: Arc<Vec<Value>>,
+    view: Arc<ItemList>,
     hashes: Option<Arc<Vec<ItemHash>>>,
 ) -> u64 {
     count_items(state, view, hashes)
@@ -273,7 +272,8 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
     let limits = state.config.model_limits(&input.model);
     let params = Params::new(&state.config.compaction, &limits);
     let (hashes, tokens) = count_items(state, input.view.clone(), None).await?;
-    let view = &input.view;
+    let values = input.view.values();
+    let view: &[Value] = &values;
     let base = input.base.as_deref();
     let prepared = if input.whole {
         super::prepare_whole(view, &tokens, base)
@@ -445,7 +445,7 @@ pub struct FitCheck<'a> {
     /// Model (for its limits).
     pub model: &'a str,
     /// The items as they would go upstream.
-    pub view: Arc<Vec<Value>>,
+    pub view: Arc<ItemList>,
     /// Their hashes, when already computed.
     pub hashes: Option<Arc<Vec<ItemHash>>>,
     /// The request's tool definitions.

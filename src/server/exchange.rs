@@ -11,6 +11,7 @@ use crate::compaction::engine::{self, Input};
 use crate::compaction::Compaction;
 use crate::conversation::Identified;
 use crate::store::{ExchangeRecord, IndexedExchange};
+use crate::wire::items::ItemList;
 use crate::wire::{chain_extend, item_hash, Api, ItemHash, Usage};
 
 /// Most characters of an upstream error body kept in a record.
@@ -33,8 +34,8 @@ pub struct PendingExchange {
     /// The request body without its items (they are in `items`): model,
     /// tools, sampling parameters.
     pub body: Arc<Value>,
-    /// Its items.
-    pub items: Arc<Vec<Value>>,
+    /// Its items (the client's bytes until something must look inside).
+    pub items: Arc<ItemList>,
     /// Their hashes.
     pub hashes: Arc<Vec<ItemHash>>,
     /// Chain hash over all request items (zeros if none).
@@ -42,7 +43,7 @@ pub struct PendingExchange {
     /// Chain hash of each prefix of the request items.
     pub chains: Arc<Vec<ItemHash>>,
     /// The items as sent upstream (after compaction; the same as `items` when none applied).
-    pub view: Arc<Vec<Value>>,
+    pub view: Arc<ItemList>,
     /// The compaction applied, if any.
     pub compaction: Option<Arc<Compaction>>,
     /// The client's credential headers, kept in memory for summary calls.
@@ -81,7 +82,8 @@ impl PendingExchange {
     /// Applies a compaction: the view becomes its replacement followed by
     /// the rest of the client's items.
     pub fn apply(&mut self, c: Arc<Compaction>) {
-        self.view = Arc::new(crate::compaction::rewrite::rewrite(&self.items, &c));
+        let view = crate::compaction::rewrite::rewrite(&self.items.values(), &c);
+        self.view = Arc::new(view.into());
         self.compaction = Some(c);
     }
 
@@ -101,7 +103,7 @@ impl PendingExchange {
             return Ok(original.clone());
         }
         let mut body = (*self.body).clone();
-        super::proxy::set_items(self.api, &mut body, &self.view);
+        super::proxy::set_items(self.api, &mut body, &self.view.values());
         serde_json::to_vec(&body)
             .map(bytes::Bytes::from)
             .map_err(|e| crate::error::ProxyError::Internal(e.to_string()))
@@ -126,14 +128,16 @@ impl PendingExchange {
     /// Builds the record: claims item bodies not yet stored, computes chains.
     pub fn to_record(&self, state: &AppState, outcome: Outcome) -> ExchangeRecord {
         let mut new_items = Vec::new();
+        for (i, h) in self.hashes.iter().enumerate() {
+            if state.store.claim_item(h) {
+                new_items.push((*h, self.items.json(i)));
+            }
+        }
         let mut claim = |hash: &ItemHash, item: &Value| {
             if state.store.claim_item(hash) {
                 new_items.push((*hash, serde_json::to_string(item).unwrap_or_default()));
             }
         };
-        for (h, item) in self.hashes.iter().zip(self.items.iter()) {
-            claim(h, item);
-        }
         // The body holds everything but the items: model, tools, sampling.
         let params_hash = item_hash(&self.body);
         claim(&params_hash, &self.body);
@@ -225,7 +229,7 @@ impl PendingExchange {
         let tenant = self.tenant.clone();
         let compaction = self.compaction.as_ref().map(|c| c.id.clone());
         tokio::task::spawn_blocking(move || {
-            let hashes = hashes.unwrap_or_else(|| Arc::new(view.iter().map(item_hash).collect()));
+            let hashes = hashes.unwrap_or_else(|| Arc::new(view.hashes()));
             let est = state.tokens.estimate(api, &body, &view, &hashes);
             let limits = state.config.model_limits(&model);
             let (used, source) = match usage {

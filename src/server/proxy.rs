@@ -24,8 +24,9 @@ use crate::compaction::{engine, policy, remote, Compaction};
 use crate::conversation::tenant_of;
 use crate::error::{full, BodyError, ProxyBody, ProxyError};
 use crate::upstream::{describe, strip_hop_by_hop};
+use crate::wire::items::{split_body, ItemList};
 use crate::wire::sse::SseTee;
-use crate::wire::{self, chain_hashes, chat, item_hash, Api, ItemHash};
+use crate::wire::{self, chain_hashes, chat, Api, ItemHash};
 
 /// Response header naming the conversation.
 pub const CONVERSATION_HEADER: &str = "x-compactor-conversation";
@@ -65,8 +66,17 @@ async fn parse(
 ) -> Result<Parsed, ProxyError> {
     let raw = read_body(body, &parts.headers, state.config.server.max_body_bytes).await?;
     let raw_len = raw.len();
-    let mut body: Value = serde_json::from_slice(&raw)
-        .map_err(|e| ProxyError::BadRequest(format!("request body is not valid JSON: {e}")))?;
+    // The history stays bytes (see `wire::items`); a body that is not an
+    // object with an item array is parsed whole, which names what is wrong.
+    let (mut body, spans) = match split_body(&raw, api.items_key()) {
+        Some(split) => (split.body, split.spans),
+        None => (
+            serde_json::from_slice(&raw).map_err(|e| {
+                ProxyError::BadRequest(format!("request body is not valid JSON: {e}"))
+            })?,
+            None,
+        ),
+    };
     api.validate(&body).map_err(ProxyError::BadRequest)?;
 
     let tenant = tenant_of(&state.tenant_salt, wire::credential(&parts.headers));
@@ -75,29 +85,37 @@ async fn parse(
         .and_then(Value::as_str)
         .map(String::from);
     let mut rewritten = false;
-    let mut items = api.take_items(&mut body);
-    if api == Api::Responses {
+    let mut trigger = false;
+    let mut items = api.item_list(&mut body, raw.clone(), spans);
+    // A chain the proxy recorded, its own compaction items and Codex's
+    // compaction trigger change the items; anything else leaves them as
+    // the client's bytes.
+    let history = match &previous {
+        Some(prev) if api == Api::Responses => previous_history(state, &tenant, prev).await,
+        _ => None,
+    };
+    if api == Api::Responses && (history.is_some() || items.may_contain("\"compaction")) {
+        let mut values = items.into_values();
         // A chain the proxy recorded is expanded into full input, so it can
         // be compacted and works with upstreams that keep no responses.
-        if let Some(prev) = &previous {
-            if let Some(mut history) = previous_history(state, &tenant, prev).await {
-                history.extend(
-                    items
-                        .drain(..)
-                        .filter(|i| !wire::responses::is_instructions_item(i)),
-                );
-                if let Some(obj) = body.as_object_mut() {
-                    obj.remove("previous_response_id");
-                }
-                items = history;
-                rewritten = true;
+        if let Some(mut history) = history {
+            history.extend(
+                values
+                    .drain(..)
+                    .filter(|i| !wire::responses::is_instructions_item(i)),
+            );
+            if let Some(obj) = body.as_object_mut() {
+                obj.remove("previous_response_id");
             }
+            values = history;
+            rewritten = true;
         }
-        rewritten |= remote::expand_items(&mut items, |id| state.compactions.get(&tenant, id));
-    }
-    let trigger = api == Api::Responses && remote::ends_with_trigger(&items);
-    if trigger {
-        items.pop();
+        rewritten |= remote::expand_items(&mut values, |id| state.compactions.get(&tenant, id));
+        trigger = remote::ends_with_trigger(&values);
+        if trigger {
+            values.pop();
+        }
+        items = values.into();
     }
     let model = body
         .get("model")
@@ -105,7 +123,7 @@ async fn parse(
         .unwrap_or_default()
         .to_string();
     let streamed = body.get("stream").and_then(Value::as_bool) == Some(true);
-    let hashes: Vec<ItemHash> = items.iter().map(item_hash).collect();
+    let hashes: Vec<ItemHash> = items.hashes();
     let chains = chain_hashes(&hashes);
     let explicit_key = wire::explicit_conversation_key(&parts.headers, &body);
     let ident = state.conversations.identify(
@@ -128,12 +146,12 @@ async fn parse(
         Some(b) => b,
         None if strip_usage || rewritten => {
             let mut full = body.clone();
-            set_items(api, &mut full, &items);
+            set_items(api, &mut full, &items.values());
             Bytes::from(serde_json::to_vec(&full).map_err(|e| ProxyError::Internal(e.to_string()))?)
         }
         None => raw,
     };
-    let items = Arc::new(items);
+    let items: Arc<ItemList> = Arc::new(items);
     let mut pending = PendingExchange {
         id: state.store.next_exchange_id(),
         ident,

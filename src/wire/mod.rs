@@ -7,6 +7,7 @@
 
 pub mod chat;
 pub mod hash;
+pub mod items;
 pub mod responses;
 pub mod sse;
 
@@ -31,6 +32,37 @@ impl Api {
         match self {
             Api::Chat => "/chat/completions",
             Api::Responses => "/responses",
+        }
+    }
+
+    /// The request field that holds the items (`input` for Responses also
+    /// has `instructions` before it).
+    pub fn items_key(self) -> &'static str {
+        match self {
+            Api::Chat => "messages",
+            Api::Responses => "input",
+        }
+    }
+
+    /// The items of a body [`items::split_body`] parsed: the byte ranges it
+    /// found (after the `instructions` pseudo-item), or, when the item field
+    /// was no array, the items moved out of `body` as [`Api::take_items`]
+    /// does.
+    pub fn item_list(
+        self,
+        body: &mut Value,
+        raw: bytes::Bytes,
+        spans: Option<Vec<std::ops::Range<usize>>>,
+    ) -> items::ItemList {
+        match spans {
+            Some(spans) => {
+                let head = match self {
+                    Api::Chat => Vec::new(),
+                    Api::Responses => responses::instructions_item(body).into_iter().collect(),
+                };
+                items::ItemList::raw(head, raw, spans)
+            }
+            None => self.take_items(body).into(),
         }
     }
 

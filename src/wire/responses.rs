@@ -9,10 +9,7 @@ use super::Usage;
 /// items, moved out of the body (an empty list is left); a string `input`
 /// is one user message.
 pub fn take_items(body: &mut Value) -> Vec<Value> {
-    let mut items = Vec::new();
-    if let Some(instr) = body.get("instructions").filter(|v| !v.is_null()) {
-        items.push(json!({"type": "instructions", "content": instr}));
-    }
+    let mut items: Vec<Value> = instructions_item(body).into_iter().collect();
     match body.get_mut("input") {
         Some(input @ Value::String(_)) => {
             let text = std::mem::replace(input, Value::Array(Vec::new()));
@@ -22,6 +19,12 @@ pub fn take_items(body: &mut Value) -> Vec<Value> {
         _ => {}
     }
     items
+}
+
+/// The pseudo-item standing for the body's `instructions`, if it has any.
+pub fn instructions_item(body: &Value) -> Option<Value> {
+    let instr = body.get("instructions").filter(|v| !v.is_null())?;
+    Some(json!({"type": "instructions", "content": instr}))
 }
 
 /// Whether an item is the pseudo-item standing for `instructions`.

@@ -1,0 +1,378 @@
+//! A request's items as the client sent them.
+//!
+//! Most of a long conversation's request is history the proxy has seen
+//! before. Building a `Value` tree of all of it on every request, and
+//! hashing its canonical form, was most of the proxy's cost per request;
+//! instead the body is parsed once with its item array left as byte ranges
+//! ([`split_body`]), each item's canonical hash is found through a hash of
+//! its bytes ([`ItemList::hashes`]), and an item is parsed only when
+//! something must look inside it: a compaction, a new item's token count, a
+//! body that has to be rewritten.
+
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::fmt;
+use std::ops::Range;
+use std::sync::{Arc, Mutex, OnceLock};
+
+use bytes::Bytes;
+use serde::de::{self, Deserializer as _, MapAccess, Visitor};
+use serde_json::value::RawValue;
+use serde_json::{Map, Value};
+
+use super::hash::{item_hash, ItemHash};
+
+/// A request body parsed with its item array left unparsed.
+pub struct SplitBody {
+    /// The body; the item array's place holds an empty array.
+    pub body: Value,
+    /// Byte range of each item in the body, when the item field was an
+    /// array of objects.
+    pub spans: Option<Vec<Range<usize>>>,
+}
+
+/// Parses a JSON object, leaving the array of objects under `key` as byte
+/// ranges. `None` when `raw` is not such a body (not JSON, not an object,
+/// an item that is not an object): the caller parses it whole and reports
+/// what is wrong.
+pub fn split_body(raw: &[u8], key: &str) -> Option<SplitBody> {
+    let mut de = serde_json::Deserializer::from_slice(raw);
+    let (obj, items) = de.deserialize_map(SplitVisitor { key }).ok()?;
+    de.end().ok()?;
+    let base = raw.as_ptr() as usize;
+    let spans = match items {
+        Some(items) => {
+            let mut spans = Vec::with_capacity(items.len());
+            for item in items {
+                let text = item.get();
+                if !text.starts_with('{') {
+                    return None;
+                }
+                let start = text.as_ptr() as usize - base;
+                spans.push(start..start + text.len());
+            }
+            Some(spans)
+        }
+        None => None,
+    };
+    Some(SplitBody {
+        body: Value::Object(obj),
+        spans,
+    })
+}
+
+type Split<'de> = (Map<String, Value>, Option<Vec<&'de RawValue>>);
+
+struct SplitVisitor<'k> {
+    key: &'k str,
+}
+
+impl<'de> Visitor<'de> for SplitVisitor<'_> {
+    type Value = Split<'de>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Split<'de>, A::Error> {
+        let mut obj = Map::new();
+        let mut items = None;
+        while let Some(k) = map.next_key::<String>()? {
+            if k != self.key {
+                let v: Value = map.next_value()?;
+                obj.insert(k, v);
+                continue;
+            }
+            // Anything but an array fails the split; the full parse then
+            // takes the body (a Responses `input` string, a wrong type).
+            items = Some(map.next_value_seed(RawElements)?);
+            obj.insert(k, Value::Array(Vec::new()));
+        }
+        Ok((obj, items))
+    }
+}
+
+/// An array's elements as raw JSON, in the same pass over the bytes.
+struct RawElements;
+
+impl<'de> de::DeserializeSeed<'de> for RawElements {
+    type Value = Vec<&'de RawValue>;
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_seq(self)
+    }
+}
+
+impl<'de> Visitor<'de> for RawElements {
+    type Value = Vec<&'de RawValue>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("an array")
+    }
+
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(item) = seq.next_element()? {
+            out.push(item);
+        }
+        Ok(out)
+    }
+}
+
+/// The items of one request: parsed values, or ranges of the client's body
+/// (after `head`, items the proxy made up, such as the Responses
+/// `instructions` pseudo-item), parsed on first need.
+pub struct ItemList {
+    head: Vec<Value>,
+    raw: Bytes,
+    spans: Vec<Range<usize>>,
+    values: OnceLock<Arc<Vec<Value>>>,
+}
+
+impl From<Vec<Value>> for ItemList {
+    fn from(values: Vec<Value>) -> Self {
+        ItemList {
+            head: Vec::new(),
+            raw: Bytes::new(),
+            spans: Vec::new(),
+            values: OnceLock::from(Arc::new(values)),
+        }
+    }
+}
+
+impl ItemList {
+    /// `head` followed by the items at `spans` of `raw` (each a JSON object,
+    /// as [`split_body`] found them).
+    pub fn raw(head: Vec<Value>, raw: Bytes, spans: Vec<Range<usize>>) -> Self {
+        ItemList {
+            head,
+            raw,
+            spans,
+            values: OnceLock::new(),
+        }
+    }
+
+    /// Number of items.
+    pub fn len(&self) -> usize {
+        match self.values.get() {
+            Some(v) => v.len(),
+            None => self.head.len() + self.spans.len(),
+        }
+    }
+
+    /// Whether there are none.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether the items are (still) the client's bytes.
+    fn is_raw(&self) -> bool {
+        self.values.get().is_none()
+    }
+
+    /// All items parsed (once; later calls share the result).
+    pub fn values(&self) -> Arc<Vec<Value>> {
+        self.values
+            .get_or_init(|| {
+                let mut all = self.head.clone();
+                all.extend(self.spans.iter().map(|s| parse(&self.raw[s.clone()])));
+                Arc::new(all)
+            })
+            .clone()
+    }
+
+    /// The items, taken out (parsed if need be).
+    pub fn into_values(self) -> Vec<Value> {
+        let values = self.values();
+        drop(self);
+        Arc::try_unwrap(values).unwrap_or_else(|shared| (*shared).clone())
+    }
+
+    /// Item `i`, parsed for the occasion when the list is still raw.
+    pub fn item(&self, i: usize) -> Cow<'_, Value> {
+        if let Some(v) = self.values.get() {
+            return Cow::Borrowed(&v[i]);
+        }
+        match i.checked_sub(self.head.len()) {
+            None => Cow::Borrowed(&self.head[i]),
+            Some(j) => Cow::Owned(parse(&self.raw[self.spans[j].clone()])),
+        }
+    }
+
+    /// Item `i` serialised: the client's own bytes when the list is raw.
+    pub fn json(&self, i: usize) -> String {
+        if self.is_raw() {
+            if let Some(j) = i.checked_sub(self.head.len()) {
+                return String::from_utf8_lossy(&self.raw[self.spans[j].clone()]).into_owned();
+            }
+        }
+        serde_json::to_string(&*self.item(i)).unwrap_or_default()
+    }
+
+    /// Whether any item's bytes contain `needle` (a conservative test for a
+    /// kind of item, before parsing anything). Parsed lists answer true.
+    pub fn may_contain(&self, needle: &str) -> bool {
+        if !self.is_raw() {
+            return true;
+        }
+        let needle = needle.as_bytes();
+        self.head
+            .iter()
+            .any(|v| serde_json::to_vec(v).is_ok_and(|b| contains(&b, needle)))
+            || self
+                .spans
+                .iter()
+                .any(|s| contains(&self.raw[s.clone()], needle))
+    }
+
+    /// The canonical hash of every item ([`item_hash`]). Raw items are
+    /// looked up by a hash of their bytes first; only items whose bytes were
+    /// never seen are parsed.
+    pub fn hashes(&self) -> Vec<ItemHash> {
+        if !self.is_raw() {
+            return self.values().iter().map(item_hash).collect();
+        }
+        let mut out: Vec<ItemHash> = self.head.iter().map(item_hash).collect();
+        let keys: Vec<ItemHash> = self
+            .spans
+            .iter()
+            .map(|s| *blake3::hash(&self.raw[s.clone()]).as_bytes())
+            .collect();
+        let mut missing = Vec::new();
+        {
+            let cache = raw_cache().lock().unwrap_or_else(|p| p.into_inner());
+            for (j, key) in keys.iter().enumerate() {
+                match cache.get(key) {
+                    Some(h) => out.push(*h),
+                    None => {
+                        missing.push(j);
+                        out.push([0; 32]);
+                    }
+                }
+            }
+        }
+        if missing.is_empty() {
+            return out;
+        }
+        let head = self.head.len();
+        let found: Vec<(ItemHash, ItemHash)> = missing
+            .iter()
+            .map(|&j| {
+                let h = item_hash(&parse(&self.raw[self.spans[j].clone()]));
+                out[head + j] = h;
+                (keys[j], h)
+            })
+            .collect();
+        let mut cache = raw_cache().lock().unwrap_or_else(|p| p.into_inner());
+        if cache.len() + found.len() > RAW_CACHE_LIMIT {
+            cache.clear();
+        }
+        cache.extend(found);
+        out
+    }
+}
+
+/// Entries kept in the bytes → canonical hash cache before it is cleared
+/// (about 100 bytes each).
+const RAW_CACHE_LIMIT: usize = 200_000;
+
+/// Hash of an item's bytes → hash of its canonical form. A pure function
+/// of the bytes, so one cache serves every tenant without telling one
+/// anything about another.
+fn raw_cache() -> &'static Mutex<HashMap<ItemHash, ItemHash>> {
+    static CACHE: OnceLock<Mutex<HashMap<ItemHash, ItemHash>>> = OnceLock::new();
+    CACHE.get_or_init(Default::default)
+}
+
+/// One item from bytes [`split_body`] already parsed once (so valid).
+fn parse(bytes: &[u8]) -> Value {
+    serde_json::from_slice(bytes).unwrap_or_default()
+}
+
+fn contains(hay: &[u8], needle: &[u8]) -> bool {
+    !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn list(raw: &str, key: &str) -> (Value, ItemList) {
+        let bytes = Bytes::from(raw.to_string());
+        let split = split_body(&bytes, key).expect("splits");
+        let spans = split.spans.expect("an item array");
+        (split.body, ItemList::raw(Vec::new(), bytes, spans))
+    }
+
+    #[test]
+    fn items_stay_bytes_until_needed() {
+        let raw = r#"{"model":"m", "messages": [ {"role":"user","content":"a\"b"} ,{"content":"x","role":"assistant"}],"stream":true}"#;
+        let (body, items) = list(raw, "messages");
+        // The body keeps its keys in order, with an empty array in place.
+        assert_eq!(
+            serde_json::to_string(&body).unwrap(),
+            r#"{"model":"m","messages":[],"stream":true}"#
+        );
+        assert_eq!(items.len(), 2);
+        assert!(items.is_raw());
+        assert_eq!(items.json(1), r#"{"content":"x","role":"assistant"}"#);
+        assert_eq!(*items.item(0), json!({"role": "user", "content": "a\"b"}));
+        assert!(items.is_raw(), "looking at one item parses only that one");
+        assert_eq!(
+            *items.values(),
+            vec![
+                json!({"role": "user", "content": "a\"b"}),
+                json!({"role": "assistant", "content": "x"})
+            ]
+        );
+    }
+
+    #[test]
+    fn hashes_equal_the_canonical_hashes() {
+        let raw =
+            r#"{"messages":[{"role":"user","content":"hi"},{"b":1,"a":[1,2,{"y":null,"x":"é"}]}]}"#;
+        let want: Vec<ItemHash> = serde_json::from_str::<Value>(raw).unwrap()["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(item_hash)
+            .collect();
+        let (_, items) = list(raw, "messages");
+        assert_eq!(items.hashes(), want, "first time: parsed");
+        assert_eq!(items.hashes(), want, "second time: from the cache");
+        // Other bytes for the same content: another cache entry, same hash.
+        let (_, spaced) = list(
+            r#"{"messages":[ { "content" : "hi", "role":"user" } ,{"a":[1,2,{"x":"\u00e9","y":null}],"b":1}]}"#,
+            "messages",
+        );
+        assert_eq!(spaced.hashes(), want);
+    }
+
+    #[test]
+    fn bodies_that_are_not_item_arrays_are_left_to_the_full_parser() {
+        assert!(split_body(b"[1]", "messages").is_none());
+        assert!(split_body(b"{\"messages\":[1]}", "messages").is_none());
+        assert!(split_body(b"{\"messages\":[{}]} x", "messages").is_none());
+        assert!(split_body(b"{\"messages\":[{]}", "messages").is_none());
+        assert!(split_body(br#"{"input":"hello"}"#, "input").is_none());
+        let s = split_body(br#"{"model":"m"}"#, "messages").unwrap();
+        assert!(s.spans.is_none());
+    }
+
+    #[test]
+    fn head_items_come_first() {
+        let bytes = Bytes::from_static(br#"{"input":[{"role":"user","content":"q"}]}"#);
+        let spans = split_body(&bytes, "input").unwrap().spans.unwrap();
+        let head = vec![json!({"type": "instructions", "content": "be brief"})];
+        let items = ItemList::raw(head.clone(), bytes, spans);
+        assert_eq!(items.len(), 2);
+        assert_eq!(*items.item(0), head[0]);
+        assert_eq!(items.json(1), r#"{"role":"user","content":"q"}"#);
+        assert_eq!(items.hashes()[0], item_hash(&head[0]));
+        assert!(items.may_contain("\"role\""));
+        assert!(!items.may_contain("\"compaction"));
+        let values = items.into_values();
+        assert_eq!(values.len(), 2);
+    }
+}
