@@ -1011,8 +1011,10 @@ fn is_summary_call(r: &Received) -> bool {
 fn request_tokens(counter: &TokenCounter, body: &[u8]) -> u64 {
     let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     let items: ItemList = Api::Chat.request_items(&v).into();
+    let tools = v.get("tools").map(|t| (t, item_hash(t)));
+    let tools = tools.as_ref().map(|(t, h)| (*t, h));
     counter
-        .estimate(Api::Chat, &v, &items, &items.hashes())
+        .estimate(Api::Chat, &items, &items.hashes(), tools)
         .total()
 }
 

@@ -998,13 +998,20 @@ fn breakdown(o: &Opts) {
             let texts: Vec<String> = (0..items.len()).map(|i| items.json(i)).collect();
             std::hint::black_box(texts);
         });
+        let tools_hash = item_hash(&v["tools"]);
+        let tools = Some((&v["tools"], &tools_hash));
         let warm = TokenCounter::default();
-        warm.estimate(Api::Chat, &v, &items, &hashes);
+        warm.estimate(Api::Chat, &items, &hashes, tools);
         let tok_warm = median_us(reps, &mut || {
-            std::hint::black_box(warm.estimate(Api::Chat, &v, &items, &hashes));
+            std::hint::black_box(warm.estimate(Api::Chat, &items, &hashes, tools));
         });
         let tok_cold = median_us(reps.min(5), &mut || {
-            std::hint::black_box(TokenCounter::default().estimate(Api::Chat, &v, &items, &hashes));
+            std::hint::black_box(TokenCounter::default().estimate(
+                Api::Chat,
+                &items,
+                &hashes,
+                tools,
+            ));
         });
         println!(
             "{:>7.1} {:>6} | {:>7.0} {:>7.0} {:>7.0} {:>6.0} | {:>7.0} {:>6.0} {:>9.0} {:>9.0} {:>10.0}",

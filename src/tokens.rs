@@ -13,7 +13,7 @@ use serde_json::Value;
 use tiktoken_rs::CoreBPE;
 
 use crate::wire::items::ItemList;
-use crate::wire::{item_hash, Api, ItemHash};
+use crate::wire::{Api, ItemHash};
 
 /// Per-message framing overhead OpenAI documents for chat formats.
 const PER_ITEM_OVERHEAD: u64 = 4;
@@ -162,13 +162,14 @@ impl TokenCounter {
         counted
     }
 
-    /// Estimates a request by section (`hashes`: the items' hashes).
+    /// Estimates a request by section (`hashes`: the items' hashes; `tools`:
+    /// the tool definitions and their hash).
     pub fn estimate(
         &self,
         api: Api,
-        body: &Value,
         items: &ItemList,
         hashes: &[ItemHash],
+        tools: Option<(&Value, &ItemHash)>,
     ) -> Estimate {
         let mut e = Estimate::default();
         for (i, hash) in hashes.iter().enumerate().take(items.len()) {
@@ -179,8 +180,8 @@ impl TokenCounter {
                 Section::ToolOutputs => e.tool_outputs += c.tokens,
             }
         }
-        if let Some(tools) = body.get("tools").filter(|t| !t.is_null()) {
-            e.tool_definitions = self.count_item(&item_hash(tools), tools);
+        if let Some((tools, hash)) = tools.filter(|(t, _)| !t.is_null()) {
+            e.tool_definitions = self.count_item(hash, tools);
         }
         e
     }
@@ -210,6 +211,7 @@ fn collect_text(v: &Value, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::item_hash;
     use serde_json::json;
 
     #[test]
@@ -225,12 +227,13 @@ mod tests {
         });
         let items: ItemList = Api::Chat.request_items(&body).into();
         let hashes = items.hashes();
-        let e = t.estimate(Api::Chat, &body, &items, &hashes);
+        let tools = (&body["tools"], &item_hash(&body["tools"]));
+        let e = t.estimate(Api::Chat, &items, &hashes, Some(tools));
         assert!(e.system > PER_ITEM_OVERHEAD, "{e:?}");
         assert!(e.messages > PER_ITEM_OVERHEAD);
         assert!(e.tool_outputs > e.messages, "{e:?}");
         assert!(e.tool_definitions > 0);
         // Cached: the same answer again.
-        assert_eq!(t.estimate(Api::Chat, &body, &items, &hashes), e);
+        assert_eq!(t.estimate(Api::Chat, &items, &hashes, Some(tools)), e);
     }
 }

@@ -37,6 +37,8 @@ const HOP_BY_HOP: &[&str] = &[
 pub struct Upstream {
     client: reqwest::Client,
     base: String,
+    /// `base`, parsed once: each request's URL is derived from it.
+    base_url: reqwest::Url,
     api_key: Option<Secret>,
     /// How long to wait for response headers.
     pub response_timeout: Duration,
@@ -76,9 +78,13 @@ impl Upstream {
                 ),
             }
         };
+        let base = cfg.base_url.trim_end_matches('/').to_string();
+        let base_url = reqwest::Url::parse(&base)
+            .map_err(|e| anyhow::anyhow!("upstream.base_url `{base}` is not a URL: {e}"))?;
         Ok(Self {
             client,
-            base: cfg.base_url.trim_end_matches('/').to_string(),
+            base,
+            base_url,
             api_key,
             response_timeout: Duration::from_secs(cfg.response_timeout_secs),
             idle_timeout: Duration::from_secs(cfg.idle_timeout_secs),
@@ -86,11 +92,12 @@ impl Upstream {
     }
 
     /// The upstream URL for a client path below `/v1` (e.g. `/models`).
-    pub fn url(&self, below_v1: &str, query: Option<&str>) -> String {
-        match query {
-            Some(q) => format!("{}{}?{}", self.base, below_v1, q),
-            None => format!("{}{}", self.base, below_v1),
-        }
+    pub fn url(&self, below_v1: &str, query: Option<&str>) -> reqwest::Url {
+        let mut url = self.base_url.clone();
+        let path = format!("{}{}", self.base_url.path().trim_end_matches('/'), below_v1);
+        url.set_path(&path);
+        url.set_query(query);
+        url
     }
 
     /// Reads a whole (small) answer body: 502 if the upstream breaks off, 504
@@ -148,11 +155,15 @@ impl Upstream {
     pub async fn send(
         &self,
         method: http::Method,
-        url: &str,
+        url: &reqwest::Url,
         headers: HeaderMap,
         body: reqwest::Body,
     ) -> Result<reqwest::Response, ProxyError> {
-        let req = self.client.request(method, url).headers(headers).body(body);
+        let req = self
+            .client
+            .request(method, url.clone())
+            .headers(headers)
+            .body(body);
         self.execute(req).await
     }
 
@@ -163,13 +174,13 @@ impl Upstream {
     pub async fn send_bytes(
         &self,
         method: http::Method,
-        url: &str,
+        url: &reqwest::Url,
         headers: HeaderMap,
         body: bytes::Bytes,
     ) -> Result<reqwest::Response, ProxyError> {
         let build = || {
             self.client
-                .request(method.clone(), url)
+                .request(method.clone(), url.clone())
                 .headers(headers.clone())
                 .body(body.clone())
         };
@@ -270,6 +281,31 @@ pub fn strip_hop_by_hop(incoming: &HeaderMap) -> HeaderMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn urls_join_the_base_path_and_keep_the_query() {
+        let at = |base: &str| {
+            Upstream::new(&UpstreamConfig {
+                base_url: base.into(),
+                ..Default::default()
+            })
+            .unwrap()
+        };
+        let u = at("http://127.0.0.1:9/v1/");
+        assert_eq!(
+            u.url("/chat/completions", Some("a=1&b=%20")).as_str(),
+            "http://127.0.0.1:9/v1/chat/completions?a=1&b=%20"
+        );
+        assert_eq!(
+            at("http://127.0.0.1:9").url("/models", None).as_str(),
+            "http://127.0.0.1:9/models"
+        );
+        assert!(Upstream::new(&UpstreamConfig {
+            base_url: "not a url".into(),
+            ..Default::default()
+        })
+        .is_err());
+    }
 
     #[test]
     fn hop_by_hop_and_named_headers_are_dropped() {

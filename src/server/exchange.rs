@@ -34,6 +34,10 @@ pub struct PendingExchange {
     /// The request body without its items (they are in `items`): model,
     /// tools, sampling parameters.
     pub body: Arc<Value>,
+    /// Hash of `body` (the request's parameters).
+    pub params: ItemHash,
+    /// Hash of the body's `tools`, if it has any.
+    pub tools_hash: Option<ItemHash>,
     /// Its items (the client's bytes until something must look inside).
     pub items: Arc<ItemList>,
     /// Their hashes.
@@ -139,7 +143,7 @@ impl PendingExchange {
             }
         };
         // The body holds everything but the items: model, tools, sampling.
-        let params_hash = item_hash(&self.body);
+        let params_hash = self.params;
         claim(&params_hash, &self.body);
         let response_hashes: Vec<ItemHash> = outcome.response_items.iter().map(item_hash).collect();
         for (h, item) in response_hashes.iter().zip(&outcome.response_items) {
@@ -220,6 +224,7 @@ impl PendingExchange {
     fn account(&self, state: &Arc<AppState>, usage: Option<Usage>, status: u16, complete: bool) {
         let state = state.clone();
         let (api, body, view) = (self.api, self.body.clone(), self.view.clone());
+        let tools_hash = self.tools_hash;
         let hashes = Arc::ptr_eq(&self.view, &self.items).then(|| self.hashes.clone());
         // Without reported usage the estimate decides (only a complete
         // answer says how large the conversation now is).
@@ -230,7 +235,8 @@ impl PendingExchange {
         let compaction = self.compaction.as_ref().map(|c| c.id.clone());
         tokio::task::spawn_blocking(move || {
             let hashes = hashes.unwrap_or_else(|| Arc::new(view.hashes()));
-            let est = state.tokens.estimate(api, &body, &view, &hashes);
+            let tools = body.get("tools").zip(tools_hash.as_ref());
+            let est = state.tokens.estimate(api, &view, &hashes, tools);
             let limits = state.config.model_limits(&model);
             let (used, source) = match usage {
                 Some(u) => (u.total(), "reported"),

@@ -24,9 +24,9 @@ use crate::compaction::{engine, policy, remote, Compaction};
 use crate::conversation::tenant_of;
 use crate::error::{full, BodyError, ProxyBody, ProxyError};
 use crate::upstream::{describe, strip_hop_by_hop};
-use crate::wire::items::{split_body, ItemList};
+use crate::wire::items::{cached_hash, split_body, ItemList};
 use crate::wire::sse::SseTee;
-use crate::wire::{self, chain_hashes, chat, Api, ItemHash};
+use crate::wire::{self, chain_hashes, chat, item_hash, Api, ItemHash};
 
 /// Response header naming the conversation.
 pub const CONVERSATION_HEADER: &str = "x-compactor-conversation";
@@ -68,12 +68,17 @@ async fn parse(
     let raw_len = raw.len();
     // The history stays bytes (see `wire::items`); a body that is not an
     // object with an item array is parsed whole, which names what is wrong.
-    let (mut body, spans) = match split_body(&raw, api.items_key()) {
-        Some(split) => (split.body, split.spans),
+    let (mut body, spans, keys) = match split_body(&raw, api.items_key()) {
+        Some(split) => (
+            split.body,
+            split.spans,
+            Some((split.body_key, split.tools_key)),
+        ),
         None => (
             serde_json::from_slice(&raw).map_err(|e| {
                 ProxyError::BadRequest(format!("request body is not valid JSON: {e}"))
             })?,
+            None,
             None,
         ),
     };
@@ -151,6 +156,20 @@ async fn parse(
         }
         None => raw,
     };
+    // Hashes of the parameters and tool definitions, through their bytes
+    // when the body is still the client's.
+    let tools_key = keys.and_then(|(_, t)| t);
+    let params = match keys {
+        Some((key, _)) if !strip_usage && !rewritten => cached_hash(key, || item_hash(&body)),
+        _ => item_hash(&body),
+    };
+    let tools_hash = body
+        .get("tools")
+        .filter(|t| !t.is_null())
+        .map(|t| match tools_key {
+            Some(key) => cached_hash(key, || item_hash(t)),
+            None => item_hash(t),
+        });
     let items: Arc<ItemList> = Arc::new(items);
     let mut pending = PendingExchange {
         id: state.store.next_exchange_id(),
@@ -160,6 +179,8 @@ async fn parse(
         api,
         model,
         body: Arc::new(body),
+        params,
+        tools_hash,
         chain_request: chains.last().copied().unwrap_or([0; 32]),
         hashes: Arc::new(hashes),
         view: items.clone(),

@@ -26,9 +26,13 @@ use super::hash::{item_hash, ItemHash};
 pub struct SplitBody {
     /// The body; the item array's place holds an empty array.
     pub body: Value,
-    /// Byte range of each item in the body, when the item field was an
-    /// array of objects.
+    /// Byte range of each item in the body, when it has the item field.
     pub spans: Option<Vec<Range<usize>>>,
+    /// Hash of bytes that parse to `body` (the body's without the items),
+    /// for [`cached_hash`].
+    pub body_key: ItemHash,
+    /// Hash of the bytes of the `tools` field, if there is one.
+    pub tools_key: Option<ItemHash>,
 }
 
 /// Parses a JSON object, leaving the array of objects under `key` as byte
@@ -37,10 +41,29 @@ pub struct SplitBody {
 /// what is wrong.
 pub fn split_body(raw: &[u8], key: &str) -> Option<SplitBody> {
     let mut de = serde_json::Deserializer::from_slice(raw);
-    let (obj, items) = de.deserialize_map(SplitVisitor { key }).ok()?;
+    let split = de.deserialize_map(SplitVisitor { key }).ok()?;
     de.end().ok()?;
     let base = raw.as_ptr() as usize;
-    let spans = match items {
+    let span_of = |text: &str| {
+        let start = text.as_ptr() as usize - base;
+        start..start + text.len()
+    };
+    // The body's bytes without the items (from the first item's start to
+    // the last one's end) are JSON that parses to `body`.
+    let mut body_key = blake3::Hasher::new();
+    match split.items.as_deref() {
+        Some([first, .., last]) | Some([first @ last]) => {
+            body_key.update(&raw[..span_of(first.get()).start]);
+            body_key.update(&raw[span_of(last.get()).end..]);
+        }
+        _ => {
+            body_key.update(raw);
+        }
+    }
+    let tools_key = split
+        .tools
+        .map(|t| *blake3::hash(&raw[span_of(t.get())]).as_bytes());
+    let spans = match split.items {
         Some(items) => {
             let mut spans = Vec::with_capacity(items.len());
             for item in items {
@@ -48,20 +71,26 @@ pub fn split_body(raw: &[u8], key: &str) -> Option<SplitBody> {
                 if !text.starts_with('{') {
                     return None;
                 }
-                let start = text.as_ptr() as usize - base;
-                spans.push(start..start + text.len());
+                spans.push(span_of(text));
             }
             Some(spans)
         }
         None => None,
     };
     Some(SplitBody {
-        body: Value::Object(obj),
+        body: Value::Object(split.obj),
         spans,
+        body_key: *body_key.finalize().as_bytes(),
+        tools_key,
     })
 }
 
-type Split<'de> = (Map<String, Value>, Option<Vec<&'de RawValue>>);
+/// What one pass over a body finds.
+struct Split<'de> {
+    obj: Map<String, Value>,
+    items: Option<Vec<&'de RawValue>>,
+    tools: Option<&'de RawValue>,
+}
 
 struct SplitVisitor<'k> {
     key: &'k str,
@@ -75,20 +104,30 @@ impl<'de> Visitor<'de> for SplitVisitor<'_> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Split<'de>, A::Error> {
-        let mut obj = Map::new();
-        let mut items = None;
+        let mut split = Split {
+            obj: Map::new(),
+            items: None,
+            tools: None,
+        };
         while let Some(k) = map.next_key::<String>()? {
-            if k != self.key {
+            if k == self.key {
+                // Anything but an array fails the split; the full parse then
+                // takes the body (a Responses `input` string, a wrong type).
+                split.items = Some(map.next_value_seed(RawElements)?);
+                split.obj.insert(k, Value::Array(Vec::new()));
+            } else if k == "tools" {
+                // Tool definitions are large and the same every turn: their
+                // bytes find their hash, as items' do.
+                let raw: &'de RawValue = map.next_value()?;
+                let v = serde_json::from_str(raw.get()).map_err(de::Error::custom)?;
+                split.tools = Some(raw);
+                split.obj.insert(k, v);
+            } else {
                 let v: Value = map.next_value()?;
-                obj.insert(k, v);
-                continue;
+                split.obj.insert(k, v);
             }
-            // Anything but an array fails the split; the full parse then
-            // takes the body (a Responses `input` string, a wrong type).
-            items = Some(map.next_value_seed(RawElements)?);
-            obj.insert(k, Value::Array(Vec::new()));
         }
-        Ok((obj, items))
+        Ok(split)
     }
 }
 
@@ -272,6 +311,25 @@ impl ItemList {
     }
 }
 
+/// The canonical hash of a value whose bytes hash to `key`: from the cache,
+/// or `compute`d (from the parsed value) and cached.
+pub fn cached_hash(key: ItemHash, compute: impl FnOnce() -> ItemHash) -> ItemHash {
+    if let Some(h) = raw_cache()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&key)
+    {
+        return *h;
+    }
+    let h = compute();
+    let mut cache = raw_cache().lock().unwrap_or_else(|p| p.into_inner());
+    if cache.len() >= RAW_CACHE_LIMIT {
+        cache.clear();
+    }
+    cache.insert(key, h);
+    h
+}
+
 /// Entries kept in the bytes → canonical hash cache before it is cleared
 /// (about 100 bytes each).
 const RAW_CACHE_LIMIT: usize = 200_000;
@@ -347,6 +405,44 @@ mod tests {
             "messages",
         );
         assert_eq!(spaced.hashes(), want);
+    }
+
+    #[test]
+    fn body_and_tools_keys_follow_their_bytes() {
+        let a = split_body(
+            br#"{"model":"m","tools":[{"x":1}],"messages":[{"a":1}]}"#,
+            "messages",
+        )
+        .unwrap();
+        let b = split_body(
+            br#"{"model":"m","tools":[{"x":1}],"messages":[{"b":2},{"c":3}]}"#,
+            "messages",
+        )
+        .unwrap();
+        let c = split_body(
+            br#"{"model":"n","tools":[{"x":2}],"messages":[{"a":1}]}"#,
+            "messages",
+        )
+        .unwrap();
+        // Other items, same body: same key; other parameters: another key.
+        assert_eq!(a.body_key, b.body_key);
+        assert_ne!(a.body_key, c.body_key);
+        // The body key is the key of bytes the body parses from.
+        assert_eq!(
+            a.body_key,
+            *blake3::hash(br#"{"model":"m","tools":[{"x":1}],"messages":[]}"#).as_bytes()
+        );
+        let empty = split_body(br#"{"model":"m","messages":[ ]}"#, "messages").unwrap();
+        assert_eq!(
+            empty.body_key,
+            *blake3::hash(br#"{"model":"m","messages":[ ]}"#).as_bytes()
+        );
+        assert_eq!(a.tools_key, Some(*blake3::hash(br#"[{"x":1}]"#).as_bytes()));
+        assert_ne!(a.tools_key, c.tools_key);
+        assert_eq!(a.body["tools"], json!([{"x": 1}]));
+        let h = cached_hash(a.body_key, || item_hash(&a.body));
+        assert_eq!(h, item_hash(&a.body));
+        assert_eq!(cached_hash(a.body_key, || unreachable!()), h);
     }
 
     #[test]
