@@ -945,10 +945,11 @@ fn breakdown(o: &Opts) {
     println!();
     println!("proxy request-path steps, one thread, median µs (SSE body of the `last` variant):");
     println!(
-        "{:>7} {:>6} | {:>7} {:>7} {:>7} {:>6} | {:>7} {:>6} {:>9} {:>9} {:>10}",
+        "{:>7} {:>6} | {:>7} {:>7} {:>7} {:>7} {:>6} | {:>7} {:>6} {:>9} {:>9} {:>10}",
         "body KB",
         "items",
         "split",
+        "reuse",
         "hash",
         "chain",
         "splice",
@@ -977,6 +978,12 @@ fn breakdown(o: &Opts) {
         // Items seen before: a hash of their bytes finds their canonical hash.
         let hash = median_us(reps, &mut || {
             std::hint::black_box(items.hashes());
+        });
+        // The conversation's next request: its history is found byte for
+        // byte in the previous one.
+        items.hashes_reusing("bench");
+        let reuse = median_us(reps, &mut || {
+            std::hint::black_box(items.hashes_reusing("bench"));
         });
         let chain = median_us(reps, &mut || {
             std::hint::black_box(chain_hashes(&hashes));
@@ -1014,10 +1021,11 @@ fn breakdown(o: &Opts) {
             ));
         });
         println!(
-            "{:>7.1} {:>6} | {:>7.0} {:>7.0} {:>7.0} {:>6.0} | {:>7.0} {:>6.0} {:>9.0} {:>9.0} {:>10.0}",
+            "{:>7.1} {:>6} | {:>7.0} {:>7.0} {:>7.0} {:>7.0} {:>6.0} | {:>7.0} {:>6.0} {:>9.0} {:>9.0} {:>10.0}",
             body.len() as f64 / 1000.0,
             items.len(),
             split_us,
+            reuse,
             hash,
             chain,
             splice,
@@ -1029,8 +1037,9 @@ fn breakdown(o: &Opts) {
         );
     }
     println!(
-        "(every request: split = parse with the messages left as byte ranges, hash = item hashes \
-         through the bytes cache, chain; SSE requests without include_usage: splice of \
+        "(every request: split = parse with the messages left as byte ranges, reuse = item hashes \
+         of a conversation's next request (its history found byte for byte in the previous \
+         one), hash = item hashes through the bytes cache alone, chain; SSE requests without include_usage: splice of \
          stream_options into their bytes; for comparison and for new items: parse = the whole \
          body into a Value tree, canon = canonical hashes of all items; store new: items not \
          stored before, as JSON text; tok: token estimate after the answer, on a blocking \

@@ -128,7 +128,7 @@ async fn parse(
         .unwrap_or_default()
         .to_string();
     let streamed = body.get("stream").and_then(Value::as_bool) == Some(true);
-    let hashes: Vec<ItemHash> = items.hashes();
+    let hashes: Vec<ItemHash> = items.hashes_reusing(&tenant);
     let chains = chain_hashes(&hashes);
     let explicit_key = wire::explicit_conversation_key(&parts.headers, &body);
     let ident = state.conversations.identify(

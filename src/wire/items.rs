@@ -10,7 +10,7 @@
 //! body that has to be rewritten.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::fmt;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -272,11 +272,55 @@ impl ItemList {
             return self.values().iter().map(item_hash).collect();
         }
         let mut out: Vec<ItemHash> = self.head.iter().map(item_hash).collect();
-        let keys: Vec<ItemHash> = self
-            .spans
+        out.extend(self.raw_hashes(0));
+        out
+    }
+
+    /// Like [`ItemList::hashes`], and faster for a conversation's next
+    /// request: the history it repeats is found byte for byte in the
+    /// `scope`'s (the tenant's) recent requests, whose hashes are reused;
+    /// only the rest is hashed. Remembers this request for the next one.
+    pub fn hashes_reusing(&self, scope: &str) -> Vec<ItemHash> {
+        if !self.is_raw() || self.spans.is_empty() {
+            return self.hashes();
+        }
+        // Requests are told apart by their first two items (the system
+        // prompt alone is shared by every session of an agent).
+        let mut key = blake3::Hasher::new();
+        key.update(&(scope.len() as u64).to_le_bytes());
+        key.update(scope.as_bytes());
+        for s in self.spans.iter().take(2) {
+            key.update(&(s.len() as u64).to_le_bytes());
+            key.update(&self.raw[s.clone()]);
+        }
+        let key = *key.finalize().as_bytes();
+        let candidates = recent().lock().unwrap_or_else(|p| p.into_inner()).get(&key);
+        let best = candidates
+            .iter()
+            .map(|seen| (seen.matching(&self.raw, &self.spans), seen))
+            .max_by_key(|(n, _)| *n);
+        let reused = best.map(|(n, _)| n).unwrap_or(0);
+        let mut items: Vec<ItemHash> = best
+            .map(|(n, seen)| seen.hashes[..n].to_vec())
+            .unwrap_or_default();
+        items.extend(self.raw_hashes(reused));
+        recent().lock().unwrap_or_else(|p| p.into_inner()).insert(
+            key,
+            Seen::new(self.raw.clone(), self.spans.clone(), items.clone()),
+        );
+        let mut out: Vec<ItemHash> = self.head.iter().map(item_hash).collect();
+        out.extend(items);
+        out
+    }
+
+    /// Hashes of the raw items from `from` on, through the bytes cache.
+    fn raw_hashes(&self, from: usize) -> Vec<ItemHash> {
+        let spans = &self.spans[from.min(self.spans.len())..];
+        let keys: Vec<ItemHash> = spans
             .iter()
             .map(|s| *blake3::hash(&self.raw[s.clone()]).as_bytes())
             .collect();
+        let mut out = Vec::with_capacity(keys.len());
         let mut missing = Vec::new();
         {
             let cache = raw_cache().lock().unwrap_or_else(|p| p.into_inner());
@@ -293,12 +337,11 @@ impl ItemList {
         if missing.is_empty() {
             return out;
         }
-        let head = self.head.len();
         let found: Vec<(ItemHash, ItemHash)> = missing
             .iter()
             .map(|&j| {
-                let h = item_hash(&parse(&self.raw[self.spans[j].clone()]));
-                out[head + j] = h;
+                let h = item_hash(&parse(&self.raw[spans[j].clone()]));
+                out[j] = h;
                 (keys[j], h)
             })
             .collect();
@@ -309,6 +352,103 @@ impl ItemList {
         cache.extend(found);
         out
     }
+}
+
+/// A recent request's raw items and their hashes.
+struct Seen {
+    id: u64,
+    raw: Bytes,
+    spans: Vec<Range<usize>>,
+    hashes: Vec<ItemHash>,
+}
+
+impl Seen {
+    fn new(raw: Bytes, spans: Vec<Range<usize>>, hashes: Vec<ItemHash>) -> Self {
+        Seen {
+            id: 0,
+            raw,
+            spans,
+            hashes,
+        }
+    }
+
+    /// How many leading items of a request are byte for byte these.
+    fn matching(&self, raw: &[u8], spans: &[Range<usize>]) -> usize {
+        self.spans
+            .iter()
+            .zip(spans)
+            .take_while(|(a, b)| self.raw[(*a).clone()] == raw[(*b).clone()])
+            .count()
+    }
+}
+
+/// Bytes of recent requests kept for [`ItemList::hashes_reusing`].
+const RECENT_BYTES: usize = 64 << 20;
+/// Recent requests kept per first-two-items key (concurrent branches of a
+/// conversation, retries).
+const RECENT_PER_KEY: usize = 4;
+
+/// Recent requests by key, oldest evicted first once they hold more than
+/// [`RECENT_BYTES`].
+#[derive(Default)]
+struct Recent {
+    by_key: HashMap<ItemHash, VecDeque<Arc<Seen>>>,
+    order: VecDeque<(ItemHash, u64)>,
+    bytes: usize,
+    next_id: u64,
+}
+
+impl Recent {
+    fn get(&self, key: &ItemHash) -> Vec<Arc<Seen>> {
+        self.by_key
+            .get(key)
+            .map(|q| q.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    fn insert(&mut self, key: ItemHash, mut seen: Seen) {
+        self.next_id += 1;
+        seen.id = self.next_id;
+        self.bytes += seen.raw.len();
+        self.order.push_back((key, seen.id));
+        let q = self.by_key.entry(key).or_default();
+        q.push_back(Arc::new(seen));
+        if q.len() > RECENT_PER_KEY {
+            if let Some(old) = q.pop_front() {
+                self.bytes -= old.raw.len();
+            }
+        }
+        while self.bytes > RECENT_BYTES {
+            let Some((k, id)) = self.order.pop_front() else {
+                break;
+            };
+            if let Some(q) = self.by_key.get_mut(&k) {
+                if let Some(i) = q.iter().position(|s| s.id == id) {
+                    if let Some(old) = q.remove(i) {
+                        self.bytes -= old.raw.len();
+                    }
+                }
+                if q.is_empty() {
+                    self.by_key.remove(&k);
+                }
+            }
+        }
+        // Entries already dropped per key leave their place in `order`;
+        // keep it from growing without bound.
+        if self.order.len() > 4 * RECENT_PER_KEY * self.by_key.len().max(1) {
+            let live: std::collections::HashSet<u64> = self
+                .by_key
+                .values()
+                .flat_map(|q| q.iter().map(|s| s.id))
+                .collect();
+            self.order.retain(|(_, id)| live.contains(id));
+        }
+    }
+}
+
+fn recent() -> &'static Mutex<Recent> {
+    static RECENT: OnceLock<Mutex<Recent>> = OnceLock::new();
+    RECENT.get_or_init(Default::default)
 }
 
 /// The canonical hash of a value whose bytes hash to `key`: from the cache,
@@ -443,6 +583,43 @@ mod tests {
         let h = cached_hash(a.body_key, || item_hash(&a.body));
         assert_eq!(h, item_hash(&a.body));
         assert_eq!(cached_hash(a.body_key, || unreachable!()), h);
+    }
+
+    #[test]
+    fn a_repeated_history_reuses_the_hashes_of_the_same_bytes() {
+        let scope = "tenant-reuse-test";
+        let first = r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u1"},{"role":"assistant","content":"a1"}]}"#;
+        let (_, a) = list(first, "messages");
+        let ha = a.hashes_reusing(scope);
+        assert_eq!(ha, a.hashes());
+        // The next request repeats the history and adds to it; one that
+        // differs in an item's bytes gets that item's own hash.
+        let next = r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u1"},{"role":"assistant","content":"a1"},{"role":"user","content":"u2"}]}"#;
+        let (_, b) = list(next, "messages");
+        let hb = b.hashes_reusing(scope);
+        assert_eq!(hb, b.hashes());
+        assert_eq!(hb[..3], ha[..]);
+        let edited = r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u1"},{"role":"assistant","content":"A1"},{"role":"user","content":"u2"}]}"#;
+        let (_, c) = list(edited, "messages");
+        let hc = c.hashes_reusing(scope);
+        assert_eq!(hc, c.hashes());
+        assert_ne!(hc[2], hb[2]);
+        // Another scope finds nothing, and computes the same hashes.
+        let (_, d) = list(next, "messages");
+        assert_eq!(d.hashes_reusing("another tenant"), hb);
+    }
+
+    #[test]
+    fn recent_requests_are_bounded() {
+        let mut r = Recent::default();
+        let big = Bytes::from(vec![b' '; RECENT_BYTES / 3]);
+        for i in 0..10u8 {
+            r.insert([i % 2; 32], Seen::new(big.clone(), Vec::new(), Vec::new()));
+            assert!(r.bytes <= RECENT_BYTES);
+            assert!(r.by_key.values().all(|q| q.len() <= RECENT_PER_KEY));
+            assert!(r.order.len() <= 4 * RECENT_PER_KEY * 2 + 1);
+        }
+        assert_eq!(r.by_key.values().map(|q| q.len()).sum::<usize>(), 3);
     }
 
     #[test]
