@@ -72,7 +72,7 @@ use compactor::config::{Config, ModelConfig};
 use compactor::fake_upstream::{FakeUpstream, Received, Reply};
 use compactor::server::{self, AppState};
 use compactor::tokens::TokenCounter;
-use compactor::wire::items::ItemList;
+use compactor::wire::items::{ItemList, Tools};
 use compactor::wire::{item_hash, Api};
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -1011,10 +1011,9 @@ fn is_summary_call(r: &Received) -> bool {
 fn request_tokens(counter: &TokenCounter, body: &[u8]) -> u64 {
     let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
     let items: ItemList = Api::Chat.request_items(&v).into();
-    let tools = v.get("tools").map(|t| (t, item_hash(t)));
-    let tools = tools.as_ref().map(|(t, h)| (*t, h));
+    let tools = Tools::take(&mut v.clone());
     counter
-        .estimate(Api::Chat, &items, &items.hashes(), tools)
+        .estimate(Api::Chat, &items, &items.hashes(), tools.as_ref())
         .total()
 }
 

@@ -924,7 +924,7 @@ async fn quiesce() -> Duration {
 /// body of each size, to tell what its added latency is made of.
 fn breakdown(o: &Opts) {
     use compactor::tokens::TokenCounter;
-    use compactor::wire::items::split_body;
+    use compactor::wire::items::{split_body, Tools};
     use compactor::wire::{chain_hashes, item_hash, Api};
     use serde_json::Value;
 
@@ -968,9 +968,10 @@ fn breakdown(o: &Opts) {
             let s = split_body(b, "messages").expect("body splits");
             let mut v = s.body;
             let items = Api::Chat.item_list(&mut v, b.clone(), s.spans);
-            (v, items)
+            let tools = s.tools.map(|(span, key)| Tools::raw(b.clone(), span, key));
+            (v, items, tools)
         };
-        let (v, items) = split(&body);
+        let (_, items, tools) = split(&body);
         let hashes = items.hashes();
         let split_us = median_us(reps, &mut || {
             std::hint::black_box(split(&body));
@@ -1005,19 +1006,17 @@ fn breakdown(o: &Opts) {
             let texts: Vec<String> = (0..items.len()).map(|i| items.json(i)).collect();
             std::hint::black_box(texts);
         });
-        let tools_hash = item_hash(&v["tools"]);
-        let tools = Some((&v["tools"], &tools_hash));
         let warm = TokenCounter::default();
-        warm.estimate(Api::Chat, &items, &hashes, tools);
+        warm.estimate(Api::Chat, &items, &hashes, tools.as_ref());
         let tok_warm = median_us(reps, &mut || {
-            std::hint::black_box(warm.estimate(Api::Chat, &items, &hashes, tools));
+            std::hint::black_box(warm.estimate(Api::Chat, &items, &hashes, tools.as_ref()));
         });
         let tok_cold = median_us(reps.min(5), &mut || {
             std::hint::black_box(TokenCounter::default().estimate(
                 Api::Chat,
                 &items,
                 &hashes,
-                tools,
+                tools.as_ref(),
             ));
         });
         println!(

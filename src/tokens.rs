@@ -12,7 +12,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tiktoken_rs::CoreBPE;
 
-use crate::wire::items::ItemList;
+use crate::wire::items::{ItemList, Tools};
 use crate::wire::{Api, ItemHash};
 
 /// Per-message framing overhead OpenAI documents for chat formats.
@@ -162,14 +162,13 @@ impl TokenCounter {
         counted
     }
 
-    /// Estimates a request by section (`hashes`: the items' hashes; `tools`:
-    /// the tool definitions and their hash).
+    /// Estimates a request by section (`hashes`: the items' hashes).
     pub fn estimate(
         &self,
         api: Api,
         items: &ItemList,
         hashes: &[ItemHash],
-        tools: Option<(&Value, &ItemHash)>,
+        tools: Option<&Tools>,
     ) -> Estimate {
         let mut e = Estimate::default();
         for (i, hash) in hashes.iter().enumerate().take(items.len()) {
@@ -180,8 +179,8 @@ impl TokenCounter {
                 Section::ToolOutputs => e.tool_outputs += c.tokens,
             }
         }
-        if let Some((tools, hash)) = tools.filter(|(t, _)| !t.is_null()) {
-            e.tool_definitions = self.count_item(hash, tools);
+        if let Some(t) = tools {
+            e.tool_definitions = self.count_item_with(&t.hash, || Cow::Borrowed(t.value()));
         }
         e
     }
@@ -211,7 +210,6 @@ fn collect_text(v: &Value, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::wire::item_hash;
     use serde_json::json;
 
     #[test]
@@ -227,13 +225,13 @@ mod tests {
         });
         let items: ItemList = Api::Chat.request_items(&body).into();
         let hashes = items.hashes();
-        let tools = (&body["tools"], &item_hash(&body["tools"]));
-        let e = t.estimate(Api::Chat, &items, &hashes, Some(tools));
+        let tools = Tools::take(&mut body.clone());
+        let e = t.estimate(Api::Chat, &items, &hashes, tools.as_ref());
         assert!(e.system > PER_ITEM_OVERHEAD, "{e:?}");
         assert!(e.messages > PER_ITEM_OVERHEAD);
         assert!(e.tool_outputs > e.messages, "{e:?}");
         assert!(e.tool_definitions > 0);
         // Cached: the same answer again.
-        assert_eq!(t.estimate(Api::Chat, &items, &hashes, Some(tools)), e);
+        assert_eq!(t.estimate(Api::Chat, &items, &hashes, tools.as_ref()), e);
     }
 }

@@ -9,8 +9,8 @@ use std::time::Duration;
 use compactor::fake_upstream::Reply;
 use serde_json::{json, Value};
 use support::{
-    client_calls, compactions, is_summary_call, last_client_request, post, small_window,
-    small_window_foreground, wait_compactions, within, Harness,
+    client_calls, compactions, is_summary_call, last_client_call, last_client_request, post,
+    small_window, small_window_foreground, wait_compactions, within, Harness,
 };
 
 const KEY: &str = "sk-compaction-tests";
@@ -20,6 +20,8 @@ struct Chat {
     url: String,
     key: String,
     history: Vec<Value>,
+    /// Tool definitions sent with every request, if any.
+    tools: Option<Value>,
 }
 
 impl Chat {
@@ -28,18 +30,19 @@ impl Chat {
             url: format!("{}/chat/completions", h.url()),
             key: key.into(),
             history: vec![json!({"role": "system", "content": "You are a careful coding agent."})],
+            tools: None,
         }
     }
 
     /// One user turn: sends the whole history, appends the answer.
     async fn turn(&mut self, text: &str) -> (u16, http::HeaderMap, Value) {
         self.history.push(json!({"role": "user", "content": text}));
-        let (status, headers, body) = post(
-            &self.url,
-            &self.key,
-            &json!({"model": MODEL, "messages": self.history}),
-        )
-        .await;
+        let mut request = json!({"model": MODEL, "temperature": 0.5});
+        if let Some(tools) = &self.tools {
+            request["tools"] = tools.clone();
+        }
+        request["messages"] = json!(self.history);
+        let (status, headers, body) = post(&self.url, &self.key, &request).await;
         let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         if status == 200 {
             let content = v["choices"][0]["message"]["content"]
@@ -617,5 +620,34 @@ async fn the_real_binary_rewrites_exactly_as_before_after_kill_9_and_a_restart()
         last_upstream_body(),
         before,
         "byte-identical request after the restart"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compacted_request_keeps_the_clients_parameters_and_tools_in_place() {
+    let h = Harness::start_with(small_window).await;
+    let mut chat = Chat::new(&h, KEY);
+    let tools = json!([{"type": "function", "function": {"name": "read_file",
+        "description": "Reads a file of the workspace.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]);
+    chat.tools = Some(tools.clone());
+    grow_until_compacted(&h, &mut chat).await;
+    wait_compactions(&h, 1).await;
+    let (status, headers, _) = chat.turn("one more step").await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let sent = last_client_call(&h);
+    assert_eq!(sent["tools"], tools, "the tool definitions go up unchanged");
+    assert_eq!(sent["temperature"], 0.5);
+    let keys: Vec<&str> = sent
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        keys,
+        ["model", "temperature", "tools", "messages"],
+        "in the client's order"
     );
 }

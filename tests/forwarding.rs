@@ -89,6 +89,40 @@ async fn chat_stream_gets_usage_injected_upstream_and_hidden_from_client() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_the_proxy_must_rewrite_keeps_everything_else_in_place() {
+    let h = Harness::start().await;
+    // stream_options without include_usage: the body is serialised again.
+    let tools =
+        json!([{"type": "function", "function": {"name": "sh", "parameters": {"type": "object"}}}]);
+    let req = json!({"model": "gpt-4o", "tools": tools, "stream": true,
+                     "stream_options": {"x_vendor": 1}, "parallel_tool_calls": false,
+                     "messages": [{"role": "user", "content": "hi"}]});
+    let (status, _, _) = post(&format!("{}/chat/completions", h.url()), KEY, &req).await;
+    assert_eq!(status, 200);
+    let sent = h.fake.last().unwrap().json();
+    let mut want = req.clone();
+    want["stream_options"]["include_usage"] = json!(true);
+    assert_eq!(sent, want);
+    let keys: Vec<&str> = sent
+        .as_object()
+        .unwrap()
+        .keys()
+        .map(String::as_str)
+        .collect();
+    assert_eq!(
+        keys,
+        [
+            "model",
+            "tools",
+            "stream",
+            "stream_options",
+            "parallel_tool_calls",
+            "messages"
+        ]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn responses_json_and_stream_are_relayed_unchanged() {
     let h = Harness::start().await;
     let answer = compactor::fake_upstream::responses_body("resp_A", "hi there", 12, 3);

@@ -16,7 +16,7 @@ use super::policy::{decide, hard_limit};
 use super::summary;
 use super::{cheap_rungs, prepare, rewrite, summary_replacement, Compaction, Params, Rung};
 use crate::server::AppState;
-use crate::wire::items::ItemList;
+use crate::wire::items::{ItemList, Tools};
 use crate::wire::{item_hash, ItemHash};
 
 /// Bytes of one item's text shown to the summarizer (head and tail kept).
@@ -449,7 +449,7 @@ pub struct FitCheck<'a> {
     /// Their hashes, when already computed.
     pub hashes: Option<Arc<Vec<ItemHash>>>,
     /// The request's tool definitions.
-    pub tools: Option<&'a Value>,
+    pub tools: Option<Tools>,
     /// Size of the request body, when it is what goes upstream.
     pub bytes: Option<usize>,
 }
@@ -475,10 +475,10 @@ pub async fn check_fit(state: &Arc<AppState>, req: FitCheck<'_>) -> Fit {
     if bytes.is_some_and(|b| b as u64 <= hard) {
         return Fit::Fits;
     }
-    let tools_tokens = match tools.cloned() {
+    let tools_tokens = match tools {
         Some(t) => {
             let counter = state.tokens.clone();
-            tokio::task::spawn_blocking(move || counter.count_item(&item_hash(&t), &t))
+            tokio::task::spawn_blocking(move || counter.count_item(&t.hash, t.value()))
                 .await
                 .unwrap_or(0)
         }

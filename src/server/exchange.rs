@@ -11,7 +11,7 @@ use crate::compaction::engine::{self, Input};
 use crate::compaction::Compaction;
 use crate::conversation::Identified;
 use crate::store::{ExchangeRecord, IndexedExchange};
-use crate::wire::items::ItemList;
+use crate::wire::items::{ItemList, Tools};
 use crate::wire::{chain_extend, item_hash, Api, ItemHash, Usage};
 
 /// Most characters of an upstream error body kept in a record.
@@ -34,10 +34,10 @@ pub struct PendingExchange {
     /// The request body without its items (they are in `items`): model,
     /// tools, sampling parameters.
     pub body: Arc<Value>,
-    /// Hash of `body` (the request's parameters).
+    /// Hash of `body` with its tools (the request's parameters).
     pub params: ItemHash,
-    /// Hash of the body's `tools`, if it has any.
-    pub tools_hash: Option<ItemHash>,
+    /// The tool definitions, if any (`body` holds `null` in their place).
+    pub tools: Option<Tools>,
     /// Its items (the client's bytes until something must look inside).
     pub items: Arc<ItemList>,
     /// Their hashes.
@@ -108,6 +108,7 @@ impl PendingExchange {
         }
         let mut body = (*self.body).clone();
         super::proxy::set_items(self.api, &mut body, &self.view.values());
+        Tools::restore(self.tools.as_ref(), &mut body);
         serde_json::to_vec(&body)
             .map(bytes::Bytes::from)
             .map_err(|e| crate::error::ProxyError::Internal(e.to_string()))
@@ -137,17 +138,18 @@ impl PendingExchange {
                 new_items.push((*h, self.items.json(i)));
             }
         }
-        let mut claim = |hash: &ItemHash, item: &Value| {
-            if state.store.claim_item(hash) {
-                new_items.push((*hash, serde_json::to_string(item).unwrap_or_default()));
-            }
-        };
         // The body holds everything but the items: model, tools, sampling.
         let params_hash = self.params;
-        claim(&params_hash, &self.body);
+        if state.store.claim_item(&params_hash) {
+            let mut params = (*self.body).clone();
+            Tools::restore(self.tools.as_ref(), &mut params);
+            new_items.push((params_hash, params.to_string()));
+        }
         let response_hashes: Vec<ItemHash> = outcome.response_items.iter().map(item_hash).collect();
         for (h, item) in response_hashes.iter().zip(&outcome.response_items) {
-            claim(h, item);
+            if state.store.claim_item(h) {
+                new_items.push((*h, item.to_string()));
+            }
         }
         let suffix_from = self.ident.prefix.map(|p| p.len).unwrap_or(0);
         let complete = !outcome.partial && (200..300).contains(&outcome.status);
@@ -223,8 +225,7 @@ impl PendingExchange {
     /// past `warn_ratio`. Then the compaction decision for the next request.
     fn account(&self, state: &Arc<AppState>, usage: Option<Usage>, status: u16, complete: bool) {
         let state = state.clone();
-        let (api, body, view) = (self.api, self.body.clone(), self.view.clone());
-        let tools_hash = self.tools_hash;
+        let (api, tools, view) = (self.api, self.tools.clone(), self.view.clone());
         let hashes = Arc::ptr_eq(&self.view, &self.items).then(|| self.hashes.clone());
         // Without reported usage the estimate decides (only a complete
         // answer says how large the conversation now is).
@@ -235,8 +236,7 @@ impl PendingExchange {
         let compaction = self.compaction.as_ref().map(|c| c.id.clone());
         tokio::task::spawn_blocking(move || {
             let hashes = hashes.unwrap_or_else(|| Arc::new(view.hashes()));
-            let tools = body.get("tools").zip(tools_hash.as_ref());
-            let est = state.tokens.estimate(api, &view, &hashes, tools);
+            let est = state.tokens.estimate(api, &view, &hashes, tools.as_ref());
             let limits = state.config.model_limits(&model);
             let (used, source) = match usage {
                 Some(u) => (u.total(), "reported"),

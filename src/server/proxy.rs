@@ -24,7 +24,7 @@ use crate::compaction::{engine, policy, remote, Compaction};
 use crate::conversation::tenant_of;
 use crate::error::{full, BodyError, ProxyBody, ProxyError};
 use crate::upstream::{describe, strip_hop_by_hop};
-use crate::wire::items::{cached_hash, split_body, ItemList};
+use crate::wire::items::{cached_hash, split_body, ItemList, Tools};
 use crate::wire::sse::SseTee;
 use crate::wire::{self, chain_hashes, chat, item_hash, Api, ItemHash};
 
@@ -68,19 +68,21 @@ async fn parse(
     let raw_len = raw.len();
     // The history stays bytes (see `wire::items`); a body that is not an
     // object with an item array is parsed whole, which names what is wrong.
-    let (mut body, spans, keys) = match split_body(&raw, api.items_key()) {
-        Some(split) => (
-            split.body,
-            split.spans,
-            Some((split.body_key, split.tools_key)),
-        ),
-        None => (
-            serde_json::from_slice(&raw).map_err(|e| {
+    let (mut body, spans, body_key, tools) = match split_body(&raw, api.items_key()) {
+        Some(split) => {
+            let tools = split
+                .tools
+                .map(|(span, key)| Tools::raw(raw.clone(), span, key));
+            (split.body, split.spans, Some(split.body_key), tools)
+        }
+        None => {
+            let mut body: Value = serde_json::from_slice(&raw).map_err(|e| {
                 ProxyError::BadRequest(format!("request body is not valid JSON: {e}"))
-            })?,
-            None,
-            None,
-        ),
+            })?;
+            api.validate(&body).map_err(ProxyError::BadRequest)?;
+            let tools = Tools::take(&mut body);
+            (body, None, None, tools)
+        }
     };
     api.validate(&body).map_err(ProxyError::BadRequest)?;
 
@@ -152,24 +154,22 @@ async fn parse(
         None if strip_usage || rewritten => {
             let mut full = body.clone();
             set_items(api, &mut full, &items.values());
+            Tools::restore(tools.as_ref(), &mut full);
             Bytes::from(serde_json::to_vec(&full).map_err(|e| ProxyError::Internal(e.to_string()))?)
         }
         None => raw,
     };
-    // Hashes of the parameters and tool definitions, through their bytes
-    // when the body is still the client's.
-    let tools_key = keys.and_then(|(_, t)| t);
-    let params = match keys {
-        Some((key, _)) if !strip_usage && !rewritten => cached_hash(key, || item_hash(&body)),
-        _ => item_hash(&body),
+    // The parameters' hash, through their bytes when the body is still
+    // the client's.
+    let full_hash = || {
+        let mut full = body.clone();
+        Tools::restore(tools.as_ref(), &mut full);
+        item_hash(&full)
     };
-    let tools_hash = body
-        .get("tools")
-        .filter(|t| !t.is_null())
-        .map(|t| match tools_key {
-            Some(key) => cached_hash(key, || item_hash(t)),
-            None => item_hash(t),
-        });
+    let params = match body_key {
+        Some(key) if !strip_usage && !rewritten => cached_hash(key, full_hash),
+        _ => full_hash(),
+    };
     let items: Arc<ItemList> = Arc::new(items);
     let mut pending = PendingExchange {
         id: state.store.next_exchange_id(),
@@ -180,7 +180,7 @@ async fn parse(
         model,
         body: Arc::new(body),
         params,
-        tools_hash,
+        tools,
         chain_request: chains.last().copied().unwrap_or([0; 32]),
         hashes: Arc::new(hashes),
         view: items.clone(),
@@ -205,7 +205,7 @@ async fn parse(
         model: &pending.model,
         view: pending.view.clone(),
         hashes: Arc::ptr_eq(&pending.view, &pending.items).then(|| pending.hashes.clone()),
-        tools: pending.body.get("tools").filter(|t| !t.is_null()),
+        tools: pending.tools.clone(),
         bytes,
     };
     match engine::check_fit(state, check).await {

@@ -31,8 +31,9 @@ pub struct SplitBody {
     /// Hash of bytes that parse to `body` (the body's without the items),
     /// for [`cached_hash`].
     pub body_key: ItemHash,
-    /// Hash of the bytes of the `tools` field, if there is one.
-    pub tools_key: Option<ItemHash>,
+    /// The `tools` field's byte range and the hash of those bytes, if the
+    /// body has one; `body` holds `null` in its place (see [`Tools`]).
+    pub tools: Option<(Range<usize>, ItemHash)>,
 }
 
 /// Parses a JSON object, leaving the array of objects under `key` as byte
@@ -60,9 +61,11 @@ pub fn split_body(raw: &[u8], key: &str) -> Option<SplitBody> {
             body_key.update(raw);
         }
     }
-    let tools_key = split
-        .tools
-        .map(|t| *blake3::hash(&raw[span_of(t.get())]).as_bytes());
+    let tools = split.tools.map(|t| {
+        let span = span_of(t.get());
+        let key = *blake3::hash(&raw[span.clone()]).as_bytes();
+        (span, key)
+    });
     let spans = match split.items {
         Some(items) => {
             let mut spans = Vec::with_capacity(items.len());
@@ -81,7 +84,7 @@ pub fn split_body(raw: &[u8], key: &str) -> Option<SplitBody> {
         body: Value::Object(split.obj),
         spans,
         body_key: *body_key.finalize().as_bytes(),
-        tools_key,
+        tools,
     })
 }
 
@@ -116,12 +119,10 @@ impl<'de> Visitor<'de> for SplitVisitor<'_> {
                 split.items = Some(map.next_value_seed(RawElements)?);
                 split.obj.insert(k, Value::Array(Vec::new()));
             } else if k == "tools" {
-                // Tool definitions are large and the same every turn: their
-                // bytes find their hash, as items' do.
-                let raw: &'de RawValue = map.next_value()?;
-                let v = serde_json::from_str(raw.get()).map_err(de::Error::custom)?;
-                split.tools = Some(raw);
-                split.obj.insert(k, v);
+                // Tool definitions are large and the same every turn: they
+                // stay bytes, and their bytes find their hash, as items' do.
+                split.tools = Some(map.next_value()?);
+                split.obj.insert(k, Value::Null);
             } else {
                 let v: Value = map.next_value()?;
                 split.obj.insert(k, v);
@@ -451,6 +452,72 @@ fn recent() -> &'static Mutex<Recent> {
     RECENT.get_or_init(Default::default)
 }
 
+/// A request's tool definitions: the client's bytes, parsed on first need,
+/// and their canonical hash. While a request carries them here, its body
+/// holds `null` in their place ([`Tools::restore`] puts them back).
+#[derive(Clone)]
+pub struct Tools {
+    /// Canonical hash of the definitions.
+    pub hash: ItemHash,
+    json: Arc<RawJson>,
+}
+
+struct RawJson {
+    raw: Bytes,
+    span: Range<usize>,
+    value: OnceLock<Value>,
+}
+
+impl Tools {
+    /// The definitions at `span` of `raw` whose bytes hash to `key`.
+    pub fn raw(raw: Bytes, span: Range<usize>, key: ItemHash) -> Tools {
+        let json = RawJson {
+            raw,
+            span,
+            value: OnceLock::new(),
+        };
+        let hash = cached_hash(key, || item_hash(json.value()));
+        Tools {
+            hash,
+            json: Arc::new(json),
+        }
+    }
+
+    /// Takes the definitions out of a parsed `body` (leaving `null`), if it
+    /// has any that are not `null`.
+    pub fn take(body: &mut Value) -> Option<Tools> {
+        let slot = body.get_mut("tools").filter(|t| !t.is_null())?;
+        let value = slot.take();
+        Some(Tools {
+            hash: item_hash(&value),
+            json: Arc::new(RawJson {
+                raw: Bytes::new(),
+                span: 0..0,
+                value: OnceLock::from(value),
+            }),
+        })
+    }
+
+    /// The definitions, parsed.
+    pub fn value(&self) -> &Value {
+        self.json.value()
+    }
+
+    /// Puts the definitions back into `body`, in their place.
+    pub fn restore(tools: Option<&Tools>, body: &mut Value) {
+        if let (Some(t), Some(obj)) = (tools, body.as_object_mut()) {
+            obj.insert("tools".into(), t.value().clone());
+        }
+    }
+}
+
+impl RawJson {
+    fn value(&self) -> &Value {
+        self.value
+            .get_or_init(|| parse(&self.raw[self.span.clone()]))
+    }
+}
+
 /// The canonical hash of a value whose bytes hash to `key`: from the cache,
 /// or `compute`d (from the parsed value) and cached.
 pub fn cached_hash(key: ItemHash, compute: impl FnOnce() -> ItemHash) -> ItemHash {
@@ -577,9 +644,26 @@ mod tests {
             empty.body_key,
             *blake3::hash(br#"{"model":"m","messages":[ ]}"#).as_bytes()
         );
-        assert_eq!(a.tools_key, Some(*blake3::hash(br#"[{"x":1}]"#).as_bytes()));
-        assert_ne!(a.tools_key, c.tools_key);
-        assert_eq!(a.body["tools"], json!([{"x": 1}]));
+        let key = |s: &SplitBody| s.tools.as_ref().unwrap().1;
+        assert_eq!(key(&a), *blake3::hash(br#"[{"x":1}]"#).as_bytes());
+        assert_ne!(key(&a), key(&c));
+        // The tools stay bytes, `null` in the body until restored.
+        assert_eq!(a.body["tools"], Value::Null);
+        let raw = Bytes::from_static(br#"{"model":"m","tools":[{"x":1}],"messages":[{"a":1}]}"#);
+        let (span, k) = a.tools.clone().unwrap();
+        let tools = Tools::raw(raw, span, k);
+        assert_eq!(tools.hash, item_hash(&json!([{"x": 1}])));
+        let mut body = a.body.clone();
+        Tools::restore(Some(&tools), &mut body);
+        assert_eq!(
+            serde_json::to_string(&body).unwrap(),
+            r#"{"model":"m","tools":[{"x":1}],"messages":[]}"#
+        );
+        // From a body parsed whole: the same hash, the same place.
+        let mut parsed = body.clone();
+        let taken = Tools::take(&mut parsed).unwrap();
+        assert_eq!(taken.hash, tools.hash);
+        assert_eq!(parsed, a.body);
         let h = cached_hash(a.body_key, || item_hash(&a.body));
         assert_eq!(h, item_hash(&a.body));
         assert_eq!(cached_hash(a.body_key, || unreachable!()), h);
