@@ -639,14 +639,8 @@ async fn a_compacted_request_keeps_the_clients_parameters_and_tools_in_place() {
     let sent = last_client_call(&h);
     assert_eq!(sent["tools"], tools, "the tool definitions go up unchanged");
     assert_eq!(sent["temperature"], 0.5);
-    let keys: Vec<&str> = sent
-        .as_object()
-        .unwrap()
-        .keys()
-        .map(String::as_str)
-        .collect();
     assert_eq!(
-        keys,
+        support::keys(&sent),
         ["model", "temperature", "tools", "messages"],
         "in the client's order"
     );

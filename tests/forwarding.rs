@@ -103,14 +103,8 @@ async fn a_body_the_proxy_must_rewrite_keeps_everything_else_in_place() {
     let mut want = req.clone();
     want["stream_options"]["include_usage"] = json!(true);
     assert_eq!(sent, want);
-    let keys: Vec<&str> = sent
-        .as_object()
-        .unwrap()
-        .keys()
-        .map(String::as_str)
-        .collect();
     assert_eq!(
-        keys,
+        support::keys(&sent),
         [
             "model",
             "tools",

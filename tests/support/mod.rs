@@ -221,6 +221,13 @@ pub fn last_client_request(h: &Harness) -> Received {
         .expect("a client call")
 }
 
+/// An object's keys, in order.
+pub fn keys(v: &Value) -> Vec<&str> {
+    v.as_object()
+        .map(|o| o.keys().map(String::as_str).collect())
+        .unwrap_or_default()
+}
+
 /// The body of [`last_client_request`], as JSON.
 pub fn last_client_call(h: &Harness) -> Value {
     last_client_request(h).json()
