@@ -224,6 +224,10 @@ async fn an_overflow_answer_is_compacted_and_retried_transparently() {
     assert_eq!(status, 200);
     assert!(headers.get("x-compactor-compacted").is_some());
     assert!(String::from_utf8_lossy(&body).ends_with("data: [DONE]\n\n"));
+    // The compacted retry asks for usage, and the client never sees it.
+    let retried = last_client_call(&h);
+    assert_eq!(retried["stream_options"]["include_usage"], true);
+    assert!(!String::from_utf8_lossy(&body).contains("\"usage\""));
 }
 
 /// A summarizer answer with every mandatory section.

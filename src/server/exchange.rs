@@ -31,8 +31,9 @@ pub struct PendingExchange {
     pub api: Api,
     /// Requested model.
     pub model: String,
-    /// The request body without its items (they are in `items`): model,
-    /// tools, sampling parameters.
+    /// The client's request body without its items (they are in `items`)
+    /// and tools (in `tools`): model, sampling parameters. Stream usage the
+    /// proxy asks for is added only to the bytes that go upstream.
     pub body: Arc<Value>,
     /// Hash of `body` with its tools (the request's parameters).
     pub params: ItemHash,
@@ -107,6 +108,9 @@ impl PendingExchange {
             return Ok(original.clone());
         }
         let mut body = (*self.body).clone();
+        if self.api == Api::Chat {
+            crate::wire::chat::ensure_stream_usage(&mut body);
+        }
         super::proxy::set_items(self.api, &mut body, &self.view.values());
         Tools::restore(self.tools.as_ref(), &mut body);
         serde_json::to_vec(&body)

@@ -144,8 +144,10 @@ async fn parse(
     span.record("model", model.as_str());
     state.metrics.conversation_seen(&ident.conversation);
 
+    // The body stays the client's; only the bytes going upstream ask for
+    // the usage it did not ask for.
     let had_stream_options = body.get("stream_options").is_some();
-    let strip_usage = api == Api::Chat && chat::ensure_stream_usage(&mut body);
+    let strip_usage = api == Api::Chat && chat::lacks_stream_usage(&body);
     let spliced = (strip_usage && !had_stream_options && !rewritten)
         .then(|| chat::splice_stream_usage(&raw))
         .flatten();
@@ -153,21 +155,22 @@ async fn parse(
         Some(b) => b,
         None if strip_usage || rewritten => {
             let mut full = body.clone();
+            chat::ensure_stream_usage(&mut full);
             set_items(api, &mut full, &items.values());
             Tools::restore(tools.as_ref(), &mut full);
             Bytes::from(serde_json::to_vec(&full).map_err(|e| ProxyError::Internal(e.to_string()))?)
         }
         None => raw,
     };
-    // The parameters' hash, through their bytes when the body is still
-    // the client's.
+    // The parameters' hash, through their bytes unless the proxy changed
+    // the body (an expanded `previous_response_id`).
     let full_hash = || {
         let mut full = body.clone();
         Tools::restore(tools.as_ref(), &mut full);
         item_hash(&full)
     };
     let params = match body_key {
-        Some(key) if !strip_usage && !rewritten => cached_hash(key, full_hash),
+        Some(key) if !rewritten => cached_hash(key, full_hash),
         _ => full_hash(),
     };
     let items: Arc<ItemList> = Arc::new(items);

@@ -31,6 +31,19 @@ pub fn response_items(body: &Value) -> Vec<Value> {
         .unwrap_or_default()
 }
 
+/// Whether a request streams without asking for usage ([`ensure_stream_usage`]
+/// would change it).
+pub fn lacks_stream_usage(body: &Value) -> bool {
+    if body.get("stream").and_then(Value::as_bool) != Some(true) {
+        return false;
+    }
+    match body.get("stream_options") {
+        None | Some(Value::Null) => true,
+        Some(Value::Object(o)) => o.get("include_usage").and_then(Value::as_bool) != Some(true),
+        Some(_) => false,
+    }
+}
+
 /// For a streamed request that did not ask for usage, asks for it. Returns
 /// true when the body was changed (the usage chunk must then be hidden from
 /// the client again).
@@ -294,6 +307,19 @@ mod tests {
         let mut b = json!({"stream": true, "stream_options": {"include_obfuscation": false}});
         assert!(ensure_stream_usage(&mut b));
         assert_eq!(b["stream_options"]["include_obfuscation"], false);
+        // The check says what the change would do, without changing.
+        for body in [
+            json!({"stream": true}),
+            json!({"stream": true, "stream_options": null}),
+            json!({"stream": true, "stream_options": {"include_usage": false}}),
+            json!({"stream": true, "stream_options": {"include_usage": true}}),
+            json!({"stream": true, "stream_options": "odd"}),
+            json!({"stream": false}),
+            json!([]),
+        ] {
+            let lacks = lacks_stream_usage(&body);
+            assert_eq!(lacks, ensure_stream_usage(&mut body.clone()), "{body}");
+        }
     }
 
     #[test]
