@@ -55,7 +55,7 @@ impl AppState {
     /// Opens the store and builds the upstream client.
     pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
         let path = config.store_path();
-        let backend = SqliteBackend::open(&path)
+        let backend = SqliteBackend::open_writer(&path)
             .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
         let (store, mut snapshot) = Store::start(Box::new(backend))?;
         let conversations = ConversationIndex::from_snapshot(&snapshot);

@@ -18,10 +18,13 @@ CREATE TABLE IF NOT EXISTS meta (
     value BLOB NOT NULL
 );
 -- Each distinct item (message, tool output, request parameters…) once.
+-- A rowid table: bodies of kilobytes appended in arrival order, with the
+-- hash in an index, insert about twice as fast as a WITHOUT ROWID table
+-- ordered by random hashes.
 CREATE TABLE IF NOT EXISTS items (
     hash BLOB PRIMARY KEY,
     body TEXT NOT NULL
-) WITHOUT ROWID;
+);
 CREATE TABLE IF NOT EXISTS conversations (
     id           TEXT PRIMARY KEY,
     tenant       TEXT NOT NULL,
@@ -92,7 +95,12 @@ CREATE INDEX IF NOT EXISTS compactions_conversation ON compactions (conversation
 /// SQLite backend over one database file.
 pub struct SqliteBackend {
     conn: Connection,
+    /// Dropping it stops the checkpointer thread.
+    _checkpointer: Option<std::sync::mpsc::Sender<()>>,
 }
+
+/// How often the checkpointer copies the WAL into the database.
+const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
 
 impl SqliteBackend {
     /// Opens (creating if needed) the database at `path`.
@@ -106,7 +114,40 @@ impl SqliteBackend {
         conn.pragma_update(None, "foreign_keys", "ON")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(SCHEMA)?;
-        Ok(Self { conn })
+        Ok(Self {
+            conn,
+            _checkpointer: None,
+        })
+    }
+
+    /// Opens the database for the writer: checkpoints (copying the WAL into
+    /// the database, with an fsync) move to a thread of their own, so a
+    /// commit an answer waits for never waits for one; commits ran up to
+    /// ~130 ms behind an automatic checkpoint.
+    pub fn open_writer(path: &Path) -> Result<Self, StoreError> {
+        let mut me = Self::open(path)?;
+        me.conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+        let checkpoints = Connection::open(path)?;
+        checkpoints.busy_timeout(std::time::Duration::from_secs(5))?;
+        let (stop, stopped) = std::sync::mpsc::channel::<()>();
+        std::thread::Builder::new()
+            .name("compactor-checkpoint".into())
+            .spawn(move || loop {
+                let last = matches!(
+                    stopped.recv_timeout(CHECKPOINT_EVERY),
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected)
+                );
+                if let Err(e) =
+                    checkpoints.query_row("PRAGMA wal_checkpoint(PASSIVE)", [], |_| Ok(()))
+                {
+                    tracing::warn!(error = %e, "store checkpoint failed");
+                }
+                if last {
+                    break;
+                }
+            })?;
+        me._checkpointer = Some(stop);
+        Ok(me)
     }
 
     /// The underlying connection, for read-only queries (CLI, tests).
