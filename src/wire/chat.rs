@@ -103,29 +103,66 @@ pub fn strip_usage(data: &str) -> Strip {
     if !data.contains("\"usage\"") {
         return Strip::Keep;
     }
-    let Ok(mut v) = serde_json::from_str::<Value>(data) else {
+    // The chunk's members as raw JSON: the others are forwarded byte for
+    // byte, and nothing is parsed into a tree.
+    let Ok(RawMembers(members)) = serde_json::from_str::<RawMembers>(data) else {
         return Strip::Keep;
     };
-    let Some(obj) = v.as_object_mut() else {
+    let Some(usage) = members.iter().position(|(k, _)| k == "usage") else {
         return Strip::Keep;
     };
-    let no_choices = obj
-        .get("choices")
-        .and_then(Value::as_array)
-        .is_none_or(|c| c.is_empty());
-    match obj.get("usage") {
-        Some(Value::Null) => {
-            obj.remove("usage");
-            Strip::Replace(serde_json::to_string(&v).unwrap_or_else(|_| data.to_string()))
+    let no_choices = match members.iter().find(|(k, _)| k == "choices") {
+        None => true,
+        Some((_, raw)) => {
+            let text = raw.get();
+            text == "null" || (text.starts_with('[') && text[1..].trim_start().starts_with(']'))
         }
-        Some(_) if no_choices => Strip::Drop,
-        Some(_) => {
-            // Usage riding on a content chunk (some servers do this): keep the
-            // content, hide the usage.
-            obj.remove("usage");
-            Strip::Replace(serde_json::to_string(&v).unwrap_or_else(|_| data.to_string()))
+    };
+    if members[usage].1.get() != "null" && no_choices {
+        return Strip::Drop;
+    }
+    // `"usage": null`, or usage riding on a content chunk (some servers do
+    // this): keep the rest, hide the usage.
+    let mut out = String::with_capacity(data.len());
+    out.push('{');
+    for (i, (key, raw)) in members.iter().enumerate() {
+        if i == usage {
+            continue;
         }
-        None => Strip::Keep,
+        if out.len() > 1 {
+            out.push(',');
+        }
+        out.push_str(&Value::from(key.as_str()).to_string());
+        out.push(':');
+        out.push_str(raw.get());
+    }
+    out.push('}');
+    Strip::Replace(out)
+}
+
+/// A JSON object's members, values left as raw JSON.
+struct RawMembers<'a>(Vec<(String, &'a serde_json::value::RawValue)>);
+
+impl<'de> serde::Deserialize<'de> for RawMembers<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Members;
+        impl<'de> serde::de::Visitor<'de> for Members {
+            type Value = RawMembers<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    out.push(entry);
+                }
+                Ok(RawMembers(out))
+            }
+        }
+        d.deserialize_map(Members)
     }
 }
 
@@ -346,6 +383,25 @@ mod tests {
             strip_usage(r#"{"id":"x","choices":[{"delta":{}}],"usage":null}"#),
             Strip::Replace(r#"{"id":"x","choices":[{"delta":{}}]}"#.into())
         );
+        // The other members go on byte for byte, wherever usage was.
+        assert_eq!(
+            strip_usage(r#"{"usage":null, "id":"x\u00e9", "n": 1.50, "choices": [ ]}"#),
+            Strip::Replace(r#"{"id":"x\u00e9","n":1.50,"choices":[ ]}"#.into())
+        );
+        assert_eq!(
+            strip_usage(r#"{"choices": [ ], "usage": {"prompt_tokens": 1}}"#),
+            Strip::Drop
+        );
+        assert_eq!(
+            strip_usage(r#"{"choices":[{"delta":{"content":"a"}}],"usage":{"prompt_tokens":1}}"#),
+            Strip::Replace(r#"{"choices":[{"delta":{"content":"a"}}]}"#.into())
+        );
+        // Only the chunk's own usage counts, and text that merely mentions it.
+        assert_eq!(
+            strip_usage(r#"{"choices":[{"delta":{"content":"\"usage\""},"usage":null}]}"#),
+            Strip::Keep
+        );
+        assert_eq!(strip_usage("not json \"usage\""), Strip::Keep);
     }
 
     #[test]
