@@ -28,8 +28,8 @@ pub struct SplitBody {
     pub body: Value,
     /// Byte range of each item in the body, when it has the item field.
     pub spans: Option<Vec<Range<usize>>>,
-    /// Hash of bytes that parse to `body` (the body's without the items),
-    /// for [`cached_hash`].
+    /// Key of the body's bytes without the items (its tools by their key),
+    /// for [`cached_hash`] of the body with its tools.
     pub body_key: ItemHash,
     /// The `tools` field's byte range and the hash of those bytes, if the
     /// body has one; `body` holds `null` in its place (see [`Tools`]).
@@ -49,23 +49,38 @@ pub fn split_body(raw: &[u8], key: &str) -> Option<SplitBody> {
         let start = text.as_ptr() as usize - base;
         start..start + text.len()
     };
-    // The body's bytes without the items (from the first item's start to
-    // the last one's end) are JSON that parses to `body`.
-    let mut body_key = blake3::Hasher::new();
-    match split.items.as_deref() {
-        Some([first, .., last]) | Some([first @ last]) => {
-            body_key.update(&raw[..span_of(first.get()).start]);
-            body_key.update(&raw[span_of(last.get()).end..]);
-        }
-        _ => {
-            body_key.update(raw);
-        }
-    }
     let tools = split.tools.map(|t| {
         let span = span_of(t.get());
         let key = *blake3::hash(&raw[span.clone()]).as_bytes();
         (span, key)
     });
+    // The body's bytes without the items (from the first item's start to
+    // the last one's end) are JSON that parses to `body` with its tools;
+    // the tools count by their key, so their bytes are hashed once.
+    let rest = match split.items.as_deref() {
+        Some([first, .., last]) | Some([first @ last]) => [
+            0..span_of(first.get()).start,
+            span_of(last.get()).end..raw.len(),
+        ],
+        _ => [0..raw.len(), raw.len()..raw.len()],
+    };
+    let mut body_key = blake3::Hasher::new_derive_key(BODY_KEY_CONTEXT);
+    for r in rest {
+        // JSON text never holds a NUL byte: the markers cannot be mistaken
+        // for a body's bytes, and a key is always 32 bytes.
+        match &tools {
+            Some((t, key)) if r.start <= t.start && t.end <= r.end => {
+                body_key.update(&raw[r.start..t.start]);
+                body_key.update(b"\0tools:");
+                body_key.update(key);
+                body_key.update(&raw[t.end..r.end]);
+            }
+            _ => {
+                body_key.update(&raw[r]);
+            }
+        }
+        body_key.update(b"\0|");
+    }
     let spans = match split.items {
         Some(items) => {
             let mut spans = Vec::with_capacity(items.len());
@@ -87,6 +102,10 @@ pub fn split_body(raw: &[u8], key: &str) -> Option<SplitBody> {
         tools,
     })
 }
+
+/// Keys of bodies are hashes in a domain of their own: they stand for
+/// bytes with the tools' key in place of the tools.
+const BODY_KEY_CONTEXT: &str = "compactor 2026-11 request parameters without items";
 
 /// What one pass over a body finds.
 struct Split<'de> {
@@ -287,12 +306,15 @@ impl ItemList {
         }
         // Requests are told apart by their first two items (the system
         // prompt alone is shared by every session of an agent).
+        // The key only picks candidates (their bytes are compared), so a
+        // few kilobytes of each item are enough.
         let mut key = blake3::Hasher::new();
         key.update(&(scope.len() as u64).to_le_bytes());
         key.update(scope.as_bytes());
         for s in self.spans.iter().take(2) {
-            key.update(&(s.len() as u64).to_le_bytes());
-            key.update(&self.raw[s.clone()]);
+            let bytes = &self.raw[s.clone()];
+            key.update(&(bytes.len() as u64).to_le_bytes());
+            key.update(&bytes[..bytes.len().min(RECENT_KEY_BYTES)]);
         }
         let key = *key.finalize().as_bytes();
         let candidates = recent().lock().unwrap_or_else(|p| p.into_inner()).get(&key);
@@ -382,6 +404,9 @@ impl Seen {
             .count()
     }
 }
+
+/// Bytes of each of the first two items that pick a request's candidates.
+const RECENT_KEY_BYTES: usize = 1024;
 
 /// Bytes of recent requests kept for [`ItemList::hashes_reusing`].
 const RECENT_BYTES: usize = 64 << 20;
@@ -634,16 +659,23 @@ mod tests {
         // Other items, same body: same key; other parameters: another key.
         assert_eq!(a.body_key, b.body_key);
         assert_ne!(a.body_key, c.body_key);
-        // The body key is the key of bytes the body parses from.
-        assert_eq!(
-            a.body_key,
-            *blake3::hash(br#"{"model":"m","tools":[{"x":1}],"messages":[]}"#).as_bytes()
-        );
+        // The same parameters in other bytes: another key (same hash later).
+        let spaced = split_body(
+            br#"{"model":"m", "tools":[{"x":1}],"messages":[{"a":1}]}"#,
+            "messages",
+        )
+        .unwrap();
+        assert_ne!(a.body_key, spaced.body_key);
+        // Tools before or after the items, or none: all told apart.
+        let after = split_body(
+            br#"{"model":"m","messages":[{"a":1}],"tools":[{"x":1}]}"#,
+            "messages",
+        )
+        .unwrap();
+        let none = split_body(br#"{"model":"m","messages":[{"a":1}]}"#, "messages").unwrap();
         let empty = split_body(br#"{"model":"m","messages":[ ]}"#, "messages").unwrap();
-        assert_eq!(
-            empty.body_key,
-            *blake3::hash(br#"{"model":"m","messages":[ ]}"#).as_bytes()
-        );
+        assert_ne!(a.body_key, after.body_key);
+        assert_ne!(none.body_key, empty.body_key);
         let key = |s: &SplitBody| s.tools.as_ref().unwrap().1;
         assert_eq!(key(&a), *blake3::hash(br#"[{"x":1}]"#).as_bytes());
         assert_ne!(key(&a), key(&c));
