@@ -137,7 +137,10 @@ impl PendingExchange {
     /// Builds the record: claims item bodies not yet stored, computes chains.
     pub fn to_record(&self, state: &AppState, outcome: Outcome) -> ExchangeRecord {
         let mut new_items = Vec::new();
-        for (i, h) in self.hashes.iter().enumerate() {
+        // The items of the prefix an earlier exchange stands for were
+        // claimed when that exchange was recorded.
+        let suffix_from = self.ident.prefix.map(|p| p.len).unwrap_or(0);
+        for (i, h) in self.hashes.iter().enumerate().skip(suffix_from) {
             if state.store.claim_item(h) {
                 new_items.push((*h, self.items.json(i)));
             }
@@ -155,7 +158,6 @@ impl PendingExchange {
                 new_items.push((*h, item.to_string()));
             }
         }
-        let suffix_from = self.ident.prefix.map(|p| p.len).unwrap_or(0);
         let complete = !outcome.partial && (200..300).contains(&outcome.status);
         ExchangeRecord {
             id: self.id,
