@@ -163,6 +163,10 @@ async fn previous_response_id_chains_are_expanded_from_the_proxys_records() {
         sent.get("previous_response_id").is_none(),
         "the upstream needs no stored responses"
     );
+    assert!(
+        sent.get("stream_options").is_none(),
+        "stream usage is a Chat Completions matter"
+    );
     let input = sent["input"].as_array().unwrap();
     assert_eq!(input[0], json!({"role": "user", "content": "turn one"}));
     assert_eq!(input[1], first["output"][0]);

@@ -79,7 +79,6 @@ async fn parse(
             let mut body: Value = serde_json::from_slice(&raw).map_err(|e| {
                 ProxyError::BadRequest(format!("request body is not valid JSON: {e}"))
             })?;
-            api.validate(&body).map_err(ProxyError::BadRequest)?;
             let tools = Tools::take(&mut body);
             (body, None, None, tools)
         }
@@ -155,7 +154,9 @@ async fn parse(
         Some(b) => b,
         None if strip_usage || rewritten => {
             let mut full = body.clone();
-            chat::ensure_stream_usage(&mut full);
+            if strip_usage {
+                chat::ensure_stream_usage(&mut full);
+            }
             set_items(api, &mut full, &items.values());
             Tools::restore(tools.as_ref(), &mut full);
             Bytes::from(serde_json::to_vec(&full).map_err(|e| ProxyError::Internal(e.to_string()))?)
