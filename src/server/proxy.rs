@@ -661,6 +661,9 @@ async fn previous_history(state: &Arc<AppState>, tenant: &str, id: &str) -> Opti
     .flatten()
 }
 
+/// Most bytes allocated for a request body before they arrive.
+const PRESIZE_LIMIT: usize = 1 << 20;
+
 /// Reads the whole body, refusing more than `limit` bytes with 413.
 async fn read_body(
     body: Incoming,
@@ -674,15 +677,31 @@ async fn read_body(
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(ProxyError::PayloadTooLarge { limit });
     }
-    match Limited::new(body, limit).collect().await {
-        Ok(c) => Ok(c.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            Err(ProxyError::PayloadTooLarge { limit })
+    // Into a buffer of its own, sized as declared (up to a point: a client
+    // may declare more than it sends): the body outlives the request
+    // (recent requests are kept to recognise the next one's history), so it
+    // must not hold on to a larger connection buffer.
+    let presize = declared.unwrap_or(0).min(PRESIZE_LIMIT as u64) as usize;
+    let mut buf = bytes::BytesMut::with_capacity(presize);
+    let mut body = Limited::new(body, limit);
+    while let Some(frame) = body.frame().await {
+        match frame {
+            Ok(frame) => {
+                if let Some(data) = frame.data_ref() {
+                    buf.extend_from_slice(data);
+                }
+            }
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+                return Err(ProxyError::PayloadTooLarge { limit });
+            }
+            Err(e) => {
+                return Err(ProxyError::BadRequest(format!(
+                    "could not read request body: {e}"
+                )))
+            }
         }
-        Err(e) => Err(ProxyError::BadRequest(format!(
-            "could not read request body: {e}"
-        ))),
     }
+    Ok(buf.freeze())
 }
 
 /// Copies the upstream's status and end-to-end headers and adds ours.
