@@ -327,9 +327,15 @@ impl ItemList {
             .map(|(n, seen)| seen.hashes[..n].to_vec())
             .unwrap_or_default();
         items.extend(self.raw_hashes(reused));
+        // A request that repeats all of a recent one takes its place: the
+        // next request of the conversation will extend this one.
+        let superseded = best
+            .filter(|(n, seen)| *n == seen.spans.len())
+            .map(|(_, seen)| seen.id);
         recent().lock().unwrap_or_else(|p| p.into_inner()).insert(
             key,
             Seen::new(self.raw.clone(), self.spans.clone(), items.clone()),
+            superseded,
         );
         let mut out: Vec<ItemHash> = self.head.iter().map(item_hash).collect();
         out.extend(items);
@@ -432,12 +438,17 @@ impl Recent {
             .unwrap_or_default()
     }
 
-    fn insert(&mut self, key: ItemHash, mut seen: Seen) {
+    fn insert(&mut self, key: ItemHash, mut seen: Seen, superseded: Option<u64>) {
         self.next_id += 1;
         seen.id = self.next_id;
         self.bytes += seen.raw.len();
         self.order.push_back((key, seen.id));
         let q = self.by_key.entry(key).or_default();
+        if let Some(i) = superseded.and_then(|id| q.iter().position(|s| s.id == id)) {
+            if let Some(old) = q.remove(i) {
+                self.bytes -= old.raw.len();
+            }
+        }
         q.push_back(Arc::new(seen));
         if q.len() > RECENT_PER_KEY {
             if let Some(old) = q.pop_front() {
@@ -730,12 +741,32 @@ mod tests {
         let mut r = Recent::default();
         let big = Bytes::from(vec![b' '; RECENT_BYTES / 3]);
         for i in 0..10u8 {
-            r.insert([i % 2; 32], Seen::new(big.clone(), Vec::new(), Vec::new()));
+            r.insert(
+                [i % 2; 32],
+                Seen::new(big.clone(), Vec::new(), Vec::new()),
+                None,
+            );
             assert!(r.bytes <= RECENT_BYTES);
             assert!(r.by_key.values().all(|q| q.len() <= RECENT_PER_KEY));
             assert!(r.order.len() <= 4 * RECENT_PER_KEY * 2 + 1);
         }
         assert_eq!(r.by_key.values().map(|q| q.len()).sum::<usize>(), 3);
+        // A request that extends a recent one replaces it.
+        let mut r = Recent::default();
+        let small = Bytes::from_static(b"{}");
+        r.insert(
+            [7; 32],
+            Seen::new(small.clone(), Vec::new(), Vec::new()),
+            None,
+        );
+        let first = r.by_key[&[7; 32]][0].id;
+        r.insert(
+            [7; 32],
+            Seen::new(small.clone(), Vec::new(), Vec::new()),
+            Some(first),
+        );
+        assert_eq!(r.by_key[&[7; 32]].len(), 1);
+        assert_eq!(r.bytes, 2);
     }
 
     #[test]
