@@ -305,9 +305,9 @@ impl ItemList {
             return self.hashes();
         }
         // Requests are told apart by their first two items (the system
-        // prompt alone is shared by every session of an agent).
-        // The key only picks candidates (their bytes are compared), so a
-        // few kilobytes of each item are enough.
+        // prompt alone is shared by every session of an agent). The key
+        // only picks candidates (their bytes are compared), so the first
+        // kilobyte of each item is enough.
         let mut key = blake3::Hasher::new();
         key.update(&(scope.len() as u64).to_le_bytes());
         key.update(scope.as_bytes());
@@ -374,11 +374,7 @@ impl ItemList {
                 (keys[j], h)
             })
             .collect();
-        let mut cache = raw_cache().lock().unwrap_or_else(|p| p.into_inner());
-        if cache.len() + found.len() > RAW_CACHE_LIMIT {
-            cache.clear();
-        }
-        cache.extend(found);
+        remember(found);
         out
     }
 }
@@ -565,12 +561,18 @@ pub fn cached_hash(key: ItemHash, compute: impl FnOnce() -> ItemHash) -> ItemHas
         return *h;
     }
     let h = compute();
+    remember(vec![(key, h)]);
+    h
+}
+
+/// Adds computed hashes to the bytes cache, clearing it first if they would
+/// take it past its bound.
+fn remember(found: Vec<(ItemHash, ItemHash)>) {
     let mut cache = raw_cache().lock().unwrap_or_else(|p| p.into_inner());
-    if cache.len() >= RAW_CACHE_LIMIT {
+    if cache.len() + found.len() > RAW_CACHE_LIMIT {
         cache.clear();
     }
-    cache.insert(key, h);
-    h
+    cache.extend(found);
 }
 
 /// Entries kept in the bytes → canonical hash cache before it is cleared
