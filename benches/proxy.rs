@@ -8,6 +8,7 @@
 //! - `BENCH_PROXY_THREADS` (default 1): worker threads of the proxy's runtime.
 //! - `BENCH_LOAD_THREADS` (default 1): worker threads of the runtime that runs
 //!   the clients and the fake upstream.
+//! - `BENCH_CN_N` (default 2000): measured requests per side at c=32.
 //!
 //! Set-up, per scenario (so each starts from an empty store and the fake
 //! upstream's record of received bodies is freed afterwards):
@@ -15,8 +16,8 @@
 //! - runtime "bench-load": the reqwest clients and the in-process
 //!   [`FakeUpstream`] ("the rest of the world");
 //! - runtime "compactor": the proxy (`server::run`) over a fresh SQLite store
-//!   in a temp dir, upstream = the fake. Its store writer and blocking pool
-//!   (token estimates) are further OS threads.
+//!   in a temp dir, upstream = the fake. Its store writer, WAL checkpointer
+//!   and accounting threads (token estimates) are further OS threads.
 //!
 //! With 2 cores and one worker each, the proxy gets roughly a core of its own
 //! and the load generator + upstream the other, as when the upstream is
@@ -87,7 +88,7 @@ fn opts() -> Opts {
         c1_warm: if quick { 5 } else { 30 },
         c1_n: if quick { 30 } else { 300 },
         cn_warm_per_worker: if quick { 1 } else { 2 },
-        cn_n: if quick { 192 } else { 2000 },
+        cn_n: env_usize("BENCH_CN_N", if quick { 192 } else { 2000 }),
         cn_rounds: if quick { 2 } else { 4 },
         proxy_threads: env_usize("BENCH_PROXY_THREADS", 1),
         load_threads: env_usize("BENCH_LOAD_THREADS", 1),
@@ -1035,7 +1036,7 @@ fn breakdown(o: &Opts) {
          one), hash = item hashes through the bytes cache alone, chain; SSE requests without include_usage: splice of \
          stream_options into their bytes; for comparison and for new items: parse = the whole \
          body into a Value tree, canon = canonical hashes of all items; store new: items not \
-         stored before, as JSON text; tok: token estimate after the answer, on a blocking \
+         stored before, as JSON text; tok: token estimate after the answer, on an accounting \
          thread — cold = all items new)"
     );
 }

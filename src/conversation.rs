@@ -8,7 +8,7 @@
 //! take precedence. Everything is keyed by tenant: nothing is ever shared
 //! between two credentials, even for byte-identical histories.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::Mutex;
 
 use crate::store::{IndexedExchange, PrefixRef, Snapshot};
@@ -57,12 +57,12 @@ struct Hit {
 
 #[derive(Default)]
 struct Inner {
-    by_chain: HashMap<(String, ItemHash), Hit>,
-    by_key: HashMap<(String, String), String>,
-    by_response: HashMap<(String, String), String>,
+    by_chain: foldhash::HashMap<(String, ItemHash), Hit>,
+    by_key: foldhash::HashMap<(String, String), String>,
+    by_response: foldhash::HashMap<(String, String), String>,
     /// Per conversation, its indexed prefixes and response ids, oldest
     /// first, so the index stays bounded however long it runs.
-    recent: HashMap<(String, String), VecDeque<Indexed>>,
+    recent: foldhash::HashMap<(String, String), VecDeque<Indexed>>,
 }
 
 /// One index entry a conversation owns.

@@ -457,7 +457,7 @@ async fn settle(state: &Arc<AppState>, tenant: &str, conversation: &str, before:
             let _ = tokio::time::timeout(Duration::from_secs(60), rx.wait_for(|done| *done)).await;
             return;
         }
-        // The job is registered right after the answer, on a blocking thread.
+        // The job is registered right after the answer, on an accounting thread.
         if start.elapsed() > Duration::from_secs(3) {
             return;
         }

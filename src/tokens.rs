@@ -2,10 +2,9 @@
 //!
 //! Used where the upstream reports no usage and for the per-exchange
 //! accounting line. Never on a request's critical path: callers run it after
-//! the answer is delivered, on a blocking thread.
+//! the answer is delivered, on the accounting threads.
 
 use std::borrow::Cow;
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use serde::Serialize;
@@ -46,7 +45,7 @@ static BPE: OnceLock<Option<CoreBPE>> = OnceLock::new();
 /// Counts tokens; cheap to share.
 #[derive(Default)]
 pub struct TokenCounter {
-    cache: Mutex<HashMap<ItemHash, Counted>>,
+    cache: Mutex<foldhash::HashMap<ItemHash, Counted>>,
 }
 
 /// What the cache keeps of an item: its tokens and what kind of item it
@@ -138,28 +137,37 @@ impl TokenCounter {
         self.counted(hash, item).tokens
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, foldhash::HashMap<ItemHash, Counted>> {
+        self.cache.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
     fn counted<'a>(&self, hash: &ItemHash, item: impl FnOnce() -> Cow<'a, Value>) -> Counted {
-        if let Some(c) = self
-            .cache
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .get(hash)
-        {
+        if let Some(c) = self.lock().get(hash) {
             return *c;
         }
-        let item = item();
-        let mut text = String::new();
-        collect_text(&item, &mut text);
-        let counted = Counted {
-            tokens: self.count_text(&text) + PER_ITEM_OVERHEAD,
-            kind: Kind::of(&item),
-        };
-        let mut cache = self.cache.lock().unwrap_or_else(|p| p.into_inner());
-        if cache.len() >= CACHE_LIMIT {
-            cache.clear();
-        }
-        cache.insert(*hash, counted);
+        let counted = self.count_new(&item());
+        self.insert([(*hash, counted)]);
         counted
+    }
+
+    /// Counts an item the cache does not hold.
+    fn count_new(&self, item: &Value) -> Counted {
+        let mut text = String::new();
+        collect_text(item, &mut text);
+        Counted {
+            tokens: self.count_text(&text) + PER_ITEM_OVERHEAD,
+            kind: Kind::of(item),
+        }
+    }
+
+    fn insert(&self, counted: impl IntoIterator<Item = (ItemHash, Counted)>) {
+        let mut cache = self.lock();
+        for (hash, c) in counted {
+            if cache.len() >= CACHE_LIMIT {
+                cache.clear();
+            }
+            cache.insert(hash, c);
+        }
     }
 
     /// Estimates a request by section (`hashes`: the items' hashes).
@@ -170,9 +178,26 @@ impl TokenCounter {
         hashes: &[ItemHash],
         tools: Option<&Tools>,
     ) -> Estimate {
+        let hashes = &hashes[..hashes.len().min(items.len())];
+        // One look at the cache for the whole request; the items it lacks
+        // are counted without holding it.
+        let mut found: Vec<Option<Counted>> = {
+            let cache = self.lock();
+            hashes.iter().map(|h| cache.get(h).copied()).collect()
+        };
+        let mut new = Vec::new();
+        for (i, slot) in found.iter_mut().enumerate() {
+            if slot.is_none() {
+                let c = self.count_new(&items.item(i));
+                new.push((hashes[i], c));
+                *slot = Some(c);
+            }
+        }
+        if !new.is_empty() {
+            self.insert(new);
+        }
         let mut e = Estimate::default();
-        for (i, hash) in hashes.iter().enumerate().take(items.len()) {
-            let c = self.counted(hash, || items.item(i));
+        for c in found.into_iter().flatten() {
             match c.kind.section(api) {
                 Section::System => e.system += c.tokens,
                 Section::Messages => e.messages += c.tokens,

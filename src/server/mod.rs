@@ -3,6 +3,7 @@
 //! `run` takes a bound listener (never binds itself, so tests and the CLI
 //! choose the port) and a shutdown future.
 
+pub mod background;
 mod exchange;
 pub use exchange::now_ms;
 mod passthrough;
@@ -30,6 +31,7 @@ use crate::store::{sqlite::SqliteBackend, Store};
 use crate::tokens::TokenCounter;
 use crate::upstream::Upstream;
 use crate::wire::Api;
+use background::Background;
 
 /// Everything a request handler needs, shared by all connections.
 pub struct AppState {
@@ -49,7 +51,14 @@ pub struct AppState {
     pub compactions: Compactions,
     /// Prometheus metrics (`GET /metrics`).
     pub metrics: crate::metrics::Metrics,
+    /// Threads for the accounting that follows each answer.
+    pub background: Background,
 }
+
+/// Accounting threads: two keep up with thousands of exchanges a second
+/// (an item is tokenized once) and let a long new history be counted while
+/// the next exchanges' lines still flow.
+const ACCOUNT_THREADS: usize = 2;
 
 impl AppState {
     /// Opens the store and builds the upstream client.
@@ -68,6 +77,7 @@ impl AppState {
             tokens: TokenCounter::new_warm(),
             tenant_salt: snapshot.salt,
             metrics: crate::metrics::Metrics::new(),
+            background: Background::start("compactor-account", ACCOUNT_THREADS)?,
             config,
         }))
     }
@@ -114,11 +124,23 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
         grace_secs = grace.as_secs(),
         "shutting down: draining in-flight requests"
     );
+    let started = std::time::Instant::now();
     if tokio::time::timeout(grace, graceful.shutdown())
         .await
         .is_err()
     {
         tracing::warn!("grace period over; closing remaining connections");
+    }
+    // The accounting lines (and estimate-based decisions) of the last
+    // exchanges.
+    let left = grace
+        .saturating_sub(started.elapsed())
+        .max(Duration::from_secs(1));
+    if !state.background.drained(left).await {
+        tracing::warn!(
+            pending = state.background.pending(),
+            "accounting not finished at shutdown"
+        );
     }
 }
 

@@ -10,7 +10,6 @@
 pub mod query;
 pub mod sqlite;
 
-use std::collections::HashSet;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 
@@ -168,7 +167,7 @@ enum Cmd {
 /// Handle to the store: cheap to share, writes through the writer thread.
 pub struct Store {
     tx: Mutex<mpsc::Sender<Cmd>>,
-    known: Mutex<HashSet<ItemHash>>,
+    known: Mutex<foldhash::HashSet<ItemHash>>,
     next_id: AtomicI64,
 }
 

@@ -10,7 +10,7 @@
 //! body that has to be rewritten.
 
 use std::borrow::Cow;
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 use std::fmt;
 use std::ops::Range;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -420,7 +420,7 @@ const RECENT_PER_KEY: usize = 4;
 /// [`RECENT_BYTES`].
 #[derive(Default)]
 struct Recent {
-    by_key: HashMap<ItemHash, VecDeque<Arc<Seen>>>,
+    by_key: foldhash::HashMap<ItemHash, VecDeque<Arc<Seen>>>,
     order: VecDeque<(ItemHash, u64)>,
     bytes: usize,
     next_id: u64,
@@ -582,8 +582,8 @@ const RAW_CACHE_LIMIT: usize = 200_000;
 /// Hash of an item's bytes → hash of its canonical form. A pure function
 /// of the bytes, so one cache serves every tenant without telling one
 /// anything about another.
-fn raw_cache() -> &'static Mutex<HashMap<ItemHash, ItemHash>> {
-    static CACHE: OnceLock<Mutex<HashMap<ItemHash, ItemHash>>> = OnceLock::new();
+fn raw_cache() -> &'static Mutex<foldhash::HashMap<ItemHash, ItemHash>> {
+    static CACHE: OnceLock<Mutex<foldhash::HashMap<ItemHash, ItemHash>>> = OnceLock::new();
     CACHE.get_or_init(Default::default)
 }
 
