@@ -919,7 +919,7 @@ async fn quiesce() -> Duration {
 /// body of each size, to tell what its added latency is made of.
 fn breakdown(o: &Opts) {
     use compactor::tokens::TokenCounter;
-    use compactor::wire::items::{split_body, Tools};
+    use compactor::wire::items::{split_body, split_body_reusing, ItemList, Tools};
     use compactor::wire::{chain_hashes, item_hash, Api};
     use serde_json::Value;
 
@@ -940,10 +940,11 @@ fn breakdown(o: &Opts) {
     println!();
     println!("proxy request-path steps, one thread, median µs (SSE body of the `last` variant):");
     println!(
-        "{:>7} {:>6} | {:>7} {:>7} {:>7} {:>7} {:>6} | {:>7} {:>6} {:>9} {:>9} {:>10}",
+        "{:>7} {:>6} | {:>7} {:>7} {:>7} {:>7} {:>7} {:>6} | {:>7} {:>6} {:>9} {:>9} {:>10}",
         "body KB",
         "items",
         "split",
+        "resume",
         "reuse",
         "hash",
         "chain",
@@ -981,6 +982,17 @@ fn breakdown(o: &Opts) {
         let reuse = median_us(reps, &mut || {
             std::hint::black_box(items.hashes_reusing("bench"));
         });
+        // The split of the conversation's next request (a new last
+        // message): only what follows the repeated history is parsed.
+        let scope = format!("bench-resume-{size}");
+        let seen = split_body_reusing(&body, "messages", &scope).expect("body splits");
+        ItemList::raw(Vec::new(), body.clone(), seen.spans.expect("items")).hashes_reusing(&scope);
+        let next = bytes::Bytes::from(conv.body(&head).0);
+        let resume = median_us(reps, &mut || {
+            let s = split_body_reusing(&next, "messages", &scope).expect("body splits");
+            assert!(s.reuse.is_some(), "the next request repeats the history");
+            std::hint::black_box(s);
+        });
         let chain = median_us(reps, &mut || {
             std::hint::black_box(chain_hashes(&hashes));
         });
@@ -1015,10 +1027,11 @@ fn breakdown(o: &Opts) {
             ));
         });
         println!(
-            "{:>7.1} {:>6} | {:>7.0} {:>7.0} {:>7.0} {:>7.0} {:>6.0} | {:>7.0} {:>6.0} {:>9.0} {:>9.0} {:>10.0}",
+            "{:>7.1} {:>6} | {:>7.0} {:>7.0} {:>7.0} {:>7.0} {:>7.0} {:>6.0} | {:>7.0} {:>6.0} {:>9.0} {:>9.0} {:>10.0}",
             body.len() as f64 / 1000.0,
             items.len(),
             split_us,
+            resume,
             reuse,
             hash,
             chain,
@@ -1031,9 +1044,9 @@ fn breakdown(o: &Opts) {
         );
     }
     println!(
-        "(every request: split = parse with the messages left as byte ranges, reuse = item hashes \
-         of a conversation's next request (its history found byte for byte in the previous \
-         one), hash = item hashes through the bytes cache alone, chain; SSE requests without include_usage: splice of \
+        "(every request: split = parse with the messages left as byte ranges (a new conversation), \
+         resume = the same for a conversation's next request (only what follows the history it \
+         repeats byte for byte is parsed), reuse = item hashes of such a request, hash = item hashes through the bytes cache alone, chain; SSE requests without include_usage: splice of \
          stream_options into their bytes; for comparison and for new items: parse = the whole \
          body into a Value tree, canon = canonical hashes of all items; store new: items not \
          stored before, as JSON text; tok: token estimate after the answer, on an accounting \

@@ -24,7 +24,7 @@ use crate::compaction::{engine, policy, remote, Compaction};
 use crate::conversation::tenant_of;
 use crate::error::{full, BodyError, ProxyBody, ProxyError};
 use crate::upstream::{describe, strip_hop_by_hop};
-use crate::wire::items::{cached_hash, split_body, ItemList, Tools};
+use crate::wire::items::{cached_hash, split_body_reusing, ItemList, Tools};
 use crate::wire::sse::SseTee;
 use crate::wire::{self, chain_hashes, chat, item_hash, Api, ItemHash};
 
@@ -66,33 +66,43 @@ async fn parse(
 ) -> Result<Parsed, ProxyError> {
     let raw = read_body(body, &parts.headers, state.config.server.max_body_bytes).await?;
     let raw_len = raw.len();
-    // The history stays bytes (see `wire::items`); a body that is not an
-    // object with an item array is parsed whole, which names what is wrong.
-    let (mut body, spans, body_key, tools) = match split_body(&raw, api.items_key()) {
-        Some(split) => {
-            let tools = split
-                .tools
-                .map(|(span, key)| Tools::raw(raw.clone(), span, key));
-            (split.body, split.spans, Some(split.body_key), tools)
-        }
-        None => {
-            let mut body: Value = serde_json::from_slice(&raw).map_err(|e| {
-                ProxyError::BadRequest(format!("request body is not valid JSON: {e}"))
-            })?;
-            let tools = Tools::take(&mut body);
-            (body, None, None, tools)
-        }
-    };
-    api.validate(&body).map_err(ProxyError::BadRequest)?;
-
     let tenant = tenant_of(&state.tenant_salt, wire::credential(&parts.headers));
+    // The history stays bytes (see `wire::items`), and the part of it that
+    // repeats the tenant's recent request is not even parsed again; a body
+    // that is not an object with an item array is parsed whole, which
+    // names what is wrong.
+    let (mut body, spans, body_key, tools, reuse) =
+        match split_body_reusing(&raw, api.items_key(), &tenant) {
+            Some(split) => {
+                let tools = split
+                    .tools
+                    .map(|(span, key)| Tools::raw(raw.clone(), span, key));
+                (
+                    split.body,
+                    split.spans,
+                    Some(split.body_key),
+                    tools,
+                    split.reuse,
+                )
+            }
+            None => {
+                let mut body: Value = serde_json::from_slice(&raw).map_err(|e| {
+                    ProxyError::BadRequest(format!("request body is not valid JSON: {e}"))
+                })?;
+                let tools = Tools::take(&mut body);
+                (body, None, None, tools, None)
+            }
+        };
+    api.validate(&body).map_err(ProxyError::BadRequest)?;
     let previous = body
         .get("previous_response_id")
         .and_then(Value::as_str)
         .map(String::from);
     let mut rewritten = false;
     let mut trigger = false;
-    let mut items = api.item_list(&mut body, raw.clone(), spans);
+    let mut items = api
+        .item_list(&mut body, raw.clone(), spans)
+        .with_reuse(reuse);
     // A chain the proxy recorded, its own compaction items and Codex's
     // compaction trigger change the items; anything else leaves them as
     // the client's bytes.

@@ -10,6 +10,7 @@
 //! body that has to be rewritten.
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::fmt;
 use std::ops::Range;
@@ -34,6 +35,9 @@ pub struct SplitBody {
     /// The `tools` field's byte range and the hash of those bytes, if the
     /// body has one; `body` holds `null` in its place (see [`Tools`]).
     pub tools: Option<(Range<usize>, ItemHash)>,
+    /// The recent request whose start this body repeats, when
+    /// [`split_body_reusing`] parsed only what follows it.
+    pub reuse: Option<Reuse>,
 }
 
 /// Parses a JSON object, leaving the array of objects under `key` as byte
@@ -41,27 +45,125 @@ pub struct SplitBody {
 /// an item that is not an object): the caller parses it whole and reports
 /// what is wrong.
 pub fn split_body(raw: &[u8], key: &str) -> Option<SplitBody> {
-    let mut de = serde_json::Deserializer::from_slice(raw);
-    let split = de.deserialize_map(SplitVisitor { key }).ok()?;
-    de.end().ok()?;
+    let split = parse_split(raw, key)?;
     let base = raw.as_ptr() as usize;
     let span_of = |text: &str| {
         let start = text.as_ptr() as usize - base;
         start..start + text.len()
     };
-    let tools = split.tools.map(|t| {
-        let span = span_of(t.get());
+    let spans = split
+        .items
+        .map(|items| items.iter().map(|i| span_of(i.get())).collect());
+    finish_split(raw, split.obj, spans, split.tools.map(|t| span_of(t.get())))
+}
+
+/// Like [`split_body`], for a body that may repeat the start of a recent
+/// request of the same `scope` (a conversation's next request): the
+/// repeated items are found by comparing bytes and are not parsed again;
+/// the parse covers what precedes the items and what follows the repeated
+/// ones. The result is the same as [`split_body`]'s.
+pub fn split_body_reusing(raw: &[u8], key: &str, scope: &str) -> Option<SplitBody> {
+    resume_split(raw, key, scope).or_else(|| split_body(raw, key))
+}
+
+fn resume_split(raw: &[u8], key: &str, scope: &str) -> Option<SplitBody> {
+    let first = probe_items(raw, key)?;
+    let recent_key = recent_key(scope, first.iter().map(|s| &raw[s.clone()]));
+    let candidates = recent()
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&recent_key);
+    let (items, seen) = candidates
+        .into_iter()
+        .map(|seen| (seen.leading_items(raw), seen))
+        .max_by_key(|(n, _)| *n)?;
+    if items == 0 {
+        return None;
+    }
+    // Everything up to the end of item `items - 1` is the recent body's
+    // bytes, which parsed. Parse the rest as if those items were not there:
+    // the bytes before the first item, then from the next item (or the
+    // array's end) on.
+    let start = seen.spans[0].start;
+    let mut resume = skip_whitespace(raw, seen.spans[items - 1].end);
+    match raw.get(resume)? {
+        b']' => {}
+        b',' => {
+            resume = skip_whitespace(raw, resume + 1);
+            if raw.get(resume) != Some(&b'{') {
+                return None;
+            }
+        }
+        _ => return None,
+    }
+    let mut joined = Vec::with_capacity(start + raw.len() - resume);
+    joined.extend_from_slice(&raw[..start]);
+    joined.extend_from_slice(&raw[resume..]);
+    let split = parse_split(&joined, key)?;
+    if split.item_arrays != 1 {
+        // A repeated item key: the full parse sorts that out.
+        return None;
+    }
+    let base = joined.as_ptr() as usize;
+    let span_of = |text: &str| {
+        let at = text.as_ptr() as usize - base;
+        let at = if at < start { at } else { at - start + resume };
+        at..at + text.len()
+    };
+    let mut spans = seen.spans[..items].to_vec();
+    spans.extend(split.items?.iter().map(|i| span_of(i.get())));
+    let tools = split.tools.map(|t| span_of(t.get()));
+    let mut body = finish_split(raw, split.obj, Some(spans), tools)?;
+    body.reuse = Some(Reuse {
+        key: recent_key,
+        seen,
+        items,
+    });
+    Some(body)
+}
+
+fn skip_whitespace(raw: &[u8], mut at: usize) -> usize {
+    while raw
+        .get(at)
+        .is_some_and(|b| matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+    {
+        at += 1;
+    }
+    at
+}
+
+/// One pass of [`SplitVisitor`] over a whole JSON text.
+fn parse_split<'de>(raw: &'de [u8], key: &str) -> Option<Split<'de>> {
+    let mut de = serde_json::Deserializer::from_slice(raw);
+    let split = de.deserialize_map(SplitVisitor { key }).ok()?;
+    de.end().ok()?;
+    Some(split)
+}
+
+/// A split from its parts, spans in `raw`: checks that the items are
+/// objects, hashes the tools' bytes and the body's bytes without items.
+fn finish_split(
+    raw: &[u8],
+    obj: Map<String, Value>,
+    spans: Option<Vec<Range<usize>>>,
+    tools: Option<Range<usize>>,
+) -> Option<SplitBody> {
+    if spans
+        .iter()
+        .flatten()
+        .any(|s| raw.get(s.start) != Some(&b'{'))
+    {
+        return None;
+    }
+    let tools = tools.map(|span| {
         let key = *blake3::hash(&raw[span.clone()]).as_bytes();
         (span, key)
     });
     // The body's bytes without the items (from the first item's start to
     // the last one's end) are JSON that parses to `body` with its tools;
     // the tools count by their key, so their bytes are hashed once.
-    let rest = match split.items.as_deref() {
-        Some([first, .., last]) | Some([first @ last]) => [
-            0..span_of(first.get()).start,
-            span_of(last.get()).end..raw.len(),
-        ],
+    let rest = match spans.as_deref() {
+        Some([first, .., last]) | Some([first @ last]) => [0..first.start, last.end..raw.len()],
         _ => [0..raw.len(), raw.len()..raw.len()],
     };
     let mut body_key = blake3::Hasher::new_derive_key(BODY_KEY_CONTEXT);
@@ -81,26 +183,72 @@ pub fn split_body(raw: &[u8], key: &str) -> Option<SplitBody> {
         }
         body_key.update(b"\0|");
     }
-    let spans = match split.items {
-        Some(items) => {
-            let mut spans = Vec::with_capacity(items.len());
-            for item in items {
-                let text = item.get();
-                if !text.starts_with('{') {
-                    return None;
-                }
-                spans.push(span_of(text));
-            }
-            Some(spans)
-        }
-        None => None,
-    };
     Some(SplitBody {
-        body: Value::Object(split.obj),
+        body: Value::Object(obj),
         spans,
         body_key: *body_key.finalize().as_bytes(),
         tools,
+        reuse: None,
     })
+}
+
+/// The byte ranges of the first two items under `key`, reading no further
+/// than their end. `None` when there are none (or the body is no object).
+fn probe_items(raw: &[u8], key: &str) -> Option<Vec<Range<usize>>> {
+    let found = RefCell::new(Vec::new());
+    let mut de = serde_json::Deserializer::from_slice(raw);
+    // The probe stops the parse with an error once it has what it needs.
+    let _ = de.deserialize_map(Probe { key, found: &found });
+    let base = raw.as_ptr() as usize;
+    let spans: Vec<Range<usize>> = found
+        .into_inner()
+        .into_iter()
+        .map(|(at, len)| at - base..at - base + len)
+        .collect();
+    (!spans.is_empty()).then_some(spans)
+}
+
+struct Probe<'f> {
+    key: &'f str,
+    found: &'f RefCell<Vec<(usize, usize)>>,
+}
+
+impl<'de> Visitor<'de> for Probe<'_> {
+    type Value = ();
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
+        while let Some(k) = map.next_key::<Cow<'de, str>>()? {
+            if k == self.key {
+                return map.next_value_seed(self);
+            }
+            map.next_value::<de::IgnoredAny>()?;
+        }
+        Ok(())
+    }
+
+    fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<(), A::Error> {
+        while let Some(item) = seq.next_element::<&'de RawValue>()? {
+            let text = item.get();
+            let mut found = self.found.borrow_mut();
+            found.push((text.as_ptr() as usize, text.len()));
+            if found.len() == 2 {
+                return Err(de::Error::custom("enough items"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl<'de> de::DeserializeSeed<'de> for Probe<'_> {
+    type Value = ();
+
+    fn deserialize<D: de::Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
+        d.deserialize_seq(self)
+    }
 }
 
 /// Keys of bodies are hashes in a domain of their own: they stand for
@@ -111,6 +259,8 @@ const BODY_KEY_CONTEXT: &str = "compactor 2026-11 request parameters without ite
 struct Split<'de> {
     obj: Map<String, Value>,
     items: Option<Vec<&'de RawValue>>,
+    /// How many times the item key came (JSON allows repeats; the last wins).
+    item_arrays: usize,
     tools: Option<&'de RawValue>,
 }
 
@@ -129,6 +279,7 @@ impl<'de> Visitor<'de> for SplitVisitor<'_> {
         let mut split = Split {
             obj: Map::new(),
             items: None,
+            item_arrays: 0,
             tools: None,
         };
         while let Some(k) = map.next_key::<String>()? {
@@ -136,6 +287,7 @@ impl<'de> Visitor<'de> for SplitVisitor<'_> {
                 // Anything but an array fails the split; the full parse then
                 // takes the body (a Responses `input` string, a wrong type).
                 split.items = Some(map.next_value_seed(RawElements)?);
+                split.item_arrays += 1;
                 split.obj.insert(k, Value::Array(Vec::new()));
             } else if k == "tools" {
                 // Tool definitions are large and the same every turn: they
@@ -186,6 +338,15 @@ pub struct ItemList {
     raw: Bytes,
     spans: Vec<Range<usize>>,
     values: OnceLock<Arc<Vec<Value>>>,
+    reuse: Option<Reuse>,
+}
+
+/// A recent request (of the same scope) whose first `items` items a body
+/// repeats byte for byte at the same places, found while splitting it.
+pub struct Reuse {
+    key: ItemHash,
+    seen: Arc<Seen>,
+    items: usize,
 }
 
 impl From<Vec<Value>> for ItemList {
@@ -195,6 +356,7 @@ impl From<Vec<Value>> for ItemList {
             raw: Bytes::new(),
             spans: Vec::new(),
             values: OnceLock::from(Arc::new(values)),
+            reuse: None,
         }
     }
 }
@@ -208,7 +370,15 @@ impl ItemList {
             raw,
             spans,
             values: OnceLock::new(),
+            reuse: None,
         }
+    }
+
+    /// What [`split_body_reusing`] found this list's body repeats, for
+    /// [`ItemList::hashes_reusing`].
+    pub fn with_reuse(mut self, reuse: Option<Reuse>) -> Self {
+        self.reuse = reuse;
+        self
     }
 
     /// Number of items.
@@ -304,24 +474,20 @@ impl ItemList {
         if !self.is_raw() || self.spans.is_empty() {
             return self.hashes();
         }
-        // Requests are told apart by their first two items (the system
-        // prompt alone is shared by every session of an agent). The key
-        // only picks candidates (their bytes are compared), so the first
-        // kilobyte of each item is enough.
-        let mut key = blake3::Hasher::new();
-        key.update(&(scope.len() as u64).to_le_bytes());
-        key.update(scope.as_bytes());
-        for s in self.spans.iter().take(2) {
-            let bytes = &self.raw[s.clone()];
-            key.update(&(bytes.len() as u64).to_le_bytes());
-            key.update(&bytes[..bytes.len().min(RECENT_KEY_BYTES)]);
-        }
-        let key = *key.finalize().as_bytes();
-        let candidates = recent().lock().unwrap_or_else(|p| p.into_inner()).get(&key);
-        let best = candidates
-            .iter()
-            .map(|seen| (seen.matching(&self.raw, &self.spans), seen))
-            .max_by_key(|(n, _)| *n);
+        let (key, best) = match &self.reuse {
+            // The split found it already.
+            Some(r) => (r.key, Some((r.items, r.seen.clone()))),
+            None => {
+                let key = recent_key(scope, self.spans.iter().map(|s| &self.raw[s.clone()]));
+                let candidates = recent().lock().unwrap_or_else(|p| p.into_inner()).get(&key);
+                let best = candidates
+                    .into_iter()
+                    .map(|seen| (seen.matching(&self.raw, &self.spans), seen))
+                    .max_by_key(|(n, _)| *n);
+                (key, best)
+            }
+        };
+        let best = best.as_ref().map(|(n, seen)| (*n, seen));
         let reused = best.map(|(n, _)| n).unwrap_or(0);
         let mut items: Vec<ItemHash> = best
             .map(|(n, seen)| seen.hashes[..n].to_vec())
@@ -397,6 +563,13 @@ impl Seen {
         }
     }
 
+    /// How many leading items of a body are these, byte for byte and at
+    /// the same places (so all the bytes before them are the same, too).
+    fn leading_items(&self, raw: &[u8]) -> usize {
+        let same = common_prefix(&self.raw, raw);
+        self.spans.partition_point(|s| s.end <= same)
+    }
+
     /// How many leading items of a request are byte for byte these.
     fn matching(&self, raw: &[u8], spans: &[Range<usize>]) -> usize {
         self.spans
@@ -409,6 +582,39 @@ impl Seen {
 
 /// Bytes of each of the first two items that pick a request's candidates.
 const RECENT_KEY_BYTES: usize = 1024;
+
+/// The key of a request among the recent ones: its scope and its first two
+/// items. Requests are told apart by their first two items (the system
+/// prompt alone is shared by every session of an agent). The key only
+/// picks candidates (their bytes are compared), so the first kilobyte of
+/// each item is enough.
+fn recent_key<'a>(scope: &str, items: impl Iterator<Item = &'a [u8]>) -> ItemHash {
+    let mut key = blake3::Hasher::new();
+    key.update(&(scope.len() as u64).to_le_bytes());
+    key.update(scope.as_bytes());
+    for bytes in items.take(2) {
+        key.update(&(bytes.len() as u64).to_le_bytes());
+        key.update(&bytes[..bytes.len().min(RECENT_KEY_BYTES)]);
+    }
+    *key.finalize().as_bytes()
+}
+
+/// Length of the longest common prefix of `a` and `b`.
+fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+    const BLOCK: usize = 256;
+    let n = a.len().min(b.len());
+    let mut at = 0;
+    // Whole blocks compare as slices (memcmp); the first unequal one byte
+    // by byte.
+    while at + BLOCK <= n && a[at..at + BLOCK] == b[at..at + BLOCK] {
+        at += BLOCK;
+    }
+    at + a[at..n]
+        .iter()
+        .zip(&b[at..n])
+        .take_while(|(x, y)| x == y)
+        .count()
+}
 
 /// Bytes of recent requests kept for [`ItemList::hashes_reusing`].
 const RECENT_BYTES: usize = 64 << 20;
@@ -736,6 +942,129 @@ mod tests {
         // Another scope finds nothing, and computes the same hashes.
         let (_, d) = list(next, "messages");
         assert_eq!(d.hashes_reusing("another tenant"), hb);
+    }
+
+    /// A body's bytes: members before the items, the items, members
+    /// after, with `ws` between tokens.
+    fn body_bytes(
+        before: &[(String, Value)],
+        items: &[Value],
+        after: &[(String, Value)],
+        ws: &str,
+    ) -> Vec<u8> {
+        let member =
+            |(k, v): &(String, Value)| format!("{}{ws}:{ws}{}", Value::from(k.as_str()), v);
+        let mut members: Vec<String> = before.iter().map(member).collect();
+        let items: Vec<String> = items.iter().map(|i| i.to_string()).collect();
+        members.push(format!(
+            "\"messages\"{ws}:{ws}[{ws}{}{ws}]",
+            items.join(&format!("{ws},{ws}"))
+        ));
+        members.extend(after.iter().map(member));
+        format!("{{{ws}{}{ws}}}", members.join(&format!("{ws},"))).into_bytes()
+    }
+
+    fn same_split(a: &SplitBody, b: &SplitBody) -> bool {
+        serde_json::to_string(&a.body).unwrap() == serde_json::to_string(&b.body).unwrap()
+            && a.spans == b.spans
+            && a.body_key == b.body_key
+            && a.tools == b.tools
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(256))]
+
+        /// A body split after the history it repeats from a recent request
+        /// is split exactly as a full parse splits it, and its hashes are
+        /// the canonical ones, whatever changed between the two requests.
+        #[test]
+        fn resuming_after_a_repeated_history_splits_as_the_full_parse(
+            texts in proptest::collection::vec("[a-z\"\\\\é ]{0,12}", 1..8),
+            extra in proptest::collection::vec("[a-z ]{0,8}", 0..4),
+            edit in 0usize..6,
+            at in 0usize..8,
+            tools_before in proptest::bool::ANY,
+            ws in proptest::sample::select(vec!["", " ", "\n  "]),
+            seed in proptest::num::u64::ANY,
+        ) {
+            let item = |i: usize, t: &str| json!({"role": if i.is_multiple_of(2) { "user" } else { "assistant" }, "content": t});
+            let items: Vec<Value> = texts.iter().enumerate().map(|(i, t)| item(i, t)).collect();
+            let tools = ("tools".to_string(), json!([{"type": "function", "function": {"name": "sh"}}]));
+            let model = ("model".to_string(), json!("m"));
+            let stream = ("stream".to_string(), json!(true));
+            let (mut before, mut after) = (vec![model], vec![stream]);
+            if tools_before { before.push(tools) } else { after.push(tools) }
+            let scope = format!("resume-test-{seed}");
+            let first = Bytes::from(body_bytes(&before, &items, &after, ws));
+            let a = split_body_reusing(&first, "messages", &scope).unwrap();
+            ItemList::raw(Vec::new(), first.clone(), a.spans.clone().unwrap())
+                .with_reuse(a.reuse)
+                .hashes_reusing(&scope);
+
+            let mut next = items.clone();
+            let (mut before2, mut after2, mut ws2) = (before.clone(), after.clone(), ws);
+            match edit {
+                // The next turn: new items at the end.
+                0 => next.extend(extra.iter().enumerate().map(|(i, t)| item(items.len() + i, t))),
+                // An edited item.
+                1 => { let i = at % next.len(); next[i] = item(i, "edited"); }
+                // History cut short.
+                2 => next.truncate(at % next.len()),
+                // Another parameter before or after the items.
+                3 => before2.push(("temperature".into(), json!(0.5))),
+                4 => after2.push(("user".into(), json!(extra.join("")))),
+                // The same content in other bytes.
+                _ => ws2 = if ws.is_empty() { " " } else { "" },
+            }
+            let second = Bytes::from(body_bytes(&before2, &next, &after2, ws2));
+            let full = split_body(&second, "messages").unwrap();
+            let resumed = split_body_reusing(&second, "messages", &scope).unwrap();
+            proptest::prop_assert!(same_split(&full, &resumed));
+            if (edit == 0 || edit == 4) && items.len() >= 2 {
+                // Nothing before the end of the repeated items changed (and
+                // the first two items, which find the recent request, are
+                // the same).
+                proptest::prop_assert!(resumed.reuse.is_some());
+            }
+            let list = ItemList::raw(Vec::new(), second.clone(), resumed.spans.clone().unwrap())
+                .with_reuse(resumed.reuse);
+            let want = ItemList::raw(Vec::new(), second.clone(), full.spans.unwrap()).hashes();
+            proptest::prop_assert_eq!(list.hashes_reusing(&scope), want);
+        }
+    }
+
+    #[test]
+    fn resuming_refuses_what_the_full_parse_refuses() {
+        let scope = "resume-refusals";
+        let first = Bytes::from_static(br#"{"messages":[{"a":1},{"b":2}],"model":"m"}"#);
+        let a = split_body_reusing(&first, "messages", scope).unwrap();
+        ItemList::raw(Vec::new(), first.clone(), a.spans.unwrap()).hashes_reusing(scope);
+        for bad in [
+            &br#"{"messages":[{"a":1},{"b":2},]}"#[..],
+            br#"{"messages":[{"a":1},{"b":2},3]}"#,
+            br#"{"messages":[{"a":1},{"b":2}]} x"#,
+            br#"{"messages":[{"a":1},{"b":2}"#,
+        ] {
+            assert!(split_body(bad, "messages").is_none());
+            assert!(
+                split_body_reusing(bad, "messages", scope).is_none(),
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        // A repeated item key: the last array wins, as in the full parse.
+        let twice = br#"{"messages":[{"a":1},{"b":2}],"messages":[{"c":3}]}"#;
+        let resumed = split_body_reusing(twice, "messages", scope).unwrap();
+        assert!(resumed.reuse.is_none());
+        assert!(same_split(
+            &resumed,
+            &split_body(twice, "messages").unwrap()
+        ));
+        // And a well-formed next request does resume.
+        let next = br#"{"messages":[{"a":1},{"b":2}, {"c":3}],"model":"m"}"#;
+        let resumed = split_body_reusing(next, "messages", scope).unwrap();
+        assert_eq!(resumed.reuse.as_ref().map(|r| r.items), Some(2));
+        assert!(same_split(&resumed, &split_body(next, "messages").unwrap()));
     }
 
     #[test]
