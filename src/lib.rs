@@ -17,6 +17,8 @@
 //! - [`store`]: records (conversations, exchanges, content-addressed items);
 //!   the SQLite backend.
 //! - [`tokens`]: tiktoken estimates by section.
+//! - [`background`]: the accounting thread (token estimates and the
+//!   per-exchange line, off the request path).
 //! - [`error`]: the request-path error type and its OpenAI-style JSON.
 //! - [`fake_upstream`]: a scriptable OpenAI-compatible server for tests,
 //!   benchmarks and the offline demo.
@@ -29,6 +31,7 @@
 #![warn(missing_docs)]
 
 pub mod admin;
+pub mod background;
 pub mod cli;
 pub mod compaction;
 pub mod config;

@@ -96,8 +96,12 @@ impl TokenCounter {
     pub fn new_warm() -> Arc<Self> {
         let me = Arc::new(Self::default());
         if BPE.get().is_none() {
-            std::thread::spawn(|| {
-                Self::bpe();
+            // On the thread that will count most: the tokenizer's regex
+            // keeps a fast path for the first thread that uses it.
+            crate::background::Background::global().spawn(|| {
+                if let Some(b) = Self::bpe() {
+                    b.encode_ordinary("warm up");
+                }
             });
         }
         me

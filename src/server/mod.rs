@@ -3,7 +3,6 @@
 //! `run` takes a bound listener (never binds itself, so tests and the CLI
 //! choose the port) and a shutdown future.
 
-pub mod background;
 mod exchange;
 pub use exchange::now_ms;
 mod passthrough;
@@ -23,6 +22,7 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tracing::Instrument;
 
+use crate::background::Background;
 use crate::compaction::engine::Compactions;
 use crate::config::Config;
 use crate::conversation::ConversationIndex;
@@ -31,7 +31,6 @@ use crate::store::{sqlite::SqliteBackend, Store};
 use crate::tokens::TokenCounter;
 use crate::upstream::Upstream;
 use crate::wire::Api;
-use background::Background;
 
 /// Everything a request handler needs, shared by all connections.
 pub struct AppState {
@@ -51,14 +50,9 @@ pub struct AppState {
     pub compactions: Compactions,
     /// Prometheus metrics (`GET /metrics`).
     pub metrics: crate::metrics::Metrics,
-    /// Threads for the accounting that follows each answer.
-    pub background: Background,
+    /// The thread for the accounting that follows each answer.
+    pub background: &'static Background,
 }
-
-/// Accounting threads: two keep up with thousands of exchanges a second
-/// (an item is tokenized once) and let a long new history be counted while
-/// the next exchanges' lines still flow.
-const ACCOUNT_THREADS: usize = 2;
 
 impl AppState {
     /// Opens the store and builds the upstream client.
@@ -77,7 +71,7 @@ impl AppState {
             tokens: TokenCounter::new_warm(),
             tenant_salt: snapshot.salt,
             metrics: crate::metrics::Metrics::new(),
-            background: Background::start("compactor-account", ACCOUNT_THREADS)?,
+            background: Background::global(),
             config,
         }))
     }

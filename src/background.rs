@@ -4,14 +4,16 @@
 //!
 //! Under load the blocking pool grows a thread per exchange in flight
 //! (dozens at concurrency 32). Each of them then builds its own tokenizer
-//! regex caches and allocator heap, and wakes and parks once per job. A
-//! fixed pair of threads keeps those warm; the work is short (an item is
-//! tokenized once, then cached by hash), so a queue in front of it is
-//! cheaper than more threads.
+//! regex caches and allocator heap, and wakes and parks once per job; the
+//! regex caches of threads that come and go are reached through a shared,
+//! locked pool rather than the owner's fast path. One thread for the
+//! process keeps all of that warm and uncontended. The work is short (an
+//! item is tokenized once, then cached by hash): one core tokenizes about
+//! 25 MB of new text a second, far more than a proxy receives.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 type Job = Box<dyn FnOnce() + Send>;
@@ -23,6 +25,14 @@ pub struct Background {
 }
 
 impl Background {
+    /// The process's accounting thread.
+    pub fn global() -> &'static Background {
+        static GLOBAL: OnceLock<Background> = OnceLock::new();
+        GLOBAL.get_or_init(|| {
+            Background::start("compactor-account", 1).expect("cannot start the accounting thread")
+        })
+    }
+
     /// Starts `threads` threads (at least one) named `name`.
     pub fn start(name: &str, threads: usize) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
