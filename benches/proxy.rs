@@ -330,6 +330,10 @@ enum Variant {
     /// target size and is replaced by a new one past `GROW_TO`%, so sizes
     /// average the target and most requests add only a little new content.
     Grow,
+    /// A reference, not a budget: the bodies of `Last`, sent to a path the
+    /// proxy relays without parsing or recording (`/v1/embeddings`), so the
+    /// row shows what the HTTP hop alone costs on this machine.
+    Hop,
 }
 
 const GROW_FROM: usize = 85;
@@ -355,7 +359,7 @@ impl Session {
         reply: Arc<String>,
     ) -> Session {
         let first = match variant {
-            Variant::Last => target,
+            Variant::Last | Variant::Hop => target,
             // Staggered, so sessions do not all start over at once.
             Variant::Grow => {
                 target * (GROW_FROM + (seed as usize * 7) % (GROW_TO - GROW_FROM)) / 100
@@ -441,7 +445,8 @@ async fn send(
     let ok = if stream {
         buf.ends_with(b"data: [DONE]\n\n") && contains(&buf, b"fake upstream.")
     } else {
-        contains(&buf, AUTO_TEXT.as_bytes())
+        // A chat answer, or the fake's answer to any other path (the hop rows).
+        contains(&buf, AUTO_TEXT.as_bytes()) || contains(&buf, b"\"path\":\"/v1/embeddings\"")
     };
     if !ok {
         return Err(format!(
@@ -592,10 +597,14 @@ impl Rig {
         }
     }
 
-    fn urls(&self) -> [String; 2] {
+    fn urls(&self, variant: Variant) -> [String; 2] {
+        let path = match variant {
+            Variant::Hop => "embeddings",
+            _ => "chat/completions",
+        };
         [
-            format!("{}/chat/completions", self.fake.url()),
-            format!("http://{}/v1/chat/completions", self.proxy_addr),
+            format!("{}/{path}", self.fake.url()),
+            format!("http://{}/v1/{path}", self.proxy_addr),
         ]
     }
 
@@ -651,6 +660,7 @@ impl Scenario {
             match self.variant {
                 Variant::Last => "last",
                 Variant::Grow => "grow",
+                Variant::Hop => "hop ",
             },
             if self.stream { "sse " } else { "json" },
             self.conc
@@ -725,7 +735,7 @@ struct Row {
 fn run_scenario(o: &Opts, sc: Scenario) -> Row {
     let started = Instant::now();
     let rig = Rig::start(o);
-    let urls = rig.urls();
+    let urls = rig.urls(sc.variant);
     let head = body_head(sc.stream);
     let reply = Arc::new(assistant_reply());
     // Both sides get byte-identical sessions (same seeds).
@@ -1078,9 +1088,12 @@ fn main() {
     let (machine0, own0) = (machine_ticks(), cpu_ticks());
     let mut scenarios = Vec::new();
     for size in [30_000, 300_000] {
-        for variant in [Variant::Last, Variant::Grow] {
+        for variant in [Variant::Last, Variant::Grow, Variant::Hop] {
             for stream in [false, true] {
                 for conc in [1, 32] {
+                    if variant == Variant::Hop && (stream || conc == 1) {
+                        continue;
+                    }
                     scenarios.push(Scenario {
                         size,
                         variant,
@@ -1108,7 +1121,9 @@ fn main() {
     println!(
         "runtimes: clients + fake upstream {} worker thread(s), proxy {} worker thread(s); {} CPUs. \
          last = history fixed, last user message varies; grow = each request extends the previous \
-         (a conversation runs from {GROW_FROM}% to {GROW_TO}% of the size, then a new one starts). SSE requests do not ask for usage, so the proxy \
+         (a conversation runs from {GROW_FROM}% to {GROW_TO}% of the size, then a new one starts); \
+         hop = the `last` bodies to /v1/embeddings, which the proxy relays unparsed and unrecorded \
+         (what the HTTP hop alone costs). SSE requests do not ask for usage, so the proxy \
          splices stream_options into the client's bytes.",
         o.load_threads,
         o.proxy_threads,
@@ -1189,10 +1204,10 @@ fn main() {
     }
 
     println!();
-    println!("DESIGN §9 budgets (worst applicable scenario):");
+    println!("DESIGN §9 budgets (worst applicable scenario; the hop rows are a reference):");
     let worst = |pred: &dyn Fn(&Row) -> bool, val: &dyn Fn(&Row) -> f64, higher_is_worse: bool| {
         rows.iter()
-            .filter(|r| pred(r))
+            .filter(|r| r.sc.variant != Variant::Hop && pred(r))
             .map(|r| (val(r), r.name.clone()))
             .fold(None, |acc: Option<(f64, String)>, x| match acc {
                 None => Some(x),
@@ -1247,6 +1262,13 @@ fn main() {
         &|v| v < 1.0,
         " ms",
     );
+    for r in rows.iter().filter(|r| r.sc.variant == Variant::Hop) {
+        println!(
+            "  reference: the bare HTTP hop ({}) keeps {:.2} of direct throughput",
+            r.name.trim_end(),
+            r.side[1].rps / r.side[0].rps
+        );
+    }
     let errors: usize = rows
         .iter()
         .flat_map(|r| r.side.iter())
