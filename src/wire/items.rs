@@ -73,10 +73,7 @@ fn resume_split(raw: &[u8], key: &str, scope: &str) -> Option<SplitBody> {
         .lock()
         .unwrap_or_else(|p| p.into_inner())
         .get(&recent_key);
-    let (items, seen) = candidates
-        .into_iter()
-        .map(|seen| (seen.leading_items(raw), seen))
-        .max_by_key(|(n, _)| *n)?;
+    let (items, seen) = best_candidate(candidates, |seen| seen.leading_items(raw))?;
     if items == 0 {
         return None;
     }
@@ -480,10 +477,7 @@ impl ItemList {
             None => {
                 let key = recent_key(scope, self.spans.iter().map(|s| &self.raw[s.clone()]));
                 let candidates = recent().lock().unwrap_or_else(|p| p.into_inner()).get(&key);
-                let best = candidates
-                    .into_iter()
-                    .map(|seen| (seen.matching(&self.raw, &self.spans), seen))
-                    .max_by_key(|(n, _)| *n);
+                let best = best_candidate(candidates, |seen| seen.matching(&self.raw, &self.spans));
                 (key, best)
             }
         };
@@ -599,9 +593,32 @@ fn recent_key<'a>(scope: &str, items: impl Iterator<Item = &'a [u8]>) -> ItemHas
     *key.finalize().as_bytes()
 }
 
+/// The recent request (oldest first in `candidates`) that shares the most
+/// leading items with a body, by `matching`. The newest are compared first,
+/// and one that shares all its items but its last ends the search: a
+/// conversation's next request, or the same history with another last
+/// message. Each comparison reads up to the whole body.
+fn best_candidate(
+    candidates: Vec<Arc<Seen>>,
+    matching: impl Fn(&Seen) -> usize,
+) -> Option<(usize, Arc<Seen>)> {
+    let mut best: Option<(usize, Arc<Seen>)> = None;
+    for seen in candidates.into_iter().rev() {
+        let n = matching(&seen);
+        let enough = n > 0 && n + 1 >= seen.spans.len();
+        if best.as_ref().is_none_or(|(b, _)| n > *b) {
+            best = Some((n, seen));
+        }
+        if enough {
+            break;
+        }
+    }
+    best
+}
+
 /// Length of the longest common prefix of `a` and `b`.
 fn common_prefix(a: &[u8], b: &[u8]) -> usize {
-    const BLOCK: usize = 256;
+    const BLOCK: usize = 4096;
     let n = a.len().min(b.len());
     let mut at = 0;
     // Whole blocks compare as slices (memcmp); the first unequal one byte
@@ -1065,6 +1082,36 @@ mod tests {
         let resumed = split_body_reusing(next, "messages", scope).unwrap();
         assert_eq!(resumed.reuse.as_ref().map(|r| r.items), Some(2));
         assert!(same_split(&resumed, &split_body(next, "messages").unwrap()));
+    }
+
+    #[test]
+    fn the_newest_close_match_ends_the_search() {
+        let seen = || Arc::new(Seen::new(Bytes::new(), vec![0..1; 10], Vec::new()));
+        let (old, mid, new) = (seen(), seen(), seen());
+        let compared = std::cell::Cell::new(0);
+        let score = |scores: [usize; 3]| {
+            let (old, mid, new) = (old.clone(), mid.clone(), new.clone());
+            let compared = &compared;
+            move |s: &Seen| {
+                compared.set(compared.get() + 1);
+                let i = [&old, &mid, &new]
+                    .iter()
+                    .position(|c| std::ptr::eq(Arc::as_ptr(c), s))
+                    .unwrap();
+                scores[i]
+            }
+        };
+        let all = || vec![old.clone(), mid.clone(), new.clone()];
+        // The newest shares all but its last item: the others are not read.
+        let (n, best) = best_candidate(all(), score([10, 10, 9])).unwrap();
+        assert_eq!((n, compared.get()), (9, 1));
+        assert!(Arc::ptr_eq(&best, &new));
+        // A poor newest: the older ones are compared, and the best wins.
+        compared.set(0);
+        let (n, best) = best_candidate(all(), score([7, 2, 3])).unwrap();
+        assert_eq!((n, compared.get()), (7, 3));
+        assert!(Arc::ptr_eq(&best, &old));
+        assert!(best_candidate(Vec::new(), |_| 1).is_none());
     }
 
     #[test]
