@@ -1,5 +1,8 @@
 //! Chat Completions: `messages[]` as items, the answer's message, stream deltas.
 
+use std::borrow::Cow;
+
+use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::Usage;
@@ -208,26 +211,32 @@ impl ChatCollector {
             self.done = true;
             return;
         }
-        let Ok(v) = serde_json::from_str::<Value>(data) else {
-            return;
-        };
-        if let Some(e) = v.get("error") {
-            self.error = Some(e.clone());
+        // A chunk reads into borrowed fields, with no tree built; one with
+        // a member of another type than OpenAI's is read as a tree, and
+        // what does not fit is ignored.
+        match serde_json::from_str::<ChunkView>(data) {
+            Ok(view) => self.push_view(view),
+            Err(_) => {
+                if let Ok(v) = serde_json::from_str::<Value>(data) {
+                    self.push_view(ChunkView::lenient(&v));
+                }
+            }
+        }
+    }
+
+    fn push_view(&mut self, chunk: ChunkView<'_>) {
+        if let Some(e) = chunk.error {
+            self.error = Some(e);
         }
         if self.id.is_none() {
-            self.id = v.get("id").and_then(Value::as_str).map(String::from);
+            self.id = chunk.id.map(Cow::into_owned);
         }
-        if let Some(u) = v.get("usage").filter(|u| !u.is_null()) {
-            self.usage = Usage::from_value(u);
-            self.usage_raw = Some(u.clone());
+        if let Some(u) = chunk.usage {
+            self.usage = Usage::from_value(&u);
+            self.usage_raw = Some(u);
         }
-        for c in v
-            .get("choices")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            let idx = c.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
+        for c in chunk.choices.into_iter().flatten() {
+            let idx = c.index.unwrap_or(0) as usize;
             if idx > 1024 {
                 continue;
             }
@@ -235,23 +244,18 @@ impl ChatCollector {
                 self.choices.resize_with(idx + 1, ChoiceAcc::default);
             }
             let acc = &mut self.choices[idx];
-            if let Some(f) = c.get("finish_reason").and_then(Value::as_str) {
-                acc.finish_reason = Some(f.to_string());
+            if let Some(f) = c.finish_reason {
+                acc.finish_reason = Some(f.into_owned());
             }
-            let Some(d) = c.get("delta") else { continue };
-            if let Some(r) = d.get("role").and_then(Value::as_str) {
-                acc.role = Some(r.to_string());
+            let Some(d) = c.delta else { continue };
+            if let Some(r) = d.role {
+                acc.role = Some(r.into_owned());
             }
-            append(&mut acc.content, d.get("content"));
-            append(&mut acc.reasoning, d.get("reasoning_content"));
-            append(&mut acc.refusal, d.get("refusal"));
-            for tc in d
-                .get("tool_calls")
-                .and_then(Value::as_array)
-                .into_iter()
-                .flatten()
-            {
-                let ti = tc.get("index").and_then(Value::as_u64).unwrap_or(0) as usize;
+            append(&mut acc.content, d.content);
+            append(&mut acc.reasoning, d.reasoning_content);
+            append(&mut acc.refusal, d.refusal);
+            for tc in d.tool_calls.into_iter().flatten() {
+                let ti = tc.index.unwrap_or(0) as usize;
                 if ti > 1024 {
                     continue;
                 }
@@ -259,18 +263,18 @@ impl ChatCollector {
                     acc.tool_calls.resize_with(ti + 1, ToolCallAcc::default);
                 }
                 let t = &mut acc.tool_calls[ti];
-                if let Some(id) = tc.get("id").and_then(Value::as_str) {
-                    t.id = Some(id.to_string());
+                if let Some(id) = tc.id {
+                    t.id = Some(id.into_owned());
                 }
-                if let Some(k) = tc.get("type").and_then(Value::as_str) {
-                    t.kind = Some(k.to_string());
+                if let Some(k) = tc.kind {
+                    t.kind = Some(k.into_owned());
                 }
-                if let Some(f) = tc.get("function") {
-                    if let Some(n) = f.get("name").and_then(Value::as_str) {
-                        t.name.push_str(n);
+                if let Some(f) = tc.function {
+                    if let Some(n) = f.name {
+                        t.name.push_str(&n);
                     }
-                    if let Some(a) = f.get("arguments").and_then(Value::as_str) {
-                        t.arguments.push_str(a);
+                    if let Some(a) = f.arguments {
+                        t.arguments.push_str(&a);
                     }
                 }
             }
@@ -322,9 +326,104 @@ impl ChatCollector {
     }
 }
 
-fn append(acc: &mut Option<String>, piece: Option<&Value>) {
-    if let Some(s) = piece.and_then(Value::as_str) {
-        acc.get_or_insert_with(String::new).push_str(s);
+fn append(acc: &mut Option<String>, piece: Option<Cow<'_, str>>) {
+    if let Some(s) = piece {
+        acc.get_or_insert_with(String::new).push_str(&s);
+    }
+}
+
+/// What [`ChatCollector`] reads of a chunk. `null` reads as absent.
+#[derive(Deserialize, Default)]
+struct ChunkView<'a> {
+    #[serde(borrow)]
+    id: Option<Cow<'a, str>>,
+    error: Option<Value>,
+    usage: Option<Value>,
+    #[serde(borrow)]
+    choices: Option<Vec<ChoiceView<'a>>>,
+}
+
+#[derive(Deserialize, Default)]
+struct ChoiceView<'a> {
+    index: Option<u64>,
+    #[serde(borrow)]
+    finish_reason: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    delta: Option<DeltaView<'a>>,
+}
+
+#[derive(Deserialize, Default)]
+struct DeltaView<'a> {
+    #[serde(borrow)]
+    role: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    content: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    reasoning_content: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    refusal: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    tool_calls: Option<Vec<ToolCallView<'a>>>,
+}
+
+#[derive(Deserialize, Default)]
+struct ToolCallView<'a> {
+    index: Option<u64>,
+    #[serde(borrow)]
+    id: Option<Cow<'a, str>>,
+    #[serde(borrow, rename = "type")]
+    kind: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    function: Option<FunctionView<'a>>,
+}
+
+#[derive(Deserialize, Default)]
+struct FunctionView<'a> {
+    #[serde(borrow)]
+    name: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    arguments: Option<Cow<'a, str>>,
+}
+
+impl<'a> ChunkView<'a> {
+    /// The same view of a chunk parsed as a tree, each member taken only if
+    /// it has the expected type.
+    fn lenient(v: &'a Value) -> Self {
+        let text = |v: &'a Value, key: &str| v.get(key).and_then(Value::as_str).map(Cow::Borrowed);
+        let index = |v: &Value| Some(v.get("index").and_then(Value::as_u64).unwrap_or(0));
+        let list = |v: &'a Value, key: &str| v.get(key).and_then(Value::as_array);
+        ChunkView {
+            id: text(v, "id"),
+            error: v.get("error").filter(|e| !e.is_null()).cloned(),
+            usage: v.get("usage").filter(|u| !u.is_null()).cloned(),
+            choices: list(v, "choices").map(|cs| {
+                cs.iter()
+                    .map(|c| ChoiceView {
+                        index: index(c),
+                        finish_reason: text(c, "finish_reason"),
+                        delta: c.get("delta").map(|d| DeltaView {
+                            role: text(d, "role"),
+                            content: text(d, "content"),
+                            reasoning_content: text(d, "reasoning_content"),
+                            refusal: text(d, "refusal"),
+                            tool_calls: list(d, "tool_calls").map(|tcs| {
+                                tcs.iter()
+                                    .map(|tc| ToolCallView {
+                                        index: index(tc),
+                                        id: text(tc, "id"),
+                                        kind: text(tc, "type"),
+                                        function: tc.get("function").map(|f| FunctionView {
+                                            name: text(f, "name"),
+                                            arguments: text(f, "arguments"),
+                                        }),
+                                    })
+                                    .collect()
+                            }),
+                        }),
+                    })
+                    .collect()
+            }),
+        }
     }
 }
 
@@ -424,5 +523,47 @@ mod tests {
             "{\"cmd\":\"ls\"}"
         );
         assert_eq!(items[0]["tool_calls"][0]["id"], "call_1");
+    }
+
+    /// The borrowed read and the tree read collect the same, including what
+    /// only the tree read can take (members of other types are ignored).
+    #[test]
+    fn chunks_read_alike_either_way() {
+        let chunks = [
+            r#"{"id":"c1","error":null,"usage":null,"choices":[{"index":0,"delta":{"role":"assistant","content":"a\u00e9\"b"},"finish_reason":null}]}"#,
+            r#"{"choices":[{"index":1,"delta":{"content":"second","refusal":"no"}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"reasoning_content":"hm","tool_calls":[{"index":0,"id":"t","type":"function","function":{"name":"sh","arguments":"{}"}}]}}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"content":5,"role":"assistant"},"finish_reason":"stop"}]}"#,
+            r#"{"id":7,"choices":null,"usage":{"prompt_tokens":3,"completion_tokens":1}}"#,
+            r#"{"choices":[{"index":-1,"delta":{"content":"x"}}]}"#,
+            r#"{"error":{"message":"overloaded"}}"#,
+            "[1,2]",
+        ];
+        let mut typed = ChatCollector::default();
+        let mut tree = ChatCollector::default();
+        for c in chunks {
+            typed.push(c);
+            let v: Value = serde_json::from_str(c).unwrap();
+            tree.push_view(ChunkView::lenient(&v));
+        }
+        assert_eq!(typed.items(), tree.items());
+        assert_eq!(typed.usage, tree.usage);
+        assert_eq!(typed.usage_raw, tree.usage_raw);
+        assert_eq!(typed.error, tree.error);
+        assert_eq!(typed.id.as_deref(), Some("c1"));
+        let items = typed.items();
+        // (An index that is no unsigned number counts as 0.)
+        assert_eq!(items[0]["content"], "aé\"bx");
+        assert_eq!(items[0]["reasoning_content"], "hm");
+        assert_eq!(items[1]["refusal"], "no");
+        assert_eq!(typed.usage.unwrap().total(), 4);
+        assert_eq!(
+            typed.error,
+            Some(serde_json::json!({"message": "overloaded"}))
+        );
+        // `"error": null` is no error.
+        let mut c = ChatCollector::default();
+        c.push(r#"{"error":null,"choices":[]}"#);
+        assert_eq!(c.error, None);
     }
 }
