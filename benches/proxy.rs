@@ -8,7 +8,8 @@
 //! - `BENCH_PROXY_THREADS` (default 1): worker threads of the proxy's runtime.
 //! - `BENCH_LOAD_THREADS` (default 1): worker threads of the runtime that runs
 //!   the clients and the fake upstream.
-//! - `BENCH_CN_N` (default 2000): measured requests per side at c=32.
+//! - `BENCH_CN_N` (default 8000): measured requests per side at c=32, in 8
+//!   rounds per side.
 //!
 //! Set-up, per scenario (so each starts from an empty store and the fake
 //! upstream's record of received bodies is freed afterwards):
@@ -88,8 +89,8 @@ fn opts() -> Opts {
         c1_warm: if quick { 5 } else { 30 },
         c1_n: if quick { 30 } else { 300 },
         cn_warm_per_worker: if quick { 1 } else { 2 },
-        cn_n: env_usize("BENCH_CN_N", if quick { 192 } else { 2000 }),
-        cn_rounds: if quick { 2 } else { 4 },
+        cn_n: env_usize("BENCH_CN_N", if quick { 192 } else { 8000 }),
+        cn_rounds: if quick { 2 } else { 8 },
         proxy_threads: env_usize("BENCH_PROXY_THREADS", 1),
         load_threads: env_usize("BENCH_LOAD_THREADS", 1),
         filter,
