@@ -441,14 +441,18 @@ impl ItemList {
         if !self.is_raw() {
             return true;
         }
-        let needle = needle.as_bytes();
-        self.head
-            .iter()
-            .any(|v| serde_json::to_vec(v).is_ok_and(|b| contains(&b, needle)))
+        let finder = memchr::memmem::Finder::new(needle.as_bytes());
+        // The items' bytes in one search: a match across two items (it
+        // would take their separator) only costs a parse.
+        let items = match (self.spans.first(), self.spans.last()) {
+            (Some(first), Some(last)) => &self.raw[first.start..last.end],
+            _ => &[][..],
+        };
+        finder.find(items).is_some()
             || self
-                .spans
+                .head
                 .iter()
-                .any(|s| contains(&self.raw[s.clone()], needle))
+                .any(|v| serde_json::to_vec(v).is_ok_and(|b| finder.find(&b).is_some()))
     }
 
     /// The canonical hash of every item ([`item_hash`]). Raw items are
@@ -815,9 +819,6 @@ fn parse(bytes: &[u8]) -> Value {
     serde_json::from_slice(bytes).unwrap_or_default()
 }
 
-fn contains(hay: &[u8], needle: &[u8]) -> bool {
-    !needle.is_empty() && hay.windows(needle.len()).any(|w| w == needle)
-}
 
 #[cfg(test)]
 mod tests {
