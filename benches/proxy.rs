@@ -237,9 +237,75 @@ fn body_head(stream: bool) -> Arc<Vec<u8>> {
 }
 
 const SYSTEM_SEED: u64 = 7;
+
+/// The wire shape of a session's bodies.
+#[derive(Clone, Copy, PartialEq)]
+enum Shape {
+    /// Chat Completions `messages`, as the SDKs send them.
+    Chat,
+    /// A Responses request as Codex CLI sends one: `input` items (a
+    /// developer message, reasoning, function calls and their outputs),
+    /// then the tools and the other parameters, with a `prompt_cache_key`
+    /// per session.
+    Codex,
+}
+
+impl Shape {
+    fn text(self, role: &str, text: &str) -> serde_json::Value {
+        match self {
+            Shape::Chat => json!({"role": role, "content": text}),
+            Shape::Codex => {
+                let kind = if role == "assistant" {
+                    "output_text"
+                } else {
+                    "input_text"
+                };
+                json!({"type": "message", "role": role, "content": [{"type": kind, "text": text}]})
+            }
+        }
+    }
+
+    fn system(self, text: &str) -> serde_json::Value {
+        self.text(
+            if self == Shape::Chat {
+                "system"
+            } else {
+                "developer"
+            },
+            text,
+        )
+    }
+}
+
 /// What a client appends after the fake's answer (its automatic text).
-fn assistant_reply() -> String {
-    json!({"role": "assistant", "content": AUTO_TEXT}).to_string()
+fn assistant_reply(shape: Shape) -> String {
+    shape.text("assistant", AUTO_TEXT).to_string()
+}
+
+/// `{"model":…,"stream":true,"input":[` — shared by all Codex sessions.
+fn codex_head() -> Arc<Vec<u8>> {
+    Arc::new(b"{\"model\":\"gpt-5-codex\",\"stream\":true,\"input\":[".to_vec())
+}
+
+/// What follows a Codex session's items: its tools and parameters.
+fn codex_tail(session: u64) -> Arc<Vec<u8>> {
+    let tools: Vec<_> = tools_json()
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| {
+            let f = &t["function"];
+            json!({"type": "function", "name": f["name"], "description": f["description"],
+                   "strict": false, "parameters": f["parameters"]})
+        })
+        .collect();
+    let rest = json!({"tools": tools, "tool_choice": "auto", "parallel_tool_calls": false,
+        "reasoning": {"effort": "medium", "summary": "auto"}, "store": false,
+        "include": ["reasoning.encrypted_content"],
+        "prompt_cache_key": format!("01a229d2-2989-7b93-bd82-{session:012x}")})
+    .to_string();
+    // `],` then the parameters' members.
+    Arc::new(format!("],{}", &rest[1..]).into_bytes())
 }
 
 /// One conversation's message history, serialised, comma-joined.
@@ -248,19 +314,18 @@ struct Conv {
     tag: u64,
     seq: u64,
     rng: Rng,
+    shape: Shape,
 }
 
 impl Conv {
     /// An agent-like history that makes the body about `target` bytes:
     /// a system prompt, then turns of user / assistant tool call / tool
     /// output, and now and then an assistant text.
-    fn new(tag: u64, target: usize, head_len: usize) -> Conv {
+    fn new(tag: u64, target: usize, head_len: usize, shape: Shape) -> Conv {
         let mut rng = Rng::new(tag);
         // All sessions share the system prompt, as agents do.
         let system = prose(&mut Rng::new(SYSTEM_SEED), 3000);
-        let mut hist = json!({"role": "system", "content": system})
-            .to_string()
-            .into_bytes();
+        let mut hist = shape.system(&system).to_string().into_bytes();
         let max_tool = (target / 40).clamp(1500, 6000);
         let reserve = 450; // the varying last user message and the tail
         let mut k = 0;
@@ -270,18 +335,38 @@ impl Conv {
                 hist.extend_from_slice(v.to_string().as_bytes());
             };
             let n = rng.range(80, 400);
-            push(json!({"role": "user", "content": prose(&mut rng, n)}));
+            push(shape.text("user", &prose(&mut rng, n)));
             let name = rng.pick(TOOL_NAMES);
             let call_id = format!("call_{tag:x}_{k}");
             let args = json!({"path": format!("src/{}/{}.rs", rng.pick(IDENTS), rng.pick(IDENTS)),
                               "command": format!("cargo test -p {} -- {}", rng.pick(IDENTS), rng.pick(IDENTS))});
-            push(json!({"role": "assistant", "content": null, "tool_calls": [
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": args.to_string()}}]}));
             let n = rng.range(300, max_tool);
-            push(json!({"role": "tool", "tool_call_id": call_id, "content": code(&mut rng, n)}));
+            let output = code(&mut rng, n);
+            match shape {
+                Shape::Chat => {
+                    push(json!({"role": "assistant", "content": null, "tool_calls": [
+                        {"id": call_id, "type": "function", "function": {"name": name, "arguments": args.to_string()}}]}));
+                    push(json!({"role": "tool", "tool_call_id": call_id, "content": output}));
+                }
+                Shape::Codex => {
+                    // Encrypted reasoning rides along with every call.
+                    let sealed: String = (0..400)
+                        .map(|_| rng.pick(&["A", "b", "7", "+", "Q", "z"]))
+                        .collect();
+                    push(
+                        json!({"type": "reasoning", "summary": [], "content": null, "encrypted_content": sealed}),
+                    );
+                    push(
+                        json!({"type": "function_call", "name": name, "arguments": args.to_string(), "call_id": call_id}),
+                    );
+                    push(
+                        json!({"type": "function_call_output", "call_id": call_id, "output": output}),
+                    );
+                }
+            }
             if k % 3 == 2 {
                 let n = rng.range(100, 600);
-                push(json!({"role": "assistant", "content": prose(&mut rng, n)}));
+                push(shape.text("assistant", &prose(&mut rng, n)));
             }
             k += 1;
         }
@@ -290,11 +375,13 @@ impl Conv {
             tag,
             seq: 0,
             rng,
+            shape,
         }
     }
 
-    /// The next request body and the user message it ends with.
-    fn body(&mut self, head: &[u8]) -> (Vec<u8>, String) {
+    /// The next request body (`head`, the history, a new user message,
+    /// `tail`) and the user message.
+    fn body(&mut self, head: &[u8], tail: &[u8]) -> (Vec<u8>, String) {
         self.seq += 1;
         let n = self.rng.range(150, 350);
         let text = format!(
@@ -303,13 +390,13 @@ impl Conv {
             self.seq,
             prose(&mut self.rng, n)
         );
-        let user = json!({"role": "user", "content": text}).to_string();
-        let mut b = Vec::with_capacity(head.len() + self.hist.len() + user.len() + 4);
+        let user = self.shape.text("user", &text).to_string();
+        let mut b = Vec::with_capacity(head.len() + self.hist.len() + user.len() + tail.len() + 1);
         b.extend_from_slice(head);
         b.extend_from_slice(&self.hist);
         b.push(b',');
         b.extend_from_slice(user.as_bytes());
-        b.extend_from_slice(b"]}");
+        b.extend_from_slice(tail);
         (b, user)
     }
 
@@ -335,6 +422,21 @@ enum Variant {
     /// proxy relays without parsing or recording (`/v1/embeddings`), so the
     /// row shows what the HTTP hop alone costs on this machine.
     Hop,
+    /// Like `Grow`, as Codex CLI sends it: `/v1/responses`, streamed.
+    Codex,
+}
+
+impl Variant {
+    fn shape(self) -> Shape {
+        match self {
+            Variant::Codex => Shape::Codex,
+            _ => Shape::Chat,
+        }
+    }
+
+    fn grows(self) -> bool {
+        matches!(self, Variant::Grow | Variant::Codex)
+    }
 }
 
 const GROW_FROM: usize = 85;
@@ -343,54 +445,58 @@ const GROW_TO: usize = 115;
 /// A client session: produces bodies, continues its conversation.
 struct Session {
     variant: Variant,
+    shape: Shape,
     head: Arc<Vec<u8>>,
+    tail: Arc<Vec<u8>>,
     target: usize,
     seed: u64,
     generation: u64,
     conv: Conv,
-    reply: Arc<String>,
+    reply: String,
 }
 
 impl Session {
-    fn new(
-        variant: Variant,
-        head: Arc<Vec<u8>>,
-        target: usize,
-        seed: u64,
-        reply: Arc<String>,
-    ) -> Session {
-        let first = match variant {
-            Variant::Last | Variant::Hop => target,
-            // Staggered, so sessions do not all start over at once.
-            Variant::Grow => {
-                target * (GROW_FROM + (seed as usize * 7) % (GROW_TO - GROW_FROM)) / 100
-            }
+    fn new(variant: Variant, stream: bool, target: usize, seed: u64) -> Session {
+        let shape = variant.shape();
+        let (head, tail) = match shape {
+            Shape::Chat => (body_head(stream), Arc::new(b"]}".to_vec())),
+            Shape::Codex => (codex_head(), codex_tail(seed)),
         };
-        let conv = Conv::new(seed << 16, first, head.len());
+        let first = if variant.grows() {
+            // Staggered, so sessions do not all start over at once.
+            target * (GROW_FROM + (seed as usize * 7) % (GROW_TO - GROW_FROM)) / 100
+        } else {
+            target
+        };
+        let conv = Conv::new(seed << 16, first, head.len() + tail.len(), shape);
         Session {
             variant,
+            shape,
             head,
+            tail,
             target,
             seed,
             generation: 0,
             conv,
-            reply,
+            reply: assistant_reply(shape),
         }
     }
 
     fn next(&mut self) -> (Vec<u8>, String) {
-        self.conv.body(&self.head)
+        self.conv.body(&self.head, &self.tail)
     }
 
     fn done(&mut self, user: &str) {
-        if self.variant == Variant::Grow {
+        if self.variant.grows() {
             self.conv.extend(user, &self.reply);
-            if self.head.len() + self.conv.hist.len() + 450 > self.target * GROW_TO / 100 {
+            let fixed = self.head.len() + self.tail.len();
+            if fixed + self.conv.hist.len() + 450 > self.target * GROW_TO / 100 {
                 self.generation += 1;
                 self.conv = Conv::new(
                     (self.seed << 16) + self.generation,
                     self.target * GROW_FROM / 100,
-                    self.head.len(),
+                    fixed,
+                    self.shape,
                 );
             }
         }
@@ -444,7 +550,10 @@ async fn send(
         ));
     }
     let ok = if stream {
-        buf.ends_with(b"data: [DONE]\n\n") && contains(&buf, b"fake upstream.")
+        // A chat stream ends with [DONE], a Responses stream with its
+        // completed event.
+        (buf.ends_with(b"data: [DONE]\n\n") || contains(&buf, b"\"response.completed\""))
+            && contains(&buf, b"fake upstream.")
     } else {
         // A chat answer, or the fake's answer to any other path (the hop rows).
         contains(&buf, AUTO_TEXT.as_bytes()) || contains(&buf, b"\"path\":\"/v1/embeddings\"")
@@ -601,6 +710,7 @@ impl Rig {
     fn urls(&self, variant: Variant) -> [String; 2] {
         let path = match variant {
             Variant::Hop => "embeddings",
+            Variant::Codex => "responses",
             _ => "chat/completions",
         };
         [
@@ -662,6 +772,7 @@ impl Scenario {
                 Variant::Last => "last",
                 Variant::Grow => "grow",
                 Variant::Hop => "hop ",
+                Variant::Codex => "codx",
             },
             if self.stream { "sse " } else { "json" },
             self.conc
@@ -737,20 +848,10 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
     let started = Instant::now();
     let rig = Rig::start(o);
     let urls = rig.urls(sc.variant);
-    let head = body_head(sc.stream);
-    let reply = Arc::new(assistant_reply());
     // Both sides get byte-identical sessions (same seeds).
     let sessions = |n: usize| -> Vec<Session> {
         (0..n)
-            .map(|i| {
-                Session::new(
-                    sc.variant,
-                    head.clone(),
-                    sc.size,
-                    1 + i as u64,
-                    reply.clone(),
-                )
-            })
+            .map(|i| Session::new(sc.variant, sc.stream, sc.size, 1 + i as u64))
             .collect()
     };
     let (collected, settle, cpu) = rig.load_rt.block_on(async {
@@ -968,8 +1069,9 @@ fn breakdown(o: &Opts) {
     );
     for size in [30_000, 300_000] {
         let head = body_head(true);
-        let mut conv = Conv::new(1 << 16, size, head.len());
-        let (body, _) = conv.body(&head);
+        let tail = b"]}";
+        let mut conv = Conv::new(1 << 16, size, head.len() + tail.len(), Shape::Chat);
+        let (body, _) = conv.body(&head, tail);
         let body = bytes::Bytes::from(body);
         let split = |b: &bytes::Bytes| {
             let s = split_body(b, "messages").expect("body splits");
@@ -998,7 +1100,7 @@ fn breakdown(o: &Opts) {
         let scope = format!("bench-resume-{size}");
         let seen = split_body_reusing(&body, "messages", &scope).expect("body splits");
         ItemList::raw(Vec::new(), body.clone(), seen.spans.expect("items")).hashes_reusing(&scope);
-        let next = bytes::Bytes::from(conv.body(&head).0);
+        let next = bytes::Bytes::from(conv.body(&head, tail).0);
         let resume = median_us(reps, &mut || {
             let s = split_body_reusing(&next, "messages", &scope).expect("body splits");
             assert!(s.reuse.is_some(), "the next request repeats the history");
@@ -1089,10 +1191,13 @@ fn main() {
     let (machine0, own0) = (machine_ticks(), cpu_ticks());
     let mut scenarios = Vec::new();
     for size in [30_000, 300_000] {
-        for variant in [Variant::Last, Variant::Grow, Variant::Hop] {
+        for variant in [Variant::Last, Variant::Grow, Variant::Codex, Variant::Hop] {
             for stream in [false, true] {
                 for conc in [1, 32] {
-                    if variant == Variant::Hop && (stream || conc == 1) {
+                    // The hop: a reference at c=32; Codex always streams.
+                    if (variant == Variant::Hop && (stream || conc == 1))
+                        || (variant == Variant::Codex && !stream)
+                    {
                         continue;
                     }
                     scenarios.push(Scenario {
