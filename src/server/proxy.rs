@@ -601,10 +601,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
         let (events, used) = wire::sse::complete_events(&buf[scanned..]);
         scanned += used;
         for (name, data) in events {
-            let kind = serde_json::from_str::<Value>(&data)
-                .ok()
-                .and_then(|v| v.get("type").and_then(Value::as_str).map(String::from))
-                .unwrap_or(name);
+            let kind = wire::responses::event_type(&data).unwrap_or(name);
             if PRELUDE_EVENTS.contains(&kind.as_str()) {
                 continue;
             }

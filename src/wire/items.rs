@@ -819,7 +819,6 @@ fn parse(bytes: &[u8]) -> Value {
     serde_json::from_slice(bytes).unwrap_or_default()
 }
 
-
 #[cfg(test)]
 mod tests {
     use super::*;

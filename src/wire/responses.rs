@@ -1,5 +1,9 @@
 //! Responses API: `instructions` + `input` as items, `output` items, stream events.
 
+use std::borrow::Cow;
+
+use serde::Deserialize;
+use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 
 use super::Usage;
@@ -75,20 +79,54 @@ pub struct ResponsesCollector {
 impl ResponsesCollector {
     /// Feeds one event: its `event:` name (may be empty) and `data`.
     pub fn push(&mut self, event: &str, data: &str) {
-        let Ok(v) = serde_json::from_str::<Value>(data) else {
+        // Most events are deltas, and the others carry a whole response
+        // object (with the instructions and tools echoed): the event is
+        // read with its members left as raw JSON, and only what is kept
+        // becomes a tree. An event of another shape is read as a tree.
+        let Ok(view) = serde_json::from_str::<EventView>(data) else {
+            if let Ok(v) = serde_json::from_str::<Value>(data) {
+                self.push_value(event, &v);
+            }
             return;
         };
-        let kind = v
-            .get("type")
-            .and_then(Value::as_str)
-            .unwrap_or(event)
-            .to_string();
+        let kind = view.kind.as_deref().unwrap_or(event);
+        let tree = |raw: &RawValue| serde_json::from_str::<Value>(raw.get()).unwrap_or_default();
+        if let (Some(r), None) = (view.response, &self.id) {
+            self.id = serde_json::from_str::<IdView>(r.get())
+                .ok()
+                .and_then(|r| r.id)
+                .map(Cow::into_owned);
+        }
+        match kind {
+            "response.output_item.done" => {
+                if let Some(item) = view.item {
+                    self.done_items.push(tree(item));
+                }
+            }
+            "response.completed" | "response.incomplete" | "response.failed" => {
+                if let Some(r) = view.response {
+                    self.finish(kind, tree(r));
+                }
+            }
+            "error" => {
+                self.error = Some(match view.error {
+                    Some(e) => tree(e),
+                    None => serde_json::from_str(data).unwrap_or_default(),
+                })
+            }
+            _ => {}
+        }
+    }
+
+    /// [`ResponsesCollector::push`] for an event parsed as a tree.
+    fn push_value(&mut self, event: &str, v: &Value) {
+        let kind = v.get("type").and_then(Value::as_str).unwrap_or(event);
         if let Some(r) = v.get("response") {
             if self.id.is_none() {
                 self.id = r.get("id").and_then(Value::as_str).map(String::from);
             }
         }
-        match kind.as_str() {
+        match kind {
             "response.output_item.done" => {
                 if let Some(item) = v.get("item") {
                     self.done_items.push(item.clone());
@@ -96,16 +134,20 @@ impl ResponsesCollector {
             }
             "response.completed" | "response.incomplete" | "response.failed" => {
                 if let Some(r) = v.get("response") {
-                    self.usage = r.get("usage").and_then(Usage::from_value);
-                    if kind == "response.failed" {
-                        self.error = r.get("error").cloned().or(Some(Value::Null));
-                    }
-                    self.final_response = Some(r.clone());
+                    self.finish(kind, r.clone());
                 }
             }
             "error" => self.error = Some(v.get("error").cloned().unwrap_or(v.clone())),
             _ => {}
         }
+    }
+
+    fn finish(&mut self, kind: &str, response: Value) {
+        self.usage = response.get("usage").and_then(Usage::from_value);
+        if kind == "response.failed" {
+            self.error = response.get("error").cloned().or(Some(Value::Null));
+        }
+        self.final_response = Some(response);
     }
 
     /// The output items: the final response's, else those seen done so far.
@@ -125,6 +167,53 @@ impl ResponsesCollector {
     /// A terminal event was seen.
     pub fn finished(&self) -> bool {
         self.final_response.is_some()
+    }
+}
+
+/// What [`ResponsesCollector`] reads of an event before it knows what it
+/// keeps. A member that is present, even `null`, is `Some`.
+#[derive(Deserialize)]
+struct EventView<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Option<Cow<'a, str>>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    response: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    item: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    error: Option<&'a RawValue>,
+}
+
+/// A response object's id, the rest skipped.
+#[derive(Deserialize)]
+struct IdView<'a> {
+    #[serde(borrow)]
+    id: Option<Cow<'a, str>>,
+}
+
+/// A member's raw JSON, `null` included.
+fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<&'de RawValue>, D::Error> {
+    <&RawValue>::deserialize(d).map(Some)
+}
+
+/// The `type` of an event (see [`event_type`]).
+#[derive(Deserialize)]
+struct TypeView<'a> {
+    #[serde(rename = "type", borrow)]
+    kind: Option<Cow<'a, str>>,
+}
+
+/// An event's `type` member, if it is a JSON object with a string there;
+/// nothing else of it is built.
+pub fn event_type(data: &str) -> Option<String> {
+    match serde_json::from_str::<TypeView>(data) {
+        Ok(v) => v.kind.map(Cow::into_owned),
+        // Another shape (a repeated member, say): as a tree.
+        Err(_) => serde_json::from_str::<Value>(data)
+            .ok()?
+            .get("type")?
+            .as_str()
+            .map(String::from),
     }
 }
 
@@ -148,6 +237,95 @@ mod tests {
         assert_eq!(items[1]["content"], "hi");
         assert!(validate(json!({"input": 3}).as_object().unwrap()).is_err());
         assert!(validate(json!({"input": [1]}).as_object().unwrap()).is_err());
+    }
+
+    /// The raw read and the tree read of events collect the same.
+    #[test]
+    fn events_read_alike_either_way() {
+        let streams: &[&[(&str, &str)]] = &[
+            &[
+                (
+                    "response.created",
+                    r#"{"type":"response.created","response":{"id":"resp_1","instructions":"x","tools":[{"a":1}],"output":[]}}"#,
+                ),
+                (
+                    "",
+                    r#"{"type":"response.output_text.delta","delta":"Hel\u006co","item_id":"m1"}"#,
+                ),
+                (
+                    "",
+                    r#"{"type":"response.output_item.done","item":{"type":"message","id":"m1","content":[{"type":"output_text","text":"Hello"}]}}"#,
+                ),
+                ("", r#"{"type":"response.output_item.done","item":null}"#),
+                (
+                    "response.completed",
+                    r#"{"type":"response.completed","response":{"id":"resp_1","output":[{"type":"message","id":"m1"}],"usage":{"input_tokens":7,"output_tokens":2}}}"#,
+                ),
+            ],
+            &[
+                (
+                    "response.created",
+                    r#"{"type":"response.created","response":{"id":5}}"#,
+                ),
+                (
+                    "response.in_progress",
+                    r#"{"type":7,"response":{"id":"resp_2"}}"#,
+                ),
+                (
+                    "response.failed",
+                    r#"{"type":"response.failed","response":{"id":"resp_2","error":{"code":"context_length_exceeded"}}}"#,
+                ),
+            ],
+            &[
+                (
+                    "error",
+                    r#"{"type":"error","code":"rate_limit","message":"slow down"}"#,
+                ),
+                ("", "[DONE]"),
+            ],
+            &[
+                ("error", r#"{"type":"error","error":null}"#),
+                (
+                    "response.completed",
+                    r#"{"type":"response.completed","response":null}"#,
+                ),
+            ],
+        ];
+        let mut collected = Vec::new();
+        for events in streams {
+            let mut raw = ResponsesCollector::default();
+            let mut tree = ResponsesCollector::default();
+            for (name, data) in events.iter() {
+                raw.push(name, data);
+                if let Ok(v) = serde_json::from_str::<Value>(data) {
+                    tree.push_value(name, &v);
+                }
+            }
+            assert_eq!(raw.done_items, tree.done_items);
+            assert_eq!(raw.final_response, tree.final_response);
+            assert_eq!(raw.usage, tree.usage);
+            assert_eq!(raw.id, tree.id);
+            assert_eq!(raw.error, tree.error);
+            assert_eq!(raw.items(), tree.items());
+            collected.push(raw);
+        }
+        assert_eq!(collected[0].id.as_deref(), Some("resp_1"));
+        assert_eq!(collected[0].usage.map(|u| u.total()), Some(9));
+        assert_eq!(collected[0].done_items.len(), 2);
+        assert_eq!(collected[1].id.as_deref(), Some("resp_2"));
+        assert_eq!(
+            collected[1].error,
+            Some(json!({"code": "context_length_exceeded"}))
+        );
+        assert_eq!(collected[2].error.as_ref().unwrap()["code"], "rate_limit");
+        assert!(collected[3].finished());
+        assert_eq!(collected[3].error, Some(Value::Null));
+        assert_eq!(
+            event_type(r#"{"type":"response.created","response":{}}"#).as_deref(),
+            Some("response.created")
+        );
+        assert_eq!(event_type(r#"{"type":3}"#), None);
+        assert_eq!(event_type("[DONE]"), None);
     }
 
     #[test]
