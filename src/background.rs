@@ -11,17 +11,25 @@
 //! item is tokenized once, then cached by hash): one core tokenizes about
 //! 25 MB of new text a second, far more than a proxy receives.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
 type Job = Box<dyn FnOnce() + Send>;
 
-/// A small pool of named threads fed by one queue.
+/// A named thread that runs queued jobs one after another.
 pub struct Background {
     tx: Mutex<Option<mpsc::Sender<Job>>>,
-    pending: Arc<AtomicUsize>,
+    counts: Arc<Counts>,
+}
+
+/// Jobs queued and jobs finished, ever: jobs run in order, so every job
+/// queued before a moment is done once `done` reaches `queued` of then.
+#[derive(Default)]
+struct Counts {
+    queued: AtomicU64,
+    done: AtomicU64,
 }
 
 impl Background {
@@ -29,33 +37,30 @@ impl Background {
     pub fn global() -> &'static Background {
         static GLOBAL: OnceLock<Background> = OnceLock::new();
         GLOBAL.get_or_init(|| {
-            Background::start("compactor-account", 1).expect("cannot start the accounting thread")
+            Background::start("compactor-account").expect("cannot start the accounting thread")
         })
     }
 
-    /// Starts `threads` threads (at least one) named `name`.
-    pub fn start(name: &str, threads: usize) -> std::io::Result<Self> {
+    /// Starts the thread, named `name`.
+    pub fn start(name: &str) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
-        let rx = Arc::new(Mutex::new(rx));
-        let pending = Arc::new(AtomicUsize::new(0));
-        for _ in 0..threads.max(1) {
-            let (rx, pending) = (rx.clone(), pending.clone());
-            std::thread::Builder::new()
-                .name(name.to_string())
-                .spawn(move || loop {
-                    let job = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
-                    let Ok(job) = job else { return };
+        let counts = Arc::new(Counts::default());
+        let done = counts.clone();
+        std::thread::Builder::new()
+            .name(name.to_string())
+            .spawn(move || {
+                while let Ok(job) = rx.recv() {
                     // A panicking job must not take the thread (and the
                     // count) with it.
                     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
                         tracing::error!("background job panicked");
                     }
-                    pending.fetch_sub(1, Ordering::AcqRel);
-                })?;
-        }
+                    done.done.fetch_add(1, Ordering::AcqRel);
+                }
+            })?;
         Ok(Self {
             tx: Mutex::new(Some(tx)),
-            pending,
+            counts,
         })
     }
 
@@ -67,34 +72,44 @@ impl Background {
             let _guard = handle.as_ref().map(|h| h.enter());
             job();
         });
-        self.pending.fetch_add(1, Ordering::AcqRel);
         let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(Err(_)) = tx.as_ref().map(|tx| tx.send(job)) {
-            self.pending.fetch_sub(1, Ordering::AcqRel);
+        self.counts.queued.fetch_add(1, Ordering::AcqRel);
+        if !matches!(tx.as_ref().map(|tx| tx.send(job)), Some(Ok(()))) {
+            // Closed: nothing will run it; it counts as done.
+            self.counts.done.fetch_add(1, Ordering::AcqRel);
         }
     }
 
     /// Jobs queued or running.
-    pub fn pending(&self) -> usize {
-        self.pending.load(Ordering::Acquire)
+    pub fn pending(&self) -> u64 {
+        let done = self.counts.done.load(Ordering::Acquire);
+        self.counts
+            .queued
+            .load(Ordering::Acquire)
+            .saturating_sub(done)
     }
 
-    /// Waits (up to `limit`) until every queued job has run.
-    pub async fn drained(&self, limit: Duration) -> bool {
+    /// Waits (up to `limit`) until every job queued before the call has
+    /// run; jobs queued afterwards (by other servers in the process) do not
+    /// hold it up.
+    pub fn drained(&self, limit: Duration) -> impl std::future::Future<Output = bool> + '_ {
+        let target = self.counts.queued.load(Ordering::Acquire);
         let until = Instant::now() + limit;
-        while self.pending() > 0 {
-            if Instant::now() >= until {
-                return false;
+        async move {
+            while self.counts.done.load(Ordering::Acquire) < target {
+                if Instant::now() >= until {
+                    return false;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
             }
-            tokio::time::sleep(Duration::from_millis(5)).await;
+            true
         }
-        true
     }
 }
 
 impl Drop for Background {
     fn drop(&mut self) {
-        // Closing the queue ends the threads once it is empty.
+        // Closing the queue ends the thread once it is empty.
         self.tx.lock().unwrap_or_else(|p| p.into_inner()).take();
     }
 }
@@ -105,7 +120,7 @@ mod tests {
 
     #[tokio::test]
     async fn runs_every_job_in_the_runtime_context() {
-        let bg = Background::start("test-background", 2).unwrap();
+        let bg = Background::start("test-background").unwrap();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         for i in 0..100u32 {
             let tx = tx.clone();
@@ -132,8 +147,41 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn draining_waits_for_what_was_queued_before_only() {
+        let bg = Background::start("test-background").unwrap();
+        // Jobs that hold the thread until the test lets them go.
+        let gate = |rx: Arc<Mutex<std::sync::mpsc::Receiver<()>>>| {
+            move || {
+                let _ = rx.lock().unwrap().recv_timeout(Duration::from_secs(10));
+            }
+        };
+        let (release_first, first) = std::sync::mpsc::channel::<()>();
+        bg.spawn(gate(Arc::new(Mutex::new(first))));
+        assert!(
+            !bg.drained(Duration::from_millis(50)).await,
+            "the first job waits"
+        );
+        let drain = bg.drained(Duration::from_secs(10));
+        let (release_later, later) = std::sync::mpsc::channel::<()>();
+        let later = Arc::new(Mutex::new(later));
+        for _ in 0..3 {
+            bg.spawn(gate(later.clone()));
+        }
+        release_first.send(()).unwrap();
+        // Done once the first job is, though three wait behind it.
+        assert!(drain.await);
+        assert_eq!(bg.pending(), 3);
+        assert!(!bg.drained(Duration::from_millis(50)).await);
+        for _ in 0..3 {
+            release_later.send(()).unwrap();
+        }
+        assert!(bg.drained(Duration::from_secs(10)).await);
+        assert_eq!(bg.pending(), 0);
+    }
+
+    #[tokio::test]
     async fn a_panicking_job_does_not_stop_the_rest() {
-        let bg = Background::start("test-background", 1).unwrap();
+        let bg = Background::start("test-background").unwrap();
         bg.spawn(|| panic!("boom"));
         let (tx, rx) = std::sync::mpsc::channel();
         bg.spawn(move || tx.send(7).unwrap());
