@@ -1,5 +1,5 @@
 //! The CPU work that follows an answer (token estimate, the accounting line,
-//! a compaction decision taken from the estimate) runs on a few threads of
+//! a compaction decision taken from the estimate) runs on one thread of
 //! its own rather than on tokio's blocking pool.
 //!
 //! Under load the blocking pool grows a thread per exchange in flight
