@@ -174,6 +174,28 @@ impl TokenCounter {
         }
     }
 
+    /// An upper bound of [`TokenCounter::estimate`]'s total without the
+    /// tokenizer: items counted before by their tokens, the others by their
+    /// bytes. A token is at least one byte, and the text counted of an item
+    /// (its string values, space separated) is never longer than its JSON.
+    pub fn bound(&self, items: &ItemList, hashes: &[ItemHash], tools: Option<&Tools>) -> u64 {
+        let cache = self.lock();
+        let mut total = 0;
+        for i in 0..items.len() {
+            total += match hashes.get(i).and_then(|h| cache.get(h)) {
+                Some(c) => c.tokens,
+                None => items.byte_len(i) as u64 + PER_ITEM_OVERHEAD,
+            };
+        }
+        if let Some(t) = tools {
+            total += match cache.get(&t.hash) {
+                Some(c) => c.tokens,
+                None => t.byte_len() as u64 + PER_ITEM_OVERHEAD,
+            };
+        }
+        total
+    }
+
     /// Estimates a request by section (`hashes`: the items' hashes).
     pub fn estimate(
         &self,
@@ -262,5 +284,49 @@ mod tests {
         assert!(e.tool_definitions > 0);
         // Cached: the same answer again.
         assert_eq!(t.estimate(Api::Chat, &items, &hashes, tools.as_ref()), e);
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(64))]
+
+        /// An item's tokens never exceed its JSON's bytes (plus framing).
+        #[test]
+        fn an_items_tokens_fit_in_its_bytes(
+            texts in proptest::collection::vec(proptest::prelude::any::<String>(), 1..4),
+        ) {
+            let item = serde_json::json!({"role": "user", "content": texts[0], "name": texts[1..].join("")});
+            let raw = bytes::Bytes::from(format!(r#"{{"messages":[{item}]}}"#));
+            let split = crate::wire::items::split_body(&raw, "messages").unwrap();
+            let items = ItemList::raw(Vec::new(), raw.clone(), split.spans.unwrap());
+            let hashes = items.hashes();
+            let t = TokenCounter::default();
+            let bound = t.bound(&items, &hashes, None);
+            let counted = t.count_item(&hashes[0], &items.item(0));
+            proptest::prop_assert!(bound >= counted, "{} < {}", bound, counted);
+        }
+    }
+
+    #[test]
+    fn the_bound_without_tokenizer_is_never_below_the_estimate() {
+        let raw = bytes::Bytes::from_static(
+            br#"{"messages":[{"role":"user","content":"caf\u00e9 \n\"x\" \ud83d\ude00 a  b"},{"role":"tool","content":"1234567890 ;;;; ++++ ////"},{"role":"assistant","content":null,"tool_calls":[{"id":"c","type":"function","function":{"name":"sh","arguments":"{\"cmd\":\"ls -la\"}"}}]}],"tools":[{"type":"function","function":{"name":"sh","description":"run it"}}]}"#,
+        );
+        let split = crate::wire::items::split_body(&raw, "messages").unwrap();
+        let items = ItemList::raw(Vec::new(), raw.clone(), split.spans.unwrap());
+        let hashes = items.hashes();
+        let tools = split
+            .tools
+            .map(|(span, key)| Tools::raw(raw.clone(), span, key));
+        let t = TokenCounter::default();
+        let cold = t.bound(&items, &hashes, tools.as_ref());
+        let e = t.estimate(Api::Chat, &items, &hashes, tools.as_ref());
+        assert!(cold >= e.total(), "{cold} < {}", e.total());
+        // Counted once, the bound is the estimate.
+        assert_eq!(t.bound(&items, &hashes, tools.as_ref()), e.total());
+        // Some counted, some not: still above.
+        let t = TokenCounter::default();
+        t.count_item(&hashes[1], &items.item(1));
+        let mixed = t.bound(&items, &hashes, tools.as_ref());
+        assert!(mixed >= e.total() && mixed < cold);
     }
 }

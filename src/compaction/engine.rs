@@ -475,6 +475,16 @@ pub async fn check_fit(state: &Arc<AppState>, req: FitCheck<'_>) -> Fit {
     if bytes.is_some_and(|b| b as u64 <= hard) {
         return Fit::Fits;
     }
+    let calibration = state.compactions.calibration(tenant, conversation);
+    // A long conversation's next request: most items were counted before,
+    // the new ones are few. Their bytes bound their tokens; the tokenizer
+    // is needed only when that bound does not settle it.
+    if let Some(h) = &hashes {
+        let bound = state.tokens.bound(&view, h, tools.as_ref());
+        if (bound as f64 * calibration).ceil() as u64 <= hard {
+            return Fit::Fits;
+        }
+    }
     let tools_tokens = match tools {
         Some(t) => {
             let counter = state.tokens.clone();
@@ -485,8 +495,7 @@ pub async fn check_fit(state: &Arc<AppState>, req: FitCheck<'_>) -> Fit {
         None => 0,
     };
     let estimate = estimate_view(state, view, hashes).await + tools_tokens;
-    let tokens =
-        (estimate as f64 * state.compactions.calibration(tenant, conversation)).ceil() as u64;
+    let tokens = (estimate as f64 * calibration).ceil() as u64;
     if tokens <= hard {
         return Fit::Fits;
     }

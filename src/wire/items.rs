@@ -435,6 +435,16 @@ impl ItemList {
         serde_json::to_string(&*self.item(i)).unwrap_or_default()
     }
 
+    /// Length of item `i`'s JSON: the client's bytes when the list is raw.
+    pub fn byte_len(&self, i: usize) -> usize {
+        if self.is_raw() {
+            if let Some(j) = i.checked_sub(self.head.len()) {
+                return self.spans[j].len();
+            }
+        }
+        serde_json::to_vec(&*self.item(i)).map_or(0, |b| b.len())
+    }
+
     /// Whether any item's bytes contain `needle` (a conservative test for a
     /// kind of item, before parsing anything). Parsed lists answer true.
     pub fn may_contain(&self, needle: &str) -> bool {
@@ -755,6 +765,15 @@ impl Tools {
                 value: OnceLock::from(value),
             }),
         })
+    }
+
+    /// Length of the definitions' JSON: the client's bytes, if it sent them.
+    pub fn byte_len(&self) -> usize {
+        if self.json.raw.is_empty() {
+            serde_json::to_vec(self.value()).map_or(0, |b| b.len())
+        } else {
+            self.json.span.len()
+        }
     }
 
     /// The definitions, parsed.
