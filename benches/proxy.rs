@@ -18,7 +18,7 @@
 //!   [`FakeUpstream`] ("the rest of the world");
 //! - runtime "compactor": the proxy (`server::run`) over a fresh SQLite store
 //!   in a temp dir, upstream = the fake. Its store writer, WAL checkpointer
-//!   and accounting threads (token estimates) are further OS threads.
+//!   and accounting thread (token estimates) are further OS threads.
 //!
 //! With 2 cores and one worker each, the proxy gets roughly a core of its own
 //! and the load generator + upstream the other, as when the upstream is
@@ -1228,6 +1228,7 @@ fn main() {
         "runtimes: clients + fake upstream {} worker thread(s), proxy {} worker thread(s); {} CPUs. \
          last = history fixed, last user message varies; grow = each request extends the previous \
          (a conversation runs from {GROW_FROM}% to {GROW_TO}% of the size, then a new one starts); \
+         codx = Codex-shaped Responses sessions to /v1/responses, streamed, growing as grow does; \
          hop = the `last` bodies to /v1/embeddings, which the proxy relays unparsed and unrecorded \
          (what the HTTP hop alone costs). SSE requests do not ask for usage, so the proxy \
          splices stream_options into the client's bytes.",
