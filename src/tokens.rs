@@ -1,8 +1,10 @@
 //! Token estimates with tiktoken (o200k_base), by section, cached per item.
 //!
 //! Used where the upstream reports no usage and for the per-exchange
-//! accounting line. Never on a request's critical path: callers run it after
-//! the answer is delivered, on the accounting threads.
+//! accounting line, after the answer, on the accounting thread. Before a
+//! request is sent, the fit check takes a bound without the tokenizer
+//! ([`TokenCounter::bound`]) and counts only when the bound does not settle
+//! it.
 
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex, OnceLock};

@@ -230,7 +230,7 @@ impl PendingExchange {
     /// section of what was sent, fraction of the model's window; a warning
     /// past `warn_ratio`. Then the compaction decision for the next request.
     fn account(&self, state: &Arc<AppState>, usage: Option<Usage>, status: u16, complete: bool) {
-        let outer = state;
+        let background = state.background;
         let state = state.clone();
         let (api, tools, view) = (self.api, self.tools.clone(), self.view.clone());
         let hashes = Arc::ptr_eq(&self.view, &self.items).then(|| self.hashes.clone());
@@ -241,7 +241,7 @@ impl PendingExchange {
             (self.ident.conversation.clone(), self.model.clone(), self.id);
         let tenant = self.tenant.clone();
         let compaction = self.compaction.as_ref().map(|c| c.id.clone());
-        outer.background.spawn(move || {
+        background.spawn(move || {
             let hashes = hashes.unwrap_or_else(|| Arc::new(view.hashes()));
             let est = state.tokens.estimate(api, &view, &hashes, tools.as_ref());
             let limits = state.config.model_limits(&model);
