@@ -333,7 +333,7 @@ fn append(acc: &mut Option<String>, piece: Option<Cow<'_, str>>) {
 }
 
 /// What [`ChatCollector`] reads of a chunk. `null` reads as absent.
-#[derive(Deserialize, Default)]
+#[derive(Deserialize)]
 struct ChunkView<'a> {
     #[serde(borrow)]
     id: Option<Cow<'a, str>>,
@@ -343,7 +343,7 @@ struct ChunkView<'a> {
     choices: Option<Vec<ChoiceView<'a>>>,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize)]
 struct ChoiceView<'a> {
     index: Option<u64>,
     #[serde(borrow)]
@@ -352,7 +352,7 @@ struct ChoiceView<'a> {
     delta: Option<DeltaView<'a>>,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize)]
 struct DeltaView<'a> {
     #[serde(borrow)]
     role: Option<Cow<'a, str>>,
@@ -366,7 +366,7 @@ struct DeltaView<'a> {
     tool_calls: Option<Vec<ToolCallView<'a>>>,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize)]
 struct ToolCallView<'a> {
     index: Option<u64>,
     #[serde(borrow)]
@@ -377,7 +377,7 @@ struct ToolCallView<'a> {
     function: Option<FunctionView<'a>>,
 }
 
-#[derive(Deserialize, Default)]
+#[derive(Deserialize)]
 struct FunctionView<'a> {
     #[serde(borrow)]
     name: Option<Cow<'a, str>>,
