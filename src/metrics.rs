@@ -452,16 +452,18 @@ fn prune(seen: &mut HashMap<String, Instant>, now: Instant) {
     seen.retain(|_, t| now.saturating_duration_since(*t) < ACTIVE_WINDOW);
 }
 
-/// Bytes of the SQLite database at `db` plus its `-wal` file; `None` when
-/// the database file cannot be read.
+/// Bytes of the SQLite database at `db` plus its `-wal` file and the
+/// exchange journal; `None` when the database file cannot be read.
 pub fn store_bytes(db: &Path) -> Option<u64> {
     let main = std::fs::metadata(db).ok()?.len();
-    let mut wal = db.as_os_str().to_owned();
-    wal.push("-wal");
-    let wal = std::fs::metadata(Path::new(&wal))
-        .map(|m| m.len())
-        .unwrap_or(0);
-    Some(main + wal)
+    let beside = ["-wal", "-exchanges", "-exchanges.old"].map(|suffix| {
+        let mut p = db.as_os_str().to_owned();
+        p.push(suffix);
+        std::fs::metadata(Path::new(&p))
+            .map(|m| m.len())
+            .unwrap_or(0)
+    });
+    Some(main + beside.iter().sum::<u64>())
 }
 
 /// `GET /metrics`: the exposition of `state`'s metrics with its gauges.

@@ -285,6 +285,9 @@ async fn export_carries_the_originals_of_truncated_tool_outputs() {
 async fn the_cli_reads_the_store_while_the_proxy_runs() {
     let h = Harness::start_with(small_window).await;
     let (chat, applied) = compacted_conversation(&h).await;
+    // Another process reads the database, which a journaled exchange
+    // reaches within the import delay; take it there now.
+    within(h.state.store.flush()).await.unwrap();
     let id = chat.conversation.clone();
     let config = config_file(&h, "");
     let config = path_str(&config);

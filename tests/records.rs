@@ -272,6 +272,8 @@ async fn acknowledged_exchanges_survive_kill_9() {
     // Right after the last answer: SIGKILL, no chance to flush anything.
     child.kill().unwrap();
     child.wait().unwrap();
+    // What the next start (or a reader) does first: import the journal.
+    compactor::store::journal::import_orphaned(&db).unwrap();
     let conn = rusqlite::Connection::open(&db).unwrap();
     let rows: Vec<(String, i64, Option<i64>)> = conn
         .prepare("SELECT endpoint, streamed, output_tokens FROM exchanges ORDER BY id")

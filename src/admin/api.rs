@@ -21,6 +21,10 @@ where
     T: Serialize + Send + 'static,
     F: FnOnce(&rusqlite::Connection, &AppState) -> Result<T, QueryError> + Send + 'static,
 {
+    // Up to the last exchange relayed.
+    if let Err(e) = state.store.flush().await {
+        return internal(&e.to_string());
+    }
     let result = tokio::task::spawn_blocking(move || {
         let conn = query::open_read_only(&state.config.store_path())?;
         f(&conn, &state)
@@ -86,6 +90,9 @@ pub async fn export(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
 /// `POST /admin/api/conversations/ID/compact`: the conversation's next
 /// request is compacted (it carries the credentials the summary needs).
 pub async fn compact(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
+    if let Err(e) = state.store.flush().await {
+        return internal(&e.to_string());
+    }
     let st = state.clone();
     let resolved = tokio::task::spawn_blocking(move || {
         let conn = query::open_read_only(&st.config.store_path())?;

@@ -60,7 +60,9 @@ impl AppState {
         let path = config.store_path();
         let backend = SqliteBackend::open_writer(&path)
             .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
-        let (store, mut snapshot) = Store::start(Box::new(backend))?;
+        let journal = crate::store::Journal::open(&path)
+            .map_err(|e| anyhow::anyhow!("cannot open the journal of {}: {e}", path.display()))?;
+        let (store, mut snapshot) = Store::start(Box::new(backend), Some(journal))?;
         let conversations = ConversationIndex::from_snapshot(&snapshot);
         let compactions = Compactions::from_stored(std::mem::take(&mut snapshot.compactions));
         Ok(Arc::new(AppState {
@@ -135,6 +137,11 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
             pending = state.background.pending(),
             "accounting not finished at shutdown"
         );
+    }
+    // Journaled exchanges into the database, so the journal is empty when
+    // the process ends.
+    if let Err(e) = state.store.flush().await {
+        tracing::warn!(error = %e, "store not flushed at shutdown; the journal keeps its records");
     }
 }
 

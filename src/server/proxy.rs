@@ -651,6 +651,11 @@ pub(super) fn set_items(api: Api, body: &mut Value, items: &[Value]) {
 /// The recorded history a `previous_response_id` continues, if the proxy
 /// relayed that response for this tenant.
 async fn previous_history(state: &Arc<AppState>, tenant: &str, id: &str) -> Option<Vec<Value>> {
+    // The response may be the one just relayed, still on its way from the
+    // journal into the database.
+    if let Err(e) = state.store.flush().await {
+        tracing::warn!(error = %e, "store flush failed before a previous_response_id lookup");
+    }
     let path = state.config.store_path();
     let (tenant, id) = (tenant.to_string(), id.to_string());
     tokio::task::spawn_blocking(move || {

@@ -3,18 +3,23 @@
 //! One interface ([`Backend`]) with an embedded SQLite implementation; a
 //! shared backend for several replicas plugs in behind the same trait.
 //! All writes go through one writer thread that commits in batches, so the
-//! async request path never blocks on the database; a request waits only for
-//! the commit of its own exchange, just before its last bytes are released,
-//! which is what makes an acknowledged exchange survive a crash.
+//! async request path never blocks on the database. An exchange is appended
+//! to the [`journal`] (one write) just before its answer's last bytes are
+//! released, which is what makes an acknowledged exchange survive a crash;
+//! the writer imports journaled exchanges within [`IMPORT_DELAY`].
 
+pub mod journal;
 pub mod query;
 pub mod sqlite;
 
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::sync::oneshot;
+
+pub use journal::Journal;
 
 use crate::compaction::Compaction;
 use crate::wire::{Api, ItemHash, Usage};
@@ -26,7 +31,7 @@ const MAX_BATCH: usize = 256;
 /// `len` items equal that exchange's request items (and, if `full`, its
 /// response items after them). Lets each exchange store only what is new, so
 /// a session that resends its history every turn grows the store linearly.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PrefixRef {
     /// The earlier exchange.
     pub exchange: i64,
@@ -36,8 +41,8 @@ pub struct PrefixRef {
     pub full: bool,
 }
 
-/// One request/response pair, as recorded.
-#[derive(Debug, Clone, Serialize)]
+/// One request/response pair, as recorded (and as journaled: hashes as hex).
+#[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExchangeRecord {
     /// Exchange id (assigned by [`Store::next_exchange_id`]).
     pub id: i64,
@@ -56,14 +61,18 @@ pub struct ExchangeRecord {
     /// The earlier exchange whose items this request repeats, if any.
     pub prefix: Option<PrefixRef>,
     /// Item hashes after the shared prefix.
+    #[serde(with = "hexed::list")]
     pub suffix_items: Vec<ItemHash>,
     /// Number of items in the request.
     pub request_len: usize,
     /// Hash of the request body with its items removed (model, tools, …).
+    #[serde(with = "hexed::one")]
     pub params: ItemHash,
     /// Response item hashes.
+    #[serde(with = "hexed::list")]
     pub response_items: Vec<ItemHash>,
     /// Item bodies not yet in the store (request items, params, response items).
+    #[serde(skip)]
     pub new_items: Vec<(ItemHash, String)>,
     /// The upstream's id for the answer (`resp_…`, `chatcmpl-…`).
     pub response_id: Option<String>,
@@ -84,8 +93,10 @@ pub struct ExchangeRecord {
     /// Time to the first byte from upstream, ms.
     pub ttfb_ms: Option<f64>,
     /// Chain hash over the request items.
+    #[serde(with = "hexed::opt")]
     pub chain_request: Option<ItemHash>,
     /// Chain hash over the request items followed by the response items.
+    #[serde(with = "hexed::opt")]
     pub chain_full: Option<ItemHash>,
     /// The compaction applied to the request, if any.
     pub compaction: Option<String>,
@@ -160,8 +171,16 @@ pub enum StoreError {
     Closed,
 }
 
+/// Told when a commit is done (or failed).
+type Ack = Box<dyn FnOnce(Result<(), String>) + Send>;
+
 enum Cmd {
-    Write(Record, Option<oneshot::Sender<Result<(), String>>>),
+    /// A journaled exchange: imported with the next batch.
+    Import(Record, u64),
+    /// A record to commit now (then acknowledged).
+    Write(Record, Option<Ack>),
+    /// Commit what is pending now, then acknowledge.
+    Flush(Ack),
 }
 
 /// Handle to the store: cheap to share, writes through the writer thread.
@@ -169,21 +188,48 @@ pub struct Store {
     tx: Mutex<mpsc::Sender<Cmd>>,
     known: Mutex<foldhash::HashSet<ItemHash>>,
     next_id: AtomicI64,
+    journal: Option<Arc<Journal>>,
 }
+
+/// How long a journaled exchange may wait for its import: long enough to
+/// import in batches under load, short enough that a reader in another
+/// process sees it at once.
+const IMPORT_DELAY: Duration = Duration::from_millis(50);
 
 impl Store {
     /// Starts the writer thread over `backend` and returns the handle plus
-    /// what was loaded.
-    pub fn start(mut backend: Box<dyn Backend>) -> Result<(Arc<Store>, Snapshot), StoreError> {
+    /// what was loaded. With a journal (opened with the records an earlier
+    /// run left in it), exchanges are journaled and imported in batches;
+    /// the leftovers are imported before anything is loaded.
+    pub fn start(
+        mut backend: Box<dyn Backend>,
+        journal: Option<(Journal, Vec<ExchangeRecord>)>,
+    ) -> Result<(Arc<Store>, Snapshot), StoreError> {
+        let journal = match journal {
+            Some((journal, leftovers)) => {
+                if !leftovers.is_empty() {
+                    tracing::info!(
+                        records = leftovers.len(),
+                        "importing exchanges journaled before the last stop"
+                    );
+                    backend.write(&journal::exchanges(leftovers))?;
+                }
+                journal.leftovers_imported()?;
+                Some(Arc::new(journal))
+            }
+            None => None,
+        };
         let snapshot = backend.load()?;
         let (tx, rx) = mpsc::channel::<Cmd>();
+        let upkeep = journal.clone();
         std::thread::Builder::new()
             .name("compactor-store".into())
-            .spawn(move || writer_loop(backend, rx))?;
+            .spawn(move || writer_loop(backend, rx, upkeep))?;
         let store = Store {
             tx: Mutex::new(tx),
             known: Mutex::new(snapshot.item_hashes.iter().copied().collect()),
             next_id: AtomicI64::new(snapshot.max_exchange_id + 1),
+            journal,
         };
         Ok((Arc::new(store), snapshot))
     }
@@ -201,9 +247,14 @@ impl Store {
             .insert(*hash)
     }
 
-    /// Records an exchange and waits until it is committed.
+    /// Records an exchange durably: once this returns `Ok`, the exchange
+    /// survives the process being killed. Journaled (one write) when the
+    /// store has a journal, else committed.
     pub async fn record(&self, rec: ExchangeRecord) -> Result<(), StoreError> {
-        self.write(Record::Exchange(Box::new(rec))).await
+        match &self.journal {
+            Some(journal) => self.journal_it(journal, rec),
+            None => self.write(Record::Exchange(Box::new(rec))).await,
+        }
     }
 
     /// Records a compaction and waits until it is committed.
@@ -211,24 +262,54 @@ impl Store {
         self.write(Record::Compaction(Box::new(c))).await
     }
 
+    /// Waits until everything recorded before the call is in the database,
+    /// for readers of the database in this process.
+    pub async fn flush(&self) -> Result<(), StoreError> {
+        let (ack, done) = oneshot::channel();
+        self.send(Cmd::Flush(Box::new(move |r| {
+            let _ = ack.send(r);
+        })))?;
+        acked(done.await.map_err(|_| StoreError::Closed)?)
+    }
+
+    /// [`Store::flush`] for callers that may block their thread.
+    pub fn flush_blocking(&self) -> Result<(), StoreError> {
+        let (ack, done) = std::sync::mpsc::channel();
+        self.send(Cmd::Flush(Box::new(move |r| {
+            let _ = ack.send(r);
+        })))?;
+        acked(done.recv().map_err(|_| StoreError::Closed)?)
+    }
+
     async fn write(&self, rec: Record) -> Result<(), StoreError> {
         let (ack, done) = oneshot::channel();
+        let ack: Ack = Box::new(move |r| {
+            let _ = ack.send(r);
+        });
         self.send(Cmd::Write(rec, Some(ack)))?;
-        match done.await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(StoreError::Io(std::io::Error::other(e))),
-            Err(_) => Err(StoreError::Closed),
-        }
+        acked(done.await.map_err(|_| StoreError::Closed)?)
+    }
+
+    fn journal_it(&self, journal: &Journal, rec: ExchangeRecord) -> Result<(), StoreError> {
+        let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
+        let mut sent = Ok(());
+        journal.append(rec, |seq, rec| {
+            sent = tx
+                .send(Cmd::Import(Record::Exchange(Box::new(rec)), seq))
+                .map_err(|_| StoreError::Closed);
+        })?;
+        sent
     }
 
     /// Records an exchange without waiting (used where nothing can wait,
     /// e.g. when a client went away and its stream is being dropped).
     pub fn record_detached(&self, rec: ExchangeRecord) {
-        if self
-            .send(Cmd::Write(Record::Exchange(Box::new(rec)), None))
-            .is_err()
-        {
-            tracing::error!("store writer stopped; an exchange record was lost");
+        let result = match &self.journal {
+            Some(journal) => self.journal_it(journal, rec),
+            None => self.send(Cmd::Write(Record::Exchange(Box::new(rec)), None)),
+        };
+        if let Err(e) = result {
+            tracing::error!(error = %e, "an exchange record was lost");
         }
     }
 
@@ -241,25 +322,153 @@ impl Store {
     }
 }
 
-fn writer_loop(mut backend: Box<dyn Backend>, rx: mpsc::Receiver<Cmd>) {
-    while let Ok(first) = rx.recv() {
-        let mut batch = vec![first];
-        while batch.len() < MAX_BATCH {
-            match rx.try_recv() {
-                Ok(cmd) => batch.push(cmd),
-                Err(_) => break,
+fn acked(result: Result<(), String>) -> Result<(), StoreError> {
+    result.map_err(|e| StoreError::Io(std::io::Error::other(e)))
+}
+
+/// Collects records and commits them: journaled ones within
+/// [`IMPORT_DELAY`], others (and everything pending) when one must be
+/// committed now.
+fn writer_loop(
+    mut backend: Box<dyn Backend>,
+    rx: mpsc::Receiver<Cmd>,
+    journal: Option<Arc<Journal>>,
+) {
+    let mut batch: Vec<Record> = Vec::new();
+    let mut acks: Vec<Ack> = Vec::new();
+    // Sequence number of the last journaled record in `batch`.
+    let mut upto: Option<u64> = None;
+    let mut deadline: Option<Instant> = None;
+    loop {
+        let cmd = match deadline {
+            None => rx.recv().ok(),
+            Some(d) => match rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
+                Ok(cmd) => Some(cmd),
+                Err(mpsc::RecvTimeoutError::Timeout) => {
+                    commit(&mut *backend, &journal, &mut batch, &mut acks, &mut upto);
+                    deadline = None;
+                    continue;
+                }
+                Err(mpsc::RecvTimeoutError::Disconnected) => None,
+            },
+        };
+        let Some(cmd) = cmd else { break };
+        let now = match cmd {
+            Cmd::Import(rec, seq) => {
+                batch.push(rec);
+                upto = Some(seq);
+                deadline.get_or_insert_with(|| Instant::now() + IMPORT_DELAY);
+                false
+            }
+            Cmd::Write(rec, ack) => {
+                batch.push(rec);
+                acks.extend(ack);
+                true
+            }
+            Cmd::Flush(ack) => {
+                acks.push(ack);
+                true
+            }
+        };
+        if now || batch.len() >= MAX_BATCH {
+            commit(&mut *backend, &journal, &mut batch, &mut acks, &mut upto);
+            deadline = None;
+        }
+    }
+    // The handle is gone (shutdown): what is pending goes in now.
+    commit(&mut *backend, &journal, &mut batch, &mut acks, &mut upto);
+}
+
+fn commit(
+    backend: &mut dyn Backend,
+    journal: &Option<Arc<Journal>>,
+    batch: &mut Vec<Record>,
+    acks: &mut Vec<Ack>,
+    upto: &mut Option<u64>,
+) {
+    let result = if batch.is_empty() {
+        Ok(())
+    } else {
+        backend.write(batch).map_err(|e| e.to_string())
+    };
+    match (&result, journal, upto.take()) {
+        (Err(e), _, _) => {
+            tracing::error!(error = %e, records = batch.len(), "store write failed");
+            if let Some(j) = journal {
+                // Its records stay journaled for the next start.
+                j.keep();
             }
         }
-        let (records, acks): (Vec<_>, Vec<_>) = batch
-            .into_iter()
-            .map(|Cmd::Write(rec, ack)| (rec, ack))
-            .unzip();
-        let result = backend.write(&records).map_err(|e| e.to_string());
-        if let Err(e) = &result {
-            tracing::error!(error = %e, records = records.len(), "store write failed");
+        (Ok(()), Some(j), Some(seq)) => j.imported(seq),
+        _ => {}
+    }
+    batch.clear();
+    for ack in acks.drain(..) {
+        ack(result.clone());
+    }
+}
+
+/// Serde forms of item hashes as lowercase hex: compact and legible in the
+/// journal.
+mod hexed {
+    use serde::de::Error;
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    use crate::wire::ItemHash;
+
+    fn parse<E: Error>(s: &str) -> Result<ItemHash, E> {
+        blake3::Hash::from_hex(s)
+            .map(|h| *h.as_bytes())
+            .map_err(|e| E::custom(format!("item hash: {e}")))
+    }
+
+    fn hex(h: &ItemHash) -> impl AsRef<str> {
+        blake3::Hash::from_bytes(*h).to_hex()
+    }
+
+    pub mod one {
+        use super::*;
+        pub fn serialize<S: Serializer>(h: &ItemHash, s: S) -> Result<S::Ok, S::Error> {
+            s.serialize_str(hex(h).as_ref())
         }
-        for ack in acks.into_iter().flatten() {
-            let _ = ack.send(result.clone());
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<ItemHash, D::Error> {
+            parse(&String::deserialize(d)?)
+        }
+    }
+
+    pub mod opt {
+        use super::*;
+        pub fn serialize<S: Serializer>(h: &Option<ItemHash>, s: S) -> Result<S::Ok, S::Error> {
+            match h {
+                Some(h) => s.serialize_some(hex(h).as_ref()),
+                None => s.serialize_none(),
+            }
+        }
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<ItemHash>, D::Error> {
+            Option::<String>::deserialize(d)?
+                .map(|s| parse(&s))
+                .transpose()
+        }
+    }
+
+    /// A list as one string of concatenated hashes.
+    pub mod list {
+        use super::*;
+        pub fn serialize<S: Serializer>(hs: &[ItemHash], s: S) -> Result<S::Ok, S::Error> {
+            let mut out = String::with_capacity(hs.len() * 64);
+            for h in hs {
+                out.push_str(hex(h).as_ref());
+            }
+            s.serialize_str(&out)
+        }
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<ItemHash>, D::Error> {
+            let s = String::deserialize(d)?;
+            if s.len() % 64 != 0 || !s.is_ascii() {
+                return Err(D::Error::custom("item hash list: bad length"));
+            }
+            (0..s.len() / 64)
+                .map(|i| parse(&s[i * 64..(i + 1) * 64]))
+                .collect()
         }
     }
 }

@@ -43,6 +43,8 @@ impl From<rusqlite::Error> for QueryError {
 }
 
 /// Opens the database read-only (it must exist). Safe while the proxy runs.
+/// When no process serves the store, exchanges its journal still holds (a
+/// server was killed) are imported first.
 pub fn open_read_only(path: &Path) -> Result<Connection, StoreError> {
     if !path.exists() {
         return Err(StoreError::Io(std::io::Error::new(
@@ -50,6 +52,7 @@ pub fn open_read_only(path: &Path) -> Result<Connection, StoreError> {
             format!("no store at {}", path.display()),
         )));
     }
+    super::journal::import_orphaned(path)?;
     let conn = Connection::open_with_flags(
         path,
         OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,

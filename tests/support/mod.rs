@@ -115,8 +115,10 @@ impl Harness {
         }
     }
 
-    /// A read-only connection to the store.
+    /// A read-only connection to the store, after everything recorded so
+    /// far went from the journal into the database.
     pub fn db(&self) -> rusqlite::Connection {
+        self.state.store.flush_blocking().expect("flush the store");
         rusqlite::Connection::open_with_flags(&self.db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
             .expect("open db")
     }

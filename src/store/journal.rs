@@ -1,0 +1,461 @@
+//! The journal: exchange records on their way into the database.
+//!
+//! An exchange is appended here with one `write` before its answer's last
+//! bytes go out; from then on it survives the process being killed (the
+//! bytes are in the OS). The writer thread imports the records into the
+//! database in batches a little later, which costs a fraction of one commit
+//! per exchange. Whatever the journal still holds at start-up (the process
+//! was killed before an import) is imported before anything else runs.
+//!
+//! Files, next to the database `D`: `D-exchanges` (appended to),
+//! `D-exchanges.old` (a full journal set aside while its records are
+//! imported) and `D-exchanges.lock`, locked by the process that serves the
+//! store, so that a reader in another process imports a journal only when
+//! nobody serves it. (Not `D-journal`: that name is SQLite's own.)
+//!
+//! Each record is one length-prefixed frame (see [`encode_frame`]). A frame
+//! cut short by a kill, whose write never returned, ends the reading; its
+//! exchange was never acknowledged.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+
+use super::ExchangeRecord;
+use crate::wire::ItemHash;
+
+/// Above this size the journal is set aside and a new one started.
+const ROTATE_BYTES: u64 = 64 << 20;
+
+/// The journal of one store, held by the process that serves it.
+pub struct Journal {
+    log: PathBuf,
+    old: PathBuf,
+    state: Mutex<State>,
+    /// Locked for the journal's lifetime.
+    _lock: File,
+}
+
+struct State {
+    file: File,
+    bytes: u64,
+    /// Records appended since start-up.
+    appended: u64,
+    /// While `D-exchanges.old` exists: the count of appended records it ends at.
+    old_upto: Option<u64>,
+    /// An import failed: keep every journal file for the next start-up.
+    keep: bool,
+}
+
+/// `D-exchanges`, `D-exchanges.old`, `D-exchanges.lock`.
+fn paths(db: &Path) -> [PathBuf; 3] {
+    ["-exchanges", "-exchanges.old", "-exchanges.lock"].map(|suffix| {
+        let mut p = db.as_os_str().to_owned();
+        p.push(suffix);
+        PathBuf::from(p)
+    })
+}
+
+/// Takes the lock of `db`'s journal; `None` when another process holds it.
+fn lock(db: &Path) -> io::Result<Option<File>> {
+    let [_, _, lock] = paths(db);
+    let file = OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(lock)?;
+    match file.try_lock() {
+        Ok(()) => Ok(Some(file)),
+        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+        Err(std::fs::TryLockError::Error(e)) => Err(e),
+    }
+}
+
+/// The records in `D-exchanges.old` then `D-exchanges`, oldest first.
+fn read_all(db: &Path) -> io::Result<Vec<ExchangeRecord>> {
+    let [log, old, _] = paths(db);
+    let mut out = Vec::new();
+    for path in [old, log] {
+        match std::fs::read(&path) {
+            Ok(bytes) => decode_frames(&bytes, &mut out, &path),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(out)
+}
+
+/// Removes both journal files' records (after they were imported).
+fn clear(db: &Path) -> io::Result<()> {
+    let [log, old, _] = paths(db);
+    match std::fs::remove_file(&old) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        Err(e) => return Err(e),
+    }
+    if log.exists() {
+        File::create(&log)?;
+    }
+    Ok(())
+}
+
+impl Journal {
+    /// Opens the journal of the database at `db` for serving it: takes its
+    /// lock and returns the records left from an earlier run, which the
+    /// caller imports before calling [`Journal::leftovers_imported`].
+    pub fn open(db: &Path) -> io::Result<(Journal, Vec<ExchangeRecord>)> {
+        let lock = lock(db)?.ok_or_else(|| {
+            io::Error::new(
+                io::ErrorKind::WouldBlock,
+                format!("another process serves the store {}", db.display()),
+            )
+        })?;
+        let leftovers = read_all(db)?;
+        let [log, old, _] = paths(db);
+        let file = OpenOptions::new().create(true).append(true).open(&log)?;
+        let bytes = file.metadata()?.len();
+        let journal = Journal {
+            log,
+            old,
+            state: Mutex::new(State {
+                file,
+                bytes,
+                appended: 0,
+                old_upto: None,
+                keep: false,
+            }),
+            _lock: lock,
+        };
+        Ok((journal, leftovers))
+    }
+
+    /// Empties the journal once the records [`Journal::open`] returned are
+    /// in the database.
+    pub fn leftovers_imported(&self) -> io::Result<()> {
+        let mut st = self.lock();
+        let _ = std::fs::remove_file(&self.old);
+        st.file.set_len(0)?;
+        st.bytes = 0;
+        Ok(())
+    }
+
+    /// Appends `rec` (one write), then hands it to `then` with its
+    /// sequence number, still in journal order.
+    pub fn append(
+        &self,
+        rec: ExchangeRecord,
+        then: impl FnOnce(u64, ExchangeRecord),
+    ) -> io::Result<()> {
+        let frame = encode_frame(&rec)?;
+        let mut st = self.lock();
+        st.file.write_all(&frame)?;
+        st.bytes += frame.len() as u64;
+        st.appended += 1;
+        then(st.appended, rec);
+        Ok(())
+    }
+
+    /// The records up to sequence number `upto` are in the database: drops
+    /// what no longer needs keeping, and sets a large journal aside.
+    pub fn imported(&self, upto: u64) {
+        let mut st = self.lock();
+        if st.keep {
+            return;
+        }
+        let result = (|| -> io::Result<()> {
+            if st.old_upto.is_some_and(|end| upto >= end) {
+                std::fs::remove_file(&self.old)?;
+                st.old_upto = None;
+            }
+            if upto == st.appended && st.old_upto.is_none() {
+                if st.bytes > 0 {
+                    st.file.set_len(0)?;
+                    st.bytes = 0;
+                }
+            } else if st.bytes > ROTATE_BYTES && st.old_upto.is_none() {
+                std::fs::rename(&self.log, &self.old)?;
+                st.file = OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&self.log)?;
+                st.bytes = 0;
+                st.old_upto = Some(st.appended);
+            }
+            Ok(())
+        })();
+        if let Err(e) = result {
+            tracing::warn!(error = %e, "journal upkeep failed; it is kept for the next start");
+            st.keep = true;
+        }
+    }
+
+    /// An import failed: nothing is removed from the journal any more, so
+    /// the next start-up imports it again (imports are idempotent).
+    pub fn keep(&self) {
+        self.lock().keep = true;
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// For a reader in another process (the CLI): imports what the journal of
+/// `db` holds if no process serves the store, so that exchanges of a
+/// killed server show. Returns how many records were imported.
+pub fn import_orphaned(db: &Path) -> Result<usize, super::StoreError> {
+    let [log, old, _] = paths(db);
+    let non_empty = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.len() > 0);
+    if !non_empty(&log) && !non_empty(&old) {
+        return Ok(0);
+    }
+    let Some(_lock) = lock(db)? else {
+        return Ok(0);
+    };
+    let records = read_all(db)?;
+    if !records.is_empty() {
+        let mut backend = super::sqlite::SqliteBackend::open(db)?;
+        super::Backend::write(&mut backend, &exchanges(records.clone()))?;
+    }
+    clear(db)?;
+    Ok(records.len())
+}
+
+/// The records as a batch for [`super::Backend::write`].
+pub fn exchanges(records: Vec<ExchangeRecord>) -> Vec<super::Record> {
+    records
+        .into_iter()
+        .map(|r| super::Record::Exchange(Box::new(r)))
+        .collect()
+}
+
+/// A frame: `len: u32 LE` (of what follows), the record without its item
+/// bodies as JSON, then per new item its hash, `u32 LE` length and body,
+/// as they are (no escaping to do).
+fn encode_frame(rec: &ExchangeRecord) -> io::Result<Vec<u8>> {
+    let bodies: usize = rec.new_items.iter().map(|(_, b)| 36 + b.len()).sum();
+    let mut frame = Vec::with_capacity(512 + 64 * rec.suffix_items.len() + bodies);
+    frame.extend_from_slice(&[0; 8]);
+    serde_json::to_writer(&mut frame, rec)?;
+    let meta = (frame.len() - 8) as u32;
+    frame[4..8].copy_from_slice(&meta.to_le_bytes());
+    for (hash, body) in &rec.new_items {
+        frame.extend_from_slice(hash);
+        frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
+        frame.extend_from_slice(body.as_bytes());
+    }
+    let len = u32::try_from(frame.len() - 4)
+        .map_err(|_| io::Error::other("record too large for the journal"))?;
+    frame[..4].copy_from_slice(&len.to_le_bytes());
+    Ok(frame)
+}
+
+/// The record a frame's content (after its length) holds.
+fn decode_frame(mut data: &[u8]) -> Option<ExchangeRecord> {
+    fn take<'a>(data: &mut &'a [u8], n: usize) -> Option<&'a [u8]> {
+        let (head, rest) = (data.len() >= n).then(|| data.split_at(n))?;
+        *data = rest;
+        Some(head)
+    }
+    fn len(data: &mut &[u8]) -> Option<usize> {
+        Some(u32::from_le_bytes(take(data, 4)?.try_into().ok()?) as usize)
+    }
+    let meta = len(&mut data)?;
+    let mut rec: ExchangeRecord = serde_json::from_slice(take(&mut data, meta)?).ok()?;
+    while !data.is_empty() {
+        let hash: ItemHash = take(&mut data, 32)?.try_into().ok()?;
+        let n = len(&mut data)?;
+        let body = String::from_utf8(take(&mut data, n)?.to_vec()).ok()?;
+        rec.new_items.push((hash, body));
+    }
+    Some(rec)
+}
+
+/// Appends the complete frames of `bytes` to `out`; stops at the first
+/// that is cut short (its write never finished: the process was killed).
+fn decode_frames(bytes: &[u8], out: &mut Vec<ExchangeRecord>, path: &Path) {
+    let mut at = 0;
+    while at < bytes.len() {
+        let rest = &bytes[at..];
+        let len = rest
+            .get(..4)
+            .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]) as usize);
+        let Some((len, rec)) =
+            len.and_then(|len| Some((len, decode_frame(rest.get(4..4 + len)?)?)))
+        else {
+            tracing::warn!(
+                path = %path.display(),
+                offset = at,
+                "journal ends in an incomplete record (a write cut short); ignored"
+            );
+            return;
+        };
+        out.push(rec);
+        at += 4 + len;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::Api;
+
+    fn record(id: i64) -> ExchangeRecord {
+        ExchangeRecord {
+            id,
+            conversation: format!("conv_{id}"),
+            new_conversation: true,
+            explicit_key: None,
+            tenant: "t".into(),
+            api: Api::Chat,
+            model: "m".into(),
+            prefix: None,
+            suffix_items: vec![[id as u8; 32], [7; 32]],
+            request_len: 2,
+            params: [1; 32],
+            response_items: vec![[2; 32]],
+            new_items: vec![(
+                [id as u8; 32],
+                "{\"role\":\"user\",\"content\":\"é\\n\"}".into(),
+            )],
+            response_id: Some("chatcmpl-1".into()),
+            usage: None,
+            status: 200,
+            streamed: false,
+            partial: false,
+            error: None,
+            started_ms: 1,
+            latency_ms: 0.5,
+            ttfb_ms: None,
+            chain_request: Some([3; 32]),
+            chain_full: None,
+            compaction: None,
+        }
+    }
+
+    #[test]
+    fn frames_round_trip_and_a_cut_tail_is_dropped() {
+        let mut bytes = Vec::new();
+        for id in 1..=3 {
+            bytes.extend(encode_frame(&record(id)).unwrap());
+        }
+        let whole = bytes.len();
+        bytes.extend(&encode_frame(&record(4)).unwrap()[..20]);
+        let mut out = Vec::new();
+        decode_frames(&bytes, &mut out, Path::new("j"));
+        assert_eq!(out.len(), 3);
+        assert_eq!(
+            serde_json::to_value(&out[2]).unwrap(),
+            serde_json::to_value(record(3)).unwrap()
+        );
+        assert_eq!(out[2].new_items, record(3).new_items, "bodies as they were");
+        // A frame that does not parse ends the reading there.
+        bytes.truncate(whole);
+        let second = encode_frame(&record(1)).unwrap().len() + 8;
+        bytes[second] = b'!';
+        out.clear();
+        decode_frames(&bytes, &mut out, Path::new("j"));
+        assert_eq!(out.len(), 1);
+    }
+
+    #[test]
+    fn one_server_per_store_and_leftovers_come_back() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        let (j, left) = Journal::open(&db).unwrap();
+        assert!(left.is_empty());
+        assert!(Journal::open(&db).is_err(), "the lock is held");
+        for id in 1..=2 {
+            j.append(record(id), |_, _| {}).unwrap();
+        }
+        drop(j);
+        let (j, left) = Journal::open(&db).unwrap();
+        assert_eq!(left.iter().map(|r| r.id).collect::<Vec<_>>(), [1, 2]);
+        j.leftovers_imported().unwrap();
+        drop(j);
+        assert!(Journal::open(&db).unwrap().1.is_empty());
+    }
+
+    fn ids_in(db: &Path) -> Vec<i64> {
+        let conn = rusqlite::Connection::open(db).unwrap();
+        let mut stmt = conn
+            .prepare("SELECT id FROM exchanges ORDER BY id")
+            .unwrap();
+        let ids = stmt.query_map([], |r| r.get(0)).unwrap();
+        ids.collect::<Result<_, _>>().unwrap()
+    }
+
+    #[tokio::test]
+    async fn journaled_exchanges_reach_the_database_at_start_or_on_flush() {
+        use crate::store::{sqlite::SqliteBackend, Store};
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        // A run killed with two exchanges journaled, none imported.
+        {
+            let (j, _) = Journal::open(&db).unwrap();
+            for id in 1..=2 {
+                j.append(record(id), |_, _| {}).unwrap();
+            }
+        }
+        let open = || {
+            let backend = SqliteBackend::open(&db).unwrap();
+            Store::start(Box::new(backend), Some(Journal::open(&db).unwrap())).unwrap()
+        };
+        let (store, snapshot) = open();
+        let loaded: Vec<_> = snapshot.exchanges.iter().map(|e| e.id).collect();
+        assert_eq!(loaded, [1, 2], "imported before the index is built");
+        assert_eq!(std::fs::metadata(&paths(&db)[0]).unwrap().len(), 0);
+        // A new exchange: journaled at once, in the database after a flush.
+        let within = |f| tokio::time::timeout(std::time::Duration::from_secs(10), f);
+        within(store.record(record(3))).await.unwrap().unwrap();
+        assert_eq!(read_all(&db).unwrap().len(), 1);
+        let flushed = tokio::time::timeout(std::time::Duration::from_secs(10), store.flush());
+        flushed.await.unwrap().unwrap();
+        assert_eq!(ids_in(&db), [1, 2, 3]);
+        assert!(read_all(&db).unwrap().is_empty(), "imported, so dropped");
+    }
+
+    #[test]
+    fn a_reader_imports_only_a_journal_nobody_serves() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        crate::store::sqlite::SqliteBackend::open(&db).unwrap();
+        let (j, _) = Journal::open(&db).unwrap();
+        j.append(record(1), |_, _| {}).unwrap();
+        assert_eq!(
+            import_orphaned(&db).unwrap(),
+            0,
+            "served: left to the server"
+        );
+        drop(j);
+        assert_eq!(import_orphaned(&db).unwrap(), 1);
+        assert_eq!(ids_in(&db), [1]);
+        assert_eq!(import_orphaned(&db).unwrap(), 0, "nothing left");
+    }
+
+    #[test]
+    fn a_set_aside_journal_is_removed_only_once_imported() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        let (j, _) = Journal::open(&db).unwrap();
+        let mut seqs = Vec::new();
+        for id in 1..=3 {
+            j.append(record(id), |s, _| seqs.push(s)).unwrap();
+        }
+        assert_eq!(seqs, [1, 2, 3]);
+        // Pretend the journal is large: it is set aside at the next import.
+        j.lock().bytes = ROTATE_BYTES + 1;
+        j.imported(1);
+        assert!(j.old.exists());
+        j.append(record(4), |_, _| {}).unwrap();
+        j.imported(2);
+        assert!(j.old.exists(), "record 3 is not imported yet");
+        // What a restart would import now: 1..3 from the old file, 4 after.
+        let ids: Vec<_> = read_all(&db).unwrap().iter().map(|r| r.id).collect();
+        assert_eq!(ids, [1, 2, 3, 4]);
+        j.imported(4);
+        assert!(!j.old.exists());
+        assert_eq!(std::fs::metadata(&j.log).unwrap().len(), 0, "all imported");
+    }
+}
