@@ -139,8 +139,8 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
         );
     }
     // Journaled exchanges into the database, so the journal is empty when
-    // the process ends.
-    if let Err(e) = state.store.flush().await {
+    // the process ends, and the store free for another server.
+    if let Err(e) = state.store.close().await {
         tracing::warn!(error = %e, "store not flushed at shutdown; the journal keeps its records");
     }
 }

@@ -33,8 +33,6 @@ pub struct Journal {
     log: PathBuf,
     old: PathBuf,
     state: Mutex<State>,
-    /// Locked for the journal's lifetime.
-    _lock: File,
 }
 
 struct State {
@@ -46,6 +44,8 @@ struct State {
     old_upto: Option<u64>,
     /// An import failed: keep every journal file for the next start-up.
     keep: bool,
+    /// The store's lock, held until [`Journal::release`].
+    lock: Option<File>,
 }
 
 /// `D-exchanges`, `D-exchanges.old`, `D-exchanges.lock`.
@@ -124,8 +124,8 @@ impl Journal {
                 appended: 0,
                 old_upto: None,
                 keep: false,
+                lock: Some(lock),
             }),
-            _lock: lock,
         };
         Ok((journal, leftovers))
     }
@@ -141,26 +141,37 @@ impl Journal {
     }
 
     /// Appends `rec` (one write), then hands it to `then` with its
-    /// sequence number, still in journal order.
+    /// sequence number, still in journal order. After [`Journal::release`]
+    /// nothing is appended and the record comes back.
     pub fn append(
         &self,
         rec: ExchangeRecord,
         then: impl FnOnce(u64, ExchangeRecord),
-    ) -> io::Result<()> {
+    ) -> io::Result<Option<ExchangeRecord>> {
         let frame = encode_frame(&rec)?;
         let mut st = self.lock();
+        if st.lock.is_none() {
+            return Ok(Some(rec));
+        }
         st.file.write_all(&frame)?;
         st.bytes += frame.len() as u64;
         st.appended += 1;
         then(st.appended, rec);
-        Ok(())
+        Ok(None)
+    }
+
+    /// Hands the store over (at shutdown, once everything is imported):
+    /// releases the lock, and the journal's files are no longer touched, so
+    /// another server may open the store while this process winds down.
+    pub fn release(&self) {
+        self.lock().lock = None;
     }
 
     /// The records up to sequence number `upto` are in the database: drops
     /// what no longer needs keeping, and sets a large journal aside.
     pub fn imported(&self, upto: u64) {
         let mut st = self.lock();
-        if st.keep {
+        if st.keep || st.lock.is_none() {
             return;
         }
         let result = (|| -> io::Result<()> {
@@ -367,14 +378,23 @@ mod tests {
         assert!(left.is_empty());
         assert!(Journal::open(&db).is_err(), "the lock is held");
         for id in 1..=2 {
-            j.append(record(id), |_, _| {}).unwrap();
+            assert!(j.append(record(id), |_, _| {}).unwrap().is_none());
         }
         drop(j);
         let (j, left) = Journal::open(&db).unwrap();
         assert_eq!(left.iter().map(|r| r.id).collect::<Vec<_>>(), [1, 2]);
         j.leftovers_imported().unwrap();
-        drop(j);
-        assert!(Journal::open(&db).unwrap().1.is_empty());
+        // Handed over at shutdown: another server may open the store while
+        // this one is still around, and nothing more goes into the journal.
+        j.release();
+        let (next, left) = Journal::open(&db).unwrap();
+        assert!(left.is_empty());
+        assert_eq!(
+            j.append(record(3), |_, _| {}).unwrap().map(|r| r.id),
+            Some(3)
+        );
+        j.imported(0);
+        drop(next);
     }
 
     fn ids_in(db: &Path) -> Vec<i64> {
@@ -395,7 +415,7 @@ mod tests {
         {
             let (j, _) = Journal::open(&db).unwrap();
             for id in 1..=2 {
-                j.append(record(id), |_, _| {}).unwrap();
+                assert!(j.append(record(id), |_, _| {}).unwrap().is_none());
             }
         }
         let open = || {
@@ -422,7 +442,7 @@ mod tests {
         let db = dir.path().join("s.db");
         crate::store::sqlite::SqliteBackend::open(&db).unwrap();
         let (j, _) = Journal::open(&db).unwrap();
-        j.append(record(1), |_, _| {}).unwrap();
+        assert!(j.append(record(1), |_, _| {}).unwrap().is_none());
         assert_eq!(
             import_orphaned(&db).unwrap(),
             0,
@@ -441,14 +461,14 @@ mod tests {
         let (j, _) = Journal::open(&db).unwrap();
         let mut seqs = Vec::new();
         for id in 1..=3 {
-            j.append(record(id), |s, _| seqs.push(s)).unwrap();
+            assert!(j.append(record(id), |s, _| seqs.push(s)).unwrap().is_none());
         }
         assert_eq!(seqs, [1, 2, 3]);
         // Pretend the journal is large: it is set aside at the next import.
         j.lock().bytes = ROTATE_BYTES + 1;
         j.imported(1);
         assert!(j.old.exists());
-        j.append(record(4), |_, _| {}).unwrap();
+        assert!(j.append(record(4), |_, _| {}).unwrap().is_none());
         j.imported(2);
         assert!(j.old.exists(), "record 3 is not imported yet");
         // What a restart would import now: 1..3 from the old file, 4 after.

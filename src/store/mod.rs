@@ -251,9 +251,9 @@ impl Store {
     /// survives the process being killed. Journaled (one write) when the
     /// store has a journal, else committed.
     pub async fn record(&self, rec: ExchangeRecord) -> Result<(), StoreError> {
-        match &self.journal {
-            Some(journal) => self.journal_it(journal, rec),
-            None => self.write(Record::Exchange(Box::new(rec))).await,
+        match self.journal_it(rec)? {
+            None => Ok(()),
+            Some(rec) => self.write(Record::Exchange(Box::new(rec))).await,
         }
     }
 
@@ -290,23 +290,40 @@ impl Store {
         acked(done.await.map_err(|_| StoreError::Closed)?)
     }
 
-    fn journal_it(&self, journal: &Journal, rec: ExchangeRecord) -> Result<(), StoreError> {
+    /// Journals `rec`; gives it back when there is no journal (any more).
+    fn journal_it(&self, rec: ExchangeRecord) -> Result<Option<ExchangeRecord>, StoreError> {
+        let Some(journal) = &self.journal else {
+            return Ok(Some(rec));
+        };
         let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
         let mut sent = Ok(());
-        journal.append(rec, |seq, rec| {
+        let back = journal.append(rec, |seq, rec| {
             sent = tx
                 .send(Cmd::Import(Record::Exchange(Box::new(rec)), seq))
                 .map_err(|_| StoreError::Closed);
         })?;
-        sent
+        sent.map(|()| back)
+    }
+
+    /// At shutdown: imports what is journaled and hands the store over
+    /// (see [`Journal::release`]); exchanges recorded later are committed.
+    pub async fn close(&self) -> Result<(), StoreError> {
+        let flushed = self.flush().await;
+        if let Some(journal) = &self.journal {
+            if flushed.is_ok() {
+                journal.release();
+            }
+        }
+        flushed
     }
 
     /// Records an exchange without waiting (used where nothing can wait,
     /// e.g. when a client went away and its stream is being dropped).
     pub fn record_detached(&self, rec: ExchangeRecord) {
-        let result = match &self.journal {
-            Some(journal) => self.journal_it(journal, rec),
-            None => self.send(Cmd::Write(Record::Exchange(Box::new(rec)), None)),
+        let result = match self.journal_it(rec) {
+            Ok(None) => Ok(()),
+            Ok(Some(rec)) => self.send(Cmd::Write(Record::Exchange(Box::new(rec)), None)),
+            Err(e) => Err(e),
         };
         if let Err(e) = result {
             tracing::error!(error = %e, "an exchange record was lost");
