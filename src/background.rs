@@ -18,6 +18,9 @@ use std::time::{Duration, Instant};
 
 type Job = Box<dyn FnOnce() + Send>;
 
+/// How long the thread waits for more jobs before it blocks on the queue.
+const GATHER: Duration = Duration::from_millis(1);
+
 /// A named thread that runs queued jobs one after another.
 pub struct Background {
     tx: Mutex<Option<mpsc::Sender<Job>>>,
@@ -49,13 +52,29 @@ impl Background {
         std::thread::Builder::new()
             .name(name.to_string())
             .spawn(move || {
-                while let Ok(job) = rx.recv() {
+                let run = |job: Job| {
                     // A panicking job must not take the thread (and the
                     // count) with it.
                     if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
                         tracing::error!("background job panicked");
                     }
                     done.done.fetch_add(1, Ordering::AcqRel);
+                };
+                while let Ok(job) = rx.recv() {
+                    run(job);
+                    // Under load, jobs queued while the thread sleeps run
+                    // together, instead of each waking the thread (a
+                    // context switch per exchange on both sides).
+                    loop {
+                        while let Ok(job) = rx.try_recv() {
+                            run(job);
+                        }
+                        std::thread::sleep(GATHER);
+                        match rx.try_recv() {
+                            Ok(job) => run(job),
+                            Err(_) => break,
+                        }
+                    }
                 }
             })?;
         Ok(Self {

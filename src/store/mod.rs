@@ -186,6 +186,8 @@ enum Cmd {
 /// Handle to the store: cheap to share, writes through the writer thread.
 pub struct Store {
     tx: Mutex<mpsc::Sender<Cmd>>,
+    /// The writer thread, woken for what must be committed now.
+    writer: std::thread::Thread,
     known: Mutex<foldhash::HashSet<ItemHash>>,
     next_id: AtomicI64,
     journal: Option<Arc<Journal>>,
@@ -222,11 +224,14 @@ impl Store {
         let snapshot = backend.load()?;
         let (tx, rx) = mpsc::channel::<Cmd>();
         let upkeep = journal.clone();
-        std::thread::Builder::new()
+        let writer = std::thread::Builder::new()
             .name("compactor-store".into())
-            .spawn(move || writer_loop(backend, rx, upkeep))?;
+            .spawn(move || writer_loop(backend, rx, upkeep))?
+            .thread()
+            .clone();
         let store = Store {
             tx: Mutex::new(tx),
+            writer,
             known: Mutex::new(snapshot.item_hashes.iter().copied().collect()),
             next_id: AtomicI64::new(snapshot.max_exchange_id + 1),
             journal,
@@ -330,12 +335,19 @@ impl Store {
         }
     }
 
+    /// Queues `cmd` and, unless it is a journaled exchange (imported with
+    /// its batch), wakes the writer for it.
     fn send(&self, cmd: Cmd) -> Result<(), StoreError> {
+        let urgent = !matches!(cmd, Cmd::Import(..));
         self.tx
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .send(cmd)
-            .map_err(|_| StoreError::Closed)
+            .map_err(|_| StoreError::Closed)?;
+        if urgent {
+            self.writer.unpark();
+        }
+        Ok(())
     }
 }
 
@@ -346,6 +358,10 @@ fn acked(result: Result<(), String>) -> Result<(), StoreError> {
 /// Collects records and commits them: journaled ones within
 /// [`IMPORT_DELAY`], others (and everything pending) when one must be
 /// committed now.
+///
+/// Between the first journaled record of a batch and its commit the thread
+/// parks rather than waiting on the queue, so the records that follow do
+/// not wake it one by one; what must be committed now unparks it.
 fn writer_loop(
     mut backend: Box<dyn Backend>,
     rx: mpsc::Receiver<Cmd>,
@@ -356,44 +372,58 @@ fn writer_loop(
     // Sequence number of the last journaled record in `batch`.
     let mut upto: Option<u64> = None;
     let mut deadline: Option<Instant> = None;
-    loop {
-        let cmd = match deadline {
-            None => rx.recv().ok(),
-            Some(d) => match rx.recv_timeout(d.saturating_duration_since(Instant::now())) {
-                Ok(cmd) => Some(cmd),
-                Err(mpsc::RecvTimeoutError::Timeout) => {
-                    commit(&mut *backend, &journal, &mut batch, &mut acks, &mut upto);
-                    deadline = None;
-                    continue;
+    let mut open = true;
+    while open {
+        if batch.is_empty() && acks.is_empty() {
+            match rx.recv() {
+                Ok(cmd) => take(cmd, &mut batch, &mut acks, &mut upto, &mut deadline),
+                Err(_) => break,
+            }
+        }
+        loop {
+            match rx.try_recv() {
+                Ok(cmd) => take(cmd, &mut batch, &mut acks, &mut upto, &mut deadline),
+                Err(mpsc::TryRecvError::Empty) => break,
+                Err(mpsc::TryRecvError::Disconnected) => {
+                    open = false;
+                    break;
                 }
-                Err(mpsc::RecvTimeoutError::Disconnected) => None,
-            },
-        };
-        let Some(cmd) = cmd else { break };
-        let now = match cmd {
-            Cmd::Import(rec, seq) => {
-                batch.push(rec);
-                upto = Some(seq);
-                deadline.get_or_insert_with(|| Instant::now() + IMPORT_DELAY);
-                false
             }
-            Cmd::Write(rec, ack) => {
-                batch.push(rec);
-                acks.extend(ack);
-                true
-            }
-            Cmd::Flush(ack) => {
-                acks.push(ack);
-                true
-            }
-        };
-        if now || batch.len() >= MAX_BATCH {
+        }
+        let due = deadline.is_some_and(|d| Instant::now() >= d);
+        if !open || !acks.is_empty() || batch.len() >= MAX_BATCH || due || deadline.is_none() {
             commit(&mut *backend, &journal, &mut batch, &mut acks, &mut upto);
             deadline = None;
+        } else if let Some(d) = deadline {
+            std::thread::park_timeout(d.saturating_duration_since(Instant::now()));
         }
     }
     // The handle is gone (shutdown): what is pending goes in now.
     commit(&mut *backend, &journal, &mut batch, &mut acks, &mut upto);
+}
+
+/// Adds `cmd` to what the next commit writes (and acknowledges).
+fn take(
+    cmd: Cmd,
+    batch: &mut Vec<Record>,
+    acks: &mut Vec<Ack>,
+    upto: &mut Option<u64>,
+    deadline: &mut Option<Instant>,
+) {
+    match cmd {
+        Cmd::Import(rec, seq) => {
+            batch.push(rec);
+            *upto = Some(seq);
+            deadline.get_or_insert_with(|| Instant::now() + IMPORT_DELAY);
+        }
+        Cmd::Write(rec, ack) => {
+            batch.push(rec);
+            acks.extend(ack);
+            // A detached write has no ack but is committed now too.
+            deadline.take();
+        }
+        Cmd::Flush(ack) => acks.push(ack),
+    }
 }
 
 fn commit(
