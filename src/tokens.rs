@@ -6,6 +6,8 @@
 //! ([`TokenCounter::bound`]) and counts only when the bound does not settle
 //! it.
 
+mod pieces;
+
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -43,6 +45,8 @@ impl Estimate {
 
 /// The tokenizer, loaded once per process (it takes a while to build).
 static BPE: OnceLock<Option<CoreBPE>> = OnceLock::new();
+/// Its split without the lookahead (see [`pieces`]).
+static PIECES: OnceLock<Option<pieces::PieceCounter>> = OnceLock::new();
 
 /// Counts tokens; cheap to share.
 #[derive(Default)]
@@ -103,6 +107,9 @@ impl TokenCounter {
             crate::background::Background::global().spawn(|| {
                 if let Some(b) = Self::bpe() {
                     b.encode_ordinary("warm up");
+                    if let Some(split) = PIECES.get_or_init(pieces::PieceCounter::new) {
+                        split.count(b, "warm up");
+                    }
                 }
             });
         }
@@ -122,9 +129,12 @@ impl TokenCounter {
 
     /// Tokens of a piece of text.
     pub fn count_text(&self, text: &str) -> u64 {
-        match Self::bpe() {
-            Some(b) => b.encode_ordinary(text).len() as u64,
-            None => text.len().div_ceil(4) as u64,
+        let Some(bpe) = Self::bpe() else {
+            return text.len().div_ceil(4) as u64;
+        };
+        match PIECES.get_or_init(pieces::PieceCounter::new) {
+            Some(split) => split.count(bpe, text),
+            None => bpe.encode_ordinary(text).len() as u64,
         }
     }
 
