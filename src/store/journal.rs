@@ -241,16 +241,25 @@ pub fn exchanges(records: Vec<ExchangeRecord>) -> Vec<super::Record> {
         .collect()
 }
 
-/// A frame: `len: u32 LE` (of what follows), the record without its item
-/// bodies as JSON, then per new item its hash, `u32 LE` length and body,
-/// as they are (no escaping to do).
+/// A frame: `len: u32 LE` (of what follows); `u32 LE` length and JSON of
+/// the record without its hash lists and item bodies; the suffix and the
+/// response item hashes, each list as a `u32 LE` count and 32-byte hashes;
+/// then per new item its hash, `u32 LE` length and body, as they are (no
+/// escaping to do).
 fn encode_frame(rec: &ExchangeRecord) -> io::Result<Vec<u8>> {
+    let hashes = 32 * (rec.suffix_items.len() + rec.response_items.len());
     let bodies: usize = rec.new_items.iter().map(|(_, b)| 36 + b.len()).sum();
-    let mut frame = Vec::with_capacity(512 + 64 * rec.suffix_items.len() + bodies);
+    let mut frame = Vec::with_capacity(512 + hashes + bodies);
     frame.extend_from_slice(&[0; 8]);
     serde_json::to_writer(&mut frame, rec)?;
     let meta = (frame.len() - 8) as u32;
     frame[4..8].copy_from_slice(&meta.to_le_bytes());
+    for list in [&rec.suffix_items, &rec.response_items] {
+        frame.extend_from_slice(&(list.len() as u32).to_le_bytes());
+        for hash in list {
+            frame.extend_from_slice(hash);
+        }
+    }
     for (hash, body) in &rec.new_items {
         frame.extend_from_slice(hash);
         frame.extend_from_slice(&(body.len() as u32).to_le_bytes());
@@ -274,6 +283,15 @@ fn decode_frame(mut data: &[u8]) -> Option<ExchangeRecord> {
     }
     let meta = len(&mut data)?;
     let mut rec: ExchangeRecord = serde_json::from_slice(take(&mut data, meta)?).ok()?;
+    for list in [&mut rec.suffix_items, &mut rec.response_items] {
+        let n = len(&mut data)?;
+        let bytes = take(&mut data, n.checked_mul(32)?)?;
+        list.extend(
+            bytes
+                .chunks_exact(32)
+                .filter_map(|h| ItemHash::try_from(h).ok()),
+        );
+    }
     while !data.is_empty() {
         let hash: ItemHash = take(&mut data, 32)?.try_into().ok()?;
         let n = len(&mut data)?;
@@ -361,6 +379,8 @@ mod tests {
             serde_json::to_value(record(3)).unwrap()
         );
         assert_eq!(out[2].new_items, record(3).new_items, "bodies as they were");
+        assert_eq!(out[2].suffix_items, record(3).suffix_items);
+        assert_eq!(out[2].response_items, record(3).response_items);
         // A frame that does not parse ends the reading there.
         bytes.truncate(whole);
         let second = encode_frame(&record(1)).unwrap().len() + 8;

@@ -41,7 +41,8 @@ pub struct PrefixRef {
     pub full: bool,
 }
 
-/// One request/response pair, as recorded (and as journaled: hashes as hex).
+/// One request/response pair, as recorded. In the journal its JSON leaves
+/// out the hash lists and item bodies, which follow it as bytes.
 #[derive(Debug, Clone, Serialize, Deserialize)]
 pub struct ExchangeRecord {
     /// Exchange id (assigned by [`Store::next_exchange_id`]).
@@ -61,7 +62,7 @@ pub struct ExchangeRecord {
     /// The earlier exchange whose items this request repeats, if any.
     pub prefix: Option<PrefixRef>,
     /// Item hashes after the shared prefix.
-    #[serde(with = "hexed::list")]
+    #[serde(skip)]
     pub suffix_items: Vec<ItemHash>,
     /// Number of items in the request.
     pub request_len: usize,
@@ -69,7 +70,7 @@ pub struct ExchangeRecord {
     #[serde(with = "hexed::one")]
     pub params: ItemHash,
     /// Response item hashes.
-    #[serde(with = "hexed::list")]
+    #[serde(skip)]
     pub response_items: Vec<ItemHash>,
     /// Item bodies not yet in the store (request items, params, response items).
     #[serde(skip)]
@@ -495,27 +496,6 @@ mod hexed {
             Option::<String>::deserialize(d)?
                 .map(|s| parse(&s))
                 .transpose()
-        }
-    }
-
-    /// A list as one string of concatenated hashes.
-    pub mod list {
-        use super::*;
-        pub fn serialize<S: Serializer>(hs: &[ItemHash], s: S) -> Result<S::Ok, S::Error> {
-            let mut out = String::with_capacity(hs.len() * 64);
-            for h in hs {
-                out.push_str(hex(h).as_ref());
-            }
-            s.serialize_str(&out)
-        }
-        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<ItemHash>, D::Error> {
-            let s = String::deserialize(d)?;
-            if s.len() % 64 != 0 || !s.is_ascii() {
-                return Err(D::Error::custom("item hash list: bad length"));
-            }
-            (0..s.len() / 64)
-                .map(|i| parse(&s[i * 64..(i + 1) * 64]))
-                .collect()
         }
     }
 }
