@@ -93,10 +93,13 @@ async fn crossing_the_trigger_compacts_in_the_background_and_rewrites_the_next_r
     chat.history
         .push(json!({"role": "assistant", "content": "Understood."}));
     // Grow until the store holds a compaction (the trigger is ~9 KB of request).
-    for (status, headers) in grow_until_compacted(&h, &mut chat).await {
-        assert_eq!(status, 200);
+    let turns = grow_until_compacted(&h, &mut chat).await;
+    for (i, (status, headers)) in turns.iter().enumerate() {
+        assert_eq!(*status, 200);
+        // The last turn may already be rewritten: the compaction can be
+        // stored between the look at the store and that turn.
         assert!(
-            headers.get("x-compactor-compacted").is_none(),
+            i + 1 == turns.len() || headers.get("x-compactor-compacted").is_none(),
             "nothing compacted yet"
         );
     }
