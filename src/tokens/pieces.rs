@@ -13,7 +13,7 @@
 //! is split into itself) and its count kept, so a word, an indentation or a
 //! punctuation run seen before costs a lookup.
 
-use std::cell::RefCell;
+use std::sync::{Mutex, TryLockError};
 
 use regex::Regex;
 use tiktoken_rs::CoreBPE;
@@ -21,12 +21,12 @@ use tiktoken_rs::CoreBPE;
 /// The lookahead alternative of tiktoken's o200k pattern.
 const LOOKAHEAD: &str = r"|\s+(?!\S)";
 
-/// Distinct pieces counted per thread before the cache starts over.
+/// Distinct pieces kept before the cache starts over.
 const PIECE_LIMIT: usize = 1 << 16;
 
-thread_local! {
-    static PIECES: RefCell<foldhash::HashMap<Box<str>, u32>> = RefCell::default();
-}
+/// One cache for the process (counting is mostly the accounting thread's),
+/// so its memory stays bounded however many threads count.
+static PIECES: Mutex<Option<foldhash::HashMap<Box<str>, u32>>> = Mutex::new(None);
 
 /// The split without the lookahead, over tiktoken's tokenizer.
 pub struct PieceCounter {
@@ -76,26 +76,33 @@ impl PieceCounter {
     }
 
     /// Tokens of `text`: what `bpe.encode_ordinary(text).len()` gives.
+    /// While another thread holds the cache, this one counts without it.
     pub fn count(&self, bpe: &CoreBPE, text: &str) -> u64 {
-        PIECES.with(|cache| {
-            let mut cache = cache.borrow_mut();
-            let mut total = 0u64;
-            for piece in self.pieces(text) {
-                let n = match cache.get(piece) {
-                    Some(n) => *n,
-                    None => {
-                        let n = bpe.encode_ordinary(piece).len() as u32;
-                        if cache.len() >= PIECE_LIMIT {
-                            cache.clear();
-                        }
-                        cache.insert(piece.into(), n);
-                        n
-                    }
-                };
-                total += u64::from(n);
+        let count = |piece: &str| bpe.encode_ordinary(piece).len() as u32;
+        let mut guard = match PIECES.try_lock() {
+            Ok(guard) => guard,
+            Err(TryLockError::Poisoned(p)) => p.into_inner(),
+            Err(TryLockError::WouldBlock) => {
+                return self.pieces(text).map(|p| u64::from(count(p))).sum();
             }
-            total
-        })
+        };
+        let cache = guard.get_or_insert_with(Default::default);
+        let mut total = 0u64;
+        for piece in self.pieces(text) {
+            let n = match cache.get(piece) {
+                Some(n) => *n,
+                None => {
+                    let n = count(piece);
+                    if cache.len() >= PIECE_LIMIT {
+                        cache.clear();
+                    }
+                    cache.insert(piece.into(), n);
+                    n
+                }
+            };
+            total += u64::from(n);
+        }
+        total
     }
 }
 
