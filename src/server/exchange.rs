@@ -140,10 +140,9 @@ impl PendingExchange {
         // The items of the prefix an earlier exchange stands for were
         // claimed when that exchange was recorded.
         let suffix_from = self.ident.prefix.map(|p| p.len).unwrap_or(0);
-        for (i, h) in self.hashes.iter().enumerate().skip(suffix_from) {
-            if state.store.claim_item(h) {
-                new_items.push((*h, self.items.json(i)));
-            }
+        let suffix = &self.hashes[suffix_from.min(self.hashes.len())..];
+        for j in state.store.claim_items(suffix) {
+            new_items.push((suffix[j], self.items.json(suffix_from + j)));
         }
         // The body holds everything but the items: model, tools, sampling.
         let params_hash = self.params;

@@ -247,10 +247,19 @@ impl Store {
 
     /// Marks `hash` as stored (or about to be); true if it was not yet.
     pub fn claim_item(&self, hash: &ItemHash) -> bool {
-        self.known
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(*hash)
+        self.claim_items(std::slice::from_ref(hash))
+            .next()
+            .is_some()
+    }
+
+    /// [`Store::claim_item`] for several, under one lock: the positions of
+    /// those that were not yet stored.
+    pub fn claim_items<'a>(&self, hashes: &'a [ItemHash]) -> impl Iterator<Item = usize> + 'a {
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        let fresh: Vec<usize> = (0..hashes.len())
+            .filter(|&i| known.insert(hashes[i]))
+            .collect();
+        fresh.into_iter()
     }
 
     /// Records an exchange durably: once this returns `Ok`, the exchange
