@@ -26,7 +26,7 @@ use crate::error::{full, BodyError, ProxyBody, ProxyError};
 use crate::upstream::{describe, strip_hop_by_hop};
 use crate::wire::items::{cached_hash, split_body_reusing, ItemList, Tools};
 use crate::wire::sse::SseTee;
-use crate::wire::{self, chain_hashes, chat, item_hash, Api, ItemHash};
+use crate::wire::{self, chat, item_hash, Api};
 
 /// Response header naming the conversation.
 pub const CONVERSATION_HEADER: &str = "x-compactor-conversation";
@@ -139,8 +139,7 @@ async fn parse(
         .unwrap_or_default()
         .to_string();
     let streamed = body.get("stream").and_then(Value::as_bool) == Some(true);
-    let hashes: Vec<ItemHash> = items.hashes_reusing(&tenant);
-    let chains = chain_hashes(&hashes);
+    let (hashes, chains) = items.hashes_and_chains(&tenant);
     let explicit_key = wire::explicit_conversation_key(&parts.headers, &body);
     let ident = state.conversations.identify(
         &tenant,

@@ -482,9 +482,20 @@ impl ItemList {
     /// `scope`'s (the tenant's) recent requests, whose hashes are reused;
     /// only the rest is hashed. Remembers this request for the next one.
     pub fn hashes_reusing(&self, scope: &str) -> Vec<ItemHash> {
+        self.hashes_and_chains(scope).0
+    }
+
+    /// [`ItemList::hashes_reusing`] and the chain hashes over them
+    /// ([`super::chain_hashes`]), those of the repeated history reused too.
+    pub fn hashes_and_chains(&self, scope: &str) -> (Vec<ItemHash>, Vec<ItemHash>) {
         if !self.is_raw() || self.spans.is_empty() {
-            return self.hashes();
+            let hashes = self.hashes();
+            let chains = super::chain_hashes(&hashes);
+            return (hashes, chains);
         }
+        let head: Vec<ItemHash> = self.head.iter().map(item_hash).collect();
+        let mut chains = super::chain_hashes(&head);
+        let head_chain = chains.last().copied().unwrap_or([0; 32]);
         let (key, best) = match &self.reuse {
             // The split found it already.
             Some(r) => (r.key, Some((r.items, r.seen.clone()))),
@@ -501,19 +512,37 @@ impl ItemList {
             .map(|(n, seen)| seen.hashes[..n].to_vec())
             .unwrap_or_default();
         items.extend(self.raw_hashes(reused));
+        // The chains of the repeated items, when they follow the same head.
+        let mut item_chains: Vec<ItemHash> = best
+            .filter(|(_, seen)| seen.head_chain == head_chain)
+            .map(|(n, seen)| seen.chains[..n].to_vec())
+            .unwrap_or_default();
+        let mut prev = item_chains.last().copied().unwrap_or(head_chain);
+        for h in &items[item_chains.len()..] {
+            prev = super::chain_extend(prev, std::slice::from_ref(h));
+            item_chains.push(prev);
+        }
         // A request that repeats all of a recent one takes its place: the
         // next request of the conversation will extend this one.
         let superseded = best
             .filter(|(n, seen)| *n == seen.spans.len())
             .map(|(_, seen)| seen.id);
-        recent().lock().unwrap_or_else(|p| p.into_inner()).insert(
-            key,
-            Seen::new(self.raw.clone(), self.spans.clone(), items.clone()),
-            superseded,
-        );
-        let mut out: Vec<ItemHash> = self.head.iter().map(item_hash).collect();
+        let seen = Seen {
+            id: 0,
+            raw: self.raw.clone(),
+            spans: self.spans.clone(),
+            hashes: items.clone(),
+            head_chain,
+            chains: item_chains.clone(),
+        };
+        recent()
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, seen, superseded);
+        let mut out = head;
         out.extend(items);
-        out
+        chains.extend(item_chains);
+        (out, chains)
     }
 
     /// Hashes of the raw items from `from` on, through the bytes cache.
@@ -554,23 +583,19 @@ impl ItemList {
 }
 
 /// A recent request's raw items and their hashes.
+#[cfg_attr(test, derive(Default))]
 struct Seen {
     id: u64,
     raw: Bytes,
     spans: Vec<Range<usize>>,
     hashes: Vec<ItemHash>,
+    /// The chain hash before the raw items (over the request's head).
+    head_chain: ItemHash,
+    /// The chain hashes after each raw item.
+    chains: Vec<ItemHash>,
 }
 
 impl Seen {
-    fn new(raw: Bytes, spans: Vec<Range<usize>>, hashes: Vec<ItemHash>) -> Self {
-        Seen {
-            id: 0,
-            raw,
-            spans,
-            hashes,
-        }
-    }
-
     /// How many leading items of a body are these, byte for byte and at
     /// the same places (so all the bytes before them are the same, too).
     fn leading_items(&self, raw: &[u8]) -> usize {
@@ -1019,6 +1044,7 @@ mod tests {
             extra in proptest::collection::vec("[a-z ]{0,8}", 0..4),
             edit in 0usize..6,
             at in 0usize..8,
+            heads in 0usize..3,
             tools_before in proptest::bool::ANY,
             ws in proptest::sample::select(vec!["", " ", "\n  "]),
             seed in proptest::num::u64::ANY,
@@ -1033,7 +1059,14 @@ mod tests {
             let scope = format!("resume-test-{seed}");
             let first = Bytes::from(body_bytes(&before, &items, &after, ws));
             let a = split_body_reusing(&first, "messages", &scope).unwrap();
-            ItemList::raw(Vec::new(), first.clone(), a.spans.clone().unwrap())
+            // Items before the raw ones (Responses' instructions): none, the
+            // same in both requests, or another in the second.
+            let head = |k: usize| match (heads, k) {
+                (0, _) => Vec::new(),
+                (1, _) | (2, 1) => vec![json!({"type": "instructions", "text": "be brief"})],
+                _ => vec![json!({"type": "instructions", "text": "be thorough"})],
+            };
+            ItemList::raw(head(1), first.clone(), a.spans.clone().unwrap())
                 .with_reuse(a.reuse)
                 .hashes_reusing(&scope);
 
@@ -1062,10 +1095,11 @@ mod tests {
                 // the same).
                 proptest::prop_assert!(resumed.reuse.is_some());
             }
-            let list = ItemList::raw(Vec::new(), second.clone(), resumed.spans.clone().unwrap())
+            let list = ItemList::raw(head(2), second.clone(), resumed.spans.clone().unwrap())
                 .with_reuse(resumed.reuse);
-            let want = ItemList::raw(Vec::new(), second.clone(), full.spans.unwrap()).hashes();
-            proptest::prop_assert_eq!(list.hashes_reusing(&scope), want);
+            let want = ItemList::raw(head(2), second.clone(), full.spans.unwrap()).hashes();
+            let chains = crate::wire::chain_hashes(&want);
+            proptest::prop_assert_eq!(list.hashes_and_chains(&scope), (want, chains));
         }
     }
 
@@ -1105,7 +1139,12 @@ mod tests {
 
     #[test]
     fn the_newest_close_match_ends_the_search() {
-        let seen = || Arc::new(Seen::new(Bytes::new(), vec![0..1; 10], Vec::new()));
+        let seen = || {
+            Arc::new(Seen {
+                spans: vec![0..1; 10],
+                ..Seen::default()
+            })
+        };
         let (old, mid, new) = (seen(), seen(), seen());
         let compared = std::cell::Cell::new(0);
         let score = |scores: [usize; 3]| {
@@ -1140,7 +1179,10 @@ mod tests {
         for i in 0..10u8 {
             r.insert(
                 [i % 2; 32],
-                Seen::new(big.clone(), Vec::new(), Vec::new()),
+                Seen {
+                    raw: big.clone(),
+                    ..Seen::default()
+                },
                 None,
             );
             assert!(r.bytes <= RECENT_BYTES);
@@ -1153,13 +1195,19 @@ mod tests {
         let small = Bytes::from_static(b"{}");
         r.insert(
             [7; 32],
-            Seen::new(small.clone(), Vec::new(), Vec::new()),
+            Seen {
+                raw: small.clone(),
+                ..Seen::default()
+            },
             None,
         );
         let first = r.by_key[&[7; 32]][0].id;
         r.insert(
             [7; 32],
-            Seen::new(small.clone(), Vec::new(), Vec::new()),
+            Seen {
+                raw: small.clone(),
+                ..Seen::default()
+            },
             Some(first),
         );
         assert_eq!(r.by_key[&[7; 32]].len(), 1);
