@@ -1091,15 +1091,16 @@ fn breakdown(o: &Opts) {
         });
         // The conversation's next request: its history is found byte for
         // byte in the previous one.
-        items.hashes_reusing("bench");
+        items.hashes_and_chains("bench");
         let reuse = median_us(reps, &mut || {
-            std::hint::black_box(items.hashes_reusing("bench"));
+            std::hint::black_box(items.hashes_and_chains("bench"));
         });
         // The split of the conversation's next request (a new last
         // message): only what follows the repeated history is parsed.
         let scope = format!("bench-resume-{size}");
         let seen = split_body_reusing(&body, "messages", &scope).expect("body splits");
-        ItemList::raw(Vec::new(), body.clone(), seen.spans.expect("items")).hashes_reusing(&scope);
+        ItemList::raw(Vec::new(), body.clone(), seen.spans.expect("items"))
+            .hashes_and_chains(&scope);
         let next = bytes::Bytes::from(conv.body(&head, tail).0);
         let resume = median_us(reps, &mut || {
             let s = split_body_reusing(&next, "messages", &scope).expect("body splits");
@@ -1159,7 +1160,7 @@ fn breakdown(o: &Opts) {
     println!(
         "(every request: split = parse with the messages left as byte ranges (a new conversation), \
          resume = the same for a conversation's next request (only what follows the history it \
-         repeats byte for byte is parsed), reuse = item hashes of such a request, hash = item hashes through the bytes cache alone, chain; SSE requests without include_usage: splice of \
+         repeats byte for byte is parsed), reuse = item and chain hashes of such a request, hash = item hashes through the bytes cache alone, chain; SSE requests without include_usage: splice of \
          stream_options into their bytes; for comparison and for new items: parse = the whole \
          body into a Value tree, canon = canonical hashes of all items; store new: items not \
          stored before, as JSON text; tok: token estimate after the answer, on an accounting \

@@ -87,15 +87,14 @@ fn read_all(db: &Path) -> io::Result<Vec<ExchangeRecord>> {
 }
 
 /// Removes both journal files' records (after they were imported).
-fn clear(db: &Path) -> io::Result<()> {
-    let [log, old, _] = paths(db);
-    match std::fs::remove_file(&old) {
+fn clear(log: &Path, old: &Path) -> io::Result<()> {
+    match std::fs::remove_file(old) {
         Ok(()) => {}
         Err(e) if e.kind() == io::ErrorKind::NotFound => {}
         Err(e) => return Err(e),
     }
     if log.exists() {
-        File::create(&log)?;
+        File::create(log)?;
     }
     Ok(())
 }
@@ -134,8 +133,7 @@ impl Journal {
     /// in the database.
     pub fn leftovers_imported(&self) -> io::Result<()> {
         let mut st = self.lock();
-        let _ = std::fs::remove_file(&self.old);
-        st.file.set_len(0)?;
+        clear(&self.log, &self.old)?;
         st.bytes = 0;
         Ok(())
     }
@@ -225,12 +223,13 @@ pub fn import_orphaned(db: &Path) -> Result<usize, super::StoreError> {
         return Ok(0);
     };
     let records = read_all(db)?;
-    if !records.is_empty() {
+    let n = records.len();
+    if n > 0 {
         let mut backend = super::sqlite::SqliteBackend::open(db)?;
-        super::Backend::write(&mut backend, &exchanges(records.clone()))?;
+        super::Backend::write(&mut backend, &exchanges(records))?;
     }
-    clear(db)?;
-    Ok(records.len())
+    clear(&log, &old)?;
+    Ok(n)
 }
 
 /// The records as a batch for [`super::Backend::write`].

@@ -372,7 +372,7 @@ impl ItemList {
     }
 
     /// What [`split_body_reusing`] found this list's body repeats, for
-    /// [`ItemList::hashes_reusing`].
+    /// [`ItemList::hashes_and_chains`].
     pub fn with_reuse(mut self, reuse: Option<Reuse>) -> Self {
         self.reuse = reuse;
         self
@@ -481,12 +481,8 @@ impl ItemList {
     /// request: the history it repeats is found byte for byte in the
     /// `scope`'s (the tenant's) recent requests, whose hashes are reused;
     /// only the rest is hashed. Remembers this request for the next one.
-    pub fn hashes_reusing(&self, scope: &str) -> Vec<ItemHash> {
-        self.hashes_and_chains(scope).0
-    }
-
-    /// [`ItemList::hashes_reusing`] and the chain hashes over them
-    /// ([`super::chain_hashes`]), those of the repeated history reused too.
+    /// With them, the chain hashes over them ([`super::chain_hashes`]),
+    /// those of the repeated history reused too.
     pub fn hashes_and_chains(&self, scope: &str) -> (Vec<ItemHash>, Vec<ItemHash>) {
         if !self.is_raw() || self.spans.is_empty() {
             let hashes = self.hashes();
@@ -672,7 +668,7 @@ fn common_prefix(a: &[u8], b: &[u8]) -> usize {
         .count()
 }
 
-/// Bytes of recent requests kept for [`ItemList::hashes_reusing`].
+/// Bytes of recent requests kept for [`ItemList::hashes_and_chains`].
 const RECENT_BYTES: usize = 64 << 20;
 /// Recent requests kept per first-two-items key (concurrent branches of a
 /// conversation, retries).
@@ -986,23 +982,23 @@ mod tests {
         let scope = "tenant-reuse-test";
         let first = r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u1"},{"role":"assistant","content":"a1"}]}"#;
         let (_, a) = list(first, "messages");
-        let ha = a.hashes_reusing(scope);
+        let ha = a.hashes_and_chains(scope).0;
         assert_eq!(ha, a.hashes());
         // The next request repeats the history and adds to it; one that
         // differs in an item's bytes gets that item's own hash.
         let next = r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u1"},{"role":"assistant","content":"a1"},{"role":"user","content":"u2"}]}"#;
         let (_, b) = list(next, "messages");
-        let hb = b.hashes_reusing(scope);
+        let hb = b.hashes_and_chains(scope).0;
         assert_eq!(hb, b.hashes());
         assert_eq!(hb[..3], ha[..]);
         let edited = r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"u1"},{"role":"assistant","content":"A1"},{"role":"user","content":"u2"}]}"#;
         let (_, c) = list(edited, "messages");
-        let hc = c.hashes_reusing(scope);
+        let hc = c.hashes_and_chains(scope).0;
         assert_eq!(hc, c.hashes());
         assert_ne!(hc[2], hb[2]);
         // Another scope finds nothing, and computes the same hashes.
         let (_, d) = list(next, "messages");
-        assert_eq!(d.hashes_reusing("another tenant"), hb);
+        assert_eq!(d.hashes_and_chains("another tenant").0, hb);
     }
 
     /// A body's bytes: members before the items, the items, members
@@ -1068,7 +1064,7 @@ mod tests {
             };
             ItemList::raw(head(1), first.clone(), a.spans.clone().unwrap())
                 .with_reuse(a.reuse)
-                .hashes_reusing(&scope);
+                .hashes_and_chains(&scope);
 
             let mut next = items.clone();
             let (mut before2, mut after2, mut ws2) = (before.clone(), after.clone(), ws);
@@ -1108,7 +1104,7 @@ mod tests {
         let scope = "resume-refusals";
         let first = Bytes::from_static(br#"{"messages":[{"a":1},{"b":2}],"model":"m"}"#);
         let a = split_body_reusing(&first, "messages", scope).unwrap();
-        ItemList::raw(Vec::new(), first.clone(), a.spans.unwrap()).hashes_reusing(scope);
+        ItemList::raw(Vec::new(), first.clone(), a.spans.unwrap()).hashes_and_chains(scope);
         for bad in [
             &br#"{"messages":[{"a":1},{"b":2},]}"#[..],
             br#"{"messages":[{"a":1},{"b":2},3]}"#,
