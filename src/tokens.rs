@@ -104,13 +104,9 @@ impl TokenCounter {
         if BPE.get().is_none() {
             // On the thread that will count most: the tokenizer's regex
             // keeps a fast path for the first thread that uses it.
+            // Loads the tokenizer and builds the split, the way counts go.
             crate::background::Background::global().spawn(|| {
-                if let Some(b) = Self::bpe() {
-                    b.encode_ordinary("warm up");
-                    if let Some(split) = PIECES.get_or_init(pieces::PieceCounter::new) {
-                        split.count(b, "warm up");
-                    }
-                }
+                Self::default().count_text("warm up");
             });
         }
         me
