@@ -31,6 +31,8 @@ static PIECES: Mutex<Option<foldhash::HashMap<Box<str>, u32>>> = Mutex::new(None
 /// The split without the lookahead, over tiktoken's tokenizer.
 pub struct PieceCounter {
     split: Regex,
+    /// tiktoken's pattern is the one [`ascii_piece`] implements.
+    ascii: bool,
 }
 
 impl PieceCounter {
@@ -42,37 +44,46 @@ impl PieceCounter {
             return None;
         }
         let split = Regex::new(&pattern.replace(LOOKAHEAD, "")).ok()?;
-        Some(Self { split })
+        Some(Self {
+            split,
+            ascii: pattern == O200K_PATTERN,
+        })
     }
 
     /// The pieces tiktoken's pattern splits `text` into, in order.
     pub fn pieces<'a>(&'a self, text: &'a str) -> impl Iterator<Item = &'a str> + 'a {
-        // One search over the rest of the text, started again after a
-        // shortened match (the pattern has no anchors or look-around, so a
-        // search over a suffix finds what one from that offset would).
-        let mut base = 0;
-        let mut matches = self.split.find_iter(text);
+        let mut at = 0;
         std::iter::from_fn(move || {
-            let m = matches.next()?;
-            let (start, mut end) = (base + m.start(), base + m.end());
-            let piece = m.as_str();
-            // A whitespace run without a line break (the `\s+`
-            // alternative), followed by a non-space: `\s+(?!\S)` would
-            // have matched all of it but its last character.
-            if end < text.len()
-                && !piece.ends_with(['\r', '\n'])
-                && piece.chars().all(char::is_whitespace)
-            {
-                if let Some(last) = piece.chars().next_back() {
-                    if piece.len() > last.len_utf8() {
-                        end -= last.len_utf8();
-                        base = end;
-                        matches = self.split.find_iter(&text[end..]);
-                    }
-                }
+            if at >= text.len() {
+                return None;
             }
+            let (start, end) = match self.ascii.then(|| ascii_piece(text.as_bytes(), at)) {
+                Some(Ok(end)) => (at, end),
+                _ => self.regex_piece(text, at)?,
+            };
+            at = end;
             Some(&text[start..end])
         })
+    }
+
+    /// The piece at `at` by the regex, with the lookahead's effect applied.
+    fn regex_piece(&self, text: &str, at: usize) -> Option<(usize, usize)> {
+        let m = self.split.find(&text[at..])?;
+        let (start, mut end) = (at + m.start(), at + m.end());
+        let piece = m.as_str();
+        // Whitespace with no line break that the lookahead would have cut
+        // short: a non-space follows, so its last char goes with it.
+        if end < text.len()
+            && !piece.ends_with(['\r', '\n'])
+            && piece.chars().all(char::is_whitespace)
+        {
+            if let Some(last) = piece.chars().next_back() {
+                if piece.len() > last.len_utf8() {
+                    end -= last.len_utf8();
+                }
+            }
+        }
+        Some((start, end))
     }
 
     /// Tokens of `text`: what `bpe.encode_ordinary(text).len()` gives.
@@ -106,6 +117,144 @@ impl PieceCounter {
     }
 }
 
+/// The o200k pattern [`ascii_piece`] implements, alternative by
+/// alternative.
+const O200K_PATTERN: &str = concat!(
+    r"[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]*[\p{Ll}\p{Lm}\p{Lo}\p{M}]+(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|[^\r\n\p{L}\p{N}]?[\p{Lu}\p{Lt}\p{Lm}\p{Lo}\p{M}]+[\p{Ll}\p{Lm}\p{Lo}\p{M}]*(?i:'s|'t|'re|'ve|'m|'ll|'d)?",
+    r"|\p{N}{1,3}",
+    r"| ?[^\s\p{L}\p{N}]+[\r\n/]*",
+    r"|\s*[\r\n]+",
+    r"|\s+(?!\S)",
+    r"|\s+",
+);
+
+/// A byte the split cannot classify alone: text that is not ASCII, where
+/// the regex decides.
+struct NotAscii;
+
+/// What an ASCII byte is to the o200k pattern.
+#[derive(Clone, Copy, PartialEq)]
+enum Class {
+    Upper,
+    Lower,
+    Digit,
+    /// `\r` or `\n`.
+    LineBreak,
+    /// The rest of `\s`: space, tab, vertical tab, form feed.
+    Space,
+    /// Neither letter, digit nor whitespace: punctuation, symbols, controls.
+    Other,
+    End,
+}
+
+fn class(b: &[u8], i: usize) -> Result<Class, NotAscii> {
+    Ok(match b.get(i) {
+        None => Class::End,
+        Some(b'A'..=b'Z') => Class::Upper,
+        Some(b'a'..=b'z') => Class::Lower,
+        Some(b'0'..=b'9') => Class::Digit,
+        Some(b'\r' | b'\n') => Class::LineBreak,
+        Some(b' ' | b'\t' | 0x0b | 0x0c) => Class::Space,
+        Some(0x80..) => return Err(NotAscii),
+        Some(_) => Class::Other,
+    })
+}
+
+/// The end of the piece that starts at `at` (< `b.len()`), as the o200k
+/// pattern (lookahead included) cuts it, when every byte that decides it
+/// is ASCII. ASCII letters are `Lu` / `Ll`, digits the only `N`, and no
+/// ASCII byte is a mark or titlecase: the alternatives reduce to scans of
+/// byte classes, tried in the pattern's order.
+fn ascii_piece(b: &[u8], at: usize) -> Result<usize, NotAscii> {
+    use Class::*;
+    let first = class(b, at)?;
+    // 1 and 2: an optional char that is no line break, letter or digit,
+    // then letters.
+    if matches!(first, Upper | Lower | Space | Other) {
+        let from = if matches!(first, Space | Other) {
+            at + 1
+        } else {
+            at
+        };
+        for lower_needed in [true, false] {
+            if let Some(end) = word(b, from, lower_needed)? {
+                return Ok(end);
+            }
+        }
+    }
+    // 3: one to three digits.
+    if first == Digit {
+        let mut k = at + 1;
+        while k < at + 3 && class(b, k)? == Digit {
+            k += 1;
+        }
+        return Ok(k);
+    }
+    // 4: an optional space, symbols, then line breaks and slashes.
+    let from = if b[at] == b' ' { at + 1 } else { at };
+    if class(b, from)? == Other {
+        let mut k = from + 1;
+        while class(b, k)? == Other {
+            k += 1;
+        }
+        while matches!(b.get(k), Some(b'\r' | b'\n' | b'/')) {
+            k += 1;
+        }
+        return Ok(k);
+    }
+    // 5 to 7: whitespace, up to its last line break if it has one (5);
+    // else all of it at the end of the text, or all but its last char
+    // (6); or the one char before a non-space (7).
+    let mut end = at;
+    let mut last_break = None;
+    loop {
+        match class(b, end)? {
+            LineBreak => last_break = Some(end),
+            Space => {}
+            _ => break,
+        }
+        end += 1;
+    }
+    Ok(match last_break {
+        Some(k) => k + 1,
+        None if end == b.len() || end - at == 1 => end,
+        None => end - 1,
+    })
+}
+
+/// `[Lu]*[Ll]+` (`lower_needed`) or `[Lu]+[Ll]*` at `at`, then an optional
+/// contraction: the end, or `None` if it does not match.
+fn word(b: &[u8], at: usize, lower_needed: bool) -> Result<Option<usize>, NotAscii> {
+    let mut k = at;
+    while class(b, k)? == Class::Upper {
+        k += 1;
+    }
+    let uppers = k - at;
+    while class(b, k)? == Class::Lower {
+        k += 1;
+    }
+    let lowers = k - at - uppers;
+    if (lower_needed && lowers == 0) || (!lower_needed && uppers == 0) {
+        return Ok(None);
+    }
+    // `(?i:'s|'t|'re|'ve|'m|'ll|'d)?`; case folding maps some non-ASCII
+    // chars to these letters (ſ to s).
+    if b.get(k) != Some(&b'\'') {
+        return Ok(Some(k));
+    }
+    let at = |i: usize| -> Result<u8, NotAscii> {
+        class(b, i)?;
+        Ok(b.get(i).map_or(0, u8::to_ascii_lowercase))
+    };
+    Ok(Some(match at(k + 1)? {
+        b's' | b't' | b'm' | b'd' => k + 2,
+        b'r' | b'v' if at(k + 2)? == b'e' => k + 3,
+        b'l' if at(k + 2)? == b'l' => k + 3,
+        _ => k,
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -129,6 +278,11 @@ mod tests {
         re.find_iter(text)
             .map(|m| m.unwrap().as_str().to_string())
             .collect()
+    }
+
+    #[test]
+    fn tiktokens_pattern_is_the_one_the_ascii_scan_implements() {
+        assert!(counter().ascii, "{}", tiktoken_rs::O200K_BASE_PAT_STR);
     }
 
     #[test]
@@ -198,8 +352,41 @@ mod tests {
             Just("_"),
             Just("ǅ"),
             Just("Σσ"),
+            // What the ASCII scan decides, and where it hands over.
+            Just("ABC"),
+            Just("XMLHttp"),
+            Just("x"),
+            Just("7"),
+            Just("'"),
+            Just("'re"),
+            Just("'Ve"),
+            Just("'d"),
+            Just("'l"),
+            Just("'ſ"),
+            Just("\u{212a}"),
+            Just("});"),
+            Just("\\"),
+            Just("\u{b}"),
+            Just("\u{c}"),
+            Just("\u{0}"),
+            Just("\u{1f}"),
+            Just("\u{7f}"),
+            Just("٣"),
+            Just("Ⅷ"),
         ];
         prop::collection::vec(part, 0..40).prop_map(|p| p.concat())
+    }
+
+    /// Any ASCII text: the scan alone cuts it.
+    fn ascii_text() -> impl Strategy<Value = String> {
+        let byte = prop_oneof![
+            4 => prop::sample::select(b" \t\n\r".to_vec()),
+            4 => prop::sample::select(b"aeiosrtvldmAZ'".to_vec()),
+            2 => prop::sample::select(b"0123456789".to_vec()),
+            1 => 0u8..0x80,
+        ];
+        prop::collection::vec(byte, 0..64)
+            .prop_map(|b| String::from_utf8(b).expect("ASCII is UTF-8"))
     }
 
     proptest! {
@@ -208,6 +395,16 @@ mod tests {
         fn pieces_and_counts_equal_tiktokens(t in text()) {
             prop_assert_eq!(counter().pieces(&t).collect::<Vec<_>>(), reference_pieces(&t));
             prop_assert_eq!(counter().count(bpe(), &t), bpe().encode_ordinary(&t).len() as u64);
+        }
+
+        #[test]
+        fn ascii_pieces_equal_tiktokens(t in ascii_text()) {
+            prop_assert_eq!(counter().pieces(&t).collect::<Vec<_>>(), reference_pieces(&t));
+        }
+
+        #[test]
+        fn pieces_of_any_string_equal_tiktokens(t in any::<String>()) {
+            prop_assert_eq!(counter().pieces(&t).collect::<Vec<_>>(), reference_pieces(&t));
         }
 
         #[test]
