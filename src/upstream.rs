@@ -8,6 +8,7 @@ use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 use crate::config::UpstreamConfig;
 use crate::error::ProxyError;
+use crate::wire::Api;
 
 /// A secret that never prints.
 #[derive(Clone)]
@@ -39,6 +40,9 @@ pub struct Upstream {
     base: String,
     /// `base`, parsed once: each request's URL is derived from it.
     base_url: reqwest::Url,
+    /// The URLs of the parsed endpoints, derived once: building a URL
+    /// parses it again, which costs as much as a small request's parse.
+    endpoints: Vec<(&'static str, reqwest::Url)>,
     api_key: Option<Secret>,
     /// How long to wait for response headers.
     pub response_timeout: Duration,
@@ -81,18 +85,31 @@ impl Upstream {
         let base = cfg.base_url.trim_end_matches('/').to_string();
         let base_url = reqwest::Url::parse(&base)
             .map_err(|e| anyhow::anyhow!("upstream.base_url `{base}` is not a URL: {e}"))?;
-        Ok(Self {
+        let mut upstream = Self {
             client,
             base,
             base_url,
+            endpoints: Vec::new(),
             api_key,
             response_timeout: Duration::from_secs(cfg.response_timeout_secs),
             idle_timeout: Duration::from_secs(cfg.idle_timeout_secs),
-        })
+        };
+        upstream.endpoints = [Api::Chat, Api::Responses]
+            .map(|api| (api.endpoint(), upstream.derive_url(api.endpoint(), None)))
+            .into();
+        Ok(upstream)
     }
 
     /// The upstream URL for a client path below `/v1` (e.g. `/models`).
     pub fn url(&self, below_v1: &str, query: Option<&str>) -> reqwest::Url {
+        let known = self.endpoints.iter().find(|(p, _)| *p == below_v1);
+        match (known, query) {
+            (Some((_, url)), None) => url.clone(),
+            _ => self.derive_url(below_v1, query),
+        }
+    }
+
+    fn derive_url(&self, below_v1: &str, query: Option<&str>) -> reqwest::Url {
         let mut url = self.base_url.clone();
         let path = format!("{}{}", self.base_url.path().trim_end_matches('/'), below_v1);
         url.set_path(&path);
@@ -296,6 +313,14 @@ mod tests {
             u.url("/chat/completions", Some("a=1&b=%20")).as_str(),
             "http://127.0.0.1:9/v1/chat/completions?a=1&b=%20"
         );
+        // The endpoints' URLs, kept from the start, are those derived.
+        for path in ["/chat/completions", "/responses"] {
+            assert_eq!(u.url(path, None), u.derive_url(path, None));
+            assert_eq!(
+                u.url(path, None).as_str(),
+                format!("http://127.0.0.1:9/v1{path}")
+            );
+        }
         assert_eq!(
             at("http://127.0.0.1:9").url("/models", None).as_str(),
             "http://127.0.0.1:9/models"

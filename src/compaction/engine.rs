@@ -269,7 +269,7 @@ pub async fn estimate_view(
 /// requests. Logs one event with the figures.
 pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compaction>, CompactError> {
     let started = Instant::now();
-    let limits = state.config.model_limits(&input.model);
+    let limits = state.model_limits(&input.model);
     let params = Params::new(&state.config.compaction, &limits);
     let (hashes, tokens) = count_items(state, input.view.clone(), None).await?;
     let values = input.view.values();
@@ -383,7 +383,7 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
 /// background compaction that the next request will find.
 pub fn after_exchange(state: &Arc<AppState>, input: Input, used: u64, estimated: bool) {
     let cfg = &state.config.compaction;
-    let limits = state.config.model_limits(&input.model);
+    let limits = state.model_limits(&input.model);
     let d = decide(used, estimated, &limits, cfg.warn_ratio);
     if !d.compact || !cfg.background {
         return;
@@ -470,7 +470,7 @@ pub async fn check_fit(state: &Arc<AppState>, req: FitCheck<'_>) -> Fit {
         tools,
         bytes,
     } = req;
-    let limits = state.config.model_limits(model);
+    let limits = state.model_limits(model);
     let hard = hard_limit(&limits);
     if bytes.is_some_and(|b| b as u64 <= hard) {
         return Fit::Fits;

@@ -243,7 +243,7 @@ impl PendingExchange {
         background.spawn(move || {
             let hashes = hashes.unwrap_or_else(|| Arc::new(view.hashes()));
             let est = state.tokens.estimate(api, &view, &hashes, tools.as_ref());
-            let limits = state.config.model_limits(&model);
+            let limits = state.model_limits(&model);
             let (used, source) = match usage {
                 Some(u) => (u.total(), "reported"),
                 None => (est.total(), "estimate"),

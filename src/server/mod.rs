@@ -11,7 +11,7 @@ mod proxy;
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use http::{Method, Request, Response, StatusCode};
@@ -24,7 +24,7 @@ use tracing::Instrument;
 
 use crate::background::Background;
 use crate::compaction::engine::Compactions;
-use crate::config::Config;
+use crate::config::{Config, ModelLimits};
 use crate::conversation::ConversationIndex;
 use crate::error::{json_response, ProxyBody, ProxyError};
 use crate::store::{sqlite::SqliteBackend, Store};
@@ -52,6 +52,8 @@ pub struct AppState {
     pub metrics: crate::metrics::Metrics,
     /// The thread for the accounting that follows each answer.
     pub background: &'static Background,
+    /// [`Config::model_limits`] of the models seen, looked up once each.
+    limits: Mutex<foldhash::HashMap<String, ModelLimits>>,
 }
 
 impl AppState {
@@ -74,8 +76,25 @@ impl AppState {
             tenant_salt: snapshot.salt,
             metrics: crate::metrics::Metrics::new(),
             background: Background::global(),
+            limits: Mutex::default(),
             config,
         }))
+    }
+
+    /// The limits of `model` ([`Config::model_limits`]), which every exchange
+    /// needs and the config cannot change while the process runs.
+    pub fn model_limits(&self, model: &str) -> ModelLimits {
+        let mut known = self.limits.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(l) = known.get(model) {
+            return *l;
+        }
+        let limits = self.config.model_limits(model);
+        // Model names come from clients: keep the table bounded.
+        if known.len() >= 1024 {
+            known.clear();
+        }
+        known.insert(model.to_string(), limits);
+        limits
     }
 }
 
