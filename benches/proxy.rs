@@ -839,6 +839,8 @@ struct Row {
     settle: f64,
     /// CPU of all the proxy's threads per proxied request, ms.
     proxy_cpu_ms: f64,
+    /// The same by thread name.
+    proxy_cpu_by_thread: Vec<(String, f64)>,
     /// CPU of the load runtime (clients at c=32, the fake upstream) per request, ms.
     load_cpu_ms: f64,
     secs: f64,
@@ -923,6 +925,11 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
     let [d, p] = collected;
     let (dn, pn) = (d.samples.len() + d.errors, p.samples.len() + p.errors);
     let proxy_cpu_ms = cpu.proxy * 1000.0 / pn.max(1) as f64;
+    let proxy_cpu_by_thread = cpu
+        .proxy_by_name
+        .iter()
+        .map(|(name, secs)| (name.clone(), secs * 1000.0 / pn.max(1) as f64))
+        .collect();
     // At c=1 the client runs on the main thread, so this is the fake alone.
     let load_cpu_ms = cpu.load * 1000.0 / (dn + pn).max(1) as f64;
     Row {
@@ -932,6 +939,7 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
         recorded,
         settle: settle.as_secs_f64(),
         proxy_cpu_ms,
+        proxy_cpu_by_thread,
         load_cpu_ms,
         secs: started.elapsed().as_secs_f64(),
     }
@@ -944,6 +952,9 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
 struct ThreadCpu {
     proxy: f64,
     load: f64,
+    /// The proxy's CPU by thread name (runtime worker "compactor", store
+    /// writer, accounting, checkpointer…).
+    proxy_by_name: std::collections::BTreeMap<String, f64>,
 }
 
 impl ThreadCpu {
@@ -951,6 +962,14 @@ impl ThreadCpu {
         ThreadCpu {
             proxy: self.proxy - before.proxy,
             load: self.load - before.load,
+            proxy_by_name: self
+                .proxy_by_name
+                .iter()
+                .map(|(name, secs)| {
+                    let was = before.proxy_by_name.get(name).copied().unwrap_or(0.0);
+                    (name.clone(), secs - was)
+                })
+                .collect(),
         }
     }
 }
@@ -976,6 +995,7 @@ fn thread_cpu() -> ThreadCpu {
         let secs = (ticks(11) + ticks(12)) as f64 / USER_HZ;
         if comm.starts_with("compactor") {
             t.proxy += secs;
+            *t.proxy_by_name.entry(comm.to_string()).or_default() += secs;
         } else if comm.starts_with("bench-load") {
             t.load += secs;
         }
@@ -1297,6 +1317,17 @@ fn main() {
          cpu/req p/l = CPU ms per request of the proxy's threads / of the load runtime (c=32: clients + fake; \
          c=1: fake only); rec = exchanges in the proxy's store, warm-up included)"
     );
+    println!();
+    println!("proxy CPU per request by thread (ms; c=32 rows; the runtime worker is `compactor`):");
+    for r in rows.iter().filter(|r| r.sc.conc > 1) {
+        let parts: Vec<String> = r
+            .proxy_cpu_by_thread
+            .iter()
+            .filter(|(_, ms)| *ms >= 0.005)
+            .map(|(name, ms)| format!("{name} {ms:.3}"))
+            .collect();
+        println!("  {:<20} {}", r.name, parts.join(", "));
+    }
     for r in &rows {
         for (side, s) in ["direct", "proxy"].iter().zip(&r.side) {
             if s.errors > 0 {
