@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use compactor::fake_upstream::{chat_stream_events, Reply};
 use serde_json::{json, Value};
-use support::{client, post, post_raw, within, Harness};
+use support::{client, post, post_raw, stream_chat, within, Harness};
 
 const KEY: &str = "sk-test-SECRET-never-echo-42";
 
@@ -303,21 +303,7 @@ async fn client_leaving_mid_stream_cancels_upstream_and_records_partial() {
 async fn shutdown_drains_an_in_flight_stream() {
     let mut h = Harness::start().await;
     let events = chat_stream_events(&["x", "y", "z"], None);
-    h.fake.push(Reply::Sse {
-        chunks: events.into_iter().map(Into::into).collect(),
-        gap: Duration::from_millis(200),
-        reset_after: None,
-    });
-    let req = json!({"model": "m", "stream": true, "stream_options": {"include_usage": false},
-                     "messages": [{"role": "user", "content": "hi"}]});
-    let mut resp = within(
-        client()
-            .post(format!("{}/chat/completions", h.url()))
-            .json(&req)
-            .send(),
-    )
-    .await
-    .unwrap();
+    let mut resp = stream_chat(&h, events, Duration::from_millis(200), false).await;
     let first = within(resp.chunk()).await.unwrap().unwrap();
     assert!(!first.is_empty());
     let body = tokio::spawn(async move { within(resp.bytes()).await });

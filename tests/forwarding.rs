@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use compactor::fake_upstream::{chat_stream_events, responses_stream_events, Reply};
 use serde_json::{json, Value};
-use support::{client, post, post_raw, within, Harness};
+use support::{client, post, post_raw, stream_chat, within, Harness};
 
 const KEY: &str = "sk-test-forwarding-0123456789";
 
@@ -164,22 +164,8 @@ async fn stream_chunks_arrive_as_they_are_sent() {
     let h = Harness::start().await;
     let events = chat_stream_events(&["one", "two", "three"], Some((5, 3)));
     let gap = Duration::from_millis(300);
-    h.fake.push(Reply::Sse {
-        chunks: events.into_iter().map(Into::into).collect(),
-        gap,
-        reset_after: None,
-    });
-    let req = json!({"model": "m", "stream": true, "stream_options": {"include_usage": true},
-                     "messages": [{"role": "user", "content": "count"}]});
     let started = std::time::Instant::now();
-    let mut resp = within(
-        client()
-            .post(format!("{}/chat/completions", h.url()))
-            .json(&req)
-            .send(),
-    )
-    .await
-    .unwrap();
+    let mut resp = stream_chat(&h, events, gap, true).await;
     let first = within(resp.chunk()).await.unwrap().unwrap();
     let first_at = started.elapsed();
     assert!(String::from_utf8_lossy(&first).contains("\"role\":\"assistant\""));
@@ -196,6 +182,31 @@ async fn stream_chunks_arrive_as_they_are_sent() {
     assert!(
         first_at < total - gap * 4,
         "first chunk at {first_at:?} of {total:?}: body was buffered"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_events_leaves_in_few_writes_and_unchanged() {
+    let h = Harness::start().await;
+    let pieces: Vec<String> = (0..12).map(|i| format!(" word{i}")).collect();
+    let pieces: Vec<&str> = pieces.iter().map(String::as_str).collect();
+    let events = chat_stream_events(&pieces, Some((5, 3)));
+    let sent: String = events.concat();
+    let count = events.len();
+    // All events in one burst, as an upstream that has them ready sends them.
+    let mut resp = stream_chat(&h, events, Duration::ZERO, true).await;
+    let mut received = Vec::new();
+    let mut chunks = 0;
+    while let Some(chunk) = within(resp.chunk()).await.unwrap() {
+        received.extend_from_slice(&chunk);
+        chunks += 1;
+    }
+    assert_eq!(String::from_utf8(received).unwrap(), sent);
+    // The first event leaves at once; those that arrived with it after it
+    // join into few writes rather than one each.
+    assert!(
+        chunks * 2 <= count,
+        "{count} events reached the client in {chunks} chunks"
     );
 }
 

@@ -6,8 +6,11 @@
 //! client unchanged except for the `x-compactor-conversation` header and the
 //! hiding of usage the client did not ask for.
 
+use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::task::{Context, Poll, Waker};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -773,6 +776,11 @@ struct Relay {
     status: u16,
     ttfb_ms: f64,
     done: bool,
+    /// What the upstream delivered after the chunks gathered into the last
+    /// frame (its end or a failure), handled next.
+    peeked: Option<Option<reqwest::Result<Bytes>>>,
+    /// Bytes went to the client already; the first go out at once.
+    started: bool,
 }
 
 impl Relay {
@@ -838,6 +846,8 @@ fn stream_response(
         status: status.as_u16(),
         ttfb_ms,
         done: false,
+        peeked: None,
+        started: false,
     };
     let body = futures_util::stream::unfold(relay, next_frame);
     response_head(
@@ -848,19 +858,112 @@ fn stream_response(
     )
 }
 
+/// Most a frame gathers from chunks the upstream delivered together.
+const GATHER_BYTES: usize = 64 * 1024;
+
+/// `out` followed by the chunks the upstream has already delivered, so that
+/// events that arrived together leave in one write, not one each.
+///
+/// The upstream connection hands a body over one chunk at a time, and the
+/// server writes out what it has whenever the body is not ready: relayed
+/// as they come, a burst of events (a Responses stream's first and last
+/// ones) costs a write per event. So while the upstream's next chunk is not
+/// ready, the chunks so far are held until the runtime has given the other
+/// tasks (the upstream connection among them) their turn; what they deliver
+/// meanwhile joins them. The stream's last event ends the gathering.
+async fn gather(r: &mut Relay, out: Bytes) -> Bytes {
+    let mut joined: Option<bytes::BytesMut> = None;
+    let mut turn: Option<Arc<Turn>> = None;
+    std::future::poll_fn(|cx| loop {
+        let gathered = joined.as_ref().map_or(out.len(), |j| j.len());
+        if r.tee.finished() || gathered >= GATHER_BYTES {
+            return Poll::Ready(());
+        }
+        match r.upstream.poll_next_unpin(cx) {
+            Poll::Ready(Some(Ok(chunk))) => {
+                let more = r.tee.push(chunk);
+                joined
+                    .get_or_insert_with(|| bytes::BytesMut::from(&out[..]))
+                    .extend_from_slice(&more);
+            }
+            Poll::Ready(end_or_error) => {
+                r.peeked = Some(end_or_error);
+                return Poll::Ready(());
+            }
+            Poll::Pending => {
+                let turn = turn.get_or_insert_with(|| Turn::after_others(cx));
+                return if turn.over() {
+                    Poll::Ready(())
+                } else {
+                    Poll::Pending
+                };
+            }
+        }
+    })
+    .await;
+    joined.map_or(out, bytes::BytesMut::freeze)
+}
+
+/// The other tasks' turn: over once the runtime has run the tasks that
+/// were ready when it began. Tokio wakes a task that yielded only after its
+/// worker ran the others (or at its next periodic check); outside a tokio
+/// worker, at once.
+struct Turn {
+    over: AtomicBool,
+    task: Waker,
+}
+
+impl Turn {
+    fn after_others(cx: &Context<'_>) -> Arc<Turn> {
+        let turn = Arc::new(Turn {
+            over: AtomicBool::new(false),
+            task: cx.waker().clone(),
+        });
+        let waker = Waker::from(turn.clone());
+        let mut yielded = std::pin::pin!(tokio::task::yield_now());
+        // The first poll hands `waker` to the runtime, to wake when the
+        // others have run.
+        let _ = yielded.as_mut().poll(&mut Context::from_waker(&waker));
+        turn
+    }
+
+    fn over(&self) -> bool {
+        self.over.load(Ordering::Acquire)
+    }
+}
+
+impl std::task::Wake for Turn {
+    fn wake(self: Arc<Self>) {
+        self.wake_by_ref();
+    }
+
+    fn wake_by_ref(self: &Arc<Self>) {
+        self.over.store(true, Ordering::Release);
+        self.task.wake_by_ref();
+    }
+}
+
 async fn next_frame(mut r: Relay) -> Option<(Result<Frame<Bytes>, BodyError>, Relay)> {
     loop {
         if r.done {
             return None;
         }
         let idle: Duration = r.state.upstream.idle_timeout;
-        let next = match r.held.pop_front() {
-            Some(chunk) => Ok(Some(Ok(chunk))),
-            None => tokio::time::timeout(idle, r.upstream.next()).await,
+        let next = match (r.held.pop_front(), r.peeked.take()) {
+            (Some(chunk), peeked) => {
+                r.peeked = peeked;
+                Ok(Some(Ok(chunk)))
+            }
+            (None, Some(peeked)) => Ok(peeked),
+            (None, None) => tokio::time::timeout(idle, r.upstream.next()).await,
         };
         match next {
             Ok(Some(Ok(chunk))) => {
-                let out = r.tee.push(chunk);
+                let mut out = r.tee.push(chunk);
+                if r.started && r.held.is_empty() {
+                    out = gather(&mut r, out).await;
+                }
+                r.started |= !out.is_empty();
                 if r.tee.finished() {
                     r.record(false, None).await;
                 }

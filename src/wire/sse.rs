@@ -1,7 +1,8 @@
 //! The SSE tee: upstream bytes go to the client as they arrive while a copy
 //! is parsed (eventsource-stream) to collect output items and usage.
 //!
-//! Forwarding is chunk by chunk and never waits for more data, except in one
+//! Forwarding is chunk by chunk and never waits for more data (the relay in
+//! `server::proxy` joins only chunks that arrived together), except in one
 //! case: when the proxy asked a chat stream for usage the client did not ask
 //! for, the usage must be hidden again, so bytes are released a whole event
 //! at a time (upstreams send one event per chunk, so this adds no delay).

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use compactor::compaction::summary::SUMMARIZER_MARKER;
 use compactor::config::{Config, ModelConfig};
-use compactor::fake_upstream::{FakeUpstream, Received};
+use compactor::fake_upstream::{FakeUpstream, Received, Reply};
 use compactor::server::{self, AppState};
 use serde_json::Value;
 use tokio::sync::oneshot;
@@ -148,6 +148,32 @@ pub fn client() -> reqwest::Client {
         .redirect(reqwest::redirect::Policy::none())
         .build()
         .expect("client")
+}
+
+/// Scripts the fake to stream `events` (`gap` before each) and starts a
+/// streamed chat request through the proxy; the response, before its body.
+pub async fn stream_chat(
+    h: &Harness,
+    events: Vec<String>,
+    gap: Duration,
+    include_usage: bool,
+) -> reqwest::Response {
+    h.fake.push(Reply::Sse {
+        chunks: events.into_iter().map(Into::into).collect(),
+        gap,
+        reset_after: None,
+    });
+    let req = serde_json::json!({"model": "m", "stream": true,
+        "stream_options": {"include_usage": include_usage},
+        "messages": [{"role": "user", "content": "count"}]});
+    within(
+        client()
+            .post(format!("{}/chat/completions", h.url()))
+            .json(&req)
+            .send(),
+    )
+    .await
+    .unwrap()
 }
 
 /// POSTs JSON bytes with a bearer key; returns status, headers and body.
