@@ -870,13 +870,14 @@ const GATHER_BYTES: usize = 64 * 1024;
 /// ones) costs a write per event. So while the upstream's next chunk is not
 /// ready, the chunks so far are held until the runtime has given the other
 /// tasks (the upstream connection among them) their turn; what they deliver
-/// meanwhile joins them. The stream's last event ends the gathering.
+/// meanwhile joins them. The end of the upstream body ends the gathering,
+/// so that the last events and the end of the answer leave together.
 async fn gather(r: &mut Relay, out: Bytes) -> Bytes {
     let mut joined: Option<bytes::BytesMut> = None;
     let mut turn: Option<Arc<Turn>> = None;
     std::future::poll_fn(|cx| loop {
         let gathered = joined.as_ref().map_or(out.len(), |j| j.len());
-        if r.tee.finished() || gathered >= GATHER_BYTES {
+        if gathered >= GATHER_BYTES {
             return Poll::Ready(());
         }
         match r.upstream.poll_next_unpin(cx) {
