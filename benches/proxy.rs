@@ -1120,6 +1120,7 @@ fn breakdown(o: &Opts) {
         let scope = format!("bench-resume-{size}");
         let seen = split_body_reusing(&body, "messages", &scope).expect("body splits");
         ItemList::raw(Vec::new(), body.clone(), seen.spans.expect("items"))
+            .with_shell(seen.shell)
             .hashes_and_chains(&scope);
         let next = bytes::Bytes::from(conv.body(&head, tail).0);
         let resume = median_us(reps, &mut || {

@@ -74,7 +74,7 @@ async fn parse(
     // repeats the tenant's recent request is not even parsed again; a body
     // that is not an object with an item array is parsed whole, which
     // names what is wrong.
-    let (mut body, spans, body_key, tools, reuse) =
+    let (mut body, spans, body_key, tools, reuse, shell) =
         match split_body_reusing(&raw, api.items_key(), &tenant) {
             Some(split) => {
                 let tools = split
@@ -86,6 +86,7 @@ async fn parse(
                     Some(split.body_key),
                     tools,
                     split.reuse,
+                    split.shell,
                 )
             }
             None => {
@@ -93,7 +94,7 @@ async fn parse(
                     ProxyError::BadRequest(format!("request body is not valid JSON: {e}"))
                 })?;
                 let tools = Tools::take(&mut body);
-                (body, None, None, tools, None)
+                (body, None, None, tools, None, None)
             }
         };
     api.validate(&body).map_err(ProxyError::BadRequest)?;
@@ -105,7 +106,8 @@ async fn parse(
     let mut trigger = false;
     let mut items = api
         .item_list(&mut body, raw.clone(), spans)
-        .with_reuse(reuse);
+        .with_reuse(reuse)
+        .with_shell(shell);
     // A chain the proxy recorded, its own compaction items and Codex's
     // compaction trigger change the items; anything else leaves them as
     // the client's bytes.

@@ -38,6 +38,19 @@ pub struct SplitBody {
     /// The recent request whose start this body repeats, when
     /// [`split_body_reusing`] parsed only what follows it.
     pub reuse: Option<Reuse>,
+    /// What the split found outside the items, for [`ItemList::with_shell`].
+    pub shell: Option<Arc<Shell>>,
+}
+
+/// What a split finds outside a body's items: the body without them, its
+/// tools and key. Kept with a recent request, so that a next request whose
+/// bytes outside its items are the same (the same parameters, tools,
+/// instructions: a conversation's next turn) takes it over instead of
+/// parsing and hashing those bytes again.
+pub struct Shell {
+    obj: Map<String, Value>,
+    tools: Option<(Range<usize>, ItemHash)>,
+    body_key: ItemHash,
 }
 
 /// Parses a JSON object, leaving the array of objects under `key` as byte
@@ -76,6 +89,14 @@ fn resume_split(raw: &[u8], key: &str, scope: &str) -> Option<SplitBody> {
     let (items, seen) = best_candidate(candidates, |seen| seen.leading_items(raw))?;
     if items == 0 {
         return None;
+    }
+    if let Some(mut body) = same_shell(raw, &seen, items) {
+        body.reuse = Some(Reuse {
+            key: recent_key,
+            seen,
+            items,
+        });
+        return Some(body);
     }
     // Everything up to the end of item `items - 1` is the recent body's
     // bytes, which parsed. Parse the rest as if those items were not there:
@@ -117,6 +138,54 @@ fn resume_split(raw: &[u8], key: &str, scope: &str) -> Option<SplitBody> {
         items,
     });
     Some(body)
+}
+
+/// The split of a body whose first `items` items are `seen`'s, when its
+/// bytes after its last item are `seen`'s bytes after its own last item:
+/// then all its bytes outside the items are `seen`'s (those before the
+/// items are part of the repeated start), and only the items that follow
+/// the repeated ones are read, to find where they are.
+fn same_shell(raw: &[u8], seen: &Seen, items: usize) -> Option<SplitBody> {
+    let shell = seen.shell.as_ref()?;
+    let seen_end = seen.spans.last()?.end;
+    let mut spans = seen.spans[..items].to_vec();
+    let mut at = spans.last()?.end;
+    loop {
+        at = skip_whitespace(raw, at);
+        match raw.get(at)? {
+            b']' => break,
+            b',' => at = skip_whitespace(raw, at + 1),
+            _ => return None,
+        }
+        if raw.get(at) != Some(&b'{') {
+            return None;
+        }
+        let mut one = serde_json::Deserializer::from_slice(&raw[at..]).into_iter::<&RawValue>();
+        one.next()?.ok()?;
+        let end = at + one.byte_offset();
+        spans.push(at..end);
+        at = end;
+    }
+    let end = spans.last()?.end;
+    if raw[end..] != seen.raw[seen_end..] {
+        return None;
+    }
+    // Ranges after the items move with the items' end.
+    let moved = |r: &Range<usize>| {
+        if r.start >= seen_end {
+            r.start - seen_end + end..r.end - seen_end + end
+        } else {
+            r.clone()
+        }
+    };
+    Some(SplitBody {
+        body: Value::Object(shell.obj.clone()),
+        spans: Some(spans),
+        body_key: shell.body_key,
+        tools: shell.tools.as_ref().map(|(r, key)| (moved(r), *key)),
+        reuse: None,
+        shell: Some(shell.clone()),
+    })
 }
 
 fn skip_whitespace(raw: &[u8], mut at: usize) -> usize {
@@ -180,12 +249,22 @@ fn finish_split(
         }
         body_key.update(b"\0|");
     }
+    let body_key = *body_key.finalize().as_bytes();
+    // A shell stands for the bytes around the items: it needs items.
+    let shell = spans.as_ref().is_some_and(|s| !s.is_empty()).then(|| {
+        Arc::new(Shell {
+            obj: obj.clone(),
+            tools: tools.clone(),
+            body_key,
+        })
+    });
     Some(SplitBody {
         body: Value::Object(obj),
         spans,
-        body_key: *body_key.finalize().as_bytes(),
+        body_key,
         tools,
         reuse: None,
+        shell,
     })
 }
 
@@ -336,6 +415,7 @@ pub struct ItemList {
     spans: Vec<Range<usize>>,
     values: OnceLock<Arc<Vec<Value>>>,
     reuse: Option<Reuse>,
+    shell: Option<Arc<Shell>>,
 }
 
 /// A recent request (of the same scope) whose first `items` items a body
@@ -354,6 +434,7 @@ impl From<Vec<Value>> for ItemList {
             spans: Vec::new(),
             values: OnceLock::from(Arc::new(values)),
             reuse: None,
+            shell: None,
         }
     }
 }
@@ -368,6 +449,7 @@ impl ItemList {
             spans,
             values: OnceLock::new(),
             reuse: None,
+            shell: None,
         }
     }
 
@@ -375,6 +457,13 @@ impl ItemList {
     /// [`ItemList::hashes_and_chains`].
     pub fn with_reuse(mut self, reuse: Option<Reuse>) -> Self {
         self.reuse = reuse;
+        self
+    }
+
+    /// What the split of this list's body found outside the items, kept
+    /// with the list's bytes by [`ItemList::hashes_and_chains`].
+    pub fn with_shell(mut self, shell: Option<Arc<Shell>>) -> Self {
+        self.shell = shell;
         self
     }
 
@@ -530,6 +619,7 @@ impl ItemList {
             hashes: items.clone(),
             head_chain,
             chains: item_chains.clone(),
+            shell: self.shell.clone(),
         };
         recent()
             .lock()
@@ -589,6 +679,8 @@ struct Seen {
     head_chain: ItemHash,
     /// The chain hashes after each raw item.
     chains: Vec<ItemHash>,
+    /// What is around its items, when its split found it.
+    shell: Option<Arc<Shell>>,
 }
 
 impl Seen {
@@ -1038,12 +1130,13 @@ mod tests {
         fn resuming_after_a_repeated_history_splits_as_the_full_parse(
             texts in proptest::collection::vec("[a-z\"\\\\é ]{0,12}", 1..8),
             extra in proptest::collection::vec("[a-z ]{0,8}", 0..4),
-            edit in 0usize..6,
+            edit in 0usize..7,
             at in 0usize..8,
             heads in 0usize..3,
             tools_before in proptest::bool::ANY,
             ws in proptest::sample::select(vec!["", " ", "\n  "]),
             seed in proptest::num::u64::ANY,
+            keep_shell in proptest::bool::ANY,
         ) {
             let item = |i: usize, t: &str| json!({"role": if i.is_multiple_of(2) { "user" } else { "assistant" }, "content": t});
             let items: Vec<Value> = texts.iter().enumerate().map(|(i, t)| item(i, t)).collect();
@@ -1064,6 +1157,7 @@ mod tests {
             };
             ItemList::raw(head(1), first.clone(), a.spans.clone().unwrap())
                 .with_reuse(a.reuse)
+                .with_shell(a.shell.filter(|_| keep_shell))
                 .hashes_and_chains(&scope);
 
             let mut next = items.clone();
@@ -1079,12 +1173,20 @@ mod tests {
                 3 => before2.push(("temperature".into(), json!(0.5))),
                 4 => after2.push(("user".into(), json!(extra.join("")))),
                 // The same content in other bytes.
-                _ => ws2 = if ws.is_empty() { " " } else { "" },
+                5 => ws2 = if ws.is_empty() { " " } else { "" },
+                // A parameter after the items changed, its length not.
+                _ => after2[0].1 = json!(1234),
             }
             let second = Bytes::from(body_bytes(&before2, &next, &after2, ws2));
             let full = split_body(&second, "messages").unwrap();
             let resumed = split_body_reusing(&second, "messages", &scope).unwrap();
             proptest::prop_assert!(same_split(&full, &resumed));
+            if edit == 0 && items.len() >= 2 && keep_shell {
+                // Only new items at the end: the recent request's shell
+                // stands for the bytes around them.
+                let shell = resumed.shell.as_ref().zip(resumed.reuse.as_ref().and_then(|r| r.seen.shell.as_ref()));
+                proptest::prop_assert!(shell.is_some_and(|(a, b)| Arc::ptr_eq(a, b)));
+            }
             if (edit == 0 || edit == 4) && items.len() >= 2 {
                 // Nothing before the end of the repeated items changed (and
                 // the first two items, which find the recent request, are
