@@ -455,6 +455,64 @@ mod tests {
         assert!(read_all(&db).unwrap().is_empty(), "imported, so dropped");
     }
 
+    /// A backend whose first write fails, as on a disk full for a moment.
+    struct FailingOnce(crate::store::sqlite::SqliteBackend, bool);
+
+    impl crate::store::Backend for FailingOnce {
+        fn load(&mut self) -> Result<crate::store::Snapshot, crate::store::StoreError> {
+            self.0.load()
+        }
+        fn write(
+            &mut self,
+            batch: &[crate::store::Record],
+        ) -> Result<(), crate::store::StoreError> {
+            if std::mem::replace(&mut self.1, false) {
+                return Err(io::Error::other("no space left on device").into());
+            }
+            self.0.write(batch)
+        }
+    }
+
+    #[tokio::test]
+    async fn what_an_import_failed_to_write_stays_journaled_for_the_next_start() {
+        use crate::store::{sqlite::SqliteBackend, Store};
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
+            let limit = std::time::Duration::from_secs(10);
+            tokio::time::timeout(limit, f).await.expect("in time")
+        }
+        {
+            let backend = FailingOnce(SqliteBackend::open(&db).unwrap(), true);
+            let (store, _) =
+                Store::start(Box::new(backend), Some(Journal::open(&db).unwrap())).unwrap();
+            within(store.record(record(1))).await.unwrap();
+            assert!(within(store.flush()).await.is_err(), "the import failed");
+            within(store.record(record(2))).await.unwrap();
+            within(store.flush()).await.unwrap();
+            assert_eq!(ids_in(&db), [2]);
+            // A later import succeeding must not drop what an earlier one
+            // failed to write.
+            let ids: Vec<_> = read_all(&db).unwrap().iter().map(|r| r.id).collect();
+            assert_eq!(ids, [1, 2], "still journaled");
+        }
+        // The writer thread lets go of the journal once the store is gone.
+        let journal = within(async {
+            loop {
+                match Journal::open(&db) {
+                    Ok(j) => break j,
+                    Err(_) => tokio::time::sleep(std::time::Duration::from_millis(10)).await,
+                }
+            }
+        })
+        .await;
+        let (_store, snapshot) =
+            Store::start(Box::new(SqliteBackend::open(&db).unwrap()), Some(journal)).unwrap();
+        let loaded: Vec<_> = snapshot.exchanges.iter().map(|e| e.id).collect();
+        assert_eq!(loaded, [1, 2]);
+        assert_eq!(ids_in(&db), [1, 2]);
+    }
+
     #[test]
     fn a_reader_imports_only_a_journal_nobody_serves() {
         let dir = tempfile::tempdir().unwrap();
