@@ -22,10 +22,17 @@ type Job = Box<dyn FnOnce() + Send>;
 /// How long the thread waits for more jobs before it blocks on the queue.
 const GATHER: Duration = Duration::from_millis(1);
 
+/// Jobs the thread may have waiting. A job holds its request's items (up
+/// to the whole body), so when more work comes in than the thread gets
+/// through, the next jobs run where they are queued instead: the intake
+/// slows, memory stays bounded.
+const MAX_BACKLOG: u64 = 512;
+
 /// A named thread that runs queued jobs one after another.
 pub struct Background {
     tx: Mutex<Option<mpsc::Sender<Job>>>,
     counts: Arc<Counts>,
+    max_backlog: u64,
 }
 
 /// Jobs queued and jobs finished, ever: jobs run in order, so every job
@@ -47,6 +54,10 @@ impl Background {
 
     /// Starts the thread, named `name`.
     pub fn start(name: &str) -> std::io::Result<Self> {
+        Self::start_bounded(name, MAX_BACKLOG)
+    }
+
+    fn start_bounded(name: &str, max_backlog: u64) -> std::io::Result<Self> {
         let (tx, rx) = mpsc::channel::<Job>();
         let counts = Arc::new(Counts::default());
         let done = counts.clone();
@@ -81,12 +92,21 @@ impl Background {
         Ok(Self {
             tx: Mutex::new(Some(tx)),
             counts,
+            max_backlog,
         })
     }
 
     /// Queues `job`. It runs inside the caller's tokio runtime context (if
-    /// any), so it may spawn tasks.
+    /// any), so it may spawn tasks. Past [`MAX_BACKLOG`] jobs waiting, it
+    /// runs at once, on the caller's thread (and counts neither as queued
+    /// nor as done: it is over when this returns).
     pub fn spawn(&self, job: impl FnOnce() + Send + 'static) {
+        if self.pending() >= self.max_backlog {
+            if std::panic::catch_unwind(std::panic::AssertUnwindSafe(job)).is_err() {
+                tracing::error!("background job panicked");
+            }
+            return;
+        }
         let handle = tokio::runtime::Handle::try_current().ok();
         let job: Job = Box::new(move || {
             let _guard = handle.as_ref().map(|h| h.enter());
@@ -194,6 +214,34 @@ mod tests {
         assert!(!bg.drained(Duration::from_millis(50)).await);
         for _ in 0..3 {
             release_later.send(()).unwrap();
+        }
+        assert!(bg.drained(Duration::from_secs(10)).await);
+        assert_eq!(bg.pending(), 0);
+    }
+
+    #[tokio::test]
+    async fn a_job_past_the_backlog_runs_where_it_is_queued() {
+        let bg = Background::start_bounded("test-background", 2).unwrap();
+        let (release, gate) = std::sync::mpsc::channel::<()>();
+        let gate = Arc::new(Mutex::new(gate));
+        // Two jobs fill the backlog; the first holds the thread.
+        for _ in 0..2 {
+            let gate = gate.clone();
+            bg.spawn(move || {
+                let _ = gate.lock().unwrap().recv_timeout(Duration::from_secs(10));
+            });
+        }
+        let ran_on = Arc::new(Mutex::new(None));
+        let ran = ran_on.clone();
+        bg.spawn(move || *ran.lock().unwrap() = Some(std::thread::current().id()));
+        assert_eq!(
+            *ran_on.lock().unwrap(),
+            Some(std::thread::current().id()),
+            "ran before spawn returned, on the caller's thread"
+        );
+        assert_eq!(bg.pending(), 2);
+        for _ in 0..2 {
+            release.send(()).unwrap();
         }
         assert!(bg.drained(Duration::from_secs(10)).await);
         assert_eq!(bg.pending(), 0);
