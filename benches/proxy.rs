@@ -658,13 +658,13 @@ impl Rig {
             .enable_all()
             .build()
             .expect("load runtime");
-        let proxy_rt = tokio::runtime::Builder::new_multi_thread()
+        // The runtime `compactor serve` runs on (its threads are named
+        // "compactor"), with the bench's number of workers.
+        let proxy_rt = server::runtime_builder()
             .worker_threads(o.proxy_threads)
-            .thread_name("compactor")
             // Idle blocking threads must not exit (and take their CPU
             // counters with them) while a scenario runs.
             .thread_keep_alive(Duration::from_secs(600))
-            .enable_all()
             .build()
             .expect("proxy runtime");
         let fake = load_rt

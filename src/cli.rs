@@ -261,10 +261,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     init_logging(args.log_format);
-    let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match crate::server::runtime_builder().build() {
         Ok(r) => r,
         Err(e) => {
             eprintln!("compactor: cannot start the runtime: {e}");
