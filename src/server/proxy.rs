@@ -952,13 +952,12 @@ async fn next_frame(mut r: Relay) -> Option<(Result<Frame<Bytes>, BodyError>, Re
             return None;
         }
         let idle: Duration = r.state.upstream.idle_timeout;
-        let next = match (r.held.pop_front(), r.peeked.take()) {
-            (Some(chunk), peeked) => {
-                r.peeked = peeked;
-                Ok(Some(Ok(chunk)))
-            }
-            (None, Some(peeked)) => Ok(peeked),
-            (None, None) => tokio::time::timeout(idle, r.upstream.next()).await,
+        let next = if let Some(chunk) = r.held.pop_front() {
+            Ok(Some(Ok(chunk)))
+        } else if let Some(peeked) = r.peeked.take() {
+            Ok(peeked)
+        } else {
+            tokio::time::timeout(idle, r.upstream.next()).await
         };
         match next {
             Ok(Some(Ok(chunk))) => {
