@@ -79,6 +79,12 @@ pub struct ResponsesCollector {
 impl ResponsesCollector {
     /// Feeds one event: its `event:` name (may be empty) and `data`.
     pub fn push(&mut self, event: &str, data: &str) {
+        // Deltas, nearly all of a stream's events (one per token or so),
+        // repeat what the `done` events carry whole: an event named as one
+        // is not read at all.
+        if event.ends_with(".delta") {
+            return;
+        }
         // Most events are deltas, and the others carry a whole response
         // object (with the instructions and tools echoed): the event is
         // read with its members left as raw JSON, and only what is kept
@@ -326,6 +332,21 @@ mod tests {
         );
         assert_eq!(event_type(r#"{"type":3}"#), None);
         assert_eq!(event_type("[DONE]"), None);
+    }
+
+    #[test]
+    fn events_named_as_deltas_are_not_read() {
+        let mut c = ResponsesCollector::default();
+        let completed = r#"{"type":"response.completed","response":{"id":"r","output":[],"usage":{"input_tokens":1,"output_tokens":1}}}"#;
+        // The name decides: whatever a delta's data says is not looked at.
+        c.push("response.output_text.delta", completed);
+        c.push("response.function_call_arguments.delta", completed);
+        assert!(!c.finished());
+        assert_eq!(c.id, None);
+        // Unnamed, the same data is read.
+        c.push("", completed);
+        assert!(c.finished());
+        assert_eq!(c.id.as_deref(), Some("r"));
     }
 
     #[test]
