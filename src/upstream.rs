@@ -1,7 +1,9 @@
 //! The upstream client: one pooled reqwest client (keep-alive, HTTP/1.1 and
 //! HTTP/2 by ALPN, rustls), URL mapping, header hygiene and credentials.
 
+use std::cell::Cell;
 use std::fmt;
+use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -70,6 +72,7 @@ impl Upstream {
             .tcp_nodelay(true)
             // Redirects are the client's business, as with a direct connection.
             .redirect(reqwest::redirect::Policy::none())
+            .connector_layer(NoteOpened)
             .build()?;
         let api_key = if cfg.api_key_env.is_empty() {
             None
@@ -184,10 +187,10 @@ impl Upstream {
         self.execute(req).await
     }
 
-    /// Sends a request whose body is in memory. A pooled connection the
-    /// upstream closed while idle (llama-server closes after every stream
-    /// although it announces keep-alive) fails before any answer byte; such
-    /// a request never reached the upstream, so it is sent once more.
+    /// Sends a request whose body is in memory, and once more if it failed
+    /// on a pooled connection the upstream had closed while it was idle
+    /// (llama-server closes after every stream although it announces
+    /// keep-alive): see [`stale_connection`].
     pub async fn send_bytes(
         &self,
         method: http::Method,
@@ -201,8 +204,14 @@ impl Upstream {
                 .headers(headers.clone())
                 .body(body.clone())
         };
-        match tokio::time::timeout(self.response_timeout, build().send()).await {
-            Ok(Err(e)) if stale_connection(&e) => {
+        let (sent, opened) = OPENED
+            .scope(Cell::new(false), async {
+                let sent = tokio::time::timeout(self.response_timeout, build().send()).await;
+                (sent, OPENED.with(Cell::get))
+            })
+            .await;
+        match sent {
+            Ok(Err(e)) if stale_connection(&e, opened) => {
                 tracing::debug!(error = %describe(&e), "pooled upstream connection was closed; retrying once");
                 self.execute(build()).await
             }
@@ -229,18 +238,27 @@ impl Upstream {
     }
 }
 
-/// Whether a send failed because the connection was closed under it before
-/// any response arrived (a stale pooled connection), not because the
-/// upstream is down.
-fn stale_connection(e: &reqwest::Error) -> bool {
+/// Whether a send failed on a connection closed under it before any
+/// response byte, where sending again cannot make the upstream answer one
+/// request twice: the request was never written, or it went out on a
+/// pooled connection (`opened`: the send made a connection of its own),
+/// where the likely cause is the upstream closing it while it was idle.
+/// As browsers do, a request on a connection that had answered before is
+/// sent again; one on a fresh connection is not: an upstream that reads a
+/// request and drops the connection may have taken it, and the client gets
+/// the 502 it would get without the proxy.
+fn stale_connection(e: &reqwest::Error, opened: bool) -> bool {
     if e.is_connect() || e.is_timeout() {
         return false;
     }
     let mut source: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(e);
     while let Some(s) = source {
         if let Some(h) = s.downcast_ref::<hyper::Error>() {
-            if h.is_incomplete_message() || h.is_canceled() {
+            if h.is_canceled() {
                 return true;
+            }
+            if h.is_incomplete_message() {
+                return !opened;
             }
         }
         if let Some(io) = s.downcast_ref::<std::io::Error>() {
@@ -250,13 +268,61 @@ fn stale_connection(e: &reqwest::Error) -> bool {
                     | std::io::ErrorKind::BrokenPipe
                     | std::io::ErrorKind::ConnectionAborted
             ) {
-                return true;
+                return !opened;
             }
         }
         source = s.source();
     }
     false
 }
+
+tokio::task_local! {
+    /// Within [`Upstream::send_bytes`]: whether its send got a new
+    /// connection.
+    static OPENED: Cell<bool>;
+}
+
+/// A connector layer that notes, for the send being made, that it got a new
+/// connection. When no idle connection is at hand the pool connects within
+/// the send's own task while it waits for one to come back; a connection
+/// that comes back first is taken instead and the connecting goes on in a
+/// task of its own, so the note is made only when a connection is made
+/// within the send's task.
+#[derive(Clone, Copy)]
+struct NoteOpened;
+
+impl<S> tower_layer::Layer<S> for NoteOpened {
+    type Service = Noted<S>;
+    fn layer(&self, inner: S) -> Noted<S> {
+        Noted(inner)
+    }
+}
+
+#[derive(Clone)]
+struct Noted<S>(S);
+
+impl<S: tower_service::Service<R>, R> tower_service::Service<R> for Noted<S> {
+    type Response = S::Response;
+    type Error = S::Error;
+    type Future = futures_util::future::Map<S::Future, fn(Connecting<S, R>) -> Connecting<S, R>>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
+        self.0.poll_ready(cx)
+    }
+
+    fn call(&mut self, dst: R) -> Self::Future {
+        fn note<T, E>(made: Result<T, E>) -> Result<T, E> {
+            if made.is_ok() {
+                let _ = OPENED.try_with(|o| o.set(true));
+            }
+            made
+        }
+        futures_util::FutureExt::map(self.0.call(dst), note as fn(_) -> _)
+    }
+}
+
+type Connecting<S, R> =
+    Result<<S as tower_service::Service<R>>::Response, <S as tower_service::Service<R>>::Error>;
 
 /// Describes a reqwest error without its URL (which could carry a key in a
 /// query string) — only the kind and the innermost cause.

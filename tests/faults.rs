@@ -4,6 +4,8 @@
 
 mod support;
 
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use compactor::fake_upstream::{chat_stream_events, Reply};
@@ -200,6 +202,135 @@ async fn unreachable_upstream_gives_502() {
         .query_row("SELECT status FROM exchanges", [], |r| r.get(0))
         .unwrap();
     assert_eq!(recorded, 502);
+}
+
+/// Reads one HTTP/1.1 request (head and a `content-length` body) off `s`;
+/// `None` if the connection ends first.
+async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            if buf.len() >= end + 4 + len {
+                return Some(buf.drain(..end + 4 + len).collect());
+            }
+        }
+        let mut chunk = [0u8; 16384];
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// An upstream on a raw socket: each connection is handed to `serve` with
+/// its number (from 0); returns its base URL and the count of requests
+/// read.
+async fn raw_upstream<F, Fut>(serve: F) -> (String, Arc<AtomicUsize>)
+where
+    F: Fn(usize, tokio::net::TcpStream, Arc<AtomicUsize>) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = within(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .await
+        .unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    let requests = Arc::new(AtomicUsize::new(0));
+    let counted = requests.clone();
+    tokio::spawn(async move {
+        for n in 0.. {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(serve(n, stream, counted.clone()));
+        }
+    });
+    (url, requests)
+}
+
+async fn answer_chat(s: &mut tokio::net::TcpStream) {
+    use tokio::io::AsyncWriteExt;
+    let body = compactor::fake_upstream::chat_body("answered", 3, 1).to_string();
+    let head = format!(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n",
+        body.len()
+    );
+    s.write_all(format!("{head}{body}").as_bytes())
+        .await
+        .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_an_upstream_read_on_a_new_connection_and_dropped_is_not_sent_again() {
+    // Every connection: read the request, then close without a byte of
+    // answer; the first with a FIN, the next with a reset.
+    let (url, requests) = raw_upstream(|n, mut s, requests| async move {
+        let mut buf = Vec::new();
+        if read_request(&mut s, &mut buf).await.is_some() {
+            requests.fetch_add(1, Ordering::SeqCst);
+            if n % 2 == 1 {
+                let _ = s.set_zero_linger();
+            }
+        }
+    })
+    .await;
+    let h = Harness::start_with(|c| c.upstream.base_url = url).await;
+    for (i, how) in ["closed", "reset"].iter().enumerate() {
+        let (status, _, body) = post(
+            &format!("{}/chat/completions", h.url()),
+            KEY,
+            &json!({"model": "m", "messages": [{"role": "user", "content": "once"}]}),
+        )
+        .await;
+        assert_eq!(status, 502, "{how}: {}", String::from_utf8_lossy(&body));
+        assert_eq!(error_of(&body)["code"], "upstream_unreachable");
+        // A second attempt would have come before the client's answer.
+        assert_eq!(
+            requests.load(Ordering::SeqCst),
+            i + 1,
+            "{how}: the upstream got the request once"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_on_a_pooled_connection_the_upstream_closed_is_sent_again() {
+    // The first connection answers one request, then reads the next and
+    // closes (as a server does that closes idle connections: the request
+    // crossed its close); later connections answer.
+    let (url, requests) = raw_upstream(|n, mut s, requests| async move {
+        let mut buf = Vec::new();
+        while read_request(&mut s, &mut buf).await.is_some() {
+            let seen = requests.fetch_add(1, Ordering::SeqCst);
+            if n == 0 && seen == 1 {
+                return;
+            }
+            answer_chat(&mut s).await;
+        }
+    })
+    .await;
+    let h = Harness::start_with(|c| c.upstream.base_url = url).await;
+    for turn in ["first", "second"] {
+        let (status, _, body) = post(
+            &format!("{}/chat/completions", h.url()),
+            KEY,
+            &json!({"model": "m", "messages": [{"role": "user", "content": turn}]}),
+        )
+        .await;
+        assert_eq!(status, 200, "{turn}: {}", String::from_utf8_lossy(&body));
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["choices"][0]["message"]["content"], "answered");
+    }
+    assert_eq!(
+        requests.load(Ordering::SeqCst),
+        3,
+        "the second request, again on a new connection"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
