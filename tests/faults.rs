@@ -4,13 +4,12 @@
 
 mod support;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 use compactor::fake_upstream::{chat_stream_events, Reply};
 use serde_json::{json, Value};
-use support::{client, post, post_raw, stream_chat, within, Harness};
+use support::{client, post, post_raw, raw_upstream, read_request, stream_chat, within, Harness};
 
 const KEY: &str = "sk-test-SECRET-never-echo-42";
 
@@ -202,55 +201,6 @@ async fn unreachable_upstream_gives_502() {
         .query_row("SELECT status FROM exchanges", [], |r| r.get(0))
         .unwrap();
     assert_eq!(recorded, 502);
-}
-
-/// Reads one HTTP/1.1 request (head and a `content-length` body) off `s`;
-/// `None` if the connection ends first.
-async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<Vec<u8>> {
-    use tokio::io::AsyncReadExt;
-    loop {
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-            let len: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0);
-            if buf.len() >= end + 4 + len {
-                return Some(buf.drain(..end + 4 + len).collect());
-            }
-        }
-        let mut chunk = [0u8; 16384];
-        match s.read(&mut chunk).await {
-            Ok(0) | Err(_) => return None,
-            Ok(n) => buf.extend_from_slice(&chunk[..n]),
-        }
-    }
-}
-
-/// An upstream on a raw socket: each connection is handed to `serve` with
-/// its number (from 0); returns its base URL and the count of requests
-/// read.
-async fn raw_upstream<F, Fut>(serve: F) -> (String, Arc<AtomicUsize>)
-where
-    F: Fn(usize, tokio::net::TcpStream, Arc<AtomicUsize>) -> Fut + Send + Sync + 'static,
-    Fut: std::future::Future<Output = ()> + Send + 'static,
-{
-    let listener = within(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .await
-        .unwrap();
-    let url = format!("http://{}/v1", listener.local_addr().unwrap());
-    let requests = Arc::new(AtomicUsize::new(0));
-    let counted = requests.clone();
-    tokio::spawn(async move {
-        for n in 0.. {
-            let Ok((stream, _)) = listener.accept().await else {
-                return;
-            };
-            tokio::spawn(serve(n, stream, counted.clone()));
-        }
-    });
-    (url, requests)
 }
 
 async fn answer_chat(s: &mut tokio::net::TcpStream) {

@@ -4,13 +4,15 @@
 
 mod support;
 
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
 
 use compactor::fake_upstream::{responses_stream_events, Reply};
 use serde_json::{json, Value};
 use support::{
-    client, client_calls, compactions, last_client_call, post, small_window,
-    small_window_foreground, within, Harness,
+    client, client_calls, compactions, last_client_call, post, raw_upstream, read_request,
+    small_window, small_window_foreground, within, Harness,
 };
 
 const KEY: &str = "sk-responses-tests";
@@ -329,4 +331,75 @@ async fn codex_in_band_trigger_is_answered_with_exactly_one_compaction_item() {
         .starts_with("[compactor summary"));
     assert!(input.iter().all(|i| i["type"] != "compaction"));
     assert_eq!(input.last().unwrap()["content"][0]["text"], "go on");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_stays_silent_after_its_prelude_is_released_after_ten_seconds() {
+    // The upstream sends `response.created` and `response.in_progress`,
+    // then nothing until the test lets it go on.
+    let events = responses_stream_events("resp_quiet", &["think", "ing"], 5, 2);
+    let (prelude, rest) = (events[..2].concat(), events[2..].concat());
+    let go_on = Arc::new(tokio::sync::Notify::new());
+    let gate = go_on.clone();
+    let (first, second) = (prelude.clone(), rest.clone());
+    let (url, requests) = raw_upstream(move |_, mut s, requests| {
+        let (gate, first, second) = (gate.clone(), first.clone(), second.clone());
+        async move {
+            use tokio::io::AsyncWriteExt;
+            if read_request(&mut s, &mut Vec::new()).await.is_none() {
+                return;
+            }
+            requests.fetch_add(1, Ordering::SeqCst);
+            let chunk = |t: &str| format!("{:x}\r\n{t}\r\n", t.len());
+            let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n";
+            let _ = s.write_all(format!("{head}{}", chunk(&first)).as_bytes()).await;
+            gate.notified().await;
+            let _ = s.write_all(format!("{}0\r\n\r\n", chunk(&second)).as_bytes()).await;
+        }
+    })
+    .await;
+    let h = Harness::start_with(|c| c.upstream.base_url = url).await;
+    let started = std::time::Instant::now();
+    let mut resp = within(
+        client()
+            .post(format!("{}/responses", h.url()))
+            .bearer_auth(KEY)
+            .json(&json!({"model": MODEL, "input": "think first", "stream": true}))
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    let mut got = Vec::new();
+    while got.len() < prelude.len() {
+        let chunk = within(resp.chunk()).await.unwrap().expect("the prelude");
+        got.extend_from_slice(&chunk);
+    }
+    let held = started.elapsed();
+    assert!(
+        held >= Duration::from_millis(9_500),
+        "held back for the upstream to commit: {held:?}"
+    );
+    assert_eq!(
+        String::from_utf8_lossy(&got),
+        prelude,
+        "released as it came"
+    );
+    // Still silent upstream: what follows is relayed as it comes.
+    go_on.notify_one();
+    while let Some(chunk) = within(resp.chunk()).await.unwrap() {
+        got.extend_from_slice(&chunk);
+    }
+    assert_eq!(String::from_utf8(got).unwrap(), format!("{prelude}{rest}"));
+    assert_eq!(requests.load(Ordering::SeqCst), 1);
+    h.wait_exchanges(1).await;
+    let (status, partial, output): (i64, i64, Option<i64>) = h
+        .db()
+        .query_row(
+            "SELECT status, partial, output_tokens FROM exchanges",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .unwrap();
+    assert_eq!((status, partial, output), (200, 0, Some(2)));
 }

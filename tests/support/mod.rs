@@ -6,6 +6,7 @@
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -336,4 +337,53 @@ pub fn spawn_binary(port: u16, args: &[&std::ffi::OsStr]) -> Binary {
     let child = Binary(child);
     rx.recv_timeout(STEP).expect("compactor started");
     child
+}
+
+/// Reads one HTTP/1.1 request (head and a `content-length` body) off `s`;
+/// `None` if the connection ends first.
+pub async fn read_request(s: &mut tokio::net::TcpStream, buf: &mut Vec<u8>) -> Option<Vec<u8>> {
+    use tokio::io::AsyncReadExt;
+    loop {
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            if buf.len() >= end + 4 + len {
+                return Some(buf.drain(..end + 4 + len).collect());
+            }
+        }
+        let mut chunk = [0u8; 16384];
+        match s.read(&mut chunk).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => buf.extend_from_slice(&chunk[..n]),
+        }
+    }
+}
+
+/// An upstream on a raw socket: each connection is handed to `serve` with
+/// its number (from 0); returns its base URL and the count of requests
+/// read.
+pub async fn raw_upstream<F, Fut>(serve: F) -> (String, Arc<AtomicUsize>)
+where
+    F: Fn(usize, tokio::net::TcpStream, Arc<AtomicUsize>) -> Fut + Send + Sync + 'static,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let listener = within(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .await
+        .unwrap();
+    let url = format!("http://{}/v1", listener.local_addr().unwrap());
+    let requests = Arc::new(AtomicUsize::new(0));
+    let counted = requests.clone();
+    tokio::spawn(async move {
+        for n in 0.. {
+            let Ok((stream, _)) = listener.accept().await else {
+                return;
+            };
+            tokio::spawn(serve(n, stream, counted.clone()));
+        }
+    });
+    (url, requests)
 }
