@@ -238,15 +238,15 @@ impl Upstream {
     }
 }
 
-/// Whether a send failed on a connection closed under it before any
-/// response byte, where sending again cannot make the upstream answer one
-/// request twice: the request was never written, or it went out on a
-/// pooled connection (`opened`: the send made a connection of its own),
-/// where the likely cause is the upstream closing it while it was idle.
-/// As browsers do, a request on a connection that had answered before is
-/// sent again; one on a fresh connection is not: an upstream that reads a
-/// request and drops the connection may have taken it, and the client gets
-/// the 502 it would get without the proxy.
+/// Whether a send that failed on a connection closed under it, before any
+/// response byte, is made once more: when the request was never written,
+/// or when it went out on a pooled connection (`opened`: the send made a
+/// connection of its own), where the likely cause is the upstream closing
+/// the connection while it sat idle. As browsers do, a request on a
+/// connection that had answered before is sent again; one on a fresh
+/// connection is not: an upstream that reads a request and drops the
+/// connection may have taken it, and the client gets the 502 it would get
+/// without the proxy.
 fn stale_connection(e: &reqwest::Error, opened: bool) -> bool {
     if e.is_connect() || e.is_timeout() {
         return false;

@@ -27,8 +27,8 @@ use crate::wire::{Api, ItemHash, Usage};
 /// Most records the writer commits in one transaction. Each new item
 /// lands on a random page of the items' hash index, and a commit writes
 /// every page it touched to the WAL: the more items one commit holds, the
-/// more of them share pages (at 1,024 rather than 256, a third fewer store
-/// thread CPU per exchange under load).
+/// more of them share pages (at 1,024 rather than 256, a fifth to a third
+/// less store thread CPU per exchange in the bench's Codex rows).
 const MAX_BATCH: usize = 1024;
 
 /// Where the request's items continue an earlier exchange's items: the first

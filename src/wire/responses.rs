@@ -85,10 +85,10 @@ impl ResponsesCollector {
         if event.ends_with(".delta") {
             return;
         }
-        // Most events are deltas, and the others carry a whole response
-        // object (with the instructions and tools echoed): the event is
-        // read with its members left as raw JSON, and only what is kept
-        // becomes a tree. An event of another shape is read as a tree.
+        // The other events may carry a whole response object (with the
+        // instructions and tools echoed): the event is read with its members
+        // left as raw JSON, and only what is kept becomes a tree. An event
+        // of another shape is read as a tree.
         let Ok(view) = serde_json::from_str::<EventView>(data) else {
             if let Ok(v) = serde_json::from_str::<Value>(data) {
                 self.push_value(event, &v);
