@@ -198,12 +198,35 @@ impl Upstream {
         headers: HeaderMap,
         body: bytes::Bytes,
     ) -> Result<reqwest::Response, ProxyError> {
-        let build = || {
+        self.send_again_if_stale(|| {
             self.client
                 .request(method.clone(), url.clone())
                 .headers(headers.clone())
                 .body(body.clone())
-        };
+        })
+        .await
+    }
+
+    /// [`Upstream::send_bytes`] for a request without a body (a `GET` of
+    /// `/v1/models`, say): no body is sent, nor a length for one.
+    pub async fn send_bodyless(
+        &self,
+        method: http::Method,
+        url: &reqwest::Url,
+        headers: HeaderMap,
+    ) -> Result<reqwest::Response, ProxyError> {
+        self.send_again_if_stale(|| {
+            self.client
+                .request(method.clone(), url.clone())
+                .headers(headers.clone())
+        })
+        .await
+    }
+
+    async fn send_again_if_stale(
+        &self,
+        build: impl Fn() -> reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, ProxyError> {
         let (sent, opened) = OPENED
             .scope(Cell::new(false), async {
                 let sent = tokio::time::timeout(self.response_timeout, build().send()).await;

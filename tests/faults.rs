@@ -248,11 +248,16 @@ async fn a_request_an_upstream_read_on_a_new_connection_and_dropped_is_not_sent_
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_request_on_a_pooled_connection_the_upstream_closed_is_sent_again() {
-    // The first connection answers one request, then reads the next and
-    // closes (as a server does that closes idle connections: the request
-    // crossed its close); later connections answer.
+/// An upstream whose first connection answers one request, then reads the
+/// next and closes (as a server does that closes idle connections: the
+/// request crossed its close); later connections answer. Runs `turn` twice
+/// through a proxy in front of it and checks the second request was sent
+/// again on a new connection.
+async fn pooled_connection_closed_under<F, Fut>(turn: F)
+where
+    F: Fn(String) -> Fut,
+    Fut: std::future::Future<Output = (u16, bytes::Bytes)>,
+{
     let (url, requests) = raw_upstream(|n, mut s, requests| async move {
         let mut buf = Vec::new();
         while read_request(&mut s, &mut buf).await.is_some() {
@@ -265,14 +270,9 @@ async fn a_request_on_a_pooled_connection_the_upstream_closed_is_sent_again() {
     })
     .await;
     let h = Harness::start_with(|c| c.upstream.base_url = url).await;
-    for turn in ["first", "second"] {
-        let (status, _, body) = post(
-            &format!("{}/chat/completions", h.url()),
-            KEY,
-            &json!({"model": "m", "messages": [{"role": "user", "content": turn}]}),
-        )
-        .await;
-        assert_eq!(status, 200, "{turn}: {}", String::from_utf8_lossy(&body));
+    for which in ["first", "second"] {
+        let (status, body) = turn(h.url()).await;
+        assert_eq!(status, 200, "{which}: {}", String::from_utf8_lossy(&body));
         let v: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["choices"][0]["message"]["content"], "answered");
     }
@@ -281,6 +281,37 @@ async fn a_request_on_a_pooled_connection_the_upstream_closed_is_sent_again() {
         3,
         "the second request, again on a new connection"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_on_a_pooled_connection_the_upstream_closed_is_sent_again() {
+    pooled_connection_closed_under(|url| async move {
+        let (status, _, body) = post(
+            &format!("{url}/chat/completions"),
+            KEY,
+            &json!({"model": "m", "messages": [{"role": "user", "content": "again"}]}),
+        )
+        .await;
+        (status, body)
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_passthrough_get_on_a_pooled_connection_the_upstream_closed_is_sent_again() {
+    pooled_connection_closed_under(|url| async move {
+        let resp = within(
+            client()
+                .get(format!("{url}/models"))
+                .bearer_auth(KEY)
+                .send(),
+        )
+        .await
+        .unwrap();
+        let status = resp.status().as_u16();
+        (status, within(resp.bytes()).await.unwrap())
+    })
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

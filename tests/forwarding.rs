@@ -265,6 +265,65 @@ async fn passthrough_paths_stream_untouched_both_ways() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passthrough_requests_keep_the_clients_framing() {
+    let h = Harness::start().await;
+    let framing = |r: &compactor::fake_upstream::Received| {
+        let get = |name: &str| r.headers.get(name).map(|v| v.to_str().unwrap().to_string());
+        (get("content-length"), get("transfer-encoding"))
+    };
+    let url = |path: &str| format!("{}{path}", h.url());
+    let chunked = || {
+        let pieces = vec![Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"abc"))];
+        reqwest::Body::wrap_stream(futures_util::stream::iter(pieces))
+    };
+    // What is sent; the content-length and transfer-encoding the upstream
+    // must see; the body it must get.
+    type Case<'a> = (
+        &'a str,
+        reqwest::RequestBuilder,
+        Option<&'a str>,
+        Option<&'a str>,
+        &'a [u8],
+    );
+    let cases: Vec<Case> = vec![
+        ("GET", client().get(url("/models")), None, None, b""),
+        ("DELETE", client().delete(url("/files/f1")), None, None, b""),
+        (
+            "empty POST",
+            client().post(url("/files")).header("content-length", "0"),
+            Some("0"),
+            None,
+            b"",
+        ),
+        (
+            "POST with a length",
+            client().post(url("/files")).body(vec![7u8; 1000]),
+            Some("1000"),
+            None,
+            &[7u8; 1000],
+        ),
+        (
+            "chunked POST",
+            client().post(url("/files")).body(chunked()),
+            None,
+            Some("chunked"),
+            b"abc",
+        ),
+    ];
+    for (what, req, length, encoding, body) in cases {
+        let resp = within(req.bearer_auth(KEY).send()).await.unwrap();
+        assert_eq!(resp.status(), 200, "{what}");
+        let got = h.fake.last().unwrap();
+        assert_eq!(
+            framing(&got),
+            (length.map(String::from), encoding.map(String::from)),
+            "{what}"
+        );
+        assert_eq!(got.body.as_ref(), body, "{what}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn parsed_endpoints_ask_upstream_for_an_uncompressed_answer() {
     let h = Harness::start().await;
     let resp = within(

@@ -5,7 +5,8 @@ use std::sync::Arc;
 
 use futures_util::TryStreamExt;
 use http::{Request, Response};
-use http_body_util::{BodyExt, BodyStream, StreamBody};
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Body as _;
 use hyper::body::{Frame, Incoming};
 
 use super::AppState;
@@ -22,15 +23,28 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
         .unwrap_or(parts.uri.path());
     let url = state.upstream.url(below, parts.uri.query());
     let headers = state.upstream.request_headers(&parts.headers, false);
-    // Stream the client's body upstream without buffering it.
-    let body_stream =
-        BodyStream::new(body).try_filter_map(|frame| async move { Ok(frame.into_data().ok()) });
-    let upstream_body = reqwest::Body::wrap_stream(body_stream);
-    let resp = match state
-        .upstream
-        .send(parts.method.clone(), &url, headers, upstream_body)
-        .await
-    {
+    let sent = if body.is_end_stream() {
+        // Nothing to stream (a GET, mostly): it can be sent again if a
+        // pooled connection turns out closed. A declared empty body is
+        // declared upstream too.
+        let mut headers = headers;
+        if let Some(declared) = parts.headers.get(http::header::CONTENT_LENGTH) {
+            headers.insert(http::header::CONTENT_LENGTH, declared.clone());
+        }
+        state
+            .upstream
+            .send_bodyless(parts.method.clone(), &url, headers)
+            .await
+    } else {
+        // Streamed upstream without buffering, framed as the client framed
+        // it: a declared length stays declared.
+        let upstream_body = reqwest::Body::wrap(body);
+        state
+            .upstream
+            .send(parts.method.clone(), &url, headers, upstream_body)
+            .await
+    };
+    let resp = match sent {
         Ok(r) => r,
         Err(e) => return e.into_response(),
     };
