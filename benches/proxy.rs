@@ -843,6 +843,9 @@ struct Row {
     proxy_cpu_by_thread: Vec<(String, f64)>,
     /// CPU of the load runtime (clients at c=32, the fake upstream) per request, ms.
     load_cpu_ms: f64,
+    /// Share of the machine's CPU busy during the direct and the proxied
+    /// rounds (c=32).
+    machine_busy: [f64; 2],
     secs: f64,
 }
 
@@ -856,11 +859,13 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
             .map(|i| Session::new(sc.variant, sc.stream, sc.size, 1 + i as u64))
             .collect()
     };
-    let (collected, settle, cpu) = rig.load_rt.block_on(async {
+    let (collected, settle, cpu, machine_busy) = rig.load_rt.block_on(async {
         let client = client();
         let mut out = [Collected::default(), Collected::default()];
         let mut settle = Duration::ZERO;
         let mut cpu0 = ThreadCpu::default();
+        // (busy, total) ticks of the machine during each side's rounds.
+        let mut machine = [(0u64, 0u64); 2];
         if sc.conc == 1 {
             let mut s = [sessions(1).pop().unwrap(), sessions(1).pop().unwrap()];
             for i in 0..o.c1_warm + o.c1_n {
@@ -909,7 +914,11 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
                 let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
                 for side in order {
                     let taken = std::mem::take(&mut s[side]);
+                    let before = machine_ticks();
                     let (back, c) = burst(&client, &urls[side], taken, per_round, sc.stream).await;
+                    let after = machine_ticks();
+                    machine[side].0 += after.0.saturating_sub(before.0);
+                    machine[side].1 += after.1.saturating_sub(before.1);
                     s[side] = back;
                     out[side].wall += c.wall;
                     out[side].absorb(c);
@@ -918,7 +927,8 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
         }
         // The proxy's background work for the last requests counts too.
         quiesce().await;
-        (out, settle, thread_cpu().minus(&cpu0))
+        let busy = machine.map(|(busy, total)| busy as f64 / total.max(1) as f64);
+        (out, settle, thread_cpu().minus(&cpu0), busy)
     });
     let recorded = rig.exchanges_recorded();
     rig.stop();
@@ -941,6 +951,7 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
         proxy_cpu_ms,
         proxy_cpu_by_thread,
         load_cpu_ms,
+        machine_busy,
         secs: started.elapsed().as_secs_f64(),
     }
 }
@@ -1319,7 +1330,10 @@ fn main() {
          c=1: fake only); rec = exchanges in the proxy's store, warm-up included)"
     );
     println!();
-    println!("proxy CPU per request by thread (ms; c=32 rows; the runtime worker is `compactor`):");
+    println!(
+        "c=32 rows: how busy the machine's CPUs were during the direct / the proxied rounds, and the proxy's \
+         CPU per request by thread (ms; the runtime worker is `compactor`):"
+    );
     for r in rows.iter().filter(|r| r.sc.conc > 1) {
         let parts: Vec<String> = r
             .proxy_cpu_by_thread
@@ -1327,7 +1341,13 @@ fn main() {
             .filter(|(_, ms)| *ms >= 0.005)
             .map(|(name, ms)| format!("{name} {ms:.3}"))
             .collect();
-        println!("  {:<20} {}", r.name, parts.join(", "));
+        println!(
+            "  {:<20} busy {:>3.0}% / {:>3.0}%   {}",
+            r.name,
+            100.0 * r.machine_busy[0],
+            100.0 * r.machine_busy[1],
+            parts.join(", ")
+        );
     }
     for r in &rows {
         for (side, s) in ["direct", "proxy"].iter().zip(&r.side) {
