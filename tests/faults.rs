@@ -283,17 +283,33 @@ where
     );
 }
 
+/// [`pooled_connection_closed_under`] with a POST of `body` to `path`.
+async fn post_where_a_pooled_connection_is_closed_under(path: &str, body: Value) {
+    pooled_connection_closed_under(|url| {
+        let (url, body) = (format!("{url}{path}"), body.clone());
+        async move {
+            let (status, _, answer) = post(&url, KEY, &body).await;
+            (status, answer)
+        }
+    })
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_on_a_pooled_connection_the_upstream_closed_is_sent_again() {
-    pooled_connection_closed_under(|url| async move {
-        let (status, _, body) = post(
-            &format!("{url}/chat/completions"),
-            KEY,
-            &json!({"model": "m", "messages": [{"role": "user", "content": "again"}]}),
-        )
-        .await;
-        (status, body)
-    })
+    post_where_a_pooled_connection_is_closed_under(
+        "/chat/completions",
+        json!({"model": "m", "messages": [{"role": "user", "content": "again"}]}),
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_small_passthrough_post_on_a_pooled_connection_the_upstream_closed_is_sent_again() {
+    post_where_a_pooled_connection_is_closed_under(
+        "/embeddings",
+        json!({"model": "e", "input": "again"}),
+    )
     .await;
 }
 

@@ -272,6 +272,7 @@ async fn passthrough_requests_keep_the_clients_framing() {
         (get("content-length"), get("transfer-encoding"))
     };
     let url = |path: &str| format!("{}{path}", h.url());
+    let big: Vec<u8> = (0..2u32 << 20).map(|i| (i % 253) as u8).collect();
     let chunked = || {
         let pieces = vec![Ok::<_, std::io::Error>(bytes::Bytes::from_static(b"abc"))];
         reqwest::Body::wrap_stream(futures_util::stream::iter(pieces))
@@ -301,6 +302,13 @@ async fn passthrough_requests_keep_the_clients_framing() {
             Some("1000"),
             None,
             &[7u8; 1000],
+        ),
+        (
+            "POST with a length past what is read first",
+            client().post(url("/files")).body(big.clone()),
+            Some("2097152"),
+            None,
+            &big,
         ),
         (
             "chunked POST",

@@ -9,9 +9,15 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Body as _;
 use hyper::body::{Frame, Incoming};
 
-use super::AppState;
+use super::{proxy, AppState};
 use crate::error::{BodyError, ProxyBody};
 use crate::upstream::strip_hop_by_hop;
+
+/// Request bodies up to this declared length are read before they are sent,
+/// so that the request can be sent again if a pooled connection turns out
+/// closed (see `Upstream::send_bytes`); longer ones, and those of unknown
+/// length, stream through.
+const RESENDABLE_BODY: u64 = 1 << 20;
 
 /// Forwards the request as is and streams the answer back.
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
@@ -34,6 +40,17 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
         state
             .upstream
             .send_bodyless(parts.method.clone(), &url, headers)
+            .await
+    } else if proxy::declared_length(&parts.headers).is_some_and(|n| n <= RESENDABLE_BODY) {
+        // Small (an embeddings request, say): read first, so that it too
+        // can be sent again.
+        let bytes = match proxy::read_body(body, &parts.headers, RESENDABLE_BODY as usize).await {
+            Ok(b) => b,
+            Err(e) => return e.into_response(),
+        };
+        state
+            .upstream
+            .send_bytes(parts.method.clone(), &url, headers, bytes)
             .await
     } else {
         // Streamed upstream without buffering, framed as the client framed

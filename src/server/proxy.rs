@@ -680,16 +680,23 @@ async fn previous_history(state: &Arc<AppState>, tenant: &str, id: &str) -> Opti
 /// Most bytes allocated for a request body before they arrive.
 const PRESIZE_LIMIT: usize = 1 << 20;
 
+/// The body length a request declares (`content-length`), if any.
+pub(super) fn declared_length(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
 /// Reads the whole body, refusing more than `limit` bytes with 413.
-async fn read_body(
+pub(super) async fn read_body(
     body: Incoming,
     headers: &http::HeaderMap,
     limit: usize,
 ) -> Result<Bytes, ProxyError> {
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
+    let declared = declared_length(headers);
     if declared.is_some_and(|n| n > limit as u64) {
         return Err(ProxyError::PayloadTooLarge { limit });
     }
