@@ -1060,6 +1060,46 @@ async fn quiesce() -> Duration {
 
 /// Single-thread timings of the CPU work the proxy does per request, on one
 /// body of each size, to tell what its added latency is made of.
+/// What the SSE tee costs per chunk of a streamed chat answer (one token's
+/// chunk, as OpenAI sends them), with and without hiding the usage the
+/// proxy asked for: a long answer is hundreds of such chunks.
+fn tee_per_chunk(reps: usize) {
+    use compactor::wire::sse::SseTee;
+    use compactor::wire::Api;
+    let chunks: Vec<bytes::Bytes> = (0..500)
+        .map(|i| {
+            bytes::Bytes::from(format!(
+                "data: {{\"id\":\"chatcmpl-AbCdEf0123456789\",\"object\":\"chat.completion.chunk\",\
+                 \"created\":1732000000,\"model\":\"gpt-4.1-mini-2025-04-14\",\"system_fingerprint\":\"fp_0123456789\",\
+                 \"choices\":[{{\"index\":0,\"delta\":{{\"content\":\" word{i}\"}},\"logprobs\":null,\
+                 \"finish_reason\":null}}],\"usage\":null}}\n\n"
+            ))
+        })
+        .collect();
+    let per_chunk = |strip: bool| {
+        let mut t: Vec<f64> = (0..reps)
+            .map(|_| {
+                let mut tee = SseTee::new(Api::Chat, strip);
+                let t0 = Instant::now();
+                for c in &chunks {
+                    std::hint::black_box(tee.push(c.clone()));
+                }
+                std::hint::black_box(tee.finish());
+                t0.elapsed().as_secs_f64() * 1e6 / chunks.len() as f64
+            })
+            .collect();
+        t.sort_by(|a, b| a.total_cmp(b));
+        t[t.len() / 2]
+    };
+    println!(
+        "SSE tee, per chunk of a streamed chat answer (median µs, {} chunks of ~300 bytes): {:.2}; \
+         hiding the usage the proxy asked for: {:.2}",
+        chunks.len(),
+        per_chunk(false),
+        per_chunk(true)
+    );
+}
+
 fn breakdown(o: &Opts) {
     use compactor::tokens::TokenCounter;
     use compactor::wire::items::{split_body, split_body_reusing, ItemList, Tools};
@@ -1198,6 +1238,7 @@ fn breakdown(o: &Opts) {
          stored before, as JSON text; tok: token estimate after the answer, on an accounting \
          thread — cold = all items new)"
     );
+    tee_per_chunk(reps);
 }
 
 fn status_kb(key: &str) -> Option<u64> {
