@@ -9,7 +9,8 @@
 //! between two credentials, even for byte-identical histories.
 
 use std::collections::VecDeque;
-use std::sync::Mutex;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, OnceLock};
 
 use crate::store::{IndexedExchange, PrefixRef, Snapshot};
 use crate::wire::ItemHash;
@@ -21,21 +22,26 @@ pub fn tenant_of(salt: &[u8; 32], credential: Option<&[u8]>) -> String {
     h.to_hex()[..24].to_string()
 }
 
-/// A new random conversation id.
+/// A new conversation id: unpredictable and unique, without a system call
+/// per id (a keyed hash of a counter, under a key drawn once per process).
 pub fn new_conversation_id() -> String {
-    let mut b = [0u8; 12];
-    if getrandom::fill(&mut b).is_err() {
-        // Fall back to time: ids need to be unique, not secret.
-        let t = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_nanos())
-            .unwrap_or(0);
-        b.copy_from_slice(&t.to_le_bytes()[..12]);
-    }
-    format!(
-        "conv_{}",
-        b.iter().map(|x| format!("{x:02x}")).collect::<String>()
-    )
+    static KEY: OnceLock<[u8; 32]> = OnceLock::new();
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let key = KEY.get_or_init(|| {
+        let mut k = [0u8; 32];
+        if getrandom::fill(&mut k).is_err() {
+            // Fall back to time: ids need to be unique, not secret.
+            let t = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or(0);
+            k[..16].copy_from_slice(&t.to_le_bytes());
+        }
+        k
+    });
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let h = blake3::keyed_hash(key, &n.to_le_bytes());
+    format!("conv_{}", &h.to_hex()[..24])
 }
 
 /// The result of matching a request.
@@ -240,6 +246,18 @@ mod tests {
     fn chains(n: usize) -> Vec<ItemHash> {
         let items: Vec<ItemHash> = (0..n).map(|i| item_hash(&json!({"n": i}))).collect();
         chain_hashes(&items)
+    }
+
+    #[test]
+    fn conversation_ids_are_distinct_hex() {
+        let ids: std::collections::HashSet<String> =
+            (0..10_000).map(|_| new_conversation_id()).collect();
+        assert_eq!(ids.len(), 10_000);
+        for id in ids.iter().take(100) {
+            let hex = id.strip_prefix("conv_").expect("prefixed");
+            assert_eq!(hex.len(), 24);
+            assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
+        }
     }
 
     fn ex(id: i64, conv: &str, tenant: &str, c: &[ItemHash], req: usize) -> IndexedExchange {

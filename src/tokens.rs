@@ -52,7 +52,18 @@ static PIECES: OnceLock<Option<pieces::PieceCounter>> = OnceLock::new();
 #[derive(Default)]
 pub struct TokenCounter {
     cache: Mutex<foldhash::HashMap<ItemHash, Counted>>,
+    /// Sums by section of a request's leading items, by the chain hash
+    /// after them: a conversation's next request repeats them, and takes
+    /// their sums with one look instead of one per item.
+    prefixes: Mutex<foldhash::HashMap<(Api, ItemHash), Estimate>>,
 }
+
+/// How far back from its end a request's chains are looked up among the
+/// prefixes counted before (a next turn adds a few items; a regenerated
+/// answer drops one).
+const PREFIX_LOOKBACK: usize = 16;
+/// Prefix sums kept before they are cleared (bounds memory).
+const PREFIX_LIMIT: usize = 100_000;
 
 /// What the cache keeps of an item: its tokens and what kind of item it
 /// is, so a cached item is never parsed again.
@@ -212,9 +223,35 @@ impl TokenCounter {
         hashes: &[ItemHash],
         tools: Option<&Tools>,
     ) -> Estimate {
-        let hashes = &hashes[..hashes.len().min(items.len())];
-        // One look at the cache for the whole request; the items it lacks
-        // are counted without holding it.
+        self.estimate_chained(api, items, hashes, None, tools)
+    }
+
+    /// [`TokenCounter::estimate`], given also the chain hashes after each
+    /// item ([`crate::wire::chain_hashes`]): the sums of the longest prefix
+    /// counted before (near the end) are taken as they are, and only the
+    /// items after it are looked up one by one.
+    pub fn estimate_chained(
+        &self,
+        api: Api,
+        items: &ItemList,
+        hashes: &[ItemHash],
+        chains: Option<&[ItemHash]>,
+        tools: Option<&Tools>,
+    ) -> Estimate {
+        let n = hashes.len().min(items.len());
+        let chains = chains.filter(|c| c.len() == hashes.len()).map(|c| &c[..n]);
+        let (from, mut e) = chains
+            .and_then(|chains| {
+                let known = self.prefixes.lock().unwrap_or_else(|p| p.into_inner());
+                (1..=n)
+                    .rev()
+                    .take(PREFIX_LOOKBACK)
+                    .find_map(|k| known.get(&(api, chains[k - 1])).map(|e| (k, *e)))
+            })
+            .unwrap_or_default();
+        let hashes = &hashes[from..n];
+        // One look at the cache for the rest of the request; the items it
+        // lacks are counted without holding it.
         let mut found: Vec<Option<Counted>> = {
             let cache = self.lock();
             hashes.iter().map(|h| cache.get(h).copied()).collect()
@@ -222,7 +259,7 @@ impl TokenCounter {
         let mut new = Vec::new();
         for (i, slot) in found.iter_mut().enumerate() {
             if slot.is_none() {
-                let c = self.count_new(&items.item(i));
+                let c = self.count_new(&items.item(from + i));
                 new.push((hashes[i], c));
                 *slot = Some(c);
             }
@@ -230,12 +267,25 @@ impl TokenCounter {
         if !new.is_empty() {
             self.insert(new);
         }
-        let mut e = Estimate::default();
+        // The sums after all items but the last, and after all: the next
+        // request of the conversation continues one or the other.
+        let mut before_last = e;
         for c in found.into_iter().flatten() {
+            before_last = e;
             match c.kind.section(api) {
                 Section::System => e.system += c.tokens,
                 Section::Messages => e.messages += c.tokens,
                 Section::ToolOutputs => e.tool_outputs += c.tokens,
+            }
+        }
+        if let Some(chains) = chains.filter(|_| n > from) {
+            let mut known = self.prefixes.lock().unwrap_or_else(|p| p.into_inner());
+            if known.len() + 2 > PREFIX_LIMIT {
+                known.clear();
+            }
+            known.insert((api, chains[n - 1]), e);
+            if n >= 2 && n - 1 > from {
+                known.insert((api, chains[n - 2]), before_last);
             }
         }
         if let Some(t) = tools {
@@ -296,6 +346,40 @@ mod tests {
 
     proptest::proptest! {
         #![proptest_config(proptest::test_runner::Config::with_cases(64))]
+
+        /// A conversation's requests (each continues, or drops the last
+        /// items of, one before it, in either API) are estimated with the
+        /// sums of the prefixes counted before exactly as without them.
+        #[test]
+        fn prefix_sums_change_no_estimate(
+            steps in proptest::collection::vec(
+                (0usize..4, 0usize..3, proptest::bool::ANY, proptest::collection::vec(0usize..6, 0..5)),
+                1..12,
+            ),
+        ) {
+            let item = |k: usize, n: usize| match k % 3 {
+                0 => serde_json::json!({"role": "user", "content": format!("question {n} about the parser")}),
+                1 => serde_json::json!({"role": "tool", "tool_call_id": "c", "content": format!("{n} lines of output")}),
+                _ => serde_json::json!({"type": "function_call_output", "call_id": "c", "output": format!("ok {n}")}),
+            };
+            let t = TokenCounter::default();
+            let mut history: Vec<Value> = vec![serde_json::json!({"role": "system", "content": "be brief"})];
+            let mut n = 0;
+            for (drop, back, responses, add) in steps {
+                history.truncate(history.len().saturating_sub(drop).max(back.min(history.len())));
+                for k in add {
+                    n += 1;
+                    history.push(item(k, n));
+                }
+                let api = if responses { Api::Responses } else { Api::Chat };
+                let items: ItemList = history.clone().into();
+                let hashes = items.hashes();
+                let chains = crate::wire::chain_hashes(&hashes);
+                let chained = t.estimate_chained(api, &items, &hashes, Some(&chains), None);
+                let fresh = TokenCounter::default().estimate(api, &items, &hashes, None);
+                proptest::prop_assert_eq!(chained, fresh);
+            }
+        }
 
         /// An item's tokens never exceed its JSON's bytes (plus framing).
         #[test]

@@ -232,7 +232,11 @@ impl PendingExchange {
         let background = state.background;
         let state = state.clone();
         let (api, tools, view) = (self.api, self.tools.clone(), self.view.clone());
-        let hashes = Arc::ptr_eq(&self.view, &self.items).then(|| self.hashes.clone());
+        // The request's own hashes and chains, unless a compaction changed
+        // what was sent.
+        let sent_as_received = Arc::ptr_eq(&self.view, &self.items);
+        let hashes = sent_as_received.then(|| self.hashes.clone());
+        let chains = sent_as_received.then(|| self.chains.clone());
         // Without reported usage the estimate decides (only a complete
         // answer says how large the conversation now is).
         let next = (complete && usage.is_none()).then(|| self.input(String::new(), false));
@@ -242,7 +246,13 @@ impl PendingExchange {
         let compaction = self.compaction.as_ref().map(|c| c.id.clone());
         background.spawn(move || {
             let hashes = hashes.unwrap_or_else(|| Arc::new(view.hashes()));
-            let est = state.tokens.estimate(api, &view, &hashes, tools.as_ref());
+            let est = state.tokens.estimate_chained(
+                api,
+                &view,
+                &hashes,
+                chains.as_deref().map(Vec::as_slice),
+                tools.as_ref(),
+            );
             let limits = state.model_limits(&model);
             let (used, source) = match usage {
                 Some(u) => (u.total(), "reported"),
