@@ -1,8 +1,9 @@
 //! The journal: exchange records on their way into the database.
 //!
-//! An exchange is appended here with one `write` before its answer's last
-//! bytes go out; from then on it survives the process being killed (the
-//! bytes are in the OS). The writer thread imports the records into the
+//! An exchange is appended here before its answer's last bytes go out;
+//! from then on it survives the process being killed (the bytes are in the
+//! OS). Exchanges that end in the same turn of the runtime share one
+//! `write` ([`Journal::stage`], [`Journal::write_staged`]). The writer thread imports the records into the
 //! database in batches a little later, which costs a fraction of one commit
 //! per exchange. Whatever the journal still holds at start-up (the process
 //! was killed before an import) is imported before anything else runs.
@@ -27,6 +28,16 @@ use crate::wire::ItemHash;
 
 /// Above this size the journal is set aside and a new one started.
 const ROTATE_BYTES: u64 = 64 << 20;
+/// The staged frames' buffer is kept between writes up to this capacity.
+const STAGED_KEPT: usize = 1 << 20;
+
+/// Where [`Journal::stage`] put a record.
+pub enum Staged {
+    /// Its sequence number, for [`Journal::write_staged`].
+    At(u64),
+    /// The journal was handed over: the record, to be committed otherwise.
+    Back(Box<ExchangeRecord>),
+}
 
 /// The journal of one store, held by the process that serves it.
 pub struct Journal {
@@ -38,8 +49,15 @@ pub struct Journal {
 struct State {
     file: File,
     bytes: u64,
-    /// Records appended since start-up.
+    /// Records appended since start-up (staged, and written or not).
     appended: u64,
+    /// Frames appended and not yet written, in order; the records up to
+    /// `written` are in the file.
+    staged: Vec<u8>,
+    written: u64,
+    /// A write failed: it and every record after it are not (reliably) in
+    /// the file, until the file is emptied.
+    failed_from: Option<u64>,
     /// While `D-exchanges.old` exists: the count of appended records it ends at.
     old_upto: Option<u64>,
     /// An import failed: keep every journal file for the next start-up.
@@ -121,6 +139,9 @@ impl Journal {
                 file,
                 bytes,
                 appended: 0,
+                staged: Vec::new(),
+                written: 0,
+                failed_from: None,
                 old_upto: None,
                 keep: false,
                 lock: Some(lock),
@@ -146,16 +167,60 @@ impl Journal {
         rec: ExchangeRecord,
         then: impl FnOnce(u64, ExchangeRecord),
     ) -> io::Result<Option<ExchangeRecord>> {
+        match self.stage(rec, then)? {
+            Staged::Back(rec) => Ok(Some(*rec)),
+            Staged::At(seq) => self.write_staged(seq).map(|()| None),
+        }
+    }
+
+    /// Appends `rec` to the frames waiting for [`Journal::write_staged`] and
+    /// hands it to `then` with its sequence number, in journal order. Each
+    /// record's caller writes (or finds written) its frame before it
+    /// acknowledges the exchange; records staged meanwhile, by other
+    /// exchanges that end at the same time, share that one write.
+    pub fn stage(
+        &self,
+        rec: ExchangeRecord,
+        then: impl FnOnce(u64, ExchangeRecord),
+    ) -> io::Result<Staged> {
         let frame = encode_frame(&rec)?;
         let mut st = self.lock();
         if st.lock.is_none() {
-            return Ok(Some(rec));
+            return Ok(Staged::Back(Box::new(rec)));
         }
-        st.file.write_all(&frame)?;
-        st.bytes += frame.len() as u64;
+        st.staged.extend_from_slice(&frame);
         st.appended += 1;
-        then(st.appended, rec);
-        Ok(None)
+        let seq = st.appended;
+        then(seq, rec);
+        Ok(Staged::At(seq))
+    }
+
+    /// Makes sure the record staged as `seq` is in the file: writes every
+    /// staged frame unless an earlier call did.
+    pub fn write_staged(&self, seq: u64) -> io::Result<()> {
+        let mut st = self.lock();
+        if st.written < seq && st.lock.is_some() {
+            let st = &mut *st;
+            let result = st.file.write_all(&st.staged);
+            st.written = st.appended;
+            match result {
+                Ok(()) => st.bytes += st.staged.len() as u64,
+                Err(_) => {
+                    st.failed_from.get_or_insert(seq);
+                }
+            }
+            st.staged.clear();
+            if st.staged.capacity() > STAGED_KEPT {
+                st.staged = Vec::new();
+            }
+            result?;
+        }
+        match st.failed_from {
+            Some(from) if seq >= from => Err(io::Error::other(
+                "an earlier journal write failed; the journal no longer holds new records",
+            )),
+            _ => Ok(()),
+        }
     }
 
     /// Hands the store over (at shutdown, once everything is imported):
@@ -178,9 +243,11 @@ impl Journal {
                 st.old_upto = None;
             }
             if upto == st.appended && st.old_upto.is_none() {
-                if st.bytes > 0 {
+                if st.bytes > 0 || st.failed_from.is_some() {
                     st.file.set_len(0)?;
                     st.bytes = 0;
+                    // Whatever a failed write left is gone with the rest.
+                    st.failed_from = None;
                 }
             } else if st.bytes > ROTATE_BYTES && st.old_upto.is_none() {
                 std::fs::rename(&self.log, &self.old)?;
@@ -190,6 +257,8 @@ impl Journal {
                     .open(&self.log)?;
                 st.bytes = 0;
                 st.old_upto = Some(st.appended);
+                // Frames staged from now on go to a file of their own.
+                st.failed_from = None;
             }
             Ok(())
         })();
@@ -387,6 +456,57 @@ mod tests {
         out.clear();
         decode_frames(&bytes, &mut out, Path::new("j"));
         assert_eq!(out.len(), 1);
+    }
+
+    #[test]
+    fn staged_records_share_one_write_and_a_failed_write_is_reported() {
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        let (j, _) = Journal::open(&db).unwrap();
+        let [log, _, _] = paths(&db);
+        let mut seqs = Vec::new();
+        for id in 1..=3 {
+            match j.stage(record(id), |_, _| {}).unwrap() {
+                Staged::At(seq) => seqs.push(seq),
+                Staged::Back(_) => panic!("the journal is held"),
+            }
+        }
+        assert_eq!(
+            std::fs::metadata(&log).unwrap().len(),
+            0,
+            "nothing written yet"
+        );
+        j.write_staged(seqs[1]).unwrap();
+        let three = std::fs::metadata(&log).unwrap().len();
+        let mut out = Vec::new();
+        decode_frames(&std::fs::read(&log).unwrap(), &mut out, &log);
+        assert_eq!(out.iter().map(|r| r.id).collect::<Vec<_>>(), [1, 2, 3]);
+        // The others find theirs written.
+        j.write_staged(seqs[0]).unwrap();
+        j.write_staged(seqs[2]).unwrap();
+        assert_eq!(std::fs::metadata(&log).unwrap().len(), three);
+
+        // A write that fails fails its records and the later ones.
+        let writable = std::mem::replace(&mut j.lock().file, File::open(&log).unwrap());
+        let Staged::At(four) = j.stage(record(4), |_, _| {}).unwrap() else {
+            panic!("staged")
+        };
+        assert!(j.write_staged(four).is_err());
+        j.lock().file = writable;
+        let Staged::At(five) = j.stage(record(5), |_, _| {}).unwrap() else {
+            panic!("staged")
+        };
+        assert!(j.write_staged(five).is_err(), "after a torn write");
+        assert!(j.write_staged(seqs[2]).is_ok(), "written before it");
+        // Once everything is imported the file starts over, and works.
+        j.imported(five);
+        let Staged::At(six) = j.stage(record(6), |_, _| {}).unwrap() else {
+            panic!("staged")
+        };
+        j.write_staged(six).unwrap();
+        out.clear();
+        decode_frames(&std::fs::read(&log).unwrap(), &mut out, &log);
+        assert_eq!(out.iter().map(|r| r.id).collect::<Vec<_>>(), [6]);
     }
 
     #[test]

@@ -4,7 +4,8 @@
 //! shared backend for several replicas plugs in behind the same trait.
 //! All writes go through one writer thread that commits in batches, so the
 //! async request path never blocks on the database. An exchange is appended
-//! to the [`journal`] (one write) just before its answer's last bytes are
+//! to the [`journal`] (one write, shared by the exchanges that end in the
+//! same turn of the runtime) just before its answer's last bytes are
 //! released, which is what makes an acknowledged exchange survive a crash;
 //! the writer imports journaled exchanges within [`IMPORT_DELAY`].
 
@@ -198,6 +199,14 @@ pub struct Store {
     journal: Option<Arc<Journal>>,
 }
 
+/// Where [`Store::stage`] put a record.
+enum Journaled<'a> {
+    /// Staged in this journal at this sequence number.
+    At(&'a Journal, u64),
+    /// Not journaled: to be committed.
+    Back(Box<ExchangeRecord>),
+}
+
 /// How long a journaled exchange may wait for its import: long enough to
 /// import in large batches under load (see [`MAX_BATCH`]), short enough
 /// that a reader in another process sees it at once.
@@ -270,9 +279,14 @@ impl Store {
     /// survives the process being killed. Journaled (one write) when the
     /// store has a journal, else committed.
     pub async fn record(&self, rec: ExchangeRecord) -> Result<(), StoreError> {
-        match self.journal_it(rec)? {
-            None => Ok(()),
-            Some(rec) => self.write(Record::Exchange(Box::new(rec))).await,
+        match self.stage(rec)? {
+            Journaled::At(journal, seq) => {
+                // Exchanges that end in this same turn of the runtime stage
+                // theirs meanwhile, and one write takes them all.
+                tokio::task::yield_now().await;
+                Ok(journal.write_staged(seq)?)
+            }
+            Journaled::Back(rec) => self.write(Record::Exchange(rec)).await,
         }
     }
 
@@ -309,19 +323,23 @@ impl Store {
         acked(done.await.map_err(|_| StoreError::Closed)?)
     }
 
-    /// Journals `rec`; gives it back when there is no journal (any more).
-    fn journal_it(&self, rec: ExchangeRecord) -> Result<Option<ExchangeRecord>, StoreError> {
+    /// Stages `rec` in the journal and queues its import; gives it back
+    /// when there is no journal (any more).
+    fn stage(&self, rec: ExchangeRecord) -> Result<Journaled<'_>, StoreError> {
         let Some(journal) = &self.journal else {
-            return Ok(Some(rec));
+            return Ok(Journaled::Back(Box::new(rec)));
         };
         let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
         let mut sent = Ok(());
-        let back = journal.append(rec, |seq, rec| {
+        let staged = journal.stage(rec, |seq, rec| {
             sent = tx
                 .send(Cmd::Import(Record::Exchange(Box::new(rec)), seq))
                 .map_err(|_| StoreError::Closed);
         })?;
-        sent.map(|()| back)
+        sent.map(|()| match staged {
+            journal::Staged::At(seq) => Journaled::At(journal, seq),
+            journal::Staged::Back(rec) => Journaled::Back(rec),
+        })
     }
 
     /// At shutdown: imports what is journaled and hands the store over
@@ -339,9 +357,9 @@ impl Store {
     /// Records an exchange without waiting (used where nothing can wait,
     /// e.g. when a client went away and its stream is being dropped).
     pub fn record_detached(&self, rec: ExchangeRecord) {
-        let result = match self.journal_it(rec) {
-            Ok(None) => Ok(()),
-            Ok(Some(rec)) => self.send(Cmd::Write(Record::Exchange(Box::new(rec)), None)),
+        let result = match self.stage(rec) {
+            Ok(Journaled::At(journal, seq)) => journal.write_staged(seq).map_err(StoreError::from),
+            Ok(Journaled::Back(rec)) => self.send(Cmd::Write(Record::Exchange(rec), None)),
             Err(e) => Err(e),
         };
         if let Err(e) = result {
