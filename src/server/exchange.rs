@@ -11,7 +11,7 @@ use crate::compaction::engine::{self, Input};
 use crate::compaction::Compaction;
 use crate::conversation::Identified;
 use crate::store::{ExchangeRecord, IndexedExchange};
-use crate::wire::items::{ItemList, Tools};
+use crate::wire::items::{Claims, ItemList, Tools};
 use crate::wire::{chain_extend, item_hash, Api, ItemHash, Usage};
 
 /// Most characters of an upstream error body kept in a record.
@@ -47,6 +47,8 @@ pub struct PendingExchange {
     pub chain_request: ItemHash,
     /// Chain hash of each prefix of the request items.
     pub chains: Arc<Vec<ItemHash>>,
+    /// Which of `hashes` the store has claimed already.
+    pub claims: Claims,
     /// The items as sent upstream (after compaction; the same as `items` when none applied).
     pub view: Arc<ItemList>,
     /// The compaction applied, if any.
@@ -138,12 +140,20 @@ impl PendingExchange {
     pub fn to_record(&self, state: &AppState, outcome: Outcome) -> ExchangeRecord {
         let mut new_items = Vec::new();
         // The items of the prefix an earlier exchange stands for were
-        // claimed when that exchange was recorded.
-        let suffix_from = self.ident.prefix.map(|p| p.len).unwrap_or(0);
-        let suffix = &self.hashes[suffix_from.min(self.hashes.len())..];
-        for j in state.store.claim_items(suffix) {
-            new_items.push((suffix[j], self.items.json(suffix_from + j)));
+        // claimed when that exchange was recorded, and so were those a
+        // recorded recent request had too.
+        let len = self.hashes.len();
+        let suffix_from = self.ident.prefix.map(|p| p.len).unwrap_or(0).min(len);
+        let known = self.claims.known();
+        let before = suffix_from..known.start.clamp(suffix_from, len);
+        let after = known.end.clamp(suffix_from, len)..len;
+        for range in [before, after] {
+            for j in state.store.claim_items(&self.hashes[range.clone()]) {
+                let at = range.start + j;
+                new_items.push((self.hashes[at], self.items.json(at)));
+            }
         }
+        self.claims.all_claimed();
         // The body holds everything but the items: model, tools, sampling.
         let params_hash = self.params;
         if state.store.claim_item(&params_hash) {

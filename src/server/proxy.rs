@@ -144,7 +144,7 @@ async fn parse(
         .unwrap_or_default()
         .to_string();
     let streamed = body.get("stream").and_then(Value::as_bool) == Some(true);
-    let (hashes, chains) = items.hashes_and_chains(&tenant);
+    let (hashes, chains, claims) = items.hashes_and_chains(&tenant);
     let explicit_key = wire::explicit_conversation_key(&parts.headers, &body);
     let ident = state.conversations.identify(
         &tenant,
@@ -204,6 +204,7 @@ async fn parse(
         view: items.clone(),
         items,
         chains: Arc::new(chains),
+        claims,
         compaction: None,
         auth: engine::auth_headers(&parts.headers),
         streamed,

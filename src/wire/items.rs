@@ -14,6 +14,7 @@ use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::fmt;
 use std::ops::Range;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use bytes::Bytes;
@@ -572,11 +573,13 @@ impl ItemList {
     /// only the rest is hashed. Remembers this request for the next one.
     /// With them, the chain hashes over them ([`super::chain_hashes`]),
     /// those of the repeated history reused too.
-    pub fn hashes_and_chains(&self, scope: &str) -> (Vec<ItemHash>, Vec<ItemHash>) {
+    /// And which of the hashes the store has claimed already
+    /// ([`Claims`]).
+    pub fn hashes_and_chains(&self, scope: &str) -> (Vec<ItemHash>, Vec<ItemHash>, Claims) {
         if !self.is_raw() || self.spans.is_empty() {
             let hashes = self.hashes();
             let chains = super::chain_hashes(&hashes);
-            return (hashes, chains);
+            return (hashes, chains, Claims::default());
         }
         let head: Vec<ItemHash> = self.head.iter().map(item_hash).collect();
         let mut chains = super::chain_hashes(&head);
@@ -612,6 +615,12 @@ impl ItemList {
         let superseded = best
             .filter(|(n, seen)| *n == seen.spans.len())
             .map(|(_, seen)| seen.id);
+        let own = Arc::new(AtomicBool::new(false));
+        let claims = Claims {
+            earlier: best
+                .map(|(n, seen)| (seen.claimed.clone(), self.head.len()..self.head.len() + n)),
+            own: Some(own.clone()),
+        };
         let seen = Seen {
             id: 0,
             raw: self.raw.clone(),
@@ -620,6 +629,7 @@ impl ItemList {
             head_chain,
             chains: item_chains.clone(),
             shell: self.shell.clone(),
+            claimed: own,
         };
         recent()
             .lock()
@@ -628,7 +638,7 @@ impl ItemList {
         let mut out = head;
         out.extend(items);
         chains.extend(item_chains);
-        (out, chains)
+        (out, chains, claims)
     }
 
     /// Hashes of the raw items from `from` on, through the bytes cache.
@@ -681,6 +691,36 @@ struct Seen {
     chains: Vec<ItemHash>,
     /// What is around its items, when its split found it.
     shell: Option<Arc<Shell>>,
+    /// Set once the store has claimed all of its items.
+    claimed: Arc<AtomicBool>,
+}
+
+/// Which of a request's item hashes the store has claimed already (see
+/// `Store::claim_items`): those it repeats of a recent request whose
+/// exchange was recorded. Lets the record skip looking them up again.
+#[derive(Debug, Default)]
+pub struct Claims {
+    /// The recent request's flag, and where its items are in this one's.
+    earlier: Option<(Arc<AtomicBool>, Range<usize>)>,
+    /// This request's own flag, for the requests that repeat it.
+    own: Option<Arc<AtomicBool>>,
+}
+
+impl Claims {
+    /// Positions of hashes known to be claimed (empty when none are).
+    pub fn known(&self) -> Range<usize> {
+        match &self.earlier {
+            Some((flag, range)) if flag.load(Ordering::Acquire) => range.clone(),
+            _ => 0..0,
+        }
+    }
+
+    /// All of this request's hashes are claimed now.
+    pub fn all_claimed(&self) {
+        if let Some(own) = &self.own {
+            own.store(true, Ordering::Release);
+        }
+    }
 }
 
 impl Seen {
@@ -1155,10 +1195,12 @@ mod tests {
                 (1, _) | (2, 1) => vec![json!({"type": "instructions", "text": "be brief"})],
                 _ => vec![json!({"type": "instructions", "text": "be thorough"})],
             };
-            ItemList::raw(head(1), first.clone(), a.spans.clone().unwrap())
-                .with_reuse(a.reuse)
-                .with_shell(a.shell.filter(|_| keep_shell))
-                .hashes_and_chains(&scope);
+            let (first_hashes, _, first_claims) =
+                ItemList::raw(head(1), first.clone(), a.spans.clone().unwrap())
+                    .with_reuse(a.reuse)
+                    .with_shell(a.shell.filter(|_| keep_shell))
+                    .hashes_and_chains(&scope);
+            first_claims.all_claimed();
 
             let mut next = items.clone();
             let (mut before2, mut after2, mut ws2) = (before.clone(), after.clone(), ws);
@@ -1193,12 +1235,47 @@ mod tests {
                 // the same).
                 proptest::prop_assert!(resumed.reuse.is_some());
             }
+            let reused = resumed.reuse.is_some();
             let list = ItemList::raw(head(2), second.clone(), resumed.spans.clone().unwrap())
                 .with_reuse(resumed.reuse);
             let want = ItemList::raw(head(2), second.clone(), full.spans.unwrap()).hashes();
             let chains = crate::wire::chain_hashes(&want);
-            proptest::prop_assert_eq!(list.hashes_and_chains(&scope), (want, chains));
+            let (hashes, got_chains, claims) = list.hashes_and_chains(&scope);
+            // What is taken as claimed is the first request's items.
+            for i in claims.known() {
+                proptest::prop_assert!(first_hashes.contains(&hashes[i]), "{} not claimed", i);
+            }
+            if reused && heads < 2 {
+                let repeated = (0..items.len().min(next.len()))
+                    .take_while(|&i| items[i] == next[i])
+                    .count();
+                proptest::prop_assert_eq!(claims.known().len(), repeated.min(items.len()));
+            }
+            proptest::prop_assert_eq!((hashes, got_chains), (want, chains));
         }
+    }
+
+    #[test]
+    fn repeated_items_count_as_claimed_only_once_their_request_was_recorded() {
+        let scope = "claims-test";
+        let list = |raw: &'static str| {
+            let raw = Bytes::from_static(raw.as_bytes());
+            let split = split_body_reusing(&raw, "messages", scope).unwrap();
+            ItemList::raw(Vec::new(), raw, split.spans.unwrap()).with_reuse(split.reuse)
+        };
+        let (_, _, first) =
+            list(r#"{"messages":[{"a":1},{"b":2},{"c":3}]}"#).hashes_and_chains(scope);
+        let (_, _, second) =
+            list(r#"{"messages":[{"a":1},{"b":2},{"c":3},{"d":4}]}"#).hashes_and_chains(scope);
+        assert_eq!(second.known(), 0..0, "the first is not recorded yet");
+        first.all_claimed();
+        assert_eq!(second.known(), 0..3);
+        // A request that repeats the second, before the second is recorded.
+        let (_, _, third) = list(r#"{"messages":[{"a":1},{"b":2},{"c":3},{"d":4},{"e":5}]}"#)
+            .hashes_and_chains(scope);
+        assert_eq!(third.known(), 0..0);
+        second.all_claimed();
+        assert_eq!(third.known(), 0..4);
     }
 
     #[test]
