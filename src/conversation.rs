@@ -68,7 +68,72 @@ struct Inner {
     by_response: foldhash::HashMap<(String, String), String>,
     /// Per conversation, its indexed prefixes and response ids, oldest
     /// first, so the index stays bounded however long it runs.
-    recent: foldhash::HashMap<(String, String), VecDeque<Indexed>>,
+    recent: foldhash::HashMap<(String, String), Owned>,
+    /// Conversations in the order exchanges were remembered, oldest first,
+    /// with the stamp of that exchange (an entry whose stamp is no longer
+    /// its conversation's is stale and skipped).
+    order: VecDeque<((String, String), u64)>,
+    stamp: u64,
+    /// Entries all conversations own.
+    entries: usize,
+}
+
+/// What one conversation owns in the index.
+#[derive(Default)]
+struct Owned {
+    entries: VecDeque<Indexed>,
+    /// When its latest exchange was remembered.
+    stamp: u64,
+}
+
+impl Inner {
+    /// Removes an entry a conversation owned, if it still names that
+    /// conversation (another may have indexed the same prefix since).
+    fn unindex(&mut self, tenant: &str, conversation: &str, entry: Indexed) {
+        match entry {
+            Indexed::Chain(c) => {
+                let k = (tenant.to_string(), c);
+                if self
+                    .by_chain
+                    .get(&k)
+                    .is_some_and(|h| h.conversation == conversation)
+                {
+                    self.by_chain.remove(&k);
+                }
+            }
+            Indexed::Response(r) => {
+                let k = (tenant.to_string(), r);
+                if self.by_response.get(&k).is_some_and(|c| c == conversation) {
+                    self.by_response.remove(&k);
+                }
+            }
+        }
+    }
+
+    /// Forgets the conversations remembered longest ago while more than
+    /// `max` entries are owned.
+    fn bound(&mut self, max: usize) {
+        while self.entries > max {
+            let Some((key, stamp)) = self.order.pop_front() else {
+                break;
+            };
+            if self.recent.get(&key).is_none_or(|o| o.stamp != stamp) {
+                continue;
+            }
+            if let Some(owned) = self.recent.remove(&key) {
+                self.entries -= owned.entries.len();
+                for entry in owned.entries {
+                    self.unindex(&key.0, &key.1, entry);
+                }
+            }
+        }
+        // Stale order entries stay few.
+        if self.order.len() > 2 * self.recent.len() + 1024 {
+            let recent = &self.recent;
+            self.order
+                .retain(|(key, stamp)| recent.get(key).is_some_and(|o| o.stamp == *stamp));
+        }
+    }
 }
 
 /// One index entry a conversation owns.
@@ -81,6 +146,13 @@ enum Indexed {
 /// from one of its latest exchanges; one that resumes from an older point
 /// simply starts a new conversation.
 const MAX_ENTRIES_PER_CONVERSATION: usize = 64;
+
+/// Entries (prefixes and response ids, about 250 bytes each) kept in all:
+/// past this, the conversations whose latest exchange is oldest are
+/// forgotten, so that a stream of one-off requests (each a conversation of
+/// its own) does not grow the index without end. A forgotten
+/// conversation's next request starts a new one.
+const MAX_ENTRIES: usize = 200_000;
 
 /// In-memory index from prefixes, keys and response ids to conversations;
 /// rebuilt from the store at start-up.
@@ -192,38 +264,22 @@ impl ConversationIndex {
             added.push(Indexed::Response(r.clone()));
         }
         let key = (ex.tenant.clone(), ex.conversation.clone());
-        let recent = inner.recent.entry(key).or_default();
-        recent.extend(added);
+        inner.stamp += 1;
+        let stamp = inner.stamp;
+        inner.order.push_back((key.clone(), stamp));
+        inner.entries += added.len();
+        let owned = inner.recent.entry(key).or_default();
+        owned.stamp = stamp;
+        owned.entries.extend(added);
         let mut evicted = Vec::new();
-        while recent.len() > MAX_ENTRIES_PER_CONVERSATION {
-            evicted.extend(recent.pop_front());
+        while owned.entries.len() > MAX_ENTRIES_PER_CONVERSATION {
+            evicted.extend(owned.entries.pop_front());
         }
+        inner.entries -= evicted.len();
         for old in evicted {
-            // Only if the entry still names this conversation (another may
-            // have indexed the same prefix since).
-            match old {
-                Indexed::Chain(c) => {
-                    let k = (ex.tenant.clone(), c);
-                    if inner
-                        .by_chain
-                        .get(&k)
-                        .is_some_and(|h| h.conversation == ex.conversation)
-                    {
-                        inner.by_chain.remove(&k);
-                    }
-                }
-                Indexed::Response(r) => {
-                    let k = (ex.tenant.clone(), r);
-                    if inner
-                        .by_response
-                        .get(&k)
-                        .is_some_and(|c| *c == ex.conversation)
-                    {
-                        inner.by_response.remove(&k);
-                    }
-                }
-            }
+            inner.unindex(&ex.tenant, &ex.conversation, old);
         }
+        inner.bound(MAX_ENTRIES);
     }
 
     /// Number of distinct prefixes indexed (for metrics and tests).
@@ -271,6 +327,45 @@ mod tests {
             chain_full: Some(c[req]),
             response_id: Some(format!("resp_{id}")),
         }
+    }
+
+    #[test]
+    fn the_index_forgets_the_conversations_remembered_longest_ago() {
+        let idx = ConversationIndex::default();
+        // One-off conversations, and one that goes on throughout.
+        let long = chains(40);
+        let mut convs = Vec::new();
+        for i in 0..30usize {
+            let c: Vec<ItemHash> = chain_hashes(&[item_hash(&json!({"one-off": i})), [9; 32]]);
+            let id = idx.identify("t", None, None, &c[..1]).conversation;
+            idx.remember(&ex(i as i64 * 2, &id, "t", &c, 1));
+            convs.push((c, id));
+            idx.remember(&ex(i as i64 * 2 + 1, "conv_long", "t", &long, i + 1));
+            // Three entries per exchange: two prefixes and a response id.
+            idx.lock().bound(30);
+            let inner = idx.lock();
+            assert!(inner.entries <= 30, "{}", inner.entries);
+            assert_eq!(
+                inner.entries,
+                inner
+                    .recent
+                    .values()
+                    .map(|o| o.entries.len())
+                    .sum::<usize>()
+            );
+            assert!(inner.by_chain.len() + inner.by_response.len() <= 30);
+            assert!(inner.order.len() <= 2 * inner.recent.len() + 1024);
+        }
+        // The latest ones are found, the oldest forgotten.
+        let (c, id) = &convs[29];
+        assert_eq!(&idx.identify("t", None, None, c).conversation, id);
+        let (c, id) = &convs[0];
+        let again = idx.identify("t", None, None, c);
+        assert!(again.is_new && &again.conversation != id);
+        assert_eq!(
+            idx.identify("t", None, None, &long[..31]).conversation,
+            "conv_long"
+        );
     }
 
     #[test]
