@@ -6,6 +6,7 @@ use std::fmt;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 use crate::config::UpstreamConfig;
@@ -196,13 +197,14 @@ impl Upstream {
         method: http::Method,
         url: &reqwest::Url,
         headers: HeaderMap,
-        body: bytes::Bytes,
+        body: impl Into<Payload>,
     ) -> Result<reqwest::Response, ProxyError> {
+        let body = body.into();
         self.send_again_if_stale(|| {
             self.client
                 .request(method.clone(), url.clone())
                 .headers(headers.clone())
-                .body(body.clone())
+                .body(body.body())
         })
         .await
     }
@@ -258,6 +260,85 @@ impl Upstream {
             Ok(Err(e)) => Err(ProxyError::UpstreamUnreachable(describe(&e))),
             Ok(Ok(resp)) => Ok(resp),
         }
+    }
+}
+
+/// A request body in memory: the client's bytes, or a few bytes put before
+/// them and the client's bytes, sent one after the other (with their total
+/// length) rather than copied into one buffer.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Payload {
+    head: Bytes,
+    rest: Bytes,
+}
+
+impl Payload {
+    /// `head` then `rest`.
+    pub fn joined(head: Bytes, rest: Bytes) -> Payload {
+        Payload { head, rest }
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.head.len() + self.rest.len()
+    }
+
+    /// Whether it has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// All its bytes in one buffer (a copy only when it is in two pieces).
+    pub fn to_bytes(&self) -> Bytes {
+        match (self.head.is_empty(), self.rest.is_empty()) {
+            (true, _) => self.rest.clone(),
+            (false, true) => self.head.clone(),
+            (false, false) => [&self.head[..], &self.rest[..]].concat().into(),
+        }
+    }
+
+    fn body(&self) -> reqwest::Body {
+        if self.head.is_empty() || self.rest.is_empty() {
+            return reqwest::Body::from(self.to_bytes());
+        }
+        reqwest::Body::wrap(Pieces([self.head.clone(), self.rest.clone()]))
+    }
+}
+
+impl From<Bytes> for Payload {
+    fn from(rest: Bytes) -> Payload {
+        Payload {
+            head: Bytes::new(),
+            rest,
+        }
+    }
+}
+
+/// The two pieces of a [`Payload`] as a body of known length.
+struct Pieces([Bytes; 2]);
+
+impl hyper::body::Body for Pieces {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        let next = self
+            .0
+            .iter_mut()
+            .find(|b| !b.is_empty())
+            .map(std::mem::take);
+        Poll::Ready(next.map(|b| Ok(hyper::body::Frame::data(b))))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.0.iter().all(Bytes::is_empty)
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        hyper::body::SizeHint::with_exact(self.0.iter().map(|b| b.len() as u64).sum())
     }
 }
 

@@ -67,11 +67,28 @@ async fn chat_stream_gets_usage_injected_upstream_and_hidden_from_client() {
         json!({"model": "gpt-4o", "stream": true, "messages": [{"role": "user", "content": "hi"}]});
     let (status, _, body) = post(&format!("{}/chat/completions", h.url()), KEY, &req).await;
     assert_eq!(status, 200);
-    let sent = h.fake.last().unwrap().json();
+    let received = h.fake.last().unwrap();
+    let sent = received.json();
     assert_eq!(
         sent["stream_options"]["include_usage"], true,
         "proxy asks for usage"
     );
+    // The member goes before the client's bytes, sent with their length.
+    let client = serde_json::to_vec(&req).unwrap();
+    assert_eq!(
+        &received.body[received.body.len() - (client.len() - 1)..],
+        &client[1..]
+    );
+    assert_eq!(
+        received
+            .headers
+            .get("content-length")
+            .unwrap()
+            .to_str()
+            .unwrap(),
+        received.body.len().to_string()
+    );
+    assert!(received.headers.get("transfer-encoding").is_none());
     // What a client asking directly without include_usage would have seen.
     let direct = chat_stream_events(&["Hello", " from the", " fake upstream."], None).concat();
     assert_eq!(String::from_utf8(body.to_vec()).unwrap(), direct);

@@ -11,6 +11,7 @@ use crate::compaction::engine::{self, Input};
 use crate::compaction::Compaction;
 use crate::conversation::Identified;
 use crate::store::{ExchangeRecord, IndexedExchange};
+use crate::upstream::Payload;
 use crate::wire::items::{Claims, ItemList, Tools};
 use crate::wire::{chain_extend, item_hash, Api, ItemHash, Usage};
 
@@ -102,10 +103,7 @@ impl PendingExchange {
 
     /// The body to send upstream: the client's (`original`) unless a
     /// compaction applies.
-    pub fn upstream_bytes(
-        &self,
-        original: &bytes::Bytes,
-    ) -> Result<bytes::Bytes, crate::error::ProxyError> {
+    pub fn upstream_bytes(&self, original: &Payload) -> Result<Payload, crate::error::ProxyError> {
         if self.compaction.is_none() {
             return Ok(original.clone());
         }
@@ -116,7 +114,7 @@ impl PendingExchange {
         super::proxy::set_items(self.api, &mut body, &self.view.values());
         Tools::restore(self.tools.as_ref(), &mut body);
         serde_json::to_vec(&body)
-            .map(bytes::Bytes::from)
+            .map(|b| bytes::Bytes::from(b).into())
             .map_err(|e| crate::error::ProxyError::Internal(e.to_string()))
     }
 

@@ -26,7 +26,7 @@ use super::AppState;
 use crate::compaction::{engine, policy, remote, Compaction};
 use crate::conversation::tenant_of;
 use crate::error::{full, BodyError, ProxyBody, ProxyError};
-use crate::upstream::{describe, strip_hop_by_hop};
+use crate::upstream::{describe, strip_hop_by_hop, Payload};
 use crate::wire::items::{cached_hash, split_body_reusing, ItemList, Tools};
 use crate::wire::sse::SseTee;
 use crate::wire::{self, chat, item_hash, Api};
@@ -49,7 +49,7 @@ struct Parsed {
     /// The exchange under way (items, view, compaction applied…).
     pending: PendingExchange,
     /// The client's body as it goes upstream when no compaction applies.
-    original_bytes: Bytes,
+    original_bytes: Payload,
     /// The proxy asked for stream usage the client did not ask for.
     strip_usage: bool,
     /// The input ended with Codex's in-band `compaction_trigger`.
@@ -165,7 +165,7 @@ async fn parse(
         .then(|| chat::splice_stream_usage(&raw))
         .flatten();
     let original_bytes = match spliced {
-        Some(b) => b,
+        Some((head, rest)) => Payload::joined(head, rest),
         None if strip_usage || rewritten => {
             let mut full = body.clone();
             if strip_usage {
@@ -174,8 +174,9 @@ async fn parse(
             set_items(api, &mut full, &items.values());
             Tools::restore(tools.as_ref(), &mut full);
             Bytes::from(serde_json::to_vec(&full).map_err(|e| ProxyError::Internal(e.to_string()))?)
+                .into()
         }
-        None => raw,
+        None => raw.into(),
     };
     // The parameters' hash, through their bytes unless the proxy changed
     // the body (an expanded `previous_response_id`).

@@ -75,18 +75,18 @@ pub fn ensure_stream_usage(body: &mut Value) -> bool {
 
 /// The client's bytes with `"stream_options":{"include_usage":true}` added
 /// as the first member, for a body that had no `stream_options` at all:
-/// cheaper than serialising a long history again.
-pub fn splice_stream_usage(raw: &[u8]) -> Option<bytes::Bytes> {
+/// cheaper than serialising a long history again. In two pieces, the bytes
+/// up to the member and the rest of the client's, not copied into one.
+pub fn splice_stream_usage(raw: &bytes::Bytes) -> Option<(bytes::Bytes, bytes::Bytes)> {
     let open = raw.iter().position(|b| !b.is_ascii_whitespace())?;
     if raw[open] != b'{' {
         return None;
     }
     const MEMBER: &[u8] = br#""stream_options":{"include_usage":true},"#;
-    let mut out = Vec::with_capacity(raw.len() + MEMBER.len());
-    out.extend_from_slice(&raw[..=open]);
-    out.extend_from_slice(MEMBER);
-    out.extend_from_slice(&raw[open + 1..]);
-    Some(out.into())
+    let mut head = Vec::with_capacity(open + 1 + MEMBER.len());
+    head.extend_from_slice(&raw[..=open]);
+    head.extend_from_slice(MEMBER);
+    Some((head.into(), raw.slice(open + 1..)))
 }
 
 /// What to do with one streamed chunk when the client did not ask for usage.
@@ -460,12 +460,15 @@ mod tests {
 
     #[test]
     fn usage_is_spliced_into_the_clients_bytes() {
-        let raw = br#" {"model":"m","stream":true,"messages":[{"role":"user","content":"x"}]}"#;
-        let out = splice_stream_usage(raw).unwrap();
-        let v: Value = serde_json::from_slice(&out).unwrap();
+        let raw = bytes::Bytes::from_static(
+            br#" {"model":"m","stream":true,"messages":[{"role":"user","content":"x"}]}"#,
+        );
+        let (head, rest) = splice_stream_usage(&raw).unwrap();
+        let v: Value = serde_json::from_slice(&[&head[..], &rest[..]].concat()).unwrap();
         assert_eq!(v["stream_options"]["include_usage"], true);
         assert_eq!(v["messages"][0]["content"], "x");
-        assert!(splice_stream_usage(b"[1]").is_none());
+        assert_eq!(&rest[..], &raw[2..], "the client's bytes, not a copy");
+        assert!(splice_stream_usage(&bytes::Bytes::from_static(b"[1]")).is_none());
     }
 
     #[test]
