@@ -1123,7 +1123,7 @@ fn breakdown(o: &Opts) {
     println!();
     println!("proxy request-path steps, one thread, median µs (SSE body of the `last` variant):");
     println!(
-        "{:>7} {:>6} | {:>7} {:>7} {:>7} {:>7} {:>7} {:>6} | {:>7} {:>6} {:>9} {:>9} {:>10}",
+        "{:>7} {:>6} | {:>7} {:>7} {:>7} {:>7} {:>7} {:>6} | {:>7} {:>6} {:>6} {:>9} {:>9} {:>10}",
         "body KB",
         "items",
         "split",
@@ -1134,6 +1134,7 @@ fn breakdown(o: &Opts) {
         "splice",
         "parse",
         "canon",
+        "c text",
         "store new",
         "tok warm",
         "tok cold"
@@ -1194,6 +1195,15 @@ fn breakdown(o: &Opts) {
         let canon = median_us(reps, &mut || {
             std::hint::black_box(values.iter().map(item_hash).collect::<Vec<_>>());
         });
+        let texts: Vec<String> = (0..items.len()).map(|i| items.json(i)).collect();
+        let canon_text = median_us(reps, &mut || {
+            std::hint::black_box(
+                texts
+                    .iter()
+                    .map(|t| compactor::wire::hash::raw_item_hash(t.as_bytes()))
+                    .collect::<Vec<_>>(),
+            );
+        });
         // What a request with all-new items stores (each item as JSON text).
         let store_new = median_us(reps, &mut || {
             let texts: Vec<String> = (0..items.len()).map(|i| items.json(i)).collect();
@@ -1213,7 +1223,7 @@ fn breakdown(o: &Opts) {
             ));
         });
         println!(
-            "{:>7.1} {:>6} | {:>7.0} {:>7.0} {:>7.0} {:>7.0} {:>7.0} {:>6.0} | {:>7.0} {:>6.0} {:>9.0} {:>9.0} {:>10.0}",
+            "{:>7.1} {:>6} | {:>7.0} {:>7.0} {:>7.0} {:>7.0} {:>7.0} {:>6.0} | {:>7.0} {:>6.0} {:>6.0} {:>9.0} {:>9.0} {:>10.0}",
             body.len() as f64 / 1000.0,
             items.len(),
             split_us,
@@ -1224,6 +1234,7 @@ fn breakdown(o: &Opts) {
             splice,
             parse,
             canon,
+            canon_text,
             store_new,
             tok_warm,
             tok_cold
@@ -1234,7 +1245,8 @@ fn breakdown(o: &Opts) {
          resume = the same for a conversation's next request (only what follows the history it \
          repeats byte for byte is parsed), reuse = item and chain hashes of such a request, hash = item hashes through the bytes cache alone, chain; SSE requests without include_usage: splice of \
          stream_options into their bytes; for comparison and for new items: parse = the whole \
-         body into a Value tree, canon = canonical hashes of all items; store new: items not \
+         body into a Value tree, canon = canonical hashes of all items, c text = the same from \
+         their bytes (how new items are hashed); store new: items not \
          stored before, as JSON text; tok: token estimate after the answer, on an accounting \
          thread — cold = all items new)"
     );

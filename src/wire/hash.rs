@@ -3,8 +3,10 @@
 //! The canonical form sorts object keys, so two serialisations of the same
 //! item (key order, whitespace) hash alike; any change of content does not.
 
+use std::borrow::Cow;
 use std::io::Write;
 
+use serde::de::{self, Deserialize, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::Value;
 
 /// A 32-byte BLAKE3 digest.
@@ -12,10 +14,23 @@ pub type ItemHash = [u8; 32];
 
 /// Hash of one item's canonical form.
 pub fn item_hash(item: &Value) -> ItemHash {
+    hash_canonical(|buf| write_canonical(buf, item))
+}
+
+/// [`item_hash`] of an item given as JSON text, read without building a
+/// [`Value`] (strings stay borrowed where they have no escapes, objects are
+/// lists): `None` if the text is not JSON.
+pub fn raw_item_hash(json: &[u8]) -> Option<ItemHash> {
+    let node: Node = serde_json::from_slice(json).ok()?;
+    Some(hash_canonical(|buf| write_node(buf, &node)))
+}
+
+/// Hashes what `write` puts in the thread's canonical-form buffer.
+fn hash_canonical(write: impl FnOnce(&mut Vec<u8>)) -> ItemHash {
     CANONICAL.with(|buf| {
         let mut buf = buf.borrow_mut();
         buf.clear();
-        write_canonical(&mut buf, item);
+        write(&mut buf);
         let hash = *blake3::hash(&buf).as_bytes();
         // Keep a moderate buffer for the next item; let a huge one go.
         if buf.capacity() > MAX_KEPT_BUFFER {
@@ -69,26 +84,16 @@ fn write_canonical(out: &mut Vec<u8>, v: &Value) {
     match v {
         Value::Null => out.push(b'n'),
         Value::Bool(b) => out.push(if *b { b't' } else { b'f' }),
-        Value::Number(n) => {
-            out.push(b'#');
-            // Numbers keep serde_json's canonical text (`1.0` stays `1.0`).
-            let mark = out.len();
-            out.extend_from_slice(&[0; 8]);
-            let _ = write!(out, "{n}");
-            let len = (out.len() - mark - 8) as u64;
-            out[mark..mark + 8].copy_from_slice(&len.to_le_bytes());
-        }
+        Value::Number(n) => write_number(out, n),
         Value::String(s) => write_str(out, s),
         Value::Array(items) => {
-            out.push(b'[');
-            out.extend_from_slice(&(items.len() as u64).to_le_bytes());
+            write_head(out, b'[', items.len());
             for item in items {
                 write_canonical(out, item);
             }
         }
         Value::Object(map) => {
-            out.push(b'{');
-            out.extend_from_slice(&(map.len() as u64).to_le_bytes());
+            write_head(out, b'{', map.len());
             let mut entries: Vec<(&String, &Value)> = map.iter().collect();
             entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
             for (k, v) in entries {
@@ -97,6 +102,143 @@ fn write_canonical(out: &mut Vec<u8>, v: &Value) {
             }
         }
     }
+}
+
+/// A JSON value as [`raw_item_hash`] reads it.
+enum Node<'a> {
+    Null,
+    Bool(bool),
+    Number(serde_json::Number),
+    String(Cow<'a, str>),
+    Array(Vec<Node<'a>>),
+    /// Members sorted by key (a repeated key: the last one counts, as in
+    /// a [`Value`]).
+    Object(Vec<(Cow<'a, str>, Node<'a>)>),
+}
+
+impl<'de> Deserialize<'de> for Node<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(NodeVisitor)
+    }
+}
+
+/// A key or string, borrowed from the text when it has no escapes.
+struct Text<'a>(Cow<'a, str>);
+
+impl<'de> Deserialize<'de> for Text<'de> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_str(NodeVisitor).and_then(|n| match n {
+            Node::String(s) => Ok(Text(s)),
+            _ => Err(de::Error::custom("expected a string")),
+        })
+    }
+}
+
+struct NodeVisitor;
+
+impl<'de> Visitor<'de> for NodeVisitor {
+    type Value = Node<'de>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a JSON value")
+    }
+
+    fn visit_unit<E>(self) -> Result<Node<'de>, E> {
+        Ok(Node::Null)
+    }
+
+    fn visit_none<E>(self) -> Result<Node<'de>, E> {
+        Ok(Node::Null)
+    }
+
+    fn visit_bool<E>(self, b: bool) -> Result<Node<'de>, E> {
+        Ok(Node::Bool(b))
+    }
+
+    fn visit_u64<E>(self, n: u64) -> Result<Node<'de>, E> {
+        Ok(Node::Number(n.into()))
+    }
+
+    fn visit_i64<E>(self, n: i64) -> Result<Node<'de>, E> {
+        Ok(Node::Number(n.into()))
+    }
+
+    fn visit_f64<E>(self, n: f64) -> Result<Node<'de>, E> {
+        // As `Value` reads it: a number JSON cannot hold becomes null.
+        Ok(serde_json::Number::from_f64(n).map_or(Node::Null, Node::Number))
+    }
+
+    fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Node<'de>, E> {
+        Ok(Node::String(Cow::Borrowed(s)))
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Node<'de>, E> {
+        Ok(Node::String(Cow::Owned(s.to_string())))
+    }
+
+    fn visit_string<E>(self, s: String) -> Result<Node<'de>, E> {
+        Ok(Node::String(Cow::Owned(s)))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Node<'de>, A::Error> {
+        let mut items = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(item) = seq.next_element()? {
+            items.push(item);
+        }
+        Ok(Node::Array(items))
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Node<'de>, A::Error> {
+        let mut members = Vec::new();
+        while let Some(Text(k)) = map.next_key()? {
+            members.push((k, map.next_value()?));
+        }
+        // Sorted by key, a repeated key's last value kept: reversed, the
+        // stable sort puts the last one first in its run.
+        members.reverse();
+        members.sort_by(|a, b| a.0.cmp(&b.0));
+        members.dedup_by(|later, first| later.0 == first.0);
+        Ok(Node::Object(members))
+    }
+}
+
+/// [`write_canonical`] of the [`Value`] the node stands for.
+fn write_node(out: &mut Vec<u8>, v: &Node) {
+    match v {
+        Node::Null => out.push(b'n'),
+        Node::Bool(b) => out.push(if *b { b't' } else { b'f' }),
+        Node::Number(n) => write_number(out, n),
+        Node::String(s) => write_str(out, s),
+        Node::Array(items) => {
+            write_head(out, b'[', items.len());
+            for item in items {
+                write_node(out, item);
+            }
+        }
+        Node::Object(members) => {
+            write_head(out, b'{', members.len());
+            for (k, v) in members {
+                write_str(out, k);
+                write_node(out, v);
+            }
+        }
+    }
+}
+
+/// An array's or object's tag and length.
+fn write_head(out: &mut Vec<u8>, tag: u8, len: usize) {
+    out.push(tag);
+    out.extend_from_slice(&(len as u64).to_le_bytes());
+}
+
+fn write_number(out: &mut Vec<u8>, n: &serde_json::Number) {
+    out.push(b'#');
+    // Numbers keep serde_json's canonical text (`1.0` stays `1.0`).
+    let mark = out.len();
+    out.extend_from_slice(&[0; 8]);
+    let _ = write!(out, "{n}");
+    let len = (out.len() - mark - 8) as u64;
+    out[mark..mark + 8].copy_from_slice(&len.to_le_bytes());
 }
 
 fn write_str(out: &mut Vec<u8>, s: &str) {
@@ -121,6 +263,86 @@ mod tests {
         );
         // Structure, not just the characters, is hashed.
         assert_ne!(item_hash(&json!(["a,b"])), item_hash(&json!(["a", "b"])));
+    }
+
+    /// Any JSON value, with the strings, numbers and keys that matter:
+    /// escapes, non-ASCII, keys alike but for case, floats and integers.
+    fn any_json() -> impl proptest::strategy::Strategy<Value = Value> {
+        use proptest::prelude::*;
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            any::<u64>().prop_map(Value::from),
+            (-1e6f64..1e6).prop_map(Value::from),
+            proptest::sample::select(vec![0.0, -0.0, 1.0, 1e300, 2.5e-8]).prop_map(Value::from),
+            "[a-c\\\"\n\u{e9}\u{1F600} ]{0,6}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 40, 6, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
+                proptest::collection::vec(("[aAb\"]{0,3}", inner), 0..5)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// `a` inside strings written as `\u0061`.
+    fn escape_every_a(text: &str) -> String {
+        let (mut out, mut in_string, mut escaped) = (String::new(), false, false);
+        for c in text.chars() {
+            match (in_string, escaped, c) {
+                (true, true, _) => escaped = false,
+                (true, false, '\\') => escaped = true,
+                (true, false, '"') => in_string = false,
+                (true, false, 'a') => {
+                    out.push_str("\\u0061");
+                    continue;
+                }
+                (false, _, '"') => in_string = true,
+                _ => {}
+            }
+            out.push(c);
+        }
+        out
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(256))]
+
+        /// The hash read from the text is the hash of the value, whatever
+        /// the serialisation: spacing, escapes, a key given twice.
+        #[test]
+        fn hashes_from_text_are_the_values_hashes(
+            v in any_json(),
+            pretty in proptest::bool::ANY,
+            repeat in proptest::option::of(("[ab]{1,2}", any_json())),
+        ) {
+            let mut text = if pretty {
+                serde_json::to_string_pretty(&v).unwrap()
+            } else {
+                serde_json::to_string(&v).unwrap()
+            };
+            // A key given twice (JSON allows it; the last one counts).
+            let members = v.as_object().is_some_and(|m| !m.is_empty());
+            if let (Some((k, first)), true) = (&repeat, members) {
+                let member = format!("{}:{},", serde_json::to_string(k).unwrap(), first);
+                text.insert_str(1, &member);
+            }
+            // Escapes where none are needed.
+            let text = escape_every_a(&text);
+            let value: Value = serde_json::from_str(&text).unwrap();
+            proptest::prop_assert_eq!(raw_item_hash(text.as_bytes()), Some(item_hash(&value)));
+        }
+    }
+
+    #[test]
+    fn hashes_from_text_of_what_is_not_json() {
+        assert_eq!(raw_item_hash(b"{\"a\":"), None);
+        assert_eq!(
+            raw_item_hash(b"{\"a\":1,\"a\":2}"),
+            Some(item_hash(&json!({"a": 2})))
+        );
     }
 
     #[test]

@@ -668,7 +668,8 @@ impl ItemList {
         let found: Vec<(ItemHash, ItemHash)> = missing
             .iter()
             .map(|&j| {
-                let h = item_hash(&parse(&self.raw[spans[j].clone()]));
+                let h = super::hash::raw_item_hash(&self.raw[spans[j].clone()])
+                    .unwrap_or_else(|| item_hash(&Value::Null));
                 out[j] = h;
                 (keys[j], h)
             })
