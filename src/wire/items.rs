@@ -81,7 +81,7 @@ pub fn split_body_reusing(raw: &[u8], key: &str, scope: &str) -> Option<SplitBod
 }
 
 fn resume_split(raw: &[u8], key: &str, scope: &str) -> Option<SplitBody> {
-    let first = probe_items(raw, key)?;
+    let first = probe_items_known(raw, key, scope)?;
     let recent_key = recent_key(scope, first.iter().map(|s| &raw[s.clone()]));
     let candidates = recent()
         .lock()
@@ -267,6 +267,99 @@ fn finish_split(
         reuse: None,
         shell,
     })
+}
+
+/// [`probe_items`], and without reading the bytes before the items when a
+/// recent body of the scope began with the same bytes up to its first item
+/// (long tool definitions or instructions before the items): the parse is
+/// where it was in that body, so the first item starts at the same place.
+fn probe_items_known(raw: &[u8], key: &str, scope: &str) -> Option<Vec<Range<usize>>> {
+    let heads = Heads::of(scope, key);
+    let known = heads
+        .iter()
+        .find(|h| raw.len() > h.len() && raw.starts_with(h));
+    if let Some(spans) = known.and_then(|h| first_items_at(raw, h.len())) {
+        return Some(spans);
+    }
+    let spans = probe_items(raw, key)?;
+    if spans[0].start >= MIN_HEAD && known.is_none() {
+        Heads::remember(scope, key, &raw[..spans[0].start]);
+    }
+    Some(spans)
+}
+
+/// The first one or two items of an array whose first item starts at
+/// `at`, if they are plainly there (else the probe decides).
+fn first_items_at(raw: &[u8], at: usize) -> Option<Vec<Range<usize>>> {
+    let item = |at: usize| {
+        let at = skip_whitespace(raw, at);
+        let mut one = serde_json::Deserializer::from_slice(&raw[at..]).into_iter::<&RawValue>();
+        one.next()?.ok()?;
+        Some(at..at + one.byte_offset())
+    };
+    let first = item(at)?;
+    let next = skip_whitespace(raw, first.end);
+    match raw.get(next)? {
+        b']' => Some(vec![first]),
+        b',' => Some(vec![first, item(next + 1)?]),
+        _ => None,
+    }
+}
+
+/// Bytes before the items shorter than this are read each time (that is
+/// as fast as comparing them).
+const MIN_HEAD: usize = 1024;
+/// Distinct starts kept per scope and item key.
+const HEADS_PER_SCOPE: usize = 4;
+/// Bytes of starts kept in all before all are forgotten.
+const HEAD_BYTES: usize = 16 << 20;
+
+/// Per scope and item key, the bytes up to the first item of its recent
+/// bodies, newest first.
+#[derive(Default)]
+struct Heads {
+    by_scope: foldhash::HashMap<(String, String), VecDeque<Bytes>>,
+    bytes: usize,
+}
+
+impl Heads {
+    fn lock() -> std::sync::MutexGuard<'static, Heads> {
+        static HEADS: OnceLock<Mutex<Heads>> = OnceLock::new();
+        HEADS
+            .get_or_init(Default::default)
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn of(scope: &str, key: &str) -> Vec<Bytes> {
+        let heads = Self::lock();
+        heads
+            .by_scope
+            .get(&(scope.to_string(), key.to_string()))
+            .map(|q| q.iter().cloned().collect())
+            .unwrap_or_default()
+    }
+
+    fn remember(scope: &str, key: &str, head: &[u8]) {
+        if head.len() > HEAD_BYTES / 16 {
+            return;
+        }
+        let mut heads = Self::lock();
+        if heads.bytes + head.len() > HEAD_BYTES {
+            heads.by_scope.clear();
+            heads.bytes = 0;
+        }
+        let q = heads
+            .by_scope
+            .entry((scope.to_string(), key.to_string()))
+            .or_default();
+        q.push_front(Bytes::copy_from_slice(head));
+        let dropped: usize = q
+            .drain(HEADS_PER_SCOPE.min(q.len())..)
+            .map(|h| h.len())
+            .sum();
+        heads.bytes = heads.bytes + head.len() - dropped;
+    }
 }
 
 /// The byte ranges of the first two items under `key`, reading no further
@@ -1253,6 +1346,48 @@ mod tests {
                 proptest::prop_assert_eq!(claims.known().len(), repeated.min(items.len()));
             }
             proptest::prop_assert_eq!((hashes, got_chains), (want, chains));
+        }
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(128))]
+
+        /// Finding the first items after a start seen before gives what
+        /// reading the body from its start gives, whatever follows it.
+        #[test]
+        fn known_starts_find_the_items_the_probe_finds(
+            description in "[a-z \"\\\\]{1024,1100}",
+            edit in 0usize..4,
+            items in proptest::collection::vec(
+                proptest::sample::select(vec![
+                    r#"{"role":"user","content":"a"}"#, r#"{"b":[1,{"c":"]"}]}"#, "7", r#""s,t""#, "[]", "null",
+                ]),
+                0..4,
+            ),
+            ws in proptest::sample::select(vec!["", " ", "\n "]),
+            tail in proptest::sample::select(vec!["]}", "] , \"x\":1}", "", ",", "]"]),
+            seed in proptest::num::u64::ANY,
+        ) {
+            let scope = format!("heads-test-{seed}");
+            let tools = serde_json::to_string(&json!([{"type": "function", "function": {"name": "sh", "description": description}}])).unwrap();
+            let head = format!(r#"{{"model":"m","tools":{tools},"messages":["#);
+            let first = format!(r#"{head}{{"role":"system","content":"x"}},{{"role":"user","content":"y"}}]}}"#);
+            let seeded = probe_items_known(first.as_bytes(), "messages", &scope);
+            proptest::prop_assert_eq!(seeded, probe_items(first.as_bytes(), "messages"));
+            let mut second_head = head.clone();
+            match edit {
+                // Another start: a changed byte, one more parameter.
+                1 => second_head = second_head.replacen("\"sh\"", "\"sx\"", 1),
+                2 => second_head = second_head.replacen("{\"model\"", "{\"n\":1,\"model\"", 1),
+                3 => second_head.push_str(ws),
+                _ => {}
+            }
+            let body = format!("{second_head}{}{ws}{tail}", items.join(&format!("{ws},{ws}")));
+            proptest::prop_assert_eq!(
+                probe_items_known(body.as_bytes(), "messages", &scope),
+                probe_items(body.as_bytes(), "messages"),
+                "{}", body
+            );
         }
     }
 
