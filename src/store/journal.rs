@@ -394,11 +394,12 @@ fn decode_frames(bytes: &[u8], out: &mut Vec<ExchangeRecord>, path: &Path) {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::wire::Api;
 
-    fn record(id: i64) -> ExchangeRecord {
+    /// An exchange record to write.
+    pub(crate) fn record(id: i64) -> ExchangeRecord {
         ExchangeRecord {
             id,
             conversation: format!("conv_{id}"),

@@ -235,6 +235,7 @@ impl Backend for SqliteBackend {
 
     fn write(&mut self, batch: &[Record]) -> Result<(), StoreError> {
         let tx = self.conn.transaction()?;
+        write_conversations(&tx, batch)?;
         for rec in batch {
             match rec {
                 Record::Exchange(e) => write_exchange(&tx, e)?,
@@ -246,17 +247,46 @@ impl Backend for SqliteBackend {
     }
 }
 
+/// The conversations of a batch's exchanges, each once (not once per
+/// exchange): created as of its first exchange, last seen (with its model)
+/// as of its last. Before the exchanges, which refer to them.
+fn write_conversations(tx: &rusqlite::Transaction<'_>, batch: &[Record]) -> Result<(), StoreError> {
+    let mut order: Vec<&str> = Vec::new();
+    let mut span: foldhash::HashMap<&str, (&ExchangeRecord, &ExchangeRecord)> = Default::default();
+    for rec in batch {
+        if let Record::Exchange(e) = rec {
+            span.entry(&e.conversation)
+                .and_modify(|(_, last)| *last = e)
+                .or_insert_with(|| {
+                    order.push(&e.conversation);
+                    (e, e)
+                });
+        }
+    }
+    let mut upsert = tx.prepare_cached(
+        "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+         ON CONFLICT(id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms, model = excluded.model",
+    )?;
+    for conversation in order {
+        let (first, last) = span[conversation];
+        upsert.execute(params![
+            conversation,
+            first.tenant,
+            first.explicit_key,
+            first.started_ms,
+            last.started_ms,
+            last.model
+        ])?;
+    }
+    Ok(())
+}
+
 fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Result<(), StoreError> {
     let mut item = tx.prepare_cached("INSERT OR IGNORE INTO items (hash, body) VALUES (?1, ?2)")?;
     for (hash, body) in &rec.new_items {
         item.execute(params![hash.to_vec(), body])?;
     }
-    tx.prepare_cached(
-        "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model)
-         VALUES (?1, ?2, ?3, ?4, ?4, ?5)
-         ON CONFLICT(id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms, model = excluded.model",
-    )?
-    .execute(params![rec.conversation, rec.tenant, rec.explicit_key, rec.started_ms, rec.model])?;
     tx.prepare_cached(
         "INSERT OR REPLACE INTO exchanges (id, conversation_id, tenant, endpoint, model,
             prefix_exchange, prefix_len, prefix_full, suffix_items, request_len, params,
@@ -456,4 +486,84 @@ pub fn response_history(
         }
     }
     Ok(Some(items))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::journal::tests::record;
+
+    type ConversationRow = (String, String, Option<String>, i64, i64, String);
+
+    fn conversations(b: &SqliteBackend) -> Vec<ConversationRow> {
+        let mut stmt = b
+            .conn
+            .prepare(
+                "SELECT id, tenant, explicit_key, created_ms, last_seen_ms, model
+                 FROM conversations ORDER BY id",
+            )
+            .unwrap();
+        stmt.query_map([], |r| {
+            Ok((
+                r.get(0)?,
+                r.get(1)?,
+                r.get(2)?,
+                r.get(3)?,
+                r.get(4)?,
+                r.get(5)?,
+            ))
+        })
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap()
+    }
+
+    #[test]
+    fn a_batch_records_its_conversations_as_writes_one_by_one_would() {
+        let exchange = |id: i64, conversation: &str, started_ms: i64, model: &str, key: &str| {
+            let mut r = record(id);
+            r.conversation = conversation.into();
+            r.started_ms = started_ms;
+            r.model = model.into();
+            r.explicit_key = Some(key.into());
+            Record::Exchange(Box::new(r))
+        };
+        let before = [exchange(1, "conv_a", 5, "m0", "k0")];
+        let batch = [
+            exchange(2, "conv_a", 10, "m1", "k1"),
+            exchange(3, "conv_b", 20, "m2", "k2"),
+            exchange(4, "conv_a", 30, "m3", "k3"),
+            exchange(5, "conv_c", 40, "m4", "k4"),
+            exchange(6, "conv_c", 35, "m5", "k5"),
+        ];
+        let dir = tempfile::tempdir().unwrap();
+        let mut one_by_one = SqliteBackend::open(&dir.path().join("a.db")).unwrap();
+        let mut at_once = SqliteBackend::open(&dir.path().join("b.db")).unwrap();
+        one_by_one.write(&before).unwrap();
+        at_once.write(&before).unwrap();
+        for rec in &batch {
+            one_by_one.write(std::slice::from_ref(rec)).unwrap();
+        }
+        at_once.write(&batch).unwrap();
+        let rows = conversations(&at_once);
+        assert_eq!(rows, conversations(&one_by_one));
+        assert_eq!(rows.len(), 3);
+        assert_eq!(
+            rows[0],
+            (
+                "conv_a".into(),
+                "t".into(),
+                Some("k0".into()),
+                5,
+                30,
+                "m3".into()
+            )
+        );
+        let count = |b: &SqliteBackend| {
+            b.conn
+                .query_row("SELECT COUNT(*) FROM exchanges", [], |r| r.get::<_, i64>(0))
+                .unwrap()
+        };
+        assert_eq!(count(&at_once), 6);
+    }
 }
