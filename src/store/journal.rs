@@ -2,7 +2,7 @@
 //!
 //! An exchange is appended here before its answer's last bytes go out;
 //! from then on it survives the process being killed (the bytes are in the
-//! OS). Exchanges that end in the same turn of the runtime share one
+//! OS). Exchanges that end in the same turn of the runtime can share one
 //! `write` ([`Journal::stage`], [`Journal::write_staged`]). The writer thread imports the records into the
 //! database in batches a little later, which costs a fraction of one commit
 //! per exchange. Whatever the journal still holds at start-up (the process
