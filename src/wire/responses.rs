@@ -66,8 +66,11 @@ pub fn response_items(body: &Value) -> Vec<Value> {
 pub struct ResponsesCollector {
     /// Items announced done one by one (kept for streams cut short).
     done_items: Vec<Value>,
-    /// The final `response` object (`response.completed`/`failed`/`incomplete`).
-    pub final_response: Option<Value>,
+    /// The `output` of the final `response` object
+    /// (`response.completed`/`failed`/`incomplete`), once one came; the
+    /// rest of that object (which echoes the instructions and tools) is
+    /// not kept.
+    final_output: Option<Vec<Value>>,
     /// Usage of the final response.
     pub usage: Option<Usage>,
     /// The response id, from the first event that carries it.
@@ -111,7 +114,17 @@ impl ResponsesCollector {
             }
             "response.completed" | "response.incomplete" | "response.failed" => {
                 if let Some(r) = view.response {
-                    self.finish(kind, tree(r));
+                    match serde_json::from_str::<FinalView>(r.get()) {
+                        Ok(f) => {
+                            let output = f.output.map(tree).unwrap_or_default();
+                            let usage = f.usage.map(tree).unwrap_or_default();
+                            let error = f.error.map(tree);
+                            self.finish(kind, output, &usage, error);
+                        }
+                        // Not an object (`null`, say), or an odd one (a
+                        // repeated member): read as a tree.
+                        Err(_) => self.finish_with(kind, &tree(r)),
+                    }
                 }
             }
             "error" => {
@@ -140,7 +153,7 @@ impl ResponsesCollector {
             }
             "response.completed" | "response.incomplete" | "response.failed" => {
                 if let Some(r) = v.get("response") {
-                    self.finish(kind, r.clone());
+                    self.finish_with(kind, r);
                 }
             }
             "error" => self.error = Some(v.get("error").cloned().unwrap_or(v.clone())),
@@ -148,31 +161,40 @@ impl ResponsesCollector {
         }
     }
 
-    fn finish(&mut self, kind: &str, response: Value) {
-        self.usage = response.get("usage").and_then(Usage::from_value);
+    /// A terminal event whose response object was read as a tree.
+    fn finish_with(&mut self, kind: &str, response: &Value) {
+        let field = |k: &str| response.get(k).cloned();
+        self.finish(
+            kind,
+            field("output").unwrap_or_default(),
+            &field("usage").unwrap_or_default(),
+            field("error"),
+        );
+    }
+
+    /// A terminal event, with what its response object held.
+    fn finish(&mut self, kind: &str, output: Value, usage: &Value, error: Option<Value>) {
+        self.usage = Usage::from_value(usage);
         if kind == "response.failed" {
-            self.error = response.get("error").cloned().or(Some(Value::Null));
+            self.error = error.or(Some(Value::Null));
         }
-        self.final_response = Some(response);
+        self.final_output = Some(match output {
+            Value::Array(items) => items,
+            _ => Vec::new(),
+        });
     }
 
     /// The output items: the final response's, else those seen done so far.
     pub fn items(&self) -> Vec<Value> {
-        match &self.final_response {
-            Some(r)
-                if r.get("output")
-                    .and_then(Value::as_array)
-                    .is_some_and(|o| !o.is_empty()) =>
-            {
-                response_items(r)
-            }
+        match &self.final_output {
+            Some(items) if !items.is_empty() => items.clone(),
             _ => self.done_items.clone(),
         }
     }
 
     /// A terminal event was seen.
     pub fn finished(&self) -> bool {
-        self.final_response.is_some()
+        self.final_output.is_some()
     }
 }
 
@@ -186,6 +208,17 @@ struct EventView<'a> {
     response: Option<&'a RawValue>,
     #[serde(default, borrow, deserialize_with = "present")]
     item: Option<&'a RawValue>,
+    #[serde(default, borrow, deserialize_with = "present")]
+    error: Option<&'a RawValue>,
+}
+
+/// What the collector keeps of a final response object, the rest skipped.
+#[derive(Deserialize)]
+struct FinalView<'a> {
+    #[serde(default, borrow)]
+    output: Option<&'a RawValue>,
+    #[serde(default, borrow)]
+    usage: Option<&'a RawValue>,
     #[serde(default, borrow, deserialize_with = "present")]
     error: Option<&'a RawValue>,
 }
@@ -296,6 +329,18 @@ mod tests {
                     r#"{"type":"response.completed","response":null}"#,
                 ),
             ],
+            &[
+                // The output given twice (the last counts), instructions
+                // and tools echoed, usage of another shape.
+                (
+                    "response.completed",
+                    r#"{"type":"response.completed","response":{"output":[{"id":"a"}],"instructions":"x","tools":[{"b":[1]}],"output":[{"id":"b"}],"usage":{"input_tokens":"many"}}}"#,
+                ),
+            ],
+            &[(
+                "response.incomplete",
+                r#"{"type":"response.incomplete","response":{"output":{"id":"c"},"error":null,"usage":null}}"#,
+            )],
         ];
         let mut collected = Vec::new();
         for events in streams {
@@ -308,7 +353,7 @@ mod tests {
                 }
             }
             assert_eq!(raw.done_items, tree.done_items);
-            assert_eq!(raw.final_response, tree.final_response);
+            assert_eq!(raw.final_output, tree.final_output);
             assert_eq!(raw.usage, tree.usage);
             assert_eq!(raw.id, tree.id);
             assert_eq!(raw.error, tree.error);
@@ -326,6 +371,9 @@ mod tests {
         assert_eq!(collected[2].error.as_ref().unwrap()["code"], "rate_limit");
         assert!(collected[3].finished());
         assert_eq!(collected[3].error, Some(Value::Null));
+        assert_eq!(collected[4].items(), vec![json!({"id": "b"})]);
+        assert_eq!(collected[4].usage, None);
+        assert!(collected[5].finished() && collected[5].items().is_empty());
         assert_eq!(
             event_type(r#"{"type":"response.created","response":{}}"#).as_deref(),
             Some("response.created")
