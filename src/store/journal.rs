@@ -3,9 +3,9 @@
 //! An exchange is appended here before its answer's last bytes go out;
 //! from then on it survives the process being killed (the bytes are in the
 //! OS). Exchanges that end in the same turn of the runtime can share one
-//! `write` ([`Journal::stage`], [`Journal::write_staged`]). The writer thread imports the records into the
-//! database in batches a little later, which costs a fraction of one commit
-//! per exchange. Whatever the journal still holds at start-up (the process
+//! `write` ([`Journal::stage`], [`Journal::write_staged`]). The writer
+//! thread imports the records into the database in batches a little later,
+//! which costs a fraction of one commit per exchange. Whatever the journal still holds at start-up (the process
 //! was killed before an import) is imported before anything else runs.
 //!
 //! Files, next to the database `D`: `D-exchanges` (appended to),
@@ -201,12 +201,14 @@ impl Journal {
         let mut st = self.lock();
         if st.written < seq && st.lock.is_some() {
             let st = &mut *st;
+            let first = st.written + 1;
             let result = st.file.write_all(&st.staged);
             st.written = st.appended;
             match result {
                 Ok(()) => st.bytes += st.staged.len() as u64,
+                // Every record of the failed write, not only the caller's.
                 Err(_) => {
-                    st.failed_from.get_or_insert(seq);
+                    st.failed_from.get_or_insert(first);
                 }
             }
             st.staged.clear();
@@ -487,12 +489,17 @@ pub(crate) mod tests {
         j.write_staged(seqs[2]).unwrap();
         assert_eq!(std::fs::metadata(&log).unwrap().len(), three);
 
-        // A write that fails fails its records and the later ones.
+        // A write that fails fails all its records (whoever made it) and
+        // the later ones.
         let writable = std::mem::replace(&mut j.lock().file, File::open(&log).unwrap());
+        let Staged::At(staged_first) = j.stage(record(7), |_, _| {}).unwrap() else {
+            panic!("staged")
+        };
         let Staged::At(four) = j.stage(record(4), |_, _| {}).unwrap() else {
             panic!("staged")
         };
         assert!(j.write_staged(four).is_err());
+        assert!(j.write_staged(staged_first).is_err(), "in the same write");
         j.lock().file = writable;
         let Staged::At(five) = j.stage(record(5), |_, _| {}).unwrap() else {
             panic!("staged")
