@@ -278,18 +278,8 @@ impl Payload {
         Payload { head, rest }
     }
 
-    /// Length in bytes.
-    pub fn len(&self) -> usize {
-        self.head.len() + self.rest.len()
-    }
-
-    /// Whether it has no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
     /// All its bytes in one buffer (a copy only when it is in two pieces).
-    pub fn to_bytes(&self) -> Bytes {
+    fn to_bytes(&self) -> Bytes {
         match (self.head.is_empty(), self.rest.is_empty()) {
             (true, _) => self.rest.clone(),
             (false, true) => self.head.clone(),

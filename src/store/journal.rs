@@ -162,6 +162,7 @@ impl Journal {
     /// Appends `rec` (one write), then hands it to `then` with its
     /// sequence number, still in journal order. After [`Journal::release`]
     /// nothing is appended and the record comes back.
+    #[cfg(test)]
     pub fn append(
         &self,
         rec: ExchangeRecord,
