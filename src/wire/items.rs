@@ -318,7 +318,7 @@ const HEAD_BYTES: usize = 16 << 20;
 /// bodies, newest first.
 #[derive(Default)]
 struct Heads {
-    by_scope: foldhash::HashMap<(String, String), VecDeque<Bytes>>,
+    by_scope: foldhash::HashMap<String, Vec<(String, VecDeque<Bytes>)>>,
     bytes: usize,
 }
 
@@ -333,10 +333,14 @@ impl Heads {
 
     fn of(scope: &str, key: &str) -> Vec<Bytes> {
         let heads = Self::lock();
-        heads
+        let keys = heads
             .by_scope
-            .get(&(scope.to_string(), key.to_string()))
-            .map(|q| q.iter().cloned().collect())
+            .get(scope)
+            .map(Vec::as_slice)
+            .unwrap_or_default();
+        keys.iter()
+            .find(|(k, _)| k == key)
+            .map(|(_, q)| q.iter().cloned().collect())
             .unwrap_or_default()
     }
 
@@ -349,10 +353,15 @@ impl Heads {
             heads.by_scope.clear();
             heads.bytes = 0;
         }
-        let q = heads
-            .by_scope
-            .entry((scope.to_string(), key.to_string()))
-            .or_default();
+        let keys = heads.by_scope.entry(scope.to_string()).or_default();
+        let at = match keys.iter().position(|(k, _)| k == key) {
+            Some(at) => at,
+            None => {
+                keys.push((key.to_string(), VecDeque::new()));
+                keys.len() - 1
+            }
+        };
+        let q = &mut keys[at].1;
         q.push_front(Bytes::copy_from_slice(head));
         let dropped: usize = q
             .drain(HEADS_PER_SCOPE.min(q.len())..)
