@@ -151,8 +151,10 @@ const MAX_ENTRIES_PER_CONVERSATION: usize = 64;
 /// past this, the conversations whose latest exchange is oldest are
 /// forgotten, so that a stream of one-off requests (each a conversation of
 /// its own) does not grow the index without end. A forgotten
-/// conversation's next request starts a new one.
-const MAX_ENTRIES: usize = 200_000;
+/// conversation's next request starts a new one. Start-up rebuilds the
+/// index from at most this many of the newest exchanges (each adds one or
+/// two entries), so it reads no more of a large store than it keeps.
+pub const MAX_ENTRIES: usize = 200_000;
 
 /// In-memory index from prefixes, keys and response ids to conversations;
 /// rebuilt from the store at start-up.

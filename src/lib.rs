@@ -19,6 +19,8 @@
 //! - [`tokens`]: tiktoken estimates by section.
 //! - [`background`]: the accounting thread (token estimates and the
 //!   per-exchange line, off the request path).
+//! - [`bounded`]: a map that keeps recent entries within a fixed size, for
+//!   the process-wide state that would otherwise grow with every request.
 //! - [`error`]: the request-path error type and its OpenAI-style JSON.
 //! - [`fake_upstream`]: a scriptable OpenAI-compatible server for tests,
 //!   benchmarks and the offline demo.
@@ -32,6 +34,7 @@
 
 pub mod admin;
 pub mod background;
+pub mod bounded;
 pub mod cli;
 pub mod compaction;
 pub mod config;

@@ -15,6 +15,7 @@ use tokio::sync::watch;
 use super::policy::{decide, hard_limit};
 use super::summary;
 use super::{cheap_rungs, prepare, rewrite, summary_replacement, Compaction, Params, Rung};
+use crate::bounded::Generations;
 use crate::server::AppState;
 use crate::wire::items::{ItemList, Tools};
 use crate::wire::{item_hash, ItemHash};
@@ -82,6 +83,20 @@ struct Backoff {
     skip: u32,
 }
 
+/// Conversations whose calibration is kept, per generation (see
+/// [`Generations`]): one that reports usage again within this many others
+/// keeps it; past that it starts again from 1 (its next usage sets it).
+const CALIBRATED: usize = 1 << 17;
+
+/// Per (tenant, conversation): upstream tokens per estimated token.
+struct Calibrations(Generations<(String, String), f64>);
+
+impl Default for Calibrations {
+    fn default() -> Self {
+        Self(Generations::new(CALIBRATED))
+    }
+}
+
 /// The registry of stored compactions and running jobs.
 #[derive(Default)]
 pub struct Compactions {
@@ -96,7 +111,9 @@ pub struct Compactions {
     /// estimate, from the last exchange that reported usage. The upstream
     /// may tokenize differently (llama, qwen…); limits are checked in its
     /// tokens.
-    calibration: Mutex<HashMap<(String, String), f64>>,
+    /// The recent conversations only: every conversation that reports
+    /// usage sets one, one-off requests included.
+    calibration: Mutex<Calibrations>,
     /// Conversations whose next request is to be compacted (manual).
     manual: Mutex<std::collections::HashSet<String>>,
 }
@@ -162,12 +179,15 @@ impl Compactions {
             return;
         }
         let ratio = (reported as f64 / estimated as f64).clamp(MIN_CALIBRATION, MAX_CALIBRATION);
-        lock(&self.calibration).insert((tenant.to_string(), conversation.to_string()), ratio);
+        lock(&self.calibration)
+            .0
+            .insert((tenant.to_string(), conversation.to_string()), ratio);
     }
 
     /// Upstream tokens per estimated token for the conversation (1 until known).
     pub fn calibration(&self, tenant: &str, conversation: &str) -> f64 {
         lock(&self.calibration)
+            .0
             .get(&(tenant.to_string(), conversation.to_string()))
             .copied()
             .unwrap_or(1.0)

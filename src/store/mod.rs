@@ -22,6 +22,7 @@ use tokio::sync::oneshot;
 
 pub use journal::Journal;
 
+use crate::bounded::Generations;
 use crate::compaction::Compaction;
 use crate::wire::{Api, ItemHash, Usage};
 
@@ -124,9 +125,11 @@ pub struct Snapshot {
     pub salt: [u8; 32],
     /// Highest exchange id recorded.
     pub max_exchange_id: i64,
-    /// Every stored item hash.
+    /// The hashes of the newest [`KNOWN_ITEMS`] items stored.
     pub item_hashes: Vec<ItemHash>,
-    /// Every exchange, oldest first, with what the index needs.
+    /// The newest exchanges (as many as the conversation index keeps
+    /// entries, [`crate::conversation::MAX_ENTRIES`]), oldest first, with
+    /// what the index needs.
     pub exchanges: Vec<IndexedExchange>,
     /// Explicit conversation keys: (tenant, key, conversation).
     pub keys: Vec<(String, String, String)>,
@@ -194,7 +197,10 @@ pub struct Store {
     tx: Mutex<mpsc::Sender<Cmd>>,
     /// The writer thread, woken for what must be committed now.
     writer: std::thread::Thread,
-    known: Mutex<foldhash::HashSet<ItemHash>>,
+    /// Items stored (or on their way), the recent ones: a request's items
+    /// found here go without their bodies. One not found (new, or not seen
+    /// for long) goes with its body, which the database ignores if it has it.
+    known: Mutex<Generations<ItemHash, ()>>,
     next_id: AtomicI64,
     journal: Option<Arc<Journal>>,
 }
@@ -206,6 +212,10 @@ enum Journaled<'a> {
     /// Not journaled: to be committed.
     Back(Box<ExchangeRecord>),
 }
+
+/// Item hashes [`Store`] keeps per generation (two generations, ~35 MB at
+/// most), and the newest items whose hashes it loads at start-up.
+pub const KNOWN_ITEMS: usize = 1 << 18;
 
 /// How long a journaled exchange may wait for its import: long enough to
 /// import in large batches under load (see [`MAX_BATCH`]), short enough
@@ -246,7 +256,13 @@ impl Store {
         let store = Store {
             tx: Mutex::new(tx),
             writer,
-            known: Mutex::new(snapshot.item_hashes.iter().copied().collect()),
+            known: Mutex::new({
+                let mut known = Generations::new(KNOWN_ITEMS);
+                for &h in &snapshot.item_hashes {
+                    known.insert(h, ());
+                }
+                known
+            }),
             next_id: AtomicI64::new(snapshot.max_exchange_id + 1),
             journal,
         };
@@ -270,7 +286,7 @@ impl Store {
     pub fn claim_items<'a>(&self, hashes: &'a [ItemHash]) -> impl Iterator<Item = usize> + 'a {
         let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
         let fresh: Vec<usize> = (0..hashes.len())
-            .filter(|&i| known.insert(hashes[i]))
+            .filter(|&i| known.insert(hashes[i], ()).is_none())
             .collect();
         fresh.into_iter()
     }

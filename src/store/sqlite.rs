@@ -178,6 +178,28 @@ fn opt_hash(blob: Option<Vec<u8>>) -> Option<ItemHash> {
 
 impl Backend for SqliteBackend {
     fn load(&mut self) -> Result<Snapshot, StoreError> {
+        self.load_newest(super::KNOWN_ITEMS, crate::conversation::MAX_ENTRIES)
+    }
+
+    fn write(&mut self, batch: &[Record]) -> Result<(), StoreError> {
+        let tx = self.conn.transaction()?;
+        write_conversations(&tx, batch)?;
+        for rec in batch {
+            match rec {
+                Record::Exchange(e) => write_exchange(&tx, e)?,
+                Record::Compaction(c) => write_compaction(&tx, c)?,
+            }
+        }
+        tx.commit()?;
+        Ok(())
+    }
+}
+
+impl SqliteBackend {
+    /// The snapshot with the newest `items` item hashes and `exchanges`
+    /// exchanges only: the rest of the store must not decide how much
+    /// memory a start-up takes.
+    fn load_newest(&mut self, items: usize, exchanges: usize) -> Result<Snapshot, StoreError> {
         let mut snap = Snapshot::default();
         let salt: Option<Vec<u8>> = self
             .conn
@@ -198,18 +220,20 @@ impl Backend for SqliteBackend {
                 )?;
             }
         }
-        let mut stmt = self.conn.prepare("SELECT hash FROM items")?;
+        let mut stmt = self
+            .conn
+            .prepare("SELECT hash FROM items ORDER BY rowid DESC LIMIT ?1")?;
         snap.item_hashes = stmt
-            .query_map([], |r| r.get::<_, Vec<u8>>(0))?
+            .query_map([items as i64], |r| r.get::<_, Vec<u8>>(0))?
             .filter_map(|r| r.ok().and_then(|b| opt_hash(Some(b))))
             .collect();
         let mut stmt = self.conn.prepare(
             "SELECT id, conversation_id, tenant, request_len, length(response_items) / 32,
                     chain_request, chain_full, response_id
-             FROM exchanges ORDER BY id",
+             FROM exchanges ORDER BY id DESC LIMIT ?1",
         )?;
         snap.exchanges = stmt
-            .query_map([], |r| {
+            .query_map([exchanges as i64], |r| {
                 Ok(IndexedExchange {
                     id: r.get(0)?,
                     conversation: r.get(1)?,
@@ -222,6 +246,7 @@ impl Backend for SqliteBackend {
                 })
             })?
             .collect::<Result<_, _>>()?;
+        snap.exchanges.reverse();
         snap.max_exchange_id = snap.exchanges.last().map(|e| e.id).unwrap_or(0);
         let mut stmt = self.conn.prepare(
             "SELECT tenant, explicit_key, id FROM conversations WHERE explicit_key IS NOT NULL",
@@ -231,19 +256,6 @@ impl Backend for SqliteBackend {
             .collect::<Result<_, _>>()?;
         snap.compactions = load_compactions(&self.conn, None)?;
         Ok(snap)
-    }
-
-    fn write(&mut self, batch: &[Record]) -> Result<(), StoreError> {
-        let tx = self.conn.transaction()?;
-        write_conversations(&tx, batch)?;
-        for rec in batch {
-            match rec {
-                Record::Exchange(e) => write_exchange(&tx, e)?,
-                Record::Compaction(c) => write_compaction(&tx, c)?,
-            }
-        }
-        tx.commit()?;
-        Ok(())
     }
 }
 
@@ -565,5 +577,26 @@ mod tests {
                 .unwrap()
         };
         assert_eq!(count(&at_once), 6);
+    }
+
+    #[test]
+    fn start_up_loads_the_newest_exchanges_and_items_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut b = SqliteBackend::open(&dir.path().join("s.db")).unwrap();
+        // Each exchange stores one new item, [id; 32].
+        let batch: Vec<Record> = (1..=6)
+            .map(|id| Record::Exchange(Box::new(record(id))))
+            .collect();
+        b.write(&batch).unwrap();
+        let snap = b.load_newest(2, 3).unwrap();
+        let ids: Vec<i64> = snap.exchanges.iter().map(|e| e.id).collect();
+        assert_eq!(ids, [4, 5, 6], "the newest, oldest first");
+        assert_eq!(snap.max_exchange_id, 6);
+        let mut items = snap.item_hashes.clone();
+        items.sort();
+        assert_eq!(items, [[5; 32], [6; 32]]);
+        let all = b.load().unwrap();
+        assert_eq!(all.exchanges.len(), 6);
+        assert_eq!(all.item_hashes.len(), 6);
     }
 }

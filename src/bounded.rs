@@ -1,0 +1,116 @@
+//! A map that keeps what was used recently, within a fixed size.
+
+use std::borrow::Borrow;
+use std::collections::HashMap;
+use std::hash::{BuildHasher, Hash};
+
+/// A map of at most `2 × per_generation` entries that keeps the recent ones.
+///
+/// Entries go into the current generation. When it is full it becomes the
+/// old one, and the old one is dropped whole. Inserting a key that is in
+/// the old generation moves it to the current one. So an entry inserted
+/// again at least once every `per_generation` insertions is never dropped,
+/// and eviction costs nothing per operation (no recency list to keep up).
+pub struct Generations<K, V, S = foldhash::fast::RandomState> {
+    current: HashMap<K, V, S>,
+    old: HashMap<K, V, S>,
+    per_generation: usize,
+}
+
+impl<K: Hash + Eq, V, S: BuildHasher + Default> Generations<K, V, S> {
+    /// An empty map whose generations hold `per_generation` entries each
+    /// (at least one).
+    pub fn new(per_generation: usize) -> Self {
+        Self {
+            current: HashMap::default(),
+            old: HashMap::default(),
+            per_generation: per_generation.max(1),
+        }
+    }
+
+    /// Inserts `value` under `key` into the current generation and returns
+    /// the value it replaces, from either generation.
+    pub fn insert(&mut self, key: K, value: V) -> Option<V> {
+        if let Some(slot) = self.current.get_mut(&key) {
+            return Some(std::mem::replace(slot, value));
+        }
+        let replaced = self.old.remove(&key);
+        if self.current.len() >= self.per_generation {
+            self.old = std::mem::take(&mut self.current);
+        }
+        self.current.insert(key, value);
+        replaced
+    }
+
+    /// The value under `key`, if it is still kept.
+    pub fn get<Q>(&self, key: &Q) -> Option<&V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        self.current.get(key).or_else(|| self.old.get(key))
+    }
+
+    /// Number of entries kept.
+    pub fn len(&self) -> usize {
+        self.current.len() + self.old.len()
+    }
+
+    /// Whether nothing is kept.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn a_key_inserted_again_each_generation_stays() {
+        let mut m: Generations<u32, u32> = Generations::new(4);
+        for i in 0..100 {
+            m.insert(1000, i);
+            m.insert(i, i);
+            m.insert(i + 1, i);
+            m.insert(i + 2, i);
+        }
+        assert_eq!(m.get(&1000), Some(&99));
+        assert!(m.len() <= 8, "{}", m.len());
+        assert_eq!(m.get(&0), None, "old keys are dropped");
+    }
+
+    proptest! {
+        /// Against a model that remembers everything: what is kept holds
+        /// the latest value; every key inserted within the last
+        /// `per_generation` insertions is kept; never more than two
+        /// generations.
+        #[test]
+        fn keeps_the_latest_insertions_and_no_more_than_two_generations(
+            per_generation in 1usize..8,
+            ops in proptest::collection::vec((0u8..24, any::<u16>()), 0..200),
+        ) {
+            let mut m: Generations<u8, u16> = Generations::new(per_generation);
+            let mut latest = std::collections::HashMap::new();
+            let mut order: Vec<u8> = Vec::new();
+            for (k, v) in ops {
+                let replaced = m.insert(k, v);
+                if let Some(r) = replaced {
+                    prop_assert_eq!(Some(&r), latest.get(&k));
+                }
+                latest.insert(k, v);
+                order.push(k);
+                prop_assert!(m.len() <= 2 * per_generation);
+                for (key, value) in &latest {
+                    if let Some(kept) = m.get(key) {
+                        prop_assert_eq!(kept, value);
+                    }
+                }
+                for key in order.iter().rev().take(per_generation) {
+                    prop_assert_eq!(m.get(key), latest.get(key));
+                }
+            }
+        }
+    }
+}
