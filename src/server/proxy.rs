@@ -363,20 +363,27 @@ async fn handle_inner(
         break Answer::Error(status, resp_headers, bytes);
     };
     let applied = pending.compaction.clone();
-    let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
     let mut response = match answer {
-        Answer::Held(held) => stream_response(state, pending, held, strip_usage, ttfb_ms),
+        Answer::Held(mut held) => {
+            held.take_delivered().await;
+            let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
+            stream_response(state, pending, held, strip_usage, ttfb_ms)
+        }
         Answer::Upstream(resp) if is_sse(resp.headers()) => {
-            let held = Held {
+            let mut held = Held {
                 status: resp.status(),
                 headers: resp.headers().clone(),
                 chunks: Vec::new(),
                 failure: None,
                 rest: Box::pin(resp.bytes_stream()),
+                end: None,
             };
+            held.take_delivered().await;
+            let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
             stream_response(state, pending, held, strip_usage, ttfb_ms)
         }
         Answer::Upstream(resp) => {
+            let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
             let status = resp.status();
             let headers = resp.headers().clone();
             match state.upstream.read_body(resp).await {
@@ -385,6 +392,7 @@ async fn handle_inner(
             }
         }
         Answer::Error(status, headers, bytes) => {
+            let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
             buffered_response(state, pending, status, headers, bytes, ttfb_ms).await
         }
     };
@@ -565,6 +573,27 @@ struct Held {
     failure: Option<String>,
     /// The rest of the body.
     rest: UpstreamStream,
+    /// How the body ended (or failed), if it did while being read.
+    end: Option<Option<reqwest::Result<Bytes>>>,
+}
+
+impl Held {
+    /// Adds to the chunks what the upstream delivered with them (see
+    /// [`take_delivered`]), so that the answer's first write carries it all:
+    /// with a short answer, the whole of it.
+    async fn take_delivered(&mut self) {
+        if self.end.is_some() {
+            return;
+        }
+        let chunks = &mut self.chunks;
+        let mut size: usize = chunks.iter().map(Bytes::len).sum();
+        self.end = take_delivered(&mut self.rest, size, |chunk| {
+            size += chunk.len();
+            chunks.push(chunk);
+            size
+        })
+        .await;
+    }
 }
 
 /// Longest time a Responses stream's first events are held back waiting
@@ -588,6 +617,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
     let mut buf = Vec::new();
     let mut scanned = 0;
     let release_at = tokio::time::Instant::now() + MAX_HOLD_BACK;
+    let mut end = None;
     loop {
         // Past the hold-back limit the stream is released as it is (a later
         // failure is relayed); the client must not wait on a silent start.
@@ -600,7 +630,10 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
             Err(_) if wait <= idle => break,
             Err(_) => return Err(ProxyError::UpstreamTimeout(idle.as_secs())),
         };
-        let Some(chunk) = next else { break };
+        let Some(chunk) = next else {
+            end = Some(None);
+            break;
+        };
         let chunk = chunk.map_err(|e| ProxyError::UpstreamUnreachable(describe(&e)))?;
         buf.extend_from_slice(&chunk);
         chunks.push(chunk);
@@ -618,6 +651,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
                 chunks,
                 failure,
                 rest,
+                end: None,
             });
         }
     }
@@ -627,6 +661,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
         chunks,
         failure: None,
         rest,
+        end,
     })
 }
 
@@ -778,8 +813,9 @@ type UpstreamStream = Pin<Box<dyn Stream<Item = reqwest::Result<Bytes>> + Send>>
 /// State of a streamed answer between chunks.
 struct Relay {
     state: Arc<AppState>,
-    /// Chunks read while the start was held back, released first.
-    held: std::collections::VecDeque<Bytes>,
+    /// What was read before the answer began (held back, or delivered with
+    /// the first chunks), released first, as one frame.
+    held: Option<Bytes>,
     upstream: UpstreamStream,
     tee: SseTee,
     /// Taken once the exchange is recorded; still here on drop = client left.
@@ -844,6 +880,7 @@ fn stream_response(
         mut headers,
         chunks,
         rest,
+        end,
         ..
     } = held;
     headers.remove(header::CONTENT_LENGTH);
@@ -851,13 +888,13 @@ fn stream_response(
     let relay = Relay {
         tee: SseTee::new(pending.api, strip_usage),
         state,
-        held: chunks.into(),
+        held: concat(chunks),
         upstream: rest,
         pending: Some(pending),
         status: status.as_u16(),
         ttfb_ms,
         done: false,
-        peeked: None,
+        peeked: end,
         started: false,
     };
     let body = futures_util::stream::unfold(relay, next_frame);
@@ -872,48 +909,88 @@ fn stream_response(
 /// Most a frame gathers from chunks the upstream delivered together.
 const GATHER_BYTES: usize = 64 * 1024;
 
-/// `out` followed by the chunks the upstream has already delivered, so that
-/// events that arrived together leave in one write, not one each.
+/// Longest a frame waits for more chunks the upstream delivered together.
+const GATHER_HOLD: Duration = Duration::from_millis(1);
+
+/// `out` followed by the chunks the upstream has already delivered (see
+/// [`take_delivered`]), so that events that arrived together leave in one
+/// write, not one each. The end of the upstream body ends the gathering, so
+/// that the last events and the end of the answer leave together.
+async fn gather(r: &mut Relay, out: Bytes) -> Bytes {
+    let mut joined: Option<bytes::BytesMut> = None;
+    let (tee, upstream) = (&mut r.tee, &mut r.upstream);
+    r.peeked = take_delivered(upstream, out.len(), |chunk| {
+        let more = tee.push(chunk);
+        let joined = joined.get_or_insert_with(|| bytes::BytesMut::from(&out[..]));
+        joined.extend_from_slice(&more);
+        joined.len()
+    })
+    .await;
+    joined.map_or(out, bytes::BytesMut::freeze)
+}
+
+/// Passes `take` the chunks the upstream has already delivered, up to
+/// [`GATHER_BYTES`] (`take` returns the size so far, starting at `size`),
+/// and returns how the body ended if it did meanwhile.
 ///
 /// The upstream connection hands a body over one chunk at a time, and the
 /// server writes out what it has whenever the body is not ready: relayed
 /// as they come, a burst of events (a Responses stream's first and last
-/// ones) costs a write per event. So while the upstream's next chunk is not
-/// ready, the chunks so far are held until the runtime has given the other
-/// tasks (the upstream connection among them) their turn; what they deliver
-/// meanwhile joins them. The end of the upstream body ends the gathering,
-/// so that the last events and the end of the answer leave together.
-async fn gather(r: &mut Relay, out: Bytes) -> Bytes {
-    let mut joined: Option<bytes::BytesMut> = None;
+/// ones, a short answer) costs a write per event. So while the upstream's
+/// next chunk is not ready, this waits until the runtime has given the
+/// other tasks (the upstream connection among them) their turn, and takes
+/// what they delivered meanwhile. A turn that brought a chunk is followed
+/// by another, for up to [`GATHER_HOLD`]; the first turn that brings
+/// nothing ends it. It never waits on the network.
+async fn take_delivered(
+    upstream: &mut UpstreamStream,
+    mut size: usize,
+    mut take: impl FnMut(Bytes) -> usize,
+) -> Option<Option<reqwest::Result<Bytes>>> {
     let mut turn: Option<Arc<Turn>> = None;
+    // When the first turn began, and whether the turn under way brought a chunk.
+    let mut began: Option<Instant> = None;
+    let mut brought = false;
     std::future::poll_fn(|cx| loop {
-        let gathered = joined.as_ref().map_or(out.len(), |j| j.len());
-        if gathered >= GATHER_BYTES {
-            return Poll::Ready(());
+        if size >= GATHER_BYTES {
+            return Poll::Ready(None);
         }
-        match r.upstream.poll_next_unpin(cx) {
+        match upstream.poll_next_unpin(cx) {
             Poll::Ready(Some(Ok(chunk))) => {
-                let more = r.tee.push(chunk);
-                joined
-                    .get_or_insert_with(|| bytes::BytesMut::from(&out[..]))
-                    .extend_from_slice(&more);
+                size = take(chunk);
+                brought = true;
             }
-            Poll::Ready(end_or_error) => {
-                r.peeked = Some(end_or_error);
-                return Poll::Ready(());
-            }
+            Poll::Ready(end_or_error) => return Poll::Ready(Some(end_or_error)),
             Poll::Pending => {
-                let turn = turn.get_or_insert_with(|| Turn::after_others(cx));
-                return if turn.over() {
-                    Poll::Ready(())
-                } else {
-                    Poll::Pending
-                };
+                if turn.as_ref().is_some_and(|t| !t.over()) {
+                    return Poll::Pending;
+                }
+                let began = *began.get_or_insert_with(Instant::now);
+                if turn.is_some() && !(brought && began.elapsed() < GATHER_HOLD) {
+                    return Poll::Ready(None);
+                }
+                brought = false;
+                turn = Some(Turn::after_others(cx));
+                return Poll::Pending;
             }
         }
     })
-    .await;
-    joined.map_or(out, bytes::BytesMut::freeze)
+    .await
+}
+
+/// The chunks as one, if any (copied only when there are several).
+fn concat(mut chunks: Vec<Bytes>) -> Option<Bytes> {
+    match chunks.len() {
+        0 => None,
+        1 => chunks.pop(),
+        _ => {
+            let mut out = bytes::BytesMut::with_capacity(chunks.iter().map(Bytes::len).sum());
+            for c in &chunks {
+                out.extend_from_slice(c);
+            }
+            Some(out.freeze())
+        }
+    }
 }
 
 /// The other tasks' turn: over once the runtime has run the tasks that
@@ -961,7 +1038,9 @@ async fn next_frame(mut r: Relay) -> Option<(Result<Frame<Bytes>, BodyError>, Re
             return None;
         }
         let idle: Duration = r.state.upstream.idle_timeout;
-        let next = if let Some(chunk) = r.held.pop_front() {
+        let held = r.held.take();
+        let gathered = held.is_some();
+        let next = if let Some(chunk) = held {
             Ok(Some(Ok(chunk)))
         } else if let Some(peeked) = r.peeked.take() {
             Ok(peeked)
@@ -971,7 +1050,7 @@ async fn next_frame(mut r: Relay) -> Option<(Result<Frame<Bytes>, BodyError>, Re
         match next {
             Ok(Some(Ok(chunk))) => {
                 let mut out = r.tee.push(chunk);
-                if r.started && r.held.is_empty() {
+                if r.started && !gathered {
                     out = gather(&mut r, out).await;
                 }
                 r.started |= !out.is_empty();
@@ -1012,5 +1091,90 @@ async fn next_frame(mut r: Relay) -> Option<(Result<Frame<Bytes>, BodyError>, Re
                 return Some((Err(msg.into()), r));
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// An upstream body: each chunk after `pause` (None: the chunk is
+    /// handed over at the next turn, as a connection task would).
+    fn upstream(chunks: Vec<(&'static str, Option<Duration>)>) -> UpstreamStream {
+        Box::pin(futures_util::stream::unfold(
+            chunks.into_iter(),
+            |mut it| async move {
+                let (text, pause) = it.next()?;
+                match pause {
+                    Some(d) => tokio::time::sleep(d).await,
+                    None => tokio::task::yield_now().await,
+                }
+                Some((Ok(Bytes::from_static(text.as_bytes())), it))
+            },
+        ))
+    }
+
+    async fn take_all(s: &mut UpstreamStream) -> (Vec<Bytes>, Option<bool>) {
+        let mut taken = Vec::new();
+        let end = take_delivered(s, 0, |c| {
+            taken.push(c);
+            taken.iter().map(Bytes::len).sum()
+        })
+        .await;
+        (taken, end.map(|e| e.is_none()))
+    }
+
+    #[tokio::test]
+    async fn chunks_delivered_turn_after_turn_are_taken_with_the_end() {
+        let mut s = upstream(vec![("a", None), ("b", None), ("c", None)]);
+        let (taken, end) = tokio::time::timeout(Duration::from_secs(5), take_all(&mut s))
+            .await
+            .unwrap();
+        assert_eq!(taken, ["a", "b", "c"]);
+        assert_eq!(end, Some(true), "the end of the body is reported");
+    }
+
+    #[tokio::test]
+    async fn a_chunk_still_on_the_network_is_not_waited_for() {
+        let pause = Duration::from_millis(300);
+        let mut s = upstream(vec![("a", None), ("b", Some(pause)), ("c", None)]);
+        let t = Instant::now();
+        let (taken, end) = tokio::time::timeout(Duration::from_secs(5), take_all(&mut s))
+            .await
+            .unwrap();
+        assert!(t.elapsed() < pause, "{:?}", t.elapsed());
+        assert_eq!(taken, ["a"]);
+        assert_eq!(end, None);
+        // The rest comes with the next gathering.
+        let (taken, end) = tokio::time::timeout(Duration::from_secs(5), async {
+            let first = s.next().await.unwrap().unwrap();
+            let (mut rest, end) = take_all(&mut s).await;
+            rest.insert(0, first);
+            (rest, end)
+        })
+        .await
+        .unwrap();
+        assert_eq!(taken, ["b", "c"]);
+        assert_eq!(end, Some(true));
+    }
+
+    #[tokio::test]
+    async fn gathering_stops_at_its_size_limit() {
+        let big: &'static str = Box::leak("x".repeat(GATHER_BYTES / 2 + 1).into_boxed_str());
+        let mut s = upstream(vec![(big, None), (big, None), (big, None)]);
+        let (taken, end) = tokio::time::timeout(Duration::from_secs(5), take_all(&mut s))
+            .await
+            .unwrap();
+        assert_eq!(taken.len(), 2);
+        assert_eq!(end, None);
+    }
+
+    #[test]
+    fn concat_joins_chunks_in_order() {
+        assert_eq!(concat(Vec::new()), None);
+        let one = Bytes::from_static(b"one");
+        assert_eq!(concat(vec![one.clone()]), Some(one));
+        let joined = concat(vec![Bytes::from_static(b"a"), Bytes::from_static(b"bc")]);
+        assert_eq!(joined.as_deref(), Some(&b"abc"[..]));
     }
 }
