@@ -157,8 +157,8 @@ impl SqliteBackend {
 }
 
 /// Concatenates hashes into one blob.
-pub fn pack_hashes(hashes: &[ItemHash]) -> Vec<u8> {
-    hashes.iter().flat_map(|h| h.iter().copied()).collect()
+pub fn pack_hashes(hashes: &[ItemHash]) -> &[u8] {
+    hashes.as_flattened()
 }
 
 /// Splits a blob of concatenated hashes.
@@ -297,7 +297,7 @@ fn write_conversations(tx: &rusqlite::Transaction<'_>, batch: &[Record]) -> Resu
 fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Result<(), StoreError> {
     let mut item = tx.prepare_cached("INSERT OR IGNORE INTO items (hash, body) VALUES (?1, ?2)")?;
     for (hash, body) in &rec.new_items {
-        item.execute(params![hash.to_vec(), body])?;
+        item.execute(params![&hash[..], body])?;
     }
     tx.prepare_cached(
         "INSERT OR REPLACE INTO exchanges (id, conversation_id, tenant, endpoint, model,
@@ -319,7 +319,7 @@ fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Resul
         rec.prefix.map(|p| p.full).unwrap_or(false),
         pack_hashes(&rec.suffix_items),
         rec.request_len as i64,
-        rec.params.to_vec(),
+        &rec.params[..],
         pack_hashes(&rec.response_items),
         rec.response_id,
         rec.usage.map(|u| u.input_tokens as i64),
@@ -332,8 +332,8 @@ fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Resul
         rec.started_ms,
         rec.latency_ms,
         rec.ttfb_ms,
-        rec.chain_request.map(|h| h.to_vec()),
-        rec.chain_full.map(|h| h.to_vec()),
+        rec.chain_request.as_ref().map(|h| &h[..]),
+        rec.chain_full.as_ref().map(|h| &h[..]),
         rec.compaction,
     ])?;
     Ok(())
