@@ -88,12 +88,29 @@ struct Backoff {
 /// keeps it; past that it starts again from 1 (its next usage sets it).
 const CALIBRATED: usize = 1 << 17;
 
-/// Per (tenant, conversation): upstream tokens per estimated token.
-struct Calibrations(Generations<(String, String), f64>);
+/// Per (tenant, conversation): upstream tokens per estimated token. Keyed
+/// by a 64-bit hash of the pair under a per-process seed, with no strings
+/// to allocate per exchange: two conversations sharing a key (about one
+/// chance in 2^64 / 2^18 entries) would share a figure that only scales an
+/// estimate, within bounds.
+struct Calibrations {
+    by_key: Generations<u64, f64>,
+    seed: foldhash::quality::RandomState,
+}
 
 impl Default for Calibrations {
     fn default() -> Self {
-        Self(Generations::new(CALIBRATED))
+        Self {
+            by_key: Generations::new(CALIBRATED),
+            seed: Default::default(),
+        }
+    }
+}
+
+impl Calibrations {
+    fn key(&self, tenant: &str, conversation: &str) -> u64 {
+        use std::hash::BuildHasher;
+        self.seed.hash_one((tenant, conversation))
     }
 }
 
@@ -179,16 +196,16 @@ impl Compactions {
             return;
         }
         let ratio = (reported as f64 / estimated as f64).clamp(MIN_CALIBRATION, MAX_CALIBRATION);
-        lock(&self.calibration)
-            .0
-            .insert((tenant.to_string(), conversation.to_string()), ratio);
+        let mut all = lock(&self.calibration);
+        let key = all.key(tenant, conversation);
+        all.by_key.insert(key, ratio);
     }
 
     /// Upstream tokens per estimated token for the conversation (1 until known).
     pub fn calibration(&self, tenant: &str, conversation: &str) -> f64 {
-        lock(&self.calibration)
-            .0
-            .get(&(tenant.to_string(), conversation.to_string()))
+        let all = lock(&self.calibration);
+        all.by_key
+            .get(&all.key(tenant, conversation))
             .copied()
             .unwrap_or(1.0)
     }
@@ -682,6 +699,22 @@ fn new_id() -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn calibrations_are_per_tenant_and_conversation() {
+        let c = Compactions::default();
+        c.calibrate("t1", "conv", 200, 100);
+        c.calibrate("ab", "c", 150, 100);
+        assert_eq!(c.calibration("t1", "conv"), 2.0);
+        assert_eq!(c.calibration("t2", "conv"), 1.0, "another tenant");
+        assert_eq!(c.calibration("t1", "other"), 1.0, "another conversation");
+        assert_eq!(c.calibration("ab", "c"), 1.5);
+        assert_eq!(
+            c.calibration("a", "bc"),
+            1.0,
+            "the pair, not its concatenation"
+        );
+    }
 
     #[test]
     fn chunks_respect_the_budget() {
