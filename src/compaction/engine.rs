@@ -17,6 +17,7 @@ use super::summary;
 use super::{cheap_rungs, prepare, rewrite, summary_replacement, Compaction, Params, Rung};
 use crate::bounded::Generations;
 use crate::server::AppState;
+use crate::store::StoredCompaction;
 use crate::wire::items::{ItemList, Tools};
 use crate::wire::{item_hash, ItemHash};
 
@@ -114,16 +115,56 @@ impl Calibrations {
     }
 }
 
+/// Compaction bodies kept in memory, per generation (see [`Generations`]):
+/// those used lately. A body holds its replacement items and extracted
+/// facts (tens of kilobytes); the others are read from the store when a
+/// request needs them.
+const BODIES: usize = 256;
+
+/// A stored compaction as the registry finds it: its id and how much it
+/// covers.
+struct Entry {
+    id: String,
+    covered_len: usize,
+}
+
+impl rewrite::Covering for Entry {
+    fn covered_len(&self) -> usize {
+        self.covered_len
+    }
+}
+
+/// Reads a compaction's body from the store, by id.
+pub type LoadCompaction = Arc<dyn Fn(&str) -> Option<Compaction> + Send + Sync>;
+
+/// The compaction bodies used lately, and how to read the others.
+struct Bodies {
+    recent: Generations<String, Arc<Compaction>>,
+    load: Option<LoadCompaction>,
+}
+
+impl Default for Bodies {
+    fn default() -> Self {
+        Self {
+            recent: Generations::new(BODIES),
+            load: None,
+        }
+    }
+}
+
 /// The registry of stored compactions and running jobs.
 #[derive(Default)]
 pub struct Compactions {
-    by_tenant: Mutex<HashMap<String, HashMap<ItemHash, Arc<Compaction>>>>,
+    /// Every stored compaction, by tenant and covered chain (without bodies).
+    by_tenant: Mutex<HashMap<String, HashMap<ItemHash, Entry>>>,
     jobs: Mutex<HashMap<(String, String), watch::Receiver<bool>>>,
     backoff: Mutex<HashMap<String, Backoff>>,
     /// When each conversation's newest compaction was stored (Unix ms).
     newest: Mutex<HashMap<(String, String), i64>>,
-    /// Every stored compaction by id (to expand `compaction` items).
-    by_id: Mutex<HashMap<String, Arc<Compaction>>>,
+    /// The tenant of every stored compaction, by id (to expand `compaction`
+    /// items).
+    by_id: Mutex<HashMap<String, String>>,
+    bodies: Mutex<Bodies>,
     /// Per conversation: the upstream's token count over the proxy's
     /// estimate, from the last exchange that reported usage. The upstream
     /// may tokenize differently (llama, qwen…); limits are checked in its
@@ -140,40 +181,96 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 impl Compactions {
-    /// Rebuilds the registry from stored compactions (replay).
-    pub fn from_stored(list: Vec<Compaction>) -> Self {
+    /// Rebuilds the registry from the stored compactions (replay); `load`
+    /// reads a body from the store when a request needs one.
+    pub fn from_stored(list: Vec<StoredCompaction>, load: LoadCompaction) -> Self {
         let me = Self::default();
+        lock(&me.bodies).load = Some(load);
         for c in list {
-            me.insert(Arc::new(c));
+            me.index(
+                c.id,
+                c.tenant,
+                c.conversation,
+                c.covered_len,
+                c.covered_chain,
+                c.created_ms,
+            );
         }
         me
     }
 
+    /// Adds a compaction just stored.
     fn insert(&self, c: Arc<Compaction>) {
+        self.index(
+            c.id.clone(),
+            c.tenant.clone(),
+            c.conversation.clone(),
+            c.covered_len,
+            c.covered_chain,
+            c.created_ms,
+        );
+        lock(&self.bodies).recent.insert(c.id.clone(), c);
+    }
+
+    fn index(
+        &self,
+        id: String,
+        tenant: String,
+        conversation: String,
+        covered_len: usize,
+        covered_chain: ItemHash,
+        created_ms: i64,
+    ) {
         // The time it became visible, not when it was computed: a request
         // that started before this moment may have missed it.
-        let visible = crate::server::now_ms().max(c.created_ms);
+        let visible = crate::server::now_ms().max(created_ms);
         let mut newest = lock(&self.newest);
-        let at = newest
-            .entry((c.tenant.clone(), c.conversation.clone()))
-            .or_default();
+        let at = newest.entry((tenant.clone(), conversation)).or_default();
         *at = (*at).max(visible);
         drop(newest);
-        lock(&self.by_id).insert(c.id.clone(), c.clone());
+        lock(&self.by_id).insert(id.clone(), tenant.clone());
         lock(&self.by_tenant)
-            .entry(c.tenant.clone())
+            .entry(tenant)
             .or_default()
-            .insert(c.covered_chain, c);
+            .insert(covered_chain, Entry { id, covered_len });
+    }
+
+    /// A compaction's body: kept, or read from the store (a stored one
+    /// that cannot be read is treated as absent: the request goes as the
+    /// client sent it).
+    fn body(&self, id: &str) -> Option<Arc<Compaction>> {
+        let load = {
+            let mut bodies = lock(&self.bodies);
+            if let Some(c) = bodies.recent.get(id) {
+                let c = c.clone();
+                // Used again: kept into the next generation.
+                bodies.recent.insert(id.to_string(), c.clone());
+                return Some(c);
+            }
+            bodies.load.clone()?
+        };
+        // Read without the lock: other requests' lookups go on meanwhile.
+        let c = match load(id) {
+            Some(c) => Arc::new(c),
+            None => {
+                tracing::warn!(compaction = %id, "stored compaction could not be read");
+                return None;
+            }
+        };
+        lock(&self.bodies).recent.insert(id.to_string(), c.clone());
+        Some(c)
     }
 
     /// The longest stored compaction of `tenant` that covers a prefix of the
     /// request; a match also clears the tenant's back-off.
     pub fn find(&self, tenant: &str, chains: &[ItemHash]) -> Option<Arc<Compaction>> {
-        let found = {
+        let id = {
             let idx = lock(&self.by_tenant);
             idx.get(tenant)
-                .and_then(|m| rewrite::find(chains, m).cloned())
-        };
+                .and_then(|m| rewrite::find(chains, m))
+                .map(|e| e.id.clone())
+        }?;
+        let found = self.body(&id);
         if found.is_some() {
             if let Some(b) = lock(&self.backoff).get_mut(tenant) {
                 *b = Backoff::default();
@@ -184,10 +281,12 @@ impl Compactions {
 
     /// A stored compaction by id, only if it belongs to `tenant`.
     pub fn get(&self, tenant: &str, id: &str) -> Option<Arc<Compaction>> {
-        lock(&self.by_id)
-            .get(id)
-            .filter(|c| c.tenant == tenant)
-            .cloned()
+        let owned = lock(&self.by_id).get(id).is_some_and(|t| t == tenant);
+        if owned {
+            self.body(id)
+        } else {
+            None
+        }
     }
 
     /// Learns how the upstream's token counts compare with the estimate.
@@ -714,6 +813,102 @@ mod tests {
             1.0,
             "the pair, not its concatenation"
         );
+    }
+
+    /// The chain hash the tests give a prefix of `len` items.
+    fn chain(len: usize) -> ItemHash {
+        let mut h = [0u8; 32];
+        h[..8].copy_from_slice(&(len as u64).to_le_bytes());
+        h
+    }
+
+    /// A compaction of `tenant` covering the first `len` items.
+    fn stored(tenant: &str, len: usize) -> Compaction {
+        crate::compaction::test_compaction(
+            &format!("cmp_{tenant}_{len}"),
+            tenant,
+            len,
+            chain(len),
+            vec![json!({"role": "user", "content": format!("summary {len}")})],
+        )
+    }
+
+    #[test]
+    fn stored_compactions_are_found_with_bodies_read_when_not_kept() {
+        // More than two generations of bodies, all in the "store".
+        let n = 2 * BODIES + 40;
+        let store: HashMap<String, Compaction> = (1..=n)
+            .map(|len| stored("t", len))
+            .map(|c| (c.id.clone(), c))
+            .collect();
+        let list = store
+            .values()
+            .map(|c| StoredCompaction {
+                id: c.id.clone(),
+                tenant: c.tenant.clone(),
+                conversation: c.conversation.clone(),
+                covered_len: c.covered_len,
+                covered_chain: c.covered_chain,
+                created_ms: c.created_ms,
+            })
+            .collect();
+        let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = reads.clone();
+        let registry = Compactions::from_stored(
+            list,
+            Arc::new(move |id: &str| {
+                counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                store.get(id).cloned()
+            }),
+        );
+        assert_eq!(registry.len(), n);
+        // A request whose first `len` items are each one's covered prefix.
+        let chains = |len: usize| -> Vec<ItemHash> { (1..=len).map(chain).collect() };
+        let c = registry.find("t", &chains(n)).expect("the longest one");
+        assert_eq!((c.covered_len, c.replacement.len()), (n, 1));
+        assert_eq!(
+            reads.load(std::sync::atomic::Ordering::Relaxed),
+            1,
+            "read once"
+        );
+        let again = registry.find("t", &chains(n)).unwrap();
+        assert!(Arc::ptr_eq(&c, &again), "then kept");
+        assert_eq!(reads.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert!(
+            registry.find("other", &chains(n)).is_none(),
+            "never another tenant's"
+        );
+        assert!(registry.get("other", &c.id).is_none());
+        assert_eq!(
+            registry.get("t", &c.id).map(|g| g.id.clone()),
+            Some(c.id.clone())
+        );
+        // Every one is found, though not all bodies fit in memory at once.
+        for len in 1..=n {
+            let found = registry.find("t", &chains(len)).unwrap();
+            assert_eq!(found.id, format!("cmp_t_{len}"));
+        }
+        assert!(lock(&registry.bodies).recent.len() <= 2 * BODIES);
+        let before = reads.load(std::sync::atomic::Ordering::Relaxed);
+        // Each once, and the longest (read first) again at the end of the
+        // loop: more than two generations were read after it.
+        assert_eq!(before, n + 1);
+        registry.find("t", &chains(1)).unwrap();
+        assert_eq!(
+            reads.load(std::sync::atomic::Ordering::Relaxed),
+            before + 1,
+            "the oldest was dropped from memory and is read again"
+        );
+    }
+
+    #[test]
+    fn a_new_compaction_is_kept_without_a_store() {
+        let registry = Compactions::default();
+        let c = Arc::new(stored("t", 3));
+        registry.insert(c.clone());
+        let chains: Vec<ItemHash> = (1..=4).map(chain).collect();
+        assert!(Arc::ptr_eq(&registry.find("t", &chains).unwrap(), &c));
+        assert!(registry.find("t", &chains[..2]).is_none(), "covers 3 items");
     }
 
     #[test]

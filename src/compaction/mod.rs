@@ -111,6 +111,38 @@ pub struct Compaction {
     pub created_ms: i64,
 }
 
+/// A summary compaction for unit tests: `id` of `tenant`, replacing the
+/// first `covered_len` items (chain hash `covered_chain`) with `replacement`.
+#[cfg(test)]
+pub(crate) fn test_compaction(
+    id: &str,
+    tenant: &str,
+    covered_len: usize,
+    covered_chain: ItemHash,
+    replacement: Vec<Value>,
+) -> Compaction {
+    Compaction {
+        id: id.into(),
+        tenant: tenant.into(),
+        conversation: "c".into(),
+        covered_len,
+        covered_chain,
+        replacement,
+        rung: Rung::Summary,
+        reason: "manual".into(),
+        tokens_before: 100,
+        tokens_after: 10,
+        items_removed: covered_len.saturating_sub(2),
+        items_kept: 2,
+        summary: None,
+        facts: None,
+        base: None,
+        summary_calls: 1,
+        duration_ms: 1,
+        created_ms: 1,
+    }
+}
+
 /// Budgets for one compaction, derived from the config and the model.
 #[derive(Debug, Clone, Copy)]
 pub struct Params {

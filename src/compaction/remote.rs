@@ -138,34 +138,20 @@ fn is_compaction_item(item: &Value) -> bool {
 mod tests {
     use super::*;
     use crate::compaction::items::user_message;
-    use crate::compaction::Rung;
     use std::sync::Arc;
 
     fn comp() -> Compaction {
-        Compaction {
-            id: "cmp_1".into(),
-            tenant: "t".into(),
-            conversation: "c".into(),
-            covered_len: 5,
-            covered_chain: [0; 32],
-            replacement: vec![
+        crate::compaction::test_compaction(
+            "cmp_1",
+            "t",
+            5,
+            [0; 32],
+            vec![
                 json!({"role": "developer", "content": "dev"}),
                 user_message("[compactor summary of 4 earlier items]\n## TASK\nx".into()),
                 json!({"role": "user", "content": "kept"}),
             ],
-            rung: Rung::Summary,
-            reason: "manual".into(),
-            tokens_before: 100,
-            tokens_after: 10,
-            items_removed: 3,
-            items_kept: 2,
-            summary: None,
-            facts: None,
-            base: None,
-            summary_calls: 1,
-            duration_ms: 1,
-            created_ms: 1,
-        }
+        )
     }
 
     #[test]

@@ -23,17 +23,30 @@ pub fn rewrite(original: &[Value], c: &Compaction) -> Vec<Value> {
     out
 }
 
+/// A compaction, or what is kept of one to find it: how many leading items
+/// it covers.
+pub trait Covering {
+    /// Number of leading original items it replaces.
+    fn covered_len(&self) -> usize;
+}
+
+impl Covering for Arc<Compaction> {
+    fn covered_len(&self) -> usize {
+        self.covered_len
+    }
+}
+
 /// The longest compaction whose covered prefix equals a prefix of the
 /// request; `chains[i]` is the chain hash of the request's first `i + 1` items.
-pub fn find<'a>(
+pub fn find<'a, C: Covering>(
     chains: &[ItemHash],
-    by_chain: &'a HashMap<ItemHash, Arc<Compaction>>,
-) -> Option<&'a Arc<Compaction>> {
+    by_chain: &'a HashMap<ItemHash, C>,
+) -> Option<&'a C> {
     chains
         .iter()
         .enumerate()
         .rev()
-        .find_map(|(i, c)| by_chain.get(c).filter(|comp| comp.covered_len == i + 1))
+        .find_map(|(i, c)| by_chain.get(c).filter(|comp| comp.covered_len() == i + 1))
 }
 
 /// Maps a cut in the rewritten view back to the original items: view items

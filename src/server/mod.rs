@@ -66,7 +66,9 @@ impl AppState {
             .map_err(|e| anyhow::anyhow!("cannot open the journal of {}: {e}", path.display()))?;
         let (store, mut snapshot) = Store::start(Box::new(backend), Some(journal))?;
         let conversations = ConversationIndex::from_snapshot(&snapshot);
-        let compactions = Compactions::from_stored(std::mem::take(&mut snapshot.compactions));
+        let stored = std::mem::take(&mut snapshot.compactions);
+        let compactions =
+            Compactions::from_stored(stored, crate::store::sqlite::reader(path.clone()));
         Ok(Arc::new(AppState {
             compactions,
             upstream: Upstream::new(&config.upstream)?,

@@ -133,8 +133,27 @@ pub struct Snapshot {
     pub exchanges: Vec<IndexedExchange>,
     /// Explicit conversation keys: (tenant, key, conversation).
     pub keys: Vec<(String, String, String)>,
-    /// Every compaction, oldest first (replay re-applies them).
-    pub compactions: Vec<Compaction>,
+    /// Every compaction, oldest first, without its body (replay re-applies
+    /// them; a body is read when a request needs it).
+    pub compactions: Vec<StoredCompaction>,
+}
+
+/// What the registry keeps of every stored compaction: enough to find the
+/// requests it applies to. Its body is read from the store when used.
+#[derive(Debug, Clone)]
+pub struct StoredCompaction {
+    /// `cmp_…`
+    pub id: String,
+    /// Tenant it belongs to.
+    pub tenant: String,
+    /// Conversation it was computed for.
+    pub conversation: String,
+    /// Number of leading original items it replaces.
+    pub covered_len: usize,
+    /// Chain hash of those items.
+    pub covered_chain: ItemHash,
+    /// Unix ms.
+    pub created_ms: i64,
 }
 
 /// The fields of an exchange the conversation index needs.

@@ -8,7 +8,9 @@ use std::path::Path;
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::{Backend, ExchangeRecord, IndexedExchange, Record, Snapshot, StoreError};
+use super::{
+    Backend, ExchangeRecord, IndexedExchange, Record, Snapshot, StoreError, StoredCompaction,
+};
 use crate::compaction::{Compaction, Rung};
 use crate::wire::ItemHash;
 
@@ -254,7 +256,22 @@ impl SqliteBackend {
         snap.keys = stmt
             .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
             .collect::<Result<_, _>>()?;
-        snap.compactions = load_compactions(&self.conn, None)?;
+        let mut stmt = self.conn.prepare(
+            "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms
+             FROM compactions ORDER BY created_ms, rowid",
+        )?;
+        snap.compactions = stmt
+            .query_map([], |r| {
+                Ok(StoredCompaction {
+                    id: r.get(0)?,
+                    tenant: r.get(1)?,
+                    conversation: r.get(2)?,
+                    covered_len: r.get::<_, i64>(3)? as usize,
+                    covered_chain: opt_hash(r.get(4)?).unwrap_or([0; 32]),
+                    created_ms: r.get(5)?,
+                })
+            })?
+            .collect::<Result<_, _>>()?;
         Ok(snap)
     }
 }
@@ -371,43 +388,88 @@ fn write_compaction(tx: &rusqlite::Transaction<'_>, c: &Compaction) -> Result<()
     Ok(())
 }
 
+/// The columns [`compaction_row`] reads, in its order.
+const COMPACTION_COLUMNS: &str = "id, tenant, conversation_id, covered_len, covered_chain,
+    replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept, summary,
+    facts, base_id, summary_calls, duration_ms, created_ms";
+
+fn compaction_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Compaction> {
+    let replacement: String = r.get(5)?;
+    let facts: Option<String> = r.get(13)?;
+    let rung: String = r.get(6)?;
+    Ok(Compaction {
+        id: r.get(0)?,
+        tenant: r.get(1)?,
+        conversation: r.get(2)?,
+        covered_len: r.get::<_, i64>(3)? as usize,
+        covered_chain: opt_hash(r.get(4)?).unwrap_or([0; 32]),
+        replacement: serde_json::from_str(&replacement).unwrap_or_default(),
+        rung: Rung::parse(&rung).unwrap_or(Rung::Fallback),
+        reason: r.get(7)?,
+        tokens_before: r.get::<_, i64>(8)? as u64,
+        tokens_after: r.get::<_, i64>(9)? as u64,
+        items_removed: r.get::<_, i64>(10)? as usize,
+        items_kept: r.get::<_, i64>(11)? as usize,
+        summary: r.get(12)?,
+        facts: facts.and_then(|f| serde_json::from_str(&f).ok()),
+        base: r.get(14)?,
+        summary_calls: r.get(15)?,
+        duration_ms: r.get::<_, i64>(16)? as u64,
+        created_ms: r.get(17)?,
+    })
+}
+
 /// Compactions, oldest first; all of them or one conversation's.
 pub fn load_compactions(
     conn: &Connection,
     conversation: Option<&str>,
 ) -> Result<Vec<Compaction>, StoreError> {
-    let mut stmt = conn.prepare(
-        "SELECT id, tenant, conversation_id, covered_len, covered_chain, replacement, rung, reason,
-                tokens_before, tokens_after, items_removed, items_kept, summary, facts, base_id,
-                summary_calls, duration_ms, created_ms
-         FROM compactions WHERE ?1 IS NULL OR conversation_id = ?1 ORDER BY created_ms, rowid",
-    )?;
-    let rows = stmt.query_map(params![conversation], |r| {
-        let replacement: String = r.get(5)?;
-        let facts: Option<String> = r.get(13)?;
-        let rung: String = r.get(6)?;
-        Ok(Compaction {
-            id: r.get(0)?,
-            tenant: r.get(1)?,
-            conversation: r.get(2)?,
-            covered_len: r.get::<_, i64>(3)? as usize,
-            covered_chain: opt_hash(r.get(4)?).unwrap_or([0; 32]),
-            replacement: serde_json::from_str(&replacement).unwrap_or_default(),
-            rung: Rung::parse(&rung).unwrap_or(Rung::Fallback),
-            reason: r.get(7)?,
-            tokens_before: r.get::<_, i64>(8)? as u64,
-            tokens_after: r.get::<_, i64>(9)? as u64,
-            items_removed: r.get::<_, i64>(10)? as usize,
-            items_kept: r.get::<_, i64>(11)? as usize,
-            summary: r.get(12)?,
-            facts: facts.and_then(|f| serde_json::from_str(&f).ok()),
-            base: r.get(14)?,
-            summary_calls: r.get(15)?,
-            duration_ms: r.get::<_, i64>(16)? as u64,
-            created_ms: r.get(17)?,
-        })
-    })?;
+    let mut stmt = conn.prepare(&format!(
+        "SELECT {COMPACTION_COLUMNS} FROM compactions
+         WHERE ?1 IS NULL OR conversation_id = ?1 ORDER BY created_ms, rowid"
+    ))?;
+    let rows = stmt.query_map(params![conversation], compaction_row)?;
     Ok(rows.collect::<Result<_, _>>()?)
+}
+
+/// Reads compactions by id for the registry, through a read-only
+/// connection of its own, opened when first needed (and again after an
+/// error).
+pub fn reader(path: std::path::PathBuf) -> crate::compaction::engine::LoadCompaction {
+    let conn: std::sync::Mutex<Option<Connection>> = std::sync::Mutex::new(None);
+    std::sync::Arc::new(move |id: &str| {
+        let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
+        if conn.is_none() {
+            let c = Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+                .and_then(|c| c.busy_timeout(std::time::Duration::from_secs(5)).map(|_| c));
+            match c {
+                Ok(c) => *conn = Some(c),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cannot open the store to read a compaction");
+                    return None;
+                }
+            }
+        }
+        match load_compaction(conn.as_ref()?, id) {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read a stored compaction");
+                *conn = None;
+                None
+            }
+        }
+    })
+}
+
+/// One compaction by id.
+pub fn load_compaction(conn: &Connection, id: &str) -> Result<Option<Compaction>, StoreError> {
+    Ok(conn
+        .query_row(
+            &format!("SELECT {COMPACTION_COLUMNS} FROM compactions WHERE id = ?1"),
+            params![id],
+            compaction_row,
+        )
+        .optional()?)
 }
 
 /// Reconstructs the request items of exchange `id` (as hashes) by following
