@@ -71,6 +71,8 @@ pub enum Reply {
     },
     /// Wait, then answer.
     Delay(Duration, Box<Reply>),
+    /// The answer with this status instead (e.g. an SSE body as an error).
+    Status(u16, Box<Reply>),
 }
 
 impl Reply {
@@ -470,6 +472,11 @@ async fn render(reply: Reply) -> Response<ProxyBody> {
         Reply::Delay(d, inner) => {
             tokio::time::sleep(d).await;
             Box::pin(render(*inner)).await
+        }
+        Reply::Status(status, inner) => {
+            let mut resp = Box::pin(render(*inner)).await;
+            *resp.status_mut() = StatusCode::from_u16(status).unwrap_or(StatusCode::OK);
+            resp
         }
         Reply::Full {
             status,

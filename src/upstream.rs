@@ -121,12 +121,12 @@ impl Upstream {
         url
     }
 
-    /// Reads a whole (small) answer body: 502 if the upstream breaks off, 504
-    /// if it stays silent longer than `idle_timeout`.
+    /// Reads a whole (small) answer body: 502 if the upstream breaks off or
+    /// sends more than [`MAX_ANSWER_BYTES`], 504 if it stays silent longer
+    /// than `idle_timeout`.
     pub async fn read_body(&self, resp: reqwest::Response) -> Result<bytes::Bytes, ProxyError> {
-        match tokio::time::timeout(self.idle_timeout, resp.bytes()).await {
-            Ok(Ok(b)) => Ok(b),
-            Ok(Err(e)) => Err(ProxyError::UpstreamUnreachable(describe(&e))),
+        match tokio::time::timeout(self.idle_timeout, read_capped(resp, MAX_ANSWER_BYTES)).await {
+            Ok(result) => result,
             Err(_) => Err(ProxyError::UpstreamTimeout(self.idle_timeout.as_secs())),
         }
     }
@@ -418,6 +418,46 @@ impl<S: tower_service::Service<R>, R> tower_service::Service<R> for Noted<S> {
 type Connecting<S, R> =
     Result<<S as tower_service::Service<R>>::Response, <S as tower_service::Service<R>>::Error>;
 
+/// Most bytes of an answer the proxy reads whole (JSON and error answers,
+/// which it parses for usage and output). A larger one is refused (502)
+/// rather than held in memory: no chat or Responses answer comes near it.
+pub const MAX_ANSWER_BYTES: usize = 64 << 20;
+
+/// The whole body, or an error once it is over `limit` bytes. A body that
+/// arrives in one chunk is not copied.
+async fn read_capped(
+    mut resp: reqwest::Response,
+    limit: usize,
+) -> Result<bytes::Bytes, ProxyError> {
+    let too_large = || {
+        ProxyError::UpstreamUnreachable(format!(
+            "the answer is over the {limit} bytes the proxy reads whole"
+        ))
+    };
+    if resp.content_length().is_some_and(|n| n > limit as u64) {
+        return Err(too_large());
+    }
+    let broke = |e: reqwest::Error| ProxyError::UpstreamUnreachable(describe(&e));
+    let Some(first) = resp.chunk().await.map_err(broke)? else {
+        return Ok(bytes::Bytes::new());
+    };
+    let mut next = resp.chunk().await.map_err(broke)?;
+    if next.is_none() && first.len() <= limit {
+        return Ok(first);
+    }
+    let mut all = bytes::BytesMut::from(&first[..]);
+    loop {
+        if all.len() > limit {
+            return Err(too_large());
+        }
+        let Some(chunk) = next else {
+            return Ok(all.freeze());
+        };
+        all.extend_from_slice(&chunk);
+        next = resp.chunk().await.map_err(broke)?;
+    }
+}
+
 /// Describes a reqwest error without its URL (which could carry a key in a
 /// query string) — only the kind and the innermost cause.
 pub fn describe(e: &reqwest::Error) -> String {
@@ -507,5 +547,48 @@ mod tests {
     #[test]
     fn secret_never_prints() {
         assert_eq!(format!("{:?}", Secret("sk-live".into())), "MASKED");
+    }
+
+    async fn within<F: std::future::Future>(f: F) -> F::Output {
+        tokio::time::timeout(Duration::from_secs(10), f)
+            .await
+            .expect("timed out")
+    }
+
+    #[tokio::test]
+    async fn an_answer_read_whole_is_capped() {
+        use crate::fake_upstream::{FakeUpstream, Reply};
+        let fake = within(FakeUpstream::start()).await.unwrap();
+        let client = reqwest::Client::new();
+        let url = fake.url() + "/x";
+        let chunks = |n: usize| -> Vec<String> { (0..n).map(|i| format!("{i:0>50}")).collect() };
+        let answer = |reply: Reply| {
+            fake.push(reply);
+            within(client.post(&url).body("{}").send())
+        };
+
+        // Declared length over the limit: refused before reading.
+        let resp = answer(Reply::json(
+            200,
+            serde_json::json!({"text": "x".repeat(1000)}),
+        ))
+        .await
+        .unwrap();
+        let err = within(read_capped(resp, 100)).await.unwrap_err();
+        assert_eq!(err.status(), http::StatusCode::BAD_GATEWAY);
+        assert!(err.to_string().contains("100 bytes"), "{err}");
+
+        // Chunked, five chunks of 50 bytes: whole under the limit, in order…
+        let resp = answer(Reply::sse(chunks(5))).await.unwrap();
+        let all = within(read_capped(resp, 300)).await.unwrap();
+        assert_eq!(all, chunks(5).concat().as_bytes());
+        // …refused over it.
+        let resp = answer(Reply::sse(chunks(5))).await.unwrap();
+        assert!(within(read_capped(resp, 200)).await.is_err());
+
+        // One chunk, at the limit exactly.
+        let resp = answer(Reply::sse(chunks(1))).await.unwrap();
+        let one = within(read_capped(resp, 50)).await.unwrap();
+        assert_eq!(one, chunks(1)[0].as_bytes());
     }
 }

@@ -387,6 +387,35 @@ async fn upstream_reset_mid_stream_reaches_the_client_and_is_recorded_partial() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_answer_broken_off_is_a_502_not_an_empty_relay() {
+    let h = Harness::start().await;
+    // A 500 whose body the upstream breaks off after its first chunk.
+    h.fake.push(Reply::Status(
+        500,
+        Box::new(Reply::Sse {
+            chunks: vec!["{\"error\": {\"message\": ".into(), "\"boom\"}}".into()],
+            gap: Duration::ZERO,
+            reset_after: Some(1),
+        }),
+    ));
+    let (status, _, body) = post(
+        &format!("{}/chat/completions", h.url()),
+        KEY,
+        &json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 502);
+    assert_eq!(error_of(&body)["code"], "upstream_unreachable");
+    h.wait_exchanges(1).await;
+    let recorded: i64 = h
+        .db()
+        .query_row("SELECT status FROM exchanges", [], |r| r.get(0))
+        .unwrap();
+    assert_eq!(recorded, 502);
+    still_serving(&h).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_leaving_mid_stream_cancels_upstream_and_records_partial() {
     let h = Harness::start().await;
     let pieces: Vec<String> = (0..50).map(|i| format!("w{i} ")).collect();

@@ -336,8 +336,13 @@ async fn handle_inner(
         // prompt did not fit.
         let status = resp.status();
         let resp_headers = resp.headers().clone();
-        // An unreadable error body is classified (and relayed) as empty.
-        let bytes = state.upstream.read_body(resp).await.unwrap_or_default();
+        // One the upstream broke off, or too large to read whole, is the
+        // proxy's 502: relaying the status without its body would not be
+        // what the upstream said.
+        let bytes = match state.upstream.read_body(resp).await {
+            Ok(b) => b,
+            Err(e) => return Err(fail(&state, pending, e, None).await),
+        };
         if !retried && policy::is_context_overflow(status.as_u16(), &bytes) {
             if compact_now(
                 &state,
