@@ -184,6 +184,16 @@ async fn unreachable_upstream_gives_502() {
     let port = support::free_port();
     let h =
         Harness::start_with(|c| c.upstream.base_url = format!("http://127.0.0.1:{port}/v1")).await;
+    chat_gets_a_recorded_502(&h).await;
+    let resp = within(client().get(format!("{}/models", h.url())).send())
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 502);
+}
+
+/// A chat request gets the proxy's 502 `upstream_unreachable`, and its
+/// exchange is recorded with that status.
+async fn chat_gets_a_recorded_502(h: &Harness) {
     let (status, _, body) = post(
         &format!("{}/chat/completions", h.url()),
         KEY,
@@ -192,10 +202,7 @@ async fn unreachable_upstream_gives_502() {
     .await;
     assert_eq!(status, 502);
     assert_eq!(error_of(&body)["code"], "upstream_unreachable");
-    let resp = within(client().get(format!("{}/models", h.url())).send())
-        .await
-        .unwrap();
-    assert_eq!(resp.status(), 502);
+    h.wait_exchanges(1).await;
     let recorded: i64 = h
         .db()
         .query_row("SELECT status FROM exchanges", [], |r| r.get(0))
@@ -398,20 +405,7 @@ async fn an_error_answer_broken_off_is_a_502_not_an_empty_relay() {
             reset_after: Some(1),
         }),
     ));
-    let (status, _, body) = post(
-        &format!("{}/chat/completions", h.url()),
-        KEY,
-        &json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
-    )
-    .await;
-    assert_eq!(status, 502);
-    assert_eq!(error_of(&body)["code"], "upstream_unreachable");
-    h.wait_exchanges(1).await;
-    let recorded: i64 = h
-        .db()
-        .query_row("SELECT status FROM exchanges", [], |r| r.get(0))
-        .unwrap();
-    assert_eq!(recorded, 502);
+    chat_gets_a_recorded_502(&h).await;
     still_serving(&h).await;
 }
 
