@@ -584,10 +584,14 @@ pub(crate) mod tests {
         assert!(read_all(&db).unwrap().is_empty(), "imported, so dropped");
     }
 
-    /// A backend whose first write fails, as on a disk full for a moment.
-    struct FailingOnce(crate::store::sqlite::SqliteBackend, bool);
+    /// What runs before each write of a [`Hooked`] backend.
+    type BeforeWrite = Box<dyn FnMut() -> Result<(), crate::store::StoreError> + Send>;
 
-    impl crate::store::Backend for FailingOnce {
+    /// A SQLite backend that runs a hook before each write: to fail one, or
+    /// to stall it.
+    struct Hooked(crate::store::sqlite::SqliteBackend, BeforeWrite);
+
+    impl crate::store::Backend for Hooked {
         fn load(&mut self) -> Result<crate::store::Snapshot, crate::store::StoreError> {
             self.0.load()
         }
@@ -595,9 +599,7 @@ pub(crate) mod tests {
             &mut self,
             batch: &[crate::store::Record],
         ) -> Result<(), crate::store::StoreError> {
-            if std::mem::replace(&mut self.1, false) {
-                return Err(io::Error::other("no space left on device").into());
-            }
+            (self.1)()?;
             self.0.write(batch)
         }
     }
@@ -612,7 +614,17 @@ pub(crate) mod tests {
             tokio::time::timeout(limit, f).await.expect("in time")
         }
         {
-            let backend = FailingOnce(SqliteBackend::open(&db).unwrap(), true);
+            // The first write fails, as on a disk full for a moment.
+            let mut failed = false;
+            let backend = Hooked(
+                SqliteBackend::open(&db).unwrap(),
+                Box::new(move || {
+                    if std::mem::replace(&mut failed, true) {
+                        return Ok(());
+                    }
+                    Err(io::Error::other("no space left on device").into())
+                }),
+            );
             let (store, _) =
                 Store::start(Box::new(backend), Some(Journal::open(&db).unwrap())).unwrap();
             within(store.record(record(1))).await.unwrap();
@@ -640,6 +652,49 @@ pub(crate) mod tests {
         let loaded: Vec<_> = snapshot.exchanges.iter().map(|e| e.id).collect();
         assert_eq!(loaded, [1, 2]);
         assert_eq!(ids_in(&db), [1, 2]);
+    }
+
+    #[tokio::test]
+    async fn answers_wait_while_the_database_is_far_behind() {
+        use crate::store::{sqlite::SqliteBackend, Store};
+        use std::time::Duration;
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        // The first write waits for a word, as on a database locked by
+        // another process or a stalled disk.
+        let (go, wait) = std::sync::mpsc::channel::<()>();
+        let mut wait = Some(wait);
+        let backend = Hooked(
+            SqliteBackend::open(&db).unwrap(),
+            Box::new(move || {
+                if let Some(w) = wait.take() {
+                    let _ = w.recv();
+                }
+                Ok(())
+            }),
+        );
+        // Room for two records waiting for their import.
+        let max = 2 * record(1).footprint();
+        let (store, _) =
+            Store::start_bounded(Box::new(backend), Some(Journal::open(&db).unwrap()), max)
+                .unwrap();
+        async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
+            tokio::time::timeout(Duration::from_secs(10), f)
+                .await
+                .expect("in time")
+        }
+        within(store.record(record(1))).await.unwrap();
+        within(store.record(record(2))).await.unwrap();
+        // The third is journaled (durable) but its caller waits.
+        let third = store.record(record(3));
+        let mut third = std::pin::pin!(third);
+        let early = tokio::time::timeout(Duration::from_millis(500), third.as_mut()).await;
+        assert!(early.is_err(), "returned while the database was stalled");
+        assert_eq!(read_all(&db).unwrap().len(), 3, "all journaled meanwhile");
+        go.send(()).unwrap();
+        within(third).await.unwrap();
+        within(store.flush()).await.unwrap();
+        assert_eq!(ids_in(&db), [1, 2, 3]);
     }
 
     #[test]

@@ -13,7 +13,7 @@ pub mod journal;
 pub mod query;
 pub mod sqlite;
 
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -204,7 +204,7 @@ type Ack = Box<dyn FnOnce(Result<(), String>) + Send>;
 
 enum Cmd {
     /// A journaled exchange: imported with the next batch.
-    Import(Record, u64),
+    Import(Record, u64, usize),
     /// A record to commit now (then acknowledged).
     Write(Record, Option<Ack>),
     /// Commit what is pending now, then acknowledge.
@@ -220,6 +220,8 @@ pub struct Store {
     /// found here go without their bodies. One not found (new, or not seen
     /// for long) goes with its body, which the database ignores if it has it.
     known: Mutex<Generations<ItemHash, ()>>,
+    backlog: Arc<Backlog>,
+    max_backlog: usize,
     next_id: AtomicI64,
     journal: Option<Arc<Journal>>,
 }
@@ -247,8 +249,18 @@ impl Store {
     /// run left in it), exchanges are journaled and imported in batches;
     /// the leftovers are imported before anything is loaded.
     pub fn start(
+        backend: Box<dyn Backend>,
+        journal: Option<(Journal, Vec<ExchangeRecord>)>,
+    ) -> Result<(Arc<Store>, Snapshot), StoreError> {
+        Self::start_bounded(backend, journal, MAX_BACKLOG_BYTES)
+    }
+
+    /// [`Store::start`] with the backlog bound given (see
+    /// [`MAX_BACKLOG_BYTES`]).
+    pub(crate) fn start_bounded(
         mut backend: Box<dyn Backend>,
         journal: Option<(Journal, Vec<ExchangeRecord>)>,
+        max_backlog: usize,
     ) -> Result<(Arc<Store>, Snapshot), StoreError> {
         let journal = match journal {
             Some((journal, leftovers)) => {
@@ -267,9 +279,11 @@ impl Store {
         let snapshot = backend.load()?;
         let (tx, rx) = mpsc::channel::<Cmd>();
         let upkeep = journal.clone();
+        let backlog = Arc::new(Backlog::default());
+        let drained = backlog.clone();
         let writer = std::thread::Builder::new()
             .name("compactor-store".into())
-            .spawn(move || writer_loop(backend, rx, upkeep))?
+            .spawn(move || writer_loop(backend, rx, upkeep, drained))?
             .thread()
             .clone();
         let store = Store {
@@ -283,6 +297,8 @@ impl Store {
                 known
             }),
             next_id: AtomicI64::new(snapshot.max_exchange_id + 1),
+            backlog,
+            max_backlog,
             journal,
         };
         Ok((Arc::new(store), snapshot))
@@ -324,7 +340,11 @@ impl Store {
                 if !streamed {
                     tokio::task::yield_now().await;
                 }
-                Ok(journal.write_staged(seq)?)
+                journal.write_staged(seq)?;
+                // Durable now; the answer waits only while the database is
+                // far behind.
+                self.backlog.wait_below(self.max_backlog).await;
+                Ok(())
             }
             Journaled::Back(rec) => self.write(Record::Exchange(rec)).await,
         }
@@ -372,8 +392,10 @@ impl Store {
         let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
         let mut sent = Ok(());
         let staged = journal.stage(rec, |seq, rec| {
+            let size = rec.footprint();
+            self.backlog.bytes.fetch_add(size, Ordering::AcqRel);
             sent = tx
-                .send(Cmd::Import(Record::Exchange(Box::new(rec)), seq))
+                .send(Cmd::Import(Record::Exchange(Box::new(rec)), seq, size))
                 .map_err(|_| StoreError::Closed);
         })?;
         sent.map(|()| match staged {
@@ -438,23 +460,24 @@ fn writer_loop(
     mut backend: Box<dyn Backend>,
     rx: mpsc::Receiver<Cmd>,
     journal: Option<Arc<Journal>>,
+    backlog: Arc<Backlog>,
 ) {
-    let mut batch: Vec<Record> = Vec::new();
-    let mut acks: Vec<Ack> = Vec::new();
-    // Sequence number of the last journaled record in `batch`.
-    let mut upto: Option<u64> = None;
+    let mut batch = Pending {
+        backlog,
+        ..Pending::default()
+    };
     let mut deadline: Option<Instant> = None;
     let mut open = true;
     while open {
-        if batch.is_empty() && acks.is_empty() {
+        if batch.records.is_empty() && batch.acks.is_empty() {
             match rx.recv() {
-                Ok(cmd) => take(cmd, &mut batch, &mut acks, &mut upto, &mut deadline),
+                Ok(cmd) => batch.take(cmd, &mut deadline),
                 Err(_) => break,
             }
         }
         loop {
             match rx.try_recv() {
-                Ok(cmd) => take(cmd, &mut batch, &mut acks, &mut upto, &mut deadline),
+                Ok(cmd) => batch.take(cmd, &mut deadline),
                 Err(mpsc::TryRecvError::Empty) => break,
                 Err(mpsc::TryRecvError::Disconnected) => {
                     open = false;
@@ -463,67 +486,122 @@ fn writer_loop(
             }
         }
         let due = deadline.is_some_and(|d| Instant::now() >= d);
-        if !open || !acks.is_empty() || batch.len() >= MAX_BATCH || due || deadline.is_none() {
-            commit(&mut *backend, &journal, &mut batch, &mut acks, &mut upto);
+        let full = batch.records.len() >= MAX_BATCH;
+        if !open || !batch.acks.is_empty() || full || due || deadline.is_none() {
+            batch.commit(&mut *backend, &journal);
             deadline = None;
         } else if let Some(d) = deadline {
             std::thread::park_timeout(d.saturating_duration_since(Instant::now()));
         }
     }
     // The handle is gone (shutdown): what is pending goes in now.
-    commit(&mut *backend, &journal, &mut batch, &mut acks, &mut upto);
+    batch.commit(&mut *backend, &journal);
 }
 
-/// Adds `cmd` to what the next commit writes (and acknowledges).
-fn take(
-    cmd: Cmd,
-    batch: &mut Vec<Record>,
-    acks: &mut Vec<Ack>,
-    upto: &mut Option<u64>,
-    deadline: &mut Option<Instant>,
-) {
-    match cmd {
-        Cmd::Import(rec, seq) => {
-            batch.push(rec);
-            *upto = Some(seq);
-            deadline.get_or_insert_with(|| Instant::now() + IMPORT_DELAY);
-        }
-        Cmd::Write(rec, ack) => {
-            batch.push(rec);
-            acks.extend(ack);
-            // A detached write has no ack but is committed now too.
-            deadline.take();
-        }
-        Cmd::Flush(ack) => acks.push(ack),
-    }
+/// What the next commit writes and acknowledges.
+#[derive(Default)]
+struct Pending {
+    records: Vec<Record>,
+    acks: Vec<Ack>,
+    /// Sequence number of the last journaled record in `records`.
+    upto: Option<u64>,
+    /// Their share of the backlog (journaled records' footprints).
+    bytes: usize,
+    backlog: Arc<Backlog>,
 }
 
-fn commit(
-    backend: &mut dyn Backend,
-    journal: &Option<Arc<Journal>>,
-    batch: &mut Vec<Record>,
-    acks: &mut Vec<Ack>,
-    upto: &mut Option<u64>,
-) {
-    let result = if batch.is_empty() {
-        Ok(())
-    } else {
-        backend.write(batch).map_err(|e| e.to_string())
-    };
-    match (&result, journal, upto.take()) {
-        (Err(e), _, _) => {
-            tracing::error!(error = %e, records = batch.len(), "store write failed");
-            if let Some(j) = journal {
-                // Its records stay journaled for the next start.
-                j.keep();
+impl Pending {
+    /// Adds `cmd` to what the next commit writes (and acknowledges).
+    fn take(&mut self, cmd: Cmd, deadline: &mut Option<Instant>) {
+        match cmd {
+            Cmd::Import(rec, seq, size) => {
+                self.records.push(rec);
+                self.upto = Some(seq);
+                self.bytes += size;
+                deadline.get_or_insert_with(|| Instant::now() + IMPORT_DELAY);
             }
+            Cmd::Write(rec, ack) => {
+                self.records.push(rec);
+                self.acks.extend(ack);
+                // A detached write has no ack but is committed now too.
+                deadline.take();
+            }
+            Cmd::Flush(ack) => self.acks.push(ack),
         }
-        (Ok(()), Some(j), Some(seq)) => j.imported(seq),
-        _ => {}
     }
-    batch.clear();
-    for ack in acks.drain(..) {
-        ack(result.clone());
+
+    fn commit(&mut self, backend: &mut dyn Backend, journal: &Option<Arc<Journal>>) {
+        let result = if self.records.is_empty() {
+            Ok(())
+        } else {
+            backend.write(&self.records).map_err(|e| e.to_string())
+        };
+        match (&result, journal, self.upto.take()) {
+            (Err(e), _, _) => {
+                tracing::error!(error = %e, records = self.records.len(), "store write failed");
+                if let Some(j) = journal {
+                    // Its records stay journaled for the next start.
+                    j.keep();
+                }
+            }
+            (Ok(()), Some(j), Some(seq)) => j.imported(seq),
+            _ => {}
+        }
+        self.records.clear();
+        self.backlog.release(std::mem::take(&mut self.bytes));
+        for ack in self.acks.drain(..) {
+            ack(result.clone());
+        }
+    }
+}
+
+/// Bytes of journaled exchanges waiting for their import, at most, before
+/// [`Store::record`] waits for the writer: when the database falls behind
+/// (a slow disk, a lock held by another process), answers slow down rather
+/// than memory grows. A record's footprint is mostly its new items' text.
+const MAX_BACKLOG_BYTES: usize = 256 << 20;
+
+/// Journaled exchanges not yet imported: their bytes, and a wake-up for
+/// those waiting for fewer.
+#[derive(Default)]
+struct Backlog {
+    bytes: AtomicUsize,
+    drained: tokio::sync::Notify,
+}
+
+impl Backlog {
+    fn release(&self, bytes: usize) {
+        if bytes > 0 {
+            self.bytes.fetch_sub(bytes, Ordering::AcqRel);
+            self.drained.notify_waiters();
+        }
+    }
+
+    /// Returns once the backlog is at most `max` bytes.
+    async fn wait_below(&self, max: usize) {
+        loop {
+            let drained = self.drained.notified();
+            let mut drained = std::pin::pin!(drained);
+            // Registered before the check, so a release in between wakes it.
+            drained.as_mut().enable();
+            if self.bytes.load(Ordering::Acquire) <= max {
+                return;
+            }
+            drained.await;
+        }
+    }
+}
+
+impl ExchangeRecord {
+    /// About how many bytes the record holds.
+    fn footprint(&self) -> usize {
+        let texts: usize = self.new_items.iter().map(|(_, body)| 32 + body.len()).sum();
+        let hashes = 32 * (self.suffix_items.len() + self.response_items.len());
+        let strings = self.conversation.len()
+            + self.tenant.len()
+            + self.model.len()
+            + self.error.as_ref().map_or(0, String::len);
+        std::mem::size_of::<Self>() + texts + hashes + strings
     }
 }
 
