@@ -15,6 +15,8 @@ pub struct Generations<K, V, S = foldhash::fast::RandomState> {
     current: HashMap<K, V, S>,
     old: HashMap<K, V, S>,
     per_generation: usize,
+    /// Whether entries were ever dropped.
+    dropped: bool,
 }
 
 impl<K: Hash + Eq, V, S: BuildHasher + Default> Generations<K, V, S> {
@@ -25,6 +27,15 @@ impl<K: Hash + Eq, V, S: BuildHasher + Default> Generations<K, V, S> {
             current: HashMap::default(),
             old: HashMap::default(),
             per_generation: per_generation.max(1),
+            dropped: false,
+        }
+    }
+
+    /// Makes room in the current generation: a full one becomes the old one.
+    fn rotate_if_full(&mut self) {
+        if self.current.len() >= self.per_generation {
+            self.dropped |= !self.old.is_empty();
+            self.old = std::mem::take(&mut self.current);
         }
     }
 
@@ -35,11 +46,30 @@ impl<K: Hash + Eq, V, S: BuildHasher + Default> Generations<K, V, S> {
             return Some(std::mem::replace(slot, value));
         }
         let replaced = self.old.remove(&key);
-        if self.current.len() >= self.per_generation {
-            self.old = std::mem::take(&mut self.current);
-        }
+        self.rotate_if_full();
         self.current.insert(key, value);
         replaced
+    }
+
+    /// The value under `key`, moved into the current generation if it was
+    /// in the old one (kept as if inserted again).
+    pub fn renew<Q>(&mut self, key: &Q) -> Option<&V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        if !self.current.contains_key(key) {
+            let (k, v) = self.old.remove_entry(key)?;
+            self.rotate_if_full();
+            self.current.insert(k, v);
+        }
+        self.current.get(key)
+    }
+
+    /// Whether an entry was ever dropped (so a key not found may have been
+    /// kept once).
+    pub fn dropped_any(&self) -> bool {
+        self.dropped
     }
 
     /// The value under `key`, if it is still kept.
@@ -79,6 +109,26 @@ mod tests {
         assert_eq!(m.get(&1000), Some(&99));
         assert!(m.len() <= 8, "{}", m.len());
         assert_eq!(m.get(&0), None, "old keys are dropped");
+        assert!(m.dropped_any());
+    }
+
+    #[test]
+    fn a_renewed_key_stays_like_one_inserted_again() {
+        let mut m: Generations<u32, &str> = Generations::new(2);
+        m.insert(1, "one");
+        m.insert(2, "two");
+        m.insert(3, "three"); // 1 and 2 are the old generation now
+        assert!(!m.dropped_any(), "nothing dropped yet");
+        assert_eq!(m.renew(&1), Some(&"one"));
+        m.insert(4, "four"); // rotates: 3 and 1 old, 2 dropped
+        assert_eq!(m.get(&2), None);
+        assert!(m.dropped_any());
+        assert_eq!(m.renew(&1), Some(&"one"));
+        assert_eq!(m.renew(&9), None);
+        m.insert(5, "five");
+        m.insert(6, "six");
+        assert_eq!(m.get(&1), Some(&"one"), "renewed, so kept");
+        assert_eq!(m.get(&3), None, "not renewed, so dropped");
     }
 
     proptest! {

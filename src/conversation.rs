@@ -10,7 +10,9 @@
 
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use crate::bounded::Generations;
 
 use crate::store::{IndexedExchange, PrefixRef, Snapshot};
 use crate::wire::ItemHash;
@@ -64,7 +66,7 @@ struct Hit {
 #[derive(Default)]
 struct Inner {
     by_chain: foldhash::HashMap<(String, ItemHash), Hit>,
-    by_key: foldhash::HashMap<(String, String), String>,
+    by_key: Keys,
     by_response: foldhash::HashMap<(String, String), String>,
     /// Per conversation, its indexed prefixes and response ids, oldest
     /// first, so the index stays bounded however long it runs.
@@ -77,6 +79,37 @@ struct Inner {
     /// Entries all conversations own.
     entries: usize,
 }
+
+/// Explicit conversation keys kept in memory, per generation: a session
+/// that sends another request within this many other sessions keeps its
+/// key here; an older one is looked up in the store.
+pub const KEYS: usize = 1 << 17;
+
+/// (tenant, explicit key) → conversation, for the recent sessions.
+struct Keys {
+    kept: Generations<(String, String), String>,
+    /// Start-up loaded only the newest of the stored keys.
+    truncated: bool,
+}
+
+impl Default for Keys {
+    fn default() -> Self {
+        Self {
+            kept: Generations::new(KEYS),
+            truncated: false,
+        }
+    }
+}
+
+impl Keys {
+    /// Whether a key not kept may still be in the store.
+    fn may_be_stored(&self) -> bool {
+        self.truncated || self.kept.dropped_any()
+    }
+}
+
+/// Looks up a (tenant, explicit key)'s conversation in the store.
+pub type LookupKey = Arc<dyn Fn(&str, &str) -> Option<String> + Send + Sync>;
 
 /// What one conversation owns in the index.
 #[derive(Default)]
@@ -161,12 +194,18 @@ pub const MAX_ENTRIES: usize = 200_000;
 #[derive(Default)]
 pub struct ConversationIndex {
     inner: Mutex<Inner>,
+    /// Explicit keys no longer kept in memory are looked up here.
+    stored_key: Option<LookupKey>,
 }
 
 impl ConversationIndex {
-    /// Rebuilds the index from a store snapshot.
-    pub fn from_snapshot(snap: &Snapshot) -> Self {
-        let idx = Self::default();
+    /// Rebuilds the index from a store snapshot; `stored_key` finds the
+    /// keys it does not keep (see [`KEYS`]).
+    pub fn from_snapshot(snap: &Snapshot, stored_key: LookupKey) -> Self {
+        let idx = Self {
+            stored_key: Some(stored_key),
+            ..Self::default()
+        };
         for ex in &snap.exchanges {
             idx.remember(ex);
         }
@@ -175,9 +214,23 @@ impl ConversationIndex {
             for (tenant, key, conv) in &snap.keys {
                 inner
                     .by_key
+                    .kept
                     .insert((tenant.clone(), key.clone()), conv.clone());
             }
+            inner.by_key.truncated = snap.keys_truncated;
         }
+        idx
+    }
+
+    /// An empty index keeping `per_generation` explicit keys per generation,
+    /// the others found by `stored_key`.
+    #[cfg(test)]
+    fn with_keys(per_generation: usize, stored_key: LookupKey) -> Self {
+        let idx = Self {
+            stored_key: Some(stored_key),
+            ..Self::default()
+        };
+        idx.lock().by_key.kept = Generations::new(per_generation);
         idx
     }
 
@@ -202,9 +255,39 @@ impl ConversationIndex {
         });
         let prefix = hit.as_ref().map(|h| h.prefix);
         if let Some(k) = explicit_key {
-            let entry = inner.by_key.entry((tenant.to_string(), k.to_string()));
-            let is_new = matches!(entry, std::collections::hash_map::Entry::Vacant(_));
-            let conversation = entry.or_insert_with(new_conversation_id).clone();
+            let key = (tenant.to_string(), k.to_string());
+            let kept = |inner: &mut Inner| {
+                inner.by_key.kept.renew(&key).map(|c| Identified {
+                    conversation: c.clone(),
+                    is_new: false,
+                    prefix,
+                })
+            };
+            if let Some(found) = kept(&mut inner) {
+                return found;
+            }
+            // Not kept: new, unless the store has it from before. Looked up
+            // without the lock (another request of the session may come
+            // meanwhile: the first to be identified names it).
+            let lookup = self
+                .stored_key
+                .as_ref()
+                .filter(|_| inner.by_key.may_be_stored());
+            let stored = match lookup {
+                Some(lookup) => {
+                    drop(inner);
+                    let stored = lookup(tenant, k);
+                    inner = self.lock();
+                    if let Some(found) = kept(&mut inner) {
+                        return found;
+                    }
+                    stored
+                }
+                None => None,
+            };
+            let is_new = stored.is_none();
+            let conversation = stored.unwrap_or_else(new_conversation_id);
+            inner.by_key.kept.insert(key, conversation.clone());
             return Identified {
                 conversation,
                 is_new,
@@ -387,6 +470,58 @@ mod tests {
                 full: true
             })
         );
+    }
+
+    #[test]
+    fn explicit_keys_not_kept_are_found_in_the_store() {
+        let store: Arc<Mutex<std::collections::HashMap<(String, String), String>>> = Arc::default();
+        let lookups = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let (st, n) = (store.clone(), lookups.clone());
+        let idx = ConversationIndex::with_keys(
+            2,
+            Arc::new(move |t: &str, k: &str| {
+                n.fetch_add(1, Ordering::Relaxed);
+                st.lock().unwrap().get(&(t.into(), k.into())).cloned()
+            }),
+        );
+        let looked = || lookups.load(Ordering::Relaxed);
+        let first = idx.identify("t", Some("k1"), None, &[]);
+        assert!(first.is_new);
+        assert_eq!(looked(), 0, "nothing dropped yet: a key not kept is new");
+        // As the store imports it.
+        store
+            .lock()
+            .unwrap()
+            .insert(("t".into(), "k1".into()), first.conversation.clone());
+        for k in ["k2", "k3", "k4", "k5"] {
+            assert!(idx.identify("t", Some(k), None, &[]).is_new);
+        }
+        let again = idx.identify("t", Some("k1"), None, &[]);
+        assert_eq!(again.conversation, first.conversation, "found in the store");
+        assert!(!again.is_new);
+        assert_eq!(looked(), 1);
+        let kept = idx.identify("t", Some("k1"), None, &[]);
+        assert_eq!(kept.conversation, first.conversation);
+        assert_eq!(looked(), 1, "kept again");
+        let other = idx.identify("u", Some("k1"), None, &[]);
+        assert!(other.is_new, "another tenant's key is another conversation");
+        assert_ne!(other.conversation, first.conversation);
+    }
+
+    #[test]
+    fn keys_left_out_at_start_up_are_looked_up() {
+        let snap = Snapshot {
+            keys_truncated: true,
+            ..Snapshot::default()
+        };
+        let idx = ConversationIndex::from_snapshot(
+            &snap,
+            Arc::new(|_: &str, k: &str| (k == "stored").then(|| "conv_stored".to_string())),
+        );
+        let found = idx.identify("t", Some("stored"), None, &[]);
+        assert_eq!(found.conversation, "conv_stored");
+        assert!(!found.is_new);
+        assert!(idx.identify("t", Some("fresh"), None, &[]).is_new);
     }
 
     #[test]

@@ -65,7 +65,10 @@ impl AppState {
         let journal = crate::store::Journal::open(&path)
             .map_err(|e| anyhow::anyhow!("cannot open the journal of {}: {e}", path.display()))?;
         let (store, mut snapshot) = Store::start(Box::new(backend), Some(journal))?;
-        let conversations = ConversationIndex::from_snapshot(&snapshot);
+        let conversations = ConversationIndex::from_snapshot(
+            &snapshot,
+            crate::store::sqlite::key_reader(path.clone()),
+        );
         let stored = std::mem::take(&mut snapshot.compactions);
         let compactions =
             Compactions::from_stored(stored, crate::store::sqlite::reader(path.clone()));

@@ -131,8 +131,11 @@ pub struct Snapshot {
     /// entries, [`crate::conversation::MAX_ENTRIES`]), oldest first, with
     /// what the index needs.
     pub exchanges: Vec<IndexedExchange>,
-    /// Explicit conversation keys: (tenant, key, conversation).
+    /// Explicit conversation keys: (tenant, key, conversation), the most
+    /// recently seen [`crate::conversation::KEYS`] at most, oldest first.
     pub keys: Vec<(String, String, String)>,
+    /// Whether the store holds more keys than `keys`.
+    pub keys_truncated: bool,
     /// Every compaction, oldest first, without its body (replay re-applies
     /// them; a body is read when a request needs it).
     pub compactions: Vec<StoredCompaction>,

@@ -180,7 +180,11 @@ fn opt_hash(blob: Option<Vec<u8>>) -> Option<ItemHash> {
 
 impl Backend for SqliteBackend {
     fn load(&mut self) -> Result<Snapshot, StoreError> {
-        self.load_newest(super::KNOWN_ITEMS, crate::conversation::MAX_ENTRIES)
+        self.load_newest(
+            super::KNOWN_ITEMS,
+            crate::conversation::MAX_ENTRIES,
+            crate::conversation::KEYS,
+        )
     }
 
     fn write(&mut self, batch: &[Record]) -> Result<(), StoreError> {
@@ -198,10 +202,15 @@ impl Backend for SqliteBackend {
 }
 
 impl SqliteBackend {
-    /// The snapshot with the newest `items` item hashes and `exchanges`
-    /// exchanges only: the rest of the store must not decide how much
-    /// memory a start-up takes.
-    fn load_newest(&mut self, items: usize, exchanges: usize) -> Result<Snapshot, StoreError> {
+    /// The snapshot with the newest `items` item hashes, `exchanges`
+    /// exchanges and `keys` explicit keys only: the rest of the store must
+    /// not decide how much memory a start-up takes.
+    fn load_newest(
+        &mut self,
+        items: usize,
+        exchanges: usize,
+        keys: usize,
+    ) -> Result<Snapshot, StoreError> {
         let mut snap = Snapshot::default();
         let salt: Option<Vec<u8>> = self
             .conn
@@ -251,11 +260,15 @@ impl SqliteBackend {
         snap.exchanges.reverse();
         snap.max_exchange_id = snap.exchanges.last().map(|e| e.id).unwrap_or(0);
         let mut stmt = self.conn.prepare(
-            "SELECT tenant, explicit_key, id FROM conversations WHERE explicit_key IS NOT NULL",
+            "SELECT tenant, explicit_key, id FROM conversations WHERE explicit_key IS NOT NULL
+             ORDER BY last_seen_ms DESC, rowid DESC LIMIT ?1",
         )?;
         snap.keys = stmt
-            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
+            .query_map([keys as i64 + 1], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))?
             .collect::<Result<_, _>>()?;
+        snap.keys_truncated = snap.keys.len() > keys;
+        snap.keys.truncate(keys);
+        snap.keys.reverse();
         let mut stmt = self.conn.prepare(
             "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms
              FROM compactions ORDER BY created_ms, rowid",
@@ -433,11 +446,21 @@ pub fn load_compactions(
 }
 
 /// Reads compactions by id for the registry, through a read-only
-/// connection of its own, opened when first needed (and again after an
-/// error).
+/// connection of its own (see [`read_only`]).
 pub fn reader(path: std::path::PathBuf) -> crate::compaction::engine::LoadCompaction {
+    let read = read_only(path);
+    std::sync::Arc::new(move |id: &str| read(&|conn| load_compaction(conn, id)))
+}
+
+/// A query that finds one thing, or nothing.
+type Query<'a, T> = dyn Fn(&Connection) -> Result<Option<T>, StoreError> + 'a;
+
+/// A query runner over a read-only connection of its own, opened when
+/// first needed and again after an error; a failure is logged and reads
+/// as nothing found.
+fn read_only<T>(path: std::path::PathBuf) -> impl Fn(&Query<'_, T>) -> Option<T> + Send + Sync {
     let conn: std::sync::Mutex<Option<Connection>> = std::sync::Mutex::new(None);
-    std::sync::Arc::new(move |id: &str| {
+    move |query| {
         let mut conn = conn.lock().unwrap_or_else(|p| p.into_inner());
         if conn.is_none() {
             let c = Connection::open_with_flags(&path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
@@ -445,19 +468,36 @@ pub fn reader(path: std::path::PathBuf) -> crate::compaction::engine::LoadCompac
             match c {
                 Ok(c) => *conn = Some(c),
                 Err(e) => {
-                    tracing::warn!(error = %e, "cannot open the store to read a compaction");
+                    tracing::warn!(error = %e, "cannot open the store for reading");
                     return None;
                 }
             }
         }
-        match load_compaction(conn.as_ref()?, id) {
-            Ok(c) => c,
+        match query(conn.as_ref()?) {
+            Ok(found) => found,
             Err(e) => {
-                tracing::warn!(error = %e, "cannot read a stored compaction");
+                tracing::warn!(error = %e, "cannot read the store");
                 *conn = None;
                 None
             }
         }
+    }
+}
+
+/// Finds the conversation of a (tenant, explicit key) for the index,
+/// through a read-only connection of its own (see [`reader`]).
+pub fn key_reader(path: std::path::PathBuf) -> crate::conversation::LookupKey {
+    let read = read_only(path);
+    std::sync::Arc::new(move |tenant: &str, key: &str| {
+        read(&|conn| {
+            conn.query_row(
+                "SELECT id FROM conversations WHERE tenant = ?1 AND explicit_key = ?2",
+                params![tenant, key],
+                |r| r.get(0),
+            )
+            .optional()
+            .map_err(StoreError::from)
+        })
     })
 }
 
@@ -650,7 +690,7 @@ mod tests {
             .map(|id| Record::Exchange(Box::new(record(id))))
             .collect();
         b.write(&batch).unwrap();
-        let snap = b.load_newest(2, 3).unwrap();
+        let snap = b.load_newest(2, 3, 10).unwrap();
         let ids: Vec<i64> = snap.exchanges.iter().map(|e| e.id).collect();
         assert_eq!(ids, [4, 5, 6], "the newest, oldest first");
         assert_eq!(snap.max_exchange_id, 6);
@@ -660,5 +700,31 @@ mod tests {
         let all = b.load().unwrap();
         assert_eq!(all.exchanges.len(), 6);
         assert_eq!(all.item_hashes.len(), 6);
+        assert!(snap.keys.is_empty() && !snap.keys_truncated);
+    }
+
+    #[test]
+    fn start_up_loads_the_most_recently_seen_keys_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut b = SqliteBackend::open(&dir.path().join("s.db")).unwrap();
+        let keyed = |id: i64, key: &str, seen: i64| {
+            let mut r = record(id);
+            r.explicit_key = Some(key.into());
+            r.started_ms = seen;
+            Record::Exchange(Box::new(r))
+        };
+        b.write(&[
+            keyed(1, "old", 10),
+            keyed(2, "newer", 30),
+            keyed(3, "new", 20),
+        ])
+        .unwrap();
+        let snap = b.load_newest(10, 10, 2).unwrap();
+        let keys: Vec<&str> = snap.keys.iter().map(|(_, k, _)| k.as_str()).collect();
+        assert_eq!(keys, ["new", "newer"], "the two seen last, oldest first");
+        assert!(snap.keys_truncated);
+        let all = b.load_newest(10, 10, 3).unwrap();
+        assert_eq!(all.keys.len(), 3);
+        assert!(!all.keys_truncated);
     }
 }
