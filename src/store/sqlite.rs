@@ -306,8 +306,15 @@ fn write_conversations(tx: &rusqlite::Transaction<'_>, batch: &[Record]) -> Resu
         }
     }
     let mut upsert = tx.prepare_cached(
+        // A key another conversation holds already (the index could not
+        // read it from here, so named a new one) is not claimed again: the
+        // unique index would fail the whole batch.
         "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6)
+         VALUES (?1, ?2,
+                 CASE WHEN EXISTS (SELECT 1 FROM conversations
+                                   WHERE tenant = ?2 AND explicit_key = ?3 AND id <> ?1)
+                      THEN NULL ELSE ?3 END,
+                 ?4, ?5, ?6)
          ON CONFLICT(id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms, model = excluded.model",
     )?;
     for conversation in order {
@@ -701,6 +708,33 @@ mod tests {
         assert_eq!(all.exchanges.len(), 6);
         assert_eq!(all.item_hashes.len(), 6);
         assert!(snap.keys.is_empty() && !snap.keys_truncated);
+    }
+
+    #[test]
+    fn a_key_another_conversation_holds_does_not_fail_the_batch() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut b = SqliteBackend::open(&dir.path().join("s.db")).unwrap();
+        let keyed = |id: i64, conversation: &str| {
+            let mut r = record(id);
+            r.conversation = conversation.into();
+            r.explicit_key = Some("session".into());
+            Record::Exchange(Box::new(r))
+        };
+        b.write(&[keyed(1, "conv_a")]).unwrap();
+        b.write(&[keyed(2, "conv_b"), keyed(3, "conv_a")]).unwrap();
+        let rows = conversations(&b);
+        assert_eq!(rows.len(), 2, "both kept, with their exchanges");
+        assert_eq!(
+            rows[0].2.as_deref(),
+            Some("session"),
+            "the first keeps the key"
+        );
+        assert_eq!(rows[1].2, None);
+        let count: i64 = b
+            .conn
+            .query_row("SELECT COUNT(*) FROM exchanges", [], |r| r.get(0))
+            .unwrap();
+        assert_eq!(count, 3);
     }
 
     #[test]
