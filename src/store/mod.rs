@@ -582,6 +582,10 @@ impl Backlog {
 
     /// Returns once the backlog is at most `max` bytes.
     async fn wait_below(&self, max: usize) {
+        // The usual case, without registering as a waiter.
+        if self.bytes.load(Ordering::Acquire) <= max {
+            return;
+        }
         loop {
             let drained = self.drained.notified();
             let mut drained = std::pin::pin!(drained);
