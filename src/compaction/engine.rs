@@ -187,40 +187,26 @@ impl Compactions {
         let me = Self::default();
         lock(&me.bodies).load = Some(load);
         for c in list {
-            me.index(
-                c.id,
-                c.tenant,
-                c.conversation,
-                c.covered_len,
-                c.covered_chain,
-                c.created_ms,
-            );
+            me.index(c);
         }
         me
     }
 
     /// Adds a compaction just stored.
     fn insert(&self, c: Arc<Compaction>) {
-        self.index(
-            c.id.clone(),
-            c.tenant.clone(),
-            c.conversation.clone(),
-            c.covered_len,
-            c.covered_chain,
-            c.created_ms,
-        );
+        self.index(StoredCompaction::from(&*c));
         lock(&self.bodies).recent.insert(c.id.clone(), c);
     }
 
-    fn index(
-        &self,
-        id: String,
-        tenant: String,
-        conversation: String,
-        covered_len: usize,
-        covered_chain: ItemHash,
-        created_ms: i64,
-    ) {
+    fn index(&self, c: StoredCompaction) {
+        let StoredCompaction {
+            id,
+            tenant,
+            conversation,
+            covered_len,
+            covered_chain,
+            created_ms,
+        } = c;
         // The time it became visible, not when it was computed: a request
         // that started before this moment may have missed it.
         let visible = crate::server::now_ms().max(created_ms);
@@ -241,11 +227,9 @@ impl Compactions {
     fn body(&self, id: &str) -> Option<Arc<Compaction>> {
         let load = {
             let mut bodies = lock(&self.bodies);
-            if let Some(c) = bodies.recent.get(id) {
-                let c = c.clone();
-                // Used again: kept into the next generation.
-                bodies.recent.insert(id.to_string(), c.clone());
-                return Some(c);
+            // Used again: kept into the next generation.
+            if let Some(c) = bodies.recent.renew(id) {
+                return Some(c.clone());
             }
             bodies.load.clone()?
         };
@@ -841,17 +825,7 @@ mod tests {
             .map(|len| stored("t", len))
             .map(|c| (c.id.clone(), c))
             .collect();
-        let list = store
-            .values()
-            .map(|c| StoredCompaction {
-                id: c.id.clone(),
-                tenant: c.tenant.clone(),
-                conversation: c.conversation.clone(),
-                covered_len: c.covered_len,
-                covered_chain: c.covered_chain,
-                created_ms: c.created_ms,
-            })
-            .collect();
+        let list = store.values().map(StoredCompaction::from).collect();
         let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
         let counted = reads.clone();
         let registry = Compactions::from_stored(

@@ -159,6 +159,19 @@ pub struct StoredCompaction {
     pub created_ms: i64,
 }
 
+impl From<&Compaction> for StoredCompaction {
+    fn from(c: &Compaction) -> Self {
+        StoredCompaction {
+            id: c.id.clone(),
+            tenant: c.tenant.clone(),
+            conversation: c.conversation.clone(),
+            covered_len: c.covered_len,
+            covered_chain: c.covered_chain,
+            created_ms: c.created_ms,
+        }
+    }
+}
+
 /// The fields of an exchange the conversation index needs.
 #[derive(Debug, Clone)]
 pub struct IndexedExchange {
