@@ -101,6 +101,10 @@ pub struct SqliteBackend {
     _checkpointer: Option<std::sync::mpsc::Sender<()>>,
 }
 
+/// The writer connection's page cache, KiB: holds the index pages of a
+/// store of some hundred thousand exchanges.
+const WRITER_CACHE_KIB: i64 = 32 * 1024;
+
 /// How often the checkpointer copies the WAL into the database.
 const CHECKPOINT_EVERY: std::time::Duration = std::time::Duration::from_millis(500);
 
@@ -129,6 +133,14 @@ impl SqliteBackend {
     pub fn open_writer(path: &Path) -> Result<Self, StoreError> {
         let mut me = Self::open(path)?;
         me.conn.pragma_update(None, "wal_autocheckpoint", 0)?;
+        // The writer's inserts land at random places in the hash and id
+        // indexes; with SQLite's default 2 MB page cache a batch re-read
+        // those pages from the file and spilled dirty ones to the WAL
+        // before its commit. Statement journals (for the upserts) stay in
+        // memory instead of a temp file.
+        me.conn
+            .pragma_update(None, "cache_size", -WRITER_CACHE_KIB)?;
+        me.conn.pragma_update(None, "temp_store", "MEMORY")?;
         let checkpoints = Connection::open(path)?;
         checkpoints.busy_timeout(std::time::Duration::from_secs(5))?;
         let (stop, stopped) = std::sync::mpsc::channel::<()>();
