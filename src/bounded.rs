@@ -32,10 +32,14 @@ impl<K: Hash + Eq, V, S: BuildHasher + Default> Generations<K, V, S> {
     }
 
     /// Makes room in the current generation: a full one becomes the old one.
+    /// The old one's table, emptied, is the new current one, so a
+    /// generation does not grow its table again (rehashing all the way)
+    /// after every rotation.
     fn rotate_if_full(&mut self) {
         if self.current.len() >= self.per_generation {
             self.dropped |= !self.old.is_empty();
-            self.old = std::mem::take(&mut self.current);
+            self.old.clear();
+            std::mem::swap(&mut self.old, &mut self.current);
         }
     }
 
