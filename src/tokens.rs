@@ -176,9 +176,19 @@ impl TokenCounter {
     /// Counts an item the cache does not hold.
     fn count_new(&self, item: &Value) -> Counted {
         let mut text = String::new();
-        collect_text(item, &mut text);
+        let sealed = sealed_content(item);
+        match (sealed, item) {
+            // The sealed payload is not text the model reads as such: it
+            // is estimated from its length, the rest of the item counted.
+            (Some(_), Value::Object(fields)) => fields
+                .iter()
+                .filter(|(k, _)| k.as_str() != SEALED_FIELD)
+                .for_each(|(_, v)| collect_text(v, &mut text)),
+            _ => collect_text(item, &mut text),
+        }
+        let sealed_tokens = sealed.map_or(0, |s| sealed_tokens(s.len()));
         Counted {
-            tokens: self.count_text(&text) + PER_ITEM_OVERHEAD,
+            tokens: self.count_text(&text) + sealed_tokens + PER_ITEM_OVERHEAD,
             kind: Kind::of(item),
         }
     }
@@ -301,6 +311,30 @@ enum Section {
     ToolOutputs,
 }
 
+/// The member of reasoning and compaction items that carries their content
+/// encrypted (Responses API, `include: ["reasoning.encrypted_content"]`).
+const SEALED_FIELD: &str = "encrypted_content";
+
+/// An item's encrypted content, if it is a reasoning or compaction item
+/// that carries one.
+fn sealed_content(item: &Value) -> Option<&str> {
+    match item.get("type").and_then(Value::as_str) {
+        Some("reasoning" | "compaction" | "compaction_summary") => {
+            item.get(SEALED_FIELD).and_then(Value::as_str)
+        }
+        _ => None,
+    }
+}
+
+/// Tokens of an encrypted payload of `len` base64 characters: what it
+/// decodes to (three bytes per four characters), less the ~650 bytes of
+/// envelope around the content, at four bytes a token (the estimate
+/// Codex makes of the same items). Tokenizing the base64 as text counts
+/// about twice that, and costs as much as the rest of a turn's new items.
+fn sealed_tokens(len: usize) -> u64 {
+    ((len as u64) * 3 / 4).saturating_sub(650).div_ceil(4)
+}
+
 /// Appends every string leaf (values, not keys) of `v`, space separated.
 fn collect_text(v: &Value, out: &mut String) {
     match v {
@@ -319,6 +353,7 @@ fn collect_text(v: &Value, out: &mut String) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::wire::item_hash;
     use serde_json::json;
 
     #[test]
@@ -396,6 +431,32 @@ mod tests {
             let counted = t.count_item(&hashes[0], &items.item(0));
             proptest::prop_assert!(bound >= counted, "{} < {}", bound, counted);
         }
+    }
+
+    #[test]
+    fn encrypted_reasoning_is_estimated_from_its_length() {
+        let t = TokenCounter::default();
+        let sealed: String = "gAAAAABoQ7x+Zk2/".repeat(250);
+        let reasoning = json!({
+            "type": "reasoning",
+            "summary": [{"type": "summary_text", "text": "Checking the parser first."}],
+            "encrypted_content": sealed,
+        });
+        let summary_only = json!({
+            "type": "reasoning",
+            "summary": [{"type": "summary_text", "text": "Checking the parser first."}],
+        });
+        let with = t.count_item(&item_hash(&reasoning), &reasoning);
+        let without = t.count_item(&item_hash(&summary_only), &summary_only);
+        // 4000 characters: 3000 bytes, 2350 after the envelope, 588 tokens.
+        assert_eq!(with - without, 588);
+        assert!(t.count_text(&sealed) > 1000, "as text it counts far more");
+        // Another item with a member of that name is text like any other.
+        let message = json!({"role": "user", "content": "hi", "encrypted_content": sealed});
+        let counted = t.count_item(&item_hash(&message), &message);
+        assert!(counted > 1000, "{counted}");
+        // A payload shorter than the envelope counts nothing.
+        assert_eq!(sealed_tokens(100), 0);
     }
 
     #[test]
