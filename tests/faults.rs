@@ -4,7 +4,8 @@
 
 mod support;
 
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use compactor::fake_upstream::{chat_stream_events, Reply};
@@ -448,6 +449,58 @@ async fn client_leaving_mid_stream_cancels_upstream_and_records_partial() {
         "what was relayed before the client left is kept: {content}"
     );
     still_serving(&h).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_leaving_before_the_answer_cancels_upstream_and_is_recorded() {
+    // An upstream that reads the request, never answers, and notes when
+    // the proxy closes the connection.
+    let closed = Arc::new(AtomicUsize::new(0));
+    let noted = closed.clone();
+    let (url, requests) = raw_upstream(move |_, mut s, requests| {
+        let closed = noted.clone();
+        async move {
+            let mut buf = Vec::new();
+            if read_request(&mut s, &mut buf).await.is_some() {
+                requests.fetch_add(1, Ordering::SeqCst);
+                if read_request(&mut s, &mut buf).await.is_none() {
+                    closed.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        }
+    })
+    .await;
+    let h = Harness::start_with(|c| c.upstream.base_url = url).await;
+    let req = json!({"model": "m", "messages": [{"role": "user", "content": "think it over"}]});
+    let gave_up = within(
+        client()
+            .post(format!("{}/chat/completions", h.url()))
+            .json(&req)
+            .timeout(Duration::from_millis(500))
+            .send(),
+    )
+    .await;
+    assert!(gave_up.is_err(), "the client stops waiting first");
+    h.wait_exchanges(1).await;
+    let (status, error): (i64, String) = h
+        .db()
+        .query_row("SELECT status, error FROM exchanges", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .unwrap();
+    assert_eq!(status, 499);
+    assert!(error.contains("before the answer"), "{error}");
+    assert_eq!(requests.load(Ordering::SeqCst), 1);
+    within(async {
+        while closed.load(Ordering::SeqCst) == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let health = within(client().get(format!("http://{}/healthz", h.addr)).send())
+        .await
+        .unwrap();
+    assert_eq!(health.status(), 200, "the proxy keeps serving");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

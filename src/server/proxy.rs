@@ -47,7 +47,7 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Incoming>) -> R
 /// A parsed request, before it goes upstream.
 struct Parsed {
     /// The exchange under way (items, view, compaction applied…).
-    pending: PendingExchange,
+    pending: Unanswered,
     /// The client's body as it goes upstream when no compaction applies.
     original_bytes: Payload,
     /// The proxy asked for stream usage the client did not ask for.
@@ -190,29 +190,32 @@ async fn parse(
         _ => full_hash(),
     };
     let items: Arc<ItemList> = Arc::new(items);
-    let mut pending = PendingExchange {
-        id: state.store.next_exchange_id(),
-        ident,
-        explicit_key,
-        tenant,
-        api,
-        model,
-        body: Arc::new(body),
-        params,
-        tools,
-        chain_request: chains.last().copied().unwrap_or([0; 32]),
-        hashes: Arc::new(hashes),
-        view: items.clone(),
-        items,
-        chains: Arc::new(chains),
-        claims,
-        compaction: None,
-        auth: engine::auth_headers(&parts.headers),
-        streamed,
-        started,
-        started_ms,
-        span,
-    };
+    let mut pending = Unanswered::new(
+        state,
+        PendingExchange {
+            id: state.store.next_exchange_id(),
+            ident,
+            explicit_key,
+            tenant,
+            api,
+            model,
+            body: Arc::new(body),
+            params,
+            tools,
+            chain_request: chains.last().copied().unwrap_or([0; 32]),
+            hashes: Arc::new(hashes),
+            view: items.clone(),
+            items,
+            chains: Arc::new(chains),
+            claims,
+            compaction: None,
+            auth: engine::auth_headers(&parts.headers),
+            streamed,
+            started,
+            started_ms,
+            span,
+        },
+    );
     // A stored compaction covering a prefix of this request replaces it; a
     // request too large to go without one waits for one under way.
     if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
@@ -240,7 +243,7 @@ async fn parse(
         engine::Fit::Over(tokens) => {
             compact_now(
                 state,
-                &mut pending,
+                pending.get(),
                 format!("hard_limit: ~{tokens} tokens leave no room for the answer"),
             )
             .await;
@@ -286,9 +289,12 @@ async fn handle_inner(
         return answer_trigger(&state, pending).await;
     }
     if state.compactions.take_manual(&pending.ident.conversation) {
-        compact_now(&state, &mut pending, "manual".into()).await;
+        compact_now(&state, pending.get(), "manual".into()).await;
     }
-    let mut upstream_bytes = pending.upstream_bytes(&original_bytes)?;
+    let mut upstream_bytes = match pending.upstream_bytes(&original_bytes) {
+        Ok(b) => b,
+        Err(e) => return Err(fail(&state, pending.into_inner(), e, None).await),
+    };
 
     let url = state.upstream.url(api.endpoint(), parts.uri.query());
     let headers = state.upstream.request_headers(&parts.headers, true);
@@ -300,7 +306,7 @@ async fn handle_inner(
             .await
         {
             Ok(r) => r,
-            Err(e) => return Err(fail(&state, pending, e, None).await),
+            Err(e) => return Err(fail(&state, pending.into_inner(), e, None).await),
         };
         if resp.status().is_success() {
             if api != Api::Responses || !is_sse(resp.headers()) {
@@ -310,7 +316,7 @@ async fn handle_inner(
             // answer, so a start that fails for lack of room can be retried.
             let held = match hold_back(resp, state.upstream.idle_timeout).await {
                 Ok(h) => h,
-                Err(e) => return Err(fail(&state, pending, e, None).await),
+                Err(e) => return Err(fail(&state, pending.into_inner(), e, None).await),
             };
             let overflow = held
                 .failure
@@ -320,12 +326,15 @@ async fn handle_inner(
                 && !retried
                 && compact_now(
                     &state,
-                    &mut pending,
+                    pending.get(),
                     "overflow: upstream stream failed".into(),
                 )
                 .await
             {
-                upstream_bytes = pending.upstream_bytes(&original_bytes)?;
+                upstream_bytes = match pending.upstream_bytes(&original_bytes) {
+                    Ok(b) => b,
+                    Err(e) => return Err(fail(&state, pending.into_inner(), e, None).await),
+                };
                 retried = true;
                 state.metrics.reactive_retry();
                 continue;
@@ -341,17 +350,20 @@ async fn handle_inner(
         // what the upstream said.
         let bytes = match state.upstream.read_body(resp).await {
             Ok(b) => b,
-            Err(e) => return Err(fail(&state, pending, e, None).await),
+            Err(e) => return Err(fail(&state, pending.into_inner(), e, None).await),
         };
         if !retried && policy::is_context_overflow(status.as_u16(), &bytes) {
             if compact_now(
                 &state,
-                &mut pending,
+                pending.get(),
                 format!("overflow: upstream answered {status}"),
             )
             .await
             {
-                upstream_bytes = pending.upstream_bytes(&original_bytes)?;
+                upstream_bytes = match pending.upstream_bytes(&original_bytes) {
+                    Ok(b) => b,
+                    Err(e) => return Err(fail(&state, pending.into_inner(), e, None).await),
+                };
                 retried = true;
                 state.metrics.reactive_retry();
                 continue;
@@ -372,7 +384,7 @@ async fn handle_inner(
         Answer::Held(mut held) => {
             held.take_delivered().await;
             let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
-            stream_response(state, pending, held, strip_usage, ttfb_ms)
+            stream_response(state, pending.into_inner(), held, strip_usage, ttfb_ms)
         }
         Answer::Upstream(resp) if is_sse(resp.headers()) => {
             let mut held = Held {
@@ -385,20 +397,25 @@ async fn handle_inner(
             };
             held.take_delivered().await;
             let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
-            stream_response(state, pending, held, strip_usage, ttfb_ms)
+            stream_response(state, pending.into_inner(), held, strip_usage, ttfb_ms)
         }
         Answer::Upstream(resp) => {
             let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
             let status = resp.status();
             let headers = resp.headers().clone();
             match state.upstream.read_body(resp).await {
-                Ok(b) => buffered_response(state, pending, status, headers, b, ttfb_ms).await,
-                Err(err) => return Err(fail(&state, pending, err, Some(ttfb_ms)).await),
+                Ok(b) => {
+                    let pending = pending.into_inner();
+                    buffered_response(state, pending, status, headers, b, ttfb_ms).await
+                }
+                Err(err) => {
+                    return Err(fail(&state, pending.into_inner(), err, Some(ttfb_ms)).await)
+                }
             }
         }
         Answer::Error(status, headers, bytes) => {
             let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
-            buffered_response(state, pending, status, headers, bytes, ttfb_ms).await
+            buffered_response(state, pending.into_inner(), status, headers, bytes, ttfb_ms).await
         }
     };
     if let Some(c) = &applied {
@@ -432,14 +449,21 @@ async fn fail(
 /// later requests carry and the proxy expands into its summary.
 async fn answer_trigger(
     state: &Arc<AppState>,
-    pending: PendingExchange,
+    pending: Unanswered,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let c = engine::compact(
+    let compacted = engine::compact(
         state,
         pending.input("requested: compaction_trigger".into(), true),
     )
-    .await
-    .map_err(|e| ProxyError::BadRequest(format!("nothing to compact: {e}")))?;
+    .await;
+    let pending = pending.into_inner();
+    let c = match compacted {
+        Ok(c) => c,
+        Err(e) => {
+            let err = ProxyError::BadRequest(format!("nothing to compact: {e}"));
+            return Err(fail(state, pending, err, None).await);
+        }
+    };
     let item = remote::compaction_item(&c, remote::Form::Full);
     let response = compaction_response(&c, &pending.model, vec![item.clone()]);
     let outcome = Outcome {
@@ -534,6 +558,8 @@ pub async fn handle_compact(state: Arc<AppState>, req: Request<Incoming>) -> Res
     let result = async {
         let Parsed { pending, .. } =
             parse(&state, Api::Responses, &parts, body, started, started_ms).await?;
+        // This endpoint records the compaction it makes, not an exchange.
+        let pending = pending.into_inner();
         let c = engine::compact(
             &state,
             pending.input("requested: /v1/responses/compact".into(), true),
@@ -556,6 +582,65 @@ pub async fn handle_compact(state: Arc<AppState>, req: Request<Incoming>) -> Res
     }
     .await;
     result.unwrap_or_else(ProxyError::into_response)
+}
+
+/// An exchange whose answer has not been handed to the client yet. A
+/// client that leaves before then (a timeout while the model thinks, say)
+/// makes hyper drop the request's future, and this with it: the exchange
+/// is recorded with status 499 (as nginx logs a client that closed the
+/// request), and the upstream request, dropped with the future, is
+/// cancelled. Every path that answers takes the exchange out first.
+struct Unanswered {
+    state: Arc<AppState>,
+    /// Always here until [`Unanswered::into_inner`] or the drop.
+    pending: Option<PendingExchange>,
+}
+
+/// The status recorded for an exchange whose client left before its answer.
+pub const CLIENT_CLOSED: u16 = 499;
+
+impl Unanswered {
+    fn new(state: &Arc<AppState>, pending: PendingExchange) -> Self {
+        Self {
+            state: state.clone(),
+            pending: Some(pending),
+        }
+    }
+
+    fn get(&mut self) -> &mut PendingExchange {
+        self
+    }
+
+    /// The exchange, for the path that answers (and records) it.
+    fn into_inner(mut self) -> PendingExchange {
+        self.pending.take().expect("present until taken")
+    }
+}
+
+impl std::ops::Deref for Unanswered {
+    type Target = PendingExchange;
+    fn deref(&self) -> &PendingExchange {
+        self.pending.as_ref().expect("present until taken")
+    }
+}
+
+impl std::ops::DerefMut for Unanswered {
+    fn deref_mut(&mut self) -> &mut PendingExchange {
+        self.pending.as_mut().expect("present until taken")
+    }
+}
+
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(p) = self.pending.take() {
+            let outcome = Outcome {
+                status: CLIENT_CLOSED,
+                error: Some("client disconnected before the answer".into()),
+                ..Outcome::default()
+            };
+            p.finish_detached(&self.state, outcome);
+        }
+    }
 }
 
 /// What the upstream finally answered.
