@@ -24,6 +24,25 @@ pub fn tenant_of(salt: &[u8; 32], credential: Option<&[u8]>) -> String {
     h.to_hex()[..24].to_string()
 }
 
+/// A tenant's part of the chain index keys. A chain hash is blake3 over
+/// the items; the key is that hash XOR a hash of the tenant, so the same
+/// history sent under two credentials has two keys, and the index holds
+/// no copy of the tenant per prefix nor hashes one per lookup. For a key
+/// of one tenant to equal one of another, two chain hashes would have to
+/// differ by exactly the XOR of the two tenants' hashes: a 256-bit
+/// collision, as hard as one in blake3 itself.
+struct TenantScope([u8; 32]);
+
+impl TenantScope {
+    fn of(tenant: &str) -> Self {
+        Self(*blake3::hash(tenant.as_bytes()).as_bytes())
+    }
+
+    fn chain(&self, chain: &ItemHash) -> ItemHash {
+        std::array::from_fn(|i| chain[i] ^ self.0[i])
+    }
+}
+
 /// A new conversation id: unpredictable and unique, without a system call
 /// per id (a keyed hash of a counter, under a key drawn once per process).
 pub fn new_conversation_id() -> String {
@@ -65,7 +84,8 @@ struct Hit {
 
 #[derive(Default)]
 struct Inner {
-    by_chain: foldhash::HashMap<(String, ItemHash), Hit>,
+    /// By chain hash scoped to its tenant ([`scoped`]).
+    by_chain: foldhash::HashMap<ItemHash, Hit>,
     by_key: Keys,
     by_response: foldhash::HashMap<(String, String), String>,
     /// Per conversation, its indexed prefixes and response ids, oldest
@@ -124,8 +144,7 @@ impl Inner {
     /// conversation (another may have indexed the same prefix since).
     fn unindex(&mut self, tenant: &str, conversation: &str, entry: Indexed) {
         match entry {
-            Indexed::Chain(c) => {
-                let k = (tenant.to_string(), c);
+            Indexed::Chain(k) => {
                 if self
                     .by_chain
                     .get(&k)
@@ -171,6 +190,7 @@ impl Inner {
 
 /// One index entry a conversation owns.
 enum Indexed {
+    /// A scoped chain ([`scoped`]).
     Chain(ItemHash),
     Response(String),
 }
@@ -247,12 +267,12 @@ impl ConversationIndex {
         previous_response_id: Option<&str>,
         chains: &[ItemHash],
     ) -> Identified {
+        let scope = TenantScope::of(tenant);
         let mut inner = self.lock();
-        let mut key = (tenant.to_string(), [0u8; 32]);
-        let hit = chains.iter().rev().find_map(|c| {
-            key.1 = *c;
-            inner.by_chain.get(&key).cloned()
-        });
+        let hit = chains
+            .iter()
+            .rev()
+            .find_map(|c| inner.by_chain.get(&scope.chain(c)).cloned());
         let prefix = hit.as_ref().map(|h| h.prefix);
         if let Some(k) = explicit_key {
             let key = (tenant.to_string(), k.to_string());
@@ -322,6 +342,7 @@ impl ConversationIndex {
 
     /// Records a completed exchange's prefixes so later requests find it.
     pub fn remember(&self, ex: &IndexedExchange) {
+        let scope = TenantScope::of(&ex.tenant);
         let mut inner = self.lock();
         let mut added = Vec::new();
         for (chain, len, full) in [
@@ -338,8 +359,9 @@ impl ConversationIndex {
                     conversation: ex.conversation.clone(),
                     prefix,
                 };
-                inner.by_chain.insert((ex.tenant.clone(), c), hit);
-                added.push(Indexed::Chain(c));
+                let key = scope.chain(&c);
+                inner.by_chain.insert(key, hit);
+                added.push(Indexed::Chain(key));
             }
         }
         if let Some(r) = &ex.response_id {
