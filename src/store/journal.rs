@@ -320,11 +320,14 @@ pub fn exchanges(records: Vec<ExchangeRecord>) -> Vec<super::Record> {
 fn encode_frame(rec: &ExchangeRecord) -> io::Result<Vec<u8>> {
     let hashes = 32 * (rec.suffix_items.len() + rec.response_items.len());
     let bodies: usize = rec.new_items.iter().map(|(_, b)| 36 + b.len()).sum();
-    let mut frame = Vec::with_capacity(512 + hashes + bodies);
+    let mut frame = Vec::with_capacity(1024);
     frame.extend_from_slice(&[0; 8]);
     serde_json::to_writer(&mut frame, rec)?;
     let meta = (frame.len() - 8) as u32;
     frame[4..8].copy_from_slice(&meta.to_le_bytes());
+    // The rest at once: the record's JSON has no fixed size, and a guess
+    // short of it had the frame copied whole when its bodies went in.
+    frame.reserve_exact(8 + hashes + bodies);
     for list in [&rec.suffix_items, &rec.response_items] {
         frame.extend_from_slice(&(list.len() as u32).to_le_bytes());
         for hash in list {
