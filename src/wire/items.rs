@@ -698,15 +698,17 @@ impl ItemList {
         };
         let best = best.as_ref().map(|(n, seen)| (*n, seen));
         let reused = best.map(|(n, _)| n).unwrap_or(0);
-        let mut items: Vec<ItemHash> = best
-            .map(|(n, seen)| seen.hashes[..n].to_vec())
-            .unwrap_or_default();
+        // Sized for all items at once: the repeated ones are most of them.
+        let mut items: Vec<ItemHash> = Vec::with_capacity(self.spans.len());
+        if let Some((n, seen)) = best {
+            items.extend_from_slice(&seen.hashes[..n]);
+        }
         items.extend(self.raw_hashes(reused));
         // The chains of the repeated items, when they follow the same head.
-        let mut item_chains: Vec<ItemHash> = best
-            .filter(|(_, seen)| seen.head_chain == head_chain)
-            .map(|(n, seen)| seen.chains[..n].to_vec())
-            .unwrap_or_default();
+        let mut item_chains: Vec<ItemHash> = Vec::with_capacity(items.len());
+        if let Some((n, seen)) = best.filter(|(_, seen)| seen.head_chain == head_chain) {
+            item_chains.extend_from_slice(&seen.chains[..n]);
+        }
         let mut prev = item_chains.last().copied().unwrap_or(head_chain);
         for h in &items[item_chains.len()..] {
             prev = super::chain_extend(prev, std::slice::from_ref(h));
@@ -723,13 +725,17 @@ impl ItemList {
                 .map(|(n, seen)| (seen.claimed.clone(), self.head.len()..self.head.len() + n)),
             own: Some(own.clone()),
         };
+        let mut out = Vec::with_capacity(head.len() + items.len());
+        out.extend_from_slice(&head);
+        out.extend_from_slice(&items);
+        chains.extend_from_slice(&item_chains);
         let seen = Seen {
             id: 0,
             raw: self.raw.clone(),
             spans: self.spans.clone(),
-            hashes: items.clone(),
+            hashes: items,
             head_chain,
-            chains: item_chains.clone(),
+            chains: item_chains,
             shell: self.shell.clone(),
             claimed: own,
         };
@@ -737,9 +743,6 @@ impl ItemList {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .insert(key, seen, superseded);
-        let mut out = head;
-        out.extend(items);
-        chains.extend(item_chains);
         (out, chains, claims)
     }
 
