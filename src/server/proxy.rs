@@ -291,18 +291,19 @@ async fn handle_inner(
     if state.compactions.take_manual(&pending.ident.conversation) {
         compact_now(&state, pending.get(), "manual".into()).await;
     }
-    let mut upstream_bytes = match pending.upstream_bytes(&original_bytes) {
-        Ok(b) => b,
-        Err(e) => return Err(fail(&state, pending.into_inner(), e, None).await),
-    };
 
     let url = state.upstream.url(api.endpoint(), parts.uri.query());
     let headers = state.upstream.request_headers(&parts.headers, true);
     let mut retried = false;
     let answer = loop {
+        // The client's bytes, or the body with the compaction applied now.
+        let upstream_bytes = match pending.upstream_bytes(&original_bytes) {
+            Ok(b) => b,
+            Err(e) => return Err(fail(&state, pending.into_inner(), e, None).await),
+        };
         let resp = match state
             .upstream
-            .send_bytes(Method::POST, &url, headers.clone(), upstream_bytes.clone())
+            .send_bytes(Method::POST, &url, headers.clone(), upstream_bytes)
             .await
         {
             Ok(r) => r,
@@ -331,10 +332,6 @@ async fn handle_inner(
                 )
                 .await
             {
-                upstream_bytes = match pending.upstream_bytes(&original_bytes) {
-                    Ok(b) => b,
-                    Err(e) => return Err(fail(&state, pending.into_inner(), e, None).await),
-                };
                 retried = true;
                 state.metrics.reactive_retry();
                 continue;
@@ -360,10 +357,6 @@ async fn handle_inner(
             )
             .await
             {
-                upstream_bytes = match pending.upstream_bytes(&original_bytes) {
-                    Ok(b) => b,
-                    Err(e) => return Err(fail(&state, pending.into_inner(), e, None).await),
-                };
                 retried = true;
                 state.metrics.reactive_retry();
                 continue;
@@ -373,7 +366,6 @@ async fn handle_inner(
             // into a failure: send the client's own request.
             tracing::warn!(%status, "compacted request refused; resending it uncompacted");
             pending.unapply();
-            upstream_bytes = original_bytes.clone();
             retried = true;
             continue;
         }
