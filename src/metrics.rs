@@ -9,6 +9,7 @@
 
 use std::collections::HashMap;
 use std::fmt::Write as _;
+use std::hash::BuildHasher;
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
@@ -169,8 +170,19 @@ pub struct Metrics {
     summary_failures: AtomicU64,
     summary_fallbacks: AtomicU64,
     reactive_retries: AtomicU64,
-    /// Conversation id → last request.
-    seen: Mutex<HashMap<String, Instant>>,
+    /// Conversation → last request.
+    seen: Mutex<Seen>,
+}
+
+/// When each conversation last sent a request, keyed by a 64-bit hash of
+/// its id under a seed drawn per process (no copy of the id, no
+/// allocation per new conversation). With [`MAX_TRACKED_CONVERSATIONS`]
+/// tracked, a new conversation is taken for one of them (and the gauge is
+/// one short) with a probability of about 2^-47.
+#[derive(Default)]
+struct Seen {
+    seed: foldhash::quality::RandomState,
+    at: HashMap<u64, Instant, foldhash::fast::RandomState>,
 }
 
 impl Default for Metrics {
@@ -215,7 +227,7 @@ impl Metrics {
             summary_failures: AtomicU64::new(0),
             summary_fallbacks: AtomicU64::new(0),
             reactive_retries: AtomicU64::new(0),
-            seen: Mutex::new(HashMap::new()),
+            seen: Mutex::default(),
         }
     }
 
@@ -285,13 +297,15 @@ impl Metrics {
     }
 
     fn conversation_seen_at(&self, conversation: &str, now: Instant) {
-        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(t) = seen.get_mut(conversation) {
+        let mut guard = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        let key = guard.seed.hash_one(conversation);
+        let seen = &mut guard.at;
+        if let Some(t) = seen.get_mut(&key) {
             *t = now;
             return;
         }
         if seen.len() >= MAX_TRACKED_CONVERSATIONS {
-            prune(&mut seen, now);
+            prune(seen, now);
         }
         if seen.len() >= MAX_TRACKED_CONVERSATIONS {
             // All recent: forget the older half (rare; keeps inserts amortized O(1)).
@@ -301,7 +315,7 @@ impl Metrics {
             let median = *median;
             seen.retain(|_, t| *t > median);
         }
-        seen.insert(conversation.to_string(), now);
+        seen.insert(key, now);
     }
 
     /// Conversations seen within [`ACTIVE_WINDOW`] (forgets older ones).
@@ -311,8 +325,8 @@ impl Metrics {
 
     fn active_at(&self, now: Instant) -> u64 {
         let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
-        prune(&mut seen, now);
-        seen.len() as u64
+        prune(&mut seen.at, now);
+        seen.at.len() as u64
     }
 
     /// The scrape-time figures: the size of the store at `db` (file +
@@ -448,7 +462,7 @@ impl Metrics {
 }
 
 /// Drops entries older than [`ACTIVE_WINDOW`].
-fn prune(seen: &mut HashMap<String, Instant>, now: Instant) {
+fn prune<S>(seen: &mut HashMap<u64, Instant, S>, now: Instant) {
     seen.retain(|_, t| now.saturating_duration_since(*t) < ACTIVE_WINDOW);
 }
 
