@@ -4,7 +4,7 @@
 //! summarizer, stores results, and backs off from clients whose edits keep
 //! compactions from ever matching.
 
-use std::collections::HashMap;
+use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -173,7 +173,7 @@ pub struct Compactions {
     /// usage sets one, one-off requests included.
     calibration: Mutex<Calibrations>,
     /// Conversations whose next request is to be compacted (manual).
-    manual: Mutex<std::collections::HashSet<String>>,
+    manual: Mutex<foldhash::HashSet<String>>,
 }
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {

@@ -38,9 +38,9 @@ impl Covering for Arc<Compaction> {
 
 /// The longest compaction whose covered prefix equals a prefix of the
 /// request; `chains[i]` is the chain hash of the request's first `i + 1` items.
-pub fn find<'a, C: Covering>(
+pub fn find<'a, C: Covering, S: std::hash::BuildHasher>(
     chains: &[ItemHash],
-    by_chain: &'a HashMap<ItemHash, C>,
+    by_chain: &'a HashMap<ItemHash, C, S>,
 ) -> Option<&'a C> {
     chains
         .iter()
