@@ -84,7 +84,7 @@ struct Hit {
 
 #[derive(Default)]
 struct Inner {
-    /// By chain hash scoped to its tenant ([`scoped`]).
+    /// By chain hash scoped to its tenant ([`TenantScope`]).
     by_chain: foldhash::HashMap<ItemHash, Hit>,
     by_key: Keys,
     by_response: foldhash::HashMap<(String, String), String>,
@@ -190,7 +190,7 @@ impl Inner {
 
 /// One index entry a conversation owns.
 enum Indexed {
-    /// A scoped chain ([`scoped`]).
+    /// A chain scoped to its tenant ([`TenantScope`]).
     Chain(ItemHash),
     Response(String),
 }
