@@ -97,7 +97,7 @@ impl Background {
     }
 
     /// Queues `job`. It runs inside the caller's tokio runtime context (if
-    /// any), so it may spawn tasks. Past [`MAX_BACKLOG`] jobs waiting, it
+    /// any), so it may spawn tasks. Past `MAX_BACKLOG` jobs waiting, it
     /// runs at once, on the caller's thread (and counts neither as queued
     /// nor as done: it is over when this returns).
     pub fn spawn(&self, job: impl FnOnce() + Send + 'static) {

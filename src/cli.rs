@@ -137,7 +137,7 @@ pub struct ServeArgs {
     /// Listen address, e.g. 127.0.0.1:8787.
     #[arg(long, env = "COMPACTOR_LISTEN")]
     pub listen: Option<String>,
-    /// Upstream base URL including /v1, e.g. https://api.openai.com/v1.
+    /// Upstream base URL including /v1, e.g. `https://api.openai.com/v1`.
     #[arg(long, env = "COMPACTOR_UPSTREAM")]
     pub upstream: Option<String>,
     /// SQLite database path.

@@ -191,7 +191,7 @@ impl Upstream {
     /// Sends a request whose body is in memory, and once more if it failed
     /// on a pooled connection the upstream had closed while it was idle
     /// (llama-server closes after every stream although it announces
-    /// keep-alive): see [`stale_connection`].
+    /// keep-alive): see `stale_connection`.
     pub async fn send_bytes(
         &self,
         method: http::Method,

@@ -110,7 +110,7 @@ const EVENT_INTERVAL: u32 = 255;
 /// The runtime the proxy serves on; `compactor serve` builds its runtime
 /// here, and so does the bench, to measure the same.
 ///
-/// Its workers check for I/O every [`EVENT_INTERVAL`] tasks rather than
+/// Its workers check for I/O every `EVENT_INTERVAL` tasks rather than
 /// every 61. A request's tasks are short, and under load the checks were
 /// syscalls that found little; the relay's gathering of SSE chunks that
 /// arrived together (`proxy::gather`) also lasts until such a check. At

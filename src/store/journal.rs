@@ -14,7 +14,7 @@
 //! store, so that a reader in another process imports a journal only when
 //! nobody serves it. (Not `D-journal`: that name is SQLite's own.)
 //!
-//! Each record is one length-prefixed frame (see [`encode_frame`]). A frame
+//! Each record is one length-prefixed frame (see `encode_frame`). A frame
 //! cut short by a kill, whose write never returned, ends the reading; its
 //! exchange was never acknowledged.
 

@@ -7,7 +7,7 @@
 //! to the [`journal`] (one write, shared by the exchanges that end in the
 //! same turn of the runtime) just before its answer's last bytes are
 //! released, which is what makes an acknowledged exchange survive a crash;
-//! the writer imports journaled exchanges within [`IMPORT_DELAY`].
+//! the writer imports journaled exchanges within `IMPORT_DELAY`.
 
 pub mod journal;
 pub mod query;

@@ -465,7 +465,7 @@ pub fn load_compactions(
 }
 
 /// Reads compactions by id for the registry, through a read-only
-/// connection of its own (see [`read_only`]).
+/// connection of its own (see `read_only`).
 pub fn reader(path: std::path::PathBuf) -> crate::compaction::engine::LoadCompaction {
     let read = read_only(path);
     std::sync::Arc::new(move |id: &str| read(&|conn| load_compaction(conn, id)))
