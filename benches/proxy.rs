@@ -846,6 +846,9 @@ struct Row {
     /// Share of the machine's CPU busy during the direct and the proxied
     /// rounds (c=32).
     machine_busy: [f64; 2],
+    /// CPU ms per request of the load runtime during the direct / the
+    /// proxied rounds (c=32 only).
+    load_cpu_by_side: [f64; 2],
     secs: f64,
 }
 
@@ -859,13 +862,15 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
             .map(|i| Session::new(sc.variant, sc.stream, sc.size, 1 + i as u64))
             .collect()
     };
-    let (collected, settle, cpu, machine_busy) = rig.load_rt.block_on(async {
+    let (collected, settle, cpu, machine_busy, load_ns) = rig.load_rt.block_on(async {
         let client = client();
         let mut out = [Collected::default(), Collected::default()];
         let mut settle = Duration::ZERO;
         let mut cpu0 = ThreadCpu::default();
         // (busy, total) ticks of the machine during each side's rounds.
         let mut machine = [(0u64, 0u64); 2];
+        // CPU ns of the load runtime during each side's rounds.
+        let mut load_ns = [0u64; 2];
         if sc.conc == 1 {
             let mut s = [sessions(1).pop().unwrap(), sessions(1).pop().unwrap()];
             for i in 0..o.c1_warm + o.c1_n {
@@ -915,7 +920,9 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
                 for side in order {
                     let taken = std::mem::take(&mut s[side]);
                     let before = machine_ticks();
+                    let load_before = load_runtime_ns();
                     let (back, c) = burst(&client, &urls[side], taken, per_round, sc.stream).await;
+                    load_ns[side] += load_runtime_ns().saturating_sub(load_before);
                     let after = machine_ticks();
                     machine[side].0 += after.0.saturating_sub(before.0);
                     machine[side].1 += after.1.saturating_sub(before.1);
@@ -928,7 +935,7 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
         // The proxy's background work for the last requests counts too.
         quiesce().await;
         let busy = machine.map(|(busy, total)| busy as f64 / total.max(1) as f64);
-        (out, settle, thread_cpu().minus(&cpu0), busy)
+        (out, settle, thread_cpu().minus(&cpu0), busy, load_ns)
     });
     let recorded = rig.exchanges_recorded();
     rig.stop();
@@ -942,6 +949,10 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
         .collect();
     // At c=1 the client runs on the main thread, so this is the fake alone.
     let load_cpu_ms = cpu.load * 1000.0 / (dn + pn).max(1) as f64;
+    let load_cpu_by_side = [
+        load_ns[0] as f64 / 1e6 / dn.max(1) as f64,
+        load_ns[1] as f64 / 1e6 / pn.max(1) as f64,
+    ];
     Row {
         sc,
         name: sc.name(),
@@ -952,6 +963,7 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
         proxy_cpu_by_thread,
         load_cpu_ms,
         machine_busy,
+        load_cpu_by_side,
         secs: started.elapsed().as_secs_f64(),
     }
 }
@@ -1012,6 +1024,22 @@ fn thread_cpu() -> ThreadCpu {
         }
     }
     t
+}
+
+/// CPU time of the load runtime's threads ("bench-load"), in ns (from
+/// schedstat: finer than the 10 ms ticks of /proc stat, for single rounds).
+fn load_runtime_ns() -> u64 {
+    let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
+        return 0;
+    };
+    dir.flatten()
+        .filter(|e| {
+            std::fs::read_to_string(e.path().join("comm"))
+                .is_ok_and(|c| c.starts_with("bench-load"))
+        })
+        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
 }
 
 /// (busy, total) clock ticks of the whole machine, from /proc/stat.
@@ -1384,8 +1412,9 @@ fn main() {
     );
     println!();
     println!(
-        "c=32 rows: how busy the machine's CPUs were during the direct / the proxied rounds, and the proxy's \
-         CPU per request by thread (ms; the runtime worker is `compactor`):"
+        "c=32 rows: how busy the machine's CPUs were during the direct / the proxied rounds, the load \
+         runtime's CPU per request during each, and the proxy's CPU per request by thread (ms; the runtime \
+         worker is `compactor`):"
     );
     for r in rows.iter().filter(|r| r.sc.conc > 1) {
         let parts: Vec<String> = r
@@ -1395,10 +1424,12 @@ fn main() {
             .map(|(name, ms)| format!("{name} {ms:.3}"))
             .collect();
         println!(
-            "  {:<20} busy {:>3.0}% / {:>3.0}%   {}",
+            "  {:<20} busy {:>3.0}% / {:>3.0}%   load {:.3} / {:.3}   {}",
             r.name,
             100.0 * r.machine_busy[0],
             100.0 * r.machine_busy[1],
+            r.load_cpu_by_side[0],
+            r.load_cpu_by_side[1],
             parts.join(", ")
         );
     }
