@@ -701,6 +701,43 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
     let release_at = tokio::time::Instant::now() + MAX_HOLD_BACK;
     let mut end = None;
     loop {
+        // What the upstream has delivered already is taken without arming a
+        // timer: a timer due before every other one wakes the runtime's
+        // driver (a syscall), and the first events of an answer usually
+        // come together.
+        let mut size = buf.len();
+        let delivered = take_delivered(&mut rest, size, |chunk| {
+            size += chunk.len();
+            buf.extend_from_slice(&chunk);
+            chunks.push(chunk);
+            size
+        })
+        .await;
+        let (events, used) = wire::sse::complete_events(&buf[scanned..]);
+        scanned += used;
+        for (name, data) in events {
+            let kind = wire::responses::event_type(&data).unwrap_or(name);
+            if PRELUDE_EVENTS.contains(&kind.as_str()) {
+                continue;
+            }
+            let failure = (kind == "response.failed" || kind == "error").then_some(data);
+            return Ok(Held {
+                status,
+                headers,
+                chunks,
+                failure,
+                rest,
+                end: delivered,
+            });
+        }
+        match delivered {
+            Some(Some(Err(e))) => return Err(ProxyError::UpstreamUnreachable(describe(&e))),
+            Some(_) => {
+                end = Some(None);
+                break;
+            }
+            None => {}
+        }
         // Past the hold-back limit the stream is released as it is (a later
         // failure is relayed); the client must not wait on a silent start.
         let wait = release_at.saturating_duration_since(tokio::time::Instant::now());
@@ -719,23 +756,6 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
         let chunk = chunk.map_err(|e| ProxyError::UpstreamUnreachable(describe(&e)))?;
         buf.extend_from_slice(&chunk);
         chunks.push(chunk);
-        let (events, used) = wire::sse::complete_events(&buf[scanned..]);
-        scanned += used;
-        for (name, data) in events {
-            let kind = wire::responses::event_type(&data).unwrap_or(name);
-            if PRELUDE_EVENTS.contains(&kind.as_str()) {
-                continue;
-            }
-            let failure = (kind == "response.failed" || kind == "error").then_some(data);
-            return Ok(Held {
-                status,
-                headers,
-                chunks,
-                failure,
-                rest,
-                end: None,
-            });
-        }
     }
     Ok(Held {
         status,
