@@ -30,8 +30,9 @@ use crate::wire::{Api, ItemHash, Usage};
 /// lands on a random page of the items' hash index, and a commit writes
 /// every page it touched to the WAL: the more items one commit holds, the
 /// more of them share pages (at 1,024 rather than 256, a fifth to a third
-/// less store thread CPU per exchange in the bench's Codex rows).
-const MAX_BATCH: usize = 1024;
+/// less store thread CPU per exchange in the bench's Codex rows). Under
+/// load, [`IMPORT_DELAY`] ends a batch before this does.
+const MAX_BATCH: usize = 4096;
 
 /// Where the request's items continue an earlier exchange's items: the first
 /// `len` items equal that exchange's request items (and, if `full`, its
@@ -255,9 +256,11 @@ enum Journaled<'a> {
 pub const KNOWN_ITEMS: usize = 1 << 18;
 
 /// How long a journaled exchange may wait for its import: long enough to
-/// import in large batches under load (see [`MAX_BATCH`]), short enough
-/// that a reader in another process sees it at once.
-const IMPORT_DELAY: Duration = Duration::from_millis(200);
+/// import in large batches under load (see [`MAX_BATCH`]; at 500 rather
+/// than 200 ms, a third less store thread CPU per exchange in the bench's
+/// 30 KB Codex rows, some 2,700 records a commit instead of 1,024), short
+/// enough that a reader in another process sees it within half a second.
+const IMPORT_DELAY: Duration = Duration::from_millis(500);
 
 impl Store {
     /// Starts the writer thread over `backend` and returns the handle plus
