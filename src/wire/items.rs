@@ -617,6 +617,16 @@ impl ItemList {
         }
     }
 
+    /// Item `i` as the client's own JSON bytes, when the list is raw and
+    /// the item is one of its array's.
+    pub fn raw_json(&self, i: usize) -> Option<&[u8]> {
+        if self.values.get().is_some() || !self.is_raw() {
+            return None;
+        }
+        let j = i.checked_sub(self.head.len())?;
+        Some(&self.raw[self.spans.get(j)?.clone()])
+    }
+
     /// Item `i` serialised: the client's own bytes when the list is raw.
     pub fn json(&self, i: usize) -> String {
         if self.is_raw() {
