@@ -862,6 +862,16 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
             .map(|i| Session::new(sc.variant, sc.stream, sc.size, 1 + i as u64))
             .collect()
     };
+    // The store imports journaled exchanges in batches up to half a second
+    // later: before the measured rounds and after them, what is journaled
+    // is imported at once (that of the warm-up is not measured; that of
+    // the last rounds is), and the count of exchanges is complete.
+    let store = rig.state.clone();
+    let flush = || async {
+        if let Some(state) = &store {
+            let _ = state.store.flush().await;
+        }
+    };
     let (collected, settle, cpu, machine_busy, load_ns) = rig.load_rt.block_on(async {
         let client = client();
         let mut out = [Collected::default(), Collected::default()];
@@ -875,6 +885,7 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
             let mut s = [sessions(1).pop().unwrap(), sessions(1).pop().unwrap()];
             for i in 0..o.c1_warm + o.c1_n {
                 if i == o.c1_warm {
+                    flush().await;
                     settle = quiesce().await;
                     cpu0 = thread_cpu();
                 }
@@ -912,6 +923,7 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
                     out[side].first_error = c.first_error;
                 }
             }
+            flush().await;
             settle = quiesce().await;
             cpu0 = thread_cpu();
             let per_round = o.cn_n / o.cn_rounds;
@@ -933,6 +945,7 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
             }
         }
         // The proxy's background work for the last requests counts too.
+        flush().await;
         quiesce().await;
         let busy = machine.map(|(busy, total)| busy as f64 / total.max(1) as f64);
         (out, settle, thread_cpu().minus(&cpu0), busy, load_ns)
