@@ -44,6 +44,10 @@ pub struct ServerConfig {
     pub max_body_bytes: usize,
     /// How long in-flight requests and streams may take to finish at shutdown.
     pub shutdown_grace_secs: u64,
+    /// How long a client connection may take to send a request's headers,
+    /// counted from when the connection is ready for its next request (so
+    /// also how long an idle keep-alive connection stays open); 0: no limit.
+    pub header_read_timeout_secs: u64,
 }
 
 impl Default for ServerConfig {
@@ -52,6 +56,7 @@ impl Default for ServerConfig {
             listen: DEFAULT_LISTEN.to_string(),
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             shutdown_grace_secs: 30,
+            header_read_timeout_secs: 30,
         }
     }
 }

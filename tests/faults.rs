@@ -524,3 +524,41 @@ async fn shutdown_drains_an_in_flight_stream() {
             .is_err()
     );
 }
+
+/// A client that starts a request and never finishes its headers is
+/// disconnected after `server.header_read_timeout_secs`; with 0 it is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_finishes_its_headers_is_disconnected() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let partial =
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n";
+
+    let h = Harness::start_with(|c| c.server.header_read_timeout_secs = 1).await;
+    let mut s = within(tokio::net::TcpStream::connect(h.addr))
+        .await
+        .unwrap();
+    within(s.write_all(partial)).await.unwrap();
+    let started = std::time::Instant::now();
+    let mut answer = Vec::new();
+    // The server closes the connection (whatever it writes first).
+    let _ = within(s.read_to_end(&mut answer)).await;
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(10),
+        "closed after {waited:?}"
+    );
+    still_serving(&h).await;
+
+    let h = Harness::start_with(|c| c.server.header_read_timeout_secs = 0).await;
+    let mut s = within(tokio::net::TcpStream::connect(h.addr))
+        .await
+        .unwrap();
+    within(s.write_all(partial)).await.unwrap();
+    let mut byte = [0u8; 1];
+    let read = tokio::time::timeout(Duration::from_millis(2500), s.read(&mut byte)).await;
+    assert!(
+        read.is_err(),
+        "without a limit the connection stays open: {read:?}"
+    );
+    still_serving(&h).await;
+}

@@ -17,7 +17,7 @@ use std::time::Duration;
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tracing::Instrument;
@@ -130,7 +130,14 @@ pub fn runtime_builder() -> tokio::runtime::Builder {
 /// accepting and gives in-flight requests `server.shutdown_grace_secs` to end.
 pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Future<Output = ()>) {
     let graceful = hyper_util::server::graceful::GracefulShutdown::new();
-    let builder = auto::Builder::new(TokioExecutor::new());
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    // A client that sends its headers slowly, or never, would hold its
+    // connection (and a task) until the OS gave up on it.
+    let header_read = state.config.server.header_read_timeout_secs;
+    builder
+        .http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout((header_read > 0).then(|| Duration::from_secs(header_read)));
     tokio::pin!(shutdown);
     loop {
         let (stream, peer) = tokio::select! {
