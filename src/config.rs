@@ -48,6 +48,10 @@ pub struct ServerConfig {
     /// counted from when the connection is ready for its next request (so
     /// also how long an idle keep-alive connection stays open); 0: no limit.
     pub header_read_timeout_secs: u64,
+    /// How long a client may send nothing of a request body it has begun
+    /// (the parsed endpoints, and small bodies elsewhere, which the proxy
+    /// reads before forwarding); then 408. 0: no limit.
+    pub body_read_timeout_secs: u64,
 }
 
 impl Default for ServerConfig {
@@ -57,6 +61,7 @@ impl Default for ServerConfig {
             max_body_bytes: DEFAULT_MAX_BODY_BYTES,
             shutdown_grace_secs: 30,
             header_read_timeout_secs: 30,
+            body_read_timeout_secs: 60,
         }
     }
 }
@@ -220,6 +225,12 @@ impl Config {
         let text = std::fs::read_to_string(path)
             .map_err(|e| ConfigError::Read(path.display().to_string(), e.to_string()))?;
         Self::from_toml(&text).map_err(|e| e.in_file(path))
+    }
+
+    /// `server.body_read_timeout_secs` as a duration; `None` for no limit.
+    pub fn body_read_timeout(&self) -> Option<std::time::Duration> {
+        let secs = self.server.body_read_timeout_secs;
+        (secs > 0).then(|| std::time::Duration::from_secs(secs))
     }
 
     /// Checks values that parse but make no sense.

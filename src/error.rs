@@ -35,6 +35,9 @@ pub enum ProxyError {
         /// Request path (no query string).
         path: String,
     },
+    /// The client stopped sending its request body.
+    #[error("the client sent nothing of its request body for {0} s")]
+    RequestTimeout(u64),
     /// The upstream could not be reached or broke the connection.
     #[error("upstream unreachable: {0}")]
     UpstreamUnreachable(String),
@@ -52,6 +55,7 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
             ProxyError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NotFound { .. } => StatusCode::NOT_FOUND,
             ProxyError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
             ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
@@ -64,6 +68,7 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(_)
             | ProxyError::PayloadTooLarge { .. }
+            | ProxyError::RequestTimeout(_)
             | ProxyError::NotFound { .. } => "invalid_request_error",
             ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => "upstream_error",
             ProxyError::Internal(_) => "server_error",
@@ -75,6 +80,7 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(_) => "invalid_json",
             ProxyError::PayloadTooLarge { .. } => "request_too_large",
+            ProxyError::RequestTimeout(_) => "request_timeout",
             ProxyError::NotFound { .. } => "unknown_url",
             ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
             ProxyError::UpstreamTimeout(_) => "upstream_timeout",

@@ -562,3 +562,34 @@ async fn a_client_that_never_finishes_its_headers_is_disconnected() {
     );
     still_serving(&h).await;
 }
+
+/// A client that stops sending its body midway gets a 408 after
+/// `server.body_read_timeout_secs`, and the proxy keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_sending_its_body_gets_a_408() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let h = Harness::start_with(|c| c.server.body_read_timeout_secs = 1).await;
+    let mut s = within(tokio::net::TcpStream::connect(h.addr))
+        .await
+        .unwrap();
+    let head = "POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n";
+    within(s.write_all(head.as_bytes())).await.unwrap();
+    within(s.write_all(br#"{"model": "m", "mess"#))
+        .await
+        .unwrap();
+    let started = std::time::Instant::now();
+    let mut answer = Vec::new();
+    let _ = within(s.read_to_end(&mut answer)).await;
+    let waited = started.elapsed();
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(answer.starts_with("HTTP/1.1 408"), "{answer}");
+    let body: Value =
+        serde_json::from_str(&answer[answer.find("\r\n\r\n").unwrap() + 4..]).unwrap();
+    assert_eq!(body["error"]["code"], "request_timeout", "{body}");
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(10),
+        "answered after {waited:?}"
+    );
+    assert_eq!(h.fake.count(), 0, "nothing went upstream");
+    still_serving(&h).await;
+}

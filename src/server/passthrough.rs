@@ -44,7 +44,14 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
     } else if proxy::declared_length(&parts.headers).is_some_and(|n| n <= RESENDABLE_BODY) {
         // Small (an embeddings request, say): read first, so that it too
         // can be sent again.
-        let bytes = match proxy::read_body(body, &parts.headers, RESENDABLE_BODY as usize).await {
+        let bytes = match proxy::read_body(
+            body,
+            &parts.headers,
+            RESENDABLE_BODY as usize,
+            state.config.body_read_timeout(),
+        )
+        .await
+        {
             Ok(b) => b,
             Err(e) => return e.into_response(),
         };

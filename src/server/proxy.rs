@@ -67,7 +67,13 @@ async fn parse(
     started: Instant,
     started_ms: i64,
 ) -> Result<Parsed, ProxyError> {
-    let raw = read_body(body, &parts.headers, state.config.server.max_body_bytes).await?;
+    let raw = read_body(
+        body,
+        &parts.headers,
+        state.config.server.max_body_bytes,
+        state.config.body_read_timeout(),
+    )
+    .await?;
     let raw_len = raw.len();
     let tenant = tenant_of(&state.tenant_salt, wire::credential(&parts.headers));
     // The history stays bytes (see `wire::items`), and the part of it that
@@ -829,11 +835,13 @@ pub(super) fn declared_length(headers: &http::HeaderMap) -> Option<u64> {
         .ok()
 }
 
-/// Reads the whole body, refusing more than `limit` bytes with 413.
+/// Reads the whole body, refusing more than `limit` bytes with 413, and a
+/// client that sends nothing of it for `idle` (if set) with 408.
 pub(super) async fn read_body(
     body: Incoming,
     headers: &http::HeaderMap,
     limit: usize,
+    idle: Option<Duration>,
 ) -> Result<Bytes, ProxyError> {
     let declared = declared_length(headers);
     if declared.is_some_and(|n| n > limit as u64) {
@@ -846,7 +854,15 @@ pub(super) async fn read_body(
     let presize = declared.unwrap_or(0).min(PRESIZE_LIMIT as u64) as usize;
     let mut buf = bytes::BytesMut::with_capacity(presize);
     let mut body = Limited::new(body, limit);
-    while let Some(frame) = body.frame().await {
+    loop {
+        // A frame already received is taken without arming the timer.
+        let frame = match idle {
+            Some(idle) => tokio::time::timeout(idle, body.frame())
+                .await
+                .map_err(|_| ProxyError::RequestTimeout(idle.as_secs()))?,
+            None => body.frame().await,
+        };
+        let Some(frame) = frame else { break };
         match frame {
             Ok(frame) => {
                 if let Some(data) = frame.data_ref() {
