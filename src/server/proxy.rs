@@ -249,7 +249,7 @@ async fn parse(
         engine::Fit::Over(tokens) => {
             compact_now(
                 state,
-                pending.get(),
+                &mut pending,
                 format!("hard_limit: ~{tokens} tokens leave no room for the answer"),
             )
             .await;
@@ -295,7 +295,7 @@ async fn handle_inner(
         return answer_trigger(&state, pending).await;
     }
     if state.compactions.take_manual(&pending.ident.conversation) {
-        compact_now(&state, pending.get(), "manual".into()).await;
+        compact_now(&state, &mut pending, "manual".into()).await;
     }
 
     let url = state.upstream.url(api.endpoint(), parts.uri.query());
@@ -333,7 +333,7 @@ async fn handle_inner(
                 && !retried
                 && compact_now(
                     &state,
-                    pending.get(),
+                    &mut pending,
                     "overflow: upstream stream failed".into(),
                 )
                 .await
@@ -358,7 +358,7 @@ async fn handle_inner(
         if !retried && policy::is_context_overflow(status.as_u16(), &bytes) {
             if compact_now(
                 &state,
-                pending.get(),
+                &mut pending,
                 format!("overflow: upstream answered {status}"),
             )
             .await
@@ -603,10 +603,6 @@ impl Unanswered {
             state: state.clone(),
             pending: Some(pending),
         }
-    }
-
-    fn get(&mut self) -> &mut PendingExchange {
-        self
     }
 
     /// The exchange, for the path that answers (and records) it.
