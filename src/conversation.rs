@@ -98,6 +98,12 @@ struct Inner {
     stamp: u64,
     /// Entries all conversations own.
     entries: usize,
+    /// How many indexed chains cover each number of items (up to
+    /// [`COUNTED_LENGTHS`]): a request's prefix of a length no chain covers
+    /// needs no lookup. A stream of one-off requests sharing a long history
+    /// (each a conversation of its own) would otherwise probe the index
+    /// once per item.
+    lengths: Vec<u32>,
 }
 
 /// Explicit conversation keys kept in memory, per generation: a session
@@ -139,7 +145,36 @@ struct Owned {
     stamp: u64,
 }
 
+/// Prefix lengths past this are looked up without consulting
+/// `Inner::lengths`.
+const COUNTED_LENGTHS: usize = 1 << 16;
+
 impl Inner {
+    /// Whether some indexed chain covers `len` items.
+    fn may_cover(&self, len: usize) -> bool {
+        len >= COUNTED_LENGTHS || self.lengths.get(len).is_some_and(|&n| n > 0)
+    }
+
+    fn index_chain(&mut self, key: ItemHash, hit: Hit) {
+        let len = hit.prefix.len;
+        // The same chain again: the same items, so the same length.
+        if let Some(old) = self.by_chain.insert(key, hit) {
+            self.uncount(old.prefix.len);
+        }
+        if len < COUNTED_LENGTHS {
+            if self.lengths.len() <= len {
+                self.lengths.resize(len + 1, 0);
+            }
+            self.lengths[len] += 1;
+        }
+    }
+
+    fn uncount(&mut self, len: usize) {
+        if let Some(n) = self.lengths.get_mut(len) {
+            *n -= 1;
+        }
+    }
+
     /// Removes an entry a conversation owned, if it still names that
     /// conversation (another may have indexed the same prefix since).
     fn unindex(&mut self, tenant: &str, conversation: &str, entry: Indexed) {
@@ -150,7 +185,9 @@ impl Inner {
                     .get(&k)
                     .is_some_and(|h| h.conversation == conversation)
                 {
-                    self.by_chain.remove(&k);
+                    if let Some(old) = self.by_chain.remove(&k) {
+                        self.uncount(old.prefix.len);
+                    }
                 }
             }
             Indexed::Response(r) => {
@@ -271,8 +308,10 @@ impl ConversationIndex {
         let mut inner = self.lock();
         let hit = chains
             .iter()
+            .enumerate()
             .rev()
-            .find_map(|c| inner.by_chain.get(&scope.chain(c)).cloned());
+            .filter(|(i, _)| inner.may_cover(i + 1))
+            .find_map(|(_, c)| inner.by_chain.get(&scope.chain(c)).cloned());
         let prefix = hit.as_ref().map(|h| h.prefix);
         if let Some(k) = explicit_key {
             let key = (tenant.to_string(), k.to_string());
@@ -360,7 +399,7 @@ impl ConversationIndex {
                     prefix,
                 };
                 let key = scope.chain(&c);
-                inner.by_chain.insert(key, hit);
+                inner.index_chain(key, hit);
                 added.push(Indexed::Chain(key));
             }
         }
@@ -423,6 +462,18 @@ mod tests {
         }
     }
 
+    /// `Inner::lengths` counts exactly the indexed chains' lengths.
+    fn assert_lengths_agree(idx: &ConversationIndex) {
+        let inner = idx.lock();
+        let mut counted = vec![0u32; inner.lengths.len()];
+        for hit in inner.by_chain.values() {
+            if hit.prefix.len < COUNTED_LENGTHS {
+                counted[hit.prefix.len] += 1;
+            }
+        }
+        assert_eq!(counted, inner.lengths);
+    }
+
     fn ex(id: i64, conv: &str, tenant: &str, c: &[ItemHash], req: usize) -> IndexedExchange {
         IndexedExchange {
             id,
@@ -462,6 +513,8 @@ mod tests {
             );
             assert!(inner.by_chain.len() + inner.by_response.len() <= 30);
             assert!(inner.order.len() <= 2 * inner.recent.len() + 1024);
+            drop(inner);
+            assert_lengths_agree(&idx);
         }
         // The latest ones are found, the oldest forgotten.
         let (c, id) = &convs[29];
@@ -555,9 +608,34 @@ mod tests {
             idx.remember(&ex(turn as i64, "conv_long", "t", &c, req));
         }
         assert!(idx.len() <= MAX_ENTRIES_PER_CONVERSATION, "{}", idx.len());
+        assert_lengths_agree(&idx);
         // The latest exchanges still continue the conversation.
         let next = idx.identify("t", None, None, &c[..302]);
         assert_eq!(next.conversation, "conv_long");
+    }
+
+    #[test]
+    fn a_prefix_longer_than_the_counted_lengths_is_found() {
+        let idx = ConversationIndex::default();
+        let items: Vec<ItemHash> = (0..COUNTED_LENGTHS + 3)
+            .map(|i| {
+                let mut h = [0u8; 32];
+                h[..8].copy_from_slice(&(i as u64).to_le_bytes());
+                h
+            })
+            .collect();
+        let c = chain_hashes(&items);
+        let req = COUNTED_LENGTHS + 1;
+        idx.remember(&ex(1, "conv_huge", "t", &c, req));
+        // And a short one the same tenant indexed, which must not shadow it.
+        idx.remember(&ex(2, "conv_short", "t", &c, 1));
+        assert_lengths_agree(&idx);
+        let next = idx.identify("t", None, None, &c);
+        assert_eq!(next.conversation, "conv_huge");
+        assert_eq!(next.prefix.map(|p| p.len), Some(req + 1));
+        let shorter = idx.identify("t", None, None, &c[..req]);
+        assert_eq!(shorter.conversation, "conv_huge");
+        assert_eq!(shorter.prefix.map(|p| p.len), Some(req));
     }
 
     #[test]
