@@ -48,9 +48,9 @@ pub struct ServerConfig {
     /// counted from when the connection is ready for its next request (so
     /// also how long an idle keep-alive connection stays open); 0: no limit.
     pub header_read_timeout_secs: u64,
-    /// How long a client may send nothing of a request body it has begun
-    /// (the parsed endpoints, and small bodies elsewhere, which the proxy
-    /// reads before forwarding); then 408. 0: no limit.
+    /// How long a client may send nothing of a request body it has begun,
+    /// whether the proxy reads it before forwarding or streams it through;
+    /// then 408. 0: no limit.
     pub body_read_timeout_secs: u64,
 }
 
@@ -77,7 +77,8 @@ pub struct UpstreamConfig {
     pub api_key_env: String,
     /// Seconds to establish the TCP/TLS connection.
     pub connect_timeout_secs: u64,
-    /// Seconds until the upstream's response headers must arrive (504 after).
+    /// Seconds until the upstream's response headers must arrive once the
+    /// request is sent (504 after).
     pub response_timeout_secs: u64,
     /// Seconds a response body may stay silent before it is abandoned.
     pub idle_timeout_secs: u64,

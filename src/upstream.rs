@@ -3,6 +3,7 @@
 
 use std::cell::Cell;
 use std::fmt;
+use std::future::Future;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -171,21 +172,28 @@ impl Upstream {
         out
     }
 
-    /// Sends a request; maps connection failures to 502 and a missing answer
-    /// within `response_timeout` to 504.
+    /// Sends a request whose body streams from the client; maps connection
+    /// failures to 502, and gives up with `give_up`'s error once it
+    /// resolves: only the caller knows when the upload ended, and so when
+    /// the upstream's time to answer begins.
     pub async fn send(
         &self,
         method: http::Method,
         url: &reqwest::Url,
         headers: HeaderMap,
         body: reqwest::Body,
+        give_up: impl Future<Output = ProxyError>,
     ) -> Result<reqwest::Response, ProxyError> {
-        let req = self
+        let send = self
             .client
             .request(method, url.clone())
             .headers(headers)
-            .body(body);
-        self.execute(req).await
+            .body(body)
+            .send();
+        tokio::select! {
+            sent = send => self.map(Ok(sent)),
+            e = give_up => Err(e),
+        }
     }
 
     /// Sends a request whose body is in memory, and once more if it failed

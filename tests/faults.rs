@@ -356,6 +356,151 @@ async fn slow_upstream_gives_504_and_the_proxy_keeps_serving() {
     still_serving(&h).await;
 }
 
+/// Checks a raw HTTP answer: its status, and an OpenAI-style error body
+/// with `code`.
+fn assert_raw_error(answer: &str, status: u16, code: &str) {
+    assert!(
+        answer.starts_with(&format!("HTTP/1.1 {status} ")),
+        "{answer:.300}"
+    );
+    let body = &answer[answer.find("\r\n\r\n").expect("a whole head") + 4..];
+    assert_eq!(error_of(body.as_bytes())["code"], code, "{body}");
+}
+
+/// Sends `head` and then `parts` of a body on a raw connection, pausing
+/// `pause` before each part, and returns the whole answer and how long after
+/// the last part it came.
+async fn upload_in_parts(
+    h: &Harness,
+    head: &str,
+    parts: &[&[u8]],
+    pause: Duration,
+) -> (String, Duration) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = within(tokio::net::TcpStream::connect(h.addr))
+        .await
+        .unwrap();
+    within(s.write_all(head.as_bytes())).await.unwrap();
+    for part in parts {
+        tokio::time::sleep(pause).await;
+        within(s.write_all(part)).await.unwrap();
+    }
+    let sent = std::time::Instant::now();
+    let mut answer = Vec::new();
+    let _ = within(s.read_to_end(&mut answer)).await;
+    (
+        String::from_utf8_lossy(&answer).into_owned(),
+        sent.elapsed(),
+    )
+}
+
+/// An upload to a path the proxy streams through (a large file, say) gets
+/// the same 408 as a body the proxy reads, when the client stops sending
+/// it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_sending_a_streamed_upload_gets_a_408() {
+    let h = Harness::start_with(|c| c.server.body_read_timeout_secs = 1).await;
+    // Over the size the proxy reads before sending, so it streams.
+    let head = "POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\ncontent-length: 3000000\r\n\r\n";
+    let part = vec![b'x'; 64 * 1024];
+    let (answer, waited) = upload_in_parts(&h, head, &[&part], Duration::ZERO).await;
+    assert_raw_error(&answer, 408, "request_timeout");
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(10),
+        "answered after {waited:?}"
+    );
+    // The upstream saw the request begin; its body never came whole.
+    assert!(h.fake.received().iter().all(|r| r.body.len() < 3_000_000));
+    still_serving(&h).await;
+}
+
+/// `upstream.response_timeout_secs` is the upstream's time to answer: a
+/// streamed upload that takes longer than that to send still gets its
+/// answer, and an upstream slow to answer once the upload is in still
+/// gets a 504.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_response_timeout_of_a_streamed_upload_starts_when_it_is_sent() {
+    let h = Harness::start_with(|c| {
+        c.upstream.response_timeout_secs = 1;
+        c.server.body_read_timeout_secs = 10;
+    })
+    .await;
+    let size = 1536 * 1024;
+    let head = format!(
+        "POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\ncontent-length: {size}\r\nconnection: close\r\n\r\n"
+    );
+    let body = vec![b'y'; size];
+    let thirds: Vec<&[u8]> = body.chunks(size / 3).collect();
+    // Three pauses of 0.6 s: the upload lasts longer than the timeout.
+    let (answer, _) = upload_in_parts(&h, &head, &thirds, Duration::from_millis(600)).await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer:.300}");
+    let got = h.fake.last().expect("the upstream got the upload");
+    assert_eq!(got.path, "/v1/files");
+    assert_eq!(got.body.len(), size);
+
+    // Sent at once, answered after 3 s: 504 after the 1 s timeout.
+    h.fake.push(Reply::Delay(
+        Duration::from_secs(3),
+        Box::new(Reply::json(200, json!({"id": "file-late"}))),
+    ));
+    let (answer, waited) = upload_in_parts(&h, &head, &[&body], Duration::ZERO).await;
+    assert_raw_error(&answer, 504, "upstream_timeout");
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(3),
+        "answered after {waited:?}"
+    );
+    still_serving(&h).await;
+}
+
+/// An upstream that stops taking a streamed upload gets
+/// `upstream.idle_timeout_secs` of it, then the client a 504.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_stops_taking_an_upload_gives_504() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    // Accepts the connection and never reads from it.
+    let (url, _) = raw_upstream(|_, stream, _| async move {
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        drop(stream);
+    })
+    .await;
+    let h = Harness::start_with(move |c| {
+        c.upstream.base_url = url.clone();
+        c.upstream.idle_timeout_secs = 1;
+    })
+    .await;
+    // More than the sockets on the way hold, so the upload stalls.
+    let size: usize = 256 << 20;
+    let s = within(tokio::net::TcpStream::connect(h.addr))
+        .await
+        .unwrap();
+    let (mut rd, mut wr) = s.into_split();
+    let head = format!(
+        "POST /v1/files HTTP/1.1\r\nhost: x\r\ncontent-type: application/octet-stream\r\ncontent-length: {size}\r\n\r\n"
+    );
+    let writer = tokio::spawn(async move {
+        wr.write_all(head.as_bytes()).await?;
+        let piece = vec![b'z'; 1 << 20];
+        for _ in 0..size >> 20 {
+            wr.write_all(&piece).await?;
+        }
+        Ok::<_, std::io::Error>(())
+    });
+    let started = std::time::Instant::now();
+    let mut answer = Vec::new();
+    let _ = within(rd.read_to_end(&mut answer)).await;
+    let waited = started.elapsed();
+    let answer = String::from_utf8_lossy(&answer);
+    assert_raw_error(&answer, 504, "upstream_timeout");
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(10),
+        "answered after {waited:?}"
+    );
+    assert!(
+        within(writer).await.unwrap().is_err(),
+        "the upload was cut off, not sent whole"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_reset_mid_stream_reaches_the_client_and_is_recorded_partial() {
     let h = Harness::start().await;

@@ -1,16 +1,20 @@
 //! Every `/v1/*` path the proxy does not parse (models, embeddings, files…):
 //! request and response stream through untouched, both directions.
 
-use std::sync::Arc;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::task::{Context, Poll};
+use std::time::Duration;
 
 use futures_util::TryStreamExt;
 use http::{Request, Response};
 use http_body_util::{BodyExt, StreamBody};
-use hyper::body::Body as _;
-use hyper::body::{Frame, Incoming};
+use hyper::body::{Body, Frame, Incoming, SizeHint};
 
 use super::{proxy, AppState};
-use crate::error::{BodyError, ProxyBody};
+use crate::error::{BodyError, ProxyBody, ProxyError};
 use crate::upstream::strip_hop_by_hop;
 
 /// Request bodies up to this declared length are read before they are sent,
@@ -62,11 +66,33 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
     } else {
         // Streamed upstream without buffering, framed as the client framed
         // it: a declared length stays declared.
-        let upstream_body = reqwest::Body::wrap(body);
-        state
-            .upstream
-            .send(parts.method.clone(), &url, headers, upstream_body)
-            .await
+        let idle = state.config.body_read_timeout();
+        let watch = Watch::new(body);
+        let upstream_body = reqwest::Body::wrap(Watched::new(watch.clone(), idle));
+        let up = &state.upstream;
+        // The upstream's time to answer starts once the upload is in; while
+        // it goes on, the upstream must keep taking it.
+        let give_up = async {
+            tokio::select! {
+                () = watch.all_sent() => {
+                    tokio::time::sleep(up.response_timeout).await;
+                    ProxyError::UpstreamTimeout(up.response_timeout.as_secs())
+                }
+                () = watch.not_taken_for(up.idle_timeout) => {
+                    ProxyError::UpstreamTimeout(up.idle_timeout.as_secs())
+                }
+            }
+        };
+        let sent = up
+            .send(parts.method.clone(), &url, headers, upstream_body, give_up)
+            .await;
+        if sent.is_err() {
+            watch.abandon();
+        }
+        if let (true, Some(idle)) = (watch.stalled.load(Ordering::Acquire), idle) {
+            return ProxyError::RequestTimeout(idle.as_secs()).into_response();
+        }
+        sent
     };
     let resp = match sent {
         Ok(r) => r,
@@ -88,4 +114,172 @@ pub fn relay(resp: reqwest::Response) -> Response<ProxyBody> {
     *out.status_mut() = status;
     *out.headers_mut() = headers;
     out
+}
+
+/// A client's request body the proxy streams upstream, and what it learns
+/// about it on the way.
+struct Watch {
+    /// The body; taken away when the proxy gives up on the request, so an
+    /// upstream that stopped taking it no longer holds the client's
+    /// connection open.
+    body: Mutex<Option<Incoming>>,
+    /// The client sent nothing for the idle time, so the body failed.
+    stalled: AtomicBool,
+    /// Set once the last byte was handed on.
+    done: AtomicBool,
+    all_sent: tokio::sync::Notify,
+    started: std::time::Instant,
+    /// When a piece was last handed on, ms after `started`.
+    last_taken_ms: AtomicU64,
+    /// The body waits for the client (not for the upstream to take more).
+    awaiting_client: AtomicBool,
+}
+
+impl Watch {
+    fn new(body: Incoming) -> Arc<Self> {
+        Arc::new(Self {
+            body: Mutex::new(Some(body)),
+            stalled: AtomicBool::new(false),
+            done: AtomicBool::new(false),
+            all_sent: tokio::sync::Notify::new(),
+            started: std::time::Instant::now(),
+            last_taken_ms: AtomicU64::new(0),
+            awaiting_client: AtomicBool::new(false),
+        })
+    }
+
+    fn body(&self) -> std::sync::MutexGuard<'_, Option<Incoming>> {
+        self.body.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Drops the client's body: the proxy answers without sending the rest.
+    fn abandon(&self) {
+        drop(self.body().take());
+    }
+
+    fn taken(&self) {
+        let ms = self.started.elapsed().as_millis() as u64;
+        self.last_taken_ms.store(ms, Ordering::Release);
+        self.awaiting_client.store(false, Ordering::Release);
+    }
+
+    /// Resolves once the upstream side has taken nothing of the body for
+    /// `idle` while the client had more ready (a piece was handed on and no
+    /// other asked for since).
+    async fn not_taken_for(&self, idle: Duration) {
+        loop {
+            let last = Duration::from_millis(self.last_taken_ms.load(Ordering::Acquire));
+            let quiet = self.started.elapsed().saturating_sub(last);
+            if quiet >= idle && !self.awaiting_client.load(Ordering::Acquire) {
+                return;
+            }
+            tokio::time::sleep(idle.saturating_sub(quiet).max(Duration::from_millis(100))).await;
+        }
+    }
+
+    fn finished(&self) {
+        if !self.done.swap(true, Ordering::AcqRel) {
+            // Stores a permit when nobody waits yet.
+            self.all_sent.notify_one();
+        }
+    }
+
+    /// Resolves once the whole body was handed on.
+    async fn all_sent(&self) {
+        self.all_sent.notified().await;
+    }
+}
+
+/// The body of a [`Watch`] as the upstream request's body: fails once the
+/// client has sent nothing for `idle` (as a body the proxy reads does, with
+/// a 408), and tells the watch what happens.
+struct Watched {
+    watch: Arc<Watch>,
+    idle: Option<Duration>,
+    /// Armed while waiting for the client, reset after each frame.
+    timer: Option<Pin<Box<tokio::time::Sleep>>>,
+    rearm: bool,
+}
+
+impl Watched {
+    fn new(watch: Arc<Watch>, idle: Option<Duration>) -> Self {
+        Self {
+            watch,
+            idle,
+            timer: None,
+            rearm: true,
+        }
+    }
+}
+
+impl Body for Watched {
+    type Data = bytes::Bytes;
+    type Error = BodyError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Self::Data>, Self::Error>>> {
+        let this = &mut *self;
+        let (polled, ended) = {
+            let mut body = this.watch.body();
+            let Some(body) = body.as_mut() else {
+                return Poll::Ready(Some(Err("the request was given up".into())));
+            };
+            (Pin::new(&mut *body).poll_frame(cx), body.is_end_stream())
+        };
+        match polled {
+            Poll::Ready(Some(Ok(frame))) => {
+                this.rearm = true;
+                this.watch.taken();
+                if ended {
+                    this.watch.finished();
+                }
+                Poll::Ready(Some(Ok(frame)))
+            }
+            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+            Poll::Ready(None) => {
+                this.watch.finished();
+                Poll::Ready(None)
+            }
+            Poll::Pending => {
+                this.watch.awaiting_client.store(true, Ordering::Release);
+                let Some(idle) = this.idle else {
+                    return Poll::Pending;
+                };
+                let deadline = tokio::time::Instant::now() + idle;
+                let timer = this
+                    .timer
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(deadline)));
+                if std::mem::take(&mut this.rearm) {
+                    timer.as_mut().reset(deadline);
+                }
+                match timer.as_mut().poll(cx) {
+                    Poll::Ready(()) => {
+                        this.watch.stalled.store(true, Ordering::Release);
+                        Poll::Ready(Some(Err(format!(
+                            "the client sent nothing of its request body for {} s",
+                            idle.as_secs()
+                        )
+                        .into())))
+                    }
+                    Poll::Pending => Poll::Pending,
+                }
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.watch
+            .body()
+            .as_ref()
+            .is_some_and(|b| b.is_end_stream())
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.watch
+            .body()
+            .as_ref()
+            .map_or_else(SizeHint::default, |b| b.size_hint())
+    }
 }
