@@ -205,23 +205,25 @@ struct ToolCallAcc {
 
 impl ChatCollector {
     /// Feeds one event's `data`.
-    pub fn push(&mut self, data: &str) {
+    ///
+    /// Returns whether `data` is JSON (`[DONE]` is not).
+    pub fn push(&mut self, data: &str) -> bool {
         let data = data.trim();
         if data == "[DONE]" {
             self.done = true;
-            return;
+            return false;
         }
         // A chunk reads into borrowed fields, with no tree built; one with
         // a member of another type than OpenAI's is read as a tree, and
         // what does not fit is ignored.
         match serde_json::from_str::<ChunkView>(data) {
             Ok(view) => self.push_view(view),
-            Err(_) => {
-                if let Ok(v) = serde_json::from_str::<Value>(data) {
-                    self.push_view(ChunkView::lenient(&v));
-                }
-            }
+            Err(_) => match serde_json::from_str::<Value>(data) {
+                Ok(v) => self.push_view(ChunkView::lenient(&v)),
+                Err(_) => return false,
+            },
         }
+        true
     }
 
     fn push_view(&mut self, chunk: ChunkView<'_>) {

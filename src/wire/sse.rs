@@ -6,6 +6,9 @@
 //! case: when the proxy asked a chat stream for usage the client did not ask
 //! for, the usage must be hidden again, so bytes are released a whole event
 //! at a time (upstreams send one event per chunk, so this adds no delay).
+//! Such an event that is one `data:` line goes to the collector straight
+//! from that framing, whose parse of its JSON also decides the rewrite; any
+//! other takes the parser's way.
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -82,37 +85,84 @@ impl SseTee {
 
     /// Takes one upstream chunk and returns the bytes to send the client now.
     pub fn push(&mut self, chunk: Bytes) -> Bytes {
-        {
-            let mut st = self.feed.0.lock().unwrap_or_else(|p| p.into_inner());
-            st.queue.push_back(chunk.clone());
-        }
-        self.drain_events();
         match &mut self.strip {
-            None => chunk,
+            None => {
+                self.parse(chunk.clone());
+                chunk
+            }
             Some(pending) => {
                 pending.extend_from_slice(&chunk);
-                release_complete_events(pending)
+                self.release_complete_events()
             }
         }
     }
 
     /// The upstream body ended: parse what is left and return any held bytes.
     pub fn finish(&mut self) -> Bytes {
+        let out = match self.strip.is_some() {
+            false => Bytes::new(),
+            true => {
+                let released = self.release_complete_events();
+                // An unterminated last event is forwarded as it came.
+                let rest = self.strip.as_mut().map(|p| p.split().freeze());
+                match rest.filter(|r| !r.is_empty()) {
+                    None => released,
+                    Some(rest) => {
+                        self.parse(rest.clone());
+                        [released, rest].concat().into()
+                    }
+                }
+            }
+        };
         {
             let mut st = self.feed.0.lock().unwrap_or_else(|p| p.into_inner());
             st.closed = true;
         }
         self.drain_events();
-        match &mut self.strip {
-            None => Bytes::new(),
-            Some(pending) => {
-                // An unterminated last event is forwarded as it came.
-                let mut out = BytesMut::from(&release_complete_events(pending)[..]);
-                out.extend_from_slice(pending);
-                pending.clear();
-                out.freeze()
+        out
+    }
+
+    /// Hands bytes to the event parser and collects the events it completes.
+    fn parse(&mut self, bytes: Bytes) {
+        {
+            let mut st = self.feed.0.lock().unwrap_or_else(|p| p.into_inner());
+            st.queue.push_back(bytes);
+        }
+        self.drain_events();
+    }
+
+    /// Takes every complete event off the front of the held bytes, collects
+    /// it, and returns the events rewritten so the usage the client did not
+    /// ask for stays hidden.
+    fn release_complete_events(&mut self) -> Bytes {
+        let Some(mut pending) = self.strip.take() else {
+            return Bytes::new();
+        };
+        let mut out = BytesMut::new();
+        while let Some(end) = event_end(&pending) {
+            let block = pending.split_to(end).freeze();
+            let rewrite = match (single_data_line(&block), &mut self.collected) {
+                (Some(data), Collected::Chat(c)) => {
+                    let json = c.push(data);
+                    data_line_rewrite(data, json)
+                }
+                _ => {
+                    self.parse(block.clone());
+                    usage_rewrite(&block)
+                }
+            };
+            match rewrite {
+                Strip::Keep => out.extend_from_slice(&block),
+                Strip::Drop => {}
+                Strip::Replace(data) => {
+                    out.extend_from_slice(b"data: ");
+                    out.extend_from_slice(data.as_bytes());
+                    out.extend_from_slice(b"\n\n");
+                }
             }
         }
+        self.strip = Some(pending);
+        out.freeze()
     }
 
     fn drain_events(&mut self) {
@@ -120,7 +170,9 @@ impl SseTee {
         while let Poll::Ready(Some(ev)) = Pin::new(&mut self.events).poll_next(&mut cx) {
             let Ok(ev) = ev else { continue };
             match &mut self.collected {
-                Collected::Chat(c) => c.push(&ev.data),
+                Collected::Chat(c) => {
+                    c.push(&ev.data);
+                }
                 Collected::Responses(c) => c.push(&ev.event, &ev.data),
             }
         }
@@ -165,25 +217,6 @@ impl SseTee {
             Collected::Responses(c) => c.error.clone(),
         }
     }
-}
-
-/// Takes every complete event off the front of `pending`, rewritten so the
-/// usage the client did not ask for stays hidden.
-fn release_complete_events(pending: &mut BytesMut) -> Bytes {
-    let mut out = BytesMut::new();
-    while let Some(end) = event_end(pending) {
-        let block = pending.split_to(end);
-        match usage_rewrite(&block) {
-            Strip::Keep => out.extend_from_slice(&block),
-            Strip::Drop => {}
-            Strip::Replace(data) => {
-                out.extend_from_slice(b"data: ");
-                out.extend_from_slice(data.as_bytes());
-                out.extend_from_slice(b"\n\n");
-            }
-        }
-    }
-    out.freeze()
 }
 
 /// The complete events at the start of `buf` as (event name, data), and
@@ -239,10 +272,9 @@ fn event_end(buf: &[u8]) -> Option<usize> {
     None
 }
 
+/// How an event must change so the client does not see the usage (any
+/// shape of event; see [`data_line_rewrite`] for the common one).
 fn usage_rewrite(block: &[u8]) -> Strip {
-    if let Some(data) = without_null_usage(block) {
-        return Strip::Replace(data);
-    }
     let Ok(text) = std::str::from_utf8(block) else {
         return Strip::Keep;
     };
@@ -267,28 +299,32 @@ fn usage_rewrite(block: &[u8]) -> Strip {
 }
 
 /// What a chat chunk ends in once the stream was asked for usage.
-const NULL_USAGE_TAIL: &[u8] = b",\"usage\":null}";
+const NULL_USAGE_TAIL: &str = ",\"usage\":null}";
 
-/// The common case of [`usage_rewrite`] without taking the chunk apart: one
-/// `data:` line of valid JSON ending in `,"usage":null}`. The text ends
-/// with the object's closing brace after a `null` (not a string, not a
-/// nested value), so that `"usage"` is a member of the chunk itself, its
-/// last; the chunk without it is the bytes without those 13.
-fn without_null_usage(block: &[u8]) -> Option<String> {
+/// The data of an event that is one `data:` line and nothing else (as
+/// upstreams send chat chunks), if `block` is one.
+fn single_data_line(block: &[u8]) -> Option<&str> {
     let line = block.strip_suffix(b"\n\n")?;
     let data = line
         .strip_prefix(b"data: ")
         .or_else(|| line.strip_prefix(b"data:"))?;
-    let head = data.strip_suffix(NULL_USAGE_TAIL)?;
     if memchr::memchr2(b'\n', b'\r', data).is_some() {
         return None;
     }
-    let text = std::str::from_utf8(data).ok()?;
-    serde_json::from_str::<serde::de::IgnoredAny>(text).ok()?;
-    let mut out = String::with_capacity(head.len() + 1);
-    out.push_str(&text[..head.len()]);
-    out.push('}');
-    Some(out)
+    std::str::from_utf8(data).ok()
+}
+
+/// [`usage_rewrite`] for an event of one `data:` line, `json` telling
+/// whether its data is JSON. The common case needs no parse of its own: JSON
+/// ending in `,"usage":null}` ends with the object's closing brace after a
+/// `null` (not a string, not a nested value), so `"usage"` is a member of
+/// the chunk itself, its last, and the chunk without it is the text without
+/// those 13 bytes.
+fn data_line_rewrite(data: &str, json: bool) -> Strip {
+    match data.strip_suffix(NULL_USAGE_TAIL) {
+        Some(head) if json => Strip::Replace(format!("{head}}}")),
+        _ => chat::strip_usage(data),
+    }
 }
 
 #[cfg(test)]
@@ -304,29 +340,118 @@ mod tests {
             r#"{"k":"v\\","usage":null}"#,
             r#"{"k":{"usage":null},"usage":null}"#,
             r#"{"id":"é","n":1.50,"choices":[ ],"usage":null}"#,
+            r#"{"usage":null,"a":1}"#,
+            r#"{"choices":[],"usage":{"prompt_tokens":1}}"#,
         ] {
             let block = format!("data: {data}\n\n");
-            let fast = without_null_usage(block.as_bytes()).expect(data);
-            assert_eq!(Strip::Replace(fast), slow(data), "{data}");
+            assert_eq!(single_data_line(block.as_bytes()), Some(data));
+            assert_eq!(data_line_rewrite(data, true), slow(data), "{data}");
             assert_eq!(usage_rewrite(block.as_bytes()), slow(data), "{data}");
         }
-        // Not taken: invalid JSON, another field, two data lines, CRLF,
-        // usage elsewhere or with a value.
+        // Not one data line: another field, two data lines, CRLF.
         for block in [
-            "data: not json,\"usage\":null}\n\n",
             "event: x\ndata: {\"a\":1,\"usage\":null}\n\n",
             "data: {\"a\":\ndata: 1,\"usage\":null}\n\n",
             "data: {\"a\":1,\"usage\":null}\r\n\r\n",
-            "data: {\"usage\":null,\"a\":1}\n\n",
-            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1}}\n\n",
         ] {
-            assert_eq!(without_null_usage(block.as_bytes()), None, "{block:?}");
+            assert_eq!(single_data_line(block.as_bytes()), None, "{block:?}");
         }
         assert_eq!(
-            usage_rewrite(b"data: not json,\"usage\":null}\n\n"),
+            data_line_rewrite("not json,\"usage\":null}", false),
             Strip::Keep,
             "what cannot be parsed goes as it came"
         );
+    }
+
+    /// One event of a chat stream, as upstreams send them and as they
+    /// might: usage null or absent, the usage chunk, `[DONE]`, comments,
+    /// named events, data that is not JSON, either line ending, tricky text
+    /// in the content.
+    fn chat_event(kind: usize, text: &str, crlf: bool, space: bool) -> String {
+        let text = serde_json::to_string(text).unwrap();
+        let data = match kind {
+            0 => format!(r#"{{"id":"c","choices":[{{"index":0,"delta":{{"content":{text}}}}}],"usage":null}}"#),
+            1 => format!(r#"{{"id":"c","choices":[{{"index":0,"delta":{{"tool_calls":[{{"index":0,"function":{{"arguments":{text}}}}}]}}}}],"usage":null}}"#),
+            2 => r#"{"id":"c","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":2}}"#.to_string(),
+            3 => format!(r#"{{"id":"c","choices":[{{"index":0,"delta":{{"content":{text}}}}}]}}"#),
+            4 => "[DONE]".to_string(),
+            5 => return format!(": {}\n\n", text.trim_matches('"')),
+            6 => return format!("event: chunk\ndata: {{\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{text}}}}}],\"usage\":null}}\n\n"),
+            // Not JSON, though it ends as a chunk with usage null does.
+            7 => r#"{"a":[1,"usage":null}"#.to_string(),
+            _ => format!(r#"{{"id":"c","choices":[{{"index":0,"delta":{{"content":{text}}},"finish_reason":"stop"}}],"usage":null}}"#),
+        };
+        let sep = if space { "data: " } else { "data:" };
+        let end = if crlf { "\r\n\r\n" } else { "\n\n" };
+        format!("{sep}{data}{end}")
+    }
+
+    /// Runs `body` through a tee in pieces cut at `cuts`.
+    fn tee_in_pieces(body: &[u8], cuts: &[usize], strip: bool) -> (Vec<u8>, SseTee) {
+        let mut tee = SseTee::new(Api::Chat, strip);
+        let mut at: Vec<usize> = cuts.iter().map(|c| c % (body.len() + 1)).collect();
+        at.extend([0, body.len()]);
+        at.sort_unstable();
+        at.dedup();
+        let mut out = Vec::new();
+        for w in at.windows(2) {
+            out.extend_from_slice(&tee.push(Bytes::copy_from_slice(&body[w[0]..w[1]])));
+        }
+        out.extend_from_slice(&tee.finish());
+        (out, tee)
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::test_runner::Config::with_cases(256))]
+
+        /// Hiding the usage, however the stream is cut into chunks: the
+        /// client gets each event rewritten as the parse of the whole event
+        /// would rewrite it, and the tee collects what it collects from the
+        /// same stream when nothing is hidden.
+        #[test]
+        fn hiding_usage_rewrites_and_collects_as_the_event_parser_does(
+            events in proptest::collection::vec(
+                (0usize..9, "[a-z \"\\\\é{}:,]{0,10}|,\"usage\":null\\}", proptest::bool::weighted(0.2), proptest::bool::ANY),
+                0..12,
+            ),
+            tail in proptest::bool::weighted(0.2),
+            cuts in proptest::collection::vec(0usize..4096, 0..10),
+        ) {
+            let mut body: String = events
+                .iter()
+                .map(|(kind, text, crlf, space)| chat_event(*kind, text, *crlf, *space))
+                .collect();
+            if tail {
+                body.push_str("data: {\"choices\":[],\"usage\":null}");
+            }
+            let body = body.into_bytes();
+            let (hidden, stripped) = tee_in_pieces(&body, &cuts, true);
+            let (plain, reference) = tee_in_pieces(&body, &cuts, false);
+            proptest::prop_assert_eq!(&plain, &body);
+            // Each complete event through the general rewrite, the rest as it came.
+            let mut expected = Vec::new();
+            let mut at = 0;
+            while let Some(len) = event_end(&body[at..]) {
+                let block = &body[at..at + len];
+                match usage_rewrite(block) {
+                    Strip::Keep => expected.extend_from_slice(block),
+                    Strip::Drop => {}
+                    Strip::Replace(data) => {
+                        expected.extend_from_slice(format!("data: {data}\n\n").as_bytes())
+                    }
+                }
+                at += len;
+            }
+            expected.extend_from_slice(&body[at..]);
+            proptest::prop_assert_eq!(
+                String::from_utf8_lossy(&hidden),
+                String::from_utf8_lossy(&expected)
+            );
+            proptest::prop_assert_eq!(stripped.items(), reference.items());
+            proptest::prop_assert_eq!(stripped.usage(), reference.usage());
+            proptest::prop_assert_eq!(stripped.finished(), reference.finished());
+            proptest::prop_assert_eq!(stripped.response_id(), reference.response_id());
+        }
     }
 
     #[test]
