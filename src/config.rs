@@ -248,6 +248,18 @@ impl Config {
             Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}
             _ => return invalid("upstream.base_url", "not an http(s) URL"),
         }
+        // Unlike the server's, the upstream's timeouts have no "no limit":
+        // 0 would fail every request.
+        let u = &self.upstream;
+        for (key, secs) in [
+            ("upstream.connect_timeout_secs", u.connect_timeout_secs),
+            ("upstream.response_timeout_secs", u.response_timeout_secs),
+            ("upstream.idle_timeout_secs", u.idle_timeout_secs),
+        ] {
+            if secs == 0 {
+                return invalid(key, "must be greater than 0");
+            }
+        }
         let c = &self.compaction;
         if !(c.trigger_ratio > 0.0 && c.trigger_ratio <= 1.0) {
             return invalid("compaction.trigger_ratio", "must be in (0, 1]");
@@ -461,5 +473,13 @@ mod tests {
         assert!(Config::from_toml("[compaction]\ntrigger_ratio = 1.5\n").is_err());
         assert!(Config::from_toml("[server]\nlisten = \"nope\"\n").is_err());
         assert!(Config::from_toml("[upstream]\nbase_url = \"ftp://x\"\n").is_err());
+        for key in [
+            "connect_timeout_secs",
+            "response_timeout_secs",
+            "idle_timeout_secs",
+        ] {
+            let err = Config::from_toml(&format!("[upstream]\n{key} = 0\n")).unwrap_err();
+            assert!(err.to_string().contains(key), "{err}");
+        }
     }
 }
