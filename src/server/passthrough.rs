@@ -125,8 +125,7 @@ struct Watch {
     body: Mutex<Option<Incoming>>,
     /// The client sent nothing for the idle time, so the body failed.
     stalled: AtomicBool,
-    /// Set once the last byte was handed on.
-    done: AtomicBool,
+    /// Notified once the last byte was handed on.
     all_sent: tokio::sync::Notify,
     started: std::time::Instant,
     /// When a piece was last handed on, ms after `started`.
@@ -140,7 +139,6 @@ impl Watch {
         Arc::new(Self {
             body: Mutex::new(Some(body)),
             stalled: AtomicBool::new(false),
-            done: AtomicBool::new(false),
             all_sent: tokio::sync::Notify::new(),
             started: std::time::Instant::now(),
             last_taken_ms: AtomicU64::new(0),
@@ -178,10 +176,9 @@ impl Watch {
     }
 
     fn finished(&self) {
-        if !self.done.swap(true, Ordering::AcqRel) {
-            // Stores a permit when nobody waits yet.
-            self.all_sent.notify_one();
-        }
+        // Stores a permit when nobody waits yet (one at most, however
+        // often the end is seen).
+        self.all_sent.notify_one();
     }
 
     /// Resolves once the whole body was handed on.
@@ -257,11 +254,8 @@ impl Body for Watched {
                 match timer.as_mut().poll(cx) {
                     Poll::Ready(()) => {
                         this.watch.stalled.store(true, Ordering::Release);
-                        Poll::Ready(Some(Err(format!(
-                            "the client sent nothing of its request body for {} s",
-                            idle.as_secs()
-                        )
-                        .into())))
+                        let e = ProxyError::RequestTimeout(idle.as_secs());
+                        Poll::Ready(Some(Err(e.into())))
                     }
                     Poll::Pending => Poll::Pending,
                 }

@@ -99,19 +99,14 @@ impl SseTee {
 
     /// The upstream body ended: parse what is left and return any held bytes.
     pub fn finish(&mut self) -> Bytes {
-        let out = match self.strip.is_some() {
-            false => Bytes::new(),
-            true => {
-                let released = self.release_complete_events();
-                // An unterminated last event is forwarded as it came.
-                let rest = self.strip.as_mut().map(|p| p.split().freeze());
-                match rest.filter(|r| !r.is_empty()) {
-                    None => released,
-                    Some(rest) => {
-                        self.parse(rest.clone());
-                        [released, rest].concat().into()
-                    }
-                }
+        let released = self.release_complete_events();
+        // An unterminated last event is forwarded as it came.
+        let rest = self.strip.as_mut().map(|p| p.split().freeze());
+        let out = match rest.filter(|r| !r.is_empty()) {
+            None => released,
+            Some(rest) => {
+                self.parse(rest.clone());
+                [released, rest].concat().into()
             }
         };
         {
