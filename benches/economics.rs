@@ -1,6 +1,6 @@
-//! Token economics of compaction on a long scripted agent session (DESIGN §9,
-//! last bullet): "no request over the window, and cumulative input tokens
-//! well under half of the uncompacted run".
+//! Token economics of compaction on a long scripted agent session, against
+//! its budget (`docs/PERFORMANCE.md`): no request over the window, and
+//! cumulative input tokens well under half of the uncompacted run.
 //!
 //! `cargo bench --bench economics`. Nothing is asserted: the two targets are
 //! printed as PASS / MISS lines. Knobs (environment):
@@ -49,10 +49,10 @@
 //! rungs cannot help and the summarizer must be called) is grown until an
 //! exchange crosses the trigger; the summarizer's answer is scripted to take
 //! `ECON_SUMMARY_DELAY_MS`; the next request is made larger than the hard
-//! limit (window − max output) but smaller than the window, so by DESIGN §5
-//! it must wait for the compaction. It is sent (a) once the summarizer call
-//! is known to be in flight and (b) immediately after the triggering answer
-//! (3 trials), and its latency is compared with a normal request's.
+//! limit (window − max output) but smaller than the window, so it must wait
+//! for the compaction under way. It is sent (a) once the summarizer call is
+//! known to be in flight and (b) immediately after the triggering answer (3
+//! trials), and its latency is compared with a normal request's.
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;

@@ -1,4 +1,5 @@
-//! What the proxy adds over going direct to the upstream (DESIGN §9).
+//! What the proxy adds over going direct to the upstream, against the
+//! budgets `docs/PERFORMANCE.md` states.
 //!
 //! `cargo bench --bench proxy` runs every scenario; `BENCH_QUICK=1` runs a
 //! short smoke version. Other knobs (environment):
@@ -1461,7 +1462,7 @@ fn main() {
     }
 
     println!();
-    println!("DESIGN §9 budgets (worst applicable scenario; the hop rows are a reference):");
+    println!("Budgets (worst applicable scenario; the hop rows are a reference):");
     let worst = |pred: &dyn Fn(&Row) -> bool, val: &dyn Fn(&Row) -> f64, higher_is_worse: bool| {
         rows.iter()
             .filter(|r| r.sc.variant != Variant::Hop && pred(r))
