@@ -8,7 +8,7 @@
 # Env: COMPACTOR_CACHE_DIR (default $HOME/.cache/compactor)
 set -euo pipefail
 
-# Pinned: the version the fixtures in /work/shared/fixtures/clients were recorded with.
+# Pinned: the version tests/codex_cli.rs is checked against.
 CODEX_VERSION="0.171.0"
 
 CACHE="${COMPACTOR_CACHE_DIR:-$HOME/.cache/compactor}"

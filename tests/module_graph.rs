@@ -1,0 +1,524 @@
+//! The crate's module graph has no cycle.
+//!
+//! Every `src/**/*.rs` file of the library is a node (`src/a/mod.rs` and
+//! `src/a.rs` are `a`, `src/a/b.rs` is `a::b`). An edge A → B is any path in
+//! A's code that names B: `crate::…`, `super::…`, `self::…`, a child module
+//! of A, or a name A imported with `use`, in `use` items, in code and inside
+//! macro calls. `#[cfg(test)]` items are left out (a test may reach anywhere)
+//! and so are doc comments (a link is not a dependency).
+//!
+//! A module's use of its own ancestors (`super::…`, or `crate::a::X` from
+//! `a::b`) is not an edge: a parent and its children are one unit, the
+//! children sharing what the parent defines, as a block uses its enclosing
+//! scope, while the parent uses its children. What must not loop is the
+//! units' use of each other, and a child's use of its siblings.
+//!
+//! The graph minus [`ALLOWED_BACK_EDGES`] must be acyclic, and every edge of
+//! that list must still exist, so the list can only shrink: a change that
+//! removes a back-edge deletes its line, and one that adds a cycle fails here.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use proc_macro2::{TokenStream, TokenTree};
+use syn::visit::Visit;
+
+/// Today's edges that run against the layering and close today's cycle,
+/// each (from, to, what it reaches for). Not a place to add to: each line is
+/// one to delete, once what the edge reaches for has moved.
+const ALLOWED_BACK_EDGES: &[(&str, &str, &str)] = &[
+    ("compaction::engine", "server", "AppState, now_ms"),
+    ("metrics", "server", "AppState, now_ms"),
+    ("admin", "server", "AppState"),
+    ("admin::api", "server", "AppState"),
+    (
+        "store::sqlite",
+        "conversation",
+        "KEYS, MAX_ENTRIES, LookupKey",
+    ),
+    ("store::sqlite", "compaction::engine", "LoadCompaction"),
+    ("compaction::engine", "conversation", "new_conversation_id"),
+    ("server::exchange", "server::proxy", "set_items"),
+];
+
+/// A module path, `a::b`; the crate root is `crate`.
+type Module = String;
+
+/// The library's modules, each with its source, read from `src/`.
+fn modules(src: &Path) -> BTreeMap<Module, String> {
+    let mut out = BTreeMap::new();
+    let mut dirs = vec![src.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let entries = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        for entry in entries {
+            let path = entry.expect("directory entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                if let Some(name) = module_of(src, &path) {
+                    let text = std::fs::read_to_string(&path)
+                        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                    out.insert(name, text);
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The module a file defines, or `None` for a file outside the library
+/// (the binary's `main.rs`, `src/bin/`).
+fn module_of(src: &Path, file: &Path) -> Option<Module> {
+    let rel: PathBuf = file.strip_prefix(src).ok()?.with_extension("");
+    let mut segs: Vec<String> = rel
+        .components()
+        .map(|c| c.as_os_str().to_string_lossy().into_owned())
+        .collect();
+    match segs.as_slice() {
+        [only] if only == "main" => return None,
+        [first, ..] if first == "bin" => return None,
+        [only] if only == "lib" => return Some("crate".into()),
+        _ => {}
+    }
+    if segs.last().is_some_and(|s| s == "mod") {
+        segs.pop();
+    }
+    Some(segs.join("::"))
+}
+
+/// The dependency graph: for each module, the modules its code names.
+fn graph(modules: &BTreeMap<Module, String>) -> BTreeMap<Module, BTreeSet<Module>> {
+    let names: BTreeSet<&str> = modules.keys().map(String::as_str).collect();
+    modules
+        .iter()
+        .map(|(name, text)| {
+            let file = syn::parse_file(text).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let mut paths = Paths::default();
+            paths.visit_file(&file);
+            let here: Vec<&str> = segments(name);
+            let mut to = BTreeSet::new();
+            for path in &paths.found {
+                let Some(abs) = absolute(&here, path, &paths.imports, &names) else {
+                    continue;
+                };
+                if let Some(target) = longest_module(&abs, &names) {
+                    if target != *name && !is_ancestor(&target, name) {
+                        to.insert(target);
+                    }
+                }
+            }
+            (name.clone(), to)
+        })
+        .collect()
+}
+
+/// Whether module `a` encloses module `b`.
+fn is_ancestor(a: &str, b: &str) -> bool {
+    a == "crate" || b.strip_prefix(a).is_some_and(|rest| rest.starts_with("::"))
+}
+
+fn segments(module: &str) -> Vec<&str> {
+    if module == "crate" {
+        Vec::new()
+    } else {
+        module.split("::").collect()
+    }
+}
+
+/// `path` as seen from module `here`, from the crate root, when it names
+/// something of this crate.
+fn absolute(
+    here: &[&str],
+    path: &[String],
+    imports: &BTreeMap<String, Vec<String>>,
+    names: &BTreeSet<&str>,
+) -> Option<Vec<String>> {
+    let (first, rest) = path.split_first()?;
+    let mut base: Vec<String> = match first.as_str() {
+        "crate" => Vec::new(),
+        "self" => here.iter().map(|s| s.to_string()).collect(),
+        "super" => {
+            let mut b: Vec<String> = here.iter().map(|s| s.to_string()).collect();
+            b.pop()?;
+            // `super::super::…`
+            let mut rest = rest;
+            while rest.first().is_some_and(|s| s == "super") {
+                b.pop()?;
+                rest = &rest[1..];
+            }
+            b.extend(rest.iter().cloned());
+            return Some(b);
+        }
+        other => {
+            let mut child: Vec<String> = here.iter().map(|s| s.to_string()).collect();
+            child.push(other.to_string());
+            if names.contains(child.join("::").as_str()) {
+                child
+            } else if let Some(imported) = imports.get(other) {
+                let mut abs = absolute(here, imported, &BTreeMap::new(), names)?;
+                abs.extend(rest.iter().cloned());
+                return Some(abs);
+            } else {
+                return None;
+            }
+        }
+    };
+    base.extend(rest.iter().cloned());
+    Some(base)
+}
+
+/// The deepest module that `abs` (a path from the crate root) is in.
+fn longest_module(abs: &[String], names: &BTreeSet<&str>) -> Option<Module> {
+    (1..=abs.len())
+        .rev()
+        .map(|n| abs[..n].join("::"))
+        .find(|m| names.contains(m.as_str()))
+}
+
+/// Every path of a file's code outside `#[cfg(test)]` items, and what its
+/// `use` items bring into scope under which name.
+#[derive(Default)]
+struct Paths {
+    found: Vec<Vec<String>>,
+    imports: BTreeMap<String, Vec<String>>,
+}
+
+impl Paths {
+    fn use_tree(&mut self, prefix: &mut Vec<String>, tree: &syn::UseTree) {
+        match tree {
+            syn::UseTree::Path(p) => {
+                prefix.push(p.ident.to_string());
+                self.use_tree(prefix, &p.tree);
+                prefix.pop();
+            }
+            syn::UseTree::Name(n) => {
+                let name = n.ident.to_string();
+                let mut full = prefix.clone();
+                if name != "self" {
+                    full.push(name.clone());
+                }
+                let alias = if name == "self" {
+                    prefix.last().cloned().unwrap_or_default()
+                } else {
+                    name
+                };
+                self.imports.insert(alias, full.clone());
+                self.found.push(full);
+            }
+            syn::UseTree::Rename(r) => {
+                let mut full = prefix.clone();
+                if r.ident != "self" {
+                    full.push(r.ident.to_string());
+                }
+                self.imports.insert(r.rename.to_string(), full.clone());
+                self.found.push(full);
+            }
+            syn::UseTree::Glob(_) => self.found.push(prefix.clone()),
+            syn::UseTree::Group(g) => {
+                for t in &g.items {
+                    self.use_tree(prefix, t);
+                }
+            }
+        }
+    }
+
+    /// Paths written inside a macro call (`tracing::info!(…)`, `json!(…)`):
+    /// every run of `ident :: ident …` among its tokens.
+    fn tokens(&mut self, tokens: TokenStream) {
+        let mut run: Vec<String> = Vec::new();
+        let mut colons = 0;
+        for tt in tokens {
+            match tt {
+                TokenTree::Ident(i) if run.is_empty() || colons == 2 => {
+                    run.push(i.to_string());
+                    colons = 0;
+                }
+                TokenTree::Punct(p) if p.as_char() == ':' && !run.is_empty() && colons < 2 => {
+                    colons += 1;
+                }
+                other => {
+                    self.end_run(&mut run);
+                    colons = 0;
+                    match other {
+                        TokenTree::Group(g) => self.tokens(g.stream()),
+                        TokenTree::Ident(i) => run.push(i.to_string()),
+                        _ => {}
+                    }
+                }
+            }
+        }
+        self.end_run(&mut run);
+    }
+
+    fn end_run(&mut self, run: &mut Vec<String>) {
+        if !run.is_empty() {
+            self.found.push(std::mem::take(run));
+        }
+    }
+}
+
+fn is_cfg_test(attrs: &[syn::Attribute]) -> bool {
+    attrs.iter().any(|a| {
+        a.path().is_ident("cfg")
+            && a.parse_args::<syn::Meta>()
+                .is_ok_and(|m| m.path().is_ident("test"))
+    })
+}
+
+impl<'ast> Visit<'ast> for Paths {
+    fn visit_item(&mut self, item: &'ast syn::Item) {
+        let attrs = match item {
+            syn::Item::Mod(m) => &m.attrs,
+            syn::Item::Fn(f) => &f.attrs,
+            syn::Item::Impl(i) => &i.attrs,
+            syn::Item::Use(u) => &u.attrs,
+            syn::Item::Struct(s) => &s.attrs,
+            syn::Item::Enum(e) => &e.attrs,
+            syn::Item::Const(c) => &c.attrs,
+            syn::Item::Static(s) => &s.attrs,
+            syn::Item::Trait(t) => &t.attrs,
+            syn::Item::Type(t) => &t.attrs,
+            syn::Item::Macro(m) => &m.attrs,
+            _ => return syn::visit::visit_item(self, item),
+        };
+        if !is_cfg_test(attrs) {
+            syn::visit::visit_item(self, item);
+        }
+    }
+
+    fn visit_item_use(&mut self, u: &'ast syn::ItemUse) {
+        self.use_tree(&mut Vec::new(), &u.tree);
+    }
+
+    fn visit_path(&mut self, p: &'ast syn::Path) {
+        self.found
+            .push(p.segments.iter().map(|s| s.ident.to_string()).collect());
+        syn::visit::visit_path(self, p);
+    }
+
+    fn visit_macro(&mut self, m: &'ast syn::Macro) {
+        self.visit_path(&m.path);
+        self.tokens(m.tokens.clone());
+    }
+}
+
+/// The strongly connected components with more than one module (Tarjan).
+fn cycles(graph: &BTreeMap<Module, BTreeSet<Module>>) -> Vec<Vec<Module>> {
+    struct Tarjan<'g> {
+        graph: &'g BTreeMap<Module, BTreeSet<Module>>,
+        index: BTreeMap<&'g str, usize>,
+        low: BTreeMap<&'g str, usize>,
+        stack: Vec<&'g str>,
+        on_stack: BTreeSet<&'g str>,
+        out: Vec<Vec<Module>>,
+    }
+    impl<'g> Tarjan<'g> {
+        fn visit(&mut self, v: &'g str) {
+            let i = self.index.len();
+            self.index.insert(v, i);
+            self.low.insert(v, i);
+            self.stack.push(v);
+            self.on_stack.insert(v);
+            for w in self.graph.get(v).into_iter().flatten() {
+                let w = w.as_str();
+                if !self.index.contains_key(w) {
+                    self.visit(w);
+                    let lw = self.low[w];
+                    let lv = self.low.get_mut(v).expect("visited");
+                    *lv = (*lv).min(lw);
+                } else if self.on_stack.contains(w) {
+                    let iw = self.index[w];
+                    let lv = self.low.get_mut(v).expect("visited");
+                    *lv = (*lv).min(iw);
+                }
+            }
+            if self.low[v] == self.index[v] {
+                let mut comp = Vec::new();
+                while let Some(w) = self.stack.pop() {
+                    self.on_stack.remove(w);
+                    comp.push(w.to_string());
+                    if w == v {
+                        break;
+                    }
+                }
+                if comp.len() > 1 {
+                    comp.sort();
+                    self.out.push(comp);
+                }
+            }
+        }
+    }
+    let mut t = Tarjan {
+        graph,
+        index: BTreeMap::new(),
+        low: BTreeMap::new(),
+        stack: Vec::new(),
+        on_stack: BTreeSet::new(),
+        out: Vec::new(),
+    };
+    for v in graph.keys() {
+        if !t.index.contains_key(v.as_str()) {
+            t.visit(v);
+        }
+    }
+    t.out
+}
+
+/// What is wrong with `graph` given the allowed back-edges: cycles left once
+/// they are removed, and allowed edges that no longer exist.
+fn problems(
+    graph: &BTreeMap<Module, BTreeSet<Module>>,
+    allowed: &[(&str, &str, &str)],
+) -> Vec<String> {
+    let mut out = Vec::new();
+    for (from, to, _) in allowed {
+        if !graph.get(*from).is_some_and(|t| t.contains(*to)) {
+            out.push(format!(
+                "the allowed back-edge {from} -> {to} is gone: delete it from ALLOWED_BACK_EDGES"
+            ));
+        }
+    }
+    let mut rest = graph.clone();
+    for (from, to, _) in allowed {
+        if let Some(t) = rest.get_mut(*from) {
+            t.remove(*to);
+        }
+    }
+    for comp in cycles(&rest) {
+        out.push(format!(
+            "a module cycle: {} (all of {} reach each other)",
+            shortest_cycle(&rest, &comp).join(" -> "),
+            comp.join(", ")
+        ));
+    }
+    out
+}
+
+/// A shortest cycle through the first module of `comp`, a strongly
+/// connected set of `graph`, as the modules along it (the first repeated at
+/// the end).
+fn shortest_cycle(graph: &BTreeMap<Module, BTreeSet<Module>>, comp: &[Module]) -> Vec<Module> {
+    let start = comp[0].as_str();
+    let members: BTreeSet<&str> = comp.iter().map(String::as_str).collect();
+    let mut came_from: BTreeMap<&str, &str> = BTreeMap::new();
+    let mut queue = std::collections::VecDeque::from([start]);
+    while let Some(v) = queue.pop_front() {
+        for w in graph[v].iter().map(String::as_str) {
+            if !members.contains(w) {
+                continue;
+            }
+            if w == start {
+                let mut path = vec![start.to_string(), v.to_string()];
+                let mut at = v;
+                while at != start {
+                    at = came_from[at];
+                    path.push(at.to_string());
+                }
+                path.reverse();
+                return path;
+            }
+            if !came_from.contains_key(w) {
+                came_from.insert(w, v);
+                queue.push_back(w);
+            }
+        }
+    }
+    unreachable!("{start} is on a cycle of its strongly connected set")
+}
+
+#[test]
+fn the_module_graph_has_no_cycle_but_the_listed_back_edges() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let modules = modules(&src);
+    assert!(
+        modules.len() > 20 && modules.contains_key("server") && modules.contains_key("wire::items"),
+        "read the crate's modules: {:?}",
+        modules.keys().collect::<Vec<_>>()
+    );
+    let graph = graph(&modules);
+    let problems = problems(&graph, ALLOWED_BACK_EDGES);
+    assert!(
+        problems.is_empty(),
+        "\n{}\n(a new cycle: move what its edge reaches for, or invert it; \
+         ALLOWED_BACK_EDGES only shrinks)\n",
+        problems.join("\n")
+    );
+}
+
+/// The checker itself, on small made-up crates: it sees each kind of path,
+/// finds a cycle, and holds the allow-list to what exists.
+mod checker {
+    use super::*;
+
+    fn graph_of(files: &[(&str, &str)]) -> BTreeMap<Module, BTreeSet<Module>> {
+        graph(
+            &files
+                .iter()
+                .map(|(m, t)| (m.to_string(), t.to_string()))
+                .collect(),
+        )
+    }
+
+    fn edges(g: &BTreeMap<Module, BTreeSet<Module>>) -> Vec<String> {
+        g.iter()
+            .flat_map(|(f, ts)| ts.iter().map(move |t| format!("{f}->{t}")))
+            .collect()
+    }
+
+    #[test]
+    fn it_sees_use_items_code_paths_super_children_imports_and_macros() {
+        let g = graph_of(&[
+            (
+                "crate",
+                "pub mod a; pub mod b; pub mod c; pub mod d; pub mod e;",
+            ),
+            (
+                "a",
+                "pub mod x; use crate::{b::{self, B}, c as see}; fn f() { x::g(); see::h(); }",
+            ),
+            ("a::x", "fn g() -> super::super::d::D { super::Y }"),
+            ("b", "fn f() { tracing::info!(v = %crate::e::E); }"),
+            (
+                "c",
+                "#[cfg(test)] mod tests { use crate::a::A; } /// [crate::d]\nfn f() {}",
+            ),
+            ("d", ""),
+            ("e", "use crate::d; fn f() { d::D; }"),
+        ]);
+        // a::x -> a (`super::Y`) is a child using its parent: not an edge.
+        assert_eq!(
+            edges(&g),
+            ["a->a::x", "a->b", "a->c", "a::x->d", "b->e", "e->d"]
+        );
+    }
+
+    #[test]
+    fn it_fails_on_a_cycle_and_names_its_edges() {
+        let g = graph_of(&[
+            ("crate", "pub mod a; pub mod b; pub mod c;"),
+            ("a", "use crate::b::B;"),
+            ("b", "fn f() { crate::c::g() }"),
+            ("c", "fn g() { let _ = crate::a::A; }"),
+        ]);
+        let p = problems(&g, &[]);
+        assert_eq!(
+            p,
+            ["a module cycle: a -> b -> c -> a (all of a, b, c reach each other)"]
+        );
+        assert!(problems(&g, &[("c", "a", "test")]).is_empty());
+    }
+
+    #[test]
+    fn it_fails_when_an_allowed_edge_is_gone() {
+        let g = graph_of(&[
+            ("crate", "pub mod a; pub mod b;"),
+            ("a", "use crate::b::B;"),
+            ("b", ""),
+        ]);
+        let p = problems(&g, &[("b", "a", "test")]);
+        assert_eq!(
+            p,
+            ["the allowed back-edge b -> a is gone: delete it from ALLOWED_BACK_EDGES"]
+        );
+    }
+}
