@@ -7,6 +7,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand, ValueEnum};
 
 use crate::config::{Config, ConfigError};
+use crate::demo::thousands;
 use crate::server::{self, AppState};
 use crate::store::query::{self, CompactionRow, ConversationDetail, ConversationSummary};
 
@@ -421,19 +422,6 @@ fn print_out(text: &str) -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// `12345` → `12,345`.
-fn thousands(n: u64) -> String {
-    let digits = n.to_string();
-    let mut out = String::with_capacity(digits.len() + digits.len() / 3);
-    for (i, c) in digits.chars().enumerate() {
-        if i > 0 && (digits.len() - i).is_multiple_of(3) {
-            out.push(',');
-        }
-        out.push(c);
-    }
-    out
 }
 
 fn opt_thousands(n: Option<u64>) -> String {

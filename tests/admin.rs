@@ -639,6 +639,24 @@ fn the_loopback_and_token_rule() {
         "no token configured: none accepted"
     );
 
+    // Only the whole token: not a prefix of it, nor it with more after it.
+    for presented in ["", "secre", "secret-and-more", "Secret"] {
+        let req = AccessRequest {
+            token: Some(presented),
+            ..remote
+        };
+        assert_eq!(
+            authorize(&req, Some("secret")),
+            Err(Denial::BadToken),
+            "{presented:?}"
+        );
+    }
+    let exact = AccessRequest {
+        token: Some("secret"),
+        ..remote
+    };
+    assert_eq!(authorize(&exact, Some("secret")), Ok(()));
+
     // Public listener, loopback peer (e.g. a local reverse proxy): token too.
     let behind = access("0.0.0.0:8787", "127.0.0.1:40000");
     assert_eq!(authorize(&behind, None), Err(Denial::NoTokenConfigured));

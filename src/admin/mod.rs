@@ -23,6 +23,7 @@ use std::sync::Arc;
 
 use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
+use subtle::ConstantTimeEq;
 
 use crate::error::{full, json_response, ProxyBody, ProxyError};
 use crate::server::AppState;
@@ -101,7 +102,7 @@ pub fn authorize(req: &AccessRequest<'_>, expected: Option<&str>) -> Result<(), 
     }
     if let Some(expected) = expected {
         match req.token {
-            Some(t) if constant_time_eq(t.as_bytes(), expected.as_bytes()) => return Ok(()),
+            Some(t) if bool::from(t.as_bytes().ct_eq(expected.as_bytes())) => return Ok(()),
             Some(_) => return Err(Denial::BadToken),
             None => {}
         }
@@ -135,10 +136,6 @@ fn is_loopback_host(host: &str) -> bool {
     lower == "localhost"
         || lower.ends_with(".localhost")
         || name.parse::<IpAddr>().is_ok_and(is_loopback)
-}
-
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
 }
 
 /// The token a request carries: `x-compactor-admin-token`, else a bearer
