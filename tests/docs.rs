@@ -87,3 +87,50 @@ fn links_are_read_outside_code_only() {
     let md = "see [a](docs/A.md) and `[b](B.md)`\n```\n[c](C.md)\n```\n[d](https://x.example/#y) [e](#top)";
     assert_eq!(links(md), ["docs/A.md", "https://x.example/#y", "#top"]);
 }
+
+/// The README's configuration table names every key of `proxy.toml`, the
+/// complete example, so a key added there cannot go undocumented.
+#[test]
+fn the_readme_names_every_key_of_proxy_toml() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    let example = std::fs::read_to_string(root.join("proxy.toml")).expect("proxy.toml");
+    let example: toml::Table = toml::from_str(&example).expect("proxy.toml parses");
+    let mut missing = std::collections::BTreeSet::new();
+    for (section, value) in &example {
+        match value {
+            toml::Value::Table(keys) => {
+                for key in keys.keys() {
+                    let name = format!("`{section}.{key}`");
+                    if !readme.contains(&name) {
+                        missing.insert(name);
+                    }
+                }
+            }
+            toml::Value::Array(entries) => {
+                let header = format!("`[[{section}]]`");
+                if !readme.contains(&header) {
+                    missing.insert(header.clone());
+                }
+                for key in entries
+                    .iter()
+                    .filter_map(toml::Value::as_table)
+                    .flat_map(|t| t.keys())
+                {
+                    let name = format!("`{key}`");
+                    if !readme.contains(&name) {
+                        missing.insert(format!("{header} {name}"));
+                    }
+                }
+            }
+            _ => {
+                missing.insert(format!("`{section}` (a top-level key)"));
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "README.md's configuration does not name: {}",
+        missing.into_iter().collect::<Vec<_>>().join(", ")
+    );
+}
