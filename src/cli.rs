@@ -246,7 +246,12 @@ fn init_logging(format: LogFormat) {
 }
 
 fn serve(args: ServeArgs) -> ExitCode {
-    let config = match args.load_config() {
+    // The server-side key's variable is checked with the rest, so that
+    // `--check-config` does not pass what `serve` then refuses.
+    let config = match args
+        .load_config()
+        .and_then(|c| c.upstream.api_key().map(|_| c))
+    {
         Ok(c) => c,
         Err(e) => {
             eprintln!("compactor: configuration error: {e}");

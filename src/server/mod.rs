@@ -220,6 +220,9 @@ async fn route(
     async move {
         let metrics_state = state.clone();
         let (endpoint, response) = match (&method, path.as_str()) {
+            (_, p) if p.starts_with("/v1/") && state.upstream.looped(req.headers()) => {
+                ("loop", ProxyError::LoopDetected.into_response())
+            }
             (&Method::GET, "/healthz") => (
                 "healthz",
                 json_response(StatusCode::OK, &serde_json::json!({"status": "ok"})),

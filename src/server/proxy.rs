@@ -298,7 +298,7 @@ async fn handle_inner(
         compact_now(&state, &mut pending, "manual".into()).await;
     }
 
-    let url = state.upstream.url(api.endpoint(), parts.uri.query());
+    let url = state.upstream.url(api.endpoint(), parts.uri.query())?;
     let headers = state.upstream.request_headers(&parts.headers, true);
     let mut retried = false;
     let answer = loop {
