@@ -15,6 +15,9 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8787";
 pub const DEFAULT_UPSTREAM: &str = "https://api.openai.com/v1";
 /// Default request body limit for the parsed endpoints (32 MiB).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+/// Default bound on concurrent client connections (lowered further by the
+/// process's open-file limit, see `server::connection_limit`).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
 /// The whole configuration, as read from `proxy.toml` and then overridden.
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -45,13 +48,16 @@ pub struct ServerConfig {
     /// How long in-flight requests and streams may take to finish at shutdown.
     pub shutdown_grace_secs: u64,
     /// How long a client connection may take to send a request's headers,
-    /// counted from when the connection is ready for its next request (so
-    /// also how long an idle keep-alive connection stays open); 0: no limit.
+    /// counted from when it is accepted and then from when it is ready for
+    /// its next request (so also how long an idle keep-alive or HTTP/2
+    /// connection stays open); 0: no limit.
     pub header_read_timeout_secs: u64,
     /// How long a client may send nothing of a request body it has begun,
     /// whether the proxy reads it before forwarding or streams it through;
     /// then 408. 0: no limit.
     pub body_read_timeout_secs: u64,
+    /// Most client connections open at once; more wait to be accepted.
+    pub max_connections: usize,
 }
 
 impl Default for ServerConfig {
@@ -62,6 +68,7 @@ impl Default for ServerConfig {
             shutdown_grace_secs: 30,
             header_read_timeout_secs: 30,
             body_read_timeout_secs: 60,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 }
@@ -278,6 +285,9 @@ impl Config {
         }
         if self.server.max_body_bytes == 0 {
             return invalid("server.max_body_bytes", "must be greater than 0");
+        }
+        if self.server.max_connections == 0 {
+            return invalid("server.max_connections", "must be greater than 0");
         }
         match reqwest::Url::parse(&self.upstream.base_url) {
             Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}

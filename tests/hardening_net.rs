@@ -1,14 +1,16 @@
 //! The network and operator side of hardening: paths that would leave the
-//! upstream's base path, and a proxy whose upstream is itself.
+//! upstream's base path, connections that send nothing, the shutdown's
+//! records, and a proxy whose upstream is itself.
 
 mod support;
 
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
-use compactor::fake_upstream::Reply;
+use compactor::fake_upstream::{chat_stream_events, Reply};
 use serde_json::{json, Value};
-use support::{client, within, Harness};
+use support::{client, within, Harness, STEP};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -181,4 +183,203 @@ async fn a_request_that_comes_back_to_the_proxy_gets_508_instead_of_recursing() 
         .await
         .unwrap();
     assert_eq!(health.status(), 200);
+}
+
+/// A stream still going when the shutdown grace period ends is cut, and
+/// its exchange is in the store, partial, with what was relayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_cut_at_the_end_of_the_grace_period_is_recorded_partial() {
+    let mut h = Harness::start_with(|c| c.server.shutdown_grace_secs = 1).await;
+    let pieces: Vec<String> = (0..100).map(|i| format!("w{i} ")).collect();
+    let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+    let events = chat_stream_events(&refs, Some((9, 100)));
+    let mut resp = support::stream_chat(&h, events, Duration::from_millis(100), true).await;
+    let first = within(resp.chunk()).await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    let rest = tokio::spawn(async move {
+        let mut all = Vec::new();
+        loop {
+            match resp.chunk().await {
+                Ok(Some(c)) => all.extend_from_slice(&c),
+                Ok(None) => return Ok(all),
+                Err(_) => return Err(all),
+            }
+        }
+    });
+    let started = Instant::now();
+    h.stop().await;
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    let rest = within(rest).await.unwrap();
+    let relayed = match rest {
+        Ok(all) | Err(all) => String::from_utf8_lossy(&all).into_owned(),
+    };
+    assert!(!relayed.contains("[DONE]"), "the stream was cut: {relayed}");
+    let db =
+        rusqlite::Connection::open_with_flags(&h.db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .unwrap();
+    let (partial, error, content): (i64, String, String) = db
+        .query_row(
+            "SELECT e.partial, e.error, i.body FROM exchanges e JOIN items i ON i.hash = substr(e.response_items, 1, 32)",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .expect("the cut exchange is recorded");
+    assert_eq!(partial, 1);
+    assert!(error.contains("shut down"), "{error}");
+    assert!(
+        content.contains("w0"),
+        "what was relayed is kept: {content}"
+    );
+}
+
+/// The HTTP/2 connection preface a client sends first.
+const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// An empty SETTINGS frame: with the preface, an HTTP/2 connection that
+/// then sends nothing.
+const H2_SETTINGS: &[u8] = &[0, 0, 0, 4, 0, 0, 0, 0, 0];
+
+/// Opens a connection that sends only `first`, then nothing.
+async fn idle_socket(addr: SocketAddr, first: &[u8]) -> TcpStream {
+    let mut s = within(TcpStream::connect(addr)).await.unwrap();
+    if !first.is_empty() {
+        within(s.write_all(first)).await.unwrap();
+    }
+    s
+}
+
+/// Reads until the server closes `s`; how long that took.
+async fn closed_after(mut s: TcpStream, started: Instant) -> Duration {
+    let mut sink = Vec::new();
+    let _ = within(s.read_to_end(&mut sink)).await;
+    started.elapsed()
+}
+
+/// What a connection sends before going quiet, for the idle tests.
+fn quiet_openings() -> Vec<Vec<u8>> {
+    vec![
+        Vec::new(),
+        H2_PREFACE[..10].to_vec(),
+        [H2_PREFACE, H2_SETTINGS].concat(),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_that_send_nothing_or_sit_idle_are_closed_after_the_header_timeout() {
+    let h = Harness::start_with(|c| c.server.header_read_timeout_secs = 1).await;
+    let started = Instant::now();
+    let mut sockets = Vec::new();
+    for opening in quiet_openings() {
+        sockets.push(idle_socket(h.addr, &opening).await);
+    }
+    // An HTTP/1.1 keep-alive connection after one answer.
+    let mut kept = idle_socket(h.addr, b"GET /healthz HTTP/1.1\r\nhost: x\r\n\r\n").await;
+    let mut head = [0u8; 12];
+    within(kept.read_exact(&mut head)).await.unwrap();
+    assert_eq!(&head, b"HTTP/1.1 200");
+    sockets.push(kept);
+    for s in sockets {
+        let waited = closed_after(s, started).await;
+        assert!(
+            waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
+            "closed after {waited:?}"
+        );
+    }
+    // An HTTP/2 client that makes a request, then sits idle, is told to go
+    // away (GOAWAY) and closed too.
+    let c = reqwest::Client::builder()
+        .http2_prior_knowledge()
+        .build()
+        .unwrap();
+    let resp = within(c.get(format!("http://{}/healthz", h.addr)).send())
+        .await
+        .unwrap();
+    assert_eq!(resp.version(), http::Version::HTTP_2);
+    assert_eq!(resp.status(), 200);
+}
+
+/// Under an open-file limit of 256, 300 connections that send nothing do not
+/// take the proxy down: `/healthz` keeps answering, the idle ones are
+/// closed after the header timeout, and the log does not fill with failed
+/// accepts.
+#[test]
+fn many_idle_sockets_under_a_low_fd_limit_do_not_stop_the_proxy() {
+    use std::io::{BufRead, BufReader};
+    const IDLE: usize = 300;
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("proxy.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nheader_read_timeout_secs = 1\n[upstream]\nbase_url = \"http://127.0.0.1:9/v1\"\n[store]\npath = \"{}\"\n",
+            dir.path().join("c.db").display()
+        ),
+    )
+    .unwrap();
+    let port = support::free_port();
+    let listen = format!("127.0.0.1:{port}");
+    let mut child = std::process::Command::new("sh")
+        .args(["-c", "ulimit -n 256 && exec \"$0\" \"$@\""])
+        .arg(env!("CARGO_BIN_EXE_compactor"))
+        .args(["serve", "--listen", &listen, "--config"])
+        .arg(&config)
+        .env("RUST_LOG", "info")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start compactor");
+    let stderr = child.stderr.take().unwrap();
+    let _child = support::Binary(child);
+    let log: Arc<Mutex<Vec<String>>> = Arc::default();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let lines = log.clone();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if line.contains("compactor listening") {
+                let _ = tx.send(());
+            }
+            lines.lock().unwrap().push(line);
+        }
+    });
+    rx.recv_timeout(STEP).expect("compactor started");
+
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let addr: SocketAddr = listen.parse().unwrap();
+        let openings = quiet_openings();
+        let started = Instant::now();
+        let mut idle = Vec::new();
+        for i in 0..IDLE {
+            idle.push(idle_socket(addr, &openings[i % openings.len()]).await);
+        }
+        let health = within(
+            client()
+                .get(format!("http://{addr}/healthz"))
+                .timeout(STEP)
+                .send(),
+        )
+        .await
+        .expect("/healthz answers");
+        assert_eq!(health.status(), 200);
+        let answered = started.elapsed();
+        for s in idle {
+            closed_after(s, started).await;
+        }
+        let all_closed = started.elapsed();
+        let health = within(client().get(format!("http://{addr}/healthz")).send())
+            .await
+            .unwrap();
+        assert_eq!(health.status(), 200);
+        eprintln!("healthz answered after {answered:?}; all {IDLE} idle sockets closed after {all_closed:?}");
+    });
+    let log = log.lock().unwrap();
+    let failed = log.iter().filter(|l| l.contains("accept failed")).count();
+    assert!(failed <= 1, "the log fills with failed accepts: {failed}");
 }
