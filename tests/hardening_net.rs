@@ -186,25 +186,52 @@ async fn a_request_that_comes_back_to_the_proxy_gets_508_instead_of_recursing() 
 }
 
 /// A stream still going when the shutdown grace period ends is cut, and
-/// its exchange is in the store, partial, with what was relayed.
+/// its exchange is in the store, partial, with what was relayed; over
+/// HTTP/1.1 and over HTTP/2 (where each stream runs in a task of its own).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_cut_at_the_end_of_the_grace_period_is_recorded_partial() {
+    for http2 in [false, true] {
+        stream_cut_at_shutdown(http2).await;
+    }
+}
+
+async fn stream_cut_at_shutdown(http2: bool) {
     let mut h = Harness::start_with(|c| c.server.shutdown_grace_secs = 1).await;
     let pieces: Vec<String> = (0..100).map(|i| format!("w{i} ")).collect();
     let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
-    let events = chat_stream_events(&refs, Some((9, 100)));
-    let mut resp = support::stream_chat(&h, events, Duration::from_millis(100), true).await;
+    h.fake.push(Reply::Sse {
+        chunks: chat_stream_events(&refs, Some((9, 100)))
+            .into_iter()
+            .map(Into::into)
+            .collect(),
+        gap: Duration::from_millis(100),
+        reset_after: None,
+    });
+    let c = if http2 {
+        reqwest::Client::builder()
+            .http2_prior_knowledge()
+            .build()
+            .unwrap()
+    } else {
+        client()
+    };
+    let mut resp = within(
+        c.post(format!("{}/chat/completions", h.url()))
+            .json(&json!({"model": "m", "stream": true,
+                "messages": [{"role": "user", "content": "count"}]}))
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.version() == http::Version::HTTP_2, http2);
     let first = within(resp.chunk()).await.unwrap().unwrap();
     assert!(!first.is_empty());
     let rest = tokio::spawn(async move {
         let mut all = Vec::new();
-        loop {
-            match resp.chunk().await {
-                Ok(Some(c)) => all.extend_from_slice(&c),
-                Ok(None) => return Ok(all),
-                Err(_) => return Err(all),
-            }
+        while let Ok(Some(c)) = resp.chunk().await {
+            all.extend_from_slice(&c);
         }
+        all
     });
     let started = Instant::now();
     h.stop().await;
@@ -213,10 +240,7 @@ async fn a_stream_cut_at_the_end_of_the_grace_period_is_recorded_partial() {
         "{:?}",
         started.elapsed()
     );
-    let rest = within(rest).await.unwrap();
-    let relayed = match rest {
-        Ok(all) | Err(all) => String::from_utf8_lossy(&all).into_owned(),
-    };
+    let relayed = String::from_utf8_lossy(&within(rest).await.unwrap()).into_owned();
     assert!(!relayed.contains("[DONE]"), "the stream was cut: {relayed}");
     let db =
         rusqlite::Connection::open_with_flags(&h.db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
@@ -227,7 +251,7 @@ async fn a_stream_cut_at_the_end_of_the_grace_period_is_recorded_partial() {
             [],
             |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
         )
-        .expect("the cut exchange is recorded");
+        .unwrap_or_else(|e| panic!("the cut exchange is recorded (http2: {http2}): {e}"));
     assert_eq!(partial, 1);
     assert!(error.contains("shut down"), "{error}");
     assert!(

@@ -18,7 +18,7 @@ use std::time::Duration;
 use http::{Method, Request, Response, StatusCode};
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tracing::Instrument;
@@ -276,6 +276,35 @@ impl hyper::body::Body for Tracked {
     }
 }
 
+/// Runs the tasks hyper spawns for a connection (one per HTTP/2 stream) as
+/// tokio tasks that end when `cut` is set, each holding a clone of `live`:
+/// at the end of the shutdown grace period the streams they answer are
+/// dropped, and so recorded, before the store closes, like those of
+/// HTTP/1 connections.
+#[derive(Clone)]
+struct StreamTasks {
+    cut: tokio::sync::watch::Receiver<bool>,
+    live: tokio::sync::mpsc::Sender<()>,
+}
+
+impl<F> hyper::rt::Executor<F> for StreamTasks
+where
+    F: Future + Send + 'static,
+    F::Output: Send + 'static,
+{
+    fn execute(&self, task: F) {
+        let mut cut = self.cut.clone();
+        let live = self.live.clone();
+        tokio::spawn(async move {
+            let _live = live;
+            tokio::select! {
+                _ = task => {}
+                _ = cut.wait_for(|c| *c) => {}
+            }
+        });
+    }
+}
+
 /// Serves connections from `listener` until `shutdown` resolves, then stops
 /// accepting and gives in-flight requests `server.shutdown_grace_secs` to
 /// end; streams still going then are cut, and recorded as partial.
@@ -286,7 +315,9 @@ impl hyper::body::Body for Tracked {
 /// preface, or sits idle (HTTP/1 keep-alive or HTTP/2) is closed then.
 /// At most [`connection_limit`] are open at once.
 pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Future<Output = ()>) {
-    let mut builder = auto::Builder::new(TokioExecutor::new());
+    let (cut, cut_rx) = tokio::sync::watch::channel(false);
+    let (live, mut all_ended) = tokio::sync::mpsc::channel::<()>(1);
+    let mut builder = auto::Builder::new(StreamTasks { cut: cut_rx, live });
     let header_read = state.config.server.header_read_timeout_secs;
     let idle = (header_read > 0).then(|| Duration::from_secs(header_read));
     builder
@@ -420,6 +451,12 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
         conns.abort_all();
         while conns.join_next().await.is_some() {}
     }
+    // With their connections gone, stream tasks still running have no one
+    // to answer: end them, and wait until the last one (each holds a
+    // sender) is dropped.
+    let _ = cut.send(true);
+    drop(builder);
+    let _ = all_ended.recv().await;
     // The accounting lines (and estimate-based decisions) of the last
     // exchanges.
     let left = grace
