@@ -312,18 +312,30 @@ async fn connections_that_send_nothing_or_sit_idle_are_closed_after_the_header_t
             "closed after {waited:?}"
         );
     }
-    // An HTTP/2 client that makes a request, then sits idle, is told to go
-    // away (GOAWAY) and closed too.
-    let c = reqwest::Client::builder()
-        .http2_prior_knowledge()
-        .build()
-        .unwrap();
-    let resp = within(c.get(format!("http://{}/healthz", h.addr)).send())
-        .await
-        .unwrap();
-    assert_eq!(resp.version(), http::Version::HTTP_2);
-    assert_eq!(resp.status(), 200);
+    // An HTTP/2 connection that made a request and sits idle after its
+    // answer is told to go away (GOAWAY) and closed too.
+    let started = Instant::now();
+    let mut s = idle_socket(h.addr, &[H2_PREFACE, H2_SETTINGS, H2_GET_HEALTHZ].concat()).await;
+    let mut seen = Vec::new();
+    let _ = within(s.read_to_end(&mut seen)).await;
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_millis(900) && waited < Duration::from_secs(5),
+        "closed after {waited:?}"
+    );
+    let seen = String::from_utf8_lossy(&seen);
+    assert!(
+        seen.contains(r#"{"status":"ok"}"#),
+        "answered first: {seen:?}"
+    );
 }
+
+/// A HEADERS frame (END_STREAM | END_HEADERS, stream 1) for `GET /healthz`,
+/// HPACK-coded: `:method GET`, `:scheme http` from the static table, then
+/// `:path` as a literal.
+const H2_GET_HEALTHZ: &[u8] = &[
+    0, 0, 12, 1, 5, 0, 0, 0, 1, 0x82, 0x86, 0x44, 8, b'/', b'h', b'e', b'a', b'l', b't', b'h', b'z',
+];
 
 /// Under an open-file limit of 256, 300 connections that send nothing do not
 /// take the proxy down: `/healthz` keeps answering, the idle ones are
