@@ -419,3 +419,90 @@ fn many_idle_sockets_under_a_low_fd_limit_do_not_stop_the_proxy() {
     let failed = log.iter().filter(|l| l.contains("accept failed")).count();
     assert!(failed <= 1, "the log fills with failed accepts: {failed}");
 }
+
+/// The real binary, stopped by SIGTERM while it streams an answer longer
+/// than its grace period: it exits, and the store holds the exchange as
+/// partial.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_records_the_stream_it_cuts_at_shutdown() {
+    let fake = within(compactor::fake_upstream::FakeUpstream::start())
+        .await
+        .unwrap();
+    let pieces: Vec<String> = (0..100).map(|i| format!("w{i} ")).collect();
+    let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
+    fake.push(Reply::Sse {
+        chunks: chat_stream_events(&refs, Some((9, 100)))
+            .into_iter()
+            .map(Into::into)
+            .collect(),
+        gap: Duration::from_millis(100),
+        reset_after: None,
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("c.db");
+    let config = dir.path().join("proxy.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nshutdown_grace_secs = 1\n[upstream]\nbase_url = \"{}\"\n[store]\npath = \"{}\"\n",
+            fake.url(),
+            db.display()
+        ),
+    )
+    .unwrap();
+    let port = support::free_port();
+    let args = [
+        std::ffi::OsString::from("--config"),
+        config.into_os_string(),
+    ];
+    let mut child = within(tokio::task::spawn_blocking(move || {
+        let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+        support::spawn_binary(port, &args)
+    }))
+    .await
+    .unwrap();
+    let mut resp = within(
+        client()
+            .post(format!("http://127.0.0.1:{port}/v1/chat/completions"))
+            .json(&json!({"model": "m", "stream": true,
+                "messages": [{"role": "user", "content": "count"}]}))
+            .send(),
+    )
+    .await
+    .unwrap();
+    let first = within(resp.chunk()).await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    // The client reads on, as a real one does.
+    let reader = tokio::spawn(async move {
+        let mut all = Vec::new();
+        while let Ok(Some(c)) = resp.chunk().await {
+            all.extend_from_slice(&c);
+        }
+        all
+    });
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    let status = within(async {
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(status.success(), "{status:?}");
+    let conn =
+        rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .unwrap();
+    let (partial, error): (i64, String) = conn
+        .query_row("SELECT partial, error FROM exchanges", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .expect("the cut exchange is recorded");
+    assert_eq!(partial, 1);
+    assert!(error.contains("shut down"), "{error}");
+}
