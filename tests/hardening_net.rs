@@ -195,18 +195,41 @@ async fn a_stream_cut_at_the_end_of_the_grace_period_is_recorded_partial() {
     }
 }
 
-async fn stream_cut_at_shutdown(http2: bool) {
-    let mut h = Harness::start_with(|c| c.server.shutdown_grace_secs = 1).await;
+/// A streamed chat answer of 100 events, 100 ms apart: longer than the
+/// tests' grace period.
+fn long_stream() -> Reply {
     let pieces: Vec<String> = (0..100).map(|i| format!("w{i} ")).collect();
     let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
-    h.fake.push(Reply::Sse {
+    Reply::Sse {
         chunks: chat_stream_events(&refs, Some((9, 100)))
             .into_iter()
             .map(Into::into)
             .collect(),
         gap: Duration::from_millis(100),
         reset_after: None,
-    });
+    }
+}
+
+/// Reads the rest of `resp` in a task, until it ends or breaks off.
+fn read_on(mut resp: reqwest::Response) -> tokio::task::JoinHandle<Vec<u8>> {
+    tokio::spawn(async move {
+        let mut all = Vec::new();
+        while let Ok(Some(c)) = resp.chunk().await {
+            all.extend_from_slice(&c);
+        }
+        all
+    })
+}
+
+/// What [`read_on`] got ends before the stream's last event.
+async fn assert_cut(rest: tokio::task::JoinHandle<Vec<u8>>) {
+    let relayed = String::from_utf8_lossy(&within(rest).await.unwrap()).into_owned();
+    assert!(!relayed.contains("[DONE]"), "the stream was cut: {relayed}");
+}
+
+async fn stream_cut_at_shutdown(http2: bool) {
+    let mut h = Harness::start_with(|c| c.server.shutdown_grace_secs = 1).await;
+    h.fake.push(long_stream());
     let c = if http2 {
         reqwest::Client::builder()
             .http2_prior_knowledge()
@@ -226,13 +249,7 @@ async fn stream_cut_at_shutdown(http2: bool) {
     assert_eq!(resp.version() == http::Version::HTTP_2, http2);
     let first = within(resp.chunk()).await.unwrap().unwrap();
     assert!(!first.is_empty());
-    let rest = tokio::spawn(async move {
-        let mut all = Vec::new();
-        while let Ok(Some(c)) = resp.chunk().await {
-            all.extend_from_slice(&c);
-        }
-        all
-    });
+    let rest = read_on(resp);
     let started = Instant::now();
     h.stop().await;
     assert!(
@@ -240,8 +257,7 @@ async fn stream_cut_at_shutdown(http2: bool) {
         "{:?}",
         started.elapsed()
     );
-    let relayed = String::from_utf8_lossy(&within(rest).await.unwrap()).into_owned();
-    assert!(!relayed.contains("[DONE]"), "the stream was cut: {relayed}");
+    assert_cut(rest).await;
     let db =
         rusqlite::Connection::open_with_flags(&h.db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
             .unwrap();
@@ -428,16 +444,7 @@ async fn the_binary_records_the_stream_it_cuts_at_shutdown() {
     let fake = within(compactor::fake_upstream::FakeUpstream::start())
         .await
         .unwrap();
-    let pieces: Vec<String> = (0..100).map(|i| format!("w{i} ")).collect();
-    let refs: Vec<&str> = pieces.iter().map(String::as_str).collect();
-    fake.push(Reply::Sse {
-        chunks: chat_stream_events(&refs, Some((9, 100)))
-            .into_iter()
-            .map(Into::into)
-            .collect(),
-        gap: Duration::from_millis(100),
-        reset_after: None,
-    });
+    fake.push(long_stream());
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("c.db");
     let config = dir.path().join("proxy.toml");
@@ -473,13 +480,7 @@ async fn the_binary_records_the_stream_it_cuts_at_shutdown() {
     let first = within(resp.chunk()).await.unwrap().unwrap();
     assert!(!first.is_empty());
     // The client reads on, as a real one does.
-    let reader = tokio::spawn(async move {
-        let mut all = Vec::new();
-        while let Ok(Some(c)) = resp.chunk().await {
-            all.extend_from_slice(&c);
-        }
-        all
-    });
+    let rest = read_on(resp);
     let term = std::process::Command::new("kill")
         .args(["-TERM", &child.id().to_string()])
         .status()
@@ -495,6 +496,7 @@ async fn the_binary_records_the_stream_it_cuts_at_shutdown() {
     })
     .await;
     assert!(status.success(), "{status:?}");
+    assert_cut(rest).await;
     let conn =
         rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
             .unwrap();
