@@ -287,6 +287,7 @@ async fn serve_async(config: Config) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+    server::raise_open_file_limit(config.server.max_connections);
     let state = AppState::open(config)?;
     banner(&state, listener.local_addr()?);
     admin_notice(&state.config);

@@ -353,20 +353,18 @@ const H2_GET_HEALTHZ: &[u8] = &[
     0, 0, 12, 1, 5, 0, 0, 0, 1, 0x82, 0x86, 0x44, 8, b'/', b'h', b'e', b'a', b'l', b't', b'h', b'z',
 ];
 
-/// Under an open-file limit of 256, 300 connections that send nothing do not
-/// take the proxy down: `/healthz` keeps answering, the idle ones are
-/// closed after the header timeout, and the log does not fill with failed
-/// accepts.
-#[test]
-fn many_idle_sockets_under_a_low_fd_limit_do_not_stop_the_proxy() {
+/// The real binary under the open-file limit the shell command `ulimit`
+/// sets (its hard and soft limit: `-n`, only its soft one: `-Sn`), with
+/// `server` as its `[server]` table; its address and the lines it logs
+/// (JSON).
+fn serve_under_ulimit(ulimit: &str, server: &str) -> (support::Binary, SocketAddr, Log) {
     use std::io::{BufRead, BufReader};
-    const IDLE: usize = 300;
     let dir = tempfile::tempdir().unwrap();
     let config = dir.path().join("proxy.toml");
     std::fs::write(
         &config,
         format!(
-            "[server]\nheader_read_timeout_secs = 1\n[upstream]\nbase_url = \"http://127.0.0.1:9/v1\"\n[store]\npath = \"{}\"\n",
+            "[server]\n{server}[upstream]\nbase_url = \"http://127.0.0.1:9/v1\"\n[store]\npath = \"{}\"\n",
             dir.path().join("c.db").display()
         ),
     )
@@ -374,9 +372,16 @@ fn many_idle_sockets_under_a_low_fd_limit_do_not_stop_the_proxy() {
     let port = support::free_port();
     let listen = format!("127.0.0.1:{port}");
     let mut child = std::process::Command::new("sh")
-        .args(["-c", "ulimit -n 256 && exec \"$0\" \"$@\""])
+        .args(["-c", &format!("{ulimit} && exec \"$0\" \"$@\"")])
         .arg(env!("CARGO_BIN_EXE_compactor"))
-        .args(["serve", "--listen", &listen, "--config"])
+        .args([
+            "serve",
+            "--log-format",
+            "json",
+            "--listen",
+            &listen,
+            "--config",
+        ])
         .arg(&config)
         .env("RUST_LOG", "info")
         .stdout(std::process::Stdio::null())
@@ -384,11 +389,12 @@ fn many_idle_sockets_under_a_low_fd_limit_do_not_stop_the_proxy() {
         .spawn()
         .expect("start compactor");
     let stderr = child.stderr.take().unwrap();
-    let _child = support::Binary(child);
-    let log: Arc<Mutex<Vec<String>>> = Arc::default();
+    let child = support::Binary(child);
+    let log: Log = Arc::default();
     let (tx, rx) = std::sync::mpsc::channel();
     let lines = log.clone();
     std::thread::spawn(move || {
+        let _dir = dir;
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             if line.contains("compactor listening") {
                 let _ = tx.send(());
@@ -397,14 +403,51 @@ fn many_idle_sockets_under_a_low_fd_limit_do_not_stop_the_proxy() {
         }
     });
     rx.recv_timeout(STEP).expect("compactor started");
+    (child, listen.parse().unwrap(), log)
+}
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
+/// The bound on client connections the binary logged as it began to
+/// accept them.
+fn logged_bound(log: &Log) -> u64 {
+    let started = Instant::now();
+    loop {
+        let found = log.lock().unwrap().iter().find_map(|l| {
+            let line: Value = serde_json::from_str(l).ok()?;
+            (line["message"] == "accepting connections")
+                .then(|| line["max_connections"].as_u64())
+                .flatten()
+        });
+        if let Some(n) = found {
+            return n;
+        }
+        assert!(started.elapsed() < STEP, "no bound logged");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// What a binary logged, line by line.
+type Log = Arc<Mutex<Vec<String>>>;
+
+/// A runtime for the tests that drive the binary from a plain `#[test]`.
+fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
-        .unwrap();
-    rt.block_on(async {
-        let addr: SocketAddr = listen.parse().unwrap();
+        .unwrap()
+}
+
+/// Under an open-file limit of 256, 300 connections that send nothing do not
+/// take the proxy down: `/healthz` keeps answering, the idle ones are
+/// closed after the header timeout, and the log does not fill with failed
+/// accepts.
+#[test]
+fn many_idle_sockets_under_a_low_fd_limit_do_not_stop_the_proxy() {
+    const IDLE: usize = 300;
+    let (_child, addr, log_of) =
+        serve_under_ulimit("ulimit -n 256", "header_read_timeout_secs = 1\n");
+    let log = log_of.clone();
+    runtime().block_on(async {
         let openings = quiet_openings();
         let started = Instant::now();
         let mut idle = Vec::new();
@@ -434,6 +477,26 @@ fn many_idle_sockets_under_a_low_fd_limit_do_not_stop_the_proxy() {
     let log = log.lock().unwrap();
     let failed = log.iter().filter(|l| l.contains("accept failed")).count();
     assert!(failed <= 1, "the log fills with failed accepts: {failed}");
+    drop(log);
+    assert_eq!(
+        logged_bound(&log_of),
+        96,
+        "(256 - 64) / 2: what the limit leaves"
+    );
+}
+
+/// A soft open-file limit under a higher hard one is raised as far as
+/// `server.max_connections` needs, so it does not lower the bound.
+#[test]
+fn a_low_soft_fd_limit_is_raised_for_max_connections() {
+    let (_child, addr, log) = serve_under_ulimit("ulimit -Sn 256", "max_connections = 200\n");
+    runtime().block_on(async {
+        let health = within(client().get(format!("http://{addr}/healthz")).send())
+            .await
+            .unwrap();
+        assert_eq!(health.status(), 200);
+    });
+    assert_eq!(logged_bound(&log), 200);
 }
 
 /// The real binary, stopped by SIGTERM while it streams an answer longer

@@ -170,6 +170,36 @@ pub fn connection_limit(configured: usize) -> usize {
     }
 }
 
+/// Raises the soft limit on open files towards the hard one, as far as
+/// `max_connections` needs (see [`connection_limit`]): many systems start
+/// processes at a soft limit of 1024 under a far higher hard one, which
+/// would bound the default `server.max_connections` at half of it.
+pub fn raise_open_file_limit(max_connections: usize) {
+    #[cfg(unix)]
+    {
+        use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+        let limit = getrlimit(Resource::Nofile);
+        let Some(current) = limit.current else {
+            return;
+        };
+        let wanted = (max_connections as u64)
+            .saturating_mul(2)
+            .saturating_add(RESERVED_FDS);
+        let new = limit.maximum.map_or(wanted, |hard| wanted.min(hard));
+        if new > current {
+            let raised = Rlimit {
+                current: Some(new),
+                maximum: limit.maximum,
+            };
+            if let Err(e) = setrlimit(Resource::Nofile, raised) {
+                tracing::debug!(error = %e, "open-file limit not raised");
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = max_connections;
+}
+
 /// The soft limit on open files, if there is one.
 fn open_file_limit() -> Option<u64> {
     #[cfg(unix)]
@@ -326,12 +356,13 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
         .header_read_timeout(idle);
     let limit = connection_limit(state.config.server.max_connections);
     if limit < state.config.server.max_connections {
-        tracing::info!(
+        tracing::warn!(
             max_connections = limit,
             configured = state.config.server.max_connections,
             "client connections bounded by the open-file limit"
         );
     }
+    tracing::info!(max_connections = limit, "accepting connections");
     let permits = Arc::new(tokio::sync::Semaphore::new(limit));
     let (closing, closing_rx) = tokio::sync::watch::channel(false);
     let mut conns = tokio::task::JoinSet::new();
