@@ -247,7 +247,12 @@ fn init_logging(format: LogFormat) {
 }
 
 fn serve(args: ServeArgs) -> ExitCode {
-    let config = match args.load_config() {
+    // The server-side key's variable is checked with the rest, so that
+    // `--check-config` does not pass what `serve` then refuses.
+    let config = match args
+        .load_config()
+        .and_then(|c| c.upstream.api_key().map(|_| c))
+    {
         Ok(c) => c,
         Err(e) => {
             eprintln!("compactor: configuration error: {e}");
@@ -283,6 +288,7 @@ async fn serve_async(config: Config) -> anyhow::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr)
         .await
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+    server::raise_open_file_limit(config.server.max_connections);
     let state = AppState::open(config)?;
     banner(&state, listener.local_addr()?);
     admin_notice(&state.config);

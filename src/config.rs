@@ -15,6 +15,9 @@ pub const DEFAULT_LISTEN: &str = "127.0.0.1:8787";
 pub const DEFAULT_UPSTREAM: &str = "https://api.openai.com/v1";
 /// Default request body limit for the parsed endpoints (32 MiB).
 pub const DEFAULT_MAX_BODY_BYTES: usize = 32 * 1024 * 1024;
+/// Default bound on concurrent client connections (lowered further by the
+/// process's open-file limit, see `server::connection_limit`).
+pub const DEFAULT_MAX_CONNECTIONS: usize = 1024;
 
 /// The whole configuration, as read from `proxy.toml` and then overridden.
 #[derive(Debug, Clone, Default, Deserialize, Serialize)]
@@ -45,13 +48,16 @@ pub struct ServerConfig {
     /// How long in-flight requests and streams may take to finish at shutdown.
     pub shutdown_grace_secs: u64,
     /// How long a client connection may take to send a request's headers,
-    /// counted from when the connection is ready for its next request (so
-    /// also how long an idle keep-alive connection stays open); 0: no limit.
+    /// counted from when it is accepted and then from when it is ready for
+    /// its next request (so also how long an idle keep-alive or HTTP/2
+    /// connection stays open); 0: no limit.
     pub header_read_timeout_secs: u64,
     /// How long a client may send nothing of a request body it has begun,
     /// whether the proxy reads it before forwarding or streams it through;
     /// then 408. 0: no limit.
     pub body_read_timeout_secs: u64,
+    /// Most client connections open at once; more wait to be accepted.
+    pub max_connections: usize,
 }
 
 impl Default for ServerConfig {
@@ -62,6 +68,7 @@ impl Default for ServerConfig {
             shutdown_grace_secs: 30,
             header_read_timeout_secs: 30,
             body_read_timeout_secs: 60,
+            max_connections: DEFAULT_MAX_CONNECTIONS,
         }
     }
 }
@@ -92,6 +99,27 @@ impl Default for UpstreamConfig {
             connect_timeout_secs: 10,
             response_timeout_secs: 600,
             idle_timeout_secs: 300,
+        }
+    }
+}
+
+impl UpstreamConfig {
+    /// The server-side key from the variable `api_key_env` names; `None`
+    /// when it names none. An unset or empty variable is an error, caught
+    /// by `--check-config` as well as at start-up.
+    pub fn api_key(&self) -> Result<Option<String>, ConfigError> {
+        if self.api_key_env.is_empty() {
+            return Ok(None);
+        }
+        match std::env::var(&self.api_key_env) {
+            Ok(v) if !v.is_empty() => Ok(Some(v)),
+            _ => Err(ConfigError::Invalid(
+                "upstream.api_key_env".into(),
+                format!(
+                    "names `{}`, which is not set (or empty) in the environment",
+                    self.api_key_env
+                ),
+            )),
         }
     }
 }
@@ -215,8 +243,16 @@ const BUILTIN_MODELS: &[(&str, u64, u64)] = &[
 impl Config {
     /// Parses a TOML document; unknown keys are an error naming the key.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
-        let config: Config = toml::from_str(text)
-            .map_err(|e| ConfigError::Parse(e.message().to_string(), e.span()))?;
+        let config: Config = toml::from_str(text).map_err(|e| {
+            let message = match e.span() {
+                Some(span) => {
+                    let (line, column) = line_and_column(text, span.start);
+                    format!("line {line}, column {column}: {}", e.message())
+                }
+                None => e.message().to_string(),
+            };
+            ConfigError::Parse(message, e.span())
+        })?;
         config.validate()?;
         Ok(config)
     }
@@ -241,8 +277,17 @@ impl Config {
         if self.listen_addr().is_err() {
             return invalid("server.listen", "not a socket address like 127.0.0.1:8787");
         }
+        if self.upstream_is_listener() {
+            return invalid(
+                "upstream.base_url",
+                "points at the proxy's own listen address (server.listen): every request would come back to it",
+            );
+        }
         if self.server.max_body_bytes == 0 {
             return invalid("server.max_body_bytes", "must be greater than 0");
+        }
+        if self.server.max_connections == 0 {
+            return invalid("server.max_connections", "must be greater than 0");
         }
         match reqwest::Url::parse(&self.upstream.base_url) {
             Ok(u) if u.scheme() == "http" || u.scheme() == "https" => {}
@@ -291,6 +336,44 @@ impl Config {
             }
         }
         Ok(())
+    }
+
+    /// Whether `upstream.base_url` names the address the proxy listens on,
+    /// in any spelling of it: `localhost`, a loopback address when the
+    /// proxy listens on one, any local address when it listens on all
+    /// (`0.0.0.0`, `[::]`). Others (the host's own LAN address, a name that
+    /// resolves to it) are caught per request by the hop header.
+    fn upstream_is_listener(&self) -> bool {
+        use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
+        let (Ok(listen), Ok(url)) = (
+            self.listen_addr(),
+            reqwest::Url::parse(&self.upstream.base_url),
+        ) else {
+            return false;
+        };
+        if listen.port() == 0 || url.port_or_known_default() != Some(listen.port()) {
+            return false;
+        }
+        let Some(host) = url.host_str() else {
+            return false;
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        let named: Vec<IpAddr> = if host.eq_ignore_ascii_case("localhost")
+            || host.to_ascii_lowercase().ends_with(".localhost")
+        {
+            vec![Ipv4Addr::LOCALHOST.into(), Ipv6Addr::LOCALHOST.into()]
+        } else {
+            match host.parse::<IpAddr>() {
+                Ok(ip) => vec![ip],
+                Err(_) => return false,
+            }
+        };
+        let listen = listen.ip().to_canonical();
+        named.into_iter().map(|ip| ip.to_canonical()).any(|ip| {
+            ip == listen
+                || (listen.is_unspecified() && (ip.is_loopback() || ip.is_unspecified()))
+                || (ip.is_unspecified() && listen.is_loopback())
+        })
     }
 
     /// The listen address as a socket address.
@@ -355,6 +438,14 @@ impl Config {
         );
         rows
     }
+}
+
+/// 1-based line and column (in characters) of byte `offset` of `text`.
+fn line_and_column(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..text.floor_char_boundary(offset.min(text.len()))];
+    let line = before.matches('\n').count() + 1;
+    let column = before.rsplit('\n').next().unwrap_or("").chars().count() + 1;
+    (line, column)
 }
 
 /// The platform's data dir for the default database.
@@ -450,6 +541,56 @@ mod tests {
         assert!(!glob_match("gpt-4o*", "gpt-4.1"));
         assert!(!glob_match("gpt-4", "gpt-4o"));
         assert!(glob_match("*a*b", "xxaxxbxb"));
+    }
+
+    #[test]
+    fn toml_errors_name_line_and_column() {
+        let err = Config::from_toml("[server]\nlisten = \"127.0.0.1:1\"\nlisten_port = 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 3, column 1"), "{err}");
+        let err = Config::from_toml("[server]\nmax_body_bytes = \"many\"\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("line 2, column 18"), "{err}");
+        let err = Config::from_toml("[compaction\n").unwrap_err().to_string();
+        assert!(err.contains("line 1, column"), "{err}");
+    }
+
+    #[test]
+    fn an_upstream_at_the_listen_address_is_refused() {
+        let check = |listen: &str, upstream: &str| {
+            let mut c = Config::default();
+            c.server.listen = listen.into();
+            c.upstream.base_url = upstream.into();
+            c.validate().map_err(|e| e.to_string())
+        };
+        for (listen, upstream) in [
+            ("127.0.0.1:8787", "http://127.0.0.1:8787/v1"),
+            ("127.0.0.1:8787", "http://localhost:8787/v1"),
+            ("127.0.0.1:8787", "http://LocalHost:8787"),
+            ("127.0.0.1:8787", "http://0.0.0.0:8787/v1"),
+            ("0.0.0.0:8787", "http://127.0.0.1:8787/v1"),
+            ("0.0.0.0:8787", "http://127.0.0.2:8787/v1"),
+            ("0.0.0.0:80", "http://localhost/v1"),
+            ("[::]:8787", "http://127.0.0.1:8787/v1"),
+            ("[::1]:8787", "http://[::1]:8787/v1"),
+            ("[::1]:8787", "http://localhost:8787/v1"),
+            ("192.168.1.5:8787", "http://192.168.1.5:8787/v1"),
+        ] {
+            let err = check(listen, upstream).expect_err(upstream);
+            assert!(err.contains("upstream.base_url"), "{err}");
+        }
+        for (listen, upstream) in [
+            ("127.0.0.1:8787", "http://127.0.0.1:8788/v1"),
+            ("127.0.0.1:8787", "https://127.0.0.1/v1"),
+            ("127.0.0.1:8787", "http://127.0.0.2:8787/v1"),
+            ("127.0.0.1:8787", "http://api.example.com:8787/v1"),
+            ("127.0.0.1:0", "http://127.0.0.1:0/v1"),
+            ("192.168.1.5:8787", "http://127.0.0.1:8787/v1"),
+        ] {
+            assert!(check(listen, upstream).is_ok(), "{listen} {upstream}");
+        }
     }
 
     #[test]

@@ -35,6 +35,14 @@ pub enum ProxyError {
         /// Request path (no query string).
         path: String,
     },
+    /// A path the proxy will not forward: it could leave the upstream's base
+    /// path, or it spells a parsed endpoint another way.
+    #[error("{0}")]
+    InvalidPath(String),
+    /// The request came back to the proxy that sent it: the upstream is the
+    /// proxy itself.
+    #[error("request loop: this request already went through this proxy, so upstream.base_url points back at it")]
+    LoopDetected,
     /// The client stopped sending its request body.
     #[error("the client sent nothing of its request body for {0} s")]
     RequestTimeout(u64),
@@ -53,7 +61,8 @@ impl ProxyError {
     /// HTTP status the client sees.
     pub fn status(&self) -> StatusCode {
         match self {
-            ProxyError::BadRequest(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BadRequest(_) | ProxyError::InvalidPath(_) => StatusCode::BAD_REQUEST,
+            ProxyError::LoopDetected => StatusCode::LOOP_DETECTED,
             ProxyError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NotFound { .. } => StatusCode::NOT_FOUND,
@@ -67,11 +76,12 @@ impl ProxyError {
     fn kind(&self) -> &'static str {
         match self {
             ProxyError::BadRequest(_)
+            | ProxyError::InvalidPath(_)
             | ProxyError::PayloadTooLarge { .. }
             | ProxyError::RequestTimeout(_)
             | ProxyError::NotFound { .. } => "invalid_request_error",
             ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => "upstream_error",
-            ProxyError::Internal(_) => "server_error",
+            ProxyError::Internal(_) | ProxyError::LoopDetected => "server_error",
         }
     }
 
@@ -79,6 +89,8 @@ impl ProxyError {
     fn code(&self) -> &'static str {
         match self {
             ProxyError::BadRequest(_) => "invalid_json",
+            ProxyError::InvalidPath(_) => "invalid_path",
+            ProxyError::LoopDetected => "loop_detected",
             ProxyError::PayloadTooLarge { .. } => "request_too_large",
             ProxyError::RequestTimeout(_) => "request_timeout",
             ProxyError::NotFound { .. } => "unknown_url",
@@ -108,6 +120,7 @@ impl ProxyError {
             ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => {
                 tracing::warn!(error = %self, "upstream failure")
             }
+            ProxyError::LoopDetected => tracing::error!(error = %self, "request loop"),
             _ => tracing::debug!(error = %self, "rejected request"),
         }
         json_response(self.status(), &self.body())

@@ -38,6 +38,12 @@ const HOP_BY_HOP: &[&str] = &[
     "upgrade",
 ];
 
+/// The header each request the proxy sends upstream carries, naming the
+/// proxy instance that sent it (after the names of any proxies it went
+/// through before): a request that arrives carrying this instance's own name
+/// has come back to it, as when `upstream.base_url` is the proxy itself.
+pub const HOP_HEADER: &str = "x-compactor-hop";
+
 /// The configured upstream.
 pub struct Upstream {
     client: reqwest::Client,
@@ -48,6 +54,8 @@ pub struct Upstream {
     /// parses it again, which costs as much as a small request's parse.
     endpoints: Vec<(&'static str, reqwest::Url)>,
     api_key: Option<Secret>,
+    /// This instance's name in [`HOP_HEADER`], random per process.
+    hop: String,
     /// How long to wait for response headers.
     pub response_timeout: Duration,
     /// How long a response body may stay silent.
@@ -76,17 +84,10 @@ impl Upstream {
             .redirect(reqwest::redirect::Policy::none())
             .connector_layer(NoteOpened)
             .build()?;
-        let api_key = if cfg.api_key_env.is_empty() {
-            None
-        } else {
-            match std::env::var(&cfg.api_key_env) {
-                Ok(v) if !v.is_empty() => Some(Secret(v)),
-                _ => anyhow::bail!(
-                    "upstream.api_key_env names `{}`, which is not set in the environment",
-                    cfg.api_key_env
-                ),
-            }
-        };
+        let api_key = cfg.api_key()?.map(Secret);
+        let mut name = [0u8; 8];
+        getrandom::fill(&mut name).map_err(|e| anyhow::anyhow!("no randomness: {e}"))?;
+        let hop: String = name.iter().map(|b| format!("{b:02x}")).collect();
         let base = cfg.base_url.trim_end_matches('/').to_string();
         let base_url = reqwest::Url::parse(&base)
             .map_err(|e| anyhow::anyhow!("upstream.base_url `{base}` is not a URL: {e}"))?;
@@ -96,30 +97,76 @@ impl Upstream {
             base_url,
             endpoints: Vec::new(),
             api_key,
+            hop,
             response_timeout: Duration::from_secs(cfg.response_timeout_secs),
             idle_timeout: Duration::from_secs(cfg.idle_timeout_secs),
         };
-        upstream.endpoints = [Api::Chat, Api::Responses]
-            .map(|api| (api.endpoint(), upstream.derive_url(api.endpoint(), None)))
-            .into();
+        for api in [Api::Chat, Api::Responses] {
+            let url = upstream.derive_url(api.endpoint(), None)?;
+            upstream.endpoints.push((api.endpoint(), url));
+        }
         Ok(upstream)
     }
 
-    /// The upstream URL for a client path below `/v1` (e.g. `/models`).
-    pub fn url(&self, below_v1: &str, query: Option<&str>) -> reqwest::Url {
+    /// The upstream URL for a client path below `/v1` (e.g. `/models`);
+    /// refused unless it stays below the base URL's path.
+    pub fn url(&self, below_v1: &str, query: Option<&str>) -> Result<reqwest::Url, ProxyError> {
         let known = self.endpoints.iter().find(|(p, _)| *p == below_v1);
         match (known, query) {
-            (Some((_, url)), None) => url.clone(),
+            (Some((_, url)), None) => Ok(url.clone()),
             _ => self.derive_url(below_v1, query),
         }
     }
 
-    fn derive_url(&self, below_v1: &str, query: Option<&str>) -> reqwest::Url {
+    fn derive_url(&self, below_v1: &str, query: Option<&str>) -> Result<reqwest::Url, ProxyError> {
         let mut url = self.base_url.clone();
-        let path = format!("{}{}", self.base_url.path().trim_end_matches('/'), below_v1);
-        url.set_path(&path);
+        let base = self.base_url.path().trim_end_matches('/');
+        url.set_path(&format!("{base}{below_v1}"));
         url.set_query(query);
-        url
+        // The URL parser resolves dot segments (`..`, `%2e%2e`) and reads a
+        // backslash as a slash: whatever the client's path says, the URL
+        // sent must still be below the base path, or the client's key (or
+        // the server's) would reach whatever else the upstream host serves.
+        let under = url
+            .path()
+            .strip_prefix(base)
+            .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
+        if !under {
+            return Err(ProxyError::InvalidPath(format!(
+                "path refused: it leads outside the upstream's base path {base}/"
+            )));
+        }
+        Ok(url)
+    }
+
+    /// Whether `incoming` already went through this proxy ([`HOP_HEADER`]).
+    pub fn looped(&self, incoming: &HeaderMap) -> bool {
+        incoming
+            .get_all(HOP_HEADER)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|name| name.trim() == self.hop)
+    }
+
+    /// The one place requests upstream are built: each carries this
+    /// instance's name in [`HOP_HEADER`], after those it came with.
+    fn request(
+        &self,
+        method: http::Method,
+        url: &reqwest::Url,
+        mut headers: HeaderMap,
+    ) -> reqwest::RequestBuilder {
+        let names: Vec<&str> = headers
+            .get_all(HOP_HEADER)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .chain([self.hop.as_str()])
+            .collect();
+        if let Ok(v) = HeaderValue::from_str(&names.join(", ")) {
+            headers.insert(HOP_HEADER, v);
+        }
+        self.client.request(method, url.clone()).headers(headers)
     }
 
     /// Reads a whole (small) answer body: 502 if the upstream breaks off or
@@ -184,12 +231,7 @@ impl Upstream {
         body: reqwest::Body,
         give_up: impl Future<Output = ProxyError>,
     ) -> Result<reqwest::Response, ProxyError> {
-        let send = self
-            .client
-            .request(method, url.clone())
-            .headers(headers)
-            .body(body)
-            .send();
+        let send = self.request(method, url, headers).body(body).send();
         tokio::select! {
             sent = send => self.map(Ok(sent)),
             e = give_up => Err(e),
@@ -209,9 +251,7 @@ impl Upstream {
     ) -> Result<reqwest::Response, ProxyError> {
         let body = body.into();
         self.send_again_if_stale(|| {
-            self.client
-                .request(method.clone(), url.clone())
-                .headers(headers.clone())
+            self.request(method.clone(), url, headers.clone())
                 .body(body.body())
         })
         .await
@@ -225,12 +265,8 @@ impl Upstream {
         url: &reqwest::Url,
         headers: HeaderMap,
     ) -> Result<reqwest::Response, ProxyError> {
-        self.send_again_if_stale(|| {
-            self.client
-                .request(method.clone(), url.clone())
-                .headers(headers.clone())
-        })
-        .await
+        self.send_again_if_stale(|| self.request(method.clone(), url, headers.clone()))
+            .await
     }
 
     async fn send_again_if_stale(
@@ -518,19 +554,27 @@ mod tests {
         };
         let u = at("http://127.0.0.1:9/v1/");
         assert_eq!(
-            u.url("/chat/completions", Some("a=1&b=%20")).as_str(),
+            u.url("/chat/completions", Some("a=1&b=%20"))
+                .unwrap()
+                .as_str(),
             "http://127.0.0.1:9/v1/chat/completions?a=1&b=%20"
         );
         // The endpoints' URLs, kept from the start, are those derived.
         for path in ["/chat/completions", "/responses"] {
-            assert_eq!(u.url(path, None), u.derive_url(path, None));
             assert_eq!(
-                u.url(path, None).as_str(),
+                u.url(path, None).unwrap(),
+                u.derive_url(path, None).unwrap()
+            );
+            assert_eq!(
+                u.url(path, None).unwrap().as_str(),
                 format!("http://127.0.0.1:9/v1{path}")
             );
         }
         assert_eq!(
-            at("http://127.0.0.1:9").url("/models", None).as_str(),
+            at("http://127.0.0.1:9")
+                .url("/models", None)
+                .unwrap()
+                .as_str(),
             "http://127.0.0.1:9/models"
         );
         assert!(Upstream::new(&UpstreamConfig {
@@ -538,6 +582,39 @@ mod tests {
             ..Default::default()
         })
         .is_err());
+    }
+
+    #[test]
+    fn no_url_leaves_the_base_path() {
+        let u = Upstream::new(&UpstreamConfig {
+            base_url: "http://127.0.0.1:9/api/v1".into(),
+            ..Default::default()
+        })
+        .unwrap();
+        for below in [
+            "/../internal/admin",
+            "/%2e%2e/internal/admin",
+            "/%2E%2e/%2e%2E/etc/passwd",
+            "/..\\..\\etc/passwd",
+            "/a/../../../x",
+            "/.%2e/x",
+            "evil",
+        ] {
+            let refused = u.url(below, None);
+            assert!(
+                matches!(refused, Err(ProxyError::InvalidPath(_))),
+                "{below}: {refused:?}"
+            );
+        }
+        // Dot segments that stay below it resolve there.
+        assert_eq!(
+            u.url("/a/../models", Some("x=1")).unwrap().as_str(),
+            "http://127.0.0.1:9/api/v1/models?x=1"
+        );
+        assert_eq!(
+            u.url("/files/file-abc/content", None).unwrap().as_str(),
+            "http://127.0.0.1:9/api/v1/files/file-abc/content"
+        );
     }
 
     #[test]

@@ -91,3 +91,101 @@ fn bad_values_exit_64() {
     assert_eq!(code, 64, "{out}");
     assert!(out.contains("server.listen"), "{out}");
 }
+
+#[test]
+fn an_unset_api_key_env_fails_the_check_with_64() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("key.toml");
+    std::fs::write(
+        &path,
+        "[upstream]\napi_key_env = \"COMPACTOR_TEST_UNSET_KEY_VAR\"\n",
+    )
+    .unwrap();
+    let check = |set: Option<&str>| {
+        let mut cmd = compactor();
+        cmd.args(["serve", "--check-config", "--config"]).arg(&path);
+        match set {
+            Some(v) => cmd.env("COMPACTOR_TEST_UNSET_KEY_VAR", v),
+            None => cmd.env_remove("COMPACTOR_TEST_UNSET_KEY_VAR"),
+        };
+        run(&mut cmd)
+    };
+    for unset in [None, Some("")] {
+        let (code, out) = check(unset);
+        assert_eq!(code, 64, "{out}");
+        assert!(
+            out.contains("upstream.api_key_env") && out.contains("COMPACTOR_TEST_UNSET_KEY_VAR"),
+            "{out}"
+        );
+        assert!(!out.contains("configuration OK"), "{out}");
+    }
+    let (code, out) = check(Some("sk-server-key"));
+    assert_eq!(code, 0, "{out}");
+    assert!(!out.contains("sk-server-key"), "{out}");
+}
+
+#[test]
+fn toml_errors_carry_line_and_column() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("typo.toml");
+    std::fs::write(
+        &path,
+        "[server]\nlisten = \"127.0.0.1:1\"\nmax_body_bytes = \"lots\"\n",
+    )
+    .unwrap();
+    let (code, out) = run(compactor()
+        .args(["serve", "--check-config", "--config"])
+        .arg(&path));
+    assert_eq!(code, 64, "{out}");
+    assert!(out.contains("line 3, column 18"), "{out}");
+}
+
+#[test]
+fn an_upstream_at_the_proxys_own_address_is_refused_at_start_up() {
+    for (listen, upstream) in [
+        ("127.0.0.1:8787", "http://127.0.0.1:8787/v1"),
+        ("127.0.0.1:8787", "http://localhost:8787/v1"),
+        ("0.0.0.0:8787", "http://127.0.0.1:8787/v1"),
+        ("127.0.0.1:8787", "http://0.0.0.0:8787/v1"),
+    ] {
+        let (code, out) = run(compactor().args([
+            "serve",
+            "--check-config",
+            "--listen",
+            listen,
+            "--upstream",
+            upstream,
+        ]));
+        assert_eq!(code, 64, "{listen} {upstream}: {out}");
+        assert!(out.contains("upstream.base_url"), "{out}");
+    }
+    // `serve` itself exits before it listens (or it is killed, and fails).
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let dir = tempfile::tempdir().unwrap();
+    let mut child = compactor()
+        .args(["serve", "--listen", &format!("127.0.0.1:{port}")])
+        .args(["--upstream", &format!("http://localhost:{port}/v1")])
+        .arg("--db")
+        .arg(dir.path().join("c.db"))
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            break status.code();
+        }
+        if started.elapsed() > std::time::Duration::from_secs(20) {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    assert_eq!(status, Some(64), "serve must refuse to start");
+}

@@ -734,7 +734,10 @@ async fn call_summarizer(
         http::header::ACCEPT_ENCODING,
         http::HeaderValue::from_static("identity"),
     );
-    let url = state.upstream.url("/chat/completions", None);
+    let url = state
+        .upstream
+        .url("/chat/completions", None)
+        .map_err(|e| e.to_string())?;
     let bytes = bytes::Bytes::from(serde_json::to_vec(&body).map_err(|e| e.to_string())?);
     let resp = state
         .upstream

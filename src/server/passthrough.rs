@@ -23,15 +23,71 @@ use crate::upstream::strip_hop_by_hop;
 /// length, stream through.
 const RESENDABLE_BODY: u64 = 1 << 20;
 
+/// The paths the proxy parses, records and compacts; any other spelling of
+/// them is refused (see [`check_path`]).
+const PARSED: &[&str] = &[
+    "/v1/chat/completions",
+    "/v1/responses",
+    "/v1/responses/compact",
+];
+
+/// Refuses a path below `/v1/` that must not be forwarded as it is:
+///
+/// - one that could leave the upstream's base path once a URL parser reads
+///   it: a dot segment (`..`, `.`, also percent-encoded, any case), a
+///   backslash, or an encoded slash or backslash (`%2f`, `%5c`);
+/// - one that names a parsed endpoint in another spelling
+///   (`/v1/chat/completions/`, `/v1//chat/completions`,
+///   `/v1/chat/%63ompletions`, `/v1/Chat/Completions`): forwarded, it would
+///   reach the endpoint upstream around recording and compaction. Such a
+///   request is refused rather than treated as the endpoint, so the client
+///   learns its spelling is off instead of getting what another server
+///   might not give it.
+pub fn check_path(path: &str) -> Result<(), ProxyError> {
+    let refuse = |why: &str| Err(ProxyError::InvalidPath(format!("path refused: {why}")));
+    if path.contains('\\') {
+        return refuse("it contains a backslash");
+    }
+    let mut canonical = String::with_capacity(path.len());
+    for segment in path.split('/') {
+        let decoded = percent_encoding::percent_decode_str(segment).decode_utf8_lossy();
+        if decoded.contains(['/', '\\']) {
+            return refuse("it contains an encoded slash or backslash (%2f, %5c)");
+        }
+        if decoded == "." || decoded == ".." {
+            return refuse("it contains a dot segment (`.` or `..`, also encoded)");
+        }
+        // Path parameters (`;…`), which some servers ignore, and empty
+        // segments do not change the endpoint a path names.
+        let name = decoded.split(';').next().unwrap_or_default();
+        if !name.is_empty() {
+            canonical.push('/');
+            canonical.push_str(&name.to_ascii_lowercase());
+        }
+    }
+    if let Some(endpoint) = PARSED.iter().find(|p| **p == canonical) {
+        return refuse(&format!(
+            "it spells {endpoint} another way; send {endpoint} exactly"
+        ));
+    }
+    Ok(())
+}
+
 /// Forwards the request as is and streams the answer back.
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
     let (parts, body) = req.into_parts();
+    if let Err(e) = check_path(parts.uri.path()) {
+        return e.into_response();
+    }
     let below = parts
         .uri
         .path()
         .strip_prefix("/v1")
         .unwrap_or(parts.uri.path());
-    let url = state.upstream.url(below, parts.uri.query());
+    let url = match state.upstream.url(below, parts.uri.query()) {
+        Ok(url) => url,
+        Err(e) => return e.into_response(),
+    };
     let headers = state.upstream.request_headers(&parts.headers, false);
     let sent = if body.is_end_stream() {
         // Nothing to stream (a GET, mostly): it can be sent again if a
@@ -275,5 +331,56 @@ impl Body for Watched {
             .body()
             .as_ref()
             .map_or_else(SizeHint::default, |b| b.size_hint())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::check_path;
+
+    #[test]
+    fn paths_that_could_leave_the_base_or_spell_an_endpoint_are_refused() {
+        for path in [
+            "/v1/../../etc/passwd",
+            "/v1/%2e%2e/internal/admin",
+            "/v1/%2E%2e/x",
+            "/v1/.%2E/x",
+            "/v1/./models",
+            "/v1/%2e/models",
+            "/v1/models/..",
+            "/v1/models\\..\\admin",
+            "/v1/models%5c..%5cadmin",
+            "/v1/models%5C",
+            "/v1/a%2fb",
+            "/v1/a%2F..%2Fb",
+            "/v1/chat/completions/",
+            "/v1//chat/completions",
+            "/v1/chat//completions",
+            "/v1/chat/%63ompletions",
+            "/v1/%43hat/Completions",
+            "/v1/Chat/Completions",
+            "/v1/chat/completions;x=1",
+            "/v1/responses/",
+            "/v1/RESPONSES",
+            "/v1/responses//compact",
+            "//v1/responses",
+        ] {
+            assert!(check_path(path).is_err(), "{path}");
+        }
+        for path in [
+            "/v1/models",
+            "/v1/models/gpt-4o",
+            "/v1/files/file-abc/content",
+            "/v1/embeddings",
+            "/v1/chat/completions/chatcmpl-123",
+            "/v1/responses/resp_123",
+            "/v1/responses/resp_123/input_items",
+            "/v1/files/a%20b",
+            "/v1/...",
+            "/v1/.well-known",
+            "/v1/models/llama-3.1-8b.gguf",
+        ] {
+            assert!(check_path(path).is_ok(), "{path}");
+        }
     }
 }

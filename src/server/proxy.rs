@@ -298,7 +298,7 @@ async fn handle_inner(
         compact_now(&state, &mut pending, "manual".into()).await;
     }
 
-    let url = state.upstream.url(api.endpoint(), parts.uri.query());
+    let url = state.upstream.url(api.endpoint(), parts.uri.query())?;
     let headers = state.upstream.request_headers(&parts.headers, true);
     let mut retried = false;
     let answer = loop {
@@ -629,7 +629,7 @@ impl Drop for Unanswered {
         if let Some(p) = self.pending.take() {
             let outcome = Outcome {
                 status: CLIENT_CLOSED,
-                error: Some("client disconnected before the answer".into()),
+                error: Some(format!("{} before the answer", self.state.cut_reason())),
                 ..Outcome::default()
             };
             p.finish_detached(&self.state, outcome);
@@ -972,7 +972,10 @@ impl Drop for Relay {
             // upstream request; the exchange is kept as partial.
             let outcome = self.outcome(
                 true,
-                Some("client disconnected before the end of the stream".into()),
+                Some(format!(
+                    "{} before the end of the stream",
+                    self.state.cut_reason()
+                )),
             );
             p.finish_detached(&self.state, outcome);
         }
