@@ -3,10 +3,13 @@
 //! byte budget; and reading a previous summary's narrative back for
 //! re-compaction.
 
-use super::narrative::{heading_of, is_fence, split_sections};
+use super::narrative::{heading_of, is_fence, written_sections};
 use super::text::{clip, fenced, head_tail};
 use super::{Facts, FACTS_LABEL, NARRATIVE_SECTIONS, NOT_PROVIDED, UNAVAILABLE};
 use crate::compaction::items::SUMMARY_MARKER;
+
+/// Shortest a narrative body is clipped to before it is cut altogether.
+const MIN_BODY: usize = 24;
 
 /// The trimmable state of one assembled summary.
 struct Draft<'a> {
@@ -14,58 +17,123 @@ struct Draft<'a> {
     covered: usize,
     bodies: [String; 6],
     fallback: bool,
+    /// The one-line header instead of the explanatory one.
+    short_header: bool,
     plan: Option<String>,
     contents: Vec<Option<String>>,
     errors_from: usize,
     log_from: usize,
+    /// First kept of decisions, constraints and next steps.
+    statements_from: [usize; 3],
+    /// Files only read are counted, not listed.
+    hide_reads: bool,
 }
 
 impl Draft<'_> {
+    /// The line opening a block of recorded facts: what it holds, unless
+    /// the budget is tight (the section heading says enough then).
+    fn label(&self, what: &str) -> String {
+        if self.short_header {
+            format!("{FACTS_LABEL}:")
+        } else {
+            format!("{FACTS_LABEL}: {what}")
+        }
+    }
+
+    /// The recorded statements of `kind` (0 decisions, 1 constraints, 2
+    /// next steps) still kept, minus those the model's text already quotes.
+    fn statements(&self, kind: usize) -> Vec<&str> {
+        let f = self.facts;
+        let list = [&f.decisions, &f.constraints, &f.next_steps][kind];
+        list[self.statements_from[kind].min(list.len())..]
+            .iter()
+            .map(String::as_str)
+            .filter(|s| !self.bodies.iter().any(|b| b.contains(s)))
+            .collect()
+    }
+
+    fn statements_block(&self, kind: usize) -> Option<String> {
+        let list = self.statements(kind);
+        if list.is_empty() {
+            return None;
+        }
+        let what = [
+            "the assistant's decisions",
+            "the user's requests after the task",
+            "the assistant's next steps",
+        ][kind];
+        let mut s = self.label(what);
+        for l in list {
+            s.push_str("\n- ");
+            s.push_str(l);
+        }
+        Some(s)
+    }
+
     fn render(&self) -> String {
         let f = self.facts;
         let n = self.covered;
-        let mut s = format!(
-            "{SUMMARY_MARKER} of {n} earlier item{}]\nEarlier conversation items were compacted into this summary. \
-Blocks starting \"{FACTS_LABEL}\" were extracted verbatim from the conversation; the rest was written by a model.\n",
-            if n == 1 { "" } else { "s" }
-        );
-        if self.fallback {
+        let items = format!("{n} earlier item{}", if n == 1 { "" } else { "s" });
+        let mut s = if self.short_header {
+            format!("{SUMMARY_MARKER} of {items}]\n")
+        } else {
+            format!(
+                "{SUMMARY_MARKER} of {items}]\nEarlier conversation items were compacted into this summary. \
+Blocks starting \"{FACTS_LABEL}\" were extracted verbatim from the conversation; the rest was written by a model.\n"
+            )
+        };
+        if self.fallback && !self.short_header {
             s.push_str("The model-written narrative is unavailable (the summarizer failed): only the facts the proxy recorded follow.\n");
         }
         s.push_str("\n## TASK\n");
         s.push_str(f.task.as_deref().unwrap_or("(not recorded)"));
         for (i, heading) in NARRATIVE_SECTIONS.iter().enumerate() {
-            s.push_str(&format!("\n\n## {heading}\n{}", self.bodies[i]));
+            s.push_str(&format!("\n\n## {heading}"));
+            if !self.bodies[i].is_empty() {
+                s.push('\n');
+                s.push_str(&self.bodies[i]);
+            }
             let facts = match i {
                 0 => self
                     .plan
                     .as_ref()
-                    .map(|p| format!("{FACTS_LABEL}: the latest plan/todo list\n{p}")),
+                    .map(|p| format!("{}\n{p}", self.label("the latest plan/todo list"))),
+                1 => self.statements_block(0),
                 2 => self.files_block(),
+                3 => self.statements_block(1),
                 4 => (self.errors_from < f.errors.len()).then(|| {
                     let errs = f.errors[self.errors_from..].join("\n");
                     format!(
-                        "{FACTS_LABEL}: exact error lines from failed tool calls, oldest first\n{}",
+                        "{}\n{}",
+                        self.label("exact error lines of failed tool calls"),
                         fenced(&errs, "text")
                     )
                 }),
-                _ => None,
+                _ => self.statements_block(2),
             };
             if let Some(block) = facts {
-                s.push_str("\n\n");
+                s.push_str(if self.bodies[i].is_empty() {
+                    "\n"
+                } else {
+                    "\n\n"
+                });
                 s.push_str(&block);
             }
         }
         s.push_str("\n\n## TOOL CALL LOG\n");
         let total = f.tool_log.len();
+        let shown = total - self.log_from.min(total);
         if total == 0 {
             s.push_str("(no tool calls)");
+        } else if shown == 0 {
+            s.push_str(&format!(
+                "{FACTS_LABEL}: {total} tool calls (log cut for size)"
+            ));
         } else {
-            let shown = total - self.log_from;
             s.push_str(&format!(
                 "{FACTS_LABEL}: the last {shown} of {total} recorded tool calls, oldest first"
             ));
-            for l in &f.tool_log[self.log_from..] {
+            for l in &f.tool_log[total - shown..] {
                 s.push_str("\n- ");
                 s.push_str(l);
             }
@@ -78,10 +146,15 @@ Blocks starting \"{FACTS_LABEL}\" were extracted verbatim from the conversation;
         if self.facts.files.is_empty() {
             return None;
         }
-        let mut s = format!("{FACTS_LABEL}: files touched, in order of first touch");
+        let mut s = self.label("files touched, in order of first touch");
+        let mut reads = 0;
         for (f, content) in self.facts.files.iter().zip(&self.contents) {
             let p = &f.path;
             let line = match (f.action.as_str(), content) {
+                ("read", _) if self.hide_reads => {
+                    reads += 1;
+                    continue;
+                }
                 ("write", Some(c)) => format!("- {p} — current content:\n{}", fenced(c, "")),
                 ("patch", Some(c)) => format!(
                     "- {p} — patched; the patches written, oldest first:\n{}",
@@ -101,23 +174,33 @@ Blocks starting \"{FACTS_LABEL}\" were extracted verbatim from the conversation;
             s.push('\n');
             s.push_str(&line);
         }
+        if reads > 0 {
+            s.push_str(&format!("\n- and {reads} more read, not modified"));
+        }
         Some(s)
     }
 }
 
 /// The full summary message text: [`SUMMARY_MARKER`] header, `## TASK`
 /// (verbatim), the six narrative sections with the proxy's facts after the
-/// model's text in PLAN STATE (plan), FILE/WORKSPACE STATE (files with their
-/// content or changes in fenced blocks) and ERRORS & FIXES (exact lines),
-/// then `## TOOL CALL LOG`. `narrative = None` gives the deterministic
-/// fallback: same headings, facts only, a line saying the narrative is
-/// unavailable.
+/// model's text — PLAN STATE (plan), DECISIONS (the assistant's own
+/// decisions), FILE/WORKSPACE STATE (files with their content or changes in
+/// fenced blocks), CONSTRAINTS & PREFERENCES (what the user asked after the
+/// task), ERRORS & FIXES (exact lines), OPEN ITEMS / NEXT STEP (the
+/// assistant's own next steps) — then `## TOOL CALL LOG`.
 ///
-/// Within `max_bytes` by trimming, in order: the tool log (oldest first),
-/// file contents (largest first, head and tail kept, then dropped — paths
-/// always stay), errors (oldest first), then the narrative and the plan.
-/// TASK and the file paths are never cut, so a task that alone exceeds the
-/// budget yields a longer text.
+/// The sections the model wrote are kept; one it left out (or filled with
+/// the prompt's own description) says it was not provided, and the facts
+/// follow. `narrative = None` gives the deterministic fallback: same
+/// headings, facts only, a line saying the narrative is unavailable.
+///
+/// Within `max_bytes`, facts first: the narrative is cut before any fact,
+/// then, in order: the explanatory header, the tool log (oldest first; its
+/// size is still stated), the list of files only read, file contents
+/// (context lines of patches first, then largest first, head and tail
+/// kept, then dropped — paths stay), the
+/// recorded statements (oldest first), errors (oldest first), the plan. TASK and the paths of changed files are never cut, so a task that
+/// alone exceeds the budget yields a longer text.
 pub fn assemble(
     facts: &Facts,
     narrative: Option<&str>,
@@ -125,7 +208,7 @@ pub fn assemble(
     max_bytes: usize,
 ) -> String {
     let bodies: [String; 6] = match narrative {
-        Some(n) => split_sections(n).map(|b| match b {
+        Some(n) => written_sections(n).map(|b| match b {
             Some(b) if !b.is_empty() => b,
             Some(_) => "none".to_string(),
             None => NOT_PROVIDED.to_string(),
@@ -137,19 +220,65 @@ pub fn assemble(
         covered: covered_items,
         bodies,
         fallback: narrative.is_none(),
+        short_header: false,
         plan: facts.plan.clone(),
         contents: facts.files.iter().map(|f| f.content.clone()).collect(),
         errors_from: 0,
         log_from: 0,
+        statements_from: [0; 3],
+        hide_reads: false,
     };
     let mut text = d.render();
     let over = |t: &str| t.len().saturating_sub(max_bytes);
-    // 1. The tool log, oldest lines first.
+    // 1. The narrative, longest section first: clipped, then cut.
+    while over(&text) > 0 {
+        let Some((i, len)) = d
+            .bodies
+            .iter()
+            .map(String::len)
+            .enumerate()
+            .filter(|&(_, l)| l > 0)
+            .max_by_key(|&(_, l)| l)
+        else {
+            break;
+        };
+        let excess = over(&text);
+        d.bodies[i] = if len > MIN_BODY {
+            clip(&d.bodies[i], len.saturating_sub(excess + 8).max(MIN_BODY))
+        } else {
+            String::new()
+        };
+        text = d.render();
+    }
+    // 2. The explanatory header.
+    if over(&text) > 0 {
+        d.short_header = true;
+        text = d.render();
+    }
+    // 3. The tool log, oldest lines first.
     while over(&text) > 0 && d.log_from < facts.tool_log.len() {
         d.log_from += 1;
         text = d.render();
     }
-    // 2. File contents, largest first: shortened (head and tail), then dropped.
+    // 4. Files only read.
+    if over(&text) > 0 {
+        d.hide_reads = true;
+        text = d.render();
+    }
+    // 5. File contents: patches and edits without their context lines, then
+    // largest first shortened (head and tail), then dropped.
+    if over(&text) > 0 {
+        for (c, f) in d.contents.iter_mut().zip(&facts.files) {
+            if let (Some(c), "patch" | "edit") = (c.as_mut(), f.action.as_str()) {
+                *c = c
+                    .lines()
+                    .filter(|l| !l.starts_with(' '))
+                    .collect::<Vec<_>>()
+                    .join("\n");
+            }
+        }
+        text = d.render();
+    }
     for _ in 0..facts.files.len() * 3 + 1 {
         let excess = over(&text);
         if excess == 0 {
@@ -174,30 +303,24 @@ pub fn assemble(
         };
         text = d.render();
     }
-    // 3. Errors, oldest first.
+    // 6. Recorded statements, oldest first, from the longest list.
+    while over(&text) > 0 {
+        let lists = [&facts.decisions, &facts.constraints, &facts.next_steps];
+        let Some(k) = (0..3)
+            .filter(|&k| d.statements_from[k] < lists[k].len())
+            .max_by_key(|&k| lists[k].len() - d.statements_from[k])
+        else {
+            break;
+        };
+        d.statements_from[k] += 1;
+        text = d.render();
+    }
+    // 7. Errors, oldest first.
     while over(&text) > 0 && d.errors_from < facts.errors.len() {
         d.errors_from += 1;
         text = d.render();
     }
-    // 4. The narrative (longest section first), then the plan.
-    for _ in 0..24 {
-        let excess = over(&text);
-        if excess == 0 {
-            break;
-        }
-        let (i, len) = d
-            .bodies
-            .iter()
-            .map(String::len)
-            .enumerate()
-            .max_by_key(|&(_, l)| l)
-            .unwrap_or((0, 0));
-        if len <= 16 {
-            break;
-        }
-        d.bodies[i] = clip(&d.bodies[i], len.saturating_sub(excess + 8).max(16));
-        text = d.render();
-    }
+    // 8. The plan.
     if over(&text) > 0 {
         if let Some(p) = d.plan.as_deref() {
             let excess = over(&text);
@@ -381,9 +504,76 @@ mod tests {
         let s = assemble(&f, Some(GOOD), 100, full.len() - log_bytes / 2);
         assert!(s.contains(f.files[9].content.as_deref().unwrap()));
         assert!(!s.contains(&f.tool_log[0]) && s.contains(&f.tool_log[39]));
-        // Then contents, then errors: errors kept while contents suffice.
+        // Then contents: errors stay.
         let s = assemble(&f, Some(GOOD), 100, 12_000);
-        assert!(s.contains(&f.errors[0]) && !s.contains(&f.tool_log[39]));
+        assert!(s.contains(&f.errors[0]), "{s}");
+        assert!(s.contains("40 tool calls (log cut for size)"), "{s}");
+    }
+
+    /// Facts first: with a budget too small for everything, the narrative
+    /// goes before any fact, and the log never reads "the last 0 of N".
+    #[test]
+    fn a_tight_budget_keeps_facts_before_narrative() {
+        let mut f = sample_facts();
+        f.decisions = vec!["Decision: max_age 3600 because sessions last an hour".into()];
+        f.constraints = vec!["Never change the cookie name.".into()];
+        f.next_steps = vec!["Next step: rerun pytest -k cookie".into()];
+        f.files.push(FileFact {
+            path: "docs/notes.md".into(),
+            action: "read".into(),
+            content: None,
+        });
+        f.tool_log = (0..7).map(|i| format!("sh(cmd=step {i}) → ok")).collect();
+        let long_narrative = GOOD.replace("- run tests", &"- run tests again\n".repeat(40));
+        let full = assemble(&f, Some(&long_narrative), 9, usize::MAX);
+        for max in [1400, 1100, 800] {
+            let s = assemble(&f, Some(&long_narrative), 9, max);
+            assert!(s.len() <= max, "{} > {max}:\n{s}", s.len());
+            assert!(!s.contains("the last 0 of"), "{s}");
+            let mut must = vec![
+                "Fix the expired cookie bug in src/auth.py; keep the API unchanged.",
+                "src/auth.py —",
+                "KeyError: 'session'",
+            ];
+            if max > 800 {
+                // Room for the statements too (the read-only file is counted instead).
+                must.extend([
+                    "Decision: max_age 3600 because sessions last an hour",
+                    "Never change the cookie name.",
+                    "Next step: rerun pytest -k cookie",
+                ]);
+            }
+            for m in must {
+                assert!(s.contains(m), "{m} missing at {max}:\n{s}");
+            }
+            assert!(
+                !s.contains("run tests again"),
+                "narrative cut first at {max}"
+            );
+        }
+        assert!(full.contains("run tests again") && full.contains("the last 7 of 7"));
+        // With no room for the log at all, its size is still stated.
+        let s = assemble(&f, None, 9, 600);
+        assert!(s.contains("7 tool calls (log cut for size)"), "{s}");
+    }
+
+    #[test]
+    fn missing_sections_are_marked_and_filled_from_facts() {
+        let mut f = sample_facts();
+        f.decisions = vec!["Decision: keep the API because clients pin it".into()];
+        let answer = "PLAN STATE: the current plan or todo list, each step with its status.\nERRORS & FIXES: KeyError fixed with a default\n";
+        let s = assemble(&f, Some(answer), 5, 100_000);
+        assert!(!s.contains("narrative is unavailable"));
+        assert!(
+            s.contains("## ERRORS & FIXES\nKeyError fixed with a default\n"),
+            "{s}"
+        );
+        assert!(s.contains("## PLAN STATE\n(not provided by the summarizer)\n\nRecorded by the proxy: the latest plan"), "{s}");
+        assert!(s.contains("## DECISIONS\n(not provided by the summarizer)\n\nRecorded by the proxy: the assistant's decisions\n- Decision: keep the API because clients pin it"), "{s}");
+        assert!(
+            !s.contains("each step with its status."),
+            "echo dropped: {s}"
+        );
     }
 
     #[test]
@@ -431,7 +621,7 @@ mod tests {
                 && !prev.contains("## TASK")
                 && !prev.contains("TOOL CALL LOG")
         );
-        assert_eq!(split_sections(&prev), split_sections(GOOD));
+        assert_eq!(written_sections(&prev), written_sections(GOOD));
         // A fallback has no narrative to carry: the facts are handed over instead.
         let fb = assemble(&f, None, 12, 100_000);
         let prev_fb = previous_narrative(&fb);

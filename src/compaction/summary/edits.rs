@@ -15,8 +15,12 @@ use crate::compaction::items::ceil_boundary;
 pub(super) enum Op {
     Read,
     Write(String),
-    /// One file's section of an apply_patch envelope.
-    Patch(String),
+    /// One file's section of a patch (apply_patch envelope or unified
+    /// diff) as written, and its hunks in apply_patch form.
+    Patch {
+        section: String,
+        body: Vec<String>,
+    },
     /// An old/new string replacement (`old` empty: not applicable, e.g. insert).
     Edit {
         old: String,
@@ -99,9 +103,105 @@ pub(super) fn patch_files(args: &Value) -> Vec<PatchFile> {
     string_leaves(args, 4, &mut leaves);
     leaves
         .into_iter()
-        .filter(|s| s.contains("*** Begin Patch"))
-        .flat_map(parse_patch)
+        .flat_map(|s| {
+            if s.contains("*** Begin Patch") {
+                parse_patch(s)
+            } else if s.contains("\n+++ ") || s.starts_with("+++ ") {
+                parse_unified_diff(s)
+            } else {
+                Vec::new()
+            }
+        })
         .collect()
+}
+
+/// A path of a unified diff's `---` / `+++` line: `None` for `/dev/null`;
+/// git's `a/` and `b/` prefixes and a trailing timestamp dropped.
+fn diff_path(rest: &str, prefix: &str) -> Option<String> {
+    let p = rest.split('\t').next().unwrap_or("").trim();
+    if p == "/dev/null" || p.is_empty() {
+        return None;
+    }
+    let p = p.strip_prefix(prefix).unwrap_or(p);
+    Some(clean_path(p))
+}
+
+/// The files of a unified diff (`diff -u`, `git diff`): each file's hunks
+/// turned into apply_patch form (`@@ context`, then ` `/`-`/`+` lines) so
+/// they apply onto a known content the same way; a file from `/dev/null`
+/// is added, one to `/dev/null` deleted.
+fn parse_unified_diff(text: &str) -> Vec<PatchFile> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut files: Vec<PatchFile> = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        let (Some(old), Some(new)) = (
+            lines[i].strip_prefix("--- "),
+            lines.get(i + 1).and_then(|l| l.strip_prefix("+++ ")),
+        ) else {
+            i += 1;
+            continue;
+        };
+        let git = old.starts_with("a/") && new.starts_with("b/");
+        let (from, to) = if git {
+            (diff_path(old, "a/"), diff_path(new, "b/"))
+        } else {
+            (diff_path(old, ""), diff_path(new, ""))
+        };
+        let start = i;
+        i += 2;
+        let mut body = Vec::new();
+        while i < lines.len() {
+            let l = lines[i];
+            if l.starts_with("--- ") && lines.get(i + 1).is_some_and(|n| n.starts_with("+++ ")) {
+                break;
+            }
+            if let Some(h) = l.strip_prefix("@@") {
+                // `@@ -10,7 +10,7 @@ fn ctx()`: the text after the ranges is context.
+                let ctx = h.split_once("@@").map(|(_, c)| c.trim()).unwrap_or("");
+                body.push(format!("@@ {ctx}").trim_end().to_string());
+            } else if l.starts_with([' ', '-', '+']) || l.is_empty() {
+                body.push(l.to_string());
+            } else if l.starts_with("diff ") || l.starts_with("index ") || l.starts_with('\\') {
+                // Headers of the next file, `\ No newline at end of file`.
+            } else {
+                break;
+            }
+            i += 1;
+        }
+        while body.last().is_some_and(|l| l.is_empty()) {
+            body.pop();
+        }
+        // The hunks as written; the `---`/`+++` header only repeats the path.
+        let section = lines[start + 2..i].join("\n");
+        let (op, path) = match (from, to) {
+            (None, Some(to)) => ('A', to),
+            (Some(from), None) => ('D', from),
+            (Some(from), Some(to)) if from != to => {
+                files.push(PatchFile {
+                    op: 'U',
+                    path: from,
+                    move_to: Some(to.clone()),
+                    section,
+                    body,
+                });
+                continue;
+            }
+            (_, Some(to)) => ('U', to),
+            (None, None) => continue,
+        };
+        if op == 'A' {
+            body.retain(|l| !l.starts_with("@@"));
+        }
+        files.push(PatchFile {
+            op,
+            path,
+            move_to: None,
+            section,
+            body,
+        });
+    }
+    files
 }
 
 /// Applies one Update section's hunks to `content`; `None` when a hunk's
@@ -295,6 +395,191 @@ fn heredoc_writes(cmd: &str) -> Vec<(String, String)> {
     out
 }
 
+/// aider's SEARCH/REPLACE blocks in an assistant's text: the file's path on
+/// the line before the block (or before its opening fence), then
+/// `<<<<<<< SEARCH`, the old lines, `=======`, the new lines,
+/// `>>>>>>> REPLACE`. An empty SEARCH writes a new file.
+pub(super) fn text_edits(text: &str) -> Vec<(String, Op)> {
+    let lines: Vec<&str> = text.lines().collect();
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < lines.len() {
+        if lines[i].trim_end() != "<<<<<<< SEARCH" {
+            i += 1;
+            continue;
+        }
+        let path = lines[..i]
+            .iter()
+            .rev()
+            .map(|l| l.trim())
+            .find(|l| !l.is_empty() && !l.starts_with("```"))
+            .map(|l| clean_path(l.trim_matches('`')));
+        let Some(sep) = (i + 1..lines.len()).find(|&j| lines[j].trim_end() == "=======") else {
+            break;
+        };
+        let Some(end) =
+            (sep + 1..lines.len()).find(|&j| lines[j].trim_end().starts_with(">>>>>>> REPLACE"))
+        else {
+            break;
+        };
+        let (old, new) = (lines[i + 1..sep].join("\n"), lines[sep + 1..end].join("\n"));
+        if let Some(path) = path.filter(|p| !p.is_empty() && !p.contains(' ')) {
+            let op = if old.is_empty() {
+                let nl = if new.is_empty() { "" } else { "\n" };
+                Op::Write(format!("{new}{nl}"))
+            } else {
+                Op::Edit {
+                    rendered: render_edit(&old, &new, false),
+                    old,
+                    new,
+                    all: false,
+                }
+            };
+            out.push((path, op));
+        }
+        i = end + 1;
+    }
+    out
+}
+
+/// The words of a shell command line, quotes removed (no expansion);
+/// `;`, `|` and `&` are words of their own.
+fn shell_words(line: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    let mut cur = String::new();
+    let mut quote: Option<char> = None;
+    let mut started = false;
+    let mut chars = line.chars();
+    while let Some(c) = chars.next() {
+        match (quote, c) {
+            (Some(q), c) if c == q => quote = None,
+            (Some('"'), '\\') => cur.extend(chars.next()),
+            (Some(_), c) => cur.push(c),
+            (None, '\'' | '"') => {
+                quote = Some(c);
+                started = true;
+            }
+            (None, '\\') => {
+                cur.extend(chars.next());
+                started = true;
+            }
+            (None, c) if c.is_whitespace() || ";|&".contains(c) => {
+                if started {
+                    words.push(std::mem::take(&mut cur));
+                }
+                started = false;
+                if ";|&".contains(c) {
+                    words.push(c.to_string());
+                }
+            }
+            (None, c) => {
+                cur.push(c);
+                started = true;
+            }
+        }
+    }
+    if started {
+        words.push(cur);
+    }
+    words
+}
+
+/// One `s<d>pattern<d>replacement<d>flags` sed command, as (pattern,
+/// replacement, global).
+fn sed_substitution(script: &str) -> Option<(String, String, bool)> {
+    let mut chars = script.strip_prefix('s')?.chars();
+    let d = chars.next()?;
+    let mut parts = vec![String::new()];
+    let mut escaped = false;
+    for c in chars {
+        let part = parts.last_mut()?;
+        if escaped {
+            // `\<d>` is the delimiter itself; other escapes stay as written.
+            if c != d {
+                part.push('\\');
+            }
+            part.push(c);
+            escaped = false;
+        } else if c == '\\' {
+            escaped = true;
+        } else if c == d {
+            parts.push(String::new());
+        } else {
+            part.push(c);
+        }
+    }
+    match parts.as_slice() {
+        [pat, rep, flags] => Some((pat.clone(), rep.clone(), flags.contains('g'))),
+        _ => None,
+    }
+}
+
+/// `sed -i` substitutions in a shell command, per file. A pattern without
+/// regex syntax applies as the literal replacement it is; any other is
+/// kept as written in the file's chain of edits.
+fn sed_edits(cmd: &str) -> Vec<(String, Op)> {
+    let mut out = Vec::new();
+    for line in cmd.lines() {
+        let words = shell_words(line);
+        let mut k = 0;
+        while k < words.len() {
+            if words[k] != "sed" {
+                k += 1;
+                continue;
+            }
+            let end = (k + 1..words.len())
+                .find(|&j| matches!(words[j].as_str(), ";" | "|" | "&"))
+                .unwrap_or(words.len());
+            let args = &words[k + 1..end];
+            k = end;
+            if !args
+                .iter()
+                .any(|a| a.starts_with("-i") || a == "--in-place")
+            {
+                continue;
+            }
+            let mut scripts: Vec<String> = Vec::new();
+            let mut files = Vec::new();
+            let mut j = 0;
+            while j < args.len() {
+                let a = &args[j];
+                j += 1;
+                if a == "-e" || a == "--expression" {
+                    scripts.extend(args.get(j).cloned());
+                    j += 1;
+                } else if a.starts_with('-') || a.is_empty() {
+                    // Other options; macOS's `-i ''`.
+                } else if scripts.is_empty() {
+                    scripts.push(a.clone());
+                } else {
+                    files.push(clean_path(a));
+                }
+            }
+            for script in scripts.iter().flat_map(|s| s.split(';')) {
+                let Some((pat, rep, all)) = sed_substitution(script.trim()) else {
+                    continue;
+                };
+                let literal = !pat.contains(['.', '*', '[', ']', '^', '$', '\\'])
+                    && !rep.contains(['&', '\\']);
+                for f in &files {
+                    out.push((
+                        f.clone(),
+                        Op::Edit {
+                            // An empty `old` is never applied onto a known content.
+                            old: if literal { pat.clone() } else { String::new() },
+                            new: rep.clone(),
+                            all,
+                            rendered: format!("@@ sed -i {}\n-{pat}\n+{rep}\n", script.trim()),
+                        },
+                    ));
+                }
+            }
+        }
+    }
+    out
+}
+
+/// What a call does to files and the plan, if it succeeds.
 pub(super) fn effects_of(call: &Call) -> Vec<Effect> {
     let mut fx = Vec::new();
     let name = call.name.as_str();
@@ -323,9 +608,21 @@ pub(super) fn effects_of(call: &Call) -> Vec<Effect> {
                 _ => match p.move_to {
                     Some(to) => {
                         fx.push(Effect::File(p.path, Op::Delete));
-                        fx.push(Effect::File(to, Op::Patch(p.section)));
+                        fx.push(Effect::File(
+                            to,
+                            Op::Patch {
+                                section: p.section,
+                                body: p.body,
+                            },
+                        ));
                     }
-                    None => fx.push(Effect::File(p.path, Op::Patch(p.section))),
+                    None => fx.push(Effect::File(
+                        p.path,
+                        Op::Patch {
+                            section: p.section,
+                            body: p.body,
+                        },
+                    )),
                 },
             }
         }
@@ -342,6 +639,9 @@ pub(super) fn effects_of(call: &Call) -> Vec<Effect> {
         for s in leaves {
             for (path, content) in heredoc_writes(s) {
                 fx.push(Effect::File(path, Op::Write(content)));
+            }
+            for (path, op) in sed_edits(s) {
+                fx.push(Effect::File(path, op));
             }
         }
         return fx;
@@ -452,13 +752,7 @@ pub(super) fn apply_op(files: &mut Vec<FileFact>, path: String, op: Op) {
             f.action = "write".into();
             f.content = Some(head_tail(&c, MAX_FILE_CONTENT));
         }
-        Op::Patch(section) => {
-            let body: Vec<String> = section
-                .lines()
-                .skip(1)
-                .filter(|l| !l.starts_with("*** "))
-                .map(String::from)
-                .collect();
+        Op::Patch { section, body } => {
             match known.as_deref().and_then(|c| apply_update(c, &body)) {
                 Some(new) => f.content = Some(head_tail(&new, MAX_FILE_CONTENT)),
                 None => {

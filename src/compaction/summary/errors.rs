@@ -9,6 +9,80 @@ use super::calls::value_or_json;
 use super::text::{clip, str_field};
 use super::{MAX_ERRORS_PER_OUTPUT, MAX_ERROR_LINE};
 
+/// Opens the digest line naming an output's paths.
+const PATHS_NAMED: &str = "Paths named:";
+/// Most paths a digest names.
+const MAX_DIGEST_PATHS: usize = 5;
+/// Longest path a digest names.
+const MAX_DIGEST_PATH: usize = 160;
+
+/// File extensions a path-like word without a `/` must end in to count.
+const PATH_EXTENSIONS: [&str; 24] = [
+    "rs", "py", "ts", "tsx", "js", "jsx", "go", "java", "kt", "c", "h", "cc", "cpp", "hpp", "rb",
+    "toml", "json", "yaml", "yml", "md", "txt", "csv", "sh", "sql",
+];
+
+/// A word of an output that names a file (`crates/a/src/csv.rs:88:14:` →
+/// `crates/a/src/csv.rs`).
+fn path_in(word: &str) -> Option<&str> {
+    let w = word.trim_matches(|c: char| "'\"`()[]{}<>,;".contains(c));
+    // Drop `:line:col` and a trailing colon.
+    let w = w.split(':').next().unwrap_or("");
+    let w = w.trim_end_matches('.');
+    let (stem, ext) = w.rsplit_once('.')?;
+    let valid = !stem.is_empty()
+        && !ext.is_empty()
+        && ext.len() <= 8
+        && ext.chars().all(|c| c.is_ascii_alphanumeric())
+        && w.chars()
+            .all(|c| c.is_alphanumeric() || "_-./@+".contains(c))
+        && !w.contains("://")
+        && w.len() <= MAX_DIGEST_PATH;
+    let named = w.contains('/') || PATH_EXTENSIONS.contains(&ext);
+    (valid && named && !ext.chars().all(|c| c.is_ascii_digit())).then_some(w)
+}
+
+/// A short digest of a tool output that is being cut, for the stub or
+/// marker that replaces it: its exit status when it states one, its exact
+/// error lines (those not in `kept`, the part of the output still shown),
+/// and the paths it names (from its error lines first). Empty when there is
+/// nothing to say.
+pub fn output_digest(text: &str, kept: &str) -> Vec<String> {
+    let o = outcome(text);
+    let mut lines = Vec::new();
+    if let Some(code) = o.exit {
+        if stated_exit_code(kept) != Some(code) {
+            lines.push(format!("Exit code: {code}"));
+        }
+    }
+    if o.failed {
+        lines.extend(
+            o.errors
+                .iter()
+                .filter(|e| !kept.contains(e.as_str()))
+                .cloned(),
+        );
+    }
+    let mut paths: Vec<&str> = Vec::new();
+    let sources = o.errors.iter().map(String::as_str).chain(text.lines());
+    'scan: for line in sources {
+        for w in line.split_whitespace() {
+            if let Some(p) = path_in(w) {
+                if !paths.contains(&p) {
+                    paths.push(p);
+                    if paths.len() == MAX_DIGEST_PATHS {
+                        break 'scan;
+                    }
+                }
+            }
+        }
+    }
+    if !paths.is_empty() {
+        lines.push(format!("{PATHS_NAMED} {}", paths.join(", ")));
+    }
+    lines
+}
+
 /// What a tool output says about its call.
 #[derive(Debug, Clone, Default)]
 pub(super) struct Outcome {
@@ -22,7 +96,7 @@ pub(super) struct Outcome {
 
 /// Header lines harnesses and our own ladder put around tool output.
 fn is_header_line(t: &str) -> bool {
-    const HEADERS: [&str; 9] = [
+    const HEADERS: [&str; 10] = [
         "Chunk ID:",
         "Wall time:",
         "Process exited with code",
@@ -32,6 +106,7 @@ fn is_header_line(t: &str) -> bool {
         "Total output lines:",
         "[compactor:",
         "[… ",
+        PATHS_NAMED,
     ];
     HEADERS.iter().any(|h| t.starts_with(h))
 }
@@ -115,7 +190,9 @@ pub fn is_error_line(t: &str) -> bool {
 
 /// Reads a tool output's payload.
 pub(super) fn outcome(text: &str) -> Outcome {
-    if text.starts_with("[compactor: tool output pruned") {
+    // A pruned output whose stub carries no digest says nothing of its call;
+    // a digest is read like the output it stands for.
+    if text.starts_with("[compactor: tool output pruned") && !text.trim_end().contains('\n') {
         return Outcome {
             pruned: true,
             ..Outcome::default()

@@ -9,9 +9,10 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::calls::{calls_of, short_args};
-use super::edits::{apply_op, effects_of, Effect};
+use super::edits::{apply_op, effects_of, text_edits, Effect};
 use super::errors::{outcome, Outcome};
-use super::text::clip;
+use super::statements::{classify_assistant_line, push_statement, user_constraints, Statement};
+use super::text::{clip, role};
 use super::{MAX_ERRORS, MAX_LOG_OUTCOME, MAX_TOOL_LOG};
 use crate::compaction::items::{is_summary, is_tool_output, is_user_message, output_id, text_of};
 
@@ -31,6 +32,14 @@ pub struct Facts {
     /// One line per tool call: `name(short args) → ok` or
     /// `→ error: <first error line>` (at most [`MAX_TOOL_LOG`], newest kept).
     pub tool_log: Vec<String>,
+    /// The agent's own statements of decisions (`Decision: … because …`),
+    /// verbatim, newest kept.
+    pub decisions: Vec<String>,
+    /// The agent's own statements of what it does next, newest kept.
+    pub next_steps: Vec<String>,
+    /// Constraints and preferences the user stated after the task, newest
+    /// kept.
+    pub constraints: Vec<String>,
 }
 
 /// What the conversation did to one file.
@@ -139,6 +148,30 @@ fn settle(facts: &mut Facts, log: &mut [String], p: Pending, out: Option<&Outcom
     }
 }
 
+/// What the assistant's own text records: its decisions and next steps,
+/// and the edits it wrote as SEARCH/REPLACE blocks (they take effect as
+/// written: no tool output reports on them).
+fn assistant_text(facts: &mut Facts, text: &str) {
+    let mut in_fence = false;
+    for line in text.lines() {
+        if line.trim_start().starts_with("```") {
+            in_fence = !in_fence;
+            continue;
+        }
+        if in_fence {
+            continue;
+        }
+        match classify_assistant_line(line) {
+            Some((Statement::Decision, s)) => push_statement(&mut facts.decisions, s),
+            Some((Statement::NextStep, s)) => push_statement(&mut facts.next_steps, s),
+            None => {}
+        }
+    }
+    for (path, op) in text_edits(text) {
+        apply_op(&mut facts.files, path, op);
+    }
+}
+
 /// Facts of `part` (the items being summarized), merged onto `previous`
 /// (facts of the compaction this one extends): task kept, files merged by
 /// path (newer wins; patches and edits apply onto a previously known full
@@ -154,15 +187,22 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
     let mut pending: HashMap<String, Pending> = HashMap::new();
     let mut unnamed: Vec<Pending> = Vec::new();
     for item in part {
-        if facts.task.is_none() {
-            if is_user_message(item) {
-                let text = text_of(item);
-                if !is_injected(&text) {
+        if is_user_message(item) {
+            let text = text_of(item);
+            if !is_injected(&text) {
+                if facts.task.is_none() {
                     facts.task = Some(text);
+                } else {
+                    for c in user_constraints(&text) {
+                        push_statement(&mut facts.constraints, c);
+                    }
                 }
-            } else if is_summary(item) {
-                facts.task = task_from_summary(&text_of(item));
             }
+        } else if facts.task.is_none() && is_summary(item) {
+            facts.task = task_from_summary(&text_of(item));
+        }
+        if role(item) == "assistant" {
+            assistant_text(&mut facts, &text_of(item));
         }
         for call in calls_of(item) {
             let line = log.len();

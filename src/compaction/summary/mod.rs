@@ -34,6 +34,7 @@
 //! - [`errors`]: exit status and exact error lines of a tool output
 //! - [`edits`]: patches, edits, writes, heredocs and their effect on files
 //! - [`plan`]: plan and todo tools
+//! - [`statements`]: the agent's decisions and next steps, the user's constraints
 //! - [`prompt`]: the transcript and the summarizer prompt
 //! - [`narrative`]: reading and validating the model's answer
 //! - [`assemble`](mod@assemble): the summary message within its budget
@@ -47,13 +48,14 @@ mod facts;
 mod narrative;
 mod plan;
 mod prompt;
+mod statements;
 mod text;
 
 pub use assemble::{assemble, previous_narrative};
-pub use errors::is_error_line;
+pub use errors::{is_error_line, output_digest};
 pub use facts::{extract_facts, is_injected, Facts, FileFact};
-pub use narrative::validate;
-pub use prompt::{render_transcript, summarizer_messages};
+pub use narrative::{usable, validate};
+pub use prompt::{render_transcript, retry_messages, summarizer_messages};
 
 /// Most error lines kept in [`Facts::errors`] (newest kept).
 pub const MAX_ERRORS: usize = 20;

@@ -1,6 +1,7 @@
 //! Reading the model's answer: headings in the styles models write, the
 //! body of each narrative section, and validation.
 
+use super::prompt::SECTION_DESCRIPTIONS;
 use super::NARRATIVE_SECTIONS;
 
 /// Uppercase words, `&`/`and` and leading numbering dropped, joined.
@@ -17,41 +18,126 @@ fn normalize(s: &str) -> String {
     words[skip..].concat()
 }
 
-/// The narrative section a line opens, with any text written on the same
-/// line (`**PLAN STATE:** done`). Headings are `#`…`######` lines, bold
-/// lines, or a line that is just the heading (case-insensitive).
-pub(super) fn heading_of(line: &str) -> Option<(usize, String)> {
-    let t = line.trim();
-    let hashes = t.starts_with('#');
-    let bold = t.starts_with("**") || t.starts_with("__");
-    let norm = normalize(t);
+/// Names models give each section besides its own (normalized by
+/// [`normalize`] before comparing), in [`NARRATIVE_SECTIONS`] order.
+const SYNONYMS: [&[&str]; 6] = [
+    &[
+        "plan",
+        "current plan",
+        "plan status",
+        "progress",
+        "status",
+        "todo",
+        "todo list",
+        "tasks",
+    ],
+    &["decision", "key decisions", "decisions made", "choices"],
+    &[
+        "files",
+        "file state",
+        "workspace",
+        "workspace state",
+        "files changed",
+        "file changes",
+        "changed files",
+        "modified files",
+        "code changes",
+        "changes",
+    ],
+    &[
+        "constraints",
+        "preferences",
+        "constraint",
+        "requirements",
+        "rules",
+        "user preferences",
+    ],
+    &[
+        "errors",
+        "errors fixes",
+        "error",
+        "issues",
+        "problems",
+        "bugs",
+        "errors encountered",
+    ],
+    &[
+        "next step",
+        "next steps",
+        "open items",
+        "open item",
+        "next",
+        "remaining work",
+        "next actions",
+        "todo next",
+        "pending",
+    ],
+];
+
+/// The section a heading's text names: its own name (a longer heading that
+/// starts with it counts) or one of its [`SYNONYMS`].
+fn section_named(label: &str) -> Option<usize> {
+    let norm = normalize(label);
+    if norm.is_empty() {
+        return None;
+    }
     NARRATIVE_SECTIONS
         .iter()
-        .position(|h| {
-            let h = normalize(h);
-            if hashes || bold {
-                norm.starts_with(&h)
-            } else {
-                norm == h
-            }
+        .position(|h| norm.starts_with(&normalize(h)))
+        .or_else(|| {
+            SYNONYMS
+                .iter()
+                .position(|names| names.iter().any(|n| normalize(n) == norm))
         })
-        .map(|i| {
-            let rest = if bold {
-                t[2..]
-                    .find(&t[..2])
-                    .map(|e| {
-                        t[2 + e + 2..]
-                            .trim()
-                            .trim_start_matches(':')
-                            .trim()
-                            .to_string()
-                    })
-                    .unwrap_or_default()
-            } else {
-                String::new()
-            };
-            (i, rest)
-        })
+}
+
+/// The narrative section a line opens, with any text written on the same
+/// line. Styles read, any case, numbered or not: `## X`, `### 1. X`, `**X**`,
+/// `**X:** text`, `__X__`, `X:` alone, `X: text`, and `X` alone; `X` is a
+/// section's name or a near-synonym ("Next steps", "Files"). A bulleted
+/// line (`- Files: …`) is content, not a heading.
+pub(super) fn heading_of(line: &str) -> Option<(usize, String)> {
+    let t = line.trim();
+    let marked = t.starts_with('#') || t.starts_with("**") || t.starts_with("__");
+    let t = t.trim_start_matches('#').trim_start();
+    // Leading numbering: `1.`, `2)`, `III.` is not tried.
+    let t = match t.split_once(['.', ')']) {
+        Some((n, rest)) if !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()) => {
+            rest.trim_start()
+        }
+        _ => t,
+    };
+    let (bold, t) = match t.get(..2) {
+        Some(m @ ("**" | "__")) => (Some(m), &t[2..]),
+        _ => (None, t),
+    };
+    // The label ends at the closing bold marker or the first colon.
+    let (label, rest) = match bold.and_then(|m| t.find(m).map(|e| (m, e))) {
+        Some((m, e)) => (&t[..e], t[e + m.len()..].trim()),
+        None => match t.split_once(':') {
+            Some((l, r)) => (l, r.trim()),
+            None => (t, ""),
+        },
+    };
+    let label = label.trim().trim_end_matches(':').trim();
+    let rest = rest.trim_start_matches(':').trim();
+    let i = if marked || bold.is_some() {
+        section_named(label)
+    } else {
+        // A plain line: the label must be the whole name (not a sentence
+        // that happens to start with "Plan"), and no bullet.
+        let plain_ok =
+            !t.starts_with(['-', '*', '+', '>', '`']) && label.split_whitespace().count() <= 5;
+        plain_ok
+            .then(|| section_named(label))
+            .flatten()
+            .filter(|&i| {
+                let norm = normalize(label);
+                norm == normalize(NARRATIVE_SECTIONS[i])
+                    || SYNONYMS[i].iter().any(|n| normalize(n) == norm)
+            })
+    }?;
+    Some((i, rest.to_string()))
 }
 
 pub(super) fn is_fence(line: &str) -> bool {
@@ -105,11 +191,50 @@ pub(super) fn split_sections(text: &str) -> [Option<String>; 6] {
     out.map(|b| b.map(|b| b.trim().to_string()))
 }
 
-/// Checks the model's answer: `Ok` if every [`NARRATIVE_SECTIONS`] heading is
-/// present (`#`…`######`, bold, a bare line, any case, `and` for `&`,
-/// numbering, trailing `:` all tolerated), else the missing headings.
+/// Fewest words a body needs to count as an echo of the prompt.
+const MIN_ECHO_WORDS: usize = 3;
+
+/// Lowercased words of `s` longer than two letters.
+fn words(s: &str) -> Vec<String> {
+    s.split(|c: char| !c.is_alphanumeric())
+        .filter(|w| w.len() > 2)
+        .map(str::to_lowercase)
+        .collect()
+}
+
+/// Whether `body` only restates the prompt's description of its section
+/// (small models copy the instructions in as content): nearly every word
+/// of it is a word of the description or of the heading.
+fn echoes_prompt(i: usize, body: &str) -> bool {
+    let body_words = words(body);
+    // A word or two ("fixed", "none pending") is an answer, not an echo.
+    if body_words.len() < MIN_ECHO_WORDS {
+        return false;
+    }
+    let mut known = words(SECTION_DESCRIPTIONS[i]);
+    known.extend(words(NARRATIVE_SECTIONS[i]));
+    let echoed = body_words.iter().filter(|w| known.contains(w)).count();
+    echoed * 10 >= body_words.len() * 8
+}
+
+/// The sections the model really wrote: [`split_sections`] minus bodies that
+/// only echo the prompt.
+pub(super) fn written_sections(text: &str) -> [Option<String>; 6] {
+    let mut s = split_sections(text);
+    for (i, body) in s.iter_mut().enumerate() {
+        if body.as_deref().is_some_and(|b| echoes_prompt(i, b)) {
+            *body = None;
+        }
+    }
+    s
+}
+
+/// Checks the model's answer: `Ok` if every [`NARRATIVE_SECTIONS`] section
+/// was written (any heading style [`heading_of`] reads; a body that only
+/// echoes the prompt does not count), else the missing sections. A partial
+/// answer is still used (see [`usable`]); the missing list is for the retry.
 pub fn validate(narrative: &str) -> Result<(), Vec<&'static str>> {
-    let sections = split_sections(narrative);
+    let sections = written_sections(narrative);
     let missing: Vec<&'static str> = NARRATIVE_SECTIONS
         .iter()
         .zip(sections.iter())
@@ -121,6 +246,13 @@ pub fn validate(narrative: &str) -> Result<(), Vec<&'static str>> {
     } else {
         Err(missing)
     }
+}
+
+/// How many sections of `narrative` were really written; an answer with at
+/// least one is worth keeping (the assembled summary fills the rest from
+/// the recorded facts).
+pub fn usable(narrative: &str) -> usize {
+    written_sections(narrative).iter().flatten().count()
 }
 
 #[cfg(test)]
@@ -152,5 +284,131 @@ mod tests {
             ])
         );
         assert_eq!(validate(""), Err(NARRATIVE_SECTIONS.to_vec()));
+    }
+
+    /// One answer per heading style models write; each must yield all six
+    /// sections with the text written under (or after) its heading.
+    #[test]
+    fn heading_style_corpus() {
+        let bodies = [
+            "step one done",
+            "use chrono because offsets",
+            "src/a.rs: UtcOnly",
+            "no new deps",
+            "`E1` fixed",
+            "run the suite",
+        ];
+        let styles: [(&str, [&str; 6]); 9] = [
+            ("## {h}\n{b}\n", NARRATIVE_SECTIONS),
+            (
+                "### {n}. {h}\n{b}\n",
+                [
+                    "Plan state",
+                    "Decisions",
+                    "File/workspace state",
+                    "Constraints and preferences",
+                    "Errors & fixes",
+                    "Open items / next step",
+                ],
+            ),
+            ("**{h}**\n{b}\n", NARRATIVE_SECTIONS),
+            (
+                "**{h}:** {b}\n",
+                [
+                    "Plan",
+                    "Key decisions",
+                    "Files",
+                    "Constraints",
+                    "Errors",
+                    "Next steps",
+                ],
+            ),
+            ("{h}:\n{b}\n\n", NARRATIVE_SECTIONS),
+            ("{h}: {b}\n", NARRATIVE_SECTIONS),
+            (
+                "{n}. {h}: {b}\n",
+                [
+                    "plan state",
+                    "decisions",
+                    "workspace",
+                    "preferences",
+                    "issues",
+                    "open items",
+                ],
+            ),
+            (
+                "# {h}\n\n{b}\n\n",
+                [
+                    "current plan",
+                    "Decisions made",
+                    "Files changed",
+                    "Requirements",
+                    "Errors and fixes",
+                    "Next step",
+                ],
+            ),
+            (
+                "__{h}__\n{b}\n",
+                [
+                    "Progress",
+                    "Choices",
+                    "Workspace state",
+                    "Rules",
+                    "Problems",
+                    "Remaining work",
+                ],
+            ),
+        ];
+        for (style, names) in styles {
+            let text: String = names
+                .iter()
+                .zip(bodies)
+                .enumerate()
+                .map(|(n, (h, b))| {
+                    style
+                        .replace("{n}", &(n + 1).to_string())
+                        .replace("{h}", h)
+                        .replace("{b}", b)
+                })
+                .collect();
+            let text = format!("Here is the summary.\n\n{text}");
+            assert_eq!(validate(&text), Ok(()), "style {style:?}:\n{text}");
+            let got = written_sections(&text);
+            for (i, b) in bodies.iter().enumerate() {
+                assert_eq!(got[i].as_deref(), Some(*b), "style {style:?}, section {i}");
+            }
+        }
+    }
+
+    #[test]
+    fn bullets_and_sentences_are_content_not_headings() {
+        let text =
+            "## DECISIONS\n- Files: only src/a.rs\nPlan to keep it small.\nErrors were none.\n";
+        let s = split_sections(text);
+        assert_eq!(
+            s[1].as_deref(),
+            Some("- Files: only src/a.rs\nPlan to keep it small.\nErrors were none.")
+        );
+        assert!(s[0].is_none() && s[2].is_none() && s[4].is_none());
+    }
+
+    #[test]
+    fn prompt_echoes_are_not_written_sections() {
+        let echo = "PLAN STATE: the current plan or todo list, each step with its status.\nDECISIONS: choices made and why, one line each.\nERRORS & FIXES: none\nOPEN ITEMS / NEXT STEP: rerun the iso suite\n";
+        let s = written_sections(echo);
+        assert!(s[0].is_none() && s[1].is_none(), "{s:?}");
+        assert_eq!(s[4].as_deref(), Some("none"));
+        assert_eq!(s[5].as_deref(), Some("rerun the iso suite"));
+        assert_eq!(usable(echo), 2);
+        assert_eq!(
+            validate(echo),
+            Err(vec![
+                "PLAN STATE",
+                "DECISIONS",
+                "FILE/WORKSPACE STATE",
+                "CONSTRAINTS & PREFERENCES"
+            ])
+        );
+        assert_eq!(usable("Sure! We made good progress."), 0);
     }
 }

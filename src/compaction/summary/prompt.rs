@@ -84,18 +84,21 @@ pub fn render_transcript(part: &[Value], max_item_bytes: usize) -> Vec<String> {
     out
 }
 
+/// What the prompt asks for in each of [`NARRATIVE_SECTIONS`] (also how an
+/// answer that only echoes the prompt is recognised).
+pub(super) const SECTION_DESCRIPTIONS: [&str; 6] = [
+    "the current plan or todo list, each step with its status (done / in progress / pending).",
+    "choices made and why, one line each.",
+    "every file created, changed or deleted, by exact path, and what it now contains or was changed to (not just \"edited X\"); commands that worked.",
+    "rules and preferences the user or the environment stated.",
+    "errors hit, quoted exactly, and how each was fixed, or that it is unresolved.",
+    "what remains to be done, and the very next action.",
+];
+
 fn system_prompt() -> String {
-    let sections = [
-        "the current plan or todo list, each step with its status (done / in progress / pending).",
-        "choices made and why, one line each.",
-        "every file created, changed or deleted, by exact path, and what it now contains or was changed to (not just \"edited X\"); commands that worked.",
-        "rules and preferences the user or the environment stated.",
-        "errors hit, quoted exactly, and how each was fixed, or that it is unresolved.",
-        "what remains to be done, and the very next action.",
-    ];
     let list: String = NARRATIVE_SECTIONS
         .iter()
-        .zip(sections)
+        .zip(SECTION_DESCRIPTIONS)
         .map(|(h, what)| format!("## {h}\n{what}\n"))
         .collect();
     format!(
@@ -130,6 +133,30 @@ Answer with the complete updated summary.\n\n<transcript>\n{}\n</transcript>",
         json!({"role": "system", "content": system_prompt()}),
         json!({"role": "user", "content": user}),
     ]
+}
+
+/// The messages of a retry after an answer that lacked `missing`: the same
+/// request, with the user message saying which sections were missing.
+pub fn retry_messages(
+    previous_summary: Option<&str>,
+    transcript: &str,
+    missing: &[&str],
+) -> Vec<Value> {
+    let mut m = summarizer_messages(previous_summary, transcript);
+    let list = missing
+        .iter()
+        .map(|h| format!("## {h}"))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let note = format!(
+        "\n\nYour previous answer lacked these sections: {list}. Answer again with all six sections, \
+each under its heading written exactly as shown, with what the transcript says (\"none\" if nothing), \
+not the description of the section."
+    );
+    if let Some(Value::String(u)) = m.get_mut(1).and_then(|u| u.get_mut("content")) {
+        u.push_str(&note);
+    }
+    m
 }
 
 #[cfg(test)]
@@ -234,6 +261,19 @@ mod tests {
         assert_eq!(
             plain["choices"][0]["message"]["content"],
             crate::fake_upstream::AUTO_TEXT
+        );
+    }
+
+    #[test]
+    fn a_retry_names_the_missing_sections() {
+        let m = retry_messages(None, "[user] hi", &["DECISIONS", "ERRORS & FIXES"]);
+        assert_eq!(m[0], summarizer_messages(None, "[user] hi")[0]);
+        let u = m[1]["content"].as_str().unwrap();
+        assert!(u.contains("[user] hi"));
+        assert!(
+            u.ends_with("not the description of the section.")
+                && u.contains("lacked these sections: ## DECISIONS, ## ERRORS & FIXES."),
+            "{u}"
         );
     }
 }
