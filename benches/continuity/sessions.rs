@@ -313,6 +313,8 @@ pub fn sessions(scale: f64) -> Vec<Session> {
         ("reports", "W3"),
     ];
     let filler_bytes = ((24_000.0 * scale) as usize).max(2_000);
+    // Fewer filler turns too when scaled down (at least one of each).
+    let turns = |n: usize| ((n as f64 * scale).round() as usize).max(1);
     FORMS
         .iter()
         .zip(topics)
@@ -327,14 +329,14 @@ pub fn sessions(scale: f64) -> Vec<Session> {
             let error = format!("thread 'exporter::iso::{topic}' panicked at crates/{topic}/src/csv.rs:88:14: expected `2024-03-01T00:00:00Z`, got `2024-03-01T01:00:00+01:00` ({tag})");
             let next = format!("Next step: regenerate tests/fixtures/{topic}_{tag}.csv and rerun the iso roundtrip suite.");
             let mut b = Builder::new(0x5EED ^ i as u64, &task);
-            b.filler(2, filler_bytes);
+            b.filler(turns(2), filler_bytes);
             b.call(Some(&decision), "read_file", json!({"path": path}), &source(&mut Rng(i as u64), &path, filler_bytes / 3));
             plant_edit(&mut b, form, &path, &line);
-            b.filler(2, filler_bytes);
+            b.filler(turns(2), filler_bytes);
             b.user(&constraint);
             b.call(None, "shell", json!({"command": format!("cargo test -p {topic}")}), &test_log(&mut Rng(7 + i as u64), filler_bytes, Some(&error)));
             b.call(Some(&next), "shell", json!({"command": "git status --short"}), &format!(" M {path}\n"));
-            b.filler(5, filler_bytes);
+            b.filler(turns(5), filler_bytes);
             // Recent turns, kept verbatim.
             b.user("Keep going.");
             b.filler(1, filler_bytes / 4);
@@ -390,7 +392,81 @@ pub fn is_summary_call(r: &Received) -> bool {
     })
 }
 
-// ---------------------------------------------------------------- one run
+// ---------------------------------------------------------------- runs
+
+/// Rung 1 disabled: no tool output is ever this long.
+const NEVER_TRUNCATE: usize = usize::MAX / 2;
+/// The summary rung's ordinary window, tokens.
+pub const SUMMARY_WINDOW: u64 = 4_096;
+/// The tight window, tokens (also the real llama-server's own).
+pub const TIGHT_WINDOW: u64 = 2_048;
+
+/// Runs every session at every rung against `fake` answering summaries with
+/// nothing useful.
+pub async fn fake_tier(scale: f64) -> Table {
+    let mut table = Table::new();
+    for (i, s) in sessions(scale).iter().enumerate() {
+        let fake = tokio::time::timeout(STEP, FakeUpstream::start())
+            .await
+            .expect("fake upstream timed out")
+            .expect("fake upstream");
+        fake.set_summary_reply(Some(useless_summary(i)));
+        let tokens = session_tokens(s);
+        let runs = [
+            (
+                "",
+                RunConfig {
+                    window: tokens,
+                    tool_output_max_bytes: 8192,
+                },
+            ),
+            (
+                "",
+                RunConfig {
+                    window: tokens,
+                    tool_output_max_bytes: NEVER_TRUNCATE,
+                },
+            ),
+            (
+                "",
+                RunConfig {
+                    window: SUMMARY_WINDOW,
+                    tool_output_max_bytes: 8192,
+                },
+            ),
+            (
+                " tight",
+                RunConfig {
+                    window: TIGHT_WINDOW,
+                    tool_output_max_bytes: 8192,
+                },
+            ),
+        ];
+        for (suffix, cfg) in runs {
+            let mut g = run(s, fake.url(), &fake, cfg).await;
+            g.rung = g.rung.map(|r| format!("{r}{suffix}"));
+            report_misses(s.name, &g, &s.facts);
+            add(&mut table, &g);
+        }
+    }
+    table
+}
+
+pub fn report_misses(name: &str, g: &Graded, facts: &[Fact]) {
+    if std::env::var_os("CONT_VERBOSE").is_none() {
+        return;
+    }
+    for ((kind, kept), f) in g.kept.iter().zip(facts) {
+        if !kept {
+            eprintln!(
+                "  miss [{name}, {:?}] {}: {}",
+                g.rung,
+                kind.name(),
+                f.needle
+            );
+        }
+    }
+}
 
 /// How a run's proxy is set up.
 #[derive(Debug, Clone, Copy)]

@@ -142,7 +142,9 @@ fn parse_unified_diff(text: &str) -> Vec<PatchFile> {
             i += 1;
             continue;
         };
-        let git = old.starts_with("a/") && new.starts_with("b/");
+        // git's prefixes; a side from or to `/dev/null` has none.
+        let null = |s: &str| s.split('\t').next().unwrap_or("").trim() == "/dev/null";
+        let git = (old.starts_with("a/") || null(old)) && (new.starts_with("b/") || null(new));
         let (from, to) = if git {
             (diff_path(old, "a/"), diff_path(new, "b/"))
         } else {
@@ -792,7 +794,7 @@ pub(super) fn apply_op(files: &mut Vec<FileFact>, path: String, op: Op) {
 mod tests {
     use crate::compaction::summary::testing::*;
     use crate::compaction::summary::*;
-    use serde_json::json;
+    use serde_json::{json, Value};
 
     #[test]
     fn responses_shape_apply_patch_custom_tool_call() {
@@ -943,5 +945,207 @@ mod tests {
             "{:?}",
             f.tool_log
         );
+    }
+
+    const SETTINGS: &str = "struct Settings {\n    name: String,\n    zone: Zone,\n}\n";
+
+    /// The file's recorded action and content after `part`.
+    fn state(part: &[Value], path: &str) -> (String, String) {
+        let f = extract_facts(part, None);
+        let x = file(&f, path);
+        (x.action.clone(), x.content.clone().unwrap_or_default())
+    }
+
+    /// Unified diffs as `diff -u` and `git diff` write them: a change onto a
+    /// file whose content is unknown keeps the hunks (without the `---`/`+++`
+    /// header); onto a known content it applies; `/dev/null` adds and deletes.
+    #[test]
+    fn unified_diffs_are_recognised() {
+        let git = "diff --git a/src/lib.rs b/src/lib.rs\nindex 1a2b3c4..5d6e7f8 100644\n--- a/src/lib.rs\n+++ b/src/lib.rs\n@@ -1,4 +1,4 @@ struct Settings {\n struct Settings {\n     name: String,\n-    zone: Zone,\n+    zone: UtcOnly,\n }\n";
+        let part = [
+            chat_call("d", "apply_patch", json!({"patch": git})),
+            chat_out("d", "ok"),
+        ];
+        let (action, c) = state(&part, "src/lib.rs");
+        assert_eq!(action, "patch");
+        assert!(
+            c.starts_with("@@ -1,4 +1,4 @@") && c.contains("+    zone: UtcOnly,"),
+            "{c}"
+        );
+        let f = extract_facts(&part, None);
+        assert_eq!(f.tool_log, ["apply_patch(patch: U src/lib.rs) → ok"]);
+        // Onto a known content, through a shell `git apply` heredoc.
+        let plain = "--- cfg.rs\t2024-05-01 10:00:00\n+++ cfg.rs\t2024-05-01 10:05:00\n@@ -2,2 +2,2 @@\n     name: String,\n-    zone: Zone,\n+    zone: UtcOnly,\n";
+        let part = [
+            chat_call(
+                "w",
+                "write_file",
+                json!({"path": "cfg.rs", "content": SETTINGS}),
+            ),
+            chat_out("w", "ok"),
+            chat_call(
+                "g",
+                "shell",
+                json!({"command": format!("git apply <<'EOF'\n{plain}EOF")}),
+            ),
+            chat_out("g", "Process exited with code 0\n"),
+        ];
+        assert_eq!(
+            state(&part, "cfg.rs"),
+            (
+                "write".into(),
+                SETTINGS.replace("zone: Zone", "zone: UtcOnly")
+            )
+        );
+        let add_del = "--- /dev/null\n+++ b/new.md\n@@ -0,0 +1,2 @@\n+# New\n+text\n--- a/old.md\n+++ /dev/null\n@@ -1 +0,0 @@\n-gone\n";
+        let part = [
+            fc("n", "apply_diff", json!({"diff": add_del})),
+            fco("n", "done"),
+        ];
+        assert_eq!(
+            state(&part, "new.md"),
+            ("write".into(), "# New\ntext\n".into())
+        );
+        assert_eq!(state(&part, "old.md").0, "delete");
+    }
+
+    /// OpenHands' `str_replace_editor`: `create` with `file_text`, then
+    /// `str_replace` with `old_str`/`new_str`, `insert` after a line, `view`.
+    #[test]
+    fn str_replace_editor_commands() {
+        let part = [
+            chat_call(
+                "c",
+                "str_replace_editor",
+                json!({"command": "create", "path": "/w/app.py", "file_text": "a = 1\nb = 2\n"}),
+            ),
+            chat_out("c", "File created successfully at: /w/app.py"),
+            chat_call(
+                "r",
+                "str_replace_editor",
+                json!({"command": "str_replace", "path": "/w/app.py", "old_str": "b = 2", "new_str": "b = 3"}),
+            ),
+            chat_out("r", "The file /w/app.py has been edited."),
+            chat_call(
+                "i",
+                "str_replace_editor",
+                json!({"command": "insert", "path": "/w/other.py", "insert_line": 4, "new_str": "c = 5"}),
+            ),
+            chat_out("i", "The file /w/other.py has been edited."),
+            chat_call(
+                "v",
+                "str_replace_editor",
+                json!({"command": "view", "path": "/w/README"}),
+            ),
+            chat_out("v", "1\thello"),
+        ];
+        assert_eq!(
+            state(&part, "/w/app.py"),
+            ("write".into(), "a = 1\nb = 3\n".into())
+        );
+        assert_eq!(
+            state(&part, "/w/other.py"),
+            ("edit".into(), "@@ insert after line 4\n+c = 5\n".into())
+        );
+        assert_eq!(state(&part, "/w/README").0, "read");
+    }
+
+    /// aider's SEARCH/REPLACE blocks, in the assistant's own text: the path
+    /// on the line before the fence; an empty SEARCH creates the file.
+    #[test]
+    fn aider_search_replace_blocks() {
+        let text = "Here are the changes.\n\nsrc/cfg.py\n```python\n<<<<<<< SEARCH\nzone = 'local'\n=======\nzone = 'utc'\n>>>>>>> REPLACE\n```\n\nnotes/new.md\n```\n<<<<<<< SEARCH\n=======\n# Notes\n>>>>>>> REPLACE\n```\n";
+        let part = [
+            json!({"role": "user", "content": "use utc"}),
+            json!({"role": "assistant", "content": text}),
+        ];
+        let (action, c) = state(&part, "src/cfg.py");
+        assert_eq!(action, "edit");
+        assert_eq!(c, "@@ replace\n-zone = 'local'\n+zone = 'utc'\n");
+        assert_eq!(
+            state(&part, "notes/new.md"),
+            ("write".into(), "# Notes\n".into())
+        );
+        // Onto a known content the replacement applies.
+        let mut known = vec![
+            chat_call(
+                "w",
+                "Write",
+                json!({"file_path": "src/cfg.py", "content": "x = 1\nzone = 'local'\n"}),
+            ),
+            chat_out("w", "ok"),
+        ];
+        known.extend(part);
+        assert_eq!(
+            state(&known, "src/cfg.py"),
+            ("write".into(), "x = 1\nzone = 'utc'\n".into())
+        );
+    }
+
+    /// Shell heredoc writes and `sed -i` substitutions: a literal one applies
+    /// onto the known content, a regex one is kept as written.
+    #[test]
+    fn heredoc_and_sed_in_place() {
+        let cmd = format!("cat > conf/app.toml <<'EOF'\n{SETTINGS}EOF\nsed -i 's/zone: Zone/zone: UtcOnly/g' conf/app.toml && sed -i.bak -e 's|^name.*|name = x|' conf/other.toml");
+        let part = [
+            fc("s", "exec_command", json!({"cmd": cmd})),
+            fco("s", "Process exited with code 0\n"),
+        ];
+        assert_eq!(
+            state(&part, "conf/app.toml"),
+            (
+                "write".into(),
+                SETTINGS.replace("zone: Zone", "zone: UtcOnly")
+            )
+        );
+        assert_eq!(
+            state(&part, "conf/other.toml"),
+            (
+                "edit".into(),
+                "@@ sed -i s|^name.*|name = x|\n-^name.*\n+name = x\n".into()
+            )
+        );
+        // A failed sed changes nothing.
+        let failed = [
+            fc("f", "shell", json!({"command": "sed -i 's/a/b/' missing.txt"})),
+            fco("f", "sed: can't read missing.txt: No such file or directory\nProcess exited with code 2\n"),
+        ];
+        assert!(extract_facts(&failed, None).files.is_empty());
+    }
+
+    /// A session whose only edits are unified diffs ends with their paths
+    /// and contents in FILE/WORKSPACE STATE.
+    #[test]
+    fn a_session_of_unified_diffs_fills_the_workspace_state() {
+        let diff = |path: &str, old: &str, new: &str| {
+            format!("--- a/{path}\n+++ b/{path}\n@@ -3,3 +3,3 @@ fn main() {{\n     let a = 1;\n-    {old}\n+    {new}\n }}\n")
+        };
+        let part = vec![
+            umsg("Print the totals in UTC."),
+            fc(
+                "1",
+                "apply_patch",
+                json!({"patch": diff("src/main.rs", "local();", "utc_totals();")}),
+            ),
+            fco("1", "Done"),
+            fc(
+                "2",
+                "shell",
+                json!({"cmd": format!("git apply <<'EOF'\n{}EOF", diff("src/report.rs", "fmt_local(t)", "fmt_utc(t)"))}),
+            ),
+            fco("2", "Process exited with code 0\nOutput:\n"),
+        ];
+        let f = extract_facts(&part, None);
+        let s = crate::compaction::summary::assemble(&f, None, part.len(), 100_000);
+        let state =
+            &s[s.find("## FILE/WORKSPACE STATE").unwrap()..s.find("## CONSTRAINTS").unwrap()];
+        for want in [
+            "- src/main.rs — patched",
+            "+    utc_totals();",
+            "- src/report.rs — patched",
+            "+    fmt_utc(t)",
+        ] {
+            assert!(state.contains(want), "{want} not in:\n{state}");
+        }
     }
 }
