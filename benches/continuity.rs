@@ -95,6 +95,12 @@ async fn start_router(llama: String, fake: String, calls: Arc<Calls>) -> String 
                                 Bytes::from(format!("{{\"error\":{{\"message\":\"{e}\"}}}}")),
                             ),
                         };
+                        if summary && std::env::var_os("CONT_DUMP").is_some() {
+                            eprintln!(
+                                "--- summarizer answered {status}:\n{}",
+                                String::from_utf8_lossy(&bytes)
+                            );
+                        }
                         if summary && status != 200 {
                             calls.refused.fetch_add(1, Ordering::Relaxed);
                         }
