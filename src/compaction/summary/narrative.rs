@@ -100,7 +100,7 @@ pub(super) fn heading_of(line: &str) -> Option<(usize, String)> {
     let t = line.trim();
     let marked = t.starts_with('#') || t.starts_with("**") || t.starts_with("__");
     let t = t.trim_start_matches('#').trim_start();
-    // Leading numbering: `1.`, `2)`, `III.` is not tried.
+    // Leading numbering: `1.` or `2)` (roman numerals are not read).
     let t = match t.split_once(['.', ')']) {
         Some((n, rest)) if !n.is_empty() && n.chars().all(|c| c.is_ascii_digit()) => {
             rest.trim_start()
