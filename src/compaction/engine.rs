@@ -633,7 +633,8 @@ pub async fn check_fit(state: &Arc<AppState>, req: FitCheck<'_>) -> Fit {
 }
 
 /// Runs the summarizer over `part`, chunk by chunk; `None` when the model
-/// did not produce a valid summary (after one retry per chunk).
+/// wrote no usable section for a chunk (after one retry per chunk, which
+/// names the sections missing from the first answer).
 async fn summarize(
     state: &Arc<AppState>,
     input: &Input,
@@ -651,19 +652,26 @@ async fn summarize(
     let mut narrative: Option<String> = None;
     let mut calls = 0;
     for chunk in chunks {
-        let messages = summary::summarizer_messages(narrative.as_deref(), &chunk);
-        let mut got = None;
+        let mut messages = summary::summarizer_messages(narrative.as_deref(), &chunk);
+        // The answer with the most sections written; a partial one is kept
+        // (the assembled summary fills the missing sections from the facts).
+        let mut got: Option<(usize, String)> = None;
         for _attempt in 0..2 {
             calls += 1;
             match call_summarizer(state, input, &messages, params).await {
                 Ok(text) => match summary::validate(&text) {
                     Ok(()) => {
-                        got = Some(text);
+                        got = Some((summary::NARRATIVE_SECTIONS.len(), text));
                         break;
                     }
                     Err(missing) => {
                         state.metrics.summary_failure();
-                        tracing::warn!(?missing, "summary lacks mandatory sections")
+                        tracing::warn!(?missing, "summary lacks mandatory sections");
+                        let written = summary::usable(&text);
+                        if written > 0 && got.as_ref().is_none_or(|(n, _)| written >= *n) {
+                            got = Some((written, text));
+                        }
+                        messages = summary::retry_messages(narrative.as_deref(), &chunk, &missing);
                     }
                 },
                 Err(e) => {
@@ -673,7 +681,7 @@ async fn summarize(
             }
         }
         match got {
-            Some(t) => narrative = Some(t),
+            Some((_, t)) => narrative = Some(t),
             None => return (None, calls),
         }
     }
