@@ -6,9 +6,8 @@ use serde_json::Value;
 
 use super::edits::patch_files;
 use super::errors::Outcome;
-use super::text::{clip, first_line, kind, parse_args, str_field};
+use super::text::{clip, first_line, kind, parse_args, str_field, value_or_json};
 use super::{MAX_ERROR_LINE, MAX_LOG_CALL};
-use crate::compaction::items::value_text;
 
 pub(super) struct Call {
     pub(super) id: String,
@@ -87,20 +86,6 @@ pub(super) fn calls_of(item: &Value) -> Vec<Call> {
         }
     };
     vec![call]
-}
-
-pub(super) fn value_or_json(v: &Value) -> String {
-    match v {
-        Value::String(s) => s.clone(),
-        other => {
-            let t = value_text(other);
-            if t.is_empty() {
-                other.to_string()
-            } else {
-                t
-            }
-        }
-    }
 }
 
 /// Keys whose values are file contents: shown as a size in the tool log.

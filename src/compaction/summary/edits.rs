@@ -5,7 +5,6 @@
 
 use serde_json::Value;
 
-use super::calls::Call;
 use super::plan::{is_plan_tool, render_plan};
 use super::text::{head_tail, name_has, str_field, string_leaves};
 use super::{FileFact, MAX_CHANGE_CHAIN, MAX_FILE_CONTENT};
@@ -582,10 +581,8 @@ fn sed_edits(cmd: &str) -> Vec<(String, Op)> {
 }
 
 /// What a call does to files and the plan, if it succeeds.
-pub(super) fn effects_of(call: &Call) -> Vec<Effect> {
+pub(super) fn effects_of(name: &str, args: &Value) -> Vec<Effect> {
     let mut fx = Vec::new();
-    let name = call.name.as_str();
-    let args = &call.args;
     if is_plan_tool(name) {
         fx.push(Effect::Plan(render_plan(args)));
         return fx;

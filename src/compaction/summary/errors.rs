@@ -5,8 +5,7 @@
 
 use serde_json::Value;
 
-use super::calls::value_or_json;
-use super::text::{clip, str_field};
+use super::text::{clip, str_field, value_or_json};
 use super::{MAX_ERRORS_PER_OUTPUT, MAX_ERROR_LINE};
 
 /// Opens the digest line naming an output's paths.

@@ -209,7 +209,7 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
             log.push(format!("{}({})", call.name, short_args(&call)));
             let p = Pending {
                 line,
-                effects: effects_of(&call),
+                effects: effects_of(&call.name, &call.args),
             };
             match (&call.inline, call.id.is_empty()) {
                 (Some(o), _) => settle(&mut facts, &mut log, p, Some(o)),

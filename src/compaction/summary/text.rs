@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use crate::compaction::items::{ceil_boundary, floor_boundary};
+use crate::compaction::items::{ceil_boundary, floor_boundary, value_text};
 
 /// `s` cut to at most `max` bytes (ending in `…` when cut).
 pub(super) fn clip(s: &str, max: usize) -> String {
@@ -124,4 +124,20 @@ pub(super) fn name_words(name: &str) -> Vec<String> {
 
 pub(super) fn name_has(name: &str, words: &[&str]) -> bool {
     name_words(name).iter().any(|w| words.contains(&w.as_str()))
+}
+
+/// A value as text: a string as is, anything else as its text leaves, or
+/// as JSON when it has none.
+pub(super) fn value_or_json(v: &Value) -> String {
+    match v {
+        Value::String(s) => s.clone(),
+        other => {
+            let t = value_text(other);
+            if t.is_empty() {
+                other.to_string()
+            } else {
+                t
+            }
+        }
+    }
 }
