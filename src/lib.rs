@@ -22,6 +22,7 @@
 //! - [`bounded`]: a map that keeps recent entries within a fixed size, for
 //!   the process-wide state that would otherwise grow with every request.
 //! - [`error`]: the request-path error type and its OpenAI-style JSON.
+//! - [`redact`]: credentials out of whatever is logged, recorded or relayed.
 //! - [`fake_upstream`]: a scriptable OpenAI-compatible server for tests,
 //!   benchmarks and the offline demo.
 //! - [`metrics`]: Prometheus counters, histograms and scrape-time gauges
@@ -43,6 +44,7 @@ pub mod demo;
 pub mod error;
 pub mod fake_upstream;
 pub mod metrics;
+pub mod redact;
 pub mod server;
 pub mod store;
 pub mod tokens;

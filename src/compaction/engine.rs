@@ -763,7 +763,7 @@ async fn call_summarizer(
 /// The credential headers of a request (kept in memory for the summarizer).
 pub fn auth_headers(headers: &HeaderMap) -> HeaderMap {
     let mut out = HeaderMap::new();
-    for name in [http::header::AUTHORIZATION.as_str(), "api-key"] {
+    for name in crate::redact::CREDENTIAL_HEADERS {
         if let Some(v) = headers.get(name) {
             let mut v = v.clone();
             v.set_sensitive(true);
