@@ -367,6 +367,14 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some((kept, bytes)) = crate::store::journal::quarantined(&path) {
+        // On stderr, so that --json output stays one document.
+        eprintln!(
+            "compactor: warning: {bytes} bytes of the journal could not be read and are kept in {}; \
+             the exchanges they held are not in the store (the log says where they were)",
+            kept.display()
+        );
+    }
     let json = store.json;
     let out = match &cmd {
         ConversationsCommand::List { limit, .. } => {

@@ -50,3 +50,14 @@ pub mod store;
 pub mod tokens;
 pub mod upstream;
 pub mod wire;
+
+/// Cases a property test or fuzz target runs: `default` (sized so that the
+/// whole set stays within seconds in the normal test run), or the
+/// `COMPACTOR_FUZZ_CASES` environment variable's number, for a longer run.
+#[doc(hidden)]
+pub fn fuzz_cases(default: u32) -> u32 {
+    std::env::var("COMPACTOR_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}

@@ -145,3 +145,140 @@ async fn the_servers_own_key_is_not_relayed_or_stored() {
         .unwrap();
     assert!(!error.contains(KEY), "stored: {error}");
 }
+
+/// An exchange as the server journals it, with one new item of its own.
+fn journaled(id: i64) -> compactor::store::ExchangeRecord {
+    let item = json!({"role": "user", "content": format!("journaled exchange number {id}")});
+    let hash = compactor::wire::item_hash(&item);
+    compactor::store::ExchangeRecord {
+        id,
+        conversation: format!("conv_journaled_{id}"),
+        new_conversation: true,
+        explicit_key: None,
+        tenant: "t".into(),
+        api: compactor::wire::Api::Chat,
+        model: "m".into(),
+        prefix: None,
+        suffix_items: vec![hash],
+        request_len: 1,
+        params: [1; 32],
+        response_items: Vec::new(),
+        new_items: vec![(hash, item.to_string())],
+        response_id: None,
+        usage: None,
+        status: 200,
+        streamed: false,
+        partial: false,
+        error: None,
+        started_ms: id,
+        latency_ms: 1.0,
+        ttfb_ms: None,
+        chain_request: Some(hash),
+        chain_full: None,
+        compaction: None,
+    }
+}
+
+/// Journals `ids` as a server killed before their import leaves them;
+/// returns the journal's path and its length after each record.
+fn killed_with_journaled(db: &std::path::Path, ids: &[i64]) -> (std::path::PathBuf, Vec<usize>) {
+    use compactor::store::journal::Staged;
+    compactor::store::sqlite::SqliteBackend::open(db).expect("a store");
+    let (journal, left) = compactor::store::Journal::open(db).expect("journal");
+    assert!(left.is_empty());
+    let log = std::path::PathBuf::from(format!("{}-exchanges", db.display()));
+    let mut ends = Vec::new();
+    for &id in ids {
+        let Ok(Staged::At(seq)) = journal.stage(journaled(id), |_, _| {}) else {
+            panic!("staged");
+        };
+        journal.write_staged(seq).expect("written");
+        ends.push(std::fs::metadata(&log).unwrap().len() as usize);
+    }
+    (log, ends)
+}
+
+/// `compactor conversations list --json` on `db`: the conversation ids
+/// and what it said on stderr.
+fn listed(db: &std::path::Path) -> (Vec<String>, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_compactor"))
+        .args(["conversations", "list", "--json", "--db"])
+        .arg(db)
+        .env_remove("COMPACTOR_CONFIG")
+        .env_remove("COMPACTOR_DB")
+        .output()
+        .expect("run compactor");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("JSON");
+    let mut ids: Vec<String> = v["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap().to_string())
+        .collect();
+    ids.sort();
+    (ids, String::from_utf8_lossy(&out.stderr).into_owned())
+}
+
+/// One damaged frame in the middle of the journal used to end its reading
+/// there: every later exchange was dropped (the journal truncated to 0
+/// bytes, "a write cut short"), and a flipped bit inside an item body was
+/// imported under a hash that no longer matched.
+#[test]
+fn a_damaged_journal_frame_costs_only_its_own_exchange() {
+    let conv = |ids: &[i64]| -> Vec<String> {
+        ids.iter()
+            .map(|id| format!("conv_journaled_{id}"))
+            .collect()
+    };
+    // A bit flipped inside the second exchange's item body.
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("flipped.db");
+    let (log, ends) = killed_with_journaled(&db, &[1, 2, 3]);
+    let mut bytes = std::fs::read(&log).unwrap();
+    let body = b"journaled exchange number 2";
+    let at = bytes.windows(body.len()).position(|w| w == body).unwrap();
+    assert!(ends[0] < at && at < ends[1]);
+    bytes[at] ^= 0x01;
+    std::fs::write(&log, &bytes).unwrap();
+    let (ids, said) = listed(&db);
+    assert_eq!(ids, conv(&[1, 3]));
+    assert!(said.contains("could not be read"), "{said}");
+    let quarantine = format!("{}-exchanges.quarantine", db.display());
+    let kept = std::fs::read(&quarantine).expect("a quarantine file");
+    let damaged = &bytes[ends[0]..ends[1]];
+    assert!(
+        kept.windows(damaged.len()).any(|w| w == damaged),
+        "the frame is kept"
+    );
+    // Every stored body is what its hash says.
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let items: Vec<(Vec<u8>, String)> = {
+        let mut stmt = conn.prepare("SELECT hash, body FROM items").unwrap();
+        let rows = stmt.query_map([], |r| Ok((r.get(0)?, r.get(1)?))).unwrap();
+        rows.collect::<Result<_, _>>().unwrap()
+    };
+    assert!(!items.is_empty());
+    for (hash, body) in items {
+        let value: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(hash, compactor::wire::item_hash(&value).to_vec(), "{body}");
+    }
+    // Said again by the next look, not only once.
+    let (_, said) = listed(&db);
+    assert!(said.contains(&quarantine), "{said}");
+
+    // Garbage between the first and second frames: nothing is lost.
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("garbage.db");
+    let (log, ends) = killed_with_journaled(&db, &[1, 2, 3]);
+    let mut bytes = std::fs::read(&log).unwrap();
+    bytes.splice(ends[0]..ends[0], *b"\x07garbage, not a frame\xff");
+    std::fs::write(&log, &bytes).unwrap();
+    let (ids, said) = listed(&db);
+    assert_eq!(ids, conv(&[1, 2, 3]));
+    assert!(said.contains("could not be read"), "{said}");
+}
