@@ -282,3 +282,90 @@ fn a_damaged_journal_frame_costs_only_its_own_exchange() {
     assert_eq!(ids, conv(&[1, 2, 3]));
     assert!(said.contains("could not be read"), "{said}");
 }
+
+/// Runs `compactor serve` on `db` expecting it to refuse to start: its
+/// exit code and stderr (a start that does not end in time fails).
+fn refused_serve(upstream: &str, db: &std::path::Path) -> (Option<i32>, String) {
+    use std::io::Read;
+    let listen = format!("127.0.0.1:{}", support::free_port());
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_compactor"))
+        .args(["serve", "--listen", &listen, "--upstream", upstream, "--db"])
+        .arg(db)
+        .env_remove("COMPACTOR_CONFIG")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("start compactor");
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait") {
+            break Some(status);
+        }
+        if started.elapsed() > support::STEP {
+            let _ = child.kill();
+            let _ = child.wait();
+            break None;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    };
+    let mut said = String::new();
+    let _ = child.stderr.take().map(|mut e| e.read_to_string(&mut said));
+    let status =
+        status.unwrap_or_else(|| panic!("{} started and kept serving: {said}", db.display()));
+    (status.code(), said)
+}
+
+/// A second server on the same store, reached through a symlink, a hard
+/// link (as a bind mount of the file would be), `..` or a symlinked
+/// directory, used to start: two servers then shared one database with
+/// journals of their own, and acknowledged exchanges were lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_server_per_store_however_its_path_is_spelled() {
+    let fake = within(compactor::fake_upstream::FakeUpstream::start())
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let real = dir.path().join("real");
+    std::fs::create_dir(&real).unwrap();
+    std::fs::create_dir(dir.path().join("sub")).unwrap();
+    let db = real.join("store.db");
+    let port = support::free_port();
+    let _first = support::spawn_binary(
+        port,
+        &[
+            "--upstream".as_ref(),
+            fake.url().as_ref(),
+            "--db".as_ref(),
+            db.as_os_str(),
+        ],
+    );
+    let symlink = dir.path().join("link.db");
+    std::os::unix::fs::symlink(&db, &symlink).unwrap();
+    let hard_link = dir.path().join("hard.db");
+    std::fs::hard_link(&db, &hard_link).unwrap();
+    let linked_dir = dir.path().join("linked");
+    std::os::unix::fs::symlink(&real, &linked_dir).unwrap();
+    let spellings = [
+        symlink,
+        hard_link,
+        dir.path().join("sub/../real/store.db"),
+        linked_dir.join("store.db"),
+    ];
+    for spelled in &spellings {
+        let (code, said) = tokio::task::block_in_place(|| refused_serve(&fake.url(), spelled));
+        assert_ne!(code, Some(0), "{}: {said}", spelled.display());
+        assert!(
+            said.contains("another process serves the store"),
+            "{}: {said}",
+            spelled.display()
+        );
+    }
+    // The first server serves on, and records what it acknowledges.
+    let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+    for i in 0..3 {
+        let body =
+            json!({"model": "m", "messages": [{"role": "user", "content": format!("turn {i}")}]});
+        let (status, _, _) = post_raw(&url, "k", serde_json::to_vec(&body).unwrap()).await;
+        assert_eq!(status, 200);
+    }
+}

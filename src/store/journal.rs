@@ -8,13 +8,16 @@
 //! which costs a fraction of one commit per exchange. Whatever the journal still holds at start-up (the process
 //! was killed before an import) is imported before anything else runs.
 //!
-//! Files, next to the database `D`: `D-exchanges` (appended to),
+//! Files, next to the database `D` (its canonical path: a symlink to it,
+//! or `..` on the way, finds the same files): `D-exchanges` (appended to),
 //! `D-exchanges.old` (a full journal set aside while its records are
 //! imported), `D-exchanges.lock`, locked by the process that serves the
 //! store, so that a reader in another process imports a journal only when
 //! nobody serves it (not `D-journal`: that name is SQLite's own), and
 //! `D-exchanges.quarantine`, where whatever a reader could not read is
-//! kept instead of being thrown away with the imported journal.
+//! kept instead of being thrown away with the imported journal. The
+//! server also locks the database file itself, which a hard link or a bind
+//! mount of it reaches under a name of its own (see [`StoreLock`]).
 //!
 //! A journal file starts with [`MAGIC`] (what it is, and its format
 //! version); each record is one frame (see `encode_frame`) with a mark, a
@@ -60,6 +63,9 @@ pub enum Staged {
 pub struct Journal {
     log: PathBuf,
     old: PathBuf,
+    /// The journal files next to the path the store was given as, when it
+    /// is not the canonical one (emptied with the leftovers).
+    given: Option<[PathBuf; 2]>,
     state: Mutex<State>,
 }
 
@@ -80,7 +86,7 @@ struct State {
     /// An import failed: keep every journal file for the next start-up.
     keep: bool,
     /// The store's lock, held until [`Journal::release`].
-    lock: Option<File>,
+    lock: Option<StoreLock>,
 }
 
 /// `D-exchanges`, `D-exchanges.old`, `D-exchanges.lock`,
@@ -99,18 +105,111 @@ fn paths(db: &Path) -> [PathBuf; 4] {
     })
 }
 
-/// Takes the lock of `db`'s journal; `None` when another process holds it.
-fn lock(db: &Path) -> io::Result<Option<File>> {
-    let [_, _, lock, _] = paths(db);
-    let file = OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(lock)?;
-    match file.try_lock() {
-        Ok(()) => Ok(Some(file)),
-        Err(std::fs::TryLockError::WouldBlock) => Ok(None),
-        Err(std::fs::TryLockError::Error(e)) => Err(e),
+/// The path `db` names, with symlinks and `..` resolved (its directory's,
+/// when the file does not exist yet): every spelling of one store finds
+/// the same journal and lock.
+fn canonical(db: &Path) -> io::Result<PathBuf> {
+    match std::fs::canonicalize(db) {
+        Ok(path) => Ok(path),
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {
+            let dir = db
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
+            let name = db.file_name().ok_or(e)?;
+            Ok(std::fs::canonicalize(dir)?.join(name))
+        }
+        Err(e) => Err(e),
+    }
+}
+
+/// What makes one process the server of a store: the lock file next to
+/// its canonical path (and next to the path as given, where a server of an
+/// earlier version looks), and an advisory lock on the database file
+/// itself, which a hard link or a bind mount reaches under another name.
+pub struct StoreLock {
+    /// `D-exchanges.lock`, locked.
+    by_name: Vec<File>,
+    /// The database file, locked; `None` once released.
+    on_db: Option<File>,
+}
+
+/// Descriptors of database files this process opened to lock them.
+///
+/// Closing any descriptor of a file drops every POSIX lock the process
+/// holds on it (a POSIX rule), SQLite's own included, and this process's
+/// connections to the database may still be open when its lock is
+/// released. So the descriptor is unlocked and kept open until the process
+/// ends; a process serves a store once or a few times (tests), so these
+/// are few.
+static RELEASED: Mutex<Vec<File>> = Mutex::new(Vec::new());
+
+impl StoreLock {
+    /// Takes the locks of the store at `db` (canonical) whose path was
+    /// given as `given`; `None` when another process holds one of them.
+    fn take(db: &Path, given: &Path) -> io::Result<Option<StoreLock>> {
+        let try_lock = |file: File| match file.try_lock() {
+            Ok(()) => Ok(Some(file)),
+            Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+            Err(std::fs::TryLockError::Error(e)) => Err(e),
+        };
+        let open = |path: &Path| {
+            OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .read(true)
+                .write(true)
+                .open(path)
+        };
+        let mut by_name = Vec::new();
+        let mut names = vec![db];
+        if given != db {
+            names.push(given);
+        }
+        for name in names {
+            let [_, _, lock, _] = paths(name);
+            match try_lock(open(&lock)?)? {
+                Some(f) => by_name.push(f),
+                None => return Ok(None),
+            }
+        }
+        // An empty file is a new database to SQLite.
+        let file = open(db)?;
+        let on_db = match file.try_lock() {
+            Ok(()) => file,
+            Err(std::fs::TryLockError::WouldBlock) => {
+                keep_open(file);
+                return Ok(None);
+            }
+            Err(std::fs::TryLockError::Error(e)) => {
+                keep_open(file);
+                return Err(e);
+            }
+        };
+        Ok(Some(StoreLock {
+            by_name,
+            on_db: Some(on_db),
+        }))
+    }
+}
+
+/// Keeps a descriptor of a database file open until the process ends
+/// (see [`RELEASED`]).
+fn keep_open(file: File) {
+    RELEASED
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(file);
+}
+
+impl Drop for StoreLock {
+    fn drop(&mut self) {
+        if let Some(file) = self.on_db.take() {
+            let _ = file.unlock();
+            keep_open(file);
+        }
+        // The lock files are ours alone: closing them releases them.
+        self.by_name.clear();
     }
 }
 
@@ -118,9 +217,23 @@ fn lock(db: &Path) -> io::Result<Option<File>> {
 /// What cannot be read is copied to `D-exchanges.quarantine` first (an
 /// error if that fails: the caller then keeps the journal) and logged.
 fn read_all(db: &Path) -> io::Result<Vec<ExchangeRecord>> {
-    let [log, old, _, quarantine] = paths(db);
+    read_journals(db, db)
+}
+
+/// [`read_all`] of the store at `db` (canonical), and first of the journal
+/// next to the path it was given as, `given`, where an earlier version
+/// kept it.
+fn read_journals(db: &Path, given: &Path) -> io::Result<Vec<ExchangeRecord>> {
+    let [.., quarantine] = paths(db);
+    let mut sources = Vec::new();
+    if given != db {
+        let [log, old, ..] = paths(given);
+        sources.extend([old, log]);
+    }
+    let [log, old, ..] = paths(db);
+    sources.extend([old, log]);
     let mut out = Vec::new();
-    for path in [old, log] {
+    for path in sources {
         match std::fs::read(&path) {
             Ok(bytes) => {
                 let decoded = decode_file(&bytes);
@@ -175,7 +288,7 @@ fn set_aside(quarantine: &Path, path: &Path, bytes: &[u8], skipped: &[Skipped]) 
 /// The size of `db`'s quarantine file, with its path, when it holds
 /// anything: journal bytes that could not be read (see [`read_all`]).
 pub fn quarantined(db: &Path) -> Option<(PathBuf, u64)> {
-    let [_, _, _, quarantine] = paths(db);
+    let [_, _, _, quarantine] = paths(&canonical(db).ok()?);
     let len = std::fs::metadata(&quarantine).ok()?.len();
     (len > 0).then_some((quarantine, len))
 }
@@ -197,20 +310,30 @@ impl Journal {
     /// Opens the journal of the database at `db` for serving it: takes its
     /// lock and returns the records left from an earlier run, which the
     /// caller imports before calling [`Journal::leftovers_imported`].
-    pub fn open(db: &Path) -> io::Result<(Journal, Vec<ExchangeRecord>)> {
-        let lock = lock(db)?.ok_or_else(|| {
+    pub fn open(given: &Path) -> io::Result<(Journal, Vec<ExchangeRecord>)> {
+        let db = canonical(given)?;
+        let lock = StoreLock::take(&db, given)?.ok_or_else(|| {
             io::Error::new(
                 io::ErrorKind::WouldBlock,
-                format!("another process serves the store {}", db.display()),
+                format!(
+                    "another process serves the store {} (as {})",
+                    given.display(),
+                    db.display()
+                ),
             )
         })?;
-        let leftovers = read_all(db)?;
-        let [log, old, _, _] = paths(db);
+        let leftovers = read_journals(&db, given)?;
+        let [log, old, _, _] = paths(&db);
         let file = OpenOptions::new().create(true).append(true).open(&log)?;
         let bytes = file.metadata()?.len();
+        let given = (given != db).then(|| {
+            let [log, old, ..] = paths(given);
+            [log, old]
+        });
         let journal = Journal {
             log,
             old,
+            given,
             state: Mutex::new(State {
                 file,
                 bytes,
@@ -230,6 +353,9 @@ impl Journal {
     /// in the database.
     pub fn leftovers_imported(&self) -> io::Result<()> {
         let mut st = self.lock();
+        if let Some([log, old]) = &self.given {
+            clear(log, old)?;
+        }
         clear(&self.log, &self.old)?;
         st.bytes = 0;
         Ok(())
@@ -368,19 +494,20 @@ impl Journal {
 /// For a reader in another process (the CLI): imports what the journal of
 /// `db` holds if no process serves the store, so that exchanges of a
 /// killed server show. Returns how many records were imported.
-pub fn import_orphaned(db: &Path) -> Result<usize, super::StoreError> {
-    let [log, old, _, _] = paths(db);
+pub fn import_orphaned(given: &Path) -> Result<usize, super::StoreError> {
+    let db = canonical(given)?;
+    let [log, old, _, _] = paths(&db);
     let non_empty = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.len() > 0);
     if !non_empty(&log) && !non_empty(&old) {
         return Ok(0);
     }
-    let Some(_lock) = lock(db)? else {
+    let Some(_lock) = StoreLock::take(&db, &db)? else {
         return Ok(0);
     };
-    let records = read_all(db)?;
+    let records = read_all(&db)?;
     let n = records.len();
     if n > 0 {
-        let mut backend = super::sqlite::SqliteBackend::open(db)?;
+        let mut backend = super::sqlite::SqliteBackend::open(&db)?;
         super::Backend::write(&mut backend, &exchanges(records))?;
     }
     clear(&log, &old)?;
@@ -868,6 +995,31 @@ pub(crate) mod tests {
             frames[1].start,
             frames[1].len()
         )));
+    }
+
+    #[test]
+    fn every_spelling_is_one_store_and_a_journal_by_another_is_imported() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("real.db");
+        std::fs::write(&real, b"").unwrap();
+        let link = dir.path().join("link.db");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        // An earlier version journaled next to the path it was given.
+        let [beside_link, ..] = paths(&link);
+        std::fs::write(&beside_link, journal_of(1..=2).0).unwrap();
+        let (j, left) = Journal::open(&link).unwrap();
+        assert_eq!(ids(&left), [1, 2]);
+        j.leftovers_imported().unwrap();
+        assert_eq!(std::fs::metadata(&beside_link).unwrap().len(), 0);
+        for other in [real.clone(), dir.path().join(".").join("real.db")] {
+            assert!(Journal::open(&other).is_err(), "{}", other.display());
+        }
+        assert!(j.append(record(3), |_, _| {}).unwrap().is_none());
+        assert_eq!(ids(&read_all(&real).unwrap()), [3], "beside the real file");
+        // Released: the next server opens it, under any name.
+        j.release();
+        drop(j);
+        assert!(Journal::open(&real).is_ok());
     }
 
     #[test]
