@@ -953,21 +953,48 @@ pub(crate) mod tests {
                 );
                 proptest::prop_assert_eq!(&rec.new_items, &record(rec.id).new_items);
             }
-            // The header, the frames read and the bytes skipped tile the
-            // file: nothing is read twice, nothing dropped unreported.
-            let mut pieces: Vec<std::ops::Range<usize>> = out.frames.clone();
-            pieces.extend(out.skipped.iter().map(|s| s.range.clone()));
-            if bytes.starts_with(MAGIC) {
-                pieces.push(0..MAGIC.len());
-            }
-            pieces.sort_by_key(|r| r.start);
-            let mut at = 0;
-            for p in &pieces {
-                proptest::prop_assert_eq!(p.start, at, "{:?}", pieces);
-                at = p.end;
-            }
-            proptest::prop_assert_eq!(at, bytes.len());
+            tiled(&bytes, &out)?;
         }
+
+        /// The reader's fuzz target: any bytes, after a header or not,
+        /// around frames or not. It never panics, and accounts for every
+        /// byte.
+        #[test]
+        fn the_reader_accounts_for_any_bytes(
+            header in proptest::bool::ANY,
+            before in proptest::collection::vec(proptest::num::u8::ANY, 0..300),
+            frames in 0i64..3,
+            after in proptest::collection::vec(proptest::num::u8::ANY, 0..300),
+        ) {
+            let (journal, _) = journal_of(1..=frames);
+            let mut bytes = if header { MAGIC.to_vec() } else { Vec::new() };
+            bytes.extend(&before);
+            bytes.extend(&journal[MAGIC.len()..]);
+            bytes.extend(&after);
+            let out = decode_file(&bytes);
+            tiled(&bytes, &out)?;
+            for rec in &out.records {
+                proptest::prop_assert_eq!(&rec.new_items, &record(rec.id).new_items);
+            }
+        }
+    }
+
+    /// The header, the frames read and the bytes skipped tile the file:
+    /// nothing is read twice, nothing dropped unreported.
+    fn tiled(bytes: &[u8], out: &Decoded) -> Result<(), proptest::test_runner::TestCaseError> {
+        let mut pieces: Vec<std::ops::Range<usize>> = out.frames.clone();
+        pieces.extend(out.skipped.iter().map(|s| s.range.clone()));
+        if bytes.starts_with(MAGIC) {
+            pieces.push(0..MAGIC.len());
+        }
+        pieces.sort_by_key(|r| r.start);
+        let mut at = 0;
+        for p in &pieces {
+            proptest::prop_assert_eq!(p.start, at, "{:?}", pieces);
+            at = p.end;
+        }
+        proptest::prop_assert_eq!(at, bytes.len());
+        Ok(())
     }
 
     #[test]
