@@ -369,3 +369,65 @@ async fn one_server_per_store_however_its_path_is_spelled() {
         assert_eq!(status, 200);
     }
 }
+
+/// What the proxies of this test binary log, for tests that look at it.
+fn captured_logs() -> String {
+    use std::sync::{Mutex, OnceLock};
+    static LOGS: OnceLock<&'static Mutex<Vec<u8>>> = OnceLock::new();
+    struct Writer(&'static Mutex<Vec<u8>>);
+    impl std::io::Write for Writer {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let logs = LOGS.get_or_init(|| {
+        let logs: &'static Mutex<Vec<u8>> = Box::leak(Box::default());
+        let _ = tracing_subscriber::fmt()
+            .with_writer(move || Writer(logs))
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .try_init();
+        logs
+    });
+    String::from_utf8_lossy(&logs.lock().unwrap()).into_owned()
+}
+
+/// A summarizer call the upstream refuses, quoting the client's key: the
+/// log line said the first 300 bytes of its answer as they were.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_summarizer_call_logs_no_key() {
+    const KEY: &str = "sk-summarizer-quoted-0123456789";
+    captured_logs();
+    let h = Harness::start_with(support::small_window_foreground).await;
+    let url = format!("{}/chat/completions", h.url());
+    let mut history = vec![json!({"role": "system", "content": "You are a careful coding agent."})];
+    let mut conversation = String::new();
+    let mut turn = |i: usize| {
+        history.push(json!({"role": "user", "content": format!("Step {i}: explain src/module_{i}.rs. {}", "lorem ipsum ".repeat(20))}));
+        serde_json::to_vec(&json!({"model": "tiny-model", "messages": history})).unwrap()
+    };
+    for i in 0..10 {
+        let (status, headers, _) = post_raw(&url, KEY, turn(i)).await;
+        assert_eq!(status, 200);
+        conversation = conversation_of(&headers);
+    }
+    let refused = json!({"error": {"message": format!("Incorrect API key provided: {KEY}."),
+                                   "type": "invalid_request_error", "code": "invalid_api_key"}});
+    h.fake.push(Reply::json(401, refused.clone()));
+    h.fake.push(Reply::json(401, refused));
+    let admin = format!(
+        "http://{}/admin/api/conversations/{conversation}/compact",
+        h.addr
+    );
+    let resp = within(support::client().post(admin).send()).await.unwrap();
+    assert_eq!(resp.status(), 202);
+    let (status, _, _) = post_raw(&url, KEY, turn(10)).await;
+    assert_eq!(status, 200);
+    let logs = captured_logs();
+    assert!(logs.contains("summary call failed"), "{logs}");
+    assert!(!logs.contains(KEY), "{logs}");
+}
