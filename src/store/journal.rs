@@ -17,9 +17,9 @@
 //! `D-exchanges.quarantine`, where whatever a reader could not read is
 //! kept instead of being thrown away with the imported journal. The
 //! server also locks the database file itself, which a hard link or a bind
-//! mount of it reaches under a name of its own (see [`StoreLock`]).
+//! mount of it reaches under a name of its own (see `StoreLock`).
 //!
-//! A journal file starts with [`MAGIC`] (what it is, and its format
+//! A journal file starts with `MAGIC` (what it is, and its format
 //! version); each record is one frame (see `encode_frame`) with a mark, a
 //! length and a checksum. A reader skips a frame that is damaged (a bit
 //! flipped, bytes lost or inserted) and finds the next one by its mark, so
@@ -43,11 +43,11 @@ const ROTATE_BYTES: u64 = 64 << 20;
 const STAGED_KEPT: usize = 1 << 20;
 
 /// The first bytes of a journal file: a name, then the format version.
-pub const MAGIC: &[u8; 8] = b"cmpjrn\0\x02";
+const MAGIC: &[u8; 8] = b"cmpjrn\0\x02";
 /// Starts every frame. `0xFE` and `0xFF` never occur in UTF-8, so neither
 /// a record's JSON nor an item body holds it: a reader that lost its place
 /// looks for the next frame there.
-pub const FRAME_MARK: [u8; 4] = [0xFF, b'c', b'j', 0xFE];
+const FRAME_MARK: [u8; 4] = [0xFF, b'c', b'j', 0xFE];
 /// A frame's mark, length and checksum.
 const FRAME_HEAD: usize = 12;
 
@@ -127,7 +127,7 @@ fn canonical(db: &Path) -> io::Result<PathBuf> {
 /// its canonical path (and next to the path as given, where a server of an
 /// earlier version looks), and an advisory lock on the database file
 /// itself, which a hard link or a bind mount reaches under another name.
-pub struct StoreLock {
+struct StoreLock {
     /// `D-exchanges.lock`, locked.
     by_name: Vec<File>,
     /// The database file, locked; `None` once released.
@@ -286,7 +286,7 @@ fn set_aside(quarantine: &Path, path: &Path, bytes: &[u8], skipped: &[Skipped]) 
 }
 
 /// The size of `db`'s quarantine file, with its path, when it holds
-/// anything: journal bytes that could not be read (see [`read_all`]).
+/// anything: journal bytes that could not be read, set aside on import.
 pub fn quarantined(db: &Path) -> Option<(PathBuf, u64)> {
     let [_, _, _, quarantine] = paths(&canonical(db).ok()?);
     let len = std::fs::metadata(&quarantine).ok()?.len();
