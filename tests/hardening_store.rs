@@ -431,3 +431,30 @@ async fn a_refused_summarizer_call_logs_no_key() {
     assert!(logs.contains("summary call failed"), "{logs}");
     assert!(!logs.contains(KEY), "{logs}");
 }
+
+/// A client that authenticates with `x-api-key` alone used to be the
+/// anonymous tenant: two such clients sending the same history shared one
+/// conversation (and its compactions).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn clients_known_by_x_api_key_alone_are_tenants_of_their_own() {
+    let h = Harness::start().await;
+    let url = format!("{}/chat/completions", h.url());
+    let body =
+        json!({"model": "m", "messages": [{"role": "user", "content": "the same question"}]});
+    let mut seen = Vec::new();
+    for key in ["tenant-one-key-0123", "tenant-two-key-4567"] {
+        let resp = within(
+            support::client()
+                .post(&url)
+                .header("x-api-key", key)
+                .json(&body)
+                .send(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 200);
+        seen.push(conversation_of(resp.headers()));
+        within(resp.bytes()).await.unwrap();
+    }
+    assert_ne!(seen[0], seen[1]);
+}
