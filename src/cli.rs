@@ -371,7 +371,8 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
         // On stderr, so that --json output stays one document.
         eprintln!(
             "compactor: warning: {bytes} bytes of the journal could not be read and are kept in {}; \
-             the exchanges they held are not in the store (the log says where they were)",
+             the exchanges they held are not in the store (each piece there follows a line that \
+             says where it was; remove the file once it is looked at)",
             kept.display()
         );
     }
