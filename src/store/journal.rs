@@ -313,12 +313,16 @@ impl Journal {
     pub fn open(given: &Path) -> io::Result<(Journal, Vec<ExchangeRecord>)> {
         let db = canonical(given)?;
         let lock = StoreLock::take(&db, given)?.ok_or_else(|| {
+            let named = if db == given {
+                String::new()
+            } else {
+                format!(" (the file {})", db.display())
+            };
             io::Error::new(
                 io::ErrorKind::WouldBlock,
                 format!(
-                    "another process serves the store {} (as {})",
-                    given.display(),
-                    db.display()
+                    "another process serves the store {}{named}",
+                    given.display()
                 ),
             )
         })?;
