@@ -374,6 +374,15 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some((kept, bytes)) = crate::store::journal::quarantined(&path) {
+        // On stderr, so that --json output stays one document.
+        eprintln!(
+            "compactor: warning: {bytes} bytes of the journal could not be read and are kept in {}; \
+             the exchanges they held are not in the store (each piece there follows a line that \
+             says where it was; remove the file once it is looked at)",
+            kept.display()
+        );
+    }
     let json = store.json;
     let out = match &cmd {
         ConversationsCommand::List { limit, .. } => {

@@ -710,6 +710,9 @@ pub fn chunk_lines(lines: &[String], budget: u64, count: impl Fn(&str) -> u64) -
     chunks
 }
 
+/// Bytes of a summarizer's error answer kept in the log line.
+const MAX_LOGGED_ERROR: usize = 300;
+
 async fn call_summarizer(
     state: &Arc<AppState>,
     input: &Input,
@@ -759,10 +762,11 @@ async fn call_summarizer(
         .await
         .map_err(|e| e.to_string())?;
     if !status.is_success() {
-        return Err(format!(
-            "summarizer answered {status}: {}",
-            String::from_utf8_lossy(&body[..body.len().min(300)])
-        ));
+        // Redacted whole, then cut: a cut first could leave part of a key.
+        let text = String::from_utf8_lossy(&body);
+        let text = state.upstream.redact(&text, &input.auth);
+        let shown = &text[..super::items::floor_boundary(&text, MAX_LOGGED_ERROR)];
+        return Err(format!("summarizer answered {status}: {shown}"));
     }
     let v: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
     v.pointer("/choices/0/message/content")
@@ -774,7 +778,7 @@ async fn call_summarizer(
 /// The credential headers of a request (kept in memory for the summarizer).
 pub fn auth_headers(headers: &HeaderMap) -> HeaderMap {
     let mut out = HeaderMap::new();
-    for name in [http::header::AUTHORIZATION.as_str(), "api-key"] {
+    for name in crate::redact::CREDENTIAL_HEADERS {
         if let Some(v) = headers.get(name) {
             let mut v = v.clone();
             v.set_sensitive(true);

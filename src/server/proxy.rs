@@ -919,6 +919,15 @@ async fn buffered_response(
         outcome.error = Some(String::from_utf8_lossy(&bytes).into_owned());
     }
     pending.finish(&state, outcome).await;
+    let mut headers = headers;
+    let bytes = if status.is_success() {
+        bytes
+    } else {
+        let shown = state.upstream.hide_own_key(bytes);
+        // The length the upstream announced is the unredacted body's.
+        headers.remove(http::header::CONTENT_LENGTH);
+        shown
+    };
     response_head(status, &headers, &pending.ident.conversation, full(bytes))
 }
 
