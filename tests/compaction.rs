@@ -243,14 +243,18 @@ fn valid_narrative() -> Reply {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn when_the_retry_still_overflows_the_client_gets_the_upstreams_error() {
+async fn when_every_retry_still_overflows_the_client_gets_the_upstreams_error() {
     let h = Harness::start_with(small_window_foreground).await;
     let mut chat = Chat::new(&h, KEY);
     for i in 0..10 {
         chat.turn(&big_filler(i)).await;
     }
     let overflow = Reply::context_length_exceeded();
-    // First attempt overflows, the summary call succeeds, the retry overflows.
+    // First attempt overflows, the summary call succeeds, the retry
+    // overflows; compacted again (each retry aims below the size refused
+    // before it), the second retry overflows too.
+    h.fake.push(overflow.clone());
+    h.fake.push(valid_narrative());
     h.fake.push(overflow.clone());
     h.fake.push(valid_narrative());
     h.fake.push(overflow.clone());
@@ -267,7 +271,7 @@ async fn when_the_retry_still_overflows_the_client_gets_the_upstreams_error() {
     };
     assert_eq!(status, 400);
     assert_eq!(resp, expected, "the upstream's own error, verbatim");
-    assert_eq!(client_calls(&h).len(), 10 + 2, "exactly one retry");
+    assert_eq!(client_calls(&h).len(), 10 + 3, "two retries, no more");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
