@@ -656,3 +656,182 @@ async fn a_compacted_request_keeps_the_clients_parameters_and_tools_in_place() {
         "in the client's order"
     );
 }
+
+/// llama.cpp's answer when a request does not fit its `-c`.
+fn llama_overflow(requested: u64, n_ctx: u64) -> Reply {
+    Reply::json(
+        400,
+        json!({"error": {"code": 400, "message": format!("request ({requested} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it"),
+                         "type": "exceed_context_size_error", "n_prompt_tokens": requested, "n_ctx": n_ctx}}),
+    )
+}
+
+/// The proxy's `/metrics` text.
+async fn scrape(h: &Harness) -> String {
+    within(async {
+        support::client()
+            .get(format!("http://{}/metrics", h.addr))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    })
+    .await
+}
+
+/// The admin API's windows, as (model, window, source).
+async fn admin_windows(h: &Harness) -> Vec<(String, u64, String)> {
+    let v: Value = within(async {
+        support::client()
+            .get(format!("http://{}/admin/api/windows", h.addr))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    })
+    .await;
+    v["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["model"].as_str().unwrap().to_string(),
+                m["context_window"].as_u64().unwrap(),
+                m["source"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_the_upstream_states_is_learned_used_and_remembered() {
+    // The table knows nothing of this model's real window (128k by default).
+    let mut h = Harness::start_with(|c| c.compaction.background = false).await;
+    let mut chat = Chat::new(&h, KEY);
+    for i in 0..6 {
+        chat.turn(&big_filler(i)).await;
+    }
+    h.fake.push(llama_overflow(2052, 2048));
+    let (status, headers, _) = chat.turn("and now?").await;
+    assert_eq!(status, 200, "the client never sees the overflow");
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let windows = admin_windows(&h).await;
+    assert!(
+        windows.contains(&(MODEL.to_string(), 2048, "learned".to_string())),
+        "{windows:?}"
+    );
+    let metrics = scrape(&h).await;
+    assert!(
+        metrics.contains(&format!(
+            "compactor_model_context_window{{model=\"{MODEL}\",source=\"learned\"}} 2048"
+        )),
+        "{metrics}"
+    );
+    // The next requests are checked against it before they go out.
+    let reason: String = h
+        .db()
+        .query_row(
+            "SELECT reason FROM compactions ORDER BY created_ms DESC LIMIT 1",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(reason.starts_with("overflow"), "{reason}");
+    // Remembered across a restart.
+    h.stop().await;
+    let config = h.state.config.clone();
+    let h2 = Harness::start_on(h.fake.clone(), h.dir, h.db.clone(), config).await;
+    let windows = admin_windows(&h2).await;
+    assert!(
+        windows.contains(&(MODEL.to_string(), 2048, "learned".to_string())),
+        "{windows:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overflow_while_the_tail_holds_most_of_the_request_is_compacted_anyway() {
+    // No [[models]] entry: the table's 128k window gives the ladder a
+    // verbatim tail of 16k tokens, which holds the whole current turn.
+    let h = Harness::start_with(|c| c.compaction.background = false).await;
+    let mut chat = Chat::new(&h, KEY);
+    chat.turn("Fix the failing build, please.").await;
+    // One turn of tool calls whose outputs fill the window: everything
+    // compactable sits inside the ladder's verbatim tail.
+    chat.history
+        .push(json!({"role": "user", "content": "Run the tests and fix them."}));
+    for k in 0..4 {
+        let id = format!("call_{k}");
+        chat.history.push(json!({"role": "assistant", "content": null, "tool_calls": [
+            {"id": id, "type": "function", "function": {"name": "shell", "arguments": "{\"cmd\":\"cargo test\"}"}}]}));
+        chat.history.push(json!({"role": "tool", "tool_call_id": id,
+            "content": format!("test output {k}: {}", "error[E0308]: mismatched types at src/lib.rs ".repeat(50))}));
+    }
+    // Refused with no figures at all (OpenAI's Responses wording).
+    h.fake.push(Reply::json(400, json!({"error": {"message": "Your input exceeds the context window of this model. Please adjust your input and try again.",
+        "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}})));
+    let before = h.fake.received().len();
+    let (status, headers, _) = post(
+        &chat.url,
+        KEY,
+        &json!({"model": MODEL, "messages": chat.history}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let summary_calls = h.fake.received()[before..]
+        .iter()
+        .filter(|r| is_summary_call(r))
+        .count();
+    assert!(summary_calls <= 2, "{summary_calls}");
+    let (reason, after): (String, i64) = h
+        .db()
+        .query_row("SELECT reason, tokens_after FROM compactions", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .unwrap();
+    assert!(reason.contains("escalated"), "{reason} (after {after})");
+    // The retry went with the pending tool batch and the newest user message.
+    let sent = last_client_call(&h);
+    let messages = sent["messages"].as_array().unwrap();
+    assert_eq!(messages.last().unwrap()["tool_call_id"], "call_3");
+    assert!(messages
+        .iter()
+        .any(|m| m["content"] == "Run the tests and fix them."));
+    assert!(after > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_core_cannot_fit_gets_the_error_at_once_without_a_summary_call() {
+    let h = Harness::start_with(small_window_foreground).await;
+    let mut chat = Chat::new(&h, KEY);
+    chat.turn("hello").await;
+    // The newest user message alone is over the window.
+    let huge = "every token matters ".repeat(900);
+    chat.history.push(json!({"role": "user", "content": huge}));
+    h.fake.push(llama_overflow(3700, 2800));
+    let before = h.fake.received().len();
+    let (status, _, body) = post(
+        &chat.url,
+        KEY,
+        &json!({"model": MODEL, "messages": chat.history}),
+    )
+    .await;
+    assert_eq!(status, 400, "the upstream's error, relayed");
+    assert!(String::from_utf8_lossy(&body).contains("exceeds the available context size"));
+    let after: Vec<_> = h.fake.received()[before..].to_vec();
+    assert!(
+        after.iter().all(|r| !is_summary_call(r)),
+        "no summarizer call"
+    );
+    assert_eq!(compactions(&h), 0);
+    let metrics = scrape(&h).await;
+    assert!(
+        metrics.contains("compactor_unfittable_total{goal=\"overflow\"} 1"),
+        "{metrics}"
+    );
+}
