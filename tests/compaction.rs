@@ -835,3 +835,86 @@ async fn a_request_whose_core_cannot_fit_gets_the_error_at_once_without_a_summar
         "{metrics}"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_history_costs_a_bounded_number_of_summarizer_calls() {
+    let h = Harness::start_with(small_window_foreground).await;
+    // A 0.88 MB history the proxy has never seen, far over the window.
+    let mut history = vec![json!({"role": "system", "content": "You are a careful coding agent."})];
+    let mut i = 0;
+    while serde_json::to_string(&history).unwrap().len() < 880_000 {
+        history.push(json!({"role": "user", "content": big_filler(i)}));
+        history.push(json!({"role": "assistant", "content": format!("Done with step {i}: {}", "the module parses its input ".repeat(40))}));
+        i += 1;
+    }
+    history.push(json!({"role": "user", "content": "What next?"}));
+    let url = format!("{}/chat/completions", h.url());
+    let before = h.fake.received().len();
+    let (status, headers, _) = post(&url, KEY, &json!({"model": MODEL, "messages": history})).await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let calls = h.fake.received()[before..]
+        .iter()
+        .filter(|r| is_summary_call(r))
+        .count();
+    eprintln!("summarizer calls for one 0.88 MB request: {calls}");
+    assert!(
+        (1..=8).contains(&calls),
+        "compaction.max_summary_calls defaults to 8: {calls}"
+    );
+    let (stored_calls, tokens): (i64, i64) = h
+        .db()
+        .query_row(
+            "SELECT summary_calls, summary_tokens FROM compactions",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(stored_calls as usize, calls);
+    assert!(tokens > 0);
+    let metrics = scrape(&h).await;
+    assert!(
+        metrics.contains(&format!("compactor_summary_calls_total {calls}\n")),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(&format!("compactor_summary_tokens_total {tokens}\n")),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_codex_first_request_over_a_small_window_is_relayed_with_no_summarizer_call() {
+    let h = Harness::start_with(|c| c.compaction.background = false).await;
+    // Codex's first request: long instructions, many tools, a developer
+    // message, the environment context and the prompt.
+    let tools: Vec<Value> = (0..30)
+        .map(|k| json!({"type": "function", "name": format!("tool_{k}"),
+            "description": "Runs a command in the workspace and returns what it printed. ".repeat(6),
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}))
+        .collect();
+    let body = json!({
+        "model": MODEL,
+        "instructions": "You are Codex, a coding agent. Follow the repository's conventions. ".repeat(220),
+        "tools": tools,
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "<permissions>read-only sandbox</permissions> ".repeat(40)}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": format!("<environment_context>{}</environment_context>", "cwd=/work shell=bash ".repeat(30))}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix the failing test"}]},
+        ],
+    });
+    h.fake.push(llama_overflow(4571, 4096));
+    let before = h.fake.received().len();
+    let started = std::time::Instant::now();
+    let (status, _, resp) = post(&format!("{}/responses", h.url()), KEY, &body).await;
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&resp));
+    let received = h.fake.received()[before..].to_vec();
+    let summary_calls = received.iter().filter(|r| is_summary_call(r)).count();
+    eprintln!(
+        "codex first request over 4096: {summary_calls} summarizer calls, {} upstream requests, {:?}",
+        received.len(),
+        started.elapsed()
+    );
+    assert_eq!(summary_calls, 0);
+    assert_eq!(received.len(), 1, "relayed at once, no retry");
+}
