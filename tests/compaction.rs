@@ -918,3 +918,58 @@ async fn a_codex_first_request_over_a_small_window_is_relayed_with_no_summarizer
     assert_eq!(summary_calls, 0);
     assert_eq!(received.len(), 1, "relayed at once, no retry");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_models_window_is_discovered_at_its_first_request_and_a_silent_upstream_delays_nothing_long(
+) {
+    let h = Harness::start_with(|c| c.upstream.discover_windows = true).await;
+    // vLLM's `/v1/models` names the window it serves.
+    h.fake.push(Reply::json(
+        200,
+        json!({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 4096}]}),
+    ));
+    let mut chat = Chat::new(&h, KEY);
+    let (status, _, _) = chat.turn("hello").await;
+    assert_eq!(status, 200);
+    let received = h.fake.received();
+    assert_eq!(
+        (received[0].method.as_str(), received[0].path.as_str()),
+        ("GET", "/v1/models")
+    );
+    assert!(
+        admin_windows(&h)
+            .await
+            .contains(&(MODEL.to_string(), 4096, "discovered".to_string())),
+        "{:?}",
+        admin_windows(&h).await
+    );
+    // Asked once per model.
+    chat.turn("again").await;
+    let gets = h
+        .fake
+        .received()
+        .iter()
+        .filter(|r| r.method == http::Method::GET)
+        .count();
+    assert_eq!(gets, 1);
+
+    // Another model, and an upstream that does not answer: the request goes
+    // on after the time box.
+    h.fake.push(Reply::Delay(
+        Duration::from_secs(8),
+        Box::new(Reply::json(200, json!({"data": []}))),
+    ));
+    let started = std::time::Instant::now();
+    let (status, _, _) = post(
+        &chat.url,
+        KEY,
+        &json!({"model": "other-model", "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(6),
+        "discovery is time-boxed ({waited:?})"
+    );
+}

@@ -1068,3 +1068,30 @@ async fn the_real_window_is_learned_and_thirty_turns_fit_without_a_models_entry(
     assert!(!compactions.is_empty());
     h.stop().await;
 }
+
+/// llama-server says its window when asked: the first request of a model
+/// discovers it (`/v1/models` `meta.n_ctx`, else `/props`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real llama-server: run scripts/test"]
+async fn the_window_is_discovered_from_llama_server() {
+    let _slot = ONE_AT_A_TIME.lock().await;
+    let url = llama_url();
+    let mut h = within(Harness::start_with(move |c| {
+        c.upstream.base_url = url;
+        c.upstream.discover_windows = true;
+    }))
+    .await;
+    let (status, _, body) = post(
+        &format!("{}/chat/completions", h.url()),
+        KEY,
+        &chat_body("Say hi.", 4),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (limits, source) = h.state.model_window("smollm2");
+    assert_eq!(
+        (limits.context_window, source.as_str()),
+        (LLAMA_WINDOW as u64, "discovered")
+    );
+    h.stop().await;
+}
