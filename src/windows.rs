@@ -244,11 +244,8 @@ pub async fn tell(state: &std::sync::Arc<AppState>, model: &str, window: u64, so
 
 async fn ask(state: &AppState, model: &str, auth: &http::HeaderMap) -> Option<u64> {
     let up = &state.upstream;
-    let mut headers = auth.clone();
-    headers.insert(
-        http::header::ACCEPT_ENCODING,
-        http::HeaderValue::from_static("identity"),
-    );
+    // The client's credential, or the proxy's own key when one is set.
+    let headers = up.request_headers(auth, true);
     let get = |url: reqwest::Url| {
         let headers = headers.clone();
         async move {

@@ -314,7 +314,7 @@ fn history(responses: bool, systems: usize, turns: &[Turn], cut_short: bool) -> 
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 64, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
 
     /// Reactive compaction: for any history and any limit at or above its
     /// irreducible core, the escalation's result fits the limit and keeps
