@@ -155,6 +155,8 @@ pub struct CompactionRow {
     pub base: Option<String>,
     /// Summarizer calls made.
     pub summary_calls: u32,
+    /// Tokens of those calls, prompt and answer.
+    pub summary_tokens: u64,
     /// Time to compute, ms.
     pub duration_ms: u64,
     /// The first exchange whose request it rewrote, if any yet.
@@ -378,6 +380,7 @@ fn compaction_row(c: &Compaction, exchanges: &[ExchangeRow]) -> CompactionRow {
         summary: c.summary.clone(),
         base: c.base.clone(),
         summary_calls: c.summary_calls,
+        summary_tokens: c.summary_tokens,
         duration_ms: c.duration_ms,
         first_applied_exchange: applied.first().copied(),
         applied_exchanges: applied.len() as u64,
