@@ -17,6 +17,8 @@
 //! - [`store`]: records (conversations, exchanges, content-addressed items);
 //!   the SQLite backend.
 //! - [`tokens`]: tiktoken estimates by section.
+//! - [`windows`]: the upstream's real context windows, learned from its
+//!   overflow answers or discovered by asking it, and remembered.
 //! - [`background`]: the accounting thread (token estimates and the
 //!   per-exchange line, off the request path).
 //! - [`bounded`]: a map that keeps recent entries within a fixed size, for
@@ -49,6 +51,7 @@ pub mod server;
 pub mod store;
 pub mod tokens;
 pub mod upstream;
+pub mod windows;
 pub mod wire;
 
 /// Cases a property test or fuzz target runs: `default` (sized so that the

@@ -131,6 +131,8 @@ impl PendingExchange {
             reason,
             requested_ms: self.started_ms,
             whole,
+            goal: engine::Goal::Shrink,
+            tools: self.tools.clone(),
         }
     }
 
