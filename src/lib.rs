@@ -26,6 +26,10 @@
 //!   benchmarks and the offline demo.
 //! - [`metrics`]: Prometheus counters, histograms and scrape-time gauges
 //!   (`GET /metrics`).
+//! - [`doctor`]: `compactor doctor`, a check of a setup with one ✓/✗ line
+//!   per finding.
+//! - [`connect`]: `compactor connect` and `compactor run`, a client's
+//!   configuration for this proxy.
 //! - [`demo`]: `compactor demo`, a scripted agent session through the proxy
 //!   against the fake upstream, offline.
 
@@ -38,8 +42,10 @@ pub mod bounded;
 pub mod cli;
 pub mod compaction;
 pub mod config;
+pub mod connect;
 pub mod conversation;
 pub mod demo;
+pub mod doctor;
 pub mod error;
 pub mod fake_upstream;
 pub mod metrics;

@@ -92,16 +92,25 @@ fn lock(db: &Path) -> io::Result<Option<File>> {
 
 /// The records in `D-exchanges.old` then `D-exchanges`, oldest first.
 fn read_all(db: &Path) -> io::Result<Vec<ExchangeRecord>> {
+    read_frames(db).map(|(records, _)| records)
+}
+
+/// [`read_all`], and how many bytes follow the last whole record.
+fn read_frames(db: &Path) -> io::Result<(Vec<ExchangeRecord>, u64)> {
     let [log, old, _] = paths(db);
     let mut out = Vec::new();
+    let mut torn = 0;
     for path in [old, log] {
         match std::fs::read(&path) {
-            Ok(bytes) => decode_frames(&bytes, &mut out, &path),
+            Ok(bytes) => {
+                let end = decode_frames(&bytes, &mut out, &path);
+                torn += (bytes.len() - end) as u64;
+            }
             Err(e) if e.kind() == io::ErrorKind::NotFound => {}
             Err(e) => return Err(e),
         }
     }
-    Ok(out)
+    Ok((out, torn))
 }
 
 /// Removes both journal files' records (after they were imported).
@@ -304,6 +313,33 @@ pub fn import_orphaned(db: &Path) -> Result<usize, super::StoreError> {
     Ok(n)
 }
 
+/// What [`status`] found in a store's journal.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct JournalStatus {
+    /// A process holds the store's lock: a proxy serves it.
+    pub served: bool,
+    /// Exchange records the journal holds, not yet imported.
+    pub records: usize,
+    /// Bytes after the last whole record: a write cut short by a kill,
+    /// whose exchange was never acknowledged.
+    pub torn_bytes: u64,
+}
+
+/// Reads the journal of `db` without changing it, for `compactor doctor`.
+/// Whether a proxy serves the store is seen by trying its lock, which is
+/// let go at once.
+pub fn status(db: &Path) -> io::Result<JournalStatus> {
+    let (records, torn_bytes) = read_frames(db)?;
+    // No lock file yet: no proxy ever served this store, so none does.
+    let [_, _, lock_path] = paths(db);
+    let served = lock_path.exists() && lock(db)?.is_none();
+    Ok(JournalStatus {
+        served,
+        records: records.len(),
+        torn_bytes,
+    })
+}
+
 /// The records as a batch for [`super::Backend::write`].
 pub fn exchanges(records: Vec<ExchangeRecord>) -> Vec<super::Record> {
     records
@@ -377,7 +413,8 @@ fn decode_frame(mut data: &[u8]) -> Option<ExchangeRecord> {
 
 /// Appends the complete frames of `bytes` to `out`; stops at the first
 /// that is cut short (its write never finished: the process was killed).
-fn decode_frames(bytes: &[u8], out: &mut Vec<ExchangeRecord>, path: &Path) {
+/// Returns where the reading stopped: `bytes.len()` unless a frame was cut short.
+fn decode_frames(bytes: &[u8], out: &mut Vec<ExchangeRecord>, path: &Path) -> usize {
     let mut at = 0;
     while at < bytes.len() {
         let rest = &bytes[at..];
@@ -392,11 +429,12 @@ fn decode_frames(bytes: &[u8], out: &mut Vec<ExchangeRecord>, path: &Path) {
                 offset = at,
                 "journal ends in an incomplete record (a write cut short); ignored"
             );
-            return;
+            return at;
         };
         out.push(rec);
         at += 4 + len;
     }
+    at
 }
 
 #[cfg(test)]
