@@ -545,3 +545,158 @@ async fn codex_runs_on_the_config_connect_writes() {
     assert_eq!(asked[0].json()["model"], "tiny-codex");
     h.stop().await;
 }
+
+// ---------------------------------------------------------------------------
+// deployment files
+
+fn repo_file(path: &str) -> String {
+    let full = Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+    std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("{}: {e}", full.display()))
+}
+
+/// A YAML file as JSON, read by PyYAML (what docker compose's own schema
+/// check would need a daemon-side tool for).
+async fn yaml(path: &str) -> Value {
+    let mut load = Command::new("python3");
+    load.args([
+        "-c",
+        "import json, sys, yaml; print(json.dumps(yaml.safe_load(open(sys.argv[1]))))",
+    ])
+    .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join(path));
+    let out = run(load).await;
+    assert_eq!(out.code, Some(0), "{path}: {out:#?}");
+    serde_json::from_str(&out.stdout).expect("JSON")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn the_grafana_dashboard_charts_metrics_the_proxy_serves() {
+    let mut h = Harness::start().await;
+    let resp = within(
+        support::client()
+            .get(format!("http://{}/metrics", h.addr))
+            .send(),
+    )
+    .await
+    .expect("GET /metrics");
+    let text = within(resp.text()).await.expect("body");
+    h.stop().await;
+    let served: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("# TYPE "))
+        .filter_map(|l| l.split(' ').next())
+        .collect();
+    let dashboard: Value = serde_json::from_str(&repo_file("docs/grafana-dashboard.json")).unwrap();
+    let panels = dashboard["panels"].as_array().expect("panels");
+    let name = regex::Regex::new(r"compactor_[a-z_]+").unwrap();
+    let mut charted = 0;
+    for target in panels.iter().flat_map(|p| p["targets"].as_array().unwrap()) {
+        let expr = target["expr"].as_str().expect("expr");
+        for m in name.find_iter(expr) {
+            let metric = m.as_str();
+            let base = ["_bucket", "_count", "_sum"]
+                .iter()
+                .find_map(|s| metric.strip_suffix(s))
+                .unwrap_or(metric);
+            assert!(
+                served.contains(&base),
+                "{metric} is not in /metrics ({served:?})"
+            );
+            charted += 1;
+        }
+    }
+    assert!(charted >= 10, "{charted} metric uses");
+}
+
+#[tokio::test]
+async fn compose_and_prometheus_scrape_the_proxy_where_it_listens() {
+    let prometheus = yaml("docs/prometheus.yml").await;
+    let job = &prometheus["scrape_configs"][0];
+    assert_eq!(job["metrics_path"], "/metrics");
+    assert_eq!(
+        job["static_configs"][0]["targets"][0],
+        compactor::config::DEFAULT_LISTEN
+    );
+    let compose = yaml("compose.yaml").await;
+    let services = &compose["services"];
+    assert_eq!(services["prometheus"]["network_mode"], "service:compactor");
+    let mounts = services["prometheus"]["volumes"].to_string();
+    assert!(
+        mounts.contains("./docs/prometheus.yml:/etc/prometheus/prometheus.yml"),
+        "{mounts}"
+    );
+    let proxy = &services["compactor"];
+    assert_eq!(proxy["volumes"][0], "compactor-data:/data");
+    let ports = proxy["ports"].to_string();
+    assert!(
+        ports.contains("8787:8787") && ports.contains("9090:9090"),
+        "{ports}"
+    );
+    assert!(
+        compose["services"].get("postgres").is_none(),
+        "no service without a backend"
+    );
+}
+
+/// The settings the Dockerfile and the systemd unit start the proxy with
+/// are ones it accepts.
+#[tokio::test]
+async fn the_image_and_the_unit_start_the_proxy_with_valid_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let proxy_toml = Path::new(env!("CARGO_MANIFEST_DIR")).join("proxy.toml");
+    let docker = repo_file("Dockerfile");
+    let env_value = |key: &str| {
+        let at = docker
+            .find(&format!("{key}="))
+            .unwrap_or_else(|| panic!("ENV {key}"));
+        docker[at + key.len() + 1..]
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .to_string()
+    };
+    assert_eq!(env_value("COMPACTOR_CONFIG"), "/etc/compactor/proxy.toml");
+    assert!(docker.contains("COPY proxy.toml /etc/compactor/proxy.toml"));
+    let listen = env_value("COMPACTOR_LISTEN");
+    let db = env_value("COMPACTOR_DB");
+    assert!(
+        db.starts_with("/data/") && docker.contains("VOLUME [\"/data\"]"),
+        "{db}"
+    );
+    let port = listen.rsplit(':').next().unwrap();
+    assert!(
+        docker.contains(&format!("http://127.0.0.1:{port}/healthz")),
+        "health check port"
+    );
+    assert!(docker.contains(&format!("EXPOSE {port}")));
+    assert!(docker.contains("\nUSER compactor\n"), "not root");
+    let mut check = compactor(&["serve", "--check-config"]);
+    check
+        .env("COMPACTOR_CONFIG", &proxy_toml)
+        .env("COMPACTOR_LISTEN", &listen)
+        .env("COMPACTOR_DB", dir.path().join("c.db"));
+    let out = run(check).await;
+    assert_eq!(out.code, Some(0), "{out:#?}");
+    assert!(out.stdout.contains(&listen), "{out:#?}");
+
+    let unit = repo_file("docs/compactor.service");
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart="))
+        .expect("ExecStart");
+    let mut words = exec.split_whitespace();
+    assert_eq!(words.next(), Some("/usr/local/bin/compactor"));
+    let args: Vec<String> = words
+        .map(|w| match w {
+            "/etc/compactor/proxy.toml" => proxy_toml.display().to_string(),
+            w if w.starts_with("/var/lib/compactor/") => {
+                dir.path().join("u.db").display().to_string()
+            }
+            w => w.to_string(),
+        })
+        .collect();
+    assert!(unit.contains("StateDirectory=compactor"));
+    let mut check = compactor(&[]);
+    check.args(&args).arg("--check-config");
+    let out = run(check).await;
+    assert_eq!(out.code, Some(0), "{args:?}: {out:#?}");
+}
