@@ -348,6 +348,12 @@ fn banner(state: &AppState, addr: std::net::SocketAddr) {
         .into_iter()
         .map(|(pattern, window, source)| format!("{pattern}={window} ({source})"))
         .collect();
+    // Windows the upstream told in earlier runs, which replace the table's.
+    let told: Vec<String> = state
+        .models_seen()
+        .into_iter()
+        .map(|(model, window, source)| format!("{model}={window} ({source})"))
+        .collect();
     tracing::info!(
         listen = %addr,
         upstream = %state.upstream.base(),
@@ -355,6 +361,7 @@ fn banner(state: &AppState, addr: std::net::SocketAddr) {
         trigger_ratio = c.compaction.trigger_ratio,
         warn_ratio = c.compaction.warn_ratio,
         models = %models.join(", "),
+        windows_told = %told.join(", "),
         "compactor listening"
     );
 }
@@ -419,6 +426,15 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
+    if let Some((kept, bytes)) = crate::store::journal::quarantined(&path) {
+        // On stderr, so that --json output stays one document.
+        eprintln!(
+            "compactor: warning: {bytes} bytes of the journal could not be read and are kept in {}; \
+             the exchanges they held are not in the store (each piece there follows a line that \
+             says where it was; remove the file once it is looked at)",
+            kept.display()
+        );
+    }
     let json = store.json;
     let out = match &cmd {
         ConversationsCommand::List { limit, .. } => {
@@ -624,11 +640,12 @@ fn render_compaction(n: usize, k: &CompactionRow) -> String {
 fn render_show(d: &ConversationDetail) -> String {
     let c = &d.conversation;
     let mut out = format!(
-        "conversation {}\n  tenant      {}\n  model       {} (window {}, trigger {})\n  first seen  {} UTC\n  last seen   {} UTC\n  exchanges   {}, compactions {}, last tokens {}\n\n",
+        "conversation {}\n  tenant      {}\n  model       {} (window {} from {}, trigger {})\n  first seen  {} UTC\n  last seen   {} UTC\n  exchanges   {}, compactions {}, last tokens {}\n\n",
         c.id,
         c.tenant,
         c.model,
         thousands(c.context_window),
+        c.window_source,
         thousands(c.trigger_tokens),
         utc_time(c.created_ms),
         utc_time(c.last_seen_ms),

@@ -89,6 +89,9 @@ pub struct UpstreamConfig {
     pub response_timeout_secs: u64,
     /// Seconds a response body may stay silent before it is abandoned.
     pub idle_timeout_secs: u64,
+    /// At a model's first request, ask the upstream for its context window
+    /// (vLLM's `/v1/models`, llama.cpp's `/props`), at most 2 s.
+    pub discover_windows: bool,
 }
 
 impl Default for UpstreamConfig {
@@ -99,6 +102,7 @@ impl Default for UpstreamConfig {
             connect_timeout_secs: 10,
             response_timeout_secs: 600,
             idle_timeout_secs: 300,
+            discover_windows: true,
         }
     }
 }
@@ -157,6 +161,10 @@ pub struct CompactionConfig {
     /// How long a request that does not fit waits for a background
     /// compaction still being computed, seconds.
     pub wait_secs: u64,
+    /// Most summarizer calls one compaction makes; past it the older part
+    /// of a long history is left to the facts the proxy extracts itself.
+    /// 0: summaries are those facts alone, with no model call.
+    pub max_summary_calls: u32,
 }
 
 impl Default for CompactionConfig {
@@ -172,6 +180,7 @@ impl Default for CompactionConfig {
             tool_output_max_bytes: 8_192,
             tool_output_keep_bytes: 3_072,
             wait_secs: 120,
+            max_summary_calls: 8,
         }
     }
 }
@@ -394,6 +403,12 @@ impl Config {
     /// then the built-in families, and only then a user entry of bare `*` —
     /// so a fallback for unknown models does not hide what is known of gpt-5.
     pub fn model_limits(&self, model: &str) -> ModelLimits {
+        self.model_limits_sourced(model).0
+    }
+
+    /// [`Config::model_limits`], and whether a `[[models]]` entry gave them
+    /// (rather than the built-in table).
+    pub fn model_limits_sourced(&self, model: &str) -> (ModelLimits, bool) {
         let lower = model.to_ascii_lowercase();
         let user = |fallback: bool| {
             self.models.iter().find(|m| {
@@ -408,20 +423,22 @@ impl Config {
         let chosen = user(false).or(if builtin.is_none() { user(true) } else { None });
         if let Some(m) = chosen {
             let default_out = builtin.map(|b| b.1).unwrap_or(16_384);
-            return ModelLimits {
+            let limits = ModelLimits {
                 context_window: m.context_window,
                 max_output_tokens: m
                     .max_output_tokens
                     .unwrap_or_else(|| default_out.min(m.context_window / 4)),
                 trigger_ratio: m.trigger_ratio.unwrap_or(self.compaction.trigger_ratio),
             };
+            return (limits, true);
         }
         let (window, out) = builtin.unwrap_or((128_000, 16_384));
-        ModelLimits {
+        let limits = ModelLimits {
             context_window: window,
             max_output_tokens: out,
             trigger_ratio: self.compaction.trigger_ratio,
-        }
+        };
+        (limits, false)
     }
 
     /// The effective models table (user entries, then built-ins), for the banner.

@@ -16,6 +16,7 @@ use crate::cli::ConfigArgs;
 use crate::config::Config;
 use crate::demo::thousands;
 use crate::upstream::Upstream;
+use crate::windows::{Source, Told};
 
 /// Longest the doctor waits for one upstream answer (or the store's lock).
 pub const CHECK_TIMEOUT: Duration = Duration::from_secs(5);
@@ -222,7 +223,7 @@ async fn check_upstream(config: &Config, out: &mut Vec<Finding>) -> Option<(Upst
             let why = body
                 .pointer("/error/message")
                 .and_then(Value::as_str)
-                .map(|m| format!(": {}", upstream.redact(m.to_string())))
+                .map(|m| format!(": {}", upstream.redact(m, &headers)))
                 .unwrap_or_default();
             out.push(Finding::new(
                 Verdict::Fail,
@@ -288,48 +289,96 @@ async fn check_windows(
     let headers = upstream_headers(upstream);
     let mut out = Vec::new();
     for model in models_to_check(config, listed, extra) {
-        let told = told_window(upstream, &headers, listed, &model).await;
+        let told = told_window(upstream, &headers, &model).await;
         out.push(window_finding(config, &model, told));
     }
     out
 }
 
-/// What the upstream states of `model`'s window, and where it said so.
-async fn told_window(
-    upstream: &Upstream,
-    headers: &http::HeaderMap,
-    listed: &Value,
-    model: &str,
-) -> Option<(u64, &'static str)> {
-    let _ = (upstream, headers, listed, model);
-    None
+/// What the upstream states of `model`'s window when asked, within
+/// [`CHECK_TIMEOUT`] (the discovery the proxy makes at a model's first
+/// request, [`crate::windows::ask_upstream`]).
+async fn told_window(upstream: &Upstream, headers: &http::HeaderMap, model: &str) -> Option<u64> {
+    let ask = crate::windows::ask_upstream(upstream, model, headers.clone());
+    tokio::time::timeout(CHECK_TIMEOUT, ask)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// The table's (or `[[models]]`) limits of `model` and where they came from.
+fn configured(config: &Config, model: &str) -> (crate::config::ModelLimits, Source) {
+    let (limits, from_config) = config.model_limits_sourced(model);
+    let source = if from_config {
+        Source::Config
+    } else {
+        Source::Table
+    };
+    (limits, source)
 }
 
 /// One model's window: the table's (or `[[models]]`) against what the
-/// upstream states.
-fn window_finding(config: &Config, model: &str, told: Option<(u64, &'static str)>) -> Finding {
-    let limits = config.model_limits(model);
+/// upstream states, and which the proxy will use.
+fn window_finding(config: &Config, model: &str, told: Option<u64>) -> Finding {
+    let (limits, source) = configured(config, model);
     let subject = format!("model {model}");
-    let table = thousands(limits.context_window);
-    match told {
-        None => Finding::new(
+    let ours = thousands(limits.context_window);
+    let what = match source {
+        Source::Config => "your [[models]] entry",
+        _ => "the models table",
+    };
+    let Some(w) = told else {
+        return Finding::new(
             Verdict::Ok,
             subject,
-            format!("window {table} (models table); the upstream does not state one"),
-        ),
-        Some((w, _)) if w == limits.context_window => Finding::new(
+            format!("window {ours} ({what}); the upstream does not state one"),
+        );
+    };
+    let theirs = thousands(w);
+    let told = told_at(model, w);
+    let (used, used_source) = crate::windows::effective(limits, source, Some(&told));
+    let used = thousands(used.context_window);
+    if w == limits.context_window {
+        return Finding::new(
             Verdict::Ok,
             subject,
-            format!("window {table}, as the upstream states"),
-        ),
-        Some((w, how)) => Finding::new(
+            format!("window {ours} ({what}), as the upstream states"),
+        );
+    }
+    if !config.upstream.discover_windows {
+        return Finding::new(
             Verdict::Warn,
             subject,
-            format!(
-                "the upstream states a window of {} ({how}); the models table says {table}",
-                thousands(w)
-            ),
+            format!("the upstream states a window of {theirs}, {what} says {ours}, and upstream.discover_windows is off: the proxy uses {ours} until an overflow answer tells it {theirs}"),
+        );
+    }
+    match (source, used_source) {
+        (Source::Config, Source::Config) => Finding::new(
+            Verdict::Ok,
+            subject,
+            format!("window {ours} ({what}), less than the {theirs} the upstream states: your entry stays"),
         ),
+        (Source::Config, _) => Finding::new(
+            Verdict::Warn,
+            subject,
+            format!("{what} says {ours}, more than the {theirs} the upstream states; the proxy uses {used} (the smaller wins): correct the entry"),
+        ),
+        _ => Finding::new(
+            Verdict::Ok,
+            subject,
+            format!("window {theirs} (discovered: the upstream states it) against {what}'s {ours}; the proxy uses {used}"),
+        ),
+    }
+}
+
+/// `window` as if the upstream had just told it for `model` on discovery.
+fn told_at(model: &str, window: u64) -> Told {
+    Told {
+        upstream: String::new(),
+        model: model.to_string(),
+        window,
+        source: Source::Discovered,
+        updated_ms: 0,
     }
 }
 
@@ -377,13 +426,16 @@ pub async fn effective_window(
                 }
             }
         };
-    let limits = config.model_limits(&model);
+    let (limits, source) = configured(config, &model);
     let told = match &asked {
-        Some((upstream, headers, listed)) => told_window(upstream, headers, listed, &model).await,
-        None => None,
+        Some((upstream, headers, _)) if config.upstream.discover_windows => {
+            told_window(upstream, headers, &model).await
+        }
+        _ => None,
     };
-    let window = told.map_or(limits.context_window, |(w, _)| w);
-    Ok((model, window, limits.max_output_tokens.min(window / 4)))
+    let told = told.map(|w| told_at(&model, w));
+    let (limits, _) = crate::windows::effective(limits, source, told.as_ref());
+    Ok((model, limits.context_window, limits.max_output_tokens))
 }
 
 /// The store can be written: an existing database takes a write lock (in a
@@ -470,28 +522,42 @@ pub fn check_journal(db: &Path) -> Finding {
         Ok(s) => s,
         Err(e) => return Finding::new(Verdict::Fail, "journal", format!("cannot be read: {e}")),
     };
-    let torn = if status.torn_bytes > 0 {
-        format!(
-            "; it ends in {} bytes of a record cut short (a write a kill interrupted, never acknowledged: ignored)",
-            thousands(status.torn_bytes)
-        )
-    } else {
-        String::new()
-    };
-    let (verdict, text) = match (status.served, status.records) {
-        (true, n) => (
+    let mut notes = Vec::new();
+    if status.cut_short_bytes > 0 {
+        notes.push(format!(
+            "it ends in {} bytes of a record cut short (a write a kill interrupted, never acknowledged: skipped)",
+            thousands(status.cut_short_bytes)
+        ));
+    }
+    if status.unreadable_bytes > 0 {
+        notes.push(format!(
+            "{} bytes cannot be read (damaged); the next import sets them aside",
+            thousands(status.unreadable_bytes)
+        ));
+    }
+    if let Some((path, len)) = &status.quarantined {
+        notes.push(format!(
+            "{} holds {} bytes set aside earlier",
+            path.display(),
+            thousands(*len)
+        ));
+    }
+    let n = thousands(status.records as u64);
+    let (mut verdict, mut text) = match (status.served, status.records) {
+        (true, _) => (
             Verdict::Ok,
-            format!("a running proxy serves this store ({} exchanges on their way into the database){torn}", thousands(n as u64)),
+            format!("a running proxy serves this store ({n} exchanges on their way into the database)"),
         ),
-        (false, 0) => (
-            if torn.is_empty() { Verdict::Ok } else { Verdict::Warn },
-            format!("empty{torn}"),
-        ),
-        (false, n) => (
+        (false, 0) => (Verdict::Ok, "empty".to_string()),
+        (false, _) => (
             Verdict::Warn,
-            format!("{} exchanges of a proxy that stopped without importing them wait in it; the next `compactor serve` (or `compactor conversations list`) imports them{torn}", thousands(n as u64)),
+            format!("{n} exchanges of a proxy that stopped without importing them wait in it; the next `compactor serve` (or `compactor conversations list`) imports them"),
         ),
     };
+    if !notes.is_empty() {
+        verdict = Verdict::Warn;
+        text = format!("{text}; {}", notes.join("; "));
+    }
     Finding::new(verdict, "journal", text)
 }
 

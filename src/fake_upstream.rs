@@ -264,6 +264,8 @@ struct Shared {
     answered: usize,
     /// Keep nothing of what was received (long benchmarks).
     forget: bool,
+    /// The answer to every summarizer request, instead of the automatic one.
+    summary_reply: Option<String>,
 }
 
 /// A running fake upstream.
@@ -319,6 +321,12 @@ impl FakeUpstream {
         self.lock().script.push_back(reply);
     }
 
+    /// Answers every summarizer request with `text` (not taken from the
+    /// script); `None` restores the automatic narrative.
+    pub fn set_summary_reply(&self, text: Option<String>) {
+        self.lock().summary_reply = text;
+    }
+
     /// Everything received so far.
     pub fn received(&self) -> Vec<Received> {
         self.lock().received.clone()
@@ -366,7 +374,12 @@ impl FakeUpstream {
             if !sh.forget {
                 sh.received.push(rec.clone());
             }
-            sh.script.pop_front()
+            match &sh.summary_reply {
+                Some(text) if is_summarizer_request(&rec.json()) => {
+                    Some(Reply::chat(text, (rec.body.len() as u64 / 4).max(1), 60))
+                }
+                _ => sh.script.pop_front(),
+            }
         };
         let reply = scripted.unwrap_or_else(|| auto_reply(&rec));
         render(reply).await
@@ -416,18 +429,14 @@ pub fn auto_reply(rec: &Received) -> Reply {
 /// a narrative with every section, each one short line derived from the
 /// transcript: DECISIONS and OPEN ITEMS name the last `[user]` line seen.
 fn summarizer_narrative(body: &Value) -> Option<String> {
-    use crate::compaction::summary::{NARRATIVE_SECTIONS, SUMMARIZER_MARKER};
+    use crate::compaction::summary::NARRATIVE_SECTIONS;
+    if !is_summarizer_request(body) {
+        return None;
+    }
     let messages = body.get("messages")?.as_array()?;
     let text =
         |m: &Value| crate::compaction::items::value_text(m.get("content").unwrap_or(&Value::Null));
     let is = |m: &&Value, r: &str| m.get("role").and_then(Value::as_str) == Some(r);
-    if !messages
-        .iter()
-        .filter(|m| is(m, "system"))
-        .any(|m| text(m).contains(SUMMARIZER_MARKER))
-    {
-        return None;
-    }
     let user = messages
         .iter()
         .rev()
@@ -465,6 +474,20 @@ fn summarizer_narrative(body: &Value) -> Option<String> {
         .collect::<Vec<_>>()
         .join("\n\n");
     Some(narrative)
+}
+
+/// A chat request whose system message carries the summarizer marker.
+fn is_summarizer_request(body: &Value) -> bool {
+    let text =
+        |m: &Value| crate::compaction::items::value_text(m.get("content").unwrap_or(&Value::Null));
+    body.get("messages")
+        .and_then(Value::as_array)
+        .is_some_and(|messages| {
+            messages
+                .iter()
+                .filter(|m| m.get("role").and_then(Value::as_str) == Some("system"))
+                .any(|m| text(m).contains(crate::compaction::summary::SUMMARIZER_MARKER))
+        })
 }
 
 async fn render(reply: Reply) -> Response<ProxyBody> {

@@ -17,11 +17,14 @@
 //! - [`store`]: records (conversations, exchanges, content-addressed items);
 //!   the SQLite backend.
 //! - [`tokens`]: tiktoken estimates by section.
+//! - [`windows`]: the upstream's real context windows, learned from its
+//!   overflow answers or discovered by asking it, and remembered.
 //! - [`background`]: the accounting thread (token estimates and the
 //!   per-exchange line, off the request path).
 //! - [`bounded`]: a map that keeps recent entries within a fixed size, for
 //!   the process-wide state that would otherwise grow with every request.
 //! - [`error`]: the request-path error type and its OpenAI-style JSON.
+//! - [`redact`]: credentials out of whatever is logged, recorded or relayed.
 //! - [`fake_upstream`]: a scriptable OpenAI-compatible server for tests,
 //!   benchmarks and the offline demo.
 //! - [`metrics`]: Prometheus counters, histograms and scrape-time gauges
@@ -49,8 +52,21 @@ pub mod doctor;
 pub mod error;
 pub mod fake_upstream;
 pub mod metrics;
+pub mod redact;
 pub mod server;
 pub mod store;
 pub mod tokens;
 pub mod upstream;
+pub mod windows;
 pub mod wire;
+
+/// Cases a property test or fuzz target runs: `default` (sized so that the
+/// whole set stays within seconds in the normal test run), or the
+/// `COMPACTOR_FUZZ_CASES` environment variable's number, for a longer run.
+#[doc(hidden)]
+pub fn fuzz_cases(default: u32) -> u32 {
+    std::env::var("COMPACTOR_FUZZ_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(default)
+}

@@ -49,6 +49,10 @@ pub const REASONS: &[&str] = &[
     "other",
 ];
 
+/// Goal labels of `compactor_unfittable_total` (what the compaction had to
+/// reach); anything else counts as `other`.
+pub const GOALS: &[&str] = &["overflow", "hard_limit", "shrink", "other"];
+
 /// A conversation counts as active this long after its last request.
 pub const ACTIVE_WINDOW: Duration = Duration::from_secs(15 * 60);
 
@@ -155,6 +159,15 @@ pub struct Gauges {
     pub active_conversations: Option<u64>,
     /// Compactions held in memory (all tenants).
     pub compactions_stored: Option<u64>,
+    /// Effective window of each model seen: (model, tokens, source).
+    pub windows: Vec<(String, u64, &'static str)>,
+}
+
+/// A label value in the text format: backslash, quote and newline escaped.
+fn escape_label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
 }
 
 /// All of the proxy's metrics. One per process, in [`AppState`].
@@ -170,6 +183,10 @@ pub struct Metrics {
     summary_failures: AtomicU64,
     summary_fallbacks: AtomicU64,
     reactive_retries: AtomicU64,
+    summary_calls: AtomicU64,
+    summary_tokens: AtomicU64,
+    /// `[goal]`: compactions declined because nothing could fit.
+    unfittable: Box<[AtomicU64]>,
     /// Conversation → last request.
     seen: Mutex<Seen>,
 }
@@ -227,6 +244,9 @@ impl Metrics {
             summary_failures: AtomicU64::new(0),
             summary_fallbacks: AtomicU64::new(0),
             reactive_retries: AtomicU64::new(0),
+            summary_calls: AtomicU64::new(0),
+            summary_tokens: AtomicU64::new(0),
+            unfittable: zeros(GOALS.len()),
             seen: Mutex::default(),
         }
     }
@@ -290,6 +310,21 @@ impl Metrics {
         self.reactive_retries.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// A compaction's summarizer calls and their tokens: call once per
+    /// compaction stored.
+    pub fn summary_cost(&self, calls: u32, tokens: u64) {
+        self.summary_calls
+            .fetch_add(calls as u64, Ordering::Relaxed);
+        self.summary_tokens.fetch_add(tokens, Ordering::Relaxed);
+    }
+
+    /// A compaction declined from the token counts, before any summarizer
+    /// call, because not even the irreducible core fits (`goal`: one of
+    /// [`GOALS`]): call once per such decision.
+    pub fn unfittable(&self, goal: &str) {
+        self.unfittable[index_of(GOALS, goal)].fetch_add(1, Ordering::Relaxed);
+    }
+
     /// A request of `conversation` arrived: call once per proxied request
     /// after the conversation is identified (feeds the active gauge).
     pub fn conversation_seen(&self, conversation: &str) {
@@ -336,6 +371,7 @@ impl Metrics {
             store_bytes: store_bytes(db),
             active_conversations: Some(self.active_conversations()),
             compactions_stored,
+            windows: Vec::new(),
         }
     }
 
@@ -430,9 +466,42 @@ impl Metrics {
                 "Requests retried compacted after the upstream said the prompt was too long.",
                 &self.reactive_retries,
             ),
+            (
+                "compactor_summary_calls_total",
+                "Summarizer calls made by stored compactions.",
+                &self.summary_calls,
+            ),
+            (
+                "compactor_summary_tokens_total",
+                "Tokens (prompt and answer) of those summarizer calls.",
+                &self.summary_tokens,
+            ),
         ] {
             header(&mut out, name, help, "counter");
             let _ = writeln!(out, "{name} {}", v.load(Ordering::Relaxed));
+        }
+        header(
+            &mut out,
+            "compactor_unfittable_total",
+            "Compactions declined before any summarizer call: not even the system items, tools, newest user message and pending tool batch fit the limit. By the limit sought.",
+            "counter",
+        );
+        for (g, goal) in GOALS.iter().enumerate() {
+            let n = self.unfittable[g].load(Ordering::Relaxed);
+            let _ = writeln!(out, "compactor_unfittable_total{{goal=\"{goal}\"}} {n}");
+        }
+        header(
+            &mut out,
+            "compactor_model_context_window",
+            "Effective context window of each model seen, tokens, by where it came from (table, config, learned, discovered).",
+            "gauge",
+        );
+        for (model, window, source) in &extra.windows {
+            let model = escape_label(model);
+            let _ = writeln!(
+                out,
+                "compactor_model_context_window{{model=\"{model}\",source=\"{source}\"}} {window}"
+            );
         }
 
         for (name, help, v) in [
@@ -482,10 +551,11 @@ pub fn store_bytes(db: &Path) -> Option<u64> {
 
 /// `GET /metrics`: the exposition of `state`'s metrics with its gauges.
 pub fn serve(state: &AppState) -> Response<ProxyBody> {
-    let gauges = state.metrics.gauges(
+    let mut gauges = state.metrics.gauges(
         &state.config.store_path(),
         Some(state.compactions.len() as u64),
     );
+    gauges.windows = state.models_seen();
     let mut resp = Response::new(full(state.metrics.render(&gauges)));
     *resp.status_mut() = StatusCode::OK;
     resp.headers_mut()

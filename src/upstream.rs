@@ -179,13 +179,24 @@ impl Upstream {
         }
     }
 
-    /// Removes the server-side key from text bound for records or logs.
-    pub fn redact(&self, text: String) -> String {
-        match &self.api_key {
-            Some(Secret(key)) if key.len() >= 8 && text.contains(key.as_str()) => {
-                text.replace(key.as_str(), "[REDACTED]")
+    /// Text bound for records or logs without credentials: the client's
+    /// (in `credentials`), the server-side key, anything shaped like one
+    /// (see [`crate::redact`]).
+    pub fn redact<'a>(&self, text: &'a str, credentials: &HeaderMap) -> std::borrow::Cow<'a, str> {
+        let own = self.api_key.as_ref().map(|Secret(k)| k.as_str());
+        crate::redact::redact(text, credentials, own)
+    }
+
+    /// An upstream error body relayed to a client, without the server-side
+    /// key: the client never had it, and an upstream that refuses it may
+    /// quote it. (The client's own key, quoted back, is its own.)
+    pub fn hide_own_key(&self, body: bytes::Bytes) -> bytes::Bytes {
+        match (&self.api_key, std::str::from_utf8(&body)) {
+            (Some(Secret(key)), Ok(text)) if text.contains(key.as_str()) => {
+                let out = crate::redact::redact(text, &HeaderMap::new(), Some(key));
+                bytes::Bytes::from(out.into_owned())
             }
-            _ => text,
+            _ => body,
         }
     }
 

@@ -319,7 +319,10 @@ async fn the_cli_reads_the_store_while_the_proxy_runs() {
     let (code, out, err) = cli(&["conversations", "show", &id, "--config", config], &[]).await;
     assert_eq!(code, 0, "{err}");
     assert!(out.starts_with(&format!("conversation {id}\n")), "{out}");
-    assert!(out.contains("window 3,000, trigger 2,250"), "{out}");
+    assert!(
+        out.contains("window 3,000 from config, trigger 2,250"),
+        "{out}"
+    );
     assert!(
         out.contains(&format!("compaction 1 {applied} · rung summary")),
         "{out}"

@@ -672,3 +672,80 @@ async fn codex_direct_to_an_overflowing_upstream_runs_out_of_room() {
         "Codex neither retries nor compacts by itself"
     );
 }
+
+/// A turn whose tool output makes up most of the request, refused by the
+/// upstream (with `failure`) when Codex sends that output back: everything
+/// compactable sits inside the ladder's verbatim tail (the proxy's window
+/// for this model is the table's 128k, so its tail holds 16k tokens).
+async fn tail_heavy_overflow(failure: Reply) {
+    let h = Harness::start_with(|c| c.compaction.background = false).await;
+    let codex = Codex::new(&h.url());
+    long_turn(&codex, &h.fake, 1, true).await;
+    let t1 = turns(&h.fake)[0].body.len() as u64;
+    // The model asks for a long listing; Codex runs it and sends it back,
+    // and that request is the one refused.
+    h.fake.push(sse_items(
+        vec![reasoning(2), function_call(2, "seq 1 4000")],
+        (t1 + 7000) / 4,
+    ));
+    h.fake.push(failure);
+    let before = turns(&h.fake).len();
+    let out = codex.resume("turn 2: count to four thousand").await;
+    expect_ok(
+        "turn 2 (refused while its tool output filled the tail)",
+        &out,
+    );
+    assert!(out.stdout.contains(AUTO_TEXT), "{}", out.describe());
+    assert!(!out.stdout.contains(RAN_OUT) && !out.stderr.contains(RAN_OUT));
+    let sent = turns(&h.fake);
+    assert_eq!(
+        sent.len(),
+        before + 3,
+        "the call, the refused output, its compacted retry"
+    );
+    let (refused, retry) = (sent[before + 1].json(), sent[before + 2].json());
+    let output_of = |body: &Value| {
+        input_items(body)
+            .iter()
+            .find(|i| i["type"] == "function_call_output" && i["call_id"] == "call_fake2")
+            .map(|i| i["output"].to_string().len())
+    };
+    let (full, cut) = (output_of(&refused), output_of(&retry));
+    assert!(
+        full.is_some() && cut.is_some() && cut < full,
+        "the pending output is still there, shortened: {full:?} -> {cut:?}"
+    );
+    assert!(retry.to_string().len() < refused.to_string().len() * 9 / 10);
+    let reason: String = h
+        .db()
+        .query_row("SELECT reason FROM compactions", [], |r| r.get(0))
+        .unwrap();
+    assert!(
+        reason.starts_with("overflow") && reason.contains("escalated"),
+        "{reason}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the Codex CLI: run scripts/test"]
+async fn codex_overflow_with_the_tail_holding_most_of_the_request_is_retried_http_400() {
+    tail_heavy_overflow(Reply::context_length_exceeded()).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the Codex CLI: run scripts/test"]
+async fn codex_overflow_with_the_tail_holding_most_of_the_request_is_retried_stream_failed() {
+    let failed = |kind: &str, response: Value| {
+        format!(
+            "event: {kind}\ndata: {}\n\n",
+            json!({"type": kind, "response": response})
+        )
+    };
+    tail_heavy_overflow(Reply::sse(vec![
+        failed("response.created", json!({"id": "resp_f", "status": "in_progress"})),
+        failed("response.failed", json!({"id": "resp_f", "status": "failed",
+            "error": {"code": "context_length_exceeded",
+                      "message": "Your input exceeds the context window of this model. Please adjust your input and try again."}})),
+    ]))
+    .await;
+}

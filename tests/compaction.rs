@@ -243,14 +243,18 @@ fn valid_narrative() -> Reply {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn when_the_retry_still_overflows_the_client_gets_the_upstreams_error() {
+async fn when_every_retry_still_overflows_the_client_gets_the_upstreams_error() {
     let h = Harness::start_with(small_window_foreground).await;
     let mut chat = Chat::new(&h, KEY);
     for i in 0..10 {
         chat.turn(&big_filler(i)).await;
     }
     let overflow = Reply::context_length_exceeded();
-    // First attempt overflows, the summary call succeeds, the retry overflows.
+    // First attempt overflows, the summary call succeeds, the retry
+    // overflows; compacted again (each retry aims below the size refused
+    // before it), the second retry overflows too.
+    h.fake.push(overflow.clone());
+    h.fake.push(valid_narrative());
     h.fake.push(overflow.clone());
     h.fake.push(valid_narrative());
     h.fake.push(overflow.clone());
@@ -267,7 +271,7 @@ async fn when_the_retry_still_overflows_the_client_gets_the_upstreams_error() {
     };
     assert_eq!(status, 400);
     assert_eq!(resp, expected, "the upstream's own error, verbatim");
-    assert_eq!(client_calls(&h).len(), 10 + 2, "exactly one retry");
+    assert_eq!(client_calls(&h).len(), 10 + 3, "two retries, no more");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -650,5 +654,322 @@ async fn a_compacted_request_keeps_the_clients_parameters_and_tools_in_place() {
         support::keys(&sent),
         ["model", "temperature", "tools", "messages"],
         "in the client's order"
+    );
+}
+
+/// llama.cpp's answer when a request does not fit its `-c`.
+fn llama_overflow(requested: u64, n_ctx: u64) -> Reply {
+    Reply::json(
+        400,
+        json!({"error": {"code": 400, "message": format!("request ({requested} tokens) exceeds the available context size ({n_ctx} tokens), try increasing it"),
+                         "type": "exceed_context_size_error", "n_prompt_tokens": requested, "n_ctx": n_ctx}}),
+    )
+}
+
+/// The proxy's `/metrics` text.
+async fn scrape(h: &Harness) -> String {
+    within(async {
+        support::client()
+            .get(format!("http://{}/metrics", h.addr))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    })
+    .await
+}
+
+/// The admin API's windows, as (model, window, source).
+async fn admin_windows(h: &Harness) -> Vec<(String, u64, String)> {
+    let v: Value = within(async {
+        support::client()
+            .get(format!("http://{}/admin/api/windows", h.addr))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    })
+    .await;
+    v["models"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| {
+            (
+                m["model"].as_str().unwrap().to_string(),
+                m["context_window"].as_u64().unwrap(),
+                m["source"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_the_upstream_states_is_learned_used_and_remembered() {
+    // The table knows nothing of this model's real window (128k by default).
+    let mut h = Harness::start_with(|c| c.compaction.background = false).await;
+    let mut chat = Chat::new(&h, KEY);
+    for i in 0..6 {
+        chat.turn(&big_filler(i)).await;
+    }
+    h.fake.push(llama_overflow(2052, 2048));
+    let (status, headers, _) = chat.turn("and now?").await;
+    assert_eq!(status, 200, "the client never sees the overflow");
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let windows = admin_windows(&h).await;
+    assert!(
+        windows.contains(&(MODEL.to_string(), 2048, "learned".to_string())),
+        "{windows:?}"
+    );
+    let metrics = scrape(&h).await;
+    assert!(
+        metrics.contains(&format!(
+            "compactor_model_context_window{{model=\"{MODEL}\",source=\"learned\"}} 2048"
+        )),
+        "{metrics}"
+    );
+    // The next requests are checked against it before they go out.
+    let reason: String = h
+        .db()
+        .query_row(
+            "SELECT reason FROM compactions ORDER BY created_ms DESC LIMIT 1",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(reason.starts_with("overflow"), "{reason}");
+    // Remembered across a restart.
+    h.stop().await;
+    let config = h.state.config.clone();
+    let h2 = Harness::start_on(h.fake.clone(), h.dir, h.db.clone(), config).await;
+    let windows = admin_windows(&h2).await;
+    assert!(
+        windows.contains(&(MODEL.to_string(), 2048, "learned".to_string())),
+        "{windows:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_overflow_while_the_tail_holds_most_of_the_request_is_compacted_anyway() {
+    // No [[models]] entry: the table's 128k window gives the ladder a
+    // verbatim tail of 16k tokens, which holds the whole current turn.
+    let h = Harness::start_with(|c| c.compaction.background = false).await;
+    let mut chat = Chat::new(&h, KEY);
+    chat.turn("Fix the failing build, please.").await;
+    // One turn of tool calls whose outputs fill the window: everything
+    // compactable sits inside the ladder's verbatim tail.
+    chat.history
+        .push(json!({"role": "user", "content": "Run the tests and fix them."}));
+    for k in 0..4 {
+        let id = format!("call_{k}");
+        chat.history.push(json!({"role": "assistant", "content": null, "tool_calls": [
+            {"id": id, "type": "function", "function": {"name": "shell", "arguments": "{\"cmd\":\"cargo test\"}"}}]}));
+        chat.history.push(json!({"role": "tool", "tool_call_id": id,
+            "content": format!("test output {k}: {}", "error[E0308]: mismatched types at src/lib.rs ".repeat(50))}));
+    }
+    // Refused with no figures at all (OpenAI's Responses wording).
+    h.fake.push(Reply::json(400, json!({"error": {"message": "Your input exceeds the context window of this model. Please adjust your input and try again.",
+        "type": "invalid_request_error", "param": "input", "code": "context_length_exceeded"}})));
+    let before = h.fake.received().len();
+    let (status, headers, _) = post(
+        &chat.url,
+        KEY,
+        &json!({"model": MODEL, "messages": chat.history}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let summary_calls = h.fake.received()[before..]
+        .iter()
+        .filter(|r| is_summary_call(r))
+        .count();
+    assert!(summary_calls <= 2, "{summary_calls}");
+    let (reason, after): (String, i64) = h
+        .db()
+        .query_row("SELECT reason, tokens_after FROM compactions", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .unwrap();
+    assert!(reason.contains("escalated"), "{reason} (after {after})");
+    // The retry went with the pending tool batch and the newest user message.
+    let sent = last_client_call(&h);
+    let messages = sent["messages"].as_array().unwrap();
+    assert_eq!(messages.last().unwrap()["tool_call_id"], "call_3");
+    assert!(messages
+        .iter()
+        .any(|m| m["content"] == "Run the tests and fix them."));
+    assert!(after > 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_core_cannot_fit_gets_the_error_at_once_without_a_summary_call() {
+    let h = Harness::start_with(small_window_foreground).await;
+    let mut chat = Chat::new(&h, KEY);
+    chat.turn("hello").await;
+    // The newest user message alone is over the window.
+    let huge = "every token matters ".repeat(900);
+    chat.history.push(json!({"role": "user", "content": huge}));
+    h.fake.push(llama_overflow(3700, 2800));
+    let before = h.fake.received().len();
+    let (status, _, body) = post(
+        &chat.url,
+        KEY,
+        &json!({"model": MODEL, "messages": chat.history}),
+    )
+    .await;
+    assert_eq!(status, 400, "the upstream's error, relayed");
+    assert!(String::from_utf8_lossy(&body).contains("exceeds the available context size"));
+    let after: Vec<_> = h.fake.received()[before..].to_vec();
+    assert!(
+        after.iter().all(|r| !is_summary_call(r)),
+        "no summarizer call"
+    );
+    assert_eq!(compactions(&h), 0);
+    let metrics = scrape(&h).await;
+    assert!(
+        metrics.contains("compactor_unfittable_total{goal=\"overflow\"} 1"),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_history_costs_a_bounded_number_of_summarizer_calls() {
+    let h = Harness::start_with(small_window_foreground).await;
+    // A 0.88 MB history the proxy has never seen, far over the window.
+    let mut history = vec![json!({"role": "system", "content": "You are a careful coding agent."})];
+    let mut i = 0;
+    while serde_json::to_string(&history).unwrap().len() < 880_000 {
+        history.push(json!({"role": "user", "content": big_filler(i)}));
+        history.push(json!({"role": "assistant", "content": format!("Done with step {i}: {}", "the module parses its input ".repeat(40))}));
+        i += 1;
+    }
+    history.push(json!({"role": "user", "content": "What next?"}));
+    let url = format!("{}/chat/completions", h.url());
+    let before = h.fake.received().len();
+    let (status, headers, _) = post(&url, KEY, &json!({"model": MODEL, "messages": history})).await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let calls = h.fake.received()[before..]
+        .iter()
+        .filter(|r| is_summary_call(r))
+        .count();
+    eprintln!("summarizer calls for one 0.88 MB request: {calls}");
+    assert!(
+        (1..=8).contains(&calls),
+        "compaction.max_summary_calls defaults to 8: {calls}"
+    );
+    let (stored_calls, tokens): (i64, i64) = h
+        .db()
+        .query_row(
+            "SELECT summary_calls, summary_tokens FROM compactions",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!(stored_calls as usize, calls);
+    assert!(tokens > 0);
+    let metrics = scrape(&h).await;
+    assert!(
+        metrics.contains(&format!("compactor_summary_calls_total {calls}\n")),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains(&format!("compactor_summary_tokens_total {tokens}\n")),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_codex_first_request_over_a_small_window_is_relayed_with_no_summarizer_call() {
+    let h = Harness::start_with(|c| c.compaction.background = false).await;
+    // Codex's first request: long instructions, many tools, a developer
+    // message, the environment context and the prompt.
+    let tools: Vec<Value> = (0..30)
+        .map(|k| json!({"type": "function", "name": format!("tool_{k}"),
+            "description": "Runs a command in the workspace and returns what it printed. ".repeat(6),
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}))
+        .collect();
+    let body = json!({
+        "model": MODEL,
+        "instructions": "You are Codex, a coding agent. Follow the repository's conventions. ".repeat(220),
+        "tools": tools,
+        "input": [
+            {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "<permissions>read-only sandbox</permissions> ".repeat(40)}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": format!("<environment_context>{}</environment_context>", "cwd=/work shell=bash ".repeat(30))}]},
+            {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "fix the failing test"}]},
+        ],
+    });
+    h.fake.push(llama_overflow(4571, 4096));
+    let before = h.fake.received().len();
+    let started = std::time::Instant::now();
+    let (status, _, resp) = post(&format!("{}/responses", h.url()), KEY, &body).await;
+    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&resp));
+    let received = h.fake.received()[before..].to_vec();
+    let summary_calls = received.iter().filter(|r| is_summary_call(r)).count();
+    eprintln!(
+        "codex first request over 4096: {summary_calls} summarizer calls, {} upstream requests, {:?}",
+        received.len(),
+        started.elapsed()
+    );
+    assert_eq!(summary_calls, 0);
+    assert_eq!(received.len(), 1, "relayed at once, no retry");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_models_window_is_discovered_at_its_first_request_and_a_silent_upstream_delays_nothing_long(
+) {
+    let h = Harness::start_with(|c| c.upstream.discover_windows = true).await;
+    // vLLM's `/v1/models` names the window it serves.
+    h.fake.push(Reply::json(
+        200,
+        json!({"object": "list", "data": [{"id": MODEL, "object": "model", "max_model_len": 4096}]}),
+    ));
+    let mut chat = Chat::new(&h, KEY);
+    let (status, _, _) = chat.turn("hello").await;
+    assert_eq!(status, 200);
+    let received = h.fake.received();
+    assert_eq!(
+        (received[0].method.as_str(), received[0].path.as_str()),
+        ("GET", "/v1/models")
+    );
+    assert!(
+        admin_windows(&h)
+            .await
+            .contains(&(MODEL.to_string(), 4096, "discovered".to_string())),
+        "{:?}",
+        admin_windows(&h).await
+    );
+    // Asked once per model.
+    chat.turn("again").await;
+    let gets = h
+        .fake
+        .received()
+        .iter()
+        .filter(|r| r.method == http::Method::GET)
+        .count();
+    assert_eq!(gets, 1);
+
+    // Another model, and an upstream that does not answer: the request goes
+    // on after the time box.
+    h.fake.push(Reply::Delay(
+        Duration::from_secs(8),
+        Box::new(Reply::json(200, json!({"data": []}))),
+    ));
+    let started = std::time::Instant::now();
+    let (status, _, _) = post(
+        &chat.url,
+        KEY,
+        &json!({"model": "other-model", "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_secs(6),
+        "discovery is time-boxed ({waited:?})"
     );
 }

@@ -13,7 +13,8 @@
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
-use compactor::compaction::items::{call_ids, is_system, latest_user, output_id};
+use compactor::compaction::fit::{self, FitInput};
+use compactor::compaction::items::{call_ids, is_system, latest_user, leading_system, output_id};
 use compactor::compaction::{
     cheap_rungs, prepare, rewrite, summary, summary_replacement, Compaction, Params, Rung,
 };
@@ -178,6 +179,7 @@ fn compact(items: &[Value], base: Option<&Arc<Compaction>>, p: &Params) -> Optio
         facts: None,
         base: base.map(|b| b.id.clone()),
         summary_calls: 0,
+        summary_tokens: 0,
         duration_ms: 0,
         created_ms: 0,
     })
@@ -287,6 +289,110 @@ proptest! {
             }
         }
         let _ = compactions;
+    }
+}
+
+/// A generated history, with `systems` leading items.
+fn history(responses: bool, systems: usize, turns: &[Turn], cut_short: bool) -> Vec<Value> {
+    let mut g = Gen {
+        responses,
+        next_id: 0,
+    };
+    let mut items: Vec<Value> = (0..systems)
+        .map(|i| {
+            if responses {
+                json!({"type": "message", "role": "developer", "content": format!("dev {i}")})
+            } else {
+                json!({"role": "system", "content": format!("sys {i}")})
+            }
+        })
+        .collect();
+    for (k, t) in turns.iter().enumerate() {
+        g.push_turn(&mut items, t, cut_short && k + 1 == turns.len());
+    }
+    items
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig { cases: 96, ..ProptestConfig::default() })]
+
+    /// Reactive compaction: for any history and any limit at or above its
+    /// irreducible core, the escalation's result fits the limit and keeps
+    /// every invariant; below the core it says so instead.
+    #[test]
+    fn a_reactive_compaction_fits_any_limit_at_or_above_the_core(
+        responses in any::<bool>(),
+        systems in 0usize..3,
+        turns in prop::collection::vec(turn(), 1..8),
+        cut_short in any::<bool>(),
+        share in 0.0f64..=1.0,
+        whole in any::<bool>(),
+    ) {
+        let p = params();
+        let items = history(responses, systems, &turns, cut_short);
+        let tokens: Vec<u64> = items.iter().map(count).collect();
+        let hashes: Vec<ItemHash> = items.iter().map(item_hash).collect();
+        let total: u64 = tokens.iter().sum();
+        let lead = leading_system(&items);
+        let widest = summary::extract_facts(&items[lead..], None);
+        let floor = fit::summary_floor(&widest, items.len(), &count);
+        let input = |limit| FitInput {
+            view: &items,
+            tokens: &tokens,
+            hashes: &hashes,
+            base: None,
+            limit,
+            whole,
+            summary_floor: floor,
+        };
+        let core = match fit::plan(&input(0), &p, &count) {
+            Err(e) => e.core,
+            Ok(plan) => return Err(TestCaseError::fail(format!("fits 0: {plan:?}"))),
+        };
+        if core >= total {
+            // Too short for a summary to be smaller: the engine's breaker
+            // keeps such a request as it is.
+            return Ok(());
+        }
+        let limit = core + ((total - core) as f64 * share) as u64;
+        let plan = match fit::plan(&input(limit), &p, &count) {
+            Ok(plan) => plan,
+            Err(e) => {
+                // Only a history with nothing to cut has no core below it all.
+                prop_assert!(e.core == total, "{e} (total {total})");
+                return Ok(());
+            }
+        };
+        let part = &items[plan.prepared.lead..plan.prepared.cut];
+        let facts = summary::extract_facts(part, None);
+        let text = fit::fitted_summary(&facts, None, plan.prepared.covered_len, p.summary_max_bytes, plan.summary_budget, &count);
+        let a = fit::apply(&input(limit), &plan, &p, text, &count);
+        prop_assert!(a.after <= limit, "{} > {limit} ({:?})", a.after, plan.step);
+        let chains = chain_hashes(&hashes);
+        let c = Compaction {
+            id: "cmp_fit".into(),
+            tenant: "t".into(),
+            conversation: "c".into(),
+            covered_len: a.covered_len,
+            covered_chain: chains[a.covered_len - 1],
+            replacement: a.replacement.clone(),
+            rung: Rung::Fallback,
+            reason: "test".into(),
+            tokens_before: total,
+            tokens_after: a.after,
+            items_removed: 0,
+            items_kept: 0,
+            summary: None,
+            facts: None,
+            base: None,
+            summary_calls: 0,
+            summary_tokens: 0,
+            duration_ms: 0,
+            created_ms: 0,
+        };
+        let sent = rewrite::rewrite(&items, &c);
+        prop_assert_eq!(sent.iter().map(count).sum::<u64>(), a.after);
+        check_invariants(&items, &sent, &c)?;
     }
 }
 

@@ -135,6 +135,58 @@ async fn doctor_passes_a_healthy_setup_line_by_line() {
     assert_eq!(asked[0].path, "/v1/models", "{asked:?}");
 }
 
+/// llama-server reports its `-c` in `/v1/models` (`meta.n_ctx`); the table
+/// guesses 8,192 for SmolLM2 from its name.
+#[tokio::test(flavor = "multi_thread")]
+async fn doctor_reports_the_window_the_upstream_states_against_the_table() {
+    let fake = within(FakeUpstream::start()).await.expect("fake");
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("c.db");
+    // Once for the reachability check, once for the window discovery.
+    for _ in 0..2 {
+        fake.push(models_answer(&[("smollm2", Some(2048))]));
+    }
+    let out = run(doctor(&fake.url(), &db)).await;
+    assert_eq!(out.code, Some(0), "{out:#?}");
+    let m = line(&out, '✓', "model smollm2");
+    assert!(
+        m.contains("window 2,048 (discovered") && m.contains("the models table's 8,192"),
+        "{m}"
+    );
+
+    // A [[models]] entry larger than what the upstream enforces.
+    let config = dir.path().join("p.toml");
+    std::fs::write(
+        &config,
+        "[[models]]\nmatch = \"smollm2\"\ncontext_window = 8192\n",
+    )
+    .unwrap();
+    for _ in 0..2 {
+        fake.push(models_answer(&[("smollm2", Some(2048))]));
+    }
+    let mut cmd = doctor(&fake.url(), &db);
+    cmd.arg("--config").arg(&config);
+    let out = run(cmd).await;
+    assert_eq!(out.code, Some(0), "a warning is not a failure: {out:#?}");
+    let m = line(&out, '!', "model smollm2");
+    assert!(
+        m.contains("your [[models]] entry says 8,192, more than the 2,048")
+            && m.contains("uses 2,048"),
+        "{m}"
+    );
+
+    // connect gives the client the window the proxy uses.
+    let home = tempfile::tempdir().unwrap();
+    for _ in 0..2 {
+        fake.push(models_answer(&[("smollm2", Some(2048))]));
+    }
+    let out = run(connect("aider", &fake, home.path(), &[])).await;
+    assert_eq!(out.code, Some(0), "{out:#?}");
+    let meta: Value = serde_json::from_str(&out.stdout).expect("JSON");
+    assert_eq!(meta["openai/smollm2"]["max_input_tokens"], 2048, "{meta}");
+    assert_eq!(meta["openai/smollm2"]["max_output_tokens"], 512, "{meta}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn doctor_fails_on_an_unreachable_upstream_and_an_uncreatable_store() {
     let dir = tempfile::tempdir().unwrap();

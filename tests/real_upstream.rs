@@ -988,3 +988,142 @@ async fn responses_chains_and_long_conversations_work_through_compactor() {
             .collect::<Vec<_>>()
     );
 }
+
+/// The window the server really runs with, learned: SmolLM2 served at
+/// `-c 2048` with no `[[models]]` entry, so the built-in table says 8192.
+/// The first overflow answer states `n_ctx` 2048; from then on the proxy
+/// fits every request to it, and no error reaches the client.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real llama-server: run scripts/test"]
+async fn the_real_window_is_learned_and_thirty_turns_fit_without_a_models_entry() {
+    let _slot = ONE_AT_A_TIME.lock().await;
+    let url = llama_url();
+    let mut h = within_long(
+        "proxy start",
+        Harness::start_with(move |c| {
+            c.upstream.base_url = url;
+            // Learned from the overflow answer, not asked for.
+            c.upstream.discover_windows = false;
+            // SmolLM2 cannot write the summary's sections (the 30-turn test
+            // above pays for its attempts); one call per compaction keeps
+            // this one short on the shared server.
+            c.compaction.max_summary_calls = 1;
+        }),
+    )
+    .await;
+    assert_eq!(h.state.model_limits("smollm2").context_window, 8192);
+    let chat = format!("{}/chat/completions", h.url());
+    let mut history = vec![
+        json!({"role": "system", "content": "You are a careful coding agent. Answer in one short sentence."}),
+    ];
+    let mut failures = Vec::new();
+    for i in 0..TURNS {
+        let text = if i == 0 {
+            LONG_TASK.to_string()
+        } else {
+            long_turn_message(i)
+        };
+        history.push(json!({"role": "user", "content": text}));
+        let s = i % 7 == 5;
+        let (status, _, body) = post_long(&chat, &long_request(&history, s)).await;
+        if status != 200 {
+            failures.push((i + 1, status, String::from_utf8_lossy(&body).into_owned()));
+            history.pop();
+            continue;
+        }
+        history.push(assistant_message(&body, s));
+    }
+    let windows: Value = within(async {
+        support::client()
+            .get(format!("http://{}/admin/api/windows", h.addr))
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap()
+    })
+    .await;
+    let compactions = compaction_rows(&h);
+    for c in &compactions {
+        eprintln!(
+            "compaction {} {} {} -> {} calls {} {}ms: {}",
+            c.id, c.rung, c.tokens_before, c.tokens_after, c.summary_calls, c.duration_ms, c.reason
+        );
+    }
+    assert!(
+        failures.is_empty(),
+        "errors reached the client: {failures:?}"
+    );
+    assert!(
+        windows["models"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["model"] == "smollm2"
+                && m["context_window"] == 2048
+                && m["source"] == "learned"),
+        "{windows}"
+    );
+    assert!(!compactions.is_empty());
+    h.stop().await;
+}
+
+/// llama-server says its window when asked: the first request of a model
+/// discovers it (`/v1/models` `meta.n_ctx`, else `/props`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a real llama-server: run scripts/test"]
+async fn the_window_is_discovered_from_llama_server() {
+    let _slot = ONE_AT_A_TIME.lock().await;
+    let url = llama_url();
+    let mut h = within(Harness::start_with(move |c| {
+        c.upstream.base_url = url;
+        c.upstream.discover_windows = true;
+    }))
+    .await;
+    let (status, _, body) = post(
+        &format!("{}/chat/completions", h.url()),
+        KEY,
+        &chat_body("Say hi.", 4),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let (limits, source) = h.state.model_window("smollm2");
+    assert_eq!(
+        (limits.context_window, source.as_str()),
+        (LLAMA_WINDOW as u64, "discovered")
+    );
+    h.stop().await;
+}
+
+/// `compactor doctor` against the real llama-server: the window it states
+/// (its `-c 2048`) against the table's guess for SmolLM2 (8,192).
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a real llama-server: run scripts/test"]
+async fn doctor_reports_llamas_window_against_the_table() {
+    let _turn = within(ONE_AT_A_TIME.lock()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_compactor"));
+    cmd.args(["doctor", "--upstream", &llama_url(), "--db"])
+        .arg(dir.path().join("c.db"))
+        .env_remove("COMPACTOR_CONFIG")
+        .env_remove("COMPACTOR_LISTEN")
+        .env_remove("COMPACTOR_DB");
+    let out = within(tokio::task::spawn_blocking(move || cmd.output()))
+        .await
+        .expect("join")
+        .expect("run compactor doctor");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success(), "{stdout}");
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("model ") && l.contains("smollm2"))
+        .unwrap_or_else(|| panic!("no window line for SmolLM2:\n{stdout}"));
+    assert!(
+        line.starts_with('✓')
+            && line.contains("window 2,048 (discovered")
+            && line.contains("the models table's 8,192"),
+        "{line}"
+    );
+}

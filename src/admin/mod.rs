@@ -238,6 +238,22 @@ async fn route(
         };
     }
 
+    if sub == "/api/windows" {
+        // Each model's effective window and where it came from.
+        return match method {
+            Method::GET => {
+                let models: Vec<serde_json::Value> = state
+                    .models_seen()
+                    .into_iter()
+                    .map(|(model, window, source)| {
+                        serde_json::json!({"model": model, "context_window": window, "source": source})
+                    })
+                    .collect();
+                crate::error::json_response(StatusCode::OK, &serde_json::json!({"models": models}))
+            }
+            _ => method_not_allowed("GET"),
+        };
+    }
     let Some(api_path) = sub.strip_prefix("/api/conversations") else {
         return not_found(&method, &path);
     };

@@ -12,9 +12,10 @@ use http::HeaderMap;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use super::policy::{decide, hard_limit};
+use super::fit::{self, CannotFit, FitInput};
+use super::policy::{decide, fit_limit, hard_limit, Stated, FIT_MARGIN};
 use super::summary;
-use super::{cheap_rungs, prepare, rewrite, summary_replacement, Compaction, Params, Rung};
+use super::{cheap_rungs, prepare, rewrite, Compaction, Params, Rung};
 use crate::bounded::Generations;
 use crate::server::AppState;
 use crate::store::StoredCompaction;
@@ -43,6 +44,10 @@ pub enum CompactError {
         /// Tokens after.
         after: u64,
     },
+    /// Not even the irreducible core fits: decided from token counts,
+    /// before any summarizer call.
+    #[error(transparent)]
+    CannotFit(#[from] CannotFit),
     /// A worker thread failed.
     #[error("internal: {0}")]
     Internal(String),
@@ -72,6 +77,29 @@ pub struct Input {
     /// Compact the whole history, keeping no verbatim tail (explicit
     /// compaction requests: `/v1/responses/compact`, `compaction_trigger`).
     pub whole: bool,
+    /// What the result must achieve.
+    pub goal: Goal,
+    /// The request's tool definitions (they count against the window).
+    pub tools: Option<Tools>,
+}
+
+/// What a compaction must achieve; it escalates past the ladder until it
+/// does, or declines before any summarizer call when nothing could.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub enum Goal {
+    /// Shrink the request by [`FIT_MARGIN`] at least (background, manual).
+    #[default]
+    Shrink,
+    /// Fit the model's hard limit, window less max output (the pre-send
+    /// check, explicit compaction requests).
+    HardLimit,
+    /// The upstream refused the request as too long.
+    Overflow {
+        /// What its answer stated.
+        stated: Stated,
+        /// The request's own max output, if it set one.
+        max_output: Option<u64>,
+    },
 }
 
 #[derive(Default)]
@@ -385,6 +413,58 @@ pub async fn estimate_view(
         .unwrap_or(0)
 }
 
+/// Tokens of a request's tool definitions (tokenizer work, off the async
+/// threads).
+async fn count_tools(state: &Arc<AppState>, tools: Option<Tools>) -> u64 {
+    let Some(t) = tools else {
+        return 0;
+    };
+    let counter = state.tokens.clone();
+    tokio::task::spawn_blocking(move || counter.count_item(&t.hash, t.value()))
+        .await
+        .unwrap_or(0)
+}
+
+/// The label of a goal in logs and metrics.
+fn goal_kind(goal: Goal) -> &'static str {
+    match goal {
+        Goal::Shrink => "shrink",
+        Goal::HardLimit => "hard_limit",
+        Goal::Overflow { .. } => "overflow",
+    }
+}
+
+/// The tokens the items of a compacted request may take, in the proxy's
+/// estimate: the goal's limit in the upstream's tokens, scaled by what the
+/// upstream reported for this conversation, less the tool definitions. An
+/// overflow answer that states the refused size calibrates the scale first.
+fn items_limit(state: &Arc<AppState>, input: &Input, before: u64, tools_tokens: u64) -> u64 {
+    let limits = state.model_limits(&input.model);
+    let (tenant, conversation) = (input.tenant.as_str(), input.conversation.as_str());
+    let sent = before + tools_tokens;
+    let upstream_limit = match input.goal {
+        Goal::Shrink => return (before as f64 * (1.0 - FIT_MARGIN)) as u64,
+        Goal::HardLimit => hard_limit(&limits),
+        Goal::Overflow { stated, max_output } => {
+            // A figure far off the estimate is a canned or garbled message,
+            // not this request's size.
+            let ratio = stated.requested.unwrap_or(0) as f64 / sent.max(1) as f64;
+            if let Some(requested) = stated.requested {
+                if (MIN_CALIBRATION..=MAX_CALIBRATION).contains(&ratio) {
+                    state
+                        .compactions
+                        .calibrate(tenant, conversation, requested, sent);
+                }
+            }
+            let calibration = state.compactions.calibration(tenant, conversation);
+            let refused = (sent as f64 * calibration).ceil() as u64;
+            fit_limit(stated, &limits, max_output, Some(refused))
+        }
+    };
+    let calibration = state.compactions.calibration(tenant, conversation);
+    ((upstream_limit as f64 / calibration) as u64).saturating_sub(tools_tokens)
+}
+
 /// Computes a compaction for `input`, stores it and makes it apply to later
 /// requests. Logs one event with the figures.
 pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compaction>, CompactError> {
@@ -392,69 +472,128 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
     let limits = state.model_limits(&input.model);
     let params = Params::new(&state.config.compaction, &limits);
     let (hashes, tokens) = count_items(state, input.view.clone(), None).await?;
+    let tools_tokens = count_tools(state, input.tools.clone()).await;
     let values = input.view.values();
     let view: &[Value] = &values;
     let base = input.base.as_deref();
-    let prepared = if input.whole {
-        super::prepare_whole(view, &tokens, base)
-    } else {
-        prepare(view, &tokens, base, &params)
-    }
-    .ok_or(CompactError::NothingToCompact)?;
+    let before: u64 = tokens.iter().sum();
+    let limit = items_limit(state, &input, before, tools_tokens);
     let counter = state.tokens.clone();
     let count = move |v: &Value| counter.count_item(&item_hash(v), v);
 
-    let (rung, replacement, after, summary_text, facts, calls, kept_users) = match (!input.whole)
-        .then(|| cheap_rungs(view, &hashes, &prepared, &params, &count))
+    // The cheap rungs first: they cost no model call.
+    let cheap = (!input.whole)
+        .then(|| prepare(view, &tokens, base, &params))
         .flatten()
-    {
-        Some((rung, replacement, after)) => (
+        .and_then(|prepared| {
+            let p = Params {
+                target_tokens: params.target_tokens.min(limit),
+                ..params
+            };
+            let (rung, replacement, after) = cheap_rungs(view, &hashes, &prepared, &p, &count)?;
+            let applied = fit::Applied {
+                covered_len: prepared.covered_len,
+                tail_len: view.len() - prepared.cut,
+                replacement,
+                after,
+                kept_users: 0,
+            };
+            Some((rung, prepared, applied))
+        });
+    let (rung, prepared, applied, summary_text, facts, cost, step) = match cheap {
+        Some((rung, prepared, applied)) => (
             rung,
-            replacement,
-            after,
+            prepared,
+            applied,
             None,
             base.and_then(|b| b.facts.clone()),
-            0,
-            0,
+            SummaryCost::default(),
+            None,
         ),
         None => {
+            // Decided from the counts before a summarizer call is paid for:
+            // the facts of everything after the leading items bound the
+            // smallest summary of any cut.
+            let lead = super::items::leading_system(view);
+            let widest = summary::extract_facts(&view[lead..], base.and_then(|b| b.facts.as_ref()));
+            let floor = fit::summary_floor(&widest, view.len(), &count);
+            let fit_input = FitInput {
+                view,
+                tokens: &tokens,
+                hashes: &hashes,
+                base,
+                limit,
+                whole: input.whole,
+                summary_floor: floor,
+            };
+            let plan = match fit::plan(&fit_input, &params, &count) {
+                Ok(plan) => plan,
+                Err(e) => {
+                    let calibration = state
+                        .compactions
+                        .calibration(&input.tenant, &input.conversation);
+                    let upstream = |t: u64| (t as f64 * calibration).ceil() as u64;
+                    let e = CannotFit {
+                        core: upstream(e.core + tools_tokens),
+                        limit: upstream(e.limit + tools_tokens),
+                    };
+                    state.metrics.unfittable(goal_kind(input.goal));
+                    tracing::warn!(
+                        conversation = %input.conversation, core = e.core, limit = e.limit,
+                        tools_tokens, goal = goal_kind(input.goal),
+                        "no compaction can fit: system items, tools, the newest user message and the pending tool batch alone are over the limit; no summarizer call made"
+                    );
+                    return Err(e.into());
+                }
+            };
+            let prepared = plan.prepared.clone();
             let part = &view[prepared.lead..prepared.cut];
             let facts = summary::extract_facts(part, base.and_then(|b| b.facts.as_ref()));
-            let (narrative, calls) = summarize(state, &input, part, &params).await;
+            let (narrative, cost) = summarize(state, &input, part, &params).await;
             let rung = if narrative.is_some() {
                 Rung::Summary
             } else {
                 Rung::Fallback
             };
-            let text = summary::assemble(
+            let text = fit::fitted_summary(
                 &facts,
                 narrative.as_deref(),
                 prepared.covered_len,
                 params.summary_max_bytes,
+                plan.summary_budget,
+                &count,
             );
-            let (replacement, after, kept) =
-                summary_replacement(view, &tokens, &prepared, &params, text.clone(), &count);
+            let applied = fit::apply(&fit_input, &plan, &params, text.clone(), &count);
             (
                 rung,
-                replacement,
-                after,
+                prepared,
+                applied,
                 Some(text),
                 Some(facts),
-                calls,
-                kept,
+                cost,
+                Some(plan.step),
             )
         }
     };
-    if after >= prepared.before {
+    let after = applied.after;
+    if after >= prepared.before || after > limit {
         let err = CompactError::NoShrink {
             before: prepared.before,
             after,
         };
-        tracing::warn!(conversation = %input.conversation, rung = rung.as_str(), error = %err, "compaction discarded");
+        tracing::warn!(conversation = %input.conversation, rung = rung.as_str(), limit, error = %err, "compaction discarded");
         return Err(err);
     }
+    let kept_users = applied.kept_users;
+    let mut prepared = prepared;
+    prepared.covered_len = applied.covered_len;
+    let reason = match step {
+        Some(s) if s != fit::Step::Ladder => format!("{}; escalated: {}", input.reason, s.as_str()),
+        _ => input.reason.clone(),
+    };
+    let replacement = applied.replacement;
     let covered_chain = input.chains[prepared.covered_len - 1];
-    let items_kept = prepared.lead + kept_users + (view.len() - prepared.cut);
+    let items_kept = prepared.lead + kept_users + applied.tail_len;
     let c = Compaction {
         id: new_id(),
         tenant: input.tenant.clone(),
@@ -463,7 +602,7 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
         covered_chain,
         replacement,
         rung,
-        reason: input.reason.clone(),
+        reason,
         tokens_before: prepared.before,
         tokens_after: after,
         items_removed: prepared.cut - prepared.lead - kept_users,
@@ -471,7 +610,8 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
         summary: summary_text,
         facts,
         base: base.map(|b| b.id.clone()),
-        summary_calls: calls,
+        summary_calls: cost.calls,
+        summary_tokens: cost.tokens,
         duration_ms: started.elapsed().as_millis() as u64,
         created_ms: crate::server::now_ms(),
     };
@@ -488,12 +628,14 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
     if c.rung == Rung::Fallback {
         state.metrics.summary_fallback();
     }
+    state.metrics.summary_cost(cost.calls, cost.tokens);
     tracing::info!(
         compaction = %c.id, conversation = %c.conversation, rung = c.rung.as_str(), reason = %c.reason,
         tokens_before = c.tokens_before, tokens_after = c.tokens_after,
         items_removed = c.items_removed, items_kept = c.items_kept,
         duration_ms = c.duration_ms, summary_bytes = c.summary.as_ref().map(String::len).unwrap_or(0),
-        summary_calls = c.summary_calls, base = c.base.as_deref().unwrap_or(""),
+        summary_calls = c.summary_calls, summary_tokens = c.summary_tokens,
+        summary_chunks_left_to_facts = cost.chunks_skipped, base = c.base.as_deref().unwrap_or(""),
         "compacted"
     );
     Ok(c)
@@ -605,15 +747,7 @@ pub async fn check_fit(state: &Arc<AppState>, req: FitCheck<'_>) -> Fit {
             return Fit::Fits;
         }
     }
-    let tools_tokens = match tools {
-        Some(t) => {
-            let counter = state.tokens.clone();
-            tokio::task::spawn_blocking(move || counter.count_item(&t.hash, t.value()))
-                .await
-                .unwrap_or(0)
-        }
-        None => 0,
-    };
+    let tools_tokens = count_tools(state, tools).await;
     let estimate = estimate_view(state, view, hashes).await + tools_tokens;
     let tokens = (estimate as f64 * calibration).ceil() as u64;
     if tokens <= hard {
@@ -632,14 +766,33 @@ pub async fn check_fit(state: &Arc<AppState>, req: FitCheck<'_>) -> Fit {
     Fit::Waited
 }
 
-/// Runs the summarizer over `part`, chunk by chunk; `None` when the model
-/// did not produce a valid summary (after one retry per chunk).
+/// What the summarizer calls of one compaction cost.
+#[derive(Debug, Clone, Copy, Default)]
+struct SummaryCost {
+    /// Calls made.
+    calls: u32,
+    /// Their tokens, prompt and answer (as reported, else estimated).
+    tokens: u64,
+    /// Older chunks past the call cap, left to the extracted facts.
+    chunks_skipped: usize,
+}
+
+/// Runs the summarizer over `part`, chunk by chunk, within
+/// `compaction.max_summary_calls`; `None` when the model wrote no
+/// usable section for a chunk (after one retry per chunk, if the cap leaves
+/// room, which names the sections missing from the first answer).
+///
+/// Past the cap the first chunk (which carries the previous summary, when
+/// there is one) and the newest are summarized, and the chunks between are
+/// left to the deterministic facts, which the summary always carries: what
+/// happened last is what the next turn needs most. A cap of 0 makes every
+/// summary the facts alone.
 async fn summarize(
     state: &Arc<AppState>,
     input: &Input,
     part: &[Value],
     params: &Params,
-) -> (Option<String>, u32) {
+) -> (Option<String>, SummaryCost) {
     let lines = summary::render_transcript(part, TRANSCRIPT_ITEM_BYTES);
     let chunks = {
         let counter = state.tokens.clone();
@@ -648,24 +801,47 @@ async fn summarize(
             .await
             .unwrap_or_default()
     };
+    let cap = state.config.compaction.max_summary_calls;
+    let run = chunks_within_cap(chunks.len(), cap);
+    let mut cost = SummaryCost {
+        chunks_skipped: chunks.len() - run,
+        ..SummaryCost::default()
+    };
+    if run == 0 {
+        return (None, cost);
+    }
+    let newest = (chunks.len() - run + 1).max(1);
     let mut narrative: Option<String> = None;
-    let mut calls = 0;
-    for chunk in chunks {
-        let messages = summary::summarizer_messages(narrative.as_deref(), &chunk);
-        let mut got = None;
+    for chunk in chunks[..1].iter().chain(&chunks[newest..]) {
+        let mut messages = summary::summarizer_messages(narrative.as_deref(), chunk);
+        // The answer with the most sections written; a partial one is kept
+        // (the assembled summary fills the missing sections from the facts).
+        let mut got: Option<(usize, String)> = None;
         for _attempt in 0..2 {
-            calls += 1;
+            if cost.calls >= cap {
+                break;
+            }
+            cost.calls += 1;
             match call_summarizer(state, input, &messages, params).await {
-                Ok(text) => match summary::validate(&text) {
-                    Ok(()) => {
-                        got = Some(text);
-                        break;
+                Ok((text, tokens)) => {
+                    cost.tokens += tokens;
+                    match summary::validate(&text) {
+                        Ok(()) => {
+                            got = Some((summary::NARRATIVE_SECTIONS.len(), text));
+                            break;
+                        }
+                        Err(missing) => {
+                            state.metrics.summary_failure();
+                            tracing::warn!(?missing, "summary lacks mandatory sections");
+                            let written = summary::usable(&text);
+                            if written > 0 && got.as_ref().is_none_or(|(n, _)| written >= *n) {
+                                got = Some((written, text));
+                            }
+                            messages =
+                                summary::retry_messages(narrative.as_deref(), chunk, &missing);
+                        }
                     }
-                    Err(missing) => {
-                        state.metrics.summary_failure();
-                        tracing::warn!(?missing, "summary lacks mandatory sections")
-                    }
-                },
+                }
                 Err(e) => {
                     state.metrics.summary_failure();
                     tracing::warn!(error = %e, "summary call failed")
@@ -673,11 +849,18 @@ async fn summarize(
             }
         }
         match got {
-            Some(t) => narrative = Some(t),
-            None => return (None, calls),
+            Some((_, t)) => narrative = Some(t),
+            None => return (None, cost),
         }
     }
-    (narrative, calls)
+    (narrative, cost)
+}
+
+/// How many of `chunks` to summarize under a cap of `cap` calls: one call
+/// each, with a quarter of the cap kept for retries.
+fn chunks_within_cap(chunks: usize, cap: u32) -> usize {
+    let cap = cap as usize;
+    chunks.min(cap - cap / 4)
 }
 
 /// Groups transcript lines into chunks of at most `budget` tokens (a single
@@ -702,12 +885,17 @@ pub fn chunk_lines(lines: &[String], budget: u64, count: impl Fn(&str) -> u64) -
     chunks
 }
 
+/// Bytes of a summarizer's error answer kept in the log line.
+const MAX_LOGGED_ERROR: usize = 300;
+
+/// One summarizer call: the answer's text and the call's tokens (as the
+/// upstream reports them, else estimated).
 async fn call_summarizer(
     state: &Arc<AppState>,
     input: &Input,
     messages: &[Value],
     params: &Params,
-) -> Result<String, String> {
+) -> Result<(String, u64), String> {
     let cfg = &state.config.compaction;
     let model = if cfg.summarizer_model.is_empty() {
         input.model.as_str()
@@ -751,22 +939,39 @@ async fn call_summarizer(
         .await
         .map_err(|e| e.to_string())?;
     if !status.is_success() {
-        return Err(format!(
-            "summarizer answered {status}: {}",
-            String::from_utf8_lossy(&body[..body.len().min(300)])
-        ));
+        // Redacted whole, then cut: a cut first could leave part of a key.
+        let text = String::from_utf8_lossy(&body);
+        let text = state.upstream.redact(&text, &input.auth);
+        let shown = &text[..super::items::floor_boundary(&text, MAX_LOGGED_ERROR)];
+        return Err(format!("summarizer answered {status}: {shown}"));
     }
     let v: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
-    v.pointer("/choices/0/message/content")
+    let text = v
+        .pointer("/choices/0/message/content")
         .and_then(Value::as_str)
         .map(String::from)
-        .ok_or_else(|| "summarizer answer has no message content".into())
+        .ok_or_else(|| "summarizer answer has no message content".to_string())?;
+    let tokens = match v.pointer("/usage/total_tokens").and_then(Value::as_u64) {
+        Some(t) => t,
+        None => {
+            let counter = state.tokens.clone();
+            let all: String = messages
+                .iter()
+                .filter_map(|m| m.get("content").and_then(Value::as_str))
+                .chain([text.as_str()])
+                .collect();
+            tokio::task::spawn_blocking(move || counter.count_text(&all))
+                .await
+                .unwrap_or(0)
+        }
+    };
+    Ok((text, tokens))
 }
 
 /// The credential headers of a request (kept in memory for the summarizer).
 pub fn auth_headers(headers: &HeaderMap) -> HeaderMap {
     let mut out = HeaderMap::new();
-    for name in [http::header::AUTHORIZATION.as_str(), "api-key"] {
+    for name in crate::redact::CREDENTIAL_HEADERS {
         if let Some(v) = headers.get(name) {
             let mut v = v.clone();
             v.set_sensitive(true);
@@ -886,6 +1091,15 @@ mod tests {
         let chains: Vec<ItemHash> = (1..=4).map(chain).collect();
         assert!(Arc::ptr_eq(&registry.find("t", &chains).unwrap(), &c));
         assert!(registry.find("t", &chains[..2]).is_none(), "covers 3 items");
+    }
+
+    #[test]
+    fn the_call_cap_bounds_the_chunks_summarized() {
+        assert_eq!(chunks_within_cap(3, 8), 3);
+        assert_eq!(chunks_within_cap(76, 8), 6);
+        assert_eq!(chunks_within_cap(5, 1), 1);
+        assert_eq!(chunks_within_cap(5, 0), 0);
+        assert_eq!(chunks_within_cap(0, 8), 0);
     }
 
     #[test]

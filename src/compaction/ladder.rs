@@ -2,10 +2,16 @@
 //! outputs (head and tail kept, a marker naming the elided size and the
 //! archived original), then prune old tool outputs to a one-line stub. The
 //! tool calls themselves are kept, so pairing is untouched.
+//!
+//! Marker and stub carry a digest of what they replace, so the facts an
+//! agent needs survive the cut: the exit status, the exact error lines not
+//! otherwise kept, and the paths the output names
+//! ([`output_digest`](super::summary::output_digest)).
 
 use serde_json::Value;
 
 use super::items::{ceil_boundary, floor_boundary, is_tool_output, output_field, value_text};
+use super::summary::output_digest;
 use crate::wire::hash::hex;
 use crate::wire::ItemHash;
 
@@ -39,27 +45,43 @@ pub fn truncate_outputs(
         let head = floor_boundary(text, limits.keep_head);
         let tail = ceil_boundary(text, text.len().saturating_sub(limits.keep_tail).max(head));
         let elided = tail - head;
+        let kept = format!("{}\n{}", &text[..head], &text[tail..]);
         let marker = format!(
-            "\n[compactor: {elided} bytes of tool output elided; original archived as {}]\n",
-            archive_ref(hash)
+            "\n[compactor: {elided} bytes of tool output elided; original archived as {}]\n{}",
+            archive_ref(hash),
+            digest_lines(text, &kept)
         );
         Some(format!("{}{marker}{}", &text[..head], &text[tail..]))
     })
 }
 
 /// Rung 2: replaces every tool output with a one-line stub naming its size
-/// and the archived original.
+/// and the archived original, followed by the output's digest.
 pub fn prune_outputs(part: &[Value], hashes: &[ItemHash]) -> (Vec<Value>, usize) {
     rewrite_outputs(part, hashes, |text, hash| {
         if text.starts_with("[compactor: tool output pruned") {
             return None;
         }
-        Some(format!(
-            "[compactor: tool output pruned ({} bytes); original archived as {}]",
-            text.len(),
-            archive_ref(hash)
-        ))
+        Some(
+            format!(
+                "[compactor: tool output pruned ({} bytes); original archived as {}]\n{}",
+                text.len(),
+                archive_ref(hash),
+                digest_lines(text, "")
+            )
+            .trim_end()
+            .to_string(),
+        )
     })
+}
+
+/// The digest of `text` as lines, each ending in a newline (empty when
+/// there is nothing to say).
+fn digest_lines(text: &str, kept: &str) -> String {
+    output_digest(text, kept)
+        .into_iter()
+        .map(|l| l + "\n")
+        .collect()
 }
 
 /// Replaces the payload of each tool output for which `new_text` (given its
@@ -138,5 +160,64 @@ mod tests {
         assert!(out[1]["output"].as_str().unwrap().contains("300 bytes"));
         let (again, n2) = prune_outputs(&out, &hashes);
         assert_eq!((again, n2), (out, 0));
+    }
+
+    /// A pruned failing output keeps its exit status, its exact error line
+    /// and the paths it names; a truncated one keeps the error lines of the
+    /// part it elides.
+    #[test]
+    fn stubs_keep_a_digest_of_errors_and_paths() {
+        let err =
+            "thread 'iso' panicked at crates/ledger/src/csv.rs:88:14: expected `Z`, got `+01:00`";
+        let log = format!(
+            "{}test iso::roundtrip ... FAILED\n{err}\n{}test result: FAILED. 1 failed\nProcess exited with code 101\n",
+            "test a::b ... ok\n".repeat(400),
+            "test c::d ... ok\n".repeat(400)
+        );
+        let items = vec![
+            json!({"type": "function_call", "call_id": "t", "name": "shell", "arguments": "{}"}),
+            json!({"type": "function_call_output", "call_id": "t", "output": log}),
+        ];
+        let hashes: Vec<_> = items.iter().map(item_hash).collect();
+        let (pruned, _) = prune_outputs(&items, &hashes);
+        let stub = pruned[1]["output"].as_str().unwrap();
+        assert!(
+            stub.starts_with("[compactor: tool output pruned ("),
+            "{stub}"
+        );
+        assert!(stub.contains("\nExit code: 101\n"), "{stub}");
+        assert!(stub.contains(&format!("\n{err}\n")), "{stub}");
+        assert!(
+            stub.ends_with("Paths named: crates/ledger/src/csv.rs"),
+            "{stub}"
+        );
+        assert!(stub.len() < 400, "a digest, not the output: {stub}");
+        let (truncated, n) = truncate_outputs(
+            &items,
+            &hashes,
+            TruncateLimits {
+                max_bytes: 1000,
+                keep_head: 300,
+                keep_tail: 200,
+            },
+        );
+        assert_eq!(n, 1);
+        let t = truncated[1]["output"].as_str().unwrap();
+        assert!(
+            t.contains(&format!(
+                "original archived as {}]\n{err}\n",
+                archive_ref(&hashes[1])
+            )),
+            "{t}"
+        );
+        assert!(
+            !t.contains("Exit code: 101"),
+            "the kept tail states it: {t}"
+        );
+        // An output with nothing to report keeps the bare stub.
+        let quiet =
+            vec![json!({"type": "function_call_output", "call_id": "q", "output": "all good"})];
+        let (out, _) = prune_outputs(&quiet, &[item_hash(&quiet[0])]);
+        assert!(!out[0]["output"].as_str().unwrap().contains('\n'));
     }
 }

@@ -6,6 +6,7 @@
 //! - [`policy`]: should this conversation compact? (`decide`)
 //! - [`cut`]: where is the cut? (safe cuts: tool batches atomic)
 //! - [`ladder`]: the cheap rungs — truncate, then prune tool outputs
+//! - [`fit`]: escalation past the ladder until a request fits a limit
 //! - [`summary`]: facts the proxy extracts itself, the summarizer prompt,
 //!   validation, the assembled summary and its deterministic fallback
 //! - [`rewrite`]: applying a stored compaction to a request (longest match)
@@ -22,6 +23,7 @@
 
 pub mod cut;
 pub mod engine;
+pub mod fit;
 pub mod items;
 pub mod ladder;
 pub mod policy;
@@ -105,6 +107,9 @@ pub struct Compaction {
     pub base: Option<String>,
     /// Summarizer calls made.
     pub summary_calls: u32,
+    /// Tokens of those calls, prompt and answer.
+    #[serde(default)]
+    pub summary_tokens: u64,
     /// Wall time to compute, ms.
     pub duration_ms: u64,
     /// Unix ms.
@@ -138,6 +143,7 @@ pub(crate) fn test_compaction(
         facts: None,
         base: None,
         summary_calls: 1,
+        summary_tokens: 0,
         duration_ms: 1,
         created_ms: 1,
     }

@@ -94,7 +94,8 @@ mod tests {
 /// Whether an upstream answer says the prompt does not fit the context
 /// window, across providers: OpenAI/Azure `context_length_exceeded`,
 /// llama.cpp `exceed_context_size_error`, vLLM and OpenRouter "maximum
-/// context length", Anthropic-compatible "prompt is too long".
+/// context length", Anthropic-compatible "prompt is too long", and the same
+/// wrapped by LiteLLM (`ContextWindowExceededError`).
 pub fn is_context_overflow(status: u16, body: &[u8]) -> bool {
     if !(400..500).contains(&status) {
         return false;
@@ -107,16 +108,264 @@ pub fn is_context_overflow(status: u16, body: &[u8]) -> bool {
         "maximum context length",
         "prompt is too long",
         "context window",
+        "contextwindowexceedederror",
         "input is too long for requested model",
         "too many tokens",
         "reduce the length of the messages",
+        "maximum model length",
+        "is too long and exceeds limit",
+        "exceeds the maximum number of tokens",
+        "too large for model with",
+        "tokens + `max_new_tokens` must be <=",
     ];
     NEEDLES.iter().any(|n| text.contains(n))
 }
 
+/// What an overflow answer says about the sizes, in the upstream's tokens.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Stated {
+    /// The context window (or prompt maximum) the upstream enforces.
+    pub limit: Option<u64>,
+    /// How large it says the refused request was.
+    pub requested: Option<u64>,
+}
+
+/// Stated windows outside this range are misreads, not windows.
+const STATED_LIMIT_RANGE: std::ops::RangeInclusive<u64> = 16..=100_000_000;
+
+/// The phrases that state the window, per provider; the number is group 1.
+/// Checked in order, lowercased text.
+const LIMIT_PATTERNS: &[&str] = &[
+    // OpenAI, Azure, vLLM, OpenRouter, Groq, and LiteLLM relaying them.
+    r"maximum context length is ([0-9]+)",
+    // llama.cpp
+    r"available context size \(([0-9]+) tokens?\)",
+    r#""n_ctx"\s*:\s*([0-9]+)"#,
+    r"\bn_ctx\s*[:=]\s*([0-9]+)",
+    // Anthropic-compatible: "prompt is too long: 210000 tokens > 200000 maximum"
+    r"tokens? > ([0-9]+) maximum",
+    // vLLM's other wordings
+    r"maximum model length of ([0-9]+)",
+    r"exceeds limit of ([0-9]+)",
+    r"max_model_len[^0-9]{0,4}([0-9]+)",
+    // Gemini's OpenAI-compatible endpoint
+    r"maximum number of tokens allowed \(([0-9]+)\)",
+    // Mistral
+    r"too large for model with ([0-9]+) maximum context length",
+    // Text Generation Inference
+    r"must be <= ([0-9]+)",
+    r"context window (?:of|is) ([0-9]+)",
+];
+
+/// The phrases that state the refused request's size; group 1.
+const REQUESTED_PATTERNS: &[&str] = &[
+    r"request \(([0-9]+) tokens?\)",
+    r#""n_prompt_tokens"\s*:\s*([0-9]+)"#,
+    r"resulted in ([0-9]+) tokens",
+    r"your request has ([0-9]+) input tokens",
+    r"requested (?:about )?([0-9]+) tokens",
+    r"prompt is too long: ([0-9]+) tokens",
+    r"prompt \(length ([0-9]+)\)",
+    r"prompt \(([0-9]+) tokens?\)",
+    r"input token count \(([0-9]+)\)",
+    r"prompt contains ([0-9]+) tokens",
+    r"given: ([0-9]+) `inputs` tokens",
+];
+
+fn compiled(patterns: &'static [&'static str]) -> Vec<regex::Regex> {
+    patterns
+        .iter()
+        .filter_map(|p| regex::Regex::new(p).ok())
+        .collect()
+}
+
+static LIMIT_RES: std::sync::LazyLock<Vec<regex::Regex>> =
+    std::sync::LazyLock::new(|| compiled(LIMIT_PATTERNS));
+static REQUESTED_RES: std::sync::LazyLock<Vec<regex::Regex>> =
+    std::sync::LazyLock::new(|| compiled(REQUESTED_PATTERNS));
+
+fn first_number(res: &[regex::Regex], text: &str) -> Option<u64> {
+    res.iter().find_map(|re| {
+        re.captures(text)
+            .and_then(|c| c.get(1))
+            .and_then(|m| m.as_str().parse().ok())
+    })
+}
+
+/// Reads the window and the refused request's size from an overflow answer
+/// (an error body or a streamed `response.failed` event). Only numbers the
+/// text states are returned, and a window only within a plausible range.
+pub fn stated_limits(body: &[u8]) -> Stated {
+    let text = String::from_utf8_lossy(body).to_ascii_lowercase();
+    Stated {
+        limit: first_number(&LIMIT_RES, &text).filter(|n| STATED_LIMIT_RANGE.contains(n)),
+        requested: first_number(&REQUESTED_RES, &text),
+    }
+}
+
+/// Share of the refused request a reactive compaction must take off at
+/// least, whatever the window says: estimates and the upstream's tokenizer
+/// differ, and a retry that lands a few tokens short of fitting fails again.
+pub const FIT_MARGIN: f64 = 0.1;
+
+/// The prompt size a reactive compaction must reach, in the upstream's
+/// tokens: the stated window (else the known one) less the answer's room
+/// (the request's own max output, else the model's, never more than half
+/// the window), and in any case [`FIT_MARGIN`] below the refused size
+/// (`refused`: the proxy's own figure in the upstream's tokens, else the
+/// one stated).
+pub fn fit_limit(
+    stated: Stated,
+    limits: &ModelLimits,
+    request_max_output: Option<u64>,
+    refused: Option<u64>,
+) -> u64 {
+    let window = stated
+        .limit
+        .map_or(limits.context_window, |s| s.min(limits.context_window));
+    let answer = request_max_output
+        .unwrap_or(limits.max_output_tokens)
+        .min(window / 2);
+    let mut limit = window.saturating_sub(answer);
+    if let Some(r) = refused.or(stated.requested) {
+        limit = limit.min((r as f64 * (1.0 - FIT_MARGIN)) as u64);
+    }
+    limit
+}
+
 #[cfg(test)]
 mod overflow_tests {
-    use super::is_context_overflow;
+    use super::*;
+    use proptest::prelude::*;
+
+    /// The corpus of real overflow answers (and a few look-alikes that are
+    /// not), one file per provider and wording.
+    fn corpus() -> Vec<(String, Value)> {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/tests/corpus/overflow");
+        let mut out: Vec<(String, Value)> = std::fs::read_dir(dir)
+            .expect("corpus directory")
+            .map(|e| e.expect("corpus entry").path())
+            .filter(|p| p.extension().is_some_and(|x| x == "json"))
+            .map(|p| {
+                let text = std::fs::read_to_string(&p).expect("corpus file");
+                let v = serde_json::from_str(&text).expect("corpus file is JSON");
+                (p.file_name().unwrap().to_string_lossy().into_owned(), v)
+            })
+            .collect();
+        out.sort_by(|a, b| a.0.cmp(&b.0));
+        out
+    }
+
+    use serde_json::Value;
+
+    #[test]
+    fn the_corpus_is_classified_and_its_limits_read() {
+        let corpus = corpus();
+        assert!(corpus.len() >= 15, "{}", corpus.len());
+        for (name, case) in &corpus {
+            let status = case["status"].as_u64().unwrap() as u16;
+            let body = case["body"].as_str().unwrap().as_bytes();
+            assert_eq!(
+                is_context_overflow(status, body),
+                case["overflow"].as_bool().unwrap(),
+                "{name}"
+            );
+            let stated = stated_limits(body);
+            if case["overflow"] == true {
+                assert_eq!(stated.limit, case["limit"].as_u64(), "{name}: limit");
+                assert_eq!(
+                    stated.requested,
+                    case["requested"].as_u64(),
+                    "{name}: requested"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn the_limit_to_fit_takes_the_smaller_window_and_a_margin() {
+        let limits = ModelLimits {
+            context_window: 8192,
+            max_output_tokens: 2048,
+            trigger_ratio: 0.75,
+        };
+        let llama = Stated {
+            limit: Some(2048),
+            requested: Some(2052),
+        };
+        // The stated 2048 wins over the table's 8192; the answer keeps half
+        // of it at most; the refused size does not bind here.
+        assert_eq!(fit_limit(llama, &limits, None, None), 1024);
+        assert_eq!(fit_limit(llama, &limits, Some(100), None), 1846);
+        // Nothing stated: the table's window less the output, and 10% under
+        // the refused request.
+        assert_eq!(fit_limit(Stated::default(), &limits, None, None), 6144);
+        assert_eq!(
+            fit_limit(Stated::default(), &limits, None, Some(5000)),
+            4500
+        );
+        // A stated window larger than an explicit smaller one does not widen it.
+        let big = Stated {
+            limit: Some(100_000),
+            requested: None,
+        };
+        assert_eq!(fit_limit(big, &limits, Some(0), None), 8192);
+    }
+
+    /// The numbers written in `text`, as the parser could read them.
+    fn numbers(text: &str) -> Vec<u64> {
+        text.split(|c: char| !c.is_ascii_digit())
+            .filter_map(|d| d.parse().ok())
+            .collect()
+    }
+
+    fn mutated() -> impl Strategy<Value = Vec<u8>> {
+        let bodies: Vec<Vec<u8>> = corpus()
+            .into_iter()
+            .map(|(_, c)| c["body"].as_str().unwrap().as_bytes().to_vec())
+            .collect();
+        (
+            prop::sample::select(bodies),
+            prop::collection::vec((any::<prop::sample::Index>(), any::<u8>(), 0u8..3), 0..12),
+        )
+            .prop_map(|(mut body, edits)| {
+                for (at, byte, op) in edits {
+                    let i = at.index(body.len() + 1);
+                    match op {
+                        0 => body.insert(i, byte),
+                        1 if i < body.len() => {
+                            body.remove(i);
+                        }
+                        _ if i < body.len() => body[i] = byte,
+                        _ => {}
+                    }
+                }
+                body
+            })
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig { cases: 512, ..ProptestConfig::default() })]
+
+        /// A fuzz target, bounded in cases: random bytes and mutated corpus
+        /// answers never panic, and what is read is a number the text states.
+        #[test]
+        fn the_parser_reads_only_numbers_the_text_states(
+            body in prop_oneof![prop::collection::vec(any::<u8>(), 0..400), mutated()],
+            status in 100u16..600,
+        ) {
+            let _ = is_context_overflow(status, &body);
+            let stated = stated_limits(&body);
+            let text = String::from_utf8_lossy(&body).to_ascii_lowercase();
+            let written = numbers(&text);
+            for n in [stated.limit, stated.requested].into_iter().flatten() {
+                prop_assert!(written.contains(&n), "{n} not in {text:?}");
+            }
+            if let Some(l) = stated.limit {
+                prop_assert!(STATED_LIMIT_RANGE.contains(&l));
+            }
+        }
+    }
 
     #[test]
     fn overflow_answers_across_providers() {

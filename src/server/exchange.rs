@@ -131,6 +131,8 @@ impl PendingExchange {
             reason,
             requested_ms: self.started_ms,
             whole,
+            goal: engine::Goal::Shrink,
+            tools: self.tools.clone(),
         }
     }
 
@@ -186,10 +188,8 @@ impl PendingExchange {
             streamed: self.streamed,
             partial: outcome.partial,
             error: outcome.error.map(|e| {
-                truncate(
-                    state.upstream.redact(redact(e, &self.auth)),
-                    MAX_ERROR_CHARS,
-                )
+                let redacted = state.upstream.redact(&e, &self.auth).into_owned();
+                truncate(redacted, MAX_ERROR_CHARS)
             }),
             started_ms: self.started_ms,
             latency_ms: self.started.elapsed().as_secs_f64() * 1000.0,
@@ -331,21 +331,6 @@ fn indexed(rec: &ExchangeRecord) -> IndexedExchange {
         chain_full: rec.chain_full,
         response_id: rec.response_id.clone(),
     }
-}
-
-/// Removes the client's credential from text bound for the store: an
-/// upstream's error may quote the key it refused.
-fn redact(text: String, auth: &http::HeaderMap) -> String {
-    let mut text = text;
-    for value in auth.values() {
-        let Ok(v) = value.to_str() else { continue };
-        let key = v.strip_prefix("Bearer ").unwrap_or(v).trim();
-        // Short values would match ordinary words; no real key is that short.
-        if key.len() >= 8 && text.contains(key) {
-            text = text.replace(key, "[REDACTED]");
-        }
-    }
-    text
 }
 
 fn truncate(mut s: String, max: usize) -> String {

@@ -53,8 +53,11 @@ pub struct AppState {
     pub metrics: crate::metrics::Metrics,
     /// The thread for the accounting that follows each answer.
     pub background: &'static Background,
-    /// [`Config::model_limits`] of the models seen, looked up once each.
-    limits: Mutex<foldhash::HashMap<String, ModelLimits>>,
+    /// [`Config::model_limits`] of the models seen, looked up once each,
+    /// and whether a `[[models]]` entry gave them.
+    limits: Mutex<foldhash::HashMap<String, (ModelLimits, bool)>>,
+    /// The windows the upstream told (see [`crate::windows`]).
+    pub windows: crate::windows::Windows,
     /// Set when the shutdown grace period is over and the connections still
     /// open are dropped: what they were answering was cut by the proxy, not
     /// left by the client.
@@ -75,6 +78,10 @@ impl AppState {
             crate::store::sqlite::key_reader(path.clone()),
         );
         let stored = std::mem::take(&mut snapshot.compactions);
+        let windows = crate::windows::Windows::from_stored(
+            &config.upstream.base_url,
+            std::mem::take(&mut snapshot.windows),
+        );
         let compactions =
             Compactions::from_stored(stored, crate::store::sqlite::reader(path.clone()));
         Ok(Arc::new(AppState {
@@ -87,25 +94,64 @@ impl AppState {
             metrics: crate::metrics::Metrics::new(),
             background: Background::global(),
             limits: Mutex::default(),
+            windows,
             cut_at_shutdown: AtomicBool::new(false),
             config,
         }))
     }
 
-    /// The limits of `model` ([`Config::model_limits`]), which every exchange
-    /// needs and the config cannot change while the process runs.
+    /// The limits of `model`: [`Config::model_limits`] (which every
+    /// exchange needs and the config cannot change while the process runs)
+    /// with the window the upstream told applied.
     pub fn model_limits(&self, model: &str) -> ModelLimits {
-        let mut known = self.limits.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(l) = known.get(model) {
-            return *l;
-        }
-        let limits = self.config.model_limits(model);
-        // Model names come from clients: keep the table bounded.
-        if known.len() >= 1024 {
-            known.clear();
-        }
-        known.insert(model.to_string(), limits);
-        limits
+        self.model_window(model).0
+    }
+
+    /// [`AppState::model_limits`] and where its window came from.
+    pub fn model_window(&self, model: &str) -> (ModelLimits, crate::windows::Source) {
+        let configured = {
+            let mut known = self.limits.lock().unwrap_or_else(|p| p.into_inner());
+            match known.get(model) {
+                Some(l) => *l,
+                None => {
+                    let l = self.config.model_limits_sourced(model);
+                    // Model names come from clients: keep the table bounded.
+                    if known.len() >= 1024 {
+                        known.clear();
+                    }
+                    known.insert(model.to_string(), l);
+                    l
+                }
+            }
+        };
+        let source = if configured.1 {
+            crate::windows::Source::Config
+        } else {
+            crate::windows::Source::Table
+        };
+        crate::windows::effective(configured.0, source, self.windows.told(model).as_ref())
+    }
+
+    /// The effective window of every model seen or told, by name:
+    /// (model, tokens, source).
+    pub fn models_seen(&self) -> Vec<(String, u64, &'static str)> {
+        let mut names: Vec<String> = self
+            .limits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        names.extend(self.windows.all().into_iter().map(|t| t.model));
+        names.sort();
+        names.dedup();
+        names
+            .into_iter()
+            .map(|m| {
+                let (l, s) = self.model_window(&m);
+                (m, l.context_window, s.as_str())
+            })
+            .collect()
     }
 
     /// Why an answer was dropped before its end: its client left, or the

@@ -222,6 +222,9 @@ async fn parse(
             span,
         },
     );
+    // The first request of a model asks the upstream for its window
+    // (bounded in time), so that the check below already uses it.
+    crate::windows::discover(state, &pending.model, &pending.auth).await;
     // A stored compaction covering a prefix of this request replaces it; a
     // request too large to go without one waits for one under way.
     if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
@@ -251,6 +254,7 @@ async fn parse(
                 state,
                 &mut pending,
                 format!("hard_limit: ~{tokens} tokens leave no room for the answer"),
+                engine::Goal::HardLimit,
             )
             .await;
         }
@@ -263,9 +267,17 @@ async fn parse(
     })
 }
 
-/// Computes a compaction of the request's view now and applies it.
-async fn compact_now(state: &Arc<AppState>, pending: &mut PendingExchange, reason: String) -> bool {
-    match engine::compact(state, pending.input(reason, false)).await {
+/// Computes a compaction of the request's view now, to reach `goal`, and
+/// applies it.
+async fn compact_now(
+    state: &Arc<AppState>,
+    pending: &mut PendingExchange,
+    reason: String,
+    goal: engine::Goal,
+) -> bool {
+    let mut input = pending.input(reason, false);
+    input.goal = goal;
+    match engine::compact(state, input).await {
         Ok(c) => {
             pending.apply(c);
             true
@@ -275,6 +287,42 @@ async fn compact_now(state: &Arc<AppState>, pending: &mut PendingExchange, reaso
             false
         }
     }
+}
+
+/// Most reactive compactions of one request. The first fits the limit the
+/// upstream stated; a second is for an upstream whose tokenizer counts
+/// well above the estimate, and aims [`policy::FIT_MARGIN`] below the size
+/// refused again.
+const MAX_REACTIVE_RETRIES: u32 = 2;
+
+/// The upstream refused the request as too long: remembers the window it
+/// stated, and compacts the request to fit it.
+async fn compact_on_overflow(
+    state: &Arc<AppState>,
+    pending: &mut PendingExchange,
+    stated: policy::Stated,
+    why: &str,
+) -> bool {
+    if let Some(window) = stated.limit {
+        crate::windows::tell(
+            state,
+            &pending.model,
+            window,
+            crate::windows::Source::Learned,
+        )
+        .await;
+    }
+    let max_output = request_max_output(&pending.body);
+    let goal = engine::Goal::Overflow { stated, max_output };
+    compact_now(state, pending, format!("overflow: {why}"), goal).await
+}
+
+/// The largest answer the request asks for, if it sets one (Chat's
+/// `max_tokens` / `max_completion_tokens`, Responses' `max_output_tokens`).
+fn request_max_output(body: &Value) -> Option<u64> {
+    ["max_completion_tokens", "max_tokens", "max_output_tokens"]
+        .iter()
+        .find_map(|k| body.get(*k).and_then(Value::as_u64))
 }
 
 async fn handle_inner(
@@ -295,11 +343,14 @@ async fn handle_inner(
         return answer_trigger(&state, pending).await;
     }
     if state.compactions.take_manual(&pending.ident.conversation) {
-        compact_now(&state, &mut pending, "manual".into()).await;
+        compact_now(&state, &mut pending, "manual".into(), engine::Goal::Shrink).await;
     }
 
     let url = state.upstream.url(api.endpoint(), parts.uri.query())?;
     let headers = state.upstream.request_headers(&parts.headers, true);
+    // Reactive compactions of this request: each retry is smaller than
+    // the request refused before it (see `policy::fit_limit`).
+    let mut reactive = 0;
     let mut retried = false;
     let answer = loop {
         // The client's bytes, or the body with the compaction applied now.
@@ -328,19 +379,18 @@ async fn handle_inner(
             let overflow = held
                 .failure
                 .as_ref()
-                .is_some_and(|data| policy::is_context_overflow(400, data.as_bytes()));
-            if overflow
-                && !retried
-                && compact_now(
-                    &state,
-                    &mut pending,
-                    "overflow: upstream stream failed".into(),
-                )
-                .await
-            {
-                retried = true;
-                state.metrics.reactive_retry();
-                continue;
+                .filter(|data| policy::is_context_overflow(400, data.as_bytes()))
+                .map(|data| policy::stated_limits(data.as_bytes()));
+            if let Some(stated) = overflow {
+                if reactive < MAX_REACTIVE_RETRIES
+                    && compact_on_overflow(&state, &mut pending, stated, "upstream stream failed")
+                        .await
+                {
+                    reactive += 1;
+                    retried = true;
+                    state.metrics.reactive_retry();
+                    continue;
+                }
             }
             break Answer::Held(held);
         }
@@ -355,14 +405,13 @@ async fn handle_inner(
             Ok(b) => b,
             Err(e) => return Err(fail(&state, pending.into_inner(), e, None).await),
         };
-        if !retried && policy::is_context_overflow(status.as_u16(), &bytes) {
-            if compact_now(
-                &state,
-                &mut pending,
-                format!("overflow: upstream answered {status}"),
-            )
-            .await
+        if policy::is_context_overflow(status.as_u16(), &bytes) {
+            let stated = policy::stated_limits(&bytes);
+            let why = format!("upstream answered {status}");
+            if reactive < MAX_REACTIVE_RETRIES
+                && compact_on_overflow(&state, &mut pending, stated, &why).await
             {
+                reactive += 1;
                 retried = true;
                 state.metrics.reactive_retry();
                 continue;
@@ -449,11 +498,9 @@ async fn answer_trigger(
     state: &Arc<AppState>,
     pending: Unanswered,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let compacted = engine::compact(
-        state,
-        pending.input("requested: compaction_trigger".into(), true),
-    )
-    .await;
+    let mut input = pending.input("requested: compaction_trigger".into(), true);
+    input.goal = engine::Goal::HardLimit;
+    let compacted = engine::compact(state, input).await;
     let pending = pending.into_inner();
     let c = match compacted {
         Ok(c) => c,
@@ -558,12 +605,11 @@ pub async fn handle_compact(state: Arc<AppState>, req: Request<Incoming>) -> Res
             parse(&state, Api::Responses, &parts, body, started, started_ms).await?;
         // This endpoint records the compaction it makes, not an exchange.
         let pending = pending.into_inner();
-        let c = engine::compact(
-            &state,
-            pending.input("requested: /v1/responses/compact".into(), true),
-        )
-        .await
-        .map_err(|e| ProxyError::BadRequest(format!("nothing to compact: {e}")))?;
+        let mut input = pending.input("requested: /v1/responses/compact".into(), true);
+        input.goal = engine::Goal::HardLimit;
+        let c = engine::compact(&state, input)
+            .await
+            .map_err(|e| ProxyError::BadRequest(format!("nothing to compact: {e}")))?;
         let mut answer = compaction_response(&c, &pending.model, remote::endpoint_output(&c));
         answer["object"] = "response.compaction".into();
         answer["id"] = Value::String(c.id.clone());
@@ -919,6 +965,15 @@ async fn buffered_response(
         outcome.error = Some(String::from_utf8_lossy(&bytes).into_owned());
     }
     pending.finish(&state, outcome).await;
+    let mut headers = headers;
+    let bytes = if status.is_success() {
+        bytes
+    } else {
+        let shown = state.upstream.hide_own_key(bytes);
+        // The length the upstream announced is the unredacted body's.
+        headers.remove(http::header::CONTENT_LENGTH);
+        shown
+    };
     response_head(status, &headers, &pending.ident.conversation, full(bytes))
 }
 

@@ -117,6 +117,8 @@ pub enum Record {
     Exchange(Box<ExchangeRecord>),
     /// A computed compaction.
     Compaction(Box<Compaction>),
+    /// A context window an upstream told.
+    Window(crate::windows::Told),
 }
 
 /// What start-up needs to rebuild the in-memory conversation index.
@@ -140,6 +142,8 @@ pub struct Snapshot {
     /// Every compaction, oldest first, without its body (replay re-applies
     /// them; a body is read when a request needs it).
     pub compactions: Vec<StoredCompaction>,
+    /// The context windows upstreams told.
+    pub windows: Vec<crate::windows::Told>,
 }
 
 /// What the registry keeps of every stored compaction: enough to find the
@@ -372,6 +376,11 @@ impl Store {
     /// Records a compaction and waits until it is committed.
     pub async fn record_compaction(&self, c: Compaction) -> Result<(), StoreError> {
         self.write(Record::Compaction(Box::new(c))).await
+    }
+
+    /// Persists a context window an upstream told.
+    pub async fn record_window(&self, w: crate::windows::Told) -> Result<(), StoreError> {
+        self.write(Record::Window(w)).await
     }
 
     /// Waits until everything recorded before the call is in the database,

@@ -84,8 +84,11 @@ pub struct ConversationSummary {
     pub last_output_tokens: Option<u64>,
     /// Input + output: what the conversation occupied after it.
     pub last_tokens: Option<u64>,
-    /// The model's context window (from the configured models table).
+    /// The model's effective context window.
     pub context_window: u64,
+    /// Where it came from: `table`, `config`, `learned` (stated by the
+    /// upstream in an overflow answer) or `discovered` (reported when asked).
+    pub window_source: &'static str,
     /// Tokens at which compaction triggers.
     pub trigger_tokens: u64,
 }
@@ -152,6 +155,8 @@ pub struct CompactionRow {
     pub base: Option<String>,
     /// Summarizer calls made.
     pub summary_calls: u32,
+    /// Tokens of those calls, prompt and answer.
+    pub summary_tokens: u64,
     /// Time to compute, ms.
     pub duration_ms: u64,
     /// The first exchange whose request it rewrote, if any yet.
@@ -252,12 +257,32 @@ FROM conversations c
 LEFT JOIN exchanges l ON l.id = (SELECT max(e2.id) FROM exchanges e2
                                  WHERE e2.conversation_id = c.id AND e2.input_tokens IS NOT NULL)";
 
-fn summary_row(r: &rusqlite::Row<'_>, config: &Config) -> rusqlite::Result<ConversationSummary> {
+/// The windows this config's upstream told, from the store.
+fn told_windows(conn: &Connection, config: &Config) -> Vec<crate::windows::Told> {
+    super::sqlite::load_windows(conn)
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|t| t.upstream == config.upstream.base_url)
+        .collect()
+}
+
+fn summary_row(
+    r: &rusqlite::Row<'_>,
+    config: &Config,
+    told: &[crate::windows::Told],
+) -> rusqlite::Result<ConversationSummary> {
     let tenant: String = r.get(1)?;
     let model: String = r.get(2)?;
     let input: Option<i64> = r.get(7)?;
     let output: Option<i64> = r.get(8)?;
-    let limits = config.model_limits(&model);
+    let (configured, user) = config.model_limits_sourced(&model);
+    let source = if user {
+        crate::windows::Source::Config
+    } else {
+        crate::windows::Source::Table
+    };
+    let (limits, source) =
+        crate::windows::effective(configured, source, told.iter().find(|t| t.model == model));
     Ok(ConversationSummary {
         id: r.get(0)?,
         tenant: tenant.chars().take(TENANT_PREFIX).collect(),
@@ -269,6 +294,7 @@ fn summary_row(r: &rusqlite::Row<'_>, config: &Config) -> rusqlite::Result<Conve
         last_output_tokens: output.map(|v| v as u64),
         last_tokens: input.map(|i| (i + output.unwrap_or(0)) as u64),
         context_window: limits.context_window,
+        window_source: source.as_str(),
         trigger_tokens: (limits.context_window as f64 * limits.trigger_ratio) as u64,
         model,
     })
@@ -281,10 +307,11 @@ pub fn list_conversations(
     limit: usize,
 ) -> Result<Vec<ConversationSummary>, QueryError> {
     let sql = format!("{SUMMARY_SELECT} ORDER BY c.last_seen_ms DESC, c.id LIMIT ?1");
+    let told = told_windows(conn, config);
     let mut stmt = conn.prepare(&sql)?;
     let rows = stmt
         .query_map(params![limit.min(i64::MAX as usize) as i64], |r| {
-            summary_row(r, config)
+            summary_row(r, config, &told)
         })?
         .collect::<Result<_, _>>()?;
     Ok(rows)
@@ -298,7 +325,8 @@ pub fn conversation(
 ) -> Result<ConversationSummary, QueryError> {
     let id = resolve_id(conn, id)?;
     let sql = format!("{SUMMARY_SELECT} WHERE c.id = ?1");
-    Ok(conn.query_row(&sql, params![id], |r| summary_row(r, config))?)
+    let told = told_windows(conn, config);
+    Ok(conn.query_row(&sql, params![id], |r| summary_row(r, config, &told))?)
 }
 
 fn exchanges(conn: &Connection, id: &str) -> Result<Vec<ExchangeRow>, QueryError> {
@@ -352,6 +380,7 @@ fn compaction_row(c: &Compaction, exchanges: &[ExchangeRow]) -> CompactionRow {
         summary: c.summary.clone(),
         base: c.base.clone(),
         summary_calls: c.summary_calls,
+        summary_tokens: c.summary_tokens,
         duration_ms: c.duration_ms,
         first_applied_exchange: applied.first().copied(),
         applied_exchanges: applied.len() as u64,

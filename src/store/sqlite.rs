@@ -12,6 +12,7 @@ use super::{
     Backend, ExchangeRecord, IndexedExchange, Record, Snapshot, StoreError, StoredCompaction,
 };
 use crate::compaction::{Compaction, Rung};
+use crate::windows::{Source, Told};
 use crate::wire::ItemHash;
 
 const SCHEMA: &str = r#"
@@ -89,10 +90,46 @@ CREATE TABLE IF NOT EXISTS compactions (
     base_id         TEXT,
     summary_calls   INTEGER NOT NULL,
     duration_ms     INTEGER NOT NULL,
-    created_ms      INTEGER NOT NULL
+    created_ms      INTEGER NOT NULL,
+    summary_tokens  INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS compactions_conversation ON compactions (conversation_id, created_ms);
+-- The context windows upstreams told (stated in an overflow answer, or
+-- reported when asked), per upstream and model.
+CREATE TABLE IF NOT EXISTS windows (
+    upstream   TEXT NOT NULL,
+    model      TEXT NOT NULL,
+    window     INTEGER NOT NULL,
+    source     TEXT NOT NULL,
+    updated_ms INTEGER NOT NULL,
+    PRIMARY KEY (upstream, model)
+);
 "#;
+
+/// Columns added since a table was first created: (table, column, its
+/// definition). A database created before gets them added at open.
+const ADDED_COLUMNS: &[(&str, &str, &str)] = &[(
+    "compactions",
+    "summary_tokens",
+    "INTEGER NOT NULL DEFAULT 0",
+)];
+
+/// Adds the [`ADDED_COLUMNS`] an existing database lacks.
+fn migrate(conn: &Connection) -> Result<(), StoreError> {
+    for (table, column, definition) in ADDED_COLUMNS {
+        let mut stmt = conn.prepare(&format!("PRAGMA table_info({table})"))?;
+        let has = stmt
+            .query_map([], |r| r.get::<_, String>(1))?
+            .filter_map(Result::ok)
+            .any(|c| c == *column);
+        if !has {
+            conn.execute_batch(&format!(
+                "ALTER TABLE {table} ADD COLUMN {column} {definition}"
+            ))?;
+        }
+    }
+    Ok(())
+}
 
 /// SQLite backend over one database file.
 pub struct SqliteBackend {
@@ -120,6 +157,7 @@ impl SqliteBackend {
         conn.pragma_update(None, "foreign_keys", "ON")?;
         conn.busy_timeout(std::time::Duration::from_secs(5))?;
         conn.execute_batch(SCHEMA)?;
+        migrate(&conn)?;
         Ok(Self {
             conn,
             _checkpointer: None,
@@ -206,6 +244,7 @@ impl Backend for SqliteBackend {
             match rec {
                 Record::Exchange(e) => write_exchange(&tx, e)?,
                 Record::Compaction(c) => write_compaction(&tx, c)?,
+                Record::Window(w) => write_window(&tx, w)?,
             }
         }
         tx.commit()?;
@@ -297,6 +336,7 @@ impl SqliteBackend {
                 })
             })?
             .collect::<Result<_, _>>()?;
+        snap.windows = load_windows(&self.conn)?;
         Ok(snap)
     }
 }
@@ -394,8 +434,9 @@ fn write_compaction(tx: &rusqlite::Transaction<'_>, c: &Compaction) -> Result<()
     tx.prepare_cached(
         "INSERT OR REPLACE INTO compactions (id, tenant, conversation_id, covered_len, covered_chain,
             replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept,
-            summary, facts, base_id, summary_calls, duration_ms, created_ms)
-         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18)",
+            summary, facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens)
+         VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18,
+            ?19)",
     )?
     .execute(params![
         c.id,
@@ -416,14 +457,48 @@ fn write_compaction(tx: &rusqlite::Transaction<'_>, c: &Compaction) -> Result<()
         c.summary_calls,
         c.duration_ms as i64,
         c.created_ms,
+        c.summary_tokens as i64,
     ])?;
     Ok(())
+}
+
+fn write_window(tx: &rusqlite::Transaction<'_>, w: &Told) -> Result<(), StoreError> {
+    tx.prepare_cached(
+        "INSERT OR REPLACE INTO windows (upstream, model, window, source, updated_ms)
+         VALUES (?1, ?2, ?3, ?4, ?5)",
+    )?
+    .execute(params![
+        w.upstream,
+        w.model,
+        w.window as i64,
+        w.source.as_str(),
+        w.updated_ms
+    ])?;
+    Ok(())
+}
+
+/// Every window upstreams told, by upstream and model.
+pub fn load_windows(conn: &Connection) -> Result<Vec<Told>, StoreError> {
+    let mut stmt = conn.prepare(
+        "SELECT upstream, model, window, source, updated_ms FROM windows ORDER BY upstream, model",
+    )?;
+    let rows = stmt.query_map([], |r| {
+        let source: String = r.get(3)?;
+        Ok(Told {
+            upstream: r.get(0)?,
+            model: r.get(1)?,
+            window: r.get::<_, i64>(2)?.max(0) as u64,
+            source: Source::parse(&source).unwrap_or(Source::Learned),
+            updated_ms: r.get(4)?,
+        })
+    })?;
+    Ok(rows.collect::<Result<_, _>>()?)
 }
 
 /// The columns [`compaction_row`] reads, in its order.
 const COMPACTION_COLUMNS: &str = "id, tenant, conversation_id, covered_len, covered_chain,
     replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept, summary,
-    facts, base_id, summary_calls, duration_ms, created_ms";
+    facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens";
 
 fn compaction_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Compaction> {
     let replacement: String = r.get(5)?;
@@ -448,6 +523,7 @@ fn compaction_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Compaction> {
         summary_calls: r.get(15)?,
         duration_ms: r.get::<_, i64>(16)? as u64,
         created_ms: r.get(17)?,
+        summary_tokens: r.get::<_, i64>(18)?.max(0) as u64,
     })
 }
 
@@ -704,7 +780,7 @@ mod tests {
     fn start_up_loads_the_newest_exchanges_and_items_only() {
         let dir = tempfile::tempdir().unwrap();
         let mut b = SqliteBackend::open(&dir.path().join("s.db")).unwrap();
-        // Each exchange stores one new item, [id; 32].
+        // Each exchange stores one new item of its own.
         let batch: Vec<Record> = (1..=6)
             .map(|id| Record::Exchange(Box::new(record(id))))
             .collect();
@@ -715,7 +791,9 @@ mod tests {
         assert_eq!(snap.max_exchange_id, 6);
         let mut items = snap.item_hashes.clone();
         items.sort();
-        assert_eq!(items, [[5; 32], [6; 32]]);
+        let mut newest = [record(5).new_items[0].0, record(6).new_items[0].0];
+        newest.sort();
+        assert_eq!(items, newest);
         let all = b.load().unwrap();
         assert_eq!(all.exchanges.len(), 6);
         assert_eq!(all.item_hashes.len(), 6);

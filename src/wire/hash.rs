@@ -25,6 +25,23 @@ pub fn raw_item_hash(json: &[u8]) -> Option<ItemHash> {
     Some(hash_canonical(|buf| write_node(buf, &node)))
 }
 
+/// The hash of an item given as JSON text: [`raw_item_hash`], or, when no
+/// canonical form can be built (a lone surrogate `"\ud800"`, nesting deeper
+/// than the parser goes), a hash of the bytes themselves, in a domain of
+/// its own. Such an item then is its own bytes: two of them are one item
+/// only if they are byte for byte the same, never a shared `null`.
+pub fn text_item_hash(json: &[u8]) -> ItemHash {
+    raw_item_hash(json).unwrap_or_else(|| {
+        *blake3::Hasher::new_derive_key(UNPARSED_CONTEXT)
+            .update(json)
+            .finalize()
+            .as_bytes()
+    })
+}
+
+/// The key of hashes of items that have no canonical form.
+const UNPARSED_CONTEXT: &str = "compactor 2026-12 item bytes without a canonical form";
+
 /// Hashes what `write` puts in the thread's canonical-form buffer.
 fn hash_canonical(write: impl FnOnce(&mut Vec<u8>)) -> ItemHash {
     CANONICAL.with(|buf| {
@@ -343,6 +360,36 @@ mod tests {
             raw_item_hash(b"{\"a\":1,\"a\":2}"),
             Some(item_hash(&json!({"a": 2})))
         );
+    }
+
+    #[test]
+    fn items_without_a_canonical_form_hash_as_their_bytes() {
+        let deep = |leaf: &str| format!("{}{leaf}{}", "[".repeat(200), "]".repeat(200));
+        let unparsable = [
+            r#"{"role":"user","content":"\ud800 one"}"#.to_string(),
+            r#"{"role":"user","content":"\ud800 two"}"#.to_string(),
+            format!(r#"{{"role":"user","content":{}}}"#, deep("1")),
+            format!(r#"{{"role":"user","content":{}}}"#, deep("2")),
+        ];
+        let null = item_hash(&Value::Null);
+        let hashes: Vec<ItemHash> = unparsable
+            .iter()
+            .map(|t| text_item_hash(t.as_bytes()))
+            .collect();
+        for (text, h) in unparsable.iter().zip(&hashes) {
+            assert_eq!(
+                raw_item_hash(text.as_bytes()),
+                None,
+                "{text:.60} has no canonical form"
+            );
+            assert_ne!(*h, null);
+            assert_eq!(*h, text_item_hash(text.as_bytes()), "stable");
+        }
+        let distinct: std::collections::HashSet<_> = hashes.iter().collect();
+        assert_eq!(distinct.len(), hashes.len());
+        // What parses keeps its canonical hash.
+        let fine = br#"{"b":1, "a":2}"#;
+        assert_eq!(text_item_hash(fine), item_hash(&json!({"a": 2, "b": 1})));
     }
 
     #[test]

@@ -627,14 +627,21 @@ impl ItemList {
         Some(&self.raw[self.spans.get(j)?.clone()])
     }
 
-    /// Item `i` serialised: the client's own bytes when the list is raw.
+    /// The client's bytes of item `i`, when it is one of its array's,
+    /// parsed or not (the values are parsed from these very bytes).
+    fn client_bytes(&self, i: usize) -> Option<&[u8]> {
+        let j = i.checked_sub(self.head.len())?;
+        Some(&self.raw[self.spans.get(j)?.clone()])
+    }
+
+    /// Item `i` serialised: the client's own bytes when it is one of its
+    /// array's. Also once the list is parsed: an item without a canonical
+    /// form parses to `null`, and the record keeps it as it was given.
     pub fn json(&self, i: usize) -> String {
-        if self.is_raw() {
-            if let Some(j) = i.checked_sub(self.head.len()) {
-                return String::from_utf8_lossy(&self.raw[self.spans[j].clone()]).into_owned();
-            }
+        match self.client_bytes(i) {
+            Some(bytes) => String::from_utf8_lossy(bytes).into_owned(),
+            None => serde_json::to_string(&*self.item(i)).unwrap_or_default(),
         }
-        serde_json::to_string(&*self.item(i)).unwrap_or_default()
     }
 
     /// Length of item `i`'s JSON: the client's bytes when the list is raw.
@@ -671,7 +678,9 @@ impl ItemList {
     /// looked up by a hash of their bytes first; only items whose bytes were
     /// never seen are parsed.
     pub fn hashes(&self) -> Vec<ItemHash> {
-        if !self.is_raw() {
+        // Through the bytes while there are any, parsed or not: an item
+        // without a canonical form hashes as its bytes, not as `null`.
+        if self.spans.is_empty() && !self.is_raw() {
             return self.values().iter().map(item_hash).collect();
         }
         let mut out: Vec<ItemHash> = self.head.iter().map(item_hash).collect();
@@ -783,8 +792,7 @@ impl ItemList {
         let found: Vec<(ItemHash, ItemHash)> = missing
             .iter()
             .map(|&j| {
-                let h = super::hash::raw_item_hash(&self.raw[spans[j].clone()])
-                    .unwrap_or_else(|| item_hash(&Value::Null));
+                let h = super::hash::text_item_hash(&self.raw[spans[j].clone()]);
                 out[j] = h;
                 (keys[j], h)
             })

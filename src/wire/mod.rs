@@ -160,11 +160,13 @@ impl Usage {
     }
 }
 
-/// What a client's credential header holds, if any: `Authorization` or `api-key`.
+/// What a client's credential header holds, if any: the first of
+/// [`crate::redact::CREDENTIAL_HEADERS`] it sent (`Authorization`,
+/// `api-key`, `x-api-key`).
 pub fn credential(headers: &http::HeaderMap) -> Option<&[u8]> {
-    headers
-        .get(http::header::AUTHORIZATION)
-        .or_else(|| headers.get("api-key"))
+    crate::redact::CREDENTIAL_HEADERS
+        .iter()
+        .find_map(|name| headers.get(*name))
         .map(|v| v.as_bytes())
 }
 

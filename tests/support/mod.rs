@@ -53,6 +53,9 @@ impl Harness {
         config.upstream.base_url = fake.url();
         config.store.path = db.display().to_string();
         config.server.shutdown_grace_secs = 5;
+        // Asking the fake for a model's window would take a scripted reply
+        // meant for the test's own request; the tests of discovery turn it on.
+        config.upstream.discover_windows = false;
         adjust(&mut config);
         Self::start_on(fake, dir, db, config).await
     }

@@ -1,0 +1,651 @@
+//! Scripted coding-agent sessions that plant one-off facts, the proxy run
+//! that compacts them, and the model-free grade. Shared by the continuity
+//! bench and the test that guards its target in CI.
+//!
+//! Each session is a Chat Completions history: a system prompt, the task,
+//! then tool-call turns. The facts are planted early, so they fall in the
+//! part that gets compacted: the task's exact wording, a file path and its
+//! new content (each session uses a different edit form), a decision and its
+//! reason and the next step (the agent's own words), a user constraint, and
+//! an exact error string in the middle of a long failing log. Around them:
+//! tens of kilobytes of file reads, test and build logs, then a few recent
+//! turns that stay verbatim. The whole history goes to the proxy as one
+//! request over the window, so it is compacted before it goes upstream; the
+//! grade is whether each fact's exact text is still in what went upstream.
+
+#![allow(dead_code)]
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+use compactor::compaction::summary::SUMMARIZER_MARKER;
+use compactor::config::{Config, ModelConfig};
+use compactor::fake_upstream::{FakeUpstream, Received};
+use compactor::server::{self, AppState};
+use serde_json::{json, Value};
+use tokio::sync::oneshot;
+
+/// Model name the sessions use; the runs give it their own window.
+pub const MODEL: &str = "continuity-agent";
+/// Upper bound for any single await of a run.
+pub const STEP: Duration = Duration::from_secs(300);
+
+/// What a planted fact is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Kind {
+    Task,
+    FilePath,
+    FileContent,
+    Decision,
+    Constraint,
+    Error,
+    NextStep,
+}
+
+impl Kind {
+    pub const ALL: [Kind; 7] = [
+        Kind::Task,
+        Kind::FilePath,
+        Kind::FileContent,
+        Kind::Decision,
+        Kind::Constraint,
+        Kind::Error,
+        Kind::NextStep,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Task => "task",
+            Kind::FilePath => "file path",
+            Kind::FileContent => "file content",
+            Kind::Decision => "decision",
+            Kind::Constraint => "constraint",
+            Kind::Error => "error",
+            Kind::NextStep => "next step",
+        }
+    }
+}
+
+/// One planted fact: retained when `needle` appears verbatim upstream.
+#[derive(Debug, Clone)]
+pub struct Fact {
+    pub kind: Kind,
+    pub needle: String,
+}
+
+/// A scripted session.
+pub struct Session {
+    pub name: &'static str,
+    pub messages: Vec<Value>,
+    pub facts: Vec<Fact>,
+}
+
+// ---------------------------------------------------------------- filler
+
+/// Deterministic word choice (a 64-bit LCG), so every run sends the same
+/// bytes.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6_364_136_223_846_793_005)
+            .wrapping_add(1_442_695_040_888_963_407);
+        self.0 >> 33
+    }
+    fn pick<'a>(&mut self, xs: &[&'a str]) -> &'a str {
+        xs[(self.next() % xs.len() as u64) as usize]
+    }
+}
+
+const WORDS: &[&str] = &[
+    "retry", "backoff", "pool", "batch", "record", "cursor", "schema", "ledger", "window",
+    "buffer", "parser", "row", "column", "writer", "reader", "frame", "offset", "segment",
+];
+
+/// A source file of about `bytes` bytes.
+fn source(r: &mut Rng, module: &str, bytes: usize) -> String {
+    let mut s = format!("//! The {module} module.\n\nuse std::collections::HashMap;\n\n");
+    let mut n = 0;
+    while s.len() < bytes {
+        let (a, b) = (r.pick(WORDS), r.pick(WORDS));
+        s.push_str(&format!(
+            "/// Moves the {a} forward by one {b}.\npub fn {a}_{b}_{n}(state: &mut State, {b}: usize) -> Result<usize, Error> {{\n    let next = state.{a}.get({b}).copied().unwrap_or_default();\n    if next > state.limit {{\n        return Err(Error::Limit({b}));\n    }}\n    state.{a}.insert({b}, next + 1);\n    Ok(next)\n}}\n\n"
+        ));
+        n += 1;
+    }
+    s
+}
+
+/// A test log of about `bytes` bytes; `failure`, when given, is printed in
+/// the middle (where a head-and-tail cut loses it) and the log ends failed.
+fn test_log(r: &mut Rng, bytes: usize, failure: Option<&str>) -> String {
+    let mut s = String::from("running 412 tests\n");
+    let mut n = 0;
+    let mut planted = failure.is_none();
+    while s.len() < bytes {
+        if !planted && s.len() > bytes / 2 {
+            s.push_str(&format!("test exporter::iso::roundtrip_{n} ... FAILED\n\n---- exporter::iso::roundtrip_{n} stdout ----\n{}\nnote: run with `RUST_BACKTRACE=1` environment variable to display a backtrace\n\n", failure.unwrap_or_default()));
+            planted = true;
+        }
+        s.push_str(&format!(
+            "test {}::{}_{n} ... ok\n",
+            r.pick(WORDS),
+            r.pick(WORDS)
+        ));
+        n += 1;
+    }
+    match failure {
+        Some(_) => s.push_str("\ntest result: FAILED. 411 passed; 1 failed; 0 ignored\nProcess exited with code 101\n"),
+        None => s.push_str("\ntest result: ok. 412 passed; 0 failed; 0 ignored\nProcess exited with code 0\n"),
+    }
+    s
+}
+
+/// A build log of about `bytes` bytes, successful.
+fn build_log(r: &mut Rng, bytes: usize) -> String {
+    let mut s = String::new();
+    while s.len() < bytes {
+        s.push_str(&format!(
+            "   Compiling {}-{} v0.{}.{}\n",
+            r.pick(WORDS),
+            r.pick(WORDS),
+            r.next() % 9,
+            r.next() % 20
+        ));
+    }
+    s.push_str("    Finished `dev` profile [unoptimized + debuginfo] target(s) in 41.07s\n");
+    s
+}
+
+// ---------------------------------------------------------------- builder
+
+struct Builder {
+    messages: Vec<Value>,
+    calls: usize,
+    r: Rng,
+}
+
+impl Builder {
+    fn new(seed: u64, task: &str) -> Builder {
+        Builder {
+            messages: vec![
+                json!({"role": "system", "content": "You are a coding agent. Use the tools to read, edit and test the repository."}),
+                json!({"role": "user", "content": task}),
+            ],
+            calls: 0,
+            r: Rng(seed),
+        }
+    }
+
+    /// An assistant turn (optional text) calling one tool, and its output.
+    fn call(&mut self, text: Option<&str>, name: &str, args: Value, output: &str) {
+        self.calls += 1;
+        let id = format!("call_{}", self.calls);
+        self.messages.push(json!({
+            "role": "assistant",
+            "content": text,
+            "tool_calls": [{"id": id, "type": "function", "function": {"name": name, "arguments": args.to_string()}}],
+        }));
+        self.messages
+            .push(json!({"role": "tool", "tool_call_id": id, "content": output}));
+    }
+
+    fn user(&mut self, text: &str) {
+        self.messages.push(json!({"role": "user", "content": text}));
+    }
+
+    fn assistant(&mut self, text: &str) {
+        self.messages
+            .push(json!({"role": "assistant", "content": text}));
+    }
+
+    /// `n` filler turns: file reads, builds and passing test runs.
+    fn filler(&mut self, n: usize, bytes: usize) {
+        for i in 0..n {
+            let module = format!("src/{}_{}.rs", self.r.pick(WORDS), self.calls);
+            let out = match i % 3 {
+                0 => source(&mut self.r, &module, bytes),
+                1 => build_log(&mut self.r, bytes / 2),
+                _ => test_log(&mut self.r, bytes, None),
+            };
+            let (name, args) = match i % 3 {
+                0 => ("read_file", json!({"path": module})),
+                1 => ("shell", json!({"command": "cargo build --workspace"})),
+                _ => ("shell", json!({"command": "cargo test --workspace"})),
+            };
+            self.call(None, name, args, &out);
+        }
+    }
+}
+
+/// The edit forms, one per session.
+#[derive(Debug, Clone, Copy)]
+enum Form {
+    ApplyPatch,
+    UnifiedDiff,
+    ClaudeEdit,
+    StrReplaceEditor,
+    HeredocSed,
+    Aider,
+}
+
+const FORMS: [Form; 6] = [
+    Form::ApplyPatch,
+    Form::UnifiedDiff,
+    Form::ClaudeEdit,
+    Form::StrReplaceEditor,
+    Form::HeredocSed,
+    Form::Aider,
+];
+
+/// The planted file before its edit.
+const SETTINGS: &str = "pub struct Settings {\n    pub name: String,\n    pub zone: Zone,\n}\n";
+
+/// Plants the file fact with `form`: `path` ends up containing `line`.
+fn plant_edit(b: &mut Builder, form: Form, path: &str, line: &str) {
+    let ok = "Process exited with code 0\nOutput:\n";
+    match form {
+        Form::ApplyPatch => {
+            let patch = format!("*** Begin Patch\n*** Update File: {path}\n@@ pub struct Settings {{\n-    pub zone: Zone,\n+{line}\n*** End Patch\n");
+            b.call(
+                None,
+                "apply_patch",
+                json!({"input": patch}),
+                &format!("Success. Updated the following files:\nM {path}\n"),
+            );
+        }
+        Form::UnifiedDiff => {
+            let diff = format!("diff --git a/{path} b/{path}\nindex 3b18e51..a9c2f0d 100644\n--- a/{path}\n+++ b/{path}\n@@ -10,7 +10,7 @@ pub struct Settings {{\n     pub name: String,\n-    pub zone: Zone,\n+{line}\n     pub retries: u32,\n }}\n");
+            b.call(
+                None,
+                "apply_patch",
+                json!({"patch": diff}),
+                "Applied patch cleanly.",
+            );
+        }
+        Form::ClaudeEdit => {
+            b.call(
+                None,
+                "Write",
+                json!({"file_path": path, "content": SETTINGS}),
+                "File created successfully",
+            );
+            b.call(
+                None,
+                "Edit",
+                json!({"file_path": path, "old_string": "    pub zone: Zone,", "new_string": line}),
+                "The file has been updated.",
+            );
+        }
+        Form::StrReplaceEditor => {
+            b.call(
+                None,
+                "str_replace_editor",
+                json!({"command": "create", "path": path, "file_text": SETTINGS}),
+                "File created successfully.",
+            );
+            b.call(None, "str_replace_editor", json!({"command": "str_replace", "path": path, "old_str": "    pub zone: Zone,", "new_str": line}), "The file has been edited.");
+        }
+        Form::HeredocSed => {
+            let cmd = format!("cat > {path} <<'EOF'\n{SETTINGS}EOF");
+            b.call(None, "shell", json!({"command": cmd}), ok);
+            let sed = format!("sed -i 's|    pub zone: Zone,|{line}|' {path}");
+            b.call(None, "shell", json!({"command": sed}), ok);
+        }
+        Form::Aider => {
+            b.assistant(&format!("{path}\n```rust\n<<<<<<< SEARCH\n    pub zone: Zone,\n=======\n{line}\n>>>>>>> REPLACE\n```\n"));
+        }
+    }
+}
+
+/// The six scripted sessions (one per edit form). `scale` multiplies the
+/// filler volume (1.0 = the bench; smaller for the CI test).
+pub fn sessions(scale: f64) -> Vec<Session> {
+    let topics = [
+        ("ledger", "Q7"),
+        ("exporter", "K2"),
+        ("billing", "M5"),
+        ("ingest", "T9"),
+        ("scheduler", "R4"),
+        ("reports", "W3"),
+    ];
+    let filler_bytes = ((24_000.0 * scale) as usize).max(2_000);
+    // Fewer filler turns too when scaled down (at least one of each).
+    let turns = |n: usize| ((n as f64 * scale).round() as usize).max(1);
+    FORMS
+        .iter()
+        .zip(topics)
+        .enumerate()
+        .map(|(i, (&form, (topic, tag)))| {
+            let task = format!("Make the {topic} export write every timestamp as UTC RFC 3339 (ticket {tag}-{i}41), without changing the public CSV columns.");
+            let path = format!("crates/{topic}/src/settings_{tag}.rs");
+            let line = format!("    pub zone_{tag}: UtcOnly, // {topic} stays in UTC");
+            let reason = format!("the {topic} downstream parser rejects numeric offsets like +02:00");
+            let decision = format!("Decision: convert with chrono::Utc at the writer because {reason}.");
+            let constraint = format!("Constraint from me: never rename the {topic}_legacy table, other jobs read it.");
+            let error = format!("thread 'exporter::iso::{topic}' panicked at crates/{topic}/src/csv.rs:88:14: expected `2024-03-01T00:00:00Z`, got `2024-03-01T01:00:00+01:00` ({tag})");
+            let next = format!("Next step: regenerate tests/fixtures/{topic}_{tag}.csv and rerun the iso roundtrip suite.");
+            let mut b = Builder::new(0x5EED ^ i as u64, &task);
+            b.filler(turns(2), filler_bytes);
+            b.call(Some(&decision), "read_file", json!({"path": path}), &source(&mut Rng(i as u64), &path, filler_bytes / 3));
+            plant_edit(&mut b, form, &path, &line);
+            b.filler(turns(2), filler_bytes);
+            b.user(&constraint);
+            b.call(None, "shell", json!({"command": format!("cargo test -p {topic}")}), &test_log(&mut Rng(7 + i as u64), filler_bytes, Some(&error)));
+            b.call(Some(&next), "shell", json!({"command": "git status --short"}), &format!(" M {path}\n"));
+            b.filler(turns(5), filler_bytes);
+            // Recent turns, kept verbatim.
+            b.user("Keep going.");
+            b.filler(1, filler_bytes / 4);
+            Session {
+                name: form_name(form),
+                messages: b.messages,
+                facts: vec![
+                    Fact { kind: Kind::Task, needle: task },
+                    Fact { kind: Kind::FilePath, needle: path },
+                    Fact { kind: Kind::FileContent, needle: line.trim().to_string() },
+                    Fact { kind: Kind::Decision, needle: reason },
+                    Fact { kind: Kind::Constraint, needle: format!("never rename the {topic}_legacy table") },
+                    Fact { kind: Kind::Error, needle: error },
+                    Fact { kind: Kind::NextStep, needle: format!("regenerate tests/fixtures/{topic}_{tag}.csv") },
+                ],
+            }
+        })
+        .collect()
+}
+
+fn form_name(f: Form) -> &'static str {
+    match f {
+        Form::ApplyPatch => "apply_patch",
+        Form::UnifiedDiff => "unified diff",
+        Form::ClaudeEdit => "Write/Edit",
+        Form::StrReplaceEditor => "str_replace_editor",
+        Form::HeredocSed => "heredoc + sed -i",
+        Form::Aider => "aider SEARCH/REPLACE",
+    }
+}
+
+// ---------------------------------------------------------------- summarizers
+
+/// A summarizer that writes nothing useful, in the styles small models
+/// answer with: one-line labels echoing the prompt's descriptions, or prose.
+pub fn useless_summary(variant: usize) -> String {
+    if variant.is_multiple_of(2) {
+        "PLAN STATE: the current plan or todo list, each step with its status.\nDECISIONS: choices made and why, one line each.\nFILE/WORKSPACE STATE: every file created, changed or deleted.\nCONSTRAINTS & PREFERENCES: rules and preferences the user stated.\nERRORS & FIXES: errors hit, quoted exactly.\nOPEN ITEMS / NEXT STEP: what remains to be done.\n".to_string()
+    } else {
+        "Sure! The assistant and the user worked on the code together and made good progress. Let me know if you need anything else.".to_string()
+    }
+}
+
+pub fn is_summary_call(r: &Received) -> bool {
+    let v = r.json();
+    v["messages"].as_array().is_some_and(|m| {
+        m.iter().any(|m| {
+            m["role"] == "system"
+                && m["content"]
+                    .as_str()
+                    .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
+        })
+    })
+}
+
+// ---------------------------------------------------------------- runs
+
+/// Rung 1 disabled: no tool output is ever this long.
+const NEVER_TRUNCATE: usize = usize::MAX / 2;
+/// The summary rung's ordinary window, tokens.
+pub const SUMMARY_WINDOW: u64 = 4_096;
+/// The tight window, tokens (also the real llama-server's own).
+pub const TIGHT_WINDOW: u64 = 2_048;
+
+/// Runs every session at every rung against `fake` answering summaries with
+/// nothing useful.
+pub async fn fake_tier(scale: f64) -> Table {
+    let mut table = Table::new();
+    for (i, s) in sessions(scale).iter().enumerate() {
+        let fake = tokio::time::timeout(STEP, FakeUpstream::start())
+            .await
+            .expect("fake upstream timed out")
+            .expect("fake upstream");
+        fake.set_summary_reply(Some(useless_summary(i)));
+        let tokens = session_tokens(s);
+        let runs = [
+            (
+                "",
+                RunConfig {
+                    window: tokens,
+                    tool_output_max_bytes: 8192,
+                },
+            ),
+            (
+                "",
+                RunConfig {
+                    window: tokens,
+                    tool_output_max_bytes: NEVER_TRUNCATE,
+                },
+            ),
+            (
+                "",
+                RunConfig {
+                    window: SUMMARY_WINDOW,
+                    tool_output_max_bytes: 8192,
+                },
+            ),
+            (
+                " tight",
+                RunConfig {
+                    window: TIGHT_WINDOW,
+                    tool_output_max_bytes: 8192,
+                },
+            ),
+        ];
+        for (suffix, cfg) in runs {
+            let mut g = run(s, fake.url(), &fake, cfg).await;
+            g.rung = g.rung.map(|r| format!("{r}{suffix}"));
+            report_misses(s.name, &g, &s.facts);
+            add(&mut table, &g);
+        }
+    }
+    table
+}
+
+pub fn report_misses(name: &str, g: &Graded, facts: &[Fact]) {
+    if std::env::var_os("CONT_VERBOSE").is_none() {
+        return;
+    }
+    for ((kind, kept), f) in g.kept.iter().zip(facts) {
+        if !kept {
+            eprintln!(
+                "  miss [{name}, {:?}] {}: {}",
+                g.rung,
+                kind.name(),
+                f.needle
+            );
+        }
+    }
+}
+
+/// How a run's proxy is set up.
+#[derive(Debug, Clone, Copy)]
+pub struct RunConfig {
+    pub window: u64,
+    /// Rung 1's threshold; huge = rung 1 never applies.
+    pub tool_output_max_bytes: usize,
+}
+
+/// What one run gave.
+#[derive(Debug)]
+pub struct Graded {
+    /// The rung the proxy used, `None` when nothing was compacted.
+    pub rung: Option<String>,
+    /// Per planted fact, whether it reached upstream.
+    pub kept: Vec<(Kind, bool)>,
+    pub summary_calls: usize,
+}
+
+/// Sends `session` through a fresh proxy whose upstream is `upstream` (the
+/// fake, or a router in front of it) and grades what reached `fake`.
+pub async fn run(
+    session: &Session,
+    upstream: String,
+    fake: &FakeUpstream,
+    cfg: RunConfig,
+) -> Graded {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("compactor.db");
+    let mut config = Config::default();
+    config.upstream.base_url = upstream;
+    config.store.path = db.display().to_string();
+    config.server.shutdown_grace_secs = 2;
+    config.compaction.background = false;
+    config.compaction.tool_output_max_bytes = cfg.tool_output_max_bytes;
+    config.models.insert(
+        0,
+        ModelConfig {
+            pattern: MODEL.into(),
+            context_window: cfg.window,
+            max_output_tokens: Some(cfg.window / 8),
+            trigger_ratio: None,
+        },
+    );
+    let state = AppState::open(config).expect("open state");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr: SocketAddr = listener.local_addr().expect("addr");
+    let (tx, rx) = oneshot::channel::<()>();
+    let server = tokio::spawn(server::run(listener, state, async {
+        let _ = rx.await;
+    }));
+    let before = fake.received().len();
+    let client = reqwest::Client::new();
+    let body = json!({"model": MODEL, "messages": session.messages});
+    let resp = tokio::time::timeout(
+        STEP,
+        client
+            .post(format!("http://{addr}/v1/chat/completions"))
+            .header("authorization", "Bearer sk-continuity")
+            .json(&body)
+            .send(),
+    )
+    .await
+    .expect("request timed out")
+    .expect("request");
+    let compaction = resp
+        .headers()
+        .get("x-compactor-compacted")
+        .and_then(|v| v.to_str().ok())
+        .map(String::from);
+    let _ = tokio::time::timeout(STEP, resp.bytes()).await;
+    let _ = tx.send(());
+    let _ = tokio::time::timeout(STEP, server).await;
+    let received: Vec<Received> = fake.received()[before..].to_vec();
+    let summary_calls = received.iter().filter(|r| is_summary_call(r)).count();
+    let upstream_text = received
+        .iter()
+        .rev()
+        .find(|r| !is_summary_call(r))
+        .map(|r| String::from_utf8_lossy(&r.body).into_owned())
+        .unwrap_or_default();
+    // The body is JSON: compare against the needles JSON-escaped the same way.
+    let kept = session
+        .facts
+        .iter()
+        .map(|f| {
+            let escaped = serde_json::to_string(&f.needle).unwrap_or_default();
+            let inner = &escaped[1..escaped.len() - 1];
+            (f.kind, upstream_text.contains(inner))
+        })
+        .collect();
+    if std::env::var_os("CONT_DUMP").is_some() {
+        eprintln!(
+            "--- {} (window {}) sent upstream:\n{upstream_text}",
+            session.name, cfg.window
+        );
+    }
+    let rung = compaction.and_then(|id| rung_of(&db, &id));
+    Graded {
+        rung,
+        kept,
+        summary_calls,
+    }
+}
+
+fn rung_of(db: &PathBuf, id: &str) -> Option<String> {
+    let conn =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .ok()?;
+    conn.query_row("SELECT rung FROM compactions WHERE id = ?1", [id], |r| {
+        r.get(0)
+    })
+    .ok()
+}
+
+/// Tokens the proxy estimates for a session (to choose windows that force
+/// each rung).
+pub fn session_tokens(session: &Session) -> u64 {
+    let counter = compactor::tokens::TokenCounter::new_warm();
+    session
+        .messages
+        .iter()
+        .map(|m| counter.count_item(&compactor::wire::item_hash(m), m))
+        .sum()
+}
+
+/// Per (rung, kind): (kept, planted).
+pub type Table = std::collections::BTreeMap<(String, Kind), (usize, usize)>;
+
+pub fn add(table: &mut Table, g: &Graded) {
+    let rung = g.rung.clone().unwrap_or_else(|| "none".into());
+    for &(kind, kept) in &g.kept {
+        let e = table.entry((rung.clone(), kind)).or_default();
+        e.0 += kept as usize;
+        e.1 += 1;
+    }
+}
+
+/// Retained share per rung over all kinds.
+pub fn per_rung(table: &Table) -> Vec<(String, usize, usize)> {
+    let mut out: Vec<(String, usize, usize)> = Vec::new();
+    for ((rung, _), (k, n)) in table {
+        match out.iter_mut().find(|r| &r.0 == rung) {
+            Some(r) => {
+                r.1 += k;
+                r.2 += n;
+            }
+            None => out.push((rung.clone(), *k, *n)),
+        }
+    }
+    out
+}
+
+pub fn print_table(title: &str, table: &Table) {
+    println!("\n{title}");
+    let rungs: Vec<String> = per_rung(table).into_iter().map(|r| r.0).collect();
+    print!("{:<14}", "kind");
+    for r in &rungs {
+        print!("{r:>16}");
+    }
+    println!();
+    for kind in Kind::ALL {
+        print!("{:<14}", kind.name());
+        for r in &rungs {
+            match table.get(&(r.clone(), kind)) {
+                Some((k, n)) => print!("{:>16}", format!("{k}/{n}")),
+                None => print!("{:>16}", "-"),
+            }
+        }
+        println!();
+    }
+    print!("{:<14}", "all");
+    for (_, k, n) in per_rung(table) {
+        print!(
+            "{:>16}",
+            format!("{k}/{n} {:.0}%", 100.0 * k as f64 / n.max(1) as f64)
+        );
+    }
+    println!();
+}

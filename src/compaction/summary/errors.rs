@@ -1,0 +1,359 @@
+//! What a tool output says about its call: the exit status it states
+//! (Codex's `Process exited with code N`, `Exit code: N`, JSON
+//! `metadata.exit_code`) and, when it failed, its exact error lines
+//! ([`is_error_line`]).
+
+use serde_json::Value;
+
+use super::text::{clip, str_field, value_or_json};
+use super::{MAX_ERRORS_PER_OUTPUT, MAX_ERROR_LINE};
+
+/// Opens the digest line naming an output's paths.
+const PATHS_NAMED: &str = "Paths named:";
+/// Most paths a digest names.
+const MAX_DIGEST_PATHS: usize = 5;
+/// Longest path a digest names.
+const MAX_DIGEST_PATH: usize = 160;
+
+/// File extensions a path-like word without a `/` must end in to count.
+const PATH_EXTENSIONS: [&str; 24] = [
+    "rs", "py", "ts", "tsx", "js", "jsx", "go", "java", "kt", "c", "h", "cc", "cpp", "hpp", "rb",
+    "toml", "json", "yaml", "yml", "md", "txt", "csv", "sh", "sql",
+];
+
+/// A word of an output that names a file (`crates/a/src/csv.rs:88:14:` →
+/// `crates/a/src/csv.rs`).
+fn path_in(word: &str) -> Option<&str> {
+    let w = word.trim_matches(|c: char| "'\"`()[]{}<>,;".contains(c));
+    // Drop `:line:col` and a trailing colon.
+    let w = w.split(':').next().unwrap_or("");
+    let w = w.trim_end_matches('.');
+    let (stem, ext) = w.rsplit_once('.')?;
+    let valid = !stem.is_empty()
+        && !ext.is_empty()
+        && ext.len() <= 8
+        && ext.chars().all(|c| c.is_ascii_alphanumeric())
+        && w.chars()
+            .all(|c| c.is_alphanumeric() || "_-./@+".contains(c))
+        && !w.contains("://")
+        && w.len() <= MAX_DIGEST_PATH;
+    let named = w.contains('/') || PATH_EXTENSIONS.contains(&ext);
+    (valid && named && !ext.chars().all(|c| c.is_ascii_digit())).then_some(w)
+}
+
+/// A short digest of a tool output that is being cut, for the stub or
+/// marker that replaces it: its exit status when it states one, its exact
+/// error lines (those not in `kept`, the part of the output still shown),
+/// and the paths it names (from its error lines first). Empty when there is
+/// nothing to say.
+pub fn output_digest(text: &str, kept: &str) -> Vec<String> {
+    let o = outcome(text);
+    let mut lines = Vec::new();
+    if let Some(code) = o.exit {
+        if stated_exit_code(kept) != Some(code) {
+            lines.push(format!("Exit code: {code}"));
+        }
+    }
+    if o.failed {
+        lines.extend(
+            o.errors
+                .iter()
+                .filter(|e| !kept.contains(e.as_str()))
+                .cloned(),
+        );
+    }
+    let mut paths: Vec<&str> = Vec::new();
+    let sources = o.errors.iter().map(String::as_str).chain(text.lines());
+    'scan: for line in sources {
+        for w in line.split_whitespace() {
+            if let Some(p) = path_in(w) {
+                if !paths.contains(&p) {
+                    paths.push(p);
+                    if paths.len() == MAX_DIGEST_PATHS {
+                        break 'scan;
+                    }
+                }
+            }
+        }
+    }
+    if !paths.is_empty() {
+        lines.push(format!("{PATHS_NAMED} {}", paths.join(", ")));
+    }
+    lines
+}
+
+/// What a tool output says about its call.
+#[derive(Debug, Clone, Default)]
+pub(super) struct Outcome {
+    pub(super) failed: bool,
+    /// The output was replaced by the ladder's prune stub: status unknown.
+    pub(super) pruned: bool,
+    /// Exact error lines (at most [`MAX_ERRORS_PER_OUTPUT`]).
+    pub(super) errors: Vec<String>,
+    pub(super) exit: Option<i64>,
+}
+
+/// Header lines harnesses and our own ladder put around tool output.
+fn is_header_line(t: &str) -> bool {
+    const HEADERS: [&str; 10] = [
+        "Chunk ID:",
+        "Wall time:",
+        "Process exited with code",
+        "Original token count:",
+        "Output:",
+        "Exit code:",
+        "Total output lines:",
+        "[compactor:",
+        "[… ",
+        PATHS_NAMED,
+    ];
+    HEADERS.iter().any(|h| t.starts_with(h))
+}
+
+fn leading_int(s: &str) -> Option<i64> {
+    let s = s.trim_start_matches([':', ' ', '=']);
+    let end = s
+        .char_indices()
+        .find(|&(i, c)| !(c.is_ascii_digit() || (i == 0 && c == '-')))
+        .map(|(i, _)| i)
+        .unwrap_or(s.len());
+    s[..end].parse().ok()
+}
+
+/// An exit code stated by the output's own lines.
+fn stated_exit_code(body: &str) -> Option<i64> {
+    const PHRASES: [&str; 5] = [
+        "process exited with code",
+        "exit code",
+        "exit status",
+        "exited with code",
+        "exit_code",
+    ];
+    body.lines().find_map(|l| {
+        let lower = l.trim().to_ascii_lowercase();
+        PHRASES
+            .iter()
+            .find_map(|p| lower.strip_prefix(p).and_then(leading_int))
+    })
+}
+
+/// A Python/JS/Java-style exception line: `KeyError: 'session'`,
+/// `json.decoder.JSONDecodeError: …`, `TypeError: x is not a function`.
+fn is_exception_line(t: &str) -> bool {
+    let t = t.strip_prefix("Uncaught ").unwrap_or(t);
+    let name = t.split(':').next().unwrap_or("");
+    let ident = !name.is_empty()
+        && name.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.' || c == '$');
+    ident
+        && (name.ends_with("Error") || name.ends_with("Exception"))
+        && (name.len() == t.len() || t[name.len()..].starts_with(':'))
+}
+
+/// Whether a (trimmed) output line reports an error: compiler diagnostics
+/// (`error[E0308]: …`, `file.c:3:5: error: …`, `a.ts(1,2): error TS…`),
+/// exception lines, panics, test failures, shell errors.
+pub fn is_error_line(t: &str) -> bool {
+    let l = t.to_ascii_lowercase();
+    const STARTS: [&str; 8] = [
+        "error:",
+        "error[",
+        "fatal:",
+        "fatal error",
+        "panic:",
+        "segmentation fault",
+        "npm err!",
+        "exception in thread",
+    ];
+    const CONTAINS: [&str; 9] = [
+        ": error:",
+        ": error ",
+        "): error",
+        "panicked at",
+        "command not found",
+        "no such file or directory",
+        "permission denied",
+        "verification failed",
+        "undefined reference",
+    ];
+    STARTS.iter().any(|p| l.starts_with(p))
+        || CONTAINS.iter().any(|p| l.contains(p))
+        || t.starts_with("FAILED")
+        || t.starts_with("FAIL ")
+        || t.starts_with("--- FAIL")
+        || t.starts_with("ERROR")
+        || is_exception_line(t)
+}
+
+/// Reads a tool output's payload.
+pub(super) fn outcome(text: &str) -> Outcome {
+    // A pruned output whose stub carries no digest says nothing of its call;
+    // a digest is read like the output it stands for.
+    if text.starts_with("[compactor: tool output pruned") && !text.trim_end().contains('\n') {
+        return Outcome {
+            pruned: true,
+            ..Outcome::default()
+        };
+    }
+    // Codex's JSON wrapper: {"output": "...", "metadata": {"exit_code": N}};
+    // other tools answer {"error": "..."} / {"is_error": true} / {"success": false}.
+    let mut body = text.to_string();
+    let mut exit = None;
+    if text.trim_start().starts_with('{') {
+        if let Ok(v) = serde_json::from_str::<Value>(text) {
+            if let Some(out) = v.get("output").and_then(Value::as_str) {
+                body = out.to_string();
+            }
+            exit = v
+                .pointer("/metadata/exit_code")
+                .or_else(|| v.get("exit_code"))
+                .and_then(Value::as_i64);
+            let error = v.get("error").filter(|e| !e.is_null() && *e != false);
+            let flagged = v.get("is_error") == Some(&Value::Bool(true))
+                || v.get("success") == Some(&Value::Bool(false));
+            if error.is_some() || flagged {
+                let line = error
+                    .map(value_or_json)
+                    .or_else(|| str_field(&v, &["message", "output"]).map(String::from))
+                    .unwrap_or_else(|| v.to_string());
+                let line = line.trim().lines().next().unwrap_or("").trim();
+                return Outcome {
+                    failed: true,
+                    pruned: false,
+                    errors: vec![clip(line, MAX_ERROR_LINE)],
+                    exit,
+                };
+            }
+        }
+    }
+    let exit = exit.or_else(|| stated_exit_code(&body));
+    let mut errors: Vec<String> = Vec::new();
+    let meaningful = || {
+        body.lines()
+            .map(str::trim)
+            .filter(|t| !t.is_empty() && !is_header_line(t))
+    };
+    for t in meaningful() {
+        // pytest repeats the exception as `E       KeyError: 'session'`.
+        let t = match t.strip_prefix("E ") {
+            Some(rest) if is_exception_line(rest.trim()) => rest.trim(),
+            _ => t,
+        };
+        if is_error_line(t) {
+            let line = clip(t, MAX_ERROR_LINE);
+            if !errors.contains(&line) {
+                errors.push(line);
+            }
+            if errors.len() == MAX_ERRORS_PER_OUTPUT {
+                break;
+            }
+        }
+    }
+    let first = meaningful().next().unwrap_or("").to_ascii_lowercase();
+    let says_failed = [
+        "error",
+        "failed",
+        "failure",
+        "fatal",
+        "exception",
+        "traceback",
+    ]
+    .iter()
+    .any(|p| first.starts_with(p));
+    let failed = match exit {
+        Some(code) => code != 0,
+        None => !errors.is_empty() || says_failed,
+    };
+    if !failed {
+        errors.clear();
+    } else if errors.is_empty() {
+        // Nothing looked like an error: the last meaningful line says how it ended.
+        if let Some(last) = meaningful().next_back() {
+            errors.push(clip(last, MAX_ERROR_LINE));
+        }
+    }
+    Outcome {
+        failed,
+        pruned: false,
+        errors,
+        exit,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::compaction::summary::testing::*;
+    use crate::compaction::summary::*;
+    use serde_json::json;
+
+    #[test]
+    fn rust_errors_verbatim_and_exit_zero_is_ok() {
+        let cargo = "Chunk ID: 9\nWall time: 2.0 seconds\nProcess exited with code 101\nOriginal token count: 80\nOutput:\n   Compiling demo v0.1.0\nerror[E0308]: mismatched types\n --> src/main.rs:3:18\n  |\n3 |     let x: u32 = \"a\";\n  |                  ^^^ expected `u32`, found `&str`\nerror: could not compile `demo` (bin \"demo\") due to 1 previous error\n";
+        let grep = "Process exited with code 0\nOutput:\nsrc/lib.rs:10: // error: handled below\n";
+        let part = vec![
+            fc("a", "exec_command", json!({"cmd": "cargo build"})),
+            fco("a", cargo),
+            fc("b", "exec_command", json!({"cmd": "grep -rn error: src"})),
+            fco("b", grep),
+            fc("c", "exec_command", json!({"cmd": "false"})),
+            fco("c", "Process exited with code 1\nOutput:\n"),
+        ];
+        let f = extract_facts(&part, None);
+        assert_eq!(
+            f.errors,
+            vec![
+                "error[E0308]: mismatched types".to_string(),
+                "error: could not compile `demo` (bin \"demo\") due to 1 previous error"
+                    .to_string()
+            ]
+        );
+        assert_eq!(
+            f.tool_log[0],
+            "exec_command(cmd=cargo build) → error: error[E0308]: mismatched types"
+        );
+        assert!(f.tool_log[1].ends_with("→ ok"));
+        assert!(f.tool_log[2].ends_with("→ error: exit code 1"));
+    }
+
+    #[test]
+    fn error_line_patterns() {
+        for l in [
+            "KeyError: 'session'",
+            "json.decoder.JSONDecodeError: Expecting value: line 1 column 1 (char 0)",
+            "AssertionError",
+            "TypeError: x is not a function",
+            "error[E0308]: mismatched types",
+            "src/a.c:3:5: error: expected ';' before '}' token",
+            "src/a.ts(1,7): error TS2322: Type 'string' is not assignable to type 'number'.",
+            "thread 'main' panicked at src/main.rs:2:5:",
+            "FAILED tests/test_auth.py::test_cookie - KeyError: 'session'",
+            "bash: foo: command not found",
+            "fatal: not a git repository (or any of the parent directories): .git",
+        ] {
+            assert!(is_error_line(l), "{l}");
+        }
+        for l in [
+            "Compiling demo v0.1.0",
+            "raise ValueError(msg)",
+            "all 3 tests passed",
+            "The error handling is fine",
+        ] {
+            assert!(!is_error_line(l), "{l}");
+        }
+        let json_err = outcome(r#"{"error": "ENOENT: no such file, open 'x.ts'"}"#);
+        assert!(json_err.failed);
+        assert_eq!(
+            json_err.errors,
+            vec!["ENOENT: no such file, open 'x.ts'".to_string()]
+        );
+        assert!(outcome(r#"{"is_error": true, "message": "denied"}"#).failed);
+        assert!(!outcome(r#"{"ok": true, "error": null}"#).failed);
+        // pytest's `E   ` prefix is stripped to the exact exception line.
+        let out = outcome("=== FAILURES ===\nE       KeyError: 'session'\n1 failed in 0.1s");
+        assert!(out.failed);
+        assert_eq!(out.errors, vec!["KeyError: 'session'".to_string()]);
+    }
+}

@@ -1,0 +1,158 @@
+//! Rung 3, the pure half: the facts the proxy extracts itself, the
+//! summarizer prompt, validation of the model's answer, and the assembled
+//! summary message (or its deterministic fallback when the model failed).
+//!
+//! Hard facts never depend on the summarizer model's skill: the
+//! task verbatim, the files the tool calls touched with what each now
+//! contains (or the changes written to it), exact error lines of failed tool
+//! calls, the latest plan and a one-line-per-call log are extracted here,
+//! deterministically, and placed by [`assemble`] next to the six narrative
+//! sections the model writes.
+//!
+//! Heuristics, all documented where they live:
+//!
+//! - task: the first real user message; harness-injected user messages
+//!   (`<environment_context>`, `<user_instructions>`, `# AGENTS.md`, any
+//!   message that is one `<tag>…</tag>` block, Codex's own compaction
+//!   prompts) are skipped ([`is_injected`]).
+//! - files: paths from call arguments (`path`, `file_path`, `filePath`, …),
+//!   apply_patch envelopes (`*** Begin Patch`) anywhere in a call's
+//!   arguments or custom-tool input, `cat > PATH <<EOF` heredocs in shell
+//!   calls. A change is recorded only when its call did not fail. When the
+//!   full content of a file is known (a write, or an `*** Add File`) later
+//!   patches and old/new-string edits are applied to it, so the summary says
+//!   what the file *now contains*; otherwise the changes written since are
+//!   kept in order (capped).
+//! - failure: a non-zero exit code when the output states one (Codex's
+//!   `Process exited with code N`, `Exit code: N`, JSON `metadata.exit_code`);
+//!   otherwise the presence of error-like lines ([`is_error_line`]).
+//!
+//! Where each part lives:
+//!
+//! - [`facts`]: the [`Facts`] record, the task, [`extract_facts`]
+//! - [`calls`]: tool calls in both wire formats, the tool-log line
+//! - [`errors`]: exit status and exact error lines of a tool output
+//! - [`edits`]: patches, edits, writes, heredocs and their effect on files
+//! - [`plan`]: plan and todo tools
+//! - [`statements`]: the agent's decisions and next steps, the user's constraints
+//! - [`prompt`]: the transcript and the summarizer prompt
+//! - [`narrative`]: reading and validating the model's answer
+//! - [`assemble`](mod@assemble): the summary message within its budget
+//! - `text`: small string helpers
+
+mod assemble;
+mod calls;
+mod edits;
+mod errors;
+mod facts;
+mod narrative;
+mod plan;
+mod prompt;
+mod statements;
+mod text;
+
+pub use assemble::{assemble, previous_narrative};
+pub use errors::{is_error_line, output_digest};
+pub use facts::{extract_facts, is_injected, Facts, FileFact};
+pub use narrative::{usable, validate};
+pub use prompt::{render_transcript, retry_messages, summarizer_messages};
+
+/// Most error lines kept in [`Facts::errors`] (newest kept).
+pub const MAX_ERRORS: usize = 20;
+/// Most lines kept in [`Facts::tool_log`] (newest kept).
+pub const MAX_TOOL_LOG: usize = 40;
+/// Largest full file content kept per file (head and tail kept beyond it).
+pub const MAX_FILE_CONTENT: usize = 32 * 1024;
+/// Largest chain of patches/edits kept per file (newest kept).
+pub const MAX_CHANGE_CHAIN: usize = 8 * 1024;
+/// Error lines taken from one failed output.
+const MAX_ERRORS_PER_OUTPUT: usize = 5;
+/// Longest error line kept (longer ones are clipped with `…`).
+const MAX_ERROR_LINE: usize = 400;
+/// Longest `name(args)` part of a tool-log line.
+const MAX_LOG_CALL: usize = 150;
+/// Longest outcome part of a tool-log line.
+const MAX_LOG_OUTCOME: usize = 150;
+
+/// The narrative sections the model must write, as headings.
+pub const NARRATIVE_SECTIONS: [&str; 6] = [
+    "PLAN STATE",
+    "DECISIONS",
+    "FILE/WORKSPACE STATE",
+    "CONSTRAINTS & PREFERENCES",
+    "ERRORS & FIXES",
+    "OPEN ITEMS / NEXT STEP",
+];
+
+/// A marker present in every summarizer system prompt (lets fakes and logs
+/// recognise summary requests).
+pub const SUMMARIZER_MARKER: &str = "[compactor-summarizer v1]";
+
+/// Label that opens every block of proxy-recorded facts in an assembled
+/// summary ([`previous_narrative`] cuts sections there).
+const FACTS_LABEL: &str = "Recorded by the proxy";
+/// Body of a narrative section in the deterministic fallback.
+const UNAVAILABLE: &str = "(narrative unavailable)";
+/// Body of a narrative section the model left out.
+const NOT_PROVIDED: &str = "(not provided by the summarizer)";
+
+#[cfg(test)]
+pub(crate) mod testing {
+    //! Items and facts shared by the summary modules' tests.
+    use super::*;
+    use serde_json::{json, Value};
+
+    pub(crate) fn chat_call(id: &str, name: &str, args: Value) -> Value {
+        json!({"role": "assistant", "content": null,
+               "tool_calls": [{"id": id, "type": "function", "function": {"name": name, "arguments": args.to_string()}}]})
+    }
+
+    pub(crate) fn chat_out(id: &str, content: &str) -> Value {
+        json!({"role": "tool", "tool_call_id": id, "content": content})
+    }
+
+    pub(crate) fn fc(id: &str, name: &str, args: Value) -> Value {
+        json!({"type": "function_call", "call_id": id, "name": name, "arguments": args.to_string()})
+    }
+
+    pub(crate) fn fco(id: &str, output: &str) -> Value {
+        json!({"type": "function_call_output", "call_id": id, "output": output})
+    }
+
+    pub(crate) fn umsg(text: &str) -> Value {
+        json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": text}]})
+    }
+
+    pub(crate) fn file<'a>(f: &'a Facts, path: &str) -> &'a FileFact {
+        f.files
+            .iter()
+            .find(|x| x.path == path)
+            .unwrap_or_else(|| panic!("no {path} in {:?}", f.files))
+    }
+
+    pub(crate) const AUTH_PATCH: &str = "*** Begin Patch\n*** Update File: src/auth.py\n@@ def check(cookie):\n-    max_age = 60\n+    max_age = 3600\n*** End Patch";
+
+    pub(crate) const TRACEBACK: &str = "Traceback (most recent call last):\n  File \"app.py\", line 3, in <module>\n    s = req['session']\nKeyError: 'session'\n";
+
+    pub(crate) const GOOD: &str = "## PLAN STATE\n- fix cookie (in progress)\n\n## DECISIONS\n- max_age 3600: sessions last an hour\n\n## FILE/WORKSPACE STATE\n- src/auth.py: max_age now 3600\n\n## CONSTRAINTS & PREFERENCES\n- no new deps\n\n## ERRORS & FIXES\n- `KeyError: 'session'` fixed by default\n\n## OPEN ITEMS / NEXT STEP\n- run tests\n";
+
+    pub(crate) fn sample_facts() -> Facts {
+        let part = vec![
+            umsg("Fix the expired cookie bug in src/auth.py; keep the API unchanged."),
+            fc(
+                "u",
+                "update_plan",
+                json!({"plan": [{"step": "Fix", "status": "in_progress"}]}),
+            ),
+            fco("u", "Plan updated"),
+            json!({"type": "custom_tool_call", "call_id": "p1", "name": "apply_patch", "input": AUTH_PATCH}),
+            json!({"type": "custom_tool_call_output", "call_id": "p1", "output": "Success."}),
+            fc("t", "exec_command", json!({"cmd": "pytest"})),
+            fco(
+                "t",
+                &format!("Process exited with code 1\nOutput:\n{TRACEBACK}"),
+            ),
+        ];
+        extract_facts(&part, None)
+    }
+}

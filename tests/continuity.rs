@@ -1,0 +1,34 @@
+//! The continuity bench's fake tier as a test, so CI guards its target:
+//! with a summarizer that writes nothing useful, at least 95% of the facts
+//! planted in the compacted part still reach the upstream, at every rung
+//! (truncate, prune, summary — here its facts-only fallback — and a tight
+//! 2048-token window). `cargo bench --bench continuity` prints the full
+//! table and runs the real llama-server tier.
+
+#[path = "../benches/continuity/sessions.rs"]
+mod sessions;
+
+use std::time::Duration;
+
+/// The whole run (24 compactions of ~70k-token sessions) stays under this.
+const WHOLE_RUN: Duration = Duration::from_secs(300);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn planted_facts_survive_every_rung_with_a_useless_summarizer() {
+    let table = tokio::time::timeout(WHOLE_RUN, sessions::fake_tier(1.0))
+        .await
+        .expect("continuity run timed out");
+    sessions::print_table("kept/planted per kind and rung", &table);
+    let rungs = sessions::per_rung(&table);
+    let names: Vec<&str> = rungs.iter().map(|r| r.0.as_str()).collect();
+    for want in ["truncate", "prune", "fallback", "fallback tight"] {
+        assert!(names.contains(&want), "rung {want} never ran: {names:?}");
+    }
+    for (rung, kept, planted) in rungs {
+        assert_ne!(rung, "none", "a session was not compacted");
+        assert!(
+            kept * 100 >= planted * 95,
+            "{rung}: {kept}/{planted} planted facts kept, under 95%"
+        );
+    }
+}
