@@ -465,6 +465,10 @@ fn items_limit(state: &Arc<AppState>, input: &Input, before: u64, tools_tokens: 
     ((upstream_limit as f64 / calibration) as u64).saturating_sub(tools_tokens)
 }
 
+/// The largest share of a compaction's limit, as a divisor, that a plan
+/// keeps for the facts summary before it settles for the summary's floor.
+const FACTS_SHARE_OF_LIMIT: u64 = 3;
+
 /// Computes a compaction for `input`, stores it and makes it apply to later
 /// requests. Logs one event with the figures.
 pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compaction>, CompactError> {
@@ -526,7 +530,20 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
                 whole: input.whole,
                 summary_floor: floor,
             };
-            let plan = match fit::plan(&fit_input, &params, &count) {
+            // Facts first: plan with room for the whole facts summary (at most
+            // a third of the limit), so that the tail's bulk is cut before
+            // the facts are; only when no plan leaves that much, with the
+            // summary at its floor.
+            let wanted = fit::summary_wanted(&widest, view.len(), params.summary_max_bytes, &count)
+                .min(limit / FACTS_SHARE_OF_LIMIT)
+                .max(floor);
+            let roomy = FitInput {
+                summary_floor: wanted,
+                ..fit_input
+            };
+            let planned = fit::plan(&roomy, &params, &count)
+                .or_else(|_| fit::plan(&fit_input, &params, &count));
+            let plan = match planned {
                 Ok(plan) => plan,
                 Err(e) => {
                     let calibration = state

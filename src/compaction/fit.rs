@@ -287,6 +287,21 @@ pub fn summary_floor(facts: &summary::Facts, covered: usize, count: &dyn Fn(&Val
     )))
 }
 
+/// Tokens of the facts-only summary at its full size (`max_bytes`): what a
+/// plan should leave room for before it keeps a long verbatim tail, so that
+/// the facts are budgeted before the tail's bulk. [`summary_floor`] is the
+/// fallback when no plan can give the summary that much.
+pub fn summary_wanted(
+    facts: &summary::Facts,
+    covered: usize,
+    max_bytes: usize,
+    count: &dyn Fn(&Value) -> u64,
+) -> u64 {
+    count(&items::user_message(summary::assemble(
+        facts, None, covered, max_bytes,
+    )))
+}
+
 /// Most attempts at shrinking a summary into its budget.
 const SHRINK_ROUNDS: usize = 8;
 
