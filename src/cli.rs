@@ -6,6 +6,9 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+pub mod connect;
+pub mod doctor;
+
 use crate::config::{Config, ConfigError};
 use crate::demo::thousands;
 use crate::server::{self, AppState};
@@ -40,13 +43,13 @@ pub enum Command {
     /// Check a setup: the config, the upstream and the windows it states,
     /// the store, its journal, who may use the admin API. Exits non-zero
     /// on a failed check.
-    Doctor(crate::doctor::DoctorArgs),
+    Doctor(doctor::DoctorArgs),
     /// Print (or `--write`) a client's configuration for this proxy: Codex,
     /// aider, llm, or the environment of the OpenAI SDKs.
-    Connect(crate::connect::ConnectArgs),
+    Connect(connect::ConnectArgs),
     /// Run a client with the OpenAI base-URL variables pointing at this proxy:
     /// `compactor run -- aider --model openai/gpt-4o`.
-    Run(crate::connect::RunArgs),
+    Run(connect::RunArgs),
     /// Print a shell completion script: `compactor completions bash`.
     Completions {
         /// The shell.
@@ -226,9 +229,9 @@ pub fn main(cli: Cli) -> ExitCode {
         Command::Conversations(cmd) => conversations(cmd),
         Command::Compact(args) => compact(args),
         Command::Demo(args) => demo(args),
-        Command::Doctor(args) => crate::doctor::main(args),
-        Command::Connect(args) => crate::connect::main(args),
-        Command::Run(args) => crate::connect::run(args),
+        Command::Doctor(args) => doctor::main(args),
+        Command::Connect(args) => connect::main(args),
+        Command::Run(args) => connect::run(args),
         Command::Completions { shell } => completions(shell),
     }
 }

@@ -6,7 +6,8 @@
 //! - [`admin`]: the admin page and JSON API (`/admin/`): conversations,
 //!   their compactions and token figures, manual compaction.
 //! - [`config`]: `proxy.toml` schema, defaults, layering, the models table.
-//! - [`cli`]: the `compactor` command line.
+//! - [`cli`]: the `compactor` command line; [`cli::doctor`] checks a setup,
+//!   [`cli::connect`] configures clients for the proxy.
 //! - [`compaction`]: when, where and how a history is compacted (pure layer)
 //!   and the engine that runs it (summaries, background jobs, replay).
 //! - [`server`]: accept loop, graceful shutdown, routing, the proxied endpoints.
@@ -29,10 +30,6 @@
 //!   benchmarks and the offline demo.
 //! - [`metrics`]: Prometheus counters, histograms and scrape-time gauges
 //!   (`GET /metrics`).
-//! - [`doctor`]: `compactor doctor`, a check of a setup with one ✓/✗ line
-//!   per finding.
-//! - [`connect`]: `compactor connect` and `compactor run`, a client's
-//!   configuration for this proxy.
 //! - [`demo`]: `compactor demo`, a scripted agent session through the proxy
 //!   against the fake upstream, offline.
 
@@ -45,10 +42,8 @@ pub mod bounded;
 pub mod cli;
 pub mod compaction;
 pub mod config;
-pub mod connect;
 pub mod conversation;
 pub mod demo;
-pub mod doctor;
 pub mod error;
 pub mod fake_upstream;
 pub mod metrics;

@@ -12,7 +12,7 @@ use std::time::Duration;
 
 use serde_json::Value;
 
-use crate::cli::ConfigArgs;
+use super::ConfigArgs;
 use crate::config::Config;
 use crate::demo::thousands;
 use crate::upstream::Upstream;
@@ -89,7 +89,7 @@ pub fn main(args: DoctorArgs) -> ExitCode {
                 Some(p) => format!("valid ({})", p.display()),
                 None => "valid (built-in defaults, flags and environment)".to_string(),
             };
-            let runtime = match crate::cli::command_runtime() {
+            let runtime = match super::command_runtime() {
                 Ok(r) => r,
                 Err(e) => {
                     eprintln!("compactor: {e}");
@@ -108,7 +108,7 @@ pub fn main(args: DoctorArgs) -> ExitCode {
         "{failures} failed, {warnings} to look at, {} fine\n",
         count(Verdict::Ok)
     ));
-    let printed = crate::cli::print_out(&text);
+    let printed = super::print_out(&text);
     if failures > 0 {
         ExitCode::FAILURE
     } else {

@@ -14,7 +14,7 @@ use std::process::ExitCode;
 use clap::ValueEnum;
 use serde_json::{json, Value};
 
-use crate::cli::{admin_target, layered_config, print_out, EXIT_USAGE};
+use super::{admin_target, layered_config, print_out, EXIT_USAGE};
 use crate::config::Config;
 
 /// The environment variables the OpenAI SDKs (Python, Node) read for their
@@ -188,9 +188,9 @@ fn target(
     model: Option<&str>,
     offline: bool,
 ) -> Result<Target, String> {
-    let runtime = crate::cli::command_runtime()?;
+    let runtime = super::command_runtime()?;
     let (model, window, max_output) =
-        runtime.block_on(crate::doctor::effective_window(config, model, offline))?;
+        runtime.block_on(super::doctor::effective_window(config, model, offline))?;
     Ok(Target {
         base_url,
         model,
