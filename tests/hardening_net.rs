@@ -511,10 +511,12 @@ async fn the_binary_records_the_stream_it_cuts_at_shutdown() {
     let dir = tempfile::tempdir().unwrap();
     let db = dir.path().join("c.db");
     let config = dir.path().join("proxy.toml");
+    // No window discovery: its `GET /v1/models` would take the scripted
+    // stream meant for the chat request.
     std::fs::write(
         &config,
         format!(
-            "[server]\nshutdown_grace_secs = 1\n[upstream]\nbase_url = \"{}\"\n[store]\npath = \"{}\"\n",
+            "[server]\nshutdown_grace_secs = 1\n[upstream]\nbase_url = \"{}\"\ndiscover_windows = false\n[store]\npath = \"{}\"\n",
             fake.url(),
             db.display()
         ),

@@ -297,9 +297,9 @@ async fn check_windows(
 
 /// What the upstream states of `model`'s window when asked, within
 /// [`CHECK_TIMEOUT`] (the discovery the proxy makes at a model's first
-/// request, [`crate::windows::ask_upstream`]).
+/// request, [`crate::server::discovery::ask_upstream`]).
 async fn told_window(upstream: &Upstream, headers: &http::HeaderMap, model: &str) -> Option<u64> {
-    let ask = crate::windows::ask_upstream(upstream, model, headers.clone());
+    let ask = crate::server::discovery::ask_upstream(upstream, model, headers.clone());
     tokio::time::timeout(CHECK_TIMEOUT, ask)
         .await
         .ok()

@@ -3,6 +3,7 @@
 //! `run` takes a bound listener (never binds itself, so tests and the CLI
 //! choose the port) and a shutdown future.
 
+pub mod discovery;
 mod exchange;
 pub use exchange::now_ms;
 mod passthrough;

@@ -224,7 +224,7 @@ async fn parse(
     );
     // The first request of a model asks the upstream for its window
     // (bounded in time), so that the check below already uses it.
-    crate::windows::discover(state, &pending.model, &pending.auth).await;
+    super::discovery::discover(state, &pending.model, &pending.auth).await;
     // A stored compaction covering a prefix of this request replaces it; a
     // request too large to go without one waits for one under way.
     if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
@@ -304,7 +304,7 @@ async fn compact_on_overflow(
     why: &str,
 ) -> bool {
     if let Some(window) = stated.limit {
-        crate::windows::tell(
+        super::discovery::tell(
             state,
             &pending.model,
             window,
