@@ -1,10 +1,13 @@
 //! The `compactor` command line: parsing, config layering, start-up.
 
-use std::io::Write;
+use std::io::{IsTerminal, Write};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
+
+pub mod connect;
+pub mod doctor;
 
 use crate::config::{Config, ConfigError};
 use crate::demo::thousands;
@@ -37,6 +40,21 @@ pub enum Command {
     /// Watch compaction work, offline: the proxy in front of a built-in
     /// scripted upstream, driven through a long agent session.
     Demo(DemoArgs),
+    /// Check a setup: the config, the upstream and the windows it states,
+    /// the store, its journal, who may use the admin API. Exits non-zero
+    /// on a failed check.
+    Doctor(doctor::DoctorArgs),
+    /// Print (or `--write`) a client's configuration for this proxy: Codex,
+    /// aider, llm, or the environment of the OpenAI SDKs.
+    Connect(connect::ConnectArgs),
+    /// Run a client with the OpenAI base-URL variables pointing at this proxy:
+    /// `compactor run -- aider --model openai/gpt-4o`.
+    Run(connect::RunArgs),
+    /// Print a shell completion script: `compactor completions bash`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
 }
 
 /// `compactor demo` options.
@@ -128,10 +146,11 @@ pub enum LogFormat {
     Json,
 }
 
-/// `compactor serve` flags; each also reads an environment variable.
+/// The settings `serve` and `doctor` take from the command line; each also
+/// reads an environment variable.
 /// Precedence: flag > environment > config file > defaults.
 #[derive(Debug, clap::Args)]
-pub struct ServeArgs {
+pub struct ConfigArgs {
     /// Config file (TOML; see proxy.toml).
     #[arg(long, env = "COMPACTOR_CONFIG")]
     pub config: Option<PathBuf>,
@@ -144,6 +163,26 @@ pub struct ServeArgs {
     /// SQLite database path.
     #[arg(long, env = "COMPACTOR_DB")]
     pub db: Option<PathBuf>,
+}
+
+impl ConfigArgs {
+    /// The effective configuration: file (if any) with flags/env on top.
+    pub fn load_config(&self) -> Result<Config, ConfigError> {
+        layered_config(
+            self.config.as_deref(),
+            self.listen.as_deref(),
+            self.upstream.as_deref(),
+            self.db.as_deref(),
+        )
+    }
+}
+
+/// `compactor serve` flags.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Where the configuration comes from.
+    #[command(flatten)]
+    pub settings: ConfigArgs,
     /// Validate the configuration, print it, and exit.
     #[arg(long)]
     pub check_config: bool,
@@ -155,12 +194,7 @@ pub struct ServeArgs {
 impl ServeArgs {
     /// The effective configuration: file (if any) with flags/env on top.
     pub fn load_config(&self) -> Result<Config, ConfigError> {
-        layered_config(
-            self.config.as_deref(),
-            self.listen.as_deref(),
-            self.upstream.as_deref(),
-            self.db.as_deref(),
-        )
+        self.settings.load_config()
     }
 }
 
@@ -195,7 +229,18 @@ pub fn main(cli: Cli) -> ExitCode {
         Command::Conversations(cmd) => conversations(cmd),
         Command::Compact(args) => compact(args),
         Command::Demo(args) => demo(args),
+        Command::Doctor(args) => doctor::main(args),
+        Command::Connect(args) => connect::main(args),
+        Command::Run(args) => connect::run(args),
+        Command::Completions { shell } => completions(shell),
     }
+}
+
+fn completions(shell: clap_complete::Shell) -> ExitCode {
+    use clap::CommandFactory;
+    let mut script = Vec::new();
+    clap_complete::generate(shell, &mut Cli::command(), "compactor", &mut script);
+    print_out(&String::from_utf8_lossy(&script))
 }
 
 fn demo(args: DemoArgs) -> ExitCode {
@@ -207,6 +252,7 @@ fn demo(args: DemoArgs) -> ExitCode {
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
         .try_init();
     let opts = crate::demo::DemoOptions {
         requests: args.requests,
@@ -237,9 +283,11 @@ fn demo(args: DemoArgs) -> ExitCode {
 fn init_logging(format: LogFormat) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env()
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colour only for a person watching: a redirected log gets no escape codes.
     let builder = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
     let _ = match format {
         LogFormat::Pretty => builder.try_init(),
         LogFormat::Json => builder.json().flatten_event(true).try_init(),
@@ -434,7 +482,7 @@ fn to_json<T: serde::Serialize>(value: &T, pretty: bool) -> String {
 }
 
 /// Writes to stdout; a closed pipe (`| head`) is not an error.
-fn print_out(text: &str) -> ExitCode {
+pub(crate) fn print_out(text: &str) -> ExitCode {
     let mut out = std::io::stdout().lock();
     match out.write_all(text.as_bytes()).and_then(|()| out.flush()) {
         Ok(()) => ExitCode::SUCCESS,
@@ -705,13 +753,10 @@ fn compact(args: CompactArgs) -> ExitCode {
         .filter(|n| !n.is_empty())
         .and_then(|n| std::env::var(n).ok())
         .filter(|t| !t.is_empty());
-    let runtime = match tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-    {
+    let runtime = match command_runtime() {
         Ok(r) => r,
         Err(e) => {
-            eprintln!("compactor: cannot start the runtime: {e}");
+            eprintln!("compactor: {e}");
             return ExitCode::FAILURE;
         }
     };
@@ -759,6 +804,15 @@ fn compact(args: CompactArgs) -> ExitCode {
         format!("compaction of {conversation} requested: its next request will be compacted before it goes upstream\n")
     };
     print_out(&text)
+}
+
+/// A one-thread runtime for a command's few requests (`compact`,
+/// `doctor`, `connect`).
+pub(crate) fn command_runtime() -> Result<tokio::runtime::Runtime, String> {
+    tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start the runtime: {e}"))
 }
 
 /// Where to reach a proxy listening on `addr`: an unspecified address

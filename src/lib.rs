@@ -6,7 +6,8 @@
 //! - [`admin`]: the admin page and JSON API (`/admin/`): conversations,
 //!   their compactions and token figures, manual compaction.
 //! - [`config`]: `proxy.toml` schema, defaults, layering, the models table.
-//! - [`cli`]: the `compactor` command line.
+//! - [`cli`]: the `compactor` command line; [`cli::doctor`] checks a setup,
+//!   [`cli::connect`] configures clients for the proxy.
 //! - [`compaction`]: when, where and how a history is compacted (pure layer)
 //!   and the engine that runs it (summaries, background jobs, replay).
 //! - [`server`]: accept loop, graceful shutdown, routing, the proxied endpoints.

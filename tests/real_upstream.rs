@@ -1095,3 +1095,35 @@ async fn the_window_is_discovered_from_llama_server() {
     );
     h.stop().await;
 }
+
+/// `compactor doctor` against the real llama-server: the window it states
+/// (its `-c 2048`) against the table's guess for SmolLM2 (8,192).
+#[tokio::test(flavor = "multi_thread")]
+#[ignore = "needs a real llama-server: run scripts/test"]
+async fn doctor_reports_llamas_window_against_the_table() {
+    let _turn = within(ONE_AT_A_TIME.lock()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_compactor"));
+    cmd.args(["doctor", "--upstream", &llama_url(), "--db"])
+        .arg(dir.path().join("c.db"))
+        .env_remove("COMPACTOR_CONFIG")
+        .env_remove("COMPACTOR_LISTEN")
+        .env_remove("COMPACTOR_DB");
+    let out = within(tokio::task::spawn_blocking(move || cmd.output()))
+        .await
+        .expect("join")
+        .expect("run compactor doctor");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    println!("{stdout}");
+    assert!(out.status.success(), "{stdout}");
+    let line = stdout
+        .lines()
+        .find(|l| l.contains("model ") && l.contains("smollm2"))
+        .unwrap_or_else(|| panic!("no window line for SmolLM2:\n{stdout}"));
+    assert!(
+        line.starts_with('✓')
+            && line.contains("window 2,048 (discovered")
+            && line.contains("the models table's 8,192"),
+        "{line}"
+    );
+}

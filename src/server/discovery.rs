@@ -5,6 +5,7 @@
 use serde_json::Value;
 
 use super::AppState;
+use crate::upstream::Upstream;
 use crate::windows::{window_in_models, window_in_props, Source, DISCOVERY_TIMEOUT};
 
 /// Asks the upstream for `model`'s window, the first time the model is
@@ -47,9 +48,15 @@ pub async fn tell(state: &std::sync::Arc<AppState>, model: &str, window: u64, so
 }
 
 async fn ask(state: &AppState, model: &str, auth: &http::HeaderMap) -> Option<u64> {
-    let up = &state.upstream;
     // The client's credential, or the proxy's own key when one is set.
-    let headers = up.request_headers(auth, true);
+    let headers = state.upstream.request_headers(auth, true);
+    ask_upstream(&state.upstream, model, headers).await
+}
+
+/// What `up` says `model`'s window is, asked with `headers`: `/v1/models`
+/// (vLLM, llama.cpp), then llama.cpp's `/props`. Not time-boxed: the
+/// caller bounds it (`compactor doctor` and `connect` ask through it too).
+pub async fn ask_upstream(up: &Upstream, model: &str, headers: http::HeaderMap) -> Option<u64> {
     let get = |url: reqwest::Url| {
         let headers = headers.clone();
         async move {

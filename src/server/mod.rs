@@ -3,7 +3,7 @@
 //! `run` takes a bound listener (never binds itself, so tests and the CLI
 //! choose the port) and a shutdown future.
 
-mod discovery;
+pub mod discovery;
 mod exchange;
 pub use exchange::now_ms;
 mod passthrough;
@@ -578,6 +578,23 @@ async fn route(
             (_, p) if p.starts_with("/v1/") && state.upstream.looped(req.headers()) => {
                 ("other", ProxyError::LoopDetected.into_response())
             }
+            // Someone who opens the proxy's address finds where to go; JSON,
+            // as everything else here answers, which a browser shows too.
+            (&Method::GET, "/") => (
+                "other",
+                json_response(
+                    StatusCode::OK,
+                    &serde_json::json!({
+                        "name": "compactor",
+                        "version": env!("CARGO_PKG_VERSION"),
+                        "api": "/v1/",
+                        "admin": "/admin/",
+                        "health": "/healthz",
+                        "metrics": "/metrics",
+                        "docs": "the README of compactor's source, and `compactor --help`",
+                    }),
+                ),
+            ),
             (&Method::GET, "/healthz") => (
                 "healthz",
                 json_response(StatusCode::OK, &serde_json::json!({"status": "ok"})),

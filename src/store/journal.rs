@@ -518,6 +518,58 @@ pub fn import_orphaned(given: &Path) -> Result<usize, super::StoreError> {
     Ok(n)
 }
 
+/// What [`status`] found in a store's journal.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JournalStatus {
+    /// Another process holds the store's lock: a proxy serves it.
+    pub served: bool,
+    /// Exchange records the journal holds, not yet imported.
+    pub records: usize,
+    /// Bytes of a record whose write was cut short (a kill): never
+    /// acknowledged, skipped on import.
+    pub cut_short_bytes: u64,
+    /// Bytes that cannot be read (damage), set aside on import.
+    pub unreadable_bytes: u64,
+    /// The quarantine file and its size, when it holds anything.
+    pub quarantined: Option<(PathBuf, u64)>,
+}
+
+/// Reads the journal of the store at `given` without changing it, for
+/// `compactor doctor`. Whether a proxy serves the store is seen by trying
+/// its locks (as [`import_orphaned`] does), let go at once.
+pub fn status(given: &Path) -> io::Result<JournalStatus> {
+    let db = canonical(given)?;
+    let [log, old, lock, _] = paths(&db);
+    let mut out = JournalStatus {
+        served: false,
+        records: 0,
+        cut_short_bytes: 0,
+        unreadable_bytes: 0,
+        quarantined: quarantined(&db),
+    };
+    for path in [old, log] {
+        let bytes = match std::fs::read(&path) {
+            Ok(bytes) => bytes,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+            Err(e) => return Err(e),
+        };
+        let decoded = decode_file(&bytes);
+        out.records += decoded.records.len();
+        for s in decoded.skipped {
+            let len = s.range.len() as u64;
+            if s.cut_short {
+                out.cut_short_bytes += len;
+            } else {
+                out.unreadable_bytes += len;
+            }
+        }
+    }
+    // No lock file: no proxy ever served the store under this name; and
+    // taking the locks of a missing database would create it.
+    out.served = lock.exists() && db.exists() && StoreLock::take(&db, &db)?.is_none();
+    Ok(out)
+}
+
 /// The records as a batch for [`super::Backend::write`].
 pub fn exchanges(records: Vec<ExchangeRecord>) -> Vec<super::Record> {
     records

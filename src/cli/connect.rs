@@ -1,0 +1,554 @@
+//! `compactor connect CLIENT` and `compactor run -- CMD…`: a client's
+//! configuration for this proxy, so nobody has to work out which file, key
+//! and window a client wants.
+//!
+//! `connect` prints the file's content on stdout (and where it goes on
+//! stderr). With `--write` it changes the file the client reads, keeping
+//! what else it holds, after showing the diff; a file that exists and would
+//! change is left alone unless `--yes` says so.
+
+use std::ffi::OsString;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+use clap::ValueEnum;
+use serde_json::{json, Value};
+
+use super::{admin_target, layered_config, print_out, EXIT_USAGE};
+use crate::config::Config;
+
+/// The environment variables the OpenAI SDKs (Python, Node) read for their
+/// base URL, and the older one LiteLLM and aider read.
+pub const BASE_URL_VARS: [&str; 2] = ["OPENAI_BASE_URL", "OPENAI_API_BASE"];
+
+/// The name of the provider (Codex) and the prefix of the model id (llm).
+const PROVIDER: &str = "compactor";
+
+/// A client `connect` knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Client {
+    /// Codex CLI: `$CODEX_HOME/config.toml` (default `~/.codex/config.toml`).
+    Codex,
+    /// aider: `~/.aider.model.metadata.json`, plus `OPENAI_API_BASE`.
+    Aider,
+    /// Simon Willison's llm: `extra-openai-models.yaml` in its user directory.
+    Llm,
+    /// The OpenAI SDKs and anything else that reads `OPENAI_BASE_URL`:
+    /// `export` lines for a shell (`eval "$(compactor connect openai-env)"`).
+    OpenaiEnv,
+}
+
+/// Where the proxy is: the same layering as `serve`.
+#[derive(Debug, clap::Args)]
+pub struct ProxyArgs {
+    /// Config file (TOML; see proxy.toml).
+    #[arg(long, env = "COMPACTOR_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Address the proxy listens on, e.g. 127.0.0.1:8787.
+    #[arg(long, env = "COMPACTOR_LISTEN")]
+    pub listen: Option<String>,
+}
+
+/// `compactor connect` options.
+#[derive(Debug, clap::Args)]
+pub struct ConnectArgs {
+    /// The client to configure.
+    pub client: Client,
+    /// The model the client asks for (default: the upstream's only model).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Write the configuration where the client reads it (shows the diff).
+    #[arg(long)]
+    pub write: bool,
+    /// With --write: change a file that exists and differs.
+    #[arg(long, requires = "write")]
+    pub yes: bool,
+    /// Do not ask the upstream for the model's window; use the models table.
+    #[arg(long)]
+    pub offline: bool,
+    /// Upstream base URL including /v1 (to ask for models and windows).
+    #[arg(long, env = "COMPACTOR_UPSTREAM")]
+    pub upstream: Option<String>,
+    /// Where the proxy is.
+    #[command(flatten)]
+    pub proxy: ProxyArgs,
+}
+
+/// `compactor run` options.
+#[derive(Debug, clap::Args)]
+pub struct RunArgs {
+    /// Where the proxy is.
+    #[command(flatten)]
+    pub proxy: ProxyArgs,
+    /// The client and its arguments, after `--`.
+    #[arg(trailing_var_arg = true, allow_hyphen_values = true, required = true)]
+    pub command: Vec<OsString>,
+}
+
+/// What a client needs to know about this proxy and the model.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Target {
+    /// The proxy's base URL, with `/v1`.
+    pub base_url: String,
+    /// The model.
+    pub model: String,
+    /// The window the proxy uses for it, in tokens.
+    pub window: u64,
+    /// Room for the answer the proxy assumes, in tokens.
+    pub max_output: u64,
+}
+
+/// The proxy's base URL as clients reach it.
+pub fn proxy_base_url(config: &Config) -> Result<String, String> {
+    let addr = config
+        .listen_addr()
+        .map_err(|e| format!("server.listen: {e}"))?;
+    Ok(format!("http://{}/v1", admin_target(addr)))
+}
+
+/// Runs `compactor connect`.
+pub fn main(args: ConnectArgs) -> ExitCode {
+    let config = match layered_config(
+        args.proxy.config.as_deref(),
+        args.proxy.listen.as_deref(),
+        args.upstream.as_deref(),
+        None,
+    ) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("compactor: configuration error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let base_url = match proxy_base_url(&config) {
+        Ok(u) => u,
+        Err(e) => {
+            eprintln!("compactor: configuration error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    if args.client == Client::OpenaiEnv {
+        if args.write {
+            eprintln!("compactor: openai-env has no file to write; use: eval \"$(compactor connect openai-env)\"");
+            return ExitCode::from(EXIT_USAGE);
+        }
+        return print_out(&env_lines(&base_url));
+    }
+    let target = match target(&config, base_url, args.model.as_deref(), args.offline) {
+        Ok(t) => t,
+        Err(e) => {
+            eprintln!("compactor: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let Some(path) = client_file(args.client) else {
+        eprintln!(
+            "compactor: cannot tell where {:?} keeps its configuration (no home directory)",
+            args.client
+        );
+        return ExitCode::FAILURE;
+    };
+    let existing = match std::fs::read_to_string(&path) {
+        Ok(text) => Some(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => {
+            eprintln!("compactor: cannot read {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    if !args.write {
+        eprintln!("# {}", how_to_use(args.client, &target, &path));
+        return print_out(&render(args.client, None, &target).unwrap_or_default());
+    }
+    let new = match render(args.client, existing.as_deref(), &target) {
+        Ok(text) => text,
+        Err(e) => {
+            eprintln!("compactor: {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    match write_reviewed(&path, existing.as_deref(), &new, args.yes) {
+        Ok(said) => {
+            let code = print_out(&said);
+            eprintln!("# {}", how_to_use(args.client, &target, &path));
+            code
+        }
+        Err(e) => {
+            eprintln!("compactor: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The model and its window: the table's (or `[[models]]`), or what the
+/// upstream states when it can be asked.
+fn target(
+    config: &Config,
+    base_url: String,
+    model: Option<&str>,
+    offline: bool,
+) -> Result<Target, String> {
+    let runtime = super::command_runtime()?;
+    let (model, window, max_output) =
+        runtime.block_on(super::doctor::effective_window(config, model, offline))?;
+    Ok(Target {
+        base_url,
+        model,
+        window,
+        max_output,
+    })
+}
+
+/// `export` lines for a POSIX shell.
+pub fn env_lines(base_url: &str) -> String {
+    BASE_URL_VARS
+        .iter()
+        .map(|var| format!("export {var}={}\n", shell_quote(base_url)))
+        .collect()
+}
+
+fn shell_quote(s: &str) -> String {
+    if s.bytes()
+        .all(|b| b.is_ascii_alphanumeric() || b"/:._-@%+=,".contains(&b))
+    {
+        s.to_string()
+    } else {
+        format!("'{}'", s.replace('\'', r"'\''"))
+    }
+}
+
+/// The file `client` reads its configuration from.
+pub fn client_file(client: Client) -> Option<PathBuf> {
+    let env_dir = |var: &str| {
+        std::env::var_os(var)
+            .filter(|v| !v.is_empty())
+            .map(PathBuf::from)
+    };
+    match client {
+        Client::Codex => env_dir("CODEX_HOME")
+            .or_else(|| dirs::home_dir().map(|h| h.join(".codex")))
+            .map(|d| d.join("config.toml")),
+        Client::Aider => dirs::home_dir().map(|h| h.join(".aider.model.metadata.json")),
+        Client::Llm => env_dir("LLM_USER_PATH")
+            .or_else(|| dirs::config_dir().map(|d| d.join("io.datasette.llm")))
+            .map(|d| d.join("extra-openai-models.yaml")),
+        Client::OpenaiEnv => None,
+    }
+}
+
+fn how_to_use(client: Client, t: &Target, path: &std::path::Path) -> String {
+    let file = path.display();
+    match client {
+        Client::Codex => {
+            format!("for {file}; then run `codex` (the provider reads OPENAI_API_KEY)")
+        }
+        Client::Aider => format!(
+            "for {file}; then run `OPENAI_API_BASE={} aider --model openai/{}`",
+            t.base_url, t.model
+        ),
+        Client::Llm => format!(
+            "for {file}; then run `llm -m {PROVIDER}-{} 'hello'` (the key is llm's openai key)",
+            t.model
+        ),
+        Client::OpenaiEnv => String::new(),
+    }
+}
+
+/// The client's file with this proxy's entry in it: `existing` with the
+/// entry added or updated, or the entry alone.
+pub fn render(client: Client, existing: Option<&str>, t: &Target) -> Result<String, String> {
+    match client {
+        Client::Codex => codex_config(existing, t),
+        Client::Aider => aider_metadata(existing, t),
+        Client::Llm => llm_models(existing, t),
+        Client::OpenaiEnv => Ok(env_lines(&t.base_url)),
+    }
+}
+
+/// Codex's `config.toml`: the model, a provider at the proxy, and the
+/// window the proxy uses (Codex's own compaction keys off it).
+fn codex_config(existing: Option<&str>, t: &Target) -> Result<String, String> {
+    use toml_edit::{value, DocumentMut, Item, Table};
+    let mut doc: DocumentMut = existing
+        .unwrap_or_default()
+        .parse()
+        .map_err(|e| format!("not valid TOML: {e}"))?;
+    doc["model"] = value(t.model.as_str());
+    doc["model_provider"] = value(PROVIDER);
+    doc["model_context_window"] = value(i64::try_from(t.window).unwrap_or(i64::MAX));
+    if let Some(mut key) = doc.key_mut("model_context_window") {
+        key.leaf_decor_mut().set_prefix(
+            "# The window compactor uses for this model; Codex's own compaction keys off it.\n",
+        );
+    }
+    if !doc.contains_table("model_providers") {
+        let mut providers = Table::new();
+        providers.set_implicit(true);
+        doc["model_providers"] = Item::Table(providers);
+    }
+    let mut provider = Table::new();
+    provider["name"] = value(PROVIDER);
+    provider["base_url"] = value(t.base_url.as_str());
+    provider["env_key"] = value("OPENAI_API_KEY");
+    provider["wire_api"] = value("responses");
+    let providers = doc["model_providers"]
+        .as_table_mut()
+        .ok_or("model_providers is not a table")?;
+    match providers.get_mut(PROVIDER).and_then(Item::as_table_mut) {
+        // Keep the user's other keys of the entry (retries, headers).
+        Some(old) => {
+            for (k, v) in provider.iter() {
+                old[k] = v.clone();
+            }
+        }
+        None => {
+            providers.insert(PROVIDER, Item::Table(provider));
+        }
+    }
+    Ok(doc.to_string())
+}
+
+/// aider's model metadata (LiteLLM's format): the window of
+/// `openai/MODEL`, which aider uses to warn before a request is too big.
+fn aider_metadata(existing: Option<&str>, t: &Target) -> Result<String, String> {
+    let mut doc: Value = match existing {
+        Some(text) if !text.trim().is_empty() => {
+            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?
+        }
+        _ => json!({}),
+    };
+    let map = doc.as_object_mut().ok_or("not a JSON object")?;
+    map.insert(
+        format!("openai/{}", t.model),
+        json!({
+            "max_input_tokens": t.window,
+            "max_output_tokens": t.max_output,
+            "max_tokens": t.max_output,
+            "litellm_provider": "openai",
+            "mode": "chat",
+        }),
+    );
+    let mut text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+    text.push('\n');
+    Ok(text)
+}
+
+/// llm's `extra-openai-models.yaml` entry. Strings are written as JSON
+/// strings, which YAML reads as its double-quoted scalars. An existing file
+/// gets the entry appended; one that already names the model id is left
+/// for a person to edit, since rewriting YAML would drop its comments.
+fn llm_models(existing: Option<&str>, t: &Target) -> Result<String, String> {
+    let id = format!("{PROVIDER}-{}", t.model);
+    let q = |s: &str| Value::from(s).to_string();
+    let entry = format!(
+        "- model_id: {}\n  model_name: {}\n  api_base: {}\n",
+        q(&id),
+        q(&t.model),
+        q(&t.base_url)
+    );
+    let Some(text) = existing.filter(|t| !t.trim().is_empty()) else {
+        return Ok(entry);
+    };
+    if text.contains(&entry) {
+        return Ok(text.to_string());
+    }
+    let names_it = text.lines().any(|l| {
+        l.trim_start_matches(['-', ' '])
+            .strip_prefix("model_id:")
+            .is_some_and(|v| v.trim().trim_matches(['"', '\'']) == id)
+    });
+    if names_it {
+        return Err(format!(
+            "already has an entry for {id}; edit it to read:\n{entry}"
+        ));
+    }
+    let mut out = text.to_string();
+    if !out.ends_with('\n') {
+        out.push('\n');
+    }
+    out.push_str(&entry);
+    Ok(out)
+}
+
+/// Writes `new` to `path` after showing what changes: a new file is shown
+/// whole, a changed one as a diff, which is applied only with `yes`.
+/// Returns what to print.
+pub fn write_reviewed(
+    path: &std::path::Path,
+    existing: Option<&str>,
+    new: &str,
+    yes: bool,
+) -> Result<String, String> {
+    let shown = path.display().to_string();
+    let said = match existing {
+        Some(old) if old == new => {
+            return Ok(format!("{shown} already says this; nothing to write\n"))
+        }
+        Some(old) => {
+            let diff = similar::TextDiff::from_lines(old, new)
+                .unified_diff()
+                .context_radius(3)
+                .header(&shown, &shown)
+                .to_string();
+            if !yes {
+                return Err(format!(
+                    "{shown} exists and would change:\n{diff}not written: run again with --yes to apply this"
+                ));
+            }
+            format!("{diff}wrote {shown}\n")
+        }
+        None => format!("{new}wrote {shown} (new file)\n"),
+    };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)
+            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    }
+    // Whole or not at all: a client starting meanwhile never reads half a file.
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".compactor-new");
+    let tmp = PathBuf::from(tmp);
+    std::fs::write(&tmp, new)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            format!("cannot write {shown}: {e}")
+        })?;
+    Ok(said)
+}
+
+/// Runs `compactor run -- CMD…`: the command with the base-URL variables
+/// set to this proxy, its exit status passed on.
+pub fn run(args: RunArgs) -> ExitCode {
+    let base_url = layered_config(
+        args.proxy.config.as_deref(),
+        args.proxy.listen.as_deref(),
+        None,
+        None,
+    )
+    .map_err(|e| e.to_string())
+    .and_then(|c| proxy_base_url(&c));
+    let base_url = match base_url {
+        Ok(u) => u,
+        Err(e) => {
+            eprintln!("compactor: configuration error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    let Some((program, rest)) = args.command.split_first() else {
+        eprintln!("compactor run: name a command after --");
+        return ExitCode::from(EXIT_USAGE);
+    };
+    let mut cmd = std::process::Command::new(program);
+    cmd.args(rest);
+    for var in BASE_URL_VARS {
+        cmd.env(var, &base_url);
+    }
+    let shown = program.to_string_lossy();
+    // The client takes over this process: signals (Ctrl-C) and the exit
+    // status are its own.
+    #[cfg(unix)]
+    {
+        use std::os::unix::process::CommandExt;
+        let e = cmd.exec();
+        eprintln!("compactor run: cannot run {shown}: {e}");
+        ExitCode::from(127)
+    }
+    #[cfg(not(unix))]
+    match cmd.status() {
+        Ok(s) => ExitCode::from(s.code().and_then(|c| u8::try_from(c).ok()).unwrap_or(1)),
+        Err(e) => {
+            eprintln!("compactor run: cannot run {shown}: {e}");
+            ExitCode::from(127)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn target() -> Target {
+        Target {
+            base_url: "http://127.0.0.1:8787/v1".into(),
+            model: "gpt-4o".into(),
+            window: 128_000,
+            max_output: 16_384,
+        }
+    }
+
+    #[test]
+    fn codex_keeps_the_users_other_settings_and_comments() {
+        let old = "# mine\napproval_policy = \"never\"\nmodel = \"o3\"\n\n[model_providers.other]\nname = \"x\"\n\n[model_providers.compactor]\nstream_max_retries = 0\n";
+        let new = codex_config(Some(old), &target()).unwrap();
+        let doc: toml::Table = toml::from_str(&new).unwrap();
+        assert!(new.starts_with("# mine\n"), "{new}");
+        assert_eq!(doc["approval_policy"].as_str(), Some("never"));
+        assert_eq!(doc["model"].as_str(), Some("gpt-4o"));
+        assert_eq!(doc["model_context_window"].as_integer(), Some(128_000));
+        let providers = doc["model_providers"].as_table().unwrap();
+        assert_eq!(providers["other"]["name"].as_str(), Some("x"));
+        let ours = providers["compactor"].as_table().unwrap();
+        assert_eq!(ours["base_url"].as_str(), Some("http://127.0.0.1:8787/v1"));
+        assert_eq!(ours["stream_max_retries"].as_integer(), Some(0));
+        assert_eq!(
+            codex_config(Some(&new), &target()).unwrap(),
+            new,
+            "idempotent"
+        );
+    }
+
+    #[test]
+    fn aider_keeps_other_models() {
+        let old = r#"{"openai/other": {"max_input_tokens": 5}}"#;
+        let new: Value =
+            serde_json::from_str(&aider_metadata(Some(old), &target()).unwrap()).unwrap();
+        assert_eq!(new["openai/other"]["max_input_tokens"], 5);
+        assert_eq!(new["openai/gpt-4o"]["max_input_tokens"], 128_000);
+        assert!(aider_metadata(Some("[1]"), &target()).is_err());
+    }
+
+    #[test]
+    fn llm_appends_and_refuses_to_rewrite_an_entry_of_its_own_id() {
+        let first = llm_models(None, &target()).unwrap();
+        assert_eq!(llm_models(Some(&first), &target()).unwrap(), first);
+        let other = "# mine\n- model_id: local\n  model_name: x\n";
+        let both = llm_models(Some(other), &target()).unwrap();
+        assert!(both.starts_with(other) && both.ends_with(&first), "{both}");
+        let stale =
+            "- model_id: compactor-gpt-4o\n  model_name: gpt-4o\n  api_base: http://old/v1\n";
+        let err = llm_models(Some(stale), &target()).unwrap_err();
+        assert!(err.contains("already has an entry"), "{err}");
+    }
+
+    #[test]
+    fn env_lines_quote_what_a_shell_would_split() {
+        assert_eq!(
+            env_lines("http://127.0.0.1:8787/v1"),
+            "export OPENAI_BASE_URL=http://127.0.0.1:8787/v1\nexport OPENAI_API_BASE=http://127.0.0.1:8787/v1\n"
+        );
+        assert_eq!(shell_quote("a b'c"), r"'a b'\''c'");
+    }
+
+    #[test]
+    fn a_changed_file_is_written_only_with_yes() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("sub/c.toml");
+        let said = write_reviewed(&path, None, "a = 1\n", false).unwrap();
+        assert!(said.contains("new file"), "{said}");
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "a = 1\n");
+        let err = write_reviewed(&path, Some("a = 1\n"), "a = 2\n", false).unwrap_err();
+        assert!(
+            err.contains("-a = 1") && err.contains("+a = 2") && err.contains("--yes"),
+            "{err}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(&path).unwrap(),
+            "a = 1\n",
+            "untouched"
+        );
+        write_reviewed(&path, Some("a = 1\n"), "a = 2\n", true).unwrap();
+        assert_eq!(std::fs::read_to_string(&path).unwrap(), "a = 2\n");
+        let said = write_reviewed(&path, Some("a = 2\n"), "a = 2\n", false).unwrap();
+        assert!(said.contains("nothing to write"), "{said}");
+    }
+}
