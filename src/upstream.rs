@@ -220,7 +220,9 @@ impl Upstream {
             );
         }
         if let Some(Secret(key)) = &self.api_key {
+            // Every credential header the proxy accepts from a client.
             out.remove("api-key");
+            out.remove("x-api-key");
             if let Ok(v) = HeaderValue::from_str(&format!("Bearer {key}")) {
                 let mut v = v;
                 v.set_sensitive(true);

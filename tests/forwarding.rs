@@ -416,4 +416,24 @@ async fn server_side_key_replaces_the_clients() {
         h.fake.last().unwrap().headers.get("authorization").unwrap(),
         "Bearer sk-server-side"
     );
+    // A client known by another credential header does not pass it on
+    // beside the server's key either.
+    for header in ["api-key", "x-api-key"] {
+        let resp = within(
+            reqwest::Client::new()
+                .post(format!("{}/chat/completions", h.url()))
+                .header(header, "client-side-key-0123")
+                .json(&json!({"model": "m", "messages": []}))
+                .send(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(resp.status(), 200);
+        let got = h.fake.last().unwrap();
+        assert!(got.headers.get(header).is_none(), "{header} forwarded");
+        assert_eq!(
+            got.headers.get("authorization").unwrap(),
+            "Bearer sk-server-side"
+        );
+    }
 }
