@@ -169,7 +169,7 @@ pub async fn run_with_output(
             let dir = std::env::temp_dir().join(format!(
                 "compactor-demo-{}-{}-{run}",
                 std::process::id(),
-                server::now_ms()
+                crate::ids::now_ms()
             ));
             std::fs::create_dir_all(&dir)
                 .with_context(|| format!("cannot create {}", dir.display()))?;

@@ -45,6 +45,7 @@ pub mod conversation;
 pub mod demo;
 pub mod error;
 pub mod fake_upstream;
+pub mod ids;
 pub mod metrics;
 pub mod redact;
 pub mod server;

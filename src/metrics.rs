@@ -828,7 +828,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!(
             "compactor-metrics-test-{}-{}",
             std::process::id(),
-            crate::server::now_ms()
+            crate::ids::now_ms()
         ));
         std::fs::create_dir_all(&dir).unwrap();
         let db = dir.join("x.db");

@@ -237,7 +237,7 @@ impl Compactions {
         } = c;
         // The time it became visible, not when it was computed: a request
         // that started before this moment may have missed it.
-        let visible = crate::server::now_ms().max(created_ms);
+        let visible = crate::ids::now_ms().max(created_ms);
         let mut newest = lock(&self.newest);
         let at = newest.entry((tenant.clone(), conversation)).or_default();
         *at = (*at).max(visible);
@@ -612,7 +612,7 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
     let covered_chain = input.chains[prepared.covered_len - 1];
     let items_kept = prepared.lead + kept_users + applied.tail_len;
     let c = Compaction {
-        id: new_id(),
+        id: crate::ids::new_compaction_id(),
         tenant: input.tenant.clone(),
         conversation: input.conversation.clone(),
         covered_len: prepared.covered_len,
@@ -630,7 +630,7 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
         summary_calls: cost.calls,
         summary_tokens: cost.tokens,
         duration_ms: started.elapsed().as_millis() as u64,
-        created_ms: crate::server::now_ms(),
+        created_ms: crate::ids::now_ms(),
     };
     if let Err(e) = state.store.record_compaction(c.clone()).await {
         tracing::error!(error = %e, "compaction not recorded");
@@ -998,10 +998,6 @@ pub fn auth_headers(headers: &HeaderMap) -> HeaderMap {
         }
     }
     out
-}
-
-fn new_id() -> String {
-    crate::conversation::new_conversation_id().replacen("conv_", "cmp_", 1)
 }
 
 #[cfg(test)]

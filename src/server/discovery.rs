@@ -31,7 +31,7 @@ pub async fn tell(state: &std::sync::Arc<AppState>, model: &str, window: u64, so
     let upstream = state.upstream.base();
     let Some(told) = state
         .windows
-        .tell(upstream, model, window, source, crate::server::now_ms())
+        .tell(upstream, model, window, source, crate::ids::now_ms())
     else {
         return;
     };

@@ -340,11 +340,3 @@ fn truncate(mut s: String, max: usize) -> String {
     }
     s
 }
-
-/// Milliseconds since the Unix epoch.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
-}

@@ -5,7 +5,6 @@
 
 mod discovery;
 mod exchange;
-pub use exchange::now_ms;
 mod passthrough;
 mod proxy;
 

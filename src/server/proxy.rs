@@ -21,11 +21,12 @@ use http_body_util::{BodyExt, Limited, StreamBody};
 use hyper::body::{Frame, Incoming};
 use serde_json::Value;
 
-use super::exchange::{now_ms, Outcome, PendingExchange};
+use super::exchange::{Outcome, PendingExchange};
 use super::AppState;
 use crate::compaction::{engine, policy, remote, Compaction};
 use crate::conversation::tenant_of;
 use crate::error::{full, BodyError, ProxyBody, ProxyError};
+use crate::ids::now_ms;
 use crate::upstream::{describe, strip_hop_by_hop, Payload};
 use crate::wire::items::{cached_hash, split_body_reusing, ItemList, Tools};
 use crate::wire::sse::SseTee;
