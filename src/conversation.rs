@@ -223,6 +223,13 @@ const MAX_ENTRIES_PER_CONVERSATION: usize = 64;
 /// two entries), so it reads no more of a large store than it keeps.
 pub const MAX_ENTRIES: usize = 200_000;
 
+/// What a start-up loads from the store for the index: as many exchanges as
+/// it keeps entries, as many keys as it keeps.
+pub const STORE_LIMITS: crate::store::Limits = crate::store::Limits {
+    exchanges: MAX_ENTRIES,
+    keys: KEYS,
+};
+
 /// In-memory index from prefixes, keys and response ids to conversations;
 /// rebuilt from the store at start-up.
 #[derive(Default)]
@@ -420,8 +427,8 @@ impl ConversationIndex {
 mod tests {
     use super::*;
     use crate::wire::{chain_hashes, item_hash};
-    use std::sync::atomic::Ordering;
     use serde_json::json;
+    use std::sync::atomic::Ordering;
 
     fn chains(n: usize) -> Vec<ItemHash> {
         let items: Vec<ItemHash> = (0..n).map(|i| item_hash(&json!({"n": i}))).collect();

@@ -31,12 +31,6 @@ const ALLOWED_BACK_EDGES: &[(&str, &str, &str)] = &[
     ("metrics", "server", "AppState"),
     ("admin", "server", "AppState"),
     ("admin::api", "server", "AppState"),
-    (
-        "store::sqlite",
-        "conversation",
-        "KEYS, MAX_ENTRIES, LookupKey",
-    ),
-    ("store::sqlite", "compaction::engine", "LoadCompaction"),
     ("server::exchange", "server::proxy", "set_items"),
 ];
 

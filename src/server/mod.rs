@@ -28,7 +28,8 @@ use crate::compaction::engine::Compactions;
 use crate::config::{Config, ModelLimits};
 use crate::conversation::ConversationIndex;
 use crate::error::{json_response, ProxyBody, ProxyError};
-use crate::store::{sqlite::SqliteBackend, Store};
+use crate::store::sqlite::{SqliteBackend, SqliteReads};
+use crate::store::{Reads, Store};
 use crate::tokens::TokenCounter;
 use crate::upstream::Upstream;
 use crate::wire::Api;
@@ -41,6 +42,9 @@ pub struct AppState {
     pub upstream: Upstream,
     /// Records.
     pub store: Arc<Store>,
+    /// The store's point reads (compaction bodies, explicit keys,
+    /// `previous_response_id` histories).
+    pub reads: Arc<dyn Reads>,
     /// Prefix / key / response-id → conversation.
     pub conversations: ConversationIndex,
     /// Token estimates.
@@ -72,22 +76,30 @@ impl AppState {
             .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
         let journal = crate::store::Journal::open(&path)
             .map_err(|e| anyhow::anyhow!("cannot open the journal of {}: {e}", path.display()))?;
-        let (store, mut snapshot) = Store::start(Box::new(backend), Some(journal))?;
+        let (store, mut snapshot) = Store::start(
+            Box::new(backend),
+            Some(journal),
+            crate::conversation::STORE_LIMITS,
+        )?;
+        let reads: Arc<dyn Reads> = Arc::new(SqliteReads::new(&path));
+        let by_key = reads.clone();
         let conversations = ConversationIndex::from_snapshot(
             &snapshot,
-            crate::store::sqlite::key_reader(path.clone()),
+            Arc::new(move |tenant: &str, key: &str| by_key.conversation_of_key(tenant, key)),
         );
         let stored = std::mem::take(&mut snapshot.compactions);
         let windows = crate::windows::Windows::from_stored(
             &config.upstream.base_url,
             std::mem::take(&mut snapshot.windows),
         );
+        let by_id = reads.clone();
         let compactions =
-            Compactions::from_stored(stored, crate::store::sqlite::reader(path.clone()));
+            Compactions::from_stored(stored, Arc::new(move |id: &str| by_id.compaction(id)));
         Ok(Arc::new(AppState {
             compactions,
             upstream: Upstream::new(&config.upstream)?,
             store,
+            reads,
             conversations,
             tokens: TokenCounter::new_warm(),
             tenant_salt: snapshot.salt,

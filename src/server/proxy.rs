@@ -848,21 +848,12 @@ async fn previous_history(state: &Arc<AppState>, tenant: &str, id: &str) -> Opti
     if let Err(e) = state.store.flush().await {
         tracing::warn!(error = %e, "store flush failed before a previous_response_id lookup");
     }
-    let path = state.config.store_path();
+    let reads = state.reads.clone();
     let (tenant, id) = (tenant.to_string(), id.to_string());
-    tokio::task::spawn_blocking(move || {
-        let conn = rusqlite::Connection::open_with_flags(
-            &path,
-            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-        )
-        .ok()?;
-        crate::store::sqlite::response_history(&conn, &tenant, &id)
-            .ok()
-            .flatten()
-    })
-    .await
-    .ok()
-    .flatten()
+    tokio::task::spawn_blocking(move || reads.response_history(&tenant, &id))
+        .await
+        .ok()
+        .flatten()
 }
 
 /// Most bytes allocated for a request body before they arrive.

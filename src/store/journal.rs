@@ -744,6 +744,9 @@ pub(crate) mod tests {
     use super::*;
     use crate::wire::Api;
 
+    /// What the server loads at start-up.
+    const LIMITS: crate::store::Limits = crate::conversation::STORE_LIMITS;
+
     /// An exchange record to write, with one new item of its own.
     pub(crate) fn record(id: i64) -> ExchangeRecord {
         let body = format!("{{\"role\":\"user\",\"content\":\"é\\n{id}\"}}");
@@ -1181,7 +1184,7 @@ pub(crate) mod tests {
         }
         let open = || {
             let backend = SqliteBackend::open(&db).unwrap();
-            Store::start(Box::new(backend), Some(Journal::open(&db).unwrap())).unwrap()
+            Store::start(Box::new(backend), Some(Journal::open(&db).unwrap()), LIMITS).unwrap()
         };
         let (store, snapshot) = open();
         let loaded: Vec<_> = snapshot.exchanges.iter().map(|e| e.id).collect();
@@ -1205,8 +1208,11 @@ pub(crate) mod tests {
     struct Hooked(crate::store::sqlite::SqliteBackend, BeforeWrite);
 
     impl crate::store::Backend for Hooked {
-        fn load(&mut self) -> Result<crate::store::Snapshot, crate::store::StoreError> {
-            self.0.load()
+        fn load(
+            &mut self,
+            limits: crate::store::Limits,
+        ) -> Result<crate::store::Snapshot, crate::store::StoreError> {
+            self.0.load(limits)
         }
         fn write(
             &mut self,
@@ -1239,7 +1245,7 @@ pub(crate) mod tests {
                 }),
             );
             let (store, _) =
-                Store::start(Box::new(backend), Some(Journal::open(&db).unwrap())).unwrap();
+                Store::start(Box::new(backend), Some(Journal::open(&db).unwrap()), LIMITS).unwrap();
             within(store.record(record(1))).await.unwrap();
             assert!(within(store.flush()).await.is_err(), "the import failed");
             within(store.record(record(2))).await.unwrap();
@@ -1260,8 +1266,12 @@ pub(crate) mod tests {
             }
         })
         .await;
-        let (_store, snapshot) =
-            Store::start(Box::new(SqliteBackend::open(&db).unwrap()), Some(journal)).unwrap();
+        let (_store, snapshot) = Store::start(
+            Box::new(SqliteBackend::open(&db).unwrap()),
+            Some(journal),
+            LIMITS,
+        )
+        .unwrap();
         let loaded: Vec<_> = snapshot.exchanges.iter().map(|e| e.id).collect();
         assert_eq!(loaded, [1, 2]);
         assert_eq!(ids_in(&db), [1, 2]);
@@ -1288,9 +1298,13 @@ pub(crate) mod tests {
         );
         // Room for two records waiting for their import.
         let max = 2 * record(1).footprint();
-        let (store, _) =
-            Store::start_bounded(Box::new(backend), Some(Journal::open(&db).unwrap()), max)
-                .unwrap();
+        let (store, _) = Store::start_bounded(
+            Box::new(backend),
+            Some(Journal::open(&db).unwrap()),
+            LIMITS,
+            max,
+        )
+        .unwrap();
         async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
             tokio::time::timeout(Duration::from_secs(10), f)
                 .await
