@@ -25,10 +25,11 @@ use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
+use crate::app::AppState;
 use crate::compaction::summary::SUMMARIZER_MARKER;
 use crate::config::{Config, ModelConfig};
 use crate::fake_upstream::{FakeUpstream, Received};
-use crate::server::{self, AppState};
+use crate::server;
 
 /// The model name the demo session uses (matched by its `[[models]]` entry).
 pub const MODEL: &str = "demo-agent";

@@ -26,13 +26,8 @@ use syn::visit::Visit;
 /// Today's edges that run against the layering and close today's cycle,
 /// each (from, to, what it reaches for). Not a place to add to: each line is
 /// one to delete, once what the edge reaches for has moved.
-const ALLOWED_BACK_EDGES: &[(&str, &str, &str)] = &[
-    ("compaction::engine", "server", "AppState"),
-    ("metrics", "server", "AppState"),
-    ("admin", "server", "AppState"),
-    ("admin::api", "server", "AppState"),
-    ("server::exchange", "server::proxy", "set_items"),
-];
+const ALLOWED_BACK_EDGES: &[(&str, &str, &str)] =
+    &[("server::exchange", "server::proxy", "set_items")];
 
 /// A module path, `a::b`; the crate root is `crate`.
 type Module = String;

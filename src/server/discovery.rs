@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use super::AppState;
+use crate::app::AppState;
 use crate::windows::{window_in_models, window_in_props, Source, DISCOVERY_TIMEOUT};
 
 /// Asks the upstream for `model`'s window, the first time the model is

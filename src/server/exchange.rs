@@ -6,10 +6,10 @@ use std::time::Instant;
 
 use serde_json::Value;
 
-use super::AppState;
-use crate::compaction::engine::{self, Input};
+use crate::app::AppState;
 use crate::compaction::Compaction;
 use crate::conversation::Identified;
+use crate::engine::{self, Input};
 use crate::store::{ExchangeRecord, IndexedExchange};
 use crate::upstream::Payload;
 use crate::wire::items::{Claims, ItemList, Tools};

@@ -22,9 +22,10 @@ use hyper::body::{Frame, Incoming};
 use serde_json::Value;
 
 use super::exchange::{Outcome, PendingExchange};
-use super::AppState;
-use crate::compaction::{engine, policy, remote, Compaction};
+use crate::app::AppState;
+use crate::compaction::{policy, remote, Compaction};
 use crate::conversation::tenant_of;
+use crate::engine;
 use crate::error::{full, BodyError, ProxyBody, ProxyError};
 use crate::ids::now_ms;
 use crate::upstream::{describe, strip_hop_by_hop, Payload};
