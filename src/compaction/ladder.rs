@@ -6,7 +6,7 @@
 //! Marker and stub carry a digest of what they replace, so the facts an
 //! agent needs survive the cut: the exit status, the exact error lines not
 //! otherwise kept, and the paths the output names
-//! ([`output_digest`](super::summary::output_digest)).
+//! ([`super::summary::output_digest`]).
 
 use serde_json::Value;
 

@@ -29,15 +29,15 @@
 //!
 //! Where each part lives:
 //!
-//! - [`facts`]: the [`Facts`] record, the task, [`extract_facts`]
-//! - [`calls`]: tool calls in both wire formats, the tool-log line
-//! - [`errors`]: exit status and exact error lines of a tool output
-//! - [`edits`]: patches, edits, writes, heredocs and their effect on files
-//! - [`plan`]: plan and todo tools
-//! - [`statements`]: the agent's decisions and next steps, the user's constraints
-//! - [`prompt`]: the transcript and the summarizer prompt
-//! - [`narrative`]: reading and validating the model's answer
-//! - [`assemble`](mod@assemble): the summary message within its budget
+//! - `facts`: the [`Facts`] record, the task, [`extract_facts`]
+//! - `calls`: tool calls in both wire formats, the tool-log line
+//! - `errors`: exit status and exact error lines of a tool output
+//! - `edits`: patches, edits, writes, heredocs and their effect on files
+//! - `plan`: plan and todo tools
+//! - `statements`: the agent's decisions and next steps, the user's constraints
+//! - `prompt`: the transcript and the summarizer prompt
+//! - `narrative`: reading and validating the model's answer
+//! - `assemble`: the summary message within its budget
 //! - `text`: small string helpers
 
 mod assemble;

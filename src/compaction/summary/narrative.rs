@@ -230,7 +230,7 @@ pub(super) fn written_sections(text: &str) -> [Option<String>; 6] {
 }
 
 /// Checks the model's answer: `Ok` if every [`NARRATIVE_SECTIONS`] section
-/// was written (any heading style [`heading_of`] reads; a body that only
+/// was written (any heading style `heading_of` reads; a body that only
 /// echoes the prompt does not count), else the missing sections. A partial
 /// answer is still used (see [`usable`]); the missing list is for the retry.
 pub fn validate(narrative: &str) -> Result<(), Vec<&'static str>> {
