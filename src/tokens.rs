@@ -78,8 +78,7 @@ struct Counted {
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Kind {
     system: bool,
-    chat_tool_output: bool,
-    responses_tool_output: bool,
+    tool_output: bool,
 }
 
 impl Kind {
@@ -91,20 +90,17 @@ impl Kind {
 
     fn from_fields(role: &str, kind: &str) -> Kind {
         Kind {
-            system: role == "system" || role == "developer" || kind == "instructions",
-            chat_tool_output: role == "tool" || role == "function",
-            responses_tool_output: kind.ends_with("_output"),
+            system: crate::wire::class::is_system(role, kind),
+            tool_output: crate::wire::class::is_tool_output(role, kind),
         }
     }
 
-    fn section(self, api: Api) -> Section {
-        let tool_output = match api {
-            Api::Chat => self.chat_tool_output,
-            Api::Responses => self.responses_tool_output,
-        };
+    /// The section an item counts in: the same whatever the API, as the
+    /// classification looks at both members.
+    fn section(self) -> Section {
         if self.system {
             Section::System
-        } else if tool_output {
+        } else if self.tool_output {
             Section::ToolOutputs
         } else {
             Section::Messages
@@ -316,7 +312,7 @@ impl TokenCounter {
         let mut before_last = e;
         for c in found.into_iter().flatten() {
             before_last = e;
-            match c.kind.section(api) {
+            match c.kind.section() {
                 Section::System => e.system += c.tokens,
                 Section::Messages => e.messages += c.tokens,
                 Section::ToolOutputs => e.tool_outputs += c.tokens,
@@ -339,6 +335,7 @@ impl TokenCounter {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Section {
     System,
     Messages,
@@ -600,5 +597,39 @@ mod tests {
         t.count_item(&hashes[1], &items.item(1));
         let mixed = t.bound(&items, &hashes, tools.as_ref());
         assert!(mixed >= e.total() && mixed < cold);
+    }
+
+    proptest::proptest! {
+        /// Token accounting files an item under tool outputs exactly when
+        /// compaction treats it as one, and under system exactly when
+        /// compaction does, whatever the API: one classification, not two.
+        #[test]
+        fn sections_follow_the_compaction_classification(
+            role in proptest::sample::select(vec![
+                "", "system", "developer", "user", "assistant", "tool", "function",
+            ]),
+            kind in proptest::sample::select(vec![
+                "", "message", "instructions", "function_call", "function_call_output",
+                "custom_tool_call_output", "reasoning", "image_generation_output",
+            ]),
+        ) {
+            let mut item = serde_json::Map::new();
+            if !role.is_empty() {
+                item.insert("role".into(), json!(role));
+            }
+            if !kind.is_empty() {
+                item.insert("type".into(), json!(kind));
+            }
+            let item = Value::Object(item);
+            let want = if crate::compaction::items::is_system(&item) {
+                Section::System
+            } else if crate::compaction::items::is_tool_output(&item) {
+                Section::ToolOutputs
+            } else {
+                Section::Messages
+            };
+            proptest::prop_assert_eq!(Kind::of(&item).section(), want);
+            proptest::prop_assert_eq!(Kind::from_fields(role, kind).section(), want);
+        }
     }
 }

@@ -6,6 +6,7 @@
 //! so nothing the proxy does not understand is ever dropped.
 
 pub mod chat;
+pub mod class;
 pub mod hash;
 pub mod items;
 pub mod responses;
