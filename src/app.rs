@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::background::Background;
+use crate::bounded::Generations;
 use crate::config::{Config, ModelLimits};
 use crate::conversation::ConversationIndex;
 use crate::engine::Compactions;
@@ -16,6 +17,10 @@ use crate::store::sqlite::{SqliteBackend, SqliteReads};
 use crate::store::{Reads, Store};
 use crate::tokens::TokenCounter;
 use crate::upstream::Upstream;
+
+/// Most models whose limits [`AppState`] keeps looked up (the least
+/// recently used go first).
+const MODELS_KEPT: usize = 1024;
 
 /// Everything a request handler needs, shared by all connections.
 pub struct AppState {
@@ -42,7 +47,8 @@ pub struct AppState {
     pub background: &'static Background,
     /// [`Config::model_limits`] of the models seen, looked up once each,
     /// and whether a `[[models]]` entry gave them.
-    limits: Mutex<foldhash::HashMap<String, (ModelLimits, bool)>>,
+    /// Model names come from clients, so the table is bounded.
+    limits: Mutex<Generations<String, (ModelLimits, bool)>>,
     /// The windows the upstream told (see [`crate::windows`]).
     pub windows: crate::windows::Windows,
     /// Set when the shutdown grace period is over and the connections still
@@ -88,7 +94,7 @@ impl AppState {
             tenant_salt: snapshot.salt,
             metrics: crate::metrics::Metrics::new(),
             background: Background::global(),
-            limits: Mutex::default(),
+            limits: Mutex::new(Generations::new(MODELS_KEPT / 2)),
             windows,
             cut_at_shutdown: AtomicBool::new(false),
             config,
@@ -106,14 +112,10 @@ impl AppState {
     pub fn model_window(&self, model: &str) -> (ModelLimits, crate::windows::Source) {
         let configured = {
             let mut known = self.limits.lock().unwrap_or_else(|p| p.into_inner());
-            match known.get(model) {
+            match known.renew(model) {
                 Some(l) => *l,
                 None => {
                     let l = self.config.model_limits_sourced(model);
-                    // Model names come from clients: keep the table bounded.
-                    if known.len() >= 1024 {
-                        known.clear();
-                    }
                     known.insert(model.to_string(), l);
                     l
                 }
@@ -181,5 +183,33 @@ impl crate::engine::Context for AppState {
     }
     fn model_limits(&self, model: &str) -> ModelLimits {
         AppState::model_limits(self, model)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A table of models past its bound keeps the ones looked up last, not
+    /// whichever happened to arrive after it was last emptied.
+    #[test]
+    fn the_models_table_keeps_the_recent_models_past_its_bound() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut config = Config::default();
+        config.store.path = dir.path().join("c.db").display().to_string();
+        config.upstream.discover_windows = false;
+        let state = AppState::open(config).expect("open state");
+        let names: Vec<String> = (0..MODELS_KEPT + MODELS_KEPT / 4)
+            .map(|i| format!("model-{i}"))
+            .collect();
+        for name in &names {
+            state.model_limits(name);
+        }
+        let seen: std::collections::HashSet<String> =
+            state.models_seen().into_iter().map(|(m, _, _)| m).collect();
+        assert!(seen.len() <= MODELS_KEPT, "{}", seen.len());
+        for name in &names[names.len() - MODELS_KEPT / 2..] {
+            assert!(seen.contains(name), "{name} was dropped");
+        }
     }
 }
