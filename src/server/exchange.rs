@@ -111,7 +111,7 @@ impl PendingExchange {
         if self.api == Api::Chat {
             crate::wire::chat::ensure_stream_usage(&mut body);
         }
-        super::proxy::set_items(self.api, &mut body, &self.view.values());
+        self.api.set_items(&mut body, &self.view.values());
         Tools::restore(self.tools.as_ref(), &mut body);
         serde_json::to_vec(&body)
             .map(|b| bytes::Bytes::from(b).into())

@@ -179,7 +179,7 @@ async fn parse(
             if strip_usage {
                 chat::ensure_stream_usage(&mut full);
             }
-            set_items(api, &mut full, &items.values());
+            api.set_items(&mut full, &items.values());
             Tools::restore(tools.as_ref(), &mut full);
             Bytes::from(serde_json::to_vec(&full).map_err(|e| ProxyError::Internal(e.to_string()))?)
                 .into()
@@ -822,23 +822,6 @@ fn is_sse(headers: &http::HeaderMap) -> bool {
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"))
-}
-
-/// Replaces the request body's items with `items`: `messages` for chat;
-/// `input` for Responses (where `instructions` stays the body's own field
-/// and a leading instructions pseudo-item is dropped).
-pub(super) fn set_items(api: Api, body: &mut Value, items: &[Value]) {
-    match api {
-        Api::Chat => body["messages"] = Value::Array(items.to_vec()),
-        Api::Responses => {
-            let skip = usize::from(
-                items
-                    .first()
-                    .is_some_and(wire::responses::is_instructions_item),
-            );
-            body["input"] = Value::Array(items[skip..].to_vec());
-        }
-    }
 }
 
 /// The recorded history a `previous_response_id` continues, if the proxy

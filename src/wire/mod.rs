@@ -86,6 +86,20 @@ impl Api {
         }
     }
 
+    /// Puts `items` in a request body as its history, the inverse of
+    /// [`Api::take_items`]: `messages` for chat; `input` for Responses
+    /// (where `instructions` stays the body's own field and a leading
+    /// instructions pseudo-item is dropped).
+    pub fn set_items(self, body: &mut Value, items: &[Value]) {
+        match self {
+            Api::Chat => body["messages"] = Value::Array(items.to_vec()),
+            Api::Responses => {
+                let skip = usize::from(items.first().is_some_and(responses::is_instructions_item));
+                body["input"] = Value::Array(items[skip..].to_vec());
+            }
+        }
+    }
+
     /// Checks that the body has the shape this endpoint needs, naming the
     /// offending field otherwise.
     pub fn validate(self, body: &Value) -> Result<(), String> {
