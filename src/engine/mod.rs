@@ -57,6 +57,17 @@ pub enum CompactError {
     Internal(String),
 }
 
+impl CompactError {
+    /// The answer to a client that asked for this compaction: its history
+    /// gave nothing to compact, unless the proxy itself failed.
+    pub fn into_refusal(self) -> crate::error::ProxyError {
+        match self {
+            CompactError::Internal(detail) => crate::error::ProxyError::Internal(detail),
+            other => crate::error::ProxyError::NothingToCompact(other.to_string()),
+        }
+    }
+}
+
 /// What a compaction starts from: the request as it would go upstream.
 #[derive(Clone)]
 pub struct Input {

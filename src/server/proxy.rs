@@ -507,7 +507,7 @@ async fn answer_trigger(
     let c = match compacted {
         Ok(c) => c,
         Err(e) => {
-            let err = ProxyError::BadRequest(format!("nothing to compact: {e}"));
+            let err = e.into_refusal();
             return Err(fail(state, pending, err, None).await);
         }
     };
@@ -611,7 +611,7 @@ pub async fn handle_compact(state: Arc<AppState>, req: Request<Incoming>) -> Res
         input.goal = engine::Goal::HardLimit;
         let c = engine::compact(&state, input)
             .await
-            .map_err(|e| ProxyError::BadRequest(format!("nothing to compact: {e}")))?;
+            .map_err(engine::CompactError::into_refusal)?;
         let mut answer = compaction_response(&c, &pending.model, remote::endpoint_output(&c));
         answer["object"] = "response.compaction".into();
         answer["id"] = Value::String(c.id.clone());
