@@ -1223,6 +1223,33 @@ pub(crate) mod tests {
         }
     }
 
+    /// A failed commit reaches its waiters as the backend's own error,
+    /// typed, not as a string.
+    #[tokio::test]
+    async fn a_failed_commit_tells_its_waiters_the_backends_error() {
+        use crate::store::{sqlite::SqliteBackend, Store, StoreError};
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        let backend = Hooked(
+            SqliteBackend::open(&db).unwrap(),
+            Box::new(|| Err(io::Error::new(io::ErrorKind::StorageFull, "disk full").into())),
+        );
+        let (store, _) = Store::start(Box::new(backend), None, LIMITS).unwrap();
+        let limit = std::time::Duration::from_secs(10);
+        let err = tokio::time::timeout(limit, store.record(record(1)))
+            .await
+            .expect("in time")
+            .expect_err("the commit failed");
+        let StoreError::Commit(cause) = &err else {
+            panic!("{err:?}");
+        };
+        assert!(
+            matches!(&**cause, StoreError::Io(e) if e.kind() == io::ErrorKind::StorageFull),
+            "{err:?}"
+        );
+        assert!(std::error::Error::source(&err).is_some());
+    }
+
     #[tokio::test]
     async fn what_an_import_failed_to_write_stays_journaled_for_the_next_start() {
         use crate::store::{sqlite::SqliteBackend, Store};

@@ -245,10 +245,14 @@ pub enum StoreError {
     /// The writer thread is gone.
     #[error("store writer stopped")]
     Closed,
+    /// The commit of a batch failed: the backend's error, shared by every
+    /// record of the batch that waited for it.
+    #[error("commit failed: {0}")]
+    Commit(#[source] Arc<StoreError>),
 }
 
 /// Told when a commit is done (or failed).
-type Ack = Box<dyn FnOnce(Result<(), String>) + Send>;
+type Ack = Box<dyn FnOnce(Result<(), Arc<StoreError>>) + Send>;
 
 enum Cmd {
     /// A journaled exchange: imported with the next batch.
@@ -502,8 +506,8 @@ impl Store {
     }
 }
 
-fn acked(result: Result<(), String>) -> Result<(), StoreError> {
-    result.map_err(|e| StoreError::Io(std::io::Error::other(e)))
+fn acked(result: Result<(), Arc<StoreError>>) -> Result<(), StoreError> {
+    result.map_err(StoreError::Commit)
 }
 
 /// Collects records and commits them: journaled ones within
@@ -591,7 +595,7 @@ impl Pending {
         let result = if self.records.is_empty() {
             Ok(())
         } else {
-            backend.write(&self.records).map_err(|e| e.to_string())
+            backend.write(&self.records).map_err(Arc::new)
         };
         match (&result, journal, self.upto.take()) {
             (Err(e), _, _) => {
