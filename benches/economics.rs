@@ -67,10 +67,11 @@ use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 
+use compactor::app::AppState;
 use compactor::compaction::summary::{NARRATIVE_SECTIONS, SUMMARIZER_MARKER};
 use compactor::config::{Config, ModelConfig};
 use compactor::fake_upstream::{FakeUpstream, Received, Reply};
-use compactor::server::{self, AppState};
+use compactor::server;
 use compactor::tokens::TokenCounter;
 use compactor::wire::items::{ItemList, Tools};
 use compactor::wire::{item_hash, Api};

@@ -43,9 +43,10 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use compactor::app::AppState;
 use compactor::config::Config;
 use compactor::fake_upstream::{FakeUpstream, AUTO_TEXT};
-use compactor::server::{self, AppState};
+use compactor::server;
 use serde_json::json;
 use tokio::runtime::Runtime;
 use tokio::sync::oneshot;

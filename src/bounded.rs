@@ -85,6 +85,11 @@ impl<K: Hash + Eq, V, S: BuildHasher + Default> Generations<K, V, S> {
         self.current.get(key).or_else(|| self.old.get(key))
     }
 
+    /// The keys kept, in no order.
+    pub fn keys(&self) -> impl Iterator<Item = &K> {
+        self.current.keys().chain(self.old.keys())
+    }
+
     /// Number of entries kept.
     pub fn len(&self) -> usize {
         self.current.len() + self.old.len()

@@ -9,9 +9,10 @@ use clap::{Parser, Subcommand, ValueEnum};
 pub mod connect;
 pub mod doctor;
 
+use crate::app::AppState;
 use crate::config::{Config, ConfigError};
 use crate::demo::thousands;
-use crate::server::{self, AppState};
+use crate::server;
 use crate::store::query::{self, CompactionRow, ConversationDetail, ConversationSummary};
 
 /// Exit status for a bad configuration or invocation (sysexits EX_USAGE).

@@ -9,8 +9,7 @@
 //! between two credentials, even for byte-identical histories.
 
 use std::collections::VecDeque;
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex};
 
 use crate::bounded::Generations;
 
@@ -41,28 +40,6 @@ impl TenantScope {
     fn chain(&self, chain: &ItemHash) -> ItemHash {
         std::array::from_fn(|i| chain[i] ^ self.0[i])
     }
-}
-
-/// A new conversation id: unpredictable and unique, without a system call
-/// per id (a keyed hash of a counter, under a key drawn once per process).
-pub fn new_conversation_id() -> String {
-    static KEY: OnceLock<[u8; 32]> = OnceLock::new();
-    static NEXT: AtomicU64 = AtomicU64::new(0);
-    let key = KEY.get_or_init(|| {
-        let mut k = [0u8; 32];
-        if getrandom::fill(&mut k).is_err() {
-            // Fall back to time: ids need to be unique, not secret.
-            let t = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_nanos())
-                .unwrap_or(0);
-            k[..16].copy_from_slice(&t.to_le_bytes());
-        }
-        k
-    });
-    let n = NEXT.fetch_add(1, Ordering::Relaxed);
-    let h = blake3::keyed_hash(key, &n.to_le_bytes());
-    format!("conv_{}", &h.to_hex()[..24])
 }
 
 /// The result of matching a request.
@@ -246,6 +223,13 @@ const MAX_ENTRIES_PER_CONVERSATION: usize = 64;
 /// two entries), so it reads no more of a large store than it keeps.
 pub const MAX_ENTRIES: usize = 200_000;
 
+/// What a start-up loads from the store for the index: as many exchanges as
+/// it keeps entries, as many keys as it keeps.
+pub const STORE_LIMITS: crate::store::Limits = crate::store::Limits {
+    exchanges: MAX_ENTRIES,
+    keys: KEYS,
+};
+
 /// In-memory index from prefixes, keys and response ids to conversations;
 /// rebuilt from the store at start-up.
 #[derive(Default)]
@@ -345,7 +329,7 @@ impl ConversationIndex {
                 None => None,
             };
             let is_new = stored.is_none();
-            let conversation = stored.unwrap_or_else(new_conversation_id);
+            let conversation = stored.unwrap_or_else(crate::ids::new_conversation_id);
             inner.by_key.kept.insert(key, conversation.clone());
             return Identified {
                 conversation,
@@ -372,7 +356,7 @@ impl ConversationIndex {
                 prefix,
             },
             None => Identified {
-                conversation: new_conversation_id(),
+                conversation: crate::ids::new_conversation_id(),
                 is_new: true,
                 prefix: None,
             },
@@ -444,22 +428,11 @@ mod tests {
     use super::*;
     use crate::wire::{chain_hashes, item_hash};
     use serde_json::json;
+    use std::sync::atomic::Ordering;
 
     fn chains(n: usize) -> Vec<ItemHash> {
         let items: Vec<ItemHash> = (0..n).map(|i| item_hash(&json!({"n": i}))).collect();
         chain_hashes(&items)
-    }
-
-    #[test]
-    fn conversation_ids_are_distinct_hex() {
-        let ids: std::collections::HashSet<String> =
-            (0..10_000).map(|_| new_conversation_id()).collect();
-        assert_eq!(ids.len(), 10_000);
-        for id in ids.iter().take(100) {
-            let hex = id.strip_prefix("conv_").expect("prefixed");
-            assert_eq!(hex.len(), 24);
-            assert!(hex.bytes().all(|b| b.is_ascii_hexdigit()), "{id}");
-        }
     }
 
     /// `Inner::lengths` counts exactly the indexed chains' lengths.

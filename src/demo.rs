@@ -25,10 +25,11 @@ use anyhow::{bail, Context};
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
+use crate::app::AppState;
 use crate::compaction::summary::SUMMARIZER_MARKER;
 use crate::config::{Config, ModelConfig};
 use crate::fake_upstream::{FakeUpstream, Received};
-use crate::server::{self, AppState};
+use crate::server;
 
 /// The model name the demo session uses (matched by its `[[models]]` entry).
 pub const MODEL: &str = "demo-agent";
@@ -169,7 +170,7 @@ pub async fn run_with_output(
             let dir = std::env::temp_dir().join(format!(
                 "compactor-demo-{}-{}-{run}",
                 std::process::id(),
-                server::now_ms()
+                crate::ids::now_ms()
             ));
             std::fs::create_dir_all(&dir)
                 .with_context(|| format!("cannot create {}", dir.display()))?;

@@ -21,6 +21,10 @@ pub enum ProxyError {
     /// The client's body is not JSON or not the shape the endpoint needs.
     #[error("{0}")]
     BadRequest(String),
+    /// A compaction the client asked for (`/v1/responses/compact`, Codex's
+    /// `compaction_trigger`) could not be made from its history.
+    #[error("nothing to compact: {0}")]
+    NothingToCompact(String),
     /// The client's body exceeds `server.max_body_bytes`.
     #[error("request body exceeds the limit of {limit} bytes")]
     PayloadTooLarge {
@@ -61,7 +65,9 @@ impl ProxyError {
     /// HTTP status the client sees.
     pub fn status(&self) -> StatusCode {
         match self {
-            ProxyError::BadRequest(_) | ProxyError::InvalidPath(_) => StatusCode::BAD_REQUEST,
+            ProxyError::BadRequest(_)
+            | ProxyError::InvalidPath(_)
+            | ProxyError::NothingToCompact(_) => StatusCode::BAD_REQUEST,
             ProxyError::LoopDetected => StatusCode::LOOP_DETECTED,
             ProxyError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
@@ -77,6 +83,7 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(_)
             | ProxyError::InvalidPath(_)
+            | ProxyError::NothingToCompact(_)
             | ProxyError::PayloadTooLarge { .. }
             | ProxyError::RequestTimeout(_)
             | ProxyError::NotFound { .. } => "invalid_request_error",
@@ -90,6 +97,7 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(_) => "invalid_json",
             ProxyError::InvalidPath(_) => "invalid_path",
+            ProxyError::NothingToCompact(_) => "nothing_to_compact",
             ProxyError::LoopDetected => "loop_detected",
             ProxyError::PayloadTooLarge { .. } => "request_too_large",
             ProxyError::RequestTimeout(_) => "request_timeout",

@@ -5,18 +5,25 @@
 //!
 //! - [`admin`]: the admin page and JSON API (`/admin/`): conversations,
 //!   their compactions and token figures, manual compaction.
+//! - [`app`]: the composition root, `AppState` (what every handler shares)
+//!   and its construction.
 //! - [`config`]: `proxy.toml` schema, defaults, layering, the models table.
 //! - [`cli`]: the `compactor` command line; [`cli::doctor`] checks a setup,
 //!   [`cli::connect`] configures clients for the proxy.
-//! - [`compaction`]: when, where and how a history is compacted (pure layer)
-//!   and the engine that runs it (summaries, background jobs, replay).
+//! - [`compaction`]: when, where and how a history is compacted (the pure
+//!   layer: it imports only `config`, `wire` and itself).
+//! - [`engine`]: the I/O around the pure layer (stored compactions, summary
+//!   calls, background jobs, the hard-limit check), over a narrow
+//!   `engine::Context`.
+//! - [`ids`]: conversation and compaction ids, the clock.
 //! - [`server`]: accept loop, graceful shutdown, routing, the proxied endpoints.
 //! - [`upstream`]: the pooled client to the real API, header hygiene, credentials.
 //! - [`wire`]: the item view of Chat Completions and Responses, content
 //!   hashes, usage, the SSE tee.
 //! - [`conversation`]: tenants and matching a request to its conversation.
-//! - [`store`]: records (conversations, exchanges, content-addressed items);
-//!   the SQLite backend.
+//! - [`store`]: records (conversations, exchanges, content-addressed items):
+//!   the writer's `Backend` and the point `Reads`, both implemented for
+//!   SQLite; it imports nothing above it.
 //! - [`tokens`]: tiktoken estimates by section.
 //! - [`windows`]: the upstream's real context windows, learned from its
 //!   overflow answers or discovered by asking it, and remembered.
@@ -37,6 +44,7 @@
 #![warn(missing_docs)]
 
 pub mod admin;
+pub mod app;
 pub mod background;
 pub mod bounded;
 pub mod cli;
@@ -44,8 +52,10 @@ pub mod compaction;
 pub mod config;
 pub mod conversation;
 pub mod demo;
+pub mod engine;
 pub mod error;
 pub mod fake_upstream;
+pub mod ids;
 pub mod metrics;
 pub mod redact;
 pub mod server;

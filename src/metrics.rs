@@ -15,12 +15,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use http::header::{HeaderValue, CONTENT_TYPE};
-use http::{Response, StatusCode};
-
-use crate::error::{full, ProxyBody};
-use crate::server::AppState;
-
 /// Content type of the text exposition format.
 pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
 
@@ -170,7 +164,7 @@ fn escape_label(v: &str) -> String {
         .replace('\n', "\\n")
 }
 
-/// All of the proxy's metrics. One per process, in [`AppState`].
+/// All of the proxy's metrics. One per process, in [`crate::app::AppState`].
 pub struct Metrics {
     /// `[endpoint][status - 100]`.
     requests: Box<[AtomicU64]>,
@@ -549,20 +543,6 @@ pub fn store_bytes(db: &Path) -> Option<u64> {
     Some(main + beside.iter().sum::<u64>())
 }
 
-/// `GET /metrics`: the exposition of `state`'s metrics with its gauges.
-pub fn serve(state: &AppState) -> Response<ProxyBody> {
-    let mut gauges = state.metrics.gauges(
-        &state.config.store_path(),
-        Some(state.compactions.len() as u64),
-    );
-    gauges.windows = state.models_seen();
-    let mut resp = Response::new(full(state.metrics.render(&gauges)));
-    *resp.status_mut() = StatusCode::OK;
-    resp.headers_mut()
-        .insert(CONTENT_TYPE, HeaderValue::from_static(CONTENT_TYPE_TEXT));
-    resp
-}
-
 fn header(out: &mut String, name: &str, help: &str, kind: &str) {
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} {kind}");
@@ -828,7 +808,7 @@ mod tests {
         let dir = std::env::temp_dir().join(format!(
             "compactor-metrics-test-{}-{}",
             std::process::id(),
-            crate::server::now_ms()
+            crate::ids::now_ms()
         ));
         std::fs::create_dir_all(&dir).unwrap();
         let db = dir.join("x.db");

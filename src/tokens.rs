@@ -16,12 +16,14 @@ use serde::Serialize;
 use serde_json::Value;
 use tiktoken_rs::CoreBPE;
 
+use crate::bounded::Generations;
 use crate::wire::items::{ItemList, Tools};
 use crate::wire::{Api, ItemHash};
 
 /// Per-message framing overhead OpenAI documents for chat formats.
 const PER_ITEM_OVERHEAD: u64 = 4;
-/// Cache entries kept before the cache is cleared (bounds memory).
+/// Most cache entries kept (bounds memory); the least recently used go
+/// first ([`Generations`]).
 const CACHE_LIMIT: usize = 200_000;
 
 /// Estimated tokens of a request, by section.
@@ -50,20 +52,29 @@ static BPE: OnceLock<Option<CoreBPE>> = OnceLock::new();
 static PIECES: OnceLock<Option<pieces::PieceCounter>> = OnceLock::new();
 
 /// Counts tokens; cheap to share.
-#[derive(Default)]
 pub struct TokenCounter {
-    cache: Mutex<foldhash::HashMap<ItemHash, Counted>>,
+    cache: Mutex<Generations<ItemHash, Counted>>,
     /// Sums by section of a request's leading items, by the chain hash
     /// after them: a conversation's next request repeats them, and takes
     /// their sums with one look instead of one per item.
-    prefixes: Mutex<foldhash::HashMap<(Api, ItemHash), Estimate>>,
+    prefixes: Mutex<Generations<(Api, ItemHash), Estimate>>,
+}
+
+impl Default for TokenCounter {
+    fn default() -> Self {
+        // Two generations of half the limit each: at most the limit kept.
+        TokenCounter {
+            cache: Mutex::new(Generations::new(CACHE_LIMIT / 2)),
+            prefixes: Mutex::new(Generations::new(PREFIX_LIMIT / 2)),
+        }
+    }
 }
 
 /// How far back from its end a request's chains are looked up among the
 /// prefixes counted before (a next turn adds a few items; a regenerated
 /// answer drops one).
 const PREFIX_LOOKBACK: usize = 16;
-/// Prefix sums kept before they are cleared (bounds memory).
+/// Most prefix sums kept (bounds memory), the least recently used going first.
 const PREFIX_LIMIT: usize = 100_000;
 
 /// What the cache keeps of an item: its tokens and what kind of item it
@@ -78,8 +89,7 @@ struct Counted {
 #[derive(Clone, Copy, Debug, PartialEq)]
 struct Kind {
     system: bool,
-    chat_tool_output: bool,
-    responses_tool_output: bool,
+    tool_output: bool,
 }
 
 impl Kind {
@@ -91,20 +101,17 @@ impl Kind {
 
     fn from_fields(role: &str, kind: &str) -> Kind {
         Kind {
-            system: role == "system" || role == "developer" || kind == "instructions",
-            chat_tool_output: role == "tool" || role == "function",
-            responses_tool_output: kind.ends_with("_output"),
+            system: crate::wire::class::is_system(role, kind),
+            tool_output: crate::wire::class::is_tool_output(role, kind),
         }
     }
 
-    fn section(self, api: Api) -> Section {
-        let tool_output = match api {
-            Api::Chat => self.chat_tool_output,
-            Api::Responses => self.responses_tool_output,
-        };
+    /// The section an item counts in: the same whatever the API, as the
+    /// classification looks at both members.
+    fn section(self) -> Section {
         if self.system {
             Section::System
-        } else if tool_output {
+        } else if self.tool_output {
             Section::ToolOutputs
         } else {
             Section::Messages
@@ -165,12 +172,12 @@ impl TokenCounter {
         self.counted(hash, item).tokens
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, foldhash::HashMap<ItemHash, Counted>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Generations<ItemHash, Counted>> {
         self.cache.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     fn counted<'a>(&self, hash: &ItemHash, item: impl FnOnce() -> Cow<'a, Value>) -> Counted {
-        if let Some(c) = self.lock().get(hash) {
+        if let Some(c) = self.lock().renew(hash) {
             return *c;
         }
         let counted = self.count_new(&item());
@@ -230,9 +237,6 @@ impl TokenCounter {
     fn insert(&self, counted: impl IntoIterator<Item = (ItemHash, Counted)>) {
         let mut cache = self.lock();
         for (hash, c) in counted {
-            if cache.len() >= CACHE_LIMIT {
-                cache.clear();
-            }
             cache.insert(hash, c);
         }
     }
@@ -297,8 +301,8 @@ impl TokenCounter {
         // One look at the cache for the rest of the request; the items it
         // lacks are counted without holding it.
         let mut found: Vec<Option<Counted>> = {
-            let cache = self.lock();
-            hashes.iter().map(|h| cache.get(h).copied()).collect()
+            let mut cache = self.lock();
+            hashes.iter().map(|h| cache.renew(h).copied()).collect()
         };
         let mut new = Vec::new();
         for (i, slot) in found.iter_mut().enumerate() {
@@ -316,7 +320,7 @@ impl TokenCounter {
         let mut before_last = e;
         for c in found.into_iter().flatten() {
             before_last = e;
-            match c.kind.section(api) {
+            match c.kind.section() {
                 Section::System => e.system += c.tokens,
                 Section::Messages => e.messages += c.tokens,
                 Section::ToolOutputs => e.tool_outputs += c.tokens,
@@ -324,9 +328,6 @@ impl TokenCounter {
         }
         if let Some(chains) = chains.filter(|_| n > from) {
             let mut known = self.prefixes.lock().unwrap_or_else(|p| p.into_inner());
-            if known.len() + 2 > PREFIX_LIMIT {
-                known.clear();
-            }
             known.insert((api, chains[n - 1]), e);
             if n >= 2 && n - 1 > from {
                 known.insert((api, chains[n - 2]), before_last);
@@ -339,6 +340,7 @@ impl TokenCounter {
     }
 }
 
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Section {
     System,
     Messages,
@@ -600,5 +602,39 @@ mod tests {
         t.count_item(&hashes[1], &items.item(1));
         let mixed = t.bound(&items, &hashes, tools.as_ref());
         assert!(mixed >= e.total() && mixed < cold);
+    }
+
+    proptest::proptest! {
+        /// Token accounting files an item under tool outputs exactly when
+        /// compaction treats it as one, and under system exactly when
+        /// compaction does, whatever the API: one classification, not two.
+        #[test]
+        fn sections_follow_the_compaction_classification(
+            role in proptest::sample::select(vec![
+                "", "system", "developer", "user", "assistant", "tool", "function",
+            ]),
+            kind in proptest::sample::select(vec![
+                "", "message", "instructions", "function_call", "function_call_output",
+                "custom_tool_call_output", "reasoning", "image_generation_output",
+            ]),
+        ) {
+            let mut item = serde_json::Map::new();
+            if !role.is_empty() {
+                item.insert("role".into(), json!(role));
+            }
+            if !kind.is_empty() {
+                item.insert("type".into(), json!(kind));
+            }
+            let item = Value::Object(item);
+            let want = if crate::compaction::items::is_system(&item) {
+                Section::System
+            } else if crate::compaction::items::is_tool_output(&item) {
+                Section::ToolOutputs
+            } else {
+                Section::Messages
+            };
+            proptest::prop_assert_eq!(Kind::of(&item).section(), want);
+            proptest::prop_assert_eq!(Kind::from_fields(role, kind).section(), want);
+        }
     }
 }

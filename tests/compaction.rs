@@ -498,7 +498,7 @@ async fn a_request_over_the_hard_limit_with_nothing_under_way_is_compacted_befor
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_hard_limit_is_checked_in_the_upstreams_tokens() {
-    use compactor::compaction::engine::{check_fit, Fit, FitCheck};
+    use compactor::engine::{check_fit, Fit, FitCheck};
     use std::sync::Arc;
     let h = Harness::start_with(small_window).await;
     let view: Arc<compactor::wire::items::ItemList> = Arc::new(
@@ -507,7 +507,7 @@ async fn the_hard_limit_is_checked_in_the_upstreams_tokens() {
             .collect::<Vec<Value>>()
             .into(),
     );
-    let estimate = compactor::compaction::engine::estimate_view(&h.state, view.clone(), None).await;
+    let estimate = compactor::engine::estimate_view(&h.state, view.clone(), None).await;
     assert!(
         estimate < 2700 && estimate * 2 > 2700,
         "test premise: {estimate}"

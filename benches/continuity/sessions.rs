@@ -19,10 +19,11 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
+use compactor::app::AppState;
 use compactor::compaction::summary::SUMMARIZER_MARKER;
 use compactor::config::{Config, ModelConfig};
 use compactor::fake_upstream::{FakeUpstream, Received};
-use compactor::server::{self, AppState};
+use compactor::server;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 

@@ -7,8 +7,8 @@ use http::{Response, StatusCode};
 use serde::Serialize;
 
 use super::error;
+use crate::app::AppState;
 use crate::error::{json_response, ProxyBody};
-use crate::server::AppState;
 use crate::store::query::{self, QueryError};
 
 /// Conversations listed when the request names no `limit`.

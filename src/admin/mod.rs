@@ -25,8 +25,8 @@ use http::{header, HeaderMap, HeaderValue, Method, Request, Response, StatusCode
 use hyper::body::Incoming;
 use subtle::ConstantTimeEq;
 
+use crate::app::AppState;
 use crate::error::{full, json_response, ProxyBody, ProxyError};
-use crate::server::AppState;
 
 /// Header carrying the admin token (alternative to `Authorization: Bearer`).
 pub const TOKEN_HEADER: &str = "x-compactor-admin-token";

@@ -20,7 +20,7 @@ fn kind(item: &Value) -> &str {
 
 /// System or developer text (including the Responses `instructions` pseudo-item).
 pub fn is_system(item: &Value) -> bool {
-    matches!(role(item), "system" | "developer") || kind(item) == "instructions"
+    crate::wire::class::is_system(role(item), kind(item))
 }
 
 /// A message from the user (not a tool output, not a summary the proxy wrote).
@@ -64,7 +64,7 @@ pub fn output_id(item: &Value) -> Option<&str> {
 
 /// Whether an item is a tool output.
 pub fn is_tool_output(item: &Value) -> bool {
-    output_id(item).is_some() || role(item) == "tool" || kind(item).ends_with("_call_output")
+    crate::wire::class::is_tool_output(role(item), kind(item))
 }
 
 /// The field holding a tool output's payload.

@@ -1,7 +1,7 @@
 //! Compaction: when, where and how a conversation's history is rewritten.
 //!
-//! The pure layer decides and computes; [`engine`] does the I/O (summary
-//! calls, storage, background jobs):
+//! This layer decides and computes, without I/O; [`crate::engine`] does the
+//! I/O around it (summary calls, storage, background jobs):
 //!
 //! - [`policy`]: should this conversation compact? (`decide`)
 //! - [`cut`]: where is the cut? (safe cuts: tool batches atomic)
@@ -22,7 +22,6 @@
 //! newer items], never the raw history again.
 
 pub mod cut;
-pub mod engine;
 pub mod fit;
 pub mod items;
 pub mod ladder;

@@ -4,7 +4,7 @@
 
 use serde_json::Value;
 
-use super::AppState;
+use crate::app::AppState;
 use crate::upstream::Upstream;
 use crate::windows::{window_in_models, window_in_props, Source, DISCOVERY_TIMEOUT};
 
@@ -32,7 +32,7 @@ pub async fn tell(state: &std::sync::Arc<AppState>, model: &str, window: u64, so
     let upstream = state.upstream.base();
     let Some(told) = state
         .windows
-        .tell(upstream, model, window, source, crate::server::now_ms())
+        .tell(upstream, model, window, source, crate::ids::now_ms())
     else {
         return;
     };

@@ -6,10 +6,10 @@ use std::time::Instant;
 
 use serde_json::Value;
 
-use super::AppState;
-use crate::compaction::engine::{self, Input};
+use crate::app::AppState;
 use crate::compaction::Compaction;
 use crate::conversation::Identified;
+use crate::engine::{self, Input};
 use crate::store::{ExchangeRecord, IndexedExchange};
 use crate::upstream::Payload;
 use crate::wire::items::{Claims, ItemList, Tools};
@@ -111,7 +111,7 @@ impl PendingExchange {
         if self.api == Api::Chat {
             crate::wire::chat::ensure_stream_usage(&mut body);
         }
-        super::proxy::set_items(self.api, &mut body, &self.view.values());
+        self.api.set_items(&mut body, &self.view.values());
         Tools::restore(self.tools.as_ref(), &mut body);
         serde_json::to_vec(&body)
             .map(|b| bytes::Bytes::from(b).into())
@@ -339,12 +339,4 @@ fn truncate(mut s: String, max: usize) -> String {
         s.push('…');
     }
     s
-}
-
-/// Milliseconds since the Unix epoch.
-pub fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_millis() as i64)
-        .unwrap_or(0)
 }

@@ -5,15 +5,14 @@
 
 pub mod discovery;
 mod exchange;
-pub use exchange::now_ms;
 mod passthrough;
 mod proxy;
 
 use std::convert::Infallible;
 use std::future::Future;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use http::{Method, Request, Response, StatusCode};
@@ -24,146 +23,24 @@ use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tracing::Instrument;
 
-use crate::background::Background;
-use crate::compaction::engine::Compactions;
-use crate::config::{Config, ModelLimits};
-use crate::conversation::ConversationIndex;
+use crate::app::AppState;
 use crate::error::{json_response, ProxyBody, ProxyError};
-use crate::store::{sqlite::SqliteBackend, Store};
-use crate::tokens::TokenCounter;
-use crate::upstream::Upstream;
 use crate::wire::Api;
 
-/// Everything a request handler needs, shared by all connections.
-pub struct AppState {
-    /// The effective configuration.
-    pub config: Config,
-    /// The upstream client.
-    pub upstream: Upstream,
-    /// Records.
-    pub store: Arc<Store>,
-    /// Prefix / key / response-id → conversation.
-    pub conversations: ConversationIndex,
-    /// Token estimates.
-    pub tokens: Arc<TokenCounter>,
-    /// Salt of tenant hashes (per store).
-    pub tenant_salt: [u8; 32],
-    /// Stored compactions and running compaction jobs.
-    pub compactions: Compactions,
-    /// Prometheus metrics (`GET /metrics`).
-    pub metrics: crate::metrics::Metrics,
-    /// The thread for the accounting that follows each answer.
-    pub background: &'static Background,
-    /// [`Config::model_limits`] of the models seen, looked up once each,
-    /// and whether a `[[models]]` entry gave them.
-    limits: Mutex<foldhash::HashMap<String, (ModelLimits, bool)>>,
-    /// The windows the upstream told (see [`crate::windows`]).
-    pub windows: crate::windows::Windows,
-    /// Set when the shutdown grace period is over and the connections still
-    /// open are dropped: what they were answering was cut by the proxy, not
-    /// left by the client.
-    cut_at_shutdown: AtomicBool,
-}
-
-impl AppState {
-    /// Opens the store and builds the upstream client.
-    pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
-        let path = config.store_path();
-        let backend = SqliteBackend::open_writer(&path)
-            .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
-        let journal = crate::store::Journal::open(&path)
-            .map_err(|e| anyhow::anyhow!("cannot open the journal of {}: {e}", path.display()))?;
-        let (store, mut snapshot) = Store::start(Box::new(backend), Some(journal))?;
-        let conversations = ConversationIndex::from_snapshot(
-            &snapshot,
-            crate::store::sqlite::key_reader(path.clone()),
-        );
-        let stored = std::mem::take(&mut snapshot.compactions);
-        let windows = crate::windows::Windows::from_stored(
-            &config.upstream.base_url,
-            std::mem::take(&mut snapshot.windows),
-        );
-        let compactions =
-            Compactions::from_stored(stored, crate::store::sqlite::reader(path.clone()));
-        Ok(Arc::new(AppState {
-            compactions,
-            upstream: Upstream::new(&config.upstream)?,
-            store,
-            conversations,
-            tokens: TokenCounter::new_warm(),
-            tenant_salt: snapshot.salt,
-            metrics: crate::metrics::Metrics::new(),
-            background: Background::global(),
-            limits: Mutex::default(),
-            windows,
-            cut_at_shutdown: AtomicBool::new(false),
-            config,
-        }))
-    }
-
-    /// The limits of `model`: [`Config::model_limits`] (which every
-    /// exchange needs and the config cannot change while the process runs)
-    /// with the window the upstream told applied.
-    pub fn model_limits(&self, model: &str) -> ModelLimits {
-        self.model_window(model).0
-    }
-
-    /// [`AppState::model_limits`] and where its window came from.
-    pub fn model_window(&self, model: &str) -> (ModelLimits, crate::windows::Source) {
-        let configured = {
-            let mut known = self.limits.lock().unwrap_or_else(|p| p.into_inner());
-            match known.get(model) {
-                Some(l) => *l,
-                None => {
-                    let l = self.config.model_limits_sourced(model);
-                    // Model names come from clients: keep the table bounded.
-                    if known.len() >= 1024 {
-                        known.clear();
-                    }
-                    known.insert(model.to_string(), l);
-                    l
-                }
-            }
-        };
-        let source = if configured.1 {
-            crate::windows::Source::Config
-        } else {
-            crate::windows::Source::Table
-        };
-        crate::windows::effective(configured.0, source, self.windows.told(model).as_ref())
-    }
-
-    /// The effective window of every model seen or told, by name:
-    /// (model, tokens, source).
-    pub fn models_seen(&self) -> Vec<(String, u64, &'static str)> {
-        let mut names: Vec<String> = self
-            .limits
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .keys()
-            .cloned()
-            .collect();
-        names.extend(self.windows.all().into_iter().map(|t| t.model));
-        names.sort();
-        names.dedup();
-        names
-            .into_iter()
-            .map(|m| {
-                let (l, s) = self.model_window(&m);
-                (m, l.context_window, s.as_str())
-            })
-            .collect()
-    }
-
-    /// Why an answer was dropped before its end: its client left, or the
-    /// proxy cut it at the end of the shutdown grace period.
-    pub fn cut_reason(&self) -> &'static str {
-        if self.cut_at_shutdown.load(Ordering::Acquire) {
-            "the proxy shut down"
-        } else {
-            "client disconnected"
-        }
-    }
+/// `GET /metrics`: the exposition of `state`'s metrics with its gauges.
+fn serve_metrics(state: &AppState) -> Response<ProxyBody> {
+    let mut gauges = state.metrics.gauges(
+        &state.config.store_path(),
+        Some(state.compactions.len() as u64),
+    );
+    gauges.windows = state.models_seen();
+    let mut resp = Response::new(crate::error::full(state.metrics.render(&gauges)));
+    *resp.status_mut() = StatusCode::OK;
+    resp.headers_mut().insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static(crate::metrics::CONTENT_TYPE_TEXT),
+    );
+    resp
 }
 
 /// Tasks a runtime worker runs between two checks for I/O (tokio's default
@@ -599,7 +476,7 @@ async fn route(
                 "healthz",
                 json_response(StatusCode::OK, &serde_json::json!({"status": "ok"})),
             ),
-            (&Method::GET, "/metrics") => ("metrics", crate::metrics::serve(&state)),
+            (&Method::GET, "/metrics") => ("metrics", serve_metrics(&state)),
             (&Method::POST, "/v1/chat/completions") => {
                 ("chat", proxy::handle(state, Api::Chat, req).await)
             }

@@ -13,7 +13,8 @@ use http::{Request, Response};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
-use super::{proxy, AppState};
+use super::proxy;
+use crate::app::AppState;
 use crate::error::{BodyError, ProxyBody, ProxyError};
 use crate::upstream::strip_hop_by_hop;
 

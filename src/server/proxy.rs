@@ -21,11 +21,13 @@ use http_body_util::{BodyExt, Limited, StreamBody};
 use hyper::body::{Frame, Incoming};
 use serde_json::Value;
 
-use super::exchange::{now_ms, Outcome, PendingExchange};
-use super::AppState;
-use crate::compaction::{engine, policy, remote, Compaction};
+use super::exchange::{Outcome, PendingExchange};
+use crate::app::AppState;
+use crate::compaction::{policy, remote, Compaction};
 use crate::conversation::tenant_of;
+use crate::engine;
 use crate::error::{full, BodyError, ProxyBody, ProxyError};
+use crate::ids::now_ms;
 use crate::upstream::{describe, strip_hop_by_hop, Payload};
 use crate::wire::items::{cached_hash, split_body_reusing, ItemList, Tools};
 use crate::wire::sse::SseTee;
@@ -177,7 +179,7 @@ async fn parse(
             if strip_usage {
                 chat::ensure_stream_usage(&mut full);
             }
-            set_items(api, &mut full, &items.values());
+            api.set_items(&mut full, &items.values());
             Tools::restore(tools.as_ref(), &mut full);
             Bytes::from(serde_json::to_vec(&full).map_err(|e| ProxyError::Internal(e.to_string()))?)
                 .into()
@@ -505,7 +507,7 @@ async fn answer_trigger(
     let c = match compacted {
         Ok(c) => c,
         Err(e) => {
-            let err = ProxyError::BadRequest(format!("nothing to compact: {e}"));
+            let err = e.into_refusal();
             return Err(fail(state, pending, err, None).await);
         }
     };
@@ -609,7 +611,7 @@ pub async fn handle_compact(state: Arc<AppState>, req: Request<Incoming>) -> Res
         input.goal = engine::Goal::HardLimit;
         let c = engine::compact(&state, input)
             .await
-            .map_err(|e| ProxyError::BadRequest(format!("nothing to compact: {e}")))?;
+            .map_err(engine::CompactError::into_refusal)?;
         let mut answer = compaction_response(&c, &pending.model, remote::endpoint_output(&c));
         answer["object"] = "response.compaction".into();
         answer["id"] = Value::String(c.id.clone());
@@ -822,23 +824,6 @@ fn is_sse(headers: &http::HeaderMap) -> bool {
         .is_some_and(|ct| ct.starts_with("text/event-stream"))
 }
 
-/// Replaces the request body's items with `items`: `messages` for chat;
-/// `input` for Responses (where `instructions` stays the body's own field
-/// and a leading instructions pseudo-item is dropped).
-pub(super) fn set_items(api: Api, body: &mut Value, items: &[Value]) {
-    match api {
-        Api::Chat => body["messages"] = Value::Array(items.to_vec()),
-        Api::Responses => {
-            let skip = usize::from(
-                items
-                    .first()
-                    .is_some_and(wire::responses::is_instructions_item),
-            );
-            body["input"] = Value::Array(items[skip..].to_vec());
-        }
-    }
-}
-
 /// The recorded history a `previous_response_id` continues, if the proxy
 /// relayed that response for this tenant.
 async fn previous_history(state: &Arc<AppState>, tenant: &str, id: &str) -> Option<Vec<Value>> {
@@ -847,21 +832,12 @@ async fn previous_history(state: &Arc<AppState>, tenant: &str, id: &str) -> Opti
     if let Err(e) = state.store.flush().await {
         tracing::warn!(error = %e, "store flush failed before a previous_response_id lookup");
     }
-    let path = state.config.store_path();
+    let reads = state.reads.clone();
     let (tenant, id) = (tenant.to_string(), id.to_string());
-    tokio::task::spawn_blocking(move || {
-        let conn = rusqlite::Connection::open_with_flags(
-            &path,
-            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
-        )
-        .ok()?;
-        crate::store::sqlite::response_history(&conn, &tenant, &id)
-            .ok()
-            .flatten()
-    })
-    .await
-    .ok()
-    .flatten()
+    tokio::task::spawn_blocking(move || reads.response_history(&tenant, &id))
+        .await
+        .ok()
+        .flatten()
 }
 
 /// Most bytes allocated for a request body before they arrive.

@@ -796,6 +796,9 @@ pub(crate) mod tests {
     use super::*;
     use crate::wire::Api;
 
+    /// What the server loads at start-up.
+    const LIMITS: crate::store::Limits = crate::conversation::STORE_LIMITS;
+
     /// An exchange record to write, with one new item of its own.
     pub(crate) fn record(id: i64) -> ExchangeRecord {
         let body = format!("{{\"role\":\"user\",\"content\":\"é\\n{id}\"}}");
@@ -1233,7 +1236,7 @@ pub(crate) mod tests {
         }
         let open = || {
             let backend = SqliteBackend::open(&db).unwrap();
-            Store::start(Box::new(backend), Some(Journal::open(&db).unwrap())).unwrap()
+            Store::start(Box::new(backend), Some(Journal::open(&db).unwrap()), LIMITS).unwrap()
         };
         let (store, snapshot) = open();
         let loaded: Vec<_> = snapshot.exchanges.iter().map(|e| e.id).collect();
@@ -1257,8 +1260,11 @@ pub(crate) mod tests {
     struct Hooked(crate::store::sqlite::SqliteBackend, BeforeWrite);
 
     impl crate::store::Backend for Hooked {
-        fn load(&mut self) -> Result<crate::store::Snapshot, crate::store::StoreError> {
-            self.0.load()
+        fn load(
+            &mut self,
+            limits: crate::store::Limits,
+        ) -> Result<crate::store::Snapshot, crate::store::StoreError> {
+            self.0.load(limits)
         }
         fn write(
             &mut self,
@@ -1267,6 +1273,33 @@ pub(crate) mod tests {
             (self.1)()?;
             self.0.write(batch)
         }
+    }
+
+    /// A failed commit reaches its waiters as the backend's own error,
+    /// typed, not as a string.
+    #[tokio::test]
+    async fn a_failed_commit_tells_its_waiters_the_backends_error() {
+        use crate::store::{sqlite::SqliteBackend, Store, StoreError};
+        let dir = tempfile::tempdir().unwrap();
+        let db = dir.path().join("s.db");
+        let backend = Hooked(
+            SqliteBackend::open(&db).unwrap(),
+            Box::new(|| Err(io::Error::new(io::ErrorKind::StorageFull, "disk full").into())),
+        );
+        let (store, _) = Store::start(Box::new(backend), None, LIMITS).unwrap();
+        let limit = std::time::Duration::from_secs(10);
+        let err = tokio::time::timeout(limit, store.record(record(1)))
+            .await
+            .expect("in time")
+            .expect_err("the commit failed");
+        let StoreError::Commit(cause) = &err else {
+            panic!("{err:?}");
+        };
+        assert!(
+            matches!(&**cause, StoreError::Io(e) if e.kind() == io::ErrorKind::StorageFull),
+            "{err:?}"
+        );
+        assert!(std::error::Error::source(&err).is_some());
     }
 
     #[tokio::test]
@@ -1291,7 +1324,7 @@ pub(crate) mod tests {
                 }),
             );
             let (store, _) =
-                Store::start(Box::new(backend), Some(Journal::open(&db).unwrap())).unwrap();
+                Store::start(Box::new(backend), Some(Journal::open(&db).unwrap()), LIMITS).unwrap();
             within(store.record(record(1))).await.unwrap();
             assert!(within(store.flush()).await.is_err(), "the import failed");
             within(store.record(record(2))).await.unwrap();
@@ -1312,8 +1345,12 @@ pub(crate) mod tests {
             }
         })
         .await;
-        let (_store, snapshot) =
-            Store::start(Box::new(SqliteBackend::open(&db).unwrap()), Some(journal)).unwrap();
+        let (_store, snapshot) = Store::start(
+            Box::new(SqliteBackend::open(&db).unwrap()),
+            Some(journal),
+            LIMITS,
+        )
+        .unwrap();
         let loaded: Vec<_> = snapshot.exchanges.iter().map(|e| e.id).collect();
         assert_eq!(loaded, [1, 2]);
         assert_eq!(ids_in(&db), [1, 2]);
@@ -1340,9 +1377,13 @@ pub(crate) mod tests {
         );
         // Room for two records waiting for their import.
         let max = 2 * record(1).footprint();
-        let (store, _) =
-            Store::start_bounded(Box::new(backend), Some(Journal::open(&db).unwrap()), max)
-                .unwrap();
+        let (store, _) = Store::start_bounded(
+            Box::new(backend),
+            Some(Journal::open(&db).unwrap()),
+            LIMITS,
+            max,
+        )
+        .unwrap();
         async fn within<T>(f: impl std::future::Future<Output = T>) -> T {
             tokio::time::timeout(Duration::from_secs(10), f)
                 .await

@@ -130,12 +130,11 @@ pub struct Snapshot {
     pub max_exchange_id: i64,
     /// The hashes of the newest [`KNOWN_ITEMS`] items stored.
     pub item_hashes: Vec<ItemHash>,
-    /// The newest exchanges (as many as the conversation index keeps
-    /// entries, [`crate::conversation::MAX_ENTRIES`]), oldest first, with
-    /// what the index needs.
+    /// The newest exchanges (as many as [`Limits::exchanges`]), oldest
+    /// first, with what the conversation index needs.
     pub exchanges: Vec<IndexedExchange>,
     /// Explicit conversation keys: (tenant, key, conversation), the most
-    /// recently seen [`crate::conversation::KEYS`] at most, oldest first.
+    /// recently seen [`Limits::keys`] at most, oldest first.
     pub keys: Vec<(String, String, String)>,
     /// Whether the store holds more keys than `keys`.
     pub keys_truncated: bool,
@@ -198,12 +197,40 @@ pub struct IndexedExchange {
     pub response_id: Option<String>,
 }
 
-/// A storage backend. Called from the writer thread only.
+/// How much of the store a start-up loads into memory: set by the code that
+/// keeps it (the conversation index), so the store decides no consumer's
+/// memory and names none.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// Newest exchanges in [`Snapshot::exchanges`].
+    pub exchanges: usize,
+    /// Most recently seen explicit keys in [`Snapshot::keys`].
+    pub keys: usize,
+}
+
+/// A storage backend's writes. Called from the writer thread only.
 pub trait Backend: Send + 'static {
-    /// Loads what start-up needs (creating the salt on first use).
-    fn load(&mut self) -> Result<Snapshot, StoreError>;
+    /// Loads what start-up needs (creating the salt on first use), within
+    /// `limits`.
+    fn load(&mut self, limits: Limits) -> Result<Snapshot, StoreError>;
     /// Writes a batch of records in one transaction.
     fn write(&mut self, batch: &[Record]) -> Result<(), StoreError>;
+}
+
+/// A storage backend's point reads, the ones the request path makes while
+/// the writer thread owns the writes: safe to call from any thread (they
+/// block, so async callers run them on a blocking thread). A second backend
+/// implements this beside [`Backend`].
+pub trait Reads: Send + Sync + 'static {
+    /// The compaction `id`, body included.
+    fn compaction(&self, id: &str) -> Option<Compaction>;
+    /// The conversation a tenant's explicit key names.
+    fn conversation_of_key(&self, tenant: &str, key: &str) -> Option<String>;
+    /// The input items a `previous_response_id` continues: the recorded
+    /// request and response of the tenant's exchange that answered with
+    /// `response_id`, its instructions left out. `None` when the proxy did
+    /// not relay that response whole, or any of its items is missing.
+    fn response_history(&self, tenant: &str, response_id: &str) -> Option<Vec<serde_json::Value>>;
 }
 
 /// A store failure.
@@ -218,10 +245,14 @@ pub enum StoreError {
     /// The writer thread is gone.
     #[error("store writer stopped")]
     Closed,
+    /// The commit of a batch failed: the backend's error, shared by every
+    /// record of the batch that waited for it.
+    #[error("commit failed: {0}")]
+    Commit(#[source] Arc<StoreError>),
 }
 
 /// Told when a commit is done (or failed).
-type Ack = Box<dyn FnOnce(Result<(), String>) + Send>;
+type Ack = Box<dyn FnOnce(Result<(), Arc<StoreError>>) + Send>;
 
 enum Cmd {
     /// A journaled exchange: imported with the next batch.
@@ -274,8 +305,9 @@ impl Store {
     pub fn start(
         backend: Box<dyn Backend>,
         journal: Option<(Journal, Vec<ExchangeRecord>)>,
+        limits: Limits,
     ) -> Result<(Arc<Store>, Snapshot), StoreError> {
-        Self::start_bounded(backend, journal, MAX_BACKLOG_BYTES)
+        Self::start_bounded(backend, journal, limits, MAX_BACKLOG_BYTES)
     }
 
     /// [`Store::start`] with the backlog bound given (see
@@ -283,6 +315,7 @@ impl Store {
     pub(crate) fn start_bounded(
         mut backend: Box<dyn Backend>,
         journal: Option<(Journal, Vec<ExchangeRecord>)>,
+        limits: Limits,
         max_backlog: usize,
     ) -> Result<(Arc<Store>, Snapshot), StoreError> {
         let journal = match journal {
@@ -299,7 +332,7 @@ impl Store {
             }
             None => None,
         };
-        let snapshot = backend.load()?;
+        let snapshot = backend.load(limits)?;
         let (tx, rx) = mpsc::channel::<Cmd>();
         let upkeep = journal.clone();
         let backlog = Arc::new(Backlog::default());
@@ -473,8 +506,8 @@ impl Store {
     }
 }
 
-fn acked(result: Result<(), String>) -> Result<(), StoreError> {
-    result.map_err(|e| StoreError::Io(std::io::Error::other(e)))
+fn acked(result: Result<(), Arc<StoreError>>) -> Result<(), StoreError> {
+    result.map_err(StoreError::Commit)
 }
 
 /// Collects records and commits them: journaled ones within
@@ -562,7 +595,7 @@ impl Pending {
         let result = if self.records.is_empty() {
             Ok(())
         } else {
-            backend.write(&self.records).map_err(|e| e.to_string())
+            backend.write(&self.records).map_err(Arc::new)
         };
         match (&result, journal, self.upto.take()) {
             (Err(e), _, _) => {

@@ -229,12 +229,8 @@ fn opt_hash(blob: Option<Vec<u8>>) -> Option<ItemHash> {
 }
 
 impl Backend for SqliteBackend {
-    fn load(&mut self) -> Result<Snapshot, StoreError> {
-        self.load_newest(
-            super::KNOWN_ITEMS,
-            crate::conversation::MAX_ENTRIES,
-            crate::conversation::KEYS,
-        )
+    fn load(&mut self, limits: super::Limits) -> Result<Snapshot, StoreError> {
+        self.load_newest(super::KNOWN_ITEMS, limits.exchanges, limits.keys)
     }
 
     fn write(&mut self, batch: &[Record]) -> Result<(), StoreError> {
@@ -540,13 +536,6 @@ pub fn load_compactions(
     Ok(rows.collect::<Result<_, _>>()?)
 }
 
-/// Reads compactions by id for the registry, through a read-only
-/// connection of its own (see `read_only`).
-pub fn reader(path: std::path::PathBuf) -> crate::compaction::engine::LoadCompaction {
-    let read = read_only(path);
-    std::sync::Arc::new(move |id: &str| read(&|conn| load_compaction(conn, id)))
-}
-
 /// A query that finds one thing, or nothing.
 type Query<'a, T> = dyn Fn(&Connection) -> Result<Option<T>, StoreError> + 'a;
 
@@ -579,12 +568,37 @@ fn read_only<T>(path: std::path::PathBuf) -> impl Fn(&Query<'_, T>) -> Option<T>
     }
 }
 
-/// Finds the conversation of a (tenant, explicit key) for the index,
-/// through a read-only connection of its own (see [`reader`]).
-pub fn key_reader(path: std::path::PathBuf) -> crate::conversation::LookupKey {
-    let read = read_only(path);
-    std::sync::Arc::new(move |tenant: &str, key: &str| {
-        read(&|conn| {
+/// The point reads of an SQLite store ([`super::Reads`]). Lookups by id and
+/// by key each go through a read-only connection of their own (see
+/// `read_only`), so neither waits for the other; a `previous_response_id`
+/// history opens one per read, as such reads are rare and may be long.
+pub struct SqliteReads {
+    path: std::path::PathBuf,
+    compaction: Runner<Compaction>,
+    key: Runner<String>,
+}
+
+/// A [`read_only`] query runner, boxed.
+type Runner<T> = Box<dyn Fn(&Query<'_, T>) -> Option<T> + Send + Sync>;
+
+impl SqliteReads {
+    /// Reads of the store at `path`; nothing is opened until a read.
+    pub fn new(path: &Path) -> Self {
+        SqliteReads {
+            path: path.to_path_buf(),
+            compaction: Box::new(read_only(path.to_path_buf())),
+            key: Box::new(read_only(path.to_path_buf())),
+        }
+    }
+}
+
+impl super::Reads for SqliteReads {
+    fn compaction(&self, id: &str) -> Option<Compaction> {
+        (self.compaction)(&|conn| load_compaction(conn, id))
+    }
+
+    fn conversation_of_key(&self, tenant: &str, key: &str) -> Option<String> {
+        (self.key)(&|conn| {
             conn.query_row(
                 "SELECT id FROM conversations WHERE tenant = ?1 AND explicit_key = ?2",
                 params![tenant, key],
@@ -593,7 +607,14 @@ pub fn key_reader(path: std::path::PathBuf) -> crate::conversation::LookupKey {
             .optional()
             .map_err(StoreError::from)
         })
-    })
+    }
+
+    fn response_history(&self, tenant: &str, response_id: &str) -> Option<Vec<serde_json::Value>> {
+        let conn =
+            Connection::open_with_flags(&self.path, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+                .ok()?;
+        response_history(&conn, tenant, response_id).ok().flatten()
+    }
 }
 
 /// One compaction by id.
@@ -794,7 +815,7 @@ mod tests {
         let mut newest = [record(5).new_items[0].0, record(6).new_items[0].0];
         newest.sort();
         assert_eq!(items, newest);
-        let all = b.load().unwrap();
+        let all = b.load(crate::conversation::STORE_LIMITS).unwrap();
         assert_eq!(all.exchanges.len(), 6);
         assert_eq!(all.item_hashes.len(), 6);
         assert!(snap.keys.is_empty() && !snap.keys_truncated);

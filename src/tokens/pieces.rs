@@ -19,10 +19,12 @@ use std::sync::{Mutex, TryLockError};
 use regex::Regex;
 use tiktoken_rs::CoreBPE;
 
+use crate::bounded::Generations;
+
 /// The lookahead alternative of tiktoken's o200k pattern.
 const LOOKAHEAD: &str = r"|\s+(?!\S)";
 
-/// Distinct pieces kept before the cache starts over.
+/// Most distinct pieces kept, the least recently used going first.
 const PIECE_LIMIT: usize = 1 << 16;
 
 /// One cache for the process (counting is mostly the accounting thread's),
@@ -36,10 +38,19 @@ static PIECES: Mutex<Option<Pieces>> = Mutex::new(None);
 /// is ~8% faster this way. With at most [`PIECE_LIMIT`] entries, a new
 /// piece takes another's count with a probability of about 2^-48: an
 /// estimate off by a few tokens.
-#[derive(Default)]
 struct Pieces {
     key: foldhash::quality::RandomState,
-    counts: foldhash::HashMap<u64, u32>,
+    counts: Generations<u64, u32>,
+}
+
+impl Default for Pieces {
+    fn default() -> Self {
+        Pieces {
+            key: Default::default(),
+            // Two generations of half the limit: at most the limit kept.
+            counts: Generations::new(PIECE_LIMIT / 2),
+        }
+    }
 }
 
 /// The split without the lookahead, over tiktoken's tokenizer.
@@ -115,13 +126,10 @@ impl PieceCounter {
         let mut total = 0u64;
         for piece in self.pieces(text) {
             let key = cache.key.hash_one(piece);
-            let n = match cache.counts.get(&key) {
+            let n = match cache.counts.renew(&key) {
                 Some(n) => *n,
                 None => {
                     let n = count(piece);
-                    if cache.counts.len() >= PIECE_LIMIT {
-                        cache.counts.clear();
-                    }
                     cache.counts.insert(key, n);
                     n
                 }

@@ -23,6 +23,7 @@ use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
 use super::hash::{item_hash, ItemHash};
+use crate::bounded::Generations;
 
 /// A request body parsed with its item array left unparsed.
 pub struct SplitBody {
@@ -775,9 +776,9 @@ impl ItemList {
         let mut out = Vec::with_capacity(keys.len());
         let mut missing = Vec::new();
         {
-            let cache = raw_cache().lock().unwrap_or_else(|p| p.into_inner());
+            let mut cache = raw_cache().lock().unwrap_or_else(|p| p.into_inner());
             for (j, key) in keys.iter().enumerate() {
-                match cache.get(key) {
+                match cache.renew(key) {
                     Some(h) => out.push(*h),
                     None => {
                         missing.push(j);
@@ -1079,7 +1080,7 @@ pub fn cached_hash(key: ItemHash, compute: impl FnOnce() -> ItemHash) -> ItemHas
     if let Some(h) = raw_cache()
         .lock()
         .unwrap_or_else(|p| p.into_inner())
-        .get(&key)
+        .renew(&key)
     {
         return *h;
     }
@@ -1088,26 +1089,24 @@ pub fn cached_hash(key: ItemHash, compute: impl FnOnce() -> ItemHash) -> ItemHas
     h
 }
 
-/// Adds computed hashes to the bytes cache, clearing it first if they would
-/// take it past its bound.
+/// Adds computed hashes to the bytes cache, within its bound.
 fn remember(found: Vec<(ItemHash, ItemHash)>) {
     let mut cache = raw_cache().lock().unwrap_or_else(|p| p.into_inner());
-    if cache.len() + found.len() > RAW_CACHE_LIMIT {
-        cache.clear();
+    for (k, h) in found {
+        cache.insert(k, h);
     }
-    cache.extend(found);
 }
 
-/// Entries kept in the bytes → canonical hash cache before it is cleared
-/// (about 100 bytes each).
+/// Most entries kept in the bytes → canonical hash cache (about 100 bytes
+/// each), the least recently used going first.
 const RAW_CACHE_LIMIT: usize = 200_000;
 
 /// Hash of an item's bytes → hash of its canonical form. A pure function
 /// of the bytes, so one cache serves every tenant without telling one
 /// anything about another.
-fn raw_cache() -> &'static Mutex<foldhash::HashMap<ItemHash, ItemHash>> {
-    static CACHE: OnceLock<Mutex<foldhash::HashMap<ItemHash, ItemHash>>> = OnceLock::new();
-    CACHE.get_or_init(Default::default)
+fn raw_cache() -> &'static Mutex<Generations<ItemHash, ItemHash>> {
+    static CACHE: OnceLock<Mutex<Generations<ItemHash, ItemHash>>> = OnceLock::new();
+    CACHE.get_or_init(|| Mutex::new(Generations::new(RAW_CACHE_LIMIT / 2)))
 }
 
 /// One item from bytes [`split_body`] already parsed once (so valid).

@@ -6,6 +6,7 @@
 //! so nothing the proxy does not understand is ever dropped.
 
 pub mod chat;
+pub mod class;
 pub mod hash;
 pub mod items;
 pub mod responses;
@@ -82,6 +83,20 @@ impl Api {
                 _ => Vec::new(),
             },
             Api::Responses => responses::take_items(body),
+        }
+    }
+
+    /// Puts `items` in a request body as its history, the inverse of
+    /// [`Api::take_items`]: `messages` for chat; `input` for Responses
+    /// (where `instructions` stays the body's own field and a leading
+    /// instructions pseudo-item is dropped).
+    pub fn set_items(self, body: &mut Value, items: &[Value]) {
+        match self {
+            Api::Chat => body["messages"] = Value::Array(items.to_vec()),
+            Api::Responses => {
+                let skip = usize::from(items.first().is_some_and(responses::is_instructions_item));
+                body["input"] = Value::Array(items[skip..].to_vec());
+            }
         }
     }
 

@@ -10,10 +10,11 @@ use std::sync::atomic::AtomicUsize;
 use std::sync::Arc;
 use std::time::Duration;
 
+use compactor::app::AppState;
 use compactor::compaction::summary::SUMMARIZER_MARKER;
 use compactor::config::{Config, ModelConfig};
 use compactor::fake_upstream::{FakeUpstream, Received, Reply};
-use compactor::server::{self, AppState};
+use compactor::server;
 use serde_json::Value;
 use tokio::sync::oneshot;
 

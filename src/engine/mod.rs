@@ -12,13 +12,17 @@ use http::HeaderMap;
 use serde_json::{json, Value};
 use tokio::sync::watch;
 
-use super::fit::{self, CannotFit, FitInput};
-use super::policy::{decide, fit_limit, hard_limit, Stated, FIT_MARGIN};
-use super::summary;
-use super::{cheap_rungs, prepare, rewrite, Compaction, Params, Rung};
 use crate::bounded::Generations;
-use crate::server::AppState;
+use crate::compaction::fit::{self, CannotFit, FitInput};
+use crate::compaction::policy::{decide, fit_limit, hard_limit, Stated, FIT_MARGIN};
+use crate::compaction::summary;
+use crate::compaction::{cheap_rungs, prepare, rewrite, Compaction, Params, Rung};
+use crate::config::{Config, ModelLimits};
+use crate::metrics::Metrics;
+use crate::store::Store;
 use crate::store::StoredCompaction;
+use crate::tokens::TokenCounter;
+use crate::upstream::Upstream;
 use crate::wire::items::{ItemList, Tools};
 use crate::wire::{item_hash, ItemHash};
 
@@ -51,6 +55,17 @@ pub enum CompactError {
     /// A worker thread failed.
     #[error("internal: {0}")]
     Internal(String),
+}
+
+impl CompactError {
+    /// The answer to a client that asked for this compaction: its history
+    /// gave nothing to compact, unless the proxy itself failed.
+    pub fn into_refusal(self) -> crate::error::ProxyError {
+        match self {
+            CompactError::Internal(detail) => crate::error::ProxyError::Internal(detail),
+            other => crate::error::ProxyError::NothingToCompact(other.to_string()),
+        }
+    }
 }
 
 /// What a compaction starts from: the request as it would go upstream.
@@ -162,6 +177,26 @@ impl rewrite::Covering for Entry {
     }
 }
 
+/// What the engine uses of the process's shared state, and nothing more: the
+/// composition root implements it, so the engine names no server, and a
+/// test can run it over a context of its own.
+pub trait Context: Send + Sync + 'static {
+    /// The configuration.
+    fn config(&self) -> &Config;
+    /// Records (compactions are stored through it).
+    fn store(&self) -> &Store;
+    /// Token estimates.
+    fn tokens(&self) -> &Arc<TokenCounter>;
+    /// Stored compactions and running compaction jobs.
+    fn compactions(&self) -> &Compactions;
+    /// Where compactions, fallbacks and summary costs are counted.
+    fn metrics(&self) -> &Metrics;
+    /// The client that calls the summarizer.
+    fn summarizer(&self) -> &Upstream;
+    /// The limits of a model, its window as the upstream told it.
+    fn model_limits(&self, model: &str) -> ModelLimits;
+}
+
 /// Reads a compaction's body from the store, by id.
 pub type LoadCompaction = Arc<dyn Fn(&str) -> Option<Compaction> + Send + Sync>;
 
@@ -237,7 +272,7 @@ impl Compactions {
         } = c;
         // The time it became visible, not when it was computed: a request
         // that started before this moment may have missed it.
-        let visible = crate::server::now_ms().max(created_ms);
+        let visible = crate::ids::now_ms().max(created_ms);
         let mut newest = lock(&self.newest);
         let at = newest.entry((tenant.clone(), conversation)).or_default();
         *at = (*at).max(visible);
@@ -380,8 +415,8 @@ impl Compactions {
 }
 
 /// Tokens of each item (tokenizer work, off the async threads).
-async fn count_items(
-    state: &Arc<AppState>,
+async fn count_items<S: Context>(
+    state: &Arc<S>,
     items: Arc<ItemList>,
     known: Option<Arc<Vec<ItemHash>>>,
 ) -> Result<(Vec<ItemHash>, Vec<u64>), CompactError> {
@@ -392,7 +427,7 @@ async fn count_items(
             _ => items.hashes(),
         };
         let tokens = (0..items.len())
-            .map(|i| st.tokens.count_item_with(&hashes[i], || items.item(i)))
+            .map(|i| st.tokens().count_item_with(&hashes[i], || items.item(i)))
             .collect();
         (hashes, tokens)
     })
@@ -402,8 +437,8 @@ async fn count_items(
 
 /// Estimated tokens of a request view (`hashes`: its item hashes, when
 /// already computed).
-pub async fn estimate_view(
-    state: &Arc<AppState>,
+pub async fn estimate_view<S: Context>(
+    state: &Arc<S>,
     view: Arc<ItemList>,
     hashes: Option<Arc<Vec<ItemHash>>>,
 ) -> u64 {
@@ -415,11 +450,11 @@ pub async fn estimate_view(
 
 /// Tokens of a request's tool definitions (tokenizer work, off the async
 /// threads).
-async fn count_tools(state: &Arc<AppState>, tools: Option<Tools>) -> u64 {
+async fn count_tools<S: Context>(state: &Arc<S>, tools: Option<Tools>) -> u64 {
     let Some(t) = tools else {
         return 0;
     };
-    let counter = state.tokens.clone();
+    let counter = state.tokens().clone();
     tokio::task::spawn_blocking(move || counter.count_item(&t.hash, t.value()))
         .await
         .unwrap_or(0)
@@ -438,7 +473,7 @@ fn goal_kind(goal: Goal) -> &'static str {
 /// estimate: the goal's limit in the upstream's tokens, scaled by what the
 /// upstream reported for this conversation, less the tool definitions. An
 /// overflow answer that states the refused size calibrates the scale first.
-fn items_limit(state: &Arc<AppState>, input: &Input, before: u64, tools_tokens: u64) -> u64 {
+fn items_limit<S: Context>(state: &Arc<S>, input: &Input, before: u64, tools_tokens: u64) -> u64 {
     let limits = state.model_limits(&input.model);
     let (tenant, conversation) = (input.tenant.as_str(), input.conversation.as_str());
     let sent = before + tools_tokens;
@@ -452,16 +487,16 @@ fn items_limit(state: &Arc<AppState>, input: &Input, before: u64, tools_tokens: 
             if let Some(requested) = stated.requested {
                 if (MIN_CALIBRATION..=MAX_CALIBRATION).contains(&ratio) {
                     state
-                        .compactions
+                        .compactions()
                         .calibrate(tenant, conversation, requested, sent);
                 }
             }
-            let calibration = state.compactions.calibration(tenant, conversation);
+            let calibration = state.compactions().calibration(tenant, conversation);
             let refused = (sent as f64 * calibration).ceil() as u64;
             fit_limit(stated, &limits, max_output, Some(refused))
         }
     };
-    let calibration = state.compactions.calibration(tenant, conversation);
+    let calibration = state.compactions().calibration(tenant, conversation);
     ((upstream_limit as f64 / calibration) as u64).saturating_sub(tools_tokens)
 }
 
@@ -471,10 +506,13 @@ const FACTS_SHARE_OF_LIMIT: u64 = 3;
 
 /// Computes a compaction for `input`, stores it and makes it apply to later
 /// requests. Logs one event with the figures.
-pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compaction>, CompactError> {
+pub async fn compact<S: Context>(
+    state: &Arc<S>,
+    input: Input,
+) -> Result<Arc<Compaction>, CompactError> {
     let started = Instant::now();
     let limits = state.model_limits(&input.model);
-    let params = Params::new(&state.config.compaction, &limits);
+    let params = Params::new(&state.config().compaction, &limits);
     let (hashes, tokens) = count_items(state, input.view.clone(), None).await?;
     let tools_tokens = count_tools(state, input.tools.clone()).await;
     let values = input.view.values();
@@ -482,7 +520,7 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
     let base = input.base.as_deref();
     let before: u64 = tokens.iter().sum();
     let limit = items_limit(state, &input, before, tools_tokens);
-    let counter = state.tokens.clone();
+    let counter = state.tokens().clone();
     let count = move |v: &Value| counter.count_item(&item_hash(v), v);
 
     // The cheap rungs first: they cost no model call.
@@ -518,7 +556,7 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
             // Decided from the counts before a summarizer call is paid for:
             // the facts of everything after the leading items bound the
             // smallest summary of any cut.
-            let lead = super::items::leading_system(view);
+            let lead = crate::compaction::items::leading_system(view);
             let widest = summary::extract_facts(&view[lead..], base.and_then(|b| b.facts.as_ref()));
             let floor = fit::summary_floor(&widest, view.len(), &count);
             let fit_input = FitInput {
@@ -547,14 +585,14 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
                 Ok(plan) => plan,
                 Err(e) => {
                     let calibration = state
-                        .compactions
+                        .compactions()
                         .calibration(&input.tenant, &input.conversation);
                     let upstream = |t: u64| (t as f64 * calibration).ceil() as u64;
                     let e = CannotFit {
                         core: upstream(e.core + tools_tokens),
                         limit: upstream(e.limit + tools_tokens),
                     };
-                    state.metrics.unfittable(goal_kind(input.goal));
+                    state.metrics().unfittable(goal_kind(input.goal));
                     tracing::warn!(
                         conversation = %input.conversation, core = e.core, limit = e.limit,
                         tools_tokens, goal = goal_kind(input.goal),
@@ -612,7 +650,7 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
     let covered_chain = input.chains[prepared.covered_len - 1];
     let items_kept = prepared.lead + kept_users + applied.tail_len;
     let c = Compaction {
-        id: new_id(),
+        id: crate::ids::new_compaction_id(),
         tenant: input.tenant.clone(),
         conversation: input.conversation.clone(),
         covered_len: prepared.covered_len,
@@ -630,22 +668,22 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
         summary_calls: cost.calls,
         summary_tokens: cost.tokens,
         duration_ms: started.elapsed().as_millis() as u64,
-        created_ms: crate::server::now_ms(),
+        created_ms: crate::ids::now_ms(),
     };
-    if let Err(e) = state.store.record_compaction(c.clone()).await {
+    if let Err(e) = state.store().record_compaction(c.clone()).await {
         tracing::error!(error = %e, "compaction not recorded");
     }
     let c = Arc::new(c);
-    state.compactions.insert(c.clone());
-    state.metrics.compaction(
+    state.compactions().insert(c.clone());
+    state.metrics().compaction(
         c.rung.as_str(),
         crate::metrics::reason_kind(&c.reason),
         c.tokens_before.saturating_sub(c.tokens_after),
     );
     if c.rung == Rung::Fallback {
-        state.metrics.summary_fallback();
+        state.metrics().summary_fallback();
     }
-    state.metrics.summary_cost(cost.calls, cost.tokens);
+    state.metrics().summary_cost(cost.calls, cost.tokens);
     tracing::info!(
         compaction = %c.id, conversation = %c.conversation, rung = c.rung.as_str(), reason = %c.reason,
         tokens_before = c.tokens_before, tokens_after = c.tokens_after,
@@ -660,8 +698,8 @@ pub async fn compact(state: &Arc<AppState>, input: Input) -> Result<Arc<Compacti
 
 /// After an exchange: decides from its usage and, past the trigger, starts a
 /// background compaction that the next request will find.
-pub fn after_exchange(state: &Arc<AppState>, input: Input, used: u64, estimated: bool) {
-    let cfg = &state.config.compaction;
+pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) {
+    let cfg = &state.config().compaction;
     let limits = state.model_limits(&input.model);
     let d = decide(used, estimated, &limits, cfg.warn_ratio);
     if !d.compact || !cfg.background {
@@ -670,17 +708,17 @@ pub fn after_exchange(state: &Arc<AppState>, input: Input, used: u64, estimated:
     let key = (input.tenant.clone(), input.conversation.clone());
     // A compaction stored after this request left was not applied to it; the
     // next request will be rewritten and its usage will tell.
-    if lock(&state.compactions.newest)
+    if lock(&state.compactions().newest)
         .get(&key)
         .is_some_and(|&t| t >= input.requested_ms)
     {
         return;
     }
-    let mut jobs = lock(&state.compactions.jobs);
+    let mut jobs = lock(&state.compactions().jobs);
     if jobs.get(&key).is_some_and(|rx| !*rx.borrow()) {
         return;
     }
-    if state.compactions.backing_off(&input.tenant) {
+    if state.compactions().backing_off(&input.tenant) {
         tracing::info!(conversation = %input.conversation, "compaction backed off: earlier compactions were never matched (client rewrites its history)");
         return;
     }
@@ -694,10 +732,10 @@ pub fn after_exchange(state: &Arc<AppState>, input: Input, used: u64, estimated:
         let tenant = input.tenant.clone();
         if let Err(e) = compact(&state, input).await {
             tracing::info!(error = %e, "background compaction produced nothing");
-            state.compactions.job_failed(&tenant);
+            state.compactions().job_failed(&tenant);
         }
         let _ = tx.send(true);
-        let mut jobs = lock(&state.compactions.jobs);
+        let mut jobs = lock(&state.compactions().jobs);
         if jobs.get(&key).is_some_and(|rx| *rx.borrow()) {
             jobs.remove(&key);
         }
@@ -739,7 +777,7 @@ pub struct FitCheck<'a> {
 /// a body no larger than the limit needs no tokenizer. `tools` are the
 /// request's tool definitions, which count too. The estimate is scaled by
 /// what the upstream reported for this conversation before.
-pub async fn check_fit(state: &Arc<AppState>, req: FitCheck<'_>) -> Fit {
+pub async fn check_fit<S: Context>(state: &Arc<S>, req: FitCheck<'_>) -> Fit {
     let FitCheck {
         tenant,
         conversation,
@@ -754,12 +792,12 @@ pub async fn check_fit(state: &Arc<AppState>, req: FitCheck<'_>) -> Fit {
     if bytes.is_some_and(|b| b as u64 <= hard) {
         return Fit::Fits;
     }
-    let calibration = state.compactions.calibration(tenant, conversation);
+    let calibration = state.compactions().calibration(tenant, conversation);
     // A long conversation's next request: most items were counted before,
     // the new ones are few. Their bytes bound their tokens; the tokenizer
     // is needed only when that bound does not settle it.
     if let Some(h) = &hashes {
-        let bound = state.tokens.bound(&view, h, tools.as_ref());
+        let bound = state.tokens().bound(&view, h, tools.as_ref());
         if (bound as f64 * calibration).ceil() as u64 <= hard {
             return Fit::Fits;
         }
@@ -770,10 +808,10 @@ pub async fn check_fit(state: &Arc<AppState>, req: FitCheck<'_>) -> Fit {
     if tokens <= hard {
         return Fit::Fits;
     }
-    let Some(mut rx) = state.compactions.job(tenant, conversation) else {
+    let Some(mut rx) = state.compactions().job(tenant, conversation) else {
         return Fit::Over(tokens);
     };
-    let wait = Duration::from_secs(state.config.compaction.wait_secs);
+    let wait = Duration::from_secs(state.config().compaction.wait_secs);
     tracing::info!(
         conversation,
         tokens,
@@ -804,21 +842,21 @@ struct SummaryCost {
 /// left to the deterministic facts, which the summary always carries: what
 /// happened last is what the next turn needs most. A cap of 0 makes every
 /// summary the facts alone.
-async fn summarize(
-    state: &Arc<AppState>,
+async fn summarize<S: Context>(
+    state: &Arc<S>,
     input: &Input,
     part: &[Value],
     params: &Params,
 ) -> (Option<String>, SummaryCost) {
     let lines = summary::render_transcript(part, TRANSCRIPT_ITEM_BYTES);
     let chunks = {
-        let counter = state.tokens.clone();
+        let counter = state.tokens().clone();
         let budget = params.summary_chunk_tokens;
         tokio::task::spawn_blocking(move || chunk_lines(&lines, budget, |s| counter.count_text(s)))
             .await
             .unwrap_or_default()
     };
-    let cap = state.config.compaction.max_summary_calls;
+    let cap = state.config().compaction.max_summary_calls;
     let run = chunks_within_cap(chunks.len(), cap);
     let mut cost = SummaryCost {
         chunks_skipped: chunks.len() - run,
@@ -848,7 +886,7 @@ async fn summarize(
                             break;
                         }
                         Err(missing) => {
-                            state.metrics.summary_failure();
+                            state.metrics().summary_failure();
                             tracing::warn!(?missing, "summary lacks mandatory sections");
                             let written = summary::usable(&text);
                             if written > 0 && got.as_ref().is_none_or(|(n, _)| written >= *n) {
@@ -860,7 +898,7 @@ async fn summarize(
                     }
                 }
                 Err(e) => {
-                    state.metrics.summary_failure();
+                    state.metrics().summary_failure();
                     tracing::warn!(error = %e, "summary call failed")
                 }
             }
@@ -907,13 +945,13 @@ const MAX_LOGGED_ERROR: usize = 300;
 
 /// One summarizer call: the answer's text and the call's tokens (as the
 /// upstream reports them, else estimated).
-async fn call_summarizer(
-    state: &Arc<AppState>,
+async fn call_summarizer<S: Context>(
+    state: &Arc<S>,
     input: &Input,
     messages: &[Value],
     params: &Params,
 ) -> Result<(String, u64), String> {
-    let cfg = &state.config.compaction;
+    let cfg = &state.config().compaction;
     let model = if cfg.summarizer_model.is_empty() {
         input.model.as_str()
     } else {
@@ -940,26 +978,26 @@ async fn call_summarizer(
         http::HeaderValue::from_static("identity"),
     );
     let url = state
-        .upstream
+        .summarizer()
         .url("/chat/completions", None)
         .map_err(|e| e.to_string())?;
     let bytes = bytes::Bytes::from(serde_json::to_vec(&body).map_err(|e| e.to_string())?);
     let resp = state
-        .upstream
+        .summarizer()
         .send_bytes(http::Method::POST, &url, headers, bytes)
         .await
         .map_err(|e| e.to_string())?;
     let status = resp.status();
     let body = state
-        .upstream
+        .summarizer()
         .read_body(resp)
         .await
         .map_err(|e| e.to_string())?;
     if !status.is_success() {
         // Redacted whole, then cut: a cut first could leave part of a key.
         let text = String::from_utf8_lossy(&body);
-        let text = state.upstream.redact(&text, &input.auth);
-        let shown = &text[..super::items::floor_boundary(&text, MAX_LOGGED_ERROR)];
+        let text = state.summarizer().redact(&text, &input.auth);
+        let shown = &text[..crate::compaction::items::floor_boundary(&text, MAX_LOGGED_ERROR)];
         return Err(format!("summarizer answered {status}: {shown}"));
     }
     let v: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
@@ -971,7 +1009,7 @@ async fn call_summarizer(
     let tokens = match v.pointer("/usage/total_tokens").and_then(Value::as_u64) {
         Some(t) => t,
         None => {
-            let counter = state.tokens.clone();
+            let counter = state.tokens().clone();
             let all: String = messages
                 .iter()
                 .filter_map(|m| m.get("content").and_then(Value::as_str))
@@ -998,10 +1036,6 @@ pub fn auth_headers(headers: &HeaderMap) -> HeaderMap {
         }
     }
     out
-}
-
-fn new_id() -> String {
-    crate::conversation::new_conversation_id().replacen("conv_", "cmp_", 1)
 }
 
 #[cfg(test)]

@@ -1,0 +1,215 @@
+//! The composition root: [`AppState`], what every request handler shares,
+//! and its construction from the config (store, journal replay, indexes
+//! loaded from the store's snapshot).
+//!
+//! Above every layer it assembles and below the edges that serve it
+//! (`server`, `admin`, `cli`); it names neither of those.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use crate::background::Background;
+use crate::bounded::Generations;
+use crate::config::{Config, ModelLimits};
+use crate::conversation::ConversationIndex;
+use crate::engine::Compactions;
+use crate::store::sqlite::{SqliteBackend, SqliteReads};
+use crate::store::{Reads, Store};
+use crate::tokens::TokenCounter;
+use crate::upstream::Upstream;
+
+/// Most models whose limits [`AppState`] keeps looked up (the least
+/// recently used go first).
+const MODELS_KEPT: usize = 1024;
+
+/// Everything a request handler needs, shared by all connections.
+pub struct AppState {
+    /// The effective configuration.
+    pub config: Config,
+    /// The upstream client.
+    pub upstream: Upstream,
+    /// Records.
+    pub store: Arc<Store>,
+    /// The store's point reads (compaction bodies, explicit keys,
+    /// `previous_response_id` histories).
+    pub reads: Arc<dyn Reads>,
+    /// Prefix / key / response-id → conversation.
+    pub conversations: ConversationIndex,
+    /// Token estimates.
+    pub tokens: Arc<TokenCounter>,
+    /// Salt of tenant hashes (per store).
+    pub tenant_salt: [u8; 32],
+    /// Stored compactions and running compaction jobs.
+    pub compactions: Compactions,
+    /// Prometheus metrics (`GET /metrics`).
+    pub metrics: crate::metrics::Metrics,
+    /// The thread for the accounting that follows each answer.
+    pub background: &'static Background,
+    /// [`Config::model_limits`] of the models seen, looked up once each,
+    /// and whether a `[[models]]` entry gave them.
+    /// Model names come from clients, so the table is bounded.
+    limits: Mutex<Generations<String, (ModelLimits, bool)>>,
+    /// The windows the upstream told (see [`crate::windows`]).
+    pub windows: crate::windows::Windows,
+    /// Set when the shutdown grace period is over and the connections still
+    /// open are dropped: what they were answering was cut by the proxy, not
+    /// left by the client.
+    pub(crate) cut_at_shutdown: AtomicBool,
+}
+
+impl AppState {
+    /// Opens the store and builds the upstream client.
+    pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
+        let path = config.store_path();
+        let backend = SqliteBackend::open_writer(&path)
+            .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
+        let journal = crate::store::Journal::open(&path)
+            .map_err(|e| anyhow::anyhow!("cannot open the journal of {}: {e}", path.display()))?;
+        let (store, mut snapshot) = Store::start(
+            Box::new(backend),
+            Some(journal),
+            crate::conversation::STORE_LIMITS,
+        )?;
+        let reads: Arc<dyn Reads> = Arc::new(SqliteReads::new(&path));
+        let by_key = reads.clone();
+        let conversations = ConversationIndex::from_snapshot(
+            &snapshot,
+            Arc::new(move |tenant: &str, key: &str| by_key.conversation_of_key(tenant, key)),
+        );
+        let stored = std::mem::take(&mut snapshot.compactions);
+        let windows = crate::windows::Windows::from_stored(
+            &config.upstream.base_url,
+            std::mem::take(&mut snapshot.windows),
+        );
+        let by_id = reads.clone();
+        let compactions =
+            Compactions::from_stored(stored, Arc::new(move |id: &str| by_id.compaction(id)));
+        Ok(Arc::new(AppState {
+            compactions,
+            upstream: Upstream::new(&config.upstream)?,
+            store,
+            reads,
+            conversations,
+            tokens: TokenCounter::new_warm(),
+            tenant_salt: snapshot.salt,
+            metrics: crate::metrics::Metrics::new(),
+            background: Background::global(),
+            limits: Mutex::new(Generations::new(MODELS_KEPT / 2)),
+            windows,
+            cut_at_shutdown: AtomicBool::new(false),
+            config,
+        }))
+    }
+
+    /// The limits of `model`: [`Config::model_limits`] (which every
+    /// exchange needs and the config cannot change while the process runs)
+    /// with the window the upstream told applied.
+    pub fn model_limits(&self, model: &str) -> ModelLimits {
+        self.model_window(model).0
+    }
+
+    /// [`AppState::model_limits`] and where its window came from.
+    pub fn model_window(&self, model: &str) -> (ModelLimits, crate::windows::Source) {
+        let configured = {
+            let mut known = self.limits.lock().unwrap_or_else(|p| p.into_inner());
+            match known.renew(model) {
+                Some(l) => *l,
+                None => {
+                    let l = self.config.model_limits_sourced(model);
+                    known.insert(model.to_string(), l);
+                    l
+                }
+            }
+        };
+        let source = if configured.1 {
+            crate::windows::Source::Config
+        } else {
+            crate::windows::Source::Table
+        };
+        crate::windows::effective(configured.0, source, self.windows.told(model).as_ref())
+    }
+
+    /// The effective window of every model seen or told, by name:
+    /// (model, tokens, source).
+    pub fn models_seen(&self) -> Vec<(String, u64, &'static str)> {
+        let mut names: Vec<String> = self
+            .limits
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .keys()
+            .cloned()
+            .collect();
+        names.extend(self.windows.all().into_iter().map(|t| t.model));
+        names.sort();
+        names.dedup();
+        names
+            .into_iter()
+            .map(|m| {
+                let (l, s) = self.model_window(&m);
+                (m, l.context_window, s.as_str())
+            })
+            .collect()
+    }
+
+    /// Why an answer was dropped before its end: its client left, or the
+    /// proxy cut it at the end of the shutdown grace period.
+    pub fn cut_reason(&self) -> &'static str {
+        if self.cut_at_shutdown.load(Ordering::Acquire) {
+            "the proxy shut down"
+        } else {
+            "client disconnected"
+        }
+    }
+}
+
+impl crate::engine::Context for AppState {
+    fn config(&self) -> &Config {
+        &self.config
+    }
+    fn store(&self) -> &Store {
+        &self.store
+    }
+    fn tokens(&self) -> &Arc<TokenCounter> {
+        &self.tokens
+    }
+    fn compactions(&self) -> &Compactions {
+        &self.compactions
+    }
+    fn metrics(&self) -> &crate::metrics::Metrics {
+        &self.metrics
+    }
+    fn summarizer(&self) -> &Upstream {
+        &self.upstream
+    }
+    fn model_limits(&self, model: &str) -> ModelLimits {
+        AppState::model_limits(self, model)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A table of models past its bound keeps the ones looked up last, not
+    /// whichever happened to arrive after it was last emptied.
+    #[test]
+    fn the_models_table_keeps_the_recent_models_past_its_bound() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut config = Config::default();
+        config.store.path = dir.path().join("c.db").display().to_string();
+        config.upstream.discover_windows = false;
+        let state = AppState::open(config).expect("open state");
+        let names: Vec<String> = (0..MODELS_KEPT + MODELS_KEPT / 4)
+            .map(|i| format!("model-{i}"))
+            .collect();
+        for name in &names {
+            state.model_limits(name);
+        }
+        let seen: std::collections::HashSet<String> =
+            state.models_seen().into_iter().map(|(m, _, _)| m).collect();
+        assert!(seen.len() <= MODELS_KEPT, "{}", seen.len());
+        for name in &names[names.len() - MODELS_KEPT / 2..] {
+            assert!(seen.contains(name), "{name} was dropped");
+        }
+    }
+}
