@@ -944,7 +944,7 @@ pub fn chunk_lines(lines: &[String], budget: u64, count: impl Fn(&str) -> u64) -
 const MAX_LOGGED_ERROR: usize = 300;
 
 /// Why a summarizer call gave no text. Every kind is tried again once by
-/// [`summarize`] (a refusal may be a passing overload, an empty answer a
+/// `summarize` (a refusal may be a passing overload, an empty answer a
 /// sampling accident); past that the summary falls back to the facts.
 #[derive(Debug, thiserror::Error)]
 pub enum SummarizerError {
