@@ -59,6 +59,29 @@ pub enum ProxyError {
     /// A bug or resource failure inside the proxy.
     #[error("internal error")]
     Internal(String),
+    /// The admin page or API refused the caller (see `admin::authorize`).
+    #[error("{message}")]
+    Forbidden {
+        /// Which rule refused it.
+        code: &'static str,
+        /// What the caller can do about it.
+        message: &'static str,
+    },
+    /// An endpoint that accepts other methods only.
+    #[error("this admin endpoint accepts {allow} only")]
+    MethodNotAllowed {
+        /// The `Allow` header's value.
+        allow: &'static str,
+    },
+    /// No recorded conversation has this id or id prefix.
+    #[error("{0}")]
+    ConversationNotFound(String),
+    /// The id prefix names several recorded conversations.
+    #[error("{0}")]
+    ConversationAmbiguous(String),
+    /// The store could not be read (the detail is logged, not shown).
+    #[error("the store could not be read")]
+    StoreUnavailable(String),
 }
 
 impl ProxyError {
@@ -67,7 +90,12 @@ impl ProxyError {
         match self {
             ProxyError::BadRequest(_)
             | ProxyError::InvalidPath(_)
-            | ProxyError::NothingToCompact(_) => StatusCode::BAD_REQUEST,
+            | ProxyError::NothingToCompact(_)
+            | ProxyError::ConversationAmbiguous(_) => StatusCode::BAD_REQUEST,
+            ProxyError::Forbidden { .. } => StatusCode::FORBIDDEN,
+            ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ProxyError::ConversationNotFound(_) => StatusCode::NOT_FOUND,
+            ProxyError::StoreUnavailable(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ProxyError::LoopDetected => StatusCode::LOOP_DETECTED,
             ProxyError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
@@ -86,9 +114,15 @@ impl ProxyError {
             | ProxyError::NothingToCompact(_)
             | ProxyError::PayloadTooLarge { .. }
             | ProxyError::RequestTimeout(_)
-            | ProxyError::NotFound { .. } => "invalid_request_error",
+            | ProxyError::NotFound { .. }
+            | ProxyError::MethodNotAllowed { .. }
+            | ProxyError::ConversationNotFound(_)
+            | ProxyError::ConversationAmbiguous(_) => "invalid_request_error",
+            ProxyError::Forbidden { .. } => "permission_error",
             ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => "upstream_error",
-            ProxyError::Internal(_) | ProxyError::LoopDetected => "server_error",
+            ProxyError::Internal(_)
+            | ProxyError::LoopDetected
+            | ProxyError::StoreUnavailable(_) => "server_error",
         }
     }
 
@@ -105,6 +139,11 @@ impl ProxyError {
             ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
             ProxyError::UpstreamTimeout(_) => "upstream_timeout",
             ProxyError::Internal(_) => "internal_error",
+            ProxyError::Forbidden { code, .. } => code,
+            ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
+            ProxyError::ConversationNotFound(_) => "conversation_not_found",
+            ProxyError::ConversationAmbiguous(_) => "conversation_id_ambiguous",
+            ProxyError::StoreUnavailable(_) => "store_unavailable",
         }
     }
 
@@ -129,9 +168,15 @@ impl ProxyError {
                 tracing::warn!(error = %self, "upstream failure")
             }
             ProxyError::LoopDetected => tracing::error!(error = %self, "request loop"),
+            ProxyError::StoreUnavailable(detail) => tracing::error!(detail, "store read failed"),
             _ => tracing::debug!(error = %self, "rejected request"),
         }
-        json_response(self.status(), &self.body())
+        let mut resp = json_response(self.status(), &self.body());
+        if let ProxyError::MethodNotAllowed { allow } = self {
+            resp.headers_mut()
+                .insert(header::ALLOW, HeaderValue::from_static(allow));
+        }
+        resp
     }
 }
 
@@ -166,5 +211,44 @@ mod tests {
         assert_eq!(b["error"]["type"], "invalid_request_error");
         assert_eq!(b["error"]["code"], "request_too_large");
         assert!(b["error"]["message"].as_str().unwrap().contains("10 bytes"));
+    }
+
+    /// The admin API's refusals go through the same mapping: their status,
+    /// type and code, and the `Allow` header of a wrong method.
+    #[test]
+    fn admin_refusals_map_in_the_same_place() {
+        let resp = ProxyError::MethodNotAllowed { allow: "GET" }.into_response();
+        assert_eq!(resp.status(), StatusCode::METHOD_NOT_ALLOWED);
+        assert_eq!(resp.headers()[header::ALLOW], "GET");
+        let cases = [
+            (
+                ProxyError::Forbidden {
+                    code: "admin_token_invalid",
+                    message: "the admin token is not valid",
+                },
+                StatusCode::FORBIDDEN,
+                "permission_error",
+                "admin_token_invalid",
+            ),
+            (
+                ProxyError::ConversationAmbiguous("prefix ab".into()),
+                StatusCode::BAD_REQUEST,
+                "invalid_request_error",
+                "conversation_id_ambiguous",
+            ),
+            (
+                ProxyError::StoreUnavailable("disk I/O error at /secret/path".into()),
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "server_error",
+                "store_unavailable",
+            ),
+        ];
+        for (e, status, kind, code) in cases {
+            assert_eq!(e.status(), status);
+            let b = e.body();
+            assert_eq!(b["error"]["type"], kind);
+            assert_eq!(b["error"]["code"], code);
+            assert!(!b.to_string().contains("/secret/path"), "{b}");
+        }
     }
 }

@@ -18,7 +18,8 @@
 //! - [`ids`]: conversation and compaction ids, the clock.
 //! - [`server`]: accept loop, graceful shutdown, routing, the proxied endpoints.
 //! - [`upstream`]: the pooled client to the real API, header hygiene, credentials.
-//! - [`wire`]: the item view of Chat Completions and Responses, content
+//! - [`wire`]: the item view of Chat Completions and Responses (taking and
+//!   setting a body's items), what an item is (`wire::class`), content
 //!   hashes, usage, the SSE tee.
 //! - [`conversation`]: tenants and matching a request to its conversation.
 //! - [`store`]: records (conversations, exchanges, content-addressed items):
@@ -29,9 +30,11 @@
 //!   overflow answers or discovered by asking it, and remembered.
 //! - [`background`]: the accounting thread (token estimates and the
 //!   per-exchange line, off the request path).
-//! - [`bounded`]: a map that keeps recent entries within a fixed size, for
-//!   the process-wide state that would otherwise grow with every request.
-//! - [`error`]: the request-path error type and its OpenAI-style JSON.
+//! - [`bounded`]: a map that keeps recent entries within a fixed size: the
+//!   one bound of every cache and index that would otherwise grow with
+//!   every request.
+//! - [`error`]: the error type of every answer the proxy gives itself (the
+//!   admin API's included) and its one OpenAI-style JSON mapping.
 //! - [`redact`]: credentials out of whatever is logged, recorded or relayed.
 //! - [`fake_upstream`]: a scriptable OpenAI-compatible server for tests,
 //!   benchmarks and the offline demo.

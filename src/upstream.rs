@@ -292,12 +292,25 @@ impl Upstream {
                 (sent, OPENED.with(Cell::get))
             })
             .await;
-        match sent {
-            Ok(Err(e)) if stale_connection(&e, opened) => {
-                tracing::debug!(error = %describe(&e), "pooled upstream connection was closed; retrying once");
+        match self.classify(sent, opened) {
+            Err(failed) if failed.retry_allowed() => {
+                tracing::debug!(error = %failed, "retrying once");
                 self.execute(build()).await
             }
-            other => self.map(other),
+            other => other.map_err(SendFailure::into_proxy_error),
+        }
+    }
+
+    /// What a send came to, telling a closed pooled connection (which may
+    /// be sent again, see `stale_connection`) from other failures.
+    fn classify(
+        &self,
+        sent: Result<reqwest::Result<reqwest::Response>, tokio::time::error::Elapsed>,
+        opened: bool,
+    ) -> Result<reqwest::Response, SendFailure> {
+        match sent {
+            Ok(Err(e)) if stale_connection(&e, opened) => Err(SendFailure::Stale(e)),
+            other => self.map(other).map_err(SendFailure::Failed),
         }
     }
 
@@ -316,6 +329,34 @@ impl Upstream {
             }
             Ok(Err(e)) => Err(ProxyError::UpstreamUnreachable(describe(&e))),
             Ok(Ok(resp)) => Ok(resp),
+        }
+    }
+}
+
+/// A send that failed, and whether it may be sent again.
+#[derive(Debug, thiserror::Error)]
+enum SendFailure {
+    /// A pooled connection the upstream had closed before the request
+    /// reached it: sending again on a new connection is allowed.
+    #[error("pooled upstream connection was closed: {}", describe(.0))]
+    Stale(#[source] reqwest::Error),
+    /// Any other failure, as the client would get it.
+    #[error(transparent)]
+    Failed(ProxyError),
+}
+
+impl SendFailure {
+    /// Whether the request may be sent again.
+    fn retry_allowed(&self) -> bool {
+        matches!(self, SendFailure::Stale(_))
+    }
+
+    /// The error the client gets when no retry is made: a closed connection
+    /// is the upstream unreachable.
+    fn into_proxy_error(self) -> ProxyError {
+        match self {
+            SendFailure::Stale(e) => ProxyError::UpstreamUnreachable(describe(&e)),
+            SendFailure::Failed(e) => e,
         }
     }
 }

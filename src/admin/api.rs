@@ -6,9 +6,8 @@ use std::sync::Arc;
 use http::{Response, StatusCode};
 use serde::Serialize;
 
-use super::error;
 use crate::app::AppState;
-use crate::error::{json_response, ProxyBody};
+use crate::error::{json_response, ProxyBody, ProxyError};
 use crate::store::query::{self, QueryError};
 
 /// Conversations listed when the request names no `limit`.
@@ -42,30 +41,15 @@ where
 
 fn query_error(e: &QueryError) -> Response<ProxyBody> {
     match e {
-        QueryError::NotFound(_) => error(
-            StatusCode::NOT_FOUND,
-            "invalid_request_error",
-            "conversation_not_found",
-            &e.to_string(),
-        ),
-        QueryError::Ambiguous(..) => error(
-            StatusCode::BAD_REQUEST,
-            "invalid_request_error",
-            "conversation_id_ambiguous",
-            &e.to_string(),
-        ),
-        QueryError::Store(s) => internal(&s.to_string()),
+        QueryError::NotFound(_) => ProxyError::ConversationNotFound(e.to_string()),
+        QueryError::Ambiguous(..) => ProxyError::ConversationAmbiguous(e.to_string()),
+        QueryError::Store(s) => ProxyError::StoreUnavailable(s.to_string()),
     }
+    .into_response()
 }
 
 fn internal(detail: &str) -> Response<ProxyBody> {
-    tracing::error!(detail, "admin read failed");
-    error(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "server_error",
-        "store_unavailable",
-        "the store could not be read",
-    )
+    ProxyError::StoreUnavailable(detail.to_string()).into_response()
 }
 
 /// `GET /admin/api/conversations`

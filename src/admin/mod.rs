@@ -26,7 +26,7 @@ use hyper::body::Incoming;
 use subtle::ConstantTimeEq;
 
 use crate::app::AppState;
-use crate::error::{full, json_response, ProxyBody, ProxyError};
+use crate::error::{full, ProxyBody, ProxyError};
 
 /// Header carrying the admin token (alternative to `Authorization: Bearer`).
 pub const TOKEN_HEADER: &str = "x-compactor-admin-token";
@@ -215,12 +215,11 @@ async fn route(
             && matches!(denial, Denial::TokenRequired | Denial::BadToken);
         if !shell_ok {
             tracing::info!(%peer, code = denial.code(), "admin request refused");
-            return error(
-                StatusCode::FORBIDDEN,
-                "permission_error",
-                denial.code(),
-                denial.message(),
-            );
+            return ProxyError::Forbidden {
+                code: denial.code(),
+                message: denial.message(),
+            }
+            .into_response();
         }
     }
 
@@ -300,21 +299,6 @@ fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {
         .map(|(_, v)| v)
 }
 
-/// An OpenAI-style JSON error.
-pub(crate) fn error(
-    status: StatusCode,
-    kind: &str,
-    code: &str,
-    message: &str,
-) -> Response<ProxyBody> {
-    json_response(
-        status,
-        &serde_json::json!({
-            "error": {"message": message, "type": kind, "param": null, "code": code}
-        }),
-    )
-}
-
 fn not_found(method: &Method, path: &str) -> Response<ProxyBody> {
     ProxyError::NotFound {
         method: method.to_string(),
@@ -324,15 +308,7 @@ fn not_found(method: &Method, path: &str) -> Response<ProxyBody> {
 }
 
 fn method_not_allowed(allow: &'static str) -> Response<ProxyBody> {
-    let mut r = error(
-        StatusCode::METHOD_NOT_ALLOWED,
-        "invalid_request_error",
-        "method_not_allowed",
-        &format!("this admin endpoint accepts {allow} only"),
-    );
-    r.headers_mut()
-        .insert(header::ALLOW, HeaderValue::from_static(allow));
-    r
+    ProxyError::MethodNotAllowed { allow }.into_response()
 }
 
 fn html(page: &'static str) -> Response<ProxyBody> {

@@ -943,6 +943,34 @@ pub fn chunk_lines(lines: &[String], budget: u64, count: impl Fn(&str) -> u64) -
 /// Bytes of a summarizer's error answer kept in the log line.
 const MAX_LOGGED_ERROR: usize = 300;
 
+/// Why a summarizer call gave no text. Every kind is tried again once by
+/// `summarize` (a refusal may be a passing overload, an empty answer a
+/// sampling accident); past that the summary falls back to the facts.
+#[derive(Debug, thiserror::Error)]
+pub enum SummarizerError {
+    /// The call could not be made or its answer read (its URL, the
+    /// connection, a timeout).
+    #[error(transparent)]
+    Upstream(#[from] crate::error::ProxyError),
+    /// The request could not be encoded.
+    #[error("summary request: {0}")]
+    Encode(#[source] serde_json::Error),
+    /// The summarizer refused: its status and answer, redacted and cut.
+    #[error("summarizer answered {status}: {shown}")]
+    Refused {
+        /// The answer's status.
+        status: http::StatusCode,
+        /// The start of its body, credentials redacted.
+        shown: String,
+    },
+    /// The answer is not JSON.
+    #[error("summarizer answer is not JSON: {0}")]
+    Decode(#[source] serde_json::Error),
+    /// The answer holds no message text.
+    #[error("summarizer answer has no message content")]
+    NoContent,
+}
+
 /// One summarizer call: the answer's text and the call's tokens (as the
 /// upstream reports them, else estimated).
 async fn call_summarizer<S: Context>(
@@ -950,7 +978,7 @@ async fn call_summarizer<S: Context>(
     input: &Input,
     messages: &[Value],
     params: &Params,
-) -> Result<(String, u64), String> {
+) -> Result<(String, u64), SummarizerError> {
     let cfg = &state.config().compaction;
     let model = if cfg.summarizer_model.is_empty() {
         input.model.as_str()
@@ -977,35 +1005,30 @@ async fn call_summarizer<S: Context>(
         http::header::ACCEPT_ENCODING,
         http::HeaderValue::from_static("identity"),
     );
-    let url = state
-        .summarizer()
-        .url("/chat/completions", None)
-        .map_err(|e| e.to_string())?;
-    let bytes = bytes::Bytes::from(serde_json::to_vec(&body).map_err(|e| e.to_string())?);
+    let url = state.summarizer().url("/chat/completions", None)?;
+    let bytes = bytes::Bytes::from(serde_json::to_vec(&body).map_err(SummarizerError::Encode)?);
     let resp = state
         .summarizer()
         .send_bytes(http::Method::POST, &url, headers, bytes)
-        .await
-        .map_err(|e| e.to_string())?;
+        .await?;
     let status = resp.status();
-    let body = state
-        .summarizer()
-        .read_body(resp)
-        .await
-        .map_err(|e| e.to_string())?;
+    let body = state.summarizer().read_body(resp).await?;
     if !status.is_success() {
         // Redacted whole, then cut: a cut first could leave part of a key.
         let text = String::from_utf8_lossy(&body);
         let text = state.summarizer().redact(&text, &input.auth);
         let shown = &text[..crate::compaction::items::floor_boundary(&text, MAX_LOGGED_ERROR)];
-        return Err(format!("summarizer answered {status}: {shown}"));
+        return Err(SummarizerError::Refused {
+            status,
+            shown: shown.to_string(),
+        });
     }
-    let v: Value = serde_json::from_slice(&body).map_err(|e| e.to_string())?;
+    let v: Value = serde_json::from_slice(&body).map_err(SummarizerError::Decode)?;
     let text = v
         .pointer("/choices/0/message/content")
         .and_then(Value::as_str)
         .map(String::from)
-        .ok_or_else(|| "summarizer answer has no message content".to_string())?;
+        .ok_or(SummarizerError::NoContent)?;
     let tokens = match v.pointer("/usage/total_tokens").and_then(Value::as_u64) {
         Some(t) => t,
         None => {
