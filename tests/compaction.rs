@@ -683,17 +683,7 @@ async fn scrape(h: &Harness) -> String {
 
 /// The admin API's windows, as (model, window, source).
 async fn admin_windows(h: &Harness) -> Vec<(String, u64, String)> {
-    let v: Value = within(async {
-        support::client()
-            .get(format!("http://{}/admin/api/windows", h.addr))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    })
-    .await;
+    let v: Value = h.get_json("/admin/api/windows").await;
     v["models"]
         .as_array()
         .unwrap()

@@ -1033,17 +1033,7 @@ async fn the_real_window_is_learned_and_thirty_turns_fit_without_a_models_entry(
         }
         history.push(assistant_message(&body, s));
     }
-    let windows: Value = within(async {
-        support::client()
-            .get(format!("http://{}/admin/api/windows", h.addr))
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap()
-    })
-    .await;
+    let windows: Value = h.get_json("/admin/api/windows").await;
     let compactions = compaction_rows(&h);
     for c in &compactions {
         eprintln!(

@@ -120,6 +120,21 @@ impl Harness {
         }
     }
 
+    /// The JSON a GET of the proxy's own `path` (e.g. `/admin/api/windows`) answers.
+    pub async fn get_json(&self, path: &str) -> Value {
+        within(async {
+            client()
+                .get(format!("http://{}{path}", self.addr))
+                .send()
+                .await
+                .unwrap()
+                .json()
+                .await
+                .unwrap()
+        })
+        .await
+    }
+
     /// A read-only connection to the store, after everything recorded so
     /// far went from the journal into the database.
     pub fn db(&self) -> rusqlite::Connection {
