@@ -10,7 +10,7 @@ use crate::app::AppState;
 use crate::compaction::Compaction;
 use crate::conversation::Identified;
 use crate::engine::{self, Input};
-use crate::store::{ExchangeRecord, IndexedExchange};
+use crate::store::{ExchangeRecord, IndexedExchange, RecordedWindow};
 use crate::upstream::Payload;
 use crate::wire::items::{Claims, ItemList, Tools};
 use crate::wire::{chain_extend, item_hash, Api, ItemHash, Usage};
@@ -199,6 +199,16 @@ impl PendingExchange {
             chain_full: (complete && !response_hashes.is_empty())
                 .then(|| chain_extend(self.chain_request, &response_hashes)),
             compaction: self.compaction.as_ref().map(|c| c.id.clone()),
+            window: {
+                let (limits, source) = state.model_window(&self.model);
+                Some(RecordedWindow {
+                    tokens: limits.context_window,
+                    source,
+                })
+            },
+            client_ids: Default::default(),
+            client: None,
+            preview: None,
         }
     }
 

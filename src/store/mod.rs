@@ -108,6 +108,83 @@ pub struct ExchangeRecord {
     pub chain_full: Option<ItemHash>,
     /// The compaction applied to the request, if any.
     pub compaction: Option<String>,
+    /// The context window the request was measured against, and where it
+    /// came from: views show what the proxy used, not what a config read
+    /// later says.
+    #[serde(default)]
+    pub window: Option<RecordedWindow>,
+    /// The ids the client itself sent for its conversation.
+    #[serde(default)]
+    pub client_ids: ClientIds,
+    /// The client, from its `user-agent` (at most [`MAX_CLIENT_CHARS`]).
+    #[serde(default)]
+    pub client: Option<String>,
+    /// For a request that opens its conversation: its first user message,
+    /// redacted, at most [`MAX_PREVIEW_CHARS`], so people can tell
+    /// conversations apart.
+    #[serde(default)]
+    pub preview: Option<String>,
+}
+
+/// Most characters of a `user-agent` kept as the client's name.
+pub const MAX_CLIENT_CHARS: usize = 120;
+
+/// Most characters kept of each client-sent id.
+pub const MAX_CLIENT_ID_CHARS: usize = 200;
+
+/// Most characters of a conversation's first-message preview.
+pub const MAX_PREVIEW_CHARS: usize = 160;
+
+/// A context window as recorded with an exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordedWindow {
+    /// Tokens.
+    pub tokens: u64,
+    /// Where the proxy had it from.
+    pub source: crate::windows::Source,
+}
+
+/// The ids a client sent for its conversation, each as sent (cut to
+/// [`MAX_CLIENT_ID_CHARS`]): what people call the conversation.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClientIds {
+    /// Our `x-compactor-conversation` header.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+    /// A `session-id` / `session_id` header (Codex sends one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    /// The body's `prompt_cache_key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_key: Option<String>,
+}
+
+impl ClientIds {
+    /// The distinct ids, in the order [`ClientIds`] lists them.
+    pub fn distinct(&self) -> Vec<&str> {
+        let mut out: Vec<&str> = Vec::new();
+        for id in [&self.header, &self.session, &self.cache_key]
+            .into_iter()
+            .flatten()
+        {
+            if !out.contains(&id.as_str()) {
+                out.push(id);
+            }
+        }
+        out
+    }
+}
+
+/// `s` cut to at most `max` characters (with an ellipsis when cut).
+pub fn bounded_text(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        None => s.to_string(),
+        Some((at, _)) => {
+            let mut out = s[..at].to_string();
+            out.push('…');
+            out
+        }
+    }
 }
 
 /// Anything the writer thread persists.
@@ -665,7 +742,9 @@ impl ExchangeRecord {
         let strings = self.conversation.len()
             + self.tenant.len()
             + self.model.len()
-            + self.error.as_ref().map_or(0, String::len);
+            + self.error.as_ref().map_or(0, String::len)
+            + self.preview.as_ref().map_or(0, String::len)
+            + self.client.as_ref().map_or(0, String::len);
         std::mem::size_of::<Self>() + texts + hashes + strings
     }
 }
