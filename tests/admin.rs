@@ -349,8 +349,8 @@ async fn the_cli_reads_the_store_while_the_proxy_runs() {
         .count();
     assert_eq!(exchange_rows, chat.reported.len(), "{out}");
 
-    // --json is the API's JSON; COMPACTOR_DB works like --db (without the
-    // config's models table the window is the built-in fallback's).
+    // --json is the API's JSON; COMPACTOR_DB works like --db (and without
+    // the config the window is still the one the proxy used: recorded).
     let (_, api_list) = get(&h, "/admin/api/conversations", &[]).await;
     let (code, out, err) = cli(
         &["conversations", "list", "--json", "--config", config],
@@ -367,7 +367,8 @@ async fn the_cli_reads_the_store_while_the_proxy_runs() {
     assert_eq!(code, 0);
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["conversations"][0]["id"], id.as_str());
-    assert_eq!(v["conversations"][0]["context_window"], 128_000);
+    assert_eq!(v["conversations"][0]["context_window"], 3_000);
+    assert_eq!(v["conversations"][0]["window_source"], "config");
 
     let (_, api_show) = get(&h, &format!("/admin/api/conversations/{id}"), &[]).await;
     let (code, out, _) = cli(
