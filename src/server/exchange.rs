@@ -340,6 +340,7 @@ fn indexed(rec: &ExchangeRecord) -> IndexedExchange {
         chain_request: rec.chain_request,
         chain_full: rec.chain_full,
         response_id: rec.response_id.clone(),
+        prefix_exchange: rec.prefix.map(|p| p.exchange),
     }
 }
 

@@ -272,6 +272,8 @@ pub struct IndexedExchange {
     pub chain_full: Option<ItemHash>,
     /// The upstream's response id.
     pub response_id: Option<String>,
+    /// The earlier exchange whose items its request repeats, if any.
+    pub prefix_exchange: Option<i64>,
 }
 
 /// How much of the store a start-up loads into memory: set by the code that

@@ -316,7 +316,7 @@ impl SqliteBackend {
             .collect();
         let mut stmt = self.conn.prepare(
             "SELECT id, conversation_id, tenant, request_len, length(response_items) / 32,
-                    chain_request, chain_full, response_id
+                    chain_request, chain_full, response_id, prefix_exchange
              FROM exchanges ORDER BY id DESC LIMIT ?1",
         )?;
         snap.exchanges = stmt
@@ -330,6 +330,7 @@ impl SqliteBackend {
                     chain_request: opt_hash(r.get(5)?),
                     chain_full: opt_hash(r.get(6)?),
                     response_id: r.get(7)?,
+                    prefix_exchange: r.get(8)?,
                 })
             })?
             .collect::<Result<_, _>>()?;
