@@ -25,6 +25,10 @@ pub struct PendingExchange {
     pub ident: Identified,
     /// The explicit key the conversation goes by, if any.
     pub explicit_key: Option<String>,
+    /// The ids the client sent for its conversation, as sent.
+    pub client_ids: crate::store::ClientIds,
+    /// The client, from its `user-agent`.
+    pub client: Option<String>,
     /// Tenant hash.
     pub tenant: String,
     /// Which API.

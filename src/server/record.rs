@@ -7,14 +7,20 @@ use std::sync::Arc;
 
 use super::exchange::{Outcome, PendingExchange};
 use crate::app::AppState;
+use crate::compaction::items;
 use crate::engine;
 use crate::error::ProxyError;
-use crate::store::{ExchangeRecord, IndexedExchange, RecordedWindow};
+use crate::store::{
+    bounded_text, ExchangeRecord, IndexedExchange, RecordedWindow, MAX_PREVIEW_CHARS,
+};
 use crate::wire::items::Tools;
 use crate::wire::{chain_extend, item_hash, ItemHash, Usage};
 
 /// Most characters of an upstream error body kept in a record.
 const MAX_ERROR_CHARS: usize = 4096;
+
+/// Items looked through for a conversation's first user message.
+const PREVIEW_SCAN: usize = 32;
 
 /// Records an exchange that failed before an answer could be relayed and
 /// returns the error for the client.
@@ -105,10 +111,39 @@ impl PendingExchange {
                     source,
                 })
             },
-            client_ids: Default::default(),
-            client: None,
-            preview: None,
+            client_ids: self.client_ids.clone(),
+            client: self.client.clone(),
+            preview: self.ident.is_new.then(|| self.preview(state)).flatten(),
         }
+    }
+
+    /// Its first user message, redacted and cut short, to tell the
+    /// conversation it opens from others. Codex opens with context blocks
+    /// sent as user messages (`<environment_context>…`): a message of the
+    /// person's own after them is the one shown.
+    fn preview(&self, state: &AppState) -> Option<String> {
+        let mut first: Option<String> = None;
+        for i in 0..self.items.len().min(PREVIEW_SCAN) {
+            let item = self.items.item(i);
+            if !items::is_user_message(&item) {
+                continue;
+            }
+            let text = items::text_of(&item);
+            let text = text.trim();
+            if text.is_empty() {
+                continue;
+            }
+            // Cut before redacting (a pasted file may be long), and again
+            // after: a credential cut in two at the first cut is gone by
+            // the second.
+            let cut = bounded_text(text, 4 * MAX_PREVIEW_CHARS);
+            let shown = bounded_text(&state.upstream.redact(&cut, &self.auth), MAX_PREVIEW_CHARS);
+            if !(text.starts_with('<') && text.ends_with('>')) {
+                return Some(shown);
+            }
+            first.get_or_insert(shown);
+        }
+        first
     }
 
     /// Records the exchange (waiting for the commit), indexes it, and logs
