@@ -7,6 +7,7 @@ mod compact;
 pub mod discovery;
 mod exchange;
 mod gather;
+mod health;
 mod identify;
 mod passthrough;
 mod proxy;
@@ -474,15 +475,14 @@ async fn route(
                         "api": "/v1/",
                         "admin": "/admin/",
                         "health": "/healthz",
+                        "ready": "/readyz",
                         "metrics": "/metrics",
                         "docs": "the README of compactor's source, and `compactor --help`",
                     }),
                 ),
             ),
-            (&Method::GET, "/healthz") => (
-                "healthz",
-                json_response(StatusCode::OK, &serde_json::json!({"status": "ok"})),
-            ),
+            (&Method::GET, "/healthz") => ("healthz", health::healthz()),
+            (&Method::GET, "/readyz") => ("readyz", health::readyz(&state).await),
             (&Method::GET, "/metrics") => ("metrics", serve_metrics(&state)),
             (&Method::POST, "/v1/chat/completions") => {
                 ("chat", proxy::handle(state, Api::Chat, req).await)

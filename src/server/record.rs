@@ -156,6 +156,9 @@ impl PendingExchange {
         let usage = rec.usage;
         let status = rec.status;
         let complete = !rec.partial && (200..300).contains(&rec.status);
+        if complete {
+            state.upstream_reached();
+        }
         if let Err(e) = state.store.record(rec).await {
             tracing::error!(error = %e, exchange = self.id, "exchange not recorded");
         }
