@@ -134,6 +134,10 @@ impl UpstreamConfig {
 pub struct StoreConfig {
     /// SQLite database file. Empty: the platform data dir.
     pub path: String,
+    /// Conversations last seen longer ago than this many days are deleted
+    /// by the running proxy (hourly), with the items nothing else refers
+    /// to. None: kept until deleted by hand.
+    pub retain_days: Option<u32>,
 }
 
 /// `[compaction]`
@@ -286,6 +290,12 @@ impl Config {
             |key: &str, why: &str| Err(ConfigError::Invalid(key.to_string(), why.to_string()));
         if self.listen_addr().is_err() {
             return invalid("server.listen", "not a socket address like 127.0.0.1:8787");
+        }
+        if self.store.retain_days == Some(0) {
+            return invalid(
+                "store.retain_days",
+                "must be at least 1 (leave it out to keep conversations)",
+            );
         }
         if self.upstream_is_listener() {
             return invalid(

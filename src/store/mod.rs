@@ -11,6 +11,7 @@
 
 pub mod journal;
 pub mod query;
+pub mod retention;
 pub mod sqlite;
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
@@ -442,6 +443,12 @@ impl Store {
     /// A fresh exchange id.
     pub fn next_exchange_id(&self) -> i64 {
         self.next_id.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Forgets which items are stored: after items were deleted, every
+    /// record sends its items' bodies again until it is known anew.
+    pub fn forget_known_items(&self) {
+        *self.known.lock().unwrap_or_else(|p| p.into_inner()) = Generations::new(KNOWN_ITEMS);
     }
 
     /// Marks `hash` as stored (or about to be); true if it was not yet.

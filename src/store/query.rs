@@ -664,7 +664,8 @@ pub fn archived_item(conn: &Connection, reference: &str) -> Result<Option<Value>
     Ok(body.map(|b| serde_json::from_str(&b).unwrap_or(Value::String(b))))
 }
 
-fn parse_hex8(s: &str) -> Option<[u8; 8]> {
+/// The 8 bytes 16 hex digits spell.
+pub(crate) fn parse_hex8(s: &str) -> Option<[u8; 8]> {
     if s.len() != 16 {
         return None;
     }
