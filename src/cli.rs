@@ -217,6 +217,80 @@ impl ConfigArgs {
     }
 }
 
+/// What `--check-config` prints: every effective setting, where it came
+/// from, secrets masked.
+fn check_config(args: &ConfigArgs, config: &Config) -> String {
+    use crate::config::Origin;
+    // clap takes a flag over its variable: a value equal to the variable's
+    // came from it unless the flag said the same.
+    let origin = |flag: &'static str, var: &str, value: Option<String>| {
+        let value = value?;
+        let from_env = std::env::var(var).is_ok_and(|v| v == value)
+            && !std::env::args().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+        Some(if from_env {
+            Origin::Env(var.to_string())
+        } else {
+            Origin::Flag(flag)
+        })
+    };
+    let given: Vec<(&str, Origin)> = [
+        (
+            "server.listen",
+            origin("--listen", "COMPACTOR_LISTEN", args.listen.clone()),
+        ),
+        (
+            "upstream.base_url",
+            origin("--upstream", "COMPACTOR_UPSTREAM", args.upstream.clone()),
+        ),
+        (
+            "store.path",
+            origin(
+                "--db",
+                "COMPACTOR_DB",
+                args.db.as_ref().map(|d| d.display().to_string()),
+            ),
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(k, o)| Some((k, o?)))
+    .collect();
+    let file = args
+        .config
+        .as_ref()
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| t.parse::<toml::Table>().ok());
+    let mut out = String::from("configuration OK\n");
+    if let Some(path) = &args.config {
+        let how = origin(
+            "--config",
+            "COMPACTOR_CONFIG",
+            Some(path.display().to_string()),
+        )
+        .map(|o| o.to_string())
+        .unwrap_or_default();
+        out.push_str(&format!("  config file: {} ({how})\n", path.display()));
+    }
+    out.push_str(&format!(
+        "  store file: {}\n",
+        config.store_path().display()
+    ));
+    let settings = config.settings(file.as_ref(), &given);
+    let rows: Vec<Vec<String>> = settings
+        .into_iter()
+        .map(|s| vec![s.key, s.value, s.origin.to_string()])
+        .collect();
+    let table = table(
+        &[("SETTING", false), ("VALUE", false), ("FROM", false)],
+        &rows,
+    );
+    for line in table.lines() {
+        out.push_str("  ");
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
 /// `compactor serve` flags.
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -349,11 +423,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
     };
     if args.check_config {
-        println!("configuration OK");
-        println!("  listen:   {}", config.server.listen);
-        println!("  upstream: {}", config.upstream.base_url);
-        println!("  store:    {}", config.store_path().display());
-        return ExitCode::SUCCESS;
+        return print_out(&check_config(&args.settings, &config));
     }
     init_logging(args.log_format);
     let runtime = match crate::server::runtime_builder().build() {
