@@ -744,14 +744,19 @@ fn render_compaction(n: usize, k: &CompactionRow) -> String {
     } else {
         0.0
     };
+    // A summary's own header says how many earlier items it stands for
+    // (items an earlier summary covered included): the count shown here.
+    let compacted = match k.summarized_items {
+        Some(n) => format!("summary of {} earlier items", thousands(n)),
+        None => format!("{} items compacted", thousands(k.items_removed)),
+    };
     let mut out = format!(
-        "  ── compaction {n} {} · rung {} · {} UTC\n     tokens {} → {} (−{saved:.0}%), {} items compacted, {} kept verbatim\n     reason: {}\n",
+        "  ── compaction {n} {} · rung {} · {} UTC\n     tokens {} → {} (−{saved:.0}%), {compacted}, {} kept verbatim\n     reason: {}\n",
         k.id,
         k.rung,
         utc_time(k.created_ms),
         thousands(k.tokens_before),
         thousands(k.tokens_after),
-        thousands(k.items_removed),
         thousands(k.items_kept),
         k.reason,
     );

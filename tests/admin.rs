@@ -305,6 +305,16 @@ async fn the_cli_reads_the_store_while_the_proxy_runs() {
         "{out}"
     );
     assert!(out.contains("reason: threshold"), "{out}");
+    // The block counts what the summary's header says it stands for.
+    let header = out
+        .split("│ [compactor summary of ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .expect("the summary's header");
+    assert!(
+        out.contains(&format!("), summary of {header} earlier items, ")),
+        "{out}"
+    );
     assert!(out.contains("│ [compactor summary"), "{out}");
     assert!(
         out.contains("TASK: refactor the parser so that it streams."),
