@@ -1183,6 +1183,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn attempts_keep_what_a_discarded_compaction_would_have_sent() {
+        let registry = Compactions::default();
+        let discarded: Result<Arc<Compaction>, CompactError> = Err(CompactError::NoShrink {
+            before: 99,
+            after: 259,
+        });
+        registry.attempted(("t".into(), "c".into()), Attempt::of(&discarded));
+        let kept = registry.attempts("t", "c");
+        assert_eq!(kept.len(), 1);
+        assert_eq!(
+            (kept[0].result, kept[0].tokens_before, kept[0].tokens_after),
+            ("discarded", Some(99), Some(259))
+        );
+        assert!(registry.attempts("u", "c").is_empty(), "another tenant's");
+        for _ in 0..ATTEMPTS_KEPT + 5 {
+            registry.attempted(("t".into(), "c".into()), Attempt::of(&discarded));
+        }
+        assert_eq!(registry.attempts("t", "c").len(), ATTEMPTS_KEPT);
+    }
+
+    #[test]
     fn calibrations_are_per_tenant_and_conversation() {
         let c = Compactions::default();
         c.calibrate("t1", "conv", 200, 100);
