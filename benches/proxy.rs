@@ -426,6 +426,10 @@ enum Variant {
     Hop,
     /// Like `Grow`, as Codex CLI sends it: `/v1/responses`, streamed.
     Codex,
+    /// Every client sends the same bytes every time, as a load tool that
+    /// repeats one body does: one conversation, whose requests all arrive
+    /// together (c=32 only).
+    Same,
 }
 
 impl Variant {
@@ -455,10 +459,14 @@ struct Session {
     generation: u64,
     conv: Conv,
     reply: String,
+    /// `Same`: the one body (and user message), made on the first request.
+    fixed: Option<(Vec<u8>, String)>,
 }
 
 impl Session {
     fn new(variant: Variant, stream: bool, target: usize, seed: u64) -> Session {
+        // One seed for all: every session of `Same` is the same conversation.
+        let seed = if variant == Variant::Same { 1 } else { seed };
         let shape = variant.shape();
         let (head, tail) = match shape {
             Shape::Chat => (body_head(stream), Arc::new(b"]}".to_vec())),
@@ -481,11 +489,19 @@ impl Session {
             generation: 0,
             conv,
             reply: assistant_reply(shape),
+            fixed: None,
         }
     }
 
     fn next(&mut self) -> (Vec<u8>, String) {
-        self.conv.body(&self.head, &self.tail)
+        if self.variant != Variant::Same {
+            return self.conv.body(&self.head, &self.tail);
+        }
+        let (head, tail) = (&self.head, &self.tail);
+        let conv = &mut self.conv;
+        self.fixed
+            .get_or_insert_with(|| conv.body(head, tail))
+            .clone()
     }
 
     fn done(&mut self, user: &str) {
@@ -775,6 +791,7 @@ impl Scenario {
                 Variant::Grow => "grow",
                 Variant::Hop => "hop ",
                 Variant::Codex => "codx",
+                Variant::Same => "same",
             },
             if self.stream { "sse " } else { "json" },
             self.conc
@@ -1320,12 +1337,19 @@ fn main() {
     let (machine0, own0) = (machine_ticks(), cpu_ticks());
     let mut scenarios = Vec::new();
     for size in [30_000, 300_000] {
-        for variant in [Variant::Last, Variant::Grow, Variant::Codex, Variant::Hop] {
+        for variant in [
+            Variant::Last,
+            Variant::Grow,
+            Variant::Codex,
+            Variant::Same,
+            Variant::Hop,
+        ] {
             for stream in [false, true] {
                 for conc in [1, 32] {
                     // The hop: a reference at c=32; Codex always streams.
                     if (variant == Variant::Hop && (stream || conc == 1))
                         || (variant == Variant::Codex && !stream)
+                        || (variant == Variant::Same && conc == 1)
                     {
                         continue;
                     }
@@ -1358,6 +1382,7 @@ fn main() {
          last = history fixed, last user message varies; grow = each request extends the previous \
          (a conversation runs from {GROW_FROM}% to {GROW_TO}% of the size, then a new one starts); \
          codx = Codex-shaped Responses sessions to /v1/responses, streamed, growing as grow does; \
+         same = one body, byte for byte, from every client every time (one conversation); \
          hop = the `last` bodies to /v1/embeddings, which the proxy relays unparsed and unrecorded \
          (what the HTTP hop alone costs). SSE requests do not ask for usage, so the proxy \
          splices stream_options into the client's bytes.",

@@ -98,8 +98,10 @@ impl PendingExchange {
     /// Applies a compaction: the view becomes its replacement followed by
     /// the rest of the client's items.
     pub fn apply(&mut self, c: Arc<Compaction>) {
-        let view = crate::compaction::rewrite::rewrite(&self.items.values(), &c);
-        self.view = Arc::new(view.into());
+        self.view = Arc::new(
+            self.items
+                .with_prefix_replaced(c.covered_len, &c.replacement),
+        );
         self.compaction = Some(c);
     }
 

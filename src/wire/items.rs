@@ -600,6 +600,26 @@ impl ItemList {
             .clone()
     }
 
+    /// The list with its first `covered` items replaced by `replacement`
+    /// (a compaction applied), the items after them kept as they are: still
+    /// the client's bytes when they were, so the history the compaction
+    /// replaces (most of a long request) is not parsed for every request
+    /// it is applied to. Its items are `replacement` followed by
+    /// [`ItemList::values`] past `covered`.
+    pub fn with_prefix_replaced(&self, covered: usize, replacement: &[Value]) -> ItemList {
+        let mut head = replacement.to_vec();
+        if let Some(values) = self.values.get() {
+            head.extend_from_slice(&values[covered.min(values.len())..]);
+            return head.into();
+        }
+        let from_head = covered.min(self.head.len());
+        head.extend_from_slice(&self.head[from_head..]);
+        let from_span = covered
+            .saturating_sub(self.head.len())
+            .min(self.spans.len());
+        ItemList::raw(head, self.raw.clone(), self.spans[from_span..].to_vec())
+    }
+
     /// The items, taken out (parsed if need be).
     pub fn into_values(self) -> Vec<Value> {
         let values = self.values();
@@ -1147,6 +1167,53 @@ mod tests {
                 json!({"role": "assistant", "content": "x"})
             ]
         );
+    }
+
+    #[test]
+    fn a_replaced_prefix_keeps_the_items_after_it_unparsed() {
+        let raw = r#"{"messages":[{"role":"system","content":"s"},{"role":"user","content":"a"},{"role":"assistant","content":"b"},{"role":"user","content":"c"}]}"#;
+        let replacement = vec![json!({"role": "system", "content": "summary"})];
+        // What applying a compaction gave when the whole list was parsed.
+        let rewrite = |all: &[Value], covered: usize| {
+            let mut out = replacement.clone();
+            out.extend_from_slice(&all[covered.min(all.len())..]);
+            out
+        };
+        for covered in 0..=5 {
+            let (_, items) = list(raw, "messages");
+            let view = items.with_prefix_replaced(covered, &replacement);
+            assert!(
+                items.is_raw(),
+                "covered {covered}: the client's list stays unparsed"
+            );
+            assert_eq!(
+                view.spans.len(),
+                4 - covered.min(4),
+                "covered {covered}: the kept items are still bytes"
+            );
+            assert_eq!(
+                *view.values(),
+                rewrite(&items.values(), covered),
+                "covered {covered}"
+            );
+            // From the list once parsed: the same items.
+            let parsed = items.with_prefix_replaced(covered, &replacement);
+            assert_eq!(*parsed.values(), *view.values());
+            // A list with parsed items ahead of its bytes.
+            let developer = json!({"role": "developer", "content": "d"});
+            let mixed = ItemList::raw(
+                vec![developer.clone()],
+                items.raw.clone(),
+                items.spans.clone(),
+            );
+            let mut all = vec![developer];
+            all.extend(items.values().iter().cloned());
+            assert_eq!(
+                *mixed.with_prefix_replaced(covered, &replacement).values(),
+                rewrite(&all, covered),
+                "covered {covered} of a list with a parsed head"
+            );
+        }
     }
 
     #[test]
