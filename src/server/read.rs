@@ -91,14 +91,13 @@ pub(super) async fn read_request(
                 )
             }
             None => {
-                let mut body: Value = serde_json::from_slice(&raw).map_err(|e| {
-                    ProxyError::BadRequest(format!("request body is not valid JSON: {e}"))
-                })?;
+                let mut body: Value =
+                    serde_json::from_slice(&raw).map_err(ProxyError::InvalidJson)?;
                 let tools = Tools::take(&mut body);
                 (body, None, None, tools, None, None)
             }
         };
-    api.validate(&body).map_err(ProxyError::BadRequest)?;
+    api.validate(&body)?;
     let previous = body
         .get("previous_response_id")
         .and_then(Value::as_str)
@@ -234,11 +233,7 @@ pub(super) async fn read_body(
             Err(e) if e.is::<http_body_util::LengthLimitError>() => {
                 return Err(ProxyError::PayloadTooLarge { limit });
             }
-            Err(e) => {
-                return Err(ProxyError::BadRequest(format!(
-                    "could not read request body: {e}"
-                )))
-            }
+            Err(e) => return Err(ProxyError::BodyUnreadable(e)),
         }
     }
     Ok(buf.freeze())
