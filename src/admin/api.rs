@@ -1,5 +1,6 @@
-//! The admin API's handlers: store reads on a blocking thread with their own
-//! read-only connection (never the writer thread's), and manual compaction.
+//! The admin API's handlers: the store's reads ([`crate::store::Queries`],
+//! through the backend's own read path, never the writer thread) on a
+//! blocking thread, and manual compaction.
 
 use std::sync::Arc;
 
@@ -8,54 +9,59 @@ use serde::Serialize;
 
 use crate::app::AppState;
 use crate::error::{json_response, ProxyBody, ProxyError};
-use crate::store::query::{self, QueryError};
+use crate::store::query::QueryError;
+use crate::store::Reads;
 
 /// Conversations listed when the request names no `limit`.
 pub const DEFAULT_LIMIT: usize = 200;
 
-/// Runs `f` over a fresh read-only connection on a blocking thread and
-/// renders its result (or the error) as JSON.
-async fn read<T, F>(state: Arc<AppState>, f: F) -> Response<ProxyBody>
+/// Runs `f` over the store's reads on a blocking thread, once the store
+/// holds the last exchange relayed.
+async fn read<T, F>(state: Arc<AppState>, f: F) -> Result<T, ProxyError>
+where
+    T: Send + 'static,
+    F: FnOnce(&dyn Reads, &AppState) -> Result<T, QueryError> + Send + 'static,
+{
+    state.store.flush().await.map_err(store_unavailable)?;
+    tokio::task::spawn_blocking(move || f(&*state.reads, &state))
+        .await
+        .map_err(store_unavailable)?
+        .map_err(ProxyError::from)
+}
+
+/// [`read`], its result as JSON.
+async fn read_json<T, F>(state: Arc<AppState>, f: F) -> Response<ProxyBody>
 where
     T: Serialize + Send + 'static,
-    F: FnOnce(&rusqlite::Connection, &AppState) -> Result<T, QueryError> + Send + 'static,
+    F: FnOnce(&dyn Reads, &AppState) -> Result<T, QueryError> + Send + 'static,
 {
-    // Up to the last exchange relayed.
-    if let Err(e) = state.store.flush().await {
-        return internal(&e.to_string());
-    }
-    let result = tokio::task::spawn_blocking(move || {
-        let conn = query::open_read_only(&state.config.store_path())?;
-        f(&conn, &state)
-    })
-    .await;
-    match result {
-        Ok(Ok(value)) => match serde_json::to_value(&value) {
-            Ok(v) => json_response(StatusCode::OK, &v),
-            Err(e) => internal(&e.to_string()),
-        },
-        Ok(Err(e)) => query_error(&e),
-        Err(e) => internal(&e.to_string()),
+    let answer = read(state, f).await.and_then(|value| {
+        serde_json::to_value(&value)
+            .map(|v| json_response(StatusCode::OK, &v))
+            .map_err(|e| ProxyError::Internal(e.to_string()))
+    });
+    answer.unwrap_or_else(ProxyError::into_response)
+}
+
+impl From<QueryError> for ProxyError {
+    fn from(e: QueryError) -> Self {
+        match e {
+            QueryError::NotFound(_) => ProxyError::ConversationNotFound(e.to_string()),
+            QueryError::Ambiguous(..) => ProxyError::ConversationAmbiguous(e.to_string()),
+            QueryError::Store(s) => store_unavailable(s),
+        }
     }
 }
 
-fn query_error(e: &QueryError) -> Response<ProxyBody> {
-    match e {
-        QueryError::NotFound(_) => ProxyError::ConversationNotFound(e.to_string()),
-        QueryError::Ambiguous(..) => ProxyError::ConversationAmbiguous(e.to_string()),
-        QueryError::Store(s) => ProxyError::StoreUnavailable(s.to_string()),
-    }
-    .into_response()
-}
-
-fn internal(detail: &str) -> Response<ProxyBody> {
-    ProxyError::StoreUnavailable(detail.to_string()).into_response()
+/// The store could not be read: the detail is logged, not shown.
+fn store_unavailable(e: impl std::fmt::Display) -> ProxyError {
+    ProxyError::StoreUnavailable(e.to_string())
 }
 
 /// `GET /admin/api/conversations`
 pub async fn list(state: Arc<AppState>, limit: usize) -> Response<ProxyBody> {
-    read(state, move |conn, st| {
-        let conversations = query::list_conversations(conn, &st.config, limit)?;
+    read_json(state, move |reads, st| {
+        let conversations = reads.conversations(&st.config, limit)?;
         Ok(serde_json::json!({ "conversations": conversations }))
     })
     .await
@@ -63,30 +69,30 @@ pub async fn list(state: Arc<AppState>, limit: usize) -> Response<ProxyBody> {
 
 /// `GET /admin/api/conversations/ID`
 pub async fn show(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
-    read(state, move |conn, st| query::show(conn, &st.config, &id)).await
+    read_json(state, move |reads, st| {
+        reads.conversation_detail(&st.config, &id)
+    })
+    .await
 }
 
 /// `GET /admin/api/conversations/ID/export`
 pub async fn export(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
-    read(state, move |conn, st| query::export(conn, &st.config, &id)).await
+    read_json(state, move |reads, st| {
+        reads.conversation_export(&st.config, &id)
+    })
+    .await
 }
 
 /// `POST /admin/api/conversations/ID/compact`: the conversation's next
 /// request is compacted (it carries the credentials the summary needs).
 pub async fn compact(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
-    if let Err(e) = state.store.flush().await {
-        return internal(&e.to_string());
-    }
-    let st = state.clone();
-    let resolved = tokio::task::spawn_blocking(move || {
-        let conn = query::open_read_only(&st.config.store_path())?;
-        query::resolve_id(&conn, &id)
+    let resolved = read(state.clone(), move |reads, _| {
+        reads.resolve_conversation(&id)
     })
     .await;
     let id = match resolved {
-        Ok(Ok(id)) => id,
-        Ok(Err(e)) => return query_error(&e),
-        Err(e) => return internal(&e.to_string()),
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
     };
     let newly = state.compactions.request_manual(&id);
     tracing::info!(conversation = %id, newly, "manual compaction requested");

@@ -221,7 +221,7 @@ pub trait Backend: Send + 'static {
 /// the writer thread owns the writes: safe to call from any thread (they
 /// block, so async callers run them on a blocking thread). A second backend
 /// implements this beside [`Backend`].
-pub trait Reads: Send + Sync + 'static {
+pub trait Reads: Queries + Send + Sync + 'static {
     /// The compaction `id`, body included.
     fn compaction(&self, id: &str) -> Option<Compaction>;
     /// The conversation a tenant's explicit key names.
@@ -231,6 +231,33 @@ pub trait Reads: Send + Sync + 'static {
     /// `response_id`, its instructions left out. `None` when the proxy did
     /// not relay that response whole, or any of its items is missing.
     fn response_history(&self, tenant: &str, response_id: &str) -> Option<Vec<serde_json::Value>>;
+}
+
+/// A storage backend's reads of whole conversations, for the admin API,
+/// the CLI and the demo: like [`Reads`], safe from any thread and blocking.
+pub trait Queries {
+    /// The recorded conversations, most recently seen first; at most
+    /// `limit` (the admin API's and the CLI's list).
+    fn conversations(
+        &self,
+        config: &crate::config::Config,
+        limit: usize,
+    ) -> Result<Vec<query::ConversationSummary>, query::QueryError>;
+    /// A conversation's timeline (`id` exact or a unique prefix).
+    fn conversation_detail(
+        &self,
+        config: &crate::config::Config,
+        id: &str,
+    ) -> Result<query::ConversationDetail, query::QueryError>;
+    /// Everything recorded about a conversation (`id` exact or a unique
+    /// prefix).
+    fn conversation_export(
+        &self,
+        config: &crate::config::Config,
+        id: &str,
+    ) -> Result<query::ConversationExport, query::QueryError>;
+    /// The conversation an id or a unique prefix of one names.
+    fn resolve_conversation(&self, id: &str) -> Result<String, query::QueryError>;
 }
 
 /// A store failure.

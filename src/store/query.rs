@@ -571,6 +571,39 @@ fn parse_hex8(s: &str) -> Option<[u8; 8]> {
     Some(out)
 }
 
+// The SQLite backend's [`super::Queries`]: each a read-only connection of
+// its own, never the writer thread's (WAL lets them read while the proxy
+// writes).
+impl super::Queries for super::sqlite::SqliteReads {
+    fn conversations(
+        &self,
+        config: &Config,
+        limit: usize,
+    ) -> Result<Vec<ConversationSummary>, QueryError> {
+        list_conversations(&open_read_only(self.path())?, config, limit)
+    }
+
+    fn conversation_detail(
+        &self,
+        config: &Config,
+        id: &str,
+    ) -> Result<ConversationDetail, QueryError> {
+        show(&open_read_only(self.path())?, config, id)
+    }
+
+    fn conversation_export(
+        &self,
+        config: &Config,
+        id: &str,
+    ) -> Result<ConversationExport, QueryError> {
+        export(&open_read_only(self.path())?, config, id)
+    }
+
+    fn resolve_conversation(&self, id: &str) -> Result<String, QueryError> {
+        resolve_id(&open_read_only(self.path())?, id)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
