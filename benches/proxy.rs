@@ -1162,7 +1162,7 @@ fn tee_per_chunk(reps: usize) {
 
 fn breakdown(o: &Opts) {
     use compactor::tokens::TokenCounter;
-    use compactor::wire::items::{split_body, split_body_reusing, ItemList, Tools};
+    use compactor::wire::items::{split_body, ItemCaches, ItemList, Tools};
     use compactor::wire::{chain_hashes, item_hash, Api};
     use serde_json::Value;
 
@@ -1205,11 +1205,16 @@ fn breakdown(o: &Opts) {
         let mut conv = Conv::new(1 << 16, size, head.len() + tail.len(), Shape::Chat);
         let (body, _) = conv.body(&head, tail);
         let body = bytes::Bytes::from(body);
+        let caches = std::sync::Arc::new(ItemCaches::default());
         let split = |b: &bytes::Bytes| {
             let s = split_body(b, "messages").expect("body splits");
             let mut v = s.body;
-            let items = Api::Chat.item_list(&mut v, b.clone(), s.spans);
-            let tools = s.tools.map(|(span, key)| Tools::raw(b.clone(), span, key));
+            let items = Api::Chat
+                .item_list(&mut v, b.clone(), s.spans)
+                .with_caches(caches.clone());
+            let tools = s
+                .tools
+                .map(|(span, key)| Tools::raw(b.clone(), span, key, &caches));
             (v, items, tools)
         };
         let (_, items, tools) = split(&body);
@@ -1230,13 +1235,18 @@ fn breakdown(o: &Opts) {
         // The split of the conversation's next request (a new last
         // message): only what follows the repeated history is parsed.
         let scope = format!("bench-resume-{size}");
-        let seen = split_body_reusing(&body, "messages", &scope).expect("body splits");
+        let seen = caches
+            .split_body_reusing(&body, "messages", &scope)
+            .expect("body splits");
         ItemList::raw(Vec::new(), body.clone(), seen.spans.expect("items"))
             .with_shell(seen.shell)
+            .with_caches(caches.clone())
             .hashes_and_chains(&scope);
         let next = bytes::Bytes::from(conv.body(&head, tail).0);
         let resume = median_us(reps, &mut || {
-            let s = split_body_reusing(&next, "messages", &scope).expect("body splits");
+            let s = caches
+                .split_body_reusing(&next, "messages", &scope)
+                .expect("body splits");
             assert!(s.reuse.is_some(), "the next request repeats the history");
             std::hint::black_box(s);
         });

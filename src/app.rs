@@ -17,6 +17,7 @@ use crate::store::sqlite::{SqliteBackend, SqliteReads};
 use crate::store::{Reads, Store};
 use crate::tokens::TokenCounter;
 use crate::upstream::Upstream;
+use crate::wire::items::ItemCaches;
 
 /// Most models whose limits [`AppState`] keeps looked up (the least
 /// recently used go first).
@@ -37,6 +38,9 @@ pub struct AppState {
     pub conversations: ConversationIndex,
     /// Token estimates.
     pub tokens: Arc<TokenCounter>,
+    /// What is remembered of recent requests to read the next ones faster
+    /// (tenant-scoped), and item hashes by their bytes: this state's own.
+    pub item_caches: Arc<ItemCaches>,
     /// Salt of tenant hashes (per store).
     pub tenant_salt: [u8; 32],
     /// Stored compactions and running compaction jobs.
@@ -108,6 +112,7 @@ impl AppState {
             reads,
             conversations,
             tokens: TokenCounter::new_warm(),
+            item_caches: Arc::default(),
             tenant_salt: snapshot.salt,
             metrics: crate::metrics::Metrics::new(),
             background: Background::global(),
@@ -209,15 +214,45 @@ impl crate::engine::Context for AppState {
 mod tests {
     use super::*;
 
+    fn open_in(dir: &std::path::Path) -> Arc<AppState> {
+        let mut config = Config::default();
+        config.store.path = dir.join("c.db").display().to_string();
+        config.upstream.discover_windows = false;
+        AppState::open(config).expect("open state")
+    }
+
+    /// Two proxies in one process keep their recent requests apart: what
+    /// one remembers of a tenant's conversation the other does not find.
+    #[test]
+    fn two_states_in_one_process_share_no_item_caches() {
+        let (da, db) = (tempfile::tempdir().unwrap(), tempfile::tempdir().unwrap());
+        let (a, b) = (open_in(da.path()), open_in(db.path()));
+        let tenant = "the-same-tenant-key";
+        let first = bytes::Bytes::from_static(br#"{"messages":[{"a":1},{"b":2}]}"#);
+        let split = a
+            .item_caches
+            .split_body_reusing(&first, "messages", tenant)
+            .unwrap();
+        crate::wire::items::ItemList::raw(Vec::new(), first.clone(), split.spans.unwrap())
+            .with_caches(a.item_caches.clone())
+            .hashes_and_chains(tenant);
+        let next = br#"{"messages":[{"a":1},{"b":2},{"c":3}]}"#;
+        let reuse = |s: &AppState| {
+            s.item_caches
+                .split_body_reusing(next, "messages", tenant)
+                .and_then(|split| split.reuse)
+                .is_some()
+        };
+        assert!(reuse(&a), "a remembers its own request");
+        assert!(!reuse(&b), "b found a's request");
+    }
+
     /// A table of models past its bound keeps the ones looked up last, not
     /// whichever happened to arrive after it was last emptied.
     #[test]
     fn the_models_table_keeps_the_recent_models_past_its_bound() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut config = Config::default();
-        config.store.path = dir.path().join("c.db").display().to_string();
-        config.upstream.discover_windows = false;
-        let state = AppState::open(config).expect("open state");
+        let state = open_in(dir.path());
         let names: Vec<String> = (0..MODELS_KEPT + MODELS_KEPT / 4)
             .map(|i| format!("model-{i}"))
             .collect();

@@ -11,10 +11,20 @@ use std::hash::{BuildHasher, Hash};
 /// the old generation moves it to the current one. So an entry inserted
 /// again at least once every `per_generation` insertions is never dropped,
 /// and eviction costs nothing per operation (no recency list to keep up).
+///
+/// A map made [`Generations::weighed`] also counts a weight per entry (its
+/// bytes, say): a generation is full, too, once its entries weigh the
+/// limit, so the map holds at most twice that, plus the one entry that
+/// crossed it.
 pub struct Generations<K, V, S = foldhash::fast::RandomState> {
-    current: HashMap<K, V, S>,
-    old: HashMap<K, V, S>,
+    current: HashMap<K, (V, usize), S>,
+    old: HashMap<K, (V, usize), S>,
     per_generation: usize,
+    /// Most weight of one generation.
+    weight_per_generation: usize,
+    /// The weight of the current generation's entries, and of the old's.
+    current_weight: usize,
+    old_weight: usize,
     /// Whether entries were ever dropped.
     dropped: bool,
 }
@@ -23,36 +33,67 @@ impl<K: Hash + Eq, V, S: BuildHasher + Default> Generations<K, V, S> {
     /// An empty map whose generations hold `per_generation` entries each
     /// (at least one).
     pub fn new(per_generation: usize) -> Self {
+        Self::weighed(per_generation, usize::MAX)
+    }
+
+    /// An empty map whose generations hold `per_generation` entries each,
+    /// and entries of at most `weight_per_generation` in all (see
+    /// [`Generations::insert_weighed`]).
+    pub fn weighed(per_generation: usize, weight_per_generation: usize) -> Self {
         Self {
             current: HashMap::default(),
             old: HashMap::default(),
             per_generation: per_generation.max(1),
+            weight_per_generation,
+            current_weight: 0,
+            old_weight: 0,
             dropped: false,
         }
     }
 
-    /// Makes room in the current generation: a full one becomes the old one.
-    /// The old one's table, emptied, is the new current one, so a
-    /// generation does not grow its table again (rehashing all the way)
-    /// after every rotation.
-    fn rotate_if_full(&mut self) {
-        if self.current.len() >= self.per_generation {
+    /// Makes room in the current generation for an entry of `weight`: a
+    /// full one becomes the old one. The old one's table, emptied, is the
+    /// new current one, so a generation does not grow its table again
+    /// (rehashing all the way) after every rotation.
+    fn rotate_if_full(&mut self, weight: usize) {
+        let heavy = self.current_weight.saturating_add(weight) > self.weight_per_generation;
+        if self.current.len() >= self.per_generation || (heavy && !self.current.is_empty()) {
             self.dropped |= !self.old.is_empty();
             self.old.clear();
             std::mem::swap(&mut self.old, &mut self.current);
+            self.old_weight = self.current_weight;
+            self.current_weight = 0;
         }
     }
 
     /// Inserts `value` under `key` into the current generation and returns
     /// the value it replaces, from either generation.
     pub fn insert(&mut self, key: K, value: V) -> Option<V> {
+        self.insert_weighed(key, value, 0)
+    }
+
+    /// [`Generations::insert`] of an entry that weighs `weight`.
+    pub fn insert_weighed(&mut self, key: K, value: V, weight: usize) -> Option<V> {
         if let Some(slot) = self.current.get_mut(&key) {
-            return Some(std::mem::replace(slot, value));
+            self.current_weight = self.current_weight - slot.1 + weight;
+            return Some(std::mem::replace(slot, (value, weight)).0);
         }
-        let replaced = self.old.remove(&key);
-        self.rotate_if_full();
-        self.current.insert(key, value);
+        let replaced = self.take_old(&key).map(|(_, (v, _))| v);
+        self.rotate_if_full(weight);
+        self.current.insert(key, (value, weight));
+        self.current_weight += weight;
         replaced
+    }
+
+    /// Removes `key` from the old generation, with its weight.
+    fn take_old<Q>(&mut self, key: &Q) -> Option<(K, (V, usize))>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        let entry = self.old.remove_entry(key)?;
+        self.old_weight -= (entry.1).1;
+        Some(entry)
     }
 
     /// The value under `key`, moved into the current generation if it was
@@ -63,11 +104,25 @@ impl<K: Hash + Eq, V, S: BuildHasher + Default> Generations<K, V, S> {
         Q: Hash + Eq + ?Sized,
     {
         if !self.current.contains_key(key) {
-            let (k, v) = self.old.remove_entry(key)?;
-            self.rotate_if_full();
-            self.current.insert(k, v);
+            let (k, (v, weight)) = self.take_old(key)?;
+            self.rotate_if_full(weight);
+            self.current.insert(k, (v, weight));
+            self.current_weight += weight;
         }
-        self.current.get(key)
+        self.current.get(key).map(|(v, _)| v)
+    }
+
+    /// Takes the entry under `key` out, from either generation.
+    pub fn remove<Q>(&mut self, key: &Q) -> Option<V>
+    where
+        K: Borrow<Q>,
+        Q: Hash + Eq + ?Sized,
+    {
+        if let Some((v, weight)) = self.current.remove(key) {
+            self.current_weight -= weight;
+            return Some(v);
+        }
+        self.take_old(key).map(|(_, (v, _))| v)
     }
 
     /// Whether an entry was ever dropped (so a key not found may have been
@@ -82,12 +137,23 @@ impl<K: Hash + Eq, V, S: BuildHasher + Default> Generations<K, V, S> {
         K: Borrow<Q>,
         Q: Hash + Eq + ?Sized,
     {
-        self.current.get(key).or_else(|| self.old.get(key))
+        self.current
+            .get(key)
+            .or_else(|| self.old.get(key))
+            .map(|(v, _)| v)
     }
 
     /// The keys kept, in no order.
     pub fn keys(&self) -> impl Iterator<Item = &K> {
         self.current.keys().chain(self.old.keys())
+    }
+
+    /// The values kept, in no order.
+    pub fn values(&self) -> impl Iterator<Item = &V> {
+        self.current
+            .values()
+            .chain(self.old.values())
+            .map(|(v, _)| v)
     }
 
     /// Number of entries kept.
@@ -98,6 +164,11 @@ impl<K: Hash + Eq, V, S: BuildHasher + Default> Generations<K, V, S> {
     /// Whether nothing is kept.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The weight of the entries kept.
+    pub fn weight(&self) -> usize {
+        self.current_weight + self.old_weight
     }
 }
 
@@ -141,6 +212,29 @@ mod tests {
     }
 
     proptest! {
+        /// A weighed map never holds more than two generations' weight and
+        /// the entry that crossed the limit, keeps the entry inserted last,
+        /// and its weight is the sum of what it holds.
+        #[test]
+        fn a_weighed_map_stays_within_its_weight(
+            limit in 1usize..64,
+            ops in proptest::collection::vec((0u8..24, 0usize..32, any::<bool>()), 0..200),
+        ) {
+            let mut m: Generations<u8, usize> = Generations::weighed(usize::MAX, limit);
+            let mut heaviest = 0;
+            for (k, w, remove) in ops {
+                if remove {
+                    m.remove(&k);
+                } else {
+                    m.insert_weighed(k, w, w);
+                    heaviest = heaviest.max(w);
+                    prop_assert_eq!(m.get(&k), Some(&w));
+                }
+                prop_assert_eq!(m.weight(), m.values().sum::<usize>());
+                prop_assert!(m.weight() <= 2 * limit + 2 * heaviest, "{} > {}", m.weight(), limit);
+            }
+        }
+
         /// Against a model that remembers everything: what is kept holds
         /// the latest value; every key inserted within the last
         /// `per_generation` insertions is kept; never more than two

@@ -261,7 +261,7 @@ async fn session(
     out: &mut (dyn Write + Send),
 ) -> anyhow::Result<DemoReport> {
     let mut proxy = Running::start(opts.window, db).await?;
-    let result = drive(opts, &proxy, db, out).await;
+    let result = drive(opts, &proxy, out).await;
     proxy.stop().await;
     result
 }
@@ -269,7 +269,6 @@ async fn session(
 async fn drive(
     opts: &DemoOptions,
     proxy: &Running,
-    db: &Path,
     out: &mut (dyn Write + Send),
 ) -> anyhow::Result<DemoReport> {
     let state = &proxy.state;
@@ -364,7 +363,7 @@ async fn drive(
 
         if let Some(id) = compaction.as_deref() {
             if last_compaction.as_deref() != Some(id) {
-                let ev = lookup_compaction(db, id, n, history.len(), sent_items)?;
+                let ev = lookup_compaction(state, id, n, history.len(), sent_items).await?;
                 // Items the client never sent: the summary, stubs, truncated outputs.
                 let rewritten = sent.iter().filter(|m| !history.contains(m)).count();
                 let detail = match ev.rung.as_str() {
@@ -472,38 +471,30 @@ fn is_summarizer_call(r: &Received) -> bool {
         .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
 }
 
-fn lookup_compaction(
-    db: &Path,
+/// The compaction `id` as the store recorded it, read through the store's
+/// reads once the store holds it.
+async fn lookup_compaction(
+    state: &Arc<AppState>,
     id: &str,
     n: usize,
     items_before: usize,
     items_after: usize,
 ) -> anyhow::Result<CompactionEvent> {
-    let conn =
-        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)?;
-    let (rung, reason, before, after) = conn
-        .query_row(
-            "SELECT rung, reason, tokens_before, tokens_after FROM compactions WHERE id = ?1",
-            [id],
-            |r| {
-                Ok((
-                    r.get::<_, String>(0)?,
-                    r.get::<_, String>(1)?,
-                    r.get::<_, i64>(2)?,
-                    r.get::<_, i64>(3)?,
-                ))
-            },
-        )
+    state.store.flush().await?;
+    let reads = state.reads.clone();
+    let wanted = id.to_string();
+    let c = tokio::task::spawn_blocking(move || reads.compaction(&wanted))
+        .await?
         .with_context(|| format!("compaction {id} is not in the store"))?;
     Ok(CompactionEvent {
         id: id.to_string(),
         first_request: n,
-        rung,
-        reason,
+        rung: c.rung.as_str().to_string(),
+        reason: c.reason,
         items_before,
         items_after,
-        tokens_before: before.max(0) as u64,
-        tokens_after: after.max(0) as u64,
+        tokens_before: c.tokens_before,
+        tokens_after: c.tokens_after,
     })
 }
 

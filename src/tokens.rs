@@ -58,6 +58,8 @@ pub struct TokenCounter {
     /// after them: a conversation's next request repeats them, and takes
     /// their sums with one look instead of one per item.
     prefixes: Mutex<Generations<(Api, ItemHash), Estimate>>,
+    /// Counts of text pieces seen (see [`pieces`]).
+    pieces: pieces::PieceCache,
 }
 
 impl Default for TokenCounter {
@@ -66,6 +68,7 @@ impl Default for TokenCounter {
         TokenCounter {
             cache: Mutex::new(Generations::new(CACHE_LIMIT / 2)),
             prefixes: Mutex::new(Generations::new(PREFIX_LIMIT / 2)),
+            pieces: pieces::PieceCache::default(),
         }
     }
 }
@@ -152,7 +155,7 @@ impl TokenCounter {
             return text.len().div_ceil(4) as u64;
         };
         match PIECES.get_or_init(pieces::PieceCounter::new) {
-            Some(split) => split.count(bpe, text),
+            Some(split) => split.count(bpe, text, &self.pieces),
             None => bpe.encode_ordinary(text).len() as u64,
         }
     }
@@ -590,7 +593,7 @@ mod tests {
         let hashes = items.hashes();
         let tools = split
             .tools
-            .map(|(span, key)| Tools::raw(raw.clone(), span, key));
+            .map(|(span, key)| Tools::raw(raw.clone(), span, key, &Default::default()));
         let t = TokenCounter::default();
         let cold = t.bound(&items, &hashes, tools.as_ref());
         let e = t.estimate(Api::Chat, &items, &hashes, tools.as_ref());

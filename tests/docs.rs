@@ -93,7 +93,8 @@ fn links_are_read_outside_code_only() {
 #[test]
 fn the_reference_names_every_key_of_proxy_toml() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let readme = std::fs::read_to_string(root.join("docs/REFERENCE.md")).expect("docs/REFERENCE.md");
+    let readme =
+        std::fs::read_to_string(root.join("docs/REFERENCE.md")).expect("docs/REFERENCE.md");
     let example = std::fs::read_to_string(root.join("proxy.toml")).expect("proxy.toml");
     let example: toml::Table = toml::from_str(&example).expect("proxy.toml parses");
     let mut missing = std::collections::BTreeSet::new();

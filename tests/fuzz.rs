@@ -10,7 +10,7 @@ use std::ops::Range;
 use std::path::PathBuf;
 
 use bytes::Bytes;
-use compactor::wire::items::{split_body, split_body_reusing, ItemList};
+use compactor::wire::items::{split_body, ItemCaches, ItemList};
 use compactor::wire::sse::SseTee;
 use compactor::wire::{item_hash, Api};
 use proptest::prelude::*;
@@ -18,6 +18,13 @@ use proptest::strategy::ValueTree;
 use serde_json::Value;
 
 /// The seed bodies: (file name, endpoint, bytes).
+/// The caches the reusing split reads, shared by the cases as a proxy's
+/// are by its requests.
+fn caches() -> &'static std::sync::Arc<ItemCaches> {
+    static CACHES: std::sync::OnceLock<std::sync::Arc<ItemCaches>> = std::sync::OnceLock::new();
+    CACHES.get_or_init(Default::default)
+}
+
 fn corpus() -> &'static [(String, Api, Vec<u8>)] {
     static CORPUS: std::sync::OnceLock<Vec<(String, Api, Vec<u8>)>> = std::sync::OnceLock::new();
     CORPUS.get_or_init(|| {
@@ -158,7 +165,7 @@ proptest! {
         // A scope with recent requests of the corpus: the reusing split
         // must split as the plain one.
         let scope = format!("fuzz-{scope}");
-        let reused = split_body_reusing(&raw, key, &scope);
+        let reused = caches().split_body_reusing(&raw, key, &scope);
         prop_assert_eq!(split.is_some(), reused.is_some());
         let splittable = full.as_ref().and_then(Value::as_object).is_some_and(|o| match o.get(key) {
             None => true,
@@ -176,7 +183,8 @@ proptest! {
                 prop_assert_eq!(raw[span.start], b'{');
                 prop_assert_eq!(raw[span.end - 1], b'}');
             }
-            let list = ItemList::raw(Vec::new(), Bytes::from(raw.clone()), spans.clone());
+            let list = ItemList::raw(Vec::new(), Bytes::from(raw.clone()), spans.clone())
+                .with_caches(caches().clone());
             let (hashes, _, _) = list.hashes_and_chains(&scope);
             prop_assert_eq!(hashes.len(), spans.len());
             for (i, span) in spans.iter().enumerate() {

@@ -1,5 +1,6 @@
-//! The admin API's handlers: store reads on a blocking thread with their own
-//! read-only connection (never the writer thread's), and manual compaction.
+//! The admin API's handlers: the store's reads ([`crate::store::Queries`],
+//! through the backend's own read path, never the writer thread) on a
+//! blocking thread, and manual compaction.
 
 use std::sync::Arc;
 
@@ -8,56 +9,60 @@ use serde::Serialize;
 
 use crate::app::AppState;
 use crate::error::{json_response, ProxyBody, ProxyError};
-use crate::store::query::{self, QueryError};
-use crate::store::retention::{self, Removed};
-use crate::store::StoreError;
+use crate::store::query::QueryError;
+use crate::store::retention::{Removed, Victim};
+use crate::store::Reads;
 
 /// Conversations listed when the request names no `limit`.
 pub const DEFAULT_LIMIT: usize = 200;
 
-/// Runs `f` over a fresh read-only connection on a blocking thread and
-/// renders its result (or the error) as JSON.
-async fn read<T, F>(state: Arc<AppState>, f: F) -> Response<ProxyBody>
+/// Runs `f` over the store's reads on a blocking thread, once the store
+/// holds the last exchange relayed.
+async fn read<T, F>(state: Arc<AppState>, f: F) -> Result<T, ProxyError>
+where
+    T: Send + 'static,
+    F: FnOnce(&dyn Reads, &AppState) -> Result<T, QueryError> + Send + 'static,
+{
+    state.store.flush().await.map_err(store_unavailable)?;
+    tokio::task::spawn_blocking(move || f(&*state.reads, &state))
+        .await
+        .map_err(store_unavailable)?
+        .map_err(ProxyError::from)
+}
+
+/// [`read`], its result as JSON.
+async fn read_json<T, F>(state: Arc<AppState>, f: F) -> Response<ProxyBody>
 where
     T: Serialize + Send + 'static,
-    F: FnOnce(&rusqlite::Connection, &AppState) -> Result<T, QueryError> + Send + 'static,
+    F: FnOnce(&dyn Reads, &AppState) -> Result<T, QueryError> + Send + 'static,
 {
-    // Up to the last exchange relayed.
-    if let Err(e) = state.store.flush().await {
-        return internal(&e.to_string());
-    }
-    let result = tokio::task::spawn_blocking(move || {
-        let conn = query::open_read_only(&state.config.store_path())?;
-        f(&conn, &state)
-    })
-    .await;
-    match result {
-        Ok(Ok(value)) => match serde_json::to_value(&value) {
-            Ok(v) => json_response(StatusCode::OK, &v),
-            Err(e) => internal(&e.to_string()),
-        },
-        Ok(Err(e)) => query_error(&e),
-        Err(e) => internal(&e.to_string()),
+    let answer = read(state, f).await.and_then(|value| {
+        serde_json::to_value(&value)
+            .map(|v| json_response(StatusCode::OK, &v))
+            .map_err(|e| ProxyError::Internal(e.to_string()))
+    });
+    answer.unwrap_or_else(ProxyError::into_response)
+}
+
+impl From<QueryError> for ProxyError {
+    fn from(e: QueryError) -> Self {
+        match e {
+            QueryError::NotFound(_) => ProxyError::ConversationNotFound(e.to_string()),
+            QueryError::Ambiguous(..) => ProxyError::ConversationAmbiguous(e.to_string()),
+            QueryError::Store(s) => store_unavailable(s),
+        }
     }
 }
 
-fn query_error(e: &QueryError) -> Response<ProxyBody> {
-    match e {
-        QueryError::NotFound(_) => ProxyError::ConversationNotFound(e.to_string()),
-        QueryError::Ambiguous(..) => ProxyError::ConversationAmbiguous(e.to_string()),
-        QueryError::Store(s) => ProxyError::StoreUnavailable(s.to_string()),
-    }
-    .into_response()
-}
-
-fn internal(detail: &str) -> Response<ProxyBody> {
-    ProxyError::StoreUnavailable(detail.to_string()).into_response()
+/// The store could not be read: the detail is logged, not shown.
+fn store_unavailable(e: impl std::fmt::Display) -> ProxyError {
+    ProxyError::StoreUnavailable(e.to_string())
 }
 
 /// `GET /admin/api/conversations`
 pub async fn list(state: Arc<AppState>, limit: usize) -> Response<ProxyBody> {
-    read(state, move |conn, st| {
-        let conversations = query::list_conversations(conn, &st.config, limit)?;
+    read_json(state, move |reads, st| {
+        let conversations = reads.conversations(&st.config, limit)?;
         Ok(serde_json::json!({ "conversations": conversations }))
     })
     .await
@@ -65,30 +70,30 @@ pub async fn list(state: Arc<AppState>, limit: usize) -> Response<ProxyBody> {
 
 /// `GET /admin/api/conversations/ID`
 pub async fn show(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
-    read(state, move |conn, st| query::show(conn, &st.config, &id)).await
+    read_json(state, move |reads, st| {
+        reads.conversation_detail(&st.config, &id)
+    })
+    .await
 }
 
 /// `GET /admin/api/conversations/ID/export`
 pub async fn export(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
-    read(state, move |conn, st| query::export(conn, &st.config, &id)).await
+    read_json(state, move |reads, st| {
+        reads.conversation_export(&st.config, &id)
+    })
+    .await
 }
 
 /// `POST /admin/api/conversations/ID/compact`: the conversation's next
 /// request is compacted (it carries the credentials the summary needs).
 pub async fn compact(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
-    if let Err(e) = state.store.flush().await {
-        return internal(&e.to_string());
-    }
-    let st = state.clone();
-    let resolved = tokio::task::spawn_blocking(move || {
-        let conn = query::open_read_only(&st.config.store_path())?;
-        query::resolve_id(&conn, &id)
+    let resolved = read(state.clone(), move |reads, _| {
+        reads.resolve_conversation(&id)
     })
     .await;
     let id = match resolved {
-        Ok(Ok(id)) => id,
-        Ok(Err(e)) => return query_error(&e),
-        Err(e) => return internal(&e.to_string()),
+        Ok(id) => id,
+        Err(e) => return e.into_response(),
     };
     let newly = state.compactions.request_manual(&id);
     tracing::info!(conversation = %id, newly, "manual compaction requested");
@@ -105,18 +110,9 @@ pub async fn compact(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
 }
 
 /// The conversation `name` names, and its tenant.
-async fn named(state: &Arc<AppState>, name: String) -> Result<(String, String), QueryError> {
-    let found = victims(state, move |conn| {
-        let id = query::resolve_id(conn, &name)?;
-        let tenant = retention::tenant_of(conn, &id)?.ok_or(QueryError::NotFound(id.clone()))?;
-        Ok(vec![(tenant, id)])
-    })
-    .await?;
-    found
-        .into_iter()
-        .next()
-        .map(|(tenant, id, _)| (tenant, id))
-        .ok_or_else(|| QueryError::NotFound(String::new()))
+async fn named(state: &Arc<AppState>, name: String) -> Result<(String, String), ProxyError> {
+    let found = read(state.clone(), move |reads, _| reads.victim(&name)).await?;
+    Ok((found.tenant, found.id))
 }
 
 /// `GET /admin/api/conversations/ID/compact`: the outcome of its latest
@@ -134,7 +130,7 @@ pub async fn compact_status(state: Arc<AppState>, name: String) -> Response<Prox
                 }),
             )
         }
-        Err(e) => query_error(&e),
+        Err(e) => e.into_response(),
     }
 }
 
@@ -149,67 +145,37 @@ pub async fn attempts(state: Arc<AppState>, name: String) -> Response<ProxyBody>
                 "attempts": state.compactions.attempts(&tenant, &id),
             }),
         ),
-        Err(e) => query_error(&e),
+        Err(e) => e.into_response(),
     }
 }
 
 /// Conversations one retention pass deletes at most; the next pass goes on.
 pub const MAX_DELETED_PER_PASS: usize = 10_000;
 
-/// A conversation to delete: (tenant, id, its compactions).
-type Victim = (String, String, Vec<String>);
-
 /// Deletes conversations while the proxy serves: first forgotten in
 /// memory (no new request is taken as theirs, none of their compactions
 /// applies), then what was recorded is flushed, the known items forgotten
-/// (items may go), and the store maintained on a connection of its own.
-async fn remove(state: &Arc<AppState>, victims: Vec<Victim>) -> Result<Removed, QueryError> {
-    for (tenant, id, compactions) in &victims {
-        state.conversations.forget(tenant, id);
-        state.compactions.forget(tenant, compactions);
+/// (items may go), and the store maintained beside the writer.
+async fn remove(state: &Arc<AppState>, victims: Vec<Victim>) -> Result<Removed, ProxyError> {
+    for v in &victims {
+        state.conversations.forget(&v.tenant, &v.id);
+        state.compactions.forget(&v.tenant, &v.compactions);
     }
-    state.store.flush().await?;
+    state.store.flush().await.map_err(store_unavailable)?;
     state.store.forget_known_items();
-    let path = state.config.store_path();
-    let ids: Vec<String> = victims.into_iter().map(|(_, id, _)| id).collect();
-    tokio::task::spawn_blocking(move || {
-        let mut conn = retention::open_for_maintenance(&path)?;
-        Ok(retention::delete_and_prune(&mut conn, &ids)?)
-    })
-    .await
-    .map_err(|e| QueryError::Store(StoreError::Io(std::io::Error::other(e.to_string()))))?
-}
-
-/// The conversations `find` names, with what [`remove`] needs of each.
-async fn victims<F>(state: &Arc<AppState>, find: F) -> Result<Vec<Victim>, QueryError>
-where
-    F: FnOnce(&rusqlite::Connection) -> Result<Vec<(String, String)>, QueryError> + Send + 'static,
-{
-    state.store.flush().await?;
-    let path = state.config.store_path();
-    tokio::task::spawn_blocking(move || {
-        let conn = query::open_read_only(&path)?;
-        find(&conn)?
-            .into_iter()
-            .map(|(tenant, id)| {
-                let compactions = retention::compactions_of(&conn, &id)?;
-                Ok((tenant, id, compactions))
-            })
-            .collect()
-    })
-    .await
-    .map_err(|e| QueryError::Store(StoreError::Io(std::io::Error::other(e.to_string()))))?
+    let ids: Vec<String> = victims.into_iter().map(|v| v.id).collect();
+    let reads = state.reads.clone();
+    tokio::task::spawn_blocking(move || reads.delete_conversations(&ids))
+        .await
+        .map_err(store_unavailable)?
+        .map_err(ProxyError::from)
 }
 
 /// Deletes the conversations last seen before `cutoff_ms` (at most
 /// [`MAX_DELETED_PER_PASS`]), then the items nothing refers to.
-pub async fn retain(state: &Arc<AppState>, cutoff_ms: i64) -> Result<Removed, QueryError> {
-    let found = victims(state, move |conn| {
-        Ok(retention::seen_before(
-            conn,
-            cutoff_ms,
-            MAX_DELETED_PER_PASS,
-        )?)
+pub async fn retain(state: &Arc<AppState>, cutoff_ms: i64) -> Result<Removed, ProxyError> {
+    let found = read(state.clone(), move |reads, _| {
+        reads.victims_seen_before(cutoff_ms, MAX_DELETED_PER_PASS)
     })
     .await?;
     remove(state, found).await
@@ -226,23 +192,17 @@ fn removed(removed: Removed, extra: serde_json::Value) -> Response<ProxyBody> {
 /// `DELETE /admin/api/conversations/ID`: the conversation, its exchanges
 /// and compactions, and the items nothing else refers to.
 pub async fn delete(state: Arc<AppState>, name: String) -> Response<ProxyBody> {
-    let found = victims(&state, move |conn| {
-        let id = query::resolve_id(conn, &name)?;
-        let tenant = retention::tenant_of(conn, &id)?.ok_or(QueryError::NotFound(id.clone()))?;
-        Ok(vec![(tenant, id)])
-    })
-    .await;
-    let found = match found {
+    let found = match read(state.clone(), move |reads, _| reads.victim(&name)).await {
         Ok(f) => f,
-        Err(e) => return query_error(&e),
+        Err(e) => return e.into_response(),
     };
-    let id = found.first().map(|v| v.1.clone()).unwrap_or_default();
-    match remove(&state, found).await {
+    let id = found.id.clone();
+    match remove(&state, vec![found]).await {
         Ok(r) => {
             tracing::info!(conversation = %id, exchanges = r.exchanges, items = r.items, "conversation deleted");
             removed(r, serde_json::json!({ "conversation": id }))
         }
-        Err(e) => query_error(&e),
+        Err(e) => e.into_response(),
     }
 }
 
@@ -259,7 +219,7 @@ pub async fn prune(state: Arc<AppState>, older_than_secs: u64) -> Response<Proxy
             );
             removed(r, serde_json::json!({ "cutoff_ms": cutoff }))
         }
-        Err(e) => query_error(&e),
+        Err(e) => e.into_response(),
     }
 }
 

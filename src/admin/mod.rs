@@ -266,9 +266,10 @@ async fn route(
                 .and_then(|v| v.parse().ok())
             {
                 Some(secs) => api::prune(state, secs).await,
-                None => ProxyError::BadRequest(
-                    "prune needs older_than_secs=N (conversations last seen longer ago go)".into(),
-                )
+                None => ProxyError::from(crate::error::InvalidField::missing_query(
+                    "older_than_secs",
+                    "prune needs older_than_secs=N (conversations last seen longer ago go)",
+                ))
                 .into_response(),
             },
             _ => method_not_allowed("POST"),

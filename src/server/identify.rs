@@ -15,7 +15,7 @@ use crate::app::AppState;
 use crate::compaction::policy;
 use crate::engine;
 use crate::store::{bounded_text, MAX_CLIENT_CHARS};
-use crate::wire::items::{cached_hash, ItemList, Tools};
+use crate::wire::items::{ItemList, Tools};
 use crate::wire::{self, item_hash};
 
 /// Identifies the conversation of a request read, opens its exchange and
@@ -66,7 +66,7 @@ pub(super) async fn identify(
         item_hash(&full)
     };
     let params = match body_key {
-        Some(key) => cached_hash(key, full_hash),
+        Some(key) => state.item_caches.cached_hash(key, full_hash),
         None => full_hash(),
     };
     let items: Arc<ItemList> = Arc::new(items);

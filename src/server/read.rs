@@ -19,7 +19,7 @@ use crate::compaction::remote;
 use crate::conversation::tenant_of;
 use crate::error::ProxyError;
 use crate::upstream::Payload;
-use crate::wire::items::{split_body_reusing, ItemList, Tools};
+use crate::wire::items::{ItemList, Tools};
 use crate::wire::{self, chat, Api, ItemHash};
 
 /// A request read and parsed: the one representation of its body that the
@@ -37,7 +37,7 @@ pub(super) struct ReadRequest {
     /// The tool definitions, if any.
     pub tools: Option<Tools>,
     /// The key of the body's bytes without items, when they are the
-    /// client's own (see [`crate::wire::items::cached_hash`]).
+    /// client's own (see [`crate::wire::items::ItemCaches::cached_hash`]).
     pub body_key: Option<ItemHash>,
     /// The `previous_response_id` the client gave.
     pub previous: Option<String>,
@@ -75,30 +75,30 @@ pub(super) async fn read_request(
     // repeats the tenant's recent request is not even parsed again; a body
     // that is not an object with an item array is parsed whole, which
     // names what is wrong.
-    let (mut body, spans, body_key, tools, reuse, shell) =
-        match split_body_reusing(&raw, api.items_key(), &tenant) {
-            Some(split) => {
-                let tools = split
-                    .tools
-                    .map(|(span, key)| Tools::raw(raw.clone(), span, key));
-                (
-                    split.body,
-                    split.spans,
-                    Some(split.body_key),
-                    tools,
-                    split.reuse,
-                    split.shell,
-                )
-            }
-            None => {
-                let mut body: Value = serde_json::from_slice(&raw).map_err(|e| {
-                    ProxyError::BadRequest(format!("request body is not valid JSON: {e}"))
-                })?;
-                let tools = Tools::take(&mut body);
-                (body, None, None, tools, None, None)
-            }
-        };
-    api.validate(&body).map_err(ProxyError::BadRequest)?;
+    let (mut body, spans, body_key, tools, reuse, shell) = match state
+        .item_caches
+        .split_body_reusing(&raw, api.items_key(), &tenant)
+    {
+        Some(split) => {
+            let tools = split
+                .tools
+                .map(|(span, key)| Tools::raw(raw.clone(), span, key, &state.item_caches));
+            (
+                split.body,
+                split.spans,
+                Some(split.body_key),
+                tools,
+                split.reuse,
+                split.shell,
+            )
+        }
+        None => {
+            let mut body: Value = serde_json::from_slice(&raw).map_err(ProxyError::InvalidJson)?;
+            let tools = Tools::take(&mut body);
+            (body, None, None, tools, None, None)
+        }
+    };
+    api.validate(&body)?;
     let previous = body
         .get("previous_response_id")
         .and_then(Value::as_str)
@@ -108,7 +108,8 @@ pub(super) async fn read_request(
     let mut items = api
         .item_list(&mut body, raw.clone(), spans)
         .with_reuse(reuse)
-        .with_shell(shell);
+        .with_shell(shell)
+        .with_caches(state.item_caches.clone());
     // A chain the proxy recorded, its own compaction items and Codex's
     // compaction trigger change the items; anything else leaves them as
     // the client's bytes.
@@ -234,11 +235,7 @@ pub(super) async fn read_body(
             Err(e) if e.is::<http_body_util::LengthLimitError>() => {
                 return Err(ProxyError::PayloadTooLarge { limit });
             }
-            Err(e) => {
-                return Err(ProxyError::BadRequest(format!(
-                    "could not read request body: {e}"
-                )))
-            }
+            Err(e) => return Err(ProxyError::BodyUnreadable(e)),
         }
     }
     Ok(buf.freeze())

@@ -261,7 +261,7 @@ pub trait Backend: Send + 'static {
 /// the writer thread owns the writes: safe to call from any thread (they
 /// block, so async callers run them on a blocking thread). A second backend
 /// implements this beside [`Backend`].
-pub trait Reads: Send + Sync + 'static {
+pub trait Reads: Queries + Send + Sync + 'static {
     /// The compaction `id`, body included.
     fn compaction(&self, id: &str) -> Option<Compaction>;
     /// The conversation a tenant's explicit key names.
@@ -271,6 +271,47 @@ pub trait Reads: Send + Sync + 'static {
     /// `response_id`, its instructions left out. `None` when the proxy did
     /// not relay that response whole, or any of its items is missing.
     fn response_history(&self, tenant: &str, response_id: &str) -> Option<Vec<serde_json::Value>>;
+}
+
+/// A storage backend's reads of whole conversations, for the admin API,
+/// the CLI and the demo: like [`Reads`], safe from any thread and blocking.
+pub trait Queries {
+    /// The recorded conversations, most recently seen first; at most
+    /// `limit` (the admin API's and the CLI's list).
+    fn conversations(
+        &self,
+        config: &crate::config::Config,
+        limit: usize,
+    ) -> Result<Vec<query::ConversationSummary>, query::QueryError>;
+    /// A conversation's timeline (`id` exact or a unique prefix).
+    fn conversation_detail(
+        &self,
+        config: &crate::config::Config,
+        id: &str,
+    ) -> Result<query::ConversationDetail, query::QueryError>;
+    /// Everything recorded about a conversation (`id` exact or a unique
+    /// prefix).
+    fn conversation_export(
+        &self,
+        config: &crate::config::Config,
+        id: &str,
+    ) -> Result<query::ConversationExport, query::QueryError>;
+    /// The conversation an id or a unique prefix of one names.
+    fn resolve_conversation(&self, id: &str) -> Result<String, query::QueryError>;
+    /// The conversation a name (id, prefix or client-sent id) names, with
+    /// what deleting it needs.
+    fn victim(&self, name: &str) -> Result<retention::Victim, query::QueryError>;
+    /// Conversations last seen before `cutoff_ms` (Unix ms), at most
+    /// `limit`, oldest first, with what deleting them needs.
+    fn victims_seen_before(
+        &self,
+        cutoff_ms: i64,
+        limit: usize,
+    ) -> Result<Vec<retention::Victim>, query::QueryError>;
+    /// Deletes `ids` with what is their own, then the items nothing refers
+    /// to any more (beside a proxy that may be writing).
+    fn delete_conversations(&self, ids: &[String])
+        -> Result<retention::Removed, query::QueryError>;
 }
 
 /// A store failure.

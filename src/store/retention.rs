@@ -43,6 +43,35 @@ impl Removed {
     }
 }
 
+/// A conversation to delete, and what deleting it needs.
+#[derive(Debug, Clone)]
+pub struct Victim {
+    /// Its tenant.
+    pub tenant: String,
+    /// Its id.
+    pub id: String,
+    /// Its compactions' ids (forgotten in memory first).
+    pub compactions: Vec<String>,
+}
+
+/// [`Victim`]s of `(tenant, id)` pairs read on `conn`.
+pub fn victims_of(
+    conn: &Connection,
+    found: Vec<(String, String)>,
+) -> Result<Vec<Victim>, StoreError> {
+    found
+        .into_iter()
+        .map(|(tenant, id)| {
+            let compactions = compactions_of(conn, &id)?;
+            Ok(Victim {
+                tenant,
+                id,
+                compactions,
+            })
+        })
+        .collect()
+}
+
 /// A writable connection to the store at `path` for maintenance, beside a
 /// proxy that may be writing (it waits for the lock as the proxy does).
 pub fn open_for_maintenance(path: &std::path::Path) -> Result<Connection, StoreError> {

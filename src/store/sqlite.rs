@@ -671,6 +671,13 @@ impl SqliteReads {
     }
 }
 
+impl SqliteReads {
+    /// The database these reads open.
+    pub(super) fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
 impl super::Reads for SqliteReads {
     fn compaction(&self, id: &str) -> Option<Compaction> {
         (self.compaction)(&|conn| load_compaction(conn, id))

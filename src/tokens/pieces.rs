@@ -27,10 +27,6 @@ const LOOKAHEAD: &str = r"|\s+(?!\S)";
 /// Most distinct pieces kept, the least recently used going first.
 const PIECE_LIMIT: usize = 1 << 16;
 
-/// One cache for the process (counting is mostly the accounting thread's),
-/// so its memory stays bounded however many threads count.
-static PIECES: Mutex<Option<Pieces>> = Mutex::new(None);
-
 /// Token counts of pieces, keyed by a 64-bit hash of the piece under a
 /// seed drawn when the cache is made. Keyed by the piece itself, every
 /// lookup followed a pointer to the stored piece to compare it (a second
@@ -52,6 +48,14 @@ impl Default for Pieces {
         }
     }
 }
+
+/// The counts of pieces seen, one per token counter (counting is mostly
+/// the accounting thread's), so its memory stays bounded however many
+/// threads count. The tokenizer and the split are read-only tables of the
+/// tokenizer and are the process's ([`PieceCounter`]); what was counted
+/// with them is the counter's owner's.
+#[derive(Default)]
+pub struct PieceCache(Mutex<Pieces>);
 
 /// The split without the lookahead, over tiktoken's tokenizer.
 pub struct PieceCounter {
@@ -111,18 +115,18 @@ impl PieceCounter {
         Some((start, end))
     }
 
-    /// Tokens of `text`: what `bpe.encode_ordinary(text).len()` gives.
-    /// While another thread holds the cache, this one counts without it.
-    pub fn count(&self, bpe: &CoreBPE, text: &str) -> u64 {
+    /// Tokens of `text`: what `bpe.encode_ordinary(text).len()` gives,
+    /// the count of each piece kept in `cache`. While another thread holds
+    /// the cache, this one counts without it.
+    pub fn count(&self, bpe: &CoreBPE, text: &str, cache: &PieceCache) -> u64 {
         let count = |piece: &str| bpe.encode_ordinary(piece).len() as u32;
-        let mut guard = match PIECES.try_lock() {
+        let mut cache = match cache.0.try_lock() {
             Ok(guard) => guard,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
             Err(TryLockError::WouldBlock) => {
                 return self.pieces(text).map(|p| u64::from(count(p))).sum();
             }
         };
-        let cache = guard.get_or_insert_with(Default::default);
         let mut total = 0u64;
         for piece in self.pieces(text) {
             let key = cache.key.hash_one(piece);
@@ -288,6 +292,12 @@ mod tests {
         BPE.get_or_init(|| tiktoken_rs::o200k_base().unwrap())
     }
 
+    /// One cache for the tests, so that counts are also taken from it.
+    fn cache() -> &'static PieceCache {
+        static C: std::sync::OnceLock<PieceCache> = std::sync::OnceLock::new();
+        C.get_or_init(PieceCache::default)
+    }
+
     fn counter() -> &'static PieceCounter {
         static C: std::sync::OnceLock<PieceCounter> = std::sync::OnceLock::new();
         C.get_or_init(|| PieceCounter::new().expect("the o200k pattern has its lookahead"))
@@ -334,7 +344,7 @@ mod tests {
                 "{t:?}"
             );
             assert_eq!(
-                counter().count(bpe(), t),
+                counter().count(bpe(), t, cache()),
                 bpe().encode_ordinary(t).len() as u64,
                 "{t:?}"
             );
@@ -417,7 +427,7 @@ mod tests {
         #[test]
         fn pieces_and_counts_equal_tiktokens(t in text()) {
             prop_assert_eq!(counter().pieces(&t).collect::<Vec<_>>(), reference_pieces(&t));
-            prop_assert_eq!(counter().count(bpe(), &t), bpe().encode_ordinary(&t).len() as u64);
+            prop_assert_eq!(counter().count(bpe(), &t, cache()), bpe().encode_ordinary(&t).len() as u64);
         }
 
         #[test]
@@ -432,7 +442,7 @@ mod tests {
 
         #[test]
         fn counts_of_any_string_equal_tiktokens(t in any::<String>()) {
-            prop_assert_eq!(counter().count(bpe(), &t), bpe().encode_ordinary(&t).len() as u64);
+            prop_assert_eq!(counter().count(bpe(), &t, cache()), bpe().encode_ordinary(&t).len() as u64);
         }
     }
 }

@@ -32,13 +32,13 @@ pub struct SplitBody {
     /// Byte range of each item in the body, when it has the item field.
     pub spans: Option<Vec<Range<usize>>>,
     /// Key of the body's bytes without the items (its tools by their key),
-    /// for [`cached_hash`] of the body with its tools.
+    /// for [`ItemCaches::cached_hash`] of the body with its tools.
     pub body_key: ItemHash,
     /// The `tools` field's byte range and the hash of those bytes, if the
     /// body has one; `body` holds `null` in its place (see [`Tools`]).
     pub tools: Option<(Range<usize>, ItemHash)>,
     /// The recent request whose start this body repeats, when
-    /// [`split_body_reusing`] parsed only what follows it.
+    /// [`ItemCaches::split_body_reusing`] parsed only what follows it.
     pub reuse: Option<Reuse>,
     /// What the split found outside the items, for [`ItemList::with_shell`].
     pub shell: Option<Arc<Shell>>,
@@ -72,22 +72,99 @@ pub fn split_body(raw: &[u8], key: &str) -> Option<SplitBody> {
     finish_split(raw, split.obj, spans, split.tools.map(|t| span_of(t.get())))
 }
 
-/// Like [`split_body`], for a body that may repeat the start of a recent
-/// request of the same `scope` (a conversation's next request): the
-/// repeated items are found by comparing bytes and are not parsed again;
-/// the parse covers what precedes the items and what follows the repeated
-/// ones. The result is the same as [`split_body`]'s.
-pub fn split_body_reusing(raw: &[u8], key: &str, scope: &str) -> Option<SplitBody> {
-    resume_split(raw, key, scope).or_else(|| split_body(raw, key))
+/// What the proxy remembers of recent requests to read the next ones
+/// faster: per scope (tenant), the bytes before the items of its recent
+/// bodies and its recent requests' items and hashes; and, for all, the
+/// canonical hash of item bytes seen. Owned by whoever serves the requests
+/// (one per `AppState`), each part bounded by [`Generations`], one lock
+/// per part and request (never per item).
+pub struct ItemCaches {
+    heads: Mutex<Heads>,
+    recent: Mutex<Recent>,
+    hashes: Mutex<Generations<ItemHash, ItemHash>>,
 }
 
-fn resume_split(raw: &[u8], key: &str, scope: &str) -> Option<SplitBody> {
-    let first = probe_items_known(raw, key, scope)?;
-    let recent_key = recent_key(scope, first.iter().map(|s| &raw[s.clone()]));
-    let candidates = recent()
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .get(&recent_key);
+impl Default for ItemCaches {
+    fn default() -> Self {
+        ItemCaches {
+            heads: Mutex::new(Heads::default()),
+            recent: Mutex::new(Recent::default()),
+            // Two generations of half the limit: at most the limit kept.
+            hashes: Mutex::new(Generations::new(RAW_CACHE_LIMIT / 2)),
+        }
+    }
+}
+
+impl ItemCaches {
+    /// Like [`split_body`], for a body that may repeat the start of a
+    /// recent request of the same `scope` (a conversation's next request):
+    /// the repeated items are found by comparing bytes and are not parsed
+    /// again; the parse covers what precedes the items and what follows the
+    /// repeated ones. The result is the same as [`split_body`]'s.
+    pub fn split_body_reusing(&self, raw: &[u8], key: &str, scope: &str) -> Option<SplitBody> {
+        self.resume_split(raw, key, scope)
+            .or_else(|| split_body(raw, key))
+    }
+
+    fn recent(&self) -> std::sync::MutexGuard<'_, Recent> {
+        self.recent.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn heads(&self) -> std::sync::MutexGuard<'_, Heads> {
+        self.heads.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn hashes(&self) -> std::sync::MutexGuard<'_, Generations<ItemHash, ItemHash>> {
+        self.hashes.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The canonical hash of a value whose bytes hash to `key`: from the
+    /// cache, or `compute`d (from the parsed value) and cached.
+    pub fn cached_hash(&self, key: ItemHash, compute: impl FnOnce() -> ItemHash) -> ItemHash {
+        if let Some(h) = self.hashes().renew(&key) {
+            return *h;
+        }
+        let h = compute();
+        self.hashes().insert(key, h);
+        h
+    }
+
+    fn resume_split(&self, raw: &[u8], key: &str, scope: &str) -> Option<SplitBody> {
+        let first = self.probe_items_known(raw, key, scope)?;
+        let recent_key = recent_key(scope, first.iter().map(|s| &raw[s.clone()]));
+        let candidates = self.recent().get(&recent_key);
+        resume_from(raw, key, recent_key, candidates)
+    }
+
+    /// [`probe_items`], and without reading the bytes before the items when
+    /// a recent body of the scope began with the same bytes up to its first
+    /// item (long tool definitions or instructions before the items): the
+    /// parse is where it was in that body, so the first item starts at the
+    /// same place.
+    fn probe_items_known(&self, raw: &[u8], key: &str, scope: &str) -> Option<Vec<Range<usize>>> {
+        let heads = self.heads().of(scope, key);
+        let known = heads
+            .iter()
+            .find(|h| raw.len() > h.len() && raw.starts_with(h));
+        if let Some(spans) = known.and_then(|h| first_items_at(raw, h.len())) {
+            return Some(spans);
+        }
+        let spans = probe_items(raw, key)?;
+        if spans[0].start >= MIN_HEAD && known.is_none() {
+            self.heads().remember(scope, key, &raw[..spans[0].start]);
+        }
+        Some(spans)
+    }
+}
+
+/// The split of a body that may repeat one of `candidates` (recent
+/// requests under `recent_key`).
+fn resume_from(
+    raw: &[u8],
+    key: &str,
+    recent_key: ItemHash,
+    candidates: Vec<Arc<Seen>>,
+) -> Option<SplitBody> {
     let (items, seen) = best_candidate(candidates, |seen| seen.leading_items(raw))?;
     if items == 0 {
         return None;
@@ -270,25 +347,6 @@ fn finish_split(
     })
 }
 
-/// [`probe_items`], and without reading the bytes before the items when a
-/// recent body of the scope began with the same bytes up to its first item
-/// (long tool definitions or instructions before the items): the parse is
-/// where it was in that body, so the first item starts at the same place.
-fn probe_items_known(raw: &[u8], key: &str, scope: &str) -> Option<Vec<Range<usize>>> {
-    let heads = Heads::of(scope, key);
-    let known = heads
-        .iter()
-        .find(|h| raw.len() > h.len() && raw.starts_with(h));
-    if let Some(spans) = known.and_then(|h| first_items_at(raw, h.len())) {
-        return Some(spans);
-    }
-    let spans = probe_items(raw, key)?;
-    if spans[0].start >= MIN_HEAD && known.is_none() {
-        Heads::remember(scope, key, &raw[..spans[0].start]);
-    }
-    Some(spans)
-}
-
 /// The first one or two items of an array whose first item starts at
 /// `at`, if they are plainly there (else the probe decides).
 fn first_items_at(raw: &[u8], at: usize) -> Option<Vec<Range<usize>>> {
@@ -312,31 +370,30 @@ fn first_items_at(raw: &[u8], at: usize) -> Option<Vec<Range<usize>>> {
 const MIN_HEAD: usize = 1024;
 /// Distinct starts kept per scope and item key.
 const HEADS_PER_SCOPE: usize = 4;
-/// Bytes of starts kept in all before all are forgotten.
+/// Bytes of starts kept in all (two generations of half).
 const HEAD_BYTES: usize = 16 << 20;
 
 /// Per scope and item key, the bytes up to the first item of its recent
-/// bodies, newest first.
-#[derive(Default)]
+/// bodies, newest first; weighed by their bytes.
 struct Heads {
-    by_scope: foldhash::HashMap<String, Vec<(String, VecDeque<Bytes>)>>,
-    bytes: usize,
+    by_scope: Generations<String, Vec<(String, VecDeque<Bytes>)>>,
+}
+
+impl Default for Heads {
+    fn default() -> Self {
+        // A start is at least `MIN_HEAD` bytes, so the weight bounds the
+        // number of scopes too.
+        Heads {
+            by_scope: Generations::weighed(HEAD_BYTES / MIN_HEAD, HEAD_BYTES / 2),
+        }
+    }
 }
 
 impl Heads {
-    fn lock() -> std::sync::MutexGuard<'static, Heads> {
-        static HEADS: OnceLock<Mutex<Heads>> = OnceLock::new();
-        HEADS
-            .get_or_init(Default::default)
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn of(scope: &str, key: &str) -> Vec<Bytes> {
-        let heads = Self::lock();
-        let keys = heads
+    fn of(&mut self, scope: &str, key: &str) -> Vec<Bytes> {
+        let keys = self
             .by_scope
-            .get(scope)
+            .renew(scope)
             .map(Vec::as_slice)
             .unwrap_or_default();
         keys.iter()
@@ -345,16 +402,11 @@ impl Heads {
             .unwrap_or_default()
     }
 
-    fn remember(scope: &str, key: &str, head: &[u8]) {
+    fn remember(&mut self, scope: &str, key: &str, head: &[u8]) {
         if head.len() > HEAD_BYTES / 16 {
             return;
         }
-        let mut heads = Self::lock();
-        if heads.bytes + head.len() > HEAD_BYTES {
-            heads.by_scope.clear();
-            heads.bytes = 0;
-        }
-        let keys = heads.by_scope.entry(scope.to_string()).or_default();
+        let mut keys = self.by_scope.remove(scope).unwrap_or_default();
         let at = match keys.iter().position(|(k, _)| k == key) {
             Some(at) => at,
             None => {
@@ -364,11 +416,12 @@ impl Heads {
         };
         let q = &mut keys[at].1;
         q.push_front(Bytes::copy_from_slice(head));
-        let dropped: usize = q
-            .drain(HEADS_PER_SCOPE.min(q.len())..)
-            .map(|h| h.len())
+        q.truncate(HEADS_PER_SCOPE);
+        let bytes = keys
+            .iter()
+            .flat_map(|(_, q)| q.iter().map(Bytes::len))
             .sum();
-        heads.bytes = heads.bytes + head.len() - dropped;
+        self.by_scope.insert_weighed(scope.to_string(), keys, bytes);
     }
 }
 
@@ -520,6 +573,8 @@ pub struct ItemList {
     values: OnceLock<Arc<Vec<Value>>>,
     reuse: Option<Reuse>,
     shell: Option<Arc<Shell>>,
+    /// The caches its hashes go through, if any (else they are computed).
+    caches: Option<Arc<ItemCaches>>,
 }
 
 /// A recent request (of the same scope) whose first `items` items a body
@@ -539,6 +594,7 @@ impl From<Vec<Value>> for ItemList {
             values: OnceLock::from(Arc::new(values)),
             reuse: None,
             shell: None,
+            caches: None,
         }
     }
 }
@@ -554,10 +610,19 @@ impl ItemList {
             values: OnceLock::new(),
             reuse: None,
             shell: None,
+            caches: None,
         }
     }
 
-    /// What [`split_body_reusing`] found this list's body repeats, for
+    /// The caches [`ItemList::hashes`] and [`ItemList::hashes_and_chains`]
+    /// go through (the proxy's own): without them, every hash is computed
+    /// and nothing is remembered for the next request.
+    pub fn with_caches(mut self, caches: Arc<ItemCaches>) -> Self {
+        self.caches = Some(caches);
+        self
+    }
+
+    /// What [`ItemCaches::split_body_reusing`] found this list's body repeats, for
     /// [`ItemList::hashes_and_chains`].
     pub fn with_reuse(mut self, reuse: Option<Reuse>) -> Self {
         self.reuse = reuse;
@@ -718,7 +783,12 @@ impl ItemList {
     /// And which of the hashes the store has claimed already
     /// ([`Claims`]).
     pub fn hashes_and_chains(&self, scope: &str) -> (Vec<ItemHash>, Vec<ItemHash>, Claims) {
-        if !self.is_raw() || self.spans.is_empty() {
+        let Some(caches) = self.caches.as_deref().filter(|_| self.is_raw()) else {
+            let hashes = self.hashes();
+            let chains = super::chain_hashes(&hashes);
+            return (hashes, chains, Claims::default());
+        };
+        if self.spans.is_empty() {
             let hashes = self.hashes();
             let chains = super::chain_hashes(&hashes);
             return (hashes, chains, Claims::default());
@@ -731,7 +801,7 @@ impl ItemList {
             Some(r) => (r.key, Some((r.items, r.seen.clone()))),
             None => {
                 let key = recent_key(scope, self.spans.iter().map(|s| &self.raw[s.clone()]));
-                let candidates = recent().lock().unwrap_or_else(|p| p.into_inner()).get(&key);
+                let candidates = caches.recent().get(&key);
                 let best = best_candidate(candidates, |seen| seen.matching(&self.raw, &self.spans));
                 (key, best)
             }
@@ -779,16 +849,19 @@ impl ItemList {
             shell: self.shell.clone(),
             claimed: own,
         };
-        recent()
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .insert(key, seen, superseded);
+        caches.recent().insert(key, seen, superseded);
         (out, chains, claims)
     }
 
     /// Hashes of the raw items from `from` on, through the bytes cache.
     fn raw_hashes(&self, from: usize) -> Vec<ItemHash> {
         let spans = &self.spans[from.min(self.spans.len())..];
+        let Some(caches) = self.caches.as_deref() else {
+            return spans
+                .iter()
+                .map(|s| super::hash::text_item_hash(&self.raw[s.clone()]))
+                .collect();
+        };
         let keys: Vec<ItemHash> = spans
             .iter()
             .map(|s| *blake3::hash(&self.raw[s.clone()]).as_bytes())
@@ -796,7 +869,7 @@ impl ItemList {
         let mut out = Vec::with_capacity(keys.len());
         let mut missing = Vec::new();
         {
-            let mut cache = raw_cache().lock().unwrap_or_else(|p| p.into_inner());
+            let mut cache = caches.hashes();
             for (j, key) in keys.iter().enumerate() {
                 match cache.renew(key) {
                     Some(h) => out.push(*h),
@@ -818,7 +891,10 @@ impl ItemList {
                 (keys[j], h)
             })
             .collect();
-        remember(found);
+        let mut cache = caches.hashes();
+        for (k, h) in found {
+            cache.insert(k, h);
+        }
         out
     }
 }
@@ -945,20 +1021,30 @@ fn common_prefix(a: &[u8], b: &[u8]) -> usize {
         .count()
 }
 
-/// Bytes of recent requests kept for [`ItemList::hashes_and_chains`].
+/// Bytes of recent requests kept for [`ItemList::hashes_and_chains`]
+/// (two generations of half).
 const RECENT_BYTES: usize = 64 << 20;
 /// Recent requests kept per first-two-items key (concurrent branches of a
 /// conversation, retries).
 const RECENT_PER_KEY: usize = 4;
+/// Most first-two-items keys of one generation (a key's requests are
+/// weighed by their bytes, and small ones weigh little).
+const RECENT_KEYS: usize = 1 << 16;
 
-/// Recent requests by key, oldest evicted first once they hold more than
-/// [`RECENT_BYTES`].
-#[derive(Default)]
+/// Recent requests by key, weighed by their bytes: at most
+/// [`RECENT_BYTES`] in all, unless one request alone weighs more than half.
 struct Recent {
-    by_key: foldhash::HashMap<ItemHash, VecDeque<Arc<Seen>>>,
-    order: VecDeque<(ItemHash, u64)>,
-    bytes: usize,
+    by_key: Generations<ItemHash, VecDeque<Arc<Seen>>>,
     next_id: u64,
+}
+
+impl Default for Recent {
+    fn default() -> Self {
+        Recent {
+            by_key: Generations::weighed(RECENT_KEYS, RECENT_BYTES / 2),
+            next_id: 0,
+        }
+    }
 }
 
 impl Recent {
@@ -972,51 +1058,25 @@ impl Recent {
     fn insert(&mut self, key: ItemHash, mut seen: Seen, superseded: Option<u64>) {
         self.next_id += 1;
         seen.id = self.next_id;
-        self.bytes += seen.raw.len();
-        self.order.push_back((key, seen.id));
-        let q = self.by_key.entry(key).or_default();
+        let mut q = self.by_key.remove(&key).unwrap_or_default();
         if let Some(i) = superseded.and_then(|id| q.iter().position(|s| s.id == id)) {
-            if let Some(old) = q.remove(i) {
-                self.bytes -= old.raw.len();
-            }
+            q.remove(i);
         }
         q.push_back(Arc::new(seen));
         if q.len() > RECENT_PER_KEY {
+            q.pop_front();
+        }
+        // A key's requests weigh no more than a generation may (but the
+        // newest stays), so that two generations hold at most
+        // `RECENT_BYTES`.
+        let mut bytes: usize = q.iter().map(|s| s.raw.len()).sum();
+        while bytes > RECENT_BYTES / 2 && q.len() > 1 {
             if let Some(old) = q.pop_front() {
-                self.bytes -= old.raw.len();
+                bytes -= old.raw.len();
             }
         }
-        while self.bytes > RECENT_BYTES {
-            let Some((k, id)) = self.order.pop_front() else {
-                break;
-            };
-            if let Some(q) = self.by_key.get_mut(&k) {
-                if let Some(i) = q.iter().position(|s| s.id == id) {
-                    if let Some(old) = q.remove(i) {
-                        self.bytes -= old.raw.len();
-                    }
-                }
-                if q.is_empty() {
-                    self.by_key.remove(&k);
-                }
-            }
-        }
-        // Entries already dropped per key leave their place in `order`;
-        // keep it from growing without bound.
-        if self.order.len() > 4 * RECENT_PER_KEY * self.by_key.len().max(1) {
-            let live: std::collections::HashSet<u64> = self
-                .by_key
-                .values()
-                .flat_map(|q| q.iter().map(|s| s.id))
-                .collect();
-            self.order.retain(|(_, id)| live.contains(id));
-        }
+        self.by_key.insert_weighed(key, q, bytes);
     }
-}
-
-fn recent() -> &'static Mutex<Recent> {
-    static RECENT: OnceLock<Mutex<Recent>> = OnceLock::new();
-    RECENT.get_or_init(Default::default)
 }
 
 /// A request's tool definitions: the client's bytes, parsed on first need,
@@ -1036,14 +1096,15 @@ struct RawJson {
 }
 
 impl Tools {
-    /// The definitions at `span` of `raw` whose bytes hash to `key`.
-    pub fn raw(raw: Bytes, span: Range<usize>, key: ItemHash) -> Tools {
+    /// The definitions at `span` of `raw` whose bytes hash to `key`, their
+    /// hash found through `caches`.
+    pub fn raw(raw: Bytes, span: Range<usize>, key: ItemHash, caches: &ItemCaches) -> Tools {
         let json = RawJson {
             raw,
             span,
             value: OnceLock::new(),
         };
-        let hash = cached_hash(key, || item_hash(json.value()));
+        let hash = caches.cached_hash(key, || item_hash(json.value()));
         Tools {
             hash,
             json: Arc::new(json),
@@ -1094,40 +1155,11 @@ impl RawJson {
     }
 }
 
-/// The canonical hash of a value whose bytes hash to `key`: from the cache,
-/// or `compute`d (from the parsed value) and cached.
-pub fn cached_hash(key: ItemHash, compute: impl FnOnce() -> ItemHash) -> ItemHash {
-    if let Some(h) = raw_cache()
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
-        .renew(&key)
-    {
-        return *h;
-    }
-    let h = compute();
-    remember(vec![(key, h)]);
-    h
-}
-
-/// Adds computed hashes to the bytes cache, within its bound.
-fn remember(found: Vec<(ItemHash, ItemHash)>) {
-    let mut cache = raw_cache().lock().unwrap_or_else(|p| p.into_inner());
-    for (k, h) in found {
-        cache.insert(k, h);
-    }
-}
-
 /// Most entries kept in the bytes → canonical hash cache (about 100 bytes
-/// each), the least recently used going first.
-const RAW_CACHE_LIMIT: usize = 200_000;
-
-/// Hash of an item's bytes → hash of its canonical form. A pure function
+/// each), the least recently used going first. The hash is a pure function
 /// of the bytes, so one cache serves every tenant without telling one
 /// anything about another.
-fn raw_cache() -> &'static Mutex<Generations<ItemHash, ItemHash>> {
-    static CACHE: OnceLock<Mutex<Generations<ItemHash, ItemHash>>> = OnceLock::new();
-    CACHE.get_or_init(|| Mutex::new(Generations::new(RAW_CACHE_LIMIT / 2)))
-}
+const RAW_CACHE_LIMIT: usize = 200_000;
 
 /// One item from bytes [`split_body`] already parsed once (so valid).
 fn parse(bytes: &[u8]) -> Value {
@@ -1139,11 +1171,33 @@ mod tests {
     use super::*;
     use serde_json::json;
 
+    /// The caches of the tests (each test uses scopes of its own).
+    fn caches() -> &'static Arc<ItemCaches> {
+        static C: OnceLock<Arc<ItemCaches>> = OnceLock::new();
+        C.get_or_init(Arc::default)
+    }
+
+    fn raw_list(head: Vec<Value>, raw: Bytes, spans: Vec<Range<usize>>) -> ItemList {
+        ItemList::raw(head, raw, spans).with_caches(caches().clone())
+    }
+
+    fn split_body_reusing(raw: &[u8], key: &str, scope: &str) -> Option<SplitBody> {
+        caches().split_body_reusing(raw, key, scope)
+    }
+
+    fn probe_items_known(raw: &[u8], key: &str, scope: &str) -> Option<Vec<Range<usize>>> {
+        caches().probe_items_known(raw, key, scope)
+    }
+
+    fn cached_hash(key: ItemHash, compute: impl FnOnce() -> ItemHash) -> ItemHash {
+        caches().cached_hash(key, compute)
+    }
+
     fn list(raw: &str, key: &str) -> (Value, ItemList) {
         let bytes = Bytes::from(raw.to_string());
         let split = split_body(&bytes, key).expect("splits");
         let spans = split.spans.expect("an item array");
-        (split.body, ItemList::raw(Vec::new(), bytes, spans))
+        (split.body, raw_list(Vec::new(), bytes, spans))
     }
 
     #[test]
@@ -1281,7 +1335,7 @@ mod tests {
         assert_eq!(a.body["tools"], Value::Null);
         let raw = Bytes::from_static(br#"{"model":"m","tools":[{"x":1}],"messages":[{"a":1}]}"#);
         let (span, k) = a.tools.clone().unwrap();
-        let tools = Tools::raw(raw, span, k);
+        let tools = Tools::raw(raw, span, k, caches());
         assert_eq!(tools.hash, item_hash(&json!([{"x": 1}])));
         let mut body = a.body.clone();
         Tools::restore(Some(&tools), &mut body);
@@ -1386,7 +1440,7 @@ mod tests {
                 _ => vec![json!({"type": "instructions", "text": "be thorough"})],
             };
             let (first_hashes, _, first_claims) =
-                ItemList::raw(head(1), first.clone(), a.spans.clone().unwrap())
+                raw_list(head(1), first.clone(), a.spans.clone().unwrap())
                     .with_reuse(a.reuse)
                     .with_shell(a.shell.filter(|_| keep_shell))
                     .hashes_and_chains(&scope);
@@ -1426,9 +1480,9 @@ mod tests {
                 proptest::prop_assert!(resumed.reuse.is_some());
             }
             let reused = resumed.reuse.is_some();
-            let list = ItemList::raw(head(2), second.clone(), resumed.spans.clone().unwrap())
+            let list = raw_list(head(2), second.clone(), resumed.spans.clone().unwrap())
                 .with_reuse(resumed.reuse);
-            let want = ItemList::raw(head(2), second.clone(), full.spans.unwrap()).hashes();
+            let want = raw_list(head(2), second.clone(), full.spans.unwrap()).hashes();
             let chains = crate::wire::chain_hashes(&want);
             let (hashes, got_chains, claims) = list.hashes_and_chains(&scope);
             // What is taken as claimed is the first request's items.
@@ -1493,7 +1547,7 @@ mod tests {
         let list = |raw: &'static str| {
             let raw = Bytes::from_static(raw.as_bytes());
             let split = split_body_reusing(&raw, "messages", scope).unwrap();
-            ItemList::raw(Vec::new(), raw, split.spans.unwrap()).with_reuse(split.reuse)
+            raw_list(Vec::new(), raw, split.spans.unwrap()).with_reuse(split.reuse)
         };
         let (_, _, first) =
             list(r#"{"messages":[{"a":1},{"b":2},{"c":3}]}"#).hashes_and_chains(scope);
@@ -1515,7 +1569,7 @@ mod tests {
         let scope = "resume-refusals";
         let first = Bytes::from_static(br#"{"messages":[{"a":1},{"b":2}],"model":"m"}"#);
         let a = split_body_reusing(&first, "messages", scope).unwrap();
-        ItemList::raw(Vec::new(), first.clone(), a.spans.unwrap()).hashes_and_chains(scope);
+        raw_list(Vec::new(), first.clone(), a.spans.unwrap()).hashes_and_chains(scope);
         for bad in [
             &br#"{"messages":[{"a":1},{"b":2},]}"#[..],
             br#"{"messages":[{"a":1},{"b":2},3]}"#,
@@ -1592,11 +1646,12 @@ mod tests {
                 },
                 None,
             );
-            assert!(r.bytes <= RECENT_BYTES);
+            assert!(r.by_key.weight() <= RECENT_BYTES);
             assert!(r.by_key.values().all(|q| q.len() <= RECENT_PER_KEY));
-            assert!(r.order.len() <= 4 * RECENT_PER_KEY * 2 + 1);
         }
-        assert_eq!(r.by_key.values().map(|q| q.len()).sum::<usize>(), 3);
+        assert!(r.by_key.values().map(|q| q.len()).sum::<usize>() <= 4);
+        // The newest request is kept.
+        assert_eq!(r.get(&[1; 32]).last().map(|s| s.id), Some(r.next_id));
         // A request that extends a recent one replaces it.
         let mut r = Recent::default();
         let small = Bytes::from_static(b"{}");
@@ -1608,7 +1663,7 @@ mod tests {
             },
             None,
         );
-        let first = r.by_key[&[7; 32]][0].id;
+        let first = r.get(&[7; 32])[0].id;
         r.insert(
             [7; 32],
             Seen {
@@ -1617,8 +1672,31 @@ mod tests {
             },
             Some(first),
         );
-        assert_eq!(r.by_key[&[7; 32]].len(), 1);
-        assert_eq!(r.bytes, 2);
+        assert_eq!(r.get(&[7; 32]).len(), 1);
+        assert_eq!(r.by_key.weight(), 2);
+    }
+
+    /// Two owners' caches share nothing: what one remembers of a scope's
+    /// requests, the other does not find.
+    #[test]
+    fn two_owners_caches_share_nothing() {
+        let (a, b) = (
+            Arc::new(ItemCaches::default()),
+            Arc::new(ItemCaches::default()),
+        );
+        let scope = "one-tenant";
+        let first = Bytes::from_static(br#"{"messages":[{"a":1},{"b":2}]}"#);
+        let split = a.split_body_reusing(&first, "messages", scope).unwrap();
+        ItemList::raw(Vec::new(), first.clone(), split.spans.unwrap())
+            .with_caches(a.clone())
+            .hashes_and_chains(scope);
+        let next = br#"{"messages":[{"a":1},{"b":2},{"c":3}]}"#;
+        let in_a = a.split_body_reusing(next, "messages", scope).unwrap();
+        assert_eq!(in_a.reuse.as_ref().map(|r| r.items), Some(2));
+        let in_b = b.split_body_reusing(next, "messages", scope).unwrap();
+        assert!(in_b.reuse.is_none(), "b found a's request");
+        assert!(b.recent().by_key.is_empty());
+        assert!(b.hashes().is_empty(), "a's item hashes are a's");
     }
 
     #[test]
@@ -1637,7 +1715,7 @@ mod tests {
         let bytes = Bytes::from_static(br#"{"input":[{"role":"user","content":"q"}]}"#);
         let spans = split_body(&bytes, "input").unwrap().spans.unwrap();
         let head = vec![json!({"type": "instructions", "content": "be brief"})];
-        let items = ItemList::raw(head.clone(), bytes, spans);
+        let items = raw_list(head.clone(), bytes, spans);
         assert_eq!(items.len(), 2);
         assert_eq!(*items.item(0), head[0]);
         assert_eq!(items.json(1), r#"{"role":"user","content":"q"}"#);

@@ -15,6 +15,8 @@ pub mod sse;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::error::InvalidField;
+
 pub use hash::{chain_extend, chain_hashes, item_hash, ItemHash};
 
 /// Which of the two parsed APIs a request belongs to.
@@ -121,18 +123,16 @@ impl Api {
 
     /// Checks that the body has the shape this endpoint needs, naming the
     /// offending field otherwise.
-    pub fn validate(self, body: &Value) -> Result<(), String> {
-        let obj = body
-            .as_object()
-            .ok_or_else(|| "request body must be a JSON object".to_string())?;
+    pub fn validate(self, body: &Value) -> Result<(), InvalidField> {
+        let obj = body.as_object().ok_or_else(InvalidField::not_an_object)?;
         if let Some(m) = obj.get("model") {
             if !m.is_string() {
-                return Err("`model` must be a string".into());
+                return Err(InvalidField::wrong_type("model", "a string"));
             }
         }
         if let Some(s) = obj.get("stream") {
             if !s.is_boolean() && !s.is_null() {
-                return Err("`stream` must be a boolean".into());
+                return Err(InvalidField::wrong_type("stream", "a boolean"));
             }
         }
         match self {
