@@ -13,6 +13,7 @@ pub mod journal;
 pub mod query;
 pub mod retention;
 pub mod sqlite;
+mod sqlite_queries;
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};

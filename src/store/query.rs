@@ -688,66 +688,6 @@ pub(crate) fn parse_hex8(s: &str) -> Option<[u8; 8]> {
     Some(out)
 }
 
-// The SQLite backend's [`super::Queries`]: each a read-only connection of
-// its own, never the writer thread's (WAL lets them read while the proxy
-// writes).
-impl super::Queries for super::sqlite::SqliteReads {
-    fn conversations(
-        &self,
-        config: &Config,
-        limit: usize,
-    ) -> Result<Vec<ConversationSummary>, QueryError> {
-        list_conversations(&open_read_only(self.path())?, config, limit)
-    }
-
-    fn conversation_detail(
-        &self,
-        config: &Config,
-        id: &str,
-    ) -> Result<ConversationDetail, QueryError> {
-        show(&open_read_only(self.path())?, config, id)
-    }
-
-    fn conversation_export(
-        &self,
-        config: &Config,
-        id: &str,
-    ) -> Result<ConversationExport, QueryError> {
-        export(&open_read_only(self.path())?, config, id)
-    }
-
-    fn resolve_conversation(&self, id: &str) -> Result<String, QueryError> {
-        resolve_id(&open_read_only(self.path())?, id)
-    }
-
-    fn victim(&self, name: &str) -> Result<super::retention::Victim, QueryError> {
-        let conn = open_read_only(self.path())?;
-        let id = resolve_id(&conn, name)?;
-        let tenant =
-            super::retention::tenant_of(&conn, &id)?.ok_or(QueryError::NotFound(id.clone()))?;
-        let mut found = super::retention::victims_of(&conn, vec![(tenant, id.clone())])?;
-        found.pop().ok_or(QueryError::NotFound(id))
-    }
-
-    fn victims_seen_before(
-        &self,
-        cutoff_ms: i64,
-        limit: usize,
-    ) -> Result<Vec<super::retention::Victim>, QueryError> {
-        let conn = open_read_only(self.path())?;
-        let found = super::retention::seen_before(&conn, cutoff_ms, limit)?;
-        Ok(super::retention::victims_of(&conn, found)?)
-    }
-
-    fn delete_conversations(
-        &self,
-        ids: &[String],
-    ) -> Result<super::retention::Removed, QueryError> {
-        let mut conn = super::retention::open_for_maintenance(self.path())?;
-        Ok(super::retention::delete_and_prune(&mut conn, ids)?)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
