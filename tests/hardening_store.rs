@@ -374,6 +374,40 @@ async fn one_server_per_store_however_its_path_is_spelled() {
     }
 }
 
+/// A store named by a relative path (`--db d/store.db`): the server locked
+/// its lock file under the given and the canonical name through two
+/// descriptors, the second blocked on the first, and it refused to start
+/// as if another process served the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_named_by_a_relative_path_is_served_and_still_one_per_store() {
+    let fake = within(compactor::fake_upstream::FakeUpstream::start())
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir(dir.path().join("d")).unwrap();
+    let port = support::free_port();
+    let _server = tokio::task::block_in_place(|| {
+        support::spawn_binary_in(
+            Some(dir.path()),
+            port,
+            &[
+                "--upstream".as_ref(),
+                fake.url().as_ref(),
+                "--db".as_ref(),
+                "d/store.db".as_ref(),
+            ],
+        )
+    });
+    let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hello"}]});
+    let (status, _, _) = post_raw(&url, "k", serde_json::to_vec(&body).unwrap()).await;
+    assert_eq!(status, 200);
+    let absolute = dir.path().join("d/store.db");
+    let (code, said) = tokio::task::block_in_place(|| refused_serve(&fake.url(), &absolute));
+    assert_ne!(code, Some(0), "{said}");
+    assert!(said.contains("another process serves the store"), "{said}");
+}
+
 /// What the proxies of this test binary log, for tests that look at it.
 fn captured_logs() -> String {
     use std::sync::{Mutex, OnceLock};

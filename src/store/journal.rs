@@ -168,7 +168,14 @@ impl StoreLock {
         }
         for name in names {
             let [_, _, lock, _] = paths(name);
-            match try_lock(open(&lock)?)? {
+            let file = open(&lock)?;
+            // A relative or differently spelled name of the same lock file:
+            // locking it again through a second descriptor would block on
+            // the lock this process already holds.
+            if by_name.iter().any(|held| same_file(held, &file)) {
+                continue;
+            }
+            match try_lock(file)? {
                 Some(f) => by_name.push(f),
                 None => return Ok(None),
             }
@@ -190,6 +197,23 @@ impl StoreLock {
             by_name,
             on_db: Some(on_db),
         }))
+    }
+}
+
+/// Whether two open files are one file on disk.
+fn same_file(a: &File, b: &File) -> bool {
+    #[cfg(unix)]
+    {
+        use std::os::unix::fs::MetadataExt;
+        match (a.metadata(), b.metadata()) {
+            (Ok(a), Ok(b)) => a.dev() == b.dev() && a.ino() == b.ino(),
+            _ => false,
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = (a, b);
+        false
     }
 }
 

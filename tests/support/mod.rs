@@ -334,9 +334,23 @@ impl Drop for Binary {
 /// The real `compactor serve` binary, started with `args`, once it has
 /// logged that it listens; its base URL is `http://127.0.0.1:{port}/v1`.
 pub fn spawn_binary(port: u16, args: &[&std::ffi::OsStr]) -> Binary {
+    spawn_binary_in(None, port, args)
+}
+
+/// [`spawn_binary`], run in the directory `cwd` when one is given (for
+/// relative paths among `args`).
+pub fn spawn_binary_in(
+    cwd: Option<&std::path::Path>,
+    port: u16,
+    args: &[&std::ffi::OsStr],
+) -> Binary {
     use std::io::{BufRead, BufReader};
     let listen = format!("127.0.0.1:{port}");
-    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_compactor"))
+    let mut command = std::process::Command::new(env!("CARGO_BIN_EXE_compactor"));
+    if let Some(dir) = cwd {
+        command.current_dir(dir);
+    }
+    let mut child = command
         .args(["serve", "--listen", &listen])
         .args(args)
         .env("RUST_LOG", "info")
