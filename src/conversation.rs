@@ -13,7 +13,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::bounded::Generations;
 
-use crate::store::{IndexedExchange, PrefixRef, Snapshot};
+use crate::store::{IndexedExchange, PrefixRef, Reads, Snapshot};
 use crate::wire::ItemHash;
 
 /// Salted hash of the client's credential: identifies a tenant without
@@ -237,6 +237,9 @@ pub struct ConversationIndex {
     inner: Mutex<Inner>,
     /// Explicit keys no longer kept in memory are looked up here.
     stored_key: Option<LookupKey>,
+    /// A store other processes write too: what the index lacks (another
+    /// replica served it) is looked up there, the index being its cache.
+    shared: Option<Arc<dyn Reads>>,
 }
 
 impl ConversationIndex {
@@ -261,6 +264,15 @@ impl ConversationIndex {
             inner.by_key.truncated = snap.keys_truncated;
         }
         idx
+    }
+
+    /// The index over a store other processes write too (see
+    /// [`Reads::shared`]): requests it has not seen are looked up there.
+    pub fn shared_with(mut self, reads: Arc<dyn Reads>) -> Self {
+        if reads.shared() {
+            self.shared = Some(reads);
+        }
+        self
     }
 
     /// An empty index keeping `per_generation` explicit keys per generation,
@@ -290,12 +302,28 @@ impl ConversationIndex {
     ) -> Identified {
         let scope = TenantScope::of(tenant);
         let mut inner = self.lock();
-        let hit = chains
+        let mut hit = chains
             .iter()
             .enumerate()
             .rev()
             .filter(|(i, _)| inner.may_cover(i + 1))
             .find_map(|(_, c)| inner.by_chain.get(&scope.chain(c)).cloned());
+        if let Some(shared) = &self.shared {
+            // Another replica may have recorded a longer prefix since:
+            // looked up without the lock.
+            let known = hit.as_ref().map_or(0, |h| h.prefix.len).min(chains.len());
+            drop(inner);
+            if let Some((conversation, prefix)) = shared.exchange_by_chain(tenant, &chains[known..])
+            {
+                if prefix.len > known {
+                    hit = Some(Hit {
+                        conversation,
+                        prefix,
+                    });
+                }
+            }
+            inner = self.lock();
+        }
         let prefix = hit.as_ref().map(|h| h.prefix);
         if let Some(k) = explicit_key {
             let key = (tenant.to_string(), k.to_string());
@@ -315,7 +343,7 @@ impl ConversationIndex {
             let lookup = self
                 .stored_key
                 .as_ref()
-                .filter(|_| inner.by_key.may_be_stored());
+                .filter(|_| self.shared.is_some() || inner.by_key.may_be_stored());
             let stored = match lookup {
                 Some(lookup) => {
                     drop(inner);
@@ -344,6 +372,18 @@ impl ConversationIndex {
             {
                 return Identified {
                     conversation: c.clone(),
+                    is_new: false,
+                    prefix,
+                };
+            }
+            drop(inner);
+            if let Some(conversation) = self
+                .shared
+                .as_ref()
+                .and_then(|shared| shared.conversation_of_response(tenant, prev))
+            {
+                return Identified {
+                    conversation,
                     is_new: false,
                     prefix,
                 };

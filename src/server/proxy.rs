@@ -201,7 +201,10 @@ async fn parse(
     let mut pending = Unanswered::new(
         state,
         PendingExchange {
-            id: state.store.next_exchange_id(),
+            id: state
+                .store
+                .next_exchange_id()
+                .map_err(|e| ProxyError::StoreDown(e.to_string()))?,
             ident,
             explicit_key,
             tenant,
@@ -252,13 +255,22 @@ async fn parse(
         // Too large to go out as it is, and nothing under way: compact now
         // rather than let the upstream refuse it.
         engine::Fit::Over(tokens) => {
-            compact_now(
-                state,
-                &mut pending,
-                format!("hard_limit: ~{tokens} tokens leave no room for the answer"),
-                engine::Goal::HardLimit,
-            )
-            .await;
+            // Unless another replica stored one for it since it looked.
+            let newer = state
+                .compactions
+                .find(&pending.tenant, &pending.chains)
+                .filter(|c| pending.compaction.as_ref().is_none_or(|p| p.id != c.id));
+            if let Some(c) = newer {
+                pending.apply(c);
+            } else {
+                compact_now(
+                    state,
+                    &mut pending,
+                    format!("hard_limit: ~{tokens} tokens leave no room for the answer"),
+                    engine::Goal::HardLimit,
+                )
+                .await;
+            }
         }
     }
     Ok(Parsed {

@@ -10,6 +10,7 @@
 //! the writer imports journaled exchanges within `IMPORT_DELAY`.
 
 pub mod journal;
+pub mod postgres;
 pub mod query;
 pub mod sqlite;
 
@@ -231,6 +232,45 @@ pub trait Reads: Send + Sync + 'static {
     /// `response_id`, its instructions left out. `None` when the proxy did
     /// not relay that response whole, or any of its items is missing.
     fn response_history(&self, tenant: &str, response_id: &str) -> Option<Vec<serde_json::Value>>;
+
+    /// Whether other processes write the same store: then what this one
+    /// keeps in memory is a cache, and what it lacks is looked up with the
+    /// methods below. A store only this process writes keeps their
+    /// defaults (nothing to find, every claim granted).
+    fn shared(&self) -> bool {
+        false
+    }
+    /// The longest recorded prefix among `chains` (chain hashes of a
+    /// request's leading items) of one of the tenant's exchanges: its
+    /// conversation and where the request continues it.
+    fn exchange_by_chain(
+        &self,
+        _tenant: &str,
+        _chains: &[ItemHash],
+    ) -> Option<(String, PrefixRef)> {
+        None
+    }
+    /// The conversation of the tenant's exchange answered with `response_id`.
+    fn conversation_of_response(&self, _tenant: &str, _response_id: &str) -> Option<String> {
+        None
+    }
+    /// The tenant's compaction covering the most items, among those whose
+    /// covered chain is one of `chains`.
+    fn compaction_covering(&self, _tenant: &str, _chains: &[ItemHash]) -> Option<StoredCompaction> {
+        None
+    }
+    /// When the conversation's newest compaction was computed (Unix ms).
+    fn newest_compaction_ms(&self, _tenant: &str, _conversation: &str) -> Option<i64> {
+        None
+    }
+    /// Claims the computing of the conversation's next compaction for
+    /// `for_ms` (then the claim lapses, so that a process that died while
+    /// holding it blocks nobody): false while another process holds it.
+    fn claim(&self, _tenant: &str, _conversation: &str, _for_ms: i64) -> bool {
+        true
+    }
+    /// Gives up a claim taken with [`Reads::claim`].
+    fn release(&self, _tenant: &str, _conversation: &str) {}
 }
 
 /// A store failure.
@@ -239,6 +279,15 @@ pub enum StoreError {
     /// The database reported an error.
     #[error("database: {0}")]
     Db(#[from] rusqlite::Error),
+    /// PostgreSQL reported an error (or could not be reached).
+    #[error("postgres: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    /// No PostgreSQL connection could be had.
+    #[error("postgres pool: {0}")]
+    Pool(String),
+    /// A PostgreSQL call took longer than its bound.
+    #[error("postgres: no answer in time")]
+    Timeout,
     /// Filesystem trouble (creating the directory…).
     #[error("store io: {0}")]
     Io(#[from] std::io::Error),
@@ -249,6 +298,40 @@ pub enum StoreError {
     /// record of the batch that waited for it.
     #[error("commit failed: {0}")]
     Commit(#[source] Arc<StoreError>),
+}
+
+impl From<deadpool_postgres::PoolError> for StoreError {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        match e {
+            deadpool_postgres::PoolError::Backend(e) => StoreError::Postgres(e),
+            other => StoreError::Pool(other.to_string()),
+        }
+    }
+}
+
+/// The conversations of a batch's exchanges, each once, in the order they
+/// first appear: with the first and the last of its exchanges in the batch
+/// (a conversation is created as of the first, last seen as of the last).
+fn conversation_spans(batch: &[Record]) -> Vec<(&str, &ExchangeRecord, &ExchangeRecord)> {
+    let mut order: Vec<&str> = Vec::new();
+    let mut span: foldhash::HashMap<&str, (&ExchangeRecord, &ExchangeRecord)> = Default::default();
+    for rec in batch {
+        if let Record::Exchange(e) = rec {
+            span.entry(&e.conversation)
+                .and_modify(|(_, last)| *last = e)
+                .or_insert_with(|| {
+                    order.push(&e.conversation);
+                    (e, e)
+                });
+        }
+    }
+    order
+        .into_iter()
+        .map(|c| {
+            let (first, last) = span[c];
+            (c, first, last)
+        })
+        .collect()
 }
 
 /// Told when a commit is done (or failed).
@@ -275,7 +358,19 @@ pub struct Store {
     backlog: Arc<Backlog>,
     max_backlog: usize,
     next_id: AtomicI64,
+    /// Where ids come from when other processes write the same store.
+    ids: Option<SharedIds>,
     journal: Option<Arc<Journal>>,
+}
+
+/// Reserves a block of exchange ids no other process gets.
+pub type ReserveIds = Box<dyn Fn() -> Result<std::ops::Range<i64>, StoreError> + Send + Sync>;
+
+/// Exchange ids of a store shared with other processes: taken from blocks
+/// reserved in the database, one round trip per block.
+struct SharedIds {
+    reserve: ReserveIds,
+    block: Mutex<std::ops::Range<i64>>,
 }
 
 /// Where [`Store::stage`] put a record.
@@ -308,6 +403,23 @@ impl Store {
         limits: Limits,
     ) -> Result<(Arc<Store>, Snapshot), StoreError> {
         Self::start_bounded(backend, journal, limits, MAX_BACKLOG_BYTES)
+    }
+
+    /// [`Store::start`] for a store other processes write too: no journal
+    /// (an exchange is committed before its answer is released), and
+    /// exchange ids from `reserve`.
+    pub fn start_shared(
+        backend: Box<dyn Backend>,
+        reserve: ReserveIds,
+        limits: Limits,
+    ) -> Result<(Arc<Store>, Snapshot), StoreError> {
+        let (store, snapshot) = Self::start_bounded(backend, None, limits, MAX_BACKLOG_BYTES)?;
+        let mut store = Arc::into_inner(store).ok_or(StoreError::Closed)?;
+        store.ids = Some(SharedIds {
+            reserve,
+            block: Mutex::new(0..0),
+        });
+        Ok((Arc::new(store), snapshot))
     }
 
     /// [`Store::start`] with the backlog bound given (see
@@ -353,6 +465,7 @@ impl Store {
                 known
             }),
             next_id: AtomicI64::new(snapshot.max_exchange_id + 1),
+            ids: None,
             backlog,
             max_backlog,
             journal,
@@ -360,9 +473,19 @@ impl Store {
         Ok((Arc::new(store), snapshot))
     }
 
-    /// A fresh exchange id.
-    pub fn next_exchange_id(&self) -> i64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
+    /// A fresh exchange id. Fails only for a shared store whose database
+    /// cannot be reached for a new block of ids.
+    pub fn next_exchange_id(&self) -> Result<i64, StoreError> {
+        let Some(ids) = &self.ids else {
+            return Ok(self.next_id.fetch_add(1, Ordering::Relaxed));
+        };
+        let mut block = ids.block.lock().unwrap_or_else(|p| p.into_inner());
+        if block.is_empty() {
+            *block = (ids.reserve)()?;
+        }
+        let id = block.start;
+        block.start += 1;
+        Ok(id)
     }
 
     /// Marks `hash` as stored (or about to be); true if it was not yet.

@@ -341,18 +341,6 @@ impl SqliteBackend {
 /// exchange): created as of its first exchange, last seen (with its model)
 /// as of its last. Before the exchanges, which refer to them.
 fn write_conversations(tx: &rusqlite::Transaction<'_>, batch: &[Record]) -> Result<(), StoreError> {
-    let mut order: Vec<&str> = Vec::new();
-    let mut span: foldhash::HashMap<&str, (&ExchangeRecord, &ExchangeRecord)> = Default::default();
-    for rec in batch {
-        if let Record::Exchange(e) = rec {
-            span.entry(&e.conversation)
-                .and_modify(|(_, last)| *last = e)
-                .or_insert_with(|| {
-                    order.push(&e.conversation);
-                    (e, e)
-                });
-        }
-    }
     let mut upsert = tx.prepare_cached(
         // A key another conversation holds already (the index could not
         // read it from here, so named a new one) is not claimed again: the
@@ -365,8 +353,7 @@ fn write_conversations(tx: &rusqlite::Transaction<'_>, batch: &[Record]) -> Resu
                  ?4, ?5, ?6)
          ON CONFLICT(id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms, model = excluded.model",
     )?;
-    for conversation in order {
-        let (first, last) = span[conversation];
+    for (conversation, first, last) in super::conversation_spans(batch) {
         upsert.execute(params![
             conversation,
             first.tenant,
@@ -632,8 +619,6 @@ pub fn load_compaction(conn: &Connection, id: &str) -> Result<Option<Compaction>
 /// its prefix references back.
 pub fn request_item_hashes(conn: &Connection, id: i64) -> Result<Vec<ItemHash>, StoreError> {
     // Collect the chain of references newest-first, then rebuild oldest-first.
-    /// (prefix exchange, prefix length, prefix includes response, suffix, response)
-    type Link = (Option<i64>, usize, bool, Vec<ItemHash>, Vec<ItemHash>);
     let mut chain: Vec<Link> = Vec::new();
     let mut cur = Some(id);
     while let Some(eid) = cur {
@@ -652,9 +637,20 @@ pub fn request_item_hashes(conn: &Connection, id: i64) -> Result<Vec<ItemHash>, 
             unpack_hashes(&row.4),
         ));
     }
+    chain.reverse();
+    Ok(rebuild_items(chain))
+}
+
+/// One exchange's reference to the one it continues: (prefix exchange,
+/// prefix length, prefix includes its response, suffix, response).
+pub(crate) type Link = (Option<i64>, usize, bool, Vec<ItemHash>, Vec<ItemHash>);
+
+/// The request items of the last of `chain` (oldest first, each link
+/// continuing the one before it).
+pub(crate) fn rebuild_items(chain: Vec<Link>) -> Vec<ItemHash> {
     let mut items: Vec<ItemHash> = Vec::new();
     let mut prev_response: Vec<ItemHash> = Vec::new();
-    for (prefix, len, full, suffix, response) in chain.into_iter().rev() {
+    for (prefix, len, full, suffix, response) in chain {
         if prefix.is_some() {
             if full {
                 items.extend(prev_response.iter().copied());
@@ -666,7 +662,7 @@ pub fn request_item_hashes(conn: &Connection, id: i64) -> Result<Vec<ItemHash>, 
         items.extend(suffix);
         prev_response = response;
     }
-    Ok(items)
+    items
 }
 
 /// The stored body of an item.

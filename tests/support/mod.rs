@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod postgres;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;

