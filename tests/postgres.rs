@@ -12,6 +12,7 @@ mod support;
 
 use std::time::Duration;
 
+use compactor::fake_upstream::FakeUpstream;
 use serde_json::{json, Value};
 use support::postgres::PgCluster;
 use support::{is_summary_call, post, small_window, within, Harness};
@@ -69,9 +70,14 @@ impl Chat {
     }
 
     async fn turn(&mut self, via: &Harness, text: &str) -> Turn {
+        self.turn_at(&via.url(), &via.fake, text).await
+    }
+
+    /// A turn through the proxy at `base` (`http://…/v1`) in front of `fake`.
+    async fn turn_at(&mut self, base: &str, fake: &FakeUpstream, text: &str) -> Turn {
         self.history.push(json!({"role": "user", "content": text}));
         let request = json!({"model": MODEL, "messages": self.history});
-        let url = format!("{}/chat/completions", via.url());
+        let url = format!("{base}/chat/completions");
         let (status, headers, body) = post(&url, &self.key, &request).await;
         let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         if status == 200 {
@@ -87,8 +93,7 @@ impl Chat {
                 .and_then(|h| h.to_str().ok())
                 .map(String::from)
         };
-        let sent = via
-            .fake
+        let sent = fake
             .received()
             .into_iter()
             .rev()
@@ -253,4 +258,150 @@ async fn a_previous_response_id_chain_crosses_replicas() {
     let intruder = json!({"model": "gpt-5", "input": "x", "previous_response_id": id1});
     post(&format!("{}/responses", b.url()), "sk-intruder", &intruder).await;
     assert_eq!(support::last_client_call(&b)["previous_response_id"], id1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn byte_identical_histories_under_two_keys_stay_two_tenants_across_replicas() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, small_window).await;
+    let (mut one, mut two) = (Chat::new("sk-tenant-one"), Chat::new("sk-tenant-two"));
+    let (mut seen_one, mut seen_two) = (Vec::new(), Vec::new());
+    for i in 0..24 {
+        // The same history, each key on the replica the other just used.
+        let (x, y) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
+        let t1 = one.turn(x, &filler(i)).await;
+        let t2 = two.turn(y, &filler(i)).await;
+        assert_eq!((t1.status, t2.status), (200, 200), "turn {i}");
+        seen_one.push(t1);
+        seen_two.push(t2);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    let conversations = |turns: &[Turn]| {
+        let mut c: Vec<String> = turns.iter().map(|t| t.conversation.clone()).collect();
+        c.dedup();
+        c
+    };
+    let (c1, c2) = (conversations(&seen_one), conversations(&seen_two));
+    assert_eq!(c1.len(), 1, "one conversation per key: {c1:?}");
+    assert_eq!(c2.len(), 1, "one conversation per key: {c2:?}");
+    assert_ne!(c1, c2, "byte-identical histories, two tenants");
+    let compacted = |turns: &[Turn]| -> std::collections::BTreeSet<String> {
+        turns.iter().filter_map(|t| t.compacted.clone()).collect()
+    };
+    let (k1, k2) = (compacted(&seen_one), compacted(&seen_two));
+    assert!(!k1.is_empty() && !k2.is_empty(), "both compacted");
+    assert!(
+        k1.is_disjoint(&k2),
+        "no compaction crosses tenants: {k1:?} {k2:?}"
+    );
+    let tenants = count(&url, "SELECT count(DISTINCT tenant) FROM conversations").await;
+    assert_eq!(tenants, 2);
+    let mixed = count(
+        &url,
+        "SELECT count(*) FROM compactions c JOIN conversations v ON v.id = c.conversation_id
+         WHERE v.tenant <> c.tenant",
+    )
+    .await;
+    assert_eq!(mixed, 0);
+}
+
+/// A config file for the real binary on `url`, in front of `fake`, with
+/// the small window of [`small_window`].
+fn binary_config(dir: &std::path::Path, fake: &FakeUpstream, url: &str) -> std::path::PathBuf {
+    let config = dir.join("proxy.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[upstream]\nbase_url = \"{}\"\ndiscover_windows = false\n[store]\nurl = \"{url}\"\n\
+             [[models]]\nmatch = \"tiny*\"\ncontext_window = 3000\nmax_output_tokens = 300\n",
+            fake.url(),
+        ),
+    )
+    .expect("write the config");
+    config
+}
+
+/// Starts two `compactor serve` processes on `config` at the same moment.
+fn two_binaries(config: &std::path::Path) -> [(support::Binary, u16); 2] {
+    let start = || {
+        let config = config.to_path_buf();
+        std::thread::spawn(move || {
+            let port = support::free_port();
+            (
+                support::spawn_binary(port, &["--config".as_ref(), config.as_os_str()]),
+                port,
+            )
+        })
+    };
+    let (x, y) = (start(), start());
+    [
+        x.join().expect("first replica"),
+        y.join().expect("second replica"),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn replicas_started_together_share_one_schema_and_a_kill_9_loses_no_acknowledged_exchange() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let fake = within(FakeUpstream::start()).await.expect("fake upstream");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = binary_config(dir.path(), &fake, &url);
+    let check = || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_compactor"))
+            .args(["serve", "--check-config", "--config"])
+            .arg(&config)
+            .output()
+            .expect("compactor --check-config");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let before = check();
+    assert!(before.contains("schema at version 0 of 1"), "{before}");
+    // Both on an empty database at once: one applies the migrations, the
+    // other waits for its lock and finds them; one salt.
+    let [(mut doomed, p1), (_survivor, p2)] = two_binaries(&config);
+    assert_eq!(
+        count(&url, "SELECT count(*) FROM schema_migrations").await,
+        1
+    );
+    assert_eq!(
+        count(&url, "SELECT count(*) FROM meta WHERE key = 'tenant_salt'").await,
+        1
+    );
+    let after = check();
+    assert!(after.contains("schema current (version 1)"), "{after}");
+    let base = |port: u16| format!("http://127.0.0.1:{port}/v1");
+    let mut chat = Chat::new(KEY);
+    let mut acknowledged = 0;
+    let mut conversations = std::collections::BTreeSet::new();
+    for i in 0..24 {
+        // Alternating, until the first replica is killed halfway.
+        let port = if i % 2 == 0 && i < 12 { p1 } else { p2 };
+        let turn = chat.turn_at(&base(port), &fake, &filler(i)).await;
+        assert_eq!(turn.status, 200, "turn {i}");
+        acknowledged += 1;
+        conversations.insert(turn.conversation);
+        if i == 11 {
+            // Right after its answer reached the client.
+            doomed.kill().expect("kill -9");
+            doomed.wait().expect("reaped");
+        }
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    assert_eq!(
+        conversations.len(),
+        1,
+        "the session went on as one: {conversations:?}"
+    );
+    let recorded = count(&url, "SELECT count(*) FROM exchanges WHERE status = 200").await;
+    assert_eq!(
+        recorded, acknowledged,
+        "every acknowledged exchange is recorded"
+    );
+    let compactions = count(&url, "SELECT count(*) FROM compactions").await;
+    assert!(compactions >= 1, "the session compacted");
 }
