@@ -5,7 +5,7 @@
 //! Above every layer it assembles and below the edges that serve it
 //! (`server`, `admin`, `cli`); it names neither of those.
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use crate::background::Background;
@@ -58,9 +58,26 @@ pub struct AppState {
     /// open are dropped: what they were answering was cut by the proxy, not
     /// left by the client.
     pub(crate) cut_at_shutdown: AtomicBool,
+    /// Unix ms the upstream last answered an exchange whole (or a
+    /// readiness probe): what `/readyz` looks at first.
+    upstream_reached_ms: AtomicI64,
+    /// Readiness probes of the upstream go one at a time: a burst of
+    /// `/readyz` asks it once.
+    pub(crate) probing: tokio::sync::Mutex<()>,
 }
 
 impl AppState {
+    /// Notes that the upstream answered just now.
+    pub fn upstream_reached(&self) {
+        self.upstream_reached_ms
+            .store(crate::ids::now_ms(), Ordering::Relaxed);
+    }
+
+    /// Unix ms the upstream last answered (0: not since start).
+    pub fn upstream_reached_at(&self) -> i64 {
+        self.upstream_reached_ms.load(Ordering::Relaxed)
+    }
+
     /// Opens the store and builds the upstream client.
     pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
         let (store, mut snapshot, reads, postgres) = if config.store.is_postgres() {
@@ -120,6 +137,8 @@ impl AppState {
             limits: Mutex::new(Generations::new(MODELS_KEPT / 2)),
             windows,
             cut_at_shutdown: AtomicBool::new(false),
+            upstream_reached_ms: AtomicI64::new(0),
+            probing: tokio::sync::Mutex::new(()),
             config,
         }))
     }

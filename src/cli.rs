@@ -628,6 +628,15 @@ fn last_tokens(c: &ConversationSummary) -> String {
     }
 }
 
+/// Characters of a preview or a client id a table cell shows.
+const CELL_CHARS: usize = 40;
+
+/// A table cell: one line, at most [`CELL_CHARS`].
+fn cell(text: &str) -> String {
+    let line: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
+    crate::store::bounded_text(&line, CELL_CHARS)
+}
+
 fn render_list(list: &[ConversationSummary]) -> String {
     if list.is_empty() {
         return "no conversations recorded\n".into();
@@ -637,24 +646,30 @@ fn render_list(list: &[ConversationSummary]) -> String {
         .map(|c| {
             vec![
                 c.id.clone(),
+                c.client_ids.first().map(|id| cell(id)).unwrap_or_default(),
                 c.tenant.clone(),
+                c.client.as_deref().map(cell).unwrap_or_default(),
                 c.model.clone(),
                 thousands(c.exchanges),
                 thousands(c.compactions),
                 last_tokens(c),
                 utc_time(c.last_seen_ms),
+                c.preview.as_deref().map(cell).unwrap_or_default(),
             ]
         })
         .collect();
     table(
         &[
             ("CONVERSATION", false),
+            ("CLIENT ID", false),
             ("TENANT", false),
+            ("CLIENT", false),
             ("MODEL", false),
             ("EXCHANGES", true),
             ("COMPACTIONS", true),
             ("LAST TOKENS / WINDOW", true),
             ("LAST SEEN (UTC)", false),
+            ("FIRST MESSAGE", false),
         ],
         &rows,
     )
@@ -695,9 +710,18 @@ fn render_compaction(n: usize, k: &CompactionRow) -> String {
 
 fn render_show(d: &ConversationDetail) -> String {
     let c = &d.conversation;
-    let mut out = format!(
-        "conversation {}\n  tenant      {}\n  model       {} (window {} from {}, trigger {})\n  first seen  {} UTC\n  last seen   {} UTC\n  exchanges   {}, compactions {}, last tokens {}\n\n",
-        c.id,
+    let mut out = format!("conversation {}\n", c.id);
+    if !c.client_ids.is_empty() {
+        out.push_str(&format!("  client ids  {}\n", c.client_ids.join(", ")));
+    }
+    if let Some(client) = &c.client {
+        out.push_str(&format!("  client      {client}\n"));
+    }
+    if let Some(preview) = &c.preview {
+        out.push_str(&format!("  first       {}\n", cell(preview)));
+    }
+    out += &format!(
+        "  tenant      {}\n  model       {} (window {} from {}, trigger {})\n  first seen  {} UTC\n  last seen   {} UTC\n  exchanges   {}, compactions {}, last tokens {}\n\n",
         c.tenant,
         c.model,
         thousands(c.context_window),
@@ -734,7 +758,10 @@ fn render_show(d: &ConversationDetail) -> String {
                 format!("{}{}", e.status, if e.partial { " partial" } else { "" }),
                 opt_thousands(e.input_tokens),
                 opt_thousands(e.output_tokens),
-                percent(e.input_tokens, c.context_window),
+                percent(
+                    e.input_tokens.map(|i| i + e.output_tokens.unwrap_or(0)),
+                    e.context_window.unwrap_or(c.context_window),
+                ),
                 e.compaction.clone().unwrap_or_default(),
             ]
         })
@@ -747,7 +774,7 @@ fn render_show(d: &ConversationDetail) -> String {
             ("STATUS", false),
             ("INPUT", true),
             ("OUTPUT", true),
-            ("OF WINDOW", true),
+            ("IN+OUT OF WINDOW", true),
             ("COMPACTION APPLIED", false),
         ],
         &rows,
@@ -785,11 +812,7 @@ fn compact(args: CompactArgs) -> ExitCode {
         }
     };
     let id = args.id.trim();
-    if id.is_empty()
-        || !id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
-    {
+    if id.is_empty() || id.chars().any(char::is_control) {
         eprintln!("compactor: {id:?} is not a conversation id");
         return ExitCode::from(EXIT_USAGE);
     }
@@ -801,7 +824,10 @@ fn compact(args: CompactArgs) -> ExitCode {
         }
     };
     let target = admin_target(addr);
-    let url = format!("http://{target}/admin/api/conversations/{id}/compact");
+    let url = format!(
+        "http://{target}/admin/api/conversations/{}/compact",
+        percent_encoding::utf8_percent_encode(id, percent_encoding::NON_ALPHANUMERIC)
+    );
     let token = Some(&config.admin.token_env)
         .filter(|n| !n.is_empty())
         .and_then(|n| std::env::var(n).ok())

@@ -273,7 +273,8 @@ pub struct ModelConfig {
     pub pattern: String,
     /// Context window in tokens.
     pub context_window: u64,
-    /// Largest completion the model may produce, in tokens.
+    /// The proxy's budget for an answer, in tokens: the room it keeps free
+    /// in the window when it decides what fits. Not sent upstream, not a cap.
     #[serde(default)]
     pub max_output_tokens: Option<u64>,
     /// Per-model override of `compaction.trigger_ratio`.

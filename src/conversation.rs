@@ -3,7 +3,12 @@
 //! Stateless APIs resend the whole history every turn, so a request is
 //! matched to a known conversation by content: the chained hash of each of
 //! its prefixes is looked up among the prefixes recorded for earlier
-//! exchanges of the same tenant; the longest match wins. Explicit ids
+//! exchanges of the same tenant; the longest match that continues its
+//! conversation wins. A request continues a conversation when it extends
+//! one of the conversation's recent tips (an exchange no later one
+//! extended), or retries one that was not answered whole; one that only
+//! repeats an older prefix, as every session that opens with the same
+//! first message does, starts a conversation of its own. Explicit ids
 //! (`session-id`, `prompt_cache_key`, our header) and `previous_response_id`
 //! take precedence. Everything is keyed by tenant: nothing is ever shared
 //! between two credentials, even for byte-identical histories.
@@ -57,6 +62,9 @@ pub struct Identified {
 struct Hit {
     conversation: String,
     prefix: PrefixRef,
+    /// Whether that exchange was answered whole (a request repeating one
+    /// that was not is its retry).
+    answered: bool,
 }
 
 #[derive(Default)]
@@ -120,13 +128,38 @@ struct Owned {
     entries: VecDeque<Indexed>,
     /// When its latest exchange was remembered.
     stamp: u64,
+    /// Its recent tips: exchanges no later exchange of it extended, the
+    /// latest last, at most [`MAX_TIPS`].
+    tips: VecDeque<i64>,
 }
+
+/// Tips kept per conversation: a client that sends a side request or
+/// retries from an earlier point keeps a few branches of its history
+/// going; past these, the oldest branch no longer continues.
+const MAX_TIPS: usize = 4;
 
 /// Prefix lengths past this are looked up without consulting
 /// `Inner::lengths`.
 const COUNTED_LENGTHS: usize = 1 << 16;
 
+/// Whether a request of `len` items whose prefix is `hit` goes on from it:
+/// past it, or from its response, or again after it was not answered whole.
+fn extends(hit: &Hit, len: usize) -> bool {
+    hit.prefix.full || len > hit.prefix.len || !hit.answered
+}
+
 impl Inner {
+    /// Whether a request of `len` items whose prefix is `hit` continues
+    /// the hit's conversation: it extends one of its recent tips, or
+    /// retries one not answered whole.
+    fn continues(&self, tenant: &str, hit: &Hit, len: usize) -> bool {
+        extends(hit, len)
+            && self
+                .recent
+                .get(&(tenant.to_string(), hit.conversation.clone()))
+                .is_some_and(|o| o.tips.contains(&hit.prefix.exchange))
+    }
+
     /// Whether some indexed chain covers `len` items.
     fn may_cover(&self, len: usize) -> bool {
         len >= COUNTED_LENGTHS || self.lengths.get(len).is_some_and(|&n| n > 0)
@@ -302,24 +335,40 @@ impl ConversationIndex {
     ) -> Identified {
         let scope = TenantScope::of(tenant);
         let mut inner = self.lock();
-        let mut hit = chains
+        // The longest prefix recorded, and the longest that continues its
+        // conversation: the same unless the request repeats an old prefix,
+        // as a session does whose first turns went as another's did.
+        let mut hits = chains
             .iter()
             .enumerate()
             .rev()
             .filter(|(i, _)| inner.may_cover(i + 1))
-            .find_map(|(_, c)| inner.by_chain.get(&scope.chain(c)).cloned());
+            .filter_map(|(_, c)| inner.by_chain.get(&scope.chain(c)));
+        let mut hit = hits.next().cloned();
+        let mut continued = match &hit {
+            Some(h) if inner.continues(tenant, h, chains.len()) => Some(h.clone()),
+            Some(_) => hits
+                .find(|h| inner.continues(tenant, h, chains.len()))
+                .cloned(),
+            None => None,
+        };
         if let Some(shared) = &self.shared {
             // Another replica may have recorded a longer prefix since:
             // looked up without the lock.
             let known = hit.as_ref().map_or(0, |h| h.prefix.len).min(chains.len());
             drop(inner);
-            if let Some((conversation, prefix)) = shared.exchange_by_chain(tenant, &chains[known..])
-            {
-                if prefix.len > known {
-                    hit = Some(Hit {
-                        conversation,
-                        prefix,
-                    });
+            if let Some(found) = shared.exchange_by_chain(tenant, &chains[known..]) {
+                if found.prefix.len > known {
+                    let h = Hit {
+                        conversation: found.conversation,
+                        prefix: found.prefix,
+                        answered: found.answered,
+                    };
+                    // As `Inner::continues`, with the store's tips.
+                    if found.tip && extends(&h, chains.len()) {
+                        continued = Some(h.clone());
+                    }
+                    hit = Some(h);
                 }
             }
             inner = self.lock();
@@ -389,11 +438,11 @@ impl ConversationIndex {
                 };
             }
         }
-        match hit {
+        match continued {
             Some(h) => Identified {
                 conversation: h.conversation,
                 is_new: false,
-                prefix,
+                prefix: Some(h.prefix),
             },
             None => Identified {
                 conversation: crate::ids::new_conversation_id(),
@@ -421,6 +470,7 @@ impl ConversationIndex {
                 let hit = Hit {
                     conversation: ex.conversation.clone(),
                     prefix,
+                    answered: ex.chain_full.is_some(),
                 };
                 let key = scope.chain(&c);
                 inner.index_chain(key, hit);
@@ -441,6 +491,13 @@ impl ConversationIndex {
         let owned = inner.recent.entry(key).or_default();
         owned.stamp = stamp;
         owned.entries.extend(added);
+        if let Some(extended) = ex.prefix_exchange {
+            owned.tips.retain(|&t| t != extended);
+        }
+        owned.tips.push_back(ex.id);
+        if owned.tips.len() > MAX_TIPS {
+            owned.tips.pop_front();
+        }
         let mut evicted = Vec::new();
         while owned.entries.len() > MAX_ENTRIES_PER_CONVERSATION {
             evicted.extend(owned.entries.pop_front());
@@ -497,7 +554,80 @@ mod tests {
             chain_request: Some(c[req - 1]),
             chain_full: Some(c[req]),
             response_id: Some(format!("resp_{id}")),
+            prefix_exchange: None,
         }
+    }
+
+    /// Identifies a request of `items` and remembers it as exchange `id`,
+    /// answered with `answer` (none: it failed); returns its conversation.
+    fn turn(
+        idx: &ConversationIndex,
+        id: i64,
+        items: &[ItemHash],
+        answer: Option<ItemHash>,
+    ) -> String {
+        let chains = chain_hashes(items);
+        let found = idx.identify("t", None, None, &chains);
+        let full = answer.map(|a| chain_hashes(&[items, &[a]].concat())[items.len()]);
+        idx.remember(&IndexedExchange {
+            id,
+            conversation: found.conversation.clone(),
+            tenant: "t".into(),
+            request_len: items.len(),
+            response_len: usize::from(answer.is_some()),
+            chain_request: chains.last().copied(),
+            chain_full: full,
+            response_id: None,
+            prefix_exchange: found.prefix.map(|p| p.exchange),
+        });
+        found.conversation
+    }
+
+    fn msg(text: &str) -> ItemHash {
+        item_hash(&json!({"role": "user", "content": text}))
+    }
+
+    #[test]
+    fn sessions_that_open_alike_are_conversations_of_their_own() {
+        let idx = ConversationIndex::default();
+        let (count, five, next) = (msg("Count to five."), msg("1 2 3 4 5"), msg("Now to ten."));
+        let mut seen = Vec::new();
+        for session in 0..3 {
+            let a = turn(&idx, session * 2, &[count], Some(five));
+            let b = turn(
+                &idx,
+                session * 2 + 1,
+                &[count, five, next],
+                Some(msg("6 … 10")),
+            );
+            assert_eq!(
+                a, b,
+                "session {session}: its second request continues its first"
+            );
+            assert!(
+                !seen.contains(&a),
+                "session {session} merged into an earlier one"
+            );
+            seen.push(a);
+        }
+    }
+
+    #[test]
+    fn a_retry_and_a_recent_branch_continue_an_old_prefix_does_not() {
+        let idx = ConversationIndex::default();
+        let (u1, a1, u2, a2, u3) = (msg("u1"), msg("a1"), msg("u2"), msg("a2"), msg("u3"));
+        let conv = turn(&idx, 1, &[u1], Some(a1));
+        // The next request fails; its retry is the same conversation.
+        assert_eq!(turn(&idx, 2, &[u1, a1, u2], None), conv);
+        assert_eq!(turn(&idx, 3, &[u1, a1, u2], Some(a2)), conv);
+        // A request answered whole, sent again, is a session of its own.
+        let again = turn(&idx, 4, &[u1, a1, u2], Some(a2));
+        assert_ne!(again, conv);
+        // The latest tip of the first is still extended.
+        assert_eq!(turn(&idx, 5, &[u1, a1, u2, a2, u3], Some(msg("a3"))), again);
+        // An old prefix of a conversation, extended otherwise: a new one.
+        let old = turn(&idx, 6, &[u1, a1, msg("other")], Some(msg("x")));
+        assert!(![conv.as_str(), again.as_str()].contains(&old.as_str()));
     }
 
     #[test]
@@ -646,9 +776,26 @@ mod tests {
         let next = idx.identify("t", None, None, &c);
         assert_eq!(next.conversation, "conv_huge");
         assert_eq!(next.prefix.map(|p| p.len), Some(req + 1));
-        let shorter = idx.identify("t", None, None, &c[..req]);
-        assert_eq!(shorter.conversation, "conv_huge");
-        assert_eq!(shorter.prefix.map(|p| p.len), Some(req));
+        // Repeating its request, answered whole, does not continue it; the
+        // short one it extends, it does.
+        let again = idx.identify("t", None, None, &c[..req]);
+        assert_eq!(again.conversation, "conv_short");
+        assert_eq!(
+            again.prefix.map(|p| (p.exchange, p.len)),
+            Some((2, 2)),
+            "stored as its continuation, within the conversation"
+        );
+        // A retry of a request not answered whole continues it.
+        let mut failed = ex(3, "conv_huge", "t", &c, req + 1);
+        failed.chain_full = None;
+        failed.prefix_exchange = Some(1);
+        idx.remember(&failed);
+        let retry = idx.identify("t", None, None, &c[..req + 1]);
+        assert_eq!(retry.conversation, "conv_huge");
+        assert_eq!(
+            retry.prefix.map(|p| (p.exchange, p.len)),
+            Some((3, req + 1))
+        );
     }
 
     #[test]

@@ -27,6 +27,7 @@ pub const ENDPOINTS: &[&str] = &[
     "admin",
     "metrics",
     "healthz",
+    "readyz",
     "other",
 ];
 

@@ -19,7 +19,7 @@ use serde_json::Value;
 use crate::config::ModelLimits;
 
 /// Where a model's effective window came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Source {
     /// The built-in table (a guess from the model's name).

@@ -349,8 +349,8 @@ async fn the_cli_reads_the_store_while_the_proxy_runs() {
         .count();
     assert_eq!(exchange_rows, chat.reported.len(), "{out}");
 
-    // --json is the API's JSON; COMPACTOR_DB works like --db (without the
-    // config's models table the window is the built-in fallback's).
+    // --json is the API's JSON; COMPACTOR_DB works like --db (and without
+    // the config the window is still the one the proxy used: recorded).
     let (_, api_list) = get(&h, "/admin/api/conversations", &[]).await;
     let (code, out, err) = cli(
         &["conversations", "list", "--json", "--config", config],
@@ -367,7 +367,8 @@ async fn the_cli_reads_the_store_while_the_proxy_runs() {
     assert_eq!(code, 0);
     let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(v["conversations"][0]["id"], id.as_str());
-    assert_eq!(v["conversations"][0]["context_window"], 128_000);
+    assert_eq!(v["conversations"][0]["context_window"], 3_000);
+    assert_eq!(v["conversations"][0]["window_source"], "config");
 
     let (_, api_show) = get(&h, &format!("/admin/api/conversations/{id}"), &[]).await;
     let (code, out, _) = cli(
@@ -697,4 +698,126 @@ fn the_loopback_and_token_rule() {
         ..rebound
     };
     assert_eq!(authorize(&rebound_with_token, Some("t")), Ok(()));
+}
+
+/// Sends one request with `headers`; returns the conversation it went to.
+async fn send_as(h: &Harness, path: &str, body: Value, headers: &[(&str, &str)]) -> String {
+    let mut req = client()
+        .post(format!("{}{path}", h.url()))
+        .header("authorization", format!("Bearer {KEY}"))
+        .json(&body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = within(req.send()).await.expect("request");
+    assert_eq!(resp.status(), 200);
+    resp.headers()["x-compactor-conversation"]
+        .to_str()
+        .unwrap()
+        .to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_are_found_by_the_ids_their_clients_sent() {
+    let h = Harness::start_with(small_window).await;
+    let ours = send_as(
+        &h,
+        "/chat/completions",
+        json!({"model": MODEL, "messages": [
+            {"role": "system", "content": "be brief"},
+            {"role": "user", "content": "Count to five. My key is sk-proj-abcdefgh12345678, keep it."}]}),
+        &[
+            ("x-compactor-conversation", "my-session-42"),
+            ("user-agent", "OpenAI/Python 2.20.0"),
+        ],
+    )
+    .await;
+    // As Codex sends it: a session header, the same prompt_cache_key, its
+    // context block before the person's message.
+    let codex = send_as(
+        &h,
+        "/responses",
+        json!({"model": MODEL, "prompt_cache_key": "01a229d2-2989-7b93",
+               "input": [
+                 {"type": "message", "role": "user", "content": [
+                   {"type": "input_text", "text": "<environment_context>\n  <cwd>/w</cwd>\n</environment_context>"}]},
+                 {"type": "message", "role": "user", "content": [
+                   {"type": "input_text", "text": "turn1: say hi"}]}]}),
+        &[
+            ("session-id", "01a229d2-2989-7b93"),
+            ("user-agent", "codex_exec/0.171.0 (Debian 12.0.0; x86_64)"),
+        ],
+    )
+    .await;
+    within(h.state.store.flush()).await.unwrap();
+    let config = config_file(&h, "");
+    let config = path_str(&config);
+
+    for (name, id) in [
+        ("my-session-42", &ours),
+        ("01a229d2-2989-7b93", &codex),
+        (&ours[5..13], &ours),
+        (&codex[..13], &codex),
+    ] {
+        let (code, out, err) = cli(&["conversations", "show", name, "--config", config], &[]).await;
+        assert_eq!(code, 0, "{name}: {err}");
+        assert!(
+            out.starts_with(&format!("conversation {id}\n")),
+            "{name}: {out}"
+        );
+        let (status, api) = get(&h, &format!("/admin/api/conversations/{name}"), &[]).await;
+        assert_eq!(status, 200, "{name}: {api}");
+        assert_eq!(api["conversation"]["id"], id.as_str());
+        let (code, out, err) =
+            cli(&["conversations", "export", name, "--config", config], &[]).await;
+        assert_eq!(code, 0, "{name}: {err}");
+        let export: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(export["conversation"]["id"], id.as_str());
+    }
+
+    let (_, list) = get(&h, "/admin/api/conversations", &[]).await;
+    let row = |id: &str| {
+        list["conversations"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|c| c["id"] == id)
+            .cloned()
+            .unwrap()
+    };
+    let mine = row(&ours);
+    assert_eq!(mine["client_ids"], json!(["my-session-42"]));
+    assert_eq!(mine["client"], "OpenAI/Python 2.20.0");
+    assert_eq!(mine["model"], MODEL);
+    let preview = mine["preview"].as_str().unwrap();
+    assert!(
+        preview.starts_with("Count to five. My key is "),
+        "{preview}"
+    );
+    assert!(!preview.contains("abcdefgh12345678"), "redacted: {preview}");
+    let theirs = row(&codex);
+    assert_eq!(theirs["client_ids"], json!(["01a229d2-2989-7b93"]));
+    assert_eq!(theirs["preview"], "turn1: say hi");
+    assert!(theirs["client"]
+        .as_str()
+        .unwrap()
+        .starts_with("codex_exec/0.171.0"));
+
+    let (code, out, _) = cli(&["conversations", "list", "--config", config], &[]).await;
+    assert_eq!(code, 0);
+    let line = out.lines().find(|l| l.starts_with(&ours)).unwrap();
+    assert!(
+        line.contains("my-session-42") && line.contains("OpenAI/Python"),
+        "{out}"
+    );
+    assert!(line.contains("Count to five."), "{out}");
+    let (code, out, _) = cli(&["conversations", "show", &ours, "--config", config], &[]).await;
+    assert_eq!(code, 0);
+    assert!(out.contains("  client ids  my-session-42\n"), "{out}");
+
+    // The prefix alone is too short to name one (ambiguity itself is
+    // tested over a store whose ids are chosen).
+    let (code, _, err) = cli(&["conversations", "show", "conv_", "--config", config], &[]).await;
+    assert_eq!(code, 1);
+    assert!(err.contains("no conversation conv_"), "{err}");
 }

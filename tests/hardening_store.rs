@@ -176,6 +176,10 @@ fn journaled(id: i64) -> compactor::store::ExchangeRecord {
         chain_request: Some(hash),
         chain_full: None,
         compaction: None,
+        window: None,
+        client_ids: Default::default(),
+        client: None,
+        preview: None,
     }
 }
 

@@ -324,6 +324,76 @@ async fn get_root_points_to_the_admin_page_and_the_docs() {
     h.stop().await;
 }
 
+/// `GET path` of the proxy: status and JSON.
+async fn get_json_status(h: &Harness, path: &str) -> (u16, Value) {
+    let resp = within(
+        support::client()
+            .get(format!("http://{}{path}", h.addr))
+            .send(),
+    )
+    .await
+    .expect("GET");
+    let status = resp.status().as_u16();
+    (status, within(resp.json()).await.expect("JSON"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn readyz_answers_for_the_store_and_the_upstream_healthz_for_the_process() {
+    // Up: nothing exchanged yet, so the upstream is asked (`/v1/models`).
+    let mut h = Harness::start().await;
+    let (status, body) = get_json_status(&h, "/readyz").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["status"], "ready");
+    assert_eq!(body["checks"]["store"]["ok"], true, "{body}");
+    assert!(
+        body["checks"]["upstream"]["probe_status"].is_u64(),
+        "{body}"
+    );
+    assert!(h
+        .fake
+        .received()
+        .iter()
+        .any(|r| r.path.ends_with("/models")));
+    // After an exchange answered whole, it is not asked again.
+    let (status, _, _) = support::post(
+        &format!("{}/chat/completions", h.url()),
+        "k",
+        &json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    )
+    .await;
+    assert_eq!(status, 200);
+    let asked = h.fake.count();
+    let (status, body) = get_json_status(&h, "/readyz").await;
+    assert_eq!(status, 200, "{body}");
+    assert!(
+        body["checks"]["upstream"]["reached_ms_ago"].is_u64(),
+        "{body}"
+    );
+    assert_eq!(
+        h.fake.count(),
+        asked,
+        "no probe while the upstream answered lately"
+    );
+    let (_, root) = get_json_status(&h, "/").await;
+    assert_eq!(root["ready"], "/readyz", "{root}");
+    h.stop().await;
+
+    // Down: nothing listens where the upstream should be. Not ready, with
+    // the reason; the process itself is alive.
+    let port = support::free_port();
+    let mut h =
+        Harness::start_with(|c| c.upstream.base_url = format!("http://127.0.0.1:{port}/v1")).await;
+    let (status, body) = get_json_status(&h, "/readyz").await;
+    assert_eq!(status, 503, "{body}");
+    assert_eq!(body["status"], "not_ready");
+    assert_eq!(body["checks"]["store"]["ok"], true, "{body}");
+    assert_eq!(body["checks"]["upstream"]["ok"], false, "{body}");
+    assert!(body["checks"]["upstream"]["error"].is_string(), "{body}");
+    let (status, body) = get_json_status(&h, "/healthz").await;
+    assert_eq!((status, &body["status"]), (200, &json!("ok")));
+    h.stop().await;
+}
+
 #[test]
 fn logs_to_a_redirected_stderr_carry_no_colour_codes() {
     use std::io::{BufRead, BufReader};

@@ -52,6 +52,32 @@ async fn prefix_extending_histories_group_and_others_do_not() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_that_each_begin_count_to_five_are_three_conversations() {
+    let h = Harness::start().await;
+    let url = format!("{}/chat/completions", h.url());
+    let mut seen: Vec<String> = Vec::new();
+    for session in 0..3 {
+        // The fake answers alike, so each session's second request also
+        // repeats the earlier sessions' second requests.
+        let mut history = Vec::new();
+        let first = turn(&url, "k1", &mut history, "Count to five.").await;
+        let second = turn(&url, "k1", &mut history, "Now count back.").await;
+        assert_eq!(first, second, "session {session} is one conversation");
+        assert!(!seen.contains(&first), "session {session} joined {seen:?}");
+        seen.push(first);
+    }
+    let per_conversation: Vec<i64> = h
+        .db()
+        .prepare("SELECT count(*) FROM exchanges GROUP BY conversation_id")
+        .unwrap()
+        .query_map([], |r| r.get(0))
+        .unwrap()
+        .collect::<Result<_, _>>()
+        .unwrap();
+    assert_eq!(per_conversation, [2, 2, 2]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn explicit_ids_group_unrelated_requests() {
     let h = Harness::start().await;
     let client = support::client();

@@ -13,6 +13,7 @@
 //! - `GET /admin/` — the page (HTML, inline JS/SVG)
 //! - `GET /admin/api/conversations?limit=N` — the list, most recent first
 //! - `GET /admin/api/conversations/ID` — timeline: exchanges and compactions
+//!   (ID: the conversation id, an id its client sent, or an abbreviation)
 //! - `GET /admin/api/conversations/ID/export` — items, rewritten view, compactions, archived outputs
 //! - `POST /admin/api/conversations/ID/compact` — compact the conversation's next request
 
@@ -256,7 +257,18 @@ async fn route(
     let Some(api_path) = sub.strip_prefix("/api/conversations") else {
         return not_found(&method, &path);
     };
-    let parts: Vec<&str> = api_path.split('/').skip(1).collect();
+    // A conversation is named by its id or by an id its client sent,
+    // which may hold any character (percent-encoded in the path).
+    let decoded: Vec<String> = api_path
+        .split('/')
+        .skip(1)
+        .map(|p| {
+            percent_encoding::percent_decode_str(p)
+                .decode_utf8_lossy()
+                .into_owned()
+        })
+        .collect();
+    let parts: Vec<&str> = decoded.iter().map(String::as_str).collect();
     match parts.as_slice() {
         [] | [""] => match method {
             Method::GET => {
@@ -283,12 +295,12 @@ async fn route(
     }
 }
 
+/// A name a conversation may go by: its id or a client's (bounded as the
+/// store bounds those), without control characters.
 fn valid_id(id: &str) -> bool {
-    !id.is_empty()
-        && id.len() <= 128
-        && id
-            .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+    !id.trim().is_empty()
+        && id.chars().count() <= crate::store::MAX_CLIENT_ID_CHARS
+        && !id.chars().any(char::is_control)
 }
 
 fn query_param<'a>(query: Option<&'a str>, name: &str) -> Option<&'a str> {

@@ -829,6 +829,17 @@ pub(crate) mod tests {
             chain_request: Some([3; 32]),
             chain_full: None,
             compaction: None,
+            window: Some(crate::store::RecordedWindow {
+                tokens: 4096,
+                source: crate::windows::Source::Discovered,
+            }),
+            client_ids: crate::store::ClientIds {
+                header: Some("my-session".into()),
+                session: None,
+                cache_key: Some("cache".into()),
+            },
+            client: Some("codex_cli_rs/0.1".into()),
+            preview: Some(format!("Count to {id}.")),
         }
     }
 
@@ -847,6 +858,18 @@ pub(crate) mod tests {
 
     fn ids(records: &[ExchangeRecord]) -> Vec<i64> {
         records.iter().map(|r| r.id).collect()
+    }
+
+    #[test]
+    fn a_record_journaled_before_client_ids_reads_without_them() {
+        let mut old = serde_json::to_value(record(1)).unwrap();
+        for field in ["window", "client_ids", "client", "preview"] {
+            old.as_object_mut().unwrap().remove(field);
+        }
+        let rec: ExchangeRecord = serde_json::from_value(old).unwrap();
+        assert_eq!(rec.window, None);
+        assert_eq!(rec.client_ids, crate::store::ClientIds::default());
+        assert_eq!((rec.client, rec.preview), (None, None));
     }
 
     #[test]

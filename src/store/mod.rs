@@ -109,6 +109,83 @@ pub struct ExchangeRecord {
     pub chain_full: Option<ItemHash>,
     /// The compaction applied to the request, if any.
     pub compaction: Option<String>,
+    /// The context window the request was measured against, and where it
+    /// came from: views show what the proxy used, not what a config read
+    /// later says.
+    #[serde(default)]
+    pub window: Option<RecordedWindow>,
+    /// The ids the client itself sent for its conversation.
+    #[serde(default)]
+    pub client_ids: ClientIds,
+    /// The client, from its `user-agent` (at most [`MAX_CLIENT_CHARS`]).
+    #[serde(default)]
+    pub client: Option<String>,
+    /// For a request that opens its conversation: its first user message,
+    /// redacted, at most [`MAX_PREVIEW_CHARS`], so people can tell
+    /// conversations apart.
+    #[serde(default)]
+    pub preview: Option<String>,
+}
+
+/// Most characters of a `user-agent` kept as the client's name.
+pub const MAX_CLIENT_CHARS: usize = 120;
+
+/// Most characters kept of each client-sent id.
+pub const MAX_CLIENT_ID_CHARS: usize = 200;
+
+/// Most characters of a conversation's first-message preview.
+pub const MAX_PREVIEW_CHARS: usize = 160;
+
+/// A context window as recorded with an exchange.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RecordedWindow {
+    /// Tokens.
+    pub tokens: u64,
+    /// Where the proxy had it from.
+    pub source: crate::windows::Source,
+}
+
+/// The ids a client sent for its conversation, each as sent (cut to
+/// [`MAX_CLIENT_ID_CHARS`]): what people call the conversation.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClientIds {
+    /// Our `x-compactor-conversation` header.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+    /// A `session-id` / `session_id` header (Codex sends one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    /// The body's `prompt_cache_key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_key: Option<String>,
+}
+
+impl ClientIds {
+    /// The distinct ids, in the order [`ClientIds`] lists them.
+    pub fn distinct(&self) -> Vec<&str> {
+        let mut out: Vec<&str> = Vec::new();
+        for id in [&self.header, &self.session, &self.cache_key]
+            .into_iter()
+            .flatten()
+        {
+            if !out.contains(&id.as_str()) {
+                out.push(id);
+            }
+        }
+        out
+    }
+}
+
+/// `s` cut to at most `max` characters (with an ellipsis when cut).
+pub fn bounded_text(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        None => s.to_string(),
+        Some((at, _)) => {
+            let mut out = s[..at].to_string();
+            out.push('…');
+            out
+        }
+    }
 }
 
 /// Anything the writer thread persists.
@@ -196,6 +273,8 @@ pub struct IndexedExchange {
     pub chain_full: Option<ItemHash>,
     /// The upstream's response id.
     pub response_id: Option<String>,
+    /// The earlier exchange whose items its request repeats, if any.
+    pub prefix_exchange: Option<i64>,
 }
 
 /// How much of the store a start-up loads into memory: set by the code that
@@ -243,11 +322,7 @@ pub trait Reads: Send + Sync + 'static {
     /// The longest recorded prefix among `chains` (chain hashes of a
     /// request's leading items) of one of the tenant's exchanges: its
     /// conversation and where the request continues it.
-    fn exchange_by_chain(
-        &self,
-        _tenant: &str,
-        _chains: &[ItemHash],
-    ) -> Option<(String, PrefixRef)> {
+    fn exchange_by_chain(&self, _tenant: &str, _chains: &[ItemHash]) -> Option<ChainHit> {
         None
     }
     /// The conversation of the tenant's exchange answered with `response_id`.
@@ -271,6 +346,21 @@ pub trait Reads: Send + Sync + 'static {
     }
     /// Gives up a claim taken with [`Reads::claim`].
     fn release(&self, _tenant: &str, _conversation: &str) {}
+}
+
+/// A recorded prefix a request repeats, as [`Reads::exchange_by_chain`]
+/// finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChainHit {
+    /// The exchange's conversation.
+    pub conversation: String,
+    /// Where the request continues the exchange.
+    pub prefix: PrefixRef,
+    /// Whether the exchange was answered whole.
+    pub answered: bool,
+    /// Whether no later exchange continued it: a request extending it goes
+    /// on from the conversation's tip.
+    pub tip: bool,
 }
 
 /// A store failure.
@@ -309,28 +399,52 @@ impl From<deadpool_postgres::PoolError> for StoreError {
     }
 }
 
+/// A conversation's part of a batch: it is created as of its first
+/// exchange, last seen (with its model, client and ids) as of its last; its
+/// preview is the first one given.
+struct ConversationSpan<'a> {
+    first: &'a ExchangeRecord,
+    last: &'a ExchangeRecord,
+    preview: Option<&'a str>,
+    client: Option<&'a str>,
+    ids: ClientIds,
+}
+
 /// The conversations of a batch's exchanges, each once, in the order they
-/// first appear: with the first and the last of its exchanges in the batch
-/// (a conversation is created as of the first, last seen as of the last).
-fn conversation_spans(batch: &[Record]) -> Vec<(&str, &ExchangeRecord, &ExchangeRecord)> {
+/// first appear (every backend writes them before the exchanges).
+fn conversation_spans(batch: &[Record]) -> Vec<(&str, ConversationSpan<'_>)> {
     let mut order: Vec<&str> = Vec::new();
-    let mut span: foldhash::HashMap<&str, (&ExchangeRecord, &ExchangeRecord)> = Default::default();
+    let mut spans: foldhash::HashMap<&str, ConversationSpan<'_>> = Default::default();
     for rec in batch {
         if let Record::Exchange(e) = rec {
-            span.entry(&e.conversation)
-                .and_modify(|(_, last)| *last = e)
-                .or_insert_with(|| {
-                    order.push(&e.conversation);
-                    (e, e)
-                });
+            let span = spans.entry(&e.conversation).or_insert_with(|| {
+                order.push(&e.conversation);
+                ConversationSpan {
+                    first: e,
+                    last: e,
+                    preview: None,
+                    client: None,
+                    ids: ClientIds::default(),
+                }
+            });
+            span.last = e;
+            span.preview = span.preview.or(e.preview.as_deref());
+            span.client = e.client.as_deref().or(span.client);
+            let ids = &e.client_ids;
+            for (mine, theirs) in [
+                (&mut span.ids.header, &ids.header),
+                (&mut span.ids.session, &ids.session),
+                (&mut span.ids.cache_key, &ids.cache_key),
+            ] {
+                if theirs.is_some() {
+                    mine.clone_from(theirs);
+                }
+            }
         }
     }
     order
         .into_iter()
-        .map(|c| {
-            let (first, last) = span[c];
-            (c, first, last)
-        })
+        .filter_map(|c| spans.remove(c).map(|span| (c, span)))
         .collect()
 }
 
@@ -788,7 +902,9 @@ impl ExchangeRecord {
         let strings = self.conversation.len()
             + self.tenant.len()
             + self.model.len()
-            + self.error.as_ref().map_or(0, String::len);
+            + self.error.as_ref().map_or(0, String::len)
+            + self.preview.as_ref().map_or(0, String::len)
+            + self.client.as_ref().map_or(0, String::len);
         std::mem::size_of::<Self>() + texts + hashes + strings
     }
 }

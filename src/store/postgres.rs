@@ -22,8 +22,8 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::NoTls;
 
 use super::{
-    Backend, ExchangeRecord, IndexedExchange, Limits, PrefixRef, Record, Snapshot, StoreError,
-    StoredCompaction,
+    Backend, ChainHit, ExchangeRecord, IndexedExchange, Limits, PrefixRef, Record, Snapshot,
+    StoreError, StoredCompaction,
 };
 use crate::compaction::{Compaction, Rung};
 use crate::config::StoreConfig;
@@ -52,7 +52,14 @@ CREATE TABLE conversations (
     explicit_key TEXT,
     created_ms   BIGINT NOT NULL,
     last_seen_ms BIGINT NOT NULL,
-    model        TEXT NOT NULL DEFAULT ''
+    model        TEXT NOT NULL DEFAULT '',
+    -- Its first user message (redacted, bounded), the client of its latest
+    -- exchange, and the latest ids the client sent for it.
+    preview             TEXT,
+    client              TEXT,
+    conversation_header TEXT,
+    session_id          TEXT,
+    prompt_cache_key    TEXT
 );
 CREATE UNIQUE INDEX conversations_key
     ON conversations (tenant, explicit_key) WHERE explicit_key IS NOT NULL;
@@ -85,9 +92,20 @@ CREATE TABLE exchanges (
     ttfb_ms         DOUBLE PRECISION,
     chain_request   BYTEA,
     chain_full      BYTEA,
-    compaction_id   TEXT
+    compaction_id   TEXT,
+    -- The window the request was measured against, and its source; the
+    -- client and the ids it sent.
+    context_window      BIGINT,
+    window_source       TEXT,
+    client              TEXT,
+    conversation_header TEXT,
+    session_id          TEXT,
+    prompt_cache_key    TEXT
 );
 CREATE INDEX exchanges_conversation ON exchanges (conversation_id, id);
+-- Whether an exchange is its conversation's tip (nothing continued it).
+CREATE INDEX exchanges_prefix ON exchanges (prefix_exchange)
+    WHERE prefix_exchange IS NOT NULL;
 -- What a replica that has not seen a conversation looks it up by.
 CREATE INDEX exchanges_chain_request ON exchanges (tenant, chain_request)
     WHERE chain_request IS NOT NULL;
@@ -458,7 +476,7 @@ async fn load(pool: &Pool, limits: Limits) -> Result<Snapshot, StoreError> {
     let rows = client
         .query(
             "SELECT id, conversation_id, tenant, request_len, length(response_items) / 32,
-                    chain_request, chain_full, response_id
+                    chain_request, chain_full, response_id, prefix_exchange
              FROM exchanges ORDER BY id DESC LIMIT $1",
             &[&(limits.exchanges as i64)],
         )
@@ -474,6 +492,7 @@ async fn load(pool: &Pool, limits: Limits) -> Result<Snapshot, StoreError> {
             chain_request: hash_of(r.get(5)),
             chain_full: hash_of(r.get(6)),
             response_id: r.get(7),
+            prefix_exchange: r.get(8),
         })
         .collect();
     snap.exchanges.reverse();
@@ -598,16 +617,29 @@ async fn write_conversations(
              VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
         )
         .await?;
+    // Another replica's batch of the same conversation may commit after
+    // this one: what is newest is kept, whichever commits last.
     let seen = tx
         .prepare_cached(
-            "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model)
-             VALUES ($1, $2, NULL, $3, $4, $5)
+            "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model,
+                                        preview, client, conversation_header, session_id,
+                                        prompt_cache_key)
+             VALUES ($1, $2, NULL, $3, $4, $5, $6, $7, $8, $9, $10)
              ON CONFLICT (id) DO UPDATE SET
                  last_seen_ms = GREATEST(conversations.last_seen_ms, excluded.last_seen_ms),
-                 model = excluded.model",
+                 model = CASE WHEN excluded.last_seen_ms >= conversations.last_seen_ms
+                              THEN excluded.model ELSE conversations.model END,
+                 preview = COALESCE(conversations.preview, excluded.preview),
+                 client = COALESCE(excluded.client, conversations.client),
+                 conversation_header = COALESCE(excluded.conversation_header,
+                                                conversations.conversation_header),
+                 session_id = COALESCE(excluded.session_id, conversations.session_id),
+                 prompt_cache_key = COALESCE(excluded.prompt_cache_key,
+                                             conversations.prompt_cache_key)",
         )
         .await?;
-    for (conversation, first, last) in spans {
+    for (conversation, span) in spans {
+        let (first, last) = (span.first, span.last);
         if first.explicit_key.is_some() {
             tx.execute(
                 &keyed,
@@ -630,6 +662,11 @@ async fn write_conversations(
                 &first.started_ms,
                 &last.started_ms,
                 &last.model,
+                &span.preview,
+                &span.client,
+                &span.ids.header,
+                &span.ids.session,
+                &span.ids.cache_key,
             ],
         )
         .await?;
@@ -640,9 +677,10 @@ async fn write_conversations(
 const INSERT_EXCHANGE: &str = "INSERT INTO exchanges (id, conversation_id, tenant, endpoint,
     model, prefix_exchange, prefix_len, prefix_full, suffix_items, request_len, params,
     response_items, response_id, input_tokens, output_tokens, cached_tokens, status, streamed,
-    partial, error, started_ms, latency_ms, ttfb_ms, chain_request, chain_full, compaction_id)
+    partial, error, started_ms, latency_ms, ttfb_ms, chain_request, chain_full, compaction_id,
+    context_window, window_source, client, conversation_header, session_id, prompt_cache_key)
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18,
-            $19, $20, $21, $22, $23, $24, $25, $26)
+            $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32)
     ON CONFLICT (id) DO NOTHING";
 
 async fn write_exchange(
@@ -680,6 +718,12 @@ async fn write_exchange(
             &rec.chain_request.as_ref().map(|h| h.as_slice()),
             &rec.chain_full.as_ref().map(|h| h.as_slice()),
             &rec.compaction,
+            &rec.window.map(|w| w.tokens as i64),
+            &rec.window.map(|w| w.source.as_str()),
+            &rec.client,
+            &rec.client_ids.header,
+            &rec.client_ids.session,
+            &rec.client_ids.cache_key,
         ],
     )
     .await?;
@@ -799,15 +843,16 @@ impl PostgresReads {
     }
 }
 
-/// The exchange hit of [`super::Reads::exchange_by_chain`] from a row of
+/// The longest hit of [`super::Reads::exchange_by_chain`] among rows of
 /// (id, conversation, request_len, response_len, request matched, full
-/// matched).
-fn best_hit(rows: &[tokio_postgres::Row]) -> Option<(String, PrefixRef)> {
+/// matched, answered whole, tip).
+fn best_hit(rows: &[tokio_postgres::Row]) -> Option<ChainHit> {
     rows.iter()
         .flat_map(|r| {
-            let (id, conv): (i64, String) = (r.get(0), r.get(1));
+            let (id, conversation): (i64, String) = (r.get(0), r.get(1));
             let (req, resp): (i64, i32) = (r.get(2), r.get(3));
             let (on_request, on_full): (bool, bool) = (r.get(4), r.get(5));
+            let (answered, tip): (bool, bool) = (r.get(6), r.get(7));
             let full = on_full.then_some(PrefixRef {
                 exchange: id,
                 len: req as usize + resp as usize,
@@ -821,10 +866,15 @@ fn best_hit(rows: &[tokio_postgres::Row]) -> Option<(String, PrefixRef)> {
             [full, request]
                 .into_iter()
                 .flatten()
-                .map(move |p| (conv.clone(), p))
+                .map(move |prefix| ChainHit {
+                    conversation: conversation.clone(),
+                    prefix,
+                    answered,
+                    tip,
+                })
         })
         // The longest; among equals the newest exchange.
-        .max_by_key(|(_, p)| (p.len, p.exchange))
+        .max_by_key(|h| (h.prefix.len, h.prefix.exchange))
 }
 
 impl super::Reads for PostgresReads {
@@ -869,7 +919,7 @@ impl super::Reads for PostgresReads {
         true
     }
 
-    fn exchange_by_chain(&self, tenant: &str, chains: &[ItemHash]) -> Option<(String, PrefixRef)> {
+    fn exchange_by_chain(&self, tenant: &str, chains: &[ItemHash]) -> Option<ChainHit> {
         if chains.is_empty() {
             return None;
         }
@@ -881,8 +931,11 @@ impl super::Reads for PostgresReads {
                 .prepare_cached(
                     "SELECT id, conversation_id, request_len, length(response_items) / 32,
                             COALESCE(chain_request = ANY($2), FALSE),
-                            COALESCE(chain_full = ANY($2), FALSE)
-                     FROM exchanges
+                            COALESCE(chain_full = ANY($2), FALSE),
+                            chain_full IS NOT NULL,
+                            NOT EXISTS (SELECT 1 FROM exchanges later
+                                        WHERE later.prefix_exchange = e.id)
+                     FROM exchanges e
                      WHERE tenant = $1 AND (chain_request = ANY($2) OR chain_full = ANY($2))
                      ORDER BY id DESC LIMIT 64",
                 )

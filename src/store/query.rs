@@ -22,18 +22,39 @@ use crate::wire::ItemHash;
 /// Characters of the tenant hash shown (enough to tell tenants apart).
 pub const TENANT_PREFIX: usize = 12;
 
+/// Most candidates an ambiguous name lists.
+pub const MAX_CANDIDATES: usize = 10;
+
+/// Fewest hex digits of an abbreviated conversation id: fewer would match
+/// half the store.
+pub const MIN_ABBREVIATION: usize = 4;
+
+/// The id prefix every conversation id has.
+const ID_PREFIX: &str = "conv_";
+
 /// Why a query gave no answer.
 #[derive(Debug, thiserror::Error)]
 pub enum QueryError {
     /// No conversation has this id (or id prefix).
     #[error("no conversation {0}")]
     NotFound(String),
-    /// The id prefix matches several conversations.
-    #[error("conversation id prefix {0} is ambiguous ({1} matches)")]
-    Ambiguous(String, usize),
+    /// The name matches several conversations (listed, up to
+    /// [`MAX_CANDIDATES`]).
+    #[error("{0} names several conversations: {list}; give more of the id", list = candidate_list(.1))]
+    Ambiguous(String, Vec<String>),
     /// The store could not be read.
     #[error(transparent)]
     Store(#[from] StoreError),
+}
+
+/// The candidates of an ambiguous name, with an ellipsis when there may
+/// be more.
+fn candidate_list(found: &[String]) -> String {
+    let mut list = found.join(", ");
+    if found.len() >= MAX_CANDIDATES {
+        list.push_str(", …");
+    }
+    list
 }
 
 impl From<rusqlite::Error> for QueryError {
@@ -66,6 +87,13 @@ pub fn open_read_only(path: &Path) -> Result<Connection, StoreError> {
 pub struct ConversationSummary {
     /// `conv_…`
     pub id: String,
+    /// The ids the client sent for it (our header, a session id, a
+    /// `prompt_cache_key`), each once: what people call it.
+    pub client_ids: Vec<String>,
+    /// Its first user message, redacted and cut short.
+    pub preview: Option<String>,
+    /// The client of its latest exchange, from its `user-agent`.
+    pub client: Option<String>,
     /// First characters of the tenant hash.
     pub tenant: String,
     /// The model of the latest exchange.
@@ -84,7 +112,9 @@ pub struct ConversationSummary {
     pub last_output_tokens: Option<u64>,
     /// Input + output: what the conversation occupied after it.
     pub last_tokens: Option<u64>,
-    /// The model's effective context window.
+    /// The context window of its latest exchange, as the proxy used it
+    /// (for exchanges recorded before windows were, the one the config at
+    /// hand gives).
     pub context_window: u64,
     /// Where it came from: `table`, `config`, `learned` (stated by the
     /// upstream in an overflow answer) or `discovered` (reported when asked).
@@ -126,6 +156,11 @@ pub struct ExchangeRow {
     pub compaction: Option<String>,
     /// What went wrong, if anything.
     pub error: Option<String>,
+    /// The context window the request was measured against (none for
+    /// exchanges recorded before windows were).
+    pub context_window: Option<u64>,
+    /// Where that window came from.
+    pub window_source: Option<String>,
 }
 
 /// A compaction as shown in a timeline.
@@ -221,30 +256,68 @@ pub struct ConversationExport {
     pub archived: BTreeMap<String, Value>,
 }
 
-/// Resolves a conversation id or a unique prefix of one.
-pub fn resolve_id(conn: &Connection, id: &str) -> Result<String, QueryError> {
+/// Resolves what a person calls a conversation: its id, an id the client
+/// sent for it (our header, a session id, a `prompt_cache_key`), or an
+/// abbreviation of its id, with or without the `conv_` prefix (at least
+/// [`MIN_ABBREVIATION`] digits). A name that fits several is refused with
+/// the candidates.
+pub fn resolve_id(conn: &Connection, name: &str) -> Result<String, QueryError> {
+    let name = name.trim();
     let exact: Option<String> = conn
         .query_row(
             "SELECT id FROM conversations WHERE id = ?1",
-            params![id],
+            params![name],
             |r| r.get(0),
         )
         .optional()?;
     if let Some(found) = exact {
         return Ok(found);
     }
-    if id.len() < 6 {
-        return Err(QueryError::NotFound(id.to_string()));
+    // A client's own id; conversations recorded before the ids had columns
+    // have the explicit key, spelt `name:value`.
+    let by_client = candidates(
+        conn,
+        "SELECT id FROM conversations
+         WHERE conversation_header = ?1 OR session_id = ?1 OR prompt_cache_key = ?1
+            OR explicit_key IN ('x-compactor-conversation:' || ?1, 'session-id:' || ?1,
+                                'session_id:' || ?1)
+         ORDER BY last_seen_ms DESC LIMIT ?2",
+        name,
+    )?;
+    if !by_client.is_empty() {
+        return one(name, by_client);
     }
-    let mut stmt =
-        conn.prepare("SELECT id FROM conversations WHERE substr(id, 1, length(?1)) = ?1 LIMIT 10")?;
-    let matches: Vec<String> = stmt
-        .query_map(params![id], |r| r.get(0))?
+    let digits = name.strip_prefix(ID_PREFIX).unwrap_or(name);
+    if digits.len() < MIN_ABBREVIATION {
+        return Err(QueryError::NotFound(name.to_string()));
+    }
+    let prefix = format!("{ID_PREFIX}{digits}");
+    one(
+        name,
+        candidates(
+            conn,
+            "SELECT id FROM conversations WHERE substr(id, 1, length(?1)) = ?1
+             ORDER BY last_seen_ms DESC LIMIT ?2",
+            &prefix,
+        )?,
+    )
+}
+
+/// The conversations `sql` finds for `name` (bound as `?1`, the limit as
+/// `?2`), at most [`MAX_CANDIDATES`].
+fn candidates(conn: &Connection, sql: &str, name: &str) -> Result<Vec<String>, QueryError> {
+    let mut stmt = conn.prepare(sql)?;
+    let found = stmt
+        .query_map(params![name, MAX_CANDIDATES as i64], |r| r.get(0))?
         .collect::<Result<_, _>>()?;
-    match matches.len() {
-        0 => Err(QueryError::NotFound(id.to_string())),
-        1 => Ok(matches.into_iter().next().unwrap_or_default()),
-        n => Err(QueryError::Ambiguous(id.to_string(), n)),
+    Ok(found)
+}
+
+fn one(name: &str, mut found: Vec<String>) -> Result<String, QueryError> {
+    match found.len() {
+        0 => Err(QueryError::NotFound(name.to_string())),
+        1 => Ok(found.remove(0)),
+        _ => Err(QueryError::Ambiguous(name.to_string(), found)),
     }
 }
 
@@ -252,10 +325,16 @@ const SUMMARY_SELECT: &str = "
 SELECT c.id, c.tenant, c.model, c.created_ms, c.last_seen_ms,
        (SELECT count(*) FROM exchanges e WHERE e.conversation_id = c.id),
        (SELECT count(*) FROM compactions k WHERE k.conversation_id = c.id),
-       l.input_tokens, l.output_tokens
+       l.input_tokens, l.output_tokens,
+       w.context_window, w.window_source,
+       c.preview, c.client, c.conversation_header, c.session_id, c.prompt_cache_key,
+       c.explicit_key
 FROM conversations c
 LEFT JOIN exchanges l ON l.id = (SELECT max(e2.id) FROM exchanges e2
-                                 WHERE e2.conversation_id = c.id AND e2.input_tokens IS NOT NULL)";
+                                 WHERE e2.conversation_id = c.id AND e2.input_tokens IS NOT NULL)
+LEFT JOIN exchanges w ON w.id = (SELECT max(e3.id) FROM exchanges e3
+                                 WHERE e3.conversation_id = c.id
+                                   AND e3.context_window IS NOT NULL)";
 
 /// The windows this config's upstream told, from the store.
 fn told_windows(conn: &Connection, config: &Config) -> Vec<crate::windows::Told> {
@@ -281,10 +360,33 @@ fn summary_row(
     } else {
         crate::windows::Source::Table
     };
-    let (limits, source) =
+    let (mut limits, mut source) =
         crate::windows::effective(configured, source, told.iter().find(|t| t.model == model));
+    // The window the proxy used, where recorded.
+    let recorded: Option<i64> = r.get(9)?;
+    let recorded_source: Option<String> = r.get(10)?;
+    if let Some(w) = recorded.filter(|&w| w > 0) {
+        limits.context_window = w as u64;
+        source = recorded_source
+            .as_deref()
+            .and_then(crate::windows::Source::parse)
+            .unwrap_or(source);
+    }
+    let ids = crate::store::ClientIds {
+        header: r.get(13)?,
+        session: r.get(14)?,
+        cache_key: r.get(15)?,
+    };
+    let mut client_ids: Vec<String> = ids.distinct().into_iter().map(String::from).collect();
+    if client_ids.is_empty() {
+        let key: Option<String> = r.get(16)?;
+        client_ids.extend(key.and_then(|k| k.split_once(':').map(|(_, v)| v.to_string())));
+    }
     Ok(ConversationSummary {
         id: r.get(0)?,
+        client_ids,
+        preview: r.get(11)?,
+        client: r.get(12)?,
         tenant: tenant.chars().take(TENANT_PREFIX).collect(),
         created_ms: r.get(3)?,
         last_seen_ms: r.get(4)?,
@@ -333,7 +435,7 @@ fn exchanges(conn: &Connection, id: &str) -> Result<Vec<ExchangeRow>, QueryError
     let mut stmt = conn.prepare(
         "SELECT id, started_ms, endpoint, model, status, streamed, partial, request_len,
                 length(response_items) / 32, input_tokens, output_tokens, cached_tokens,
-                latency_ms, compaction_id, error
+                latency_ms, compaction_id, error, context_window, window_source
          FROM exchanges WHERE conversation_id = ?1 ORDER BY id",
     )?;
     let opt = |v: Option<i64>| v.map(|x| x as u64);
@@ -355,6 +457,8 @@ fn exchanges(conn: &Connection, id: &str) -> Result<Vec<ExchangeRow>, QueryError
                 latency_ms: r.get(12)?,
                 compaction: r.get(13)?,
                 error: r.get(14)?,
+                context_window: opt(r.get(15)?),
+                window_source: r.get(16)?,
             })
         })?
         .collect::<Result<_, _>>()?;
@@ -574,6 +678,115 @@ fn parse_hex8(s: &str) -> Option<[u8; 8]> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::store::sqlite::SqliteBackend;
+    use crate::store::{Backend, ClientIds, Record};
+
+    /// A store holding `conversations` (id, client ids), one exchange each.
+    fn store_of(conversations: &[(&str, ClientIds)]) -> (tempfile::TempDir, SqliteBackend) {
+        let dir = tempfile::tempdir().unwrap();
+        let mut b = SqliteBackend::open(&dir.path().join("s.db")).unwrap();
+        let batch: Vec<Record> = conversations
+            .iter()
+            .enumerate()
+            .map(|(i, (id, ids))| {
+                let mut r = crate::store::journal::tests::record(i as i64 + 1);
+                r.conversation = id.to_string();
+                r.client_ids = ids.clone();
+                Record::Exchange(Box::new(r))
+            })
+            .collect();
+        b.write(&batch).unwrap();
+        (dir, b)
+    }
+
+    fn header(id: &str) -> ClientIds {
+        ClientIds {
+            header: Some(id.into()),
+            ..ClientIds::default()
+        }
+    }
+
+    #[test]
+    fn conversations_are_found_by_the_names_people_use() {
+        let session = ClientIds {
+            session: Some("0199a-codex".into()),
+            cache_key: Some("0199a-codex".into()),
+            ..ClientIds::default()
+        };
+        let (_dir, b) = store_of(&[
+            ("conv_9bb4a1", header("my-session-42")),
+            ("conv_9bb4c2", session),
+            ("conv_77aa00", ClientIds::default()),
+        ]);
+        let conn = b.connection();
+        let found = |name: &str| resolve_id(conn, name);
+        assert_eq!(found("conv_77aa00").unwrap(), "conv_77aa00");
+        assert_eq!(found("my-session-42").unwrap(), "conv_9bb4a1");
+        assert_eq!(found("0199a-codex").unwrap(), "conv_9bb4c2");
+        assert_eq!(found("conv_77aa").unwrap(), "conv_77aa00");
+        assert_eq!(found("77aa").unwrap(), "conv_77aa00", "without the prefix");
+        assert_eq!(found("9bb4a").unwrap(), "conv_9bb4a1");
+        match found("9bb4") {
+            Err(e @ QueryError::Ambiguous(..)) => {
+                let text = e.to_string();
+                assert!(
+                    text.contains("conv_9bb4a1") && text.contains("conv_9bb4c2"),
+                    "{text}"
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(
+            matches!(found("77a"), Err(QueryError::NotFound(_))),
+            "too short"
+        );
+        assert!(matches!(found("conv_"), Err(QueryError::NotFound(_))));
+        assert!(matches!(found("nobody"), Err(QueryError::NotFound(_))));
+        // The list names them as their clients do.
+        let list = list_conversations(conn, &Config::default(), 10).unwrap();
+        let named = list.iter().find(|c| c.id == "conv_9bb4c2").unwrap();
+        assert_eq!(
+            named.client_ids,
+            ["0199a-codex"],
+            "one id, though sent twice"
+        );
+        assert_eq!(named.client.as_deref(), Some("codex_cli_rs/0.1"));
+        assert_eq!(named.preview.as_deref(), Some("Count to 2."));
+        assert_eq!(
+            (named.context_window, named.window_source),
+            (4096, "discovered")
+        );
+    }
+
+    #[test]
+    fn a_client_id_two_conversations_share_is_ambiguous() {
+        // The same session name under two credentials.
+        let (_dir, b) = store_of(&[("conv_aaaa01", header("s")), ("conv_bbbb02", header("s"))]);
+        b.connection()
+            .execute("UPDATE conversations SET tenant = id", [])
+            .unwrap();
+        match resolve_id(b.connection(), "s") {
+            Err(QueryError::Ambiguous(name, found)) => {
+                assert_eq!(name, "s");
+                assert_eq!(found.len(), 2);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_conversation_recorded_before_client_ids_is_found_by_its_key() {
+        let (_dir, b) = store_of(&[("conv_cccc03", ClientIds::default())]);
+        b.connection()
+            .execute(
+                "UPDATE conversations SET explicit_key = 'x-compactor-conversation:old-42'",
+                [],
+            )
+            .unwrap();
+        assert_eq!(resolve_id(b.connection(), "old-42").unwrap(), "conv_cccc03");
+        let list = list_conversations(b.connection(), &Config::default(), 10).unwrap();
+        assert_eq!(list[0].client_ids, ["old-42"]);
+    }
 
     #[test]
     fn finds_archive_references() {

@@ -34,7 +34,15 @@ CREATE TABLE IF NOT EXISTS conversations (
     explicit_key TEXT,
     created_ms   INTEGER NOT NULL,
     last_seen_ms INTEGER NOT NULL,
-    model        TEXT NOT NULL DEFAULT ''
+    model        TEXT NOT NULL DEFAULT '',
+    -- Its first user message (redacted, bounded), the client of its latest
+    -- exchange, and the latest ids the client sent for it: what people
+    -- know a conversation by.
+    preview      TEXT,
+    client       TEXT,
+    conversation_header TEXT,
+    session_id   TEXT,
+    prompt_cache_key TEXT
 );
 CREATE UNIQUE INDEX IF NOT EXISTS conversations_key
     ON conversations (tenant, explicit_key) WHERE explicit_key IS NOT NULL;
@@ -67,7 +75,15 @@ CREATE TABLE IF NOT EXISTS exchanges (
     ttfb_ms         REAL,
     chain_request   BLOB,
     chain_full      BLOB,
-    compaction_id   TEXT
+    compaction_id   TEXT,
+    -- The window the request was measured against, and its source
+    -- (table, config, learned, discovered).
+    context_window  INTEGER,
+    window_source   TEXT,
+    client          TEXT,
+    conversation_header TEXT,
+    session_id      TEXT,
+    prompt_cache_key TEXT
 );
 CREATE INDEX IF NOT EXISTS exchanges_conversation ON exchanges (conversation_id, id);
 -- A compaction replaces the first covered_len items whose chain hash is
@@ -108,11 +124,24 @@ CREATE TABLE IF NOT EXISTS windows (
 
 /// Columns added since a table was first created: (table, column, its
 /// definition). A database created before gets them added at open.
-const ADDED_COLUMNS: &[(&str, &str, &str)] = &[(
-    "compactions",
-    "summary_tokens",
-    "INTEGER NOT NULL DEFAULT 0",
-)];
+const ADDED_COLUMNS: &[(&str, &str, &str)] = &[
+    (
+        "compactions",
+        "summary_tokens",
+        "INTEGER NOT NULL DEFAULT 0",
+    ),
+    ("conversations", "preview", "TEXT"),
+    ("conversations", "client", "TEXT"),
+    ("conversations", "conversation_header", "TEXT"),
+    ("conversations", "session_id", "TEXT"),
+    ("conversations", "prompt_cache_key", "TEXT"),
+    ("exchanges", "context_window", "INTEGER"),
+    ("exchanges", "window_source", "TEXT"),
+    ("exchanges", "client", "TEXT"),
+    ("exchanges", "conversation_header", "TEXT"),
+    ("exchanges", "session_id", "TEXT"),
+    ("exchanges", "prompt_cache_key", "TEXT"),
+];
 
 /// Adds the [`ADDED_COLUMNS`] an existing database lacks.
 fn migrate(conn: &Connection) -> Result<(), StoreError> {
@@ -287,7 +316,7 @@ impl SqliteBackend {
             .collect();
         let mut stmt = self.conn.prepare(
             "SELECT id, conversation_id, tenant, request_len, length(response_items) / 32,
-                    chain_request, chain_full, response_id
+                    chain_request, chain_full, response_id, prefix_exchange
              FROM exchanges ORDER BY id DESC LIMIT ?1",
         )?;
         snap.exchanges = stmt
@@ -301,6 +330,7 @@ impl SqliteBackend {
                     chain_request: opt_hash(r.get(5)?),
                     chain_full: opt_hash(r.get(6)?),
                     response_id: r.get(7)?,
+                    prefix_exchange: r.get(8)?,
                 })
             })?
             .collect::<Result<_, _>>()?;
@@ -338,29 +368,45 @@ impl SqliteBackend {
 }
 
 /// The conversations of a batch's exchanges, each once (not once per
-/// exchange): created as of its first exchange, last seen (with its model)
-/// as of its last. Before the exchanges, which refer to them.
+/// exchange): created as of its first exchange, last seen (with its model,
+/// client and ids) as of its last; its preview is the first one given.
+/// Before the exchanges, which refer to them.
 fn write_conversations(tx: &rusqlite::Transaction<'_>, batch: &[Record]) -> Result<(), StoreError> {
     let mut upsert = tx.prepare_cached(
         // A key another conversation holds already (the index could not
         // read it from here, so named a new one) is not claimed again: the
         // unique index would fail the whole batch.
-        "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model)
+        "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model,
+                                    preview, client, conversation_header, session_id,
+                                    prompt_cache_key)
          VALUES (?1, ?2,
                  CASE WHEN EXISTS (SELECT 1 FROM conversations
                                    WHERE tenant = ?2 AND explicit_key = ?3 AND id <> ?1)
                       THEN NULL ELSE ?3 END,
-                 ?4, ?5, ?6)
-         ON CONFLICT(id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms, model = excluded.model",
+                 ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+         ON CONFLICT(id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms,
+             model = excluded.model,
+             preview = coalesce(conversations.preview, excluded.preview),
+             client = coalesce(excluded.client, conversations.client),
+             conversation_header = coalesce(excluded.conversation_header,
+                                            conversations.conversation_header),
+             session_id = coalesce(excluded.session_id, conversations.session_id),
+             prompt_cache_key = coalesce(excluded.prompt_cache_key,
+                                         conversations.prompt_cache_key)",
     )?;
-    for (conversation, first, last) in super::conversation_spans(batch) {
+    for (conversation, span) in super::conversation_spans(batch) {
         upsert.execute(params![
             conversation,
-            first.tenant,
-            first.explicit_key,
-            first.started_ms,
-            last.started_ms,
-            last.model
+            span.first.tenant,
+            span.first.explicit_key,
+            span.first.started_ms,
+            span.last.started_ms,
+            span.last.model,
+            span.preview,
+            span.client,
+            span.ids.header,
+            span.ids.session,
+            span.ids.cache_key,
         ])?;
     }
     Ok(())
@@ -376,9 +422,11 @@ fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Resul
             prefix_exchange, prefix_len, prefix_full, suffix_items, request_len, params,
             response_items, response_id, input_tokens, output_tokens, cached_tokens,
             status, streamed, partial, error, started_ms, latency_ms, ttfb_ms,
-            chain_request, chain_full, compaction_id)
+            chain_request, chain_full, compaction_id, context_window, window_source, client,
+            conversation_header, session_id, prompt_cache_key)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
-                 ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26)",
+                 ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31,
+                 ?32)",
     )?
     .execute(params![
         rec.id,
@@ -407,6 +455,12 @@ fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Resul
         rec.chain_request.as_ref().map(|h| &h[..]),
         rec.chain_full.as_ref().map(|h| &h[..]),
         rec.compaction,
+        rec.window.map(|w| w.tokens as i64),
+        rec.window.map(|w| w.source.as_str()),
+        rec.client,
+        rec.client_ids.header,
+        rec.client_ids.session,
+        rec.client_ids.cache_key,
     ])?;
     Ok(())
 }
@@ -867,5 +921,132 @@ mod tests {
         let all = b.load_newest(10, 10, 3).unwrap();
         assert_eq!(all.keys.len(), 3);
         assert!(!all.keys_truncated);
+    }
+
+    #[test]
+    fn a_store_of_the_schema_before_client_ids_is_migrated() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.db");
+        {
+            // A file as the schema before these columns made it, with a
+            // conversation and an exchange in it.
+            let conn = Connection::open(&path).unwrap();
+            conn.execute_batch(include_str!("testdata/schema_before_client_ids.sql"))
+                .unwrap();
+            conn.execute_batch(
+                "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model)
+                 VALUES ('conv_old', 't', NULL, 1, 2, 'm');
+                 INSERT INTO exchanges (id, conversation_id, tenant, endpoint, model, suffix_items,
+                     request_len, params, response_items, status, streamed, partial, started_ms,
+                     latency_ms)
+                 VALUES (1, 'conv_old', 't', '/chat/completions', 'm', x'', 0, x'', x'', 200, 0, 0,
+                     1, 0.5);",
+            )
+            .unwrap();
+        }
+        let mut b = SqliteBackend::open(&path).unwrap();
+        let columns = |table: &str| -> Vec<String> {
+            let mut stmt = b
+                .conn
+                .prepare(&format!("PRAGMA table_info({table})"))
+                .unwrap();
+            stmt.query_map([], |r| r.get(1))
+                .unwrap()
+                .collect::<Result<_, _>>()
+                .unwrap()
+        };
+        for (table, column, _) in ADDED_COLUMNS {
+            assert!(
+                columns(table).iter().any(|c| c == column),
+                "{table}.{column}"
+            );
+        }
+        let snap = b.load(crate::conversation::STORE_LIMITS).unwrap();
+        assert_eq!(snap.exchanges.len(), 1, "the old exchange is still read");
+        // The old rows have nothing in the new columns; new ones do.
+        let mut new = record(2);
+        new.conversation = "conv_old".into();
+        new.new_conversation = false;
+        b.write(&[Record::Exchange(Box::new(new))]).unwrap();
+        type Row = (
+            Option<String>,
+            Option<String>,
+            Option<String>,
+            Option<String>,
+        );
+        let conversation: Row = b
+            .conn
+            .query_row(
+                "SELECT preview, client, conversation_header, prompt_cache_key
+                 FROM conversations WHERE id = 'conv_old'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?)),
+            )
+            .unwrap();
+        assert_eq!(
+            conversation,
+            (
+                Some("Count to 2.".into()),
+                Some("codex_cli_rs/0.1".into()),
+                Some("my-session".into()),
+                Some("cache".into())
+            )
+        );
+        let windows: Vec<(Option<i64>, Option<String>, Option<String>)> = b
+            .conn
+            .prepare("SELECT context_window, window_source, client FROM exchanges ORDER BY id")
+            .unwrap()
+            .query_map([], |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap();
+        assert_eq!(
+            windows,
+            [
+                (None, None, None),
+                (
+                    Some(4096),
+                    Some("discovered".into()),
+                    Some("codex_cli_rs/0.1".into())
+                )
+            ]
+        );
+        // Opening again finds nothing left to add.
+        drop(b);
+        SqliteBackend::open(&path).unwrap();
+    }
+
+    #[test]
+    fn a_conversation_keeps_its_first_preview_and_its_latest_client_and_ids() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut b = SqliteBackend::open(&dir.path().join("s.db")).unwrap();
+        let exchange =
+            |id: i64, preview: Option<&str>, client: Option<&str>, session: Option<&str>| {
+                let mut r = record(id);
+                r.conversation = "conv_a".into();
+                r.preview = preview.map(String::from);
+                r.client = client.map(String::from);
+                r.client_ids = crate::store::ClientIds {
+                    session: session.map(String::from),
+                    ..Default::default()
+                };
+                Record::Exchange(Box::new(r))
+            };
+        b.write(&[
+            exchange(1, Some("first"), Some("a/1"), None),
+            exchange(2, Some("second"), None, Some("s1")),
+        ])
+        .unwrap();
+        b.write(&[exchange(3, Some("third"), Some("b/2"), None)])
+            .unwrap();
+        let row: (String, String, String) = b
+            .conn
+            .query_row(
+                "SELECT preview, client, session_id FROM conversations WHERE id = 'conv_a'",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+            )
+            .unwrap();
+        assert_eq!(row, ("first".into(), "b/2".into(), "s1".into()));
     }
 }

@@ -100,6 +100,25 @@ impl Api {
         }
     }
 
+    /// The one place a request body is rebuilt from its parts: `body` (the
+    /// parameters without items and tools) with `items` as its history and
+    /// `tools` put back; a Chat stream asks for usage (see
+    /// [`chat::ensure_stream_usage`]). The client's body is left as it is.
+    pub fn rebuild_body(
+        self,
+        body: &Value,
+        items: &[Value],
+        tools: Option<&items::Tools>,
+    ) -> serde_json::Result<bytes::Bytes> {
+        let mut full = body.clone();
+        if self == Api::Chat {
+            chat::ensure_stream_usage(&mut full);
+        }
+        self.set_items(&mut full, items);
+        items::Tools::restore(tools, &mut full);
+        serde_json::to_vec(&full).map(bytes::Bytes::from)
+    }
+
     /// Checks that the body has the shape this endpoint needs, naming the
     /// offending field otherwise.
     pub fn validate(self, body: &Value) -> Result<(), String> {
