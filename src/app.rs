@@ -123,6 +123,8 @@ impl AppState {
         let compactions =
             Compactions::from_stored(stored, Arc::new(move |id: &str| by_id.compaction(id)))
                 .shared_with(reads.clone());
+        let metrics = crate::metrics::Metrics::new();
+        store.observe_commits(Box::new(metrics.commit_observer()));
         Ok(Arc::new(AppState {
             compactions,
             upstream: Upstream::new(&config.upstream)?,
@@ -132,7 +134,7 @@ impl AppState {
             conversations,
             tokens: TokenCounter::new_warm(),
             tenant_salt: snapshot.salt,
-            metrics: crate::metrics::Metrics::new(),
+            metrics,
             background: Background::global(),
             limits: Mutex::new(Generations::new(MODELS_KEPT / 2)),
             windows,

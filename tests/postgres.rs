@@ -405,3 +405,28 @@ async fn replicas_started_together_share_one_schema_and_a_kill_9_loses_no_acknow
     let compactions = count(&url, "SELECT count(*) FROM compactions").await;
     assert!(compactions >= 1, "the session compacted");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn metrics_report_the_pool_and_the_commit_latency() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let h = Harness::start_with(|c| c.store.url = url.clone()).await;
+    let mut chat = Chat::new(KEY);
+    for i in 0..3 {
+        assert_eq!(chat.turn(&h, &filler(i)).await.status, 200);
+    }
+    let text = h.scrape().await;
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    };
+    assert!(value("compactor_db_pool_connections") >= 1.0);
+    assert!(value("compactor_db_pool_idle") >= 0.0);
+    assert_eq!(value("compactor_db_pool_waiting"), 0.0);
+    assert!(
+        value("compactor_store_commit_seconds_count") >= 3.0,
+        "a commit per exchange at least"
+    );
+}

@@ -474,8 +474,13 @@ pub struct Store {
     next_id: AtomicI64,
     /// Where ids come from when other processes write the same store.
     ids: Option<SharedIds>,
+    /// Told how long each commit took (the writer thread calls it).
+    commits: Arc<std::sync::OnceLock<CommitObserver>>,
     journal: Option<Arc<Journal>>,
 }
+
+/// Told how long a commit took.
+pub type CommitObserver = Box<dyn Fn(Duration) + Send + Sync>;
 
 /// Reserves a block of exchange ids no other process gets.
 pub type ReserveIds = Box<dyn Fn() -> Result<std::ops::Range<i64>, StoreError> + Send + Sync>;
@@ -563,9 +568,11 @@ impl Store {
         let upkeep = journal.clone();
         let backlog = Arc::new(Backlog::default());
         let drained = backlog.clone();
+        let commits: Arc<std::sync::OnceLock<CommitObserver>> = Arc::default();
+        let observer = commits.clone();
         let writer = std::thread::Builder::new()
             .name("compactor-store".into())
-            .spawn(move || writer_loop(backend, rx, upkeep, drained))?
+            .spawn(move || writer_loop(backend, rx, upkeep, drained, observer))?
             .thread()
             .clone();
         let store = Store {
@@ -580,11 +587,18 @@ impl Store {
             }),
             next_id: AtomicI64::new(snapshot.max_exchange_id + 1),
             ids: None,
+            commits,
             backlog,
             max_backlog,
             journal,
         };
         Ok((Arc::new(store), snapshot))
+    }
+
+    /// Has `observe` told the duration of every commit from now on (the
+    /// first observer set stays).
+    pub fn observe_commits(&self, observe: CommitObserver) {
+        let _ = self.commits.set(observe);
     }
 
     /// A fresh exchange id. Fails only for a shared store whose database
@@ -759,9 +773,11 @@ fn writer_loop(
     rx: mpsc::Receiver<Cmd>,
     journal: Option<Arc<Journal>>,
     backlog: Arc<Backlog>,
+    commits: Arc<std::sync::OnceLock<CommitObserver>>,
 ) {
     let mut batch = Pending {
         backlog,
+        commits,
         ..Pending::default()
     };
     let mut deadline: Option<Instant> = None;
@@ -806,6 +822,7 @@ struct Pending {
     /// Their share of the backlog (journaled records' footprints).
     bytes: usize,
     backlog: Arc<Backlog>,
+    commits: Arc<std::sync::OnceLock<CommitObserver>>,
 }
 
 impl Pending {
@@ -832,7 +849,12 @@ impl Pending {
         let result = if self.records.is_empty() {
             Ok(())
         } else {
-            backend.write(&self.records).map_err(Arc::new)
+            let started = Instant::now();
+            let written = backend.write(&self.records).map_err(Arc::new);
+            if let Some(observe) = self.commits.get() {
+                observe(started.elapsed());
+            }
+            written
         };
         match (&result, journal, self.upto.take()) {
             (Err(e), _, _) => {

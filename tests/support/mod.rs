@@ -122,6 +122,21 @@ impl Harness {
         }
     }
 
+    /// The proxy's `/metrics` text.
+    pub async fn scrape(&self) -> String {
+        within(async {
+            client()
+                .get(format!("http://{}/metrics", self.addr))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        })
+        .await
+    }
+
     /// The JSON a GET of the proxy's own `path` (e.g. `/admin/api/windows`) answers.
     pub async fn get_json(&self, path: &str) -> Value {
         within(async {
