@@ -430,3 +430,75 @@ async fn metrics_report_the_pool_and_the_commit_latency() {
         "a commit per exchange at least"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn with_the_database_unreachable_requests_get_503_and_nothing_unrecorded_is_answered() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let h = Harness::start_with(|c| {
+        c.store.url = url.clone();
+        c.store.statement_timeout_ms = 2_000;
+    })
+    .await;
+    let ready = |h: &Harness| {
+        let url = format!("http://{}/readyz", h.addr);
+        async move {
+            within(support::client().get(url).send())
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    let mut chat = Chat::new(KEY);
+    assert_eq!(chat.turn(&h, "before").await.status, 200);
+    let mut answered = 1;
+    pg.stop();
+    // The answer to the first request cannot be committed: withheld.
+    let first = chat.turn(&h, "while down").await;
+    assert_eq!(first.status, 503);
+    chat.history.pop();
+    // Then requests are refused before they go upstream.
+    let upstream_before = h.fake.count();
+    let url_chat = format!("{}/chat/completions", h.url());
+    let (status, _, body) = post(
+        &url_chat,
+        KEY,
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "still down"}]}),
+    )
+    .await;
+    assert_eq!(status, 503);
+    let err: Value = serde_json::from_slice(&body).expect("JSON error");
+    assert_eq!(err["error"]["code"], "store_unavailable", "{err}");
+    assert_eq!(err["error"]["type"], "server_error");
+    assert!(err["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("database"));
+    assert_eq!(h.fake.count(), upstream_before, "nothing went upstream");
+    // A stream is refused the same way.
+    let (status, _, _) = post(
+        &url_chat,
+        KEY,
+        &json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": "s"}]}),
+    )
+    .await;
+    assert_eq!(status, 503);
+    assert_eq!(ready(&h).await, 503, "not ready while the database is down");
+    pg.restart();
+    within(async {
+        while ready(&h).await != 200 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let after = chat.turn(&h, "after").await;
+    assert_eq!(after.status, 200, "served again once the database is back");
+    answered += 1;
+    let recorded = count(&url, "SELECT count(*) FROM exchanges WHERE status = 200").await;
+    assert_eq!(
+        recorded, answered,
+        "every answer the client got is recorded"
+    );
+}

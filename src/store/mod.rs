@@ -14,7 +14,7 @@ pub mod postgres;
 pub mod query;
 pub mod sqlite;
 
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -476,6 +476,8 @@ pub struct Store {
     ids: Option<SharedIds>,
     /// Told how long each commit took (the writer thread calls it).
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
+    /// Set while the last commit failed, cleared by the next that succeeds.
+    failing: Arc<AtomicBool>,
     journal: Option<Arc<Journal>>,
 }
 
@@ -570,9 +572,11 @@ impl Store {
         let drained = backlog.clone();
         let commits: Arc<std::sync::OnceLock<CommitObserver>> = Arc::default();
         let observer = commits.clone();
+        let failing = Arc::new(AtomicBool::new(false));
+        let fails = failing.clone();
         let writer = std::thread::Builder::new()
             .name("compactor-store".into())
-            .spawn(move || writer_loop(backend, rx, upkeep, drained, observer))?
+            .spawn(move || writer_loop(backend, rx, upkeep, drained, observer, fails))?
             .thread()
             .clone();
         let store = Store {
@@ -588,11 +592,18 @@ impl Store {
             next_id: AtomicI64::new(snapshot.max_exchange_id + 1),
             ids: None,
             commits,
+            failing,
             backlog,
             max_backlog,
             journal,
         };
         Ok((Arc::new(store), snapshot))
+    }
+
+    /// Whether other processes write the same store (then an answer whose
+    /// exchange could not be committed must not reach its client).
+    pub fn is_shared(&self) -> bool {
+        self.ids.is_some()
     }
 
     /// Has `observe` told the duration of every commit from now on (the
@@ -608,8 +619,11 @@ impl Store {
             return Ok(self.next_id.fetch_add(1, Ordering::Relaxed));
         };
         let mut block = ids.block.lock().unwrap_or_else(|p| p.into_inner());
-        if block.is_empty() {
+        // While commits fail, each request asks the database first: it is
+        // refused (and goes nowhere) until the database answers again.
+        if block.is_empty() || self.failing.load(Ordering::Acquire) {
             *block = (ids.reserve)()?;
+            self.failing.store(false, Ordering::Release);
         }
         let id = block.start;
         block.start += 1;
@@ -774,10 +788,12 @@ fn writer_loop(
     journal: Option<Arc<Journal>>,
     backlog: Arc<Backlog>,
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
+    failing: Arc<AtomicBool>,
 ) {
     let mut batch = Pending {
         backlog,
         commits,
+        failing,
         ..Pending::default()
     };
     let mut deadline: Option<Instant> = None;
@@ -823,6 +839,7 @@ struct Pending {
     bytes: usize,
     backlog: Arc<Backlog>,
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
+    failing: Arc<AtomicBool>,
 }
 
 impl Pending {
@@ -854,6 +871,7 @@ impl Pending {
             if let Some(observe) = self.commits.get() {
                 observe(started.elapsed());
             }
+            self.failing.store(written.is_err(), Ordering::Release);
             written
         };
         match (&result, journal, self.upto.take()) {

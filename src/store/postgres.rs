@@ -304,6 +304,15 @@ impl Postgres {
         })
     }
 
+    /// Whether the database answers now.
+    pub fn ping(&self) -> Result<(), StoreError> {
+        let pool = self.pool.clone();
+        self.wait(async move {
+            pool.get().await?.simple_query("SELECT 1").await?;
+            Ok(())
+        })
+    }
+
     /// The pool's connections: (open, idle, callers waiting for one).
     pub fn pool_status(&self) -> (usize, usize, usize) {
         let s = self.pool.status();

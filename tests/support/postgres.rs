@@ -114,17 +114,7 @@ impl PgCluster {
                 "--no-sync",
             ],
         )?;
-        let sockets = cluster.dir.path().display().to_string();
-        let options = format!(
-            "-p {port} -c listen_addresses=127.0.0.1 -k {sockets} -c fsync=off -c max_connections=200"
-        );
-        let log = cluster.dir.path().join("pg.log").display().to_string();
-        cluster.run(
-            "pg_ctl",
-            &[
-                "-D", &data, "-o", &options, "-l", &log, "-w", "-t", "30", "start",
-            ],
-        )?;
+        cluster.start_server()?;
         Ok(cluster)
     }
 
@@ -157,6 +147,33 @@ impl PgCluster {
             .output()
             .map_err(|e| format!("{program}: {e}"))?;
         ok(out, program)
+    }
+
+    /// Stops the server (as a crash would: no shutdown checkpoint).
+    pub fn stop(&self) {
+        let data = self.data();
+        self.run("pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"])
+            .expect("pg_ctl stop");
+    }
+
+    /// Starts the server again after [`PgCluster::stop`], on the same port.
+    pub fn restart(&self) {
+        self.start_server().expect("pg_ctl start");
+    }
+
+    fn start_server(&self) -> Result<(), String> {
+        let (data, port) = (self.data(), self.port);
+        let sockets = self.dir.path().display().to_string();
+        let options = format!(
+            "-p {port} -c listen_addresses=127.0.0.1 -k {sockets} -c fsync=off -c max_connections=200"
+        );
+        let log = self.dir.path().join("pg.log").display().to_string();
+        self.run(
+            "pg_ctl",
+            &[
+                "-D", &data, "-o", &options, "-l", &log, "-w", "-t", "30", "start",
+            ],
+        )
     }
 
     /// A new, empty database in the cluster: its URL.
