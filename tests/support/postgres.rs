@@ -16,6 +16,9 @@ const PG_USER: &str = "compactor-pg";
 /// A running cluster.
 pub struct PgCluster {
     bin: PathBuf,
+    /// Whether commits are flushed to disk (off for the tests, which kill
+    /// compactor processes, never the cluster's machine).
+    fsync: bool,
     dir: tempfile::TempDir,
     pub port: u16,
     as_user: bool,
@@ -54,7 +57,13 @@ impl PgCluster {
     /// A fresh cluster, or `None` (with the reason printed) when none can be
     /// started here; under `CI=true` that fails the test instead.
     pub fn start() -> Option<PgCluster> {
-        match Self::try_start() {
+        Self::start_with(false)
+    }
+
+    /// [`PgCluster::start`], with commits flushed to disk if `fsync` (what a
+    /// benchmark of the commit latency needs).
+    pub fn start_with(fsync: bool) -> Option<PgCluster> {
+        match Self::try_start(fsync) {
             Ok(c) => Some(c),
             Err(why) if std::env::var("CI").is_ok_and(|v| v == "true") => {
                 panic!("PostgreSQL cannot be started (scripts/test installs it): {why}")
@@ -66,7 +75,7 @@ impl PgCluster {
         }
     }
 
-    fn try_start() -> Result<PgCluster, String> {
+    fn try_start(fsync: bool) -> Result<PgCluster, String> {
         let bin = bin_dir().ok_or("no initdb (install Debian's postgresql)")?;
         let as_user = is_root();
         if as_user {
@@ -88,9 +97,10 @@ impl PgCluster {
             }
         }
         let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-        let port = super::free_port();
+        let port = free_port();
         let cluster = PgCluster {
             bin,
+            fsync,
             dir,
             port,
             as_user,
@@ -165,7 +175,8 @@ impl PgCluster {
         let (data, port) = (self.data(), self.port);
         let sockets = self.dir.path().display().to_string();
         let options = format!(
-            "-p {port} -c listen_addresses=127.0.0.1 -k {sockets} -c fsync=off -c max_connections=200"
+            "-p {port} -c listen_addresses=127.0.0.1 -k {sockets} -c fsync={} -c max_connections=200",
+            if self.fsync { "on" } else { "off" }
         );
         let log = self.dir.path().join("pg.log").display().to_string();
         self.run(
@@ -193,6 +204,15 @@ impl PgCluster {
     pub fn url(&self, name: &str) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{name}", self.port)
     }
+}
+
+/// A port that was free a moment ago (this file stands alone: the bench
+/// includes it too).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
 }
 
 fn ok(out: Output, what: &str) -> Result<(), String> {
