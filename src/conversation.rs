@@ -352,10 +352,13 @@ impl ConversationIndex {
                 .cloned(),
             None => None,
         };
-        if let Some(shared) = &self.shared {
-            // Another replica may have recorded a longer prefix since:
-            // looked up without the lock.
-            let known = hit.as_ref().map_or(0, |h| h.prefix.len).min(chains.len());
+        // Another replica may have recorded a longer prefix since: looked
+        // up without the lock. Not when memory has all but the request's
+        // last item (the next turn of a session this replica served last):
+        // longer would be this very request again.
+        let known = hit.as_ref().map_or(0, |h| h.prefix.len).min(chains.len());
+        let shared = self.shared.as_ref().filter(|_| known + 1 < chains.len());
+        if let Some(shared) = shared {
             drop(inner);
             if let Some(found) = shared.exchange_by_chain(tenant, &chains[known..]) {
                 if found.prefix.len > known {
@@ -724,6 +727,47 @@ mod tests {
         let other = idx.identify("u", Some("k1"), None, &[]);
         assert!(other.is_new, "another tenant's key is another conversation");
         assert_ne!(other.conversation, first.conversation);
+    }
+
+    /// A shared store that counts its chain lookups and finds nothing.
+    #[derive(Default)]
+    struct CountingStore(std::sync::atomic::AtomicUsize);
+
+    impl crate::store::Reads for CountingStore {
+        fn compaction(&self, _: &str) -> Option<crate::compaction::Compaction> {
+            None
+        }
+        fn conversation_of_key(&self, _: &str, _: &str) -> Option<String> {
+            None
+        }
+        fn response_history(&self, _: &str, _: &str) -> Option<Vec<serde_json::Value>> {
+            None
+        }
+        fn shared(&self) -> bool {
+            true
+        }
+        fn exchange_by_chain(&self, _: &str, _: &[ItemHash]) -> Option<crate::store::ChainHit> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+
+    #[test]
+    fn a_shared_store_is_asked_only_for_prefixes_memory_may_lack() {
+        let store = Arc::new(CountingStore::default());
+        let idx = ConversationIndex::default().shared_with(store.clone());
+        let asked = || store.0.load(Ordering::Relaxed);
+        let c = chains(8);
+        let first = idx.identify("t", None, None, &c[..2]);
+        assert_eq!(asked(), 1, "nothing in memory: asked");
+        idx.remember(&ex(1, &first.conversation, "t", &c, 2));
+        // Request and answer known here: the next turn adds one item.
+        let next = idx.identify("t", None, None, &c[..4]);
+        assert_eq!(next.conversation, first.conversation);
+        assert_eq!(asked(), 1, "memory has all but the new item: not asked");
+        // Turns this replica did not see: asked.
+        idx.identify("t", None, None, &c[..7]);
+        assert_eq!(asked(), 2);
     }
 
     #[test]
