@@ -340,7 +340,7 @@ fn test_name(r: &mut Rng) -> String {
 /// `cargo test` output of about `target` bytes with `failing` failures.
 fn test_log(r: &mut Rng, target: usize, failing: usize) -> String {
     let mut out = String::from(
-        "   Compiling netkit v0.3.1 (/work/netkit)\n    Finished `test` profile [unoptimized + debuginfo] target(s) in 6.84s\n     Running unittests src/lib.rs (target/debug/deps/netkit-3f9a1c2b7d4e5f60)\n\n",
+        "   Compiling netkit v0.3.1 (/home/dev/netkit)\n    Finished `test` profile [unoptimized + debuginfo] target(s) in 6.84s\n     Running unittests src/lib.rs (target/debug/deps/netkit-3f9a1c2b7d4e5f60)\n\n",
     );
     let total = r.range(60, 140);
     out += &format!("running {total} tests\n");
@@ -411,7 +411,7 @@ fn test_log(r: &mut Rng, target: usize, failing: usize) -> String {
 
 /// `cargo build` output with warnings (and an error when `broken`).
 fn build_log(r: &mut Rng, target: usize, broken: bool) -> String {
-    let mut out = String::from("   Compiling netkit v0.3.1 (/work/netkit)\n");
+    let mut out = String::from("   Compiling netkit v0.3.1 (/home/dev/netkit)\n");
     while out.len() < target {
         let n = *r.pick(NOUNS);
         out += &format!(
@@ -485,7 +485,7 @@ fn diff_output(r: &mut Rng, files: &[(String, usize)]) -> String {
 
 // ====================================================================== the session
 
-const SYSTEM_PROMPT: &str = "You are a coding agent working in a Rust repository checked out at /work/netkit. \
+const SYSTEM_PROMPT: &str = "You are a coding agent working in a Rust repository checked out at /home/dev/netkit. \
 You can call tools: read_file to read a file, grep to search the tree, run_tests to run `cargo test`, \
 shell to run other commands (cargo build, git diff, ls), apply_patch to edit files with the \
 `*** Begin Patch` envelope, and update_plan to keep a short plan with statuses. \

@@ -38,6 +38,10 @@ pub enum Command {
     /// Compact a conversation's next request, like Codex's `/compact` (asks
     /// the running proxy through its admin API).
     Compact(CompactArgs),
+    /// Delete conversations last seen longer ago than `--older-than`, then
+    /// the stored items nothing refers to any more, then VACUUM. Through
+    /// the running proxy when one serves the store.
+    Prune(PruneArgs),
     /// Watch compaction work, offline: the proxy in front of a built-in
     /// scripted upstream, driven through a long agent session.
     Demo(DemoArgs),
@@ -104,6 +108,40 @@ pub enum ConversationsCommand {
         #[command(flatten)]
         store: StoreArgs,
     },
+    /// Delete a conversation: its exchanges, its compactions, and the
+    /// stored items nothing else refers to. Through the running proxy when
+    /// one serves the store.
+    Delete {
+        /// Conversation id, an id its client sent, or an abbreviation.
+        id: String,
+        /// Where the store and the proxy are.
+        #[command(flatten)]
+        target: MaintainArgs,
+    },
+}
+
+/// Where a command that changes the store finds it, and the proxy that
+/// may be serving it.
+#[derive(Debug, clap::Args)]
+pub struct MaintainArgs {
+    /// Where the store is.
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Address the proxy listens on, when one serves the store.
+    #[arg(long, env = "COMPACTOR_LISTEN")]
+    pub listen: Option<String>,
+}
+
+/// `compactor prune --older-than 30d`
+#[derive(Debug, clap::Args)]
+pub struct PruneArgs {
+    /// Conversations last seen longer ago than this go: `30d`, `12h`,
+    /// `90m`, `3600s` (a bare number is days).
+    #[arg(long)]
+    pub older_than: String,
+    /// Where the store and the proxy are.
+    #[command(flatten)]
+    pub target: MaintainArgs,
 }
 
 /// Where the read-only commands find the store; the same layering as
@@ -127,17 +165,18 @@ pub struct StoreArgs {
 /// `compactor compact ID`
 #[derive(Debug, clap::Args)]
 pub struct CompactArgs {
-    /// Conversation id (or a unique prefix of one).
+    /// Conversation id, an id its client sent, or an abbreviation.
     pub id: String,
-    /// Config file (TOML; see proxy.toml): the listen address and admin token.
-    #[arg(long, env = "COMPACTOR_CONFIG")]
-    pub config: Option<PathBuf>,
-    /// Address the proxy listens on, e.g. 127.0.0.1:8787.
-    #[arg(long, env = "COMPACTOR_LISTEN")]
-    pub listen: Option<String>,
-    /// Print the proxy's JSON answer.
-    #[arg(long)]
-    pub json: bool,
+    /// Where the store and the proxy are: the config gives the listen
+    /// address and admin token; `--db` names the store the proxy must be
+    /// serving (the compaction itself runs in the proxy, which has the
+    /// client's credentials for the summary).
+    #[command(flatten)]
+    pub target: MaintainArgs,
+    /// Wait this many seconds for the outcome (the conversation's next
+    /// request is compacted); 0: do not wait.
+    #[arg(long, default_value_t = 10)]
+    pub wait: u64,
 }
 
 /// Log output format.
@@ -195,6 +234,92 @@ pub fn with_database_url(mut config: Config, url: Option<&str>) -> Result<Config
     Ok(config)
 }
 
+/// What `--check-config` prints: every effective setting, where it came
+/// from, secrets masked.
+fn check_config(args: &ConfigArgs, config: &Config) -> String {
+    use crate::config::Origin;
+    // clap takes a flag over its variable: a value equal to the variable's
+    // came from it unless the flag said the same.
+    let origin = |flag: &'static str, var: &str, value: Option<String>| {
+        let value = value?;
+        let from_env = std::env::var(var).is_ok_and(|v| v == value)
+            && !std::env::args().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+        Some(if from_env {
+            Origin::Env(var.to_string())
+        } else {
+            Origin::Flag(flag)
+        })
+    };
+    let given: Vec<(&str, Origin)> = [
+        (
+            "server.listen",
+            origin("--listen", "COMPACTOR_LISTEN", args.listen.clone()),
+        ),
+        (
+            "upstream.base_url",
+            origin("--upstream", "COMPACTOR_UPSTREAM", args.upstream.clone()),
+        ),
+        (
+            "store.path",
+            origin(
+                "--db",
+                "COMPACTOR_DB",
+                args.db.as_ref().map(|d| d.display().to_string()),
+            ),
+        ),
+        (
+            "store.url",
+            origin(
+                "--database-url",
+                "COMPACTOR_DATABASE_URL",
+                args.database_url.clone(),
+            ),
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(k, o)| Some((k, o?)))
+    .collect();
+    let file = args
+        .config
+        .as_ref()
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| t.parse::<toml::Table>().ok());
+    let mut out = String::from("configuration OK\n");
+    if let Some(path) = &args.config {
+        let how = origin(
+            "--config",
+            "COMPACTOR_CONFIG",
+            Some(path.display().to_string()),
+        )
+        .map(|o| o.to_string())
+        .unwrap_or_default();
+        out.push_str(&format!("  config file: {} ({how})\n", path.display()));
+    }
+    if config.store.is_postgres() {
+        out.push_str(&format!("  database: {}\n", config.store.shown_url()));
+    } else {
+        out.push_str(&format!(
+            "  store file: {}\n",
+            config.store_path().display()
+        ));
+    }
+    let settings = config.settings(file.as_ref(), &given);
+    let rows: Vec<Vec<String>> = settings
+        .into_iter()
+        .map(|s| vec![s.key, s.value, s.origin.to_string()])
+        .collect();
+    let table = table(
+        &[("SETTING", false), ("VALUE", false), ("FROM", false)],
+        &rows,
+    );
+    for line in table.lines() {
+        out.push_str("  ");
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
 /// `compactor serve` flags.
 #[derive(Debug, clap::Args)]
 pub struct ServeArgs {
@@ -246,6 +371,7 @@ pub fn main(cli: Cli) -> ExitCode {
         Command::Serve(args) => serve(args),
         Command::Conversations(cmd) => conversations(cmd),
         Command::Compact(args) => compact(args),
+        Command::Prune(args) => prune(args),
         Command::Demo(args) => demo(args),
         Command::Doctor(args) => doctor::main(args),
         Command::Connect(args) => connect::main(args),
@@ -326,10 +452,7 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
     };
     if args.check_config {
-        println!("configuration OK");
-        println!("  listen:   {}", config.server.listen);
-        println!("  upstream: {}", config.upstream.base_url);
-        println!("  store:    {}", config.store.shown(&config.store_path()));
+        print!("{}", check_config(&args.settings, &config));
         if config.store.is_postgres() {
             return check_database(&config);
         }
@@ -359,6 +482,9 @@ async fn serve_async(config: Config) -> anyhow::Result<()> {
         .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
     server::raise_open_file_limit(config.server.max_connections);
     let state = AppState::open(config)?;
+    if let Some(days) = state.config.store.retain_days {
+        tokio::spawn(crate::admin::retention_loop(state.clone(), days));
+    }
     banner(&state, listener.local_addr()?);
     admin_notice(&state.config);
     server::run(listener, state, shutdown_signal()).await;
@@ -461,6 +587,7 @@ fn admin_notice(config: &Config) {
 
 fn conversations(cmd: ConversationsCommand) -> ExitCode {
     let store = match &cmd {
+        ConversationsCommand::Delete { id, target } => return delete(id, target),
         ConversationsCommand::List { store, .. }
         | ConversationsCommand::Show { store, .. }
         | ConversationsCommand::Export { store, .. } => store,
@@ -513,6 +640,7 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
         ConversationsCommand::Export { id, .. } => {
             query::export(&conn, &config, id).map(|e| to_json(&e, !json))
         }
+        ConversationsCommand::Delete { .. } => return ExitCode::FAILURE,
     };
     match out {
         Ok(text) => print_out(&text),
@@ -681,14 +809,19 @@ fn render_compaction(n: usize, k: &CompactionRow) -> String {
     } else {
         0.0
     };
+    // A summary's own header says how many earlier items it stands for
+    // (items an earlier summary covered included): the count shown here.
+    let compacted = match k.summarized_items {
+        Some(n) => format!("summary of {} earlier items", thousands(n)),
+        None => format!("{} items compacted", thousands(k.items_removed)),
+    };
     let mut out = format!(
-        "  ── compaction {n} {} · rung {} · {} UTC\n     tokens {} → {} (−{saved:.0}%), {} items compacted, {} kept verbatim\n     reason: {}\n",
+        "  ── compaction {n} {} · rung {} · {} UTC\n     tokens {} → {} (−{saved:.0}%), {compacted}, {} kept verbatim\n     reason: {}\n",
         k.id,
         k.rung,
         utc_time(k.created_ms),
         thousands(k.tokens_before),
         thousands(k.tokens_after),
-        thousands(k.items_removed),
         thousands(k.items_kept),
         k.reason,
     );
@@ -801,50 +934,50 @@ fn render_show(d: &ConversationDetail) -> String {
 }
 
 // ---------------------------------------------------------------------------
-// compactor compact ID
+// compactor compact ID, conversations delete ID, prune
 
-fn compact(args: CompactArgs) -> ExitCode {
-    let config = match layered_config(args.config.as_deref(), args.listen.as_deref(), None, None) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("compactor: configuration error: {e}");
-            return ExitCode::from(EXIT_USAGE);
-        }
-    };
-    let id = args.id.trim();
-    if id.is_empty() || id.chars().any(char::is_control) {
-        eprintln!("compactor: {id:?} is not a conversation id");
-        return ExitCode::from(EXIT_USAGE);
-    }
-    let addr = match config.listen_addr() {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!("compactor: configuration error: server.listen: {e}");
-            return ExitCode::from(EXIT_USAGE);
-        }
-    };
+/// The config a command that changes the store works with.
+fn maintain_config(target: &MaintainArgs) -> Result<Config, ExitCode> {
+    let store = &target.store;
+    layered_config(
+        store.config.as_deref(),
+        target.listen.as_deref(),
+        None,
+        store.db.as_deref(),
+    )
+    .map_err(|e| {
+        eprintln!("compactor: configuration error: {e}");
+        ExitCode::from(EXIT_USAGE)
+    })
+}
+
+/// How long a request to the admin API may take; a prune of a large store
+/// may take a while.
+const ADMIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
+/// A request to the running proxy's admin API (`path` below `/admin/api`):
+/// its JSON answer, or the message to print.
+fn admin_call(
+    config: &Config,
+    method: reqwest::Method,
+    path: &str,
+) -> Result<serde_json::Value, String> {
+    let addr = config
+        .listen_addr()
+        .map_err(|e| format!("configuration error: server.listen: {e}"))?;
     let target = admin_target(addr);
-    let url = format!(
-        "http://{target}/admin/api/conversations/{}/compact",
-        percent_encoding::utf8_percent_encode(id, percent_encoding::NON_ALPHANUMERIC)
-    );
+    let url = format!("http://{target}/admin/api{path}");
     let token = Some(&config.admin.token_env)
         .filter(|n| !n.is_empty())
         .and_then(|n| std::env::var(n).ok())
         .filter(|t| !t.is_empty());
-    let runtime = match command_runtime() {
-        Ok(r) => r,
-        Err(e) => {
-            eprintln!("compactor: {e}");
-            return ExitCode::FAILURE;
-        }
-    };
+    let runtime = command_runtime()?;
     let answer = runtime.block_on(async {
         let client = reqwest::Client::builder()
             .no_proxy()
-            .timeout(std::time::Duration::from_secs(15))
+            .timeout(ADMIN_TIMEOUT)
             .build()?;
-        let mut req = client.post(&url);
+        let mut req = client.request(method, &url);
         if let Some(t) = &token {
             req = req.header(crate::admin::TOKEN_HEADER, t);
         }
@@ -853,16 +986,12 @@ fn compact(args: CompactArgs) -> ExitCode {
         let body = resp.bytes().await?;
         Ok::<_, reqwest::Error>((status, body))
     });
-    let (status, body) = match answer {
-        Ok(a) => a,
-        Err(e) => {
-            eprintln!(
-                "compactor: cannot reach the proxy's admin API at http://{target} ({}): is `compactor serve` running there? (address from server.listen / --listen / COMPACTOR_LISTEN)",
-                describe_error(&e)
-            );
-            return ExitCode::FAILURE;
-        }
-    };
+    let (status, body) = answer.map_err(|e| {
+        format!(
+            "cannot reach the proxy's admin API at http://{target} ({}): is `compactor serve` running there? (address from server.listen / --listen / COMPACTOR_LISTEN)",
+            describe_error(&e)
+        )
+    })?;
     let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     if !status.is_success() {
         let message = value
@@ -870,19 +999,220 @@ fn compact(args: CompactArgs) -> ExitCode {
             .and_then(|m| m.as_str())
             .map(str::to_string)
             .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
-        eprintln!("compactor: the proxy at {target} answered {status}: {message}");
+        return Err(format!(
+            "the proxy at {target} answered {status}: {message}"
+        ));
+    }
+    Ok(value)
+}
+
+/// Whether a running proxy serves the store at `path`.
+fn served(path: &Path) -> bool {
+    crate::store::journal::status(path).is_ok_and(|s| s.served)
+}
+
+/// `what` removed, in words.
+fn removed_text(r: &crate::store::retention::Removed) -> String {
+    let n = |count: u64, one: &str| {
+        format!(
+            "{} {one}{}",
+            thousands(count),
+            if count == 1 { "" } else { "s" }
+        )
+    };
+    format!(
+        "{}, {}, {}, {} no longer referenced",
+        n(r.conversations, "conversation"),
+        n(r.exchanges, "exchange"),
+        n(r.compactions, "compaction"),
+        n(r.items, "item")
+    )
+}
+
+/// Runs a deletion through the proxy serving the store (`admin`) or, when
+/// none does, on the file itself (`offline`); prints what went.
+fn maintain(
+    target: &MaintainArgs,
+    admin: (reqwest::Method, String),
+    offline: impl FnOnce(
+        &mut rusqlite::Connection,
+    ) -> Result<crate::store::retention::Removed, query::QueryError>,
+) -> ExitCode {
+    use crate::store::retention;
+    let config = match maintain_config(target) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let path = config.store_path();
+    let removed: Result<retention::Removed, String> = if served(&path) {
+        // The proxy forgets what goes, so no request is taken as part of
+        // it, and deletes on its side of the store.
+        admin_call(&config, admin.0, &admin.1)
+            .and_then(|v| serde_json::from_value(v["removed"].clone()).map_err(|e| e.to_string()))
+    } else {
+        crate::store::journal::import_orphaned(&path)
+            .map_err(query::QueryError::from)
+            .and_then(|_| Ok(retention::open_for_maintenance(&path)?))
+            .and_then(|mut conn| offline(&mut conn))
+            .map_err(|e| e.to_string())
+    };
+    match removed {
+        Err(e) => {
+            eprintln!("compactor: {e}");
+            ExitCode::FAILURE
+        }
+        Ok(r) if target.store.json => {
+            print_out(&to_json(&serde_json::json!({ "removed": r }), false))
+        }
+        Ok(r) => print_out(&format!("removed {}; store vacuumed\n", removed_text(&r))),
+    }
+}
+
+fn delete(name: &str, target: &MaintainArgs) -> ExitCode {
+    let encoded = percent_encoding::utf8_percent_encode(name, percent_encoding::NON_ALPHANUMERIC);
+    let name = name.to_string();
+    maintain(
+        target,
+        (reqwest::Method::DELETE, format!("/conversations/{encoded}")),
+        move |conn| {
+            let id = query::resolve_id(conn, &name)?;
+            Ok(crate::store::retention::delete_and_prune(conn, &[id])?)
+        },
+    )
+}
+
+/// `30d`, `12h`, `90m`, `3600s`, or a bare number of days, as seconds.
+pub fn parse_age(text: &str) -> Option<u64> {
+    let text = text.trim();
+    let (digits, unit) = match text.find(|c: char| !c.is_ascii_digit()) {
+        Some(at) => text.split_at(at),
+        None => (text, "d"),
+    };
+    let n: u64 = digits.parse().ok()?;
+    let scale = match unit {
+        "d" => 86_400,
+        "h" => 3600,
+        "m" => 60,
+        "s" => 1,
+        _ => return None,
+    };
+    n.checked_mul(scale)
+}
+
+fn prune(args: PruneArgs) -> ExitCode {
+    let Some(secs) = parse_age(&args.older_than) else {
+        eprintln!(
+            "compactor: --older-than {:?}: give a number with d, h, m or s (30d, 12h)",
+            args.older_than
+        );
+        return ExitCode::from(EXIT_USAGE);
+    };
+    let cutoff = crate::ids::now_ms() - (secs.min(i64::MAX as u64 / 1000) * 1000) as i64;
+    maintain(
+        &args.target,
+        (
+            reqwest::Method::POST,
+            format!("/prune?older_than_secs={secs}"),
+        ),
+        move |conn| {
+            use crate::store::retention;
+            let old: Vec<String> = retention::seen_before(conn, cutoff, usize::MAX >> 1)?
+                .into_iter()
+                .map(|(_, id)| id)
+                .collect();
+            Ok(retention::delete_and_prune(conn, &old)?)
+        },
+    )
+}
+
+/// How often `compact` asks the proxy whether the compaction happened.
+const COMPACT_POLL: std::time::Duration = std::time::Duration::from_millis(250);
+
+fn compact(args: CompactArgs) -> ExitCode {
+    let config = match maintain_config(&args.target) {
+        Ok(c) => c,
+        Err(code) => return code,
+    };
+    let id = args.id.trim();
+    if id.is_empty() || id.chars().any(char::is_control) {
+        eprintln!("compactor: {id:?} is not a conversation id");
+        return ExitCode::from(EXIT_USAGE);
+    }
+    // With a store named, it must be the one a proxy serves: the
+    // compaction runs there (it needs the client's credentials).
+    if args.target.store.db.is_some() && !served(&config.store_path()) {
+        eprintln!(
+            "compactor: no running proxy serves {}: a compaction runs in the proxy, with the next request's credentials; start `compactor serve` on it",
+            config.store_path().display()
+        );
         return ExitCode::FAILURE;
     }
-    if args.json {
-        return print_out(&to_json(&value, false));
+    let encoded =
+        percent_encoding::utf8_percent_encode(id, percent_encoding::NON_ALPHANUMERIC).to_string();
+    let path = format!("/conversations/{encoded}/compact");
+    let value = match admin_call(&config, reqwest::Method::POST, &path) {
+        Ok(v) => v,
+        Err(e) => {
+            eprintln!("compactor: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let conversation = value["conversation"].as_str().unwrap_or(id).to_string();
+    let requested_ms = value["requested_ms"].as_i64().unwrap_or(0);
+    // The outcome comes with the conversation's next request: wait for it
+    // a while, asking the proxy.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(args.wait);
+    let mut outcome = None;
+    while args.wait > 0 && std::time::Instant::now() < deadline {
+        match admin_call(&config, reqwest::Method::GET, &path) {
+            Ok(v)
+                if v["outcome"]["at_ms"].as_i64().unwrap_or(0) >= requested_ms
+                    && v["outcome"].is_object() =>
+            {
+                outcome = Some(v["outcome"].clone());
+                break;
+            }
+            Ok(_) => std::thread::sleep(COMPACT_POLL),
+            Err(e) => {
+                eprintln!("compactor: {e}");
+                return ExitCode::FAILURE;
+            }
+        }
     }
-    let conversation = value["conversation"].as_str().unwrap_or(id);
-    let text = if value["already_pending"] == true {
-        format!("compaction of {conversation} was already requested: its next request will be compacted\n")
-    } else {
-        format!("compaction of {conversation} requested: its next request will be compacted before it goes upstream\n")
+    if args.target.store.json {
+        let mut v = value;
+        v["outcome"] = outcome.unwrap_or(serde_json::Value::Null);
+        return print_out(&to_json(&v, false));
+    }
+    let text = match outcome {
+        Some(o) => format!("{conversation}: {}\n", outcome_text(&o)),
+        None if value["already_pending"] == true => format!(
+            "compaction of {conversation} was already requested: its next request will be compacted; the outcome shows in `compactor conversations show {conversation}` once it arrives\n"
+        ),
+        None => format!(
+            "compaction of {conversation} requested: its next request will be compacted before it goes upstream; the outcome shows in `compactor conversations show {conversation}` once it arrives\n"
+        ),
     };
     print_out(&text)
+}
+
+/// A compaction attempt's outcome as the proxy reports it, in words:
+/// `discarded: 99 → 259 tokens, nothing to gain`.
+fn outcome_text(o: &serde_json::Value) -> String {
+    let before = thousands(o["tokens_before"].as_u64().unwrap_or(0));
+    let after = thousands(o["tokens_after"].as_u64().unwrap_or(0));
+    match o["result"].as_str() {
+        Some("applied") => format!(
+            "compacted: {before} → {after} tokens ({}, {})",
+            o["rung"].as_str().unwrap_or("?"),
+            o["compaction"].as_str().unwrap_or("?")
+        ),
+        Some("discarded") => format!("discarded: {before} → {after} tokens, nothing to gain"),
+        _ => format!(
+            "failed: {}",
+            o["error"].as_str().unwrap_or("the proxy gave no reason")
+        ),
+    }
 }
 
 /// A one-thread runtime for a command's few requests (`compact`,
@@ -935,6 +1265,30 @@ mod tests {
         assert_eq!(thousands(1_234_567), "1,234,567");
         assert_eq!(percent(Some(750), 1000), "75%");
         assert_eq!(percent(None, 1000), "-");
+    }
+
+    #[test]
+    fn outcomes_and_ages_in_words() {
+        let discarded =
+            serde_json::json!({"result": "discarded", "tokens_before": 99, "tokens_after": 259});
+        assert_eq!(
+            outcome_text(&discarded),
+            "discarded: 99 → 259 tokens, nothing to gain"
+        );
+        let applied = serde_json::json!({"result": "applied", "tokens_before": 9000,
+            "tokens_after": 1200, "rung": "summary", "compaction": "cmp_1"});
+        assert_eq!(
+            outcome_text(&applied),
+            "compacted: 9,000 → 1,200 tokens (summary, cmp_1)"
+        );
+        assert_eq!(parse_age("30d"), Some(30 * 86_400));
+        assert_eq!(parse_age("12h"), Some(12 * 3600));
+        assert_eq!(parse_age("90m"), Some(5400));
+        assert_eq!(parse_age("7"), Some(7 * 86_400));
+        assert_eq!(parse_age("0s"), Some(0));
+        for bad in ["", "d", "30x", "-1d", "1.5d"] {
+            assert_eq!(parse_age(bad), None, "{bad}");
+        }
     }
 
     #[test]

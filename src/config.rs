@@ -37,6 +37,116 @@ pub struct Config {
     pub admin: AdminConfig,
 }
 
+/// Where an effective setting came from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Origin {
+    /// A command-line flag.
+    Flag(&'static str),
+    /// An environment variable.
+    Env(String),
+    /// The config file.
+    File,
+    /// The built-in default.
+    Default,
+}
+
+impl std::fmt::Display for Origin {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Origin::Flag(flag) => write!(f, "flag {flag}"),
+            Origin::Env(var) => write!(f, "env {var}"),
+            Origin::File => f.write_str("file"),
+            Origin::Default => f.write_str("default"),
+        }
+    }
+}
+
+/// One effective setting, as `--check-config` prints it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Setting {
+    /// Dotted key, as in the file (`compaction.trigger_ratio`).
+    pub key: String,
+    /// Its value in TOML's spelling; a secret is shown masked.
+    pub value: String,
+    /// Where it came from.
+    pub origin: Origin,
+}
+
+/// A secret's value as shown: whether it is set and how long, never any
+/// of it.
+pub fn masked(secret: Option<&str>) -> String {
+    match secret {
+        Some(s) if !s.is_empty() => format!("[set, {} characters]", s.chars().count()),
+        _ => "[unset]".to_string(),
+    }
+}
+
+impl Config {
+    /// Every effective setting with where it came from: `given` names the
+    /// keys set on the command line or by environment variables, `file`
+    /// is the config file's table (if one was read); the rest are
+    /// defaults. The keys the variables `upstream.api_key_env` and
+    /// `admin.token_env` name are shown masked, from their variables.
+    pub fn settings(&self, file: Option<&toml::Table>, given: &[(&str, Origin)]) -> Vec<Setting> {
+        let in_file = |table: &str, field: &str| {
+            file.and_then(|f| f.get(table))
+                .and_then(|t| t.as_table())
+                .is_some_and(|t| t.contains_key(field))
+        };
+        let mut out = Vec::new();
+        let value = serde_json::to_value(self).unwrap_or_default();
+        for (table, fields) in value.as_object().into_iter().flatten() {
+            let Some(fields) = fields.as_object() else {
+                continue;
+            };
+            for (field, v) in fields {
+                let key = format!("{table}.{field}");
+                let origin = match given.iter().find(|(k, _)| *k == key) {
+                    Some((_, o)) => o.clone(),
+                    None if in_file(table, field) => Origin::File,
+                    None => Origin::Default,
+                };
+                let value = match toml::Value::try_from(v) {
+                    // Its password never shown.
+                    Ok(_) if key == "store.url" && self.store.is_postgres() => {
+                        format!("\"{}\"", self.store.shown_url())
+                    }
+                    Ok(t) => t.to_string(),
+                    // TOML has no null: a setting left unset.
+                    Err(_) => "(unset)".to_string(),
+                };
+                out.push(Setting { key, value, origin });
+            }
+        }
+        // The models table in the order it is consulted: the file's
+        // entries, then the built-in ones.
+        for (pattern, window, source) in self.models_table() {
+            out.push(Setting {
+                key: "models".into(),
+                value: format!("{pattern} = {window}"),
+                origin: if source == "config" {
+                    Origin::File
+                } else {
+                    Origin::Default
+                },
+            });
+        }
+        for (key, var) in [
+            ("upstream.api_key", &self.upstream.api_key_env),
+            ("admin.token", &self.admin.token_env),
+        ] {
+            if !var.is_empty() {
+                out.push(Setting {
+                    key: key.into(),
+                    value: masked(std::env::var(var).ok().as_deref()),
+                    origin: Origin::Env(var.clone()),
+                });
+            }
+        }
+        out
+    }
+}
+
 /// `[server]`
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -145,6 +255,10 @@ pub struct StoreConfig {
     /// A PostgreSQL statement running longer than this is cancelled, ms;
     /// also how long a request waits for a pooled connection.
     pub statement_timeout_ms: u64,
+    /// Conversations last seen longer ago than this many days are deleted
+    /// by the running proxy (hourly), with the items nothing else refers
+    /// to. None: kept until deleted by hand.
+    pub retain_days: Option<u32>,
 }
 
 impl Default for StoreConfig {
@@ -155,6 +269,7 @@ impl Default for StoreConfig {
             password_env: String::new(),
             pool_size: 16,
             statement_timeout_ms: 5_000,
+            retain_days: None,
         }
     }
 }
@@ -356,6 +471,12 @@ impl Config {
         if self.listen_addr().is_err() {
             return invalid("server.listen", "not a socket address like 127.0.0.1:8787");
         }
+        if self.store.retain_days == Some(0) {
+            return invalid(
+                "store.retain_days",
+                "must be at least 1 (leave it out to keep conversations)",
+            );
+        }
         if self.upstream_is_listener() {
             return invalid(
                 "upstream.base_url",
@@ -411,6 +532,12 @@ impl Config {
             }
             if st.statement_timeout_ms == 0 {
                 return invalid("store.statement_timeout_ms", "must be greater than 0");
+            }
+            if st.retain_days.is_some() {
+                return invalid(
+                    "store.retain_days",
+                    "deletes from the SQLite store only: not with store.url (PostgreSQL) yet",
+                );
             }
         }
         let token_env = &self.admin.token_env;

@@ -512,6 +512,35 @@ impl ConversationIndex {
         inner.bound(MAX_ENTRIES);
     }
 
+    /// Forgets `tenant`'s conversation `conversation` (it was deleted):
+    /// its prefixes and response ids no longer lead to it, and a key that
+    /// named it names a new conversation from now on.
+    pub fn forget(&self, tenant: &str, conversation: &str) {
+        let mut inner = self.lock();
+        let key = (tenant.to_string(), conversation.to_string());
+        if let Some(owned) = inner.recent.remove(&key) {
+            inner.entries -= owned.entries.len();
+            for entry in owned.entries {
+                inner.unindex(tenant, conversation, entry);
+            }
+        }
+        let keys: Vec<(String, String)> = inner
+            .by_key
+            .kept
+            .keys()
+            .filter(|k| {
+                k.0 == tenant && inner.by_key.kept.get(*k).is_some_and(|c| c == conversation)
+            })
+            .cloned()
+            .collect();
+        for k in keys {
+            inner
+                .by_key
+                .kept
+                .insert(k, crate::ids::new_conversation_id());
+        }
+    }
+
     /// Number of distinct prefixes indexed (for metrics and tests).
     pub fn len(&self) -> usize {
         self.lock().by_chain.len()

@@ -856,7 +856,7 @@ fn patch_for(file: &str, k: usize) -> String {
 }
 
 fn test_output(k: usize, failing: bool) -> String {
-    let mut s = String::from("   Compiling kvcache v0.3.1 (/work/kvcache)\n    Finished `test` profile [unoptimized + debuginfo] target(s) in 2.41s\n     Running unittests src/lib.rs (target/debug/deps/kvcache-5f2c)\n\n");
+    let mut s = String::from("   Compiling kvcache v0.3.1 (/home/dev/kvcache)\n    Finished `test` profile [unoptimized + debuginfo] target(s) in 2.41s\n     Running unittests src/lib.rs (target/debug/deps/kvcache-5f2c)\n\n");
     let tests = 24 + k % 6;
     s.push_str(&format!("running {tests} tests\n"));
     for i in 0..tests {

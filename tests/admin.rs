@@ -5,14 +5,13 @@
 mod support;
 
 use std::path::Path;
-use std::process::Command;
 use std::time::Duration;
 
 use compactor::admin::{authorize, AccessRequest, Denial};
 use serde_json::{json, Value};
 use support::{
-    client, compactions, last_client_call, post, small_window, small_window_foreground, within,
-    Harness,
+    cli, client, compactions, last_client_call, post, small_window, small_window_foreground,
+    within, Harness,
 };
 
 const KEY: &str = "sk-admin-tests";
@@ -124,28 +123,6 @@ async fn post_admin(h: &Harness, path: &str) -> (u16, Value) {
     let status = resp.status().as_u16();
     let body = within(resp.bytes()).await.expect("body");
     (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
-}
-
-/// Runs the real binary off the async threads (the proxy it may talk to
-/// runs on them); returns exit code, stdout, stderr.
-async fn cli(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
-    let mut cmd = Command::new(env!("CARGO_BIN_EXE_compactor"));
-    cmd.args(args)
-        .env_remove("COMPACTOR_CONFIG")
-        .env_remove("COMPACTOR_DB")
-        .env_remove("COMPACTOR_LISTEN");
-    for (k, v) in env {
-        cmd.env(k, v);
-    }
-    let out = within(tokio::task::spawn_blocking(move || cmd.output()))
-        .await
-        .expect("join")
-        .expect("run compactor");
-    (
-        out.status.code().unwrap_or(-1),
-        String::from_utf8_lossy(&out.stdout).into_owned(),
-        String::from_utf8_lossy(&out.stderr).into_owned(),
-    )
 }
 
 fn path_str(p: &Path) -> &str {
@@ -328,6 +305,16 @@ async fn the_cli_reads_the_store_while_the_proxy_runs() {
         "{out}"
     );
     assert!(out.contains("reason: threshold"), "{out}");
+    // The block counts what the summary's header says it stands for.
+    let header = out
+        .split("│ [compactor summary of ")
+        .nth(1)
+        .and_then(|r| r.split(' ').next())
+        .expect("the summary's header");
+    assert!(
+        out.contains(&format!("), summary of {header} earlier items, ")),
+        "{out}"
+    );
     assert!(out.contains("│ [compactor summary"), "{out}");
     assert!(
         out.contains("TASK: refactor the parser so that it streams."),
@@ -427,12 +414,23 @@ async fn manual_compaction_through_the_api_and_the_cli_applies_to_the_next_reque
     assert_eq!(status, 202);
     assert_eq!(v["already_pending"], true);
     let (status, v) = get(&h, &path, &[]).await;
-    assert_eq!(status, 405, "{v}");
+    assert_eq!(status, 200, "{v}");
+    assert_eq!((&v["pending"], &v["outcome"]), (&json!(true), &Value::Null));
     let (status, v) = post_admin(&h, "/admin/api/conversations/conv_nope/compact").await;
     assert_eq!(status, 404);
     assert_eq!(v["error"]["code"], "conversation_not_found");
 
     let first = chat.turn("Go on.").await.expect("compacted on request");
+    let (_, v) = get(&h, &path, &[]).await;
+    assert_eq!(v["pending"], false, "{v}");
+    assert_eq!(v["outcome"]["result"], "applied", "{v}");
+    assert_eq!(v["outcome"]["compaction"], first.as_str());
+    let (_, attempts) = get(&h, &format!("/admin/api/conversations/{id}/attempts"), &[]).await;
+    assert_eq!(
+        attempts["attempts"][0]["compaction"],
+        first.as_str(),
+        "{attempts}"
+    );
     let (_, show) = get(&h, &format!("/admin/api/conversations/{id}"), &[]).await;
     assert_eq!(show["compactions"][0]["id"], first.as_str());
     assert_eq!(show["compactions"][0]["reason"], "manual");
@@ -444,27 +442,41 @@ async fn manual_compaction_through_the_api_and_the_cli_applies_to_the_next_reque
         assert_eq!(chat.turn(&filler(i)).await, Some(first.clone()));
     }
 
-    // The CLI asks the running proxy.
+    // The CLI asks the running proxy, the store named as the other
+    // subcommands take it, and waits for the outcome: the conversation's
+    // next request, sent once the request is seen.
     let config = config_file(&h, "");
     let listen = h.addr.to_string();
-    let (code, out, err) = cli(
-        &[
-            "compact",
-            &id,
-            "--config",
-            path_str(&config),
-            "--listen",
-            &listen,
-        ],
-        &[],
-    )
+    let args: Vec<String> = [
+        "compact",
+        &id,
+        "--config",
+        path_str(&config),
+        "--db",
+        path_str(&h.db),
+        "--listen",
+        &listen,
+    ]
+    .iter()
+    .map(|a| a.to_string())
+    .collect();
+    let waiting = tokio::spawn(async move {
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        cli(&args, &[]).await
+    });
+    within(async {
+        while get(&h, &path, &[]).await.1["pending"] != true {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
     .await;
+    let again = chat.turn("Once more.").await.expect("compacted again");
+    let (code, out, err) = within(waiting).await.unwrap();
     assert_eq!(code, 0, "{err}");
     assert!(
-        out.contains(&format!("compaction of {id} requested")),
+        out.starts_with(&format!("{id}: compacted: ")) && out.contains(&again),
         "{out}"
     );
-    chat.turn("Once more.").await.expect("compacted again");
     let (_, show) = get(&h, &format!("/admin/api/conversations/{id}"), &[]).await;
     let ks = show["compactions"].as_array().unwrap();
     assert_eq!(ks.len(), 2, "{show}");
@@ -478,15 +490,40 @@ async fn manual_compaction_through_the_api_and_the_cli_applies_to_the_next_reque
 
     // Through COMPACTOR_LISTEN, with --json.
     let (code, out, _) = cli(
-        &["compact", &id, "--json"],
+        &["compact", &id, "--json", "--wait", "0"],
         &[("COMPACTOR_LISTEN", &listen)],
     )
     .await;
     assert_eq!(code, 0);
+    let v: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(
-        serde_json::from_str::<Value>(&out).unwrap()["already_pending"],
-        false
+        (&v["already_pending"], &v["outcome"]),
+        (&json!(false), &Value::Null)
     );
+    // Without waiting, it says where the outcome will show.
+    let (code, out, _) = cli(&["compact", &id, "--wait", "0", "--listen", &listen], &[]).await;
+    assert_eq!(code, 0);
+    assert!(
+        out.contains("already requested") && out.contains("conversations show"),
+        "{out}"
+    );
+    // A store no proxy serves: said so, nothing sent.
+    let other = h.dir.path().join("other.db");
+    std::fs::write(&other, b"").unwrap();
+    let (code, _, err) = cli(
+        &[
+            "compact",
+            &id,
+            "--db",
+            path_str(&other),
+            "--listen",
+            &listen,
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!(code, 1);
+    assert!(err.contains("no running proxy serves"), "{err}");
 
     // No proxy there: the error names the address.
     let dead_addr = format!("127.0.0.1:{}", support::free_port());

@@ -45,11 +45,27 @@ fn chromium() -> PathBuf {
     );
 }
 
+/// The window the layout is checked in: the chart must be in it whole.
+const WINDOW: (u32, u32) = (1400, 1000);
+
 /// The DOM after the page's scripts ran, as headless Chromium dumps it.
 fn dump_dom(url: &str) -> String {
+    let (dom, _) = run_chromium(url, false);
+    dom
+}
+
+/// A screenshot of the page in [`WINDOW`] (PNG bytes).
+fn screenshot(url: &str) -> Vec<u8> {
+    run_chromium(url, true).1
+}
+
+/// Runs headless Chromium on `url` in a [`WINDOW`]-sized window: the DOM it
+/// dumps, and the screenshot when `shot`.
+fn run_chromium(url: &str, shot: bool) -> (String, Vec<u8>) {
     let browser = chromium();
     let profile = tempfile::tempdir().expect("profile dir");
     let out_path = profile.path().join("dom.html");
+    let png_path = profile.path().join("shot.png");
     let err_path = profile.path().join("stderr.txt");
     let mut child = Command::new(&browser)
         .args([
@@ -69,7 +85,12 @@ fn dump_dom(url: &str) -> String {
             "--user-data-dir={}",
             profile.path().join("profile").display()
         ))
-        .arg("--dump-dom")
+        .arg(format!("--window-size={},{}", WINDOW.0, WINDOW.1))
+        .arg(if shot {
+            format!("--screenshot={}", png_path.display())
+        } else {
+            "--dump-dom".to_string()
+        })
         .arg(url)
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&out_path).unwrap())
@@ -92,22 +113,49 @@ fn dump_dom(url: &str) -> String {
         std::thread::sleep(Duration::from_millis(50));
     };
     let dom = std::fs::read_to_string(&out_path).unwrap_or_default();
+    let png = std::fs::read(&png_path).unwrap_or_default();
     assert!(
-        status.success() && !dom.is_empty(),
+        status.success() && (!dom.is_empty() || !png.is_empty()),
         "chromium failed ({status}); stderr:\n{}",
         std::fs::read_to_string(&err_path).unwrap_or_default()
     );
-    dom
+    (dom, png)
 }
 
 async fn browse(url: String) -> String {
+    off_thread(move || dump_dom(&url)).await
+}
+
+async fn off_thread<T: Send + 'static>(f: impl FnOnce() -> T + Send + 'static) -> T {
     tokio::time::timeout(
         BROWSER_DEADLINE + Duration::from_secs(5),
-        tokio::task::spawn_blocking(move || dump_dom(&url)),
+        tokio::task::spawn_blocking(f),
     )
     .await
     .expect("browser step timed out")
     .expect("browser thread")
+}
+
+/// Width and height of a PNG, from its IHDR chunk.
+fn png_size(png: &[u8]) -> (u32, u32) {
+    assert!(
+        png.starts_with(b"\x89PNG\r\n\x1a\n") && png.len() > 24,
+        "a PNG"
+    );
+    let be = |b: &[u8]| u32::from_be_bytes([b[0], b[1], b[2], b[3]]);
+    (be(&png[16..20]), be(&png[20..24]))
+}
+
+/// The value of `attr="…"` on the element whose opening tag holds `marker`.
+fn attr_of(dom: &str, marker: &str, attr: &str) -> String {
+    let at = dom
+        .find(marker)
+        .unwrap_or_else(|| panic!("{marker} in:\n{dom}"));
+    let tag_start = dom[..at].rfind('<').unwrap();
+    let tag = &dom[tag_start..tag_start + dom[tag_start..].find('>').unwrap()];
+    let key = format!("{attr}=\"");
+    let from = tag.find(&key).unwrap_or_else(|| panic!("{attr} on {tag}")) + key.len();
+    tag[from..from + tag[from..].find('"').unwrap()].to_string()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -145,6 +193,22 @@ async fn the_admin_page_lists_the_conversation_and_shows_its_compaction() {
         within(tokio::time::sleep(Duration::from_millis(50))).await;
     }
     let compaction = compacted.expect("the conversation compacted");
+    // A request the upstream refuses (summary calls a compaction may make
+    // meanwhile get their own answer, not this one).
+    h.fake
+        .set_summary_reply(Some("## STATE\nThe parser streams.".into()));
+    // Twice: a compacted request the upstream refuses goes again as the
+    // client sent it.
+    for _ in 0..2 {
+        h.fake.push(compactor::fake_upstream::Reply::json(
+            429,
+            json!({"error": {"message": "slow down", "type": "rate_limit", "code": "rate_limited"}}),
+        ));
+    }
+    history.push(json!({"role": "user", "content": "And now?"}));
+    let (status, _, _) = post(&url, KEY, &json!({"model": MODEL, "messages": history})).await;
+    assert_eq!(status, 429);
+    history.pop();
 
     // Straight to the page, which selects the most recent conversation.
     let dom = browse(format!("http://{}/admin", h.addr)).await;
@@ -178,9 +242,50 @@ async fn the_admin_page_lists_the_conversation_and_shows_its_compaction() {
     );
     assert_eq!(
         dom.matches(r#"<tr class="exchange">"#).count(),
-        history.len() / 2 - 1,
-        "one row per exchange"
+        history.len() / 2,
+        "one row per exchange, the refused one too"
     );
+    // Input and output of each exchange; the refused one marked.
+    assert_eq!(
+        dom.matches(r#"class="output-bar""#).count(),
+        history.len() / 2 - 1
+    );
+    assert!(dom.contains(r#"class="refused-marker""#), "{dom}");
+    // Round ticks: an even step of 1, 2 or 5 times a power of ten.
+    let ticks: Vec<u64> = dom
+        .split(r#"class="tick">"#)
+        .skip(1)
+        .map(|t| t[..t.find('<').unwrap()].replace(',', "").parse().unwrap())
+        .collect();
+    assert!(ticks.len() >= 3, "{ticks:?}");
+    let step = ticks[1] - ticks[0];
+    let mut unit = step;
+    while unit >= 10 && unit.is_multiple_of(10) {
+        unit /= 10;
+    }
+    assert!([1, 2, 5].contains(&unit), "{ticks:?}");
+    assert!(ticks.windows(2).all(|w| w[1] - w[0] == step), "{ticks:?}");
+    // Above the fold at 1400×1000: the chart's bottom within the window.
+    // (The browser's own frame may take some of the window's height: the
+    // viewport the page reports is what must hold the chart.)
+    let viewport = attr_of(&dom, r#"id="chart""#, "data-viewport");
+    let (width, height) = viewport.split_once('x').unwrap();
+    let (width, height): (u32, u32) = (width.parse().unwrap(), height.parse().unwrap());
+    assert!(width == WINDOW.0 && height <= WINDOW.1, "{viewport}");
+    let bottom: u32 = attr_of(&dom, r#"id="chart""#, "data-bottom")
+        .parse()
+        .unwrap();
+    assert!(
+        bottom <= height,
+        "the chart ends at {bottom}px, below the fold of a {viewport} viewport"
+    );
+    // And the screenshot is of that window.
+    let shot_url = format!("http://{}/admin/", h.addr);
+    let png = off_thread(move || screenshot(&shot_url)).await;
+    assert_eq!(png_size(&png), WINDOW);
+    if let Some(dir) = std::env::var_os("COMPACTOR_SCREENSHOT_DIR") {
+        std::fs::write(PathBuf::from(dir).join("admin.png"), &png).unwrap();
+    }
 
     // A conversation named in the fragment is selected.
     let (_, headers, _) = post(

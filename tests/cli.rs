@@ -69,14 +69,32 @@ fn flags_beat_env_beat_file() {
         .env("COMPACTOR_LISTEN", "127.0.0.1:2222")
         .env("COMPACTOR_UPSTREAM", "http://env.invalid/v1"));
     assert_eq!(code, 0, "{out}");
-    assert!(out.contains("listen:   127.0.0.1:3333"), "flag wins: {out}");
-    assert!(
-        out.contains("upstream: http://env.invalid/v1"),
+    let setting = |key: &str| -> Vec<String> {
+        let line = out
+            .lines()
+            .find(|l| l.split_whitespace().next() == Some(key))
+            .unwrap_or_else(|| panic!("{key} in {out}"));
+        line.split_whitespace().skip(1).map(String::from).collect()
+    };
+    assert_eq!(
+        setting("server.listen"),
+        ["\"127.0.0.1:3333\"", "flag", "--listen"],
+        "flag wins: {out}"
+    );
+    assert_eq!(
+        setting("upstream.base_url"),
+        ["\"http://env.invalid/v1\"", "env", "COMPACTOR_UPSTREAM"],
         "env beats file: {out}"
     );
-    assert!(
-        out.contains("store:    file.db"),
+    assert_eq!(
+        setting("store.path"),
+        ["\"file.db\"", "file"],
         "file beats default: {out}"
+    );
+    assert_eq!(setting("compaction.trigger_ratio"), ["0.75", "default"]);
+    assert!(
+        out.contains("config file: ") && out.contains("(env COMPACTOR_CONFIG)"),
+        "{out}"
     );
     let (code, out) = run(compactor().args(["serve", "--check-config"]));
     assert_eq!(code, 0, "{out}");
@@ -101,8 +119,8 @@ fn check_config_with_an_unreachable_database_fails_and_never_prints_its_password
     assert_eq!(code, 1, "{out}");
     assert!(
         out.contains(&format!(
-            "store:    postgres://compactor:***@127.0.0.1:{port}/compactor"
-        )),
+            "database: postgres://compactor:***@127.0.0.1:{port}/compactor"
+        )) && out.contains("env COMPACTOR_DATABASE_URL"),
         "shown masked: {out}"
     );
     assert!(out.contains("cannot reach the database"), "{out}");
@@ -225,4 +243,40 @@ fn an_upstream_at_the_proxys_own_address_is_refused_at_start_up() {
         std::thread::sleep(std::time::Duration::from_millis(50));
     };
     assert_eq!(status, Some(64), "serve must refuse to start");
+}
+
+#[test]
+fn check_config_shows_a_key_given_by_env_masked() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("key.toml");
+    std::fs::write(
+        &path,
+        "[upstream]\napi_key_env = \"CHECK_CONFIG_TEST_KEY\"\n[admin]\ntoken_env = \"CHECK_CONFIG_TEST_TOKEN\"\n",
+    )
+    .unwrap();
+    let key = "sk-check-config-secret-0123456789";
+    let (code, out) = run(compactor()
+        .args(["serve", "--check-config", "--config"])
+        .arg(&path)
+        .env("CHECK_CONFIG_TEST_KEY", key)
+        .env_remove("CHECK_CONFIG_TEST_TOKEN"));
+    assert_eq!(code, 0, "{out}");
+    let line = |key: &str| {
+        out.lines()
+            .find(|l| l.split_whitespace().next() == Some(key))
+            .unwrap_or_else(|| panic!("{key} in {out}"))
+            .to_string()
+    };
+    let shown = line("upstream.api_key");
+    assert!(shown.contains("[set, 33 characters]"), "{shown}");
+    assert!(
+        shown.trim_end().ends_with("env CHECK_CONFIG_TEST_KEY"),
+        "{shown}"
+    );
+    assert!(
+        !out.contains("0123456789") && !out.contains("sk-check"),
+        "masked: {out}"
+    );
+    assert!(line("upstream.api_key_env").trim_end().ends_with("file"));
+    assert!(line("admin.token").contains("[unset]"), "{out}");
 }

@@ -88,12 +88,13 @@ fn links_are_read_outside_code_only() {
     assert_eq!(links(md), ["docs/A.md", "https://x.example/#y", "#top"]);
 }
 
-/// The README's configuration table names every key of `proxy.toml`, the
+/// The reference's configuration table names every key of `proxy.toml`, the
 /// complete example, so a key added there cannot go undocumented.
 #[test]
-fn the_readme_names_every_key_of_proxy_toml() {
+fn the_reference_names_every_key_of_proxy_toml() {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let readme = std::fs::read_to_string(root.join("README.md")).expect("README.md");
+    let readme =
+        std::fs::read_to_string(root.join("docs/REFERENCE.md")).expect("docs/REFERENCE.md");
     let example = std::fs::read_to_string(root.join("proxy.toml")).expect("proxy.toml");
     let example: toml::Table = toml::from_str(&example).expect("proxy.toml parses");
     let mut missing = std::collections::BTreeSet::new();
@@ -130,7 +131,7 @@ fn the_readme_names_every_key_of_proxy_toml() {
     }
     assert!(
         missing.is_empty(),
-        "README.md's configuration does not name: {}",
+        "docs/REFERENCE.md's configuration keys do not name: {}",
         missing.into_iter().collect::<Vec<_>>().join(", ")
     );
 }

@@ -339,3 +339,172 @@ async fn restart_on_the_same_store_keeps_grouping() {
     .await;
     assert_eq!(before, after);
 }
+
+/// A store and a config for the real binary in front of a fake upstream:
+/// (fake, dir, db, config path, port); `extra` goes under `[store]`.
+async fn binary_setup(
+    extra: &str,
+) -> (
+    compactor::fake_upstream::FakeUpstream,
+    tempfile::TempDir,
+    std::path::PathBuf,
+    std::path::PathBuf,
+    u16,
+) {
+    let fake = within(compactor::fake_upstream::FakeUpstream::start())
+        .await
+        .unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("c.db");
+    let config = dir.path().join("proxy.toml");
+    let port = support::free_port();
+    write_config(&config, &fake, &db, port, extra);
+    (fake, dir, db, config, port)
+}
+
+fn write_config(
+    config: &std::path::Path,
+    fake: &compactor::fake_upstream::FakeUpstream,
+    db: &std::path::Path,
+    port: u16,
+    extra: &str,
+) {
+    std::fs::write(
+        config,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\n[upstream]\nbase_url = {:?}\ndiscover_windows = false\n[store]\npath = {:?}\n{extra}",
+            fake.url(),
+            db.display().to_string()
+        ),
+    )
+    .unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn delete_and_prune_while_the_binary_serves_and_after_it_stopped() {
+    let (_fake, _dir, db, config, port) = binary_setup("").await;
+    let config_arg = config.display().to_string();
+    let proxy = support::spawn_binary(port, &["--config".as_ref(), config.as_os_str()]);
+    let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+    // The same history under two keys (two tenants), and one of its own.
+    let secret = "a conversation to be forgotten, word for word";
+    let mut a = Vec::new();
+    let gone = turn(&url, "k1", &mut a, secret).await;
+    turn(&url, "k1", &mut a, "and a second turn").await;
+    let mut b = Vec::new();
+    let kept = turn(&url, "k2", &mut b, secret).await;
+    let mut c = Vec::new();
+    let old = turn(&url, "k1", &mut c, "an older one").await;
+
+    let cli = |args: &[&str]| {
+        let mut all: Vec<String> = args.iter().map(|a| a.to_string()).collect();
+        all.extend(["--config".to_string(), config_arg.clone()]);
+        async move {
+            let all: Vec<&str> = all.iter().map(String::as_str).collect();
+            support::cli(&all, &[]).await
+        }
+    };
+    let (code, out, err) = cli(&["conversations", "delete", &gone]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.starts_with("removed 1 conversation, 2 exchanges, 0 compactions, "),
+        "{out}"
+    );
+    // It keeps serving; the deleted conversation is gone, and the same
+    // history sent again starts a new one.
+    let mut again = Vec::new();
+    let next = turn(&url, "k1", &mut again, secret).await;
+    assert_ne!(next, gone);
+    let (code, _, err) = cli(&["conversations", "show", &gone]).await;
+    assert_eq!(code, 1);
+    assert!(err.contains("no conversation"), "{err}");
+    // The other tenant's identical conversation reads back whole.
+    let (code, out, err) = cli(&["conversations", "export", &kept]).await;
+    assert_eq!(code, 0, "{err}");
+    let export: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(export["original_items"][0]["content"], secret, "{export}");
+    assert_eq!(export["original_items"].as_array().unwrap().len(), 2);
+
+    // Nothing is that old; then everything is (while it serves).
+    let (code, out, err) = cli(&["prune", "--older-than", "30d"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("removed 0 conversations"), "{out}");
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    let (code, out, err) = cli(&["prune", "--older-than", "0s"]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.starts_with("removed 3 conversations"), "{out}");
+    let (status, _, _) = post(
+        &url,
+        "k1",
+        &json!({"model": "gpt-4o", "messages": [{"role": "user", "content": "still here"}]}),
+    )
+    .await;
+    assert_eq!(status, 200, "serving after the prune");
+    drop(proxy);
+
+    // No proxy: the file itself is changed.
+    let (code, out, err) = cli(&["conversations", "list", "--json"]).await;
+    assert_eq!(code, 0, "{err}");
+    let list: Value = serde_json::from_str(&out).unwrap();
+    let left: Vec<&str> = list["conversations"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| c["id"].as_str().unwrap())
+        .collect();
+    assert_eq!(left.len(), 1, "the one sent after the prune: {left:?}");
+    assert!(![gone.as_str(), kept.as_str(), old.as_str()].contains(&left[0]));
+    let (code, out, err) = cli(&["conversations", "delete", left[0]]).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        out.starts_with("removed 1 conversation, 1 exchange"),
+        "{out}"
+    );
+    let conn = rusqlite::Connection::open(&db).unwrap();
+    let count = |table: &str| -> i64 {
+        conn.query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0))
+            .unwrap()
+    };
+    assert_eq!(
+        (count("conversations"), count("exchanges"), count("items")),
+        (0, 0, 0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_running_binary_applies_retain_days() {
+    let (fake, _dir, db, config, port) = binary_setup("").await;
+    let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
+    let (old, recent) = {
+        let _proxy = support::spawn_binary(port, &["--config".as_ref(), config.as_os_str()]);
+        let old = turn(&url, "k", &mut Vec::new(), "from long ago").await;
+        let recent = turn(&url, "k", &mut Vec::new(), "from today").await;
+        (old, recent)
+    };
+    // As if last seen three days ago.
+    compactor::store::journal::import_orphaned(&db).unwrap();
+    rusqlite::Connection::open(&db)
+        .unwrap()
+        .execute(
+            "UPDATE conversations SET last_seen_ms = last_seen_ms - 3 * 86400000 WHERE id = ?1",
+            [&old],
+        )
+        .unwrap();
+    write_config(&config, &fake, &db, port, "retain_days = 2\n");
+    let _proxy = support::spawn_binary(port, &["--config".as_ref(), config.as_os_str()]);
+    let ids = || -> Vec<String> {
+        let conn = rusqlite::Connection::open(&db).unwrap();
+        let mut stmt = conn.prepare("SELECT id FROM conversations").unwrap();
+        stmt.query_map([], |r| r.get(0))
+            .unwrap()
+            .collect::<Result<_, _>>()
+            .unwrap()
+    };
+    within(async {
+        while ids().contains(&old) {
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert_eq!(ids(), [recent]);
+}

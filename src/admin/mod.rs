@@ -15,9 +15,15 @@
 //! - `GET /admin/api/conversations/ID` — timeline: exchanges and compactions
 //!   (ID: the conversation id, an id its client sent, or an abbreviation)
 //! - `GET /admin/api/conversations/ID/export` — items, rewritten view, compactions, archived outputs
-//! - `POST /admin/api/conversations/ID/compact` — compact the conversation's next request
+//! - `POST /admin/api/conversations/ID/compact` — compact the conversation's next request;
+//!   `GET` the same — the latest attempt's outcome
+//! - `GET /admin/api/conversations/ID/attempts` — recent compaction attempts, discarded ones included
+//! - `DELETE /admin/api/conversations/ID` — delete it, its exchanges, compactions and the items nothing else refers to
+//! - `POST /admin/api/prune?older_than_secs=N` — delete conversations last seen longer ago, then unreferenced items, then VACUUM
 
 mod api;
+
+pub use api::{retention_loop, RETENTION_EVERY};
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -254,6 +260,20 @@ async fn route(
             _ => method_not_allowed("GET"),
         };
     }
+    if sub == "/api/prune" {
+        return match method {
+            Method::POST => match query_param(req.uri().query(), "older_than_secs")
+                .and_then(|v| v.parse().ok())
+            {
+                Some(secs) => api::prune(state, secs).await,
+                None => ProxyError::BadRequest(
+                    "prune needs older_than_secs=N (conversations last seen longer ago go)".into(),
+                )
+                .into_response(),
+            },
+            _ => method_not_allowed("POST"),
+        };
+    }
     let Some(api_path) = sub.strip_prefix("/api/conversations") else {
         return not_found(&method, &path);
     };
@@ -281,7 +301,8 @@ async fn route(
         },
         [id] if valid_id(id) => match method {
             Method::GET => api::show(state, id.to_string()).await,
-            _ => method_not_allowed("GET"),
+            Method::DELETE => api::delete(state, id.to_string()).await,
+            _ => method_not_allowed("GET, DELETE"),
         },
         [id, "export"] if valid_id(id) => match method {
             Method::GET => api::export(state, id.to_string()).await,
@@ -289,7 +310,12 @@ async fn route(
         },
         [id, "compact"] if valid_id(id) => match method {
             Method::POST => api::compact(state, id.to_string()).await,
-            _ => method_not_allowed("POST"),
+            Method::GET => api::compact_status(state, id.to_string()).await,
+            _ => method_not_allowed("GET, POST"),
+        },
+        [id, "attempts"] if valid_id(id) => match method {
+            Method::GET => api::attempts(state, id.to_string()).await,
+            _ => method_not_allowed("GET"),
         },
         _ => not_found(&method, &path),
     }

@@ -240,6 +240,10 @@ pub struct Compactions {
     /// A store other processes write too: compactions they computed are
     /// looked up there, and computing one is claimed there first.
     shared: Option<Arc<dyn Reads>>,
+    /// The recent compaction attempts of the recent conversations, by
+    /// (tenant, conversation), oldest first: discarded ones leave no
+    /// compaction to show.
+    attempts: Mutex<Option<Attempts>>,
 }
 
 /// How long a claim on computing a conversation's compaction lasts: past
@@ -359,6 +363,43 @@ impl Compactions {
         found
     }
 
+    /// Keeps an attempt's outcome.
+    fn attempted(&self, key: (String, String), attempt: Attempt) {
+        let mut attempts = lock(&self.attempts);
+        let map = attempts.get_or_insert_with(|| Generations::new(ATTEMPT_CONVERSATIONS));
+        let mut list = map.renew(&key).cloned().unwrap_or_default();
+        list.push(attempt);
+        if list.len() > ATTEMPTS_KEPT {
+            list.remove(0);
+        }
+        map.insert(key, list);
+    }
+
+    /// The conversation's recent attempts, oldest first (those of a
+    /// conversation not seen for long are forgotten).
+    pub fn attempts(&self, tenant: &str, conversation: &str) -> Vec<Attempt> {
+        lock(&self.attempts)
+            .as_ref()
+            .and_then(|m| {
+                m.get(&(tenant.to_string(), conversation.to_string()))
+                    .cloned()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Forgets `tenant`'s compactions `ids` (their conversation was
+    /// deleted): no request is rewritten by them any more.
+    pub fn forget(&self, tenant: &str, ids: &[String]) {
+        let mut by_id = lock(&self.by_id);
+        for id in ids {
+            by_id.remove(id);
+        }
+        drop(by_id);
+        if let Some(m) = lock(&self.by_tenant).get_mut(tenant) {
+            m.retain(|_, e| !ids.contains(&e.id));
+        }
+    }
+
     /// A stored compaction by id, only if it belongs to `tenant`.
     pub fn get(&self, tenant: &str, id: &str) -> Option<Arc<Compaction>> {
         let owned = lock(&self.by_id).get(id).is_some_and(|t| t == tenant);
@@ -394,6 +435,12 @@ impl Compactions {
     /// the summary, so it happens then. False if already asked.
     pub fn request_manual(&self, conversation: &str) -> bool {
         lock(&self.manual).insert(conversation.to_string())
+    }
+
+    /// Whether a manual compaction of the conversation waits for its next
+    /// request.
+    pub fn manual_pending(&self, conversation: &str) -> bool {
+        lock(&self.manual).contains(conversation)
     }
 
     /// Takes a pending manual request for the conversation.
@@ -538,8 +585,78 @@ fn items_limit<S: Context>(state: &Arc<S>, input: &Input, before: u64, tools_tok
 const FACTS_SHARE_OF_LIMIT: u64 = 3;
 
 /// Computes a compaction for `input`, stores it and makes it apply to later
-/// requests. Logs one event with the figures.
+/// requests. Logs one event with the figures; the outcome is kept with the
+/// conversation's recent [`Attempt`]s.
 pub async fn compact<S: Context>(
+    state: &Arc<S>,
+    input: Input,
+) -> Result<Arc<Compaction>, CompactError> {
+    let key = (input.tenant.clone(), input.conversation.clone());
+    let result = compute(state, input).await;
+    state.compactions().attempted(key, Attempt::of(&result));
+    result
+}
+
+/// How a compaction attempt ended, as the admin API reports it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Attempt {
+    /// Unix ms it ended.
+    pub at_ms: i64,
+    /// `applied`, `discarded` (it would not have shrunk the request) or
+    /// `failed`.
+    pub result: &'static str,
+    /// Estimated tokens of the request before.
+    pub tokens_before: Option<u64>,
+    /// Estimated tokens after (what a discarded one would have sent).
+    pub tokens_after: Option<u64>,
+    /// The rung, when applied.
+    pub rung: Option<&'static str>,
+    /// The compaction stored, when applied.
+    pub compaction: Option<String>,
+    /// Why it failed.
+    pub error: Option<String>,
+}
+
+impl Attempt {
+    fn of(result: &Result<Arc<Compaction>, CompactError>) -> Self {
+        let mut a = Attempt {
+            at_ms: crate::ids::now_ms(),
+            result: "failed",
+            tokens_before: None,
+            tokens_after: None,
+            rung: None,
+            compaction: None,
+            error: None,
+        };
+        match result {
+            Ok(c) => {
+                a.result = "applied";
+                a.tokens_before = Some(c.tokens_before);
+                a.tokens_after = Some(c.tokens_after);
+                a.rung = Some(c.rung.as_str());
+                a.compaction = Some(c.id.clone());
+            }
+            Err(CompactError::NoShrink { before, after }) => {
+                a.result = "discarded";
+                a.tokens_before = Some(*before);
+                a.tokens_after = Some(*after);
+            }
+            Err(e) => a.error = Some(e.to_string()),
+        }
+        a
+    }
+}
+
+/// The recent attempts of the recent conversations.
+type Attempts = Generations<(String, String), Vec<Attempt>>;
+
+/// Attempts kept per conversation, the latest.
+const ATTEMPTS_KEPT: usize = 32;
+
+/// Conversations whose attempts are kept, per generation.
+const ATTEMPT_CONVERSATIONS: usize = 4096;
+
+async fn compute<S: Context>(
     state: &Arc<S>,
     input: Input,
 ) -> Result<Arc<Compaction>, CompactError> {
@@ -1197,6 +1314,27 @@ pub fn auth_headers(headers: &HeaderMap) -> HeaderMap {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn attempts_keep_what_a_discarded_compaction_would_have_sent() {
+        let registry = Compactions::default();
+        let discarded: Result<Arc<Compaction>, CompactError> = Err(CompactError::NoShrink {
+            before: 99,
+            after: 259,
+        });
+        registry.attempted(("t".into(), "c".into()), Attempt::of(&discarded));
+        let kept = registry.attempts("t", "c");
+        assert_eq!(kept.len(), 1);
+        assert_eq!(
+            (kept[0].result, kept[0].tokens_before, kept[0].tokens_after),
+            ("discarded", Some(99), Some(259))
+        );
+        assert!(registry.attempts("u", "c").is_empty(), "another tenant's");
+        for _ in 0..ATTEMPTS_KEPT + 5 {
+            registry.attempted(("t".into(), "c".into()), Attempt::of(&discarded));
+        }
+        assert_eq!(registry.attempts("t", "c").len(), ATTEMPTS_KEPT);
+    }
 
     #[test]
     fn calibrations_are_per_tenant_and_conversation() {

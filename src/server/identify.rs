@@ -11,12 +11,11 @@ use serde_json::Value;
 
 use super::exchange::{PendingExchange, Unanswered};
 use super::read::ReadRequest;
-use super::relay::CONVERSATION_HEADER;
 use crate::app::AppState;
 use crate::compaction::policy;
 use crate::engine;
 use crate::error::ProxyError;
-use crate::store::{bounded_text, ClientIds, MAX_CLIENT_CHARS, MAX_CLIENT_ID_CHARS};
+use crate::store::{bounded_text, MAX_CLIENT_CHARS};
 use crate::wire::items::{cached_hash, ItemList, Tools};
 use crate::wire::{self, item_hash};
 
@@ -83,7 +82,7 @@ pub(super) async fn identify(
                 .map_err(|e| ProxyError::StoreDown(e.to_string()))?,
             ident,
             explicit_key,
-            client_ids: client_ids(&parts.headers, &body),
+            client_ids: wire::client_ids(&parts.headers, &body),
             client: header_text(&parts.headers, http::header::USER_AGENT.as_str())
                 .map(|ua| bounded_text(ua, MAX_CLIENT_CHARS)),
             tenant,
@@ -155,24 +154,6 @@ pub(super) async fn identify(
         }
     }
     Ok(pending)
-}
-
-/// The ids a client sent for its conversation: our header, a session
-/// header (Codex's `session-id`), the body's `prompt_cache_key`.
-fn client_ids(headers: &http::HeaderMap, body: &Value) -> ClientIds {
-    let bounded = |s: &str| Some(bounded_text(s, MAX_CLIENT_ID_CHARS));
-    ClientIds {
-        header: header_text(headers, CONVERSATION_HEADER).and_then(bounded),
-        session: ["session-id", "session_id"]
-            .into_iter()
-            .find_map(|name| header_text(headers, name))
-            .and_then(bounded),
-        cache_key: body
-            .get("prompt_cache_key")
-            .and_then(Value::as_str)
-            .filter(|k| !k.trim().is_empty())
-            .and_then(bounded),
-    }
 }
 
 /// A header's text, if present, text and not blank.

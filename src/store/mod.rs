@@ -12,6 +12,7 @@
 pub mod journal;
 pub mod postgres;
 pub mod query;
+pub mod retention;
 pub mod sqlite;
 
 use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
@@ -130,8 +131,7 @@ pub struct ExchangeRecord {
 /// Most characters of a `user-agent` kept as the client's name.
 pub const MAX_CLIENT_CHARS: usize = 120;
 
-/// Most characters kept of each client-sent id.
-pub const MAX_CLIENT_ID_CHARS: usize = 200;
+pub use crate::wire::MAX_CLIENT_ID_CHARS;
 
 /// Most characters of a conversation's first-message preview.
 pub const MAX_PREVIEW_CHARS: usize = 160;
@@ -145,48 +145,9 @@ pub struct RecordedWindow {
     pub source: crate::windows::Source,
 }
 
-/// The ids a client sent for its conversation, each as sent (cut to
-/// [`MAX_CLIENT_ID_CHARS`]): what people call the conversation.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
-pub struct ClientIds {
-    /// Our `x-compactor-conversation` header.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub header: Option<String>,
-    /// A `session-id` / `session_id` header (Codex sends one).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub session: Option<String>,
-    /// The body's `prompt_cache_key`.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub cache_key: Option<String>,
-}
+pub use crate::wire::ClientIds;
 
-impl ClientIds {
-    /// The distinct ids, in the order [`ClientIds`] lists them.
-    pub fn distinct(&self) -> Vec<&str> {
-        let mut out: Vec<&str> = Vec::new();
-        for id in [&self.header, &self.session, &self.cache_key]
-            .into_iter()
-            .flatten()
-        {
-            if !out.contains(&id.as_str()) {
-                out.push(id);
-            }
-        }
-        out
-    }
-}
-
-/// `s` cut to at most `max` characters (with an ellipsis when cut).
-pub fn bounded_text(s: &str, max: usize) -> String {
-    match s.char_indices().nth(max) {
-        None => s.to_string(),
-        Some((at, _)) => {
-            let mut out = s[..at].to_string();
-            out.push('…');
-            out
-        }
-    }
-}
+pub use crate::wire::bounded_text;
 
 /// Anything the writer thread persists.
 #[derive(Debug, Clone)]
@@ -628,6 +589,12 @@ impl Store {
         let id = block.start;
         block.start += 1;
         Ok(id)
+    }
+
+    /// Forgets which items are stored: after items were deleted, every
+    /// record sends its items' bodies again until it is known anew.
+    pub fn forget_known_items(&self) {
+        *self.known.lock().unwrap_or_else(|p| p.into_inner()) = Generations::new(KNOWN_ITEMS);
     }
 
     /// Marks `hash` as stored (or about to be); true if it was not yet.

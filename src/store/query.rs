@@ -184,6 +184,10 @@ pub struct CompactionRow {
     pub items_removed: u64,
     /// Items kept verbatim.
     pub items_kept: u64,
+    /// The earlier items its summary says it stands for (its header's
+    /// "summary of N earlier items"), for summary rungs: the count views
+    /// show, so the two agree.
+    pub summarized_items: Option<u64>,
     /// The summary text (summary rungs).
     pub summary: Option<String>,
     /// The compaction it extends.
@@ -481,6 +485,7 @@ fn compaction_row(c: &Compaction, exchanges: &[ExchangeRow]) -> CompactionRow {
         covered_len: c.covered_len as u64,
         items_removed: c.items_removed as u64,
         items_kept: c.items_kept as u64,
+        summarized_items: c.summary.as_deref().and_then(summarized_items),
         summary: c.summary.clone(),
         base: c.base.clone(),
         summary_calls: c.summary_calls,
@@ -605,6 +610,13 @@ fn load_compaction_by_id(conn: &Connection, id: &str) -> Result<Option<Compactio
         .find(|c| c.id == id))
 }
 
+/// N of a summary's header, `[compactor summary of N earlier items]`.
+fn summarized_items(summary: &str) -> Option<u64> {
+    let rest = summary.strip_prefix(crate::compaction::items::SUMMARY_MARKER)?;
+    let n = rest.strip_prefix(" of ")?.split(' ').next()?;
+    n.parse().ok()
+}
+
 /// Item bodies already read (a history repeats its items in every exchange).
 #[derive(Default)]
 struct ItemCache(HashMap<ItemHash, Value>);
@@ -664,7 +676,8 @@ pub fn archived_item(conn: &Connection, reference: &str) -> Result<Option<Value>
     Ok(body.map(|b| serde_json::from_str(&b).unwrap_or(Value::String(b))))
 }
 
-fn parse_hex8(s: &str) -> Option<[u8; 8]> {
+/// The 8 bytes 16 hex digits spell.
+pub(crate) fn parse_hex8(s: &str) -> Option<[u8; 8]> {
     if s.len() != 16 {
         return None;
     }
@@ -786,6 +799,19 @@ mod tests {
         assert_eq!(resolve_id(b.connection(), "old-42").unwrap(), "conv_cccc03");
         let list = list_conversations(b.connection(), &Config::default(), 10).unwrap();
         assert_eq!(list[0].client_ids, ["old-42"]);
+    }
+
+    #[test]
+    fn a_summary_header_gives_its_count() {
+        assert_eq!(
+            summarized_items("[compactor summary of 7 earlier items]\n## TASK"),
+            Some(7)
+        );
+        assert_eq!(
+            summarized_items("[compactor summary of 1 earlier item]"),
+            Some(1)
+        );
+        assert_eq!(summarized_items("no header"), None);
     }
 
     #[test]

@@ -204,6 +204,78 @@ pub fn credential(headers: &http::HeaderMap) -> Option<&[u8]> {
         .map(|v| v.as_bytes())
 }
 
+/// The ids a client sent for its conversation, each as sent (cut to
+/// `MAX_CLIENT_ID_CHARS`): what people call the conversation.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ClientIds {
+    /// Our `x-compactor-conversation` header.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub header: Option<String>,
+    /// A `session-id` / `session_id` header (Codex sends one).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session: Option<String>,
+    /// The body's `prompt_cache_key`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_key: Option<String>,
+}
+
+impl ClientIds {
+    /// The distinct ids, in the order [`ClientIds`] lists them.
+    pub fn distinct(&self) -> Vec<&str> {
+        let mut out: Vec<&str> = Vec::new();
+        for id in [&self.header, &self.session, &self.cache_key]
+            .into_iter()
+            .flatten()
+        {
+            if !out.contains(&id.as_str()) {
+                out.push(id);
+            }
+        }
+        out
+    }
+}
+
+/// Most characters kept of each client-sent id.
+pub const MAX_CLIENT_ID_CHARS: usize = 200;
+
+/// The ids a client sent for its conversation: our header, a session
+/// header (Codex's `session-id`), the body's `prompt_cache_key`; each cut to
+/// [`MAX_CLIENT_ID_CHARS`].
+pub fn client_ids(headers: &http::HeaderMap, body: &Value) -> ClientIds {
+    let text = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|v| !v.is_empty())
+    };
+    let bounded = |s: &str| Some(bounded_text(s, MAX_CLIENT_ID_CHARS));
+    ClientIds {
+        header: text("x-compactor-conversation").and_then(bounded),
+        session: ["session-id", "session_id"]
+            .into_iter()
+            .find_map(text)
+            .and_then(bounded),
+        cache_key: body
+            .get("prompt_cache_key")
+            .and_then(Value::as_str)
+            .filter(|k| !k.trim().is_empty())
+            .and_then(bounded),
+    }
+}
+
+/// `s` cut to at most `max` characters (with an ellipsis when cut).
+pub fn bounded_text(s: &str, max: usize) -> String {
+    match s.char_indices().nth(max) {
+        None => s.to_string(),
+        Some((at, _)) => {
+            let mut out = s[..at].to_string();
+            out.push('…');
+            out
+        }
+    }
+}
+
 /// An explicit conversation key the client sent, in order of preference:
 /// our own header, the `session-id`/`session_id` header, `prompt_cache_key`,
 /// then `metadata.session_id`/`metadata.conversation_id`.

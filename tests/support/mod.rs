@@ -423,3 +423,26 @@ where
     });
     (url, requests)
 }
+
+/// Runs the real `compactor ARGS` off the async threads (a proxy it talks
+/// to may run on them), with none of the caller's settings but `env`;
+/// returns exit code, stdout, stderr.
+pub async fn cli(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_compactor"));
+    cmd.args(args)
+        .env_remove("COMPACTOR_CONFIG")
+        .env_remove("COMPACTOR_DB")
+        .env_remove("COMPACTOR_LISTEN");
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    let out = within(tokio::task::spawn_blocking(move || cmd.output()))
+        .await
+        .expect("join")
+        .expect("run compactor");
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
