@@ -137,6 +137,16 @@ fn check_config_with_an_unreachable_database_fails_and_never_prints_its_password
         out.contains("store.url") && !out.contains("s3cret-pw"),
         "{out}"
     );
+    // Retention deletes from SQLite only: refused with PostgreSQL.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("retain.toml");
+    std::fs::write(&path, "[store]\nretain_days = 30\n").unwrap();
+    let (code, out) = run(compactor()
+        .args(["serve", "--check-config", "--config"])
+        .arg(&path)
+        .env("COMPACTOR_DATABASE_URL", &url));
+    assert_eq!(code, 64, "{out}");
+    assert!(out.contains("store.retain_days"), "{out}");
 }
 
 #[test]
