@@ -11,6 +11,11 @@
 //!   the clients and the fake upstream.
 //! - `BENCH_CN_N` (default 8000): measured requests per side at c=32, in 8
 //!   rounds per side.
+//! - `BENCH_POSTGRES=1`: every scenario runs a second time with the store on
+//!   PostgreSQL (rows marked `pg`), on a throwaway cluster started for the
+//!   run (`initdb`, fsync on), a fresh database per scenario. The `commit`
+//!   column is the mean time of the store's commits, which a PostgreSQL
+//!   exchange's answer waits for.
 //!
 //! Set-up, per scenario (so each starts from an empty store and the fake
 //! upstream's record of received bodies is freed afterwards):
@@ -68,6 +73,7 @@ struct Opts {
     proxy_threads: usize,
     load_threads: usize,
     filter: Option<String>,
+    postgres: bool,
 }
 
 fn env_usize(name: &str, default: usize) -> usize {
@@ -96,6 +102,7 @@ fn opts() -> Opts {
         proxy_threads: env_usize("BENCH_PROXY_THREADS", 1),
         load_threads: env_usize("BENCH_LOAD_THREADS", 1),
         filter,
+        postgres: std::env::var("BENCH_POSTGRES").is_ok_and(|v| !v.is_empty() && v != "0"),
     }
 }
 
@@ -656,6 +663,11 @@ async fn burst(
 
 // ---------------------------------------------------------------- rig
 
+/// The throwaway PostgreSQL cluster of `BENCH_POSTGRES=1`.
+#[path = "../tests/support/postgres.rs"]
+#[allow(dead_code)]
+mod pg_cluster;
+
 struct Rig {
     load_rt: Runtime,
     proxy_rt: Runtime,
@@ -665,11 +677,13 @@ struct Rig {
     shutdown: Option<oneshot::Sender<()>>,
     server: Option<tokio::task::JoinHandle<()>>,
     db: PathBuf,
+    /// The PostgreSQL database, when the store is there.
+    pg_url: Option<String>,
     _dir: tempfile::TempDir,
 }
 
 impl Rig {
-    fn start(o: &Opts) -> Rig {
+    fn start(o: &Opts, pg_url: Option<String>) -> Rig {
         let load_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(o.load_threads)
             .thread_name("bench-load")
@@ -696,6 +710,7 @@ impl Rig {
         let mut config = Config::default();
         config.upstream.base_url = fake.url();
         config.store.path = db.display().to_string();
+        config.store.url = pg_url.clone().unwrap_or_default();
         config.server.shutdown_grace_secs = 1;
         let (state, listener) = proxy_rt.block_on(async {
             let state = AppState::open(config).expect("open proxy state");
@@ -721,6 +736,7 @@ impl Rig {
             shutdown: Some(tx),
             server: Some(server),
             db,
+            pg_url,
             _dir: dir,
         }
     }
@@ -738,6 +754,19 @@ impl Rig {
     }
 
     fn exchanges_recorded(&self) -> i64 {
+        if let Some(url) = &self.pg_url {
+            return self.load_rt.block_on(async {
+                let Ok((client, conn)) = tokio_postgres::connect(url, tokio_postgres::NoTls).await
+                else {
+                    return -1;
+                };
+                tokio::spawn(conn);
+                client
+                    .query_one("SELECT count(*) FROM exchanges", &[])
+                    .await
+                    .map_or(-1, |r| r.get(0))
+            });
+        }
         rusqlite::Connection::open_with_flags(&self.db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
             .and_then(|c| c.query_row("SELECT count(*) FROM exchanges", [], |r| r.get(0)))
             .unwrap_or(-1)
@@ -779,6 +808,8 @@ struct Scenario {
     variant: Variant,
     stream: bool,
     conc: usize,
+    /// The store on PostgreSQL rather than SQLite.
+    pg: bool,
 }
 
 impl Scenario {
@@ -795,7 +826,7 @@ impl Scenario {
             },
             if self.stream { "sse " } else { "json" },
             self.conc
-        )
+        ) + if self.pg { " pg" } else { "" }
     }
 }
 
@@ -854,6 +885,8 @@ struct Row {
     name: String,
     side: [SideStats; 2],
     recorded: i64,
+    /// Mean time of the store's commits, ms, and how many there were.
+    commit: (f64, f64),
     /// Seconds waited after warm-up for the proxy's background work.
     settle: f64,
     /// CPU of all the proxy's threads per proxied request, ms.
@@ -871,9 +904,9 @@ struct Row {
     secs: f64,
 }
 
-fn run_scenario(o: &Opts, sc: Scenario) -> Row {
+fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> Row {
     let started = Instant::now();
-    let rig = Rig::start(o);
+    let rig = Rig::start(o, pg.filter(|_| sc.pg).map(|c| c.database()));
     let urls = rig.urls(sc.variant);
     // Both sides get byte-identical sessions (same seeds).
     let sessions = |n: usize| -> Vec<Session> {
@@ -970,6 +1003,10 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
         (out, settle, thread_cpu().minus(&cpu0), busy, load_ns)
     });
     let recorded = rig.exchanges_recorded();
+    let commit = rig
+        .state
+        .as_ref()
+        .map_or((0.0, 0.0), |s| commit_mean(&s.metrics));
     rig.stop();
     let [d, p] = collected;
     let (dn, pn) = (d.samples.len() + d.errors, p.samples.len() + p.errors);
@@ -990,6 +1027,7 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
         name: sc.name(),
         side: [stats(d), stats(p)],
         recorded,
+        commit,
         settle: settle.as_secs_f64(),
         proxy_cpu_ms,
         proxy_cpu_by_thread,
@@ -998,6 +1036,21 @@ fn run_scenario(o: &Opts, sc: Scenario) -> Row {
         load_cpu_by_side,
         secs: started.elapsed().as_secs_f64(),
     }
+}
+
+/// The mean of `compactor_store_commit_seconds`, ms, and its count.
+fn commit_mean(m: &compactor::metrics::Metrics) -> (f64, f64) {
+    let text = m.render(&Default::default());
+    let value = |name: &str| {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+            .unwrap_or(0.0)
+    };
+    let (sum, count) = (
+        value("compactor_store_commit_seconds_sum"),
+        value("compactor_store_commit_seconds_count"),
+    );
+    (sum * 1000.0 / count.max(1.0), count)
 }
 
 /// CPU seconds used so far by the proxy's threads (runtime workers, blocking
@@ -1363,12 +1416,18 @@ fn main() {
                     {
                         continue;
                     }
-                    scenarios.push(Scenario {
-                        size,
-                        variant,
-                        stream,
-                        conc,
-                    });
+                    for pg in [false, true] {
+                        if pg && !o.postgres {
+                            continue;
+                        }
+                        scenarios.push(Scenario {
+                            size,
+                            variant,
+                            stream,
+                            conc,
+                            pg,
+                        });
+                    }
                 }
             }
         }
@@ -1400,9 +1459,18 @@ fn main() {
         o.proxy_threads,
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
     );
+    let cluster = if o.postgres {
+        let c = pg_cluster::PgCluster::start_with(true);
+        if c.is_none() {
+            scenarios.retain(|s| !s.pg);
+        }
+        c
+    } else {
+        None
+    };
     let mut rows = Vec::new();
     for sc in scenarios {
-        let row = run_scenario(&o, sc);
+        let row = run_scenario(&o, sc, cluster.as_ref());
         eprintln!(
             "  done {:<20} in {:5.1} s (settled {:.1} s after warm-up; direct p50 {:.3} ms, proxy p50 {:.3} ms)",
             row.name, row.secs, row.settle, row.side[0].p50, row.side[1].p50
@@ -1412,7 +1480,7 @@ fn main() {
 
     println!();
     println!(
-        "{:<20} {:>5} | {:>15} | {:>15} | {:>7} {:>7} | {:>6} {:>6} {:>5} | {:>13} {:>6} | {:>11} | {:>4}",
+        "{:<23} {:>5} | {:>15} | {:>15} | {:>7} {:>7} | {:>6} {:>6} {:>5} | {:>13} {:>6} | {:>11} | {:>4} | {:>12}",
         "scenario",
         "KB",
         "direct p50/p99",
@@ -1425,7 +1493,8 @@ fn main() {
         "ttfb50 d/p",
         "+ttfb",
         "cpu/req p/l",
-        "rec"
+        "rec",
+        "commit ms/n"
     );
     println!("{}", "-".repeat(144));
     for r in &rows {
@@ -1439,7 +1508,7 @@ fn main() {
             ("-".into(), "-".into())
         };
         println!(
-            "{:<20} {:>5.0} | {:>15} | {:>15} | {:>+7.3} {:>+7.2} | {:>6.0} {:>6.0} {:>5.2} | {:>13} {:>6} | {:>11} | {:>4}",
+            "{:<23} {:>5.0} | {:>15} | {:>15} | {:>+7.3} {:>+7.2} | {:>6.0} {:>6.0} {:>5.2} | {:>13} {:>6} | {:>11} | {:>4} | {:>12}",
             r.name,
             d.mean_kb,
             format!("{:.3}/{:.2}", d.p50, d.p99),
@@ -1452,13 +1521,15 @@ fn main() {
             ttfb.0,
             ttfb.1,
             format!("{:.2}/{:.2}", r.proxy_cpu_ms, r.load_cpu_ms),
-            r.recorded
+            r.recorded,
+            format!("{:.3}/{:.0}", r.commit.0, r.commit.1)
         );
     }
     println!(
         "(ms; rps = measured requests / wall time of their rounds (c=1: 1 / mean latency); ratio = proxy/direct rps; \
          cpu/req p/l = CPU ms per request of the proxy's threads / of the load runtime (c=32: clients + fake; \
-         c=1: fake only); rec = exchanges in the proxy's store, warm-up included)"
+         c=1: fake only); rec = exchanges in the proxy's store, warm-up included; commit = mean ms of the \
+         store's commits / their number (SQLite: the journal's imports; pg: the commits answers wait for))"
     );
     println!();
     println!(

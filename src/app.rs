@@ -13,6 +13,7 @@ use crate::bounded::Generations;
 use crate::config::{Config, ModelLimits};
 use crate::conversation::ConversationIndex;
 use crate::engine::Compactions;
+use crate::store::postgres::{self, Postgres, PostgresBackend, PostgresReads};
 use crate::store::sqlite::{SqliteBackend, SqliteReads};
 use crate::store::{Reads, Store};
 use crate::tokens::TokenCounter;
@@ -34,6 +35,8 @@ pub struct AppState {
     /// The store's point reads (compaction bodies, explicit keys,
     /// `previous_response_id` histories).
     pub reads: Arc<dyn Reads>,
+    /// The PostgreSQL pool, when the records are there (for its gauges).
+    pub postgres: Option<Arc<Postgres>>,
     /// Prefix / key / response-id → conversation.
     pub conversations: ConversationIndex,
     /// Token estimates.
@@ -81,22 +84,40 @@ impl AppState {
 
     /// Opens the store and builds the upstream client.
     pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
-        let path = config.store_path();
-        let backend = SqliteBackend::open_writer(&path)
-            .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
-        let journal = crate::store::Journal::open(&path)
-            .map_err(|e| anyhow::anyhow!("cannot open the journal of {}: {e}", path.display()))?;
-        let (store, mut snapshot) = Store::start(
-            Box::new(backend),
-            Some(journal),
-            crate::conversation::STORE_LIMITS,
-        )?;
-        let reads: Arc<dyn Reads> = Arc::new(SqliteReads::new(&path));
+        let (store, mut snapshot, reads, postgres) = if config.store.is_postgres() {
+            let shown = config.store.shown_url();
+            let pg = Postgres::open(&postgres::Options::from_config(&config.store))
+                .map_err(|e| anyhow::anyhow!("cannot open the database {shown}: {e}"))?;
+            let ids = pg.clone();
+            let (store, snapshot) = Store::start_shared(
+                Box::new(PostgresBackend::new(pg.clone())),
+                Box::new(move || ids.reserve_ids()),
+                crate::conversation::STORE_LIMITS,
+            )
+            .map_err(|e| anyhow::anyhow!("cannot load the database {shown}: {e}"))?;
+            let reads: Arc<dyn Reads> = Arc::new(PostgresReads::new(pg.clone()));
+            (store, snapshot, reads, Some(pg))
+        } else {
+            let path = config.store_path();
+            let backend = SqliteBackend::open_writer(&path)
+                .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
+            let journal = crate::store::Journal::open(&path).map_err(|e| {
+                anyhow::anyhow!("cannot open the journal of {}: {e}", path.display())
+            })?;
+            let (store, snapshot) = Store::start(
+                Box::new(backend),
+                Some(journal),
+                crate::conversation::STORE_LIMITS,
+            )?;
+            let reads: Arc<dyn Reads> = Arc::new(SqliteReads::new(&path));
+            (store, snapshot, reads, None)
+        };
         let by_key = reads.clone();
         let conversations = ConversationIndex::from_snapshot(
             &snapshot,
             Arc::new(move |tenant: &str, key: &str| by_key.conversation_of_key(tenant, key)),
-        );
+        )
+        .shared_with(reads.clone());
         let stored = std::mem::take(&mut snapshot.compactions);
         let windows = crate::windows::Windows::from_stored(
             &config.upstream.base_url,
@@ -104,17 +125,21 @@ impl AppState {
         );
         let by_id = reads.clone();
         let compactions =
-            Compactions::from_stored(stored, Arc::new(move |id: &str| by_id.compaction(id)));
+            Compactions::from_stored(stored, Arc::new(move |id: &str| by_id.compaction(id)))
+                .shared_with(reads.clone());
+        let metrics = crate::metrics::Metrics::new();
+        store.observe_commits(Box::new(metrics.commit_observer()));
         Ok(Arc::new(AppState {
             compactions,
             upstream: Upstream::new(&config.upstream)?,
             store,
             reads,
+            postgres,
             conversations,
             tokens: TokenCounter::new_warm(),
             item_caches: Arc::default(),
             tenant_salt: snapshot.salt,
-            metrics: crate::metrics::Metrics::new(),
+            metrics,
             background: Background::global(),
             limits: Mutex::new(Generations::new(MODELS_KEPT / 2)),
             windows,

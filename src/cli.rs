@@ -154,6 +154,9 @@ pub struct StoreArgs {
     /// SQLite database path.
     #[arg(long, env = "COMPACTOR_DB")]
     pub db: Option<PathBuf>,
+    /// PostgreSQL URL, in place of the SQLite file (`[store] url`).
+    #[arg(long, env = "COMPACTOR_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
     /// Machine-readable JSON instead of a table.
     #[arg(long)]
     pub json: bool,
@@ -203,18 +206,32 @@ pub struct ConfigArgs {
     /// SQLite database path.
     #[arg(long, env = "COMPACTOR_DB")]
     pub db: Option<PathBuf>,
+    /// PostgreSQL URL, in place of the SQLite file (`[store] url`).
+    #[arg(long, env = "COMPACTOR_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
 }
 
 impl ConfigArgs {
     /// The effective configuration: file (if any) with flags/env on top.
     pub fn load_config(&self) -> Result<Config, ConfigError> {
-        layered_config(
+        let config = layered_config(
             self.config.as_deref(),
             self.listen.as_deref(),
             self.upstream.as_deref(),
             self.db.as_deref(),
-        )
+        )?;
+        with_database_url(config, self.database_url.as_deref())
     }
+}
+
+/// `config` with the `--database-url` / `COMPACTOR_DATABASE_URL` given on
+/// top, validated again.
+pub fn with_database_url(mut config: Config, url: Option<&str>) -> Result<Config, ConfigError> {
+    if let Some(u) = url.filter(|u| !u.is_empty()) {
+        config.store.url = u.to_string();
+        config.validate()?;
+    }
+    Ok(config)
 }
 
 /// What `--check-config` prints: every effective setting, where it came
@@ -250,6 +267,14 @@ fn check_config(args: &ConfigArgs, config: &Config) -> String {
                 args.db.as_ref().map(|d| d.display().to_string()),
             ),
         ),
+        (
+            "store.url",
+            origin(
+                "--database-url",
+                "COMPACTOR_DATABASE_URL",
+                args.database_url.clone(),
+            ),
+        ),
     ]
     .into_iter()
     .filter_map(|(k, o)| Some((k, o?)))
@@ -270,10 +295,14 @@ fn check_config(args: &ConfigArgs, config: &Config) -> String {
         .unwrap_or_default();
         out.push_str(&format!("  config file: {} ({how})\n", path.display()));
     }
-    out.push_str(&format!(
-        "  store file: {}\n",
-        config.store_path().display()
-    ));
+    if config.store.is_postgres() {
+        out.push_str(&format!("  database: {}\n", config.store.shown_url()));
+    } else {
+        out.push_str(&format!(
+            "  store file: {}\n",
+            config.store_path().display()
+        ));
+    }
     let settings = config.settings(file.as_ref(), &given);
     let rows: Vec<Vec<String>> = settings
         .into_iter()
@@ -423,7 +452,11 @@ fn serve(args: ServeArgs) -> ExitCode {
         }
     };
     if args.check_config {
-        return print_out(&check_config(&args.settings, &config));
+        print!("{}", check_config(&args.settings, &config));
+        if config.store.is_postgres() {
+            return check_database(&config);
+        }
+        return ExitCode::SUCCESS;
     }
     init_logging(args.log_format);
     let runtime = match crate::server::runtime_builder().build() {
@@ -474,13 +507,43 @@ fn banner(state: &AppState, addr: std::net::SocketAddr) {
     tracing::info!(
         listen = %addr,
         upstream = %state.upstream.base(),
-        store = %c.store_path().display(),
+        store = %c.store.shown(&c.store_path()),
         trigger_ratio = c.compaction.trigger_ratio,
         warn_ratio = c.compaction.warn_ratio,
         models = %models.join(", "),
         windows_told = %told.join(", "),
         "compactor listening"
     );
+}
+
+/// `--check-config` with a PostgreSQL store: connects, and says whether
+/// the schema is current (`serve` brings it up to date at start-up).
+fn check_database(config: &Config) -> ExitCode {
+    let opts = crate::store::postgres::Options::from_config(&config.store);
+    let status = crate::store::postgres::Postgres::new(&opts).and_then(|pg| pg.status());
+    match status {
+        Ok(s) if s.is_current() => {
+            println!(
+                "  database: reachable, schema current (version {})",
+                s.applied
+            );
+            ExitCode::SUCCESS
+        }
+        Ok(s) => {
+            println!(
+                "  database: reachable, schema at version {} of {} (serve migrates it at start-up)",
+                s.applied, s.latest
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!(
+                "compactor: cannot reach the database {}: {e}",
+                config.store.shown_url()
+            );
+            ExitCode::FAILURE
+        }
+    }
 }
 
 /// Resolves on Ctrl-C or SIGTERM.
@@ -529,7 +592,9 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
         | ConversationsCommand::Show { store, .. }
         | ConversationsCommand::Export { store, .. } => store,
     };
-    let config = match layered_config(store.config.as_deref(), None, None, store.db.as_deref()) {
+    let config = match layered_config(store.config.as_deref(), None, None, store.db.as_deref())
+        .and_then(|c| with_database_url(c, store.database_url.as_deref()))
+    {
         Ok(c) => c,
         Err(e) => {
             eprintln!("compactor: configuration error: {e}");

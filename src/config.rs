@@ -107,6 +107,10 @@ impl Config {
                     None => Origin::Default,
                 };
                 let value = match toml::Value::try_from(v) {
+                    // Its password never shown.
+                    Ok(_) if key == "store.url" && self.store.is_postgres() => {
+                        format!("\"{}\"", self.store.shown_url())
+                    }
                     Ok(t) => t.to_string(),
                     // TOML has no null: a setting left unset.
                     Err(_) => "(unset)".to_string(),
@@ -235,15 +239,85 @@ impl UpstreamConfig {
 }
 
 /// `[store]`
-#[derive(Debug, Clone, Default, Deserialize, Serialize)]
+#[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct StoreConfig {
     /// SQLite database file. Empty: the platform data dir.
     pub path: String,
+    /// PostgreSQL URL (`postgres://user@host:5432/db`): records shared by
+    /// every replica given the same URL. Empty: the SQLite file above.
+    pub url: String,
+    /// Environment variable holding the PostgreSQL password, when neither
+    /// the URL nor `PGPASSWORD` gives one.
+    pub password_env: String,
+    /// Most PostgreSQL connections one process keeps open.
+    pub pool_size: usize,
+    /// A PostgreSQL statement running longer than this is cancelled, ms;
+    /// also how long a request waits for a pooled connection.
+    pub statement_timeout_ms: u64,
     /// Conversations last seen longer ago than this many days are deleted
     /// by the running proxy (hourly), with the items nothing else refers
     /// to. None: kept until deleted by hand.
     pub retain_days: Option<u32>,
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            path: String::new(),
+            url: String::new(),
+            password_env: String::new(),
+            pool_size: 16,
+            statement_timeout_ms: 5_000,
+            retain_days: None,
+        }
+    }
+}
+
+impl StoreConfig {
+    /// Whether the records are on PostgreSQL.
+    pub fn is_postgres(&self) -> bool {
+        !self.url.is_empty()
+    }
+
+    /// The URL as it may be shown: any password in it replaced by `***`.
+    pub fn shown_url(&self) -> String {
+        match reqwest::Url::parse(&self.url) {
+            Ok(mut u) => {
+                if u.password().is_some() {
+                    let _ = u.set_password(Some("***"));
+                }
+                u.to_string()
+            }
+            // Not a URL the validation accepts; show nothing of it.
+            Err(_) => "(invalid URL)".into(),
+        }
+    }
+
+    /// The password: from the URL, else `PGPASSWORD`, else the variable
+    /// `password_env` names.
+    pub fn password(&self) -> Option<String> {
+        let from_url = reqwest::Url::parse(&self.url).ok().and_then(|u| {
+            u.password().map(|p| {
+                percent_encoding::percent_decode_str(p)
+                    .decode_utf8_lossy()
+                    .into_owned()
+            })
+        });
+        let from_env = |name: &str| std::env::var(name).ok().filter(|p| !p.is_empty());
+        from_url
+            .or_else(|| from_env("PGPASSWORD"))
+            .or_else(|| (!self.password_env.is_empty()).then(|| from_env(&self.password_env))?)
+    }
+
+    /// Where records are, as the banner and `--check-config` show it.
+    pub fn shown(&self, path: &Path) -> String {
+        if self.is_postgres() {
+            self.shown_url()
+        } else {
+            path.display().to_string()
+        }
+    }
 }
 
 /// `[compaction]`
@@ -446,6 +520,25 @@ impl Config {
                 "compaction.tool_output_keep_bytes",
                 "must be less than tool_output_max_bytes",
             );
+        }
+        let st = &self.store;
+        if st.is_postgres() {
+            match reqwest::Url::parse(&st.url) {
+                Ok(u) if u.scheme() == "postgres" || u.scheme() == "postgresql" => {}
+                _ => return invalid("store.url", "not a postgres:// URL"),
+            }
+            if st.pool_size == 0 {
+                return invalid("store.pool_size", "must be greater than 0");
+            }
+            if st.statement_timeout_ms == 0 {
+                return invalid("store.statement_timeout_ms", "must be greater than 0");
+            }
+            if st.retain_days.is_some() {
+                return invalid(
+                    "store.retain_days",
+                    "deletes from the SQLite store only: not with store.url (PostgreSQL) yet",
+                );
+            }
         }
         let token_env = &self.admin.token_env;
         if token_env.contains(['=', '\0']) || token_env.trim() != token_env {

@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::bounded::Generations;
 
-use crate::store::{IndexedExchange, PrefixRef, Snapshot};
+use crate::store::{IndexedExchange, PrefixRef, Reads, Snapshot};
 use crate::wire::ItemHash;
 
 /// Salted hash of the client's credential: identifies a tenant without
@@ -142,13 +142,18 @@ const MAX_TIPS: usize = 4;
 /// `Inner::lengths`.
 const COUNTED_LENGTHS: usize = 1 << 16;
 
+/// Whether a request of `len` items whose prefix is `hit` goes on from it:
+/// past it, or from its response, or again after it was not answered whole.
+fn extends(hit: &Hit, len: usize) -> bool {
+    hit.prefix.full || len > hit.prefix.len || !hit.answered
+}
+
 impl Inner {
     /// Whether a request of `len` items whose prefix is `hit` continues
     /// the hit's conversation: it extends one of its recent tips, or
     /// retries one not answered whole.
     fn continues(&self, tenant: &str, hit: &Hit, len: usize) -> bool {
-        let extends = hit.prefix.full || len > hit.prefix.len || !hit.answered;
-        extends
+        extends(hit, len)
             && self
                 .recent
                 .get(&(tenant.to_string(), hit.conversation.clone()))
@@ -265,6 +270,9 @@ pub struct ConversationIndex {
     inner: Mutex<Inner>,
     /// Explicit keys no longer kept in memory are looked up here.
     stored_key: Option<LookupKey>,
+    /// A store other processes write too: what the index lacks (another
+    /// replica served it) is looked up there, the index being its cache.
+    shared: Option<Arc<dyn Reads>>,
 }
 
 impl ConversationIndex {
@@ -289,6 +297,15 @@ impl ConversationIndex {
             inner.by_key.truncated = snap.keys_truncated;
         }
         idx
+    }
+
+    /// The index over a store other processes write too (see
+    /// [`Reads::shared`]): requests it has not seen are looked up there.
+    pub fn shared_with(mut self, reads: Arc<dyn Reads>) -> Self {
+        if reads.shared() {
+            self.shared = Some(reads);
+        }
+        self
     }
 
     /// An empty index keeping `per_generation` explicit keys per generation,
@@ -327,14 +344,38 @@ impl ConversationIndex {
             .rev()
             .filter(|(i, _)| inner.may_cover(i + 1))
             .filter_map(|(_, c)| inner.by_chain.get(&scope.chain(c)));
-        let hit = hits.next().cloned();
-        let continued = match &hit {
+        let mut hit = hits.next().cloned();
+        let mut continued = match &hit {
             Some(h) if inner.continues(tenant, h, chains.len()) => Some(h.clone()),
             Some(_) => hits
                 .find(|h| inner.continues(tenant, h, chains.len()))
                 .cloned(),
             None => None,
         };
+        // Another replica may have recorded a longer prefix since: looked
+        // up without the lock. Not when memory has all but the request's
+        // last item (the next turn of a session this replica served last):
+        // longer would be this very request again.
+        let known = hit.as_ref().map_or(0, |h| h.prefix.len).min(chains.len());
+        let shared = self.shared.as_ref().filter(|_| known + 1 < chains.len());
+        if let Some(shared) = shared {
+            drop(inner);
+            if let Some(found) = shared.exchange_by_chain(tenant, &chains[known..]) {
+                if found.prefix.len > known {
+                    let h = Hit {
+                        conversation: found.conversation,
+                        prefix: found.prefix,
+                        answered: found.answered,
+                    };
+                    // As `Inner::continues`, with the store's tips.
+                    if found.tip && extends(&h, chains.len()) {
+                        continued = Some(h.clone());
+                    }
+                    hit = Some(h);
+                }
+            }
+            inner = self.lock();
+        }
         let prefix = hit.as_ref().map(|h| h.prefix);
         if let Some(k) = explicit_key {
             let key = (tenant.to_string(), k.to_string());
@@ -354,7 +395,7 @@ impl ConversationIndex {
             let lookup = self
                 .stored_key
                 .as_ref()
-                .filter(|_| inner.by_key.may_be_stored());
+                .filter(|_| self.shared.is_some() || inner.by_key.may_be_stored());
             let stored = match lookup {
                 Some(lookup) => {
                     drop(inner);
@@ -383,6 +424,18 @@ impl ConversationIndex {
             {
                 return Identified {
                     conversation: c.clone(),
+                    is_new: false,
+                    prefix,
+                };
+            }
+            drop(inner);
+            if let Some(conversation) = self
+                .shared
+                .as_ref()
+                .and_then(|shared| shared.conversation_of_response(tenant, prev))
+            {
+                return Identified {
+                    conversation,
                     is_new: false,
                     prefix,
                 };
@@ -703,6 +756,47 @@ mod tests {
         let other = idx.identify("u", Some("k1"), None, &[]);
         assert!(other.is_new, "another tenant's key is another conversation");
         assert_ne!(other.conversation, first.conversation);
+    }
+
+    /// A shared store that counts its chain lookups and finds nothing.
+    #[derive(Default)]
+    struct CountingStore(std::sync::atomic::AtomicUsize);
+
+    impl crate::store::Reads for CountingStore {
+        fn compaction(&self, _: &str) -> Option<crate::compaction::Compaction> {
+            None
+        }
+        fn conversation_of_key(&self, _: &str, _: &str) -> Option<String> {
+            None
+        }
+        fn response_history(&self, _: &str, _: &str) -> Option<Vec<serde_json::Value>> {
+            None
+        }
+        fn shared(&self) -> bool {
+            true
+        }
+        fn exchange_by_chain(&self, _: &str, _: &[ItemHash]) -> Option<crate::store::ChainHit> {
+            self.0.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+
+    #[test]
+    fn a_shared_store_is_asked_only_for_prefixes_memory_may_lack() {
+        let store = Arc::new(CountingStore::default());
+        let idx = ConversationIndex::default().shared_with(store.clone());
+        let asked = || store.0.load(Ordering::Relaxed);
+        let c = chains(8);
+        let first = idx.identify("t", None, None, &c[..2]);
+        assert_eq!(asked(), 1, "nothing in memory: asked");
+        idx.remember(&ex(1, &first.conversation, "t", &c, 2));
+        // Request and answer known here: the next turn adds one item.
+        let next = idx.identify("t", None, None, &c[..4]);
+        assert_eq!(next.conversation, first.conversation);
+        assert_eq!(asked(), 1, "memory has all but the new item: not asked");
+        // Turns this replica did not see: asked.
+        idx.identify("t", None, None, &c[..7]);
+        assert_eq!(asked(), 2);
     }
 
     #[test]

@@ -148,6 +148,11 @@ pub enum ProxyError {
     /// The store could not be read (the detail is logged, not shown).
     #[error("the store could not be read")]
     StoreUnavailable(String),
+    /// The store cannot take records now (its database is unreachable):
+    /// the request is refused before it goes upstream, so that no answer
+    /// goes out unrecorded (the detail is logged, not shown).
+    #[error("the proxy's database is unreachable; try again shortly")]
+    StoreDown(String),
 }
 
 impl ProxyError {
@@ -164,6 +169,7 @@ impl ProxyError {
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::ConversationNotFound(_) => StatusCode::NOT_FOUND,
             ProxyError::StoreUnavailable(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ProxyError::StoreDown(_) => StatusCode::SERVICE_UNAVAILABLE,
             ProxyError::LoopDetected => StatusCode::LOOP_DETECTED,
             ProxyError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
@@ -192,7 +198,8 @@ impl ProxyError {
             ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => "upstream_error",
             ProxyError::Internal(_)
             | ProxyError::LoopDetected
-            | ProxyError::StoreUnavailable(_) => "server_error",
+            | ProxyError::StoreUnavailable(_)
+            | ProxyError::StoreDown(_) => "server_error",
         }
     }
 
@@ -215,7 +222,7 @@ impl ProxyError {
             ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::ConversationNotFound(_) => "conversation_not_found",
             ProxyError::ConversationAmbiguous(_) => "conversation_id_ambiguous",
-            ProxyError::StoreUnavailable(_) => "store_unavailable",
+            ProxyError::StoreUnavailable(_) | ProxyError::StoreDown(_) => "store_unavailable",
         }
     }
 
@@ -249,6 +256,7 @@ impl ProxyError {
             }
             ProxyError::LoopDetected => tracing::error!(error = %self, "request loop"),
             ProxyError::StoreUnavailable(detail) => tracing::error!(detail, "store read failed"),
+            ProxyError::StoreDown(detail) => tracing::error!(detail, "store unreachable"),
             _ => tracing::debug!(error = %self, "rejected request"),
         }
         let mut resp = json_response(self.status(), &self.body());

@@ -266,6 +266,8 @@ struct Shared {
     forget: bool,
     /// The answer to every summarizer request, instead of the automatic one.
     summary_reply: Option<String>,
+    /// How long every summarizer request takes to be answered.
+    summary_delay: Option<Duration>,
 }
 
 /// A running fake upstream.
@@ -327,6 +329,11 @@ impl FakeUpstream {
         self.lock().summary_reply = text;
     }
 
+    /// Delays every answer to a summarizer request by `d` (a slow model).
+    pub fn set_summary_delay(&self, d: Option<Duration>) {
+        self.lock().summary_delay = d;
+    }
+
     /// Everything received so far.
     pub fn received(&self) -> Vec<Received> {
         self.lock().received.clone()
@@ -368,20 +375,29 @@ impl FakeUpstream {
             headers: parts.headers,
             body,
         };
-        let scripted = {
+        let (scripted, delay) = {
             let mut sh = self.lock();
             sh.answered += 1;
             if !sh.forget {
                 sh.received.push(rec.clone());
             }
-            match &sh.summary_reply {
-                Some(text) if is_summarizer_request(&rec.json()) => {
+            // Parsed only when a summary is answered differently: the
+            // bench's fake answers without parsing.
+            let summary = (sh.summary_reply.is_some() || sh.summary_delay.is_some())
+                && is_summarizer_request(&rec.json());
+            let delay = sh.summary_delay.filter(|_| summary);
+            let scripted = match &sh.summary_reply {
+                Some(text) if summary => {
                     Some(Reply::chat(text, (rec.body.len() as u64 / 4).max(1), 60))
                 }
                 _ => sh.script.pop_front(),
-            }
+            };
+            (scripted, delay)
         };
-        let reply = scripted.unwrap_or_else(|| auto_reply(&rec));
+        let mut reply = scripted.unwrap_or_else(|| auto_reply(&rec));
+        if let Some(d) = delay {
+            reply = Reply::Delay(d, Box::new(reply));
+        }
         render(reply).await
     }
 }

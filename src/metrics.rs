@@ -80,6 +80,12 @@ pub const TTFB_BUCKETS: &[f64] = &[
 const STATUS_MIN: u16 = 100;
 const STATUS_MAX: u16 = 599;
 
+/// Bounds of `compactor_store_commit_seconds`: a local commit takes well
+/// under a millisecond, one across a network or behind a busy disk tens.
+pub const COMMIT_BUCKETS: &[f64] = &[
+    0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+];
+
 /// Room reserved for one exposition, so a scrape grows its buffer rarely.
 const RENDER_CAPACITY: usize = 8 * 1024;
 
@@ -94,6 +100,9 @@ pub struct Gauges {
     pub compactions_stored: Option<u64>,
     /// Effective window of each model seen: (model, tokens, source).
     pub windows: Vec<(String, u64, &'static str)>,
+    /// The PostgreSQL pool, when the store is there: connections open,
+    /// idle, and callers waiting for one.
+    pub db_pool: Option<(usize, usize, usize)>,
 }
 
 /// Labels of `compactor_requests_total`.
@@ -151,6 +160,8 @@ pub struct Metrics {
     upstream_latency: Histogram,
     /// Seconds from a request's arrival to the first byte sent to the client.
     ttfb: Histogram,
+    /// Seconds the store's commits take (one per batch of records).
+    commits: Histogram,
     /// `[rung][reason]`, every pair present from the start.
     compactions: Box<[Counter]>,
     /// `[rung]`, every rung present from the start.
@@ -285,6 +296,13 @@ impl Metrics {
             ttfb.clone(),
         );
 
+        let commits = Histogram::new(COMMIT_BUCKETS.iter().copied());
+        registry.register(
+            "compactor_store_commit_seconds",
+            "Time the store takes to commit one batch of records (exchanges ending together share one)",
+            commits.clone(),
+        );
+
         let (family, compactions) = closed_family(RUNGS.iter().flat_map(|&rung| {
             REASONS
                 .iter()
@@ -340,6 +358,7 @@ impl Metrics {
             requests,
             upstream_latency,
             ttfb,
+            commits,
             compactions,
             tokens_saved,
             summary_failures,
@@ -380,6 +399,13 @@ impl Metrics {
     /// proxied request with the seconds since the request arrived.
     pub fn ttfb(&self, seconds: f64) {
         observe(&self.ttfb, seconds);
+    }
+
+    /// What the store calls after each commit, with its duration: a handle
+    /// on the commit histogram, for the store's writer thread.
+    pub fn commit_observer(&self) -> impl Fn(std::time::Duration) + Send + Sync + 'static {
+        let commits = self.commits.clone();
+        move |d| observe(&commits, d.as_secs_f64())
     }
 
     /// A compaction was stored: call from the engine when it records one,
@@ -472,6 +498,7 @@ impl Metrics {
             active_conversations: Some(self.active_conversations()),
             compactions_stored,
             windows: Vec::new(),
+            db_pool: None,
         }
     }
 
@@ -531,6 +558,21 @@ fn scrape_registry(extra: &Gauges) -> Registry {
             "compactor_compactions_stored",
             "Compactions held in memory, ready to apply",
             extra.compactions_stored,
+        ),
+        (
+            "compactor_db_pool_connections",
+            "PostgreSQL connections the pool holds open",
+            extra.db_pool.map(|p| p.0 as u64),
+        ),
+        (
+            "compactor_db_pool_idle",
+            "PostgreSQL connections idle in the pool",
+            extra.db_pool.map(|p| p.1 as u64),
+        ),
+        (
+            "compactor_db_pool_waiting",
+            "Callers waiting for a PostgreSQL connection",
+            extra.db_pool.map(|p| p.2 as u64),
         ),
     ] {
         if let Some(v) = v {

@@ -9,6 +9,8 @@ fn compactor() -> Command {
         "COMPACTOR_LISTEN",
         "COMPACTOR_UPSTREAM",
         "COMPACTOR_DB",
+        "COMPACTOR_DATABASE_URL",
+        "PGPASSWORD",
     ] {
         c.env_remove(var);
     }
@@ -100,6 +102,51 @@ fn flags_beat_env_beat_file() {
         out.contains("127.0.0.1:8787") && out.contains("compactor.db"),
         "defaults: {out}"
     );
+}
+
+#[test]
+fn check_config_with_an_unreachable_database_fails_and_never_prints_its_password() {
+    // A port nothing listens on, a moment ago.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let url = format!("postgres://compactor:s3cret-pw@127.0.0.1:{port}/compactor");
+    let (code, out) = run(compactor()
+        .args(["serve", "--check-config"])
+        .env("COMPACTOR_DATABASE_URL", &url));
+    assert_eq!(code, 1, "{out}");
+    assert!(
+        out.contains(&format!(
+            "database: postgres://compactor:***@127.0.0.1:{port}/compactor"
+        )) && out.contains("env COMPACTOR_DATABASE_URL"),
+        "shown masked: {out}"
+    );
+    assert!(out.contains("cannot reach the database"), "{out}");
+    assert!(!out.contains("s3cret-pw"), "the password leaked: {out}");
+    // The flag too, and a URL that is not PostgreSQL's is a usage error.
+    let (code, out) = run(compactor().args([
+        "serve",
+        "--check-config",
+        "--database-url",
+        "mysql://u:s3cret-pw@127.0.0.1/x",
+    ]));
+    assert_eq!(code, 64, "{out}");
+    assert!(
+        out.contains("store.url") && !out.contains("s3cret-pw"),
+        "{out}"
+    );
+    // Retention deletes from SQLite only: refused with PostgreSQL.
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("retain.toml");
+    std::fs::write(&path, "[store]\nretain_days = 30\n").unwrap();
+    let (code, out) = run(compactor()
+        .args(["serve", "--check-config", "--config"])
+        .arg(&path)
+        .env("COMPACTOR_DATABASE_URL", &url));
+    assert_eq!(code, 64, "{out}");
+    assert!(out.contains("store.retain_days"), "{out}");
 }
 
 #[test]

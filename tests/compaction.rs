@@ -666,21 +666,6 @@ fn llama_overflow(requested: u64, n_ctx: u64) -> Reply {
     )
 }
 
-/// The proxy's `/metrics` text.
-async fn scrape(h: &Harness) -> String {
-    within(async {
-        support::client()
-            .get(format!("http://{}/metrics", h.addr))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    })
-    .await
-}
-
 /// The admin API's windows, as (model, window, source).
 async fn admin_windows(h: &Harness) -> Vec<(String, u64, String)> {
     let v: Value = h.get_json("/admin/api/windows").await;
@@ -715,7 +700,7 @@ async fn a_window_the_upstream_states_is_learned_used_and_remembered() {
         windows.contains(&(MODEL.to_string(), 2048, "learned".to_string())),
         "{windows:?}"
     );
-    let metrics = scrape(&h).await;
+    let metrics = h.scrape().await;
     assert!(
         metrics.contains(&format!(
             "compactor_model_context_window{{model=\"{MODEL}\",source=\"learned\"}} 2048"
@@ -819,7 +804,7 @@ async fn a_request_whose_core_cannot_fit_gets_the_error_at_once_without_a_summar
         "no summarizer call"
     );
     assert_eq!(compactions(&h), 0);
-    let metrics = scrape(&h).await;
+    let metrics = h.scrape().await;
     assert!(
         metrics.contains("compactor_unfittable_total{goal=\"overflow\"} 1"),
         "{metrics}"
@@ -862,7 +847,7 @@ async fn a_long_history_costs_a_bounded_number_of_summarizer_calls() {
         .unwrap();
     assert_eq!(stored_calls as usize, calls);
     assert!(tokens > 0);
-    let metrics = scrape(&h).await;
+    let metrics = h.scrape().await;
     assert!(
         metrics.contains(&format!("compactor_summary_calls_total {calls}\n")),
         "{metrics}"

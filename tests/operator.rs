@@ -753,10 +753,36 @@ async fn compose_and_prometheus_scrape_the_proxy_where_it_listens() {
         ports.contains("8787:8787") && ports.contains("9090:9090"),
         "{ports}"
     );
+    // The records on the compose file's PostgreSQL, once it is healthy.
+    let url = proxy["environment"]["COMPACTOR_DATABASE_URL"]
+        .as_str()
+        .expect("COMPACTOR_DATABASE_URL");
     assert!(
-        compose["services"].get("postgres").is_none(),
-        "no service without a backend"
+        url.starts_with("postgres://") && url.contains("@postgres:5432/"),
+        "{url}"
     );
+    assert_eq!(
+        proxy["depends_on"]["postgres"]["condition"],
+        "service_healthy"
+    );
+    let postgres = &services["postgres"];
+    assert_eq!(
+        postgres["environment"]["POSTGRES_PASSWORD"],
+        proxy["environment"]["PGPASSWORD"]
+    );
+    assert!(postgres["healthcheck"]["test"]
+        .to_string()
+        .contains("pg_isready"));
+    let config = compactor::config::Config {
+        store: compactor::config::StoreConfig {
+            url: url.into(),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    config
+        .validate()
+        .expect("the compose file's database URL is valid");
 }
 
 /// The settings the Dockerfile and the systemd unit start the proxy with

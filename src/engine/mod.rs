@@ -19,8 +19,8 @@ use crate::compaction::summary;
 use crate::compaction::{cheap_rungs, prepare, rewrite, Compaction, Params, Rung};
 use crate::config::{Config, ModelLimits};
 use crate::metrics::Metrics;
-use crate::store::Store;
 use crate::store::StoredCompaction;
+use crate::store::{Reads, Store};
 use crate::tokens::TokenCounter;
 use crate::upstream::Upstream;
 use crate::wire::items::{ItemList, Tools};
@@ -237,11 +237,22 @@ pub struct Compactions {
     calibration: Mutex<Calibrations>,
     /// Conversations whose next request is to be compacted (manual).
     manual: Mutex<foldhash::HashSet<String>>,
+    /// A store other processes write too: compactions they computed are
+    /// looked up there, and computing one is claimed there first.
+    shared: Option<Arc<dyn Reads>>,
     /// The recent compaction attempts of the recent conversations, by
     /// (tenant, conversation), oldest first: discarded ones leave no
     /// compaction to show.
     attempts: Mutex<Option<Attempts>>,
 }
+
+/// How long a claim on computing a conversation's compaction lasts: past
+/// it (a replica died mid-compaction) another may compute it. Longer than
+/// a summary takes.
+const CLAIM_FOR: Duration = Duration::from_secs(120);
+
+/// How often a request waiting for another replica's compaction looks for it.
+const FOREIGN_POLL: Duration = Duration::from_millis(100);
 
 fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
@@ -257,6 +268,15 @@ impl Compactions {
             me.index(c);
         }
         me
+    }
+
+    /// The registry over a store other processes write too (see
+    /// [`Reads::shared`]).
+    pub fn shared_with(mut self, reads: Arc<dyn Reads>) -> Self {
+        if reads.shared() {
+            self.shared = Some(reads);
+        }
+        self
     }
 
     /// Adds a compaction just stored.
@@ -315,12 +335,25 @@ impl Compactions {
     /// The longest stored compaction of `tenant` that covers a prefix of the
     /// request; a match also clears the tenant's back-off.
     pub fn find(&self, tenant: &str, chains: &[ItemHash]) -> Option<Arc<Compaction>> {
-        let id = {
+        let (mut id, covered) = {
             let idx = lock(&self.by_tenant);
             idx.get(tenant)
                 .and_then(|m| rewrite::find(chains, m))
-                .map(|e| e.id.clone())
-        }?;
+                .map_or((None, 0), |e| (Some(e.id.clone()), e.covered_len))
+        };
+        // Another replica may have stored one covering more since.
+        if let Some(shared) = &self.shared {
+            let longer = &chains[covered.min(chains.len())..];
+            if let Some(c) = shared.compaction_covering(tenant, longer) {
+                if c.covered_len > covered
+                    && chains.get(c.covered_len - 1) == Some(&c.covered_chain)
+                {
+                    id = Some(c.id.clone());
+                    self.index(c);
+                }
+            }
+        }
+        let id = id?;
         let found = self.body(&id);
         if found.is_some() {
             if let Some(b) = lock(&self.backoff).get_mut(tenant) {
@@ -847,9 +880,18 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estim
     input.reason = format!("threshold: {}", d.reason());
     tokio::spawn(async move {
         let tenant = input.tenant.clone();
-        if let Err(e) = compact(&state, input).await {
-            tracing::info!(error = %e, "background compaction produced nothing");
-            state.compactions().job_failed(&tenant);
+        match claim(&state, &input).await {
+            Claimed::Yes => {
+                if let Err(e) = compact(&state, input.clone()).await {
+                    tracing::info!(error = %e, "background compaction produced nothing");
+                    state.compactions().job_failed(&tenant);
+                }
+                release(&state, &input).await;
+            }
+            Claimed::Elsewhere => {
+                tracing::info!(conversation = %input.conversation, "compaction left to the replica that claimed or stored it");
+                state.compactions().job_failed(&tenant);
+            }
         }
         let _ = tx.send(true);
         let mut jobs = lock(&state.compactions().jobs);
@@ -857,6 +899,94 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estim
             jobs.remove(&key);
         }
     });
+}
+
+/// Whether this process computes the conversation's compaction.
+enum Claimed {
+    /// It does (a store only it writes: always).
+    Yes,
+    /// Another replica computes it now, or stored one after the request
+    /// that triggered this began (which the next request will find).
+    Elsewhere,
+}
+
+/// Claims the computing of `input`'s compaction in a shared store: one
+/// replica computes it, however many see the trigger.
+async fn claim<S: Context>(state: &Arc<S>, input: &Input) -> Claimed {
+    let Some(shared) = state.compactions().shared.clone() else {
+        return Claimed::Yes;
+    };
+    let (tenant, conversation) = (input.tenant.clone(), input.conversation.clone());
+    let chains = input.chains.clone();
+    let applied = input.base.as_ref().map(|b| b.id.clone());
+    let claimed = tokio::task::spawn_blocking(move || {
+        if !shared.claim(&tenant, &conversation, CLAIM_FOR.as_millis() as i64) {
+            return false;
+        }
+        // Claimed; but another replica may have stored one for this history
+        // that the request missed (stored after it looked): the next
+        // request, which extends this one, finds it.
+        let missed = shared
+            .compaction_covering(&tenant, &chains)
+            .is_some_and(|c| Some(&c.id) != applied.as_ref());
+        if missed {
+            shared.release(&tenant, &conversation);
+        }
+        !missed
+    })
+    .await
+    .unwrap_or(false);
+    if claimed {
+        Claimed::Yes
+    } else {
+        Claimed::Elsewhere
+    }
+}
+
+/// Gives up the claim [`claim`] took.
+async fn release<S: Context>(state: &Arc<S>, input: &Input) {
+    let Some(shared) = state.compactions().shared.clone() else {
+        return;
+    };
+    let (tenant, conversation) = (input.tenant.clone(), input.conversation.clone());
+    let _ = tokio::task::spawn_blocking(move || shared.release(&tenant, &conversation)).await;
+}
+
+/// Waits (within `wait`) for a compaction another replica computes for
+/// the conversation, if one claimed it: true if one did.
+async fn wait_foreign<S: Context>(
+    state: &Arc<S>,
+    tenant: &str,
+    conversation: &str,
+    wait: Duration,
+) -> bool {
+    let Some(shared) = state.compactions().shared.clone() else {
+        return false;
+    };
+    let (t, c) = (tenant.to_string(), conversation.to_string());
+    let since = crate::ids::now_ms();
+    let probe = move || {
+        // A claim granted here means nobody computes one: given up at once.
+        if shared.claim(&t, &c, FOREIGN_POLL.as_millis() as i64) {
+            shared.release(&t, &c);
+            return None;
+        }
+        Some(
+            shared
+                .newest_compaction_ms(&t, &c)
+                .is_some_and(|ms| ms >= since),
+        )
+    };
+    let deadline = Instant::now() + wait;
+    loop {
+        let probe = probe.clone();
+        match tokio::task::spawn_blocking(probe).await.ok().flatten() {
+            None => return false,
+            Some(true) => return true,
+            Some(false) if Instant::now() >= deadline => return true,
+            Some(false) => tokio::time::sleep(FOREIGN_POLL).await,
+        }
+    }
 }
 
 /// Whether a request fits under the hard limit (window minus max output).
@@ -925,10 +1055,13 @@ pub async fn check_fit<S: Context>(state: &Arc<S>, req: FitCheck<'_>) -> Fit {
     if tokens <= hard {
         return Fit::Fits;
     }
+    let wait = Duration::from_secs(state.config().compaction.wait_secs);
     let Some(mut rx) = state.compactions().job(tenant, conversation) else {
+        if wait_foreign(state, tenant, conversation, wait).await {
+            return Fit::Waited;
+        }
         return Fit::Over(tokens);
     };
-    let wait = Duration::from_secs(state.config().compaction.wait_secs);
     tracing::info!(
         conversation,
         tokens,

@@ -59,6 +59,17 @@ async fn store_check(state: &AppState) -> (bool, serde_json::Value) {
         Ok(Err(e)) => return (false, json!({"ok": false, "error": e.to_string()})),
         Ok(Ok(())) => {}
     }
+    if let Some(pg) = state.postgres.clone() {
+        let ping = tokio::task::spawn_blocking(move || pg.ping());
+        return match tokio::time::timeout(STORE_TIMEOUT, ping).await {
+            Ok(Ok(Ok(()))) => (true, json!({"ok": true})),
+            Ok(Ok(Err(e))) => (false, json!({"ok": false, "error": e.to_string()})),
+            _ => (
+                false,
+                json!({"ok": false, "error": "the database did not answer in time"}),
+            ),
+        };
+    }
     let path = state.config.store_path();
     match std::fs::OpenOptions::new().append(true).open(&path) {
         Ok(_) => (true, json!({"ok": true})),

@@ -14,19 +14,22 @@ use super::read::ReadRequest;
 use crate::app::AppState;
 use crate::compaction::policy;
 use crate::engine;
+use crate::error::ProxyError;
 use crate::store::{bounded_text, MAX_CLIENT_CHARS};
 use crate::wire::items::{ItemList, Tools};
 use crate::wire::{self, item_hash};
 
 /// Identifies the conversation of a request read, opens its exchange and
-/// applies the compaction it needs, if any.
+/// applies the compaction it needs, if any. Fails only when the store
+/// cannot take the exchange (its database is unreachable): then nothing
+/// goes upstream.
 pub(super) async fn identify(
     state: &Arc<AppState>,
     parts: &http::request::Parts,
     read: ReadRequest,
     started: Instant,
     started_ms: i64,
-) -> Unanswered {
+) -> Result<Unanswered, ProxyError> {
     let ReadRequest {
         api,
         tenant,
@@ -73,7 +76,10 @@ pub(super) async fn identify(
     let mut pending = Unanswered::new(
         state,
         PendingExchange {
-            id: state.store.next_exchange_id(),
+            id: state
+                .store
+                .next_exchange_id()
+                .map_err(|e| ProxyError::StoreDown(e.to_string()))?,
             ident,
             explicit_key,
             client_ids: wire::client_ids(&parts.headers, &body),
@@ -129,16 +135,25 @@ pub(super) async fn identify(
         // Too large to go out as it is, and nothing under way: compact now
         // rather than let the upstream refuse it.
         engine::Fit::Over(tokens) => {
-            compact_now(
-                state,
-                &mut pending,
-                format!("hard_limit: ~{tokens} tokens leave no room for the answer"),
-                engine::Goal::HardLimit,
-            )
-            .await;
+            // Unless another replica stored one for it since it looked.
+            let newer = state
+                .compactions
+                .find(&pending.tenant, &pending.chains)
+                .filter(|c| pending.compaction.as_ref().is_none_or(|p| p.id != c.id));
+            if let Some(c) = newer {
+                pending.apply(c);
+            } else {
+                compact_now(
+                    state,
+                    &mut pending,
+                    format!("hard_limit: ~{tokens} tokens leave no room for the answer"),
+                    engine::Goal::HardLimit,
+                )
+                .await;
+            }
         }
     }
-    pending
+    Ok(pending)
 }
 
 /// A header's text, if present, text and not blank.

@@ -42,6 +42,7 @@ fn serve_metrics(state: &AppState) -> Response<ProxyBody> {
         Some(state.compactions.len() as u64),
     );
     gauges.windows = state.models_seen();
+    gauges.db_pool = state.postgres.as_ref().map(|pg| pg.pool_status());
     let mut resp = Response::new(crate::error::full(state.metrics.render(&gauges)));
     *resp.status_mut() = StatusCode::OK;
     resp.headers_mut().insert(

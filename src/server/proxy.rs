@@ -47,7 +47,7 @@ async fn handle_inner(
     let (parts, body) = req.into_parts();
     let read = read_request(&state, api, &parts, body).await?;
     let trigger = read.trigger;
-    let mut pending = identify(&state, &parts, read, started, started_ms).await;
+    let mut pending = identify(&state, &parts, read, started, started_ms).await?;
     if trigger {
         return compact::answer_trigger(&state, pending).await;
     }
@@ -70,7 +70,7 @@ pub async fn handle_compact(state: Arc<AppState>, req: Request<Incoming>) -> Res
     let (parts, body) = req.into_parts();
     let result = async {
         let read = read_request(&state, Api::Responses, &parts, body).await?;
-        let pending = identify(&state, &parts, read, started, started_ms).await;
+        let pending = identify(&state, &parts, read, started, started_ms).await?;
         compact::answer_compact(&state, pending.into_inner()).await
     }
     .await;

@@ -147,8 +147,10 @@ impl PendingExchange {
     }
 
     /// Records the exchange (waiting for the commit), indexes it, and logs
-    /// the accounting line in the background.
-    pub async fn finish(&self, state: &Arc<AppState>, outcome: Outcome) {
+    /// the accounting line in the background. False when the answer must
+    /// not reach the client: a store shared by replicas could not commit it
+    /// (released, it would be an answer no replica knows of).
+    pub async fn finish(&self, state: &Arc<AppState>, outcome: Outcome) -> bool {
         let rec = self.to_record(state, outcome);
         observe(state, &rec);
         self.record_on_span(&rec);
@@ -159,9 +161,13 @@ impl PendingExchange {
         if complete {
             state.upstream_reached();
         }
-        if let Err(e) = state.store.record(rec).await {
-            tracing::error!(error = %e, exchange = self.id, "exchange not recorded");
-        }
+        let recorded = match state.store.record(rec).await {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::error!(error = %e, exchange = self.id, "exchange not recorded");
+                false
+            }
+        };
         state.conversations.remember(&indexed);
         // With reported usage the decision needs no tokenizer: take it now,
         // before the answer's last bytes are released, so a client that
@@ -170,6 +176,7 @@ impl PendingExchange {
             engine::after_exchange(state, self.input(String::new(), false), u.total(), false);
         }
         self.account(state, usage, status, complete);
+        recorded || !state.store.is_shared()
     }
 
     /// Records without waiting (the client is gone; nothing can wait).

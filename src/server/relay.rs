@@ -120,7 +120,9 @@ async fn buffered_response(
     } else {
         outcome.error = Some(String::from_utf8_lossy(&bytes).into_owned());
     }
-    pending.finish(&state, outcome).await;
+    if !pending.finish(&state, outcome).await {
+        return ProxyError::StoreDown("the answer could not be recorded".into()).into_response();
+    }
     let mut headers = headers;
     let bytes = if status.is_success() {
         bytes
@@ -132,6 +134,10 @@ async fn buffered_response(
     };
     response_head(status, &headers, &pending.ident.conversation, full(bytes))
 }
+
+/// Why a stream ends uncleanly before its last bytes when its exchange
+/// could not be recorded.
+const UNRECORDED: &str = "the proxy's database is unreachable: the answer could not be recorded";
 
 /// State of a streamed answer between chunks.
 struct Relay {
@@ -166,10 +172,15 @@ impl Relay {
         }
     }
 
-    async fn record(&mut self, partial: bool, error: Option<String>) {
-        if let Some(p) = self.pending.take() {
-            let outcome = self.outcome(partial, error);
-            p.finish(&self.state, outcome).await;
+    /// Records the exchange; false when its last bytes must be withheld
+    /// (see [`PendingExchange::finish`]).
+    async fn record(&mut self, partial: bool, error: Option<String>) -> bool {
+        match self.pending.take() {
+            Some(p) => {
+                let outcome = self.outcome(partial, error);
+                p.finish(&self.state, outcome).await
+            }
+            None => true,
         }
     }
 }
@@ -270,8 +281,10 @@ async fn next_frame(mut r: Relay) -> Option<(Result<Frame<Bytes>, BodyError>, Re
                     out = gather(&mut r, out).await;
                 }
                 r.started |= !out.is_empty();
-                if r.tee.finished() {
-                    r.record(false, None).await;
+                if r.tee.finished() && !r.record(false, None).await {
+                    // Not acknowledged: the stream ends without its end.
+                    r.done = true;
+                    return Some((Err(UNRECORDED.into()), r));
                 }
                 if out.is_empty() {
                     continue;
@@ -281,12 +294,17 @@ async fn next_frame(mut r: Relay) -> Option<(Result<Frame<Bytes>, BodyError>, Re
             Ok(None) => {
                 let out = r.tee.finish();
                 let complete = r.tee.finished();
-                r.record(
-                    !complete,
-                    (!complete).then(|| "upstream ended the stream without a final event".into()),
-                )
-                .await;
+                let released = r
+                    .record(
+                        !complete,
+                        (!complete)
+                            .then(|| "upstream ended the stream without a final event".into()),
+                    )
+                    .await;
                 r.done = true;
+                if !released {
+                    return Some((Err(UNRECORDED.into()), r));
+                }
                 if out.is_empty() {
                     return None;
                 }

@@ -10,12 +10,13 @@
 //! the writer imports journaled exchanges within `IMPORT_DELAY`.
 
 pub mod journal;
+pub mod postgres;
 pub mod query;
 pub mod retention;
 pub mod sqlite;
 mod sqlite_queries;
 
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -272,6 +273,56 @@ pub trait Reads: Queries + Send + Sync + 'static {
     /// `response_id`, its instructions left out. `None` when the proxy did
     /// not relay that response whole, or any of its items is missing.
     fn response_history(&self, tenant: &str, response_id: &str) -> Option<Vec<serde_json::Value>>;
+
+    /// Whether other processes write the same store: then what this one
+    /// keeps in memory is a cache, and what it lacks is looked up with the
+    /// methods below. A store only this process writes keeps their
+    /// defaults (nothing to find, every claim granted).
+    fn shared(&self) -> bool {
+        false
+    }
+    /// The longest recorded prefix among `chains` (chain hashes of a
+    /// request's leading items) of one of the tenant's exchanges: its
+    /// conversation and where the request continues it.
+    fn exchange_by_chain(&self, _tenant: &str, _chains: &[ItemHash]) -> Option<ChainHit> {
+        None
+    }
+    /// The conversation of the tenant's exchange answered with `response_id`.
+    fn conversation_of_response(&self, _tenant: &str, _response_id: &str) -> Option<String> {
+        None
+    }
+    /// The tenant's compaction covering the most items, among those whose
+    /// covered chain is one of `chains`.
+    fn compaction_covering(&self, _tenant: &str, _chains: &[ItemHash]) -> Option<StoredCompaction> {
+        None
+    }
+    /// When the conversation's newest compaction was computed (Unix ms).
+    fn newest_compaction_ms(&self, _tenant: &str, _conversation: &str) -> Option<i64> {
+        None
+    }
+    /// Claims the computing of the conversation's next compaction for
+    /// `for_ms` (then the claim lapses, so that a process that died while
+    /// holding it blocks nobody): false while another process holds it.
+    fn claim(&self, _tenant: &str, _conversation: &str, _for_ms: i64) -> bool {
+        true
+    }
+    /// Gives up a claim taken with [`Reads::claim`].
+    fn release(&self, _tenant: &str, _conversation: &str) {}
+}
+
+/// A recorded prefix a request repeats, as [`Reads::exchange_by_chain`]
+/// finds it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ChainHit {
+    /// The exchange's conversation.
+    pub conversation: String,
+    /// Where the request continues the exchange.
+    pub prefix: PrefixRef,
+    /// Whether the exchange was answered whole.
+    pub answered: bool,
+    /// Whether no later exchange continued it: a request extending it goes
+    /// on from the conversation's tip.
+    pub tip: bool,
 }
 
 /// A storage backend's reads of whole conversations, for the admin API,
@@ -321,6 +372,15 @@ pub enum StoreError {
     /// The database reported an error.
     #[error("database: {0}")]
     Db(#[from] rusqlite::Error),
+    /// PostgreSQL reported an error (or could not be reached).
+    #[error("postgres: {0}")]
+    Postgres(#[from] tokio_postgres::Error),
+    /// No PostgreSQL connection could be had.
+    #[error("postgres pool: {0}")]
+    Pool(String),
+    /// A PostgreSQL call took longer than its bound.
+    #[error("postgres: no answer in time")]
+    Timeout,
     /// Filesystem trouble (creating the directory…).
     #[error("store io: {0}")]
     Io(#[from] std::io::Error),
@@ -331,6 +391,64 @@ pub enum StoreError {
     /// record of the batch that waited for it.
     #[error("commit failed: {0}")]
     Commit(#[source] Arc<StoreError>),
+}
+
+impl From<deadpool_postgres::PoolError> for StoreError {
+    fn from(e: deadpool_postgres::PoolError) -> Self {
+        match e {
+            deadpool_postgres::PoolError::Backend(e) => StoreError::Postgres(e),
+            other => StoreError::Pool(other.to_string()),
+        }
+    }
+}
+
+/// A conversation's part of a batch: it is created as of its first
+/// exchange, last seen (with its model, client and ids) as of its last; its
+/// preview is the first one given.
+struct ConversationSpan<'a> {
+    first: &'a ExchangeRecord,
+    last: &'a ExchangeRecord,
+    preview: Option<&'a str>,
+    client: Option<&'a str>,
+    ids: ClientIds,
+}
+
+/// The conversations of a batch's exchanges, each once, in the order they
+/// first appear (every backend writes them before the exchanges).
+fn conversation_spans(batch: &[Record]) -> Vec<(&str, ConversationSpan<'_>)> {
+    let mut order: Vec<&str> = Vec::new();
+    let mut spans: foldhash::HashMap<&str, ConversationSpan<'_>> = Default::default();
+    for rec in batch {
+        if let Record::Exchange(e) = rec {
+            let span = spans.entry(&e.conversation).or_insert_with(|| {
+                order.push(&e.conversation);
+                ConversationSpan {
+                    first: e,
+                    last: e,
+                    preview: None,
+                    client: None,
+                    ids: ClientIds::default(),
+                }
+            });
+            span.last = e;
+            span.preview = span.preview.or(e.preview.as_deref());
+            span.client = e.client.as_deref().or(span.client);
+            let ids = &e.client_ids;
+            for (mine, theirs) in [
+                (&mut span.ids.header, &ids.header),
+                (&mut span.ids.session, &ids.session),
+                (&mut span.ids.cache_key, &ids.cache_key),
+            ] {
+                if theirs.is_some() {
+                    mine.clone_from(theirs);
+                }
+            }
+        }
+    }
+    order
+        .into_iter()
+        .filter_map(|c| spans.remove(c).map(|span| (c, span)))
+        .collect()
 }
 
 /// Told when a commit is done (or failed).
@@ -357,7 +475,26 @@ pub struct Store {
     backlog: Arc<Backlog>,
     max_backlog: usize,
     next_id: AtomicI64,
+    /// Where ids come from when other processes write the same store.
+    ids: Option<SharedIds>,
+    /// Told how long each commit took (the writer thread calls it).
+    commits: Arc<std::sync::OnceLock<CommitObserver>>,
+    /// Set while the last commit failed, cleared by the next that succeeds.
+    failing: Arc<AtomicBool>,
     journal: Option<Arc<Journal>>,
+}
+
+/// Told how long a commit took.
+pub type CommitObserver = Box<dyn Fn(Duration) + Send + Sync>;
+
+/// Reserves a block of exchange ids no other process gets.
+pub type ReserveIds = Box<dyn Fn() -> Result<std::ops::Range<i64>, StoreError> + Send + Sync>;
+
+/// Exchange ids of a store shared with other processes: taken from blocks
+/// reserved in the database, one round trip per block.
+struct SharedIds {
+    reserve: ReserveIds,
+    block: Mutex<std::ops::Range<i64>>,
 }
 
 /// Where [`Store::stage`] put a record.
@@ -392,6 +529,23 @@ impl Store {
         Self::start_bounded(backend, journal, limits, MAX_BACKLOG_BYTES)
     }
 
+    /// [`Store::start`] for a store other processes write too: no journal
+    /// (an exchange is committed before its answer is released), and
+    /// exchange ids from `reserve`.
+    pub fn start_shared(
+        backend: Box<dyn Backend>,
+        reserve: ReserveIds,
+        limits: Limits,
+    ) -> Result<(Arc<Store>, Snapshot), StoreError> {
+        let (store, snapshot) = Self::start_bounded(backend, None, limits, MAX_BACKLOG_BYTES)?;
+        let mut store = Arc::into_inner(store).ok_or(StoreError::Closed)?;
+        store.ids = Some(SharedIds {
+            reserve,
+            block: Mutex::new(0..0),
+        });
+        Ok((Arc::new(store), snapshot))
+    }
+
     /// [`Store::start`] with the backlog bound given (see
     /// [`MAX_BACKLOG_BYTES`]).
     pub(crate) fn start_bounded(
@@ -419,9 +573,13 @@ impl Store {
         let upkeep = journal.clone();
         let backlog = Arc::new(Backlog::default());
         let drained = backlog.clone();
+        let commits: Arc<std::sync::OnceLock<CommitObserver>> = Arc::default();
+        let observer = commits.clone();
+        let failing = Arc::new(AtomicBool::new(false));
+        let fails = failing.clone();
         let writer = std::thread::Builder::new()
             .name("compactor-store".into())
-            .spawn(move || writer_loop(backend, rx, upkeep, drained))?
+            .spawn(move || writer_loop(backend, rx, upkeep, drained, observer, fails))?
             .thread()
             .clone();
         let store = Store {
@@ -435,6 +593,9 @@ impl Store {
                 known
             }),
             next_id: AtomicI64::new(snapshot.max_exchange_id + 1),
+            ids: None,
+            commits,
+            failing,
             backlog,
             max_backlog,
             journal,
@@ -442,9 +603,34 @@ impl Store {
         Ok((Arc::new(store), snapshot))
     }
 
-    /// A fresh exchange id.
-    pub fn next_exchange_id(&self) -> i64 {
-        self.next_id.fetch_add(1, Ordering::Relaxed)
+    /// Whether other processes write the same store (then an answer whose
+    /// exchange could not be committed must not reach its client).
+    pub fn is_shared(&self) -> bool {
+        self.ids.is_some()
+    }
+
+    /// Has `observe` told the duration of every commit from now on (the
+    /// first observer set stays).
+    pub fn observe_commits(&self, observe: CommitObserver) {
+        let _ = self.commits.set(observe);
+    }
+
+    /// A fresh exchange id. Fails only for a shared store whose database
+    /// cannot be reached for a new block of ids.
+    pub fn next_exchange_id(&self) -> Result<i64, StoreError> {
+        let Some(ids) = &self.ids else {
+            return Ok(self.next_id.fetch_add(1, Ordering::Relaxed));
+        };
+        let mut block = ids.block.lock().unwrap_or_else(|p| p.into_inner());
+        // While commits fail, each request asks the database first: it is
+        // refused (and goes nowhere) until the database answers again.
+        if block.is_empty() || self.failing.load(Ordering::Acquire) {
+            *block = (ids.reserve)()?;
+            self.failing.store(false, Ordering::Release);
+        }
+        let id = block.start;
+        block.start += 1;
+        Ok(id)
     }
 
     /// Forgets which items are stored: after items were deleted, every
@@ -610,9 +796,13 @@ fn writer_loop(
     rx: mpsc::Receiver<Cmd>,
     journal: Option<Arc<Journal>>,
     backlog: Arc<Backlog>,
+    commits: Arc<std::sync::OnceLock<CommitObserver>>,
+    failing: Arc<AtomicBool>,
 ) {
     let mut batch = Pending {
         backlog,
+        commits,
+        failing,
         ..Pending::default()
     };
     let mut deadline: Option<Instant> = None;
@@ -657,6 +847,8 @@ struct Pending {
     /// Their share of the backlog (journaled records' footprints).
     bytes: usize,
     backlog: Arc<Backlog>,
+    commits: Arc<std::sync::OnceLock<CommitObserver>>,
+    failing: Arc<AtomicBool>,
 }
 
 impl Pending {
@@ -683,7 +875,13 @@ impl Pending {
         let result = if self.records.is_empty() {
             Ok(())
         } else {
-            backend.write(&self.records).map_err(Arc::new)
+            let started = Instant::now();
+            let written = backend.write(&self.records).map_err(Arc::new);
+            if let Some(observe) = self.commits.get() {
+                observe(started.elapsed());
+            }
+            self.failing.store(written.is_err(), Ordering::Release);
+            written
         };
         match (&result, journal, self.upto.take()) {
             (Err(e), _, _) => {

@@ -372,43 +372,6 @@ impl SqliteBackend {
 /// client and ids) as of its last; its preview is the first one given.
 /// Before the exchanges, which refer to them.
 fn write_conversations(tx: &rusqlite::Transaction<'_>, batch: &[Record]) -> Result<(), StoreError> {
-    /// A conversation's part of the batch.
-    struct Span<'a> {
-        first: &'a ExchangeRecord,
-        last: &'a ExchangeRecord,
-        preview: Option<&'a str>,
-        client: Option<&'a str>,
-        ids: super::ClientIds,
-    }
-    let mut order: Vec<&str> = Vec::new();
-    let mut spans: foldhash::HashMap<&str, Span<'_>> = Default::default();
-    for rec in batch {
-        if let Record::Exchange(e) = rec {
-            let span = spans.entry(&e.conversation).or_insert_with(|| {
-                order.push(&e.conversation);
-                Span {
-                    first: e,
-                    last: e,
-                    preview: None,
-                    client: None,
-                    ids: super::ClientIds::default(),
-                }
-            });
-            span.last = e;
-            span.preview = span.preview.or(e.preview.as_deref());
-            span.client = e.client.as_deref().or(span.client);
-            let ids = &e.client_ids;
-            for (mine, theirs) in [
-                (&mut span.ids.header, &ids.header),
-                (&mut span.ids.session, &ids.session),
-                (&mut span.ids.cache_key, &ids.cache_key),
-            ] {
-                if theirs.is_some() {
-                    mine.clone_from(theirs);
-                }
-            }
-        }
-    }
     let mut upsert = tx.prepare_cached(
         // A key another conversation holds already (the index could not
         // read it from here, so named a new one) is not claimed again: the
@@ -431,8 +394,7 @@ fn write_conversations(tx: &rusqlite::Transaction<'_>, batch: &[Record]) -> Resu
              prompt_cache_key = coalesce(excluded.prompt_cache_key,
                                          conversations.prompt_cache_key)",
     )?;
-    for conversation in order {
-        let span = &spans[conversation];
+    for (conversation, span) in super::conversation_spans(batch) {
         upsert.execute(params![
             conversation,
             span.first.tenant,
@@ -718,8 +680,6 @@ pub fn load_compaction(conn: &Connection, id: &str) -> Result<Option<Compaction>
 /// its prefix references back.
 pub fn request_item_hashes(conn: &Connection, id: i64) -> Result<Vec<ItemHash>, StoreError> {
     // Collect the chain of references newest-first, then rebuild oldest-first.
-    /// (prefix exchange, prefix length, prefix includes response, suffix, response)
-    type Link = (Option<i64>, usize, bool, Vec<ItemHash>, Vec<ItemHash>);
     let mut chain: Vec<Link> = Vec::new();
     let mut cur = Some(id);
     while let Some(eid) = cur {
@@ -738,9 +698,20 @@ pub fn request_item_hashes(conn: &Connection, id: i64) -> Result<Vec<ItemHash>, 
             unpack_hashes(&row.4),
         ));
     }
+    chain.reverse();
+    Ok(rebuild_items(chain))
+}
+
+/// One exchange's reference to the one it continues: (prefix exchange,
+/// prefix length, prefix includes its response, suffix, response).
+pub(crate) type Link = (Option<i64>, usize, bool, Vec<ItemHash>, Vec<ItemHash>);
+
+/// The request items of the last of `chain` (oldest first, each link
+/// continuing the one before it).
+pub(crate) fn rebuild_items(chain: Vec<Link>) -> Vec<ItemHash> {
     let mut items: Vec<ItemHash> = Vec::new();
     let mut prev_response: Vec<ItemHash> = Vec::new();
-    for (prefix, len, full, suffix, response) in chain.into_iter().rev() {
+    for (prefix, len, full, suffix, response) in chain {
         if prefix.is_some() {
             if full {
                 items.extend(prev_response.iter().copied());
@@ -752,7 +723,7 @@ pub fn request_item_hashes(conn: &Connection, id: i64) -> Result<Vec<ItemHash>, 
         items.extend(suffix);
         prev_response = response;
     }
-    Ok(items)
+    items
 }
 
 /// The stored body of an item.

@@ -3,6 +3,8 @@
 
 #![allow(dead_code)]
 
+pub mod postgres;
+
 use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -118,6 +120,21 @@ impl Harness {
         if let Some(s) = self.server.take() {
             within(s).await.expect("server task");
         }
+    }
+
+    /// The proxy's `/metrics` text.
+    pub async fn scrape(&self) -> String {
+        within(async {
+            client()
+                .get(format!("http://{}/metrics", self.addr))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap()
+        })
+        .await
     }
 
     /// The JSON a GET of the proxy's own `path` (e.g. `/admin/api/windows`) answers.

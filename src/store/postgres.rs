@@ -1,0 +1,1134 @@
+//! The PostgreSQL backend: records shared by every replica given the same
+//! database, so that a conversation whose requests land on several
+//! processes stays one conversation.
+//!
+//! The store's interface is blocking (a writer thread, point reads from
+//! any thread), the driver is async: the backend runs its own small tokio
+//! runtime, and every call is a future run there and waited for. The
+//! writer thread commits each batch in one transaction: exchanges that end
+//! together share one commit (the group commit), and an exchange's answer
+//! is released only once its commit is done, since there is no journal.
+//!
+//! What must be unique across replicas is decided by the database: item
+//! bodies are inserted once (`ON CONFLICT DO NOTHING`), the tenant salt is
+//! the first replica's, exchange ids come from a sequence in blocks, an
+//! explicit key belongs to the conversation that committed it first.
+
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::NoTls;
+
+use super::{
+    Backend, ChainHit, ExchangeRecord, IndexedExchange, Limits, PrefixRef, Record, Snapshot,
+    StoreError, StoredCompaction,
+};
+use crate::compaction::{Compaction, Rung};
+use crate::config::StoreConfig;
+use crate::windows::{Source, Told};
+use crate::wire::ItemHash;
+
+/// The schema's versions, oldest first: each is applied once, in its own
+/// transaction, and recorded in `schema_migrations`. A change to the schema
+/// is a new entry, never an edit of an old one.
+const MIGRATIONS: &[(i32, &str)] = &[(
+    1,
+    r#"
+CREATE TABLE meta (
+    key   TEXT PRIMARY KEY,
+    value BYTEA NOT NULL
+);
+-- Each distinct item (message, tool output, request parameters…) once,
+-- whichever replica saw it first.
+CREATE TABLE items (
+    hash BYTEA PRIMARY KEY,
+    body TEXT NOT NULL
+);
+CREATE TABLE conversations (
+    id           TEXT PRIMARY KEY,
+    tenant       TEXT NOT NULL,
+    explicit_key TEXT,
+    created_ms   BIGINT NOT NULL,
+    last_seen_ms BIGINT NOT NULL,
+    model        TEXT NOT NULL DEFAULT '',
+    -- Its first user message (redacted, bounded), the client of its latest
+    -- exchange, and the latest ids the client sent for it.
+    preview             TEXT,
+    client              TEXT,
+    conversation_header TEXT,
+    session_id          TEXT,
+    prompt_cache_key    TEXT
+);
+CREATE UNIQUE INDEX conversations_key
+    ON conversations (tenant, explicit_key) WHERE explicit_key IS NOT NULL;
+CREATE INDEX conversations_seen ON conversations (last_seen_ms);
+-- Exchange ids are handed out in blocks (see ID_BLOCK).
+CREATE SEQUENCE exchange_id_blocks;
+CREATE TABLE exchanges (
+    id              BIGINT PRIMARY KEY,
+    conversation_id TEXT NOT NULL REFERENCES conversations(id),
+    tenant          TEXT NOT NULL,
+    endpoint        TEXT NOT NULL,
+    model           TEXT NOT NULL,
+    prefix_exchange BIGINT,
+    prefix_len      BIGINT NOT NULL DEFAULT 0,
+    prefix_full     BOOLEAN NOT NULL DEFAULT FALSE,
+    suffix_items    BYTEA NOT NULL,
+    request_len     BIGINT NOT NULL,
+    params          BYTEA NOT NULL,
+    response_items  BYTEA NOT NULL,
+    response_id     TEXT,
+    input_tokens    BIGINT,
+    output_tokens   BIGINT,
+    cached_tokens   BIGINT,
+    status          INTEGER NOT NULL,
+    streamed        BOOLEAN NOT NULL,
+    partial         BOOLEAN NOT NULL,
+    error           TEXT,
+    started_ms      BIGINT NOT NULL,
+    latency_ms      DOUBLE PRECISION NOT NULL,
+    ttfb_ms         DOUBLE PRECISION,
+    chain_request   BYTEA,
+    chain_full      BYTEA,
+    compaction_id   TEXT,
+    -- The window the request was measured against, and its source; the
+    -- client and the ids it sent.
+    context_window      BIGINT,
+    window_source       TEXT,
+    client              TEXT,
+    conversation_header TEXT,
+    session_id          TEXT,
+    prompt_cache_key    TEXT
+);
+CREATE INDEX exchanges_conversation ON exchanges (conversation_id, id);
+-- Whether an exchange is its conversation's tip (nothing continued it).
+CREATE INDEX exchanges_prefix ON exchanges (prefix_exchange)
+    WHERE prefix_exchange IS NOT NULL;
+-- What a replica that has not seen a conversation looks it up by.
+CREATE INDEX exchanges_chain_request ON exchanges (tenant, chain_request)
+    WHERE chain_request IS NOT NULL;
+CREATE INDEX exchanges_chain_full ON exchanges (tenant, chain_full)
+    WHERE chain_full IS NOT NULL;
+CREATE INDEX exchanges_response ON exchanges (tenant, response_id)
+    WHERE response_id IS NOT NULL;
+CREATE TABLE compactions (
+    id              TEXT PRIMARY KEY,
+    tenant          TEXT NOT NULL,
+    conversation_id TEXT NOT NULL,
+    covered_len     BIGINT NOT NULL,
+    covered_chain   BYTEA NOT NULL,
+    replacement     TEXT NOT NULL,
+    rung            TEXT NOT NULL,
+    reason          TEXT NOT NULL,
+    tokens_before   BIGINT NOT NULL,
+    tokens_after    BIGINT NOT NULL,
+    items_removed   BIGINT NOT NULL,
+    items_kept      BIGINT NOT NULL,
+    summary         TEXT,
+    facts           TEXT,
+    base_id         TEXT,
+    summary_calls   BIGINT NOT NULL,
+    duration_ms     BIGINT NOT NULL,
+    created_ms      BIGINT NOT NULL,
+    summary_tokens  BIGINT NOT NULL DEFAULT 0
+);
+CREATE INDEX compactions_conversation ON compactions (tenant, conversation_id, created_ms);
+CREATE INDEX compactions_chain ON compactions (tenant, covered_chain);
+CREATE TABLE windows (
+    upstream   TEXT NOT NULL,
+    model      TEXT NOT NULL,
+    "window"   BIGINT NOT NULL,
+    source     TEXT NOT NULL,
+    updated_ms BIGINT NOT NULL,
+    PRIMARY KEY (upstream, model)
+);
+-- Who computes a conversation's compaction now, until when: a replica
+-- that dies mid-compaction leaves a claim that expires.
+CREATE TABLE compaction_claims (
+    tenant          TEXT NOT NULL,
+    conversation_id TEXT NOT NULL,
+    owner           TEXT NOT NULL,
+    expires_ms      BIGINT NOT NULL,
+    PRIMARY KEY (tenant, conversation_id)
+);
+"#,
+)];
+
+/// The key of the advisory lock migrations run under, so that replicas
+/// starting together apply each migration once.
+const MIGRATION_LOCK: i64 = 0x636f_6d70_6163_7401;
+
+/// Exchange ids one `nextval` reserves for a process: ids stay unique
+/// across replicas with one round trip per this many exchanges.
+const ID_BLOCK: i64 = 1024;
+
+/// How long a connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Threads of the backend's runtime: the driver's work is I/O, the callers
+/// wait on their own threads.
+const RUNTIME_THREADS: usize = 2;
+
+/// How to reach the database.
+#[derive(Clone)]
+pub struct Options {
+    /// `postgres://…`
+    pub url: String,
+    /// From the URL, `PGPASSWORD` or `password_env` (never logged).
+    pub password: Option<String>,
+    /// Most connections the pool keeps.
+    pub pool_size: usize,
+    /// Statement timeout, and the longest wait for a pooled connection.
+    pub statement_timeout: Duration,
+}
+
+impl std::fmt::Debug for Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Options")
+            .field("pool_size", &self.pool_size)
+            .field("statement_timeout", &self.statement_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Options {
+    /// The options `[store]` gives.
+    pub fn from_config(c: &StoreConfig) -> Self {
+        Options {
+            url: c.url.clone(),
+            password: c.password(),
+            pool_size: c.pool_size,
+            statement_timeout: Duration::from_millis(c.statement_timeout_ms),
+        }
+    }
+
+    fn pg_config(&self) -> Result<tokio_postgres::Config, StoreError> {
+        let mut pg: tokio_postgres::Config = self.url.parse().map_err(StoreError::Postgres)?;
+        if let Some(p) = &self.password {
+            pg.password(p);
+        }
+        pg.connect_timeout(CONNECT_TIMEOUT);
+        pg.application_name("compactor");
+        pg.options(format!(
+            "-c statement_timeout={}",
+            self.statement_timeout.as_millis()
+        ));
+        Ok(pg)
+    }
+}
+
+/// Where the schema of a database stands, for `--check-config`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchemaStatus {
+    /// The newest migration applied (0: none).
+    pub applied: i32,
+    /// The newest this build knows.
+    pub latest: i32,
+}
+
+impl SchemaStatus {
+    /// Whether the database has every migration this build knows.
+    pub fn is_current(&self) -> bool {
+        self.applied >= self.latest
+    }
+}
+
+/// A connection pool and the runtime its connections live on, shared by
+/// the backend, its reads and the exchange ids.
+pub struct Postgres {
+    runtime: Option<tokio::runtime::Runtime>,
+    handle: tokio::runtime::Handle,
+    pool: Pool,
+    timeout: Duration,
+}
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        // Dropped on an async thread too (the state of a server that
+        // stops): a runtime may only be shut down there without blocking.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Postgres {
+    /// The pool (no connection yet).
+    pub fn new(opts: &Options) -> Result<Arc<Self>, StoreError> {
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(RUNTIME_THREADS)
+            .thread_name("compactor-pg")
+            .enable_all()
+            .build()?;
+        let manager = Manager::from_config(
+            opts.pg_config()?,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(opts.pool_size)
+            .wait_timeout(Some(opts.statement_timeout))
+            .create_timeout(Some(CONNECT_TIMEOUT))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .build()
+            .map_err(|e| StoreError::Pool(e.to_string()))?;
+        Ok(Arc::new(Postgres {
+            handle: runtime.handle().clone(),
+            runtime: Some(runtime),
+            pool,
+            timeout: opts.statement_timeout + CONNECT_TIMEOUT,
+        }))
+    }
+
+    /// Connects and brings the schema up to date (see [`MIGRATIONS`]).
+    pub fn open(opts: &Options) -> Result<Arc<Self>, StoreError> {
+        let pg = Self::new(opts)?;
+        let pool = pg.pool.clone();
+        pg.wait(async move { migrate(&pool).await })?;
+        Ok(pg)
+    }
+
+    /// Where the database's schema stands, without changing it.
+    pub fn status(&self) -> Result<SchemaStatus, StoreError> {
+        let pool = self.pool.clone();
+        self.wait(async move {
+            let client = pool.get().await?;
+            Ok(SchemaStatus {
+                applied: applied_version(&client).await?,
+                latest: latest_version(),
+            })
+        })
+    }
+
+    /// Whether the database answers now.
+    pub fn ping(&self) -> Result<(), StoreError> {
+        let pool = self.pool.clone();
+        self.wait(async move {
+            pool.get().await?.simple_query("SELECT 1").await?;
+            Ok(())
+        })
+    }
+
+    /// The pool's connections: (open, idle, callers waiting for one).
+    pub fn pool_status(&self) -> (usize, usize, usize) {
+        let s = self.pool.status();
+        (s.size, s.available, s.waiting)
+    }
+
+    /// Runs `fut` on the backend's runtime and waits for it, bounded in
+    /// time, from any thread: an async caller's thread blocks as on an
+    /// SQLite read.
+    fn wait<T, F>(&self, fut: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: Future<Output = Result<T, StoreError>> + Send + 'static,
+    {
+        let timeout = self.timeout;
+        let bounded = async move {
+            tokio::time::timeout(timeout, fut)
+                .await
+                .unwrap_or(Err(StoreError::Timeout))
+        };
+        if tokio::runtime::Handle::try_current().is_err() {
+            return self.handle.block_on(bounded);
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.handle.spawn(async move {
+            let _ = tx.send(bounded.await);
+        });
+        rx.recv().map_err(|_| StoreError::Closed)?
+    }
+
+    /// A new block of exchange ids, unique across every replica.
+    pub fn reserve_ids(&self) -> Result<std::ops::Range<i64>, StoreError> {
+        let pool = self.pool.clone();
+        self.wait(async move {
+            let client = pool.get().await?;
+            let row = client
+                .query_one("SELECT nextval('exchange_id_blocks')", &[])
+                .await?;
+            let block: i64 = row.get(0);
+            Ok(block * ID_BLOCK..(block + 1) * ID_BLOCK)
+        })
+    }
+}
+
+fn latest_version() -> i32 {
+    MIGRATIONS.last().map_or(0, |(v, _)| *v)
+}
+
+async fn applied_version(client: &tokio_postgres::Client) -> Result<i32, StoreError> {
+    let exists: bool = client
+        .query_one("SELECT to_regclass('schema_migrations') IS NOT NULL", &[])
+        .await?
+        .get(0);
+    if !exists {
+        return Ok(0);
+    }
+    let row = client
+        .query_one(
+            "SELECT COALESCE(MAX(version), 0) FROM schema_migrations",
+            &[],
+        )
+        .await?;
+    Ok(row.get(0))
+}
+
+/// Applies the migrations the database lacks, under an advisory lock: a
+/// replica starting meanwhile waits, then finds them applied.
+async fn migrate(pool: &Pool) -> Result<(), StoreError> {
+    let mut client = pool.get().await?;
+    client
+        .execute("SELECT pg_advisory_lock($1)", &[&MIGRATION_LOCK])
+        .await?;
+    let result = apply_migrations(&mut client).await;
+    // Unlocked whatever happened: the lock is the session's, and the
+    // session goes back to the pool.
+    let unlocked = client
+        .execute("SELECT pg_advisory_unlock($1)", &[&MIGRATION_LOCK])
+        .await;
+    result?;
+    unlocked?;
+    Ok(())
+}
+
+async fn apply_migrations(client: &mut deadpool_postgres::Object) -> Result<(), StoreError> {
+    client
+        .batch_execute(
+            "CREATE TABLE IF NOT EXISTS schema_migrations (
+                 version    INTEGER PRIMARY KEY,
+                 applied_ms BIGINT NOT NULL
+             )",
+        )
+        .await?;
+    let applied = applied_version(client).await?;
+    if applied > latest_version() {
+        tracing::warn!(
+            applied,
+            known = latest_version(),
+            "the database's schema is newer than this build's"
+        );
+    }
+    for (version, sql) in MIGRATIONS.iter().filter(|(v, _)| *v > applied) {
+        let tx = client.transaction().await?;
+        tx.batch_execute(sql).await?;
+        tx.execute(
+            "INSERT INTO schema_migrations (version, applied_ms) VALUES ($1, $2)",
+            &[version, &crate::ids::now_ms()],
+        )
+        .await?;
+        tx.commit().await?;
+        tracing::info!(version, "database schema migrated");
+    }
+    Ok(())
+}
+
+/// The writer thread's side: batches in one transaction each.
+pub struct PostgresBackend {
+    pg: Arc<Postgres>,
+}
+
+impl PostgresBackend {
+    /// The writer's backend over `pg`.
+    pub fn new(pg: Arc<Postgres>) -> Self {
+        PostgresBackend { pg }
+    }
+}
+
+fn hash_of(bytes: Option<Vec<u8>>) -> Option<ItemHash> {
+    bytes.and_then(|b| b.as_slice().try_into().ok())
+}
+
+impl Backend for PostgresBackend {
+    fn load(&mut self, limits: Limits) -> Result<Snapshot, StoreError> {
+        let pool = self.pg.pool.clone();
+        self.pg.wait(async move { load(&pool, limits).await })
+    }
+
+    fn write(&mut self, batch: &[Record]) -> Result<(), StoreError> {
+        // The writer thread is outside any runtime: the batch is written
+        // where it is, without a copy.
+        let pool = self.pg.pool.clone();
+        let timeout = self.pg.timeout;
+        self.pg.handle.block_on(async move {
+            tokio::time::timeout(timeout, write(&pool, batch))
+                .await
+                .unwrap_or(Err(StoreError::Timeout))
+        })
+    }
+}
+
+async fn load(pool: &Pool, limits: Limits) -> Result<Snapshot, StoreError> {
+    let client = pool.get().await?;
+    let mut snap = Snapshot::default();
+    let mut salt = [0u8; 32];
+    getrandom::fill(&mut salt).map_err(|e| StoreError::Io(std::io::Error::other(e.to_string())))?;
+    // The first replica's salt stays: the others read it.
+    client
+        .execute(
+            "INSERT INTO meta (key, value) VALUES ('tenant_salt', $1) ON CONFLICT DO NOTHING",
+            &[&salt.as_slice()],
+        )
+        .await?;
+    let stored: Vec<u8> = client
+        .query_one("SELECT value FROM meta WHERE key = 'tenant_salt'", &[])
+        .await?
+        .get(0);
+    snap.salt = stored
+        .as_slice()
+        .try_into()
+        .map_err(|_| StoreError::Pool("the stored tenant salt is not 32 bytes".into()))?;
+    let rows = client
+        .query(
+            "SELECT id, conversation_id, tenant, request_len, length(response_items) / 32,
+                    chain_request, chain_full, response_id, prefix_exchange
+             FROM exchanges ORDER BY id DESC LIMIT $1",
+            &[&(limits.exchanges as i64)],
+        )
+        .await?;
+    snap.exchanges = rows
+        .iter()
+        .map(|r| IndexedExchange {
+            id: r.get(0),
+            conversation: r.get(1),
+            tenant: r.get(2),
+            request_len: r.get::<_, i64>(3) as usize,
+            response_len: r.get::<_, i32>(4) as usize,
+            chain_request: hash_of(r.get(5)),
+            chain_full: hash_of(r.get(6)),
+            response_id: r.get(7),
+            prefix_exchange: r.get(8),
+        })
+        .collect();
+    snap.exchanges.reverse();
+    let rows = client
+        .query(
+            "SELECT tenant, explicit_key, id FROM conversations WHERE explicit_key IS NOT NULL
+             ORDER BY last_seen_ms DESC, id DESC LIMIT $1",
+            &[&(limits.keys as i64 + 1)],
+        )
+        .await?;
+    snap.keys = rows
+        .iter()
+        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .collect();
+    snap.keys_truncated = snap.keys.len() > limits.keys;
+    snap.keys.truncate(limits.keys);
+    snap.keys.reverse();
+    let rows = client
+        .query(
+            "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms
+             FROM compactions ORDER BY created_ms, id",
+            &[],
+        )
+        .await?;
+    snap.compactions = rows.iter().map(stored_compaction).collect();
+    let rows = client
+        .query(
+            r#"SELECT upstream, model, "window", source, updated_ms FROM windows
+               ORDER BY upstream, model"#,
+            &[],
+        )
+        .await?;
+    snap.windows = rows
+        .iter()
+        .map(|r| Told {
+            upstream: r.get(0),
+            model: r.get(1),
+            window: r.get::<_, i64>(2).max(0) as u64,
+            source: Source::parse(r.get(3)).unwrap_or(Source::Learned),
+            updated_ms: r.get(4),
+        })
+        .collect();
+    Ok(snap)
+}
+
+fn stored_compaction(r: &tokio_postgres::Row) -> StoredCompaction {
+    StoredCompaction {
+        id: r.get(0),
+        tenant: r.get(1),
+        conversation: r.get(2),
+        covered_len: r.get::<_, i64>(3) as usize,
+        covered_chain: hash_of(r.get(4)).unwrap_or([0; 32]),
+        created_ms: r.get(5),
+    }
+}
+
+async fn write(pool: &Pool, batch: &[Record]) -> Result<(), StoreError> {
+    let mut client = pool.get().await?;
+    let tx = client.transaction().await?;
+    // Item bodies first, in one statement: each once across replicas.
+    let (hashes, bodies): (Vec<&[u8]>, Vec<&str>) = batch
+        .iter()
+        .filter_map(|r| match r {
+            Record::Exchange(e) => Some(e.new_items.iter()),
+            _ => None,
+        })
+        .flatten()
+        .map(|(h, b)| (h.as_slice(), b.as_str()))
+        .unzip();
+    if !hashes.is_empty() {
+        let items = tx
+            .prepare_cached(
+                "INSERT INTO items (hash, body) SELECT * FROM unnest($1::bytea[], $2::text[])
+                 ON CONFLICT DO NOTHING",
+            )
+            .await?;
+        tx.execute(&items, &[&hashes, &bodies]).await?;
+    }
+    write_conversations(&tx, batch).await?;
+    let exchange = tx.prepare_cached(INSERT_EXCHANGE).await?;
+    let compaction = tx.prepare_cached(INSERT_COMPACTION).await?;
+    let window = tx.prepare_cached(UPSERT_WINDOW).await?;
+    for rec in batch {
+        match rec {
+            Record::Exchange(e) => write_exchange(&tx, &exchange, e).await?,
+            Record::Compaction(c) => write_compaction(&tx, &compaction, c).await?,
+            Record::Window(w) => {
+                tx.execute(
+                    &window,
+                    &[
+                        &w.upstream,
+                        &w.model,
+                        &(w.window as i64),
+                        &w.source.as_str(),
+                        &w.updated_ms,
+                    ],
+                )
+                .await?;
+            }
+        }
+    }
+    tx.commit().await?;
+    Ok(())
+}
+
+/// The conversations of a batch, each once: created as of its first
+/// exchange, last seen as of its last. A key another conversation holds
+/// (committed by another replica meanwhile, or earlier) is not claimed: the
+/// first statement then inserts nothing, and the second inserts the
+/// conversation without it.
+async fn write_conversations(
+    tx: &deadpool_postgres::Transaction<'_>,
+    batch: &[Record],
+) -> Result<(), StoreError> {
+    let spans = super::conversation_spans(batch);
+    if spans.is_empty() {
+        return Ok(());
+    }
+    let keyed = tx
+        .prepare_cached(
+            "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model)
+             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
+        )
+        .await?;
+    // Another replica's batch of the same conversation may commit after
+    // this one: what is newest is kept, whichever commits last.
+    let seen = tx
+        .prepare_cached(
+            "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model,
+                                        preview, client, conversation_header, session_id,
+                                        prompt_cache_key)
+             VALUES ($1, $2, NULL, $3, $4, $5, $6, $7, $8, $9, $10)
+             ON CONFLICT (id) DO UPDATE SET
+                 last_seen_ms = GREATEST(conversations.last_seen_ms, excluded.last_seen_ms),
+                 model = CASE WHEN excluded.last_seen_ms >= conversations.last_seen_ms
+                              THEN excluded.model ELSE conversations.model END,
+                 preview = COALESCE(conversations.preview, excluded.preview),
+                 client = COALESCE(excluded.client, conversations.client),
+                 conversation_header = COALESCE(excluded.conversation_header,
+                                                conversations.conversation_header),
+                 session_id = COALESCE(excluded.session_id, conversations.session_id),
+                 prompt_cache_key = COALESCE(excluded.prompt_cache_key,
+                                             conversations.prompt_cache_key)",
+        )
+        .await?;
+    for (conversation, span) in spans {
+        let (first, last) = (span.first, span.last);
+        if first.explicit_key.is_some() {
+            tx.execute(
+                &keyed,
+                &[
+                    &conversation,
+                    &first.tenant,
+                    &first.explicit_key,
+                    &first.started_ms,
+                    &last.started_ms,
+                    &last.model,
+                ],
+            )
+            .await?;
+        }
+        tx.execute(
+            &seen,
+            &[
+                &conversation,
+                &first.tenant,
+                &first.started_ms,
+                &last.started_ms,
+                &last.model,
+                &span.preview,
+                &span.client,
+                &span.ids.header,
+                &span.ids.session,
+                &span.ids.cache_key,
+            ],
+        )
+        .await?;
+    }
+    Ok(())
+}
+
+const INSERT_EXCHANGE: &str = "INSERT INTO exchanges (id, conversation_id, tenant, endpoint,
+    model, prefix_exchange, prefix_len, prefix_full, suffix_items, request_len, params,
+    response_items, response_id, input_tokens, output_tokens, cached_tokens, status, streamed,
+    partial, error, started_ms, latency_ms, ttfb_ms, chain_request, chain_full, compaction_id,
+    context_window, window_source, client, conversation_header, session_id, prompt_cache_key)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18,
+            $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32)
+    ON CONFLICT (id) DO NOTHING";
+
+async fn write_exchange(
+    tx: &deadpool_postgres::Transaction<'_>,
+    stmt: &tokio_postgres::Statement,
+    rec: &ExchangeRecord,
+) -> Result<(), StoreError> {
+    let usage = rec.usage;
+    tx.execute(
+        stmt,
+        &[
+            &rec.id,
+            &rec.conversation,
+            &rec.tenant,
+            &rec.api.endpoint(),
+            &rec.model,
+            &rec.prefix.map(|p| p.exchange),
+            &rec.prefix.map_or(0, |p| p.len as i64),
+            &rec.prefix.is_some_and(|p| p.full),
+            &rec.suffix_items.as_flattened(),
+            &(rec.request_len as i64),
+            &rec.params.as_slice(),
+            &rec.response_items.as_flattened(),
+            &rec.response_id,
+            &usage.map(|u| u.input_tokens as i64),
+            &usage.map(|u| u.output_tokens as i64),
+            &usage.and_then(|u| u.cached_tokens).map(|c| c as i64),
+            &i32::from(rec.status),
+            &rec.streamed,
+            &rec.partial,
+            &rec.error,
+            &rec.started_ms,
+            &rec.latency_ms,
+            &rec.ttfb_ms,
+            &rec.chain_request.as_ref().map(|h| h.as_slice()),
+            &rec.chain_full.as_ref().map(|h| h.as_slice()),
+            &rec.compaction,
+            &rec.window.map(|w| w.tokens as i64),
+            &rec.window.map(|w| w.source.as_str()),
+            &rec.client,
+            &rec.client_ids.header,
+            &rec.client_ids.session,
+            &rec.client_ids.cache_key,
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+const INSERT_COMPACTION: &str = "INSERT INTO compactions (id, tenant, conversation_id,
+    covered_len, covered_chain, replacement, rung, reason, tokens_before, tokens_after,
+    items_removed, items_kept, summary, facts, base_id, summary_calls, duration_ms, created_ms,
+    summary_tokens)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)
+    ON CONFLICT (id) DO NOTHING";
+
+async fn write_compaction(
+    tx: &deadpool_postgres::Transaction<'_>,
+    stmt: &tokio_postgres::Statement,
+    c: &Compaction,
+) -> Result<(), StoreError> {
+    let replacement = serde_json::to_string(&c.replacement).unwrap_or_else(|_| "[]".into());
+    let facts = c.facts.as_ref().and_then(|f| serde_json::to_string(f).ok());
+    tx.execute(
+        stmt,
+        &[
+            &c.id,
+            &c.tenant,
+            &c.conversation,
+            &(c.covered_len as i64),
+            &c.covered_chain.as_slice(),
+            &replacement,
+            &c.rung.as_str(),
+            &c.reason,
+            &(c.tokens_before as i64),
+            &(c.tokens_after as i64),
+            &(c.items_removed as i64),
+            &(c.items_kept as i64),
+            &c.summary,
+            &facts,
+            &c.base,
+            &i64::from(c.summary_calls),
+            &(c.duration_ms as i64),
+            &c.created_ms,
+            &(c.summary_tokens as i64),
+        ],
+    )
+    .await?;
+    Ok(())
+}
+
+const UPSERT_WINDOW: &str = r#"INSERT INTO windows (upstream, model, "window", source, updated_ms)
+    VALUES ($1, $2, $3, $4, $5)
+    ON CONFLICT (upstream, model) DO UPDATE SET "window" = excluded."window",
+        source = excluded.source, updated_ms = excluded.updated_ms"#;
+
+/// The columns [`compaction_row`] reads, in its order.
+const COMPACTION_COLUMNS: &str = "id, tenant, conversation_id, covered_len, covered_chain,
+    replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept, summary,
+    facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens";
+
+fn compaction_row(r: &tokio_postgres::Row) -> Compaction {
+    let replacement: String = r.get(5);
+    let facts: Option<String> = r.get(13);
+    let rung: String = r.get(6);
+    Compaction {
+        id: r.get(0),
+        tenant: r.get(1),
+        conversation: r.get(2),
+        covered_len: r.get::<_, i64>(3) as usize,
+        covered_chain: hash_of(r.get(4)).unwrap_or([0; 32]),
+        replacement: serde_json::from_str(&replacement).unwrap_or_default(),
+        rung: Rung::parse(&rung).unwrap_or(Rung::Fallback),
+        reason: r.get(7),
+        tokens_before: r.get::<_, i64>(8).max(0) as u64,
+        tokens_after: r.get::<_, i64>(9).max(0) as u64,
+        items_removed: r.get::<_, i64>(10).max(0) as usize,
+        items_kept: r.get::<_, i64>(11).max(0) as usize,
+        summary: r.get(12),
+        facts: facts.and_then(|f| serde_json::from_str(&f).ok()),
+        base: r.get(14),
+        summary_calls: r.get::<_, i64>(15).clamp(0, u32::MAX as i64) as u32,
+        duration_ms: r.get::<_, i64>(16).max(0) as u64,
+        created_ms: r.get(17),
+        summary_tokens: r.get::<_, i64>(18).max(0) as u64,
+    }
+}
+
+/// The point reads of a PostgreSQL store, and the lookups that let every
+/// replica find what another recorded.
+pub struct PostgresReads {
+    pg: Arc<Postgres>,
+    /// Names this process in compaction claims.
+    owner: String,
+}
+
+impl PostgresReads {
+    /// Reads over `pg`.
+    pub fn new(pg: Arc<Postgres>) -> Self {
+        PostgresReads {
+            pg,
+            owner: crate::ids::new_conversation_id().replacen("conv_", "replica_", 1),
+        }
+    }
+
+    /// Runs a read; a failure is logged and reads as nothing found, as
+    /// with SQLite.
+    fn read<T, F>(&self, what: &'static str, f: impl FnOnce(Pool) -> F) -> Option<T>
+    where
+        T: Send + 'static,
+        F: Future<Output = Result<Option<T>, StoreError>> + Send + 'static,
+    {
+        match self.pg.wait(f(self.pg.pool.clone())) {
+            Ok(found) => found,
+            Err(e) => {
+                tracing::warn!(error = %e, read = what, "cannot read the store");
+                None
+            }
+        }
+    }
+}
+
+/// The longest hit of [`super::Reads::exchange_by_chain`] among rows of
+/// (id, conversation, request_len, response_len, request matched, full
+/// matched, answered whole, tip).
+fn best_hit(rows: &[tokio_postgres::Row]) -> Option<ChainHit> {
+    rows.iter()
+        .flat_map(|r| {
+            let (id, conversation): (i64, String) = (r.get(0), r.get(1));
+            let (req, resp): (i64, i32) = (r.get(2), r.get(3));
+            let (on_request, on_full): (bool, bool) = (r.get(4), r.get(5));
+            let (answered, tip): (bool, bool) = (r.get(6), r.get(7));
+            let full = on_full.then_some(PrefixRef {
+                exchange: id,
+                len: req as usize + resp as usize,
+                full: true,
+            });
+            let request = on_request.then_some(PrefixRef {
+                exchange: id,
+                len: req as usize,
+                full: false,
+            });
+            [full, request]
+                .into_iter()
+                .flatten()
+                .map(move |prefix| ChainHit {
+                    conversation: conversation.clone(),
+                    prefix,
+                    answered,
+                    tip,
+                })
+        })
+        // The longest; among equals the newest exchange.
+        .max_by_key(|h| (h.prefix.len, h.prefix.exchange))
+}
+
+impl super::Reads for PostgresReads {
+    fn compaction(&self, id: &str) -> Option<Compaction> {
+        let id = id.to_string();
+        self.read("compaction", |pool| async move {
+            let client = pool.get().await?;
+            let sql = format!("SELECT {COMPACTION_COLUMNS} FROM compactions WHERE id = $1");
+            let stmt = client.prepare_cached(&sql).await?;
+            Ok(client
+                .query_opt(&stmt, &[&id])
+                .await?
+                .map(|r| compaction_row(&r)))
+        })
+    }
+
+    fn conversation_of_key(&self, tenant: &str, key: &str) -> Option<String> {
+        let (tenant, key) = (tenant.to_string(), key.to_string());
+        self.read("conversation_of_key", |pool| async move {
+            let client = pool.get().await?;
+            let stmt = client
+                .prepare_cached(
+                    "SELECT id FROM conversations WHERE tenant = $1 AND explicit_key = $2",
+                )
+                .await?;
+            Ok(client
+                .query_opt(&stmt, &[&tenant, &key])
+                .await?
+                .map(|r| r.get(0)))
+        })
+    }
+
+    fn response_history(&self, tenant: &str, response_id: &str) -> Option<Vec<serde_json::Value>> {
+        let (tenant, response_id) = (tenant.to_string(), response_id.to_string());
+        self.read("response_history", |pool| async move {
+            let client = pool.get().await?;
+            response_history(&client, &tenant, &response_id).await
+        })
+    }
+
+    fn shared(&self) -> bool {
+        true
+    }
+
+    fn exchange_by_chain(&self, tenant: &str, chains: &[ItemHash]) -> Option<ChainHit> {
+        if chains.is_empty() {
+            return None;
+        }
+        let tenant = tenant.to_string();
+        let chains: Vec<Vec<u8>> = chains.iter().map(|c| c.to_vec()).collect();
+        self.read("exchange_by_chain", |pool| async move {
+            let client = pool.get().await?;
+            let stmt = client
+                .prepare_cached(
+                    "SELECT id, conversation_id, request_len, length(response_items) / 32,
+                            COALESCE(chain_request = ANY($2), FALSE),
+                            COALESCE(chain_full = ANY($2), FALSE),
+                            chain_full IS NOT NULL,
+                            NOT EXISTS (SELECT 1 FROM exchanges later
+                                        WHERE later.prefix_exchange = e.id)
+                     FROM exchanges e
+                     WHERE tenant = $1 AND (chain_request = ANY($2) OR chain_full = ANY($2))
+                     ORDER BY id DESC LIMIT 64",
+                )
+                .await?;
+            Ok(best_hit(&client.query(&stmt, &[&tenant, &chains]).await?))
+        })
+    }
+
+    fn conversation_of_response(&self, tenant: &str, response_id: &str) -> Option<String> {
+        let (tenant, response_id) = (tenant.to_string(), response_id.to_string());
+        self.read("conversation_of_response", |pool| async move {
+            let client = pool.get().await?;
+            let stmt = client
+                .prepare_cached(
+                    "SELECT conversation_id FROM exchanges WHERE tenant = $1 AND response_id = $2
+                     ORDER BY id DESC LIMIT 1",
+                )
+                .await?;
+            Ok(client
+                .query_opt(&stmt, &[&tenant, &response_id])
+                .await?
+                .map(|r| r.get(0)))
+        })
+    }
+
+    fn compaction_covering(&self, tenant: &str, chains: &[ItemHash]) -> Option<StoredCompaction> {
+        if chains.is_empty() {
+            return None;
+        }
+        let tenant = tenant.to_string();
+        let chains: Vec<Vec<u8>> = chains.iter().map(|c| c.to_vec()).collect();
+        self.read("compaction_covering", |pool| async move {
+            let client = pool.get().await?;
+            let stmt = client
+                .prepare_cached(
+                    "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms
+                     FROM compactions WHERE tenant = $1 AND covered_chain = ANY($2)
+                     ORDER BY covered_len DESC, created_ms DESC LIMIT 1",
+                )
+                .await?;
+            Ok(client
+                .query_opt(&stmt, &[&tenant, &chains])
+                .await?
+                .map(|r| stored_compaction(&r)))
+        })
+    }
+
+    fn newest_compaction_ms(&self, tenant: &str, conversation: &str) -> Option<i64> {
+        let (tenant, conversation) = (tenant.to_string(), conversation.to_string());
+        self.read("newest_compaction_ms", |pool| async move {
+            let client = pool.get().await?;
+            let stmt = client
+                .prepare_cached(
+                    "SELECT MAX(created_ms) FROM compactions
+                     WHERE tenant = $1 AND conversation_id = $2",
+                )
+                .await?;
+            Ok(client
+                .query_one(&stmt, &[&tenant, &conversation])
+                .await?
+                .get(0))
+        })
+    }
+
+    fn claim(&self, tenant: &str, conversation: &str, for_ms: i64) -> bool {
+        let (tenant, conversation) = (tenant.to_string(), conversation.to_string());
+        let owner = self.owner.clone();
+        // An expired claim (its replica died, or overran) is taken over.
+        let claimed = self.read("claim", |pool| async move {
+            let client = pool.get().await?;
+            let now = crate::ids::now_ms();
+            let stmt = client
+                .prepare_cached(
+                    "INSERT INTO compaction_claims (tenant, conversation_id, owner, expires_ms)
+                     VALUES ($1, $2, $3, $4)
+                     ON CONFLICT (tenant, conversation_id) DO UPDATE
+                         SET owner = excluded.owner, expires_ms = excluded.expires_ms
+                         WHERE compaction_claims.expires_ms < $5
+                     RETURNING owner",
+                )
+                .await?;
+            let row = client
+                .query_opt(
+                    &stmt,
+                    &[&tenant, &conversation, &owner, &(now + for_ms), &now],
+                )
+                .await?;
+            Ok(Some(row.is_some()))
+        });
+        claimed.unwrap_or(false)
+    }
+
+    fn release(&self, tenant: &str, conversation: &str) {
+        let (tenant, conversation) = (tenant.to_string(), conversation.to_string());
+        let owner = self.owner.clone();
+        self.read("release", |pool| async move {
+            let client = pool.get().await?;
+            client
+                .execute(
+                    "DELETE FROM compaction_claims
+                     WHERE tenant = $1 AND conversation_id = $2 AND owner = $3",
+                    &[&tenant, &conversation, &owner],
+                )
+                .await?;
+            Ok(Some(()))
+        });
+    }
+}
+
+/// [`super::sqlite::response_history`] over PostgreSQL: the prefix
+/// references followed back in one recursive query, the bodies read in one.
+async fn response_history(
+    client: &tokio_postgres::Client,
+    tenant: &str,
+    response_id: &str,
+) -> Result<Option<Vec<serde_json::Value>>, StoreError> {
+    let Some(found) = client
+        .query_opt(
+            "SELECT id FROM exchanges
+             WHERE tenant = $1 AND response_id = $2 AND status BETWEEN 200 AND 299
+                   AND NOT partial
+             ORDER BY id DESC LIMIT 1",
+            &[&tenant, &response_id],
+        )
+        .await?
+    else {
+        return Ok(None);
+    };
+    let id: i64 = found.get(0);
+    let rows = client
+        .query(
+            "WITH RECURSIVE chain(id, prefix_exchange, prefix_len, prefix_full, suffix_items,
+                                  response_items, depth) AS (
+                 SELECT id, prefix_exchange, prefix_len, prefix_full, suffix_items,
+                        response_items, 0
+                 FROM exchanges WHERE id = $1
+                 UNION ALL
+                 SELECT e.id, e.prefix_exchange, e.prefix_len, e.prefix_full, e.suffix_items,
+                        e.response_items, c.depth + 1
+                 FROM exchanges e JOIN chain c ON e.id = c.prefix_exchange
+             )
+             SELECT prefix_exchange, prefix_len, prefix_full, suffix_items, response_items
+             FROM chain ORDER BY depth DESC",
+            &[&id],
+        )
+        .await?;
+    let links: Vec<super::sqlite::Link> = rows
+        .iter()
+        .map(|r| {
+            (
+                r.get::<_, Option<i64>>(0),
+                r.get::<_, i64>(1) as usize,
+                r.get(2),
+                super::sqlite::unpack_hashes(r.get(3)),
+                super::sqlite::unpack_hashes(r.get(4)),
+            )
+        })
+        .collect();
+    let Some(last) = links.last() else {
+        return Ok(None);
+    };
+    let response = last.4.clone();
+    let mut hashes = super::sqlite::rebuild_items(links);
+    hashes.extend(response);
+    let wanted: Vec<&[u8]> = hashes.iter().map(|h| h.as_slice()).collect();
+    let rows = client
+        .query(
+            "SELECT hash, body FROM items WHERE hash = ANY($1)",
+            &[&wanted],
+        )
+        .await?;
+    let bodies: foldhash::HashMap<Vec<u8>, String> =
+        rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let mut items = Vec::with_capacity(hashes.len());
+    for h in &hashes {
+        let Some(body) = bodies.get(h.as_slice()) else {
+            return Ok(None);
+        };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(body) else {
+            return Ok(None);
+        };
+        if !crate::wire::responses::is_instructions_item(&v) {
+            items.push(v);
+        }
+    }
+    Ok(Some(items))
+}

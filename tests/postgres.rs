@@ -1,0 +1,504 @@
+//! Replicas sharing one PostgreSQL store: a conversation whose requests
+//! land on different processes stays one conversation, its compactions are
+//! computed once and applied by every replica, `previous_response_id`
+//! chains cross replicas, tenants stay apart, and a replica's `kill -9`
+//! loses no acknowledged exchange.
+//!
+//! A real PostgreSQL tier: `#[ignore]`d like the other real tiers (run with
+//! `--include-ignored`; `scripts/test` installs PostgreSQL), each test on a
+//! throwaway cluster of its own.
+
+mod support;
+
+use std::time::Duration;
+
+use compactor::fake_upstream::FakeUpstream;
+use serde_json::{json, Value};
+use support::postgres::PgCluster;
+use support::{is_summary_call, post, small_window, within, Harness};
+
+const KEY: &str = "sk-replica-tests";
+const MODEL: &str = "tiny-test";
+
+/// One number a query over the database answers.
+async fn count(url: &str, sql: &str) -> i64 {
+    let (client, conn) = within(tokio_postgres::connect(url, tokio_postgres::NoTls))
+        .await
+        .expect("connect to the test database");
+    let driver = tokio::spawn(conn);
+    let n: i64 = within(client.query_one(sql, &[])).await.expect(sql).get(0);
+    drop(client);
+    let _ = within(driver).await;
+    n
+}
+
+/// Two in-process replicas on `url`, sharing one fake upstream.
+async fn replicas(url: &str, adjust: fn(&mut compactor::config::Config)) -> (Harness, Harness) {
+    let url = url.to_string();
+    let a = Harness::start_with(|c| {
+        adjust(c);
+        c.store.url = url;
+    })
+    .await;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("unused.db");
+    let b = Harness::start_on(a.fake.clone(), dir, db, a.state.config.clone()).await;
+    (a, b)
+}
+
+/// A chat session that sends its whole history each turn, to any replica.
+struct Chat {
+    key: String,
+    history: Vec<Value>,
+}
+
+/// What one turn got back.
+struct Turn {
+    status: u16,
+    conversation: String,
+    compacted: Option<String>,
+    /// The body the upstream received for it.
+    sent: Value,
+}
+
+impl Chat {
+    fn new(key: &str) -> Chat {
+        Chat {
+            key: key.into(),
+            history: vec![json!({"role": "system", "content": "You are a careful coding agent."})],
+        }
+    }
+
+    async fn turn(&mut self, via: &Harness, text: &str) -> Turn {
+        self.turn_at(&via.url(), &via.fake, text).await
+    }
+
+    /// A turn through the proxy at `base` (`http://…/v1`) in front of `fake`.
+    async fn turn_at(&mut self, base: &str, fake: &FakeUpstream, text: &str) -> Turn {
+        self.history.push(json!({"role": "user", "content": text}));
+        let request = json!({"model": MODEL, "messages": self.history});
+        let url = format!("{base}/chat/completions");
+        let (status, headers, body) = post(&url, &self.key, &request).await;
+        let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        if status == 200 {
+            let content = v["choices"][0]["message"]["content"]
+                .as_str()
+                .unwrap_or_default();
+            self.history
+                .push(json!({"role": "assistant", "content": content}));
+        }
+        let header = |name: &str| {
+            headers
+                .get(name)
+                .and_then(|h| h.to_str().ok())
+                .map(String::from)
+        };
+        let sent = fake
+            .received()
+            .into_iter()
+            .rev()
+            .find(|r| !is_summary_call(r))
+            .map(|r| r.json())
+            .unwrap_or(Value::Null);
+        Turn {
+            status,
+            conversation: header("x-compactor-conversation").unwrap_or_default(),
+            compacted: header("x-compactor-compacted"),
+            sent,
+        }
+    }
+}
+
+fn filler(i: usize) -> String {
+    format!(
+        "Step {i}: please look at src/module_{i}.rs and explain it. {}",
+        "lorem ipsum dolor ".repeat(25)
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_session_alternating_between_two_replicas_is_one_conversation_compacted_once() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, small_window).await;
+    // A summary takes longer than a turn: the next turn, on the other
+    // replica, goes uncompacted (it fits) and its answer is past the
+    // trigger too, while the first replica still computes.
+    a.fake.set_summary_delay(Some(Duration::from_millis(400)));
+    let mut chat = Chat::new(KEY);
+    let mut turns = Vec::new();
+    for i in 0..36 {
+        let via = if i % 2 == 0 { &a } else { &b };
+        let turn = chat.turn(via, &filler(i)).await;
+        assert_eq!(turn.status, 200, "turn {i}");
+        turns.push((i % 2, turn));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let conversation = &turns[0].1.conversation;
+    assert!(conversation.starts_with("conv_"));
+    for (i, (_, t)) in turns.iter().enumerate() {
+        assert_eq!(&t.conversation, conversation, "turn {i}: one conversation");
+    }
+    // A compaction the last turns started is stored meanwhile; then each
+    // summary call made belongs to a stored compaction (none computed
+    // twice, none thrown away).
+    let summary_calls = || {
+        a.fake
+            .received()
+            .iter()
+            .filter(|r| is_summary_call(r))
+            .count() as i64
+    };
+    let recorded = || {
+        count(
+            &url,
+            "SELECT COALESCE(SUM(summary_calls), 0)::bigint FROM compactions",
+        )
+    };
+    within(async {
+        while recorded().await != summary_calls() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let stored = count(&url, "SELECT count(*) FROM compactions").await;
+    assert!(stored >= 2, "the session compacted several times: {stored}");
+    // Computed once: no two compactions start from the same base (a
+    // replica that computed one the other had would).
+    let bases = count(
+        &url,
+        "SELECT count(DISTINCT COALESCE(base_id, '')) FROM compactions",
+    )
+    .await;
+    assert_eq!(
+        bases, stored,
+        "one compaction per round, not one per replica"
+    );
+    // Every compaction but the last was applied by both replicas, and the
+    // part it replaces went out byte-identically from either.
+    let mut applied: std::collections::BTreeMap<&str, Vec<(usize, &Value)>> = Default::default();
+    for (replica, t) in &turns {
+        if let Some(id) = &t.compacted {
+            applied.entry(id).or_default().push((*replica, &t.sent));
+        }
+    }
+    assert!(
+        applied.len() as i64 >= stored - 1,
+        "every stored compaction was applied (but one stored after the last turn): {} of {stored}",
+        applied.len()
+    );
+    let last = turns.iter().rev().find_map(|(_, t)| t.compacted.as_deref());
+    for (id, uses) in &applied {
+        let by = |r: usize| {
+            uses.iter()
+                .find(|(replica, _)| *replica == r)
+                .map(|(_, s)| *s)
+        };
+        if Some(*id) == last && (by(0).is_none() || by(1).is_none()) {
+            continue;
+        }
+        let (on_a, on_b) = (by(0), by(1));
+        let (Some(on_a), Some(on_b)) = (on_a, on_b) else {
+            panic!("{id} applied by one replica only");
+        };
+        // System prompt and summary: the replacement, as one replica stored it.
+        let head = |sent: &Value| json!([sent["messages"][0], sent["messages"][1]]).to_string();
+        assert_eq!(
+            head(on_a),
+            head(on_b),
+            "{id}: the same bytes from either replica"
+        );
+    }
+    let exchanges = count(&url, "SELECT count(*) FROM exchanges").await;
+    assert_eq!(exchanges, 36, "every exchange recorded once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_previous_response_id_chain_crosses_replicas() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, |_| {}).await;
+    let first = json!({"model": "gpt-5", "instructions": "be brief", "input": "turn one"});
+    let (status, h1, body) = post(&format!("{}/responses", a.url()), KEY, &first).await;
+    assert_eq!(status, 200);
+    let first: Value = serde_json::from_slice(&body).unwrap();
+    let id1 = first["id"].as_str().unwrap().to_string();
+    // The second link on the other replica, which never saw the first.
+    let second = json!({"model": "gpt-5", "input": "turn two", "previous_response_id": id1});
+    let (status, h2, body) = post(&format!("{}/responses", b.url()), KEY, &second).await;
+    assert_eq!(status, 200);
+    let sent = support::last_client_call(&b);
+    assert!(
+        sent.get("previous_response_id").is_none(),
+        "expanded: {sent}"
+    );
+    let input = sent["input"].as_array().unwrap();
+    assert_eq!(input[0], json!({"role": "user", "content": "turn one"}));
+    assert_eq!(input[1], first["output"][0]);
+    assert_eq!(input[2], json!({"role": "user", "content": "turn two"}));
+    let second: Value = serde_json::from_slice(&body).unwrap();
+    let id2 = second["id"].as_str().unwrap().to_string();
+    // And back on the first.
+    let third = json!({"model": "gpt-5", "input": "turn three", "previous_response_id": id2});
+    let (status, h3, _) = post(&format!("{}/responses", a.url()), KEY, &third).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        support::last_client_call(&a)["input"]
+            .as_array()
+            .unwrap()
+            .len(),
+        5
+    );
+    let conv = |h: &http::HeaderMap| h.get("x-compactor-conversation").cloned();
+    assert_eq!(conv(&h1), conv(&h2), "one conversation across replicas");
+    assert_eq!(conv(&h2), conv(&h3));
+    // Another tenant cannot continue it, on either replica.
+    let intruder = json!({"model": "gpt-5", "input": "x", "previous_response_id": id1});
+    post(&format!("{}/responses", b.url()), "sk-intruder", &intruder).await;
+    assert_eq!(support::last_client_call(&b)["previous_response_id"], id1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn byte_identical_histories_under_two_keys_stay_two_tenants_across_replicas() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, small_window).await;
+    let (mut one, mut two) = (Chat::new("sk-tenant-one"), Chat::new("sk-tenant-two"));
+    let (mut seen_one, mut seen_two) = (Vec::new(), Vec::new());
+    for i in 0..24 {
+        // The same history, each key on the replica the other just used.
+        let (x, y) = if i % 2 == 0 { (&a, &b) } else { (&b, &a) };
+        let t1 = one.turn(x, &filler(i)).await;
+        let t2 = two.turn(y, &filler(i)).await;
+        assert_eq!((t1.status, t2.status), (200, 200), "turn {i}");
+        seen_one.push(t1);
+        seen_two.push(t2);
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    let conversations = |turns: &[Turn]| {
+        let mut c: Vec<String> = turns.iter().map(|t| t.conversation.clone()).collect();
+        c.dedup();
+        c
+    };
+    let (c1, c2) = (conversations(&seen_one), conversations(&seen_two));
+    assert_eq!(c1.len(), 1, "one conversation per key: {c1:?}");
+    assert_eq!(c2.len(), 1, "one conversation per key: {c2:?}");
+    assert_ne!(c1, c2, "byte-identical histories, two tenants");
+    let compacted = |turns: &[Turn]| -> std::collections::BTreeSet<String> {
+        turns.iter().filter_map(|t| t.compacted.clone()).collect()
+    };
+    let (k1, k2) = (compacted(&seen_one), compacted(&seen_two));
+    assert!(!k1.is_empty() && !k2.is_empty(), "both compacted");
+    assert!(
+        k1.is_disjoint(&k2),
+        "no compaction crosses tenants: {k1:?} {k2:?}"
+    );
+    let tenants = count(&url, "SELECT count(DISTINCT tenant) FROM conversations").await;
+    assert_eq!(tenants, 2);
+    let mixed = count(
+        &url,
+        "SELECT count(*) FROM compactions c JOIN conversations v ON v.id = c.conversation_id
+         WHERE v.tenant <> c.tenant",
+    )
+    .await;
+    assert_eq!(mixed, 0);
+}
+
+/// A config file for the real binary on `url`, in front of `fake`, with
+/// the small window of [`small_window`].
+fn binary_config(dir: &std::path::Path, fake: &FakeUpstream, url: &str) -> std::path::PathBuf {
+    let config = dir.join("proxy.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[upstream]\nbase_url = \"{}\"\ndiscover_windows = false\n[store]\nurl = \"{url}\"\n\
+             [[models]]\nmatch = \"tiny*\"\ncontext_window = 3000\nmax_output_tokens = 300\n",
+            fake.url(),
+        ),
+    )
+    .expect("write the config");
+    config
+}
+
+/// Starts two `compactor serve` processes on `config` at the same moment.
+fn two_binaries(config: &std::path::Path) -> [(support::Binary, u16); 2] {
+    let start = || {
+        let config = config.to_path_buf();
+        std::thread::spawn(move || {
+            let port = support::free_port();
+            (
+                support::spawn_binary(port, &["--config".as_ref(), config.as_os_str()]),
+                port,
+            )
+        })
+    };
+    let (x, y) = (start(), start());
+    [
+        x.join().expect("first replica"),
+        y.join().expect("second replica"),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn replicas_started_together_share_one_schema_and_a_kill_9_loses_no_acknowledged_exchange() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let fake = within(FakeUpstream::start()).await.expect("fake upstream");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = binary_config(dir.path(), &fake, &url);
+    let check = || {
+        let out = std::process::Command::new(env!("CARGO_BIN_EXE_compactor"))
+            .args(["serve", "--check-config", "--config"])
+            .arg(&config)
+            .output()
+            .expect("compactor --check-config");
+        assert!(out.status.success(), "{out:?}");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let before = check();
+    assert!(before.contains("schema at version 0 of 1"), "{before}");
+    // Both on an empty database at once: one applies the migrations, the
+    // other waits for its lock and finds them; one salt.
+    let [(mut doomed, p1), (_survivor, p2)] = two_binaries(&config);
+    assert_eq!(
+        count(&url, "SELECT count(*) FROM schema_migrations").await,
+        1
+    );
+    assert_eq!(
+        count(&url, "SELECT count(*) FROM meta WHERE key = 'tenant_salt'").await,
+        1
+    );
+    let after = check();
+    assert!(after.contains("schema current (version 1)"), "{after}");
+    let base = |port: u16| format!("http://127.0.0.1:{port}/v1");
+    let mut chat = Chat::new(KEY);
+    let mut acknowledged = 0;
+    let mut conversations = std::collections::BTreeSet::new();
+    for i in 0..24 {
+        // Alternating, until the first replica is killed halfway.
+        let port = if i % 2 == 0 && i < 12 { p1 } else { p2 };
+        let turn = chat.turn_at(&base(port), &fake, &filler(i)).await;
+        assert_eq!(turn.status, 200, "turn {i}");
+        acknowledged += 1;
+        conversations.insert(turn.conversation);
+        if i == 11 {
+            // Right after its answer reached the client.
+            doomed.kill().expect("kill -9");
+            doomed.wait().expect("reaped");
+        }
+        tokio::time::sleep(Duration::from_millis(60)).await;
+    }
+    assert_eq!(
+        conversations.len(),
+        1,
+        "the session went on as one: {conversations:?}"
+    );
+    let recorded = count(&url, "SELECT count(*) FROM exchanges WHERE status = 200").await;
+    assert_eq!(
+        recorded, acknowledged,
+        "every acknowledged exchange is recorded"
+    );
+    let compactions = count(&url, "SELECT count(*) FROM compactions").await;
+    assert!(compactions >= 1, "the session compacted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn metrics_report_the_pool_and_the_commit_latency() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let h = Harness::start_with(|c| c.store.url = url.clone()).await;
+    let mut chat = Chat::new(KEY);
+    for i in 0..3 {
+        assert_eq!(chat.turn(&h, &filler(i)).await.status, 200);
+    }
+    let text = h.scrape().await;
+    let value = |name: &str| -> f64 {
+        text.lines()
+            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+            .unwrap_or_else(|| panic!("no {name} in {text}"))
+    };
+    assert!(value("compactor_db_pool_connections") >= 1.0);
+    assert!(value("compactor_db_pool_idle") >= 0.0);
+    assert_eq!(value("compactor_db_pool_waiting"), 0.0);
+    assert!(
+        value("compactor_store_commit_seconds_count") >= 3.0,
+        "a commit per exchange at least"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn with_the_database_unreachable_requests_get_503_and_nothing_unrecorded_is_answered() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let h = Harness::start_with(|c| {
+        c.store.url = url.clone();
+        c.store.statement_timeout_ms = 2_000;
+    })
+    .await;
+    let ready = |h: &Harness| {
+        let url = format!("http://{}/readyz", h.addr);
+        async move {
+            within(support::client().get(url).send())
+                .await
+                .unwrap()
+                .status()
+                .as_u16()
+        }
+    };
+    let mut chat = Chat::new(KEY);
+    assert_eq!(chat.turn(&h, "before").await.status, 200);
+    let mut answered = 1;
+    pg.stop();
+    // The answer to the first request cannot be committed: withheld.
+    let first = chat.turn(&h, "while down").await;
+    assert_eq!(first.status, 503);
+    chat.history.pop();
+    // Then requests are refused before they go upstream.
+    let upstream_before = h.fake.count();
+    let url_chat = format!("{}/chat/completions", h.url());
+    let (status, _, body) = post(
+        &url_chat,
+        KEY,
+        &json!({"model": MODEL, "messages": [{"role": "user", "content": "still down"}]}),
+    )
+    .await;
+    assert_eq!(status, 503);
+    let err: Value = serde_json::from_slice(&body).expect("JSON error");
+    assert_eq!(err["error"]["code"], "store_unavailable", "{err}");
+    assert_eq!(err["error"]["type"], "server_error");
+    assert!(err["error"]["message"]
+        .as_str()
+        .unwrap()
+        .contains("database"));
+    assert_eq!(h.fake.count(), upstream_before, "nothing went upstream");
+    // A stream is refused the same way.
+    let (status, _, _) = post(
+        &url_chat,
+        KEY,
+        &json!({"model": MODEL, "stream": true, "messages": [{"role": "user", "content": "s"}]}),
+    )
+    .await;
+    assert_eq!(status, 503);
+    assert_eq!(ready(&h).await, 503, "not ready while the database is down");
+    pg.restart();
+    within(async {
+        while ready(&h).await != 200 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let after = chat.turn(&h, "after").await;
+    assert_eq!(after.status, 200, "served again once the database is back");
+    answered += 1;
+    let recorded = count(&url, "SELECT count(*) FROM exchanges WHERE status = 200").await;
+    assert_eq!(
+        recorded, answered,
+        "every answer the client got is recorded"
+    );
+}
