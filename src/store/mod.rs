@@ -384,6 +384,14 @@ pub enum StoreError {
     /// Filesystem trouble (creating the directory…).
     #[error("store io: {0}")]
     Io(#[from] std::io::Error),
+    /// This store does not answer this read yet.
+    #[error("the {backend} store cannot {what} yet")]
+    Unsupported {
+        /// The backend.
+        backend: &'static str,
+        /// What was asked of it.
+        what: &'static str,
+    },
     /// The writer thread is gone.
     #[error("store writer stopped")]
     Closed,

@@ -30,7 +30,7 @@ pub const MAX_CANDIDATES: usize = 10;
 pub const MIN_ABBREVIATION: usize = 4;
 
 /// The id prefix every conversation id has.
-const ID_PREFIX: &str = "conv_";
+pub(super) const ID_PREFIX: &str = "conv_";
 
 /// Why a query gave no answer.
 #[derive(Debug, thiserror::Error)]
@@ -317,7 +317,7 @@ fn candidates(conn: &Connection, sql: &str, name: &str) -> Result<Vec<String>, Q
     Ok(found)
 }
 
-fn one(name: &str, mut found: Vec<String>) -> Result<String, QueryError> {
+pub(super) fn one(name: &str, mut found: Vec<String>) -> Result<String, QueryError> {
     match found.len() {
         0 => Err(QueryError::NotFound(name.to_string())),
         1 => Ok(found.remove(0)),
