@@ -284,7 +284,7 @@ impl Postgres {
         }))
     }
 
-    /// Connects and brings the schema up to date (see [`MIGRATIONS`]).
+    /// Connects and applies the migrations the database lacks.
     pub fn open(opts: &Options) -> Result<Arc<Self>, StoreError> {
         let pg = Self::new(opts)?;
         let pool = pg.pool.clone();
