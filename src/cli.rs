@@ -585,6 +585,11 @@ fn admin_notice(config: &Config) {
 // ---------------------------------------------------------------------------
 // compactor conversations …
 
+/// What the store commands say when the store is PostgreSQL: they read and
+/// delete in SQLite's layout, and must not quietly open a SQLite file
+/// beside the database the proxies share.
+const POSTGRES_NOT_YET: &str = "compactor: the store is PostgreSQL (store.url); `conversations` and `prune` read and delete SQLite stores only, for now. `compactor compact` works against a running proxy";
+
 fn conversations(cmd: ConversationsCommand) -> ExitCode {
     let store = match &cmd {
         ConversationsCommand::Delete { id, target } => return delete(id, target),
@@ -601,6 +606,10 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
+    if config.store.is_postgres() {
+        eprintln!("{POSTGRES_NOT_YET}");
+        return ExitCode::FAILURE;
+    }
     let path = config.store_path();
     let conn = match query::open_read_only(&path) {
         Ok(c) => c,
@@ -945,6 +954,7 @@ fn maintain_config(target: &MaintainArgs) -> Result<Config, ExitCode> {
         None,
         store.db.as_deref(),
     )
+    .and_then(|c| with_database_url(c, store.database_url.as_deref()))
     .map_err(|e| {
         eprintln!("compactor: configuration error: {e}");
         ExitCode::from(EXIT_USAGE)
@@ -1043,6 +1053,10 @@ fn maintain(
         Ok(c) => c,
         Err(code) => return code,
     };
+    if config.store.is_postgres() {
+        eprintln!("{POSTGRES_NOT_YET}");
+        return ExitCode::FAILURE;
+    }
     let path = config.store_path();
     let removed: Result<retention::Removed, String> = if served(&path) {
         // The proxy forgets what goes, so no request is taken as part of

@@ -290,3 +290,32 @@ fn check_config_shows_a_key_given_by_env_masked() {
     assert!(line("upstream.api_key_env").trim_end().ends_with("file"));
     assert!(line("admin.token").contains("[unset]"), "{out}");
 }
+
+/// With a PostgreSQL store, `conversations` and `prune` read and delete in
+/// SQLite's layout: they said nothing and read the default SQLite file
+/// beside the database the proxies share. They now refuse, naming why.
+#[test]
+fn store_commands_refuse_a_postgres_store_instead_of_reading_a_sqlite_file() {
+    let home = tempfile::tempdir().unwrap();
+    for args in [
+        &["conversations", "list"][..],
+        &["conversations", "show", "conv_0123"][..],
+        &["prune", "--older-than", "30d"][..],
+    ] {
+        let (code, out) = run(compactor()
+            .args(args)
+            .args(["--database-url", "postgres://u:s3cret-pw@127.0.0.1:1/x"])
+            .env("HOME", home.path())
+            .env("XDG_DATA_HOME", home.path().join("data")));
+        assert_eq!(code, 1, "{args:?}: {out}");
+        assert!(out.contains("the store is PostgreSQL"), "{args:?}: {out}");
+        assert!(
+            !out.contains("s3cret-pw"),
+            "{args:?}: the password leaked: {out}"
+        );
+    }
+    assert!(
+        !home.path().join("data").exists(),
+        "no SQLite store was created"
+    );
+}
