@@ -874,6 +874,7 @@ impl Proxy {
             context_window: WINDOW,
             max_output_tokens: Some(MAX_OUTPUT),
             trigger_ratio: None,
+            ..Default::default()
         });
         let state = AppState::open(config).expect("open state");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")

@@ -214,6 +214,7 @@ impl Running {
                 context_window: window,
                 max_output_tokens: Some(window / 8),
                 trigger_ratio: None,
+                ..Default::default()
             },
         );
         config.validate()?;

@@ -176,6 +176,7 @@ fn journaled(id: i64) -> compactor::store::ExchangeRecord {
         chain_request: Some(hash),
         chain_full: None,
         compaction: None,
+        savings: Default::default(),
     }
 }
 

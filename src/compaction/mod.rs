@@ -109,6 +109,18 @@ pub struct Compaction {
     /// Tokens of those calls, prompt and answer.
     #[serde(default)]
     pub summary_tokens: u64,
+    /// Of `summary_tokens`, those the summarizer wrote (priced as output).
+    #[serde(default)]
+    pub summary_output_tokens: u64,
+    /// Estimated tokens fewer than the client's own items it covers: its
+    /// own shrink plus that of the compaction it extends (whose
+    /// replacement it started from). What a request it applies to saves.
+    #[serde(default)]
+    pub tokens_saved: u64,
+    /// Computed in observe mode: what the proxy would have sent, recorded
+    /// for the potential savings and never applied to a request.
+    #[serde(default)]
+    pub observed: bool,
     /// Wall time to compute, ms.
     pub duration_ms: u64,
     /// Unix ms.
@@ -143,6 +155,9 @@ pub(crate) fn test_compaction(
         base: None,
         summary_calls: 1,
         summary_tokens: 0,
+        summary_output_tokens: 0,
+        tokens_saved: 0,
+        observed: false,
         duration_ms: 1,
         created_ms: 1,
     }

@@ -8,9 +8,10 @@ use serde_json::Value;
 
 use crate::app::AppState;
 use crate::compaction::Compaction;
+use crate::config::Mode;
 use crate::conversation::Identified;
 use crate::engine::{self, Input};
-use crate::store::{ExchangeRecord, IndexedExchange};
+use crate::store::{ExchangeRecord, ExchangeSavings, IndexedExchange};
 use crate::upstream::Payload;
 use crate::wire::items::{Claims, ItemList, Tools};
 use crate::wire::{chain_extend, item_hash, Api, ItemHash, Usage};
@@ -54,6 +55,11 @@ pub struct PendingExchange {
     pub view: Arc<ItemList>,
     /// The compaction applied, if any.
     pub compaction: Option<Arc<Compaction>>,
+    /// The mode the request is served in.
+    pub mode: Mode,
+    /// Observe mode: the would-be compaction that covers a prefix of the
+    /// request (what the proxy would have applied).
+    pub observed: Option<Arc<Compaction>>,
     /// The client's credential headers, kept in memory for summary calls.
     pub auth: http::HeaderMap,
     /// Whether the client asked for a stream.
@@ -118,21 +124,28 @@ impl PendingExchange {
             .map_err(|e| crate::error::ProxyError::Internal(e.to_string()))
     }
 
-    /// What a compaction of this request starts from.
+    /// What a compaction of this request starts from (in observe mode,
+    /// the client's items and the would-be compaction before).
     pub fn input(&self, reason: String, whole: bool) -> Input {
+        let observe = self.mode == Mode::Observe;
         Input {
             tenant: self.tenant.clone(),
             conversation: self.ident.conversation.clone(),
             model: self.model.clone(),
             view: self.view.clone(),
             chains: self.chains.clone(),
-            base: self.compaction.clone(),
+            base: if observe {
+                self.observed.clone()
+            } else {
+                self.compaction.clone()
+            },
             auth: self.auth.clone(),
             reason,
             requested_ms: self.started_ms,
             whole,
             goal: engine::Goal::Shrink,
             tools: self.tools.clone(),
+            observe,
         }
     }
 
@@ -199,6 +212,23 @@ impl PendingExchange {
             chain_full: (complete && !response_hashes.is_empty())
                 .then(|| chain_extend(self.chain_request, &response_hashes)),
             compaction: self.compaction.as_ref().map(|c| c.id.clone()),
+            savings: self.savings(state),
+        }
+    }
+
+    /// What the compaction applied saved, or the would-be one would have,
+    /// in the upstream's tokens (the estimate scaled by what it reported
+    /// for this conversation).
+    fn savings(&self, state: &AppState) -> ExchangeSavings {
+        let calibration = state
+            .compactions
+            .calibration(&self.tenant, &self.ident.conversation);
+        let upstream = |c: &Arc<Compaction>| (engine::tokens_saved(c) as f64 * calibration) as u64;
+        ExchangeSavings {
+            mode: self.mode,
+            tokens_saved: self.compaction.as_ref().map(upstream).unwrap_or(0),
+            tokens_saved_potential: self.observed.as_ref().map(upstream).unwrap_or(0),
+            observed_compaction: self.observed.as_ref().map(|c| c.id.clone()),
         }
     }
 
@@ -210,6 +240,7 @@ impl PendingExchange {
         self.record_on_span(&rec);
         let indexed = indexed(&rec);
         let usage = rec.usage;
+        let potential = rec.savings.tokens_saved_potential;
         let status = rec.status;
         let complete = !rec.partial && (200..300).contains(&rec.status);
         if let Err(e) = state.store.record(rec).await {
@@ -219,8 +250,11 @@ impl PendingExchange {
         // With reported usage the decision needs no tokenizer: take it now,
         // before the answer's last bytes are released, so a client that
         // sends its next request at once finds the compaction under way.
-        if let (true, Some(u)) = (complete, usage) {
-            engine::after_exchange(state, self.input(String::new(), false), u.total(), false);
+        // In observe mode the decision is taken on the size the request
+        // would have had, as it would be in auto mode.
+        if let (true, Some(u), true) = (complete, usage, self.mode != Mode::Off) {
+            let used = u.total().saturating_sub(potential);
+            engine::after_exchange(state, self.input(String::new(), false), used, false);
         }
         self.account(state, usage, status, complete);
     }
@@ -247,7 +281,13 @@ impl PendingExchange {
         let chains = sent_as_received.then(|| self.chains.clone());
         // Without reported usage the estimate decides (only a complete
         // answer says how large the conversation now is).
-        let next = (complete && usage.is_none()).then(|| self.input(String::new(), false));
+        let next = (complete && usage.is_none() && self.mode != Mode::Off)
+            .then(|| self.input(String::new(), false));
+        let potential = self
+            .observed
+            .as_ref()
+            .map(|c| engine::tokens_saved(c))
+            .unwrap_or(0);
         let (conversation, model, id) =
             (self.ident.conversation.clone(), self.model.clone(), self.id);
         let tenant = self.tenant.clone();
@@ -294,7 +334,7 @@ impl PendingExchange {
                 line!(info);
             }
             if let Some(input) = next {
-                engine::after_exchange(&state, input, used, true);
+                engine::after_exchange(&state, input, used.saturating_sub(potential), true);
             }
         });
     }

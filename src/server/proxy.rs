@@ -217,6 +217,8 @@ async fn parse(
             chains: Arc::new(chains),
             claims,
             compaction: None,
+            mode: crate::config::Mode::Auto,
+            observed: None,
             auth: engine::auth_headers(&parts.headers),
             streamed,
             started,

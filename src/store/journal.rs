@@ -829,6 +829,7 @@ pub(crate) mod tests {
             chain_request: Some([3; 32]),
             chain_full: None,
             compaction: None,
+            savings: Default::default(),
         }
     }
 

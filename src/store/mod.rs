@@ -11,6 +11,7 @@
 
 pub mod journal;
 pub mod query;
+pub mod savings;
 pub mod sqlite;
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
@@ -108,6 +109,28 @@ pub struct ExchangeRecord {
     pub chain_full: Option<ItemHash>,
     /// The compaction applied to the request, if any.
     pub compaction: Option<String>,
+    /// What compaction saved on this request, or would have.
+    #[serde(default)]
+    pub savings: ExchangeSavings,
+}
+
+/// What compaction saved on one request, or would have in observe mode.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExchangeSavings {
+    /// The mode the request was served in.
+    #[serde(default)]
+    pub mode: crate::config::Mode,
+    /// Input tokens the upstream did not receive because a compaction
+    /// applied (the proxy's estimate, scaled to the upstream's tokens).
+    #[serde(default)]
+    pub tokens_saved: u64,
+    /// Observe mode: input tokens the compaction the proxy would have
+    /// applied would have saved.
+    #[serde(default)]
+    pub tokens_saved_potential: u64,
+    /// Observe mode: that compaction.
+    #[serde(default)]
+    pub observed_compaction: Option<String>,
 }
 
 /// Anything the writer thread persists.
@@ -161,6 +184,8 @@ pub struct StoredCompaction {
     pub covered_chain: ItemHash,
     /// Unix ms.
     pub created_ms: i64,
+    /// A would-be compaction of observe mode, never applied.
+    pub observed: bool,
 }
 
 impl From<&Compaction> for StoredCompaction {
@@ -172,6 +197,7 @@ impl From<&Compaction> for StoredCompaction {
             covered_len: c.covered_len,
             covered_chain: c.covered_chain,
             created_ms: c.created_ms,
+            observed: c.observed,
         }
     }
 }
