@@ -10,6 +10,8 @@
 //! - [`summary`]: facts the proxy extracts itself, the summarizer prompt,
 //!   validation, the assembled summary and its deterministic fallback
 //! - [`rewrite`]: applying a stored compaction to a request (longest match)
+//! - [`recall`]: the `compactor_recall` tool that reads back what the cheap
+//!   rungs elided
 //! - [`remote`]: compaction the client asks for (`/v1/responses/compact`,
 //!   `compaction_trigger`) and the `compaction` items that stand for it
 //!
@@ -26,6 +28,7 @@ pub mod fit;
 pub mod items;
 pub mod ladder;
 pub mod policy;
+pub mod recall;
 pub mod remote;
 pub mod rewrite;
 pub mod summary;
