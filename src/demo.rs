@@ -120,6 +120,8 @@ pub struct DemoReport {
     pub summarizer_input_tokens: u64,
     /// Where the store was kept, if it was.
     pub store: Option<PathBuf>,
+    /// The savings as the proxy accounts them (admin page, `/metrics`).
+    pub savings: crate::store::savings::Savings,
 }
 
 impl DemoReport {
@@ -444,6 +446,13 @@ async fn drive(
         .iter()
         .map(|r| (r.body.len() as u64 / 4).max(1))
         .sum();
+    state.store.flush().await?;
+    let (db, config) = (db.to_path_buf(), state.config.clone());
+    report.savings = tokio::task::spawn_blocking(move || {
+        let conn = crate::store::query::open_read_only(&db)?;
+        crate::store::savings::report(&conn, &config, None).map(|r| r.total)
+    })
+    .await??;
     print_table(&report, out)?;
     Ok(report)
 }
@@ -579,6 +588,17 @@ fn print_table(r: &DemoReport, out: &mut (dyn Write + Send)) -> std::io::Result<
         let line = format!("{label:<30}{a:>20}{b:>18}  {note}");
         writeln!(out, "{}", line.trim_end())?;
     }
+    let s = &r.savings;
+    writeln!(
+        out,
+        "\nas compactor accounts it (admin page, /metrics): {} input tokens received, {} without \
+         compaction; summarizer {} in + {} out; net saved {}",
+        thousands(s.input_tokens),
+        thousands(s.input_tokens_uncompacted),
+        thousands(s.summarizer_input_tokens),
+        thousands(s.summarizer_output_tokens),
+        thousands(s.net_tokens_saved.max(0) as u64),
+    )?;
     if let Some(db) = &r.store {
         writeln!(
             out,
