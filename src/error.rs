@@ -15,16 +15,72 @@ pub type ProxyBody = UnsyncBoxBody<Bytes, BodyError>;
 /// Error type a response body may fail with (ends the connection uncleanly).
 pub type BodyError = Box<dyn std::error::Error + Send + Sync>;
 
+/// A source error of any kind, kept for the log and `source()`.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// A request body that is JSON but not the shape its endpoint needs: which
+/// field, and what is wrong with it, as OpenAI reports it (`param`, `code`).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct InvalidField {
+    /// The field at fault, as OpenAI names it (`messages[3]`); `None` for
+    /// the body as a whole.
+    pub param: Option<String>,
+    /// `missing_required_parameter` or `invalid_type`.
+    pub code: &'static str,
+    /// What is wrong, naming the field.
+    pub message: String,
+}
+
+impl InvalidField {
+    /// A required field is absent.
+    pub fn missing(param: &str) -> Self {
+        InvalidField {
+            param: Some(param.to_string()),
+            code: "missing_required_parameter",
+            message: format!("missing required field `{param}`"),
+        }
+    }
+
+    /// A field has the wrong type: `expected` says what it must be ("an
+    /// array").
+    pub fn wrong_type(param: impl Into<String>, expected: &str) -> Self {
+        let param = param.into();
+        InvalidField {
+            message: format!("`{param}` must be {expected}"),
+            param: Some(param),
+            code: "invalid_type",
+        }
+    }
+
+    /// The body is JSON but not an object.
+    pub fn not_an_object() -> Self {
+        InvalidField {
+            param: None,
+            code: "invalid_type",
+            message: "request body must be a JSON object".into(),
+        }
+    }
+}
+
 /// A failure the proxy answers itself, tagged with where it came from.
 #[derive(Debug, thiserror::Error)]
 pub enum ProxyError {
-    /// The client's body is not JSON or not the shape the endpoint needs.
-    #[error("{0}")]
-    BadRequest(String),
+    /// The client's body is not JSON.
+    #[error("request body is not valid JSON: {0}")]
+    InvalidJson(#[source] serde_json::Error),
+    /// The client's body is JSON, but not the shape the endpoint needs.
+    #[error(transparent)]
+    InvalidRequest(#[from] InvalidField),
+    /// The client's body could not be read to its end (the connection
+    /// failed under it).
+    #[error("could not read request body: {0}")]
+    BodyUnreadable(#[source] BoxError),
     /// A compaction the client asked for (`/v1/responses/compact`, Codex's
-    /// `compaction_trigger`) could not be made from its history.
+    /// `compaction_trigger`) could not be made from its history: the
+    /// compaction's own error, which says why.
     #[error("nothing to compact: {0}")]
-    NothingToCompact(String),
+    NothingToCompact(#[source] BoxError),
     /// The client's body exceeds `server.max_body_bytes`.
     #[error("request body exceeds the limit of {limit} bytes")]
     PayloadTooLarge {
@@ -88,7 +144,9 @@ impl ProxyError {
     /// HTTP status the client sees.
     pub fn status(&self) -> StatusCode {
         match self {
-            ProxyError::BadRequest(_)
+            ProxyError::InvalidJson(_)
+            | ProxyError::InvalidRequest(_)
+            | ProxyError::BodyUnreadable(_)
             | ProxyError::InvalidPath(_)
             | ProxyError::NothingToCompact(_)
             | ProxyError::ConversationAmbiguous(_) => StatusCode::BAD_REQUEST,
@@ -109,7 +167,9 @@ impl ProxyError {
     /// OpenAI's `type` field.
     fn kind(&self) -> &'static str {
         match self {
-            ProxyError::BadRequest(_)
+            ProxyError::InvalidJson(_)
+            | ProxyError::InvalidRequest(_)
+            | ProxyError::BodyUnreadable(_)
             | ProxyError::InvalidPath(_)
             | ProxyError::NothingToCompact(_)
             | ProxyError::PayloadTooLarge { .. }
@@ -129,7 +189,9 @@ impl ProxyError {
     /// OpenAI's `code` field.
     fn code(&self) -> &'static str {
         match self {
-            ProxyError::BadRequest(_) => "invalid_json",
+            ProxyError::InvalidJson(_) => "invalid_json",
+            ProxyError::InvalidRequest(field) => field.code,
+            ProxyError::BodyUnreadable(_) => "invalid_request",
             ProxyError::InvalidPath(_) => "invalid_path",
             ProxyError::NothingToCompact(_) => "nothing_to_compact",
             ProxyError::LoopDetected => "loop_detected",
@@ -147,13 +209,21 @@ impl ProxyError {
         }
     }
 
+    /// OpenAI's `param` field: the request field at fault, where one is.
+    fn param(&self) -> Option<&str> {
+        match self {
+            ProxyError::InvalidRequest(field) => field.param.as_deref(),
+            _ => None,
+        }
+    }
+
     /// The JSON body the client receives.
     pub fn body(&self) -> serde_json::Value {
         serde_json::json!({
             "error": {
                 "message": self.to_string(),
                 "type": self.kind(),
-                "param": null,
+                "param": self.param(),
                 "code": self.code(),
             }
         })
@@ -202,6 +272,27 @@ pub fn full(bytes: impl Into<Bytes>) -> ProxyBody {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A shape error names its field in `param` and is not `invalid_json`;
+    /// a refused compaction says why once.
+    #[test]
+    fn shape_errors_name_their_field_and_their_own_code() {
+        let e = ProxyError::from(InvalidField::wrong_type("messages[2]", "an object"));
+        let b = e.body();
+        assert_eq!(b["error"]["code"], "invalid_type");
+        assert_eq!(b["error"]["param"], "messages[2]");
+        assert_eq!(b["error"]["message"], "`messages[2]` must be an object");
+        let e = ProxyError::from(InvalidField::missing("messages"));
+        assert_eq!(e.body()["error"]["code"], "missing_required_parameter");
+        let syntax = serde_json::from_slice::<serde_json::Value>(b"{").unwrap_err();
+        let b = ProxyError::InvalidJson(syntax).body();
+        assert_eq!(b["error"]["code"], "invalid_json");
+        assert!(b["error"]["param"].is_null());
+        let e = crate::engine::CompactError::NothingToCompact.into_refusal();
+        assert_eq!(e.to_string(), "nothing to compact: no safe cut point");
+        assert_eq!(e.body()["error"]["code"], "nothing_to_compact");
+        assert!(std::error::Error::source(&e).is_some());
+    }
 
     #[test]
     fn error_shape_is_openai_style() {

@@ -282,23 +282,45 @@ impl Upstream {
             .await
     }
 
+    /// Sends a request whose body is in memory once, telling a closed
+    /// pooled connection from other failures: the caller decides whether
+    /// to send it again ([`SendFailure::retry_allowed`]).
+    pub async fn send_once(
+        &self,
+        method: http::Method,
+        url: &reqwest::Url,
+        headers: HeaderMap,
+        body: &Payload,
+    ) -> Result<reqwest::Response, SendFailure> {
+        self.attempt(self.request(method, url, headers).body(body.body()))
+            .await
+    }
+
     async fn send_again_if_stale(
         &self,
         build: impl Fn() -> reqwest::RequestBuilder,
     ) -> Result<reqwest::Response, ProxyError> {
-        let (sent, opened) = OPENED
-            .scope(Cell::new(false), async {
-                let sent = tokio::time::timeout(self.response_timeout, build().send()).await;
-                (sent, OPENED.with(Cell::get))
-            })
-            .await;
-        match self.classify(sent, opened) {
+        match self.attempt(build()).await {
             Err(failed) if failed.retry_allowed() => {
                 tracing::debug!(error = %failed, "retrying once");
                 self.execute(build()).await
             }
             other => other.map_err(SendFailure::into_proxy_error),
         }
+    }
+
+    /// One send, watched for whether it opened a new connection.
+    async fn attempt(
+        &self,
+        req: reqwest::RequestBuilder,
+    ) -> Result<reqwest::Response, SendFailure> {
+        let (sent, opened) = OPENED
+            .scope(Cell::new(false), async {
+                let sent = tokio::time::timeout(self.response_timeout, req.send()).await;
+                (sent, OPENED.with(Cell::get))
+            })
+            .await;
+        self.classify(sent, opened)
     }
 
     /// What a send came to, telling a closed pooled connection (which may
@@ -335,7 +357,7 @@ impl Upstream {
 
 /// A send that failed, and whether it may be sent again.
 #[derive(Debug, thiserror::Error)]
-enum SendFailure {
+pub enum SendFailure {
     /// A pooled connection the upstream had closed before the request
     /// reached it: sending again on a new connection is allowed.
     #[error("pooled upstream connection was closed: {}", describe(.0))]
@@ -347,13 +369,13 @@ enum SendFailure {
 
 impl SendFailure {
     /// Whether the request may be sent again.
-    fn retry_allowed(&self) -> bool {
+    pub fn retry_allowed(&self) -> bool {
         matches!(self, SendFailure::Stale(_))
     }
 
     /// The error the client gets when no retry is made: a closed connection
     /// is the upstream unreachable.
-    fn into_proxy_error(self) -> ProxyError {
+    pub fn into_proxy_error(self) -> ProxyError {
         match self {
             SendFailure::Stale(e) => ProxyError::UpstreamUnreachable(describe(&e)),
             SendFailure::Failed(e) => e,

@@ -26,6 +26,82 @@ fn error_of(body: &[u8]) -> Value {
     e
 }
 
+/// Each bad body gets the code OpenAI gives it: `invalid_json` only for a
+/// body that is not JSON; a body of the wrong shape says which field
+/// (`param`) and how (`missing_required_parameter`, `invalid_type`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_bodies_get_openai_codes_and_the_field_at_fault() {
+    let h = Harness::start().await;
+    let cases: Vec<(&str, &[u8], &str, Value)> = vec![
+        (
+            "chat/completions",
+            b"{not json",
+            "invalid_json",
+            Value::Null,
+        ),
+        ("chat/completions", b"[1,2]", "invalid_type", Value::Null),
+        (
+            "chat/completions",
+            br#"{"model":"m"}"#,
+            "missing_required_parameter",
+            json!("messages"),
+        ),
+        (
+            "chat/completions",
+            br#"{"model":"m","messages":"hi"}"#,
+            "invalid_type",
+            json!("messages"),
+        ),
+        (
+            "chat/completions",
+            br#"{"model":"m","messages":[{"role":"user","content":"a"},1]}"#,
+            "invalid_type",
+            json!("messages[1]"),
+        ),
+        (
+            "chat/completions",
+            br#"{"model":7,"messages":[]}"#,
+            "invalid_type",
+            json!("model"),
+        ),
+        (
+            "chat/completions",
+            br#"{"model":"m","stream":"yes","messages":[]}"#,
+            "invalid_type",
+            json!("stream"),
+        ),
+        (
+            "responses",
+            br#"{"input":42}"#,
+            "invalid_type",
+            json!("input"),
+        ),
+        (
+            "responses",
+            br#"{"input":[1]}"#,
+            "invalid_type",
+            json!("input[0]"),
+        ),
+        (
+            "responses",
+            br#"{"input":"q","instructions":3}"#,
+            "invalid_type",
+            json!("instructions"),
+        ),
+    ];
+    for (path, body, code, param) in cases {
+        let (status, _, resp) = post_raw(&format!("{}/{path}", h.url()), KEY, body.to_vec()).await;
+        let shown = String::from_utf8_lossy(body);
+        assert_eq!(status, 400, "{shown}");
+        let e = error_of(&resp);
+        assert_eq!(e["type"], "invalid_request_error", "{shown}: {e}");
+        assert_eq!(e["code"], code, "{shown}: {e}");
+        assert_eq!(e["param"], param, "{shown}: {e}");
+    }
+    assert_eq!(h.fake.count(), 0, "nothing malformed went upstream");
+    still_serving(&h).await;
+}
+
 async fn still_serving(h: &Harness) {
     let resp = within(client().get(format!("http://{}/healthz", h.addr)).send())
         .await

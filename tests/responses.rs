@@ -273,24 +273,32 @@ async fn the_compact_endpoint_returns_an_item_the_proxy_expands_later() {
 }
 
 /// A history too short to cut is refused with a code that says so, not as
-/// a malformed body.
+/// a malformed body, and a message that gives the reason once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_compact_endpoint_says_nothing_to_compact_with_its_own_code() {
     let h = Harness::start().await;
-    let (status, _, body) = post(
-        &format!("{}/responses/compact", h.url()),
-        KEY,
-        &json!({"model": MODEL, "input": "hello"}),
-    )
-    .await;
-    assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
-    let answer: Value = serde_json::from_slice(&body).unwrap();
-    assert_eq!(answer["error"]["code"], "nothing_to_compact", "{answer}");
-    assert_eq!(answer["error"]["type"], "invalid_request_error");
-    assert!(answer["error"]["message"]
-        .as_str()
-        .unwrap()
-        .contains("nothing to compact"));
+    for input in [
+        json!("hello"),
+        json!([]),
+        json!([{"role": "user", "content": "hi"}]),
+    ] {
+        let (status, _, body) = post(
+            &format!("{}/responses/compact", h.url()),
+            KEY,
+            &json!({"model": MODEL, "input": input}),
+        )
+        .await;
+        assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+        let answer: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(answer["error"]["code"], "nothing_to_compact", "{answer}");
+        assert_eq!(answer["error"]["type"], "invalid_request_error");
+        let message = answer["error"]["message"].as_str().unwrap();
+        assert_eq!(
+            message.matches("nothing to compact").count(),
+            1,
+            "the reason is said once: {message}"
+        );
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -38,7 +38,7 @@ const MAX_BACKOFF: u32 = 64;
 #[derive(Debug, thiserror::Error)]
 pub enum CompactError {
     /// No safe cut leaves anything to compact.
-    #[error("nothing to compact: no safe cut point")]
+    #[error("no safe cut point")]
     NothingToCompact,
     /// The result would not be smaller (circuit breaker).
     #[error("compaction discarded: {before} tokens before, {after} after")]
@@ -63,7 +63,7 @@ impl CompactError {
     pub fn into_refusal(self) -> crate::error::ProxyError {
         match self {
             CompactError::Internal(detail) => crate::error::ProxyError::Internal(detail),
-            other => crate::error::ProxyError::NothingToCompact(other.to_string()),
+            other => crate::error::ProxyError::NothingToCompact(Box::new(other)),
         }
     }
 }

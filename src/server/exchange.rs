@@ -1,5 +1,7 @@
-//! One exchange under way: what is known when the request arrives, turned
-//! into a record when the answer is complete, then the accounting line.
+//! The exchange under way, the value every phase after the read passes on:
+//! the request's body (its parameters, items and tools, and the client's
+//! bytes while they can go as they came), the items that go upstream, and
+//! what is known of the conversation. Its record is made in [`super::record`].
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -11,13 +13,10 @@ use crate::compaction::Compaction;
 use crate::config::Mode;
 use crate::conversation::Identified;
 use crate::engine::{self, Input};
-use crate::store::{ExchangeRecord, ExchangeSavings, IndexedExchange};
+use crate::error::ProxyError;
 use crate::upstream::Payload;
 use crate::wire::items::{Claims, ItemList, Tools};
-use crate::wire::{chain_extend, item_hash, Api, ItemHash, Usage};
-
-/// Most characters of an upstream error body kept in a record.
-const MAX_ERROR_CHARS: usize = 4096;
+use crate::wire::{Api, ItemHash, Usage};
 
 /// An exchange between request and completion.
 pub struct PendingExchange {
@@ -51,6 +50,11 @@ pub struct PendingExchange {
     pub chains: Arc<Vec<ItemHash>>,
     /// Which of `hashes` the store has claimed already.
     pub claims: Claims,
+    /// The bytes that go upstream while no compaction applies, when they
+    /// need not be rebuilt (see [`super::read::ReadRequest::original`]).
+    pub original: Option<Payload>,
+    /// The proxy asked for stream usage the client did not ask for.
+    pub strip_usage: bool,
     /// The items as sent upstream (after compaction; the same as `items` when none applied).
     pub view: Arc<ItemList>,
     /// The compaction applied, if any.
@@ -107,21 +111,16 @@ impl PendingExchange {
         self.compaction = None;
     }
 
-    /// The body to send upstream: the client's (`original`) unless a
-    /// compaction applies.
-    pub fn upstream_bytes(&self, original: &Payload) -> Result<Payload, crate::error::ProxyError> {
-        if self.compaction.is_none() {
+    /// The body to send upstream: the client's bytes while they can go as
+    /// they came, else the body rebuilt around the items of the view.
+    pub fn upstream_bytes(&self) -> Result<Payload, ProxyError> {
+        if let (None, Some(original)) = (&self.compaction, &self.original) {
             return Ok(original.clone());
         }
-        let mut body = (*self.body).clone();
-        if self.api == Api::Chat {
-            crate::wire::chat::ensure_stream_usage(&mut body);
-        }
-        self.api.set_items(&mut body, &self.view.values());
-        Tools::restore(self.tools.as_ref(), &mut body);
-        serde_json::to_vec(&body)
-            .map(|b| bytes::Bytes::from(b).into())
-            .map_err(|e| crate::error::ProxyError::Internal(e.to_string()))
+        self.api
+            .rebuild_body(&self.body, &self.view.values(), self.tools.as_ref())
+            .map(Payload::from)
+            .map_err(|e| ProxyError::Internal(e.to_string()))
     }
 
     /// What a compaction of this request starts from (in observe mode,
@@ -148,235 +147,59 @@ impl PendingExchange {
             observe,
         }
     }
+}
 
-    /// Builds the record: claims item bodies not yet stored, computes chains.
-    pub fn to_record(&self, state: &AppState, outcome: Outcome) -> ExchangeRecord {
-        let mut new_items = Vec::new();
-        // The items of the prefix an earlier exchange stands for were
-        // claimed when that exchange was recorded, and so were those a
-        // recorded recent request had too.
-        let len = self.hashes.len();
-        let suffix_from = self.ident.prefix.map(|p| p.len).unwrap_or(0).min(len);
-        let known = self.claims.known();
-        let before = suffix_from..known.start.clamp(suffix_from, len);
-        let after = known.end.clamp(suffix_from, len)..len;
-        for range in [before, after] {
-            for j in state.store.claim_items(&self.hashes[range.clone()]) {
-                let at = range.start + j;
-                new_items.push((self.hashes[at], self.items.json(at)));
-            }
-        }
-        self.claims.all_claimed();
-        // The body holds everything but the items: model, tools, sampling.
-        let params_hash = self.params;
-        if state.store.claim_item(&params_hash) {
-            let mut params = (*self.body).clone();
-            Tools::restore(self.tools.as_ref(), &mut params);
-            new_items.push((params_hash, params.to_string()));
-        }
-        let response_hashes: Vec<ItemHash> = outcome.response_items.iter().map(item_hash).collect();
-        for (h, item) in response_hashes.iter().zip(&outcome.response_items) {
-            if state.store.claim_item(h) {
-                new_items.push((*h, item.to_string()));
-            }
-        }
-        let complete = !outcome.partial && (200..300).contains(&outcome.status);
-        ExchangeRecord {
-            id: self.id,
-            conversation: self.ident.conversation.clone(),
-            new_conversation: self.ident.is_new,
-            explicit_key: self.explicit_key.clone(),
-            tenant: self.tenant.clone(),
-            api: self.api,
-            model: self.model.clone(),
-            prefix: self.ident.prefix,
-            suffix_items: self.hashes[suffix_from.min(self.hashes.len())..].to_vec(),
-            request_len: self.hashes.len(),
-            params: params_hash,
-            response_items: response_hashes.clone(),
-            new_items,
-            response_id: outcome.response_id,
-            usage: outcome.usage,
-            status: outcome.status,
-            streamed: self.streamed,
-            partial: outcome.partial,
-            error: outcome.error.map(|e| {
-                let redacted = state.upstream.redact(&e, &self.auth).into_owned();
-                truncate(redacted, MAX_ERROR_CHARS)
-            }),
-            started_ms: self.started_ms,
-            latency_ms: self.started.elapsed().as_secs_f64() * 1000.0,
-            ttfb_ms: outcome.ttfb_ms,
-            chain_request: (!self.hashes.is_empty()).then_some(self.chain_request),
-            // Only a complete answer can be continued by the next request.
-            chain_full: (complete && !response_hashes.is_empty())
-                .then(|| chain_extend(self.chain_request, &response_hashes)),
-            compaction: self.compaction.as_ref().map(|c| c.id.clone()),
-            savings: self.savings(state),
+/// An exchange whose answer has not been handed to the client yet. A
+/// client that leaves before then (a timeout while the model thinks, say)
+/// makes hyper drop the request's future, and this with it: the exchange
+/// is recorded with status 499 (as nginx logs a client that closed the
+/// request), and the upstream request, dropped with the future, is
+/// cancelled. Every path that answers takes the exchange out first.
+pub(super) struct Unanswered {
+    state: Arc<AppState>,
+    /// Always here until [`Unanswered::into_inner`] or the drop.
+    pending: Option<PendingExchange>,
+}
+
+/// The status recorded for an exchange whose client left before its answer.
+pub const CLIENT_CLOSED: u16 = 499;
+
+impl Unanswered {
+    pub(super) fn new(state: &Arc<AppState>, pending: PendingExchange) -> Self {
+        Self {
+            state: state.clone(),
+            pending: Some(pending),
         }
     }
 
-    /// What the compaction applied saved, or the would-be one would have,
-    /// in the upstream's tokens (the estimate scaled by what it reported
-    /// for this conversation).
-    fn savings(&self, state: &AppState) -> ExchangeSavings {
-        let calibration = state
-            .compactions
-            .calibration(&self.tenant, &self.ident.conversation);
-        let upstream = |c: &Arc<Compaction>| (engine::tokens_saved(c) as f64 * calibration) as u64;
-        ExchangeSavings {
-            mode: self.mode,
-            tokens_saved: self.compaction.as_ref().map(upstream).unwrap_or(0),
-            tokens_saved_potential: self.observed.as_ref().map(upstream).unwrap_or(0),
-            observed_compaction: self.observed.as_ref().map(|c| c.id.clone()),
-        }
+    /// The exchange, for the path that answers (and records) it.
+    pub(super) fn into_inner(mut self) -> PendingExchange {
+        self.pending.take().expect("present until taken")
     }
+}
 
-    /// Records the exchange (waiting for the commit), indexes it, and logs
-    /// the accounting line in the background.
-    pub async fn finish(&self, state: &Arc<AppState>, outcome: Outcome) {
-        let rec = self.to_record(state, outcome);
-        observe(state, &rec);
-        self.record_on_span(&rec);
-        let indexed = indexed(&rec);
-        let usage = rec.usage;
-        let potential = rec.savings.tokens_saved_potential;
-        let status = rec.status;
-        let complete = !rec.partial && (200..300).contains(&rec.status);
-        if let Err(e) = state.store.record(rec).await {
-            tracing::error!(error = %e, exchange = self.id, "exchange not recorded");
-        }
-        state.conversations.remember(&indexed);
-        // With reported usage the decision needs no tokenizer: take it now,
-        // before the answer's last bytes are released, so a client that
-        // sends its next request at once finds the compaction under way.
-        // In observe mode the decision is taken on the size the request
-        // would have had, as it would be in auto mode.
-        if let (true, Some(u), true) = (complete, usage, self.mode != Mode::Off) {
-            let used = u.total().saturating_sub(potential);
-            engine::after_exchange(state, self.input(String::new(), false), used, false);
-        }
-        self.account(state, usage, status, complete);
+impl std::ops::Deref for Unanswered {
+    type Target = PendingExchange;
+    fn deref(&self) -> &PendingExchange {
+        self.pending.as_ref().expect("present until taken")
     }
+}
 
-    /// Records without waiting (the client is gone; nothing can wait).
-    pub fn finish_detached(&self, state: &Arc<AppState>, outcome: Outcome) {
-        let rec = self.to_record(state, outcome);
-        observe(state, &rec);
-        state.conversations.remember(&indexed(&rec));
-        state.store.record_detached(rec);
+impl std::ops::DerefMut for Unanswered {
+    fn deref_mut(&mut self) -> &mut PendingExchange {
+        self.pending.as_mut().expect("present until taken")
     }
+}
 
-    /// The per-exchange accounting line: reported usage, estimate by
-    /// section of what was sent, fraction of the model's window; a warning
-    /// past `warn_ratio`. Then the compaction decision for the next request.
-    fn account(&self, state: &Arc<AppState>, usage: Option<Usage>, status: u16, complete: bool) {
-        let background = state.background;
-        let state = state.clone();
-        let (api, tools, view) = (self.api, self.tools.clone(), self.view.clone());
-        // The request's own hashes and chains, unless a compaction changed
-        // what was sent.
-        let sent_as_received = Arc::ptr_eq(&self.view, &self.items);
-        let hashes = sent_as_received.then(|| self.hashes.clone());
-        let chains = sent_as_received.then(|| self.chains.clone());
-        // Without reported usage the estimate decides (only a complete
-        // answer says how large the conversation now is).
-        let next = (complete && usage.is_none() && self.mode != Mode::Off)
-            .then(|| self.input(String::new(), false));
-        let potential = self
-            .observed
-            .as_ref()
-            .map(|c| engine::tokens_saved(c))
-            .unwrap_or(0);
-        let (conversation, model, id) =
-            (self.ident.conversation.clone(), self.model.clone(), self.id);
-        let tenant = self.tenant.clone();
-        let compaction = self.compaction.as_ref().map(|c| c.id.clone());
-        background.spawn(move || {
-            let hashes = hashes.unwrap_or_else(|| Arc::new(view.hashes()));
-            let est = state.tokens.estimate_chained(
-                api,
-                &view,
-                &hashes,
-                chains.as_deref().map(Vec::as_slice),
-                tools.as_ref(),
-            );
-            let limits = state.model_limits(&model);
-            let (used, source) = match usage {
-                Some(u) => (u.total(), "reported"),
-                None => (est.total(), "estimate"),
+impl Drop for Unanswered {
+    fn drop(&mut self) {
+        if let Some(p) = self.pending.take() {
+            let outcome = Outcome {
+                status: CLIENT_CLOSED,
+                error: Some(format!("{} before the answer", self.state.cut_reason())),
+                ..Outcome::default()
             };
-            if let Some(u) = usage {
-                state
-                    .compactions
-                    .calibrate(&tenant, &conversation, u.input_tokens, est.total());
-            }
-            let fraction = used as f64 / limits.context_window as f64;
-            let warn = fraction >= state.config.compaction.warn_ratio;
-            macro_rules! line {
-                ($level:ident) => {
-                    tracing::$level!(
-                        conversation = %conversation, exchange = id, model = %model, status,
-                        compaction = compaction.as_deref().unwrap_or(""),
-                        input_tokens = usage.map(|u| u.input_tokens),
-                        output_tokens = usage.map(|u| u.output_tokens),
-                        tokens = used, tokens_source = source,
-                        est_system = est.system, est_messages = est.messages,
-                        est_tool_outputs = est.tool_outputs, est_tool_definitions = est.tool_definitions,
-                        window = limits.context_window, fraction = format!("{fraction:.3}"),
-                        "exchange"
-                    )
-                };
-            }
-            if warn {
-                line!(warn);
-            } else {
-                line!(info);
-            }
-            if let Some(input) = next {
-                engine::after_exchange(&state, input, used.saturating_sub(potential), true);
-            }
-        });
-    }
-}
-
-impl PendingExchange {
-    fn record_on_span(&self, rec: &ExchangeRecord) {
-        if let Some(u) = rec.usage {
-            self.span.record("input_tokens", u.input_tokens);
-            self.span.record("output_tokens", u.output_tokens);
-        }
-        if let Some(c) = &rec.compaction {
-            self.span.record("compaction", c.as_str());
+            p.finish_detached(&self.state, outcome);
         }
     }
-}
-
-/// Latency figures of a finished exchange, for `/metrics`.
-fn observe(state: &AppState, rec: &ExchangeRecord) {
-    state.metrics.upstream_latency(rec.latency_ms / 1000.0);
-    if let Some(t) = rec.ttfb_ms {
-        state.metrics.ttfb(t / 1000.0);
-    }
-}
-
-fn indexed(rec: &ExchangeRecord) -> IndexedExchange {
-    IndexedExchange {
-        id: rec.id,
-        conversation: rec.conversation.clone(),
-        tenant: rec.tenant.clone(),
-        request_len: rec.request_len,
-        response_len: rec.response_items.len(),
-        chain_request: rec.chain_request,
-        chain_full: rec.chain_full,
-        response_id: rec.response_id.clone(),
-    }
-}
-
-fn truncate(mut s: String, max: usize) -> String {
-    if s.len() > max {
-        s.truncate(crate::compaction::items::floor_boundary(&s, max));
-        s.push('…');
-    }
-    s
 }

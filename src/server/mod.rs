@@ -3,10 +3,17 @@
 //! `run` takes a bound listener (never binds itself, so tests and the CLI
 //! choose the port) and a shutdown future.
 
+mod compact;
 pub mod discovery;
 mod exchange;
+mod gather;
+mod identify;
 mod passthrough;
 mod proxy;
+mod read;
+mod record;
+mod relay;
+mod send;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -53,7 +60,7 @@ const EVENT_INTERVAL: u32 = 255;
 /// Its workers check for I/O every `EVENT_INTERVAL` tasks rather than
 /// every 61. A request's tasks are short, and under load the checks were
 /// syscalls that found little; the relay's gathering of SSE chunks that
-/// arrived together (`proxy::gather`) also lasts until such a check. At
+/// arrived together (`relay::gather`) also lasts until such a check. At
 /// 30 KB and c=32 this took `epoll_wait` calls per request from 0.44 to
 /// 0.32 and `writev` from 4.0 to 3.3. A worker with no task left checks at
 /// once, so an idle proxy answers as before.

@@ -13,7 +13,7 @@ use http::{Request, Response};
 use http_body_util::{BodyExt, StreamBody};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 
-use super::proxy;
+use super::read;
 use crate::app::AppState;
 use crate::error::{BodyError, ProxyBody, ProxyError};
 use crate::upstream::strip_hop_by_hop;
@@ -102,10 +102,10 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
             .upstream
             .send_bodyless(parts.method.clone(), &url, headers)
             .await
-    } else if proxy::declared_length(&parts.headers).is_some_and(|n| n <= RESENDABLE_BODY) {
+    } else if read::declared_length(&parts.headers).is_some_and(|n| n <= RESENDABLE_BODY) {
         // Small (an embeddings request, say): read first, so that it too
         // can be sent again.
-        let bytes = match proxy::read_body(
+        let bytes = match read::read_body(
             body,
             &parts.headers,
             RESENDABLE_BODY as usize,

@@ -6,19 +6,20 @@ use serde::Deserialize;
 use serde_json::{Map, Value};
 
 use super::Usage;
+use crate::error::InvalidField;
 
 /// `messages` must be a list of objects.
-pub fn validate(obj: &Map<String, Value>) -> Result<(), String> {
+pub fn validate(obj: &Map<String, Value>) -> Result<(), InvalidField> {
     match obj.get("messages") {
-        None => Err("missing required field `messages`".into()),
-        Some(Value::Array(msgs)) => {
-            if let Some(i) = msgs.iter().position(|m| !m.is_object()) {
-                Err(format!("`messages[{i}]` must be an object"))
-            } else {
-                Ok(())
-            }
-        }
-        Some(_) => Err("`messages` must be an array".into()),
+        None => Err(InvalidField::missing("messages")),
+        Some(Value::Array(msgs)) => match msgs.iter().position(|m| !m.is_object()) {
+            Some(i) => Err(InvalidField::wrong_type(
+                format!("messages[{i}]"),
+                "an object",
+            )),
+            None => Ok(()),
+        },
+        Some(_) => Err(InvalidField::wrong_type("messages", "an array")),
     }
 }
 

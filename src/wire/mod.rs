@@ -15,6 +15,8 @@ pub mod sse;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use crate::error::InvalidField;
+
 pub use hash::{chain_extend, chain_hashes, item_hash, ItemHash};
 
 /// Which of the two parsed APIs a request belongs to.
@@ -100,20 +102,37 @@ impl Api {
         }
     }
 
+    /// The one place a request body is rebuilt from its parts: `body` (the
+    /// parameters without items and tools) with `items` as its history and
+    /// `tools` put back; a Chat stream asks for usage (see
+    /// [`chat::ensure_stream_usage`]). The client's body is left as it is.
+    pub fn rebuild_body(
+        self,
+        body: &Value,
+        items: &[Value],
+        tools: Option<&items::Tools>,
+    ) -> serde_json::Result<bytes::Bytes> {
+        let mut full = body.clone();
+        if self == Api::Chat {
+            chat::ensure_stream_usage(&mut full);
+        }
+        self.set_items(&mut full, items);
+        items::Tools::restore(tools, &mut full);
+        serde_json::to_vec(&full).map(bytes::Bytes::from)
+    }
+
     /// Checks that the body has the shape this endpoint needs, naming the
     /// offending field otherwise.
-    pub fn validate(self, body: &Value) -> Result<(), String> {
-        let obj = body
-            .as_object()
-            .ok_or_else(|| "request body must be a JSON object".to_string())?;
+    pub fn validate(self, body: &Value) -> Result<(), InvalidField> {
+        let obj = body.as_object().ok_or_else(InvalidField::not_an_object)?;
         if let Some(m) = obj.get("model") {
             if !m.is_string() {
-                return Err("`model` must be a string".into());
+                return Err(InvalidField::wrong_type("model", "a string"));
             }
         }
         if let Some(s) = obj.get("stream") {
             if !s.is_boolean() && !s.is_null() {
-                return Err("`stream` must be a boolean".into());
+                return Err(InvalidField::wrong_type("stream", "a boolean"));
             }
         }
         match self {

@@ -7,6 +7,7 @@ use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 
 use super::Usage;
+use crate::error::InvalidField;
 
 /// `instructions` (as a leading pseudo-item, so two conversations with
 /// different instructions never share a prefix) followed by the `input`
@@ -37,19 +38,19 @@ pub fn is_instructions_item(item: &Value) -> bool {
 }
 
 /// `input` must be a string or a list of objects; `instructions` a string.
-pub fn validate(obj: &Map<String, Value>) -> Result<(), String> {
+pub fn validate(obj: &Map<String, Value>) -> Result<(), InvalidField> {
     match obj.get("input") {
         None | Some(Value::Null) | Some(Value::String(_)) => {}
         Some(Value::Array(list)) => {
             if let Some(i) = list.iter().position(|m| !m.is_object()) {
-                return Err(format!("`input[{i}]` must be an object"));
+                return Err(InvalidField::wrong_type(format!("input[{i}]"), "an object"));
             }
         }
-        Some(_) => return Err("`input` must be a string or an array".into()),
+        Some(_) => return Err(InvalidField::wrong_type("input", "a string or an array")),
     }
     match obj.get("instructions") {
         None | Some(Value::Null) | Some(Value::String(_)) => Ok(()),
-        Some(_) => Err("`instructions` must be a string".into()),
+        Some(_) => Err(InvalidField::wrong_type("instructions", "a string")),
     }
 }
 

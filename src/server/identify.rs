@@ -1,0 +1,192 @@
+//! Phase 2, identify and apply compaction: runs once the request is read
+//! and parsed, before anything goes upstream, and again when the upstream
+//! refuses a request as too long. Names the conversation, opens the
+//! exchange, and chooses the items that go upstream (a stored compaction,
+//! one made now). It must not send the request or answer the client.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use serde_json::Value;
+
+use super::exchange::{PendingExchange, Unanswered};
+use super::read::ReadRequest;
+use crate::app::AppState;
+use crate::compaction::policy;
+use crate::engine;
+use crate::wire::items::{cached_hash, ItemList, Tools};
+use crate::wire::{self, item_hash};
+
+/// Identifies the conversation of a request read, opens its exchange and
+/// applies the compaction it needs, if any.
+pub(super) async fn identify(
+    state: &Arc<AppState>,
+    parts: &http::request::Parts,
+    read: ReadRequest,
+    started: Instant,
+    started_ms: i64,
+) -> Unanswered {
+    let ReadRequest {
+        api,
+        tenant,
+        body,
+        items,
+        tools,
+        body_key,
+        previous,
+        original,
+        strip_usage,
+        raw_len,
+        ..
+    } = read;
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    let streamed = body.get("stream").and_then(Value::as_bool) == Some(true);
+    let (hashes, chains, claims) = items.hashes_and_chains(&tenant);
+    let explicit_key = wire::explicit_conversation_key(&parts.headers, &body);
+    let ident = state.conversations.identify(
+        &tenant,
+        explicit_key.as_deref(),
+        previous.as_deref(),
+        &chains,
+    );
+    let span = tracing::Span::current();
+    span.record("conversation", ident.conversation.as_str());
+    span.record("model", model.as_str());
+    state.metrics.conversation_seen(&ident.conversation);
+    // The parameters' hash, through their bytes unless the proxy changed
+    // the body (an expanded `previous_response_id`).
+    let full_hash = || {
+        let mut full = body.clone();
+        Tools::restore(tools.as_ref(), &mut full);
+        item_hash(&full)
+    };
+    let params = match body_key {
+        Some(key) => cached_hash(key, full_hash),
+        None => full_hash(),
+    };
+    let items: Arc<ItemList> = Arc::new(items);
+    let mut pending = Unanswered::new(
+        state,
+        PendingExchange {
+            id: state.store.next_exchange_id(),
+            ident,
+            explicit_key,
+            tenant,
+            api,
+            model,
+            body: Arc::new(body),
+            params,
+            tools,
+            chain_request: chains.last().copied().unwrap_or([0; 32]),
+            hashes: Arc::new(hashes),
+            view: items.clone(),
+            items,
+            chains: Arc::new(chains),
+            claims,
+            original,
+            strip_usage,
+            compaction: None,
+            mode: crate::config::Mode::Auto,
+            observed: None,
+            auth: engine::auth_headers(&parts.headers),
+            streamed,
+            started,
+            started_ms,
+            span,
+        },
+    );
+    // The first request of a model asks the upstream for its window
+    // (bounded in time), so that the check below already uses it.
+    super::discovery::discover(state, &pending.model, &pending.auth).await;
+    // A stored compaction covering a prefix of this request replaces it; a
+    // request too large to go without one waits for one under way.
+    if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+        pending.apply(c);
+    }
+    let bytes = pending.compaction.is_none().then_some(raw_len);
+    let check = engine::FitCheck {
+        tenant: &pending.tenant,
+        conversation: &pending.ident.conversation,
+        model: &pending.model,
+        view: pending.view.clone(),
+        hashes: Arc::ptr_eq(&pending.view, &pending.items).then(|| pending.hashes.clone()),
+        tools: pending.tools.clone(),
+        bytes,
+    };
+    match engine::check_fit(state, check).await {
+        engine::Fit::Fits => {}
+        engine::Fit::Waited => {
+            if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+                pending.apply(c);
+            }
+        }
+        // Too large to go out as it is, and nothing under way: compact now
+        // rather than let the upstream refuse it.
+        engine::Fit::Over(tokens) => {
+            compact_now(
+                state,
+                &mut pending,
+                format!("hard_limit: ~{tokens} tokens leave no room for the answer"),
+                engine::Goal::HardLimit,
+            )
+            .await;
+        }
+    }
+    pending
+}
+
+/// Computes a compaction of the request's view now, to reach `goal`, and
+/// applies it.
+pub(super) async fn compact_now(
+    state: &Arc<AppState>,
+    pending: &mut PendingExchange,
+    reason: String,
+    goal: engine::Goal,
+) -> bool {
+    let mut input = pending.input(reason, false);
+    input.goal = goal;
+    match engine::compact(state, input).await {
+        Ok(c) => {
+            pending.apply(c);
+            true
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "no compaction could be applied");
+            false
+        }
+    }
+}
+
+/// The upstream refused the request as too long: remembers the window it
+/// stated, and compacts the request to fit it.
+pub(super) async fn compact_on_overflow(
+    state: &Arc<AppState>,
+    pending: &mut PendingExchange,
+    stated: policy::Stated,
+    why: &str,
+) -> bool {
+    if let Some(window) = stated.limit {
+        super::discovery::tell(
+            state,
+            &pending.model,
+            window,
+            crate::windows::Source::Learned,
+        )
+        .await;
+    }
+    let max_output = request_max_output(&pending.body);
+    let goal = engine::Goal::Overflow { stated, max_output };
+    compact_now(state, pending, format!("overflow: {why}"), goal).await
+}
+
+/// The largest answer the request asks for, if it sets one (Chat's
+/// `max_tokens` / `max_completion_tokens`, Responses' `max_output_tokens`).
+fn request_max_output(body: &Value) -> Option<u64> {
+    ["max_completion_tokens", "max_tokens", "max_output_tokens"]
+        .iter()
+        .find_map(|k| body.get(*k).and_then(Value::as_u64))
+}

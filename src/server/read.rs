@@ -1,0 +1,240 @@
+//! Phase 1, read and parse: runs first, when a parsed endpoint's request
+//! arrives. Reads the body within its limits, splits it into its items,
+//! validates it, and expands what the proxy stands for (a recorded
+//! `previous_response_id` chain, its own `compaction` items, Codex's
+//! `compaction_trigger`). It must not identify the conversation, change
+//! the items for any other reason, or send anything upstream.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header;
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde_json::Value;
+
+use crate::app::AppState;
+use crate::compaction::remote;
+use crate::conversation::tenant_of;
+use crate::error::ProxyError;
+use crate::upstream::Payload;
+use crate::wire::items::{split_body_reusing, ItemList, Tools};
+use crate::wire::{self, chat, Api, ItemHash};
+
+/// A request read and parsed: the one representation of its body that the
+/// later phases share (the parameters without items, the items, the tools,
+/// and the client's bytes while they can still go upstream as they came).
+pub(super) struct ReadRequest {
+    /// Which API.
+    pub api: Api,
+    /// Tenant hash.
+    pub tenant: String,
+    /// The body without its items and tools.
+    pub body: Value,
+    /// The items, expanded where the proxy stands for them.
+    pub items: ItemList,
+    /// The tool definitions, if any.
+    pub tools: Option<Tools>,
+    /// The key of the body's bytes without items, when they are the
+    /// client's own (see [`crate::wire::items::cached_hash`]).
+    pub body_key: Option<ItemHash>,
+    /// The `previous_response_id` the client gave.
+    pub previous: Option<String>,
+    /// The bytes that go upstream while no compaction applies: the
+    /// client's, or theirs with the stream-usage member spliced in. `None`
+    /// when the body must be rebuilt from its parts (an expanded history,
+    /// a usage request that cannot be spliced in).
+    pub original: Option<Payload>,
+    /// The proxy asks for stream usage the client did not ask for.
+    pub strip_usage: bool,
+    /// The input ended with Codex's in-band `compaction_trigger`.
+    pub trigger: bool,
+    /// The body's length as received.
+    pub raw_len: usize,
+}
+
+/// Reads, parses and validates a request of `api`, and expands what the
+/// proxy stands for.
+pub(super) async fn read_request(
+    state: &Arc<AppState>,
+    api: Api,
+    parts: &http::request::Parts,
+    body: Incoming,
+) -> Result<ReadRequest, ProxyError> {
+    let raw = read_body(
+        body,
+        &parts.headers,
+        state.config.server.max_body_bytes,
+        state.config.body_read_timeout(),
+    )
+    .await?;
+    let raw_len = raw.len();
+    let tenant = tenant_of(&state.tenant_salt, wire::credential(&parts.headers));
+    // The history stays bytes (see `wire::items`), and the part of it that
+    // repeats the tenant's recent request is not even parsed again; a body
+    // that is not an object with an item array is parsed whole, which
+    // names what is wrong.
+    let (mut body, spans, body_key, tools, reuse, shell) =
+        match split_body_reusing(&raw, api.items_key(), &tenant) {
+            Some(split) => {
+                let tools = split
+                    .tools
+                    .map(|(span, key)| Tools::raw(raw.clone(), span, key));
+                (
+                    split.body,
+                    split.spans,
+                    Some(split.body_key),
+                    tools,
+                    split.reuse,
+                    split.shell,
+                )
+            }
+            None => {
+                let mut body: Value =
+                    serde_json::from_slice(&raw).map_err(ProxyError::InvalidJson)?;
+                let tools = Tools::take(&mut body);
+                (body, None, None, tools, None, None)
+            }
+        };
+    api.validate(&body)?;
+    let previous = body
+        .get("previous_response_id")
+        .and_then(Value::as_str)
+        .map(String::from);
+    let mut rewritten = false;
+    let mut trigger = false;
+    let mut items = api
+        .item_list(&mut body, raw.clone(), spans)
+        .with_reuse(reuse)
+        .with_shell(shell);
+    // A chain the proxy recorded, its own compaction items and Codex's
+    // compaction trigger change the items; anything else leaves them as
+    // the client's bytes.
+    let history = match &previous {
+        Some(prev) if api == Api::Responses => previous_history(state, &tenant, prev).await,
+        _ => None,
+    };
+    if api == Api::Responses && (history.is_some() || items.may_contain("\"compaction")) {
+        let mut values = items.into_values();
+        // A chain the proxy recorded is expanded into full input, so it can
+        // be compacted and works with upstreams that keep no responses.
+        if let Some(mut history) = history {
+            history.extend(
+                values
+                    .drain(..)
+                    .filter(|i| !wire::responses::is_instructions_item(i)),
+            );
+            if let Some(obj) = body.as_object_mut() {
+                obj.remove("previous_response_id");
+            }
+            values = history;
+            rewritten = true;
+        }
+        rewritten |= remote::expand_items(&mut values, |id| state.compactions.get(&tenant, id));
+        trigger = remote::ends_with_trigger(&values);
+        if trigger {
+            values.pop();
+        }
+        items = values.into();
+    }
+    // The body stays the client's; only the bytes going upstream ask for
+    // the usage it did not ask for.
+    let had_stream_options = body.get("stream_options").is_some();
+    let strip_usage = api == Api::Chat && chat::lacks_stream_usage(&body);
+    let original = if rewritten {
+        None
+    } else if strip_usage {
+        (!had_stream_options)
+            .then(|| chat::splice_stream_usage(&raw))
+            .flatten()
+            .map(|(head, rest)| Payload::joined(head, rest))
+    } else {
+        Some(raw.into())
+    };
+    Ok(ReadRequest {
+        api,
+        tenant,
+        body,
+        items,
+        tools,
+        body_key: body_key.filter(|_| !rewritten),
+        previous,
+        original,
+        strip_usage,
+        trigger,
+        raw_len,
+    })
+}
+
+/// The recorded history a `previous_response_id` continues, if the proxy
+/// relayed that response for this tenant.
+async fn previous_history(state: &Arc<AppState>, tenant: &str, id: &str) -> Option<Vec<Value>> {
+    // The response may be the one just relayed, still on its way from the
+    // journal into the database.
+    if let Err(e) = state.store.flush().await {
+        tracing::warn!(error = %e, "store flush failed before a previous_response_id lookup");
+    }
+    let reads = state.reads.clone();
+    let (tenant, id) = (tenant.to_string(), id.to_string());
+    tokio::task::spawn_blocking(move || reads.response_history(&tenant, &id))
+        .await
+        .ok()
+        .flatten()
+}
+
+/// Most bytes allocated for a request body before they arrive.
+const PRESIZE_LIMIT: usize = 1 << 20;
+
+/// The body length a request declares (`content-length`), if any.
+pub(super) fn declared_length(headers: &http::HeaderMap) -> Option<u64> {
+    headers
+        .get(header::CONTENT_LENGTH)?
+        .to_str()
+        .ok()?
+        .parse()
+        .ok()
+}
+
+/// Reads the whole body, refusing more than `limit` bytes with 413, and a
+/// client that sends nothing of it for `idle` (if set) with 408.
+pub(super) async fn read_body(
+    body: Incoming,
+    headers: &http::HeaderMap,
+    limit: usize,
+    idle: Option<Duration>,
+) -> Result<Bytes, ProxyError> {
+    let declared = declared_length(headers);
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(ProxyError::PayloadTooLarge { limit });
+    }
+    // Into a buffer of its own, sized as declared (up to a point: a client
+    // may declare more than it sends): the body outlives the request
+    // (recent requests are kept to recognise the next one's history), so it
+    // must not hold on to a larger connection buffer.
+    let presize = declared.unwrap_or(0).min(PRESIZE_LIMIT as u64) as usize;
+    let mut buf = bytes::BytesMut::with_capacity(presize);
+    let mut body = Limited::new(body, limit);
+    loop {
+        // A frame already received is taken without arming the timer.
+        let frame = match idle {
+            Some(idle) => tokio::time::timeout(idle, body.frame())
+                .await
+                .map_err(|_| ProxyError::RequestTimeout(idle.as_secs()))?,
+            None => body.frame().await,
+        };
+        let Some(frame) = frame else { break };
+        match frame {
+            Ok(frame) => {
+                if let Some(data) = frame.data_ref() {
+                    buf.extend_from_slice(data);
+                }
+            }
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+                return Err(ProxyError::PayloadTooLarge { limit });
+            }
+            Err(e) => return Err(ProxyError::BodyUnreadable(e)),
+        }
+    }
+    Ok(buf.freeze())
+}
