@@ -1,22 +1,32 @@
-//! Prometheus metrics, hand-written: lock-free counters and fixed-bucket
-//! histograms updated on the request path, gauges computed at scrape time,
-//! and the text exposition format (version 0.0.4) served on `GET /metrics`.
+//! Prometheus metrics on `prometheus-client`, the Prometheus project's Rust
+//! client: counters and histograms updated on the request path, gauges
+//! gathered at scrape time, and the text exposition format (version 0.0.4)
+//! served on `GET /metrics`.
 //!
-//! Every label comes from a small closed set (endpoints, rungs, reasons) or
-//! a bounded range (HTTP status codes), so the number of series is bounded
-//! whatever clients send. Recording is a few relaxed atomic adds; only the
-//! "active conversations" map takes a lock, once per request.
+//! Every label comes from a small closed set (endpoints, rungs, reasons,
+//! goals) or a bounded range (HTTP status codes), so the number of series
+//! is bounded whatever clients send; the one open label, a model's name,
+//! is built at scrape time from the bounded table of models seen. Only the
+//! "active conversations" map is this module's own data structure.
 
 use std::collections::HashMap;
-use std::fmt::Write as _;
 use std::hash::BuildHasher;
 use std::path::Path;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use prometheus_client::encoding::{prometheus_text, EncodeLabelSet, EncodeMetric, MetricEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::info::Info;
+use prometheus_client::metrics::MetricType;
+use prometheus_client::registry::Registry;
+
 /// Content type of the text exposition format.
-pub const CONTENT_TYPE_TEXT: &str = "text/plain; version=0.0.4; charset=utf-8";
+pub const CONTENT_TYPE_TEXT: &str = prometheus_text::CONTENT_TYPE;
 
 /// Endpoint labels of `compactor_requests_total`; anything else counts as `other`.
 pub const ENDPOINTS: &[&str] = &[
@@ -68,81 +78,9 @@ pub const TTFB_BUCKETS: &[f64] = &[
 /// Lowest and highest status code counted separately (others are clamped).
 const STATUS_MIN: u16 = 100;
 const STATUS_MAX: u16 = 599;
-const STATUS_SLOTS: usize = (STATUS_MAX - STATUS_MIN + 1) as usize;
 
-/// A histogram with fixed bucket bounds: one atomic per bucket plus `+Inf`,
-/// the sum (f64 bits) and the count.
-pub struct Histogram {
-    bounds: &'static [f64],
-    /// Per-bucket (not cumulative) counts; the last slot is `+Inf`.
-    buckets: Box<[AtomicU64]>,
-    sum_bits: AtomicU64,
-    count: AtomicU64,
-}
-
-impl Histogram {
-    /// A histogram over `bounds` (strictly increasing upper bounds).
-    pub fn new(bounds: &'static [f64]) -> Self {
-        debug_assert!(bounds.windows(2).all(|w| w[0] < w[1]));
-        Histogram {
-            bounds,
-            buckets: (0..=bounds.len()).map(|_| AtomicU64::new(0)).collect(),
-            sum_bits: AtomicU64::new(0f64.to_bits()),
-            count: AtomicU64::new(0),
-        }
-    }
-
-    /// Records one observation. Negative and NaN values are ignored.
-    pub fn observe(&self, value: f64) {
-        if value.is_nan() || value < 0.0 {
-            return;
-        }
-        let slot = self.bounds.partition_point(|&b| b < value);
-        self.buckets[slot].fetch_add(1, Ordering::Relaxed);
-        let _ = self
-            .sum_bits
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |bits| {
-                Some((f64::from_bits(bits) + value).to_bits())
-            });
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Number of observations.
-    pub fn count(&self) -> u64 {
-        self.count.load(Ordering::Relaxed)
-    }
-
-    /// Sum of the observations.
-    pub fn sum(&self) -> f64 {
-        f64::from_bits(self.sum_bits.load(Ordering::Relaxed))
-    }
-
-    /// Cumulative counts per upper bound, ending with `+Inf` (= `count`
-    /// as of the snapshot).
-    pub fn cumulative(&self) -> Vec<(f64, u64)> {
-        let mut acc = 0;
-        self.buckets
-            .iter()
-            .enumerate()
-            .map(|(i, b)| {
-                acc += b.load(Ordering::Relaxed);
-                (self.bounds.get(i).copied().unwrap_or(f64::INFINITY), acc)
-            })
-            .collect()
-    }
-
-    fn render(&self, out: &mut String, name: &str, help: &str) {
-        header(out, name, help, "histogram");
-        let buckets = self.cumulative();
-        for (le, n) in &buckets {
-            let _ = writeln!(out, "{name}_bucket{{le=\"{}\"}} {n}", fmt_le(*le));
-        }
-        // `_count` must equal the `+Inf` bucket even if observations raced the scrape.
-        let count = buckets.last().map(|b| b.1).unwrap_or(0);
-        let _ = writeln!(out, "{name}_sum {}", fmt_f64(self.sum()));
-        let _ = writeln!(out, "{name}_count {count}");
-    }
-}
+/// Room reserved for one exposition, so a scrape grows its buffer rarely.
+const RENDER_CAPACITY: usize = 8 * 1024;
 
 /// Figures gathered at scrape time rather than recorded as they happen.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -157,30 +95,77 @@ pub struct Gauges {
     pub windows: Vec<(String, u64, &'static str)>,
 }
 
-/// A label value in the text format: backslash, quote and newline escaped.
-fn escape_label(v: &str) -> String {
-    v.replace('\\', "\\\\")
-        .replace('"', "\\\"")
-        .replace('\n', "\\n")
+/// Labels of `compactor_requests_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RequestLabels {
+    /// One of [`ENDPOINTS`].
+    endpoint: &'static str,
+    /// Clamped to `STATUS_MIN..=STATUS_MAX`.
+    status: u16,
+}
+
+/// Labels of `compactor_compactions_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct CompactionLabels {
+    /// One of [`RUNGS`].
+    rung: &'static str,
+    /// One of [`REASONS`].
+    reason: &'static str,
+}
+
+/// Labels of `compactor_compaction_tokens_saved_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct RungLabels {
+    /// One of [`RUNGS`].
+    rung: &'static str,
+}
+
+/// Labels of `compactor_unfittable_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct GoalLabels {
+    /// One of [`GOALS`].
+    goal: &'static str,
+}
+
+/// Labels of `compactor_model_context_window`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct WindowLabels {
+    /// The model's name as clients send it (escaped by the encoder).
+    model: String,
+    /// Where the window came from: table, config, learned, discovered.
+    source: &'static str,
 }
 
 /// All of the proxy's metrics. One per process, in [`crate::app::AppState`].
+///
+/// The registry holds every metric recorded as it happens, in the order of
+/// the exposition; the fields are handles on the same metrics (clones share
+/// their value), so recording never looks a name up.
 pub struct Metrics {
-    /// `[endpoint][status - 100]`.
-    requests: Box<[AtomicU64]>,
+    /// What `render` encodes, besides the scrape-time gauges.
+    registry: Registry,
+    /// By endpoint and status; a series appears on its first request.
+    requests: Family<RequestLabels, Counter>,
+    /// Seconds from sending a request upstream to the end of its answer.
     upstream_latency: Histogram,
+    /// Seconds from a request's arrival to the first byte sent to the client.
     ttfb: Histogram,
-    /// `[rung][reason]`.
-    compactions: Box<[AtomicU64]>,
-    /// `[rung]`.
-    tokens_saved: Box<[AtomicU64]>,
-    summary_failures: AtomicU64,
-    summary_fallbacks: AtomicU64,
-    reactive_retries: AtomicU64,
-    summary_calls: AtomicU64,
-    summary_tokens: AtomicU64,
+    /// `[rung][reason]`, every pair present from the start.
+    compactions: Box<[Counter]>,
+    /// `[rung]`, every rung present from the start.
+    tokens_saved: Box<[Counter]>,
+    /// Failed or invalid summarizer answers.
+    summary_failures: Counter,
+    /// Compactions stored with the deterministic fallback.
+    summary_fallbacks: Counter,
+    /// Requests retried compacted after an upstream overflow.
+    reactive_retries: Counter,
+    /// Summarizer calls made by stored compactions.
+    summary_calls: Counter,
+    /// Tokens of those calls.
+    summary_tokens: Counter,
     /// `[goal]`: compactions declined because nothing could fit.
-    unfittable: Box<[AtomicU64]>,
+    unfittable: Box<[Counter]>,
     /// Conversation → last request.
     seen: Mutex<Seen>,
 }
@@ -202,14 +187,55 @@ impl Default for Metrics {
     }
 }
 
-fn zeros(n: usize) -> Box<[AtomicU64]> {
-    (0..n).map(|_| AtomicU64::new(0)).collect()
-}
-
-fn index_of(set: &[&str], label: &str) -> usize {
+fn index_of(set: &[&'static str], label: &str) -> usize {
     set.iter()
         .position(|&s| s == label)
         .unwrap_or(set.len() - 1)
+}
+
+/// `label` if it is in `set`, else the set's last entry (`other`).
+fn bounded(set: &[&'static str], label: &str) -> &'static str {
+    set[index_of(set, label)]
+}
+
+/// A family with one series per label set in `labels`, created now so a
+/// closed set is exposed whole (at zero) from the first scrape; returns it
+/// with a handle on each series, in the order of `labels`.
+fn closed_family<S>(labels: impl IntoIterator<Item = S>) -> (Family<S, Counter>, Box<[Counter]>)
+where
+    S: Clone + std::hash::Hash + Eq,
+{
+    let family = Family::<S, Counter>::default();
+    let handles = labels
+        .into_iter()
+        .map(|l| family.get_or_create_owned(&l))
+        .collect();
+    (family, handles)
+}
+
+/// A family whose HELP and TYPE lines are exposed before its first series
+/// too (the library leaves an empty family out), so that every metric the
+/// proxy has is named from the first scrape on, as dashboards and alert
+/// rules are checked against.
+#[derive(Debug)]
+struct Declared<F>(F);
+
+impl<F: EncodeMetric> EncodeMetric for Declared<F> {
+    fn encode(&self, encoder: MetricEncoder) -> Result<(), std::fmt::Error> {
+        self.0.encode(encoder)
+    }
+
+    fn metric_type(&self) -> MetricType {
+        self.0.metric_type()
+    }
+}
+
+/// Records one observation; negative and NaN values (a clock gone
+/// backwards) are left out rather than skewing the lowest bucket.
+fn observe(histogram: &Histogram, seconds: f64) {
+    if seconds >= 0.0 {
+        histogram.observe(seconds);
+    }
 }
 
 /// The reason kind of a compaction reason string: `"threshold: reported …"`
@@ -228,19 +254,99 @@ pub fn reason_kind(reason: &str) -> &'static str {
 
 impl Metrics {
     /// Empty metrics.
+    ///
+    /// Help texts are given without their final period: the registry adds it.
     pub fn new() -> Self {
+        let mut registry = Registry::default();
+        registry.register(
+            "compactor_build",
+            "Version of the running compactor",
+            Info::new([("version", env!("CARGO_PKG_VERSION"))]),
+        );
+
+        let requests = Family::<RequestLabels, Counter>::default();
+        registry.register(
+            "compactor_requests",
+            "Client requests answered, by endpoint and status",
+            Declared(requests.clone()),
+        );
+
+        let upstream_latency = Histogram::new(LATENCY_BUCKETS.iter().copied());
+        registry.register(
+            "compactor_upstream_latency_seconds",
+            "Time from sending a request upstream to the end of its answer",
+            upstream_latency.clone(),
+        );
+        let ttfb = Histogram::new(TTFB_BUCKETS.iter().copied());
+        registry.register(
+            "compactor_ttfb_seconds",
+            "Time from a request's arrival to the first byte of the answer sent to the client",
+            ttfb.clone(),
+        );
+
+        let (family, compactions) = closed_family(RUNGS.iter().flat_map(|&rung| {
+            REASONS
+                .iter()
+                .map(move |&reason| CompactionLabels { rung, reason })
+        }));
+        registry.register(
+            "compactor_compactions",
+            "Compactions stored, by rung and reason",
+            family,
+        );
+        let (family, tokens_saved) = closed_family(RUNGS.iter().map(|&rung| RungLabels { rung }));
+        registry.register(
+            "compactor_compaction_tokens_saved",
+            "Estimated tokens removed from requests by compactions, by rung",
+            family,
+        );
+
+        let mut counter = |name: &str, help: &str| {
+            let c = Counter::default();
+            registry.register(name, help, c.clone());
+            c
+        };
+        let summary_failures = counter(
+            "compactor_summary_failures",
+            "Summarizer calls that failed or returned an invalid summary",
+        );
+        let summary_fallbacks = counter(
+            "compactor_summary_fallbacks",
+            "Compactions that fell back to the deterministic summary",
+        );
+        let reactive_retries = counter(
+            "compactor_reactive_retries",
+            "Requests retried compacted after the upstream said the prompt was too long",
+        );
+        let summary_calls = counter(
+            "compactor_summary_calls",
+            "Summarizer calls made by stored compactions",
+        );
+        let summary_tokens = counter(
+            "compactor_summary_tokens",
+            "Tokens (prompt and answer) of those summarizer calls",
+        );
+
+        let (family, unfittable) = closed_family(GOALS.iter().map(|&goal| GoalLabels { goal }));
+        registry.register(
+            "compactor_unfittable",
+            "Compactions declined before any summarizer call: not even the system items, tools, newest user message and pending tool batch fit the limit. By the limit sought",
+            family,
+        );
+
         Metrics {
-            requests: zeros(ENDPOINTS.len() * STATUS_SLOTS),
-            upstream_latency: Histogram::new(LATENCY_BUCKETS),
-            ttfb: Histogram::new(TTFB_BUCKETS),
-            compactions: zeros(RUNGS.len() * REASONS.len()),
-            tokens_saved: zeros(RUNGS.len()),
-            summary_failures: AtomicU64::new(0),
-            summary_fallbacks: AtomicU64::new(0),
-            reactive_retries: AtomicU64::new(0),
-            summary_calls: AtomicU64::new(0),
-            summary_tokens: AtomicU64::new(0),
-            unfittable: zeros(GOALS.len()),
+            registry,
+            requests,
+            upstream_latency,
+            ttfb,
+            compactions,
+            tokens_saved,
+            summary_failures,
+            summary_fallbacks,
+            reactive_retries,
+            summary_calls,
+            summary_tokens,
+            unfittable,
             seen: Mutex::default(),
         }
     }
@@ -250,29 +356,29 @@ impl Metrics {
     /// (one of [`ENDPOINTS`]: `chat`, `responses`, `passthrough`, `admin`…;
     /// others count as `other`) and the status the client received.
     pub fn request(&self, endpoint: &str, status: u16) {
-        let e = index_of(ENDPOINTS, endpoint);
-        let s = (status.clamp(STATUS_MIN, STATUS_MAX) - STATUS_MIN) as usize;
-        self.requests[e * STATUS_SLOTS + s].fetch_add(1, Ordering::Relaxed);
+        self.requests
+            .get_or_create(&request_labels(endpoint, status))
+            .inc();
     }
 
     /// Requests counted for `endpoint` and `status` so far.
     pub fn requests(&self, endpoint: &str, status: u16) -> u64 {
-        let e = index_of(ENDPOINTS, endpoint);
-        let s = (status.clamp(STATUS_MIN, STATUS_MAX) - STATUS_MIN) as usize;
-        self.requests[e * STATUS_SLOTS + s].load(Ordering::Relaxed)
+        self.requests
+            .get(&request_labels(endpoint, status))
+            .map_or(0, |c| c.get())
     }
 
     /// The upstream exchange is over: call once per proxied request with the
     /// seconds from sending the request upstream to the end of its answer
     /// (the whole body, or the end of the stream).
     pub fn upstream_latency(&self, seconds: f64) {
-        self.upstream_latency.observe(seconds);
+        observe(&self.upstream_latency, seconds);
     }
 
     /// The first byte of the answer goes to the client: call once per
     /// proxied request with the seconds since the request arrived.
     pub fn ttfb(&self, seconds: f64) {
-        self.ttfb.observe(seconds);
+        observe(&self.ttfb, seconds);
     }
 
     /// A compaction was stored: call from the engine when it records one,
@@ -282,41 +388,40 @@ impl Metrics {
     pub fn compaction(&self, rung: &str, reason_kind: &str, tokens_saved: u64) {
         let r = index_of(RUNGS, rung);
         let k = index_of(REASONS, reason_kind);
-        self.compactions[r * REASONS.len() + k].fetch_add(1, Ordering::Relaxed);
-        self.tokens_saved[r].fetch_add(tokens_saved, Ordering::Relaxed);
+        self.compactions[r * REASONS.len() + k].inc();
+        self.tokens_saved[r].inc_by(tokens_saved);
     }
 
     /// A summarizer call failed or returned an invalid summary: call once
     /// per failed attempt (a retried call that fails twice counts twice).
     pub fn summary_failure(&self) {
-        self.summary_failures.fetch_add(1, Ordering::Relaxed);
+        self.summary_failures.inc();
     }
 
     /// The summarizer gave up and the deterministic fallback was used: call
     /// once per compaction stored with the `fallback` rung.
     pub fn summary_fallback(&self) {
-        self.summary_fallbacks.fetch_add(1, Ordering::Relaxed);
+        self.summary_fallbacks.inc();
     }
 
     /// The upstream said the prompt did not fit and the proxy retried with a
     /// compacted request: call once per such retry.
     pub fn reactive_retry(&self) {
-        self.reactive_retries.fetch_add(1, Ordering::Relaxed);
+        self.reactive_retries.inc();
     }
 
     /// A compaction's summarizer calls and their tokens: call once per
     /// compaction stored.
     pub fn summary_cost(&self, calls: u32, tokens: u64) {
-        self.summary_calls
-            .fetch_add(calls as u64, Ordering::Relaxed);
-        self.summary_tokens.fetch_add(tokens, Ordering::Relaxed);
+        self.summary_calls.inc_by(u64::from(calls));
+        self.summary_tokens.inc_by(tokens);
     }
 
     /// A compaction declined from the token counts, before any summarizer
     /// call, because not even the irreducible core fits (`goal`: one of
     /// [`GOALS`]): call once per such decision.
     pub fn unfittable(&self, goal: &str) {
-        self.unfittable[index_of(GOALS, goal)].fetch_add(1, Ordering::Relaxed);
+        self.unfittable[index_of(GOALS, goal)].inc();
     }
 
     /// A request of `conversation` arrived: call once per proxied request
@@ -372,156 +477,66 @@ impl Metrics {
     /// The text exposition of everything, with the scrape-time `extra`
     /// gauges (those that are `None` are left out).
     pub fn render(&self, extra: &Gauges) -> String {
-        let mut out = String::with_capacity(4096);
-        header(
-            &mut out,
-            "compactor_build_info",
-            "Version of the running compactor.",
-            "gauge",
-        );
-        let _ = writeln!(
-            out,
-            "compactor_build_info{{version=\"{}\"}} 1",
-            env!("CARGO_PKG_VERSION")
-        );
-
-        header(
-            &mut out,
-            "compactor_requests_total",
-            "Client requests answered, by endpoint and status.",
-            "counter",
-        );
-        for (e, endpoint) in ENDPOINTS.iter().enumerate() {
-            for s in 0..STATUS_SLOTS {
-                let n = self.requests[e * STATUS_SLOTS + s].load(Ordering::Relaxed);
-                if n > 0 {
-                    let status = s as u16 + STATUS_MIN;
-                    let _ = writeln!(
-                        out,
-                        "compactor_requests_total{{endpoint=\"{endpoint}\",status=\"{status}\"}} {n}"
-                    );
-                }
-            }
-        }
-
-        self.upstream_latency.render(
-            &mut out,
-            "compactor_upstream_latency_seconds",
-            "Time from sending a request upstream to the end of its answer.",
-        );
-        self.ttfb.render(
-            &mut out,
-            "compactor_ttfb_seconds",
-            "Time from a request's arrival to the first byte of the answer sent to the client.",
-        );
-
-        header(
-            &mut out,
-            "compactor_compactions_total",
-            "Compactions stored, by rung and reason.",
-            "counter",
-        );
-        for (r, rung) in RUNGS.iter().enumerate() {
-            for (k, reason) in REASONS.iter().enumerate() {
-                let n = self.compactions[r * REASONS.len() + k].load(Ordering::Relaxed);
-                let _ = writeln!(
-                    out,
-                    "compactor_compactions_total{{rung=\"{rung}\",reason=\"{reason}\"}} {n}"
-                );
-            }
-        }
-        header(
-            &mut out,
-            "compactor_compaction_tokens_saved_total",
-            "Estimated tokens removed from requests by compactions, by rung.",
-            "counter",
-        );
-        for (r, rung) in RUNGS.iter().enumerate() {
-            let n = self.tokens_saved[r].load(Ordering::Relaxed);
-            let _ = writeln!(
-                out,
-                "compactor_compaction_tokens_saved_total{{rung=\"{rung}\"}} {n}"
-            );
-        }
-
-        for (name, help, v) in [
-            (
-                "compactor_summary_failures_total",
-                "Summarizer calls that failed or returned an invalid summary.",
-                &self.summary_failures,
-            ),
-            (
-                "compactor_summary_fallbacks_total",
-                "Compactions that fell back to the deterministic summary.",
-                &self.summary_fallbacks,
-            ),
-            (
-                "compactor_reactive_retries_total",
-                "Requests retried compacted after the upstream said the prompt was too long.",
-                &self.reactive_retries,
-            ),
-            (
-                "compactor_summary_calls_total",
-                "Summarizer calls made by stored compactions.",
-                &self.summary_calls,
-            ),
-            (
-                "compactor_summary_tokens_total",
-                "Tokens (prompt and answer) of those summarizer calls.",
-                &self.summary_tokens,
-            ),
-        ] {
-            header(&mut out, name, help, "counter");
-            let _ = writeln!(out, "{name} {}", v.load(Ordering::Relaxed));
-        }
-        header(
-            &mut out,
-            "compactor_unfittable_total",
-            "Compactions declined before any summarizer call: not even the system items, tools, newest user message and pending tool batch fit the limit. By the limit sought.",
-            "counter",
-        );
-        for (g, goal) in GOALS.iter().enumerate() {
-            let n = self.unfittable[g].load(Ordering::Relaxed);
-            let _ = writeln!(out, "compactor_unfittable_total{{goal=\"{goal}\"}} {n}");
-        }
-        header(
-            &mut out,
-            "compactor_model_context_window",
-            "Effective context window of each model seen, tokens, by where it came from (table, config, learned, discovered).",
-            "gauge",
-        );
-        for (model, window, source) in &extra.windows {
-            let model = escape_label(model);
-            let _ = writeln!(
-                out,
-                "compactor_model_context_window{{model=\"{model}\",source=\"{source}\"}} {window}"
-            );
-        }
-
-        for (name, help, v) in [
-            (
-                "compactor_store_bytes",
-                "Bytes of the store on disk (database file and write-ahead log).",
-                extra.store_bytes,
-            ),
-            (
-                "compactor_active_conversations",
-                "Conversations with a request in the last 15 minutes.",
-                extra.active_conversations,
-            ),
-            (
-                "compactor_compactions_stored",
-                "Compactions held in memory, ready to apply.",
-                extra.compactions_stored,
-            ),
-        ] {
-            if let Some(v) = v {
-                header(&mut out, name, help, "gauge");
-                let _ = writeln!(out, "{name} {v}");
+        let mut out = String::with_capacity(RENDER_CAPACITY);
+        // Encoding into a String fails only if a label set fails to encode,
+        // which none of these can; a scrape still gets what was written.
+        for registry in [&self.registry, &scrape_registry(extra)] {
+            if let Err(e) = prometheus_text::encode(&mut out, registry) {
+                tracing::warn!(error = %e, "encoding /metrics");
             }
         }
         out
     }
+}
+
+fn request_labels(endpoint: &str, status: u16) -> RequestLabels {
+    RequestLabels {
+        endpoint: bounded(ENDPOINTS, endpoint),
+        status: status.clamp(STATUS_MIN, STATUS_MAX),
+    }
+}
+
+/// The gauges known only at scrape time, in a registry of their own built
+/// per scrape (a few small allocations, on a path that runs every few
+/// seconds at most), encoded after the recorded metrics.
+fn scrape_registry(extra: &Gauges) -> Registry {
+    let mut registry = Registry::default();
+    let windows = Family::<WindowLabels, Gauge<u64, AtomicU64>>::default();
+    for (model, window, source) in &extra.windows {
+        windows
+            .get_or_create(&WindowLabels {
+                model: model.clone(),
+                source,
+            })
+            .set(*window);
+    }
+    registry.register(
+        "compactor_model_context_window",
+        "Effective context window of each model seen, tokens, by where it came from (table, config, learned, discovered)",
+        Declared(windows),
+    );
+    for (name, help, v) in [
+        (
+            "compactor_store_bytes",
+            "Bytes of the store on disk (database file and write-ahead log)",
+            extra.store_bytes,
+        ),
+        (
+            "compactor_active_conversations",
+            "Conversations with a request in the last 15 minutes",
+            extra.active_conversations,
+        ),
+        (
+            "compactor_compactions_stored",
+            "Compactions held in memory, ready to apply",
+            extra.compactions_stored,
+        ),
+    ] {
+        if let Some(v) = v {
+            registry.register(name, help, ConstGauge::new(v));
+        }
+    }
+    registry
 }
 
 /// Drops entries older than [`ACTIVE_WINDOW`].
@@ -541,30 +556,6 @@ pub fn store_bytes(db: &Path) -> Option<u64> {
             .unwrap_or(0)
     });
     Some(main + beside.iter().sum::<u64>())
-}
-
-fn header(out: &mut String, name: &str, help: &str, kind: &str) {
-    let _ = writeln!(out, "# HELP {name} {help}");
-    let _ = writeln!(out, "# TYPE {name} {kind}");
-}
-
-fn fmt_le(le: f64) -> String {
-    if le.is_infinite() {
-        "+Inf".into()
-    } else {
-        fmt_f64(le)
-    }
-}
-
-fn fmt_f64(v: f64) -> String {
-    if v.is_infinite() {
-        if v > 0.0 { "+Inf" } else { "-Inf" }.into()
-    } else if v.is_nan() {
-        "NaN".into()
-    } else {
-        // Shortest representation that parses back to the same value.
-        format!("{v:?}")
-    }
 }
 
 #[cfg(test)]

@@ -73,6 +73,12 @@ async fn metrics_are_prometheus_text_with_help_and_type() {
         ("compactor_store_bytes", "gauge"),
         ("compactor_active_conversations", "gauge"),
         ("compactor_compactions_stored", "gauge"),
+        ("compactor_build_info", "gauge"),
+        ("compactor_summary_calls_total", "counter"),
+        ("compactor_summary_tokens_total", "counter"),
+        ("compactor_unfittable_total", "counter"),
+        // Named before any model is seen: a family without series yet.
+        ("compactor_model_context_window", "gauge"),
     ] {
         assert!(
             text.contains(&format!("# HELP {name} ")),
