@@ -13,6 +13,7 @@ use super::exchange::{PendingExchange, Unanswered};
 use super::read::ReadRequest;
 use crate::app::AppState;
 use crate::compaction::policy;
+use crate::config::Mode;
 use crate::engine;
 use crate::wire::items::{cached_hash, ItemList, Tools};
 use crate::wire::{self, item_hash};
@@ -37,6 +38,7 @@ pub(super) async fn identify(
         original,
         strip_usage,
         raw_len,
+        control,
         ..
     } = read;
     let model = body
@@ -90,7 +92,7 @@ pub(super) async fn identify(
             original,
             strip_usage,
             compaction: None,
-            mode: crate::config::Mode::Auto,
+            mode: control.mode,
             observed: None,
             auth: engine::auth_headers(&parts.headers),
             streamed,
@@ -102,6 +104,17 @@ pub(super) async fn identify(
     // The first request of a model asks the upstream for its window
     // (bounded in time), so that the check below already uses it.
     super::discovery::discover(state, &pending.model, &pending.auth).await;
+    match pending.mode {
+        Mode::Auto => {}
+        // What would have applied: recorded, never sent.
+        Mode::Observe => {
+            pending.observed = state
+                .compactions
+                .find_observed(&pending.tenant, &pending.chains);
+            return pending;
+        }
+        Mode::Off => return pending,
+    }
     // A stored compaction covering a prefix of this request replaces it; a
     // request too large to go without one waits for one under way.
     if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {

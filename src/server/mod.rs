@@ -4,6 +4,7 @@
 //! choose the port) and a shutdown future.
 
 mod compact;
+pub mod control;
 pub mod discovery;
 mod exchange;
 mod gather;

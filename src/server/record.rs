@@ -7,10 +7,10 @@ use std::sync::Arc;
 
 use super::exchange::{Outcome, PendingExchange};
 use crate::app::AppState;
-use crate::engine;
-use crate::error::ProxyError;
 use crate::compaction::Compaction;
 use crate::config::Mode;
+use crate::engine;
+use crate::error::ProxyError;
 use crate::store::{ExchangeRecord, ExchangeSavings, IndexedExchange};
 use crate::wire::items::Tools;
 use crate::wire::{chain_extend, item_hash, ItemHash, Usage};
@@ -171,7 +171,11 @@ impl PendingExchange {
         // answer says how large the conversation now is).
         let next = (complete && usage.is_none() && self.mode != Mode::Off)
             .then(|| self.input(String::new(), false));
-        let potential = self.observed.as_deref().map(engine::tokens_saved).unwrap_or(0);
+        let potential = self
+            .observed
+            .as_deref()
+            .map(engine::tokens_saved)
+            .unwrap_or(0);
         let (conversation, model, id) =
             (self.ident.conversation.clone(), self.model.clone(), self.id);
         let tenant = self.tenant.clone();

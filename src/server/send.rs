@@ -19,6 +19,7 @@ use super::gather::{take_delivered, UpstreamStream};
 use super::identify::compact_on_overflow;
 use crate::app::AppState;
 use crate::compaction::policy;
+use crate::config::Mode;
 use crate::error::ProxyError;
 use crate::upstream::{describe, SendFailure};
 use crate::wire::{self, Api};
@@ -161,7 +162,8 @@ pub(super) async fn send(
                 _ => return Ok(got.0),
             },
         };
-        let Some((stated, why)) = overflow else {
+        // Outside auto mode the upstream's "too long" is the client's.
+        let Some((stated, why)) = overflow.filter(|_| pending.mode == Mode::Auto) else {
             return Ok(answer);
         };
         if !compact_on_overflow(state, pending, stated, &why).await {
