@@ -40,6 +40,24 @@ async fn chat(
     (status, headers, within(resp.bytes()).await.expect("body"))
 }
 
+/// The value of one series in `/metrics`.
+async fn metric(h: &Harness, series: &str) -> f64 {
+    let text = within(async {
+        client()
+            .get(format!("http://{}/metrics", h.addr))
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap()
+    })
+    .await;
+    text.lines()
+        .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {series} in:\n{text}"))
+}
+
 /// A conversation grown turn by turn; each request's bytes are returned.
 struct Conversation {
     history: Vec<Value>,
@@ -132,7 +150,42 @@ async fn observe_mode_forwards_the_clients_bytes_and_records_the_potential_savin
         )
         .unwrap();
     assert!(potential > 0, "potential savings recorded");
+    // /metrics counts the exchanges that reported usage (the streamed ones
+    // asked for none, and observe mode does not ask for it).
+    let reported: i64 = db
+        .query_row(
+            "SELECT sum(tokens_saved_potential) FROM exchanges WHERE input_tokens IS NOT NULL",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    let kind = |k: &str| format!("compactor_input_tokens_total{{kind=\"{k}\"}}");
+    assert_eq!(metric(&h, &kind("potential_saved")).await, reported as f64);
+    assert_eq!(
+        metric(&h, &kind("received")).await,
+        metric(&h, &kind("uncompacted")).await,
+        "nothing saved for real"
+    );
     assert_eq!(modes, "observe");
+    // The admin API reports it, in total and for the conversation.
+    let report = h.get_json("/admin/api/savings").await;
+    assert_eq!(
+        report["total"]["tokens_saved_potential"],
+        json!(reported),
+        "{report}"
+    );
+    assert_eq!(report["total"]["tokens_saved"], json!(0));
+    let id = report["conversations"][0]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let shown = h.get_json(&format!("/admin/api/conversations/{id}")).await;
+    assert_eq!(shown["savings"]["tokens_saved_potential"], json!(reported));
+    assert!(shown["compactions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|c| c["observed"] == true));
     let saved: i64 = db
         .query_row("SELECT sum(tokens_saved) FROM exchanges", [], |r| r.get(0))
         .unwrap();
@@ -205,6 +258,33 @@ async fn a_client_turns_compaction_off_for_one_request_and_the_upstream_never_se
         )
         .unwrap();
     assert_eq!(mode, "off", "recorded as served");
+    let kind = |k: &str| format!("compactor_input_tokens_total{{kind=\"{k}\"}}");
+    let (received, uncompacted) = (
+        metric(&h, &kind("received")).await,
+        metric(&h, &kind("uncompacted")).await,
+    );
+    let saved: i64 = h
+        .db()
+        .query_row(
+            "SELECT sum(tokens_saved) FROM exchanges WHERE input_tokens IS NOT NULL",
+            [],
+            |r| r.get(0),
+        )
+        .unwrap();
+    assert!(saved > 0);
+    assert_eq!(uncompacted - received, saved as f64);
+    let report = h.get_json("/admin/api/savings").await;
+    let total = &report["total"];
+    assert_eq!(total["tokens_saved"], json!(saved), "{report}");
+    let net = total["net_tokens_saved"].as_i64().unwrap();
+    let summarizer = total["summarizer_input_tokens"].as_i64().unwrap()
+        + total["summarizer_output_tokens"].as_i64().unwrap();
+    assert_eq!(
+        net,
+        saved - summarizer,
+        "the summarizer's cost is subtracted"
+    );
+    assert_eq!(report["tenants"].as_object().unwrap().len(), 1);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -66,6 +66,15 @@ pub async fn show(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
     read(state, move |conn, st| query::show(conn, &st.config, &id)).await
 }
 
+/// `GET /admin/api/savings`: what compaction saved, per conversation, per
+/// tenant and in total (see [`crate::store::savings`]).
+pub async fn savings(state: Arc<AppState>) -> Response<ProxyBody> {
+    read(state, move |conn, st| {
+        Ok(crate::store::savings::report(conn, &st.config, None)?)
+    })
+    .await
+}
+
 /// `GET /admin/api/conversations/ID/export`
 pub async fn export(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
     read(state, move |conn, st| query::export(conn, &st.config, &id)).await

@@ -15,6 +15,7 @@
 //! - `GET /admin/api/conversations/ID` — timeline: exchanges and compactions
 //! - `GET /admin/api/conversations/ID/export` — items, rewritten view, compactions, archived outputs
 //! - `POST /admin/api/conversations/ID/compact` — compact the conversation's next request
+//! - `GET /admin/api/savings` — tokens (and money) saved, per conversation, per tenant, in total
 
 mod api;
 
@@ -250,6 +251,12 @@ async fn route(
                     .collect();
                 crate::error::json_response(StatusCode::OK, &serde_json::json!({"models": models}))
             }
+            _ => method_not_allowed("GET"),
+        };
+    }
+    if sub == "/api/savings" {
+        return match method {
+            Method::GET => api::savings(state).await,
             _ => method_not_allowed("GET"),
         };
     }

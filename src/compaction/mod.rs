@@ -130,6 +130,18 @@ pub struct Compaction {
     pub created_ms: i64,
 }
 
+impl Compaction {
+    /// Estimated tokens fewer than the client's own items it covers (one
+    /// stored before the figure was kept: its own shrink).
+    pub fn saved(&self) -> u64 {
+        if self.tokens_saved > 0 {
+            self.tokens_saved
+        } else {
+            self.tokens_before.saturating_sub(self.tokens_after)
+        }
+    }
+}
+
 /// A summary compaction for unit tests: `id` of `tenant`, replacing the
 /// first `covered_len` items (chain hash `covered_chain`) with `replacement`.
 #[cfg(test)]

@@ -724,7 +724,7 @@ pub async fn compact<S: Context>(
         summary_calls: cost.calls,
         summary_tokens: cost.tokens,
         summary_output_tokens: cost.output_tokens,
-        tokens_saved: (prepared.before - after) + base.map(tokens_saved).unwrap_or(0),
+        tokens_saved: (prepared.before - after) + base.map(Compaction::saved).unwrap_or(0),
         observed: input.observe,
         duration_ms: started.elapsed().as_millis() as u64,
         created_ms: crate::ids::now_ms(),
@@ -744,7 +744,9 @@ pub async fn compact<S: Context>(
     if c.rung == Rung::Fallback {
         state.metrics().summary_fallback();
     }
-    state.metrics().summary_cost(cost.calls, cost.tokens);
+    state
+        .metrics()
+        .summary_cost(cost.calls, cost.tokens, cost.output_tokens);
     tracing::info!(
         compaction = %c.id, conversation = %c.conversation, rung = c.rung.as_str(), reason = %c.reason,
         tokens_before = c.tokens_before, tokens_after = c.tokens_after,
@@ -756,16 +758,6 @@ pub async fn compact<S: Context>(
         "compacted"
     );
     Ok(c)
-}
-
-/// Estimated tokens fewer than the client's own items a compaction
-/// covers (one stored before the figure was kept: its own shrink).
-pub fn tokens_saved(c: &Compaction) -> u64 {
-    if c.tokens_saved > 0 {
-        c.tokens_saved
-    } else {
-        c.tokens_before.saturating_sub(c.tokens_after)
-    }
 }
 
 /// After an exchange: decides from its usage and, past the trigger, starts a

@@ -111,7 +111,7 @@ impl PendingExchange {
         let calibration = state
             .compactions
             .calibration(&self.tenant, &self.ident.conversation);
-        let upstream = |c: &Arc<Compaction>| (engine::tokens_saved(c) as f64 * calibration) as u64;
+        let upstream = |c: &Arc<Compaction>| (c.saved() as f64 * calibration) as u64;
         ExchangeSavings {
             mode: self.mode,
             tokens_saved: self.compaction.as_ref().map(upstream).unwrap_or(0),
@@ -171,11 +171,7 @@ impl PendingExchange {
         // answer says how large the conversation now is).
         let next = (complete && usage.is_none() && self.mode != Mode::Off)
             .then(|| self.input(String::new(), false));
-        let potential = self
-            .observed
-            .as_deref()
-            .map(engine::tokens_saved)
-            .unwrap_or(0);
+        let potential = self.observed.as_deref().map(Compaction::saved).unwrap_or(0);
         let (conversation, model, id) =
             (self.ident.conversation.clone(), self.model.clone(), self.id);
         let tenant = self.tenant.clone();
@@ -240,8 +236,18 @@ impl PendingExchange {
     }
 }
 
-/// Latency figures of a finished exchange, for `/metrics`.
+/// Latency figures and input tokens of a finished exchange, for `/metrics`.
 fn observe(state: &AppState, rec: &ExchangeRecord) {
+    if let Some(u) = rec.usage {
+        let s = &rec.savings;
+        let cached = u.cached_tokens.unwrap_or(0);
+        state.metrics.exchange_input(
+            u.input_tokens,
+            cached,
+            s.tokens_saved,
+            s.tokens_saved_potential,
+        );
+    }
     state.metrics.upstream_latency(rec.latency_ms / 1000.0);
     if let Some(t) = rec.ttfb_ms {
         state.metrics.ttfb(t / 1000.0);

@@ -12,6 +12,9 @@
 pub mod journal;
 pub mod query;
 pub mod savings;
+
+/// Characters of the tenant hash shown (enough to tell tenants apart).
+pub const TENANT_PREFIX: usize = 12;
 pub mod sqlite;
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};

@@ -25,7 +25,7 @@ use std::collections::BTreeMap;
 use rusqlite::{params, Connection};
 use serde::Serialize;
 
-use super::query::{QueryError, TENANT_PREFIX};
+use super::{StoreError, TENANT_PREFIX};
 use crate::config::{Config, Prices};
 
 /// Savings of a set of exchanges (a conversation, a tenant, all).
@@ -158,7 +158,7 @@ pub fn report(
     conn: &Connection,
     config: &Config,
     conversation: Option<&str>,
-) -> Result<Report, QueryError> {
+) -> Result<Report, StoreError> {
     let mut by_conversation: BTreeMap<String, (String, String, Savings)> = BTreeMap::new();
     // Per conversation: the previous exchange's uncompacted input, the
     // cache the uncompacted run would have read.
