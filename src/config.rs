@@ -229,6 +229,9 @@ pub struct CompactionConfig {
     /// compaction would have sent; false: no summarizer call, the figures
     /// are estimated from the cheap rungs and the facts.
     pub observe_summaries: bool,
+    /// Most rounds of `compactor_recall` calls the proxy answers itself
+    /// within one request; 0: the recall tool is never offered.
+    pub recall_max_rounds: u32,
 }
 
 impl Default for CompactionConfig {
@@ -247,6 +250,7 @@ impl Default for CompactionConfig {
             max_summary_calls: 8,
             mode: Mode::Auto,
             observe_summaries: false,
+            recall_max_rounds: 3,
         }
     }
 }

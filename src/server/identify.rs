@@ -12,7 +12,7 @@ use serde_json::Value;
 use super::exchange::{PendingExchange, Unanswered};
 use super::read::ReadRequest;
 use crate::app::AppState;
-use crate::compaction::policy;
+use crate::compaction::{policy, recall};
 use crate::config::Mode;
 use crate::engine;
 use crate::wire::items::{cached_hash, ItemList, Tools};
@@ -94,6 +94,9 @@ pub(super) async fn identify(
             compaction: None,
             mode: control.mode,
             observed: None,
+            recall: false,
+            extra: Vec::new(),
+            recall_spent: Default::default(),
             auth: engine::auth_headers(&parts.headers),
             streamed,
             started,
@@ -148,6 +151,17 @@ pub(super) async fn identify(
             )
             .await;
         }
+    }
+    // A compacted request whose tool outputs were shortened may read them
+    // back, when it has tools of its own.
+    if let Some(c) = &pending.compaction {
+        pending.recall = state.config.compaction.recall_max_rounds > 0
+            && recall::carries_archive(&c.replacement)
+            && recall::offers_recall(
+                &pending.body,
+                pending.tools.as_ref().map(Tools::value),
+                &pending.view.values(),
+            );
     }
     pending
 }

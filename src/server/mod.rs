@@ -12,6 +12,7 @@ mod identify;
 mod passthrough;
 mod proxy;
 mod read;
+mod recall;
 mod record;
 mod relay;
 mod send;

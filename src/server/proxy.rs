@@ -63,7 +63,11 @@ async fn handle_inner(
     }
     let url = state.upstream.url(api.endpoint(), parts.uri.query())?;
     let headers = state.upstream.request_headers(&parts.headers, true);
-    match send::send(&state, &mut pending, &url, &headers).await {
+    let sent = match send::send(&state, &mut pending, &url, &headers).await {
+        Ok(answer) => super::recall::settle(&state, &mut pending, &url, &headers, answer).await,
+        Err(e) => Err(e),
+    };
+    match sent {
         Ok(answer) => relay::relay(state, pending.into_inner(), answer, started).await,
         Err(e) => Err(fail(&state, pending.into_inner(), e, None).await),
     }

@@ -117,6 +117,9 @@ impl PendingExchange {
             tokens_saved: self.compaction.as_ref().map(upstream).unwrap_or(0),
             tokens_saved_potential: self.observed.as_ref().map(upstream).unwrap_or(0),
             observed_compaction: self.observed.as_ref().map(|c| c.id.clone()),
+            recall_rounds: self.recall_spent.rounds,
+            recall_input_tokens: self.recall_spent.input_tokens,
+            recall_output_tokens: self.recall_spent.output_tokens,
         }
     }
 

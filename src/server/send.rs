@@ -224,6 +224,8 @@ pub(super) enum Answer {
     Held(Held),
     /// An error answer, read whole.
     Error(http::StatusCode, http::HeaderMap, Bytes),
+    /// A success read whole (to see whether it calls the recall tool).
+    Read(http::StatusCode, http::HeaderMap, Bytes),
 }
 
 /// A stream whose first events are held back.
@@ -241,6 +243,18 @@ pub(super) struct Held {
 }
 
 impl Held {
+    /// A stream of which nothing was read yet.
+    pub(super) fn unread(resp: reqwest::Response) -> Held {
+        Held {
+            status: resp.status(),
+            headers: resp.headers().clone(),
+            chunks: Vec::new(),
+            failure: None,
+            rest: Box::pin(resp.bytes_stream()),
+            end: None,
+        }
+    }
+
     /// Adds to the chunks what the upstream delivered with them (see
     /// [`take_delivered`]), so that the answer's first write carries it all:
     /// with a short answer, the whole of it.

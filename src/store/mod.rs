@@ -134,6 +134,15 @@ pub struct ExchangeSavings {
     /// Observe mode: that compaction.
     #[serde(default)]
     pub observed_compaction: Option<String>,
+    /// `compactor_recall` rounds the proxy answered within the request.
+    #[serde(default)]
+    pub recall_rounds: u32,
+    /// Their input tokens (the usage recorded is the final answer's).
+    #[serde(default)]
+    pub recall_input_tokens: u64,
+    /// Their output tokens.
+    #[serde(default)]
+    pub recall_output_tokens: u64,
 }
 
 /// Anything the writer thread persists.

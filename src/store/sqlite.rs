@@ -71,7 +71,10 @@ CREATE TABLE IF NOT EXISTS exchanges (
     mode            TEXT NOT NULL DEFAULT 'auto',
     tokens_saved    INTEGER NOT NULL DEFAULT 0,
     tokens_saved_potential INTEGER NOT NULL DEFAULT 0,
-    observed_compaction TEXT
+    observed_compaction TEXT,
+    recall_rounds   INTEGER NOT NULL DEFAULT 0,
+    recall_input_tokens INTEGER NOT NULL DEFAULT 0,
+    recall_output_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS exchanges_conversation ON exchanges (conversation_id, id);
 -- A compaction replaces the first covered_len items whose chain hash is
@@ -136,6 +139,17 @@ const ADDED_COLUMNS: &[(&str, &str, &str)] = &[
         "INTEGER NOT NULL DEFAULT 0",
     ),
     ("exchanges", "observed_compaction", "TEXT"),
+    ("exchanges", "recall_rounds", "INTEGER NOT NULL DEFAULT 0"),
+    (
+        "exchanges",
+        "recall_input_tokens",
+        "INTEGER NOT NULL DEFAULT 0",
+    ),
+    (
+        "exchanges",
+        "recall_output_tokens",
+        "INTEGER NOT NULL DEFAULT 0",
+    ),
 ];
 
 /// Adds the [`ADDED_COLUMNS`] an existing database lacks.
@@ -415,9 +429,11 @@ fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Resul
             response_items, response_id, input_tokens, output_tokens, cached_tokens,
             status, streamed, partial, error, started_ms, latency_ms, ttfb_ms,
             chain_request, chain_full, compaction_id, mode, tokens_saved,
-            tokens_saved_potential, observed_compaction)
+            tokens_saved_potential, observed_compaction, recall_rounds, recall_input_tokens,
+            recall_output_tokens)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
-                 ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30)",
+                 ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31,
+                 ?32, ?33)",
     )?
     .execute(params![
         rec.id,
@@ -450,6 +466,9 @@ fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Resul
         rec.savings.tokens_saved as i64,
         rec.savings.tokens_saved_potential as i64,
         rec.savings.observed_compaction,
+        rec.savings.recall_rounds,
+        rec.savings.recall_input_tokens as i64,
+        rec.savings.recall_output_tokens as i64,
     ])?;
     Ok(())
 }
