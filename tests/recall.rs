@@ -295,3 +295,118 @@ async fn a_recall_beside_a_client_tool_call_is_sent_again_without_the_tool() {
         .to_string()
         .contains(TOOL));
 }
+
+/// The same agent conversation in the Responses API's items.
+fn responses_conversation() -> (Vec<Value>, String) {
+    let log = format!(
+        "error[E0308]: mismatched types in src/resp.rs\n{}\ntest result: FAILED. exit 101 (resp)\n",
+        "   compiling resp ... line of build output\n".repeat(260)
+    );
+    let output = json!({"type": "function_call_output", "call_id": "call_build", "output": log});
+    let reference = archive_ref(&item_hash(&output));
+    let input = vec![
+        json!({"role": "user", "content": "Build the project and fix what fails."}),
+        json!({"type": "function_call", "call_id": "call_build", "name": "shell", "arguments": "{\"cmd\":\"cargo build\"}"}),
+        output,
+        json!({"role": "assistant", "content": "The build failed; looking into it."}),
+    ];
+    (input, reference)
+}
+
+fn responses_body(input: &[Value], stream: bool) -> Value {
+    json!({"model": MODEL, "instructions": "You are a careful coding agent.", "stream": stream,
+           "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}}],
+           "input": input})
+}
+
+/// A Responses answer calling the recall tool.
+fn responses_recall(reference: &str) -> Value {
+    json!({"id": "resp_recall", "object": "response", "status": "completed", "model": "fake",
+           "output": [{"type": "function_call", "id": "fc_1", "call_id": "call_r", "name": TOOL,
+                       "arguments": json!({"ref": reference}).to_string(), "status": "completed"}],
+           "usage": {"input_tokens": 600, "output_tokens": 8, "total_tokens": 608}})
+}
+
+/// The function_call_output the proxy answered with, in the last request.
+fn recalled_output(h: &Harness) -> String {
+    let last = h.fake.last().expect("a request").json();
+    let input = last["input"].as_array().unwrap();
+    let out = input.last().unwrap();
+    assert_eq!(out["type"], "function_call_output", "{out}");
+    assert_eq!(input[input.len() - 2]["name"], TOOL);
+    out["output"].as_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_responses_api_recalls_too_streamed_and_not() {
+    let h = Harness::start_with(small_window).await;
+    let url = format!("{}/responses", h.url());
+    let (mut input, reference) = responses_conversation();
+    let before = support::compactions(&h);
+    assert_eq!(
+        post(&url, "sk-recall-r", &responses_body(&input, false))
+            .await
+            .0,
+        200
+    );
+    wait_compactions(&h, before + 1).await;
+    input.push(json!({"role": "user", "content": "What exactly was the error?"}));
+
+    // JSON.
+    h.fake.push(Reply::json(200, responses_recall(&reference)));
+    h.fake
+        .push(Reply::responses("E0308 in src/resp.rs", 1300, 7));
+    let (status, headers, body) = post(&url, "sk-recall-r", &responses_body(&input, false)).await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let answer: Value = serde_json::from_slice(&body).unwrap();
+    assert!(!answer.to_string().contains(TOOL), "{answer}");
+    assert_eq!(answer["usage"]["input_tokens"], 1300);
+    assert!(recalled_output(&h).starts_with("error[E0308]: mismatched types in src/resp.rs"));
+
+    // SSE: the call's events are held, the final stream is relayed.
+    let done = responses_recall(&reference);
+    let item = done["output"][0].clone();
+    let event = |kind: &str, data: Value| {
+        let mut data = data;
+        data["type"] = json!(kind);
+        format!("event: {kind}\ndata: {data}\n\n")
+    };
+    let mut created = done.clone();
+    created["status"] = json!("in_progress");
+    created["output"] = json!([]);
+    h.fake.push(Reply::sse(vec![
+        event("response.created", json!({"response": created})),
+        event(
+            "response.output_item.added",
+            json!({"output_index": 0, "item": item}),
+        ),
+        event(
+            "response.output_item.done",
+            json!({"output_index": 0, "item": item}),
+        ),
+        event("response.completed", json!({"response": done})),
+    ]));
+    h.fake
+        .push(Reply::responses_stream(&["E0308", " again."], 1350, 5));
+    let resp = within(
+        client()
+            .post(&url)
+            .header("authorization", "Bearer sk-recall-r")
+            .json(&responses_body(&input, true))
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    let text = within(resp.text()).await.unwrap();
+    assert!(
+        !text.contains(TOOL) && !text.contains("resp_recall"),
+        "{text}"
+    );
+    assert!(
+        text.contains("E0308") && text.contains("response.completed"),
+        "{text}"
+    );
+    assert!(recalled_output(&h).starts_with("error[E0308]: mismatched types in src/resp.rs"));
+}
