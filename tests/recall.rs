@@ -410,3 +410,42 @@ async fn the_responses_api_recalls_too_streamed_and_not() {
     );
     assert!(recalled_output(&h).starts_with("error[E0308]: mismatched types in src/resp.rs"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_is_offered_whatever_the_order_of_the_request_members() {
+    let h = Harness::start_with(small_window).await;
+    let (mut messages, _) = conversation("order");
+    let url = format!("{}/chat/completions", h.url());
+    // The members in the order an SDK writes them, tools after the
+    // history, turn after turn: the third request and later take over the
+    // split of the first.
+    for turn in 0..4 {
+        let body = format!(
+            "{{\"model\":\"{MODEL}\",\"messages\":{},\"tools\":{}}}",
+            Value::from(messages.clone()),
+            tools()
+        );
+        let (status, _, _) = support::post_raw(&url, "sk-recall-o", body.into_bytes()).await;
+        assert_eq!(status, 200);
+        if turn == 0 {
+            wait_compactions(&h, 1).await;
+        }
+        let sent = h.fake.last().unwrap().json();
+        let names: Vec<&str> = sent["tools"]
+            .as_array()
+            .unwrap_or_else(|| panic!("turn {turn}: tools {}", sent["tools"]))
+            .iter()
+            .map(|t| t["function"]["name"].as_str().unwrap())
+            .collect();
+        let want: &[&str] = if turn == 0 {
+            &["shell"]
+        } else {
+            &["shell", TOOL]
+        };
+        assert_eq!(
+            names, want,
+            "turn {turn}: the client's tools, and the recall tool once compacted"
+        );
+        messages.push(json!({"role": "user", "content": format!("turn {turn}: go on")}));
+    }
+}

@@ -180,13 +180,25 @@ fn same_shell(raw: &[u8], seen: &Seen, items: usize) -> Option<SplitBody> {
             r.clone()
         }
     };
+    let tools = shell.tools.as_ref().map(|(r, key)| (moved(r), *key));
+    // The shell handed on names ranges of this body, as the next request
+    // will move them from this body's items' end.
+    let shell = if tools == shell.tools {
+        shell.clone()
+    } else {
+        Arc::new(Shell {
+            obj: shell.obj.clone(),
+            tools: tools.clone(),
+            body_key: shell.body_key,
+        })
+    };
     Some(SplitBody {
         body: Value::Object(shell.obj.clone()),
         spans: Some(spans),
         body_key: shell.body_key,
-        tools: shell.tools.as_ref().map(|(r, key)| (moved(r), *key)),
+        tools,
         reuse: None,
-        shell: Some(shell.clone()),
+        shell: Some(shell),
     })
 }
 
@@ -1441,6 +1453,38 @@ mod tests {
         assert_eq!(third.known(), 0..0);
         second.all_claimed();
         assert_eq!(third.known(), 0..4);
+    }
+
+    /// A conversation's third request and later take over a shell the
+    /// first request's split made: the tools after the items are still
+    /// found where this request has them.
+    #[test]
+    fn tools_after_the_items_are_found_in_every_later_request() {
+        let scope = "tools-after-items";
+        let tools = r#"[{"type":"function","function":{"name":"sh"}}]"#;
+        let mut messages = vec![r#"{"role":"user","content":"a"}"#.to_string()];
+        for turn in 0..5 {
+            let raw = Bytes::from(format!(
+                r#"{{"model":"m","messages":[{}],"tools":{tools}}}"#,
+                messages.join(",")
+            ));
+            let split = split_body_reusing(&raw, "messages", scope).unwrap();
+            let (span, key) = split.tools.clone().unwrap();
+            assert_eq!(&raw[span.clone()], tools.as_bytes(), "turn {turn}");
+            let found = Tools::raw(raw.clone(), span, key);
+            assert_eq!(
+                found.value(),
+                &serde_json::from_str::<Value>(tools).unwrap()
+            );
+            let list = ItemList::raw(Vec::new(), raw, split.spans.unwrap())
+                .with_reuse(split.reuse)
+                .with_shell(split.shell);
+            let (_, _, claims) = list.hashes_and_chains(scope);
+            claims.all_claimed();
+            messages.push(format!(
+                r#"{{"role":"assistant","content":"answer {turn}"}}"#
+            ));
+        }
     }
 
     #[test]
