@@ -1097,6 +1097,9 @@ struct RunStats {
     reported_prompt: u64,
     reported_cached: u64,
     reported_completion: u64,
+    /// Client requests that reached the upstream with `compactor_recall`
+    /// offered.
+    recall_offered: usize,
     /// The proxy's own accounting (`store::savings`), for proxied runs.
     savings: Option<compactor::store::savings::Savings>,
 }
@@ -1146,6 +1149,9 @@ fn analyse(
             s.summary_tokens += t;
         } else {
             s.requests += 1;
+            let tools = serde_json::from_slice::<Value>(&r.body).unwrap_or(Value::Null)["tools"]
+                .to_string();
+            s.recall_offered += usize::from(tools.contains(compactor::compaction::recall::TOOL));
             s.tokens.push(t);
             s.bytes4.push(r.body.len() as u64 / 4);
         }
@@ -1569,6 +1575,9 @@ fn main() {
         )
     });
     row("requests rewritten (header)", &|s| s.rewritten.to_string());
+    row("  of which offered compactor_recall", &|s| {
+        s.recall_offered.to_string()
+    });
     row("upstream-reported prompt tokens", &|s| {
         fmt_tok(s.reported_prompt)
     });
