@@ -1360,9 +1360,12 @@ mod tests {
             proptest::prop_assert!(same_split(&full, &resumed));
             if edit == 0 && items.len() >= 2 && keep_shell {
                 // Only new items at the end: the recent request's shell
-                // stands for the bytes around them.
+                // stands for the bytes around them (the same one, or, with
+                // tools after the items, one naming where this body has
+                // them).
                 let shell = resumed.shell.as_ref().zip(resumed.reuse.as_ref().and_then(|r| r.seen.shell.as_ref()));
-                proptest::prop_assert!(shell.is_some_and(|(a, b)| Arc::ptr_eq(a, b)));
+                proptest::prop_assert!(shell.is_some_and(|(a, b)| Arc::ptr_eq(a, b)
+                    || (a.obj == b.obj && a.body_key == b.body_key && a.tools == resumed.tools)));
             }
             if (edit == 0 || edit == 4) && items.len() >= 2 {
                 // Nothing before the end of the repeated items changed (and
