@@ -859,6 +859,7 @@ impl Proxy {
     /// [`Guard`] in front of the fake.
     async fn start(enforce: Option<Arc<TokenCounter>>) -> Proxy {
         let fake = FakeUpstream::start().await.expect("fake upstream");
+        fake.simulate_prompt_cache();
         let guard = match enforce {
             Some(counter) => Some(start_guard(fake.addr(), counter).await),
             None => None,
@@ -869,12 +870,7 @@ impl Proxy {
         config.upstream.base_url = guard.as_ref().map(|g| g.url.clone()).unwrap_or(fake.url());
         config.store.path = db.display().to_string();
         config.server.shutdown_grace_secs = 2;
-        config.models.push(ModelConfig {
-            pattern: "bench-*".into(),
-            context_window: WINDOW,
-            max_output_tokens: Some(MAX_OUTPUT),
-            trigger_ratio: None,
-        });
+        config.models.push(bench_model());
         let state = AppState::open(config).expect("open state");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -898,7 +894,20 @@ impl Proxy {
         }
     }
 
-    async fn stop(mut self) -> (FakeUpstream, Vec<Compacted>, usize, tempfile::TempDir) {
+    async fn stop(self) -> (FakeUpstream, Vec<Compacted>, usize, tempfile::TempDir) {
+        let (fake, compactions, rejected, dir, _) = self.stop_with_savings().await;
+        (fake, compactions, rejected, dir)
+    }
+
+    async fn stop_with_savings(
+        mut self,
+    ) -> (
+        FakeUpstream,
+        Vec<Compacted>,
+        usize,
+        tempfile::TempDir,
+        Option<compactor::store::savings::Savings>,
+    ) {
         // Let background jobs started by the last exchanges finish.
         tokio::time::sleep(Duration::from_millis(500)).await;
         if let Some(tx) = self.shutdown.take() {
@@ -906,13 +915,41 @@ impl Proxy {
         }
         let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.server).await;
         let compactions = read_compactions(&self.db);
+        let savings = read_savings(&self.db);
         let rejected = self
             .guard
             .as_ref()
             .map(|g| g.rejected.load(Ordering::Relaxed))
             .unwrap_or(0);
-        (self.fake, compactions, rejected, self._dir)
+        (self.fake, compactions, rejected, self._dir, savings)
     }
+}
+
+/// The bench model, priced like gpt-4o (per million tokens) so the
+/// proxy's accounting shows money too.
+fn bench_model() -> ModelConfig {
+    ModelConfig {
+        pattern: "bench-*".into(),
+        context_window: WINDOW,
+        max_output_tokens: Some(MAX_OUTPUT),
+        trigger_ratio: None,
+        input_price_per_mtok: Some(2.5),
+        cached_input_price_per_mtok: Some(1.25),
+        output_price_per_mtok: Some(10.0),
+        ..Default::default()
+    }
+}
+
+/// The proxy's own savings report over its store, as the admin API gives it.
+fn read_savings(db: &PathBuf) -> Option<compactor::store::savings::Savings> {
+    let conn =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .ok()?;
+    let mut config = Config::default();
+    config.models.push(bench_model());
+    compactor::store::savings::report(&conn, &config, None)
+        .ok()
+        .map(|r| r.total)
 }
 
 struct Compacted {
@@ -952,6 +989,10 @@ fn read_compactions(db: &PathBuf) -> Vec<Compacted> {
 
 struct Sent {
     status: u16,
+    /// The usage the client saw: prompt tokens and cached tokens.
+    prompt: Option<u64>,
+    cached: Option<u64>,
+    completion: Option<u64>,
     compacted: Option<String>,
     ms: f64,
     /// Wall clock when sent, for `ECON_TRACE` (to line up with the logs).
@@ -982,9 +1023,18 @@ async fn post(client: &reqwest::Client, url: &str, key: &str, body: Vec<u8>) -> 
         .get(COMPACTED_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(String::from);
-    let _ = resp.bytes().await.expect("body");
+    let body = resp.bytes().await.expect("body");
+    let usage = serde_json::from_slice::<Value>(&body)
+        .ok()
+        .and_then(|v| v.get("usage").cloned())
+        .unwrap_or(Value::Null);
     Sent {
         status,
+        prompt: usage["prompt_tokens"].as_u64(),
+        completion: usage["completion_tokens"].as_u64(),
+        cached: usage
+            .pointer("/prompt_tokens_details/cached_tokens")
+            .and_then(Value::as_u64),
         compacted,
         ms: t.elapsed().as_secs_f64() * 1000.0,
         sent_at,
@@ -1043,6 +1093,15 @@ struct RunStats {
     compactions: Vec<Compacted>,
     events: Vec<(&'static str, usize)>,
     wall: Duration,
+    /// Prompt and cached tokens the upstream reported, summed.
+    reported_prompt: u64,
+    reported_cached: u64,
+    reported_completion: u64,
+    /// Client requests that reached the upstream with `compactor_recall`
+    /// offered.
+    recall_offered: usize,
+    /// The proxy's own accounting (`store::savings`), for proxied runs.
+    savings: Option<compactor::store::savings::Savings>,
 }
 
 const EVENTS: &[(&str, &str)] = &[
@@ -1090,6 +1149,9 @@ fn analyse(
             s.summary_tokens += t;
         } else {
             s.requests += 1;
+            let tools = serde_json::from_slice::<Value>(&r.body).unwrap_or(Value::Null)["tools"]
+                .to_string();
+            s.recall_offered += usize::from(tools.contains(compactor::compaction::recall::TOOL));
             s.tokens.push(t);
             s.bytes4.push(r.body.len() as u64 / 4);
         }
@@ -1098,6 +1160,9 @@ fn analyse(
     s.compacted = sent.iter().map(|x| x.compacted.clone()).collect();
     s.non_200 = sent.iter().filter(|x| x.status != 200).count();
     s.latencies = sent.iter().map(|x| x.ms).collect();
+    s.reported_prompt = sent.iter().filter_map(|x| x.prompt).sum();
+    s.reported_cached = sent.iter().filter_map(|x| x.cached).sum();
+    s.reported_completion = sent.iter().filter_map(|x| x.completion).sum();
     for (needle, name) in EVENTS {
         let n = logs.lines().filter(|l| l.contains(needle)).count();
         if n > 0 {
@@ -1109,6 +1174,7 @@ fn analyse(
 
 async fn run_direct(session: &Session, client: &reqwest::Client) -> (FakeUpstream, Vec<Sent>) {
     let fake = FakeUpstream::start().await.expect("fake");
+    fake.simulate_prompt_cache();
     let url = format!("{}/chat/completions", fake.url());
     let mut sent = Vec::new();
     for i in 0..session.cuts.len() {
@@ -1127,7 +1193,7 @@ async fn run_proxied(
     Vec<Sent>,
     Vec<Compacted>,
     usize,
-    tempfile::TempDir,
+    Option<compactor::store::savings::Savings>,
 ) {
     let proxy = Proxy::start(enforce).await;
     let mut sent = Vec::new();
@@ -1145,8 +1211,8 @@ async fn run_proxied(
             );
         }
     }
-    let (fake, compactions, rejected, dir) = proxy.stop().await;
-    (fake, sent, compactions, rejected, dir)
+    let (fake, compactions, rejected, _dir, savings) = proxy.stop_with_savings().await;
+    (fake, sent, compactions, rejected, savings)
 }
 
 // ====================================================================== wait scenario
@@ -1372,7 +1438,7 @@ fn main() {
         logs.take();
         let t = Instant::now();
         let guard = enforce.then(|| counter.clone());
-        let (fake, sent, compactions, rejected, _dir) =
+        let (fake, sent, compactions, rejected, savings) =
             rt.block_on(run_proxied(&session, &client, pause, guard));
         let wall = t.elapsed();
         let log = logs.take();
@@ -1386,6 +1452,7 @@ fn main() {
             wall,
         );
         s.rejected = rejected;
+        s.savings = savings;
         runs.push(s);
     }
 
@@ -1508,6 +1575,70 @@ fn main() {
         )
     });
     row("requests rewritten (header)", &|s| s.rewritten.to_string());
+    row("  of which offered compactor_recall", &|s| {
+        s.recall_offered.to_string()
+    });
+    row("upstream-reported prompt tokens", &|s| {
+        fmt_tok(s.reported_prompt)
+    });
+    row("  cache reuse (reported cached/prompt)", &|s| {
+        format!(
+            "{:.1}%",
+            100.0 * s.reported_cached as f64 / s.reported_prompt.max(1) as f64
+        )
+    });
+    row("  cost of client requests, $ (gpt-4o)", &|s| {
+        let cached = s.reported_cached.min(s.reported_prompt);
+        let cost = ((s.reported_prompt - cached) as f64 * 2.5
+            + cached as f64 * 1.25
+            + s.reported_completion as f64 * 10.0)
+            / 1e6;
+        format!("{cost:.2}")
+    });
+    let acct = |s: &RunStats, f: &dyn Fn(&compactor::store::savings::Savings) -> String| {
+        s.savings.as_ref().map(f).unwrap_or_else(|| "-".into())
+    };
+    row("proxy accounting: input received", &|s| {
+        acct(s, &|v| fmt_tok(v.input_tokens))
+    });
+    row("  input without compaction", &|s| {
+        acct(s, &|v| fmt_tok(v.input_tokens_uncompacted))
+    });
+    row("  summarizer input + output", &|s| {
+        acct(s, &|v| {
+            format!(
+                "{}+{}",
+                fmt_tok(v.summarizer_input_tokens),
+                fmt_tok(v.summarizer_output_tokens)
+            )
+        })
+    });
+    row("  net tokens saved", &|s| {
+        acct(s, &|v| {
+            format!(
+                "{} ({:.1}%)",
+                fmt_tok(v.net_tokens_saved.max(0) as u64),
+                100.0 * v.net_tokens_saved as f64 / v.input_tokens_uncompacted.max(1) as f64
+            )
+        })
+    });
+    row("  cache reuse with / without (best)", &|s| {
+        acct(s, &|v| {
+            let p = |r: Option<f64>| r.map_or("-".into(), |r| format!("{:.0}%", 100.0 * r));
+            format!("{} / {}", p(v.cache_reuse), p(v.cache_reuse_uncompacted))
+        })
+    });
+    row("  cost / without, $ (gpt-4o prices)", &|s| {
+        acct(s, &|v| match (v.cost, v.cost_uncompacted) {
+            (Some(c), Some(u)) => format!("{c:.2} / {u:.2}"),
+            _ => "-".into(),
+        })
+    });
+    row("  net saved, $", &|s| {
+        acct(s, &|v| {
+            v.money_saved.map_or("-".into(), |m| format!("{m:.2}"))
+        })
+    });
     row("latency p50 / max ms", &|s| {
         format!(
             "{:.1} / {:.0}",

@@ -850,6 +850,35 @@ fn render_compaction(n: usize, k: &CompactionRow) -> String {
     out
 }
 
+/// The savings lines of `conversations show`.
+fn render_savings(s: &crate::store::savings::Savings) -> String {
+    let pct = |r: Option<f64>| r.map_or("-".to_string(), |r| format!("{:.0}%", r * 100.0));
+    let mut out = format!(
+        "  savings     {} input tokens received, {} without compaction; summarizer {} in + {} out; net {}\n",
+        thousands(s.input_tokens),
+        thousands(s.input_tokens_uncompacted),
+        thousands(s.summarizer_input_tokens),
+        thousands(s.summarizer_output_tokens),
+        s.net_tokens_saved,
+    );
+    if s.tokens_saved_potential > 0 {
+        out.push_str(&format!(
+            "  observe     compaction would have saved {} input tokens\n",
+            thousands(s.tokens_saved_potential)
+        ));
+    }
+    out.push_str(&format!(
+        "  cache       {} of input read from the upstream's cache ({} at best without compaction)\n",
+        pct(s.cache_reuse),
+        pct(s.cache_reuse_uncompacted)
+    ));
+    if let (Some(cost), Some(saved)) = (s.cost, s.money_saved) {
+        out.push_str(&format!("  cost        {cost:.4}, {saved:.4} saved\n"));
+    }
+    out.push('\n');
+    out
+}
+
 fn render_show(d: &ConversationDetail) -> String {
     let c = &d.conversation;
     let mut out = format!("conversation {}\n", c.id);
@@ -863,7 +892,7 @@ fn render_show(d: &ConversationDetail) -> String {
         out.push_str(&format!("  first       {}\n", cell(preview)));
     }
     out += &format!(
-        "  tenant      {}\n  model       {} (window {} from {}, trigger {})\n  first seen  {} UTC\n  last seen   {} UTC\n  exchanges   {}, compactions {}, last tokens {}\n\n",
+        "  tenant      {}\n  model       {} (window {} from {}, trigger {})\n  first seen  {} UTC\n  last seen   {} UTC\n  exchanges   {}, compactions {}, last tokens {}\n",
         c.tenant,
         c.model,
         thousands(c.context_window),
@@ -875,6 +904,7 @@ fn render_show(d: &ConversationDetail) -> String {
         thousands(c.compactions),
         last_tokens(c),
     );
+    out.push_str(&render_savings(&d.savings));
     // Each compaction goes just before the first request it rewrote, or
     // after the last exchange that started before it.
     let position = |k: &CompactionRow| {

@@ -35,6 +35,9 @@ pub struct Config {
     pub models: Vec<ModelConfig>,
     /// Who may use the admin page and API (`/admin/`).
     pub admin: AdminConfig,
+    /// Per-tenant settings (a tenant is a salted hash of the credential,
+    /// as the admin page and `conversations list` show it).
+    pub tenants: Vec<TenantConfig>,
 }
 
 /// Where an effective setting came from.
@@ -146,6 +149,54 @@ impl Config {
         out
     }
 }
+/// What the proxy does to a request's history.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Compacts, retries on overflow, answers recall calls.
+    #[default]
+    Auto,
+    /// Forwards every request as the client sent it, and records what a
+    /// compaction would have done and saved.
+    Observe,
+    /// Forwards and records, nothing more.
+    Off,
+}
+
+impl Mode {
+    /// Name used in config, headers, records and metrics.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Mode::Auto => "auto",
+            Mode::Observe => "observe",
+            Mode::Off => "off",
+        }
+    }
+
+    /// Parses [`Mode::as_str`] (ASCII case ignored, spaces trimmed).
+    pub fn parse(s: &str) -> Option<Mode> {
+        let s = s.trim();
+        [Mode::Auto, Mode::Observe, Mode::Off]
+            .into_iter()
+            .find(|m| m.as_str().eq_ignore_ascii_case(s))
+    }
+}
+
+/// One `[[tenants]]` entry.
+#[derive(Debug, Clone, Deserialize, Serialize)]
+#[serde(deny_unknown_fields)]
+pub struct TenantConfig {
+    /// The tenant id, or a prefix of it of at least
+    /// [`MIN_TENANT_PREFIX`] characters.
+    pub id: String,
+    /// The tenant's mode, over the model's and `compaction.mode`.
+    #[serde(default)]
+    pub mode: Option<Mode>,
+}
+
+/// Shortest tenant id prefix a `[[tenants]]` entry may name (what the admin
+/// page shows).
+pub const MIN_TENANT_PREFIX: usize = 12;
 
 /// `[server]`
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -168,6 +219,10 @@ pub struct ServerConfig {
     pub body_read_timeout_secs: u64,
     /// Most client connections open at once; more wait to be accepted.
     pub max_connections: usize,
+    /// Whether a client may choose the mode of its own request
+    /// (`x-compactor-mode`, `x-compactor-compact`, metadata
+    /// `compactor_mode`); false: those are ignored (and logged).
+    pub client_control: bool,
 }
 
 impl Default for ServerConfig {
@@ -179,6 +234,7 @@ impl Default for ServerConfig {
             header_read_timeout_secs: 30,
             body_read_timeout_secs: 60,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            client_control: true,
         }
     }
 }
@@ -349,6 +405,16 @@ pub struct CompactionConfig {
     /// of a long history is left to the facts the proxy extracts itself.
     /// 0: summaries are those facts alone, with no model call.
     pub max_summary_calls: u32,
+    /// `auto`, `observe` or `off` (see [`Mode`]); `[[models]]` and
+    /// `[[tenants]]` entries may say otherwise.
+    pub mode: Mode,
+    /// In observe mode, call the summarizer to write the summary a
+    /// compaction would have sent; false: no summarizer call, the figures
+    /// are estimated from the cheap rungs and the facts.
+    pub observe_summaries: bool,
+    /// Most rounds of `compactor_recall` calls the proxy answers itself
+    /// within one request; 0: the recall tool is never offered.
+    pub recall_max_rounds: u32,
 }
 
 impl Default for CompactionConfig {
@@ -365,6 +431,9 @@ impl Default for CompactionConfig {
             tool_output_keep_bytes: 3_072,
             wait_secs: 120,
             max_summary_calls: 8,
+            mode: Mode::Auto,
+            observe_summaries: false,
+            recall_max_rounds: 3,
         }
     }
 }
@@ -380,7 +449,7 @@ pub struct AdminConfig {
 }
 
 /// One `[[models]]` entry.
-#[derive(Debug, Clone, Deserialize, Serialize)]
+#[derive(Debug, Clone, Default, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// Exact model name or a glob (`*` and `?`).
@@ -395,6 +464,42 @@ pub struct ModelConfig {
     /// Per-model override of `compaction.trigger_ratio`.
     #[serde(default)]
     pub trigger_ratio: Option<f64>,
+    /// Per-model override of `compaction.mode`.
+    #[serde(default)]
+    pub mode: Option<Mode>,
+    /// Price of a million input tokens, for the savings shown in money.
+    #[serde(default)]
+    pub input_price_per_mtok: Option<f64>,
+    /// Price of a million input tokens served from the upstream's prompt
+    /// cache (default: the input price).
+    #[serde(default)]
+    pub cached_input_price_per_mtok: Option<f64>,
+    /// Price of a million output tokens (default: the input price).
+    #[serde(default)]
+    pub output_price_per_mtok: Option<f64>,
+}
+
+/// A model's prices per million tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Prices {
+    /// Input tokens.
+    pub input: f64,
+    /// Input tokens read from the prompt cache.
+    pub cached_input: f64,
+    /// Output tokens.
+    pub output: f64,
+}
+
+impl Prices {
+    /// What `input` tokens (`cached` of them from the cache) and `output`
+    /// tokens cost.
+    pub fn cost(&self, input: u64, cached: u64, output: u64) -> f64 {
+        let cached = cached.min(input);
+        ((input - cached) as f64 * self.input
+            + cached as f64 * self.cached_input
+            + output as f64 * self.output)
+            / 1e6
+    }
 }
 
 /// What the proxy knows about one model's limits.
@@ -544,7 +649,27 @@ impl Config {
         if token_env.contains(['=', '\0']) || token_env.trim() != token_env {
             return invalid("admin.token_env", "not an environment variable name");
         }
+        for t in &self.tenants {
+            if t.id.len() < MIN_TENANT_PREFIX || !t.id.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return invalid(
+                    "tenants.id",
+                    "must be a tenant id (or its first 12 or more hex characters)",
+                );
+            }
+        }
         for m in &self.models {
+            for (key, price) in [
+                ("models.input_price_per_mtok", m.input_price_per_mtok),
+                (
+                    "models.cached_input_price_per_mtok",
+                    m.cached_input_price_per_mtok,
+                ),
+                ("models.output_price_per_mtok", m.output_price_per_mtok),
+            ] {
+                if price.is_some_and(|p| !(p.is_finite() && p >= 0.0)) {
+                    return invalid(key, "must be a price of 0 or more");
+                }
+            }
             if m.context_window == 0 {
                 return invalid("models.context_window", "must be greater than 0");
             }
@@ -620,17 +745,11 @@ impl Config {
     /// (rather than the built-in table).
     pub fn model_limits_sourced(&self, model: &str) -> (ModelLimits, bool) {
         let lower = model.to_ascii_lowercase();
-        let user = |fallback: bool| {
-            self.models.iter().find(|m| {
-                (m.pattern == "*") == fallback
-                    && glob_match(&m.pattern.to_ascii_lowercase(), &lower)
-            })
-        };
         let builtin = BUILTIN_MODELS
             .iter()
             .find(|(p, _, _)| *p != "*" && glob_match(p, &lower))
             .map(|(_, w, o)| (*w, *o));
-        let chosen = user(false).or(if builtin.is_none() { user(true) } else { None });
+        let chosen = self.model_entry(model);
         if let Some(m) = chosen {
             let default_out = builtin.map(|b| b.1).unwrap_or(16_384);
             let limits = ModelLimits {
@@ -649,6 +768,44 @@ impl Config {
             trigger_ratio: self.compaction.trigger_ratio,
         };
         (limits, false)
+    }
+
+    /// The `[[models]]` entry that gives `model`'s limits, if one does
+    /// (the same order as [`Config::model_limits`]).
+    fn model_entry(&self, model: &str) -> Option<&ModelConfig> {
+        let lower = model.to_ascii_lowercase();
+        let user = |fallback: bool| {
+            self.models.iter().find(|m| {
+                (m.pattern == "*") == fallback
+                    && glob_match(&m.pattern.to_ascii_lowercase(), &lower)
+            })
+        };
+        let builtin = BUILTIN_MODELS
+            .iter()
+            .any(|(p, _, _)| *p != "*" && glob_match(p, &lower));
+        user(false).or(if builtin { None } else { user(true) })
+    }
+
+    /// The mode of `tenant`'s requests to `model`: the tenant's entry,
+    /// then the model's, then `compaction.mode`.
+    pub fn mode_for(&self, tenant: &str, model: &str) -> Mode {
+        self.tenants
+            .iter()
+            .find(|t| tenant.starts_with(&t.id.to_ascii_lowercase()))
+            .and_then(|t| t.mode)
+            .or_else(|| self.model_entry(model).and_then(|m| m.mode))
+            .unwrap_or(self.compaction.mode)
+    }
+
+    /// `model`'s prices, when its `[[models]]` entry gives an input price.
+    pub fn prices(&self, model: &str) -> Option<Prices> {
+        let m = self.model_entry(model)?;
+        let input = m.input_price_per_mtok?;
+        Some(Prices {
+            input,
+            cached_input: m.cached_input_price_per_mtok.unwrap_or(input),
+            output: m.output_price_per_mtok.unwrap_or(input),
+        })
     }
 
     /// The effective models table (user entries, then built-ins), for the banner.
@@ -834,6 +991,40 @@ mod tests {
         let c = Config::from_toml("[[models]]\nmatch = \"*\"\ncontext_window = 4096\n").unwrap();
         assert_eq!(c.model_limits("gpt-5").context_window, 400_000);
         assert_eq!(c.model_limits("my-local-model").context_window, 4096);
+    }
+
+    #[test]
+    fn modes_go_tenant_then_model_then_default() {
+        let c = Config::from_toml(
+            "[compaction]\nmode = \"off\"\n\
+             [[models]]\nmatch = \"watched*\"\ncontext_window = 1000\nmode = \"observe\"\n\
+             [[tenants]]\nid = \"0123456789AB\"\nmode = \"auto\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.mode_for("fff", "gpt-4o"), Mode::Off);
+        assert_eq!(c.mode_for("fff", "watched-1"), Mode::Observe);
+        assert_eq!(c.mode_for("0123456789abcdef", "watched-1"), Mode::Auto);
+        assert_eq!(Mode::parse(" Observe "), Some(Mode::Observe));
+        assert_eq!(Mode::parse("sometimes"), None);
+        assert!(Config::from_toml("[[tenants]]\nid = \"0123\"\n").is_err());
+        assert!(Config::from_toml("[compaction]\nmode = \"maybe\"\n").is_err());
+    }
+
+    #[test]
+    fn prices_default_to_the_input_price() {
+        let c = Config::from_toml(
+            "[[models]]\nmatch = \"m\"\ncontext_window = 1000\ninput_price_per_mtok = 3.0\n\
+             [[models]]\nmatch = \"free\"\ncontext_window = 1000\n",
+        )
+        .unwrap();
+        let p = c.prices("m").unwrap();
+        assert_eq!((p.cached_input, p.output), (3.0, 3.0));
+        assert_eq!(p.cost(2_000_000, 500_000, 0), 6.0);
+        assert_eq!(c.prices("free"), None);
+        assert!(Config::from_toml(
+            "[[models]]\nmatch = \"m\"\ncontext_window = 1\noutput_price_per_mtok = -1.0\n"
+        )
+        .is_err());
     }
 
     #[test]

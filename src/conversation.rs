@@ -790,6 +790,12 @@ mod tests {
         fn resolve_conversation(&self, id: &str) -> Result<String, QueryError> {
             Err(QueryError::NotFound(id.into()))
         }
+        fn savings(
+            &self,
+            _: &crate::config::Config,
+        ) -> Result<crate::store::savings::Report, QueryError> {
+            Err(QueryError::NotFound(String::new()))
+        }
         fn victim(&self, id: &str) -> Result<crate::store::retention::Victim, QueryError> {
             Err(QueryError::NotFound(id.into()))
         }

@@ -120,6 +120,8 @@ pub struct DemoReport {
     pub summarizer_input_tokens: u64,
     /// Where the store was kept, if it was.
     pub store: Option<PathBuf>,
+    /// The savings as the proxy accounts them (admin page, `/metrics`).
+    pub savings: crate::store::savings::Savings,
 }
 
 impl DemoReport {
@@ -214,6 +216,7 @@ impl Running {
                 context_window: window,
                 max_output_tokens: Some(window / 8),
                 trigger_ratio: None,
+                ..Default::default()
             },
         );
         config.validate()?;
@@ -442,6 +445,11 @@ async fn drive(
         .iter()
         .map(|r| (r.body.len() as u64 / 4).max(1))
         .sum();
+    state.store.flush().await?;
+    let reads = state.clone();
+    report.savings =
+        tokio::task::spawn_blocking(move || reads.reads.savings(&reads.config).map(|r| r.total))
+            .await??;
     print_table(&report, out)?;
     Ok(report)
 }
@@ -569,6 +577,17 @@ fn print_table(r: &DemoReport, out: &mut (dyn Write + Send)) -> std::io::Result<
         let line = format!("{label:<30}{a:>20}{b:>18}  {note}");
         writeln!(out, "{}", line.trim_end())?;
     }
+    let s = &r.savings;
+    writeln!(
+        out,
+        "\nas compactor accounts it (admin page, /metrics): {} input tokens received, {} without \
+         compaction; summarizer {} in + {} out; net saved {}",
+        thousands(s.input_tokens),
+        thousands(s.input_tokens_uncompacted),
+        thousands(s.summarizer_input_tokens),
+        thousands(s.summarizer_output_tokens),
+        thousands(s.net_tokens_saved.max(0) as u64),
+    )?;
     if let Some(db) = &r.store {
         writeln!(
             out,

@@ -268,6 +268,67 @@ struct Shared {
     summary_reply: Option<String>,
     /// How long every summarizer request takes to be answered.
     summary_delay: Option<Duration>,
+    /// Prompt caching, when simulated: the latest request bodies.
+    cache: Option<VecDeque<Bytes>>,
+}
+
+/// Request bodies a simulated prompt cache keeps.
+const CACHED_BODIES: usize = 16;
+/// A simulated prompt cache serves prompts of at least this many tokens...
+const CACHE_MIN_TOKENS: u64 = 1024;
+/// ...in blocks of this many (as OpenAI's automatic prompt caching does).
+const CACHE_BLOCK_TOKENS: u64 = 128;
+
+/// The cached tokens a prompt cache holding `earlier` bodies reports for
+/// `body` (tokens counted as bytes / 4, like the automatic usage): the
+/// longest byte prefix shared with one of them, in whole blocks.
+fn cached_tokens(earlier: &VecDeque<Bytes>, body: &[u8]) -> u64 {
+    let shared = earlier
+        .iter()
+        .map(|e| e.iter().zip(body).take_while(|(a, b)| a == b).count())
+        .max()
+        .unwrap_or(0) as u64
+        / 4;
+    if shared < CACHE_MIN_TOKENS {
+        return 0;
+    }
+    shared / CACHE_BLOCK_TOKENS * CACHE_BLOCK_TOKENS
+}
+
+/// `reply` with `cached` as its usage's cached tokens, when it is a JSON
+/// answer with usage (streamed answers are left as they are).
+fn with_cached(reply: Reply, cached: u64) -> Reply {
+    let Reply::Full {
+        status,
+        headers,
+        body,
+    } = reply
+    else {
+        return reply;
+    };
+    let mut v: Value = match serde_json::from_slice(&body) {
+        Ok(v) => v,
+        Err(_) => {
+            return Reply::Full {
+                status,
+                headers,
+                body,
+            }
+        }
+    };
+    if let Some(u) = v.get_mut("usage").and_then(Value::as_object_mut) {
+        let key = if u.contains_key("prompt_tokens") {
+            "prompt_tokens_details"
+        } else {
+            "input_tokens_details"
+        };
+        u.insert(key.into(), json!({"cached_tokens": cached}));
+    }
+    Reply::Full {
+        status,
+        headers,
+        body: Bytes::from(v.to_string()),
+    }
 }
 
 /// A running fake upstream.
@@ -334,6 +395,13 @@ impl FakeUpstream {
         self.lock().summary_delay = d;
     }
 
+    /// From now on, the automatic JSON answers report the cached tokens of
+    /// a simulated prompt cache (see [`cached_tokens`]); summarizer
+    /// requests neither read nor fill it.
+    pub fn simulate_prompt_cache(&self) {
+        self.lock().cache = Some(VecDeque::new());
+    }
+
     /// Everything received so far.
     pub fn received(&self) -> Vec<Received> {
         self.lock().received.clone()
@@ -375,26 +443,43 @@ impl FakeUpstream {
             headers: parts.headers,
             body,
         };
-        let (scripted, delay) = {
+        let (scripted, delay, cached) = {
             let mut sh = self.lock();
             sh.answered += 1;
             if !sh.forget {
                 sh.received.push(rec.clone());
             }
-            // Parsed only when a summary is answered differently: the
-            // bench's fake answers without parsing.
-            let summary = (sh.summary_reply.is_some() || sh.summary_delay.is_some())
-                && is_summarizer_request(&rec.json());
+            // Parsed only when a summary is answered differently or a
+            // prompt cache is simulated: the bench's fake answers without
+            // parsing.
+            let summary =
+                (sh.summary_reply.is_some() || sh.summary_delay.is_some() || sh.cache.is_some())
+                    && is_summarizer_request(&rec.json());
             let delay = sh.summary_delay.filter(|_| summary);
+            let cached = match sh.cache.as_mut() {
+                Some(cache) if !summary => {
+                    let cached = cached_tokens(cache, &rec.body);
+                    if cache.len() == CACHED_BODIES {
+                        cache.pop_front();
+                    }
+                    cache.push_back(rec.body.clone());
+                    Some(cached)
+                }
+                _ => None,
+            };
             let scripted = match &sh.summary_reply {
                 Some(text) if summary => {
                     Some(Reply::chat(text, (rec.body.len() as u64 / 4).max(1), 60))
                 }
                 _ => sh.script.pop_front(),
             };
-            (scripted, delay)
+            (scripted, delay, cached)
         };
-        let mut reply = scripted.unwrap_or_else(|| auto_reply(&rec));
+        let mut reply = match (scripted, cached) {
+            (Some(r), _) => r,
+            (None, Some(cached)) => with_cached(auto_reply(&rec), cached),
+            (None, None) => auto_reply(&rec),
+        };
         if let Some(d) = delay {
             reply = Reply::Delay(d, Box::new(reply));
         }
@@ -564,5 +649,29 @@ async fn render(reply: Reply) -> Response<ProxyBody> {
             );
             resp
         }
+    }
+}
+
+#[cfg(test)]
+mod cache_tests {
+    use super::*;
+
+    #[test]
+    fn the_simulated_cache_serves_shared_prefixes_in_blocks() {
+        let mut earlier = VecDeque::new();
+        let long = vec![b'a'; 8_000];
+        assert_eq!(cached_tokens(&earlier, &long), 0, "empty cache");
+        earlier.push_back(Bytes::from(long.clone()));
+        let mut next = long.clone();
+        next.extend_from_slice(b"more");
+        assert_eq!(
+            cached_tokens(&earlier, &next),
+            1920,
+            "2000 tokens, in blocks of 128"
+        );
+        next[4100] = b'b';
+        assert_eq!(cached_tokens(&earlier, &next), 1024, "1025 tokens shared");
+        next[2000] = b'b';
+        assert_eq!(cached_tokens(&earlier, &next), 0, "under 1024 tokens: none");
     }
 }

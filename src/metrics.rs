@@ -58,6 +58,13 @@ pub const REASONS: &[&str] = &[
 /// reach); anything else counts as `other`.
 pub const GOALS: &[&str] = &["overflow", "hard_limit", "shrink", "other"];
 
+/// Kinds of `compactor_input_tokens_total`: what the upstream received,
+/// what it would have received without compaction, of those it received
+/// the ones it reported read from its prompt cache, and (observe mode)
+/// what compaction would have saved. Counted for exchanges that reported
+/// usage.
+pub const INPUT_KINDS: &[&str] = &["received", "uncompacted", "cached", "potential_saved"];
+
 /// A conversation counts as active this long after its last request.
 pub const ACTIVE_WINDOW: Duration = Duration::from_secs(15 * 60);
 
@@ -130,6 +137,13 @@ struct RungLabels {
     rung: &'static str,
 }
 
+/// Labels of `compactor_input_tokens_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct InputLabels {
+    /// One of [`INPUT_KINDS`].
+    kind: &'static str,
+}
+
 /// Labels of `compactor_unfittable_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct GoalLabels {
@@ -176,6 +190,10 @@ pub struct Metrics {
     summary_calls: Counter,
     /// Tokens of those calls.
     summary_tokens: Counter,
+    /// Of those, the answers'.
+    summary_output_tokens: Counter,
+    /// `[kind]` of [`INPUT_KINDS`].
+    input_tokens: Box<[Counter]>,
     /// `[goal]`: compactions declined because nothing could fit.
     unfittable: Box<[Counter]>,
     /// Conversation → last request.
@@ -346,6 +364,18 @@ impl Metrics {
             "Tokens (prompt and answer) of those summarizer calls",
         );
 
+        let summary_output_tokens = counter(
+            "compactor_summary_output_tokens",
+            "Of those tokens, the summarizer's answers'",
+        );
+        let (family, input_tokens) =
+            closed_family(INPUT_KINDS.iter().map(|&kind| InputLabels { kind }));
+        registry.register(
+            "compactor_input_tokens",
+            "Input tokens of the exchanges that reported usage: received by the upstream, uncompacted (what it would have received without compaction), cached (reported read from its prompt cache), potential_saved (observe mode: what compaction would have saved). Net savings: uncompacted - received - compactor_summary_tokens_total",
+            family,
+        );
+
         let (family, unfittable) = closed_family(GOALS.iter().map(|&goal| GoalLabels { goal }));
         registry.register(
             "compactor_unfittable",
@@ -366,6 +396,8 @@ impl Metrics {
             reactive_retries,
             summary_calls,
             summary_tokens,
+            summary_output_tokens,
+            input_tokens,
             unfittable,
             seen: Mutex::default(),
         }
@@ -439,9 +471,24 @@ impl Metrics {
 
     /// A compaction's summarizer calls and their tokens: call once per
     /// compaction stored.
-    pub fn summary_cost(&self, calls: u32, tokens: u64) {
+    pub fn summary_cost(&self, calls: u32, tokens: u64, output_tokens: u64) {
         self.summary_calls.inc_by(u64::from(calls));
         self.summary_tokens.inc_by(tokens);
+        self.summary_output_tokens.inc_by(output_tokens);
+    }
+
+    /// An exchange that reported usage: the input tokens the upstream
+    /// received (`cached` of them from its cache), those compaction saved,
+    /// and (observe mode) those it would have saved.
+    pub fn exchange_input(&self, received: u64, cached: u64, saved: u64, potential: u64) {
+        for (kind, n) in [
+            ("received", received),
+            ("uncompacted", received + saved),
+            ("cached", cached),
+            ("potential_saved", potential),
+        ] {
+            self.input_tokens[index_of(INPUT_KINDS, kind)].inc_by(n);
+        }
     }
 
     /// A compaction declined from the token counts, before any summarizer

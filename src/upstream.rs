@@ -213,6 +213,9 @@ impl Upstream {
         out.remove(header::HOST);
         out.remove(header::CONTENT_LENGTH);
         out.remove("x-compactor-conversation");
+        // The client's control of its own request is the proxy's business.
+        out.remove("x-compactor-mode");
+        out.remove("x-compactor-compact");
         if identity {
             out.insert(
                 header::ACCEPT_ENCODING,

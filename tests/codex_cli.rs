@@ -76,6 +76,7 @@ fn small_window(c: &mut Config) {
         context_window: WINDOW,
         max_output_tokens: Some(1000),
         trigger_ratio: None,
+        ..Default::default()
     });
 }
 

@@ -111,6 +111,16 @@ async fn the_demo_shows_tokens_climb_compaction_fire_and_tokens_drop() {
     assert_eq!(report.uncompacted_input_tokens(), un);
     assert_eq!(report.compacted_input_tokens(), co);
     assert!(report.summarizer_calls >= 1 || report.compactions.iter().all(|c| c.rung != "summary"));
+    // The proxy's own accounting: what the upstream received is what the
+    // demo counted, and compaction saved some of what it would have.
+    let s = &report.savings;
+    assert_eq!(s.input_tokens, co);
+    assert!(
+        s.tokens_saved > 0 && s.input_tokens_uncompacted > co,
+        "{s:?}"
+    );
+    assert_eq!(s.summarizer_calls, report.summarizer_calls as u64, "{s:?}");
+    assert!(text.contains("as compactor accounts it"), "{text}");
 }
 
 /// The default session (what `compactor demo` runs) meets the brief's token

@@ -180,6 +180,7 @@ fn journaled(id: i64) -> compactor::store::ExchangeRecord {
         client_ids: Default::default(),
         client: None,
         preview: None,
+        savings: Default::default(),
     }
 }
 

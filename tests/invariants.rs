@@ -180,6 +180,9 @@ fn compact(items: &[Value], base: Option<&Arc<Compaction>>, p: &Params) -> Optio
         base: base.map(|b| b.id.clone()),
         summary_calls: 0,
         summary_tokens: 0,
+        summary_output_tokens: 0,
+        tokens_saved: 0,
+        observed: false,
         duration_ms: 0,
         created_ms: 0,
     })
@@ -387,6 +390,9 @@ proptest! {
             base: None,
             summary_calls: 0,
             summary_tokens: 0,
+            summary_output_tokens: 0,
+            tokens_saved: 0,
+            observed: false,
             duration_ms: 0,
             created_ms: 0,
         };

@@ -76,6 +76,8 @@ async fn metrics_are_prometheus_text_with_help_and_type() {
         ("compactor_build_info", "gauge"),
         ("compactor_summary_calls_total", "counter"),
         ("compactor_summary_tokens_total", "counter"),
+        ("compactor_summary_output_tokens_total", "counter"),
+        ("compactor_input_tokens_total", "counter"),
         ("compactor_unfittable_total", "counter"),
         // Named before any model is seen: a family without series yet.
         ("compactor_model_context_window", "gauge"),

@@ -45,6 +45,7 @@ fn through_llama_window(c: &mut compactor::config::Config) {
         context_window: LLAMA_WINDOW as u64,
         max_output_tokens: Some(64),
         trigger_ratio: None,
+        ..Default::default()
     });
 }
 

@@ -510,6 +510,7 @@ pub async fn run(
             context_window: cfg.window,
             max_output_tokens: Some(cfg.window / 8),
             trigger_ratio: None,
+            ..Default::default()
         },
     );
     let state = AppState::open(config).expect("open state");

@@ -76,6 +76,12 @@ pub async fn show(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
     .await
 }
 
+/// `GET /admin/api/savings`: what compaction saved, per conversation, per
+/// tenant and in total (see [`crate::store::savings`]).
+pub async fn savings(state: Arc<AppState>) -> Response<ProxyBody> {
+    read_json(state, move |reads, st| reads.savings(&st.config)).await
+}
+
 /// `GET /admin/api/conversations/ID/export`
 pub async fn export(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
     read_json(state, move |reads, st| {

@@ -20,6 +20,7 @@
 //! - `GET /admin/api/conversations/ID/attempts` — recent compaction attempts, discarded ones included
 //! - `DELETE /admin/api/conversations/ID` — delete it, its exchanges, compactions and the items nothing else refers to
 //! - `POST /admin/api/prune?older_than_secs=N` — delete conversations last seen longer ago, then unreferenced items, then VACUUM
+//! - `GET /admin/api/savings` — tokens (and money) saved, per conversation, per tenant, in total
 
 mod api;
 
@@ -273,6 +274,12 @@ async fn route(
                 .into_response(),
             },
             _ => method_not_allowed("POST"),
+        };
+    }
+    if sub == "/api/savings" {
+        return match method {
+            Method::GET => api::savings(state).await,
+            _ => method_not_allowed("GET"),
         };
     }
     let Some(api_path) = sub.strip_prefix("/api/conversations") else {

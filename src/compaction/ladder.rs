@@ -26,6 +26,12 @@ pub struct TruncateLimits {
     pub keep_tail: usize,
 }
 
+/// How a marker tells the model to read the original: the proxy offers
+/// the tool only to requests that have tools of their own, so the marker
+/// says when.
+const RECALL_HINT: &str =
+    "; when the compactor_recall tool is offered, call it with this ref to read it";
+
 /// The reference under which the original is kept in the store's items.
 pub fn archive_ref(hash: &ItemHash) -> String {
     format!("item:{}", &hex(hash)[..16])
@@ -47,7 +53,7 @@ pub fn truncate_outputs(
         let elided = tail - head;
         let kept = format!("{}\n{}", &text[..head], &text[tail..]);
         let marker = format!(
-            "\n[compactor: {elided} bytes of tool output elided; original archived as {}]\n{}",
+            "\n[compactor: {elided} bytes of tool output elided; original archived as {}{RECALL_HINT}]\n{}",
             archive_ref(hash),
             digest_lines(text, &kept)
         );
@@ -64,7 +70,7 @@ pub fn prune_outputs(part: &[Value], hashes: &[ItemHash]) -> (Vec<Value>, usize)
         }
         Some(
             format!(
-                "[compactor: tool output pruned ({} bytes); original archived as {}]\n{}",
+                "[compactor: tool output pruned ({} bytes); original archived as {}{RECALL_HINT}]\n{}",
                 text.len(),
                 archive_ref(hash),
                 digest_lines(text, "")
@@ -191,7 +197,10 @@ mod tests {
             stub.ends_with("Paths named: crates/ledger/src/csv.rs"),
             "{stub}"
         );
-        assert!(stub.len() < 400, "a digest, not the output: {stub}");
+        assert!(
+            stub.len() < 400 + RECALL_HINT.len(),
+            "a digest, not the output: {stub}"
+        );
         let (truncated, n) = truncate_outputs(
             &items,
             &hashes,
@@ -205,7 +214,7 @@ mod tests {
         let t = truncated[1]["output"].as_str().unwrap();
         assert!(
             t.contains(&format!(
-                "original archived as {}]\n{err}\n",
+                "original archived as {}{RECALL_HINT}]\n{err}\n",
                 archive_ref(&hashes[1])
             )),
             "{t}"

@@ -10,6 +10,8 @@
 //! - [`summary`]: facts the proxy extracts itself, the summarizer prompt,
 //!   validation, the assembled summary and its deterministic fallback
 //! - [`rewrite`]: applying a stored compaction to a request (longest match)
+//! - [`recall`]: the `compactor_recall` tool that reads back what the cheap
+//!   rungs elided
 //! - [`remote`]: compaction the client asks for (`/v1/responses/compact`,
 //!   `compaction_trigger`) and the `compaction` items that stand for it
 //!
@@ -26,6 +28,7 @@ pub mod fit;
 pub mod items;
 pub mod ladder;
 pub mod policy;
+pub mod recall;
 pub mod remote;
 pub mod rewrite;
 pub mod summary;
@@ -109,10 +112,34 @@ pub struct Compaction {
     /// Tokens of those calls, prompt and answer.
     #[serde(default)]
     pub summary_tokens: u64,
+    /// Of `summary_tokens`, those the summarizer wrote (priced as output).
+    #[serde(default)]
+    pub summary_output_tokens: u64,
+    /// Estimated tokens fewer than the client's own items it covers: its
+    /// own shrink plus that of the compaction it extends (whose
+    /// replacement it started from). What a request it applies to saves.
+    #[serde(default)]
+    pub tokens_saved: u64,
+    /// Computed in observe mode: what the proxy would have sent, recorded
+    /// for the potential savings and never applied to a request.
+    #[serde(default)]
+    pub observed: bool,
     /// Wall time to compute, ms.
     pub duration_ms: u64,
     /// Unix ms.
     pub created_ms: i64,
+}
+
+impl Compaction {
+    /// Estimated tokens fewer than the client's own items it covers (one
+    /// stored before the figure was kept: its own shrink).
+    pub fn saved(&self) -> u64 {
+        if self.tokens_saved > 0 {
+            self.tokens_saved
+        } else {
+            self.tokens_before.saturating_sub(self.tokens_after)
+        }
+    }
 }
 
 /// A summary compaction for unit tests: `id` of `tenant`, replacing the
@@ -143,6 +170,9 @@ pub(crate) fn test_compaction(
         base: None,
         summary_calls: 1,
         summary_tokens: 0,
+        summary_output_tokens: 0,
+        tokens_saved: 0,
+        observed: false,
         duration_ms: 1,
         created_ms: 1,
     }

@@ -96,6 +96,10 @@ pub struct Input {
     pub goal: Goal,
     /// The request's tool definitions (they count against the window).
     pub tools: Option<Tools>,
+    /// Observe mode: the result is recorded as what the proxy would have
+    /// done, never applied. `view` is then the client's items and `base`
+    /// the would-be compaction before, which is applied here first.
+    pub observe: bool,
 }
 
 /// What a compaction must achieve; it escalates past the ladder until it
@@ -220,6 +224,9 @@ impl Default for Bodies {
 pub struct Compactions {
     /// Every stored compaction, by tenant and covered chain (without bodies).
     by_tenant: Mutex<HashMap<String, HashMap<ItemHash, Entry>>>,
+    /// The same for observe mode's would-be compactions: found only to
+    /// figure what a request would have saved, never applied.
+    observed: Mutex<HashMap<String, HashMap<ItemHash, Entry>>>,
     jobs: Mutex<HashMap<(String, String), watch::Receiver<bool>>>,
     backoff: Mutex<HashMap<String, Backoff>>,
     /// When each conversation's newest compaction was stored (Unix ms).
@@ -293,6 +300,7 @@ impl Compactions {
             covered_len,
             covered_chain,
             created_ms,
+            observed,
         } = c;
         // The time it became visible, not when it was computed: a request
         // that started before this moment may have missed it.
@@ -302,7 +310,12 @@ impl Compactions {
         *at = (*at).max(visible);
         drop(newest);
         lock(&self.by_id).insert(id.clone(), tenant.clone());
-        lock(&self.by_tenant)
+        let index = if observed {
+            &self.observed
+        } else {
+            &self.by_tenant
+        };
+        lock(index)
             .entry(tenant)
             .or_default()
             .insert(covered_chain, Entry { id, covered_len });
@@ -335,14 +348,30 @@ impl Compactions {
     /// The longest stored compaction of `tenant` that covers a prefix of the
     /// request; a match also clears the tenant's back-off.
     pub fn find(&self, tenant: &str, chains: &[ItemHash]) -> Option<Arc<Compaction>> {
+        self.find_in(&self.by_tenant, tenant, chains, true)
+    }
+
+    /// [`Compactions::find`] among observe mode's would-be compactions
+    /// (this replica's own: they are never applied, so never shared).
+    pub fn find_observed(&self, tenant: &str, chains: &[ItemHash]) -> Option<Arc<Compaction>> {
+        self.find_in(&self.observed, tenant, chains, false)
+    }
+
+    fn find_in(
+        &self,
+        index: &Mutex<HashMap<String, HashMap<ItemHash, Entry>>>,
+        tenant: &str,
+        chains: &[ItemHash],
+        applied: bool,
+    ) -> Option<Arc<Compaction>> {
         let (mut id, covered) = {
-            let idx = lock(&self.by_tenant);
+            let idx = lock(index);
             idx.get(tenant)
                 .and_then(|m| rewrite::find(chains, m))
                 .map_or((None, 0), |e| (Some(e.id.clone()), e.covered_len))
         };
         // Another replica may have stored one covering more since.
-        if let Some(shared) = &self.shared {
+        if let Some(shared) = self.shared.as_ref().filter(|_| applied) {
             let longer = &chains[covered.min(chains.len())..];
             if let Some(c) = shared.compaction_covering(tenant, longer) {
                 if c.covered_len > covered
@@ -400,11 +429,12 @@ impl Compactions {
         }
     }
 
-    /// A stored compaction by id, only if it belongs to `tenant`.
+    /// A stored compaction by id, only if it belongs to `tenant` (and was
+    /// applied, not observed).
     pub fn get(&self, tenant: &str, id: &str) -> Option<Arc<Compaction>> {
         let owned = lock(&self.by_id).get(id).is_some_and(|t| t == tenant);
         if owned {
-            self.body(id)
+            self.body(id).filter(|c| !c.observed)
         } else {
             None
         }
@@ -663,6 +693,15 @@ async fn compute<S: Context>(
     let started = Instant::now();
     let limits = state.model_limits(&input.model);
     let params = Params::new(&state.config().compaction, &limits);
+    let mut input = input;
+    if input.observe {
+        // What the request would have been with the would-be compaction
+        // before: the new one extends it, as it would in auto mode.
+        if let Some(b) = &input.base {
+            input.view = Arc::new(rewrite::rewrite(&input.view.values(), b).into());
+        }
+    }
+    let input = input;
     let (hashes, tokens) = count_items(state, input.view.clone(), None).await?;
     let tools_tokens = count_tools(state, input.tools.clone()).await;
     let values = input.view.values();
@@ -754,8 +793,16 @@ async fn compute<S: Context>(
             let prepared = plan.prepared.clone();
             let part = &view[prepared.lead..prepared.cut];
             let facts = summary::extract_facts(part, base.and_then(|b| b.facts.as_ref()));
-            let (narrative, cost) = summarize(state, &input, part, &params).await;
-            let rung = if narrative.is_some() {
+            // Observe mode pays for no summary unless told to: the rung is
+            // the summary's, its size the facts' plus the answer it would
+            // have asked for (see below).
+            let estimate = input.observe && !state.config().compaction.observe_summaries;
+            let (narrative, cost) = if estimate {
+                (None, SummaryCost::default())
+            } else {
+                summarize(state, &input, part, &params).await
+            };
+            let rung = if narrative.is_some() || estimate {
                 Rung::Summary
             } else {
                 Rung::Fallback
@@ -768,7 +815,12 @@ async fn compute<S: Context>(
                 plan.summary_budget,
                 &count,
             );
-            let applied = fit::apply(&fit_input, &plan, &params, text.clone(), &count);
+            let mut applied = fit::apply(&fit_input, &plan, &params, text.clone(), &count);
+            if estimate {
+                let facts_only = count(&crate::compaction::items::user_message(text.clone()));
+                let room = plan.summary_budget.saturating_sub(facts_only);
+                applied.after += params.summary_output_tokens.min(room);
+            }
             (
                 rung,
                 prepared,
@@ -792,10 +844,16 @@ async fn compute<S: Context>(
     let kept_users = applied.kept_users;
     let mut prepared = prepared;
     prepared.covered_len = applied.covered_len;
-    let reason = match step {
+    let mut reason = match step {
         Some(s) if s != fit::Step::Ladder => format!("{}; escalated: {}", input.reason, s.as_str()),
         _ => input.reason.clone(),
     };
+    if input.observe {
+        reason.push_str("; observed");
+        if rung == Rung::Summary && cost.calls == 0 {
+            reason.push_str(", summary size estimated without a summarizer call");
+        }
+    }
     let replacement = applied.replacement;
     let covered_chain = input.chains[prepared.covered_len - 1];
     let items_kept = prepared.lead + kept_users + applied.tail_len;
@@ -817,6 +875,9 @@ async fn compute<S: Context>(
         base: base.map(|b| b.id.clone()),
         summary_calls: cost.calls,
         summary_tokens: cost.tokens,
+        summary_output_tokens: cost.output_tokens,
+        tokens_saved: (prepared.before - after) + base.map(Compaction::saved).unwrap_or(0),
+        observed: input.observe,
         duration_ms: started.elapsed().as_millis() as u64,
         created_ms: crate::ids::now_ms(),
     };
@@ -825,15 +886,19 @@ async fn compute<S: Context>(
     }
     let c = Arc::new(c);
     state.compactions().insert(c.clone());
-    state.metrics().compaction(
-        c.rung.as_str(),
-        crate::metrics::reason_kind(&c.reason),
-        c.tokens_before.saturating_sub(c.tokens_after),
-    );
+    if !c.observed {
+        state.metrics().compaction(
+            c.rung.as_str(),
+            crate::metrics::reason_kind(&c.reason),
+            c.tokens_before.saturating_sub(c.tokens_after),
+        );
+    }
     if c.rung == Rung::Fallback {
         state.metrics().summary_fallback();
     }
-    state.metrics().summary_cost(cost.calls, cost.tokens);
+    state
+        .metrics()
+        .summary_cost(cost.calls, cost.tokens, cost.output_tokens);
     tracing::info!(
         compaction = %c.id, conversation = %c.conversation, rung = c.rung.as_str(), reason = %c.reason,
         tokens_before = c.tokens_before, tokens_after = c.tokens_after,
@@ -841,6 +906,7 @@ async fn compute<S: Context>(
         duration_ms = c.duration_ms, summary_bytes = c.summary.as_ref().map(String::len).unwrap_or(0),
         summary_calls = c.summary_calls, summary_tokens = c.summary_tokens,
         summary_chunks_left_to_facts = cost.chunks_skipped, base = c.base.as_deref().unwrap_or(""),
+        observed = c.observed,
         "compacted"
     );
     Ok(c)
@@ -1078,6 +1144,8 @@ struct SummaryCost {
     calls: u32,
     /// Their tokens, prompt and answer (as reported, else estimated).
     tokens: u64,
+    /// Of those, the answers'.
+    output_tokens: u64,
     /// Older chunks past the call cap, left to the extracted facts.
     chunks_skipped: usize,
 }
@@ -1128,8 +1196,9 @@ async fn summarize<S: Context>(
             }
             cost.calls += 1;
             match call_summarizer(state, input, &messages, params).await {
-                Ok((text, tokens)) => {
+                Ok((text, tokens, output_tokens)) => {
                     cost.tokens += tokens;
+                    cost.output_tokens += output_tokens;
                     match summary::validate(&text) {
                         Ok(()) => {
                             got = Some((summary::NARRATIVE_SECTIONS.len(), text));
@@ -1221,14 +1290,14 @@ pub enum SummarizerError {
     NoContent,
 }
 
-/// One summarizer call: the answer's text and the call's tokens (as the
-/// upstream reports them, else estimated).
+/// One summarizer call: the answer's text, the call's tokens and of those
+/// the answer's (as the upstream reports them, else estimated).
 async fn call_summarizer<S: Context>(
     state: &Arc<S>,
     input: &Input,
     messages: &[Value],
     params: &Params,
-) -> Result<(String, u64), SummarizerError> {
+) -> Result<(String, u64, u64), SummarizerError> {
     let cfg = &state.config().compaction;
     let model = if cfg.summarizer_model.is_empty() {
         input.model.as_str()
@@ -1279,21 +1348,31 @@ async fn call_summarizer<S: Context>(
         .and_then(Value::as_str)
         .map(String::from)
         .ok_or(SummarizerError::NoContent)?;
-    let tokens = match v.pointer("/usage/total_tokens").and_then(Value::as_u64) {
-        Some(t) => t,
-        None => {
+    let reported = (
+        v.pointer("/usage/total_tokens").and_then(Value::as_u64),
+        v.pointer("/usage/completion_tokens")
+            .and_then(Value::as_u64),
+    );
+    let (tokens, output) = match reported {
+        (Some(t), Some(out)) => (t, out.min(t)),
+        (total, _) => {
             let counter = state.tokens().clone();
             let all: String = messages
                 .iter()
                 .filter_map(|m| m.get("content").and_then(Value::as_str))
                 .chain([text.as_str()])
                 .collect();
-            tokio::task::spawn_blocking(move || counter.count_text(&all))
-                .await
-                .unwrap_or(0)
+            let answer = text.clone();
+            let (all, answer) = tokio::task::spawn_blocking(move || {
+                (counter.count_text(&all), counter.count_text(&answer))
+            })
+            .await
+            .unwrap_or((0, 0));
+            let tokens = total.unwrap_or(all);
+            (tokens, answer.min(tokens))
         }
     };
-    Ok((text, tokens))
+    Ok((text, tokens, output))
 }
 
 /// The credential headers of a request (kept in memory for the summarizer).

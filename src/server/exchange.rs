@@ -9,7 +9,8 @@ use std::time::Instant;
 use serde_json::Value;
 
 use crate::app::AppState;
-use crate::compaction::Compaction;
+use crate::compaction::{recall, Compaction};
+use crate::config::Mode;
 use crate::conversation::Identified;
 use crate::engine::{self, Input};
 use crate::error::ProxyError;
@@ -62,6 +63,17 @@ pub struct PendingExchange {
     pub view: Arc<ItemList>,
     /// The compaction applied, if any.
     pub compaction: Option<Arc<Compaction>>,
+    /// The mode the request is served in.
+    pub mode: Mode,
+    /// Observe mode: the would-be compaction that covers a prefix of the
+    /// request (what the proxy would have applied).
+    pub observed: Option<Arc<Compaction>>,
+    /// The request goes with the `compactor_recall` tool added.
+    pub recall: bool,
+    /// Items after the view: the recall rounds' calls and answers.
+    pub extra: Vec<Value>,
+    /// What the recall rounds cost.
+    pub recall_spent: RecallSpent,
     /// The client's credential headers, kept in memory for summary calls.
     pub auth: http::HeaderMap,
     /// Whether the client asked for a stream.
@@ -109,6 +121,8 @@ impl PendingExchange {
     pub fn unapply(&mut self) {
         self.view = self.items.clone();
         self.compaction = None;
+        self.recall = false;
+        self.extra.clear();
     }
 
     /// The body to send upstream: the client's bytes while they can go as
@@ -117,27 +131,55 @@ impl PendingExchange {
         if let (None, Some(original)) = (&self.compaction, &self.original) {
             return Ok(original.clone());
         }
+        if !self.recall && self.extra.is_empty() {
+            return self
+                .api
+                .rebuild_body(&self.body, &self.view.values(), self.tools.as_ref())
+                .map(Payload::from)
+                .map_err(|e| ProxyError::Internal(e.to_string()));
+        }
+        let mut items = self.view.values().to_vec();
+        items.extend(self.extra.iter().cloned());
+        let with_recall = self.recall.then(|| {
+            let tools = self
+                .tools
+                .as_ref()
+                .map(Tools::value)
+                .unwrap_or(&Value::Null);
+            let mut body = serde_json::json!({"tools": recall::with_tool(self.api, tools)});
+            Tools::take(&mut body)
+        });
+        let tools = with_recall
+            .as_ref()
+            .map_or(self.tools.as_ref(), Option::as_ref);
         self.api
-            .rebuild_body(&self.body, &self.view.values(), self.tools.as_ref())
+            .rebuild_body(&self.body, &items, tools)
             .map(Payload::from)
             .map_err(|e| ProxyError::Internal(e.to_string()))
     }
 
-    /// What a compaction of this request starts from.
+    /// What a compaction of this request starts from (in observe mode,
+    /// the client's items and the would-be compaction before).
     pub fn input(&self, reason: String, whole: bool) -> Input {
+        let observe = self.mode == Mode::Observe;
         Input {
             tenant: self.tenant.clone(),
             conversation: self.ident.conversation.clone(),
             model: self.model.clone(),
             view: self.view.clone(),
             chains: self.chains.clone(),
-            base: self.compaction.clone(),
+            base: if observe {
+                self.observed.clone()
+            } else {
+                self.compaction.clone()
+            },
             auth: self.auth.clone(),
             reason,
             requested_ms: self.started_ms,
             whole,
             goal: engine::Goal::Shrink,
             tools: self.tools.clone(),
+            observe,
         }
     }
 }
@@ -193,6 +235,28 @@ impl Drop for Unanswered {
                 ..Outcome::default()
             };
             p.finish_detached(&self.state, outcome);
+        }
+    }
+}
+
+/// Tokens the recall rounds of one request cost.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct RecallSpent {
+    /// Rounds the proxy answered (or ended, sending again without the tool).
+    pub rounds: u32,
+    /// Their input tokens, as reported.
+    pub input_tokens: u64,
+    /// Their output tokens, as reported.
+    pub output_tokens: u64,
+}
+
+impl RecallSpent {
+    /// One more round, whose answer reported `usage`.
+    pub(super) fn add(&mut self, usage: Option<Usage>) {
+        self.rounds += 1;
+        if let Some(u) = usage {
+            self.input_tokens += u.input_tokens;
+            self.output_tokens += u.output_tokens;
         }
     }
 }

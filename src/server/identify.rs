@@ -12,7 +12,8 @@ use serde_json::Value;
 use super::exchange::{PendingExchange, Unanswered};
 use super::read::ReadRequest;
 use crate::app::AppState;
-use crate::compaction::policy;
+use crate::compaction::{policy, recall};
+use crate::config::Mode;
 use crate::engine;
 use crate::error::ProxyError;
 use crate::store::{bounded_text, MAX_CLIENT_CHARS};
@@ -41,6 +42,7 @@ pub(super) async fn identify(
         original,
         strip_usage,
         raw_len,
+        control,
         ..
     } = read;
     let model = body
@@ -100,6 +102,11 @@ pub(super) async fn identify(
             original,
             strip_usage,
             compaction: None,
+            mode: control.mode,
+            observed: None,
+            recall: false,
+            extra: Vec::new(),
+            recall_spent: Default::default(),
             auth: engine::auth_headers(&parts.headers),
             streamed,
             started,
@@ -110,6 +117,17 @@ pub(super) async fn identify(
     // The first request of a model asks the upstream for its window
     // (bounded in time), so that the check below already uses it.
     super::discovery::discover(state, &pending.model, &pending.auth).await;
+    match pending.mode {
+        Mode::Auto => {}
+        // What would have applied: recorded, never sent.
+        Mode::Observe => {
+            pending.observed = state
+                .compactions
+                .find_observed(&pending.tenant, &pending.chains);
+            return Ok(pending);
+        }
+        Mode::Off => return Ok(pending),
+    }
     // A stored compaction covering a prefix of this request replaces it; a
     // request too large to go without one waits for one under way.
     if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
@@ -152,6 +170,17 @@ pub(super) async fn identify(
                 .await;
             }
         }
+    }
+    // A compacted request whose tool outputs were shortened may read them
+    // back, when it has tools of its own.
+    if let Some(c) = &pending.compaction {
+        pending.recall = state.config.compaction.recall_max_rounds > 0
+            && recall::carries_archive(&c.replacement)
+            && recall::offers_recall(
+                &pending.body,
+                pending.tools.as_ref().map(Tools::value),
+                &pending.view.values(),
+            );
     }
     Ok(pending)
 }

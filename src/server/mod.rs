@@ -4,6 +4,7 @@
 //! choose the port) and a shutdown future.
 
 mod compact;
+pub mod control;
 pub mod discovery;
 mod exchange;
 mod gather;
@@ -12,6 +13,7 @@ mod identify;
 mod passthrough;
 mod proxy;
 mod read;
+mod recall;
 mod record;
 mod relay;
 mod send;

@@ -25,6 +25,7 @@ use super::read::read_request;
 use super::record::fail;
 use super::{compact, relay, send};
 use crate::app::AppState;
+use crate::config::Mode;
 use crate::engine;
 use crate::error::{ProxyBody, ProxyError};
 use crate::ids::now_ms;
@@ -47,16 +48,26 @@ async fn handle_inner(
     let (parts, body) = req.into_parts();
     let read = read_request(&state, api, &parts, body).await?;
     let trigger = read.trigger;
+    let asked = read.control.compact_now;
     let mut pending = identify(&state, &parts, read, started, started_ms).await?;
     if trigger {
         return compact::answer_trigger(&state, pending).await;
     }
-    if state.compactions.take_manual(&pending.ident.conversation) {
+    // A manual compaction waits for a request in auto mode.
+    let auto = pending.mode == Mode::Auto;
+    if auto && state.compactions.take_manual(&pending.ident.conversation) {
         compact_now(&state, &mut pending, "manual".into(), engine::Goal::Shrink).await;
+    } else if asked {
+        let reason = format!("requested: {}", super::control::COMPACT_HEADER);
+        compact_now(&state, &mut pending, reason, engine::Goal::Shrink).await;
     }
     let url = state.upstream.url(api.endpoint(), parts.uri.query())?;
     let headers = state.upstream.request_headers(&parts.headers, true);
-    match send::send(&state, &mut pending, &url, &headers).await {
+    let sent = match send::send(&state, &mut pending, &url, &headers).await {
+        Ok(answer) => super::recall::settle(&state, &mut pending, &url, &headers, answer).await,
+        Err(e) => Err(e),
+    };
+    match sent {
         Ok(answer) => relay::relay(state, pending.into_inner(), answer, started).await,
         Err(e) => Err(fail(&state, pending.into_inner(), e, None).await),
     }

@@ -14,8 +14,10 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use serde_json::Value;
 
+use super::control::Control;
 use crate::app::AppState;
 use crate::compaction::remote;
+use crate::config::Mode;
 use crate::conversation::tenant_of;
 use crate::error::ProxyError;
 use crate::upstream::Payload;
@@ -52,6 +54,9 @@ pub(super) struct ReadRequest {
     pub trigger: bool,
     /// The body's length as received.
     pub raw_len: usize,
+    /// The mode it is served in, and whether the client asked for it to be
+    /// compacted now.
+    pub control: Control,
 }
 
 /// Reads, parses and validates a request of `api`, and expands what the
@@ -99,11 +104,21 @@ pub(super) async fn read_request(
         }
     };
     api.validate(&body)?;
+    let model = body
+        .get("model")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let model = model.to_string();
+    let (control, metadata_taken) =
+        super::control::control(&state.config, &parts.headers, &mut body, &tenant, &model)?;
+    // Observe and off send the client's request as it came: no expanded
+    // history, no usage asked for, no trigger answered by the proxy.
+    let auto = control.mode == Mode::Auto;
     let previous = body
         .get("previous_response_id")
         .and_then(Value::as_str)
         .map(String::from);
-    let mut rewritten = false;
+    let mut rewritten = metadata_taken;
     let mut trigger = false;
     let mut items = api
         .item_list(&mut body, raw.clone(), spans)
@@ -114,7 +129,7 @@ pub(super) async fn read_request(
     // compaction trigger change the items; anything else leaves them as
     // the client's bytes.
     let history = match &previous {
-        Some(prev) if api == Api::Responses => previous_history(state, &tenant, prev).await,
+        Some(prev) if api == Api::Responses && auto => previous_history(state, &tenant, prev).await,
         _ => None,
     };
     if api == Api::Responses && (history.is_some() || items.may_contain("\"compaction")) {
@@ -134,7 +149,7 @@ pub(super) async fn read_request(
             rewritten = true;
         }
         rewritten |= remote::expand_items(&mut values, |id| state.compactions.get(&tenant, id));
-        trigger = remote::ends_with_trigger(&values);
+        trigger = auto && remote::ends_with_trigger(&values);
         if trigger {
             values.pop();
         }
@@ -143,7 +158,7 @@ pub(super) async fn read_request(
     // The body stays the client's; only the bytes going upstream ask for
     // the usage it did not ask for.
     let had_stream_options = body.get("stream_options").is_some();
-    let strip_usage = api == Api::Chat && chat::lacks_stream_usage(&body);
+    let strip_usage = auto && api == Api::Chat && chat::lacks_stream_usage(&body);
     let original = if rewritten {
         None
     } else if strip_usage {
@@ -166,6 +181,7 @@ pub(super) async fn read_request(
         strip_usage,
         trigger,
         raw_len,
+        control,
     })
 }
 

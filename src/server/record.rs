@@ -7,11 +7,13 @@ use std::sync::Arc;
 
 use super::exchange::{Outcome, PendingExchange};
 use crate::app::AppState;
-use crate::compaction::items;
+use crate::compaction::{items, Compaction};
+use crate::config::Mode;
 use crate::engine;
 use crate::error::ProxyError;
 use crate::store::{
-    bounded_text, ExchangeRecord, IndexedExchange, RecordedWindow, MAX_PREVIEW_CHARS,
+    bounded_text, ExchangeRecord, ExchangeSavings, IndexedExchange, RecordedWindow,
+    MAX_PREVIEW_CHARS,
 };
 use crate::wire::items::Tools;
 use crate::wire::{chain_extend, item_hash, ItemHash, Usage};
@@ -114,6 +116,26 @@ impl PendingExchange {
             client_ids: self.client_ids.clone(),
             client: self.client.clone(),
             preview: self.ident.is_new.then(|| self.preview(state)).flatten(),
+            savings: self.savings(state),
+        }
+    }
+
+    /// What the compaction applied saved, or the would-be one would have,
+    /// in the upstream's tokens (the estimate scaled by what it reported
+    /// for this conversation).
+    fn savings(&self, state: &AppState) -> ExchangeSavings {
+        let calibration = state
+            .compactions
+            .calibration(&self.tenant, &self.ident.conversation);
+        let upstream = |c: &Arc<Compaction>| (c.saved() as f64 * calibration) as u64;
+        ExchangeSavings {
+            mode: self.mode,
+            tokens_saved: self.compaction.as_ref().map(upstream).unwrap_or(0),
+            tokens_saved_potential: self.observed.as_ref().map(upstream).unwrap_or(0),
+            observed_compaction: self.observed.as_ref().map(|c| c.id.clone()),
+            recall_rounds: self.recall_spent.rounds,
+            recall_input_tokens: self.recall_spent.input_tokens,
+            recall_output_tokens: self.recall_spent.output_tokens,
         }
     }
 
@@ -156,6 +178,7 @@ impl PendingExchange {
         self.record_on_span(&rec);
         let indexed = indexed(&rec);
         let usage = rec.usage;
+        let potential = rec.savings.tokens_saved_potential;
         let status = rec.status;
         let complete = !rec.partial && (200..300).contains(&rec.status);
         if complete {
@@ -172,8 +195,11 @@ impl PendingExchange {
         // With reported usage the decision needs no tokenizer: take it now,
         // before the answer's last bytes are released, so a client that
         // sends its next request at once finds the compaction under way.
-        if let (true, Some(u)) = (complete, usage) {
-            engine::after_exchange(state, self.input(String::new(), false), u.total(), false);
+        // In observe mode the decision is taken on the size the request
+        // would have had, as it would be in auto mode.
+        if let (true, Some(u), true) = (complete, usage, self.mode != Mode::Off) {
+            let used = u.total().saturating_sub(potential);
+            engine::after_exchange(state, self.input(String::new(), false), used, false);
         }
         self.account(state, usage, status, complete);
         recorded || !state.store.is_shared()
@@ -201,7 +227,9 @@ impl PendingExchange {
         let chains = sent_as_received.then(|| self.chains.clone());
         // Without reported usage the estimate decides (only a complete
         // answer says how large the conversation now is).
-        let next = (complete && usage.is_none()).then(|| self.input(String::new(), false));
+        let next = (complete && usage.is_none() && self.mode != Mode::Off)
+            .then(|| self.input(String::new(), false));
+        let potential = self.observed.as_deref().map(Compaction::saved).unwrap_or(0);
         let (conversation, model, id) =
             (self.ident.conversation.clone(), self.model.clone(), self.id);
         let tenant = self.tenant.clone();
@@ -248,7 +276,7 @@ impl PendingExchange {
                 line!(info);
             }
             if let Some(input) = next {
-                engine::after_exchange(&state, input, used, true);
+                engine::after_exchange(&state, input, used.saturating_sub(potential), true);
             }
         });
     }
@@ -266,8 +294,18 @@ impl PendingExchange {
     }
 }
 
-/// Latency figures of a finished exchange, for `/metrics`.
+/// Latency figures and input tokens of a finished exchange, for `/metrics`.
 fn observe(state: &AppState, rec: &ExchangeRecord) {
+    if let Some(u) = rec.usage {
+        let s = &rec.savings;
+        let cached = u.cached_tokens.unwrap_or(0);
+        state.metrics.exchange_input(
+            u.input_tokens,
+            cached,
+            s.tokens_saved,
+            s.tokens_saved_potential,
+        );
+    }
     state.metrics.upstream_latency(rec.latency_ms / 1000.0);
     if let Some(t) = rec.ttfb_ms {
         state.metrics.ttfb(t / 1000.0);

@@ -46,14 +46,7 @@ pub(super) async fn relay(
             stream_response(state, pending, held, ttfb_ms)
         }
         Answer::Upstream(resp) if is_sse(resp.headers()) => {
-            let mut held = Held {
-                status: resp.status(),
-                headers: resp.headers().clone(),
-                chunks: Vec::new(),
-                failure: None,
-                rest: Box::pin(resp.bytes_stream()),
-                end: None,
-            };
+            let mut held = Held::unread(resp);
             held.take_delivered().await;
             let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
             stream_response(state, pending, held, ttfb_ms)
@@ -67,7 +60,7 @@ pub(super) async fn relay(
                 Err(err) => return Err(fail(&state, pending, err, Some(ttfb_ms)).await),
             }
         }
-        Answer::Error(status, headers, bytes) => {
+        Answer::Error(status, headers, bytes) | Answer::Read(status, headers, bytes) => {
             let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
             buffered_response(state, pending, status, headers, bytes, ttfb_ms).await
         }

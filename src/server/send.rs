@@ -19,6 +19,7 @@ use super::gather::{take_delivered, UpstreamStream};
 use super::identify::compact_on_overflow;
 use crate::app::AppState;
 use crate::compaction::policy;
+use crate::config::Mode;
 use crate::error::ProxyError;
 use crate::upstream::{describe, SendFailure};
 use crate::wire::{self, Api};
@@ -161,7 +162,8 @@ pub(super) async fn send(
                 _ => return Ok(got.0),
             },
         };
-        let Some((stated, why)) = overflow else {
+        // Outside auto mode the upstream's "too long" is the client's.
+        let Some((stated, why)) = overflow.filter(|_| pending.mode == Mode::Auto) else {
             return Ok(answer);
         };
         if !compact_on_overflow(state, pending, stated, &why).await {
@@ -222,6 +224,8 @@ pub(super) enum Answer {
     Held(Held),
     /// An error answer, read whole.
     Error(http::StatusCode, http::HeaderMap, Bytes),
+    /// A success read whole (to see whether it calls the recall tool).
+    Read(http::StatusCode, http::HeaderMap, Bytes),
 }
 
 /// A stream whose first events are held back.
@@ -239,6 +243,18 @@ pub(super) struct Held {
 }
 
 impl Held {
+    /// A stream of which nothing was read yet.
+    pub(super) fn unread(resp: reqwest::Response) -> Held {
+        Held {
+            status: resp.status(),
+            headers: resp.headers().clone(),
+            chunks: Vec::new(),
+            failure: None,
+            rest: Box::pin(resp.bytes_stream()),
+            end: None,
+        }
+    }
+
     /// Adds to the chunks what the upstream delivered with them (see
     /// [`take_delivered`]), so that the answer's first write carries it all:
     /// with a short answer, the whole of it.

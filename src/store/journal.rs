@@ -864,6 +864,7 @@ pub(crate) mod tests {
             },
             client: Some("codex_cli_rs/0.1".into()),
             preview: Some(format!("Count to {id}.")),
+            savings: Default::default(),
         }
     }
 

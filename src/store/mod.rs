@@ -13,6 +13,10 @@ pub mod journal;
 pub mod postgres;
 pub mod query;
 pub mod retention;
+pub mod savings;
+
+/// Characters of the tenant hash shown (enough to tell tenants apart).
+pub const TENANT_PREFIX: usize = 12;
 pub mod sqlite;
 mod sqlite_queries;
 
@@ -127,6 +131,37 @@ pub struct ExchangeRecord {
     /// conversations apart.
     #[serde(default)]
     pub preview: Option<String>,
+    /// What compaction saved on this request, or would have.
+    #[serde(default)]
+    pub savings: ExchangeSavings,
+}
+
+/// What compaction saved on one request, or would have in observe mode.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct ExchangeSavings {
+    /// The mode the request was served in.
+    #[serde(default)]
+    pub mode: crate::config::Mode,
+    /// Input tokens the upstream did not receive because a compaction
+    /// applied (the proxy's estimate, scaled to the upstream's tokens).
+    #[serde(default)]
+    pub tokens_saved: u64,
+    /// Observe mode: input tokens the compaction the proxy would have
+    /// applied would have saved.
+    #[serde(default)]
+    pub tokens_saved_potential: u64,
+    /// Observe mode: that compaction.
+    #[serde(default)]
+    pub observed_compaction: Option<String>,
+    /// `compactor_recall` rounds the proxy answered within the request.
+    #[serde(default)]
+    pub recall_rounds: u32,
+    /// Their input tokens (the usage recorded is the final answer's).
+    #[serde(default)]
+    pub recall_input_tokens: u64,
+    /// Their output tokens.
+    #[serde(default)]
+    pub recall_output_tokens: u64,
 }
 
 /// Most characters of a `user-agent` kept as the client's name.
@@ -201,6 +236,8 @@ pub struct StoredCompaction {
     pub covered_chain: ItemHash,
     /// Unix ms.
     pub created_ms: i64,
+    /// A would-be compaction of observe mode, never applied.
+    pub observed: bool,
 }
 
 impl From<&Compaction> for StoredCompaction {
@@ -212,6 +249,7 @@ impl From<&Compaction> for StoredCompaction {
             covered_len: c.covered_len,
             covered_chain: c.covered_chain,
             created_ms: c.created_ms,
+            observed: c.observed,
         }
     }
 }
@@ -350,6 +388,9 @@ pub trait Queries {
     ) -> Result<query::ConversationExport, query::QueryError>;
     /// The conversation an id or a unique prefix of one names.
     fn resolve_conversation(&self, id: &str) -> Result<String, query::QueryError>;
+    /// What compaction saved, per conversation, per tenant and in total.
+    fn savings(&self, config: &crate::config::Config)
+        -> Result<savings::Report, query::QueryError>;
     /// The conversation a name (id, prefix or client-sent id) names, with
     /// what deleting it needs.
     fn victim(&self, name: &str) -> Result<retention::Victim, query::QueryError>;

@@ -33,9 +33,10 @@ use crate::wire::ItemHash;
 /// The schema's versions, oldest first: each is applied once, in its own
 /// transaction, and recorded in `schema_migrations`. A change to the schema
 /// is a new entry, never an edit of an old one.
-const MIGRATIONS: &[(i32, &str)] = &[(
-    1,
-    r#"
+const MIGRATIONS: &[(i32, &str)] = &[
+    (
+        1,
+        r#"
 CREATE TABLE meta (
     key   TEXT PRIMARY KEY,
     value BYTEA NOT NULL
@@ -154,7 +155,27 @@ CREATE TABLE compaction_claims (
     PRIMARY KEY (tenant, conversation_id)
 );
 "#,
-)];
+    ),
+    (
+        2,
+        r#"
+-- Observe mode's would-be compactions are recorded but never applied;
+-- what each compaction and exchange saved, for the savings accounting.
+ALTER TABLE compactions
+    ADD COLUMN observed              BOOLEAN NOT NULL DEFAULT false,
+    ADD COLUMN summary_output_tokens BIGINT  NOT NULL DEFAULT 0,
+    ADD COLUMN tokens_saved          BIGINT  NOT NULL DEFAULT 0;
+ALTER TABLE exchanges
+    ADD COLUMN mode                   TEXT   NOT NULL DEFAULT 'auto',
+    ADD COLUMN tokens_saved           BIGINT NOT NULL DEFAULT 0,
+    ADD COLUMN tokens_saved_potential BIGINT NOT NULL DEFAULT 0,
+    ADD COLUMN observed_compaction    TEXT,
+    ADD COLUMN recall_rounds          BIGINT NOT NULL DEFAULT 0,
+    ADD COLUMN recall_input_tokens    BIGINT NOT NULL DEFAULT 0,
+    ADD COLUMN recall_output_tokens   BIGINT NOT NULL DEFAULT 0;
+"#,
+    ),
+];
 
 /// The key of the advisory lock migrations run under, so that replicas
 /// starting together apply each migration once.
@@ -521,7 +542,7 @@ async fn load(pool: &Pool, limits: Limits) -> Result<Snapshot, StoreError> {
     snap.keys.reverse();
     let rows = client
         .query(
-            "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms
+            "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms, observed
              FROM compactions ORDER BY created_ms, id",
             &[],
         )
@@ -555,6 +576,7 @@ fn stored_compaction(r: &tokio_postgres::Row) -> StoredCompaction {
         covered_len: r.get::<_, i64>(3) as usize,
         covered_chain: hash_of(r.get(4)).unwrap_or([0; 32]),
         created_ms: r.get(5),
+        observed: r.get(6),
     }
 }
 
@@ -687,9 +709,12 @@ const INSERT_EXCHANGE: &str = "INSERT INTO exchanges (id, conversation_id, tenan
     model, prefix_exchange, prefix_len, prefix_full, suffix_items, request_len, params,
     response_items, response_id, input_tokens, output_tokens, cached_tokens, status, streamed,
     partial, error, started_ms, latency_ms, ttfb_ms, chain_request, chain_full, compaction_id,
-    context_window, window_source, client, conversation_header, session_id, prompt_cache_key)
+    context_window, window_source, client, conversation_header, session_id, prompt_cache_key,
+    mode, tokens_saved, tokens_saved_potential, observed_compaction, recall_rounds,
+    recall_input_tokens, recall_output_tokens)
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18,
-            $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32)
+            $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34,
+            $35, $36, $37, $38, $39)
     ON CONFLICT (id) DO NOTHING";
 
 async fn write_exchange(
@@ -733,6 +758,13 @@ async fn write_exchange(
             &rec.client_ids.header,
             &rec.client_ids.session,
             &rec.client_ids.cache_key,
+            &rec.savings.mode.as_str(),
+            &(rec.savings.tokens_saved as i64),
+            &(rec.savings.tokens_saved_potential as i64),
+            &rec.savings.observed_compaction,
+            &i64::from(rec.savings.recall_rounds),
+            &(rec.savings.recall_input_tokens as i64),
+            &(rec.savings.recall_output_tokens as i64),
         ],
     )
     .await?;
@@ -742,8 +774,9 @@ async fn write_exchange(
 const INSERT_COMPACTION: &str = "INSERT INTO compactions (id, tenant, conversation_id,
     covered_len, covered_chain, replacement, rung, reason, tokens_before, tokens_after,
     items_removed, items_kept, summary, facts, base_id, summary_calls, duration_ms, created_ms,
-    summary_tokens)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19)
+    summary_tokens, summary_output_tokens, tokens_saved, observed)
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19,
+            $20, $21, $22)
     ON CONFLICT (id) DO NOTHING";
 
 async fn write_compaction(
@@ -775,6 +808,9 @@ async fn write_compaction(
             &(c.duration_ms as i64),
             &c.created_ms,
             &(c.summary_tokens as i64),
+            &(c.summary_output_tokens as i64),
+            &(c.tokens_saved as i64),
+            &c.observed,
         ],
     )
     .await?;
@@ -789,7 +825,8 @@ const UPSERT_WINDOW: &str = r#"INSERT INTO windows (upstream, model, "window", s
 /// The columns [`compaction_row`] reads, in its order.
 const COMPACTION_COLUMNS: &str = "id, tenant, conversation_id, covered_len, covered_chain,
     replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept, summary,
-    facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens";
+    facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens, summary_output_tokens,
+    tokens_saved, observed";
 
 fn compaction_row(r: &tokio_postgres::Row) -> Compaction {
     let replacement: String = r.get(5);
@@ -815,6 +852,9 @@ fn compaction_row(r: &tokio_postgres::Row) -> Compaction {
         duration_ms: r.get::<_, i64>(16).max(0) as u64,
         created_ms: r.get(17),
         summary_tokens: r.get::<_, i64>(18).max(0) as u64,
+        summary_output_tokens: r.get::<_, i64>(19).max(0) as u64,
+        tokens_saved: r.get::<_, i64>(20).max(0) as u64,
+        observed: r.get(21),
     }
 }
 
@@ -972,6 +1012,13 @@ impl super::Queries for PostgresReads {
         }
     }
 
+    fn savings(
+        &self,
+        _: &crate::config::Config,
+    ) -> Result<super::savings::Report, super::query::QueryError> {
+        Err(not_yet("report savings"))
+    }
+
     fn victim(&self, _: &str) -> Result<super::retention::Victim, super::query::QueryError> {
         Err(not_yet("delete a conversation"))
     }
@@ -1086,8 +1133,10 @@ impl super::Reads for PostgresReads {
             let client = pool.get().await?;
             let stmt = client
                 .prepare_cached(
-                    "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms
-                     FROM compactions WHERE tenant = $1 AND covered_chain = ANY($2)
+                    "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms,
+                            observed
+                     FROM compactions
+                     WHERE tenant = $1 AND covered_chain = ANY($2) AND NOT observed
                      ORDER BY covered_len DESC, created_ms DESC LIMIT 1",
                 )
                 .await?;
@@ -1105,7 +1154,7 @@ impl super::Reads for PostgresReads {
             let stmt = client
                 .prepare_cached(
                     "SELECT MAX(created_ms) FROM compactions
-                     WHERE tenant = $1 AND conversation_id = $2",
+                     WHERE tenant = $1 AND conversation_id = $2 AND NOT observed",
                 )
                 .await?;
             Ok(client

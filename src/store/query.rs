@@ -19,8 +19,7 @@ use crate::config::Config;
 use crate::wire::hash::hex;
 use crate::wire::ItemHash;
 
-/// Characters of the tenant hash shown (enough to tell tenants apart).
-pub const TENANT_PREFIX: usize = 12;
+pub use super::TENANT_PREFIX;
 
 /// Most candidates an ambiguous name lists.
 pub const MAX_CANDIDATES: usize = 10;
@@ -161,6 +160,12 @@ pub struct ExchangeRow {
     pub context_window: Option<u64>,
     /// Where that window came from.
     pub window_source: Option<String>,
+    /// The mode it was served in (`auto`, `observe`, `off`).
+    pub mode: String,
+    /// Input tokens the compaction applied saved.
+    pub tokens_saved: u64,
+    /// Observe mode: input tokens the would-be compaction would have saved.
+    pub tokens_saved_potential: u64,
 }
 
 /// A compaction as shown in a timeline.
@@ -202,6 +207,16 @@ pub struct CompactionRow {
     pub first_applied_exchange: Option<i64>,
     /// Exchanges whose request it rewrote.
     pub applied_exchanges: u64,
+    /// Computed in observe mode: never applied.
+    pub observed: bool,
+    /// Estimated tokens fewer than the client's own items it covers.
+    pub tokens_saved: u64,
+    /// Cached tokens the upstream reported for the last request before it
+    /// applied, and for the first it applied to: what it did to the
+    /// prompt cache.
+    pub cached_tokens_before: Option<u64>,
+    /// See `cached_tokens_before`.
+    pub cached_tokens_after: Option<u64>,
 }
 
 /// `show`: a conversation's timeline.
@@ -213,6 +228,8 @@ pub struct ConversationDetail {
     pub exchanges: Vec<ExchangeRow>,
     /// Every compaction, oldest first.
     pub compactions: Vec<CompactionRow>,
+    /// What compaction saved (or, in observe mode, would have).
+    pub savings: super::savings::Savings,
 }
 
 /// A compaction in an export: the timeline row plus what it sends.
@@ -439,7 +456,8 @@ fn exchanges(conn: &Connection, id: &str) -> Result<Vec<ExchangeRow>, QueryError
     let mut stmt = conn.prepare(
         "SELECT id, started_ms, endpoint, model, status, streamed, partial, request_len,
                 length(response_items) / 32, input_tokens, output_tokens, cached_tokens,
-                latency_ms, compaction_id, error, context_window, window_source
+                latency_ms, compaction_id, error, context_window, window_source, mode, tokens_saved,
+                tokens_saved_potential
          FROM exchanges WHERE conversation_id = ?1 ORDER BY id",
     )?;
     let opt = |v: Option<i64>| v.map(|x| x as u64);
@@ -463,6 +481,9 @@ fn exchanges(conn: &Connection, id: &str) -> Result<Vec<ExchangeRow>, QueryError
                 error: r.get(14)?,
                 context_window: opt(r.get(15)?),
                 window_source: r.get(16)?,
+                mode: r.get(17)?,
+                tokens_saved: r.get::<_, i64>(18)?.max(0) as u64,
+                tokens_saved_potential: r.get::<_, i64>(19)?.max(0) as u64,
             })
         })?
         .collect::<Result<_, _>>()?;
@@ -475,6 +496,18 @@ fn compaction_row(c: &Compaction, exchanges: &[ExchangeRow]) -> CompactionRow {
         .filter(|e| e.compaction.as_deref() == Some(c.id.as_str()))
         .map(|e| e.id)
         .collect();
+    let first = applied
+        .first()
+        .and_then(|id| exchanges.iter().position(|e| e.id == *id));
+    let cached_tokens_before = first
+        .and_then(|i| {
+            exchanges[..i]
+                .iter()
+                .rev()
+                .find(|e| e.input_tokens.is_some())
+        })
+        .and_then(|e| e.cached_tokens);
+    let cached_tokens_after = first.and_then(|i| exchanges[i].cached_tokens);
     CompactionRow {
         id: c.id.clone(),
         created_ms: c.created_ms,
@@ -493,6 +526,10 @@ fn compaction_row(c: &Compaction, exchanges: &[ExchangeRow]) -> CompactionRow {
         duration_ms: c.duration_ms,
         first_applied_exchange: applied.first().copied(),
         applied_exchanges: applied.len() as u64,
+        observed: c.observed,
+        tokens_saved: c.saved(),
+        cached_tokens_before,
+        cached_tokens_after,
     }
 }
 
@@ -508,10 +545,16 @@ pub fn show(
         .iter()
         .map(|c| compaction_row(c, &exchanges))
         .collect();
+    let savings = super::savings::report(conn, config, Some(&conversation.id))?
+        .conversations
+        .pop()
+        .map(|c| c.savings)
+        .unwrap_or_default();
     Ok(ConversationDetail {
         conversation,
         exchanges,
         compactions,
+        savings,
     })
 }
 

@@ -83,7 +83,14 @@ CREATE TABLE IF NOT EXISTS exchanges (
     client          TEXT,
     conversation_header TEXT,
     session_id      TEXT,
-    prompt_cache_key TEXT
+    prompt_cache_key TEXT,
+    mode            TEXT NOT NULL DEFAULT 'auto',
+    tokens_saved    INTEGER NOT NULL DEFAULT 0,
+    tokens_saved_potential INTEGER NOT NULL DEFAULT 0,
+    observed_compaction TEXT,
+    recall_rounds   INTEGER NOT NULL DEFAULT 0,
+    recall_input_tokens INTEGER NOT NULL DEFAULT 0,
+    recall_output_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS exchanges_conversation ON exchanges (conversation_id, id);
 -- A compaction replaces the first covered_len items whose chain hash is
@@ -107,7 +114,10 @@ CREATE TABLE IF NOT EXISTS compactions (
     summary_calls   INTEGER NOT NULL,
     duration_ms     INTEGER NOT NULL,
     created_ms      INTEGER NOT NULL,
-    summary_tokens  INTEGER NOT NULL DEFAULT 0
+    summary_tokens  INTEGER NOT NULL DEFAULT 0,
+    summary_output_tokens INTEGER NOT NULL DEFAULT 0,
+    tokens_saved    INTEGER NOT NULL DEFAULT 0,
+    observed        INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS compactions_conversation ON compactions (conversation_id, created_ms);
 -- The context windows upstreams told (stated in an overflow answer, or
@@ -141,6 +151,32 @@ const ADDED_COLUMNS: &[(&str, &str, &str)] = &[
     ("exchanges", "conversation_header", "TEXT"),
     ("exchanges", "session_id", "TEXT"),
     ("exchanges", "prompt_cache_key", "TEXT"),
+    (
+        "compactions",
+        "summary_output_tokens",
+        "INTEGER NOT NULL DEFAULT 0",
+    ),
+    ("compactions", "tokens_saved", "INTEGER NOT NULL DEFAULT 0"),
+    ("compactions", "observed", "INTEGER NOT NULL DEFAULT 0"),
+    ("exchanges", "mode", "TEXT NOT NULL DEFAULT 'auto'"),
+    ("exchanges", "tokens_saved", "INTEGER NOT NULL DEFAULT 0"),
+    (
+        "exchanges",
+        "tokens_saved_potential",
+        "INTEGER NOT NULL DEFAULT 0",
+    ),
+    ("exchanges", "observed_compaction", "TEXT"),
+    ("exchanges", "recall_rounds", "INTEGER NOT NULL DEFAULT 0"),
+    (
+        "exchanges",
+        "recall_input_tokens",
+        "INTEGER NOT NULL DEFAULT 0",
+    ),
+    (
+        "exchanges",
+        "recall_output_tokens",
+        "INTEGER NOT NULL DEFAULT 0",
+    ),
 ];
 
 /// Adds the [`ADDED_COLUMNS`] an existing database lacks.
@@ -347,7 +383,7 @@ impl SqliteBackend {
         snap.keys.truncate(keys);
         snap.keys.reverse();
         let mut stmt = self.conn.prepare(
-            "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms
+            "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms, observed
              FROM compactions ORDER BY created_ms, rowid",
         )?;
         snap.compactions = stmt
@@ -359,6 +395,7 @@ impl SqliteBackend {
                     covered_len: r.get::<_, i64>(3)? as usize,
                     covered_chain: opt_hash(r.get(4)?).unwrap_or([0; 32]),
                     created_ms: r.get(5)?,
+                    observed: r.get(6)?,
                 })
             })?
             .collect::<Result<_, _>>()?;
@@ -423,10 +460,12 @@ fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Resul
             response_items, response_id, input_tokens, output_tokens, cached_tokens,
             status, streamed, partial, error, started_ms, latency_ms, ttfb_ms,
             chain_request, chain_full, compaction_id, context_window, window_source, client,
-            conversation_header, session_id, prompt_cache_key)
+            conversation_header, session_id, prompt_cache_key, mode, tokens_saved,
+            tokens_saved_potential, observed_compaction, recall_rounds, recall_input_tokens,
+            recall_output_tokens)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
                  ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31,
-                 ?32)",
+                 ?32, ?33, ?34, ?35, ?36, ?37, ?38, ?39)",
     )?
     .execute(params![
         rec.id,
@@ -461,6 +500,13 @@ fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Resul
         rec.client_ids.header,
         rec.client_ids.session,
         rec.client_ids.cache_key,
+        rec.savings.mode.as_str(),
+        rec.savings.tokens_saved as i64,
+        rec.savings.tokens_saved_potential as i64,
+        rec.savings.observed_compaction,
+        rec.savings.recall_rounds,
+        rec.savings.recall_input_tokens as i64,
+        rec.savings.recall_output_tokens as i64,
     ])?;
     Ok(())
 }
@@ -471,9 +517,10 @@ fn write_compaction(tx: &rusqlite::Transaction<'_>, c: &Compaction) -> Result<()
     tx.prepare_cached(
         "INSERT OR REPLACE INTO compactions (id, tenant, conversation_id, covered_len, covered_chain,
             replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept,
-            summary, facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens)
+            summary, facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens,
+            summary_output_tokens, tokens_saved, observed)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18,
-            ?19)",
+            ?19, ?20, ?21, ?22)",
     )?
     .execute(params![
         c.id,
@@ -495,6 +542,9 @@ fn write_compaction(tx: &rusqlite::Transaction<'_>, c: &Compaction) -> Result<()
         c.duration_ms as i64,
         c.created_ms,
         c.summary_tokens as i64,
+        c.summary_output_tokens as i64,
+        c.tokens_saved as i64,
+        c.observed,
     ])?;
     Ok(())
 }
@@ -535,7 +585,8 @@ pub fn load_windows(conn: &Connection) -> Result<Vec<Told>, StoreError> {
 /// The columns [`compaction_row`] reads, in its order.
 const COMPACTION_COLUMNS: &str = "id, tenant, conversation_id, covered_len, covered_chain,
     replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept, summary,
-    facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens";
+    facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens, summary_output_tokens,
+    tokens_saved, observed";
 
 fn compaction_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Compaction> {
     let replacement: String = r.get(5)?;
@@ -561,6 +612,9 @@ fn compaction_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Compaction> {
         duration_ms: r.get::<_, i64>(16)? as u64,
         created_ms: r.get(17)?,
         summary_tokens: r.get::<_, i64>(18)?.max(0) as u64,
+        summary_output_tokens: r.get::<_, i64>(19)?.max(0) as u64,
+        tokens_saved: r.get::<_, i64>(20)?.max(0) as u64,
+        observed: r.get(21)?,
     })
 }
 

@@ -38,6 +38,14 @@ impl super::Queries for super::sqlite::SqliteReads {
         resolve_id(&open_read_only(self.path())?, id)
     }
 
+    fn savings(&self, config: &Config) -> Result<super::savings::Report, QueryError> {
+        Ok(super::savings::report(
+            &open_read_only(self.path())?,
+            config,
+            None,
+        )?)
+    }
+
     fn victim(&self, name: &str) -> Result<Victim, QueryError> {
         let conn = open_read_only(self.path())?;
         let id = resolve_id(&conn, name)?;

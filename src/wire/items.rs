@@ -257,13 +257,25 @@ fn same_shell(raw: &[u8], seen: &Seen, items: usize) -> Option<SplitBody> {
             r.clone()
         }
     };
+    let tools = shell.tools.as_ref().map(|(r, key)| (moved(r), *key));
+    // The shell handed on names ranges of this body, as the next request
+    // will move them from this body's items' end.
+    let shell = if tools == shell.tools {
+        shell.clone()
+    } else {
+        Arc::new(Shell {
+            obj: shell.obj.clone(),
+            tools: tools.clone(),
+            body_key: shell.body_key,
+        })
+    };
     Some(SplitBody {
         body: Value::Object(shell.obj.clone()),
         spans: Some(spans),
         body_key: shell.body_key,
-        tools: shell.tools.as_ref().map(|(r, key)| (moved(r), *key)),
+        tools,
         reuse: None,
-        shell: Some(shell.clone()),
+        shell: Some(shell),
     })
 }
 
@@ -1469,9 +1481,12 @@ mod tests {
             proptest::prop_assert!(same_split(&full, &resumed));
             if edit == 0 && items.len() >= 2 && keep_shell {
                 // Only new items at the end: the recent request's shell
-                // stands for the bytes around them.
+                // stands for the bytes around them (the same one, or, with
+                // tools after the items, one naming where this body has
+                // them).
                 let shell = resumed.shell.as_ref().zip(resumed.reuse.as_ref().and_then(|r| r.seen.shell.as_ref()));
-                proptest::prop_assert!(shell.is_some_and(|(a, b)| Arc::ptr_eq(a, b)));
+                proptest::prop_assert!(shell.is_some_and(|(a, b)| Arc::ptr_eq(a, b)
+                    || (a.obj == b.obj && a.body_key == b.body_key && a.tools == resumed.tools)));
             }
             if (edit == 0 || edit == 4) && items.len() >= 2 {
                 // Nothing before the end of the repeated items changed (and
@@ -1562,6 +1577,38 @@ mod tests {
         assert_eq!(third.known(), 0..0);
         second.all_claimed();
         assert_eq!(third.known(), 0..4);
+    }
+
+    /// A conversation's third request and later take over a shell the
+    /// first request's split made: the tools after the items are still
+    /// found where this request has them.
+    #[test]
+    fn tools_after_the_items_are_found_in_every_later_request() {
+        let scope = "tools-after-items";
+        let tools = r#"[{"type":"function","function":{"name":"sh"}}]"#;
+        let mut messages = vec![r#"{"role":"user","content":"a"}"#.to_string()];
+        for turn in 0..5 {
+            let raw = Bytes::from(format!(
+                r#"{{"model":"m","messages":[{}],"tools":{tools}}}"#,
+                messages.join(",")
+            ));
+            let split = split_body_reusing(&raw, "messages", scope).unwrap();
+            let (span, key) = split.tools.clone().unwrap();
+            assert_eq!(&raw[span.clone()], tools.as_bytes(), "turn {turn}");
+            let found = Tools::raw(raw.clone(), span, key, caches());
+            assert_eq!(
+                found.value(),
+                &serde_json::from_str::<Value>(tools).unwrap()
+            );
+            let list = ItemList::raw(Vec::new(), raw, split.spans.unwrap())
+                .with_reuse(split.reuse)
+                .with_shell(split.shell);
+            let (_, _, claims) = list.hashes_and_chains(scope);
+            claims.all_claimed();
+            messages.push(format!(
+                r#"{{"role":"assistant","content":"answer {turn}"}}"#
+            ));
+        }
     }
 
     #[test]

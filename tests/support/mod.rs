@@ -248,6 +248,7 @@ pub fn small_window(c: &mut Config) {
         context_window: 3000,
         max_output_tokens: Some(300),
         trigger_ratio: None,
+        ..Default::default()
     });
 }
 

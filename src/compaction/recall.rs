@@ -1,0 +1,323 @@
+//! Recall of what the cheap rungs elided: the `compactor_recall` tool the
+//! proxy adds to a compacted request whose tool outputs were truncated or
+//! pruned, the calls of it in an answer, and the answers to them.
+//!
+//! A reference is answered from the request's own items: the originals the
+//! client sent, which the compaction replaced on the way upstream. So a
+//! reference is only ever answered with a tenant's own bytes, and one that
+//! names no item of the request (another tenant's, a made-up one) gets a
+//! tool error the model can read, never a failed request.
+
+use serde_json::{json, Value};
+
+use super::items::{floor_boundary, is_tool_output, output_field, value_text};
+use super::ladder::archive_ref;
+use crate::wire::{Api, ItemHash};
+
+/// The tool's name.
+pub const TOOL: &str = "compactor_recall";
+
+/// Largest answer to one call, bytes; a longer original is answered with
+/// its head and tail (two thirds, one third) around a marker.
+pub const MAX_RECALL_BYTES: usize = 16 * 1024;
+
+/// What the stub says of the archive: the text the ladder's markers carry
+/// and [`offers_recall`] looks for.
+pub const ARCHIVED: &str = "original archived as item:";
+
+const DESCRIPTION: &str = "Returns the original of a tool output that compactor shortened \
+     in this conversation. Pass `ref`: the item:… reference its marker shows.";
+
+/// The tool's definition in `api`'s shape: the same bytes in every request.
+pub fn definition(api: Api) -> Value {
+    let parameters = json!({
+        "type": "object",
+        "properties": {"ref": {"type": "string", "description": "item:<16 hex digits>"}},
+        "required": ["ref"],
+        "additionalProperties": false,
+    });
+    match api {
+        Api::Chat => json!({"type": "function", "function": {
+            "name": TOOL, "description": DESCRIPTION, "parameters": parameters}}),
+        Api::Responses => json!({"type": "function", "name": TOOL,
+            "description": DESCRIPTION, "parameters": parameters}),
+    }
+}
+
+/// Whether the recall tool may be added to a request: it has tools of its
+/// own and does not forbid calling them, it continues no upstream-stored
+/// response (a continuation would have to name the recall round), and its
+/// items as sent carry an archived reference.
+pub fn offers_recall(body: &Value, tools: Option<&Value>, sent: &[Value]) -> bool {
+    let has_tools = tools
+        .and_then(Value::as_array)
+        .is_some_and(|t| !t.is_empty());
+    let allowed = body.get("tool_choice").and_then(Value::as_str) != Some("none");
+    let stateless = body.get("previous_response_id").is_none_or(Value::is_null);
+    has_tools && allowed && stateless && carries_archive(sent)
+}
+
+/// Whether any tool output of `items` has an archived original.
+pub fn carries_archive(items: &[Value]) -> bool {
+    items.iter().any(|item| {
+        is_tool_output(item)
+            && item
+                .get(output_field(item))
+                .is_some_and(|o| value_text(o).contains(ARCHIVED))
+    })
+}
+
+/// The client's tool definitions with the recall tool added at the end.
+pub fn with_tool(api: Api, tools: &Value) -> Value {
+    let mut list = tools.as_array().cloned().unwrap_or_default();
+    list.push(definition(api));
+    Value::Array(list)
+}
+
+/// A call of the recall tool.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Call {
+    /// The call's id (Chat `id`, Responses `call_id`).
+    pub id: String,
+    /// The reference asked for (empty when the arguments name none).
+    pub reference: String,
+}
+
+/// What an answer asks of the proxy.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Round {
+    /// No recall call: the answer goes to the client.
+    Final,
+    /// Only recall calls: the proxy answers them and continues.
+    Recall(Vec<Call>),
+    /// Recall calls beside the client's own tool calls: the request is sent
+    /// again without the recall tool (the client never sees a call it
+    /// cannot answer, nor loses one of its own).
+    Mixed,
+}
+
+/// The tool calls of a complete answer, as (id, name, arguments).
+fn tool_calls(api: Api, answer: &Value) -> Vec<(String, String, String)> {
+    let s = |v: &Value, k: &str| v.get(k).and_then(Value::as_str).unwrap_or("").to_string();
+    match api {
+        Api::Chat => answer
+            .pointer("/choices/0/message/tool_calls")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                let f = c.get("function").cloned().unwrap_or(Value::Null);
+                (s(c, "id"), s(&f, "name"), s(&f, "arguments"))
+            })
+            .collect(),
+        Api::Responses => answer
+            .get("output")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter(|i| i.get("type").and_then(Value::as_str) == Some("function_call"))
+            .map(|c| (s(c, "call_id"), s(c, "name"), s(c, "arguments")))
+            .collect(),
+    }
+}
+
+/// What a complete answer asks of the proxy.
+pub fn round(api: Api, answer: &Value) -> Round {
+    let calls = tool_calls(api, answer);
+    let recalls: Vec<Call> = calls
+        .iter()
+        .filter(|(_, name, _)| name == TOOL)
+        .map(|(id, _, args)| Call {
+            id: id.clone(),
+            reference: serde_json::from_str::<Value>(args)
+                .ok()
+                .and_then(|a| a.get("ref").and_then(Value::as_str).map(String::from))
+                .unwrap_or_default(),
+        })
+        .collect();
+    match (recalls.is_empty(), recalls.len() == calls.len()) {
+        (true, _) => Round::Final,
+        (false, true) => Round::Recall(recalls),
+        (false, false) => Round::Mixed,
+    }
+}
+
+/// The items to append to the request to continue after a recall round:
+/// the answer's own output, then one tool result per call.
+pub fn continuation(api: Api, answer: &Value, results: &[(String, String)]) -> Vec<Value> {
+    match api {
+        Api::Chat => {
+            let mut out: Vec<Value> = answer
+                .pointer("/choices/0/message")
+                .cloned()
+                .into_iter()
+                .collect();
+            out.extend(
+                results
+                    .iter()
+                    .map(|(id, text)| json!({"role": "tool", "tool_call_id": id, "content": text})),
+            );
+            out
+        }
+        Api::Responses => {
+            let mut out: Vec<Value> = answer
+                .get("output")
+                .and_then(Value::as_array)
+                .cloned()
+                .unwrap_or_default();
+            out.extend(results.iter().map(
+                |(id, text)| json!({"type": "function_call_output", "call_id": id, "output": text}),
+            ));
+            out
+        }
+    }
+}
+
+/// The answer to a call of `reference`: the original tool output among
+/// the request's own `originals` (with their hashes), bounded; a tool
+/// error when it names none of them.
+pub fn answer(reference: &str, originals: &[Value], hashes: &[ItemHash]) -> String {
+    let found = originals
+        .iter()
+        .zip(hashes)
+        .find(|(item, h)| is_tool_output(item) && archive_ref(h) == reference)
+        .map(|(item, _)| {
+            item.get(output_field(item))
+                .map(value_text)
+                .unwrap_or_default()
+        });
+    match found {
+        Some(text) => bounded(&text),
+        None => format!(
+            "error: {TOOL} knows no archived output {reference:?} in this conversation; \
+             use a reference exactly as a compactor marker shows it"
+        ),
+    }
+}
+
+/// `text` cut to [`MAX_RECALL_BYTES`]: head and tail around a marker.
+fn bounded(text: &str) -> String {
+    if text.len() <= MAX_RECALL_BYTES {
+        return text.to_string();
+    }
+    let head = floor_boundary(text, MAX_RECALL_BYTES * 2 / 3);
+    let tail = super::items::ceil_boundary(text, text.len() - MAX_RECALL_BYTES / 3);
+    format!(
+        "{}\n[compactor: {} bytes of the original left out here]\n{}",
+        &text[..head],
+        tail - head,
+        &text[tail..]
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::wire::item_hash;
+
+    fn tool_output(text: &str) -> Value {
+        json!({"role": "tool", "tool_call_id": "c1", "content": text})
+    }
+
+    #[test]
+    fn answers_from_the_requests_own_items_bounded() {
+        let log = format!("error[E0308]: mismatched types\n{}", "x".repeat(40_000));
+        let items = vec![json!({"role": "user", "content": "hi"}), tool_output(&log)];
+        let hashes: Vec<ItemHash> = items.iter().map(item_hash).collect();
+        let reference = archive_ref(&hashes[1]);
+        let got = answer(&reference, &items, &hashes);
+        assert!(got.starts_with("error[E0308]") && got.len() <= MAX_RECALL_BYTES + 100);
+        assert!(got.contains("bytes of the original left out"));
+        let short = vec![tool_output("exit 1")];
+        let h: Vec<ItemHash> = short.iter().map(item_hash).collect();
+        assert_eq!(answer(&archive_ref(&h[0]), &short, &h), "exit 1");
+        // A user message's hash is no archived output; an unknown reference
+        // is a tool error.
+        assert!(answer(&archive_ref(&hashes[0]), &items, &hashes).starts_with("error:"));
+        assert!(answer("item:0000000000000000", &items, &hashes).starts_with("error:"));
+    }
+
+    #[test]
+    fn rounds_tell_recall_from_the_clients_calls() {
+        let call = |id: &str, name: &str| {
+            json!({"id": id, "type": "function",
+                   "function": {"name": name, "arguments": "{\"ref\":\"item:0123456789abcdef\"}"}})
+        };
+        let chat = |calls: Vec<Value>| json!({"choices": [{"message": {"role": "assistant", "tool_calls": calls}}]});
+        assert_eq!(
+            round(
+                Api::Chat,
+                &json!({"choices": [{"message": {"content": "hi"}}]})
+            ),
+            Round::Final
+        );
+        assert_eq!(
+            round(Api::Chat, &chat(vec![call("a", TOOL)])),
+            Round::Recall(vec![Call {
+                id: "a".into(),
+                reference: "item:0123456789abcdef".into()
+            }])
+        );
+        assert_eq!(
+            round(Api::Chat, &chat(vec![call("a", TOOL), call("b", "shell")])),
+            Round::Mixed
+        );
+        assert_eq!(
+            round(Api::Chat, &chat(vec![call("b", "shell")])),
+            Round::Final
+        );
+        let resp = json!({"output": [{"type": "function_call", "call_id": "r", "name": TOOL, "arguments": "{}"}]});
+        assert_eq!(
+            round(Api::Responses, &resp),
+            Round::Recall(vec![Call {
+                id: "r".into(),
+                reference: String::new()
+            }])
+        );
+        let cont = continuation(Api::Responses, &resp, &[("r".into(), "text".into())]);
+        assert_eq!(
+            cont[1],
+            json!({"type": "function_call_output", "call_id": "r", "output": "text"})
+        );
+        let cont = continuation(
+            Api::Chat,
+            &chat(vec![call("a", TOOL)]),
+            &[("a".into(), "t".into())],
+        );
+        assert_eq!(
+            (cont[0]["role"].as_str(), cont[1]["tool_call_id"].as_str()),
+            (Some("assistant"), Some("a"))
+        );
+    }
+
+    #[test]
+    fn offered_only_to_requests_with_tools_and_archives() {
+        let stub = tool_output(&format!(
+            "[compactor: tool output pruned (9 bytes); {ARCHIVED}0123456789abcdef]"
+        ));
+        let tools = json!([{"type": "function", "function": {"name": "shell"}}]);
+        let body = json!({"model": "m"});
+        let stubs = std::slice::from_ref(&stub);
+        assert!(offers_recall(&body, Some(&tools), stubs));
+        assert!(!offers_recall(&body, None, stubs));
+        assert!(!offers_recall(&body, Some(&json!([])), stubs));
+        assert!(!offers_recall(
+            &json!({"tool_choice": "none"}),
+            Some(&tools),
+            stubs
+        ));
+        assert!(!offers_recall(
+            &json!({"previous_response_id": "resp_1"}),
+            Some(&tools),
+            stubs
+        ));
+        assert!(!offers_recall(&body, Some(&tools), &[tool_output("plain")]));
+        let once = with_tool(Api::Chat, &tools);
+        assert_eq!(once.as_array().unwrap().len(), 2);
+        assert_eq!(
+            serde_json::to_vec(&once).unwrap(),
+            serde_json::to_vec(&with_tool(Api::Chat, &tools)).unwrap(),
+            "the same bytes every time"
+        );
+    }
+}

@@ -1,0 +1,205 @@
+//! Between send and relay, when the request offers `compactor_recall` (see
+//! [`crate::compaction::recall`]): reads as much of the answer as it takes
+//! to know whether the model called the tool; if it did, answers the calls
+//! from the request's own items and sends the continued request, so the
+//! client gets the final answer alone.
+//!
+//! A JSON answer is read whole. A stream is read until its first output:
+//! text flows as before (the model answers, it does not recall); a tool
+//! call is held back with the rest of the stream (tool calls are short), and
+//! relayed untouched when none of its calls is a recall. A recall beside
+//! the client's own tool calls, or past `compaction.recall_max_rounds`, is
+//! sent again without the recall tool: the client never gets a call it
+//! cannot answer, nor loses one of its own.
+
+use std::sync::Arc;
+
+use bytes::Bytes;
+use futures_util::StreamExt;
+use serde_json::{json, Value};
+
+use super::exchange::Unanswered;
+use super::gather::UpstreamStream;
+use super::send::{is_sse, Answer, Held};
+use crate::app::AppState;
+use crate::compaction::recall::{self, Round};
+use crate::error::ProxyError;
+use crate::upstream::describe;
+use crate::wire::sse::{complete_events, SseTee};
+use crate::wire::{Api, Usage};
+
+/// Most bytes of a streamed tool-call answer held back to look at it;
+/// past this it is relayed as it is.
+const MAX_HELD_BYTES: usize = 1 << 20;
+
+/// What the start of an answer showed.
+enum Seen {
+    /// Relay it (text first, an error, a tool call not worth holding).
+    Relay(Answer),
+    /// A complete answer with tool calls: the answer as JSON, its usage,
+    /// and how to relay it if no recall is made of it.
+    Calls(Value, Option<Usage>, Answer),
+}
+
+/// Answers the model's recall calls until it gives an answer for the
+/// client (at most `compaction.recall_max_rounds` rounds).
+pub(super) async fn settle(
+    state: &Arc<AppState>,
+    pending: &mut Unanswered,
+    url: &reqwest::Url,
+    headers: &http::HeaderMap,
+    mut answer: Answer,
+) -> Result<Answer, ProxyError> {
+    let max = state.config.compaction.recall_max_rounds;
+    let mut rounds = 0;
+    loop {
+        if !pending.recall {
+            return Ok(answer);
+        }
+        let (v, usage, relay) = match inspect(state, pending.api, answer).await? {
+            Seen::Relay(a) => return Ok(a),
+            Seen::Calls(v, usage, a) => (v, usage, a),
+        };
+        match recall::round(pending.api, &v) {
+            Round::Final => return Ok(relay),
+            Round::Recall(calls) if rounds < max => {
+                rounds += 1;
+                let originals = pending.items.values();
+                let results: Vec<(String, String)> = calls
+                    .iter()
+                    .map(|c| {
+                        let text = recall::answer(&c.reference, &originals, &pending.hashes);
+                        (c.id.clone(), text)
+                    })
+                    .collect();
+                tracing::info!(
+                    round = rounds,
+                    calls = calls.len(),
+                    "recall answered by the proxy"
+                );
+                let cont = recall::continuation(pending.api, &v, &results);
+                pending.extra.extend(cont);
+                pending.recall_spent.add(usage);
+            }
+            Round::Recall(_) | Round::Mixed => {
+                tracing::info!(
+                    rounds,
+                    "recall call beside the client's own, or past recall_max_rounds: sent again without the recall tool"
+                );
+                pending.recall_spent.add(usage);
+                pending.recall = false;
+            }
+        }
+        answer = super::send::send(state, pending, url, headers).await?;
+    }
+}
+
+/// Reads the start of `answer` (see the module's documentation).
+async fn inspect(state: &AppState, api: Api, answer: Answer) -> Result<Seen, ProxyError> {
+    match answer {
+        Answer::Upstream(resp) if !is_sse(resp.headers()) => {
+            let (status, headers) = (resp.status(), resp.headers().clone());
+            let bytes = state.upstream.read_body(resp).await?;
+            let read = Answer::Read(status, headers, bytes.clone());
+            let v: Value = match serde_json::from_slice(&bytes) {
+                Ok(v) if status.is_success() => v,
+                _ => return Ok(Seen::Relay(read)),
+            };
+            let usage = api.usage(&v);
+            Ok(Seen::Calls(v, usage, read))
+        }
+        Answer::Upstream(resp) => inspect_stream(state, api, Held::unread(resp)).await,
+        Answer::Held(held) => inspect_stream(state, api, held).await,
+        other => Ok(Seen::Relay(other)),
+    }
+}
+
+/// How a stream's first output begins.
+#[derive(PartialEq)]
+enum First {
+    Text,
+    ToolCall,
+}
+
+/// The kind of output an SSE event starts, if it starts one.
+fn first_output(api: Api, name: &str, data: &str) -> Option<First> {
+    let v: Value = serde_json::from_str(data).ok()?;
+    match api {
+        Api::Chat => {
+            let delta = v.pointer("/choices/0/delta")?;
+            if delta.get("tool_calls").is_some_and(|t| !t.is_null()) {
+                Some(First::ToolCall)
+            } else if delta
+                .get("content")
+                .and_then(Value::as_str)
+                .is_some_and(|c| !c.is_empty())
+            {
+                Some(First::Text)
+            } else {
+                None
+            }
+        }
+        Api::Responses => {
+            let kind = crate::wire::responses::event_type(data).unwrap_or(name.to_string());
+            match kind.as_str() {
+                "response.output_text.delta" => Some(First::Text),
+                "response.output_item.added" => {
+                    match v.pointer("/item/type").and_then(Value::as_str) {
+                        Some("function_call") => Some(First::ToolCall),
+                        Some("message") => Some(First::Text),
+                        _ => None,
+                    }
+                }
+                _ => None,
+            }
+        }
+    }
+}
+
+/// Reads a stream until its first output; a tool call, to its end.
+async fn inspect_stream(state: &AppState, api: Api, mut held: Held) -> Result<Seen, ProxyError> {
+    let idle = state.upstream.idle_timeout;
+    let mut buf: Vec<u8> = held.chunks.concat();
+    let mut scanned = 0;
+    let mut first = None;
+    let mut ended = held.end.is_some();
+    loop {
+        if first.is_none() {
+            let (events, used) = complete_events(&buf[scanned..]);
+            scanned += used;
+            first = events
+                .iter()
+                .find_map(|(name, data)| first_output(api, name, data));
+        }
+        if first == Some(First::Text) || ended || buf.len() > MAX_HELD_BYTES {
+            break;
+        }
+        match tokio::time::timeout(idle, held.rest.next()).await {
+            Err(_) => return Err(ProxyError::UpstreamTimeout(idle.as_secs())),
+            Ok(None) => ended = true,
+            Ok(Some(Err(e))) => return Err(ProxyError::UpstreamUnreachable(describe(&e))),
+            Ok(Some(Ok(chunk))) => {
+                buf.extend_from_slice(&chunk);
+                held.chunks.push(chunk);
+            }
+        }
+    }
+    if ended && held.end.is_none() {
+        held.end = Some(None);
+        held.rest = Box::pin(futures_util::stream::empty()) as UpstreamStream;
+    }
+    if first != Some(First::ToolCall) || !ended {
+        return Ok(Seen::Relay(Answer::Held(held)));
+    }
+    let mut tee = SseTee::new(api, false);
+    tee.push(Bytes::from(buf));
+    tee.finish();
+    let items = tee.items();
+    let v = match api {
+        Api::Chat => {
+            json!({"choices": [{"message": items.first().cloned().unwrap_or(Value::Null)}]})
+        }
+        Api::Responses => json!({"output": items}),
+    };
+    Ok(Seen::Calls(v, tee.usage(), Answer::Held(held)))
+}

@@ -1,0 +1,451 @@
+//! Recall of elided tool outputs, answered inside the proxy, through real
+//! sockets: the model calls `compactor_recall` for an archived error log,
+//! the proxy answers from the request's own items and sends the continued
+//! request; the client sees the final answer alone. Streamed and not; a
+//! reference of another tenant, or none, gets a tool error; a recall beside
+//! the client's own tool call is sent again without the tool.
+
+mod support;
+
+use compactor::compaction::ladder::archive_ref;
+use compactor::compaction::recall::TOOL;
+use compactor::fake_upstream::Reply;
+use compactor::wire::item_hash;
+use serde_json::{json, Value};
+use support::{client, post, small_window, wait_compactions, within, Harness};
+
+const MODEL: &str = "tiny-test";
+
+/// An agent conversation whose one tool output, a long error log, the
+/// cheap rungs truncate: (history, the log's archive reference).
+fn conversation(tag: &str) -> (Vec<Value>, String) {
+    let log = format!(
+        "error[E0308]: mismatched types in src/{tag}.rs\n{}\ntest result: FAILED. exit 101 ({tag})\n",
+        format!("   compiling {tag} ... line of build output\n").repeat(260)
+    );
+    let output = json!({"role": "tool", "tool_call_id": "call_build", "content": log});
+    let reference = archive_ref(&item_hash(&output));
+    let history = vec![
+        json!({"role": "system", "content": "You are a careful coding agent."}),
+        json!({"role": "user", "content": "Build the project and fix what fails."}),
+        json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_build", "type": "function",
+            "function": {"name": "shell", "arguments": "{\"cmd\":\"cargo build\"}"}}]}),
+        output,
+        json!({"role": "assistant", "content": "The build failed; looking into it."}),
+    ];
+    (history, reference)
+}
+
+fn tools() -> Value {
+    json!([{"type": "function", "function": {"name": "shell", "description": "run a command",
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}])
+}
+
+/// Sends the conversation once (its usage crosses the trigger) and waits
+/// for the background compaction, so the next request is compacted.
+async fn compacted(h: &Harness, key: &str, history: &[Value]) {
+    let url = format!("{}/chat/completions", h.url());
+    let before = support::compactions(h);
+    let body = json!({"model": MODEL, "tools": tools(), "messages": history});
+    assert_eq!(post(&url, key, &body).await.0, 200);
+    wait_compactions(h, before + 1).await;
+}
+
+fn recall_call(id: &str, reference: &str) -> (String, String, String) {
+    (
+        id.to_string(),
+        TOOL.to_string(),
+        json!({"ref": reference}).to_string(),
+    )
+}
+
+/// The request of the next turn.
+fn next_turn(history: &[Value], stream: bool) -> Value {
+    let mut messages = history.to_vec();
+    messages.push(json!({"role": "user", "content": "What exactly was the error?"}));
+    let mut body = json!({"model": MODEL, "tools": tools(), "messages": messages});
+    if stream {
+        body["stream"] = json!(true);
+        body["stream_options"] = json!({"include_usage": true});
+    }
+    body
+}
+
+/// The text of the tool message the proxy answered the recall with, in
+/// the continued request the upstream received last.
+fn recalled_text(h: &Harness) -> String {
+    let last = h.fake.last().expect("a request").json();
+    let messages = last["messages"].as_array().unwrap();
+    let tool = messages.last().unwrap();
+    assert_eq!(tool["role"], "tool", "{tool}");
+    assert_eq!(
+        messages[messages.len() - 2]["tool_calls"][0]["function"]["name"],
+        TOOL
+    );
+    tool["content"].as_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_model_recalls_an_archived_error_log_and_then_answers() {
+    let h = Harness::start_with(small_window).await;
+    let (history, reference) = conversation("lib");
+    compacted(&h, "sk-recall-a", &history).await;
+    let calls = [recall_call("call_r", &reference)];
+    let calls: Vec<(&str, &str, &str)> = calls
+        .iter()
+        .map(|(a, b, c)| (a.as_str(), b.as_str(), c.as_str()))
+        .collect();
+    h.fake.push(Reply::chat_tool_calls(&calls, 900, 12));
+    h.fake.push(Reply::chat(
+        "E0308: mismatched types in src/lib.rs",
+        1500,
+        9,
+    ));
+    let url = format!("{}/chat/completions", h.url());
+    let (status, headers, body) = post(&url, "sk-recall-a", &next_turn(&history, false)).await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let answer: Value = serde_json::from_slice(&body).unwrap();
+    // One answer, no trace of the round trip: the final text and usage.
+    assert_eq!(
+        answer["choices"][0]["message"]["content"],
+        "E0308: mismatched types in src/lib.rs"
+    );
+    assert!(
+        answer["choices"][0]["message"]["tool_calls"].is_null(),
+        "{answer}"
+    );
+    assert_eq!(answer["usage"]["prompt_tokens"], 1500);
+    // The first request offered the tool after the client's own, and its
+    // marker says how to use it.
+    let received = h.fake.received();
+    let offered = received[received.len() - 2].json();
+    let names: Vec<&str> = offered["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["shell", TOOL]);
+    assert!(offered.to_string().contains(&format!(
+        "{reference}; when the compactor_recall tool is offered"
+    )));
+    // The continued request carries the original log, from the request's own items.
+    let text = recalled_text(&h);
+    assert!(
+        text.starts_with("error[E0308]: mismatched types in src/lib.rs"),
+        "{text}"
+    );
+    assert!(
+        text.contains("test result: FAILED. exit 101 (lib)"),
+        "head and tail: {text}"
+    );
+    let (rounds, input, usage_in): (i64, i64, i64) = h
+        .db()
+        .query_row(
+            "SELECT recall_rounds, recall_input_tokens, input_tokens FROM exchanges ORDER BY id DESC LIMIT 1",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .unwrap();
+    assert_eq!(
+        (rounds, input, usage_in),
+        (1, 900, 1500),
+        "the recall round's usage is recorded apart"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_streamed_answer_that_recalls_reaches_the_client_as_the_final_stream() {
+    let h = Harness::start_with(small_window).await;
+    let (history, reference) = conversation("stream");
+    compacted(&h, "sk-recall-s", &history).await;
+    let head = r#""id":"chatcmpl-r","object":"chat.completion.chunk","created":1,"model":"fake""#;
+    let args = serde_json::to_string(&json!({"ref": reference}).to_string()).unwrap();
+    let events = vec![
+        format!("data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{{\"index\":0,\"id\":\"call_s\",\"type\":\"function\",\"function\":{{\"name\":\"{TOOL}\",\"arguments\":\"\"}}}}]}},\"finish_reason\":null}}]}}\n\n"),
+        format!("data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":0,\"function\":{{\"arguments\":{args}}}}}]}},\"finish_reason\":\"tool_calls\"}}]}}\n\n"),
+        format!("data: {{{head},\"choices\":[],\"usage\":{{\"prompt_tokens\":700,\"completion_tokens\":11,\"total_tokens\":711}}}}\n\n"),
+        "data: [DONE]\n\n".to_string(),
+    ];
+    h.fake.push(Reply::sse(events));
+    h.fake.push(Reply::chat_stream(
+        &["The error", " is E0308."],
+        Some((1400, 6)),
+    ));
+    let resp = within(
+        client()
+            .post(format!("{}/chat/completions", h.url()))
+            .header("authorization", "Bearer sk-recall-s")
+            .json(&next_turn(&history, true))
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    let text = within(resp.text()).await.unwrap();
+    assert!(
+        !text.contains(TOOL) && !text.contains("call_s"),
+        "no trace of the recall: {text}"
+    );
+    let content: String = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+        .filter_map(|v| {
+            v.pointer("/choices/0/delta/content")
+                .and_then(Value::as_str)
+                .map(String::from)
+        })
+        .collect();
+    assert_eq!(content, "The error is E0308.");
+    assert!(
+        text.contains("\"prompt_tokens\":1400"),
+        "the final usage: {text}"
+    );
+    assert!(recalled_text(&h).starts_with("error[E0308]: mismatched types in src/stream.rs"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn another_tenants_reference_and_an_unknown_one_get_a_tool_error() {
+    let h = Harness::start_with(small_window).await;
+    let (alice, alice_ref) = conversation("alice");
+    compacted(&h, "sk-alice", &alice).await;
+    let (bob, _) = conversation("bob");
+    compacted(&h, "sk-bob", &bob).await;
+    let url = format!("{}/chat/completions", h.url());
+    for reference in [alice_ref.as_str(), "item:0000000000000000"] {
+        let call = recall_call("call_x", reference);
+        h.fake.push(Reply::chat_tool_calls(
+            &[(&call.0, &call.1, &call.2)],
+            800,
+            10,
+        ));
+        h.fake
+            .push(Reply::chat("I cannot read that output.", 820, 7));
+        let (status, _, body) = post(&url, "sk-bob", &next_turn(&bob, false)).await;
+        assert_eq!(status, 200, "a tool error, not a failure");
+        let answer: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(
+            answer["choices"][0]["message"]["content"],
+            "I cannot read that output."
+        );
+        let text = recalled_text(&h);
+        assert!(
+            text.starts_with("error: compactor_recall knows no archived output"),
+            "{text}"
+        );
+        assert!(
+            !text.contains("src/alice.rs"),
+            "never another tenant's bytes: {text}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recall_beside_a_client_tool_call_is_sent_again_without_the_tool() {
+    let h = Harness::start_with(small_window).await;
+    let (history, reference) = conversation("mixed");
+    compacted(&h, "sk-recall-m", &history).await;
+    let call = recall_call("call_r", &reference);
+    h.fake.push(Reply::chat_tool_calls(
+        &[
+            (&call.0, &call.1, &call.2),
+            ("call_ls", "shell", "{\"cmd\":\"ls\"}"),
+        ],
+        800,
+        10,
+    ));
+    h.fake.push(Reply::chat_tool_calls(
+        &[("call_cat", "shell", "{\"cmd\":\"cat src/mixed.rs\"}")],
+        810,
+        9,
+    ));
+    let url = format!("{}/chat/completions", h.url());
+    let (status, _, body) = post(&url, "sk-recall-m", &next_turn(&history, false)).await;
+    assert_eq!(status, 200);
+    let answer: Value = serde_json::from_slice(&body).unwrap();
+    let calls = answer["choices"][0]["message"]["tool_calls"]
+        .as_array()
+        .unwrap();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(
+        calls[0]["id"], "call_cat",
+        "the client's own call, from the resent request"
+    );
+    let resent = h.fake.last().unwrap().json();
+    assert!(
+        !resent["tools"].to_string().contains(TOOL),
+        "resent without the recall tool"
+    );
+    // And with x-compactor-mode: off the tool is never offered.
+    let body = next_turn(&history, false);
+    let resp = within(
+        client()
+            .post(&url)
+            .header("authorization", "Bearer sk-recall-m")
+            .header("x-compactor-mode", "off")
+            .json(&body)
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert!(!h.fake.last().unwrap().json()["tools"]
+        .to_string()
+        .contains(TOOL));
+}
+
+/// The same agent conversation in the Responses API's items.
+fn responses_conversation() -> (Vec<Value>, String) {
+    let log = format!(
+        "error[E0308]: mismatched types in src/resp.rs\n{}\ntest result: FAILED. exit 101 (resp)\n",
+        "   compiling resp ... line of build output\n".repeat(260)
+    );
+    let output = json!({"type": "function_call_output", "call_id": "call_build", "output": log});
+    let reference = archive_ref(&item_hash(&output));
+    let input = vec![
+        json!({"role": "user", "content": "Build the project and fix what fails."}),
+        json!({"type": "function_call", "call_id": "call_build", "name": "shell", "arguments": "{\"cmd\":\"cargo build\"}"}),
+        output,
+        json!({"role": "assistant", "content": "The build failed; looking into it."}),
+    ];
+    (input, reference)
+}
+
+fn responses_body(input: &[Value], stream: bool) -> Value {
+    json!({"model": MODEL, "instructions": "You are a careful coding agent.", "stream": stream,
+           "tools": [{"type": "function", "name": "shell", "parameters": {"type": "object"}}],
+           "input": input})
+}
+
+/// A Responses answer calling the recall tool.
+fn responses_recall(reference: &str) -> Value {
+    json!({"id": "resp_recall", "object": "response", "status": "completed", "model": "fake",
+           "output": [{"type": "function_call", "id": "fc_1", "call_id": "call_r", "name": TOOL,
+                       "arguments": json!({"ref": reference}).to_string(), "status": "completed"}],
+           "usage": {"input_tokens": 600, "output_tokens": 8, "total_tokens": 608}})
+}
+
+/// The function_call_output the proxy answered with, in the last request.
+fn recalled_output(h: &Harness) -> String {
+    let last = h.fake.last().expect("a request").json();
+    let input = last["input"].as_array().unwrap();
+    let out = input.last().unwrap();
+    assert_eq!(out["type"], "function_call_output", "{out}");
+    assert_eq!(input[input.len() - 2]["name"], TOOL);
+    out["output"].as_str().unwrap().to_string()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_responses_api_recalls_too_streamed_and_not() {
+    let h = Harness::start_with(small_window).await;
+    let url = format!("{}/responses", h.url());
+    let (mut input, reference) = responses_conversation();
+    let before = support::compactions(&h);
+    assert_eq!(
+        post(&url, "sk-recall-r", &responses_body(&input, false))
+            .await
+            .0,
+        200
+    );
+    wait_compactions(&h, before + 1).await;
+    input.push(json!({"role": "user", "content": "What exactly was the error?"}));
+
+    // JSON.
+    h.fake.push(Reply::json(200, responses_recall(&reference)));
+    h.fake
+        .push(Reply::responses("E0308 in src/resp.rs", 1300, 7));
+    let (status, headers, body) = post(&url, "sk-recall-r", &responses_body(&input, false)).await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let answer: Value = serde_json::from_slice(&body).unwrap();
+    assert!(!answer.to_string().contains(TOOL), "{answer}");
+    assert_eq!(answer["usage"]["input_tokens"], 1300);
+    assert!(recalled_output(&h).starts_with("error[E0308]: mismatched types in src/resp.rs"));
+
+    // SSE: the call's events are held, the final stream is relayed.
+    let done = responses_recall(&reference);
+    let item = done["output"][0].clone();
+    let event = |kind: &str, data: Value| {
+        let mut data = data;
+        data["type"] = json!(kind);
+        format!("event: {kind}\ndata: {data}\n\n")
+    };
+    let mut created = done.clone();
+    created["status"] = json!("in_progress");
+    created["output"] = json!([]);
+    h.fake.push(Reply::sse(vec![
+        event("response.created", json!({"response": created})),
+        event(
+            "response.output_item.added",
+            json!({"output_index": 0, "item": item}),
+        ),
+        event(
+            "response.output_item.done",
+            json!({"output_index": 0, "item": item}),
+        ),
+        event("response.completed", json!({"response": done})),
+    ]));
+    h.fake
+        .push(Reply::responses_stream(&["E0308", " again."], 1350, 5));
+    let resp = within(
+        client()
+            .post(&url)
+            .header("authorization", "Bearer sk-recall-r")
+            .json(&responses_body(&input, true))
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    let text = within(resp.text()).await.unwrap();
+    assert!(
+        !text.contains(TOOL) && !text.contains("resp_recall"),
+        "{text}"
+    );
+    assert!(
+        text.contains("E0308") && text.contains("response.completed"),
+        "{text}"
+    );
+    assert!(recalled_output(&h).starts_with("error[E0308]: mismatched types in src/resp.rs"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_is_offered_whatever_the_order_of_the_request_members() {
+    let h = Harness::start_with(small_window).await;
+    let (mut messages, _) = conversation("order");
+    let url = format!("{}/chat/completions", h.url());
+    // The members in the order an SDK writes them, tools after the
+    // history, turn after turn: the third request and later take over the
+    // split of the first.
+    for turn in 0..4 {
+        let body = format!(
+            "{{\"model\":\"{MODEL}\",\"messages\":{},\"tools\":{}}}",
+            Value::from(messages.clone()),
+            tools()
+        );
+        let (status, _, _) = support::post_raw(&url, "sk-recall-o", body.into_bytes()).await;
+        assert_eq!(status, 200);
+        if turn == 0 {
+            wait_compactions(&h, 1).await;
+        }
+        let sent = h.fake.last().unwrap().json();
+        let names: Vec<&str> = sent["tools"]
+            .as_array()
+            .unwrap_or_else(|| panic!("turn {turn}: tools {}", sent["tools"]))
+            .iter()
+            .map(|t| t["function"]["name"].as_str().unwrap())
+            .collect();
+        let want: &[&str] = if turn == 0 {
+            &["shell"]
+        } else {
+            &["shell", TOOL]
+        };
+        assert_eq!(
+            names, want,
+            "turn {turn}: the client's tools, and the recall tool once compacted"
+        );
+        messages.push(json!({"role": "user", "content": format!("turn {turn}: go on")}));
+    }
+}
