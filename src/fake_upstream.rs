@@ -396,7 +396,7 @@ impl FakeUpstream {
     }
 
     /// From now on, the automatic JSON answers report the cached tokens of
-    /// a simulated prompt cache (see [`cached_tokens`]); summarizer
+    /// a simulated prompt cache (see `cached_tokens`); summarizer
     /// requests neither read nor fill it.
     pub fn simulate_prompt_cache(&self) {
         self.lock().cache = Some(VecDeque::new());
