@@ -361,7 +361,14 @@ impl Postgres {
         self.handle.spawn(async move {
             let _ = tx.send(bounded.await);
         });
-        rx.recv().map_err(|_| StoreError::Closed)?
+        let wait = || rx.recv().map_err(|_| StoreError::Closed)?;
+        // Called from a request's task: the round trip must not stall the
+        // other tasks of that worker, so they move to another thread while
+        // this one waits (a current-thread runtime cannot, and just waits).
+        match tokio::runtime::Handle::current().runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(wait),
+            _ => wait(),
+        }
     }
 
     /// A new block of exchange ids, unique across every replica.
