@@ -42,17 +42,7 @@ async fn chat(
 
 /// The value of one series in `/metrics`.
 async fn metric(h: &Harness, series: &str) -> f64 {
-    let text = within(async {
-        client()
-            .get(format!("http://{}/metrics", h.addr))
-            .send()
-            .await
-            .unwrap()
-            .text()
-            .await
-            .unwrap()
-    })
-    .await;
+    let text = h.scrape().await;
     text.lines()
         .find_map(|l| l.strip_prefix(series)?.strip_prefix(' ')?.parse().ok())
         .unwrap_or_else(|| panic!("no {series} in:\n{text}"))

@@ -173,17 +173,14 @@ async fn a_streamed_answer_that_recalls_reaches_the_client_as_the_final_stream()
         &["The error", " is E0308."],
         Some((1400, 6)),
     ));
-    let resp = within(
-        client()
-            .post(format!("{}/chat/completions", h.url()))
-            .header("authorization", "Bearer sk-recall-s")
-            .json(&next_turn(&history, true))
-            .send(),
+    let (status, _, body) = support::post_raw(
+        &format!("{}/chat/completions", h.url()),
+        "sk-recall-s",
+        serde_json::to_vec(&next_turn(&history, true)).unwrap(),
     )
-    .await
-    .unwrap();
-    assert_eq!(resp.status(), 200);
-    let text = within(resp.text()).await.unwrap();
+    .await;
+    assert_eq!(status, 200);
+    let text = String::from_utf8_lossy(&body);
     assert!(
         !text.contains(TOOL) && !text.contains("call_s"),
         "no trace of the recall: {text}"
@@ -389,17 +386,14 @@ async fn the_responses_api_recalls_too_streamed_and_not() {
     ]));
     h.fake
         .push(Reply::responses_stream(&["E0308", " again."], 1350, 5));
-    let resp = within(
-        client()
-            .post(&url)
-            .header("authorization", "Bearer sk-recall-r")
-            .json(&responses_body(&input, true))
-            .send(),
+    let (status, _, body) = support::post_raw(
+        &url,
+        "sk-recall-r",
+        serde_json::to_vec(&responses_body(&input, true)).unwrap(),
     )
-    .await
-    .unwrap();
-    assert_eq!(resp.status(), 200);
-    let text = within(resp.text()).await.unwrap();
+    .await;
+    assert_eq!(status, 200);
+    let text = String::from_utf8_lossy(&body);
     assert!(
         !text.contains(TOOL) && !text.contains("resp_recall"),
         "{text}"
