@@ -425,8 +425,10 @@ async fn drive(
         });
 
         // The model "answered"; the agent runs its tool meanwhile, and the
-        // proxy computes its compaction.
-        if crossed && n < opts.requests {
+        // proxy computes its compaction. After the last request too: its
+        // summarizer call is part of what the session cost, and the closing
+        // table counts it on both sides (the demo's and the store's).
+        if crossed {
             settle(state, &tenant, &conversation, compactions_before).await;
         }
         if !opts.pause.is_zero() {
