@@ -14,6 +14,7 @@ use crate::config::{Config, ConfigError};
 use crate::demo::thousands;
 use crate::server;
 use crate::store::query::{self, CompactionRow, ConversationDetail, ConversationSummary};
+use crate::store::sql::Sql;
 
 /// Exit status for a bad configuration or invocation (sysexits EX_USAGE).
 pub const EXIT_USAGE: u8 = 64;
@@ -585,11 +586,6 @@ fn admin_notice(config: &Config) {
 // ---------------------------------------------------------------------------
 // compactor conversations …
 
-/// What the store commands say when the store is PostgreSQL: they read and
-/// delete in SQLite's layout, and must not quietly open a SQLite file
-/// beside the database the proxies share.
-const POSTGRES_NOT_YET: &str = "compactor: the store is PostgreSQL (store.url); `conversations` and `prune` read and delete SQLite stores only, for now. `compactor compact` works against a running proxy";
-
 fn conversations(cmd: ConversationsCommand) -> ExitCode {
     let store = match &cmd {
         ConversationsCommand::Delete { id, target } => return delete(id, target),
@@ -606,19 +602,18 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
-    if config.store.is_postgres() {
-        eprintln!("{POSTGRES_NOT_YET}");
-        return ExitCode::FAILURE;
-    }
-    let path = config.store_path();
-    let conn = match query::open_read_only(&path) {
+    let conn = match views(&config) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("compactor: cannot open the store {}: {e}", path.display());
+            eprintln!("compactor: {e}");
             return ExitCode::FAILURE;
         }
     };
-    if let Some((kept, bytes)) = crate::store::journal::quarantined(&path) {
+    let path = config.store_path();
+    if let Some((kept, bytes)) = (!config.store.is_postgres())
+        .then(|| crate::store::journal::quarantined(&path))
+        .flatten()
+    {
         // On stderr, so that --json output stays one document.
         eprintln!(
             "compactor: warning: {bytes} bytes of the journal could not be read and are kept in {}; \
@@ -630,7 +625,7 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
     let json = store.json;
     let out = match &cmd {
         ConversationsCommand::List { limit, .. } => {
-            query::list_conversations(&conn, &config, *limit).map(|list| {
+            query::list_conversations(&*conn, &config, *limit).map(|list| {
                 if json {
                     to_json(&serde_json::json!({ "conversations": list }), false)
                 } else {
@@ -638,7 +633,7 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
                 }
             })
         }
-        ConversationsCommand::Show { id, .. } => query::show(&conn, &config, id).map(|d| {
+        ConversationsCommand::Show { id, .. } => query::show(&*conn, &config, id).map(|d| {
             if json {
                 to_json(&d, false)
             } else {
@@ -647,7 +642,7 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
         }),
         // Export is JSON either way; --json makes it one line.
         ConversationsCommand::Export { id, .. } => {
-            query::export(&conn, &config, id).map(|e| to_json(&e, !json))
+            query::export(&*conn, &config, id).map(|e| to_json(&e, !json))
         }
         ConversationsCommand::Delete { .. } => return ExitCode::FAILURE,
     };
@@ -658,6 +653,21 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// A connection for the views: the SQLite file read-only, or one pooled
+/// connection to the PostgreSQL store (whose schema must be current).
+fn views(config: &Config) -> Result<Box<dyn Sql>, String> {
+    if config.store.is_postgres() {
+        let opts = crate::store::postgres::Options::from_config(&config.store);
+        return crate::store::postgres_queries::connect(&opts)
+            .map(|c| Box::new(c) as Box<dyn Sql>)
+            .map_err(|e| format!("cannot read the PostgreSQL store: {e}"));
+    }
+    let path = config.store_path();
+    query::open_read_only(&path)
+        .map(|c| Box::new(c) as Box<dyn Sql>)
+        .map_err(|e| format!("cannot open the store {}: {e}", path.display()))
 }
 
 fn to_json<T: serde::Serialize>(value: &T, pretty: bool) -> String {
@@ -1074,21 +1084,22 @@ fn removed_text(r: &crate::store::retention::Removed) -> String {
 fn maintain(
     target: &MaintainArgs,
     admin: (reqwest::Method, String),
-    offline: impl FnOnce(
-        &mut rusqlite::Connection,
-    ) -> Result<crate::store::retention::Removed, query::QueryError>,
+    offline: impl FnOnce(&dyn Sql) -> Result<crate::store::retention::Removed, query::QueryError>,
 ) -> ExitCode {
     use crate::store::retention;
     let config = match maintain_config(target) {
         Ok(c) => c,
         Err(code) => return code,
     };
-    if config.store.is_postgres() {
-        eprintln!("{POSTGRES_NOT_YET}");
-        return ExitCode::FAILURE;
-    }
     let path = config.store_path();
-    let removed: Result<retention::Removed, String> = if served(&path) {
+    let removed: Result<retention::Removed, String> = if config.store.is_postgres() {
+        // The database the replicas share: deleted there, and every replica
+        // told to forget what went.
+        let opts = crate::store::postgres::Options::from_config(&config.store);
+        crate::store::postgres_queries::connect(&opts)
+            .map_err(|e| format!("cannot read the PostgreSQL store: {e}"))
+            .and_then(|conn| offline(&conn).map_err(|e| e.to_string()))
+    } else if served(&path) {
         // The proxy forgets what goes, so no request is taken as part of
         // it, and deletes on its side of the store.
         admin_call(&config, admin.0, &admin.1)
@@ -1097,7 +1108,7 @@ fn maintain(
         crate::store::journal::import_orphaned(&path)
             .map_err(query::QueryError::from)
             .and_then(|_| Ok(retention::open_for_maintenance(&path)?))
-            .and_then(|mut conn| offline(&mut conn))
+            .and_then(|conn| offline(&conn))
             .map_err(|e| e.to_string())
     };
     match removed {
@@ -1107,6 +1118,9 @@ fn maintain(
         }
         Ok(r) if target.store.json => {
             print_out(&to_json(&serde_json::json!({ "removed": r }), false))
+        }
+        Ok(r) if config.store.is_postgres() => {
+            print_out(&format!("removed {}\n", removed_text(&r)))
         }
         Ok(r) => print_out(&format!("removed {}; store vacuumed\n", removed_text(&r))),
     }

@@ -638,12 +638,6 @@ impl Config {
             if st.statement_timeout_ms == 0 {
                 return invalid("store.statement_timeout_ms", "must be greater than 0");
             }
-            if st.retain_days.is_some() {
-                return invalid(
-                    "store.retain_days",
-                    "deletes from the SQLite store only: not with store.url (PostgreSQL) yet",
-                );
-            }
         }
         let token_env = &self.admin.token_env;
         if token_env.contains(['=', '\0']) || token_env.trim() != token_env {

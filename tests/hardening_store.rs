@@ -6,7 +6,7 @@ mod support;
 
 use compactor::config::Config;
 use compactor::fake_upstream::Reply;
-use compactor::store::sqlite::{item_body, request_item_hashes};
+use compactor::store::rows::{item_body, request_item_hashes};
 use serde_json::json;
 use support::{post_raw, within, Harness};
 

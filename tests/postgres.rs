@@ -503,3 +503,122 @@ async fn with_the_database_unreachable_requests_get_503_and_nothing_unrecorded_i
         "every answer the client got is recorded"
     );
 }
+
+/// The views read the shared database from any replica and from the CLI:
+/// the list, timeline, export and savings of a conversation served by both
+/// replicas; then a deletion through the CLI takes the conversation, its
+/// records and the items only it referred to, and leaves another tenant's
+/// conversation whole; `prune` takes what is older than the age given.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn the_views_and_deletions_work_on_the_shared_database_from_any_replica_and_the_cli() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, small_window).await;
+    let mut chat = Chat::new(KEY);
+    let mut conversation = String::new();
+    for i in 0..14 {
+        let turn = chat
+            .turn(if i % 2 == 0 { &a } else { &b }, &filler(i))
+            .await;
+        assert_eq!(turn.status, 200, "turn {i}");
+        conversation = turn.conversation;
+    }
+    let mut other = Chat::new("sk-another-tenant");
+    let mut kept = String::new();
+    for i in 0..2 {
+        kept = other
+            .turn(&a, &format!("another tenant's turn {i}"))
+            .await
+            .conversation;
+    }
+    for h in [&a, &b] {
+        within(h.state.store.flush()).await.expect("flush");
+    }
+    let compactions = count(&url, "SELECT count(*) FROM compactions").await;
+
+    // The admin API of the replica that served half of it sees all of it.
+    let list = b.get_json("/admin/api/conversations").await;
+    let row = list["conversations"]
+        .as_array()
+        .expect("a list")
+        .iter()
+        .find(|c| c["id"] == conversation.as_str())
+        .unwrap_or_else(|| panic!("{conversation} listed: {list}"))
+        .clone();
+    assert_eq!(row["exchanges"], 14, "{row}");
+    assert_eq!(row["compactions"], compactions, "{row}");
+    let show = b
+        .get_json(&format!("/admin/api/conversations/{conversation}"))
+        .await;
+    assert_eq!(
+        show["exchanges"].as_array().map(Vec::len),
+        Some(14),
+        "{show}"
+    );
+    assert_eq!(
+        show["compactions"].as_array().map(Vec::len),
+        Some(compactions as usize)
+    );
+    let export = a
+        .get_json(&format!("/admin/api/conversations/{conversation}/export"))
+        .await;
+    // The history reads back as the client holds it (the answer as the
+    // upstream gave it, which says `refusal: null` too).
+    let items = export["original_items"].as_array().expect("items");
+    assert_eq!(items.len(), chat.history.len());
+    let (last, earlier) = items.split_last().expect("items");
+    assert!(
+        earlier == &chat.history[..earlier.len()],
+        "the history reads back"
+    );
+    assert_eq!(last["content"], chat.history[earlier.len()]["content"]);
+    let savings = b.get_json("/admin/api/savings").await;
+    assert_eq!(savings["total"]["exchanges"], 16, "{savings}");
+
+    // The CLI reads the same database, by an abbreviation of the id.
+    let env = [("COMPACTOR_DATABASE_URL", url.as_str())];
+    let (code, out, err) = support::cli(&["conversations", "list", "--json"], &env).await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains(&conversation) && out.contains(&kept), "{out}");
+    let short = &conversation[..conversation.len().min(12)];
+    let (code, out, err) = support::cli(&["conversations", "show", short, "--json"], &env).await;
+    assert_eq!(code, 0, "{err}");
+    let shown: Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(shown["conversation"]["id"], conversation.as_str());
+
+    let kept_before = a
+        .get_json(&format!("/admin/api/conversations/{kept}/export"))
+        .await;
+    let (code, out, err) =
+        support::cli(&["conversations", "delete", &conversation, "--json"], &env).await;
+    assert_eq!(code, 0, "{out}{err}");
+    let removed: Value = serde_json::from_str(&out).expect("JSON");
+    assert_eq!(removed["removed"]["conversations"], 1, "{out}");
+    assert_eq!(removed["removed"]["exchanges"], 14, "{out}");
+    assert!(removed["removed"]["items"].as_u64() > Some(0), "{out}");
+    let left = |table: &str| {
+        format!("SELECT count(*) FROM {table} WHERE conversation_id = '{conversation}'")
+    };
+    assert_eq!(count(&url, &left("exchanges")).await, 0);
+    assert_eq!(count(&url, &left("compactions")).await, 0);
+    // What stays is whole: the other tenant's conversation reads back the
+    // same, so no item it needs went.
+    let kept_after = b
+        .get_json(&format!("/admin/api/conversations/{kept}/export"))
+        .await;
+    assert_eq!(kept_after["original_items"], kept_before["original_items"]);
+    assert_eq!(
+        kept_after["original_items"].as_array().map(Vec::len),
+        Some(5)
+    );
+
+    let (code, out, err) = support::cli(&["prune", "--older-than", "0s", "--json"], &env).await;
+    assert_eq!(code, 0, "{out}{err}");
+    assert_eq!(
+        count(&url, "SELECT count(*) FROM conversations").await,
+        0,
+        "{out}"
+    );
+    assert_eq!(count(&url, "SELECT count(*) FROM items").await, 0, "{out}");
+}

@@ -3,7 +3,7 @@
 
 mod support;
 
-use compactor::store::sqlite::request_item_hashes;
+use compactor::store::rows::request_item_hashes;
 use compactor::wire::item_hash;
 use serde_json::{json, Value};
 use support::{post, within, Harness};

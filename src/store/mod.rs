@@ -11,12 +11,15 @@
 
 pub mod journal;
 pub mod postgres;
+pub mod postgres_queries;
 pub mod query;
 pub mod retention;
+pub mod rows;
 pub mod savings;
 
 /// Characters of the tenant hash shown (enough to tell tenants apart).
 pub const TENANT_PREFIX: usize = 12;
+pub mod sql;
 pub mod sqlite;
 mod sqlite_queries;
 
@@ -432,6 +435,25 @@ pub enum StoreError {
         backend: &'static str,
         /// What was asked of it.
         what: &'static str,
+    },
+    /// A column held another type than the reader expected.
+    #[error("column {index} is not a {wanted}")]
+    Column {
+        /// The column's index in the row.
+        index: usize,
+        /// The type the reader wanted.
+        wanted: &'static str,
+    },
+    /// An exchange another one refers to is not in the store.
+    #[error("exchange {0} is not in the store")]
+    MissingExchange(i64),
+    /// The PostgreSQL schema is older than this build's.
+    #[error("the database's schema is at version {applied}, this build's at {latest}: start `compactor serve` once to bring it up to date")]
+    Schema {
+        /// The newest migration applied.
+        applied: i32,
+        /// The newest this build knows.
+        latest: i32,
     },
     /// The writer thread is gone.
     #[error("store writer stopped")]

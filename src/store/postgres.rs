@@ -261,7 +261,7 @@ impl SchemaStatus {
 pub struct Postgres {
     runtime: Option<tokio::runtime::Runtime>,
     handle: tokio::runtime::Handle,
-    pool: Pool,
+    pub(super) pool: Pool,
     timeout: Duration,
 }
 
@@ -343,7 +343,7 @@ impl Postgres {
     /// Runs `fut` on the backend's runtime and waits for it, bounded in
     /// time, from any thread: an async caller's thread blocks as on an
     /// SQLite read.
-    fn wait<T, F>(&self, fut: F) -> Result<T, StoreError>
+    pub(super) fn wait<T, F>(&self, fut: F) -> Result<T, StoreError>
     where
         T: Send + 'static,
         F: Future<Output = Result<T, StoreError>> + Send + 'static,
@@ -882,6 +882,11 @@ impl PostgresReads {
         }
     }
 
+    /// The pool the reads use.
+    pub(super) fn pg(&self) -> &Arc<Postgres> {
+        &self.pg
+    }
+
     /// Runs a read; a failure is logged and reads as nothing found, as
     /// with SQLite.
     fn read<T, F>(&self, what: &'static str, f: impl FnOnce(Pool) -> F) -> Option<T>
@@ -931,119 +936,6 @@ fn best_hit(rows: &[tokio_postgres::Row]) -> Option<ChainHit> {
         })
         // The longest; among equals the newest exchange.
         .max_by_key(|h| (h.prefix.len, h.prefix.exchange))
-}
-
-/// What the PostgreSQL store cannot answer yet: the views and deletions
-/// read SQLite's layout; `compact` (which only resolves a name) works.
-fn not_yet(what: &'static str) -> super::query::QueryError {
-    super::query::QueryError::Store(StoreError::Unsupported {
-        backend: "PostgreSQL",
-        what,
-    })
-}
-
-impl super::Queries for PostgresReads {
-    fn conversations(
-        &self,
-        _: &crate::config::Config,
-        _: usize,
-    ) -> Result<Vec<super::query::ConversationSummary>, super::query::QueryError> {
-        Err(not_yet("list conversations"))
-    }
-
-    fn conversation_detail(
-        &self,
-        _: &crate::config::Config,
-        _: &str,
-    ) -> Result<super::query::ConversationDetail, super::query::QueryError> {
-        Err(not_yet("show a conversation"))
-    }
-
-    fn conversation_export(
-        &self,
-        _: &crate::config::Config,
-        _: &str,
-    ) -> Result<super::query::ConversationExport, super::query::QueryError> {
-        Err(not_yet("export a conversation"))
-    }
-
-    /// As SQLite's: the exact id, else a client-sent id, else a unique
-    /// abbreviation with or without `conv_`.
-    fn resolve_conversation(&self, name: &str) -> Result<String, super::query::QueryError> {
-        use super::query::{one, QueryError, ID_PREFIX, MAX_CANDIDATES, MIN_ABBREVIATION};
-        let name = name.trim().to_string();
-        let digits = name.strip_prefix(ID_PREFIX).unwrap_or(&name);
-        let prefix = (digits.len() >= MIN_ABBREVIATION).then(|| format!("{ID_PREFIX}{digits}"));
-        let asked = name.clone();
-        let pool = self.pg.pool.clone();
-        let found = self.pg.wait(async move {
-            let client = pool.get().await?;
-            let limit = MAX_CANDIDATES as i64;
-            let exact = client
-                .query_opt("SELECT id FROM conversations WHERE id = $1", &[&asked])
-                .await?;
-            if let Some(row) = exact {
-                return Ok::<_, StoreError>(vec![row.get::<_, String>(0)]);
-            }
-            let ids = |rows: Vec<tokio_postgres::Row>| -> Vec<String> {
-                rows.iter().map(|r| r.get(0)).collect()
-            };
-            let by_client = client
-                .query(
-                    "SELECT id FROM conversations
-                     WHERE conversation_header = $1 OR session_id = $1 OR prompt_cache_key = $1
-                        OR explicit_key IN ('x-compactor-conversation:' || $1,
-                                            'session-id:' || $1, 'session_id:' || $1)
-                     ORDER BY last_seen_ms DESC LIMIT $2",
-                    &[&asked, &limit],
-                )
-                .await?;
-            if !by_client.is_empty() {
-                return Ok(ids(by_client));
-            }
-            let Some(prefix) = prefix else {
-                return Ok(Vec::new());
-            };
-            let rows = client
-                .query(
-                    "SELECT id FROM conversations WHERE starts_with(id, $1)
-                     ORDER BY last_seen_ms DESC LIMIT $2",
-                    &[&prefix, &limit],
-                )
-                .await?;
-            Ok(ids(rows))
-        });
-        match found {
-            Ok(found) => one(&name, found),
-            Err(e) => Err(QueryError::Store(e)),
-        }
-    }
-
-    fn savings(
-        &self,
-        _: &crate::config::Config,
-    ) -> Result<super::savings::Report, super::query::QueryError> {
-        Err(not_yet("report savings"))
-    }
-
-    fn victim(&self, _: &str) -> Result<super::retention::Victim, super::query::QueryError> {
-        Err(not_yet("delete a conversation"))
-    }
-
-    fn victims_seen_before(
-        &self,
-        _: i64,
-        _: usize,
-    ) -> Result<Vec<super::retention::Victim>, super::query::QueryError> {
-        Err(not_yet("prune"))
-    }
-
-    fn delete_conversations(
-        &self,
-        _: &[String],
-    ) -> Result<super::retention::Removed, super::query::QueryError> {
-        Err(not_yet("delete conversations"))
-    }
 }
 
 impl super::Reads for PostgresReads {

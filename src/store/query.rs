@@ -1,18 +1,21 @@
-//! Read-only queries over the SQLite store, shared by the CLI
+//! Read-only queries over the store, shared by the CLI
 //! (`compactor conversations …`) and the admin API (`/admin/api/…`).
 //!
-//! Pure functions over a `&Connection` returning serialisable structs. They
-//! run on their own read-only connection ([`open_read_only`]), never on the
-//! writer thread's; WAL lets them read while the proxy writes.
+//! Functions over a [`Sql`] connection (SQLite's or PostgreSQL's) returning
+//! serialisable structs. With SQLite they run on their own read-only
+//! connection ([`open_read_only`]), never on the writer thread's; WAL lets
+//! them read while the proxy writes.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
-use rusqlite::{params, Connection, OpenFlags, OptionalExtension};
+use rusqlite::{Connection, OpenFlags};
 use serde::Serialize;
 use serde_json::Value;
 
-use super::sqlite::{item_body, load_compactions, request_item_hashes, unpack_hashes};
+use super::rows::{item_body, load_compactions, request_item_hashes};
+use super::sql::{Param, Row, Sql};
+use super::sqlite::unpack_hashes;
 use super::StoreError;
 use crate::compaction::{rewrite, Compaction};
 use crate::config::Config;
@@ -282,17 +285,11 @@ pub struct ConversationExport {
 /// abbreviation of its id, with or without the `conv_` prefix (at least
 /// [`MIN_ABBREVIATION`] digits). A name that fits several is refused with
 /// the candidates.
-pub fn resolve_id(conn: &Connection, name: &str) -> Result<String, QueryError> {
+pub fn resolve_id(conn: &dyn Sql, name: &str) -> Result<String, QueryError> {
     let name = name.trim();
-    let exact: Option<String> = conn
-        .query_row(
-            "SELECT id FROM conversations WHERE id = ?1",
-            params![name],
-            |r| r.get(0),
-        )
-        .optional()?;
+    let exact = conn.first("SELECT id FROM conversations WHERE id = ?1", &[name.into()])?;
     if let Some(found) = exact {
-        return Ok(found);
+        return Ok(found.get(0)?);
     }
     // A client's own id; conversations recorded before the ids had columns
     // have the explicit key, spelt `name:value`.
@@ -300,8 +297,9 @@ pub fn resolve_id(conn: &Connection, name: &str) -> Result<String, QueryError> {
         conn,
         "SELECT id FROM conversations
          WHERE conversation_header = ?1 OR session_id = ?1 OR prompt_cache_key = ?1
-            OR explicit_key IN ('x-compactor-conversation:' || ?1, 'session-id:' || ?1,
-                                'session_id:' || ?1)
+            OR explicit_key IN ('x-compactor-conversation:' || CAST(?1 AS TEXT),
+                                'session-id:' || CAST(?1 AS TEXT),
+                                'session_id:' || CAST(?1 AS TEXT))
          ORDER BY last_seen_ms DESC LIMIT ?2",
         name,
     )?;
@@ -317,7 +315,7 @@ pub fn resolve_id(conn: &Connection, name: &str) -> Result<String, QueryError> {
         name,
         candidates(
             conn,
-            "SELECT id FROM conversations WHERE substr(id, 1, length(?1)) = ?1
+            "SELECT id FROM conversations WHERE substr(id, 1, length(CAST(?1 AS TEXT))) = ?1
              ORDER BY last_seen_ms DESC LIMIT ?2",
             &prefix,
         )?,
@@ -326,12 +324,9 @@ pub fn resolve_id(conn: &Connection, name: &str) -> Result<String, QueryError> {
 
 /// The conversations `sql` finds for `name` (bound as `?1`, the limit as
 /// `?2`), at most [`MAX_CANDIDATES`].
-fn candidates(conn: &Connection, sql: &str, name: &str) -> Result<Vec<String>, QueryError> {
-    let mut stmt = conn.prepare(sql)?;
-    let found = stmt
-        .query_map(params![name, MAX_CANDIDATES as i64], |r| r.get(0))?
-        .collect::<Result<_, _>>()?;
-    Ok(found)
+fn candidates(conn: &dyn Sql, sql: &str, name: &str) -> Result<Vec<String>, QueryError> {
+    let rows = conn.rows(sql, &[name.into(), (MAX_CANDIDATES as i64).into()])?;
+    Ok(rows.iter().map(|r| r.get(0)).collect::<Result<_, _>>()?)
 }
 
 pub(super) fn one(name: &str, mut found: Vec<String>) -> Result<String, QueryError> {
@@ -358,8 +353,8 @@ LEFT JOIN exchanges w ON w.id = (SELECT max(e3.id) FROM exchanges e3
                                    AND e3.context_window IS NOT NULL)";
 
 /// The windows this config's upstream told, from the store.
-fn told_windows(conn: &Connection, config: &Config) -> Vec<crate::windows::Told> {
-    super::sqlite::load_windows(conn)
+fn told_windows(conn: &dyn Sql, config: &Config) -> Vec<crate::windows::Told> {
+    super::rows::load_windows(conn)
         .unwrap_or_default()
         .into_iter()
         .filter(|t| t.upstream == config.upstream.base_url)
@@ -367,10 +362,10 @@ fn told_windows(conn: &Connection, config: &Config) -> Vec<crate::windows::Told>
 }
 
 fn summary_row(
-    r: &rusqlite::Row<'_>,
+    r: &Row,
     config: &Config,
     told: &[crate::windows::Told],
-) -> rusqlite::Result<ConversationSummary> {
+) -> Result<ConversationSummary, StoreError> {
     let tenant: String = r.get(1)?;
     let model: String = r.get(2)?;
     let input: Option<i64> = r.get(7)?;
@@ -411,8 +406,8 @@ fn summary_row(
         tenant: tenant.chars().take(TENANT_PREFIX).collect(),
         created_ms: r.get(3)?,
         last_seen_ms: r.get(4)?,
-        exchanges: r.get::<_, i64>(5)? as u64,
-        compactions: r.get::<_, i64>(6)? as u64,
+        exchanges: r.count(5)?,
+        compactions: r.count(6)?,
         last_input_tokens: input.map(|v| v as u64),
         last_output_tokens: output.map(|v| v as u64),
         last_tokens: input.map(|i| (i + output.unwrap_or(0)) as u64),
@@ -425,45 +420,49 @@ fn summary_row(
 
 /// Conversations, most recently seen first; at most `limit`.
 pub fn list_conversations(
-    conn: &Connection,
+    conn: &dyn Sql,
     config: &Config,
     limit: usize,
 ) -> Result<Vec<ConversationSummary>, QueryError> {
     let sql = format!("{SUMMARY_SELECT} ORDER BY c.last_seen_ms DESC, c.id LIMIT ?1");
     let told = told_windows(conn, config);
-    let mut stmt = conn.prepare(&sql)?;
-    let rows = stmt
-        .query_map(params![limit.min(i64::MAX as usize) as i64], |r| {
-            summary_row(r, config, &told)
-        })?
-        .collect::<Result<_, _>>()?;
-    Ok(rows)
+    let limit = Param::Int(limit.min(i64::MAX as usize) as i64);
+    Ok(conn
+        .rows(&sql, &[limit])?
+        .iter()
+        .map(|r| summary_row(r, config, &told))
+        .collect::<Result<_, _>>()?)
 }
 
 /// One conversation's list line (`id` exact or a unique prefix).
 pub fn conversation(
-    conn: &Connection,
+    conn: &dyn Sql,
     config: &Config,
     id: &str,
 ) -> Result<ConversationSummary, QueryError> {
     let id = resolve_id(conn, id)?;
     let sql = format!("{SUMMARY_SELECT} WHERE c.id = ?1");
     let told = told_windows(conn, config);
-    Ok(conn.query_row(&sql, params![id], |r| summary_row(r, config, &told))?)
+    let row = conn
+        .first(&sql, &[id.as_str().into()])?
+        .ok_or_else(|| QueryError::NotFound(id.clone()))?;
+    Ok(summary_row(&row, config, &told)?)
 }
 
-fn exchanges(conn: &Connection, id: &str) -> Result<Vec<ExchangeRow>, QueryError> {
-    let mut stmt = conn.prepare(
+fn exchanges(conn: &dyn Sql, id: &str) -> Result<Vec<ExchangeRow>, QueryError> {
+    let rows = conn.rows(
         "SELECT id, started_ms, endpoint, model, status, streamed, partial, request_len,
                 length(response_items) / 32, input_tokens, output_tokens, cached_tokens,
                 latency_ms, compaction_id, error, context_window, window_source, mode, tokens_saved,
                 tokens_saved_potential
          FROM exchanges WHERE conversation_id = ?1 ORDER BY id",
+        &[id.into()],
     )?;
     let opt = |v: Option<i64>| v.map(|x| x as u64);
-    let rows = stmt
-        .query_map(params![id], |r| {
-            Ok(ExchangeRow {
+    let rows = rows
+        .iter()
+        .map(|r| {
+            Ok::<_, StoreError>(ExchangeRow {
                 id: r.get(0)?,
                 started_ms: r.get(1)?,
                 endpoint: r.get(2)?,
@@ -471,8 +470,8 @@ fn exchanges(conn: &Connection, id: &str) -> Result<Vec<ExchangeRow>, QueryError
                 status: r.get(4)?,
                 streamed: r.get(5)?,
                 partial: r.get(6)?,
-                request_items: r.get::<_, i64>(7)? as u64,
-                response_items: r.get::<_, i64>(8)? as u64,
+                request_items: r.count(7)?,
+                response_items: r.count(8)?,
                 input_tokens: opt(r.get(9)?),
                 output_tokens: opt(r.get(10)?),
                 cached_tokens: opt(r.get(11)?),
@@ -482,10 +481,10 @@ fn exchanges(conn: &Connection, id: &str) -> Result<Vec<ExchangeRow>, QueryError
                 context_window: opt(r.get(15)?),
                 window_source: r.get(16)?,
                 mode: r.get(17)?,
-                tokens_saved: r.get::<_, i64>(18)?.max(0) as u64,
-                tokens_saved_potential: r.get::<_, i64>(19)?.max(0) as u64,
+                tokens_saved: r.count(18)?,
+                tokens_saved_potential: r.count(19)?,
             })
-        })?
+        })
         .collect::<Result<_, _>>()?;
     Ok(rows)
 }
@@ -534,11 +533,7 @@ fn compaction_row(c: &Compaction, exchanges: &[ExchangeRow]) -> CompactionRow {
 }
 
 /// A conversation's timeline (`id` exact or a unique prefix).
-pub fn show(
-    conn: &Connection,
-    config: &Config,
-    id: &str,
-) -> Result<ConversationDetail, QueryError> {
+pub fn show(conn: &dyn Sql, config: &Config, id: &str) -> Result<ConversationDetail, QueryError> {
     let conversation = conversation(conn, config, id)?;
     let exchanges = exchanges(conn, &conversation.id)?;
     let compactions = load_compactions(conn, Some(&conversation.id))?
@@ -559,11 +554,7 @@ pub fn show(
 }
 
 /// Everything recorded about a conversation (`id` exact or a unique prefix).
-pub fn export(
-    conn: &Connection,
-    config: &Config,
-    id: &str,
-) -> Result<ConversationExport, QueryError> {
+pub fn export(conn: &dyn Sql, config: &Config, id: &str) -> Result<ConversationExport, QueryError> {
     let conversation = conversation(conn, config, id)?;
     let exchanges = exchanges(conn, &conversation.id)?;
     let stored = load_compactions(conn, Some(&conversation.id))?;
@@ -581,18 +572,20 @@ pub fn export(
                 Some(cid) => match stored.iter().find(|c| &c.id == cid) {
                     Some(c) => Some(c.clone()),
                     // Applied from another conversation of the same tenant.
-                    None => load_compaction_by_id(conn, cid)?,
+                    None => super::rows::load_compaction(conn, cid)?,
                 },
             };
             let items = match &applied {
                 Some(c) => rewrite::rewrite(&request, c),
                 None => request.clone(),
             };
-            let response: Vec<u8> = conn.query_row(
-                "SELECT response_items FROM exchanges WHERE id = ?1",
-                params![last.id],
-                |r| r.get(0),
-            )?;
+            let response: Vec<u8> = conn
+                .first(
+                    "SELECT response_items FROM exchanges WHERE id = ?1",
+                    &[last.id.into()],
+                )?
+                .ok_or(StoreError::MissingExchange(last.id))?
+                .get(0)?;
             let mut original = request;
             for h in unpack_hashes(&response) {
                 original.push(bodies.get(conn, &h)?);
@@ -637,22 +630,6 @@ pub fn export(
     })
 }
 
-fn load_compaction_by_id(conn: &Connection, id: &str) -> Result<Option<Compaction>, QueryError> {
-    let conversation: Option<String> = conn
-        .query_row(
-            "SELECT conversation_id FROM compactions WHERE id = ?1",
-            params![id],
-            |r| r.get(0),
-        )
-        .optional()?;
-    let Some(conversation) = conversation else {
-        return Ok(None);
-    };
-    Ok(load_compactions(conn, Some(&conversation))?
-        .into_iter()
-        .find(|c| c.id == id))
-}
-
 /// N of a summary's header, `[compactor summary of N earlier items]`.
 fn summarized_items(summary: &str) -> Option<u64> {
     let rest = summary.strip_prefix(crate::compaction::items::SUMMARY_MARKER)?;
@@ -665,7 +642,7 @@ fn summarized_items(summary: &str) -> Option<u64> {
 struct ItemCache(HashMap<ItemHash, Value>);
 
 impl ItemCache {
-    fn get(&mut self, conn: &Connection, hash: &ItemHash) -> Result<Value, QueryError> {
+    fn get(&mut self, conn: &dyn Sql, hash: &ItemHash) -> Result<Value, QueryError> {
         if let Some(v) = self.0.get(hash) {
             return Ok(v.clone());
         }
@@ -700,7 +677,7 @@ pub fn archive_refs(text: &str) -> Vec<String> {
 }
 
 /// The stored item an `item:<16 hex>` reference names, if any.
-pub fn archived_item(conn: &Connection, reference: &str) -> Result<Option<Value>, QueryError> {
+pub fn archived_item(conn: &dyn Sql, reference: &str) -> Result<Option<Value>, QueryError> {
     let Some(prefix) = reference.strip_prefix("item:").and_then(parse_hex8) else {
         return Ok(None);
     };
@@ -710,12 +687,12 @@ pub fn archived_item(conn: &Connection, reference: &str) -> Result<Option<Value>
     let mut high = prefix.to_vec();
     high.resize(32, 0xff);
     let body: Option<String> = conn
-        .query_row(
+        .first(
             "SELECT body FROM items WHERE hash >= ?1 AND hash <= ?2 LIMIT 1",
-            params![low, high],
-            |r| r.get(0),
-        )
-        .optional()?;
+            &[low.as_slice().into(), high.as_slice().into()],
+        )?
+        .map(|r| r.get(0))
+        .transpose()?;
     Ok(body.map(|b| serde_json::from_str(&b).unwrap_or(Value::String(b))))
 }
 

@@ -9,11 +9,13 @@
 //! reference to a deleted exchange's items gets those items written out
 //! first, so it reads back the same.
 
-use rusqlite::{params, Connection, OptionalExtension};
+use rusqlite::Connection;
 use serde::{Deserialize, Serialize};
 
 use super::query::{archive_refs, parse_hex8};
-use super::sqlite::{pack_hashes, request_item_hashes, unpack_hashes};
+use super::rows::request_item_hashes;
+use super::sql::{Param, Sql};
+use super::sqlite::{pack_hashes, unpack_hashes};
 use super::StoreError;
 use crate::wire::ItemHash;
 
@@ -55,10 +57,7 @@ pub struct Victim {
 }
 
 /// [`Victim`]s of `(tenant, id)` pairs read on `conn`.
-pub fn victims_of(
-    conn: &Connection,
-    found: Vec<(String, String)>,
-) -> Result<Vec<Victim>, StoreError> {
+pub fn victims_of(conn: &dyn Sql, found: Vec<(String, String)>) -> Result<Vec<Victim>, StoreError> {
     found
         .into_iter()
         .map(|(tenant, id)| {
@@ -88,157 +87,209 @@ pub fn open_for_maintenance(path: &std::path::Path) -> Result<Connection, StoreE
 }
 
 /// The tenant of conversation `id`, if it exists.
-pub fn tenant_of(conn: &Connection, id: &str) -> Result<Option<String>, StoreError> {
-    Ok(conn
-        .query_row(
-            "SELECT tenant FROM conversations WHERE id = ?1",
-            params![id],
-            |r| r.get(0),
-        )
-        .optional()?)
+pub fn tenant_of(conn: &dyn Sql, id: &str) -> Result<Option<String>, StoreError> {
+    conn.first(
+        "SELECT tenant FROM conversations WHERE id = ?1",
+        &[id.into()],
+    )?
+    .map(|r| r.get(0))
+    .transpose()
+}
+
+/// The conversation `name` names (see [`super::query::resolve_id`]), with
+/// what deleting it needs.
+pub fn victim(conn: &dyn Sql, name: &str) -> Result<Victim, super::query::QueryError> {
+    use super::query::QueryError;
+    let id = super::query::resolve_id(conn, name)?;
+    let tenant = tenant_of(conn, &id)?.ok_or(QueryError::NotFound(id.clone()))?;
+    let mut found = victims_of(conn, vec![(tenant, id.clone())])?;
+    found.pop().ok_or(QueryError::NotFound(id))
+}
+
+/// Runs `f` in one transaction on `conn`: committed if it succeeds, rolled
+/// back if not.
+fn in_transaction<T>(
+    conn: &dyn Sql,
+    f: impl FnOnce() -> Result<T, StoreError>,
+) -> Result<T, StoreError> {
+    conn.execute("BEGIN", &[])?;
+    match f() {
+        Ok(v) => {
+            conn.execute("COMMIT", &[])?;
+            Ok(v)
+        }
+        Err(e) => {
+            let _ = conn.execute("ROLLBACK", &[]);
+            Err(e)
+        }
+    }
 }
 
 /// The ids of conversation `id`'s compactions.
-pub fn compactions_of(conn: &Connection, id: &str) -> Result<Vec<String>, StoreError> {
-    let mut stmt = conn.prepare("SELECT id FROM compactions WHERE conversation_id = ?1")?;
-    let rows = stmt
-        .query_map(params![id], |r| r.get(0))?
-        .collect::<Result<_, _>>()?;
-    Ok(rows)
+pub fn compactions_of(conn: &dyn Sql, id: &str) -> Result<Vec<String>, StoreError> {
+    conn.rows(
+        "SELECT id FROM compactions WHERE conversation_id = ?1",
+        &[id.into()],
+    )?
+    .iter()
+    .map(|r| r.get(0))
+    .collect()
 }
 
 /// Deletes conversation `id` with its exchanges and compactions, in one
 /// transaction. Items stay (see [`prune_items`]).
-pub fn delete_conversation(conn: &mut Connection, id: &str) -> Result<Removed, StoreError> {
-    let tx = conn.transaction()?;
-    // Exchanges elsewhere stored as a reference into this conversation:
-    // their requests written out in full first.
-    let dependents: Vec<i64> = tx
-        .prepare(
+pub fn delete_conversation(conn: &dyn Sql, id: &str) -> Result<Removed, StoreError> {
+    in_transaction(conn, || {
+        // Exchanges elsewhere stored as a reference into this conversation:
+        // their requests written out in full first.
+        let dependents = conn.rows(
             "SELECT id FROM exchanges WHERE conversation_id <> ?1
                AND prefix_exchange IN (SELECT id FROM exchanges WHERE conversation_id = ?1)",
-        )?
-        .query_map(params![id], |r| r.get(0))?
-        .collect::<Result<_, _>>()?;
-    for dependent in dependents {
-        let items = request_item_hashes(&tx, dependent)?;
-        tx.execute(
-            "UPDATE exchanges SET prefix_exchange = NULL, prefix_len = 0, prefix_full = 0,
-                                  suffix_items = ?2 WHERE id = ?1",
-            params![dependent, pack_hashes(&items)],
+            &[id.into()],
         )?;
-    }
-    let exchanges = tx.execute(
-        "DELETE FROM exchanges WHERE conversation_id = ?1",
-        params![id],
-    )?;
-    let compactions = tx.execute(
-        "DELETE FROM compactions WHERE conversation_id = ?1",
-        params![id],
-    )?;
-    let conversations = tx.execute("DELETE FROM conversations WHERE id = ?1", params![id])?;
-    tx.commit()?;
-    Ok(Removed {
-        conversations: conversations as u64,
-        exchanges: exchanges as u64,
-        compactions: compactions as u64,
-        items: 0,
+        for dependent in &dependents {
+            let dependent: i64 = dependent.get(0)?;
+            let items = request_item_hashes(conn, dependent)?;
+            conn.execute(
+                "UPDATE exchanges SET prefix_exchange = NULL, prefix_len = 0,
+                                      prefix_full = ?3, suffix_items = ?2 WHERE id = ?1",
+                // `false` as an integer: SQLite's flags are integers, and
+                // PostgreSQL's statement binds it as the BOOLEAN its column is.
+                &[dependent.into(), pack_hashes(&items).into(), Param::Int(0)],
+            )?;
+        }
+        let mut removed = Removed::default();
+        for (table, column, count) in [
+            ("exchanges", "conversation_id", &mut removed.exchanges),
+            ("compactions", "conversation_id", &mut removed.compactions),
+            ("conversations", "id", &mut removed.conversations),
+        ] {
+            *count = conn.execute(
+                &format!("DELETE FROM {table} WHERE {column} = ?1"),
+                &[id.into()],
+            )?;
+        }
+        Ok(removed)
     })
 }
 
 /// Conversations last seen before `cutoff_ms` (Unix ms), at most `limit`,
 /// oldest first.
 pub fn seen_before(
-    conn: &Connection,
+    conn: &dyn Sql,
     cutoff_ms: i64,
     limit: usize,
 ) -> Result<Vec<(String, String)>, StoreError> {
-    let mut stmt = conn.prepare(
+    let limit = limit.min(i64::MAX as usize) as i64;
+    conn.rows(
         "SELECT tenant, id FROM conversations WHERE last_seen_ms < ?1
          ORDER BY last_seen_ms LIMIT ?2",
-    )?;
-    let rows = stmt
-        .query_map(params![cutoff_ms, limit as i64], |r| {
-            Ok((r.get(0)?, r.get(1)?))
-        })?
-        .collect::<Result<_, _>>()?;
-    Ok(rows)
+        &[cutoff_ms.into(), limit.into()],
+    )?
+    .iter()
+    .map(|r| Ok((r.get(0)?, r.get(1)?)))
+    .collect()
 }
 
 /// Deletes the items no exchange refers to (by its request, its answer or
 /// its parameters) and no remaining compaction names as an archived
 /// original; returns how many went.
-pub fn prune_items(conn: &mut Connection) -> Result<u64, StoreError> {
+pub fn prune_items(conn: &dyn Sql) -> Result<u64, StoreError> {
     let mut referenced: foldhash::HashSet<ItemHash> = Default::default();
-    {
-        let mut stmt =
-            conn.prepare("SELECT suffix_items, response_items, params FROM exchanges")?;
-        let mut rows = stmt.query([])?;
-        while let Some(r) = rows.next()? {
-            for column in 0..3 {
-                let blob: Vec<u8> = r.get(column)?;
-                referenced.extend(unpack_hashes(&blob));
-            }
+    for r in conn.rows(
+        "SELECT suffix_items, response_items, params FROM exchanges",
+        &[],
+    )? {
+        for column in 0..3 {
+            referenced.extend(unpack_hashes(&r.get::<Vec<u8>>(column)?));
         }
     }
     // Archived originals are named by the first 8 bytes of their hash.
     let mut archived: foldhash::HashSet<[u8; 8]> = Default::default();
-    {
-        let mut stmt = conn.prepare("SELECT replacement FROM compactions")?;
-        let mut rows = stmt.query([])?;
-        while let Some(r) = rows.next()? {
-            let text: String = r.get(0)?;
-            for reference in archive_refs(&text) {
-                if let Some(prefix) = parse_hex8(&reference["item:".len()..]) {
-                    archived.insert(prefix);
-                }
+    for r in conn.rows("SELECT replacement FROM compactions", &[])? {
+        for reference in archive_refs(&r.get::<String>(0)?) {
+            if let Some(prefix) = parse_hex8(&reference["item:".len()..]) {
+                archived.insert(prefix);
             }
         }
     }
-    let mut unreferenced: Vec<i64> = Vec::new();
-    {
-        let mut stmt = conn.prepare("SELECT rowid, hash FROM items")?;
-        let mut rows = stmt.query([])?;
-        while let Some(r) = rows.next()? {
-            let hash: Vec<u8> = r.get(1)?;
-            let Some(h) = unpack_hashes(&hash).into_iter().next() else {
-                continue;
-            };
-            let mut prefix = [0u8; 8];
-            prefix.copy_from_slice(&h[..8]);
-            if !referenced.contains(&h) && !archived.contains(&prefix) {
-                unreferenced.push(r.get(0)?);
-            }
+    let mut unreferenced: Vec<ItemHash> = Vec::new();
+    for r in conn.rows("SELECT hash FROM items", &[])? {
+        let Some(h) = unpack_hashes(&r.get::<Vec<u8>>(0)?).into_iter().next() else {
+            continue;
+        };
+        let mut prefix = [0u8; 8];
+        prefix.copy_from_slice(&h[..8]);
+        if !referenced.contains(&h) && !archived.contains(&prefix) {
+            unreferenced.push(h);
         }
     }
     for batch in unreferenced.chunks(ITEM_BATCH) {
-        let tx = conn.transaction()?;
-        {
-            let mut delete = tx.prepare_cached("DELETE FROM items WHERE rowid = ?1")?;
-            for rowid in batch {
-                delete.execute(params![rowid])?;
+        in_transaction(conn, || {
+            for hash in batch {
+                conn.execute(
+                    "DELETE FROM items WHERE hash = ?1",
+                    &[hash.as_slice().into()],
+                )?;
             }
-        }
-        tx.commit()?;
+            Ok(())
+        })?;
     }
     Ok(unreferenced.len() as u64)
 }
 
+/// The PostgreSQL channel on which replicas hear which conversations were
+/// deleted: each forgets them, and which items it believed stored.
+pub const FORGET_CHANNEL: &str = "compactor_forget";
+
+/// Bytes of conversation ids one notification carries (PostgreSQL's
+/// payload limit is 8,000).
+const FORGET_PAYLOAD: usize = 7_000;
+
+/// Tells every replica listening on [`FORGET_CHANNEL`] that `ids` are gone.
+fn forget_everywhere(conn: &dyn Sql, ids: &[String]) -> Result<(), StoreError> {
+    let mut payload = String::new();
+    let send = |payload: &mut String| -> Result<(), StoreError> {
+        if !payload.is_empty() {
+            conn.execute(
+                "SELECT pg_notify(?1, ?2)",
+                &[FORGET_CHANNEL.into(), payload.as_str().into()],
+            )?;
+            payload.clear();
+        }
+        Ok(())
+    };
+    for id in ids {
+        if payload.len() + id.len() + 1 > FORGET_PAYLOAD {
+            send(&mut payload)?;
+        }
+        if !payload.is_empty() {
+            payload.push(',');
+        }
+        payload.push_str(id);
+    }
+    send(&mut payload)
+}
+
 /// Gives the space of what was deleted back to the file system.
-pub fn vacuum(conn: &Connection) -> Result<(), StoreError> {
-    conn.execute_batch("VACUUM")?;
+pub fn vacuum(conn: &dyn Sql) -> Result<(), StoreError> {
+    // PostgreSQL's autovacuum reuses the space; a VACUUM there would wait
+    // for every replica's open transaction.
+    if conn.dialect() == super::sql::Dialect::Sqlite {
+        conn.execute("VACUUM", &[])?;
+    }
     Ok(())
 }
 
 /// Deletes `conversations` (each with what is its own), then the items no
 /// longer referred to, then vacuums when anything went.
-pub fn delete_and_prune(
-    conn: &mut Connection,
-    conversations: &[String],
-) -> Result<Removed, StoreError> {
+pub fn delete_and_prune(conn: &dyn Sql, conversations: &[String]) -> Result<Removed, StoreError> {
     let mut removed = Removed::default();
     for id in conversations {
         removed.add(delete_conversation(conn, id)?);
+    }
+    if conn.dialect() == super::sql::Dialect::Postgres {
+        forget_everywhere(conn, conversations)?;
     }
     removed.items = prune_items(conn)?;
     if removed != Removed::default() {
@@ -274,19 +325,12 @@ mod tests {
         let before = request_item_hashes(b.connection(), 2).unwrap();
         assert_eq!(before.len(), 3, "one through the reference, two its own");
         drop(b);
-        let mut conn = open_for_maintenance(&path).unwrap();
-        let removed = delete_and_prune(&mut conn, &["conv_1".to_string()]).unwrap();
+        let conn = open_for_maintenance(&path).unwrap();
+        let removed = delete_and_prune(&conn, &["conv_1".to_string()]).unwrap();
         assert_eq!((removed.conversations, removed.exchanges), (1, 1));
         assert_eq!(request_item_hashes(&conn, 2).unwrap(), before);
         // The shared item stays: the other exchange refers to it.
-        let body: Option<String> = conn
-            .query_row(
-                "SELECT body FROM items WHERE hash = ?1",
-                [before[0].to_vec()],
-                |r| r.get(0),
-            )
-            .optional()
-            .unwrap();
+        let body = crate::store::rows::item_body(&conn, &before[0]).unwrap();
         assert!(body.is_some());
     }
 }

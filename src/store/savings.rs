@@ -22,9 +22,9 @@
 
 use std::collections::BTreeMap;
 
-use rusqlite::{params, Connection};
 use serde::Serialize;
 
+use super::sql::Sql;
 use super::{StoreError, TENANT_PREFIX};
 use crate::config::{Config, Prices};
 
@@ -155,7 +155,7 @@ pub struct ConversationSavings {
 
 /// The savings of one conversation (`None`: all of them).
 pub fn report(
-    conn: &Connection,
+    conn: &dyn Sql,
     config: &Config,
     conversation: Option<&str>,
 ) -> Result<Report, StoreError> {
@@ -163,27 +163,28 @@ pub fn report(
     // Per conversation: the previous exchange's uncompacted input, the
     // cache the uncompacted run would have read.
     let mut previous: BTreeMap<String, u64> = BTreeMap::new();
-    let mut stmt = conn.prepare(
+    let rows = conn.rows(
         "SELECT conversation_id, tenant, model, input_tokens, output_tokens, cached_tokens,
                 tokens_saved, tokens_saved_potential, compaction_id
-         FROM exchanges WHERE ?1 IS NULL OR conversation_id = ?1 ORDER BY conversation_id, id",
+         FROM exchanges WHERE CAST(?1 AS TEXT) IS NULL OR conversation_id = ?1
+         ORDER BY conversation_id, id",
+        &[conversation.into()],
     )?;
-    let mut rows = stmt.query(params![conversation])?;
     // Per conversation, each exchange's (uncompacted input, the cache it
     // would have read at best, output, prices).
     type Uncompacted = Vec<(u64, u64, u64, Option<Prices>)>;
     let mut uncompacted: BTreeMap<String, Uncompacted> = BTreeMap::new();
-    while let Some(r) = rows.next()? {
+    for r in &rows {
         let id: String = r.get(0)?;
         let tenant: String = r.get(1)?;
         let model: String = r.get(2)?;
-        let get = |i: usize| -> rusqlite::Result<Option<u64>> {
-            Ok(r.get::<_, Option<i64>>(i)?.map(|v| v.max(0) as u64))
+        let get = |i: usize| -> Result<Option<u64>, StoreError> {
+            Ok(r.get::<Option<i64>>(i)?.map(|v| v.max(0) as u64))
         };
         let (input, output, cached) = (get(3)?, get(4)?, get(5)?);
         let saved = get(6)?.unwrap_or(0);
         let potential = get(7)?.unwrap_or(0);
-        let compacted = r.get::<_, Option<String>>(8)?.is_some();
+        let compacted = r.get::<Option<String>>(8)?.is_some();
         let entry = by_conversation
             .entry(id.clone())
             .or_insert_with(|| (tenant.clone(), model.clone(), Savings::default()));
@@ -214,7 +215,6 @@ pub fn report(
             .or_default()
             .push((whole, before.min(whole), output, prices));
     }
-    drop(rows);
     // The uncompacted run's cache, once it is known whether the upstream
     // caches at all for the conversation.
     for (id, list) in uncompacted {
@@ -229,19 +229,19 @@ pub fn report(
             }
         }
     }
-    let mut stmt = conn.prepare(
+    let rows = conn.rows(
         "SELECT conversation_id, summary_calls, summary_tokens, summary_output_tokens
-         FROM compactions WHERE ?1 IS NULL OR conversation_id = ?1",
+         FROM compactions WHERE CAST(?1 AS TEXT) IS NULL OR conversation_id = ?1",
+        &[conversation.into()],
     )?;
-    let mut rows = stmt.query(params![conversation])?;
-    while let Some(r) = rows.next()? {
+    for r in &rows {
         let id: String = r.get(0)?;
         let Some((_, model, s)) = by_conversation.get_mut(&id) else {
             continue;
         };
-        let calls = r.get::<_, i64>(1)?.max(0) as u64;
-        let total = r.get::<_, i64>(2)?.max(0) as u64;
-        let output = (r.get::<_, i64>(3)?.max(0) as u64).min(total);
+        let calls = r.count(1)?;
+        let total = r.count(2)?;
+        let output = r.count(3)?.min(total);
         s.summarizer_calls += calls;
         s.summarizer_input_tokens += total - output;
         s.summarizer_output_tokens += output;
@@ -325,7 +325,7 @@ mod tests {
              output_price_per_mtok = 8.0\n",
         )
         .unwrap();
-        let conn = Connection::open(&path).unwrap();
+        let conn = rusqlite::Connection::open(&path).unwrap();
         let r = report(&conn, &config, None).unwrap();
         let a = &r.conversations[0].savings;
         assert_eq!(r.conversations[0].id, "conv_a");

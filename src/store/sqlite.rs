@@ -8,11 +8,14 @@ use std::path::Path;
 
 use rusqlite::{params, Connection, OptionalExtension};
 
+use super::rows::{load_compaction, load_windows, response_history};
+pub use super::rows::{pack_hashes, unpack_hashes};
+pub(crate) use super::rows::{rebuild_items, Link};
 use super::{
     Backend, ExchangeRecord, IndexedExchange, Record, Snapshot, StoreError, StoredCompaction,
 };
-use crate::compaction::{Compaction, Rung};
-use crate::windows::{Source, Told};
+use crate::compaction::Compaction;
+use crate::windows::Told;
 use crate::wire::ItemHash;
 
 const SCHEMA: &str = r#"
@@ -271,22 +274,6 @@ impl SqliteBackend {
     pub fn connection(&self) -> &Connection {
         &self.conn
     }
-}
-
-/// Concatenates hashes into one blob.
-pub fn pack_hashes(hashes: &[ItemHash]) -> &[u8] {
-    hashes.as_flattened()
-}
-
-/// Splits a blob of concatenated hashes.
-pub fn unpack_hashes(blob: &[u8]) -> Vec<ItemHash> {
-    blob.chunks_exact(32)
-        .map(|c| {
-            let mut h = [0u8; 32];
-            h.copy_from_slice(c);
-            h
-        })
-        .collect()
 }
 
 fn opt_hash(blob: Option<Vec<u8>>) -> Option<ItemHash> {
@@ -564,73 +551,6 @@ fn write_window(tx: &rusqlite::Transaction<'_>, w: &Told) -> Result<(), StoreErr
     Ok(())
 }
 
-/// Every window upstreams told, by upstream and model.
-pub fn load_windows(conn: &Connection) -> Result<Vec<Told>, StoreError> {
-    let mut stmt = conn.prepare(
-        "SELECT upstream, model, window, source, updated_ms FROM windows ORDER BY upstream, model",
-    )?;
-    let rows = stmt.query_map([], |r| {
-        let source: String = r.get(3)?;
-        Ok(Told {
-            upstream: r.get(0)?,
-            model: r.get(1)?,
-            window: r.get::<_, i64>(2)?.max(0) as u64,
-            source: Source::parse(&source).unwrap_or(Source::Learned),
-            updated_ms: r.get(4)?,
-        })
-    })?;
-    Ok(rows.collect::<Result<_, _>>()?)
-}
-
-/// The columns [`compaction_row`] reads, in its order.
-const COMPACTION_COLUMNS: &str = "id, tenant, conversation_id, covered_len, covered_chain,
-    replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept, summary,
-    facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens, summary_output_tokens,
-    tokens_saved, observed";
-
-fn compaction_row(r: &rusqlite::Row<'_>) -> rusqlite::Result<Compaction> {
-    let replacement: String = r.get(5)?;
-    let facts: Option<String> = r.get(13)?;
-    let rung: String = r.get(6)?;
-    Ok(Compaction {
-        id: r.get(0)?,
-        tenant: r.get(1)?,
-        conversation: r.get(2)?,
-        covered_len: r.get::<_, i64>(3)? as usize,
-        covered_chain: opt_hash(r.get(4)?).unwrap_or([0; 32]),
-        replacement: serde_json::from_str(&replacement).unwrap_or_default(),
-        rung: Rung::parse(&rung).unwrap_or(Rung::Fallback),
-        reason: r.get(7)?,
-        tokens_before: r.get::<_, i64>(8)? as u64,
-        tokens_after: r.get::<_, i64>(9)? as u64,
-        items_removed: r.get::<_, i64>(10)? as usize,
-        items_kept: r.get::<_, i64>(11)? as usize,
-        summary: r.get(12)?,
-        facts: facts.and_then(|f| serde_json::from_str(&f).ok()),
-        base: r.get(14)?,
-        summary_calls: r.get(15)?,
-        duration_ms: r.get::<_, i64>(16)? as u64,
-        created_ms: r.get(17)?,
-        summary_tokens: r.get::<_, i64>(18)?.max(0) as u64,
-        summary_output_tokens: r.get::<_, i64>(19)?.max(0) as u64,
-        tokens_saved: r.get::<_, i64>(20)?.max(0) as u64,
-        observed: r.get(21)?,
-    })
-}
-
-/// Compactions, oldest first; all of them or one conversation's.
-pub fn load_compactions(
-    conn: &Connection,
-    conversation: Option<&str>,
-) -> Result<Vec<Compaction>, StoreError> {
-    let mut stmt = conn.prepare(&format!(
-        "SELECT {COMPACTION_COLUMNS} FROM compactions
-         WHERE ?1 IS NULL OR conversation_id = ?1 ORDER BY created_ms, rowid"
-    ))?;
-    let rows = stmt.query_map(params![conversation], compaction_row)?;
-    Ok(rows.collect::<Result<_, _>>()?)
-}
-
 /// A query that finds one thing, or nothing.
 type Query<'a, T> = dyn Fn(&Connection) -> Result<Option<T>, StoreError> + 'a;
 
@@ -717,116 +637,6 @@ impl super::Reads for SqliteReads {
                 .ok()?;
         response_history(&conn, tenant, response_id).ok().flatten()
     }
-}
-
-/// One compaction by id.
-pub fn load_compaction(conn: &Connection, id: &str) -> Result<Option<Compaction>, StoreError> {
-    Ok(conn
-        .query_row(
-            &format!("SELECT {COMPACTION_COLUMNS} FROM compactions WHERE id = ?1"),
-            params![id],
-            compaction_row,
-        )
-        .optional()?)
-}
-
-/// Reconstructs the request items of exchange `id` (as hashes) by following
-/// its prefix references back.
-pub fn request_item_hashes(conn: &Connection, id: i64) -> Result<Vec<ItemHash>, StoreError> {
-    // Collect the chain of references newest-first, then rebuild oldest-first.
-    let mut chain: Vec<Link> = Vec::new();
-    let mut cur = Some(id);
-    while let Some(eid) = cur {
-        let row: (Option<i64>, i64, bool, Vec<u8>, Vec<u8>) = conn.query_row(
-            "SELECT prefix_exchange, prefix_len, prefix_full, suffix_items, response_items
-             FROM exchanges WHERE id = ?1",
-            params![eid],
-            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?, r.get(3)?, r.get(4)?)),
-        )?;
-        cur = row.0;
-        chain.push((
-            row.0,
-            row.1 as usize,
-            row.2,
-            unpack_hashes(&row.3),
-            unpack_hashes(&row.4),
-        ));
-    }
-    chain.reverse();
-    Ok(rebuild_items(chain))
-}
-
-/// One exchange's reference to the one it continues: (prefix exchange,
-/// prefix length, prefix includes its response, suffix, response).
-pub(crate) type Link = (Option<i64>, usize, bool, Vec<ItemHash>, Vec<ItemHash>);
-
-/// The request items of the last of `chain` (oldest first, each link
-/// continuing the one before it).
-pub(crate) fn rebuild_items(chain: Vec<Link>) -> Vec<ItemHash> {
-    let mut items: Vec<ItemHash> = Vec::new();
-    let mut prev_response: Vec<ItemHash> = Vec::new();
-    for (prefix, len, full, suffix, response) in chain {
-        if prefix.is_some() {
-            if full {
-                items.extend(prev_response.iter().copied());
-            }
-            items.truncate(len);
-        } else {
-            items.clear();
-        }
-        items.extend(suffix);
-        prev_response = response;
-    }
-    items
-}
-
-/// The stored body of an item.
-pub fn item_body(conn: &Connection, hash: &ItemHash) -> Result<Option<String>, StoreError> {
-    Ok(conn
-        .query_row(
-            "SELECT body FROM items WHERE hash = ?1",
-            params![hash.to_vec()],
-            |r| r.get(0),
-        )
-        .optional()?)
-}
-
-/// The whole history a recorded response continued, for expanding a
-/// `previous_response_id`: the request's items (without the instructions
-/// pseudo-item; instructions are not carried over) followed by the
-/// response's output items. Only the tenant's own responses are found.
-pub fn response_history(
-    conn: &Connection,
-    tenant: &str,
-    response_id: &str,
-) -> Result<Option<Vec<serde_json::Value>>, StoreError> {
-    let row: Option<(i64, Vec<u8>)> = conn
-        .query_row(
-            "SELECT id, response_items FROM exchanges
-             WHERE tenant = ?1 AND response_id = ?2 AND status BETWEEN 200 AND 299 AND partial = 0
-             ORDER BY id DESC LIMIT 1",
-            params![tenant, response_id],
-            |r| Ok((r.get(0)?, r.get(1)?)),
-        )
-        .optional()?;
-    let Some((id, response)) = row else {
-        return Ok(None);
-    };
-    let mut hashes = request_item_hashes(conn, id)?;
-    hashes.extend(unpack_hashes(&response));
-    let mut items = Vec::with_capacity(hashes.len());
-    for h in &hashes {
-        let Some(body) = item_body(conn, h)? else {
-            return Ok(None);
-        };
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(&body) else {
-            return Ok(None);
-        };
-        if !crate::wire::responses::is_instructions_item(&v) {
-            items.push(v);
-        }
-    }
-    Ok(Some(items))
 }
 
 #[cfg(test)]

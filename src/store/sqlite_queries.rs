@@ -47,11 +47,7 @@ impl super::Queries for super::sqlite::SqliteReads {
     }
 
     fn victim(&self, name: &str) -> Result<Victim, QueryError> {
-        let conn = open_read_only(self.path())?;
-        let id = resolve_id(&conn, name)?;
-        let tenant = retention::tenant_of(&conn, &id)?.ok_or(QueryError::NotFound(id.clone()))?;
-        let mut found = retention::victims_of(&conn, vec![(tenant, id.clone())])?;
-        found.pop().ok_or(QueryError::NotFound(id))
+        retention::victim(&open_read_only(self.path())?, name)
     }
 
     fn victims_seen_before(&self, cutoff_ms: i64, limit: usize) -> Result<Vec<Victim>, QueryError> {
@@ -61,7 +57,7 @@ impl super::Queries for super::sqlite::SqliteReads {
     }
 
     fn delete_conversations(&self, ids: &[String]) -> Result<Removed, QueryError> {
-        let mut conn = retention::open_for_maintenance(self.path())?;
-        Ok(retention::delete_and_prune(&mut conn, ids)?)
+        let conn = retention::open_for_maintenance(self.path())?;
+        Ok(retention::delete_and_prune(&conn, ids)?)
     }
 }

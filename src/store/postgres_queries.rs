@@ -1,0 +1,228 @@
+//! The PostgreSQL store's [`super::Queries`]: the views SQLite's store
+//! answers (list, show, export, savings, deletion), run through [`Sql`] on
+//! one pooled connection per call, from whichever replica is asked.
+
+use std::sync::Arc;
+
+use bytes::BytesMut;
+use tokio_postgres::types::{IsNull, ToSql, Type};
+
+use super::postgres::{Postgres, PostgresReads};
+use super::query::{self, ConversationDetail, ConversationExport, ConversationSummary, QueryError};
+use super::retention::{self, Removed, Victim};
+use super::sql::{numbered, Cell, Dialect, Param, Row, Sql};
+use super::StoreError;
+use crate::config::Config;
+
+/// A [`Param`] that owns its value: a statement runs on the pool's runtime,
+/// which outlives the caller's borrows.
+#[derive(Debug)]
+enum Owned {
+    Null,
+    Int(i64),
+    Text(String),
+    Blob(Vec<u8>),
+}
+
+impl From<&Param<'_>> for Owned {
+    fn from(p: &Param<'_>) -> Self {
+        match *p {
+            Param::Null => Owned::Null,
+            Param::Int(v) => Owned::Int(v),
+            Param::Text(s) => Owned::Text(s.to_string()),
+            Param::Blob(b) => Owned::Blob(b.to_vec()),
+        }
+    }
+}
+
+impl ToSql for Owned {
+    /// An integer goes as the width the server asks for (the views' ids
+    /// and counts are `BIGINT`, statuses `INTEGER`, flags `BOOLEAN`).
+    fn to_sql(
+        &self,
+        ty: &Type,
+        out: &mut BytesMut,
+    ) -> Result<IsNull, Box<dyn std::error::Error + Sync + Send>> {
+        match self {
+            Owned::Null => Ok(IsNull::Yes),
+            Owned::Int(v) => match *ty {
+                Type::BOOL => (*v != 0).to_sql(ty, out),
+                Type::INT2 => i16::try_from(*v)?.to_sql(ty, out),
+                Type::INT4 => i32::try_from(*v)?.to_sql(ty, out),
+                Type::FLOAT8 => (*v as f64).to_sql(ty, out),
+                _ => v.to_sql(ty, out),
+            },
+            Owned::Text(s) => s.to_sql(ty, out),
+            Owned::Blob(b) => b.to_sql(ty, out),
+        }
+    }
+
+    fn accepts(ty: &Type) -> bool {
+        matches!(
+            *ty,
+            Type::BOOL
+                | Type::INT2
+                | Type::INT4
+                | Type::INT8
+                | Type::FLOAT8
+                | Type::TEXT
+                | Type::VARCHAR
+                | Type::BYTEA
+        )
+    }
+
+    tokio_postgres::types::to_sql_checked!();
+}
+
+/// Column `i` of `row` as a [`Cell`].
+fn cell(row: &tokio_postgres::Row, i: usize) -> Result<Cell, StoreError> {
+    let ty = row.columns()[i].type_().clone();
+    let int = |v: Option<i64>| v.map_or(Cell::Null, Cell::Int);
+    Ok(match ty {
+        Type::INT8 => int(row.try_get(i)?),
+        Type::INT4 => int(row.try_get::<_, Option<i32>>(i)?.map(i64::from)),
+        Type::INT2 => int(row.try_get::<_, Option<i16>>(i)?.map(i64::from)),
+        Type::BOOL => int(row.try_get::<_, Option<bool>>(i)?.map(i64::from)),
+        Type::FLOAT8 => row
+            .try_get::<_, Option<f64>>(i)?
+            .map_or(Cell::Null, Cell::Real),
+        Type::TEXT | Type::VARCHAR | Type::NAME => row
+            .try_get::<_, Option<String>>(i)?
+            .map_or(Cell::Null, Cell::Text),
+        Type::BYTEA => row
+            .try_get::<_, Option<Vec<u8>>>(i)?
+            .map_or(Cell::Null, Cell::Blob),
+        _ => {
+            return Err(StoreError::Column {
+                index: i,
+                wanted: "type the views read",
+            })
+        }
+    })
+}
+
+/// A connection for the views to the database `opts` names, for the CLI:
+/// its schema must be current (`serve` brings it up to date).
+pub fn connect(opts: &super::postgres::Options) -> Result<PgSql, StoreError> {
+    let pg = Postgres::new(opts)?;
+    let status = pg.status()?;
+    if !status.is_current() {
+        return Err(StoreError::Schema {
+            applied: status.applied,
+            latest: status.latest,
+        });
+    }
+    PgSql::connect(&pg)
+}
+
+/// One pooled connection, held for the statements of one view.
+pub struct PgSql {
+    pg: Arc<Postgres>,
+    client: Arc<deadpool_postgres::Object>,
+}
+
+impl PgSql {
+    /// A connection from `pg`'s pool.
+    pub(super) fn connect(pg: &Arc<Postgres>) -> Result<Self, StoreError> {
+        let pool = pg.pool.clone();
+        let client = pg.wait(async move { Ok(pool.get().await?) })?;
+        Ok(PgSql {
+            pg: pg.clone(),
+            client: Arc::new(client),
+        })
+    }
+}
+
+fn owned(params: &[Param<'_>]) -> Vec<Owned> {
+    params.iter().map(Owned::from).collect()
+}
+
+fn refs(params: &[Owned]) -> Vec<&(dyn ToSql + Sync)> {
+    params.iter().map(|p| p as &(dyn ToSql + Sync)).collect()
+}
+
+impl Sql for PgSql {
+    fn dialect(&self) -> Dialect {
+        Dialect::Postgres
+    }
+
+    fn rows(&self, sql: &str, params: &[Param<'_>]) -> Result<Vec<Row>, StoreError> {
+        let (sql, owned) = (numbered(sql), owned(params));
+        let client = self.client.clone();
+        let rows = self.pg.wait(async move {
+            let stmt = client.prepare_cached(&sql).await?;
+            Ok(client.query(&stmt, &refs(&owned)).await?)
+        })?;
+        rows.iter()
+            .map(|r| {
+                (0..r.len())
+                    .map(|i| cell(r, i))
+                    .collect::<Result<_, _>>()
+                    .map(Row)
+            })
+            .collect()
+    }
+
+    fn execute(&self, sql: &str, params: &[Param<'_>]) -> Result<u64, StoreError> {
+        let (sql, owned) = (numbered(sql), owned(params));
+        let client = self.client.clone();
+        self.pg.wait(async move {
+            let stmt = client.prepare_cached(&sql).await?;
+            Ok(client.execute(&stmt, &refs(&owned)).await?)
+        })
+    }
+}
+
+impl super::Queries for PostgresReads {
+    fn conversations(
+        &self,
+        config: &Config,
+        limit: usize,
+    ) -> Result<Vec<ConversationSummary>, QueryError> {
+        query::list_conversations(&PgSql::connect(self.pg())?, config, limit)
+    }
+
+    fn conversation_detail(
+        &self,
+        config: &Config,
+        id: &str,
+    ) -> Result<ConversationDetail, QueryError> {
+        query::show(&PgSql::connect(self.pg())?, config, id)
+    }
+
+    fn conversation_export(
+        &self,
+        config: &Config,
+        id: &str,
+    ) -> Result<ConversationExport, QueryError> {
+        query::export(&PgSql::connect(self.pg())?, config, id)
+    }
+
+    fn resolve_conversation(&self, name: &str) -> Result<String, QueryError> {
+        query::resolve_id(&PgSql::connect(self.pg())?, name)
+    }
+
+    fn savings(&self, config: &Config) -> Result<super::savings::Report, QueryError> {
+        Ok(super::savings::report(
+            &PgSql::connect(self.pg())?,
+            config,
+            None,
+        )?)
+    }
+
+    fn victim(&self, name: &str) -> Result<Victim, QueryError> {
+        let conn = PgSql::connect(self.pg())?;
+        retention::victim(&conn, name)
+    }
+
+    fn victims_seen_before(&self, cutoff_ms: i64, limit: usize) -> Result<Vec<Victim>, QueryError> {
+        let conn = PgSql::connect(self.pg())?;
+        let found = retention::seen_before(&conn, cutoff_ms, limit)?;
+        Ok(retention::victims_of(&conn, found)?)
+    }
+
+    fn delete_conversations(&self, ids: &[String]) -> Result<Removed, QueryError> {
+        let conn = PgSql::connect(self.pg())?;
+        Ok(retention::delete_and_prune(&conn, ids)?)
+    }
+}
