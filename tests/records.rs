@@ -6,7 +6,7 @@ mod support;
 use compactor::store::rows::request_item_hashes;
 use compactor::wire::item_hash;
 use serde_json::{json, Value};
-use support::{post, within, Harness};
+use support::{column, number, post, within, Harness, TestStore};
 
 fn conv(headers: &http::HeaderMap) -> String {
     headers
@@ -66,14 +66,10 @@ async fn sessions_that_each_begin_count_to_five_are_three_conversations() {
         assert!(!seen.contains(&first), "session {session} joined {seen:?}");
         seen.push(first);
     }
-    let per_conversation: Vec<i64> = h
-        .db()
-        .prepare("SELECT count(*) FROM exchanges GROUP BY conversation_id")
-        .unwrap()
-        .query_map([], |r| r.get(0))
-        .unwrap()
-        .collect::<Result<_, _>>()
-        .unwrap();
+    let per_conversation: Vec<i64> = column(
+        &*h.sql(),
+        "SELECT count(*) FROM exchanges GROUP BY conversation_id",
+    );
     assert_eq!(per_conversation, [2, 2, 2]);
 }
 
@@ -106,16 +102,17 @@ async fn explicit_ids_group_unrelated_requests() {
     .await;
     ids.push(conv(&headers));
     assert!(ids.windows(2).all(|w| w[0] == w[1]), "{ids:?}");
-    let (key, n): (String, i64) = h
-        .db()
-        .query_row(
+    let rows = h
+        .sql()
+        .rows(
             "SELECT explicit_key, (SELECT count(*) FROM exchanges) FROM conversations",
-            [],
-            |r| Ok((r.get(0)?, r.get(1)?)),
+            &[],
         )
         .unwrap();
+    assert_eq!(rows.len(), 1, "one conversation: {rows:?}");
+    let key: String = rows[0].get(0).unwrap();
     assert_eq!(key, "session-id:019a-session");
-    assert_eq!(n, 4);
+    assert_eq!(rows[0].get::<i64>(1).unwrap(), 4);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -152,12 +149,7 @@ async fn identical_histories_under_two_keys_are_two_tenants() {
         session("sk-alice-aaaaaaaaaaaa").await,
         session("sk-bob-bbbbbbbbbbbbbb").await
     );
-    let tenants: i64 = h
-        .db()
-        .query_row("SELECT count(DISTINCT tenant) FROM exchanges", [], |r| {
-            r.get(0)
-        })
-        .unwrap();
+    let tenants = number(&*h.sql(), "SELECT count(DISTINCT tenant) FROM exchanges");
     assert_eq!(tenants, 2);
 }
 
@@ -167,7 +159,9 @@ async fn raw_keys_never_reach_the_store() {
     let key = "sk-proj-RAWKEY-must-not-be-stored-7f3a";
     let url = format!("{}/chat/completions", h.url());
     let mut hist = vec![];
-    turn(&url, key, &mut hist, "hello").await;
+    // What is recorded is found where the key is looked for.
+    const RECORDED: &str = "hello, recorded word for word 5d1e";
+    turn(&url, key, &mut hist, RECORDED).await;
     let (status, _, _) = post(
         &format!("{}/responses", h.url()),
         key,
@@ -193,24 +187,53 @@ async fn raw_keys_never_reach_the_store() {
         String::from_utf8_lossy(&body).contains(key),
         "relayed verbatim to its owner"
     );
-    // Look in the database and its WAL, as bytes.
-    let mut found = Vec::new();
-    for entry in std::fs::read_dir(h.dir.path()).unwrap() {
-        let path = entry.unwrap().path();
+    // Look in the store's files, as bytes.
+    let contains = |bytes: &[u8], s: &[u8]| bytes.windows(s.len()).any(|w| w == s);
+    let (mut found, mut recorded) = (Vec::new(), false);
+    for path in store_files(&h) {
         let bytes = std::fs::read(&path).unwrap();
-        assert!(!bytes.is_empty() || !path.ends_with("compactor.db"));
-        if bytes.windows(key.len()).any(|w| w == key.as_bytes())
-            || bytes.windows(6).any(|w| w == b"RAWKEY")
-        {
+        recorded |= contains(&bytes, RECORDED.as_bytes());
+        if contains(&bytes, key.as_bytes()) || contains(&bytes, b"RAWKEY") {
             found.push(path);
         }
     }
+    assert!(
+        recorded,
+        "the first request's message is in the files looked at"
+    );
     assert!(found.is_empty(), "raw key found in {found:?}");
-    let n: i64 = h
-        .db()
-        .query_row("SELECT count(*) FROM exchanges", [], |r| r.get(0))
-        .unwrap();
+    let n = number(&*h.sql(), "SELECT count(*) FROM exchanges");
     assert_eq!(n, 3, "the exchanges themselves were recorded");
+}
+
+/// The files that hold `h`'s records: the SQLite database with its WAL and
+/// journal, or PostgreSQL's write-ahead log (where a commit is written
+/// first) and its database's own files.
+fn store_files(h: &Harness) -> Vec<std::path::PathBuf> {
+    let files = |dir: &std::path::Path| -> Vec<std::path::PathBuf> {
+        std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.is_file())
+            .collect()
+    };
+    if !h.state.config.store.is_postgres() {
+        return files(h.dir.path());
+    }
+    let row = h
+        .sql()
+        .first(
+            "SELECT current_setting('data_directory'),
+                    (SELECT oid::bigint FROM pg_database WHERE datname = current_database())",
+            &[],
+        )
+        .unwrap()
+        .expect("a row");
+    let data = std::path::PathBuf::from(row.get::<String>(0).unwrap());
+    let database = row.get::<i64>(1).unwrap().to_string();
+    let mut all = files(&data.join("pg_wal"));
+    all.extend(files(&data.join("base").join(database)));
+    all
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -228,37 +251,31 @@ async fn a_resent_history_is_stored_once_and_reconstructs_exactly() {
         )
         .await;
     }
-    let db = h.db();
-    let items: i64 = db
-        .query_row("SELECT count(*) FROM items", [], |r| r.get(0))
-        .unwrap();
+    let db = h.sql();
+    let items = number(&*db, "SELECT count(*) FROM items");
     // Per turn: the user message, the answer as the upstream sent it and as
     // the client resent it; plus the system message and the parameters.
     assert!(
         items as usize <= 3 * TURNS + 2,
         "items = {items}: storage must be linear"
     );
-    let suffix_hashes: i64 = db
-        .query_row(
-            "SELECT sum(length(suffix_items)) / 32 FROM exchanges",
-            [],
-            |r| r.get(0),
-        )
-        .unwrap();
+    let suffix_hashes = number(&*db, "SELECT sum(length(suffix_items)) / 32 FROM exchanges");
     assert!(
         suffix_hashes as usize <= 3 * TURNS + 1,
         "suffixes = {suffix_hashes}: each turn stores only what is new"
     );
     // The last request's items come back exactly from the prefix references.
-    let last_id: i64 = db
-        .query_row("SELECT max(id) FROM exchanges", [], |r| r.get(0))
-        .unwrap();
+    let last_id = number(&*db, "SELECT max(id) FROM exchanges");
     let sent: Vec<_> = hist[..hist.len() - 1].iter().map(item_hash).collect();
-    assert_eq!(request_item_hashes(&db, last_id).unwrap(), sent);
+    assert_eq!(request_item_hashes(&*db, last_id).unwrap(), sent);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_exchanges_survive_kill_9() {
+    // tests/postgres.rs kills a replica of a PostgreSQL store.
+    if support::sqlite_only("kill -9 of the binary, then the journal beside its SQLite file") {
+        return;
+    }
     let fake = within(compactor::fake_upstream::FakeUpstream::start())
         .await
         .unwrap();
@@ -320,16 +337,11 @@ async fn acknowledged_exchanges_survive_kill_9() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn restart_on_the_same_store_keeps_grouping() {
-    let mut h = Harness::start().await;
+    let h = Harness::start().await;
     let url = format!("{}/chat/completions", h.url());
     let mut hist = vec![];
     let before = turn(&url, "k", &mut hist, "remember me").await;
-    h.stop().await;
-    let config = h.state.config.clone();
-    let (fake, db) = (h.fake.clone(), h.db.clone());
-    let dir = std::mem::replace(&mut h.dir, tempfile::tempdir().unwrap());
-    drop(h);
-    let h2 = Harness::start_on(fake, dir, db, config).await;
+    let h2 = h.restart().await;
     let after = turn(
         &format!("{}/chat/completions", h2.url()),
         "k",
@@ -341,13 +353,13 @@ async fn restart_on_the_same_store_keeps_grouping() {
 }
 
 /// A store and a config for the real binary in front of a fake upstream:
-/// (fake, dir, db, config path, port); `extra` goes under `[store]`.
+/// (fake, dir, store, config path, port); `extra` goes under `[store]`.
 async fn binary_setup(
     extra: &str,
 ) -> (
     compactor::fake_upstream::FakeUpstream,
     tempfile::TempDir,
-    std::path::PathBuf,
+    TestStore,
     std::path::PathBuf,
     u16,
 ) {
@@ -355,26 +367,26 @@ async fn binary_setup(
         .await
         .unwrap();
     let dir = tempfile::tempdir().unwrap();
-    let db = dir.path().join("c.db");
+    let store = TestStore::new(dir.path().join("c.db"));
     let config = dir.path().join("proxy.toml");
     let port = support::free_port();
-    write_config(&config, &fake, &db, port, extra);
-    (fake, dir, db, config, port)
+    write_config(&config, &fake, &store, port, extra);
+    (fake, dir, store, config, port)
 }
 
 fn write_config(
     config: &std::path::Path,
     fake: &compactor::fake_upstream::FakeUpstream,
-    db: &std::path::Path,
+    store: &TestStore,
     port: u16,
     extra: &str,
 ) {
     std::fs::write(
         config,
         format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\n[upstream]\nbase_url = {:?}\ndiscover_windows = false\n[store]\npath = {:?}\n{extra}",
+            "[server]\nlisten = \"127.0.0.1:{port}\"\n[upstream]\nbase_url = {:?}\ndiscover_windows = false\n[store]\n{}{extra}",
             fake.url(),
-            db.display().to_string()
+            store.toml()
         ),
     )
     .unwrap();
@@ -382,7 +394,7 @@ fn write_config(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delete_and_prune_while_the_binary_serves_and_after_it_stopped() {
-    let (_fake, _dir, db, config, port) = binary_setup("").await;
+    let (_fake, _dir, store, config, port) = binary_setup("").await;
     let config_arg = config.display().to_string();
     let proxy = support::spawn_binary(port, &["--config".as_ref(), config.as_os_str()]);
     let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
@@ -442,7 +454,7 @@ async fn delete_and_prune_while_the_binary_serves_and_after_it_stopped() {
     assert_eq!(status, 200, "serving after the prune");
     drop(proxy);
 
-    // No proxy: the file itself is changed.
+    // No proxy: the store itself is changed.
     let (code, out, err) = cli(&["conversations", "list", "--json"]).await;
     assert_eq!(code, 0, "{err}");
     let list: Value = serde_json::from_str(&out).unwrap();
@@ -460,11 +472,8 @@ async fn delete_and_prune_while_the_binary_serves_and_after_it_stopped() {
         out.starts_with("removed 1 conversation, 1 exchange"),
         "{out}"
     );
-    let conn = rusqlite::Connection::open(&db).unwrap();
-    let count = |table: &str| -> i64 {
-        conn.query_row(&format!("SELECT count(*) FROM {table}"), [], |r| r.get(0))
-            .unwrap()
-    };
+    let conn = store.sql();
+    let count = |table: &str| number(&*conn, &format!("SELECT count(*) FROM {table}"));
     assert_eq!(
         (count("conversations"), count("exchanges"), count("items")),
         (0, 0, 0)
@@ -473,7 +482,7 @@ async fn delete_and_prune_while_the_binary_serves_and_after_it_stopped() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_running_binary_applies_retain_days() {
-    let (fake, _dir, db, config, port) = binary_setup("").await;
+    let (fake, _dir, store, config, port) = binary_setup("").await;
     let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
     let (old, recent) = {
         let _proxy = support::spawn_binary(port, &["--config".as_ref(), config.as_os_str()]);
@@ -481,25 +490,22 @@ async fn the_running_binary_applies_retain_days() {
         let recent = turn(&url, "k", &mut Vec::new(), "from today").await;
         (old, recent)
     };
-    // As if last seen three days ago.
-    compactor::store::journal::import_orphaned(&db).unwrap();
-    rusqlite::Connection::open(&db)
-        .unwrap()
+    // As if last seen three days ago (a SQLite file's journal first: the
+    // binary was killed).
+    if !store.is_postgres() {
+        compactor::store::journal::import_orphaned(&store.path).unwrap();
+    }
+    let conn = store.sql();
+    let changed = conn
         .execute(
             "UPDATE conversations SET last_seen_ms = last_seen_ms - 3 * 86400000 WHERE id = ?1",
-            [&old],
+            &[(&old).into()],
         )
         .unwrap();
-    write_config(&config, &fake, &db, port, "retain_days = 2\n");
+    assert_eq!(changed, 1);
+    write_config(&config, &fake, &store, port, "retain_days = 2\n");
     let _proxy = support::spawn_binary(port, &["--config".as_ref(), config.as_os_str()]);
-    let ids = || -> Vec<String> {
-        let conn = rusqlite::Connection::open(&db).unwrap();
-        let mut stmt = conn.prepare("SELECT id FROM conversations").unwrap();
-        stmt.query_map([], |r| r.get(0))
-            .unwrap()
-            .collect::<Result<_, _>>()
-            .unwrap()
-    };
+    let ids = || -> Vec<String> { column(&*conn, "SELECT id FROM conversations") };
     within(async {
         while ids().contains(&old) {
             tokio::time::sleep(std::time::Duration::from_millis(50)).await;

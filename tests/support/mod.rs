@@ -1,5 +1,9 @@
 //! Shared test plumbing: a proxy on an ephemeral port in front of the fake
 //! upstream, a temporary store, and a timeout around every await.
+//!
+//! The store is a SQLite file, or with `COMPACTOR_TEST_STORE=postgres` a
+//! fresh database of a throwaway PostgreSQL cluster: the tests that look
+//! into it do so through [`Harness::sql`], which reads either.
 
 #![allow(dead_code)]
 
@@ -9,7 +13,7 @@ use std::future::Future;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::AtomicUsize;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError, Weak};
 use std::time::Duration;
 
 use compactor::app::AppState;
@@ -17,6 +21,8 @@ use compactor::compaction::summary::SUMMARIZER_MARKER;
 use compactor::config::{Config, ModelConfig};
 use compactor::fake_upstream::{FakeUpstream, Received, Reply};
 use compactor::server;
+use compactor::store::sql::Sql;
+use postgres::PgCluster;
 use serde_json::Value;
 use tokio::sync::oneshot;
 
@@ -30,6 +36,127 @@ pub async fn within<T>(f: impl Future<Output = T>) -> T {
         .expect("test step timed out")
 }
 
+/// The variable that picks the store the tests run on: `postgres`, or
+/// `sqlite` (the default, also when unset).
+pub const STORE_ENV: &str = "COMPACTOR_TEST_STORE";
+
+/// Whether the tests' stores are on PostgreSQL ([`STORE_ENV`]).
+pub fn on_postgres() -> bool {
+    match std::env::var(STORE_ENV).as_deref() {
+        Err(_) | Ok("" | "sqlite") => false,
+        Ok("postgres") => true,
+        Ok(other) => panic!("{STORE_ENV}={other}: expected sqlite or postgres"),
+    }
+}
+
+/// For a test about SQLite itself (its file, journal or lock): true, after
+/// saying so, when the stores are on PostgreSQL, and the test returns.
+pub fn sqlite_only(why: &str) -> bool {
+    let skip = on_postgres();
+    if skip {
+        eprintln!("skipped on {STORE_ENV}=postgres: {why}");
+    }
+    skip
+}
+
+/// This process's PostgreSQL cluster, started by the first store that needs
+/// it. A `static` is never dropped, so it holds the cluster weakly: the
+/// stores hold it, and the last one dropped stops it (a later store starts
+/// another), so that no cluster outlives the test process.
+fn cluster() -> Arc<PgCluster> {
+    static CLUSTER: Mutex<Weak<PgCluster>> = Mutex::new(Weak::new());
+    let mut shared = CLUSTER.lock().unwrap_or_else(PoisonError::into_inner);
+    if let Some(cluster) = shared.upgrade() {
+        return cluster;
+    }
+    // Asked for explicitly: a cluster that cannot start fails the test
+    // rather than letting it pass on no store at all.
+    let cluster = Arc::new(PgCluster::start().unwrap_or_else(|| {
+        panic!("{STORE_ENV}=postgres, but no PostgreSQL cluster can be started (said above)")
+    }));
+    *shared = Arc::downgrade(&cluster);
+    cluster
+}
+
+/// Where a test's records go: the SQLite file `path`, or a fresh database
+/// of this process's cluster under [`STORE_ENV`]`=postgres`.
+pub struct TestStore {
+    pub path: PathBuf,
+    /// The database's URL; empty for SQLite.
+    pub url: String,
+    /// Keeps the cluster running while the store is in use.
+    cluster: Option<Arc<PgCluster>>,
+}
+
+impl TestStore {
+    /// A new, empty store; `path` is its SQLite file (and the file the
+    /// proxy is configured with on PostgreSQL too, where nothing uses it).
+    pub fn new(path: PathBuf) -> TestStore {
+        let cluster = on_postgres().then(cluster);
+        let url = cluster.as_ref().map(|c| c.database()).unwrap_or_default();
+        TestStore { path, url, cluster }
+    }
+
+    /// Whether it is a PostgreSQL database.
+    pub fn is_postgres(&self) -> bool {
+        !self.url.is_empty()
+    }
+
+    /// Points `[store]` at it.
+    pub fn configure(&self, c: &mut compactor::config::StoreConfig) {
+        c.path = self.path.display().to_string();
+        c.url = self.url.clone();
+    }
+
+    /// Its `[store]` keys, as lines of a config file.
+    pub fn toml(&self) -> String {
+        let mut keys = format!("path = {:?}\n", self.path.display().to_string());
+        if !self.url.is_empty() {
+            keys += &format!("url = {:?}\n", self.url);
+        }
+        keys
+    }
+
+    /// A connection to it, for a test to read or change the records of a
+    /// proxy that is not running (or has nothing left to write).
+    pub fn sql(&self) -> Box<dyn Sql> {
+        let mut c = compactor::config::StoreConfig::default();
+        self.configure(&mut c);
+        inspect(&c)
+    }
+}
+
+/// A connection to the store `c` configures, through which the views read:
+/// the same statements answer on either backend.
+pub fn inspect(c: &compactor::config::StoreConfig) -> Box<dyn Sql> {
+    if c.is_postgres() {
+        let opts = compactor::store::postgres::Options::from_config(c);
+        Box::new(compactor::store::postgres_queries::connect(&opts).expect("connect to the store"))
+    } else {
+        Box::new(
+            rusqlite::Connection::open_with_flags(
+                &c.path,
+                rusqlite::OpenFlags::SQLITE_OPEN_READ_WRITE,
+            )
+            .expect("open the store"),
+        )
+    }
+}
+
+/// The one number `sql` answers (e.g. a `count(*)`), from `conn`.
+pub fn number(conn: &dyn Sql, sql: &str) -> i64 {
+    conn.first(sql, &[])
+        .expect(sql)
+        .and_then(|row| row.get::<Option<i64>>(0).expect(sql))
+        .unwrap_or(0)
+}
+
+/// The first column of every row `sql` gives, from `conn`.
+pub fn column<T: compactor::store::sql::FromCell>(conn: &dyn Sql, sql: &str) -> Vec<T> {
+    let rows = conn.rows(sql, &[]).expect(sql);
+    rows.iter().map(|r| r.get(0).expect(sql)).collect()
+}
+
 /// A running proxy with its fake upstream and store.
 pub struct Harness {
     pub addr: SocketAddr,
@@ -39,6 +166,8 @@ pub struct Harness {
     pub dir: tempfile::TempDir,
     shutdown: Option<oneshot::Sender<()>>,
     pub server: Option<tokio::task::JoinHandle<()>>,
+    /// The PostgreSQL cluster its store is in, kept running while it is.
+    cluster: Option<Arc<PgCluster>>,
 }
 
 impl Harness {
@@ -51,16 +180,18 @@ impl Harness {
     pub async fn start_with(adjust: impl FnOnce(&mut Config)) -> Harness {
         let fake = within(FakeUpstream::start()).await.expect("fake upstream");
         let dir = tempfile::tempdir().expect("tempdir");
-        let db = dir.path().join("compactor.db");
+        let store = TestStore::new(dir.path().join("compactor.db"));
         let mut config = Config::default();
         config.upstream.base_url = fake.url();
-        config.store.path = db.display().to_string();
+        store.configure(&mut config.store);
         config.server.shutdown_grace_secs = 5;
         // Asking the fake for a model's window would take a scripted reply
         // meant for the test's own request; the tests of discovery turn it on.
         config.upstream.discover_windows = false;
         adjust(&mut config);
-        Self::start_on(fake, dir, db, config).await
+        let mut h = Self::start_on(fake, dir, store.path, config).await;
+        h.cluster = store.cluster;
+        h
     }
 
     /// A proxy over an existing fake and config (e.g. to restart on a store).
@@ -104,7 +235,27 @@ impl Harness {
             dir,
             shutdown: Some(tx),
             server: Some(server),
+            cluster: None,
         }
+    }
+
+    /// Stops the proxy and starts another on the same store and config.
+    pub async fn restart(mut self) -> Harness {
+        self.stop().await;
+        let Harness {
+            fake,
+            state,
+            db,
+            dir,
+            cluster,
+            ..
+        } = self;
+        let config = state.config.clone();
+        // The store is one process's until its state is gone.
+        drop(state);
+        let mut h = Self::start_on(fake, dir, db, config).await;
+        h.cluster = cluster;
+        h
     }
 
     /// Base URL clients use (with `/v1`).
@@ -152,12 +303,23 @@ impl Harness {
         .await
     }
 
-    /// A read-only connection to the store, after everything recorded so
-    /// far went from the journal into the database.
+    /// A read-only connection to the SQLite store, after everything
+    /// recorded so far went from the journal into the database.
     pub fn db(&self) -> rusqlite::Connection {
+        assert!(
+            !self.state.config.store.is_postgres(),
+            "this test reads the store as a SQLite file: use Harness::sql on PostgreSQL"
+        );
         self.state.store.flush_blocking().expect("flush the store");
         rusqlite::Connection::open_with_flags(&self.db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
             .expect("open db")
+    }
+
+    /// A connection to the store, whichever backend it is on, after
+    /// everything recorded so far is in the database.
+    pub fn sql(&self) -> Box<dyn Sql> {
+        self.state.store.flush_blocking().expect("flush the store");
+        inspect(&self.state.config.store)
     }
 
     /// Waits until the store holds `n` exchanges (records of streams cut
@@ -165,10 +327,7 @@ impl Harness {
     pub async fn wait_exchanges(&self, n: i64) {
         within(async {
             loop {
-                let count: i64 = self
-                    .db()
-                    .query_row("SELECT count(*) FROM exchanges", [], |r| r.get(0))
-                    .unwrap_or(0);
+                let count = number(&*self.sql(), "SELECT count(*) FROM exchanges");
                 if count >= n {
                     return;
                 }
@@ -301,9 +460,7 @@ pub fn last_client_call(h: &Harness) -> Value {
 
 /// How many compactions the store holds.
 pub fn compactions(h: &Harness) -> i64 {
-    h.db()
-        .query_row("SELECT count(*) FROM compactions", [], |r| r.get(0))
-        .expect("count compactions")
+    number(&*h.sql(), "SELECT count(*) FROM compactions")
 }
 
 /// Waits until the store holds `n` compactions.
