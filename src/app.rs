@@ -86,7 +86,8 @@ impl AppState {
     pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
         let (store, mut snapshot, reads, postgres) = if config.store.is_postgres() {
             let shown = config.store.shown_url();
-            let pg = Postgres::open(&postgres::Options::from_config(&config.store))
+            let opts = postgres::Options::from_config(&config.store);
+            let pg = Postgres::open(&opts)
                 .map_err(|e| anyhow::anyhow!("cannot open the database {shown}: {e}"))?;
             let ids = pg.clone();
             let (store, snapshot) = Store::start_shared(
@@ -95,7 +96,7 @@ impl AppState {
                 crate::conversation::STORE_LIMITS,
             )
             .map_err(|e| anyhow::anyhow!("cannot load the database {shown}: {e}"))?;
-            let reads: Arc<dyn Reads> = Arc::new(PostgresReads::new(pg.clone()));
+            let reads: Arc<dyn Reads> = Arc::new(PostgresReads::new(pg.clone()).listening(&opts)?);
             (store, snapshot, reads, Some(pg))
         } else {
             let path = config.store_path();

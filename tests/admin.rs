@@ -116,15 +116,6 @@ async fn get(h: &Harness, path: &str, headers: &[(&str, &str)]) -> (u16, Value) 
     (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
 }
 
-async fn post_admin(h: &Harness, path: &str) -> (u16, Value) {
-    let resp = within(client().post(format!("http://{}{path}", h.addr)).send())
-        .await
-        .expect("admin request");
-    let status = resp.status().as_u16();
-    let body = within(resp.bytes()).await.expect("body");
-    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
-}
-
 fn path_str(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -406,17 +397,19 @@ async fn manual_compaction_through_the_api_and_the_cli_applies_to_the_next_reque
     let id = chat.conversation.clone();
     let path = format!("/admin/api/conversations/{id}/compact");
 
-    let (status, v) = post_admin(&h, &path).await;
+    let (status, v) = h.post_admin(&path).await;
     assert_eq!(status, 202, "{v}");
     assert_eq!(v["conversation"], id.as_str());
     assert_eq!(v["already_pending"], false);
-    let (status, v) = post_admin(&h, &path).await;
+    let (status, v) = h.post_admin(&path).await;
     assert_eq!(status, 202);
     assert_eq!(v["already_pending"], true);
     let (status, v) = get(&h, &path, &[]).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!((&v["pending"], &v["outcome"]), (&json!(true), &Value::Null));
-    let (status, v) = post_admin(&h, "/admin/api/conversations/conv_nope/compact").await;
+    let (status, v) = h
+        .post_admin("/admin/api/conversations/conv_nope/compact")
+        .await;
     assert_eq!(status, 404);
     assert_eq!(v["error"]["code"], "conversation_not_found");
 
