@@ -86,7 +86,8 @@ impl AppState {
     pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
         let (store, mut snapshot, reads, postgres) = if config.store.is_postgres() {
             let shown = config.store.shown_url();
-            let pg = Postgres::open(&postgres::Options::from_config(&config.store))
+            let opts = postgres::Options::from_config(&config.store);
+            let pg = Postgres::open(&opts)
                 .map_err(|e| anyhow::anyhow!("cannot open the database {shown}: {e}"))?;
             let ids = pg.clone();
             let (store, snapshot) = Store::start_shared(
@@ -95,7 +96,7 @@ impl AppState {
                 crate::conversation::STORE_LIMITS,
             )
             .map_err(|e| anyhow::anyhow!("cannot load the database {shown}: {e}"))?;
-            let reads: Arc<dyn Reads> = Arc::new(PostgresReads::new(pg.clone()));
+            let reads: Arc<dyn Reads> = Arc::new(PostgresReads::new(pg.clone()).listening(&opts)?);
             (store, snapshot, reads, Some(pg))
         } else {
             let path = config.store_path();
@@ -129,7 +130,7 @@ impl AppState {
                 .shared_with(reads.clone());
         let metrics = crate::metrics::Metrics::new();
         store.observe_commits(Box::new(metrics.commit_observer()));
-        Ok(Arc::new(AppState {
+        let state = Arc::new(AppState {
             compactions,
             upstream: Upstream::new(&config.upstream)?,
             store,
@@ -147,7 +148,41 @@ impl AppState {
             upstream_reached_ms: AtomicI64::new(0),
             probing: tokio::sync::Mutex::new(()),
             config,
-        }))
+        });
+        // What another replica (or the CLI) deletes is forgotten here too.
+        let weak = Arc::downgrade(&state);
+        state.reads.on_forgotten(Box::new(move |payload| {
+            if let Some(state) = weak.upgrade() {
+                state.forget_deleted(payload);
+            }
+        }));
+        Ok(state)
+    }
+
+    /// Forgets what a deletion elsewhere took (a [`retention::FORGET_CHANNEL`]
+    /// payload): its conversations are no longer continued, their
+    /// compactions no longer applied, and items are sent with the next
+    /// records again, since some may be gone.
+    ///
+    /// [`retention::FORGET_CHANNEL`]: crate::store::retention::FORGET_CHANNEL
+    pub fn forget_deleted(&self, payload: &str) {
+        let gone = crate::store::retention::forgotten(payload);
+        for (tenant, conversation, compactions) in &gone {
+            self.conversations.forget(tenant, conversation);
+            self.compactions.forget(tenant, compactions);
+        }
+        self.forget_stored_items();
+        tracing::info!(
+            conversations = gone.len(),
+            "forgot what another process deleted"
+        );
+    }
+
+    /// Forgets which items are stored, after a deletion: the next records
+    /// send every item's body again until each is known anew.
+    pub fn forget_stored_items(&self) {
+        self.store.forget_known_items();
+        self.item_caches.forget_recent();
     }
 
     /// The limits of `model`: [`Config::model_limits`] (which every

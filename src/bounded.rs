@@ -74,11 +74,16 @@ impl<K: Hash + Eq, V, S: BuildHasher + Default> Generations<K, V, S> {
 
     /// [`Generations::insert`] of an entry that weighs `weight`.
     pub fn insert_weighed(&mut self, key: K, value: V, weight: usize) -> Option<V> {
-        if let Some(slot) = self.current.get_mut(&key) {
-            self.current_weight = self.current_weight - slot.1 + weight;
-            return Some(std::mem::replace(slot, (value, weight)).0);
-        }
-        let replaced = self.take_old(&key).map(|(_, (v, _))| v);
+        // Taken out first, from either generation, so that an entry that
+        // grows goes through the rotation as a new one does: replaced in
+        // place, the current generation could outgrow its weight.
+        let replaced = match self.current.remove(&key) {
+            Some((v, w)) => {
+                self.current_weight -= w;
+                Some(v)
+            }
+            None => self.take_old(&key).map(|(_, (v, _))| v),
+        };
         self.rotate_if_full(weight);
         self.current.insert(key, (value, weight));
         self.current_weight += weight;

@@ -116,15 +116,6 @@ async fn get(h: &Harness, path: &str, headers: &[(&str, &str)]) -> (u16, Value) 
     (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
 }
 
-async fn post_admin(h: &Harness, path: &str) -> (u16, Value) {
-    let resp = within(client().post(format!("http://{}{path}", h.addr)).send())
-        .await
-        .expect("admin request");
-    let status = resp.status().as_u16();
-    let body = within(resp.bytes()).await.expect("body");
-    (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
-}
-
 fn path_str(p: &Path) -> &str {
     p.to_str().unwrap()
 }
@@ -406,17 +397,19 @@ async fn manual_compaction_through_the_api_and_the_cli_applies_to_the_next_reque
     let id = chat.conversation.clone();
     let path = format!("/admin/api/conversations/{id}/compact");
 
-    let (status, v) = post_admin(&h, &path).await;
+    let (status, v) = h.post_admin(&path).await;
     assert_eq!(status, 202, "{v}");
     assert_eq!(v["conversation"], id.as_str());
     assert_eq!(v["already_pending"], false);
-    let (status, v) = post_admin(&h, &path).await;
+    let (status, v) = h.post_admin(&path).await;
     assert_eq!(status, 202);
     assert_eq!(v["already_pending"], true);
     let (status, v) = get(&h, &path, &[]).await;
     assert_eq!(status, 200, "{v}");
     assert_eq!((&v["pending"], &v["outcome"]), (&json!(true), &Value::Null));
-    let (status, v) = post_admin(&h, "/admin/api/conversations/conv_nope/compact").await;
+    let (status, v) = h
+        .post_admin("/admin/api/conversations/conv_nope/compact")
+        .await;
     assert_eq!(status, 404);
     assert_eq!(v["error"]["code"], "conversation_not_found");
 
@@ -857,4 +850,54 @@ async fn conversations_are_found_by_the_ids_their_clients_sent() {
     let (code, _, err) = cli(&["conversations", "show", "conv_", "--config", config], &[]).await;
     assert_eq!(code, 1);
     assert!(err.contains("no conversation conv_"), "{err}");
+}
+
+/// A history deleted through the admin API and then sent again (the
+/// client still holds it) is recorded whole: the proxy no longer takes the
+/// deleted items for stored because a recent request had them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deleted_history_sent_again_is_recorded_whole() {
+    let h = Harness::start().await;
+    let url = format!("{}/chat/completions", h.url());
+    let mut history = vec![json!({"role": "system", "content": "You review code."})];
+    let mut conversation = String::new();
+    for text in ["the first secret turn", "the second secret turn"] {
+        history.push(json!({"role": "user", "content": text}));
+        let (status, headers, body) =
+            post(&url, KEY, &json!({"model": MODEL, "messages": history})).await;
+        assert_eq!(status, 200);
+        let v: Value = serde_json::from_slice(&body).expect("JSON");
+        history.push(v["choices"][0]["message"].clone());
+        conversation = headers["x-compactor-conversation"]
+            .to_str()
+            .expect("id")
+            .to_string();
+    }
+    within(h.state.store.flush()).await.expect("flush");
+    let resp = within(
+        client()
+            .delete(format!(
+                "http://{}/admin/api/conversations/{conversation}",
+                h.addr
+            ))
+            .send(),
+    )
+    .await
+    .expect("delete");
+    assert_eq!(resp.status(), 200);
+    history.push(json!({"role": "user", "content": "and once more"}));
+    let (status, headers, _) = post(&url, KEY, &json!({"model": MODEL, "messages": history})).await;
+    assert_eq!(status, 200);
+    let again = headers["x-compactor-conversation"].to_str().expect("id");
+    assert_ne!(again, conversation, "a new conversation");
+    within(h.state.store.flush()).await.expect("flush");
+    let export = h
+        .get_json(&format!("/admin/api/conversations/{again}/export"))
+        .await;
+    let items = export["original_items"].as_array().expect("items");
+    assert_eq!(items.len(), history.len() + 1, "{export}");
+    assert!(
+        items.iter().all(|item| item["content"].is_string()),
+        "every item reads back: {export}"
+    );
 }

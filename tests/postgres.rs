@@ -1,8 +1,9 @@
 //! Replicas sharing one PostgreSQL store: a conversation whose requests
 //! land on different processes stays one conversation, its compactions are
 //! computed once and applied by every replica, `previous_response_id`
-//! chains cross replicas, tenants stay apart, and a replica's `kill -9`
-//! loses no acknowledged exchange.
+//! chains cross replicas, tenants stay apart, a manual compaction asked of
+//! one replica is applied once by whichever serves the next request, and a
+//! replica's `kill -9` loses no acknowledged exchange.
 //!
 //! A real PostgreSQL tier: `#[ignore]`d like the other real tiers (run with
 //! `--include-ignored`; `scripts/test` installs PostgreSQL), each test on a
@@ -360,13 +361,13 @@ async fn replicas_started_together_share_one_schema_and_a_kill_9_loses_no_acknow
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let before = check();
-    assert!(before.contains("schema at version 0 of 2"), "{before}");
+    assert!(before.contains("schema at version 0 of 3"), "{before}");
     // Both on an empty database at once: one applies the migrations, the
     // other waits for its lock and finds them; one salt.
     let [(mut doomed, p1), (_survivor, p2)] = two_binaries(&config);
     assert_eq!(
         count(&url, "SELECT count(*) FROM schema_migrations").await,
-        2,
+        3,
         "each migration applied once"
     );
     assert_eq!(
@@ -374,7 +375,7 @@ async fn replicas_started_together_share_one_schema_and_a_kill_9_loses_no_acknow
         1
     );
     let after = check();
-    assert!(after.contains("schema current (version 2)"), "{after}");
+    assert!(after.contains("schema current (version 3)"), "{after}");
     let base = |port: u16| format!("http://127.0.0.1:{port}/v1");
     let mut chat = Chat::new(KEY);
     let mut acknowledged = 0;
@@ -613,6 +614,38 @@ async fn the_views_and_deletions_work_on_the_shared_database_from_any_replica_an
         Some(5)
     );
 
+    // The replicas heard of the deletion: the client resending the deleted
+    // history starts a new conversation on either, and its record reads
+    // back whole, so no replica took a deleted item for stored.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for (i, via) in [&a, &b].into_iter().enumerate() {
+        let turn = chat.turn(via, &format!("after the deletion {i}")).await;
+        assert_eq!(turn.status, 200);
+        assert_ne!(
+            turn.conversation, conversation,
+            "a deleted conversation goes on"
+        );
+        within(via.state.store.flush()).await.expect("flush");
+        let export = via
+            .get_json(&format!(
+                "/admin/api/conversations/{}/export",
+                turn.conversation
+            ))
+            .await;
+        let items = export["original_items"].as_array().expect("items");
+        assert_eq!(items.len(), chat.history.len(), "replica {i}");
+        assert!(
+            items.iter().all(|item| item["content"].is_string()),
+            "replica {i}: every item reads back: {:?}",
+            items
+                .iter()
+                .enumerate()
+                .filter(|(_, item)| !item["content"].is_string())
+                .map(|(n, item)| format!("{n}: {item}"))
+                .collect::<Vec<_>>()
+        );
+    }
+
     let (code, out, err) = support::cli(&["prune", "--older-than", "0s", "--json"], &env).await;
     assert_eq!(code, 0, "{out}{err}");
     assert_eq!(
@@ -621,4 +654,175 @@ async fn the_views_and_deletions_work_on_the_shared_database_from_any_replica_an
         "{out}"
     );
     assert_eq!(count(&url, "SELECT count(*) FROM items").await, 0, "{out}");
+}
+
+/// Summarizer calls the fake upstream received.
+fn summary_calls(fake: &FakeUpstream) -> usize {
+    fake.received()
+        .iter()
+        .filter(|r| is_summary_call(r))
+        .count()
+}
+
+/// Turns of `chat` through `replicas` in turn, none compacted (the window
+/// is not reached): the conversation's id.
+async fn grown(chat: &mut Chat, replicas: &[&Harness]) -> String {
+    let mut id = String::new();
+    for i in 0..8 {
+        let turn = chat.turn(replicas[i % replicas.len()], &filler(i)).await;
+        assert_eq!((turn.status, turn.compacted), (200, None), "turn {i}");
+        id = turn.conversation;
+    }
+    id
+}
+
+/// Waits until `h` has heard (or, if not `heard`, no longer) of a pending
+/// manual compaction of `conversation`: the announcement reaches each
+/// replica a moment after the request's commit.
+async fn until_heard(h: &Harness, conversation: &str, heard: bool) {
+    within(async {
+        while h.state.reads.manual_heard(conversation) != heard {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_manual_compaction_asked_of_one_replica_is_applied_once_by_whichever_serves_next() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    // Compactions only on request (or overflow): each one here is manual.
+    let (a, b) = replicas(&url, support::small_window_foreground).await;
+    let mut chat = Chat::new(KEY);
+    let id = grown(&mut chat, &[&a, &b]).await;
+    let path = format!("/admin/api/conversations/{id}/compact");
+    let (status, v) = b.post_admin(&path).await;
+    assert_eq!(status, 202, "{v}");
+    assert_eq!(v["already_pending"], false, "{v}");
+    let (_, v) = b.post_admin(&path).await;
+    assert_eq!(v["already_pending"], true, "asked once: {v}");
+    let pending = "SELECT count(*) FROM manual_compactions";
+    assert_eq!(count(&url, pending).await, 1);
+    // The replica that was not asked knows, without a read per request.
+    until_heard(&a, &id, true).await;
+    assert!(a.state.compactions.manual_pending(&id).expect("pending"));
+
+    let before = summary_calls(&a.fake);
+    let on_a = chat.turn(&a, "Go on.").await;
+    assert_eq!(on_a.status, 200);
+    let compacted = on_a
+        .compacted
+        .expect("the next request, on the other replica, is compacted");
+    assert_eq!(summary_calls(&a.fake), before + 1, "one summarizer call");
+    assert_eq!(count(&url, pending).await, 0, "taken");
+    assert_eq!(
+        count(
+            &url,
+            "SELECT count(*) FROM compactions WHERE starts_with(reason, 'manual')"
+        )
+        .await,
+        1
+    );
+    // The replica that was asked hears it was taken, and does not compact
+    // again: the next request there gets the stored compaction.
+    until_heard(&b, &id, false).await;
+    assert!(!b.state.compactions.manual_pending(&id).expect("pending"));
+    let on_b = chat.turn(&b, "And now?").await;
+    assert_eq!(on_b.status, 200);
+    assert_eq!(on_b.compacted.as_deref(), Some(compacted.as_str()));
+    assert_eq!(summary_calls(&a.fake), before + 1, "no second summary");
+
+    // Asked again, then the next request sent to both at once: of the two
+    // replicas racing for it, one compacts.
+    let (status, _) = a.post_admin(&path).await;
+    assert_eq!(status, 202);
+    until_heard(&a, &id, true).await;
+    until_heard(&b, &id, true).await;
+    let mut twin = Chat {
+        key: chat.key.clone(),
+        history: chat.history.clone(),
+    };
+    let (x, y) = tokio::join!(chat.turn(&a, "Race."), twin.turn(&b, "Race."));
+    assert_eq!((x.status, y.status), (200, 200));
+    assert_eq!(summary_calls(&a.fake), before + 2, "compacted once");
+    assert_eq!(
+        count(&url, "SELECT count(*) FROM compactions").await,
+        2,
+        "one new compaction"
+    );
+    assert_eq!(count(&url, pending).await, 0);
+    until_heard(&a, &id, false).await;
+    until_heard(&b, &id, false).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_manual_compaction_pending_while_no_replica_runs_applies_on_the_next_to_start() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let config = |c: &mut compactor::config::Config| {
+        support::small_window_foreground(c);
+        c.store.url = url.clone();
+    };
+    let mut first = Harness::start_with(config).await;
+    let mut chat = Chat::new(KEY);
+    let id = grown(&mut chat, &[&first]).await;
+    let (status, v) = first
+        .post_admin(&format!("/admin/api/conversations/{id}/compact"))
+        .await;
+    assert_eq!(status, 202, "{v}");
+    // The replica asked stops before the conversation's next request.
+    first.stop().await;
+    drop(first);
+    let pending = "SELECT count(*) FROM manual_compactions";
+    assert_eq!(count(&url, pending).await, 1, "the request outlives it");
+
+    // A replica started afterwards reads it before it serves a request.
+    let second = Harness::start_with(config).await;
+    assert!(second.state.reads.manual_heard(&id), "read at start-up");
+    let turn = chat.turn(&second, "Go on.").await;
+    assert_eq!(turn.status, 200);
+    assert_eq!(turn.conversation, id, "the same conversation");
+    assert!(turn.compacted.is_some(), "compacted as asked");
+    assert_eq!(summary_calls(&second.fake), 1);
+    assert_eq!(count(&url, pending).await, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_replica_whose_listening_connection_drops_listens_again_and_reads_what_it_missed() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let h = Harness::start_with(|c| {
+        support::small_window_foreground(c);
+        c.store.url = url.clone();
+    })
+    .await;
+    let mut chat = Chat::new(KEY);
+    let id = grown(&mut chat, &[&h]).await;
+    // Asked for without an announcement (as if while this replica was cut
+    // off), then its listening connection is cut: only reading the rows
+    // again once it listens anew can tell it.
+    let asked = format!(
+        "WITH added AS (INSERT INTO manual_compactions (conversation_id, tenant, requested_ms)
+                        SELECT id, tenant, 0 FROM conversations WHERE id = '{id}'
+                        RETURNING 1)
+         SELECT count(*) FROM added"
+    );
+    assert_eq!(count(&url, &asked).await, 1);
+    assert!(!h.state.reads.manual_heard(&id), "not announced");
+    let cut = count(
+        &url,
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity
+         WHERE application_name = 'compactor-listen'",
+    )
+    .await;
+    assert_eq!(cut, 1, "one listening connection per replica");
+    until_heard(&h, &id, true).await;
+    let turn = chat.turn(&h, "Go on.").await;
+    assert_eq!(turn.status, 200);
+    assert!(turn.compacted.is_some(), "compacted as asked");
+    assert_eq!(summary_calls(&h.fake), 1);
 }

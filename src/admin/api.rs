@@ -93,15 +93,18 @@ pub async fn export(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
 /// `POST /admin/api/conversations/ID/compact`: the conversation's next
 /// request is compacted (it carries the credentials the summary needs).
 pub async fn compact(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
-    let resolved = read(state.clone(), move |reads, _| {
-        reads.resolve_conversation(&id)
+    // Recorded in the store when it is shared: whichever replica serves
+    // the next request honours it.
+    let requested = read(state.clone(), move |reads, st| {
+        let id = reads.resolve_conversation(&id)?;
+        let newly = st.compactions.request_manual(&id)?;
+        Ok((id, newly))
     })
     .await;
-    let id = match resolved {
-        Ok(id) => id,
+    let (id, newly) = match requested {
+        Ok(requested) => requested,
         Err(e) => return e.into_response(),
     };
-    let newly = state.compactions.request_manual(&id);
     tracing::info!(conversation = %id, newly, "manual compaction requested");
     json_response(
         StatusCode::ACCEPTED,
@@ -122,16 +125,23 @@ async fn named(state: &Arc<AppState>, name: String) -> Result<(String, String), 
 }
 
 /// `GET /admin/api/conversations/ID/compact`: the outcome of its latest
-/// compaction attempt (`null` before any), and whether one is requested.
+/// compaction attempt (`null` before any), and whether one is requested
+/// (of any replica, with a shared store).
 pub async fn compact_status(state: Arc<AppState>, name: String) -> Response<ProxyBody> {
-    match named(&state, name).await {
-        Ok((tenant, id)) => {
+    let found = read(state.clone(), move |reads, st| {
+        let found = reads.victim(&name)?;
+        let pending = st.compactions.manual_pending(&found.id)?;
+        Ok((found.tenant, found.id, pending))
+    })
+    .await;
+    match found {
+        Ok((tenant, id, pending)) => {
             let outcome = state.compactions.attempts(&tenant, &id).pop();
             json_response(
                 StatusCode::OK,
                 &serde_json::json!({
                     "conversation": id,
-                    "pending": state.compactions.manual_pending(&id),
+                    "pending": pending,
                     "outcome": outcome,
                 }),
             )
@@ -168,7 +178,7 @@ async fn remove(state: &Arc<AppState>, victims: Vec<Victim>) -> Result<Removed, 
         state.compactions.forget(&v.tenant, &v.compactions);
     }
     state.store.flush().await.map_err(store_unavailable)?;
-    state.store.forget_known_items();
+    state.forget_stored_items();
     let ids: Vec<String> = victims.into_iter().map(|v| v.id).collect();
     let reads = state.reads.clone();
     tokio::task::spawn_blocking(move || reads.delete_conversations(&ids))

@@ -20,7 +20,7 @@ use crate::compaction::{cheap_rungs, prepare, rewrite, Compaction, Params, Rung}
 use crate::config::{Config, ModelLimits};
 use crate::metrics::Metrics;
 use crate::store::StoredCompaction;
-use crate::store::{Reads, Store};
+use crate::store::{Reads, Store, StoreError};
 use crate::tokens::TokenCounter;
 use crate::upstream::Upstream;
 use crate::wire::items::{ItemList, Tools};
@@ -462,20 +462,36 @@ impl Compactions {
 
     /// Asks for the conversation's next request to be compacted, like
     /// Codex's `/compact`. The proxy needs that request's credentials for
-    /// the summary, so it happens then. False if already asked.
-    pub fn request_manual(&self, conversation: &str) -> bool {
-        lock(&self.manual).insert(conversation.to_string())
+    /// the summary, so it happens then. False if already asked. With a
+    /// shared store the request is recorded there, so whichever process
+    /// serves that request honours it.
+    pub fn request_manual(&self, conversation: &str) -> Result<bool, StoreError> {
+        match &self.shared {
+            Some(shared) => shared.request_manual(conversation),
+            None => Ok(lock(&self.manual).insert(conversation.to_string())),
+        }
     }
 
     /// Whether a manual compaction of the conversation waits for its next
-    /// request.
-    pub fn manual_pending(&self, conversation: &str) -> bool {
-        lock(&self.manual).contains(conversation)
+    /// request (with a shared store, whichever process was asked).
+    pub fn manual_pending(&self, conversation: &str) -> Result<bool, StoreError> {
+        match &self.shared {
+            Some(shared) => shared.manual_pending(conversation),
+            None => Ok(lock(&self.manual).contains(conversation)),
+        }
     }
 
-    /// Takes a pending manual request for the conversation.
-    pub fn take_manual(&self, conversation: &str) -> bool {
-        lock(&self.manual).remove(conversation)
+    /// Takes a pending manual request for the tenant's conversation. Every
+    /// request passes here: with a shared store, only one whose
+    /// conversation this process heard of asks the store, and of the
+    /// processes racing for it one gets it.
+    pub fn take_manual(&self, tenant: &str, conversation: &str) -> bool {
+        match &self.shared {
+            Some(shared) => {
+                shared.manual_heard(conversation) && shared.take_manual(tenant, conversation)
+            }
+            None => lock(&self.manual).remove(conversation),
+        }
     }
 
     /// A background job still computing for this conversation.

@@ -55,7 +55,11 @@ async fn handle_inner(
     }
     // A manual compaction waits for a request in auto mode.
     let auto = pending.mode == Mode::Auto;
-    if auto && state.compactions.take_manual(&pending.ident.conversation) {
+    if auto
+        && state
+            .compactions
+            .take_manual(&pending.tenant, &pending.ident.conversation)
+    {
         compact_now(&state, &mut pending, "manual".into(), engine::Goal::Shrink).await;
     } else if asked {
         let reason = format!("requested: {}", super::control::COMPACT_HEADER);

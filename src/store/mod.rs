@@ -11,6 +11,7 @@
 
 pub mod journal;
 pub mod postgres;
+pub mod postgres_listen;
 pub mod postgres_queries;
 pub mod query;
 pub mod retention;
@@ -349,6 +350,39 @@ pub trait Reads: Queries + Send + Sync + 'static {
     }
     /// Gives up a claim taken with [`Reads::claim`].
     fn release(&self, _tenant: &str, _conversation: &str) {}
+
+    /// Records a manual compaction of the conversation, for its next
+    /// request whichever process serves it: false if one was pending
+    /// already. Only a shared store keeps them (a process alone keeps its
+    /// own in memory).
+    fn request_manual(&self, _conversation: &str) -> Result<bool, StoreError> {
+        Err(StoreError::Unsupported {
+            backend: "embedded",
+            what: "share manual compactions",
+        })
+    }
+    /// Whether a manual compaction of the conversation is recorded and not
+    /// yet taken (a read of the store).
+    fn manual_pending(&self, _conversation: &str) -> Result<bool, StoreError> {
+        Ok(false)
+    }
+    /// Whether this process has heard of a pending manual compaction of the
+    /// conversation: kept in memory, told by the store as requests come,
+    /// so the request path asks the store only then.
+    fn manual_heard(&self, _conversation: &str) -> bool {
+        false
+    }
+    /// Takes the tenant's pending manual compaction of the conversation:
+    /// true for the one process that does, false for any other (which
+    /// forgets it heard of one) or when the store cannot be reached.
+    fn take_manual(&self, _tenant: &str, _conversation: &str) -> bool {
+        false
+    }
+
+    /// Calls `f` with each announcement of a deletion another process
+    /// made ([`retention::forgotten`] reads it), for a store several
+    /// replicas share; SQLite's deletions are this process's own.
+    fn on_forgotten(&self, _f: Box<dyn Fn(&str) + Send + Sync>) {}
 }
 
 /// A recorded prefix a request repeats, as [`Reads::exchange_by_chain`]

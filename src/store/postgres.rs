@@ -175,6 +175,19 @@ ALTER TABLE exchanges
     ADD COLUMN recall_output_tokens   BIGINT NOT NULL DEFAULT 0;
 "#,
     ),
+    (
+        3,
+        r#"
+-- Manual compactions asked for and not yet applied, whichever replica was
+-- asked: the replica that serves the conversation's next request deletes
+-- the row, and only one can (see postgres_listen).
+CREATE TABLE manual_compactions (
+    conversation_id TEXT PRIMARY KEY REFERENCES conversations(id) ON DELETE CASCADE,
+    tenant          TEXT NOT NULL,
+    requested_ms    BIGINT NOT NULL
+);
+"#,
+    ),
 ];
 
 /// The key of the advisory lock migrations run under, so that replicas
@@ -871,6 +884,8 @@ pub struct PostgresReads {
     pg: Arc<Postgres>,
     /// Names this process in compaction claims.
     owner: String,
+    /// The manual compactions this process heard are pending.
+    manual: super::postgres_listen::Heard,
 }
 
 impl PostgresReads {
@@ -879,6 +894,7 @@ impl PostgresReads {
         PostgresReads {
             pg,
             owner: crate::ids::new_conversation_id().replacen("conv_", "replica_", 1),
+            manual: Default::default(),
         }
     }
 
@@ -1106,6 +1122,51 @@ impl super::Reads for PostgresReads {
             Ok(Some(()))
         });
     }
+
+    fn request_manual(&self, conversation: &str) -> Result<bool, StoreError> {
+        let conversation = conversation.to_string();
+        let pool = self.pg.pool.clone();
+        self.pg.wait(async move {
+            let mut client = pool.get().await?;
+            super::postgres_listen::request(&mut client, &conversation).await
+        })
+    }
+
+    fn manual_pending(&self, conversation: &str) -> Result<bool, StoreError> {
+        let conversation = conversation.to_string();
+        let pool = self.pg.pool.clone();
+        self.pg.wait(async move {
+            let client = pool.get().await?;
+            super::postgres_listen::pending(&client, &conversation).await
+        })
+    }
+
+    fn manual_heard(&self, conversation: &str) -> bool {
+        self.manual.contains(conversation)
+    }
+
+    fn take_manual(&self, tenant: &str, conversation: &str) -> bool {
+        let (tenant, owned) = (tenant.to_string(), conversation.to_string());
+        let taken = self.read("take_manual", |pool| async move {
+            let client = pool.get().await?;
+            super::postgres_listen::take(&client, &tenant, &owned)
+                .await
+                .map(Some)
+        });
+        match taken {
+            // Taken here, or by another replica first: nothing to hear of.
+            Some(taken) => {
+                self.manual.forget(conversation);
+                taken
+            }
+            // The database did not answer: the next request tries again.
+            None => false,
+        }
+    }
+
+    fn on_forgotten(&self, f: Box<dyn Fn(&str) + Send + Sync>) {
+        self.manual.on_forget(f);
+    }
 }
 
 /// [`super::sqlite::response_history`] over PostgreSQL: the prefix
@@ -1185,4 +1246,21 @@ async fn response_history(
         }
     }
     Ok(Some(items))
+}
+
+impl PostgresReads {
+    /// Makes this process hear of manual compactions whichever replica was
+    /// asked (see [`super::postgres_listen`]): returns once the pending ones
+    /// are read, or the database could not be reached for them in time
+    /// (then it keeps trying in the background).
+    pub fn listening(self, opts: &Options) -> Result<Self, StoreError> {
+        let started = self.manual.listen(&self.pg.handle, opts.pg_config()?);
+        // Read before the first request is served, so that a compaction
+        // asked for while no replica was up applies to it.
+        let _ = self.pg.wait(async move {
+            let _ = started.await;
+            Ok(())
+        });
+        Ok(self)
+    }
 }

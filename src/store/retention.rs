@@ -239,36 +239,64 @@ pub fn prune_items(conn: &dyn Sql) -> Result<u64, StoreError> {
 }
 
 /// The PostgreSQL channel on which replicas hear which conversations were
-/// deleted: each forgets them, and which items it believed stored.
+/// deleted: each forgets them, their compactions, and which items it
+/// believed stored. A payload is lines of `tenant conversation
+/// [compaction…]`, space-separated (no id holds a space); see
+/// [`forgotten`].
 pub const FORGET_CHANNEL: &str = "compactor_forget";
 
-/// Bytes of conversation ids one notification carries (PostgreSQL's
-/// payload limit is 8,000).
+/// Bytes one notification carries at most (PostgreSQL's payload limit is
+/// 8,000).
 const FORGET_PAYLOAD: usize = 7_000;
 
-/// Tells every replica listening on [`FORGET_CHANNEL`] that `ids` are gone.
-fn forget_everywhere(conn: &dyn Sql, ids: &[String]) -> Result<(), StoreError> {
-    let mut payload = String::new();
-    let send = |payload: &mut String| -> Result<(), StoreError> {
-        if !payload.is_empty() {
-            conn.execute(
-                "SELECT pg_notify(?1, ?2)",
-                &[FORGET_CHANNEL.into(), payload.as_str().into()],
-            )?;
-            payload.clear();
+/// The payloads that tell the replicas listening on [`FORGET_CHANNEL`]
+/// that `victims` are gone: a conversation with more compactions than one
+/// payload holds goes on in the next, on a line of its own.
+fn forget_payloads(victims: &[Victim]) -> Vec<String> {
+    let mut payloads = vec![String::new()];
+    for v in victims {
+        let head = format!("{} {}", v.tenant, v.id);
+        let mut line = head.clone();
+        for c in &v.compactions {
+            if line.len() + 1 + c.len() > FORGET_PAYLOAD / 2 {
+                push_line(&mut payloads, std::mem::replace(&mut line, head.clone()));
+            }
+            line.push(' ');
+            line.push_str(c);
         }
-        Ok(())
-    };
-    for id in ids {
-        if payload.len() + id.len() + 1 > FORGET_PAYLOAD {
-            send(&mut payload)?;
-        }
-        if !payload.is_empty() {
-            payload.push(',');
-        }
-        payload.push_str(id);
+        push_line(&mut payloads, line);
     }
-    send(&mut payload)
+    payloads.retain(|p| !p.is_empty());
+    payloads
+}
+
+fn push_line(payloads: &mut Vec<String>, line: String) {
+    let last = payloads
+        .last_mut()
+        .filter(|p| p.len() + 1 + line.len() <= FORGET_PAYLOAD);
+    match last {
+        Some(p) => {
+            if !p.is_empty() {
+                p.push('\n');
+            }
+            p.push_str(&line);
+        }
+        None => payloads.push(line),
+    }
+}
+
+/// What a [`FORGET_CHANNEL`] payload says is gone: (tenant, conversation,
+/// its compactions).
+pub fn forgotten(payload: &str) -> Vec<(String, String, Vec<String>)> {
+    payload
+        .lines()
+        .filter_map(|line| {
+            let mut words = line.split(' ').filter(|w| !w.is_empty());
+            let tenant = words.next()?.to_string();
+            let conversation = words.next()?.to_string();
+            Some((tenant, conversation, words.map(String::from).collect()))
+        })
+        .collect()
 }
 
 /// Gives the space of what was deleted back to the file system.
@@ -284,12 +312,26 @@ pub fn vacuum(conn: &dyn Sql) -> Result<(), StoreError> {
 /// Deletes `conversations` (each with what is its own), then the items no
 /// longer referred to, then vacuums when anything went.
 pub fn delete_and_prune(conn: &dyn Sql, conversations: &[String]) -> Result<Removed, StoreError> {
+    // Replicas sharing a PostgreSQL store are told what went, before the
+    // items go: each forgets which items it believed stored.
+    let shared = conn.dialect() == super::sql::Dialect::Postgres;
+    let mut victims = Vec::new();
+    if shared {
+        for id in conversations {
+            if let Some(tenant) = tenant_of(conn, id)? {
+                victims.extend(victims_of(conn, vec![(tenant, id.clone())])?);
+            }
+        }
+    }
     let mut removed = Removed::default();
     for id in conversations {
         removed.add(delete_conversation(conn, id)?);
     }
-    if conn.dialect() == super::sql::Dialect::Postgres {
-        forget_everywhere(conn, conversations)?;
+    for payload in forget_payloads(&victims) {
+        conn.execute(
+            "SELECT pg_notify(?1, ?2)",
+            &[FORGET_CHANNEL.into(), payload.as_str().into()],
+        )?;
     }
     removed.items = prune_items(conn)?;
     if removed != Removed::default() {
@@ -303,6 +345,35 @@ mod tests {
     use super::*;
     use crate::store::sqlite::SqliteBackend;
     use crate::store::{Backend, PrefixRef, Record};
+
+    #[test]
+    fn forget_payloads_stay_under_the_limit_and_read_back_whole() {
+        let many: Vec<String> = (0..400).map(|i| format!("cmp_{i:024}")).collect();
+        let victims = vec![
+            Victim {
+                tenant: "t".repeat(64),
+                id: "conv_a".into(),
+                compactions: many.clone(),
+            },
+            Victim {
+                tenant: "u".repeat(64),
+                id: "conv_b".into(),
+                compactions: vec![],
+            },
+        ];
+        let payloads = forget_payloads(&victims);
+        assert!(payloads.len() > 1, "400 compactions need several payloads");
+        assert!(payloads.iter().all(|p| p.len() <= FORGET_PAYLOAD));
+        let mut read: Vec<(String, String, Vec<String>)> =
+            payloads.iter().flat_map(|p| forgotten(p)).collect();
+        assert!(read
+            .iter()
+            .all(|(t, c, _)| (t, c.as_str()) == (&"t".repeat(64), "conv_a")
+                || (t, c.as_str()) == (&"u".repeat(64), "conv_b")));
+        let named: Vec<String> = read.iter_mut().flat_map(|r| r.2.drain(..)).collect();
+        assert_eq!(named, many, "every compaction named once, in order");
+        assert!(read.iter().any(|(_, c, _)| c == "conv_b"));
+    }
 
     #[test]
     fn an_exchange_stored_as_a_reference_into_a_deleted_one_reads_back_the_same() {

@@ -106,6 +106,13 @@ impl ItemCaches {
             .or_else(|| split_body(raw, key))
     }
 
+    /// Forgets the recent requests, and with them which of their items
+    /// the store claimed: after items were deleted, a request repeating
+    /// one must not take its items for stored.
+    pub fn forget_recent(&self) {
+        *self.recent() = Recent::default();
+    }
+
     fn recent(&self) -> std::sync::MutexGuard<'_, Recent> {
         self.recent.lock().unwrap_or_else(|p| p.into_inner())
     }

@@ -303,6 +303,17 @@ impl Harness {
         .await
     }
 
+    /// A `POST` of the proxy's own `path` (the admin API): the status and
+    /// the JSON answer (`null` if it is not JSON).
+    pub async fn post_admin(&self, path: &str) -> (u16, Value) {
+        let resp = within(client().post(format!("http://{}{path}", self.addr)).send())
+            .await
+            .expect("admin request");
+        let status = resp.status().as_u16();
+        let body = within(resp.bytes()).await.expect("admin answer");
+        (status, serde_json::from_slice(&body).unwrap_or(Value::Null))
+    }
+
     /// A read-only connection to the SQLite store, after everything
     /// recorded so far went from the journal into the database.
     pub fn db(&self) -> rusqlite::Connection {
