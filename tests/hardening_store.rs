@@ -434,6 +434,39 @@ fn captured_logs() -> String {
     String::from_utf8_lossy(&logs.lock().unwrap()).into_owned()
 }
 
+/// A chat of `tiny-model` whose history grows by a long user message a
+/// turn (the answers are left out: the fake's are short).
+struct Growing {
+    history: Vec<serde_json::Value>,
+}
+
+impl Growing {
+    fn new() -> Growing {
+        Growing {
+            history: vec![json!({"role": "system", "content": "You are a careful coding agent."})],
+        }
+    }
+
+    /// The body of turn `i`.
+    fn turn(&mut self, i: usize) -> Vec<u8> {
+        self.history.push(json!({"role": "user", "content": format!("Step {i}: explain src/module_{i}.rs. {}", "lorem ipsum ".repeat(20))}));
+        serde_json::to_vec(&json!({"model": "tiny-model", "messages": self.history})).unwrap()
+    }
+
+    /// Sends turns 0..10 (compaction is due, and foreground compaction
+    /// waits for a request that overflows or asks): the conversation id.
+    async fn grown(&mut self, h: &Harness, key: &str) -> String {
+        let url = format!("{}/chat/completions", h.url());
+        let mut conversation = String::new();
+        for i in 0..10 {
+            let (status, headers, _) = post_raw(&url, key, self.turn(i)).await;
+            assert_eq!(status, 200);
+            conversation = conversation_of(&headers);
+        }
+        conversation
+    }
+}
+
 /// A summarizer call the upstream refuses, quoting the client's key: the
 /// log line said the first 300 bytes of its answer as they were.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -442,17 +475,8 @@ async fn a_refused_summarizer_call_logs_no_key() {
     captured_logs();
     let h = Harness::start_with(support::small_window_foreground).await;
     let url = format!("{}/chat/completions", h.url());
-    let mut history = vec![json!({"role": "system", "content": "You are a careful coding agent."})];
-    let mut conversation = String::new();
-    let mut turn = |i: usize| {
-        history.push(json!({"role": "user", "content": format!("Step {i}: explain src/module_{i}.rs. {}", "lorem ipsum ".repeat(20))}));
-        serde_json::to_vec(&json!({"model": "tiny-model", "messages": history})).unwrap()
-    };
-    for i in 0..10 {
-        let (status, headers, _) = post_raw(&url, KEY, turn(i)).await;
-        assert_eq!(status, 200);
-        conversation = conversation_of(&headers);
-    }
+    let mut chat = Growing::new();
+    let conversation = chat.grown(&h, KEY).await;
     let refused = json!({"error": {"message": format!("Incorrect API key provided: {KEY}."),
                                    "type": "invalid_request_error", "code": "invalid_api_key"}});
     h.fake.push(Reply::json(401, refused.clone()));
@@ -463,11 +487,46 @@ async fn a_refused_summarizer_call_logs_no_key() {
     );
     let resp = within(support::client().post(admin).send()).await.unwrap();
     assert_eq!(resp.status(), 202);
-    let (status, _, _) = post_raw(&url, KEY, turn(10)).await;
+    let (status, _, _) = post_raw(&url, KEY, chat.turn(10)).await;
     assert_eq!(status, 200);
     let logs = captured_logs();
     assert!(logs.contains("summary call failed"), "{logs}");
     assert!(!logs.contains(KEY), "{logs}");
+}
+
+/// A manual compaction applies to the next request the proxy serves. On
+/// PostgreSQL it is a row announced by NOTIFY, and the process asked knew
+/// of it only once its own announcement came back on its listening
+/// connection: a request sent right after the 202 could go uncompacted
+/// (and take the reply scripted for the summarizer). The listening
+/// connection is cut first here, so that announcement is surely late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_manual_compaction_applies_to_the_very_next_request() {
+    let h = Harness::start_with(support::small_window_foreground).await;
+    let mut chat = Growing::new();
+    let conversation = chat.grown(&h, "k").await;
+    if h.state.config.store.is_postgres() {
+        let cut = column::<i64>(
+            &*h.sql(),
+            "SELECT count(*) FROM (SELECT pg_terminate_backend(pid) FROM pg_stat_activity
+              WHERE application_name = 'compactor-listen' AND datname = current_database()) t",
+        );
+        assert_eq!(cut, [1], "the proxy's listening connection");
+    }
+    let (status, v) = h
+        .post_admin(&format!("/admin/api/conversations/{conversation}/compact"))
+        .await;
+    assert_eq!(status, 202, "{v}");
+    if h.state.config.store.is_postgres() {
+        assert!(h.state.reads.manual_heard(&conversation), "known at once");
+    }
+    let (status, headers, _) =
+        post_raw(&format!("{}/chat/completions", h.url()), "k", chat.turn(10)).await;
+    assert_eq!(status, 200);
+    assert!(
+        headers.contains_key("x-compactor-compacted"),
+        "the next request is compacted: {headers:?}"
+    );
 }
 
 /// A client that authenticates with `x-api-key` alone used to be the

@@ -1124,12 +1124,16 @@ impl super::Reads for PostgresReads {
     }
 
     fn request_manual(&self, conversation: &str) -> Result<bool, StoreError> {
-        let conversation = conversation.to_string();
+        let owned = conversation.to_string();
         let pool = self.pg.pool.clone();
-        self.pg.wait(async move {
+        let newly = self.pg.wait(async move {
             let mut client = pool.get().await?;
-            super::postgres_listen::request(&mut client, &conversation).await
-        })
+            super::postgres_listen::request(&mut client, &owned).await
+        })?;
+        // Committed: if another replica takes it first, the take here finds
+        // no row and forgets it.
+        self.manual.hear(conversation);
+        Ok(newly)
     }
 
     fn manual_pending(&self, conversation: &str) -> Result<bool, StoreError> {

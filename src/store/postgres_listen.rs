@@ -94,6 +94,13 @@ impl Heard {
         let _ = self.forget.set(f);
     }
 
+    /// Knows `conversation` pending without waiting to hear it: what this
+    /// replica was asked applies to the next request it serves, which may
+    /// come before the announcement is delivered back to it.
+    pub fn hear(&self, conversation: &str) {
+        lock(&self.pending).insert(conversation.to_string());
+    }
+
     /// Forgets `conversation` (taken, by this replica or another).
     pub fn forget(&self, conversation: &str) {
         lock(&self.pending).remove(conversation);
