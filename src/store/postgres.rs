@@ -600,247 +600,307 @@ fn stored_compaction(r: &tokio_postgres::Row) -> StoredCompaction {
     }
 }
 
+/// Writes a batch in one transaction, sent as one pipeline: `BEGIN`, one
+/// multi-row statement per table, `COMMIT`, all before any answer is
+/// awaited, so that a commit costs one round trip however many records it
+/// holds. Under load a round trip is mostly the wait for the threads at
+/// either end to be scheduled, so the count of them, not of rows, is what
+/// a commit's time grows with.
 async fn write(pool: &Pool, batch: &[Record]) -> Result<(), StoreError> {
-    let mut client = pool.get().await?;
-    let tx = client.transaction().await?;
-    // Item bodies first, in one statement: each once across replicas.
-    let (hashes, bodies): (Vec<&[u8]>, Vec<&str>) = batch
-        .iter()
-        .filter_map(|r| match r {
-            Record::Exchange(e) => Some(e.new_items.iter()),
-            _ => None,
-        })
-        .flatten()
-        .map(|(h, b)| (h.as_slice(), b.as_str()))
-        .unzip();
-    if !hashes.is_empty() {
-        let items = tx
-            .prepare_cached(
-                "INSERT INTO items (hash, body) SELECT * FROM unnest($1::bytea[], $2::text[])
-                 ON CONFLICT DO NOTHING",
-            )
-            .await?;
-        tx.execute(&items, &[&hashes, &bodies]).await?;
+    let client = pool.get().await?;
+    let written = write_pipelined(&client, batch).await;
+    if written.is_err() {
+        // A statement that failed before it was sent (its parameters could
+        // not be encoded) leaves the transaction open, without its COMMIT:
+        // the session is closed, which rolls it back, rather than handed to
+        // the pool's next user.
+        drop(deadpool_postgres::Object::take(client));
     }
-    write_conversations(&tx, batch).await?;
-    let exchange = tx.prepare_cached(INSERT_EXCHANGE).await?;
-    let compaction = tx.prepare_cached(INSERT_COMPACTION).await?;
-    let window = tx.prepare_cached(UPSERT_WINDOW).await?;
-    for rec in batch {
-        match rec {
-            Record::Exchange(e) => write_exchange(&tx, &exchange, e).await?,
-            Record::Compaction(c) => write_compaction(&tx, &compaction, c).await?,
-            Record::Window(w) => {
-                tx.execute(
-                    &window,
-                    &[
-                        &w.upstream,
-                        &w.model,
-                        &(w.window as i64),
-                        &w.source.as_str(),
-                        &w.updated_ms,
-                    ],
-                )
-                .await?;
-            }
-        }
-    }
-    tx.commit().await?;
-    Ok(())
+    written
 }
 
-/// The conversations of a batch, each once: created as of its first
-/// exchange, last seen as of its last. A key another conversation holds
-/// (committed by another replica meanwhile, or earlier) is not claimed: the
-/// first statement then inserts nothing, and the second inserts the
-/// conversation without it.
-async fn write_conversations(
-    tx: &deadpool_postgres::Transaction<'_>,
+async fn write_pipelined(
+    client: &deadpool_postgres::ClientWrapper,
     batch: &[Record],
 ) -> Result<(), StoreError> {
     let spans = super::conversation_spans(batch);
-    if spans.is_empty() {
-        return Ok(());
-    }
-    let keyed = tx
-        .prepare_cached(
-            "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model)
-             VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT DO NOTHING",
-        )
-        .await?;
-    // Another replica's batch of the same conversation may commit after
-    // this one: what is newest is kept, whichever commits last.
-    let seen = tx
-        .prepare_cached(
-            "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model,
-                                        preview, client, conversation_header, session_id,
-                                        prompt_cache_key)
-             VALUES ($1, $2, NULL, $3, $4, $5, $6, $7, $8, $9, $10)
-             ON CONFLICT (id) DO UPDATE SET
-                 last_seen_ms = GREATEST(conversations.last_seen_ms, excluded.last_seen_ms),
-                 model = CASE WHEN excluded.last_seen_ms >= conversations.last_seen_ms
-                              THEN excluded.model ELSE conversations.model END,
-                 preview = COALESCE(conversations.preview, excluded.preview),
-                 client = COALESCE(excluded.client, conversations.client),
-                 conversation_header = COALESCE(excluded.conversation_header,
-                                                conversations.conversation_header),
-                 session_id = COALESCE(excluded.session_id, conversations.session_id),
-                 prompt_cache_key = COALESCE(excluded.prompt_cache_key,
-                                             conversations.prompt_cache_key)",
-        )
-        .await?;
-    for (conversation, span) in spans {
-        let (first, last) = (span.first, span.last);
-        if first.explicit_key.is_some() {
-            tx.execute(
-                &keyed,
-                &[
-                    &conversation,
-                    &first.tenant,
-                    &first.explicit_key,
-                    &first.started_ms,
-                    &last.started_ms,
-                    &last.model,
-                ],
-            )
-            .await?;
+    let mut items = Items::default();
+    let mut keyed = KeyedConversations::default();
+    let mut seen = SeenConversations::default();
+    let mut exchanges = Exchanges::default();
+    let mut compactions = Compactions::default();
+    let mut windows = Windows::default();
+    for span in &spans {
+        if span.1.first.explicit_key.is_some() {
+            keyed.push(span);
         }
-        tx.execute(
-            &seen,
-            &[
-                &conversation,
-                &first.tenant,
-                &first.started_ms,
-                &last.started_ms,
-                &last.model,
-                &span.preview,
-                &span.client,
-                &span.ids.header,
-                &span.ids.session,
-                &span.ids.cache_key,
-            ],
-        )
-        .await?;
+        seen.push(span);
     }
+    for rec in batch {
+        match rec {
+            Record::Exchange(e) => {
+                e.new_items.iter().for_each(|item| items.push(item));
+                exchanges.push(e);
+            }
+            Record::Compaction(c) => compactions.push(c),
+            Record::Window(_) => {}
+        }
+    }
+    // One row per (upstream, model), the batch's last: as when each was
+    // upserted in turn (one statement may not update a row twice).
+    let mut told = foldhash::HashSet::default();
+    let mut latest: Vec<&Told> = batch
+        .iter()
+        .rev()
+        .filter_map(|r| match r {
+            Record::Window(w) => told.insert((&w.upstream, &w.model)).then_some(w),
+            _ => None,
+        })
+        .collect();
+    latest.reverse();
+    latest.into_iter().for_each(|w| windows.push(w));
+    // Prepared once per connection (cached by the pool), all at once.
+    let statements = tokio::try_join!(
+        client.prepare_cached(Items::sql()),
+        client.prepare_cached(KeyedConversations::sql()),
+        client.prepare_cached(SeenConversations::sql()),
+        client.prepare_cached(Exchanges::sql()),
+        client.prepare_cached(Compactions::sql()),
+        client.prepare_cached(Windows::sql()),
+    )?;
+    // `biased`: each request is sent when first polled, so polled in this
+    // order they run in it, the conversations before the exchanges that
+    // refer to them. A failed statement aborts the transaction: what
+    // follows it fails too, and the COMMIT rolls back.
+    tokio::try_join!(
+        biased;
+        client.batch_execute("BEGIN"),
+        insert(client, &statements.0, &items),
+        insert(client, &statements.1, &keyed),
+        insert(client, &statements.2, &seen),
+        insert(client, &statements.3, &exchanges),
+        insert(client, &statements.4, &compactions),
+        insert(client, &statements.5, &windows),
+        client.batch_execute("COMMIT"),
+    )?;
     Ok(())
 }
 
-const INSERT_EXCHANGE: &str = "INSERT INTO exchanges (id, conversation_id, tenant, endpoint,
-    model, prefix_exchange, prefix_len, prefix_full, suffix_items, request_len, params,
-    response_items, response_id, input_tokens, output_tokens, cached_tokens, status, streamed,
-    partial, error, started_ms, latency_ms, ttfb_ms, chain_request, chain_full, compaction_id,
-    context_window, window_source, client, conversation_header, session_id, prompt_cache_key,
-    mode, tokens_saved, tokens_saved_potential, observed_compaction, recall_rounds,
-    recall_input_tokens, recall_output_tokens)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18,
-            $19, $20, $21, $22, $23, $24, $25, $26, $27, $28, $29, $30, $31, $32, $33, $34,
-            $35, $36, $37, $38, $39)
-    ON CONFLICT (id) DO NOTHING";
+/// Runs a multi-row statement over `rows`, unless there are none.
+async fn insert<T: Columns>(
+    client: &deadpool_postgres::ClientWrapper,
+    statement: &tokio_postgres::Statement,
+    rows: &T,
+) -> Result<u64, tokio_postgres::Error> {
+    if rows.is_empty() {
+        return Ok(0);
+    }
+    client.execute(statement, &rows.params()).await
+}
 
-async fn write_exchange(
-    tx: &deadpool_postgres::Transaction<'_>,
-    stmt: &tokio_postgres::Statement,
-    rec: &ExchangeRecord,
-) -> Result<(), StoreError> {
-    let usage = rec.usage;
-    tx.execute(
-        stmt,
-        &[
-            &rec.id,
-            &rec.conversation,
-            &rec.tenant,
-            &rec.api.endpoint(),
-            &rec.model,
-            &rec.prefix.map(|p| p.exchange),
-            &rec.prefix.map_or(0, |p| p.len as i64),
-            &rec.prefix.is_some_and(|p| p.full),
-            &rec.suffix_items.as_flattened(),
-            &(rec.request_len as i64),
-            &rec.params.as_slice(),
-            &rec.response_items.as_flattened(),
-            &rec.response_id,
-            &usage.map(|u| u.input_tokens as i64),
-            &usage.map(|u| u.output_tokens as i64),
-            &usage.and_then(|u| u.cached_tokens).map(|c| c as i64),
-            &i32::from(rec.status),
-            &rec.streamed,
-            &rec.partial,
-            &rec.error,
-            &rec.started_ms,
-            &rec.latency_ms,
-            &rec.ttfb_ms,
-            &rec.chain_request.as_ref().map(|h| h.as_slice()),
-            &rec.chain_full.as_ref().map(|h| h.as_slice()),
-            &rec.compaction,
-            &rec.window.map(|w| w.tokens as i64),
-            &rec.window.map(|w| w.source.as_str()),
-            &rec.client,
-            &rec.client_ids.header,
-            &rec.client_ids.session,
-            &rec.client_ids.cache_key,
-            &rec.savings.mode.as_str(),
-            &(rec.savings.tokens_saved as i64),
-            &(rec.savings.tokens_saved_potential as i64),
-            &rec.savings.observed_compaction,
-            &i64::from(rec.savings.recall_rounds),
-            &(rec.savings.recall_input_tokens as i64),
-            &(rec.savings.recall_output_tokens as i64),
-        ],
+/// A table's rows held as one array per column, written by one
+/// `INSERT … SELECT * FROM unnest($1::type[], …)`: one statement per table
+/// however many rows, prepared once.
+trait Columns {
+    /// The statement.
+    fn sql() -> &'static str;
+    fn is_empty(&self) -> bool;
+    /// The arrays, in the statement's order.
+    fn params(&self) -> Vec<&(dyn tokio_postgres::types::ToSql + Sync)>;
+}
+
+/// Declares a [`Columns`] type: each column's name, Rust element type,
+/// PostgreSQL type and value from a row, in one place, so the statement
+/// and its arrays cannot disagree.
+macro_rules! columns {
+    ($name:ident<$a:lifetime>($row:ident: $row_ty:ty) into $table:literal $conflict:literal {
+        $($col:ident: $ty:ty as $pg:literal = $value:expr,)+
+    }) => {
+        #[derive(Default)]
+        struct $name<$a> {
+            rows: usize,
+            $($col: Vec<$ty>,)+
+        }
+
+        impl<$a> $name<$a> {
+            fn push(&mut self, $row: $row_ty) {
+                self.rows += 1;
+                $(self.$col.push($value);)+
+            }
+        }
+
+        impl Columns for $name<'_> {
+            fn sql() -> &'static str {
+                static SQL: std::sync::LazyLock<String> =
+                    std::sync::LazyLock::new(|| unnest_insert($table, &[$((stringify!($col), $pg)),+], $conflict));
+                &SQL
+            }
+
+            fn is_empty(&self) -> bool {
+                self.rows == 0
+            }
+
+            fn params(&self) -> Vec<&(dyn tokio_postgres::types::ToSql + Sync)> {
+                vec![$(&self.$col),+]
+            }
+        }
+    };
+}
+
+/// `INSERT INTO table ("a", "b") SELECT * FROM unnest($1::ta[], $2::tb[]) conflict`.
+fn unnest_insert(table: &str, columns: &[(&str, &str)], conflict: &str) -> String {
+    let names: Vec<String> = columns.iter().map(|(n, _)| format!("\"{n}\"")).collect();
+    let arrays: Vec<String> = columns
+        .iter()
+        .enumerate()
+        .map(|(i, (_, t))| format!("${}::{t}[]", i + 1))
+        .collect();
+    format!(
+        "INSERT INTO {table} ({}) SELECT * FROM unnest({}) {conflict}",
+        names.join(", "),
+        arrays.join(", ")
     )
-    .await?;
-    Ok(())
 }
 
-const INSERT_COMPACTION: &str = "INSERT INTO compactions (id, tenant, conversation_id,
-    covered_len, covered_chain, replacement, rung, reason, tokens_before, tokens_after,
-    items_removed, items_kept, summary, facts, base_id, summary_calls, duration_ms, created_ms,
-    summary_tokens, summary_output_tokens, tokens_saved, observed)
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19,
-            $20, $21, $22)
-    ON CONFLICT (id) DO NOTHING";
+type Span<'a> = (&'a str, super::ConversationSpan<'a>);
 
-async fn write_compaction(
-    tx: &deadpool_postgres::Transaction<'_>,
-    stmt: &tokio_postgres::Statement,
-    c: &Compaction,
-) -> Result<(), StoreError> {
-    let replacement = serde_json::to_string(&c.replacement).unwrap_or_else(|_| "[]".into());
-    let facts = c.facts.as_ref().and_then(|f| serde_json::to_string(f).ok());
-    tx.execute(
-        stmt,
-        &[
-            &c.id,
-            &c.tenant,
-            &c.conversation,
-            &(c.covered_len as i64),
-            &c.covered_chain.as_slice(),
-            &replacement,
-            &c.rung.as_str(),
-            &c.reason,
-            &(c.tokens_before as i64),
-            &(c.tokens_after as i64),
-            &(c.items_removed as i64),
-            &(c.items_kept as i64),
-            &c.summary,
-            &facts,
-            &c.base,
-            &i64::from(c.summary_calls),
-            &(c.duration_ms as i64),
-            &c.created_ms,
-            &(c.summary_tokens as i64),
-            &(c.summary_output_tokens as i64),
-            &(c.tokens_saved as i64),
-            &c.observed,
-        ],
-    )
-    .await?;
-    Ok(())
+// Item bodies: each once across replicas.
+columns! {
+    Items<'a>(item: &'a (ItemHash, String)) into "items" "ON CONFLICT DO NOTHING" {
+        hash: &'a [u8] as "bytea" = item.0.as_slice(),
+        body: &'a str as "text" = item.1.as_str(),
+    }
 }
 
-const UPSERT_WINDOW: &str = r#"INSERT INTO windows (upstream, model, "window", source, updated_ms)
-    VALUES ($1, $2, $3, $4, $5)
-    ON CONFLICT (upstream, model) DO UPDATE SET "window" = excluded."window",
-        source = excluded.source, updated_ms = excluded.updated_ms"#;
+// The conversations of a batch, each once: created as of its first
+// exchange, last seen as of its last. A key another conversation holds
+// (committed by another replica meanwhile, or earlier) is not claimed: this
+// statement then inserts nothing for it, and the next inserts the
+// conversation without it.
+columns! {
+    KeyedConversations<'a>(span: &'a Span<'a>) into "conversations" "ON CONFLICT DO NOTHING" {
+        id: &'a str as "text" = span.0,
+        tenant: &'a str as "text" = &span.1.first.tenant,
+        explicit_key: Option<&'a str> as "text" = span.1.first.explicit_key.as_deref(),
+        created_ms: i64 as "bigint" = span.1.first.started_ms,
+        last_seen_ms: i64 as "bigint" = span.1.last.started_ms,
+        model: &'a str as "text" = &span.1.last.model,
+    }
+}
+
+// Another replica's batch of the same conversation may commit after this
+// one: what is newest is kept, whichever commits last.
+columns! {
+    SeenConversations<'a>(span: &'a Span<'a>) into "conversations"
+    "ON CONFLICT (id) DO UPDATE SET
+         last_seen_ms = GREATEST(conversations.last_seen_ms, excluded.last_seen_ms),
+         model = CASE WHEN excluded.last_seen_ms >= conversations.last_seen_ms
+                      THEN excluded.model ELSE conversations.model END,
+         preview = COALESCE(conversations.preview, excluded.preview),
+         client = COALESCE(excluded.client, conversations.client),
+         conversation_header = COALESCE(excluded.conversation_header,
+                                        conversations.conversation_header),
+         session_id = COALESCE(excluded.session_id, conversations.session_id),
+         prompt_cache_key = COALESCE(excluded.prompt_cache_key,
+                                     conversations.prompt_cache_key)" {
+        id: &'a str as "text" = span.0,
+        tenant: &'a str as "text" = &span.1.first.tenant,
+        created_ms: i64 as "bigint" = span.1.first.started_ms,
+        last_seen_ms: i64 as "bigint" = span.1.last.started_ms,
+        model: &'a str as "text" = &span.1.last.model,
+        preview: Option<&'a str> as "text" = span.1.preview,
+        client: Option<&'a str> as "text" = span.1.client,
+        conversation_header: Option<&'a str> as "text" = span.1.ids.header.as_deref(),
+        session_id: Option<&'a str> as "text" = span.1.ids.session.as_deref(),
+        prompt_cache_key: Option<&'a str> as "text" = span.1.ids.cache_key.as_deref(),
+    }
+}
+
+columns! {
+    Exchanges<'a>(r: &'a ExchangeRecord) into "exchanges" "ON CONFLICT (id) DO NOTHING" {
+        id: i64 as "bigint" = r.id,
+        conversation_id: &'a str as "text" = &r.conversation,
+        tenant: &'a str as "text" = &r.tenant,
+        endpoint: &'a str as "text" = r.api.endpoint(),
+        model: &'a str as "text" = &r.model,
+        prefix_exchange: Option<i64> as "bigint" = r.prefix.map(|p| p.exchange),
+        prefix_len: i64 as "bigint" = r.prefix.map_or(0, |p| p.len as i64),
+        prefix_full: bool as "boolean" = r.prefix.is_some_and(|p| p.full),
+        suffix_items: &'a [u8] as "bytea" = r.suffix_items.as_flattened(),
+        request_len: i64 as "bigint" = r.request_len as i64,
+        params: &'a [u8] as "bytea" = r.params.as_slice(),
+        response_items: &'a [u8] as "bytea" = r.response_items.as_flattened(),
+        response_id: Option<&'a str> as "text" = r.response_id.as_deref(),
+        input_tokens: Option<i64> as "bigint" = r.usage.map(|u| u.input_tokens as i64),
+        output_tokens: Option<i64> as "bigint" = r.usage.map(|u| u.output_tokens as i64),
+        cached_tokens: Option<i64> as "bigint" =
+            r.usage.and_then(|u| u.cached_tokens).map(|c| c as i64),
+        status: i32 as "integer" = i32::from(r.status),
+        streamed: bool as "boolean" = r.streamed,
+        partial: bool as "boolean" = r.partial,
+        error: Option<&'a str> as "text" = r.error.as_deref(),
+        started_ms: i64 as "bigint" = r.started_ms,
+        latency_ms: f64 as "double precision" = r.latency_ms,
+        ttfb_ms: Option<f64> as "double precision" = r.ttfb_ms,
+        chain_request: Option<&'a [u8]> as "bytea" = r.chain_request.as_ref().map(|h| h.as_slice()),
+        chain_full: Option<&'a [u8]> as "bytea" = r.chain_full.as_ref().map(|h| h.as_slice()),
+        compaction_id: Option<&'a str> as "text" = r.compaction.as_deref(),
+        context_window: Option<i64> as "bigint" = r.window.map(|w| w.tokens as i64),
+        window_source: Option<&'a str> as "text" = r.window.map(|w| w.source.as_str()),
+        client: Option<&'a str> as "text" = r.client.as_deref(),
+        conversation_header: Option<&'a str> as "text" = r.client_ids.header.as_deref(),
+        session_id: Option<&'a str> as "text" = r.client_ids.session.as_deref(),
+        prompt_cache_key: Option<&'a str> as "text" = r.client_ids.cache_key.as_deref(),
+        mode: &'a str as "text" = r.savings.mode.as_str(),
+        tokens_saved: i64 as "bigint" = r.savings.tokens_saved as i64,
+        tokens_saved_potential: i64 as "bigint" = r.savings.tokens_saved_potential as i64,
+        observed_compaction: Option<&'a str> as "text" = r.savings.observed_compaction.as_deref(),
+        recall_rounds: i64 as "bigint" = i64::from(r.savings.recall_rounds),
+        recall_input_tokens: i64 as "bigint" = r.savings.recall_input_tokens as i64,
+        recall_output_tokens: i64 as "bigint" = r.savings.recall_output_tokens as i64,
+    }
+}
+
+columns! {
+    Compactions<'a>(c: &'a Compaction) into "compactions" "ON CONFLICT (id) DO NOTHING" {
+        id: &'a str as "text" = &c.id,
+        tenant: &'a str as "text" = &c.tenant,
+        conversation_id: &'a str as "text" = &c.conversation,
+        covered_len: i64 as "bigint" = c.covered_len as i64,
+        covered_chain: &'a [u8] as "bytea" = c.covered_chain.as_slice(),
+        replacement: String as "text" =
+            serde_json::to_string(&c.replacement).unwrap_or_else(|_| "[]".into()),
+        rung: &'a str as "text" = c.rung.as_str(),
+        reason: &'a str as "text" = &c.reason,
+        tokens_before: i64 as "bigint" = c.tokens_before as i64,
+        tokens_after: i64 as "bigint" = c.tokens_after as i64,
+        items_removed: i64 as "bigint" = c.items_removed as i64,
+        items_kept: i64 as "bigint" = c.items_kept as i64,
+        summary: Option<&'a str> as "text" = c.summary.as_deref(),
+        facts: Option<String> as "text" =
+            c.facts.as_ref().and_then(|f| serde_json::to_string(f).ok()),
+        base_id: Option<&'a str> as "text" = c.base.as_deref(),
+        summary_calls: i64 as "bigint" = i64::from(c.summary_calls),
+        duration_ms: i64 as "bigint" = c.duration_ms as i64,
+        created_ms: i64 as "bigint" = c.created_ms,
+        summary_tokens: i64 as "bigint" = c.summary_tokens as i64,
+        summary_output_tokens: i64 as "bigint" = c.summary_output_tokens as i64,
+        tokens_saved: i64 as "bigint" = c.tokens_saved as i64,
+        observed: bool as "boolean" = c.observed,
+    }
+}
+
+columns! {
+    Windows<'a>(w: &'a Told) into "windows"
+    "ON CONFLICT (upstream, model) DO UPDATE SET \"window\" = excluded.\"window\",
+         source = excluded.source, updated_ms = excluded.updated_ms" {
+        upstream: &'a str as "text" = &w.upstream,
+        model: &'a str as "text" = &w.model,
+        window: i64 as "bigint" = w.window as i64,
+        source: &'a str as "text" = w.source.as_str(),
+        updated_ms: i64 as "bigint" = w.updated_ms,
+    }
+}
 
 /// The columns [`compaction_row`] reads, in its order.
 const COMPACTION_COLUMNS: &str = "id, tenant, conversation_id, covered_len, covered_chain,

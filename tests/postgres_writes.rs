@@ -1,0 +1,440 @@
+//! The PostgreSQL store's write path, through its writer's backend: a
+//! batch is one transaction sent as one pipeline, so a commit costs one
+//! round trip however many records it holds; every column lands where it
+//! belongs; the rules that let replicas write the same conversation hold
+//! (newest last-seen wins, ids filled in, a key not taken from the
+//! conversation that holds it, items once); a failed batch leaves nothing.
+//!
+//! A real PostgreSQL tier: `#[ignore]`d like the other real tiers (run with
+//! `--include-ignored`; `scripts/test` installs PostgreSQL).
+
+mod support;
+
+use std::time::{Duration, Instant};
+
+use compactor::compaction::{Compaction, Rung};
+use compactor::store::postgres::{Options, Postgres, PostgresBackend, PostgresReads};
+use compactor::store::{Backend, ExchangeRecord, PrefixRef, Reads, Record, RecordedWindow};
+use compactor::windows::{Source, Told};
+use serde_json::{json, Value};
+use support::postgres::PgCluster;
+use support::within;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// How long the relay holds each answer back: a database one round trip
+/// of this away, long enough to dwarf the work a commit does here.
+const LATENCY: Duration = Duration::from_millis(100);
+
+/// Round trips a commit may take in [`LATENCY`]s, the one it needs plus
+/// slack for a loaded machine (the per-statement path took one per
+/// statement, five for a single exchange).
+const ROUND_TRIPS_ALLOWED: u32 = 3;
+
+fn options(url: &str, pool_size: usize) -> Options {
+    Options {
+        url: url.to_string(),
+        password: None,
+        pool_size,
+        statement_timeout: Duration::from_secs(20),
+    }
+}
+
+/// A throwaway cluster, a database on it, and a runtime for the test's
+/// own connections; `None` where PostgreSQL cannot run.
+fn database() -> Option<(PgCluster, String, tokio::runtime::Runtime)> {
+    let cluster = PgCluster::start()?;
+    let url = cluster.database();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .expect("a runtime");
+    Some((cluster, url, rt))
+}
+
+/// A new database on `cluster` with the schema, and its writer's backend
+/// (`pool_size` 1: every batch on the same session).
+fn backend(url: &str) -> (std::sync::Arc<Postgres>, PostgresBackend) {
+    let pg = Postgres::open(&options(url, 1)).expect("open the database");
+    let backend = PostgresBackend::new(pg.clone());
+    (pg, backend)
+}
+
+/// An exchange with every column set, in conversation `conversation`.
+fn exchange(id: i64, conversation: &str, started_ms: i64) -> ExchangeRecord {
+    let item = json!({"role": "user", "content": format!("message {id}")});
+    let hash = compactor::wire::item_hash(&item);
+    ExchangeRecord {
+        id,
+        conversation: conversation.to_string(),
+        new_conversation: true,
+        explicit_key: None,
+        tenant: "tenant-a".into(),
+        api: compactor::wire::Api::Responses,
+        model: format!("model-{started_ms}"),
+        prefix: Some(PrefixRef {
+            exchange: 7,
+            len: 3,
+            full: true,
+        }),
+        suffix_items: vec![hash, [2; 32]],
+        request_len: 5,
+        params: [1; 32],
+        response_items: vec![[3; 32]],
+        new_items: vec![(hash, item.to_string())],
+        response_id: Some(format!("resp_{id}")),
+        usage: Some(compactor::wire::Usage {
+            input_tokens: 120,
+            output_tokens: 30,
+            cached_tokens: Some(100),
+        }),
+        status: 200,
+        streamed: true,
+        partial: false,
+        error: Some("late".into()),
+        started_ms,
+        latency_ms: 12.5,
+        ttfb_ms: Some(3.25),
+        chain_request: Some([4; 32]),
+        chain_full: Some([5; 32]),
+        compaction: Some("cmp_applied".into()),
+        window: Some(RecordedWindow {
+            tokens: 8192,
+            source: Source::Learned,
+        }),
+        client_ids: compactor::wire::ClientIds {
+            header: Some(format!("header-{started_ms}")),
+            session: None,
+            cache_key: Some("cache-key".into()),
+        },
+        client: Some("codex".into()),
+        preview: Some(format!("preview-{started_ms}")),
+        savings: compactor::store::ExchangeSavings {
+            mode: compactor::config::Mode::Observe,
+            tokens_saved: 11,
+            tokens_saved_potential: 22,
+            observed_compaction: Some("cmp_observed".into()),
+            recall_rounds: 2,
+            recall_input_tokens: 33,
+            recall_output_tokens: 44,
+        },
+    }
+}
+
+fn compaction(id: &str) -> Compaction {
+    Compaction {
+        id: id.into(),
+        tenant: "tenant-a".into(),
+        conversation: "conv_a".into(),
+        covered_len: 4,
+        covered_chain: [6; 32],
+        replacement: vec![json!({"role": "user", "content": "summary"})],
+        rung: Rung::Fallback,
+        reason: "manual".into(),
+        tokens_before: 1000,
+        tokens_after: 200,
+        items_removed: 3,
+        items_kept: 1,
+        summary: Some("summary".into()),
+        facts: Some(serde_json::from_value(json!({"task": "fix it"})).expect("facts")),
+        base: Some("cmp_base".into()),
+        summary_calls: 1,
+        summary_tokens: 50,
+        summary_output_tokens: 10,
+        tokens_saved: 800,
+        observed: false,
+        duration_ms: 9,
+        created_ms: 1_000,
+    }
+}
+
+fn window(model: &str, tokens: u64) -> Told {
+    Told {
+        upstream: "http://upstream".into(),
+        model: model.into(),
+        window: tokens,
+        source: Source::Learned,
+        updated_ms: tokens as i64,
+    }
+}
+
+fn ex(rec: ExchangeRecord) -> Record {
+    Record::Exchange(Box::new(rec))
+}
+
+/// One JSON value per row of `sql`, which selects one `jsonb` column as
+/// text.
+fn rows(rt: &tokio::runtime::Runtime, url: &str, sql: &str) -> Vec<Value> {
+    rt.block_on(async {
+        let (client, conn) = within(tokio_postgres::connect(url, tokio_postgres::NoTls))
+            .await
+            .expect("connect to the test database");
+        let driver = tokio::spawn(conn);
+        let found = within(client.query(sql, &[])).await.expect(sql);
+        drop(client);
+        let _ = within(driver).await;
+        found
+            .iter()
+            .map(|r| serde_json::from_str(r.get::<_, &str>(0)).expect("json"))
+            .collect()
+    })
+}
+
+fn hex(bytes: &[u8]) -> String {
+    let digits: String = bytes.iter().map(|b| format!("{b:02x}")).collect();
+    format!("\\x{digits}")
+}
+
+/// Forwards each connection to `target`, each chunk of the database's
+/// answers held back [`LATENCY`] from when it arrived (in order, as a
+/// slow link would).
+async fn slow_link(target: u16) -> u16 {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind the relay");
+    let port = listener.local_addr().expect("relay address").port();
+    tokio::spawn(async move {
+        while let Ok((client, _)) = listener.accept().await {
+            tokio::spawn(relay(client, target));
+        }
+    });
+    port
+}
+
+async fn relay(client: tokio::net::TcpStream, target: u16) {
+    let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else {
+        return;
+    };
+    let _ = (client.set_nodelay(true), server.set_nodelay(true));
+    let (mut from_client, mut to_client) = client.into_split();
+    let (mut from_server, mut to_server) = server.into_split();
+    let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel::<(Instant, Vec<u8>)>();
+    let up = tokio::io::copy(&mut from_client, &mut to_server);
+    let read = async move {
+        let mut buf = vec![0u8; 64 << 10];
+        while let Ok(n @ 1..) = from_server.read(&mut buf).await {
+            if tx
+                .send((Instant::now() + LATENCY, buf[..n].to_vec()))
+                .is_err()
+            {
+                break;
+            }
+        }
+    };
+    let write = async move {
+        while let Some((due, bytes)) = rx.recv().await {
+            tokio::time::sleep_until(due.into()).await;
+            if to_client.write_all(&bytes).await.is_err() {
+                break;
+            }
+        }
+    };
+    let _ = tokio::join!(up, read, write);
+}
+
+#[test]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+fn a_commit_is_one_round_trip_however_many_records_it_holds() {
+    let Some((cluster, url, rt)) = database() else {
+        return;
+    };
+    let name = url.rsplit('/').next().expect("a database name").to_string();
+    let relay = rt.block_on(within(slow_link(cluster.port)));
+    let (_pg, mut backend) = backend(&format!("postgres://postgres@127.0.0.1:{relay}/{name}"));
+    // The session's statements are prepared by its first batch.
+    backend
+        .write(&[ex(exchange(1, "conv_warm", 1))])
+        .expect("the first batch");
+    let one = vec![ex(exchange(2, "conv_one", 2))];
+    let mut many: Vec<Record> = (0..40)
+        .map(|i| ex(exchange(100 + i, &format!("conv_many_{}", i % 20), 100 + i)))
+        .collect();
+    many.push(Record::Compaction(Box::new(compaction("cmp_many"))));
+    many.push(Record::Window(window("m", 4096)));
+    let bound = LATENCY * ROUND_TRIPS_ALLOWED;
+    for (what, batch) in [("one exchange", one), ("40 exchanges", many)] {
+        let started = Instant::now();
+        backend.write(&batch).expect("the batch commits");
+        let took = started.elapsed();
+        assert!(
+            took < bound,
+            "a commit of {what} took {took:?}, over {ROUND_TRIPS_ALLOWED} round trips of {LATENCY:?}"
+        );
+    }
+    let counted = rows(
+        &rt,
+        &url,
+        "SELECT to_jsonb(ARRAY[(SELECT count(*) FROM exchanges),
+                               (SELECT count(*) FROM conversations),
+                               (SELECT count(*) FROM compactions)])::text",
+    );
+    assert_eq!(counted, vec![json!([42, 22, 1])]);
+}
+
+#[test]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+fn every_column_is_written_and_replicas_writing_one_conversation_keep_its_rules() {
+    let Some((_cluster, url, rt)) = database() else {
+        return;
+    };
+    // Two replicas: a backend each, on one database.
+    let (pg, mut a) = backend(&url);
+    let (_, mut b) = backend(&url);
+
+    // Replica A: two exchanges of conv_a (with its key), a compaction, and
+    // the same model's window told twice (the later stays).
+    let mut first = exchange(10, "conv_a", 1_000);
+    first.explicit_key = Some("x-compactor-conversation:k".into());
+    let mut second = exchange(11, "conv_a", 2_000);
+    second.client = None;
+    let batch = vec![
+        ex(first.clone()),
+        ex(second),
+        Record::Compaction(Box::new(compaction("cmp_a"))),
+        Record::Window(window("m", 1_000)),
+        Record::Window(window("other", 3_000)),
+        Record::Window(window("m", 2_000)),
+    ];
+    a.write(&batch).expect("replica A's batch");
+    // The same batch again (a retried import): nothing doubles.
+    a.write(&batch).expect("the same batch again");
+
+    // Replica B commits an older exchange of conv_a after A's, sent with
+    // other ids; then another conversation asking for conv_a's key. Its
+    // item is the one A stored.
+    let mut older = exchange(12, "conv_a", 500);
+    older.client = None;
+    older.client_ids.cache_key = None;
+    older.new_items = first.new_items.clone();
+    let mut thief = exchange(13, "conv_b", 3_000);
+    thief.explicit_key = first.explicit_key.clone();
+    b.write(&[ex(older), ex(thief)]).expect("replica B's batch");
+
+    let exchanges = rows(
+        &rt,
+        &url,
+        "SELECT (to_jsonb(e) - 'id' - 'conversation_id' - 'started_ms' - 'model'
+                - 'conversation_header')::text
+         FROM exchanges e ORDER BY id",
+    );
+    assert_eq!(exchanges.len(), 4, "{exchanges:?}");
+    let suffix = [first.suffix_items[0], [2; 32]].concat();
+    let expected = json!({
+        "tenant": "tenant-a", "endpoint": "/responses",
+        "prefix_exchange": 7, "prefix_len": 3, "prefix_full": true,
+        "suffix_items": hex(&suffix), "request_len": 5, "params": hex(&[1; 32]),
+        "response_items": hex(&[3; 32]), "response_id": "resp_10",
+        "input_tokens": 120, "output_tokens": 30, "cached_tokens": 100,
+        "status": 200, "streamed": true, "partial": false, "error": "late",
+        "latency_ms": 12.5, "ttfb_ms": 3.25,
+        "chain_request": hex(&[4; 32]), "chain_full": hex(&[5; 32]),
+        "compaction_id": "cmp_applied", "context_window": 8192, "window_source": "learned",
+        "client": "codex", "session_id": null, "prompt_cache_key": "cache-key",
+        "mode": "observe", "tokens_saved": 11, "tokens_saved_potential": 22,
+        "observed_compaction": "cmp_observed", "recall_rounds": 2,
+        "recall_input_tokens": 33, "recall_output_tokens": 44,
+    });
+    assert_eq!(exchanges[0], expected);
+    let ids = rows(
+        &rt,
+        &url,
+        "SELECT to_jsonb(ARRAY[id::text, conversation_id, started_ms::text, model,
+                               conversation_header])::text
+         FROM exchanges ORDER BY id",
+    );
+    assert_eq!(
+        ids,
+        vec![
+            json!(["10", "conv_a", "1000", "model-1000", "header-1000"]),
+            json!(["11", "conv_a", "2000", "model-2000", "header-2000"]),
+            json!(["12", "conv_a", "500", "model-500", "header-500"]),
+            json!(["13", "conv_b", "3000", "model-3000", "header-3000"]),
+        ]
+    );
+
+    // conv_a: created as of its first exchange, last seen and model as of
+    // its newest whichever committed last, its first preview, the latest
+    // ids sent (a missing one keeps the stored one), its key; conv_b
+    // without the key conv_a holds.
+    let conversations = rows(
+        &rt,
+        &url,
+        "SELECT to_jsonb(c)::text FROM conversations c ORDER BY id",
+    );
+    assert_eq!(
+        conversations,
+        vec![
+            json!({
+                "id": "conv_a", "tenant": "tenant-a",
+                "explicit_key": "x-compactor-conversation:k",
+                "created_ms": 1000, "last_seen_ms": 2000, "model": "model-2000",
+                "preview": "preview-1000", "client": "codex",
+                "conversation_header": "header-500", "session_id": null,
+                "prompt_cache_key": "cache-key",
+            }),
+            json!({
+                "id": "conv_b", "tenant": "tenant-a", "explicit_key": null,
+                "created_ms": 3000, "last_seen_ms": 3000, "model": "model-3000",
+                "preview": "preview-3000", "client": "codex",
+                "conversation_header": "header-3000", "session_id": null,
+                "prompt_cache_key": "cache-key",
+            }),
+        ]
+    );
+
+    // The item both replicas sent is stored once; each other once too.
+    let items = rows(
+        &rt,
+        &url,
+        "SELECT to_jsonb(ARRAY[count(*), count(DISTINCT hash)])::text FROM items",
+    );
+    assert_eq!(items, vec![json!([3, 3])]);
+
+    // The compaction reads back as written, every field.
+    let reads = PostgresReads::new(pg);
+    let stored = reads.compaction("cmp_a").expect("the compaction");
+    assert_eq!(
+        serde_json::to_value(&stored).expect("json"),
+        serde_json::to_value(compaction("cmp_a")).expect("json")
+    );
+    let windows = rows(
+        &rt,
+        &url,
+        r#"SELECT to_jsonb(ARRAY[model, "window"::text])::text FROM windows ORDER BY model"#,
+    );
+    assert_eq!(
+        windows,
+        vec![json!(["m", "2000"]), json!(["other", "3000"])]
+    );
+}
+
+#[test]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+fn a_batch_the_database_refuses_leaves_nothing_and_the_next_one_commits() {
+    let Some((_cluster, url, rt)) = database() else {
+        return;
+    };
+    let (_pg, mut backend) = backend(&url);
+    // PostgreSQL's text holds no NUL: the exchange's statement fails, after
+    // its conversation's and items' have run in the same transaction.
+    let mut refused = exchange(20, "conv_refused", 1);
+    refused.error = Some("nul \0 byte".into());
+    let err = backend
+        .write(&[ex(refused), Record::Window(window("m", 1))])
+        .expect_err("a text with a NUL is refused");
+    assert!(err.to_string().contains("postgres"), "{err}");
+    // The same session (the pool holds one) commits the next batch, and
+    // nothing of the refused one came with it.
+    backend
+        .write(&[ex(exchange(21, "conv_next", 2))])
+        .expect("the next batch");
+    let stored = rows(
+        &rt,
+        &url,
+        "SELECT to_jsonb(ARRAY[(SELECT string_agg(id, ',') FROM conversations),
+                               (SELECT string_agg(id::text, ',') FROM exchanges),
+                               (SELECT count(*)::text FROM windows),
+                               (SELECT count(*)::text FROM items)])::text",
+    );
+    assert_eq!(stored, vec![json!(["conv_next", "21", "0", "1"])]);
+}
