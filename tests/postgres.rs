@@ -826,3 +826,36 @@ async fn a_replica_whose_listening_connection_drops_listens_again_and_reads_what
     assert!(turn.compacted.is_some(), "compacted as asked");
     assert_eq!(summary_calls(&h.fake), 1);
 }
+
+/// `compactor compact ID` asked of one replica reports the outcome when
+/// another replica served the next request and compacted it: the stored
+/// compaction stands for the attempt the asked replica never saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn compact_asked_of_one_replica_reports_what_the_other_compacted() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, support::small_window_foreground).await;
+    let mut chat = Chat::new(KEY);
+    let id = grown(&mut chat, &[&a, &b]).await;
+    let listen = b.addr.to_string();
+    let env = [("COMPACTOR_DATABASE_URL", url.clone())];
+    let asked = tokio::spawn(async move {
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        support::cli(&["compact", &id, "--listen", &listen, "--wait", "30"], &env).await
+    });
+    within(async {
+        while count(&url, "SELECT count(*) FROM manual_compactions").await == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let on_a = chat.turn(&a, "Go on.").await;
+    let compacted = on_a.compacted.expect("compacted on the other replica");
+    let (code, out, err) = within(asked).await.expect("join");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("compacted: ") && out.contains(&compacted),
+        "the outcome, from the replica that was asked: {out}"
+    );
+}

@@ -131,12 +131,23 @@ pub async fn compact_status(state: Arc<AppState>, name: String) -> Response<Prox
     let found = read(state.clone(), move |reads, st| {
         let found = reads.victim(&name)?;
         let pending = st.compactions.manual_pending(&found.id)?;
-        Ok((found.tenant, found.id, pending))
+        // Another replica may have compacted it: the stored compaction
+        // stands for the attempt this one did not see.
+        let stored = match pending || !reads.shared() {
+            true => None,
+            false => reads.latest_compaction(&found.id)?,
+        };
+        Ok((found.tenant, found.id, pending, stored))
     })
     .await;
     match found {
-        Ok((tenant, id, pending)) => {
-            let outcome = state.compactions.attempts(&tenant, &id).pop();
+        Ok((tenant, id, pending, stored)) => {
+            let own = state.compactions.attempts(&tenant, &id).pop();
+            let stored = stored.as_ref().map(crate::engine::Attempt::stored);
+            let outcome = match (own, stored) {
+                (Some(own), Some(stored)) if stored.at_ms > own.at_ms => Some(stored),
+                (own, stored) => own.or(stored),
+            };
             json_response(
                 StatusCode::OK,
                 &serde_json::json!({

@@ -664,6 +664,20 @@ pub struct Attempt {
 }
 
 impl Attempt {
+    /// A stored compaction as the attempt that made it (computed by
+    /// another replica, whose attempts this one does not hold).
+    pub fn stored(c: &Compaction) -> Self {
+        Attempt {
+            at_ms: c.created_ms,
+            result: "applied",
+            tokens_before: Some(c.tokens_before),
+            tokens_after: Some(c.tokens_after),
+            rung: Some(c.rung.as_str()),
+            compaction: Some(c.id.clone()),
+            error: None,
+        }
+    }
+
     fn of(result: &Result<Arc<Compaction>, CompactError>) -> Self {
         let mut a = Attempt {
             at_ms: crate::ids::now_ms(),

@@ -442,6 +442,15 @@ pub trait Queries {
     /// to any more (beside a proxy that may be writing).
     fn delete_conversations(&self, ids: &[String])
         -> Result<retention::Removed, query::QueryError>;
+    /// The newest applied compaction stored for `conversation`, whichever
+    /// process computed it: for a store several replicas share (a
+    /// process's own attempts are in its memory).
+    fn latest_compaction(
+        &self,
+        _conversation: &str,
+    ) -> Result<Option<Compaction>, query::QueryError> {
+        Ok(None)
+    }
 }
 
 /// A store failure.

@@ -221,6 +221,16 @@ impl super::Queries for PostgresReads {
         Ok(retention::victims_of(&conn, found)?)
     }
 
+    fn latest_compaction(
+        &self,
+        conversation: &str,
+    ) -> Result<Option<crate::compaction::Compaction>, QueryError> {
+        let conn = PgSql::connect(self.pg())?;
+        Ok(super::rows::load_compactions(&conn, Some(conversation))?
+            .into_iter()
+            .rfind(|c| !c.observed))
+    }
+
     fn delete_conversations(&self, ids: &[String]) -> Result<Removed, QueryError> {
         let conn = PgSql::connect(self.pg())?;
         Ok(retention::delete_and_prune(&conn, ids)?)
