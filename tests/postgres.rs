@@ -859,3 +859,32 @@ async fn compact_asked_of_one_replica_reports_what_the_other_compacted() {
         "the outcome, from the replica that was asked: {out}"
     );
 }
+
+/// A view's connection whose statement failed inside a transaction leaves
+/// the pool: the next view, on the pool's one connection, starts clean
+/// instead of inside the aborted transaction.
+#[test]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+fn a_views_connection_that_failed_mid_transaction_is_not_reused() {
+    use compactor::store::postgres::{Options, Postgres};
+    use compactor::store::postgres_queries::PgSql;
+    use compactor::store::sql::Sql;
+    let Some(pg) = PgCluster::start() else { return };
+    let mut config = compactor::config::StoreConfig {
+        url: pg.database(),
+        ..Default::default()
+    };
+    config.pool_size = 1;
+    let store = Postgres::open(&Options::from_config(&config)).expect("open");
+    {
+        let conn = PgSql::connect(&store).expect("a connection");
+        conn.execute("BEGIN", &[]).expect("begin");
+        assert!(conn.rows("SELECT 1 / 0", &[]).is_err(), "division by zero");
+    }
+    let conn = PgSql::connect(&store).expect("the pool's connection");
+    let row = conn
+        .first("SELECT 1::bigint", &[])
+        .expect("not inside the aborted transaction")
+        .expect("a row");
+    assert_eq!(row.get::<i64>(0).expect("a number"), 1);
+}

@@ -118,18 +118,48 @@ pub fn connect(opts: &super::postgres::Options) -> Result<PgSql, StoreError> {
 /// One pooled connection, held for the statements of one view.
 pub struct PgSql {
     pg: Arc<Postgres>,
-    client: Arc<deadpool_postgres::Object>,
+    /// Taken only when dropped.
+    client: Option<Arc<deadpool_postgres::Object>>,
+    /// A statement failed or timed out: the connection may be inside a
+    /// transaction or mid-answer, so it leaves the pool for good.
+    failed: std::sync::atomic::AtomicBool,
+}
+
+impl Drop for PgSql {
+    fn drop(&mut self) {
+        // Every statement's future is done once its wait returned (or was
+        // dropped with the timeout), so the connection is this one's alone.
+        let client = self.client.take().and_then(|c| Arc::try_unwrap(c).ok());
+        if let Some(object) = client.filter(|_| *self.failed.get_mut()) {
+            drop(deadpool_postgres::Object::take(object));
+        }
+    }
 }
 
 impl PgSql {
     /// A connection from `pg`'s pool.
-    pub(super) fn connect(pg: &Arc<Postgres>) -> Result<Self, StoreError> {
+    pub fn connect(pg: &Arc<Postgres>) -> Result<Self, StoreError> {
         let pool = pg.pool.clone();
         let client = pg.wait(async move { Ok(pool.get().await?) })?;
         Ok(PgSql {
             pg: pg.clone(),
-            client: Arc::new(client),
+            client: Some(Arc::new(client)),
+            failed: Default::default(),
         })
+    }
+
+    /// The connection, for one statement's future.
+    fn client(&self) -> Result<Arc<deadpool_postgres::Object>, StoreError> {
+        self.client.clone().ok_or(StoreError::Closed)
+    }
+
+    /// `result`, remembering a failure (see `failed`).
+    fn noted<T>(&self, result: Result<T, StoreError>) -> Result<T, StoreError> {
+        if result.is_err() {
+            self.failed
+                .store(true, std::sync::atomic::Ordering::Relaxed);
+        }
+        result
     }
 }
 
@@ -148,11 +178,11 @@ impl Sql for PgSql {
 
     fn rows(&self, sql: &str, params: &[Param<'_>]) -> Result<Vec<Row>, StoreError> {
         let (sql, owned) = (numbered(sql), owned(params));
-        let client = self.client.clone();
-        let rows = self.pg.wait(async move {
+        let client = self.client()?;
+        let rows = self.noted(self.pg.wait(async move {
             let stmt = client.prepare_cached(&sql).await?;
             Ok(client.query(&stmt, &refs(&owned)).await?)
-        })?;
+        }))?;
         rows.iter()
             .map(|r| {
                 (0..r.len())
@@ -165,11 +195,11 @@ impl Sql for PgSql {
 
     fn execute(&self, sql: &str, params: &[Param<'_>]) -> Result<u64, StoreError> {
         let (sql, owned) = (numbered(sql), owned(params));
-        let client = self.client.clone();
-        self.pg.wait(async move {
+        let client = self.client()?;
+        self.noted(self.pg.wait(async move {
             let stmt = client.prepare_cached(&sql).await?;
             Ok(client.execute(&stmt, &refs(&owned)).await?)
-        })
+        }))
     }
 }
 
