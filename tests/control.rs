@@ -350,3 +350,53 @@ async fn an_operator_can_forbid_client_control() {
         .get("x-compactor-mode")
         .is_none());
 }
+
+/// With `observe_summaries = true` observe mode pays for the summary it
+/// would have sent: the summarizer is called and the would-be compaction is
+/// recorded with its summary, and still every client request goes upstream
+/// as the client sent it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn observe_summaries_calls_the_summarizer_and_still_forwards_the_clients_bytes() {
+    let h = Harness::start_with(|c| {
+        small_window(c);
+        c.compaction.mode = compactor::config::Mode::Observe;
+        c.compaction.observe_summaries = true;
+    })
+    .await;
+    let mut conv = Conversation::new();
+    let mut sent = Vec::new();
+    for i in 0..24 {
+        let body = conv.next(i, false);
+        let (status, headers, _) = chat(&h, &body, &[]).await;
+        assert_eq!(status, 200);
+        assert!(headers.get("x-compactor-compacted").is_none());
+        sent.push(body);
+        conv.answered();
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    let received = h.fake.received();
+    let (summaries, client): (Vec<_>, Vec<_>) = received.iter().partition(|r| is_summary_call(r));
+    assert!(!summaries.is_empty(), "the summarizer was called");
+    assert_eq!(client.len(), sent.len());
+    for (i, (got, want)) in client.iter().zip(&sent).enumerate() {
+        assert!(
+            got.body[..] == want[..],
+            "request {i} was changed on its way upstream"
+        );
+    }
+    let db = h.db();
+    let (observed, with_summary, applied): (i64, i64, i64) = db
+        .query_row(
+            "SELECT count(*) FILTER (WHERE observed = 1),
+                    count(*) FILTER (WHERE observed = 1 AND summary IS NOT NULL AND summary_calls > 0),
+                    count(*) FILTER (WHERE observed = 0)
+             FROM compactions",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?, r.get(2)?)),
+        )
+        .unwrap();
+    assert!(
+        observed >= 1 && with_summary >= 1 && applied == 0,
+        "{observed} observed, {with_summary} with a summary, {applied} applied"
+    );
+}
