@@ -424,8 +424,12 @@ impl Compactions {
             by_id.remove(id);
         }
         drop(by_id);
-        if let Some(m) = lock(&self.by_tenant).get_mut(tenant) {
-            m.retain(|_, e| !ids.contains(&e.id));
+        // Observe mode's would-be compactions go too: a deleted one would
+        // still be offered as what a request would have saved.
+        for index in [&self.by_tenant, &self.observed] {
+            if let Some(m) = lock(index).get_mut(tenant) {
+                m.retain(|_, e| !ids.contains(&e.id));
+            }
         }
     }
 
@@ -1477,6 +1481,32 @@ mod tests {
             chain(len),
             vec![json!({"role": "user", "content": format!("summary {len}")})],
         )
+    }
+
+    #[test]
+    fn a_forgotten_compaction_is_found_neither_applied_nor_observed() {
+        let (applied, mut observed) = (stored("t", 3), stored("t", 5));
+        observed.id = "cmp_t_observed".into();
+        observed.observed = true;
+        let bodies: HashMap<String, Compaction> = [applied.clone(), observed.clone()]
+            .into_iter()
+            .map(|c| (c.id.clone(), c))
+            .collect();
+        let list = bodies.values().map(StoredCompaction::from).collect();
+        let registry =
+            Compactions::from_stored(list, Arc::new(move |id: &str| bodies.get(id).cloned()));
+        let chains: Vec<ItemHash> = (1..=6).map(chain).collect();
+        assert!(registry.find("t", &chains).is_some());
+        assert!(registry.find_observed("t", &chains).is_some());
+        registry.forget("t", &[applied.id.clone(), observed.id.clone()]);
+        assert!(
+            registry.find("t", &chains).is_none(),
+            "applied one forgotten"
+        );
+        assert!(
+            registry.find_observed("t", &chains).is_none(),
+            "observed one forgotten"
+        );
     }
 
     #[test]
