@@ -361,13 +361,13 @@ async fn replicas_started_together_share_one_schema_and_a_kill_9_loses_no_acknow
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let before = check();
-    assert!(before.contains("schema at version 0 of 3"), "{before}");
+    assert!(before.contains("schema at version 0 of 4"), "{before}");
     // Both on an empty database at once: one applies the migrations, the
     // other waits for its lock and finds them; one salt.
     let [(mut doomed, p1), (_survivor, p2)] = two_binaries(&config);
     assert_eq!(
         count(&url, "SELECT count(*) FROM schema_migrations").await,
-        3,
+        4,
         "each migration applied once"
     );
     assert_eq!(
@@ -375,7 +375,7 @@ async fn replicas_started_together_share_one_schema_and_a_kill_9_loses_no_acknow
         1
     );
     let after = check();
-    assert!(after.contains("schema current (version 3)"), "{after}");
+    assert!(after.contains("schema current (version 4)"), "{after}");
     let base = |port: u16| format!("http://127.0.0.1:{port}/v1");
     let mut chat = Chat::new(KEY);
     let mut acknowledged = 0;
@@ -518,7 +518,9 @@ async fn the_views_and_deletions_work_on_the_shared_database_from_any_replica_an
     let (a, b) = replicas(&url, small_window).await;
     let mut chat = Chat::new(KEY);
     let mut conversation = String::new();
-    for i in 0..14 {
+    // An odd count: the last turn is on the replica that started first,
+    // whose exchange ids are the lower block.
+    for i in 0..15 {
         let turn = chat
             .turn(if i % 2 == 0 { &a } else { &b }, &filler(i))
             .await;
@@ -547,16 +549,19 @@ async fn the_views_and_deletions_work_on_the_shared_database_from_any_replica_an
         .find(|c| c["id"] == conversation.as_str())
         .unwrap_or_else(|| panic!("{conversation} listed: {list}"))
         .clone();
-    assert_eq!(row["exchanges"], 14, "{row}");
+    assert_eq!(row["exchanges"], 15, "{row}");
     assert_eq!(row["compactions"], compactions, "{row}");
     let show = b
         .get_json(&format!("/admin/api/conversations/{conversation}"))
         .await;
-    assert_eq!(
-        show["exchanges"].as_array().map(Vec::len),
-        Some(14),
-        "{show}"
-    );
+    let timeline = show["exchanges"].as_array().expect("exchanges");
+    assert_eq!(timeline.len(), 15, "{show}");
+    // In the order they happened, though the replicas' ids interleave.
+    let started: Vec<i64> = timeline
+        .iter()
+        .map(|e| e["started_ms"].as_i64().expect("started_ms"))
+        .collect();
+    assert!(started.windows(2).all(|w| w[0] <= w[1]), "{started:?}");
     assert_eq!(
         show["compactions"].as_array().map(Vec::len),
         Some(compactions as usize)
@@ -575,7 +580,7 @@ async fn the_views_and_deletions_work_on_the_shared_database_from_any_replica_an
     );
     assert_eq!(last["content"], chat.history[earlier.len()]["content"]);
     let savings = b.get_json("/admin/api/savings").await;
-    assert_eq!(savings["total"]["exchanges"], 16, "{savings}");
+    assert_eq!(savings["total"]["exchanges"], 17, "{savings}");
 
     // The CLI reads the same database, by an abbreviation of the id.
     let env = [("COMPACTOR_DATABASE_URL", url.as_str())];
@@ -596,7 +601,7 @@ async fn the_views_and_deletions_work_on_the_shared_database_from_any_replica_an
     assert_eq!(code, 0, "{out}{err}");
     let removed: Value = serde_json::from_str(&out).expect("JSON");
     assert_eq!(removed["removed"]["conversations"], 1, "{out}");
-    assert_eq!(removed["removed"]["exchanges"], 14, "{out}");
+    assert_eq!(removed["removed"]["exchanges"], 15, "{out}");
     assert!(removed["removed"]["items"].as_u64() > Some(0), "{out}");
     let left = |table: &str| {
         format!("SELECT count(*) FROM {table} WHERE conversation_id = '{conversation}'")

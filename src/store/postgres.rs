@@ -188,6 +188,14 @@ CREATE TABLE manual_compactions (
 );
 "#,
     ),
+    (
+        4,
+        r#"
+-- A conversation's timeline in the order it happened: replicas hand out
+-- exchange ids in blocks, so ids interleave across them.
+CREATE INDEX exchanges_timeline ON exchanges (conversation_id, started_ms, id);
+"#,
+    ),
 ];
 
 /// The key of the advisory lock migrations run under, so that replicas

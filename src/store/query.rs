@@ -346,11 +346,13 @@ SELECT c.id, c.tenant, c.model, c.created_ms, c.last_seen_ms,
        c.preview, c.client, c.conversation_header, c.session_id, c.prompt_cache_key,
        c.explicit_key
 FROM conversations c
-LEFT JOIN exchanges l ON l.id = (SELECT max(e2.id) FROM exchanges e2
-                                 WHERE e2.conversation_id = c.id AND e2.input_tokens IS NOT NULL)
-LEFT JOIN exchanges w ON w.id = (SELECT max(e3.id) FROM exchanges e3
+LEFT JOIN exchanges l ON l.id = (SELECT e2.id FROM exchanges e2
+                                 WHERE e2.conversation_id = c.id AND e2.input_tokens IS NOT NULL
+                                 ORDER BY e2.started_ms DESC, e2.id DESC LIMIT 1)
+LEFT JOIN exchanges w ON w.id = (SELECT e3.id FROM exchanges e3
                                  WHERE e3.conversation_id = c.id
-                                   AND e3.context_window IS NOT NULL)";
+                                   AND e3.context_window IS NOT NULL
+                                 ORDER BY e3.started_ms DESC, e3.id DESC LIMIT 1)";
 
 /// The windows this config's upstream told, from the store.
 fn told_windows(conn: &dyn Sql, config: &Config) -> Vec<crate::windows::Told> {
@@ -455,7 +457,7 @@ fn exchanges(conn: &dyn Sql, id: &str) -> Result<Vec<ExchangeRow>, QueryError> {
                 length(response_items) / 32, input_tokens, output_tokens, cached_tokens,
                 latency_ms, compaction_id, error, context_window, window_source, mode, tokens_saved,
                 tokens_saved_potential
-         FROM exchanges WHERE conversation_id = ?1 ORDER BY id",
+         FROM exchanges WHERE conversation_id = ?1 ORDER BY started_ms, id",
         &[id.into()],
     )?;
     let opt = |v: Option<i64>| v.map(|x| x as u64);

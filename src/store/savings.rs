@@ -167,7 +167,7 @@ pub fn report(
         "SELECT conversation_id, tenant, model, input_tokens, output_tokens, cached_tokens,
                 tokens_saved, tokens_saved_potential, compaction_id
          FROM exchanges WHERE CAST(?1 AS TEXT) IS NULL OR conversation_id = ?1
-         ORDER BY conversation_id, id",
+         ORDER BY conversation_id, started_ms, id",
         &[conversation.into()],
     )?;
     // Per conversation, each exchange's (uncompacted input, the cache it

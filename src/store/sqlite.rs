@@ -96,6 +96,9 @@ CREATE TABLE IF NOT EXISTS exchanges (
     recall_output_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS exchanges_conversation ON exchanges (conversation_id, id);
+-- A conversation's timeline, as the views read it (by time: a shared
+-- store's ids interleave across replicas, and the views are written once).
+CREATE INDEX IF NOT EXISTS exchanges_timeline ON exchanges (conversation_id, started_ms, id);
 -- A compaction replaces the first covered_len items whose chain hash is
 -- covered_chain with `replacement` (a JSON array, sent byte-identically).
 CREATE TABLE IF NOT EXISTS compactions (
