@@ -23,8 +23,9 @@
 //!   hashes, usage, the SSE tee.
 //! - [`conversation`]: tenants and matching a request to its conversation.
 //! - [`store`]: records (conversations, exchanges, content-addressed items):
-//!   the writer's `Backend` and the point `Reads`, both implemented for
-//!   SQLite; it imports nothing above it.
+//!   the writer's `Backend`, the point `Reads` and the views' `Queries`,
+//!   each implemented for SQLite and for PostgreSQL (the views' SQL written
+//!   once over `store::sql::Sql`); it imports nothing above it.
 //! - [`tokens`]: tiktoken estimates by section.
 //! - [`windows`]: the upstream's real context windows, learned from its
 //!   overflow answers or discovered by asking it, and remembered.

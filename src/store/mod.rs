@@ -1,13 +1,14 @@
 //! Records: conversations, exchanges and content-addressed items.
 //!
-//! One interface ([`Backend`]) with an embedded SQLite implementation; a
-//! shared backend for several replicas plugs in behind the same trait.
+//! One interface ([`Backend`], [`Reads`], [`Queries`]) with an embedded
+//! SQLite implementation and a [`postgres`] one that several replicas share.
 //! All writes go through one writer thread that commits in batches, so the
-//! async request path never blocks on the database. An exchange is appended
-//! to the [`journal`] (one write, shared by the exchanges that end in the
-//! same turn of the runtime) just before its answer's last bytes are
-//! released, which is what makes an acknowledged exchange survive a crash;
-//! the writer imports journaled exchanges within `IMPORT_DELAY`.
+//! async request path never blocks on the database. With SQLite an exchange
+//! is appended to the [`journal`] (one write, shared by the exchanges that
+//! end in the same turn of the runtime) just before its answer's last bytes
+//! are released, which is what makes an acknowledged exchange survive a
+//! crash; the writer imports journaled exchanges within `IMPORT_DELAY`. With
+//! PostgreSQL there is no journal: the exchange's commit comes first.
 
 pub mod journal;
 pub mod postgres;
