@@ -19,13 +19,16 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::types::Type;
 use tokio_postgres::NoTls;
 
+use super::rows::COMPACTION_COLUMNS;
+use super::sql::{Cell, Row};
 use super::{
     Backend, ChainHit, ExchangeRecord, IndexedExchange, Limits, PrefixRef, Record, Snapshot,
     StoreError, StoredCompaction,
 };
-use crate::compaction::{Compaction, Rung};
+use crate::compaction::Compaction;
 use crate::config::StoreConfig;
 use crate::windows::{Source, Told};
 use crate::wire::ItemHash;
@@ -910,40 +913,40 @@ columns! {
     }
 }
 
-/// The columns [`compaction_row`] reads, in its order.
-const COMPACTION_COLUMNS: &str = "id, tenant, conversation_id, covered_len, covered_chain,
-    replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept, summary,
-    facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens, summary_output_tokens,
-    tokens_saved, observed";
+/// Column `i` of `row` as a [`Cell`].
+fn cell(row: &tokio_postgres::Row, i: usize) -> Result<Cell, StoreError> {
+    let ty = row.columns()[i].type_().clone();
+    let int = |v: Option<i64>| v.map_or(Cell::Null, Cell::Int);
+    Ok(match ty {
+        Type::INT8 => int(row.try_get(i)?),
+        Type::INT4 => int(row.try_get::<_, Option<i32>>(i)?.map(i64::from)),
+        Type::INT2 => int(row.try_get::<_, Option<i16>>(i)?.map(i64::from)),
+        Type::BOOL => int(row.try_get::<_, Option<bool>>(i)?.map(i64::from)),
+        Type::FLOAT8 => row
+            .try_get::<_, Option<f64>>(i)?
+            .map_or(Cell::Null, Cell::Real),
+        Type::TEXT | Type::VARCHAR | Type::NAME => row
+            .try_get::<_, Option<String>>(i)?
+            .map_or(Cell::Null, Cell::Text),
+        Type::BYTEA => row
+            .try_get::<_, Option<Vec<u8>>>(i)?
+            .map_or(Cell::Null, Cell::Blob),
+        _ => {
+            return Err(StoreError::Column {
+                index: i,
+                wanted: "type the views read",
+            })
+        }
+    })
+}
 
-fn compaction_row(r: &tokio_postgres::Row) -> Compaction {
-    let replacement: String = r.get(5);
-    let facts: Option<String> = r.get(13);
-    let rung: String = r.get(6);
-    Compaction {
-        id: r.get(0),
-        tenant: r.get(1),
-        conversation: r.get(2),
-        covered_len: r.get::<_, i64>(3) as usize,
-        covered_chain: hash_of(r.get(4)).unwrap_or([0; 32]),
-        replacement: serde_json::from_str(&replacement).unwrap_or_default(),
-        rung: Rung::parse(&rung).unwrap_or(Rung::Fallback),
-        reason: r.get(7),
-        tokens_before: r.get::<_, i64>(8).max(0) as u64,
-        tokens_after: r.get::<_, i64>(9).max(0) as u64,
-        items_removed: r.get::<_, i64>(10).max(0) as usize,
-        items_kept: r.get::<_, i64>(11).max(0) as usize,
-        summary: r.get(12),
-        facts: facts.and_then(|f| serde_json::from_str(&f).ok()),
-        base: r.get(14),
-        summary_calls: r.get::<_, i64>(15).clamp(0, u32::MAX as i64) as u32,
-        duration_ms: r.get::<_, i64>(16).max(0) as u64,
-        created_ms: r.get(17),
-        summary_tokens: r.get::<_, i64>(18).max(0) as u64,
-        summary_output_tokens: r.get::<_, i64>(19).max(0) as u64,
-        tokens_saved: r.get::<_, i64>(20).max(0) as u64,
-        observed: r.get(21),
-    }
+/// `row` as the plain values the readers written once for both backends
+/// take (see [`super::rows`]).
+pub(super) fn plain(row: &tokio_postgres::Row) -> Result<Row, StoreError> {
+    (0..row.len())
+        .map(|i| cell(row, i))
+        .collect::<Result<_, _>>()
+        .map(Row)
 }
 
 /// The point reads of a PostgreSQL store, and the lookups that let every
@@ -1029,10 +1032,10 @@ impl super::Reads for PostgresReads {
             let client = pool.get().await?;
             let sql = format!("SELECT {COMPACTION_COLUMNS} FROM compactions WHERE id = $1");
             let stmt = client.prepare_cached(&sql).await?;
-            Ok(client
-                .query_opt(&stmt, &[&id])
-                .await?
-                .map(|r| compaction_row(&r)))
+            match client.query_opt(&stmt, &[&id]).await? {
+                Some(r) => Ok(Some(super::rows::compaction(&plain(&r)?)?)),
+                None => Ok(None),
+            }
         })
     }
 
@@ -1241,7 +1244,7 @@ impl super::Reads for PostgresReads {
     }
 }
 
-/// [`super::sqlite::response_history`] over PostgreSQL: the prefix
+/// [`super::rows::response_history`] over PostgreSQL: the prefix
 /// references followed back in one recursive query, the bodies read in one.
 async fn response_history(
     client: &tokio_postgres::Client,

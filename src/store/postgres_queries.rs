@@ -7,10 +7,10 @@ use std::sync::Arc;
 use bytes::BytesMut;
 use tokio_postgres::types::{IsNull, ToSql, Type};
 
-use super::postgres::{Postgres, PostgresReads};
+use super::postgres::{plain, Postgres, PostgresReads};
 use super::query::{self, ConversationDetail, ConversationExport, ConversationSummary, QueryError};
 use super::retention::{self, Removed, Victim};
-use super::sql::{numbered, Cell, Dialect, Param, Row, Sql};
+use super::sql::{numbered, Dialect, Param, Row, Sql};
 use super::StoreError;
 use crate::config::Config;
 
@@ -72,33 +72,6 @@ impl ToSql for Owned {
     }
 
     tokio_postgres::types::to_sql_checked!();
-}
-
-/// Column `i` of `row` as a [`Cell`].
-fn cell(row: &tokio_postgres::Row, i: usize) -> Result<Cell, StoreError> {
-    let ty = row.columns()[i].type_().clone();
-    let int = |v: Option<i64>| v.map_or(Cell::Null, Cell::Int);
-    Ok(match ty {
-        Type::INT8 => int(row.try_get(i)?),
-        Type::INT4 => int(row.try_get::<_, Option<i32>>(i)?.map(i64::from)),
-        Type::INT2 => int(row.try_get::<_, Option<i16>>(i)?.map(i64::from)),
-        Type::BOOL => int(row.try_get::<_, Option<bool>>(i)?.map(i64::from)),
-        Type::FLOAT8 => row
-            .try_get::<_, Option<f64>>(i)?
-            .map_or(Cell::Null, Cell::Real),
-        Type::TEXT | Type::VARCHAR | Type::NAME => row
-            .try_get::<_, Option<String>>(i)?
-            .map_or(Cell::Null, Cell::Text),
-        Type::BYTEA => row
-            .try_get::<_, Option<Vec<u8>>>(i)?
-            .map_or(Cell::Null, Cell::Blob),
-        _ => {
-            return Err(StoreError::Column {
-                index: i,
-                wanted: "type the views read",
-            })
-        }
-    })
 }
 
 /// A connection for the views to the database `opts` names, for the CLI:
@@ -183,14 +156,7 @@ impl Sql for PgSql {
             let stmt = client.prepare_cached(&sql).await?;
             Ok(client.query(&stmt, &refs(&owned)).await?)
         }))?;
-        rows.iter()
-            .map(|r| {
-                (0..r.len())
-                    .map(|i| cell(r, i))
-                    .collect::<Result<_, _>>()
-                    .map(Row)
-            })
-            .collect()
+        rows.iter().map(plain).collect()
     }
 
     fn execute(&self, sql: &str, params: &[Param<'_>]) -> Result<u64, StoreError> {

@@ -32,12 +32,14 @@ pub fn load_windows(conn: &dyn Sql) -> Result<Vec<Told>, StoreError> {
 }
 
 /// The columns [`compaction`] reads, in its order.
-const COMPACTION_COLUMNS: &str = "id, tenant, conversation_id, covered_len, covered_chain,
+pub(super) const COMPACTION_COLUMNS: &str =
+    "id, tenant, conversation_id, covered_len, covered_chain,
     replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept, summary,
     facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens, summary_output_tokens,
     tokens_saved, observed";
 
-fn compaction(r: &Row) -> Result<Compaction, StoreError> {
+/// A compaction from a row of [`COMPACTION_COLUMNS`].
+pub(super) fn compaction(r: &Row) -> Result<Compaction, StoreError> {
     let replacement: String = r.get(5)?;
     let facts: Option<String> = r.get(13)?;
     let rung: String = r.get(6)?;
