@@ -758,59 +758,14 @@ mod tests {
         assert_ne!(other.conversation, first.conversation);
     }
 
-    use crate::store::query::QueryError;
-
     /// A shared store that counts its chain lookups and finds nothing.
     #[derive(Default)]
     struct CountingStore(std::sync::atomic::AtomicUsize);
 
     /// The views are not what this test asks of it.
     impl crate::store::Queries for CountingStore {
-        fn conversations(
-            &self,
-            _: &crate::config::Config,
-            _: usize,
-        ) -> Result<Vec<crate::store::query::ConversationSummary>, QueryError> {
-            Err(QueryError::NotFound(String::new()))
-        }
-        fn conversation_detail(
-            &self,
-            _: &crate::config::Config,
-            id: &str,
-        ) -> Result<crate::store::query::ConversationDetail, QueryError> {
-            Err(QueryError::NotFound(id.into()))
-        }
-        fn conversation_export(
-            &self,
-            _: &crate::config::Config,
-            id: &str,
-        ) -> Result<crate::store::query::ConversationExport, QueryError> {
-            Err(QueryError::NotFound(id.into()))
-        }
-        fn resolve_conversation(&self, id: &str) -> Result<String, QueryError> {
-            Err(QueryError::NotFound(id.into()))
-        }
-        fn savings(
-            &self,
-            _: &crate::config::Config,
-        ) -> Result<crate::store::savings::Report, QueryError> {
-            Err(QueryError::NotFound(String::new()))
-        }
-        fn victim(&self, id: &str) -> Result<crate::store::retention::Victim, QueryError> {
-            Err(QueryError::NotFound(id.into()))
-        }
-        fn victims_seen_before(
-            &self,
-            _: i64,
-            _: usize,
-        ) -> Result<Vec<crate::store::retention::Victim>, QueryError> {
-            Ok(Vec::new())
-        }
-        fn delete_conversations(
-            &self,
-            _: &[String],
-        ) -> Result<crate::store::retention::Removed, QueryError> {
-            Ok(Default::default())
+        fn views(&self) -> Result<Box<dyn crate::store::sql::Sql>, crate::store::StoreError> {
+            Err(crate::store::StoreError::Closed)
         }
     }
 

@@ -403,54 +403,87 @@ pub struct ChainHit {
 
 /// A storage backend's reads of whole conversations, for the admin API,
 /// the CLI and the demo: like [`Reads`], safe from any thread and blocking.
+/// The views are written once over [`sql::Sql`]; a backend gives the
+/// connections they run on.
 pub trait Queries {
+    /// A connection for reading, of the view's own.
+    fn views(&self) -> Result<Box<dyn sql::Sql>, StoreError>;
+    /// A connection for deleting, beside a proxy that may be writing.
+    fn maintenance(&self) -> Result<Box<dyn sql::Sql>, StoreError> {
+        self.views()
+    }
+
     /// The recorded conversations, most recently seen first; at most
     /// `limit` (the admin API's and the CLI's list).
     fn conversations(
         &self,
         config: &crate::config::Config,
         limit: usize,
-    ) -> Result<Vec<query::ConversationSummary>, query::QueryError>;
+    ) -> Result<Vec<query::ConversationSummary>, query::QueryError> {
+        query::list_conversations(&*self.views()?, config, limit)
+    }
     /// A conversation's timeline (`id` exact or a unique prefix).
     fn conversation_detail(
         &self,
         config: &crate::config::Config,
         id: &str,
-    ) -> Result<query::ConversationDetail, query::QueryError>;
+    ) -> Result<query::ConversationDetail, query::QueryError> {
+        query::show(&*self.views()?, config, id)
+    }
     /// Everything recorded about a conversation (`id` exact or a unique
     /// prefix).
     fn conversation_export(
         &self,
         config: &crate::config::Config,
         id: &str,
-    ) -> Result<query::ConversationExport, query::QueryError>;
+    ) -> Result<query::ConversationExport, query::QueryError> {
+        query::export(&*self.views()?, config, id)
+    }
     /// The conversation an id or a unique prefix of one names.
-    fn resolve_conversation(&self, id: &str) -> Result<String, query::QueryError>;
+    fn resolve_conversation(&self, id: &str) -> Result<String, query::QueryError> {
+        query::resolve_id(&*self.views()?, id)
+    }
     /// What compaction saved, per conversation, per tenant and in total.
-    fn savings(&self, config: &crate::config::Config)
-        -> Result<savings::Report, query::QueryError>;
+    fn savings(
+        &self,
+        config: &crate::config::Config,
+    ) -> Result<savings::Report, query::QueryError> {
+        Ok(savings::report(&*self.views()?, config, None)?)
+    }
     /// The conversation a name (id, prefix or client-sent id) names, with
     /// what deleting it needs.
-    fn victim(&self, name: &str) -> Result<retention::Victim, query::QueryError>;
+    fn victim(&self, name: &str) -> Result<retention::Victim, query::QueryError> {
+        retention::victim(&*self.views()?, name)
+    }
     /// Conversations last seen before `cutoff_ms` (Unix ms), at most
     /// `limit`, oldest first, with what deleting them needs.
     fn victims_seen_before(
         &self,
         cutoff_ms: i64,
         limit: usize,
-    ) -> Result<Vec<retention::Victim>, query::QueryError>;
+    ) -> Result<Vec<retention::Victim>, query::QueryError> {
+        let conn = self.views()?;
+        let found = retention::seen_before(&*conn, cutoff_ms, limit)?;
+        Ok(retention::victims_of(&*conn, found)?)
+    }
     /// Deletes `ids` with what is their own, then the items nothing refers
     /// to any more (beside a proxy that may be writing).
-    fn delete_conversations(&self, ids: &[String])
-        -> Result<retention::Removed, query::QueryError>;
+    fn delete_conversations(
+        &self,
+        ids: &[String],
+    ) -> Result<retention::Removed, query::QueryError> {
+        Ok(retention::delete_and_prune(&*self.maintenance()?, ids)?)
+    }
     /// The newest applied compaction stored for `conversation`, whichever
-    /// process computed it: for a store several replicas share (a
+    /// process computed it (asked of a store several replicas share; a
     /// process's own attempts are in its memory).
     fn latest_compaction(
         &self,
-        _conversation: &str,
+        conversation: &str,
     ) -> Result<Option<Compaction>, query::QueryError> {
-        Ok(None)
+        Ok(rows::load_compactions(&*self.views()?, Some(conversation))?
+            .into_iter()
+            .rfind(|c| !c.observed))
     }
 }
 

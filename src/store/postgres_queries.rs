@@ -8,11 +8,8 @@ use bytes::BytesMut;
 use tokio_postgres::types::{IsNull, ToSql, Type};
 
 use super::postgres::{plain, Postgres, PostgresReads};
-use super::query::{self, ConversationDetail, ConversationExport, ConversationSummary, QueryError};
-use super::retention::{self, Removed, Victim};
 use super::sql::{numbered, Dialect, Param, Row, Sql};
 use super::StoreError;
-use crate::config::Config;
 
 /// A [`Param`] that owns its value: a statement runs on the pool's runtime,
 /// which outlives the caller's borrows.
@@ -169,66 +166,9 @@ impl Sql for PgSql {
     }
 }
 
+/// One pooled connection per view, from whichever replica is asked.
 impl super::Queries for PostgresReads {
-    fn conversations(
-        &self,
-        config: &Config,
-        limit: usize,
-    ) -> Result<Vec<ConversationSummary>, QueryError> {
-        query::list_conversations(&PgSql::connect(self.pg())?, config, limit)
-    }
-
-    fn conversation_detail(
-        &self,
-        config: &Config,
-        id: &str,
-    ) -> Result<ConversationDetail, QueryError> {
-        query::show(&PgSql::connect(self.pg())?, config, id)
-    }
-
-    fn conversation_export(
-        &self,
-        config: &Config,
-        id: &str,
-    ) -> Result<ConversationExport, QueryError> {
-        query::export(&PgSql::connect(self.pg())?, config, id)
-    }
-
-    fn resolve_conversation(&self, name: &str) -> Result<String, QueryError> {
-        query::resolve_id(&PgSql::connect(self.pg())?, name)
-    }
-
-    fn savings(&self, config: &Config) -> Result<super::savings::Report, QueryError> {
-        Ok(super::savings::report(
-            &PgSql::connect(self.pg())?,
-            config,
-            None,
-        )?)
-    }
-
-    fn victim(&self, name: &str) -> Result<Victim, QueryError> {
-        let conn = PgSql::connect(self.pg())?;
-        retention::victim(&conn, name)
-    }
-
-    fn victims_seen_before(&self, cutoff_ms: i64, limit: usize) -> Result<Vec<Victim>, QueryError> {
-        let conn = PgSql::connect(self.pg())?;
-        let found = retention::seen_before(&conn, cutoff_ms, limit)?;
-        Ok(retention::victims_of(&conn, found)?)
-    }
-
-    fn latest_compaction(
-        &self,
-        conversation: &str,
-    ) -> Result<Option<crate::compaction::Compaction>, QueryError> {
-        let conn = PgSql::connect(self.pg())?;
-        Ok(super::rows::load_compactions(&conn, Some(conversation))?
-            .into_iter()
-            .rfind(|c| !c.observed))
-    }
-
-    fn delete_conversations(&self, ids: &[String]) -> Result<Removed, QueryError> {
-        let conn = PgSql::connect(self.pg())?;
-        Ok(retention::delete_and_prune(&conn, ids)?)
+    fn views(&self) -> Result<Box<dyn Sql>, StoreError> {
+        Ok(Box::new(PgSql::connect(self.pg())?))
     }
 }
