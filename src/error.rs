@@ -246,9 +246,30 @@ impl ProxyError {
         })
     }
 
+    /// The JSON body in the shape of an endpoint's own errors: OpenAI's, or
+    /// Anthropic's `{"type":"error","error":{"type","message"}}` on
+    /// `/v1/messages`.
+    pub fn body_as(&self, shape: ErrorShape) -> serde_json::Value {
+        match shape {
+            ErrorShape::OpenAi => self.body(),
+            ErrorShape::Anthropic => serde_json::json!({
+                "type": "error",
+                "error": {
+                    "type": anthropic_type(self.status()),
+                    "message": self.to_string(),
+                }
+            }),
+        }
+    }
+
     /// Logs at the right level and renders the response. Client mistakes are
     /// not logged as errors; internal details are logged, never shown.
     pub fn into_response(self) -> Response<ProxyBody> {
+        self.into_response_as(ErrorShape::OpenAi)
+    }
+
+    /// [`ProxyError::into_response`] in the shape of an endpoint's errors.
+    pub fn into_response_as(self, shape: ErrorShape) -> Response<ProxyBody> {
         match &self {
             ProxyError::Internal(detail) => tracing::error!(detail = %detail, "internal error"),
             ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => {
@@ -259,12 +280,36 @@ impl ProxyError {
             ProxyError::StoreDown(detail) => tracing::error!(detail, "store unreachable"),
             _ => tracing::debug!(error = %self, "rejected request"),
         }
-        let mut resp = json_response(self.status(), &self.body());
+        let mut resp = json_response(self.status(), &self.body_as(shape));
         if let ProxyError::MethodNotAllowed { allow } = self {
             resp.headers_mut()
                 .insert(header::ALLOW, HeaderValue::from_static(allow));
         }
         resp
+    }
+}
+
+/// Which family of error bodies an endpoint's clients read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorShape {
+    /// `{"error":{"message","type","code"}}`.
+    OpenAi,
+    /// `{"type":"error","error":{"type","message"}}`.
+    Anthropic,
+}
+
+/// Anthropic's error `type` for a status the proxy answers with.
+fn anthropic_type(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "authentication_error",
+        403 => "permission_error",
+        404 => "not_found_error",
+        413 => "request_too_large",
+        429 => "rate_limit_error",
+        503 | 529 => "overloaded_error",
+        504 => "timeout_error",
+        400..=499 => "invalid_request_error",
+        _ => "api_error",
     }
 }
 

@@ -73,6 +73,9 @@ pub enum Reply {
     Delay(Duration, Box<Reply>),
     /// The answer with this status instead (e.g. an SSE body as an error).
     Status(u16, Box<Reply>),
+    /// An Anthropic Messages answer, made for the request it answers (its
+    /// usage, JSON or stream as asked, thinking signed for it).
+    Messages(crate::fake_anthropic::Answer),
 }
 
 impl Reply {
@@ -270,6 +273,8 @@ struct Shared {
     summary_delay: Option<Duration>,
     /// Prompt caching, when simulated: the latest request bodies.
     cache: Option<VecDeque<Bytes>>,
+    /// The window `/v1/messages` enforces, when set.
+    messages_window: Option<u64>,
 }
 
 /// Request bodies a simulated prompt cache keeps.
@@ -420,6 +425,11 @@ impl FakeUpstream {
         sh.received = Vec::new();
     }
 
+    /// Makes `/v1/messages` refuse prompts over `tokens` as the API does.
+    pub fn set_messages_window(&self, tokens: Option<u64>) {
+        self.lock().messages_window = tokens;
+    }
+
     /// The most recent request.
     pub fn last(&self) -> Option<Received> {
         self.lock().received.last().cloned()
@@ -443,43 +453,65 @@ impl FakeUpstream {
             headers: parts.headers,
             body,
         };
+        let messages = rec.path.ends_with("/messages");
         let (scripted, delay, cached) = {
             let mut sh = self.lock();
             sh.answered += 1;
             if !sh.forget {
                 sh.received.push(rec.clone());
             }
-            // Parsed only when a summary is answered differently or a
-            // prompt cache is simulated: the bench's fake answers without
-            // parsing.
-            let summary =
-                (sh.summary_reply.is_some() || sh.summary_delay.is_some() || sh.cache.is_some())
+            let refusal = messages
+                .then(|| {
+                    crate::fake_anthropic::check(&rec.json(), &rec.headers, sh.messages_window)
+                })
+                .flatten();
+            if let Some(refusal) = refusal {
+                (Some(refusal), None, None)
+            } else {
+                // Parsed only when a summary is answered differently or a
+                // prompt cache is simulated: the bench's fake answers without
+                // parsing.
+                let summary = (sh.summary_reply.is_some()
+                    || sh.summary_delay.is_some()
+                    || sh.cache.is_some())
                     && is_summarizer_request(&rec.json());
-            let delay = sh.summary_delay.filter(|_| summary);
-            let cached = match sh.cache.as_mut() {
-                Some(cache) if !summary => {
-                    let cached = cached_tokens(cache, &rec.body);
-                    if cache.len() == CACHED_BODIES {
-                        cache.pop_front();
+                let delay = sh.summary_delay.filter(|_| summary);
+                let cached = match sh.cache.as_mut() {
+                    Some(cache) if !summary => {
+                        let cached = cached_tokens(cache, &rec.body);
+                        if cache.len() == CACHED_BODIES {
+                            cache.pop_front();
+                        }
+                        cache.push_back(rec.body.clone());
+                        Some(cached)
                     }
-                    cache.push_back(rec.body.clone());
-                    Some(cached)
-                }
-                _ => None,
-            };
-            let scripted = match &sh.summary_reply {
-                Some(text) if summary => {
-                    Some(Reply::chat(text, (rec.body.len() as u64 / 4).max(1), 60))
-                }
-                _ => sh.script.pop_front(),
-            };
-            (scripted, delay, cached)
+                    _ => None,
+                };
+                let scripted = match &sh.summary_reply {
+                    Some(text) if summary && messages => {
+                        Some(Reply::Messages(crate::fake_anthropic::Answer::text(text)))
+                    }
+                    Some(text) if summary => {
+                        Some(Reply::chat(text, (rec.body.len() as u64 / 4).max(1), 60))
+                    }
+                    // A Messages test scripts the agent's answers: the
+                    // proxy's summary calls take none of them.
+                    _ if messages && crate::fake_anthropic::is_summarizer_request(&rec.json()) => {
+                        None
+                    }
+                    _ => sh.script.pop_front(),
+                };
+                (scripted, delay, cached)
+            }
         };
         let mut reply = match (scripted, cached) {
             (Some(r), _) => r,
             (None, Some(cached)) => with_cached(auto_reply(&rec), cached),
             (None, None) => auto_reply(&rec),
         };
+        if let Reply::Messages(answer) = &reply {
+            reply = crate::fake_anthropic::reply(&rec.json(), answer, cached.unwrap_or(0));
+        }
         if let Some(d) = delay {
             reply = Reply::Delay(d, Box::new(reply));
         }
@@ -508,6 +540,23 @@ pub fn auto_reply(rec: &Received) -> Reply {
             );
         }
         return Reply::chat(AUTO_TEXT, prompt, completion);
+    }
+    if rec.path.ends_with("/messages") {
+        use crate::fake_anthropic::{as_chat, is_summarizer_request, Answer};
+        if is_summarizer_request(&body) {
+            let narrative = summarizer_narrative(&as_chat(&body)).unwrap_or_default();
+            return Reply::Messages(Answer::text(&narrative));
+        }
+        let thinking = body
+            .pointer("/thinking/type")
+            .and_then(Value::as_str)
+            .is_some_and(|t| t != "disabled");
+        let answer = Answer::text(AUTO_TEXT);
+        return Reply::Messages(if thinking {
+            answer.thinking("The fake upstream thinks briefly.")
+        } else {
+            answer
+        });
     }
     if rec.path.ends_with("/responses") {
         if stream {
@@ -579,6 +628,9 @@ fn summarizer_narrative(body: &Value) -> Option<String> {
 
 /// A chat request whose system message carries the summarizer marker.
 fn is_summarizer_request(body: &Value) -> bool {
+    if crate::fake_anthropic::is_summarizer_request(body) {
+        return true;
+    }
     let text =
         |m: &Value| crate::compaction::items::value_text(m.get("content").unwrap_or(&Value::Null));
     body.get("messages")
@@ -593,6 +645,11 @@ fn is_summarizer_request(body: &Value) -> bool {
 
 async fn render(reply: Reply) -> Response<ProxyBody> {
     match reply {
+        // Made into a JSON or SSE reply by `answer`, which has the request;
+        // without one, the text alone.
+        Reply::Messages(answer) => {
+            Box::pin(render(crate::fake_anthropic::reply(&json!({}), &answer, 0))).await
+        }
         Reply::Delay(d, inner) => {
             tokio::time::sleep(d).await;
             Box::pin(render(*inner)).await

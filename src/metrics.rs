@@ -33,6 +33,7 @@ pub const ENDPOINTS: &[&str] = &[
     "chat",
     "responses",
     "responses_compact",
+    "messages",
     "passthrough",
     "admin",
     "metrics",

@@ -101,7 +101,7 @@ impl Upstream {
             response_timeout: Duration::from_secs(cfg.response_timeout_secs),
             idle_timeout: Duration::from_secs(cfg.idle_timeout_secs),
         };
-        for api in [Api::Chat, Api::Responses] {
+        for api in [Api::Chat, Api::Responses, Api::Messages] {
             let url = upstream.derive_url(api.endpoint(), None)?;
             upstream.endpoints.push((api.endpoint(), url));
         }
@@ -233,6 +233,28 @@ impl Upstream {
             }
         }
         out
+    }
+
+    /// [`Upstream::request_headers`] for a parsed endpoint: on Anthropic
+    /// Messages a server-side key goes in `x-api-key`, where that API reads it.
+    pub fn request_headers_for(&self, api: Api, incoming: &HeaderMap, identity: bool) -> HeaderMap {
+        let mut out = self.request_headers(incoming, identity);
+        if api == Api::Messages {
+            self.key_as_x_api_key(&mut out);
+        }
+        out
+    }
+
+    /// Moves the server-side key, if one is configured, from
+    /// `Authorization` to `x-api-key` (Anthropic's header).
+    pub fn key_as_x_api_key(&self, headers: &mut HeaderMap) {
+        if let Some(Secret(key)) = &self.api_key {
+            headers.remove(header::AUTHORIZATION);
+            if let Ok(mut v) = HeaderValue::from_str(key) {
+                v.set_sensitive(true);
+                headers.insert("x-api-key", v);
+            }
+        }
     }
 
     /// Sends a request whose body streams from the client; maps connection

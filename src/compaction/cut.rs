@@ -7,7 +7,7 @@
 
 use serde_json::Value;
 
-use super::items::{call_ids, is_user_message, leading_system, output_id};
+use super::items::{call_ids, is_user_message, leading_system, output_ids};
 
 /// `safe[i]` says whether cutting before item `i` is safe (`0..=n`).
 pub fn safe_cuts(items: &[Value]) -> Vec<bool> {
@@ -19,7 +19,7 @@ pub fn safe_cuts(items: &[Value]) -> Vec<bool> {
         for id in call_ids(item) {
             call_at.insert(id, i);
         }
-        if let Some(id) = output_id(item) {
+        for id in output_ids(item) {
             if let Some(&k) = call_at.get(id) {
                 if k < i {
                     // Cuts at k+1..=i would separate call k from output i.

@@ -1,11 +1,16 @@
-//! What the compaction layer needs to know about an item, for both wire
+//! What the compaction layer needs to know about an item, for the three wire
 //! formats: is it leading system text, a real user message, a tool call or a
 //! tool output, and which call ids pair them.
 //!
 //! Chat items carry a `role`; Responses items a `type` (messages may carry
-//! only a `role`). The helpers look at both, so one pure layer serves both APIs.
+//! only a `role`); an Anthropic message a `role` and content blocks, where a
+//! `tool_use` block is a call and a user message holding `tool_result`
+//! blocks answers them (several at once). The helpers look at all of these,
+//! so one pure layer serves the three APIs.
 
 use serde_json::Value;
+
+use crate::wire::messages;
 
 /// Marker that opens every summary message the proxy writes.
 pub const SUMMARY_MARKER: &str = "[compactor summary";
@@ -25,7 +30,10 @@ pub fn is_system(item: &Value) -> bool {
 
 /// A message from the user (not a tool output, not a summary the proxy wrote).
 pub fn is_user_message(item: &Value) -> bool {
-    role(item) == "user" && matches!(kind(item), "" | "message") && !is_summary(item)
+    role(item) == "user"
+        && matches!(kind(item), "" | "message")
+        && !messages::is_tool_result_message(item)
+        && !is_summary(item)
 }
 
 /// A summary message the proxy wrote.
@@ -33,9 +41,16 @@ pub fn is_summary(item: &Value) -> bool {
     role(item) == "user" && text_of(item).starts_with(SUMMARY_MARKER)
 }
 
-/// The call ids an item opens (assistant `tool_calls`, or a Responses
-/// `*_call` item with a `call_id`).
+/// The call ids an item opens (assistant `tool_calls`, a Responses
+/// `*_call` item with a `call_id`, the `tool_use` blocks of an Anthropic
+/// assistant message).
 pub fn call_ids(item: &Value) -> Vec<&str> {
+    if item.get("content").is_some_and(Value::is_array) {
+        let uses = messages::tool_use_ids(item);
+        if !uses.is_empty() {
+            return uses;
+        }
+    }
     if let Some(calls) = item.get("tool_calls").and_then(Value::as_array) {
         return calls
             .iter()
@@ -50,8 +65,41 @@ pub fn call_ids(item: &Value) -> Vec<&str> {
     Vec::new()
 }
 
+/// The call ids an item answers: a chat `tool` message's or a Responses
+/// `*_call_output` item's one, the `tool_result` blocks of an Anthropic
+/// user message.
+pub fn output_ids(item: &Value) -> Vec<&str> {
+    if role(item) == "user" {
+        return messages::tool_results(item)
+            .filter_map(|b| b.get("tool_use_id").and_then(Value::as_str))
+            .collect();
+    }
+    output_id(item).into_iter().collect()
+}
+
+/// The outputs an item carries, each as (call id, text, failed as the
+/// harness said it): one for a chat `tool` message or a Responses output
+/// item, one per `tool_result` block of an Anthropic user message
+/// (`is_error` marks a failure).
+pub fn outputs(item: &Value) -> Vec<(&str, String, bool)> {
+    if role(item) == "user" && messages::is_tool_result_message(item) {
+        return messages::tool_results(item)
+            .map(|b| {
+                let id = b.get("tool_use_id").and_then(Value::as_str).unwrap_or("");
+                let failed = b.get("is_error").and_then(Value::as_bool) == Some(true);
+                (id, messages::tool_result_text(b), failed)
+            })
+            .collect();
+    }
+    match output_id(item) {
+        Some(id) if is_tool_output(item) => vec![(id, text_of(item), false)],
+        None if is_tool_output(item) => vec![("", text_of(item), false)],
+        _ => Vec::new(),
+    }
+}
+
 /// The call id an item answers (a chat `tool` message, or a Responses
-/// `*_call_output` item).
+/// `*_call_output` item); see [`output_ids`] for Anthropic messages.
 pub fn output_id(item: &Value) -> Option<&str> {
     if role(item) == "tool" {
         return item.get("tool_call_id").and_then(Value::as_str);
@@ -62,9 +110,11 @@ pub fn output_id(item: &Value) -> Option<&str> {
     None
 }
 
-/// Whether an item is a tool output.
+/// Whether an item is a tool output (for Anthropic, a user message that
+/// answers tool calls).
 pub fn is_tool_output(item: &Value) -> bool {
     crate::wire::class::is_tool_output(role(item), kind(item))
+        || messages::is_tool_result_message(item)
 }
 
 /// The field holding a tool output's payload.
@@ -78,6 +128,23 @@ pub fn output_field(item: &Value) -> &'static str {
 
 /// The text of a message or tool output: a string, or the text parts of a list.
 pub fn text_of(item: &Value) -> String {
+    if messages::is_tool_result_message(item) {
+        // Each result's text, then the message's own text blocks.
+        let blocks = messages::blocks(item);
+        return blocks
+            .iter()
+            .map(|b| match b.get("type").and_then(Value::as_str) {
+                Some("tool_result") => messages::tool_result_text(b),
+                _ => b
+                    .get("text")
+                    .and_then(Value::as_str)
+                    .unwrap_or_default()
+                    .to_string(),
+            })
+            .filter(|t| !t.is_empty())
+            .collect::<Vec<_>>()
+            .join("\n");
+    }
     let field = if is_tool_output(item) {
         output_field(item)
     } else {

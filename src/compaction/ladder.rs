@@ -13,7 +13,7 @@ use serde_json::Value;
 use super::items::{ceil_boundary, floor_boundary, is_tool_output, output_field, value_text};
 use super::summary::output_digest;
 use crate::wire::hash::hex;
-use crate::wire::ItemHash;
+use crate::wire::{messages, ItemHash};
 
 /// Limits of rung 1.
 #[derive(Debug, Clone, Copy)]
@@ -106,6 +106,9 @@ fn rewrite_outputs(
             if !is_tool_output(item) {
                 return item.clone();
             }
+            if messages::is_tool_result_message(item) {
+                return rewrite_results(item, hash, &mut new_text, &mut changed);
+            }
             let field = output_field(item);
             let text = item.get(field).map(value_text).unwrap_or_default();
             match new_text(&text, hash) {
@@ -120,6 +123,34 @@ fn rewrite_outputs(
         })
         .collect();
     (out, changed)
+}
+
+/// [`rewrite_outputs`] for an Anthropic user message: each `tool_result`
+/// block's `content` (its `is_error` and id kept), under the message's
+/// archive reference.
+fn rewrite_results(
+    item: &Value,
+    hash: &ItemHash,
+    new_text: &mut impl FnMut(&str, &ItemHash) -> Option<String>,
+    changed: &mut usize,
+) -> Value {
+    let mut new = item.clone();
+    let mut any = false;
+    if let Some(Value::Array(blocks)) = new.get_mut("content") {
+        for b in blocks.iter_mut() {
+            if b.get("type").and_then(Value::as_str) != Some("tool_result") {
+                continue;
+            }
+            if let Some(t) = new_text(&messages::tool_result_text(b), hash) {
+                b["content"] = Value::String(t);
+                any = true;
+            }
+        }
+    }
+    if any {
+        *changed += 1;
+    }
+    new
 }
 
 #[cfg(test)]
@@ -151,6 +182,29 @@ mod tests {
         assert!(t.contains(&archive_ref(&hashes[0])) && t.contains("bytes of tool output elided"));
         assert_eq!(out[0]["tool_call_id"], "a");
         assert_eq!(out[1], items[1]);
+    }
+
+    #[test]
+    fn anthropic_results_are_rewritten_block_by_block() {
+        let items = vec![
+            json!({"role": "assistant", "content": [
+                {"type": "tool_use", "id": "a", "name": "Bash", "input": {"command": "make"}},
+                {"type": "tool_use", "id": "b", "name": "Read", "input": {"file_path": "x"}}]}),
+            json!({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "a", "is_error": true, "content": "y".repeat(300)},
+                {"type": "tool_result", "tool_use_id": "b", "content": [{"type": "text", "text": "z".repeat(200)}]},
+                {"type": "text", "text": "keep me"}]}),
+        ];
+        let hashes: Vec<_> = items.iter().map(item_hash).collect();
+        let (out, n) = prune_outputs(&items, &hashes);
+        assert_eq!(n, 1);
+        assert_eq!(out[0], items[0]);
+        let blocks = out[1]["content"].as_array().unwrap();
+        assert!(blocks[0]["content"].as_str().unwrap().contains("300 bytes"));
+        assert_eq!(blocks[0]["is_error"], true);
+        assert_eq!(blocks[0]["tool_use_id"], "a");
+        assert!(blocks[1]["content"].as_str().unwrap().contains("200 bytes"));
+        assert_eq!(blocks[2], json!({"type": "text", "text": "keep me"}));
     }
 
     #[test]

@@ -117,6 +117,8 @@ pub fn is_context_overflow(status: u16, body: &[u8]) -> bool {
         "exceeds the maximum number of tokens",
         "too large for model with",
         "tokens + `max_new_tokens` must be <=",
+        // Anthropic: "input length and `max_tokens` exceed context limit: A + B > C"
+        "exceed context limit",
     ];
     NEEDLES.iter().any(|n| text.contains(n))
 }
@@ -144,6 +146,9 @@ const LIMIT_PATTERNS: &[&str] = &[
     r"\bn_ctx\s*[:=]\s*([0-9]+)",
     // Anthropic-compatible: "prompt is too long: 210000 tokens > 200000 maximum"
     r"tokens? > ([0-9]+) maximum",
+    // Anthropic, when the prompt fits but not with the answer's room:
+    // "input length and `max_tokens` exceed context limit: 187254 + 20000 > 204698"
+    r"exceed context limit: [0-9]+ \+ [0-9]+ > ([0-9]+)",
     // vLLM's other wordings
     r"maximum model length of ([0-9]+)",
     r"exceeds limit of ([0-9]+)",
@@ -165,6 +170,7 @@ const REQUESTED_PATTERNS: &[&str] = &[
     r"your request has ([0-9]+) input tokens",
     r"requested (?:about )?([0-9]+) tokens",
     r"prompt is too long: ([0-9]+) tokens",
+    r"exceed context limit: ([0-9]+) \+",
     r"prompt \(length ([0-9]+)\)",
     r"prompt \(([0-9]+) tokens?\)",
     r"input token count \(([0-9]+)\)",

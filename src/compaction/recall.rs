@@ -41,6 +41,8 @@ pub fn definition(api: Api) -> Value {
             "name": TOOL, "description": DESCRIPTION, "parameters": parameters}}),
         Api::Responses => json!({"type": "function", "name": TOOL,
             "description": DESCRIPTION, "parameters": parameters}),
+        Api::Messages => json!({"name": TOOL, "description": DESCRIPTION,
+            "input_schema": parameters}),
     }
 }
 
@@ -59,12 +61,19 @@ pub fn offers_recall(body: &Value, tools: Option<&Value>, sent: &[Value]) -> boo
 
 /// Whether any tool output of `items` has an archived original.
 pub fn carries_archive(items: &[Value]) -> bool {
-    items.iter().any(|item| {
-        is_tool_output(item)
-            && item
-                .get(output_field(item))
-                .is_some_and(|o| value_text(o).contains(ARCHIVED))
-    })
+    items
+        .iter()
+        .any(|item| is_tool_output(item) && output_text(item).contains(ARCHIVED))
+}
+
+/// The text of a tool output (every `tool_result` of an Anthropic message).
+fn output_text(item: &Value) -> String {
+    if crate::wire::messages::is_tool_result_message(item) {
+        return super::items::text_of(item);
+    }
+    item.get(output_field(item))
+        .map(value_text)
+        .unwrap_or_default()
 }
 
 /// The client's tool definitions with the recall tool added at the end.
@@ -118,6 +127,17 @@ fn tool_calls(api: Api, answer: &Value) -> Vec<(String, String, String)> {
             .filter(|i| i.get("type").and_then(Value::as_str) == Some("function_call"))
             .map(|c| (s(c, "call_id"), s(c, "name"), s(c, "arguments")))
             .collect(),
+        Api::Messages => answer
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
+            .map(|b| {
+                let input = b.get("input").cloned().unwrap_or(Value::Null);
+                (s(b, "id"), s(b, "name"), input.to_string())
+            })
+            .collect(),
     }
 }
 
@@ -170,6 +190,19 @@ pub fn continuation(api: Api, answer: &Value, results: &[(String, String)]) -> V
             ));
             out
         }
+        Api::Messages => {
+            let content = answer.get("content").cloned().unwrap_or(json!([]));
+            let results: Vec<Value> = results
+                .iter()
+                .map(
+                    |(id, text)| json!({"type": "tool_result", "tool_use_id": id, "content": text}),
+                )
+                .collect();
+            vec![
+                json!({"role": "assistant", "content": content}),
+                json!({"role": "user", "content": results}),
+            ]
+        }
     }
 }
 
@@ -181,11 +214,7 @@ pub fn answer(reference: &str, originals: &[Value], hashes: &[ItemHash]) -> Stri
         .iter()
         .zip(hashes)
         .find(|(item, h)| is_tool_output(item) && archive_ref(h) == reference)
-        .map(|(item, _)| {
-            item.get(output_field(item))
-                .map(value_text)
-                .unwrap_or_default()
-        });
+        .map(|(item, _)| output_text(item));
     match found {
         Some(text) => bounded(&text),
         None => format!(

@@ -24,7 +24,7 @@ use crate::store::{Reads, Store, StoreError};
 use crate::tokens::TokenCounter;
 use crate::upstream::Upstream;
 use crate::wire::items::{ItemList, Tools};
-use crate::wire::{item_hash, ItemHash};
+use crate::wire::{item_hash, Api, ItemHash};
 
 /// Bytes of one item's text shown to the summarizer (head and tail kept).
 const TRANSCRIPT_ITEM_BYTES: usize = 2_000;
@@ -71,6 +71,8 @@ impl CompactError {
 /// What a compaction starts from: the request as it would go upstream.
 #[derive(Clone)]
 pub struct Input {
+    /// The conversation's wire format (the summary call uses it too).
+    pub api: Api,
     /// Tenant.
     pub tenant: String,
     /// Conversation.
@@ -888,7 +890,14 @@ async fn compute<S: Context>(
             reason.push_str(", summary size estimated without a summarizer call");
         }
     }
-    let replacement = applied.replacement;
+    let replacement = match input.api {
+        // A valid start of a Messages request (see `wire::messages`).
+        Api::Messages => crate::wire::messages::finish_replacement(
+            applied.replacement,
+            crate::compaction::items::is_summary,
+        ),
+        _ => applied.replacement,
+    };
     let covered_chain = input.chains[prepared.covered_len - 1];
     let items_kept = prepared.lead + kept_users + applied.tail_len;
     let c = Compaction {
@@ -1338,18 +1347,38 @@ async fn call_summarizer<S: Context>(
     } else {
         cfg.summarizer_model.as_str()
     };
-    let mut body = json!({"model": model, "messages": messages, "stream": false});
-    // Reasoning-model families reject `max_tokens`.
-    let lower = model.to_ascii_lowercase();
-    let key = if lower.starts_with('o') && lower.chars().nth(1).is_some_and(|c| c.is_ascii_digit())
-        || lower.starts_with("gpt-5")
-    {
-        "max_completion_tokens"
-    } else {
-        "max_tokens"
+    let mut body = match input.api {
+        // Anthropic Messages: the system prompt is a top-level field.
+        Api::Messages => json!({
+            "model": model,
+            "max_tokens": params.summary_output_tokens,
+            "system": messages.iter().find(|m| m["role"] == "system").map(|m| m["content"].clone()),
+            "messages": messages.iter().filter(|m| m["role"] != "system").collect::<Vec<_>>(),
+            "stream": false,
+        }),
+        _ => json!({"model": model, "messages": messages, "stream": false}),
     };
-    body[key] = json!(params.summary_output_tokens);
+    if input.api != Api::Messages {
+        // Reasoning-model families reject `max_tokens`.
+        let lower = model.to_ascii_lowercase();
+        let key = if lower.starts_with('o')
+            && lower.chars().nth(1).is_some_and(|c| c.is_ascii_digit())
+            || lower.starts_with("gpt-5")
+        {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        body[key] = json!(params.summary_output_tokens);
+    }
     let mut headers = input.auth.clone();
+    if input.api == Api::Messages {
+        // The API refuses a request without a version; the client's was not kept.
+        headers
+            .entry("anthropic-version")
+            .or_insert(http::HeaderValue::from_static(ANTHROPIC_VERSION));
+        state.summarizer().key_as_x_api_key(&mut headers);
+    }
     headers.insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/json"),
@@ -1358,7 +1387,7 @@ async fn call_summarizer<S: Context>(
         http::header::ACCEPT_ENCODING,
         http::HeaderValue::from_static("identity"),
     );
-    let url = state.summarizer().url("/chat/completions", None)?;
+    let url = state.summarizer().url(input.api.summary_endpoint(), None)?;
     let bytes = bytes::Bytes::from(serde_json::to_vec(&body).map_err(SummarizerError::Encode)?);
     let resp = state
         .summarizer()
@@ -1377,16 +1406,22 @@ async fn call_summarizer<S: Context>(
         });
     }
     let v: Value = serde_json::from_slice(&body).map_err(SummarizerError::Decode)?;
-    let text = v
-        .pointer("/choices/0/message/content")
-        .and_then(Value::as_str)
-        .map(String::from)
-        .ok_or(SummarizerError::NoContent)?;
-    let reported = (
-        v.pointer("/usage/total_tokens").and_then(Value::as_u64),
-        v.pointer("/usage/completion_tokens")
-            .and_then(Value::as_u64),
-    );
+    let text = match input.api {
+        Api::Messages => crate::wire::messages::answer_text(&v),
+        _ => v
+            .pointer("/choices/0/message/content")
+            .and_then(Value::as_str)
+            .map(String::from),
+    }
+    .ok_or(SummarizerError::NoContent)?;
+    let reported = match input.api.usage(&v) {
+        Some(u) if input.api == Api::Messages => (Some(u.total()), Some(u.output_tokens)),
+        _ => (
+            v.pointer("/usage/total_tokens").and_then(Value::as_u64),
+            v.pointer("/usage/completion_tokens")
+                .and_then(Value::as_u64),
+        ),
+    };
     let (tokens, output) = match reported {
         (Some(t), Some(out)) => (t, out.min(t)),
         (total, _) => {
@@ -1408,6 +1443,9 @@ async fn call_summarizer<S: Context>(
     };
     Ok((text, tokens, output))
 }
+
+/// The `anthropic-version` a summary call through Anthropic Messages sends.
+const ANTHROPIC_VERSION: &str = "2023-06-01";
 
 /// The credential headers of a request (kept in memory for the summarizer).
 pub fn auth_headers(headers: &HeaderMap) -> HeaderMap {

@@ -3,6 +3,7 @@
 //! bytes while they can go as they came), the items that go upstream, and
 //! what is known of the conversation. Its record is made in [`super::record`].
 
+use std::borrow::Cow;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -16,7 +17,7 @@ use crate::engine::{self, Input};
 use crate::error::ProxyError;
 use crate::upstream::Payload;
 use crate::wire::items::{Claims, ItemList, Tools};
-use crate::wire::{Api, ItemHash, Usage};
+use crate::wire::{messages, Api, ItemHash, Usage};
 
 /// An exchange between request and completion.
 pub struct PendingExchange {
@@ -68,6 +69,10 @@ pub struct PendingExchange {
     /// Observe mode: the would-be compaction that covers a prefix of the
     /// request (what the proxy would have applied).
     pub observed: Option<Arc<Compaction>>,
+    /// Anthropic Messages: the compacted request keeps a thinking block
+    /// signed against the prefix the compaction replaced, so it asks the
+    /// API to drop such a block (`thinking.block_binding`, with its beta).
+    pub drop_block: bool,
     /// The request goes with the `compactor_recall` tool added.
     pub recall: bool,
     /// Items after the view: the recall rounds' calls and answers.
@@ -110,17 +115,48 @@ impl PendingExchange {
     /// Applies a compaction: the view becomes its replacement followed by
     /// the rest of the client's items.
     pub fn apply(&mut self, c: Arc<Compaction>) {
-        self.view = Arc::new(
-            self.items
-                .with_prefix_replaced(c.covered_len, &c.replacement),
-        );
+        let view = self
+            .items
+            .with_prefix_replaced(c.covered_len, &c.replacement);
+        self.drop_block = false;
+        self.view = Arc::new(if self.api == Api::Messages {
+            // The tail's old thinking and surplus cache breakpoints (see
+            // `wire::messages::finish_view`).
+            let outside = self
+                .tools
+                .as_ref()
+                .map_or(0, |t| messages::breakpoints(t.value()))
+                + self.body.get("system").map_or(0, messages::breakpoints);
+            let mut values = view.into_values();
+            self.drop_block = messages::finish_view(&mut values, c.replacement.len(), outside);
+            values.into()
+        } else {
+            view
+        });
         self.compaction = Some(c);
+    }
+
+    /// The headers of an attempt: `headers`, with the beta a request that
+    /// lets the API drop a thinking block needs.
+    pub fn upstream_headers<'a>(&self, headers: &'a http::HeaderMap) -> Cow<'a, http::HeaderMap> {
+        if !(self.drop_block && self.compaction.is_some()) {
+            return Cow::Borrowed(headers);
+        }
+        let mut out = headers.clone();
+        let beta = messages::with_binding_beta(
+            headers.get("anthropic-beta").and_then(|v| v.to_str().ok()),
+        );
+        if let Ok(v) = http::HeaderValue::from_str(&beta) {
+            out.insert("anthropic-beta", v);
+        }
+        Cow::Owned(out)
     }
 
     /// Goes back to the client's own items.
     pub fn unapply(&mut self) {
         self.view = self.items.clone();
         self.compaction = None;
+        self.drop_block = false;
         self.recall = false;
         self.extra.clear();
     }
@@ -131,10 +167,19 @@ impl PendingExchange {
         if let (None, Some(original)) = (&self.compaction, &self.original) {
             return Ok(original.clone());
         }
+        let bound;
+        let body = if self.drop_block && self.compaction.is_some() {
+            let mut b = (*self.body).clone();
+            messages::with_block_binding(&mut b);
+            bound = b;
+            &bound
+        } else {
+            &*self.body
+        };
         if !self.recall && self.extra.is_empty() {
             return self
                 .api
-                .rebuild_body(&self.body, &self.view.values(), self.tools.as_ref())
+                .rebuild_body(body, &self.view.values(), self.tools.as_ref())
                 .map(Payload::from)
                 .map_err(|e| ProxyError::Internal(e.to_string()));
         }
@@ -153,7 +198,7 @@ impl PendingExchange {
             .as_ref()
             .map_or(self.tools.as_ref(), Option::as_ref);
         self.api
-            .rebuild_body(&self.body, &items, tools)
+            .rebuild_body(body, &items, tools)
             .map(Payload::from)
             .map_err(|e| ProxyError::Internal(e.to_string()))
     }
@@ -163,6 +208,7 @@ impl PendingExchange {
     pub fn input(&self, reason: String, whole: bool) -> Input {
         let observe = self.mode == Mode::Observe;
         Input {
+            api: self.api,
             tenant: self.tenant.clone(),
             conversation: self.ident.conversation.clone(),
             model: self.model.clone(),

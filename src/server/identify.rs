@@ -104,6 +104,7 @@ pub(super) async fn identify(
             compaction: None,
             mode: control.mode,
             observed: None,
+            drop_block: false,
             recall: false,
             extra: Vec::new(),
             recall_spent: Default::default(),

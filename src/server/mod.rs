@@ -493,6 +493,9 @@ async fn route(
             (&Method::POST, "/v1/responses") => {
                 ("responses", proxy::handle(state, Api::Responses, req).await)
             }
+            (&Method::POST, "/v1/messages") => {
+                ("messages", proxy::handle(state, Api::Messages, req).await)
+            }
             (&Method::POST, "/v1/responses/compact") => {
                 ("responses_compact", proxy::handle_compact(state, req).await)
             }

@@ -30,6 +30,7 @@ const PARSED: &[&str] = &[
     "/v1/chat/completions",
     "/v1/responses",
     "/v1/responses/compact",
+    "/v1/messages",
 ];
 
 /// Refuses a path below `/v1/` that must not be forwarded as it is:

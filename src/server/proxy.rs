@@ -35,7 +35,7 @@ use crate::wire::Api;
 pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Incoming>) -> Response<ProxyBody> {
     handle_inner(state, api, req)
         .await
-        .unwrap_or_else(ProxyError::into_response)
+        .unwrap_or_else(|e| e.into_response_as(api.error_shape()))
 }
 
 async fn handle_inner(
@@ -66,7 +66,9 @@ async fn handle_inner(
         compact_now(&state, &mut pending, reason, engine::Goal::Shrink).await;
     }
     let url = state.upstream.url(api.endpoint(), parts.uri.query())?;
-    let headers = state.upstream.request_headers(&parts.headers, true);
+    let headers = state
+        .upstream
+        .request_headers_for(api, &parts.headers, true);
     let sent = match send::send(&state, &mut pending, &url, &headers).await {
         Ok(answer) => super::recall::settle(&state, &mut pending, &url, &headers, answer).await,
         Err(e) => Err(e),

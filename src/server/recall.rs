@@ -153,6 +153,16 @@ fn first_output(api: Api, name: &str, data: &str) -> Option<First> {
                 _ => None,
             }
         }
+        Api::Messages => match v.get("type").and_then(Value::as_str)? {
+            "content_block_start" => {
+                match v.pointer("/content_block/type").and_then(Value::as_str) {
+                    Some("tool_use") => Some(First::ToolCall),
+                    Some("text") => Some(First::Text),
+                    _ => None,
+                }
+            }
+            _ => None,
+        },
     }
 }
 
@@ -200,6 +210,11 @@ async fn inspect_stream(state: &AppState, api: Api, mut held: Held) -> Result<Se
             json!({"choices": [{"message": items.first().cloned().unwrap_or(Value::Null)}]})
         }
         Api::Responses => json!({"output": items}),
+        Api::Messages => json!({"content": items
+            .first()
+            .and_then(|m| m.get("content"))
+            .cloned()
+            .unwrap_or(Value::Null)}),
     };
     Ok(Seen::Calls(v, tee.usage(), Answer::Held(held)))
 }

@@ -121,9 +121,10 @@ pub(super) async fn send(
         tried.compacted = pending.compaction.is_some();
         // The client's bytes, or the body with the compaction applied now.
         let body = pending.upstream_bytes()?;
+        let attempt_headers = pending.upstream_headers(headers).into_owned();
         let got = match state
             .upstream
-            .send_once(Method::POST, url, headers.clone(), &body)
+            .send_once(Method::POST, url, attempt_headers, &body)
             .await
         {
             Ok(resp) => read_start(state, pending.api, resp)
@@ -185,7 +186,7 @@ async fn read_start(
     resp: reqwest::Response,
 ) -> Result<(Answer, Option<Overflow>), ProxyError> {
     if resp.status().is_success() {
-        if api != Api::Responses || !is_sse(resp.headers()) {
+        if !matches!(api, Api::Responses | Api::Messages) || !is_sse(resp.headers()) {
             return Ok((Answer::Upstream(resp), None));
         }
         // Hold the first events back until the upstream commits to an
@@ -273,7 +274,7 @@ impl Held {
     }
 }
 
-/// Longest time a Responses stream's first events are held back waiting
+/// Longest time a Responses or Messages stream's first events are held back waiting
 /// for the upstream to commit (a reasoning model may think silently first).
 const MAX_HOLD_BACK: Duration = Duration::from_secs(10);
 
@@ -282,6 +283,10 @@ const PRELUDE_EVENTS: &[&str] = &[
     "response.created",
     "response.in_progress",
     "response.queued",
+    // Anthropic Messages: the message opens, then its first content block
+    // commits to an answer.
+    "message_start",
+    "ping",
 ];
 
 /// Reads a Responses stream until its first event past the prelude: an

@@ -1,14 +1,15 @@
-//! Wire formats: an *item* view over both OpenAI APIs, content hashes, usage.
+//! Wire formats: an *item* view over the three APIs, content hashes, usage.
 //!
 //! Owns the knowledge of where the history lives in a request body
-//! (`messages` for Chat Completions, `instructions` + `input` for Responses)
-//! and where usage and output live in an answer. Works on `serde_json::Value`
+//! (`messages` for Chat Completions and Anthropic Messages, `instructions` +
+//! `input` for Responses) and where usage and output live in an answer. Works on `serde_json::Value`
 //! so nothing the proxy does not understand is ever dropped.
 
 pub mod chat;
 pub mod class;
 pub mod hash;
 pub mod items;
+pub mod messages;
 pub mod responses;
 pub mod sse;
 
@@ -19,7 +20,7 @@ use crate::error::InvalidField;
 
 pub use hash::{chain_extend, chain_hashes, item_hash, ItemHash};
 
-/// Which of the two parsed APIs a request belongs to.
+/// Which of the three parsed APIs a request belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Api {
@@ -27,6 +28,8 @@ pub enum Api {
     Chat,
     /// `POST /v1/responses`
     Responses,
+    /// `POST /v1/messages` (Anthropic Messages)
+    Messages,
 }
 
 impl Api {
@@ -35,6 +38,34 @@ impl Api {
         match self {
             Api::Chat => "/chat/completions",
             Api::Responses => "/responses",
+            Api::Messages => "/messages",
+        }
+    }
+
+    /// The endpoint a summary call for a conversation of this API goes to:
+    /// Chat Completions for both OpenAI APIs (every compatible server has
+    /// it), Messages for Anthropic's.
+    pub fn summary_endpoint(self) -> &'static str {
+        match self {
+            Api::Messages => "/messages",
+            _ => "/chat/completions",
+        }
+    }
+
+    /// The shape of the errors this endpoint's clients read.
+    pub fn error_shape(self) -> crate::error::ErrorShape {
+        match self {
+            Api::Messages => crate::error::ErrorShape::Anthropic,
+            _ => crate::error::ErrorShape::OpenAi,
+        }
+    }
+
+    /// The name used in metrics and logs.
+    pub fn name(self) -> &'static str {
+        match self {
+            Api::Chat => "chat",
+            Api::Responses => "responses",
+            Api::Messages => "messages",
         }
     }
 
@@ -42,7 +73,7 @@ impl Api {
     /// has `instructions` before it).
     pub fn items_key(self) -> &'static str {
         match self {
-            Api::Chat => "messages",
+            Api::Chat | Api::Messages => "messages",
             Api::Responses => "input",
         }
     }
@@ -60,7 +91,7 @@ impl Api {
         match spans {
             Some(spans) => {
                 let head = match self {
-                    Api::Chat => Vec::new(),
+                    Api::Chat | Api::Messages => Vec::new(),
                     Api::Responses => responses::instructions_item(body).into_iter().collect(),
                 };
                 items::ItemList::raw(head, raw, spans)
@@ -80,7 +111,7 @@ impl Api {
     /// items of the history, in order, without copying them.
     pub fn take_items(self, body: &mut Value) -> Vec<Value> {
         match self {
-            Api::Chat => match body.get_mut("messages") {
+            Api::Chat | Api::Messages => match body.get_mut("messages") {
                 Some(Value::Array(a)) => std::mem::take(a),
                 _ => Vec::new(),
             },
@@ -94,7 +125,7 @@ impl Api {
     /// instructions pseudo-item is dropped).
     pub fn set_items(self, body: &mut Value, items: &[Value]) {
         match self {
-            Api::Chat => body["messages"] = Value::Array(items.to_vec()),
+            Api::Chat | Api::Messages => body["messages"] = Value::Array(items.to_vec()),
             Api::Responses => {
                 let skip = usize::from(items.first().is_some_and(responses::is_instructions_item));
                 body["input"] = Value::Array(items[skip..].to_vec());
@@ -138,12 +169,17 @@ impl Api {
         match self {
             Api::Chat => chat::validate(obj),
             Api::Responses => responses::validate(obj),
+            Api::Messages => messages::validate(obj),
         }
     }
 
     /// Usage figures of a complete (non-streamed) answer body.
     pub fn usage(self, body: &Value) -> Option<Usage> {
-        Usage::from_value(body.get("usage")?)
+        let usage = body.get("usage")?;
+        match self {
+            Api::Messages => messages::usage_of(usage),
+            _ => Usage::from_value(usage),
+        }
     }
 
     /// Output items of a complete (non-streamed) answer body.
@@ -151,6 +187,7 @@ impl Api {
         match self {
             Api::Chat => chat::response_items(body),
             Api::Responses => responses::response_items(body),
+            Api::Messages => messages::response_items(body),
         }
     }
 }
@@ -252,9 +289,12 @@ pub fn client_ids(headers: &http::HeaderMap, body: &Value) -> ClientIds {
     let bounded = |s: &str| Some(bounded_text(s, MAX_CLIENT_ID_CHARS));
     ClientIds {
         header: text("x-compactor-conversation").and_then(bounded),
-        session: ["session-id", "session_id"]
+        session: SESSION_HEADERS
             .into_iter()
             .find_map(text)
+            .map(String::from)
+            .or_else(|| messages::metadata_session(body))
+            .as_deref()
             .and_then(bounded),
         cache_key: body
             .get("prompt_cache_key")
@@ -276,15 +316,35 @@ pub fn bounded_text(s: &str, max: usize) -> String {
     }
 }
 
+/// The headers that carry a client's session id: Codex's `session-id`
+/// (or `session_id`), Claude Code's `x-claude-code-session-id`.
+const SESSION_HEADERS: [&str; 3] = ["session-id", "session_id", "x-claude-code-session-id"];
+
 /// An explicit conversation key the client sent, in order of preference:
-/// our own header, the `session-id`/`session_id` header, `prompt_cache_key`,
-/// then `metadata.session_id`/`metadata.conversation_id`.
+/// our own header, a session header ([`SESSION_HEADERS`]),
+/// `prompt_cache_key`, then `metadata.session_id`/`metadata.conversation_id`
+/// or the session in Claude Code's `metadata.user_id`. Every session id
+/// shares one namespace, so a client that sends it in two places is one
+/// conversation.
 pub fn explicit_conversation_key(headers: &http::HeaderMap, body: &Value) -> Option<String> {
-    for name in ["x-compactor-conversation", "session-id", "session_id"] {
-        if let Some(v) = headers.get(name).and_then(|v| v.to_str().ok()) {
-            if !v.is_empty() {
-                return Some(format!("{name}:{v}"));
-            }
+    let header = |name: &str| {
+        headers
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .filter(|v| !v.is_empty())
+    };
+    if let Some(v) = header("x-compactor-conversation") {
+        return Some(format!("x-compactor-conversation:{v}"));
+    }
+    for name in SESSION_HEADERS {
+        if let Some(v) = header(name) {
+            // `session_id` keeps the key it always had.
+            let ns = if name == "session_id" {
+                name
+            } else {
+                "session-id"
+            };
+            return Some(format!("{ns}:{v}"));
         }
     }
     if let Some(k) = body.get("prompt_cache_key").and_then(Value::as_str) {
@@ -297,7 +357,7 @@ pub fn explicit_conversation_key(headers: &http::HeaderMap, body: &Value) -> Opt
             return Some(format!("session-id:{v}"));
         }
     }
-    None
+    messages::metadata_session(body).map(|v| format!("session-id:{v}"))
 }
 
 #[cfg(test)]

@@ -22,6 +22,7 @@ use futures_util::Stream;
 use serde_json::Value;
 
 use super::chat::{self, ChatCollector, Strip};
+use super::messages::MessagesCollector;
 use super::responses::ResponsesCollector;
 use super::{Api, Usage};
 
@@ -55,6 +56,8 @@ pub enum Collected {
     Chat(ChatCollector),
     /// A Responses stream.
     Responses(ResponsesCollector),
+    /// An Anthropic Messages stream.
+    Messages(MessagesCollector),
 }
 
 /// Parses a copy of an SSE body while it is forwarded.
@@ -78,6 +81,7 @@ impl SseTee {
             collected: match api {
                 Api::Chat => Collected::Chat(ChatCollector::default()),
                 Api::Responses => Collected::Responses(ResponsesCollector::default()),
+                Api::Messages => Collected::Messages(MessagesCollector::default()),
             },
             strip: strip_usage.then(BytesMut::new),
         }
@@ -169,6 +173,7 @@ impl SseTee {
                     c.push(&ev.data);
                 }
                 Collected::Responses(c) => c.push(&ev.event, &ev.data),
+                Collected::Messages(c) => c.push(&ev.event, &ev.data),
             }
         }
     }
@@ -178,6 +183,7 @@ impl SseTee {
         match &self.collected {
             Collected::Chat(c) => c.finished(),
             Collected::Responses(c) => c.finished(),
+            Collected::Messages(c) => c.finished(),
         }
     }
 
@@ -186,6 +192,7 @@ impl SseTee {
         match &self.collected {
             Collected::Chat(c) => c.usage,
             Collected::Responses(c) => c.usage,
+            Collected::Messages(c) => c.usage,
         }
     }
 
@@ -194,6 +201,7 @@ impl SseTee {
         match &self.collected {
             Collected::Chat(c) => c.items(),
             Collected::Responses(c) => c.items(),
+            Collected::Messages(c) => c.items(),
         }
     }
 
@@ -202,6 +210,7 @@ impl SseTee {
         match &self.collected {
             Collected::Chat(c) => c.id.clone(),
             Collected::Responses(c) => c.id.clone(),
+            Collected::Messages(c) => c.id.clone(),
         }
     }
 
@@ -210,6 +219,7 @@ impl SseTee {
         match &self.collected {
             Collected::Chat(c) => c.error.clone(),
             Collected::Responses(c) => c.error.clone(),
+            Collected::Messages(c) => c.error.clone(),
         }
     }
 }

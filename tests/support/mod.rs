@@ -431,9 +431,11 @@ pub fn small_window_foreground(c: &mut Config) {
 
 /// Whether the upstream request is the proxy's own summarizer call.
 pub fn is_summary_call(r: &Received) -> bool {
-    r.json()["messages"][0]["content"]
+    let v = r.json();
+    v["messages"][0]["content"]
         .as_str()
         .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
+        || compactor::fake_anthropic::is_summarizer_request(&v)
 }
 
 /// The bodies of the requests the fake upstream received that are not

@@ -17,8 +17,24 @@ pub(super) struct Call {
     pub(super) inline: Option<Outcome>,
 }
 
-/// The tool calls an item makes, in both wire formats.
+/// The tool calls an item makes, in the three wire formats.
 pub(super) fn calls_of(item: &Value) -> Vec<Call> {
+    // An Anthropic assistant message: its `tool_use` blocks, `input` an object.
+    if let Some(blocks) = item.get("content").and_then(Value::as_array) {
+        let uses: Vec<Call> = blocks
+            .iter()
+            .filter(|b| kind(b) == "tool_use")
+            .map(|b| Call {
+                id: str_field(b, &["id"]).unwrap_or("").to_string(),
+                name: str_field(b, &["name"]).unwrap_or("tool").to_string(),
+                args: b.get("input").cloned().unwrap_or(Value::Null),
+                inline: None,
+            })
+            .collect();
+        if !uses.is_empty() {
+            return uses;
+        }
+    }
     if let Some(calls) = item.get("tool_calls").and_then(Value::as_array) {
         return calls
             .iter()

@@ -14,7 +14,7 @@ use super::errors::{outcome, Outcome};
 use super::statements::{classify_assistant_line, push_statement, user_constraints, Statement};
 use super::text::{clip, role};
 use super::{MAX_ERRORS, MAX_LOG_OUTCOME, MAX_TOOL_LOG};
-use crate::compaction::items::{is_summary, is_tool_output, is_user_message, output_id, text_of};
+use crate::compaction::items::{is_summary, is_user_message, outputs, text_of};
 
 /// Facts the proxy extracts deterministically, so they survive any model.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -219,9 +219,11 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
                 }
             }
         }
-        if is_tool_output(item) {
-            let out = outcome(&text_of(item));
-            match output_id(item).and_then(|id| pending.remove(id)) {
+        for (id, text, flagged) in outputs(item) {
+            let mut out = outcome(&text);
+            // The harness said so (an Anthropic `is_error` result).
+            out.failed |= flagged;
+            match (!id.is_empty()).then(|| pending.remove(id)).flatten() {
                 Some(p) => settle(&mut facts, &mut log, p, Some(&out)),
                 None if out.failed => out
                     .errors

@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 use super::calls::calls_of;
 use super::text::{head_tail, kind, role};
 use super::{NARRATIVE_SECTIONS, SUMMARIZER_MARKER};
-use crate::compaction::items::{is_summary, is_tool_output, output_id, text_of};
+use crate::compaction::items::{is_summary, is_tool_output, outputs, text_of};
 
 /// One line/paragraph of transcript per item, for the summarizer: user and
 /// assistant text, tool calls with their arguments, tool outputs (head and
@@ -28,11 +28,12 @@ pub fn render_transcript(part: &[Value], max_item_bytes: usize) -> Vec<String> {
             continue;
         }
         if is_tool_output(item) {
-            let id = output_id(item).unwrap_or("");
-            out.push(format!(
-                "[tool output {id}] {}",
-                head_tail(&text_of(item), max_item_bytes)
-            ));
+            for (id, text, _) in outputs(item) {
+                out.push(format!(
+                    "[tool output {id}] {}",
+                    head_tail(&text, max_item_bytes)
+                ));
+            }
             continue;
         }
         let mut lines = Vec::new();

@@ -1,0 +1,765 @@
+//! Anthropic Messages: `messages[]` as items (the top-level `system` stays a
+//! body field, like every other parameter), the answer's `content` as one
+//! assistant message, stream events, usage with its cached parts, the
+//! shapes a compacted request must keep.
+//!
+//! Blocks the proxy does not know are kept as they came: nothing here
+//! rebuilds a message from fields it read.
+
+use serde_json::{json, Map, Value};
+
+use super::Usage;
+use crate::error::InvalidField;
+
+/// The beta that lets the API drop a thinking block whose signature no
+/// longer matches its (compacted) prefix, instead of refusing the request.
+pub const BLOCK_BINDING_BETA: &str = "thinking-binding-controls-2026-08-01";
+
+/// Most `cache_control` breakpoints the API takes in one request.
+pub const MAX_CACHE_BREAKPOINTS: usize = 4;
+
+/// `messages` must be a list of objects with a string `role` and a string
+/// or list `content`; `system` a string or a list of blocks.
+pub fn validate(obj: &Map<String, Value>) -> Result<(), InvalidField> {
+    let msgs = match obj.get("messages") {
+        None => return Err(InvalidField::missing("messages")),
+        Some(Value::Array(msgs)) => msgs,
+        Some(_) => return Err(InvalidField::wrong_type("messages", "an array")),
+    };
+    for (i, m) in msgs.iter().enumerate() {
+        let Some(m) = m.as_object() else {
+            return Err(InvalidField::wrong_type(
+                format!("messages[{i}]"),
+                "an object",
+            ));
+        };
+        if !m.get("role").is_some_and(Value::is_string) {
+            return Err(InvalidField::wrong_type(
+                format!("messages[{i}].role"),
+                "a string",
+            ));
+        }
+        match m.get("content") {
+            Some(Value::String(_)) | Some(Value::Array(_)) => {}
+            _ => {
+                return Err(InvalidField::wrong_type(
+                    format!("messages[{i}].content"),
+                    "a string or an array",
+                ))
+            }
+        }
+    }
+    match obj.get("system") {
+        None | Some(Value::Null) | Some(Value::String(_)) | Some(Value::Array(_)) => Ok(()),
+        Some(_) => Err(InvalidField::wrong_type("system", "a string or an array")),
+    }
+}
+
+/// The answer's `content` as one assistant message.
+pub fn response_items(body: &Value) -> Vec<Value> {
+    match body.get("content") {
+        Some(content @ Value::Array(_)) => {
+            vec![json!({"role": "assistant", "content": content})]
+        }
+        _ => Vec::new(),
+    }
+}
+
+/// The text of a complete answer: its `text` blocks, joined.
+pub fn answer_text(body: &Value) -> Option<String> {
+    let texts: Vec<&str> = body
+        .get("content")?
+        .as_array()?
+        .iter()
+        .filter(|b| block_type(b) == "text")
+        .filter_map(|b| b.get("text").and_then(Value::as_str))
+        .collect();
+    (!texts.is_empty()).then(|| texts.join(""))
+}
+
+/// The blocks of a message's `content` (none for a string).
+pub fn blocks(item: &Value) -> &[Value] {
+    item.get("content")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default()
+}
+
+fn block_type(b: &Value) -> &str {
+    b.get("type").and_then(Value::as_str).unwrap_or("")
+}
+
+/// A `thinking` or `redacted_thinking` block.
+pub fn is_thinking(b: &Value) -> bool {
+    matches!(block_type(b), "thinking" | "redacted_thinking")
+}
+
+/// Whether a message holds a thinking block.
+pub fn has_thinking(item: &Value) -> bool {
+    blocks(item).iter().any(is_thinking)
+}
+
+/// The ids of the client tool calls (`tool_use` blocks) of an assistant
+/// message. Server tools (`server_tool_use`) are answered inside the same
+/// message, so they open nothing a later message must close.
+pub fn tool_use_ids(item: &Value) -> Vec<&str> {
+    if item.get("role").and_then(Value::as_str) != Some("assistant") {
+        return Vec::new();
+    }
+    blocks(item)
+        .iter()
+        .filter(|b| block_type(b) == "tool_use")
+        .filter_map(|b| b.get("id").and_then(Value::as_str))
+        .collect()
+}
+
+/// The `tool_result` blocks of a user message.
+pub fn tool_results(item: &Value) -> impl Iterator<Item = &Value> {
+    let user = item.get("role").and_then(Value::as_str) == Some("user");
+    blocks(item)
+        .iter()
+        .filter(move |b| user && block_type(b) == "tool_result")
+}
+
+/// Whether a message answers tool calls (holds a `tool_result` block).
+pub fn is_tool_result_message(item: &Value) -> bool {
+    tool_results(item).next().is_some()
+}
+
+/// Text of a `tool_result`'s `content`: a string, or its text blocks.
+pub fn tool_result_text(block: &Value) -> String {
+    match block.get("content") {
+        Some(Value::String(s)) => s.clone(),
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+/// Removes the thinking blocks of an assistant message. `None` when
+/// nothing else is left of it (the message then goes too).
+pub fn without_thinking(item: &Value) -> Option<Value> {
+    if !has_thinking(item) {
+        return Some(item.clone());
+    }
+    let kept: Vec<Value> = blocks(item)
+        .iter()
+        .filter(|b| !is_thinking(b))
+        .cloned()
+        .collect();
+    if kept.is_empty() {
+        return None;
+    }
+    let mut out = item.clone();
+    out["content"] = Value::Array(kept);
+    Some(out)
+}
+
+/// A compaction's replacement made a valid start of a Messages request:
+/// no thinking block (a signed block is bound to everything before it,
+/// which the compaction changed; an assistant message of nothing else
+/// goes), the first message the user's, the summary (`is_summary`) as a
+/// text block, and one `cache_control` breakpoint, on the last block, so
+/// the compacted prefix is cached (the client's own breakpoints in the
+/// summarized part go with it).
+pub fn finish_replacement(
+    replacement: Vec<Value>,
+    is_summary: impl Fn(&Value) -> bool,
+) -> Vec<Value> {
+    let mut out: Vec<Value> = replacement
+        .iter()
+        .filter_map(without_thinking)
+        .map(|mut m| {
+            if is_summary(&m) {
+                if let Some(Value::String(text)) = m.get("content") {
+                    m["content"] = json!([{"type": "text", "text": text}]);
+                }
+            }
+            remove_breakpoints(&mut m);
+            m
+        })
+        .collect();
+    if out
+        .first()
+        .and_then(|m| m.get("role"))
+        .and_then(Value::as_str)
+        != Some("user")
+    {
+        out.insert(
+            0,
+            json!({"role": "user", "content": [{"type": "text", "text": "[compactor: the conversation so far follows]"}]}),
+        );
+    }
+    if let Some(last) = out.last_mut() {
+        set_breakpoint(last);
+    }
+    out
+}
+
+/// The view that goes upstream once a compaction applies
+/// (`view[..replacement_len]` is its replacement), made valid: thinking
+/// blocks of the tail were signed against the prefix the compaction
+/// replaced, so they go — but for the last assistant message of an open
+/// tool loop, which the API requires to start with its own block: that one
+/// stays, and the request must let the API drop it
+/// ([`with_block_binding`]); this returns whether it must. Breakpoints past
+/// [`MAX_CACHE_BREAKPOINTS`] (counting `outside`, the system's and tools')
+/// are taken off the tail's oldest first, then the replacement's.
+pub fn finish_view(view: &mut Vec<Value>, replacement_len: usize, outside: usize) -> bool {
+    let start = replacement_len.min(view.len());
+    let open_loop = view.last().is_some_and(is_tool_result_message);
+    let keep = if open_loop {
+        view.iter()
+            .rposition(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
+            .filter(|&i| i >= start)
+    } else {
+        None
+    };
+    let mut kept_thinking = false;
+    let mut i = start;
+    while i < view.len() {
+        if Some(i) == keep {
+            kept_thinking |= has_thinking(&view[i]);
+        } else if view[i].get("role").and_then(Value::as_str) == Some("assistant")
+            && has_thinking(&view[i])
+        {
+            match without_thinking(&view[i]) {
+                Some(m) => view[i] = m,
+                None => {
+                    view.remove(i);
+                    continue;
+                }
+            }
+        }
+        i += 1;
+    }
+    let mut count = outside + view.iter().map(breakpoints).sum::<usize>();
+    let order: Vec<usize> = (start..view.len()).chain(0..start).collect();
+    for i in order {
+        while count > MAX_CACHE_BREAKPOINTS && breakpoints(&view[i]) > 0 {
+            remove_first_breakpoint(&mut view[i]);
+            count -= 1;
+        }
+    }
+    kept_thinking
+}
+
+/// Asks the API to drop a thinking block whose signature no longer matches
+/// its prefix rather than refuse the request (only where thinking is on).
+pub fn with_block_binding(body: &mut Value) {
+    let Some(thinking) = body.get_mut("thinking").and_then(Value::as_object_mut) else {
+        return;
+    };
+    if thinking.get("type").and_then(Value::as_str) == Some("disabled") {
+        return;
+    }
+    thinking.insert(
+        "block_binding".into(),
+        json!({"prefix_mismatch_behavior": "drop_block"}),
+    );
+}
+
+/// `anthropic-beta` with [`BLOCK_BINDING_BETA`] added (once).
+pub fn with_binding_beta(existing: Option<&str>) -> String {
+    match existing.map(str::trim).filter(|s| !s.is_empty()) {
+        Some(list) if list.split(',').any(|b| b.trim() == BLOCK_BINDING_BETA) => list.to_string(),
+        Some(list) => format!("{list},{BLOCK_BINDING_BETA}"),
+        None => BLOCK_BINDING_BETA.to_string(),
+    }
+}
+
+/// How many `cache_control` breakpoints a value holds (a message, the
+/// `system` blocks, the tools).
+pub fn breakpoints(v: &Value) -> usize {
+    match v {
+        Value::Array(list) => list.iter().map(breakpoints).sum(),
+        Value::Object(o) => {
+            let own = usize::from(o.get("cache_control").is_some_and(|c| !c.is_null()));
+            own + o
+                .get("content")
+                .filter(|c| c.is_array())
+                .map(breakpoints)
+                .unwrap_or(0)
+        }
+        _ => 0,
+    }
+}
+
+fn remove_breakpoints(m: &mut Value) {
+    while breakpoints(m) > 0 {
+        remove_first_breakpoint(m);
+    }
+}
+
+fn remove_first_breakpoint(v: &mut Value) -> bool {
+    match v {
+        Value::Array(list) => list.iter_mut().any(remove_first_breakpoint),
+        Value::Object(o) => {
+            if o.get("cache_control").is_some_and(|c| !c.is_null()) {
+                o.remove("cache_control");
+                return true;
+            }
+            match o.get_mut("content") {
+                Some(c @ Value::Array(_)) => remove_first_breakpoint(c),
+                _ => false,
+            }
+        }
+        _ => false,
+    }
+}
+
+/// Puts a breakpoint on the last block of a message (a string content
+/// becomes one text block).
+fn set_breakpoint(m: &mut Value) {
+    if let Some(Value::String(text)) = m.get("content") {
+        m["content"] = json!([{"type": "text", "text": text}]);
+    }
+    if let Some(Value::Array(blocks)) = m.get_mut("content") {
+        if let Some(Value::Object(b)) = blocks.last_mut() {
+            b.insert("cache_control".into(), json!({"type": "ephemeral"}));
+        }
+    }
+}
+
+/// Usage of a Messages answer or stream event: the prompt is
+/// `input_tokens` plus the parts served from or written to the cache,
+/// which Anthropic (and llama.cpp on this endpoint) report apart.
+pub fn usage_of(v: &Value) -> Option<Usage> {
+    let obj = v.as_object()?;
+    let get = |k: &str| obj.get(k).and_then(Value::as_u64);
+    let read = get("cache_read_input_tokens");
+    let written = get("cache_creation_input_tokens").unwrap_or(0);
+    let input = get("input_tokens")?;
+    Some(Usage {
+        input_tokens: input + read.unwrap_or(0) + written,
+        output_tokens: get("output_tokens").unwrap_or(0),
+        cached_tokens: read,
+    })
+}
+
+/// The session id Claude Code puts in `metadata.user_id`, a JSON string
+/// (`{"device_id": …, "session_id": …}`).
+pub fn metadata_session(body: &Value) -> Option<String> {
+    let user = body.pointer("/metadata/user_id")?.as_str()?;
+    if !user.trim_start().starts_with('{') {
+        return None;
+    }
+    let v: Value = serde_json::from_str(user).ok()?;
+    v.get("session_id")
+        .and_then(Value::as_str)
+        .filter(|s| !s.trim().is_empty())
+        .map(String::from)
+}
+
+/// Collects the assistant message, usage and the end of a Messages stream.
+#[derive(Debug, Default)]
+pub struct MessagesCollector {
+    /// The content blocks, by index, as far as they arrived.
+    blocks: Vec<BlockAcc>,
+    /// The message id from `message_start`.
+    pub id: Option<String>,
+    /// Usage: `message_start`'s, updated by each (cumulative) `message_delta`.
+    usage_raw: Map<String, Value>,
+    /// Usage normalised, once any was reported.
+    pub usage: Option<Usage>,
+    /// The `stop_reason` of the last `message_delta`.
+    pub stop_reason: Option<String>,
+    /// An `error` event's `error` object.
+    pub error: Option<Value>,
+    /// `message_stop` was seen.
+    pub done: bool,
+}
+
+#[derive(Debug, Default)]
+struct BlockAcc {
+    /// The block as `content_block_start` gave it.
+    block: Map<String, Value>,
+    /// Text, thinking and signature deltas, by field.
+    text: Map<String, Value>,
+    /// `input_json_delta` pieces.
+    json: String,
+}
+
+/// Most content blocks one answer may open (an index past it is ignored).
+const MAX_BLOCKS: usize = 4096;
+
+impl MessagesCollector {
+    /// Feeds one event: its `event:` name (may be empty) and `data`.
+    pub fn push(&mut self, event: &str, data: &str) {
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            return;
+        };
+        let kind = v.get("type").and_then(Value::as_str).unwrap_or(event);
+        match kind {
+            "message_start" => {
+                if let Some(m) = v.get("message") {
+                    self.id = m.get("id").and_then(Value::as_str).map(String::from);
+                    if let Some(u) = m.get("usage") {
+                        self.merge_usage(u);
+                    }
+                }
+            }
+            "content_block_start" => {
+                if let (Some(i), Some(Value::Object(b))) = (index(&v), v.get("content_block")) {
+                    let acc = self.block(i);
+                    acc.block = b.clone();
+                }
+            }
+            "content_block_delta" => {
+                let (Some(i), Some(d)) = (index(&v), v.get("delta")) else {
+                    return;
+                };
+                let acc = self.block(i);
+                let piece = |k: &str| d.get(k).and_then(Value::as_str);
+                match d.get("type").and_then(Value::as_str).unwrap_or("") {
+                    "input_json_delta" => acc.json.push_str(piece("partial_json").unwrap_or("")),
+                    "text_delta" => acc.append("text", piece("text")),
+                    "thinking_delta" => acc.append("thinking", piece("thinking")),
+                    "signature_delta" => acc.append("signature", piece("signature")),
+                    "citations_delta" => {
+                        if let Some(c) = d.get("citation") {
+                            let list = acc
+                                .text
+                                .entry("citations")
+                                .or_insert_with(|| Value::Array(Vec::new()));
+                            if let Value::Array(l) = list {
+                                l.push(c.clone());
+                            }
+                        }
+                    }
+                    _ => {}
+                }
+            }
+            "message_delta" => {
+                if let Some(u) = v.get("usage") {
+                    self.merge_usage(u);
+                }
+                if let Some(r) = v.pointer("/delta/stop_reason").and_then(Value::as_str) {
+                    self.stop_reason = Some(r.to_string());
+                }
+            }
+            "message_stop" => self.done = true,
+            "error" => self.error = Some(v.get("error").cloned().unwrap_or(v)),
+            _ => {}
+        }
+    }
+
+    fn block(&mut self, i: usize) -> &mut BlockAcc {
+        if self.blocks.len() <= i {
+            self.blocks.resize_with(i + 1, BlockAcc::default);
+        }
+        &mut self.blocks[i]
+    }
+
+    /// `message_delta`'s usage is cumulative: its figures replace
+    /// `message_start`'s, and those it leaves out stay.
+    fn merge_usage(&mut self, u: &Value) {
+        if let Some(o) = u.as_object() {
+            for (k, v) in o {
+                if !v.is_null() {
+                    self.usage_raw.insert(k.clone(), v.clone());
+                }
+            }
+        }
+        self.usage = usage_of(&Value::Object(self.usage_raw.clone()));
+    }
+
+    /// The assistant message, shaped like a non-streamed answer's.
+    pub fn items(&self) -> Vec<Value> {
+        if self.blocks.is_empty() {
+            return Vec::new();
+        }
+        let content: Vec<Value> = self
+            .blocks
+            .iter()
+            .filter(|b| !b.block.is_empty())
+            .map(BlockAcc::finish)
+            .collect();
+        vec![json!({"role": "assistant", "content": content})]
+    }
+
+    /// The stream reached `message_stop`.
+    pub fn finished(&self) -> bool {
+        self.done
+    }
+}
+
+impl BlockAcc {
+    fn append(&mut self, field: &str, piece: Option<&str>) {
+        if let Some(p) = piece {
+            let entry = self
+                .text
+                .entry(field)
+                .or_insert_with(|| Value::String(String::new()));
+            if let Value::String(s) = entry {
+                s.push_str(p);
+            }
+        }
+    }
+
+    fn finish(&self) -> Value {
+        let mut b = self.block.clone();
+        for (k, v) in &self.text {
+            match (b.get_mut(k), v) {
+                (Some(Value::String(s)), Value::String(more)) => s.push_str(more),
+                (Some(Value::Array(l)), Value::Array(more)) => l.extend(more.iter().cloned()),
+                _ => {
+                    b.insert(k.clone(), v.clone());
+                }
+            }
+        }
+        if !self.json.is_empty() {
+            let input =
+                serde_json::from_str(&self.json).unwrap_or(Value::String(self.json.clone()));
+            b.insert("input".into(), input);
+        }
+        Value::Object(b)
+    }
+}
+
+fn index(v: &Value) -> Option<usize> {
+    let i = v.get("index")?.as_u64()? as usize;
+    (i < MAX_BLOCKS).then_some(i)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn usage_counts_the_cached_parts_of_the_prompt() {
+        let u = json!({"input_tokens": 12, "cache_read_input_tokens": 3000,
+                       "cache_creation_input_tokens": 200, "output_tokens": 9});
+        assert_eq!(
+            usage_of(&u),
+            Some(Usage {
+                input_tokens: 3212,
+                output_tokens: 9,
+                cached_tokens: Some(3000)
+            })
+        );
+        assert_eq!(usage_of(&json!({"output_tokens": 3})), None);
+    }
+
+    #[test]
+    fn a_stream_is_collected_into_one_assistant_message_with_cumulative_usage() {
+        let mut c = MessagesCollector::default();
+        let events = [
+            (
+                "message_start",
+                r#"{"type":"message_start","message":{"id":"msg_1","role":"assistant","content":[],"usage":{"input_tokens":10,"cache_read_input_tokens":90,"output_tokens":1}}}"#,
+            ),
+            (
+                "content_block_start",
+                r#"{"type":"content_block_start","index":0,"content_block":{"type":"thinking","thinking":"","signature":""}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"let me "}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"thinking_delta","thinking":"see"}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":0,"delta":{"type":"signature_delta","signature":"sig"}}"#,
+            ),
+            (
+                "content_block_stop",
+                r#"{"type":"content_block_stop","index":0}"#,
+            ),
+            (
+                "content_block_start",
+                r#"{"type":"content_block_start","index":1,"content_block":{"type":"tool_use","id":"toolu_1","name":"Bash","input":{}}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":"{\"command\": \"ls"}}"#,
+            ),
+            (
+                "content_block_delta",
+                r#"{"type":"content_block_delta","index":1,"delta":{"type":"input_json_delta","partial_json":" -la\"}"}}"#,
+            ),
+            (
+                "content_block_stop",
+                r#"{"type":"content_block_stop","index":1}"#,
+            ),
+            (
+                "message_delta",
+                r#"{"type":"message_delta","delta":{"stop_reason":"tool_use"},"usage":{"output_tokens":42}}"#,
+            ),
+            ("message_stop", r#"{"type":"message_stop"}"#),
+        ];
+        for (e, d) in events {
+            c.push(e, d);
+        }
+        assert!(c.finished());
+        assert_eq!(c.id.as_deref(), Some("msg_1"));
+        assert_eq!(c.stop_reason.as_deref(), Some("tool_use"));
+        assert_eq!(
+            c.usage,
+            Some(Usage {
+                input_tokens: 100,
+                output_tokens: 42,
+                cached_tokens: Some(90)
+            })
+        );
+        assert_eq!(
+            c.items(),
+            vec![json!({"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "let me see", "signature": "sig"},
+                {"type": "tool_use", "id": "toolu_1", "name": "Bash", "input": {"command": "ls -la"}},
+            ]})]
+        );
+    }
+
+    #[test]
+    fn tool_uses_and_results_pair_by_id() {
+        let a = json!({"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "t", "signature": "s"},
+            {"type": "tool_use", "id": "a", "name": "Bash", "input": {}},
+            {"type": "server_tool_use", "id": "srv", "name": "web_search", "input": {}},
+            {"type": "tool_use", "id": "b", "name": "Read", "input": {}},
+        ]});
+        assert_eq!(tool_use_ids(&a), vec!["a", "b"]);
+        let u = json!({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "a", "content": "ok"},
+            {"type": "tool_result", "tool_use_id": "b", "content": [{"type": "text", "text": "fine"}]},
+            {"type": "text", "text": "and more"},
+        ]});
+        let ids: Vec<_> = tool_results(&u)
+            .filter_map(|b| b.get("tool_use_id").and_then(Value::as_str))
+            .collect();
+        assert_eq!(ids, vec!["a", "b"]);
+        assert!(is_tool_result_message(&u));
+        assert!(!is_tool_result_message(&a));
+        let stripped = without_thinking(&a).unwrap();
+        assert_eq!(blocks(&stripped).len(), 3);
+        assert!(without_thinking(
+            &json!({"role": "assistant", "content": [{"type": "redacted_thinking", "data": "x"}]})
+        )
+        .is_none());
+    }
+
+    fn msg(role: &str, content: Value) -> Value {
+        json!({"role": role, "content": content})
+    }
+
+    #[test]
+    fn a_replacement_starts_with_the_user_loses_its_thinking_and_ends_on_one_breakpoint() {
+        let summary = msg("user", json!("[compactor summary] facts"));
+        let replacement = vec![
+            summary,
+            msg(
+                "assistant",
+                json!([{"type": "thinking", "thinking": "t", "signature": "s"}]),
+            ),
+            msg(
+                "user",
+                json!([{"type": "text", "text": "recent", "cache_control": {"type": "ephemeral"}}]),
+            ),
+        ];
+        let out = finish_replacement(replacement, |m| {
+            m["content"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("[compactor summary"))
+        });
+        assert_eq!(out.len(), 2, "{out:?}");
+        assert_eq!(out[0]["content"][0]["type"], "text");
+        assert_eq!(out[0]["content"][0]["text"], "[compactor summary] facts");
+        assert_eq!(breakpoints(&Value::Array(out.clone())), 1);
+        assert_eq!(out[1]["content"][0]["cache_control"]["type"], "ephemeral");
+        let odd = finish_replacement(vec![msg("assistant", json!("hi"))], |_| false);
+        assert_eq!(odd[0]["role"], "user");
+        assert_eq!(odd[1]["role"], "assistant");
+    }
+
+    #[test]
+    fn the_tail_keeps_only_the_open_loops_thinking_and_at_most_four_breakpoints() {
+        let think = |sig: &str| json!({"type": "thinking", "thinking": "t", "signature": sig});
+        let bp = json!({"type": "ephemeral"});
+        let mut view = vec![
+            msg(
+                "user",
+                json!([{"type": "text", "text": "summary", "cache_control": bp}]),
+            ),
+            msg(
+                "assistant",
+                json!([think("a"), {"type": "text", "text": "done", "cache_control": bp}]),
+            ),
+            msg(
+                "user",
+                json!([{"type": "text", "text": "next", "cache_control": bp}]),
+            ),
+            msg(
+                "assistant",
+                json!([think("b"), {"type": "tool_use", "id": "x", "name": "Bash", "input": {}}]),
+            ),
+            msg(
+                "user",
+                json!([{"type": "tool_result", "tool_use_id": "x", "content": "ok", "cache_control": bp}]),
+            ),
+        ];
+        let drop = finish_view(&mut view, 1, 2);
+        assert!(drop, "the open loop's block stays and must be droppable");
+        assert!(!has_thinking(&view[1]));
+        assert_eq!(view[3]["content"][0]["signature"], "b");
+        let total = 2 + view.iter().map(breakpoints).sum::<usize>();
+        assert_eq!(total, MAX_CACHE_BREAKPOINTS);
+        assert_eq!(breakpoints(&view[0]), 1, "the summary's breakpoint is kept");
+        assert_eq!(breakpoints(&view[1]), 0, "the tail's oldest goes first");
+        // At a turn boundary nothing of the old thinking is needed.
+        let mut at_boundary = vec![
+            msg("user", json!("summary")),
+            msg(
+                "assistant",
+                json!([think("c"), {"type": "text", "text": "x"}]),
+            ),
+            msg("user", json!("go on")),
+        ];
+        assert!(!finish_view(&mut at_boundary, 1, 0));
+        assert!(!has_thinking(&at_boundary[1]));
+        let mut body = json!({"thinking": {"type": "adaptive"}});
+        with_block_binding(&mut body);
+        assert_eq!(
+            body["thinking"]["block_binding"]["prefix_mismatch_behavior"],
+            "drop_block"
+        );
+        let mut off = json!({"thinking": {"type": "disabled"}});
+        with_block_binding(&mut off);
+        assert!(off["thinking"].get("block_binding").is_none());
+        assert_eq!(
+            with_binding_beta(Some("a,b")),
+            format!("a,b,{BLOCK_BINDING_BETA}")
+        );
+        assert_eq!(
+            with_binding_beta(Some(BLOCK_BINDING_BETA)),
+            BLOCK_BINDING_BETA
+        );
+    }
+
+    #[test]
+    fn claude_codes_session_rides_in_metadata_user_id() {
+        let body = json!({"metadata": {"user_id": "{\"device_id\": \"d\", \"account_uuid\": \"\", \"session_id\": \"73bb\"}"}});
+        assert_eq!(metadata_session(&body).as_deref(), Some("73bb"));
+        assert_eq!(
+            metadata_session(&json!({"metadata": {"user_id": "user-42"}})),
+            None
+        );
+    }
+
+    #[test]
+    fn validation_names_the_field() {
+        let obj = |v: Value| v.as_object().unwrap().clone();
+        assert!(validate(&obj(json!({"messages": []}))).is_ok());
+        let e = validate(&obj(json!({"messages": [{"role": "user", "content": 3}]}))).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].content"));
+        let e = validate(&obj(json!({"messages": [], "system": 5}))).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("system"));
+        assert!(validate(&obj(json!({"system": "x"}))).is_err());
+    }
+}

@@ -1,0 +1,435 @@
+//! Anthropic Messages (`POST /v1/messages`) through the proxy, against the
+//! fake upstream's Messages endpoint, which refuses what the API documents
+//! it refuses (see `compactor::fake_anthropic`): recording and usage with
+//! the cached part, the conversation ids Claude Code sends, errors in this
+//! API's shape, and compaction that keeps every request valid — pairing,
+//! the first role, cache breakpoints, thinking signatures — through a long
+//! thinking tool loop and an overflow.
+
+mod support;
+
+use compactor::config::{Config, ModelConfig};
+use compactor::fake_anthropic::{self, Answer};
+use compactor::fake_upstream::{Received, Reply};
+use compactor::wire::messages::MessagesCollector;
+use serde_json::{json, Value};
+use support::*;
+
+const KEY: &str = "sk-ant-test-key-0001";
+
+/// POSTs a Messages request as the anthropic SDKs do; returns status,
+/// headers and body.
+async fn send(
+    h: &Harness,
+    body: &Value,
+    extra: &[(&str, &str)],
+) -> (u16, http::HeaderMap, Vec<u8>) {
+    let mut req = client()
+        .post(format!("{}/messages", h.url()))
+        .header("x-api-key", KEY)
+        .header("anthropic-version", "2023-06-01")
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(body).unwrap());
+    for (k, v) in extra {
+        req = req.header(*k, *v);
+    }
+    let resp = within(req.send()).await.expect("request");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let bytes = within(resp.bytes()).await.expect("body");
+    (status, headers, bytes.to_vec())
+}
+
+/// The assistant message of an answer, JSON or SSE.
+fn assistant_of(body: &[u8], streamed: bool) -> Value {
+    if !streamed {
+        let v: Value = serde_json::from_slice(body).expect("JSON answer");
+        return json!({"role": "assistant", "content": v["content"]});
+    }
+    let mut c = MessagesCollector::default();
+    let text = String::from_utf8_lossy(body);
+    for event in text.split("\n\n") {
+        let mut name = "";
+        let mut data = String::new();
+        for line in event.lines() {
+            if let Some(n) = line.strip_prefix("event: ") {
+                name = n;
+            } else if let Some(d) = line.strip_prefix("data: ") {
+                data.push_str(d);
+            }
+        }
+        if !data.is_empty() {
+            c.push(name, &data);
+        }
+    }
+    assert!(c.finished(), "the stream ended with message_stop: {text}");
+    c.items().remove(0)
+}
+
+fn messages_requests(h: &Harness) -> Vec<Received> {
+    h.fake
+        .received()
+        .into_iter()
+        .filter(|r| r.path == "/v1/messages")
+        .collect()
+}
+
+fn is_summary(r: &Received) -> bool {
+    fake_anthropic::is_summarizer_request(&r.json())
+}
+
+fn tiny_claude(c: &mut Config) {
+    c.models.push(ModelConfig {
+        pattern: "claude-tiny*".into(),
+        context_window: 9000,
+        max_output_tokens: Some(1024),
+        trigger_ratio: None,
+        ..Default::default()
+    });
+}
+
+#[tokio::test]
+async fn a_messages_exchange_is_relayed_and_recorded_with_its_cached_usage() {
+    let h = Harness::start().await;
+    let body = json!({"model": "claude-x", "max_tokens": 100,
+        "system": [{"type": "text", "text": "You are terse.", "cache_control": {"type": "ephemeral"}}],
+        "messages": [{"role": "user", "content": "hello"}]});
+    let (status, headers, bytes) = send(&h, &body, &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    assert!(headers.get("x-compactor-conversation").is_some());
+    let got = h.fake.last().unwrap();
+    assert_eq!(got.path, "/v1/messages");
+    assert_eq!(
+        got.body,
+        serde_json::to_vec(&body).unwrap(),
+        "the client's bytes went as they came"
+    );
+    assert_eq!(got.headers["x-api-key"], KEY);
+    assert_eq!(got.headers["anthropic-version"], "2023-06-01");
+    h.wait_exchanges(1).await;
+    let answer: Value = serde_json::from_slice(&bytes).unwrap();
+    let u = &answer["usage"];
+    let prompt = u["input_tokens"].as_i64().unwrap()
+        + u["cache_read_input_tokens"].as_i64().unwrap()
+        + u["cache_creation_input_tokens"].as_i64().unwrap();
+    let recorded = number(&*h.sql(), "SELECT input_tokens FROM exchanges");
+    assert_eq!(recorded, prompt);
+    let endpoint: Vec<String> = column(&*h.sql(), "SELECT endpoint FROM exchanges");
+    assert_eq!(endpoint, vec!["/messages".to_string()]);
+
+    // A stream: the same bytes reach the client, its usage is read from
+    // `message_start` and the cumulative `message_delta`, and the cached
+    // part is counted in the prompt.
+    h.fake.simulate_prompt_cache();
+    let mut streamed = body.clone();
+    streamed["stream"] = json!(true);
+    streamed["messages"] = json!([{"role": "user", "content": "x".repeat(20_000)}]);
+    send(&h, &streamed, &[]).await;
+    let (status, headers, bytes) = send(&h, &streamed, &[]).await;
+    assert_eq!(status, 200);
+    assert!(headers["content-type"]
+        .to_str()
+        .unwrap()
+        .starts_with("text/event-stream"));
+    let text = String::from_utf8_lossy(&bytes);
+    assert!(text.starts_with("event: message_start"), "{text}");
+    assert!(text.contains("event: message_stop"));
+    h.wait_exchanges(3).await;
+    let rows = h
+        .sql()
+        .rows(
+            "SELECT input_tokens, output_tokens, cached_tokens FROM exchanges ORDER BY id DESC LIMIT 1",
+            &[],
+        )
+        .unwrap();
+    let (input, output, cached): (i64, i64, i64) = (
+        rows[0].get(0).unwrap(),
+        rows[0].get(1).unwrap(),
+        rows[0].get(2).unwrap(),
+    );
+    let sent = h.fake.last().unwrap().body.len() as i64;
+    assert_eq!(
+        input,
+        (sent / 4).max(1),
+        "input + cache read + cache creation"
+    );
+    assert!(
+        cached > 0,
+        "the second identical request was cached: {cached}"
+    );
+    assert_eq!(output, 7);
+}
+
+#[tokio::test]
+async fn claude_codes_session_header_and_metadata_name_one_conversation() {
+    let h = Harness::start().await;
+    let session = "73bb4bad-637b-48d7-8ebb-b6ba349af0aa";
+    let meta = json!({"user_id": format!("{{\"device_id\": \"d\", \"account_uuid\": \"\", \"session_id\": \"{session}\"}}")});
+    let first = json!({"model": "claude-x", "max_tokens": 50, "metadata": meta,
+        "messages": [{"role": "user", "content": "turn one"}]});
+    let (_, h1, _) = send(&h, &first, &[]).await;
+    // Another history under the header alone: the same conversation.
+    let other = json!({"model": "claude-x", "max_tokens": 50,
+        "messages": [{"role": "user", "content": "a title for this"}]});
+    let (_, h2, _) = send(&h, &other, &[("x-claude-code-session-id", session)]).await;
+    assert_eq!(
+        h1["x-compactor-conversation"], h2["x-compactor-conversation"],
+        "metadata.user_id's session_id and x-claude-code-session-id are one key"
+    );
+    h.wait_exchanges(2).await;
+    let sessions: Vec<String> = column(&*h.sql(), "SELECT session_id FROM exchanges");
+    assert_eq!(sessions, vec![session.to_string(), session.to_string()]);
+}
+
+#[tokio::test]
+async fn errors_the_proxy_makes_on_this_endpoint_are_anthropic_shaped() {
+    let h = Harness::start().await;
+    let (status, _, body) =
+        post_raw(&format!("{}/messages", h.url()), KEY, b"{not json".to_vec()).await;
+    assert_eq!(status, 400);
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["type"], "error");
+    assert_eq!(v["error"]["type"], "invalid_request_error");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("JSON"),
+        "{v}"
+    );
+    assert!(
+        v.get("error").unwrap().get("code").is_none(),
+        "not OpenAI's shape: {v}"
+    );
+    let (status, _, body) = send(
+        &h,
+        &json!({"model": "m", "system": 5, "messages": [{"role": "user", "content": "x"}]}),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 400);
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["type"], "error");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("system"),
+        "{v}"
+    );
+    assert!(!String::from_utf8_lossy(&body).contains(KEY));
+    // The other endpoints keep theirs.
+    let (_, _, body) = post_raw(&format!("{}/chat/completions", h.url()), KEY, b"{".to_vec()).await;
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["code"], "invalid_json");
+    // The process keeps serving.
+    let (status, _, _) = send(
+        &h,
+        &json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": "hi"}]}),
+        &[],
+    )
+    .await;
+    assert_eq!(status, 200);
+}
+
+/// A 2.5 KB tool output, different every time.
+fn bash_output(step: usize) -> String {
+    let mut out = format!("$ cargo test step{step}\n");
+    for i in 0..60 {
+        out.push_str(&format!(
+            "test module_{step}::case_{i:02} ... ok (line {i} of the log)\n"
+        ));
+    }
+    out.truncate(2500);
+    out
+}
+
+/// A Claude-Code-shaped agent loop with thinking on (a Bash tool, 2.5 KB
+/// results, `cache_control` on the newest message, `context_management`
+/// edits) against an upstream whose window it exceeds several times over:
+/// every answer reaches the client as a 200, every request the upstream
+/// received keeps the API's rules, and the conversation was compacted.
+#[tokio::test]
+async fn a_long_thinking_tool_loop_runs_past_a_small_window_with_every_request_valid() {
+    let h = Harness::start_with(tiny_claude).await;
+    h.fake.set_messages_window(Some(9000));
+    let tools = json!([{"name": "Bash", "description": "Runs a shell command.",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
+        "cache_control": {"type": "ephemeral"}}]);
+    let mut history: Vec<Value> = vec![json!({"role": "user", "content": [
+        {"type": "text", "text": "Task: make every test in crates/ledger pass; do not touch the public API."}]})];
+    let mut sent_total = 0usize;
+    for step in 0..48 {
+        // Every eighth step the model ends its turn and the user asks more.
+        let end_of_turn = step % 8 == 7;
+        let answer = if end_of_turn {
+            Answer::text(&format!("Step {step} done.")).thinking("wrap up")
+        } else {
+            Answer::tool_use(
+                &format!("toolu_{step:03}"),
+                "Bash",
+                json!({"command": format!("cargo test step{step}")}),
+            )
+            .thinking(&format!("step {step}: run the tests"))
+        };
+        h.fake.push(Reply::Messages(answer));
+        let streamed = step % 2 == 1;
+        // Claude Code moves one breakpoint onto the newest message.
+        let mut msgs = history.clone();
+        if let Some(Value::Array(blocks)) = msgs.last_mut().and_then(|m| m.get_mut("content")) {
+            if let Some(Value::Object(b)) = blocks.last_mut() {
+                b.insert("cache_control".into(), json!({"type": "ephemeral"}));
+            }
+        }
+        let body = json!({"model": "claude-tiny-1", "max_tokens": 1024,
+            "system": [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+            "tools": tools, "messages": msgs, "stream": streamed,
+            "thinking": {"type": "adaptive"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "metadata": {"user_id": "{\"session_id\": \"loop-1\"}"}});
+        sent_total += serde_json::to_vec(&body).unwrap().len();
+        let (status, _, bytes) = send(
+            &h,
+            &body,
+            &[("anthropic-beta", "context-management-2025-06-27")],
+        )
+        .await;
+        assert_eq!(
+            status,
+            200,
+            "step {step}: {}",
+            String::from_utf8_lossy(&bytes)
+        );
+        let assistant = assistant_of(&bytes, streamed);
+        history.push(assistant.clone());
+        if end_of_turn {
+            history.push(json!({"role": "user", "content": [{"type": "text", "text": format!("Now the next part, after step {step}.")}]}));
+        } else {
+            let id = assistant["content"][1]["id"]
+                .as_str()
+                .expect("the scripted call")
+                .to_string();
+            history.push(json!({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": id, "content": bash_output(step)}]}));
+        }
+    }
+    let received = messages_requests(&h);
+    let client_requests: Vec<&Received> = received.iter().filter(|r| !is_summary(r)).collect();
+    for r in &client_requests {
+        // Every rule but the window (an overflow is answered, then retried).
+        assert!(
+            fake_anthropic::check(&r.json(), &r.headers, None).is_none(),
+            "a request the API would refuse went upstream: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+    }
+    assert!(compactions(&h) >= 1, "the conversation was compacted");
+    // A compacted request inside an open tool loop keeps the last
+    // assistant message's own thinking block (the API requires it) and lets
+    // the API drop it, since its prefix changed; any other thinking from
+    // before the compaction is gone.
+    let mut inside_loop = 0;
+    for r in &client_requests {
+        let v = r.json();
+        let msgs = v["messages"].as_array().unwrap();
+        let compacted = compactor::compaction::items::is_summary(&msgs[0]);
+        if !compacted {
+            continue;
+        }
+        let open = msgs
+            .last()
+            .is_some_and(compactor::wire::messages::is_tool_result_message);
+        let kept = msgs
+            .iter()
+            .filter(|m| compactor::wire::messages::has_thinking(m))
+            .count();
+        if open && kept > 0 {
+            inside_loop += 1;
+            assert_eq!(
+                v["thinking"]["block_binding"]["prefix_mismatch_behavior"], "drop_block",
+                "{v}"
+            );
+            let beta = r.headers["anthropic-beta"].to_str().unwrap();
+            assert!(beta.starts_with("context-management-2025-06-27,"), "{beta}");
+            assert!(
+                beta.contains(compactor::wire::messages::BLOCK_BINDING_BETA),
+                "{beta}"
+            );
+        }
+    }
+    eprintln!(
+        "{} requests, {} compacted inside a tool loop, {} compactions",
+        client_requests.len(),
+        inside_loop,
+        compactions(&h)
+    );
+    assert!(
+        sent_total / 4 > 3 * 9000,
+        "the loop is several windows long: {} tokens",
+        sent_total / 4
+    );
+    let last = client_requests.last().unwrap().json();
+    assert!(
+        fake_anthropic::prompt_tokens(&last) <= 9000,
+        "the last request fits"
+    );
+    let first = &last["messages"][0];
+    assert_eq!(first["role"], "user");
+    let text = compactor::compaction::items::text_of(first);
+    assert!(
+        text.starts_with(compactor::compaction::items::SUMMARY_MARKER),
+        "{text}"
+    );
+    assert!(
+        text.contains("Task: make every test in crates/ledger pass"),
+        "the task survives: {text}"
+    );
+    // The client's own parameters went as sent.
+    assert_eq!(
+        last["context_management"]["edits"][0]["type"],
+        "clear_thinking_20251015"
+    );
+    assert_eq!(last["thinking"]["type"], "adaptive");
+    // Summaries were asked of the same API, with the client's key.
+    let summary = received
+        .iter()
+        .find(|r| is_summary(r))
+        .expect("a summary call");
+    assert_eq!(summary.headers["x-api-key"], KEY);
+    assert!(summary.headers.get("anthropic-version").is_some());
+    assert!(summary.json()["system"].is_string());
+}
+
+/// "prompt is too long" from an upstream whose window the proxy did not
+/// know: compacted at once and sent again, so the client sees a 200; the
+/// window is learned.
+#[tokio::test]
+async fn an_overflow_is_compacted_and_retried_and_the_window_learned() {
+    let h = Harness::start_with(|c| c.compaction.background = false).await;
+    h.fake.set_messages_window(Some(6000));
+    let mut history = vec![json!({"role": "user", "content": "Task: tidy the build scripts."})];
+    let mut overflowed = false;
+    for step in 0..14 {
+        let answer = Answer::tool_use(&format!("toolu_{step}"), "Bash", json!({"command": "make"}));
+        h.fake.push(Reply::Messages(answer));
+        let body = json!({"model": "claude-unknown", "max_tokens": 500, "messages": history});
+        let before = h.fake.received().len();
+        let (status, _, bytes) = send(&h, &body, &[]).await;
+        assert_eq!(
+            status,
+            200,
+            "step {step}: {}",
+            String::from_utf8_lossy(&bytes)
+        );
+        let upstream = h.fake.received();
+        overflowed |= upstream.len() > before + 1;
+        let assistant = assistant_of(&bytes, false);
+        let id = assistant["content"][0]["id"].as_str().unwrap().to_string();
+        history.push(assistant);
+        history.push(json!({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": id, "content": bash_output(step)}]}));
+    }
+    assert!(overflowed, "the upstream refused at least once");
+    let windows: Vec<i64> = column(
+        &*h.sql(),
+        "SELECT context_window FROM exchanges ORDER BY id DESC LIMIT 1",
+    );
+    assert_eq!(windows, vec![6000], "the stated window is learned");
+    for r in messages_requests(&h).iter().filter(|r| !is_summary(r)) {
+        assert!(fake_anthropic::check(&r.json(), &r.headers, None).is_none());
+    }
+}
