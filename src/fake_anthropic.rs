@@ -175,9 +175,7 @@ pub fn check(body: &Value, headers: &http::HeaderMap, window: Option<u64>) -> Op
             }
         }
     }
-    let Some(window) = window else {
-        return None;
-    };
+    let window = window?;
     let tokens = prompt_tokens(body);
     if tokens > window {
         return refuse(format!(
