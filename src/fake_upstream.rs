@@ -23,6 +23,8 @@ use tokio::net::TcpListener;
 
 use crate::error::{BodyError, ProxyBody};
 
+pub mod anthropic;
+
 /// The text the automatic replies answer with.
 pub const AUTO_TEXT: &str = "Hello from the fake upstream.";
 
@@ -75,7 +77,7 @@ pub enum Reply {
     Status(u16, Box<Reply>),
     /// An Anthropic Messages answer, made for the request it answers (its
     /// usage, JSON or stream as asked, thinking signed for it).
-    Messages(crate::fake_anthropic::Answer),
+    Messages(anthropic::Answer),
 }
 
 impl Reply {
@@ -461,9 +463,7 @@ impl FakeUpstream {
                 sh.received.push(rec.clone());
             }
             let refusal = messages
-                .then(|| {
-                    crate::fake_anthropic::check(&rec.json(), &rec.headers, sh.messages_window)
-                })
+                .then(|| anthropic::check(&rec.json(), &rec.headers, sh.messages_window))
                 .flatten();
             if let Some(refusal) = refusal {
                 (Some(refusal), None, None)
@@ -489,16 +489,14 @@ impl FakeUpstream {
                 };
                 let scripted = match &sh.summary_reply {
                     Some(text) if summary && messages => {
-                        Some(Reply::Messages(crate::fake_anthropic::Answer::text(text)))
+                        Some(Reply::Messages(anthropic::Answer::text(text)))
                     }
                     Some(text) if summary => {
                         Some(Reply::chat(text, (rec.body.len() as u64 / 4).max(1), 60))
                     }
                     // A Messages test scripts the agent's answers: the
                     // proxy's summary calls take none of them.
-                    _ if messages && crate::fake_anthropic::is_summarizer_request(&rec.json()) => {
-                        None
-                    }
+                    _ if messages && anthropic::is_summarizer_request(&rec.json()) => None,
                     _ => sh.script.pop_front(),
                 };
                 (scripted, delay, cached)
@@ -510,7 +508,7 @@ impl FakeUpstream {
             (None, None) => auto_reply(&rec),
         };
         if let Reply::Messages(answer) = &reply {
-            reply = crate::fake_anthropic::reply(&rec.json(), answer, cached.unwrap_or(0));
+            reply = anthropic::reply(&rec.json(), answer, cached.unwrap_or(0));
         }
         if let Some(d) = delay {
             reply = Reply::Delay(d, Box::new(reply));
@@ -542,7 +540,7 @@ pub fn auto_reply(rec: &Received) -> Reply {
         return Reply::chat(AUTO_TEXT, prompt, completion);
     }
     if rec.path.ends_with("/messages") {
-        use crate::fake_anthropic::{as_chat, is_summarizer_request, Answer};
+        use anthropic::{as_chat, is_summarizer_request, Answer};
         if is_summarizer_request(&body) {
             let narrative = summarizer_narrative(&as_chat(&body)).unwrap_or_default();
             return Reply::Messages(Answer::text(&narrative));
@@ -628,7 +626,7 @@ fn summarizer_narrative(body: &Value) -> Option<String> {
 
 /// A chat request whose system message carries the summarizer marker.
 fn is_summarizer_request(body: &Value) -> bool {
-    if crate::fake_anthropic::is_summarizer_request(body) {
+    if anthropic::is_summarizer_request(body) {
         return true;
     }
     let text =
@@ -647,9 +645,7 @@ async fn render(reply: Reply) -> Response<ProxyBody> {
     match reply {
         // Made into a JSON or SSE reply by `answer`, which has the request;
         // without one, the text alone.
-        Reply::Messages(answer) => {
-            Box::pin(render(crate::fake_anthropic::reply(&json!({}), &answer, 0))).await
-        }
+        Reply::Messages(answer) => Box::pin(render(anthropic::reply(&json!({}), &answer, 0))).await,
         Reply::Delay(d, inner) => {
             tokio::time::sleep(d).await;
             Box::pin(render(*inner)).await

@@ -58,7 +58,6 @@ pub mod conversation;
 pub mod demo;
 pub mod engine;
 pub mod error;
-pub mod fake_anthropic;
 pub mod fake_upstream;
 pub mod ids;
 pub mod metrics;

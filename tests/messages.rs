@@ -1,6 +1,6 @@
 //! Anthropic Messages (`POST /v1/messages`) through the proxy, against the
 //! fake upstream's Messages endpoint, which refuses what the API documents
-//! it refuses (see `compactor::fake_anthropic`): recording and usage with
+//! it refuses (see `compactor::fake_upstream::anthropic`): recording and usage with
 //! the cached part, the conversation ids Claude Code sends, errors in this
 //! API's shape, and compaction that keeps every request valid — pairing,
 //! the first role, cache breakpoints, thinking signatures — through a long
@@ -9,7 +9,7 @@
 mod support;
 
 use compactor::config::{Config, ModelConfig};
-use compactor::fake_anthropic::{self, Answer};
+use compactor::fake_upstream::anthropic::{self, Answer};
 use compactor::fake_upstream::{Received, Reply};
 use compactor::wire::messages::MessagesCollector;
 use serde_json::{json, Value};
@@ -75,7 +75,7 @@ fn messages_requests(h: &Harness) -> Vec<Received> {
 }
 
 fn is_summary(r: &Received) -> bool {
-    fake_anthropic::is_summarizer_request(&r.json())
+    anthropic::is_summarizer_request(&r.json())
 }
 
 fn tiny_claude(c: &mut Config) {
@@ -312,7 +312,7 @@ async fn a_long_thinking_tool_loop_runs_past_a_small_window_with_every_request_v
     for r in &client_requests {
         // Every rule but the window (an overflow is answered, then retried).
         assert!(
-            fake_anthropic::check(&r.json(), &r.headers, None).is_none(),
+            anthropic::check(&r.json(), &r.headers, None).is_none(),
             "a request the API would refuse went upstream: {}",
             String::from_utf8_lossy(&r.body)
         );
@@ -364,7 +364,7 @@ async fn a_long_thinking_tool_loop_runs_past_a_small_window_with_every_request_v
     );
     let last = client_requests.last().unwrap().json();
     assert!(
-        fake_anthropic::prompt_tokens(&last) <= 9000,
+        anthropic::prompt_tokens(&last) <= 9000,
         "the last request fits"
     );
     let first = &last["messages"][0];
@@ -430,6 +430,6 @@ async fn an_overflow_is_compacted_and_retried_and_the_window_learned() {
     );
     assert_eq!(windows, vec![6000], "the stated window is learned");
     for r in messages_requests(&h).iter().filter(|r| !is_summary(r)) {
-        assert!(fake_anthropic::check(&r.json(), &r.headers, None).is_none());
+        assert!(anthropic::check(&r.json(), &r.headers, None).is_none());
     }
 }

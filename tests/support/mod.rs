@@ -435,7 +435,7 @@ pub fn is_summary_call(r: &Received) -> bool {
     v["messages"][0]["content"]
         .as_str()
         .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
-        || compactor::fake_anthropic::is_summarizer_request(&v)
+        || compactor::fake_upstream::anthropic::is_summarizer_request(&v)
 }
 
 /// The bodies of the requests the fake upstream received that are not

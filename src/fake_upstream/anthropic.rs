@@ -26,7 +26,7 @@
 
 use serde_json::{json, Map, Value};
 
-use crate::fake_upstream::Reply;
+use super::Reply;
 use crate::wire::messages::{self, BLOCK_BINDING_BETA};
 
 /// What the answer is made of: `content` blocks (a `thinking` block whose
@@ -264,7 +264,7 @@ pub fn reply(body: &Value, answer: &Answer, cached: u64) -> Reply {
         "cache_read_input_tokens": cached,
         "output_tokens": answer.output_tokens,
     });
-    let id = format!("msg_{}", crate::fake_upstream::next_response_id());
+    let id = format!("msg_{}", super::next_response_id());
     let model = body.get("model").cloned().unwrap_or(json!("fake"));
     if body.get("stream").and_then(Value::as_bool) != Some(true) {
         return Reply::json(
