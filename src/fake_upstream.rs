@@ -539,6 +539,12 @@ pub fn auto_reply(rec: &Received) -> Reply {
         }
         return Reply::chat(AUTO_TEXT, prompt, completion);
     }
+    if rec.path.ends_with("/messages/count_tokens") {
+        return Reply::json(
+            200,
+            json!({"input_tokens": anthropic::prompt_tokens(&body)}),
+        );
+    }
     if rec.path.ends_with("/messages") {
         use anthropic::{as_chat, is_summarizer_request, Answer};
         if is_summarizer_request(&body) {

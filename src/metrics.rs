@@ -34,6 +34,7 @@ pub const ENDPOINTS: &[&str] = &[
     "responses",
     "responses_compact",
     "messages",
+    "messages_count_tokens",
     "passthrough",
     "admin",
     "metrics",

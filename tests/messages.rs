@@ -238,23 +238,57 @@ fn bash_output(step: usize) -> String {
     out
 }
 
-/// A Claude-Code-shaped agent loop with thinking on (a Bash tool, 2.5 KB
-/// results, `cache_control` on the newest message, `context_management`
-/// edits) against an upstream whose window it exceeds several times over:
-/// every answer reaches the client as a 200, every request the upstream
-/// received keeps the API's rules, and the conversation was compacted.
-#[tokio::test]
-async fn a_long_thinking_tool_loop_runs_past_a_small_window_with_every_request_valid() {
-    let h = Harness::start_with(tiny_claude).await;
-    h.fake.set_messages_window(Some(9000));
-    let tools = json!([{"name": "Bash", "description": "Runs a shell command.",
+/// A Claude-Code-shaped agent: a Bash tool, thinking on, 2.5 KB results,
+/// one `cache_control` breakpoint moved onto the newest message, and the
+/// `context_management` edit Claude Code sends on every turn.
+struct Agent {
+    history: Vec<Value>,
+    step: usize,
+    /// Bytes of every request body it sent.
+    sent: usize,
+}
+
+fn agent_tools() -> Value {
+    json!([{"name": "Bash", "description": "Runs a shell command.",
         "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}},
-        "cache_control": {"type": "ephemeral"}}]);
-    let mut history: Vec<Value> = vec![json!({"role": "user", "content": [
-        {"type": "text", "text": "Task: make every test in crates/ledger pass; do not touch the public API."}]})];
-    let mut sent_total = 0usize;
-    for step in 0..48 {
-        // Every eighth step the model ends its turn and the user asks more.
+        "cache_control": {"type": "ephemeral"}}])
+}
+
+impl Agent {
+    fn new(task: &str) -> Agent {
+        Agent {
+            history: vec![json!({"role": "user", "content": [{"type": "text", "text": task}]})],
+            step: 0,
+            sent: 0,
+        }
+    }
+
+    /// The request for `messages`, as Claude Code shapes it.
+    fn body(messages: &[Value], streamed: bool) -> Value {
+        json!({"model": "claude-tiny-1", "max_tokens": 1024,
+            "system": [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
+            "tools": agent_tools(), "messages": messages, "stream": streamed,
+            "thinking": {"type": "adaptive"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
+            "metadata": {"user_id": "{\"session_id\": \"loop-1\"}"}})
+    }
+
+    /// The history with Claude Code's breakpoint on its newest message.
+    fn messages(&self) -> Vec<Value> {
+        let mut msgs = self.history.clone();
+        if let Some(Value::Array(blocks)) = msgs.last_mut().and_then(|m| m.get_mut("content")) {
+            if let Some(Value::Object(b)) = blocks.last_mut() {
+                b.insert("cache_control".into(), json!({"type": "ephemeral"}));
+            }
+        }
+        msgs
+    }
+
+    /// One request and its answer: a tool call, or every eighth step the
+    /// end of the turn and a new user message. Every answer must be a 200.
+    async fn step(&mut self, h: &Harness) {
+        let step = self.step;
+        self.step += 1;
         let end_of_turn = step % 8 == 7;
         let answer = if end_of_turn {
             Answer::text(&format!("Step {step} done.")).thinking("wrap up")
@@ -268,22 +302,10 @@ async fn a_long_thinking_tool_loop_runs_past_a_small_window_with_every_request_v
         };
         h.fake.push(Reply::Messages(answer));
         let streamed = step % 2 == 1;
-        // Claude Code moves one breakpoint onto the newest message.
-        let mut msgs = history.clone();
-        if let Some(Value::Array(blocks)) = msgs.last_mut().and_then(|m| m.get_mut("content")) {
-            if let Some(Value::Object(b)) = blocks.last_mut() {
-                b.insert("cache_control".into(), json!({"type": "ephemeral"}));
-            }
-        }
-        let body = json!({"model": "claude-tiny-1", "max_tokens": 1024,
-            "system": [{"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}],
-            "tools": tools, "messages": msgs, "stream": streamed,
-            "thinking": {"type": "adaptive"},
-            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]},
-            "metadata": {"user_id": "{\"session_id\": \"loop-1\"}"}});
-        sent_total += serde_json::to_vec(&body).unwrap().len();
+        let body = Agent::body(&self.messages(), streamed);
+        self.sent += serde_json::to_vec(&body).unwrap().len();
         let (status, _, bytes) = send(
-            &h,
+            h,
             &body,
             &[("anthropic-beta", "context-management-2025-06-27")],
         )
@@ -295,18 +317,35 @@ async fn a_long_thinking_tool_loop_runs_past_a_small_window_with_every_request_v
             String::from_utf8_lossy(&bytes)
         );
         let assistant = assistant_of(&bytes, streamed);
-        history.push(assistant.clone());
+        self.history.push(assistant.clone());
         if end_of_turn {
-            history.push(json!({"role": "user", "content": [{"type": "text", "text": format!("Now the next part, after step {step}.")}]}));
+            self.history.push(json!({"role": "user", "content": [{"type": "text", "text": format!("Now the next part, after step {step}.")}]}));
         } else {
             let id = assistant["content"][1]["id"]
                 .as_str()
                 .expect("the scripted call")
                 .to_string();
-            history.push(json!({"role": "user", "content": [
+            self.history.push(json!({"role": "user", "content": [
                 {"type": "tool_result", "tool_use_id": id, "content": bash_output(step)}]}));
         }
     }
+}
+
+const TASK: &str = "Task: make every test in crates/ledger pass; do not touch the public API.";
+
+/// A Claude-Code-shaped agent loop with thinking on against an upstream
+/// whose window it exceeds several times over: every answer reaches the
+/// client as a 200, every request the upstream received keeps the API's
+/// rules, and the conversation was compacted.
+#[tokio::test]
+async fn a_long_thinking_tool_loop_runs_past_a_small_window_with_every_request_valid() {
+    let h = Harness::start_with(tiny_claude).await;
+    h.fake.set_messages_window(Some(9000));
+    let mut agent = Agent::new(TASK);
+    for _ in 0..48 {
+        agent.step(&h).await;
+    }
+    let sent_total = agent.sent;
     let received = messages_requests(&h);
     let client_requests: Vec<&Received> = received.iter().filter(|r| !is_summary(r)).collect();
     for r in &client_requests {
@@ -374,10 +413,7 @@ async fn a_long_thinking_tool_loop_runs_past_a_small_window_with_every_request_v
         text.starts_with(compactor::compaction::items::SUMMARY_MARKER),
         "{text}"
     );
-    assert!(
-        text.contains("Task: make every test in crates/ledger pass"),
-        "the task survives: {text}"
-    );
+    assert!(text.contains(TASK), "the task survives: {text}");
     // The client's own parameters went as sent.
     assert_eq!(
         last["context_management"]["edits"][0]["type"],
@@ -432,4 +468,163 @@ async fn an_overflow_is_compacted_and_retried_and_the_window_learned() {
     for r in messages_requests(&h).iter().filter(|r| !is_summary(r)) {
         assert!(anthropic::check(&r.json(), &r.headers, None).is_none());
     }
+}
+
+/// POSTs a body to `/v1/messages/count_tokens` as Claude Code does.
+async fn count_tokens(h: &Harness, body: &Value, extra: &[(&str, &str)]) -> (u16, Value) {
+    let mut req = client()
+        .post(format!("{}/messages/count_tokens?beta=true", h.url()))
+        .header("x-api-key", KEY)
+        .header("anthropic-version", "2023-06-01")
+        .header("anthropic-beta", "token-counting-2024-11-01")
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(body).unwrap());
+    for (k, v) in extra {
+        req = req.header(*k, *v);
+    }
+    let resp = within(req.send()).await.expect("request");
+    let status = resp.status().as_u16();
+    let v = within(resp.json::<Value>()).await.expect("JSON");
+    (status, v)
+}
+
+/// A client that sizes its next request by count_tokens is told the size
+/// of what the proxy would send for it, so it does not compact early; a
+/// body that extends no compacted conversation — a single tool result
+/// sized under the same session id — goes as it came.
+#[tokio::test]
+async fn count_tokens_answers_what_the_proxy_would_send_for_a_compacted_conversation() {
+    let h = Harness::start_with(tiny_claude).await;
+    h.fake.set_messages_window(Some(9000));
+    let mut agent = Agent::new(TASK);
+    while compactions(&h) == 0 || agent.step < 12 {
+        agent.step(&h).await;
+        assert!(agent.step < 48, "no compaction in 48 steps");
+    }
+    // The next request as the client would send it, sized first.
+    let mut body = Agent::body(&agent.messages(), false);
+    body.as_object_mut().unwrap().remove("stream");
+    let (status, counted) = count_tokens(&h, &body, &[]).await;
+    assert_eq!(status, 200, "{counted}");
+    let upstream = h.fake.last().unwrap();
+    assert_eq!(upstream.path, "/v1/messages/count_tokens");
+    assert_eq!(upstream.query.as_deref(), Some("beta=true"));
+    assert_eq!(upstream.headers["x-api-key"], KEY);
+    let sized = upstream.json();
+    assert_ne!(
+        sized["messages"], body["messages"],
+        "the compacted body was counted"
+    );
+    assert_eq!(sized["system"], body["system"]);
+    let n = counted["input_tokens"].as_u64().unwrap();
+    assert_eq!(n, anthropic::prompt_tokens(&sized));
+    assert!(
+        n < anthropic::prompt_tokens(&body),
+        "{n} is less than the client's own body counts"
+    );
+    // What the proxy then sends for the same request counts the same.
+    h.fake.push(Reply::Messages(Answer::text("ok")));
+    let (status, _, _) = send(&h, &body, &[]).await;
+    assert_eq!(status, 200);
+    let sent = h.fake.last().unwrap().json();
+    assert_eq!(anthropic::prompt_tokens(&sent), n);
+    // Claude Code also sizes a single tool result here, under the session id.
+    let single = json!({"model": "claude-tiny-1", "messages": [{"role": "user", "content": bash_output(99)}]});
+    let (status, _) = count_tokens(&h, &single, &[("x-claude-code-session-id", "loop-1")]).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        h.fake.last().unwrap().body,
+        serde_json::to_vec(&single).unwrap(),
+        "forwarded as it came"
+    );
+    // Nothing of this is recorded as an exchange.
+    let exchanges = number(&*h.sql(), "SELECT count(*) FROM exchanges");
+    assert_eq!(exchanges as usize, agent.step + 1);
+}
+
+/// The text Claude Code appends to the last user message when it asks the
+/// model to compact the conversation itself.
+const CLAUDE_COMPACT_PROMPT: &str = "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools.\n\nYour task is to create a detailed summary of the conversation so far, paying close attention to the user's explicit requests and your previous actions.";
+
+/// Claude Code's own compaction request: the history, its summary prompt
+/// appended to the last user message.
+fn claude_compaction_request(history: &[Value]) -> Value {
+    let mut msgs = history.to_vec();
+    let last = msgs.last_mut().unwrap();
+    if let Some(Value::Array(blocks)) = last.get_mut("content") {
+        blocks.push(json!({"type": "text", "text": CLAUDE_COMPACT_PROMPT}));
+    }
+    let mut body = Agent::body(&msgs, false);
+    body.as_object_mut().unwrap().remove("tools");
+    body
+}
+
+/// Claude Code's own compaction request goes as it came while it fits;
+/// over the window it goes with the stored compaction of the prefix it
+/// covers — never a fresh summary of a summary — and its overflow never
+/// reaches the client. It starts no compaction of its own.
+#[tokio::test]
+async fn claude_codes_own_compaction_request_goes_as_it_came_or_with_the_stored_replacement() {
+    let h = Harness::start_with(tiny_claude).await;
+    h.fake.set_messages_window(Some(9000));
+    let mut agent = Agent::new(TASK);
+    // Until a compaction is stored and the history alone is over the window.
+    while compactions(&h) == 0
+        || anthropic::prompt_tokens(&claude_compaction_request(&agent.history)) <= 9000
+    {
+        agent.step(&h).await;
+        assert!(agent.step < 60, "no compaction in 60 steps");
+    }
+    let stored = compactions(&h);
+    let summaries = || {
+        messages_requests(&h)
+            .iter()
+            .filter(|r| is_summary(r))
+            .count()
+    };
+    let before = summaries();
+
+    // A short history under a compaction: it fits, so it goes untouched.
+    let short = Agent::new("Task: say hi.");
+    let mut short_body = claude_compaction_request(&short.history);
+    short_body["metadata"] = json!({"user_id": "{\"session_id\": \"other\"}"});
+    h.fake
+        .push(Reply::Messages(Answer::text("<summary>hi</summary>")));
+    let (status, _, _) = send(&h, &short_body, &[]).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        h.fake.last().unwrap().body,
+        serde_json::to_vec(&short_body).unwrap()
+    );
+
+    // The long one does not fit: the stored replacement of its prefix.
+    let body = claude_compaction_request(&agent.history);
+    assert!(
+        anthropic::prompt_tokens(&body) > 9000,
+        "over the window as sent"
+    );
+    h.fake.push(Reply::Messages(Answer::text(
+        "<summary>the work so far</summary>",
+    )));
+    let (status, headers, bytes) = send(&h, &body, &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let sent = h.fake.last().unwrap().json();
+    assert!(anthropic::prompt_tokens(&sent) <= 9000);
+    let msgs = sent["messages"].as_array().unwrap();
+    let last_text = compactor::compaction::items::text_of(msgs.last().unwrap());
+    assert!(
+        last_text.contains(CLAUDE_COMPACT_PROMPT),
+        "its prompt goes as sent"
+    );
+    assert_eq!(
+        summaries(),
+        before,
+        "no summary of a summary was made for it"
+    );
+    h.wait_exchanges(agent.step as i64 + 2).await;
+    // Give a background compaction the chance it must not take.
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+    assert_eq!(compactions(&h), stored, "it started no compaction");
+    assert_eq!(summaries(), before);
 }

@@ -73,6 +73,10 @@ pub struct PendingExchange {
     /// signed against the prefix the compaction replaced, so it asks the
     /// API to drop such a block (`thinking.block_binding`, with its beta).
     pub drop_block: bool,
+    /// The client's own compaction request (Claude Code's summary prompt):
+    /// it goes as it came while it fits, with the stored compaction of its
+    /// prefix when it does not, and starts no compaction of its own.
+    pub client_compaction: bool,
     /// The request goes with the `compactor_recall` tool added.
     pub recall: bool,
     /// Items after the view: the recall rounds' calls and answers.
@@ -143,12 +147,7 @@ impl PendingExchange {
             return Cow::Borrowed(headers);
         }
         let mut out = headers.clone();
-        let beta = messages::with_binding_beta(
-            headers.get("anthropic-beta").and_then(|v| v.to_str().ok()),
-        );
-        if let Ok(v) = http::HeaderValue::from_str(&beta) {
-            out.insert("anthropic-beta", v);
-        }
+        messages::add_binding_beta(&mut out);
         Cow::Owned(out)
     }
 

@@ -18,7 +18,7 @@ use crate::engine;
 use crate::error::ProxyError;
 use crate::store::{bounded_text, MAX_CLIENT_CHARS};
 use crate::wire::items::{ItemList, Tools};
-use crate::wire::{self, item_hash};
+use crate::wire::{self, item_hash, messages, Api};
 
 /// Identifies the conversation of a request read, opens its exchange and
 /// applies the compaction it needs, if any. Fails only when the store
@@ -105,6 +105,7 @@ pub(super) async fn identify(
             mode: control.mode,
             observed: None,
             drop_block: false,
+            client_compaction: false,
             recall: false,
             extra: Vec::new(),
             recall_spent: Default::default(),
@@ -129,10 +130,20 @@ pub(super) async fn identify(
         }
         Mode::Off => return Ok(pending),
     }
+    pending.client_compaction = pending.api == Api::Messages
+        && pending
+            .items
+            .len()
+            .checked_sub(1)
+            .is_some_and(|last| messages::is_client_compaction(&pending.items.item(last)));
     // A stored compaction covering a prefix of this request replaces it; a
-    // request too large to go without one waits for one under way.
+    // request too large to go without one waits for one under way. A
+    // client's own compaction request is summarized by the model from what
+    // the client holds, so it goes as it came while it fits (below).
     if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
-        pending.apply(c);
+        if !pending.client_compaction {
+            pending.apply(c);
+        }
     }
     let bytes = pending.compaction.is_none().then_some(raw_len);
     let check = engine::FitCheck {
@@ -225,6 +236,23 @@ pub(super) async fn compact_on_overflow(
     stated: policy::Stated,
     why: &str,
 ) -> bool {
+    // A client's own compaction request that went as it came: the stored
+    // compaction of its prefix, not a fresh summary of a summary.
+    if pending.client_compaction && pending.compaction.is_none() {
+        if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+            if let Some(window) = stated.limit {
+                super::discovery::tell(
+                    state,
+                    &pending.model,
+                    window,
+                    crate::windows::Source::Learned,
+                )
+                .await;
+            }
+            pending.apply(c);
+            return true;
+        }
+    }
     if let Some(window) = stated.limit {
         super::discovery::tell(
             state,

@@ -5,6 +5,7 @@
 
 mod compact;
 pub mod control;
+mod count_tokens;
 pub mod discovery;
 mod exchange;
 mod gather;
@@ -493,6 +494,10 @@ async fn route(
             (&Method::POST, "/v1/responses") => {
                 ("responses", proxy::handle(state, Api::Responses, req).await)
             }
+            (&Method::POST, "/v1/messages/count_tokens") => (
+                "messages_count_tokens",
+                count_tokens::handle(state, req).await,
+            ),
             (&Method::POST, "/v1/messages") => {
                 ("messages", proxy::handle(state, Api::Messages, req).await)
             }

@@ -31,6 +31,7 @@ const PARSED: &[&str] = &[
     "/v1/responses",
     "/v1/responses/compact",
     "/v1/messages",
+    "/v1/messages/count_tokens",
 ];
 
 /// Refuses a path below `/v1/` that must not be forwarded as it is:

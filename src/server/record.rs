@@ -197,7 +197,9 @@ impl PendingExchange {
         // sends its next request at once finds the compaction under way.
         // In observe mode the decision is taken on the size the request
         // would have had, as it would be in auto mode.
-        if let (true, Some(u), true) = (complete, usage, self.mode != Mode::Off) {
+        // A client's own compaction request starts none of the proxy's.
+        let decides = self.mode != Mode::Off && !self.client_compaction;
+        if let (true, Some(u), true) = (complete, usage, decides) {
             let used = u.total().saturating_sub(potential);
             engine::after_exchange(state, self.input(String::new(), false), used, false);
         }
@@ -227,8 +229,9 @@ impl PendingExchange {
         let chains = sent_as_received.then(|| self.chains.clone());
         // Without reported usage the estimate decides (only a complete
         // answer says how large the conversation now is).
-        let next = (complete && usage.is_none() && self.mode != Mode::Off)
-            .then(|| self.input(String::new(), false));
+        let next =
+            (complete && usage.is_none() && self.mode != Mode::Off && !self.client_compaction)
+                .then(|| self.input(String::new(), false));
         let potential = self.observed.as_deref().map(Compaction::saved).unwrap_or(0);
         let (conversation, model, id) =
             (self.ident.conversation.clone(), self.model.clone(), self.id);

@@ -65,6 +65,29 @@ pub fn response_items(body: &Value) -> Vec<Value> {
     }
 }
 
+/// What Claude Code's own compaction request asks, in the text it appends
+/// to the conversation's last user message.
+const CLIENT_COMPACTION_ASK: &str = "create a detailed summary of the conversation so far";
+
+/// Whether a request is a client's own compaction request: its last
+/// message asks the model to summarize the conversation so far (Claude
+/// Code's prompt after "prompt is too long", or its `/compact`).
+pub fn is_client_compaction(last: &Value) -> bool {
+    if last.get("role").and_then(Value::as_str) != Some("user") {
+        return false;
+    }
+    let asks = |t: &str| t.contains(CLIENT_COMPACTION_ASK);
+    match last.get("content") {
+        Some(Value::String(t)) => asks(t),
+        Some(Value::Array(blocks)) => blocks
+            .iter()
+            .filter(|b| block_type(b) == "text")
+            .filter_map(|b| b.get("text").and_then(Value::as_str))
+            .any(asks),
+        _ => false,
+    }
+}
+
 /// The text of a complete answer: its `text` blocks, joined.
 pub fn answer_text(body: &Value) -> Option<String> {
     let texts: Vec<&str> = body
@@ -162,9 +185,9 @@ pub fn without_thinking(item: &Value) -> Option<Value> {
 /// no thinking block (a signed block is bound to everything before it,
 /// which the compaction changed; an assistant message of nothing else
 /// goes), the first message the user's, the summary (`is_summary`) as a
-/// text block, and one `cache_control` breakpoint, on the last block, so
-/// the compacted prefix is cached (the client's own breakpoints in the
-/// summarized part go with it).
+/// text block, and one `cache_control` breakpoint, on the last block of the
+/// last message sent as blocks, so the compacted prefix is cached (the
+/// client's own breakpoints in the summarized part go with it).
 pub fn finish_replacement(
     replacement: Vec<Value>,
     is_summary: impl Fn(&Value) -> bool,
@@ -193,8 +216,14 @@ pub fn finish_replacement(
             json!({"role": "user", "content": [{"type": "text", "text": "[compactor: the conversation so far follows]"}]}),
         );
     }
-    if let Some(last) = out.last_mut() {
-        set_breakpoint(last);
+    // On the last message with blocks: a message sent as a string stays as
+    // it was sent (the newest user message must reach the model verbatim).
+    if let Some(m) = out.iter_mut().rev().find(|m| {
+        m.get("content")
+            .and_then(Value::as_array)
+            .is_some_and(|b| !b.is_empty())
+    }) {
+        set_breakpoint(m);
     }
     out
 }
@@ -262,6 +291,14 @@ pub fn with_block_binding(body: &mut Value) {
     );
 }
 
+/// Adds [`BLOCK_BINDING_BETA`] to a request's `anthropic-beta` header.
+pub fn add_binding_beta(headers: &mut http::HeaderMap) {
+    let beta = with_binding_beta(headers.get("anthropic-beta").and_then(|v| v.to_str().ok()));
+    if let Ok(v) = http::HeaderValue::from_str(&beta) {
+        headers.insert("anthropic-beta", v);
+    }
+}
+
 /// `anthropic-beta` with [`BLOCK_BINDING_BETA`] added (once).
 pub fn with_binding_beta(existing: Option<&str>) -> String {
     match existing.map(str::trim).filter(|s| !s.is_empty()) {
@@ -311,12 +348,8 @@ fn remove_first_breakpoint(v: &mut Value) -> bool {
     }
 }
 
-/// Puts a breakpoint on the last block of a message (a string content
-/// becomes one text block).
+/// Puts a breakpoint on the last block of a message.
 fn set_breakpoint(m: &mut Value) {
-    if let Some(Value::String(text)) = m.get("content") {
-        m["content"] = json!([{"type": "text", "text": text}]);
-    }
     if let Some(Value::Array(blocks)) = m.get_mut("content") {
         if let Some(Value::Object(b)) = blocks.last_mut() {
             b.insert("cache_control".into(), json!({"type": "ephemeral"}));
