@@ -575,13 +575,24 @@ async fn claude_codes_own_compaction_request_goes_as_it_came_or_with_the_stored_
         agent.step(&h).await;
         assert!(agent.step < 60, "no compaction in 60 steps");
     }
-    let stored = compactions(&h);
     let summaries = || {
         messages_requests(&h)
             .iter()
             .filter(|r| is_summary(r))
             .count()
     };
+    // What the agent's own last exchange started has finished.
+    within(async {
+        loop {
+            let seen = (compactions(&h), summaries());
+            tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+            if (compactions(&h), summaries()) == seen {
+                break;
+            }
+        }
+    })
+    .await;
+    let stored = compactions(&h);
     let before = summaries();
 
     // A short history under a compaction: it fits, so it goes untouched.
