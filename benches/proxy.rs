@@ -5,7 +5,8 @@
 //! short smoke version. Other knobs (environment):
 //!
 //! - `BENCH_FILTER=text` (or a first free argument): only scenarios whose
-//!   name contains `text`, e.g. `300KB` or `sse c=1`.
+//!   name contains `text`, e.g. `300KB` or `sse c=1`; `a|b`: either
+//!   (`grow|msgs`: the chat rows beside the Messages rows).
 //! - `BENCH_PROXY_THREADS` (default 1): worker threads of the proxy's runtime.
 //! - `BENCH_LOAD_THREADS` (default 1): worker threads of the runtime that runs
 //!   the clients and the fake upstream.
@@ -257,6 +258,10 @@ enum Shape {
     /// then the tools and the other parameters, with a `prompt_cache_key`
     /// per session.
     Codex,
+    /// An Anthropic Messages request as Claude Code sends one: `system` a
+    /// top-level field, `tool_use` blocks and user messages of
+    /// `tool_result` blocks.
+    Messages,
 }
 
 impl Shape {
@@ -271,6 +276,7 @@ impl Shape {
                 };
                 json!({"type": "message", "role": role, "content": [{"type": kind, "text": text}]})
             }
+            Shape::Messages => json!({"role": role, "content": [{"type": "text", "text": text}]}),
         }
     }
 
@@ -289,6 +295,18 @@ impl Shape {
 /// What a client appends after the fake's answer (its automatic text).
 fn assistant_reply(shape: Shape) -> String {
     shape.text("assistant", AUTO_TEXT).to_string()
+}
+
+/// `{"model":…,"stream":…,"system":…,"tools":[…],"messages":[` — shared by
+/// all Messages sessions (the system prompt a top-level field).
+fn messages_head(stream: bool) -> Arc<Vec<u8>> {
+    let system = prose(&mut Rng::new(SYSTEM_SEED), 3000);
+    let head = format!(
+        "{{\"model\":\"claude-sonnet-4-5\",\"max_tokens\":1024,\"stream\":{stream},\"system\":{},\"tools\":{},\"messages\":[",
+        serde_json::Value::String(system),
+        tools_json()
+    );
+    Arc::new(head.into_bytes())
 }
 
 /// `{"model":…,"stream":true,"input":[` — shared by all Codex sessions.
@@ -334,7 +352,11 @@ impl Conv {
         let mut rng = Rng::new(tag);
         // All sessions share the system prompt, as agents do.
         let system = prose(&mut Rng::new(SYSTEM_SEED), 3000);
-        let mut hist = shape.system(&system).to_string().into_bytes();
+        let mut hist = match shape {
+            // The system prompt is in the head: the history opens with the user.
+            Shape::Messages => shape.text("user", "Begin.").to_string().into_bytes(),
+            _ => shape.system(&system).to_string().into_bytes(),
+        };
         let max_tool = (target / 40).clamp(1500, 6000);
         let reserve = 450; // the varying last user message and the tail
         let mut k = 0;
@@ -371,6 +393,12 @@ impl Conv {
                     push(
                         json!({"type": "function_call_output", "call_id": call_id, "output": output}),
                     );
+                }
+                Shape::Messages => {
+                    push(json!({"role": "assistant", "content": [
+                        {"type": "tool_use", "id": call_id, "name": name, "input": args}]}));
+                    push(json!({"role": "user", "content": [
+                        {"type": "tool_result", "tool_use_id": call_id, "content": output}]}));
                 }
             }
             if k % 3 == 2 {
@@ -437,18 +465,21 @@ enum Variant {
     /// repeats one body does: one conversation, whose requests all arrive
     /// together (c=32 only).
     Same,
+    /// Like `Grow`, as Claude Code sends it: `/v1/messages`.
+    Messages,
 }
 
 impl Variant {
     fn shape(self) -> Shape {
         match self {
             Variant::Codex => Shape::Codex,
+            Variant::Messages => Shape::Messages,
             _ => Shape::Chat,
         }
     }
 
     fn grows(self) -> bool {
-        matches!(self, Variant::Grow | Variant::Codex)
+        matches!(self, Variant::Grow | Variant::Codex | Variant::Messages)
     }
 }
 
@@ -478,6 +509,7 @@ impl Session {
         let (head, tail) = match shape {
             Shape::Chat => (body_head(stream), Arc::new(b"]}".to_vec())),
             Shape::Codex => (codex_head(), codex_tail(seed)),
+            Shape::Messages => (messages_head(stream), Arc::new(b"]}".to_vec())),
         };
         let first = if variant.grows() {
             // Staggered, so sessions do not all start over at once.
@@ -745,6 +777,7 @@ impl Rig {
         let path = match variant {
             Variant::Hop => "embeddings",
             Variant::Codex => "responses",
+            Variant::Messages => "messages",
             _ => "chat/completions",
         };
         [
@@ -823,6 +856,7 @@ impl Scenario {
                 Variant::Hop => "hop ",
                 Variant::Codex => "codx",
                 Variant::Same => "same",
+                Variant::Messages => "msgs",
             },
             if self.stream { "sse " } else { "json" },
             self.conc
@@ -1404,6 +1438,7 @@ fn main() {
             Variant::Last,
             Variant::Grow,
             Variant::Codex,
+            Variant::Messages,
             Variant::Same,
             Variant::Hop,
         ] {
@@ -1433,7 +1468,8 @@ fn main() {
         }
     }
     if let Some(f) = &o.filter {
-        scenarios.retain(|s| s.name().contains(f.as_str()));
+        // `a|b`: the scenarios whose names contain either.
+        scenarios.retain(|s| f.split('|').any(|alt| s.name().contains(alt)));
     }
     println!(
         "compactor proxy bench{}: {} scenarios; c=1: {} warm-up + {} measured per side, alternating per request; \

@@ -462,7 +462,8 @@ impl FakeUpstream {
             if !sh.forget {
                 sh.received.push(rec.clone());
             }
-            let refusal = messages
+            // A benchmark that keeps nothing judges nothing either.
+            let refusal = (messages && !sh.forget)
                 .then(|| anthropic::check(&rec.json(), &rec.headers, sh.messages_window))
                 .flatten();
             if let Some(refusal) = refusal {
