@@ -608,8 +608,10 @@ async fn send(
     }
     let ok = if stream {
         // A chat stream ends with [DONE], a Responses stream with its
-        // completed event.
-        (buf.ends_with(b"data: [DONE]\n\n") || contains(&buf, b"\"response.completed\""))
+        // completed event, a Messages stream with `message_stop`.
+        (buf.ends_with(b"data: [DONE]\n\n")
+            || contains(&buf, b"\"response.completed\"")
+            || contains(&buf, b"\"message_stop\""))
             && contains(&buf, b"fake upstream.")
     } else {
         // A chat answer, or the fake's answer to any other path (the hop rows).

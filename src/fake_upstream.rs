@@ -509,7 +509,7 @@ impl FakeUpstream {
             (None, None) => auto_reply(&rec),
         };
         if let Reply::Messages(answer) = &reply {
-            reply = anthropic::reply(&rec.json(), answer, cached.unwrap_or(0));
+            reply = anthropic::reply(&rec.json(), rec.body.len(), answer, cached.unwrap_or(0));
         }
         if let Some(d) = delay {
             reply = Reply::Delay(d, Box::new(reply));
@@ -652,7 +652,9 @@ async fn render(reply: Reply) -> Response<ProxyBody> {
     match reply {
         // Made into a JSON or SSE reply by `answer`, which has the request;
         // without one, the text alone.
-        Reply::Messages(answer) => Box::pin(render(anthropic::reply(&json!({}), &answer, 0))).await,
+        Reply::Messages(answer) => {
+            Box::pin(render(anthropic::reply(&json!({}), 0, &answer, 0))).await
+        }
         Reply::Delay(d, inner) => {
             tokio::time::sleep(d).await;
             Box::pin(render(*inner)).await

@@ -20,19 +20,15 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
+mod support;
+
 use compactor::compaction::items::{is_summary, latest_user, output_ids};
-use compactor::compaction::{cheap_rungs, prepare, rewrite, summary, summary_replacement};
-use compactor::compaction::{Compaction, Params, Rung};
-use compactor::config::{CompactionConfig, ModelLimits};
+use compactor::compaction::{rewrite, Compaction, Params};
 use compactor::fake_upstream::anthropic;
 use compactor::wire::{chain_hashes, item_hash, messages, ItemHash};
 use proptest::prelude::*;
 use serde_json::{json, Value};
-
-/// Deterministic token stand-in: a token per 4 bytes of JSON.
-fn count(v: &Value) -> u64 {
-    v.to_string().len() as u64 / 4 + 1
-}
+use support::ladder::{count, params};
 
 #[derive(Debug, Clone)]
 enum Step {
@@ -169,68 +165,10 @@ impl Gen {
     }
 }
 
-fn params() -> Params {
-    let cfg = CompactionConfig {
-        tail_tokens: 1_500,
-        recent_user_tokens: 300,
-        ..CompactionConfig::default()
-    };
-    let limits = ModelLimits {
-        context_window: 16_000,
-        max_output_tokens: 1_000,
-        trigger_ratio: 0.75,
-    };
-    Params::new(&cfg, &limits)
-}
-
-/// One compaction of `items` on top of `base`, as the engine computes it
-/// for this API (the deterministic summary, no model).
+/// One compaction as the engine computes it for this API.
 fn compact(items: &[Value], base: Option<&Arc<Compaction>>, p: &Params) -> Option<Compaction> {
-    let view = match base {
-        Some(b) => rewrite::rewrite(items, b),
-        None => items.to_vec(),
-    };
-    let hashes: Vec<ItemHash> = view.iter().map(item_hash).collect();
-    let tokens: Vec<u64> = view.iter().map(count).collect();
-    let prep = prepare(&view, &tokens, base.map(|b| b.as_ref()), p)?;
-    let (rung, replacement, after) = match cheap_rungs(&view, &hashes, &prep, p, &count) {
-        Some(r) => r,
-        None => {
-            let part = &view[prep.lead..prep.cut];
-            let facts = summary::extract_facts(part, base.and_then(|b| b.facts.as_ref()));
-            let text = summary::assemble(&facts, None, prep.covered_len, p.summary_max_bytes);
-            let (rep, after, _) = summary_replacement(&view, &tokens, &prep, p, text, &count);
-            (Rung::Fallback, rep, after)
-        }
-    };
-    if after >= prep.before {
-        return None;
-    }
-    let replacement = messages::finish_replacement(replacement, is_summary);
-    let chains = chain_hashes(&items.iter().map(item_hash).collect::<Vec<_>>());
-    Some(Compaction {
-        id: format!("cmp_{}", prep.covered_len),
-        tenant: "t".into(),
-        conversation: "c".into(),
-        covered_len: prep.covered_len,
-        covered_chain: chains[prep.covered_len - 1],
-        replacement,
-        rung,
-        reason: "test".into(),
-        tokens_before: prep.before,
-        tokens_after: after,
-        items_removed: 0,
-        items_kept: 0,
-        summary: None,
-        facts: None,
-        base: base.map(|b| b.id.clone()),
-        summary_calls: 0,
-        summary_tokens: 0,
-        summary_output_tokens: 0,
-        tokens_saved: 0,
-        observed: false,
-        duration_ms: 0,
-        created_ms: 0,
+    support::ladder::compact(items, base, p, |r| {
+        messages::finish_replacement(r, is_summary)
     })
 }
 

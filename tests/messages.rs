@@ -17,15 +17,16 @@ use support::*;
 
 const KEY: &str = "sk-ant-test-key-0001";
 
-/// POSTs a Messages request as the anthropic SDKs do; returns status,
-/// headers and body.
-async fn send(
+/// POSTs a body to `path` (below `/v1`) as the anthropic SDKs do; returns
+/// status, headers and body.
+async fn post_anthropic(
     h: &Harness,
+    path: &str,
     body: &Value,
     extra: &[(&str, &str)],
 ) -> (u16, http::HeaderMap, Vec<u8>) {
     let mut req = client()
-        .post(format!("{}/messages", h.url()))
+        .post(format!("{}{path}", h.url()))
         .header("x-api-key", KEY)
         .header("anthropic-version", "2023-06-01")
         .header("content-type", "application/json")
@@ -38,6 +39,15 @@ async fn send(
     let headers = resp.headers().clone();
     let bytes = within(resp.bytes()).await.expect("body");
     (status, headers, bytes.to_vec())
+}
+
+/// A Messages request.
+async fn send(
+    h: &Harness,
+    body: &Value,
+    extra: &[(&str, &str)],
+) -> (u16, http::HeaderMap, Vec<u8>) {
+    post_anthropic(h, "/messages", body, extra).await
 }
 
 /// The assistant message of an answer, JSON or SSE.
@@ -472,20 +482,11 @@ async fn an_overflow_is_compacted_and_retried_and_the_window_learned() {
 
 /// POSTs a body to `/v1/messages/count_tokens` as Claude Code does.
 async fn count_tokens(h: &Harness, body: &Value, extra: &[(&str, &str)]) -> (u16, Value) {
-    let mut req = client()
-        .post(format!("{}/messages/count_tokens?beta=true", h.url()))
-        .header("x-api-key", KEY)
-        .header("anthropic-version", "2023-06-01")
-        .header("anthropic-beta", "token-counting-2024-11-01")
-        .header("content-type", "application/json")
-        .body(serde_json::to_vec(body).unwrap());
-    for (k, v) in extra {
-        req = req.header(*k, *v);
-    }
-    let resp = within(req.send()).await.expect("request");
-    let status = resp.status().as_u16();
-    let v = within(resp.json::<Value>()).await.expect("JSON");
-    (status, v)
+    let mut headers = vec![("anthropic-beta", "token-counting-2024-11-01")];
+    headers.extend_from_slice(extra);
+    let (status, _, bytes) =
+        post_anthropic(h, "/messages/count_tokens?beta=true", body, &headers).await;
+    (status, serde_json::from_slice(&bytes).expect("JSON"))
 }
 
 /// A client that sizes its next request by count_tokens is told the size
@@ -638,4 +639,88 @@ async fn claude_codes_own_compaction_request_goes_as_it_came_or_with_the_stored_
     tokio::time::sleep(std::time::Duration::from_millis(300)).await;
     assert_eq!(compactions(&h), stored, "it started no compaction");
     assert_eq!(summaries(), before);
+}
+
+/// A compacted Messages request whose tool outputs were shortened gets the
+/// `compactor_recall` tool (Anthropic's shape: `input_schema`); a call of
+/// it is answered by the proxy — in JSON and in a stream — and the request
+/// continued, so the client sees only the final answer and never a call of
+/// a tool it did not declare.
+#[tokio::test]
+async fn a_recall_round_is_answered_by_the_proxy_in_json_and_in_streams() {
+    let h = Harness::start_with(|c| {
+        tiny_claude(c);
+        c.compaction.tool_output_max_bytes = 1000;
+        c.compaction.tool_output_keep_bytes = 300;
+    })
+    .await;
+    h.fake.set_messages_window(Some(9000));
+    let mut agent = Agent::new(TASK);
+    let offered = |r: &Received| {
+        r.json()["tools"]
+            .as_array()
+            .is_some_and(|t| t.iter().any(|d| d["name"] == "compactor_recall"))
+    };
+    while !messages_requests(&h).iter().any(offered) {
+        agent.step(&h).await;
+        assert!(agent.step < 48, "the recall tool was never offered");
+    }
+    let definition = messages_requests(&h)
+        .into_iter()
+        .find(offered)
+        .unwrap()
+        .json()["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|d| d["name"] == "compactor_recall")
+        .cloned()
+        .unwrap();
+    assert!(definition["input_schema"].is_object(), "{definition}");
+    for streamed in [false, true] {
+        let before = messages_requests(&h).len();
+        h.fake.push(Reply::Messages(Answer::tool_use(
+            "toolu_recall",
+            "compactor_recall",
+            json!({"ref": "item:0000000000000000"}),
+        )));
+        h.fake
+            .push(Reply::Messages(Answer::text("Read it; carrying on.")));
+        let body = Agent::body(&agent.messages(), streamed);
+        let (status, _, bytes) = send(&h, &body, &[]).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+        let answer = assistant_of(&bytes, streamed);
+        assert_eq!(
+            answer["content"],
+            json!([{"type": "text", "text": "Read it; carrying on."}]),
+            "the client sees the final answer only"
+        );
+        assert!(!String::from_utf8_lossy(&bytes).contains("compactor_recall"));
+        let upstream = messages_requests(&h);
+        let rounds: Vec<&Received> = upstream[before..]
+            .iter()
+            .filter(|r| !is_summary(r))
+            .collect();
+        assert_eq!(rounds.len(), 2, "the request, then its continuation");
+        let cont = rounds[1].json();
+        let msgs = cont["messages"].as_array().unwrap();
+        let n = msgs.len();
+        assert_eq!(msgs[n - 2]["content"][0]["name"], "compactor_recall");
+        let result = &msgs[n - 1]["content"][0];
+        assert_eq!(result["type"], "tool_result");
+        assert_eq!(result["tool_use_id"], "toolu_recall");
+        assert!(result["content"]
+            .as_str()
+            .unwrap()
+            .contains("knows no archived output"));
+        assert!(
+            anthropic::check(&cont, &rounds[1].headers, None).is_none(),
+            "{cont}"
+        );
+        // The client's next request goes on from what it saw.
+        agent.history.push(answer);
+        agent
+            .history
+            .push(json!({"role": "user", "content": [{"type": "text", "text": "Go on."}]}));
+    }
 }

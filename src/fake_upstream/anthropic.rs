@@ -191,7 +191,8 @@ pub fn check(body: &Value, headers: &http::HeaderMap, window: Option<u64>) -> Op
     None
 }
 
-/// The prompt's size as the fake counts it: its JSON's bytes / 4.
+/// The prompt's size as the fake counts it: its JSON's bytes / 4 (of the
+/// compact serialisation, which is how clients and the proxy send it).
 pub fn prompt_tokens(body: &Value) -> u64 {
     (body.to_string().len() as u64 / 4).max(1)
 }
@@ -230,33 +231,42 @@ fn strip_cache_control(v: &mut Value) {
     }
 }
 
-/// The answer to `body`: its blocks (a placeholder signature signed for
-/// this request), usage counting the prompt as [`prompt_tokens`], as JSON
-/// or as the SSE events of a stream.
-pub fn reply(body: &Value, answer: &Answer, cached: u64) -> Reply {
-    let n = body
-        .get("messages")
-        .and_then(Value::as_array)
-        .map_or(0, Vec::len);
-    // The answer's thinking is bound to the request it answers: its
-    // messages, then the answer's own blocks before it.
-    let mut answered = body.clone();
-    if let Some(Value::Array(list)) = answered.get_mut("messages") {
-        list.push(json!({"role": "assistant", "content": answer.content}));
-    }
-    let content: Vec<Value> = answer
+/// The answer to `body` (`raw_len` bytes as received): its blocks (a
+/// placeholder signature signed for this request), usage counting the
+/// prompt as [`prompt_tokens`] does, as JSON or as the SSE events of a
+/// stream.
+pub fn reply(body: &Value, raw_len: usize, answer: &Answer, cached: u64) -> Reply {
+    let signs = answer
         .content
         .iter()
-        .enumerate()
-        .map(|(j, b)| {
-            let mut b = b.clone();
-            if b.get("signature").and_then(Value::as_str) == Some(SIGN_HERE) {
-                b["signature"] = Value::String(signature(&answered, n, j));
-            }
-            b
-        })
-        .collect();
-    let prompt = prompt_tokens(body);
+        .any(|b| b.get("signature").and_then(Value::as_str) == Some(SIGN_HERE));
+    let content: Vec<Value> = if signs {
+        // The answer's thinking is bound to the request it answers: its
+        // messages, then the answer's own blocks before it.
+        let n = body
+            .get("messages")
+            .and_then(Value::as_array)
+            .map_or(0, Vec::len);
+        let mut answered = body.clone();
+        if let Some(Value::Array(list)) = answered.get_mut("messages") {
+            list.push(json!({"role": "assistant", "content": answer.content}));
+        }
+        answer
+            .content
+            .iter()
+            .enumerate()
+            .map(|(j, b)| {
+                let mut b = b.clone();
+                if b.get("signature").and_then(Value::as_str) == Some(SIGN_HERE) {
+                    b["signature"] = Value::String(signature(&answered, n, j));
+                }
+                b
+            })
+            .collect()
+    } else {
+        answer.content.clone()
+    };
+    let prompt = (raw_len as u64 / 4).max(1);
     let cached = cached.min(prompt);
     let usage = json!({
         "input_tokens": prompt - cached,
@@ -404,8 +414,10 @@ mod tests {
         ]));
         assert!(refused(&orphan).contains("unexpected `tool_use_id`"));
         let mut signed = body(json!([{"role": "user", "content": "go"}]));
+        let raw = signed.to_string().len();
         let r = reply(
             &signed,
+            raw,
             &Answer::tool_use("a", "Bash", json!({})).thinking("hm"),
             0,
         );

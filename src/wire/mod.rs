@@ -318,7 +318,7 @@ pub fn bounded_text(s: &str, max: usize) -> String {
 
 /// The headers that carry a client's session id: Codex's `session-id`
 /// (or `session_id`), Claude Code's `x-claude-code-session-id`.
-const SESSION_HEADERS: [&str; 3] = ["session-id", "session_id", "x-claude-code-session-id"];
+pub const SESSION_HEADERS: [&str; 3] = ["session-id", "session_id", "x-claude-code-session-id"];
 
 /// An explicit conversation key the client sent, in order of preference:
 /// our own header, a session header ([`SESSION_HEADERS`]),

@@ -7,6 +7,7 @@
 
 #![allow(dead_code)]
 
+pub mod ladder;
 pub mod postgres;
 
 use std::future::Future;
