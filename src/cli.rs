@@ -507,7 +507,7 @@ fn banner(state: &AppState, addr: std::net::SocketAddr) {
         .collect();
     tracing::info!(
         listen = %addr,
-        upstream = %state.upstream.base(),
+        upstream = %crate::config::shown_url(state.upstream.base()),
         store = %c.store.shown(&c.store_path()),
         trigger_ratio = c.compaction.trigger_ratio,
         warn_ratio = c.compaction.warn_ratio,

@@ -171,7 +171,7 @@ pub async fn get_json(
 /// The upstream answers `/v1/models`: the client and that answer, for the
 /// window checks.
 async fn check_upstream(config: &Config, out: &mut Vec<Finding>) -> Option<(Upstream, Value)> {
-    let base = &config.upstream.base_url;
+    let base = crate::config::shown_url(&config.upstream.base_url);
     let upstream = match Upstream::new(&config.upstream) {
         Ok(u) => u,
         Err(e) => {
