@@ -65,9 +65,11 @@ pub struct AppState {
     /// Unix ms the upstream last answered an exchange whole (or a
     /// readiness probe): what `/readyz` looks at first.
     upstream_reached_ms: AtomicI64,
-    /// Readiness probes of the upstream go one at a time: a burst of
-    /// `/readyz` asks it once.
-    pub(crate) probing: tokio::sync::Mutex<()>,
+    /// Readiness probes of the upstream go one at a time, and the last
+    /// one's outcome is kept with when it finished (Unix ms): the probes
+    /// that waited for it take it, success or failure, so a burst of
+    /// `/readyz` asks a hanging upstream once.
+    pub(crate) probing: tokio::sync::Mutex<Option<(i64, bool, serde_json::Value)>>,
 }
 
 impl AppState {
@@ -146,7 +148,7 @@ impl AppState {
             windows,
             cut_at_shutdown: AtomicBool::new(false),
             upstream_reached_ms: AtomicI64::new(0),
-            probing: tokio::sync::Mutex::new(()),
+            probing: tokio::sync::Mutex::new(None),
             config,
         });
         // What another replica (or the CLI) deletes is forgotten here too.
