@@ -245,7 +245,7 @@ pub fn client_ids(headers: &http::HeaderMap, body: &Value) -> ClientIds {
     let text = |name: &str| {
         headers
             .get(name)
-            .and_then(|v| v.to_str().ok())
+            .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
             .map(str::trim)
             .filter(|v| !v.is_empty())
     };
@@ -281,7 +281,11 @@ pub fn bounded_text(s: &str, max: usize) -> String {
 /// then `metadata.session_id`/`metadata.conversation_id`.
 pub fn explicit_conversation_key(headers: &http::HeaderMap, body: &Value) -> Option<String> {
     for name in ["x-compactor-conversation", "session-id", "session_id"] {
-        if let Some(v) = headers.get(name).and_then(|v| v.to_str().ok()) {
+        // Any UTF-8 id: `to_str` takes visible ASCII only.
+        if let Some(v) = headers
+            .get(name)
+            .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
+        {
             if !v.is_empty() {
                 return Some(format!("{name}:{v}"));
             }
