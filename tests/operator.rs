@@ -538,7 +538,9 @@ async fn connect_llm_writes_yaml_llm_can_load() {
         entries,
         json!([
             {"model_id": "local", "model_name": "x"},
-            {"model_id": "compactor-gpt-4o", "model_name": "gpt-4o", "api_base": "http://127.0.0.1:8787/v1"},
+            // Without supports_tools, `llm -T` refuses the model.
+            {"model_id": "compactor-gpt-4o", "model_name": "gpt-4o", "api_base": "http://127.0.0.1:8787/v1",
+             "supports_tools": true},
         ])
     );
 }

@@ -340,8 +340,9 @@ fn aider_metadata(existing: Option<&str>, t: &Target) -> Result<String, String> 
 fn llm_models(existing: Option<&str>, t: &Target) -> Result<String, String> {
     let id = format!("{PROVIDER}-{}", t.model);
     let q = |s: &str| Value::from(s).to_string();
+    // Without `supports_tools`, llm refuses `-T` for the model.
     let entry = format!(
-        "- model_id: {}\n  model_name: {}\n  api_base: {}\n",
+        "- model_id: {}\n  model_name: {}\n  api_base: {}\n  supports_tools: true\n",
         q(&id),
         q(&t.model),
         q(&t.base_url)
