@@ -417,6 +417,10 @@ impl StoreConfig {
     }
 }
 
+/// Most rounds of recall one request may take: each is an upstream call,
+/// so the setting bounds what one client request can cost.
+pub const MAX_RECALL_ROUNDS: u32 = 16;
+
 /// `[compaction]`
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
@@ -660,6 +664,12 @@ impl Config {
         }
         if !(c.target_ratio > 0.0 && c.target_ratio < c.trigger_ratio) {
             return invalid("compaction.target_ratio", "must be in (0, trigger_ratio)");
+        }
+        if c.recall_max_rounds > MAX_RECALL_ROUNDS {
+            return invalid(
+                "compaction.recall_max_rounds",
+                &format!("must be at most {MAX_RECALL_ROUNDS}"),
+            );
         }
         if c.tool_output_keep_bytes >= c.tool_output_max_bytes {
             return invalid(

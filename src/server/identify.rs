@@ -12,7 +12,7 @@ use serde_json::Value;
 use super::exchange::{PendingExchange, Unanswered};
 use super::read::ReadRequest;
 use crate::app::AppState;
-use crate::compaction::{policy, recall};
+use crate::compaction::policy;
 use crate::config::Mode;
 use crate::engine;
 use crate::error::ProxyError;
@@ -105,6 +105,9 @@ pub(super) async fn identify(
             mode: control.mode,
             observed: None,
             recall: false,
+            recall_rounds: state.config.compaction.recall_max_rounds,
+            recall_offered: false,
+            recall_withdrawn: false,
             extra: Vec::new(),
             recall_spent: Default::default(),
             auth: engine::auth_headers(&parts.headers),
@@ -172,16 +175,8 @@ pub(super) async fn identify(
         }
     }
     // A compacted request whose tool outputs were shortened may read them
-    // back, when it has tools of its own.
-    if let Some(c) = &pending.compaction {
-        pending.recall = state.config.compaction.recall_max_rounds > 0
-            && recall::carries_archive(&c.replacement)
-            && recall::offers_recall(
-                &pending.body,
-                pending.tools.as_ref().map(Tools::value),
-                &pending.view.values(),
-            );
-    }
+    // back, when it has tools of its own: `PendingExchange::apply` offers
+    // the recall tool, for this and any later compaction of the request.
     Ok(pending)
 }
 

@@ -166,6 +166,14 @@ pub(super) async fn send(
         let Some((stated, why)) = overflow.filter(|_| pending.mode == Mode::Auto) else {
             return Ok(answer);
         };
+        // What recall rounds added goes first: the request fitted without.
+        if !pending.extra.is_empty() {
+            tracing::info!("too long with the recall rounds: sent again without them");
+            pending.withdraw_recall(true);
+            tried.resent = true;
+            tried.stale_retried = false;
+            continue;
+        }
         if !compact_on_overflow(state, pending, stated, &why).await {
             return Ok(answer);
         }
