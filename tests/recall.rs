@@ -699,3 +699,47 @@ async fn a_request_compacted_on_request_is_offered_recall() {
     );
     assert!(recalled_text(&h).starts_with("error[E0308]: mismatched types in src/now.rs"));
 }
+
+/// A continued request the upstream finds too long goes again without the
+/// recall rounds: the request fitted before them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_long_after_a_recall_round_drops_the_rounds_first() {
+    let h = Harness::start_with(small_window).await;
+    let (history, reference) = conversation("over");
+    compacted(&h, "sk-recall-over", &history).await;
+    let compactions = support::compactions(&h);
+    let call = recall_call("call_r", &reference);
+    h.fake.push(Reply::chat_tool_calls(
+        &[(&call.0, &call.1, &call.2)],
+        900,
+        12,
+    ));
+    h.fake.push(Reply::context_length_exceeded());
+    h.fake
+        .push(Reply::chat("From the marker alone: E0308.", 1200, 9));
+    let before = h.fake.received().len();
+    let url = format!("{}/chat/completions", h.url());
+    let (status, _, body) = post(&url, "sk-recall-over", &next_turn(&history, false)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let sent: Vec<Value> = h.fake.received()[before..]
+        .iter()
+        .map(|r| r.json())
+        .collect();
+    assert_eq!(sent.len(), 3, "the round, the overflow, the request again");
+    let last = &sent[2];
+    assert!(!last["tools"].to_string().contains(TOOL));
+    assert!(
+        !last["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["tool_calls"].to_string().contains(TOOL)),
+        "the rounds are gone"
+    );
+    assert_eq!(
+        last["messages"].as_array().unwrap().len(),
+        sent[0]["messages"].as_array().unwrap().len(),
+        "the request as compacted before the rounds"
+    );
+    assert_eq!(support::compactions(&h), compactions, "no fresh compaction");
+}
