@@ -220,8 +220,30 @@ pub fn round(api: Api, answer: &Value) -> Round {
     }
 }
 
+/// Longest arguments of a recall call kept as the model wrote them in the
+/// continued request; longer ones (a made-up reference of any length) are
+/// cut, so a round cannot grow the request by what the model invents.
+const MAX_KEPT_ARGUMENTS: usize = 200;
+
+/// `arguments` of a recall call as the continued request repeats them.
+fn kept_arguments(arguments: &mut Value) {
+    let long = arguments
+        .as_str()
+        .is_some_and(|a| a.len() > MAX_KEPT_ARGUMENTS);
+    if long {
+        let cut: String = arguments
+            .as_str()
+            .unwrap_or_default()
+            .chars()
+            .take(MAX_KEPT_ARGUMENTS / 2)
+            .collect();
+        *arguments = Value::from(json!({ "ref": format!("{cut}…") }).to_string());
+    }
+}
+
 /// The items to append to the request to continue after a recall round:
-/// the answer's own output, then one tool result per call.
+/// the answer's own output (recall calls' long arguments cut), then one
+/// tool result per call.
 pub fn continuation(api: Api, answer: &Value, results: &[(String, String)]) -> Vec<Value> {
     match api {
         Api::Chat => {
@@ -230,6 +252,16 @@ pub fn continuation(api: Api, answer: &Value, results: &[(String, String)]) -> V
                 .cloned()
                 .into_iter()
                 .collect();
+            for call in out
+                .iter_mut()
+                .filter_map(|m| m.get_mut("tool_calls").and_then(Value::as_array_mut))
+                .flatten()
+                .filter(|c| c.pointer("/function/name").and_then(Value::as_str) == Some(TOOL))
+            {
+                if let Some(args) = call.pointer_mut("/function/arguments") {
+                    kept_arguments(args);
+                }
+            }
             out.extend(
                 results
                     .iter()
@@ -243,6 +275,14 @@ pub fn continuation(api: Api, answer: &Value, results: &[(String, String)]) -> V
                 .and_then(Value::as_array)
                 .cloned()
                 .unwrap_or_default();
+            for call in out
+                .iter_mut()
+                .filter(|i| i.get("name").and_then(Value::as_str) == Some(TOOL))
+            {
+                if let Some(args) = call.get_mut("arguments") {
+                    kept_arguments(args);
+                }
+            }
             out.extend(results.iter().map(
                 |(id, text)| json!({"type": "function_call_output", "call_id": id, "output": text}),
             ));
