@@ -291,3 +291,68 @@ async fn taking_out_the_metadata_mode_keeps_every_other_byte_of_the_body() {
     let sent = String::from_utf8_lossy(&sent.body).into_owned();
     assert_eq!(sent, format!(r#"{{"model":"m",{rest}}}"#));
 }
+
+/// A streamed conversation whose next request goes the moment the stream
+/// ends, again and again: an existing compaction must cover each request
+/// (no fresh hard-limit summary of a conversation a compaction already
+/// covers), and no request may fail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn requests_sent_the_moment_a_stream_ends_use_the_existing_compaction() {
+    let h = Harness::start_with(support::small_window).await;
+    let url = format!("{}/chat/completions", h.url());
+    let http = client();
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a careful coding agent."}),
+        json!({"role": "user", "content": "TASK: keep a running log of the build."}),
+    ];
+    let started = Instant::now();
+    let mut failures = Vec::new();
+    for turn in 0..160 {
+        let body = json!({"model": "tiny-test", "stream": true,
+            "stream_options": {"include_usage": true}, "messages": messages});
+        let resp = within(
+            http.post(&url)
+                .header("authorization", format!("Bearer {KEY}"))
+                .json(&body)
+                .send(),
+        )
+        .await
+        .expect("send");
+        let status = resp.status().as_u16();
+        let text = within(resp.text()).await.expect("the stream");
+        if status != 200 {
+            failures.push((turn, status, text));
+            break;
+        }
+        let answer: String = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .filter_map(|v| {
+                v.pointer("/choices/0/delta/content")
+                    .and_then(Value::as_str)
+                    .map(String::from)
+            })
+            .collect();
+        messages.push(json!({"role": "assistant", "content": answer}));
+        messages.push(json!({"role": "user", "content": format!(
+            "turn {turn}: the build printed {} and we go on", "warning: unused variable ".repeat(4))}));
+        assert!(
+            started.elapsed() < Duration::from_secs(240),
+            "bounded in time"
+        );
+    }
+    assert!(failures.is_empty(), "{failures:?}");
+    let reasons: Vec<String> = support::column(&*h.sql(), "SELECT reason FROM compactions");
+    assert!(!reasons.is_empty(), "the conversation compacted");
+    let fresh: Vec<&String> = reasons
+        .iter()
+        .filter(|r| r.starts_with("hard_limit"))
+        .collect();
+    assert!(
+        fresh.is_empty(),
+        "{} of {} compactions were fresh hard-limit ones: {reasons:?}",
+        fresh.len(),
+        reasons.len()
+    );
+}
