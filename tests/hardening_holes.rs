@@ -356,3 +356,68 @@ async fn requests_sent_the_moment_a_stream_ends_use_the_existing_compaction() {
         reasons.len()
     );
 }
+
+const CODEX_COMPACTION: &str =
+    r#"{"session_id":"s-1","turn_id":"t-2","request_kind":"compaction"}"#;
+
+/// A Responses history of `turns` long exchanges (~`turns` × 1.1k tokens).
+fn codex_history(turns: usize) -> Vec<Value> {
+    let mut input = vec![json!({"type": "message", "role": "user",
+        "content": [{"type": "input_text", "text": "TASK: refactor the parser."}]})];
+    for n in 0..turns {
+        input.push(json!({"type": "message", "role": "assistant",
+            "content": [{"type": "output_text", "text": format!("Answer {n}: {}", "the lexer hands a token to parse_expr. ".repeat(110))}]}));
+        input.push(json!({"type": "message", "role": "user",
+            "content": [{"type": "input_text", "text": format!("turn {n}: go on")}]}));
+    }
+    input
+}
+
+/// Posts a Responses request, as Codex marks its own compaction request
+/// when `compaction`; returns the status.
+async fn post_responses(h: &Harness, input: &[Value], compaction: bool) -> u16 {
+    let mut req = client()
+        .post(format!("{}/responses", h.url()))
+        .header("authorization", format!("Bearer {KEY}"))
+        .json(&json!({"model": "tiny-test", "input": input}));
+    if compaction {
+        req = req.header("x-codex-turn-metadata", CODEX_COMPACTION);
+    }
+    let resp = within(req.send()).await.expect("send");
+    let status = resp.status().as_u16();
+    within(resp.bytes()).await.expect("body");
+    status
+}
+
+fn with_checkpoint_prompt(mut input: Vec<Value>) -> Vec<Value> {
+    input.push(
+        json!({"type": "message", "role": "user", "content": [{"type": "input_text",
+        "text": "You are performing a CONTEXT CHECKPOINT COMPACTION. Create a handoff summary."}]}),
+    );
+    input
+}
+
+/// Codex's own compaction request goes as Codex sent it when it fits,
+/// even where a stored compaction covers its prefix, and past the hard
+/// limit it is never compacted afresh: a summary of the proxy's summary is
+/// what Codex would keep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn codex_compaction_requests_go_as_sent_and_are_never_compacted_afresh() {
+    let h = Harness::start_with(support::small_window).await;
+    // Crosses the trigger: a stored compaction covers this prefix.
+    let history = codex_history(2);
+    assert_eq!(post_responses(&h, &history, false).await, 200);
+    support::wait_compactions(&h, 1).await;
+    let request = with_checkpoint_prompt(history.clone());
+    assert_eq!(post_responses(&h, &request, true).await, 200);
+    let sent = h.fake.last().expect("sent").json();
+    assert_eq!(sent["input"], json!(request), "as Codex sent it");
+
+    // Past the hard limit with no stored compaction for it: as it is, and
+    // no fresh compaction.
+    let h = Harness::start_with(support::small_window_foreground).await;
+    let request = with_checkpoint_prompt(codex_history(3));
+    assert_eq!(post_responses(&h, &request, true).await, 200);
+    assert_eq!(support::compactions(&h), 0, "no fresh compaction");
+    assert_eq!(h.fake.last().expect("sent").json()["input"], json!(request));
+}

@@ -130,6 +130,20 @@ fn take_metadata_mode(body: &mut Value) -> Option<String> {
     Some(value.as_str().unwrap_or_default().to_string())
 }
 
+/// The header Codex describes each request's turn with (JSON).
+pub const CODEX_TURN_METADATA: &str = "x-codex-turn-metadata";
+
+/// Whether the request is the client's own compaction of its history
+/// (Codex marks it `request_kind: compaction` in its turn metadata): a
+/// summary the client asks the model for, which must not be summarized
+/// again by the proxy.
+pub fn is_client_compaction(headers: &HeaderMap) -> bool {
+    headers
+        .get(CODEX_TURN_METADATA)
+        .and_then(|v| serde_json::from_slice::<Value>(v.as_bytes()).ok())
+        .is_some_and(|m| m.get("request_kind").and_then(Value::as_str) == Some("compaction"))
+}
+
 /// The client's bytes without `metadata.compactor_mode` (and without
 /// `metadata` when that key was all it held), every other byte as the
 /// client sent it: re-serialising the whole body instead would rewrite

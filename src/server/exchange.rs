@@ -80,6 +80,10 @@ pub struct PendingExchange {
     /// The tool was withdrawn (past the rounds, beside the client's own
     /// calls, an overflow): a later compaction does not offer it again.
     pub recall_withdrawn: bool,
+    /// The client's own compaction request (Codex's): it goes as the
+    /// client sent it when it fits, else with a stored compaction applied,
+    /// and is never compacted afresh.
+    pub client_compaction: bool,
     /// Items after the view: the recall rounds' calls and answers.
     pub extra: Vec<Value>,
     /// What the recall rounds cost.

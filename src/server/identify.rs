@@ -108,6 +108,7 @@ pub(super) async fn identify(
             recall_rounds: state.config.compaction.recall_max_rounds,
             recall_offered: false,
             recall_withdrawn: false,
+            client_compaction: super::control::is_client_compaction(&parts.headers),
             extra: Vec::new(),
             recall_spent: Default::default(),
             auth: engine::auth_headers(&parts.headers),
@@ -130,6 +131,26 @@ pub(super) async fn identify(
             return Ok(pending);
         }
         Mode::Off => return Ok(pending),
+    }
+    // The client's own compaction request goes as it came while it fits;
+    // otherwise with the stored compaction of its prefix, never a fresh
+    // one: a summary of the proxy's summary would be the client's summary.
+    if pending.client_compaction {
+        let check = engine::FitCheck {
+            tenant: &pending.tenant,
+            conversation: &pending.ident.conversation,
+            model: &pending.model,
+            view: pending.view.clone(),
+            hashes: Some(pending.hashes.clone()),
+            tools: pending.tools.clone(),
+            bytes: Some(raw_len),
+        };
+        if !matches!(engine::check_fit(state, check).await, engine::Fit::Fits) {
+            if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+                pending.apply(c);
+            }
+        }
+        return Ok(pending);
     }
     // A stored compaction covering a prefix of this request replaces it; a
     // request too large to go without one waits for one under way.

@@ -166,6 +166,19 @@ pub(super) async fn send(
         let Some((stated, why)) = overflow.filter(|_| pending.mode == Mode::Auto) else {
             return Ok(answer);
         };
+        // The client's own compaction request: the stored compaction of its
+        // prefix, if it went without; never a fresh one.
+        if pending.client_compaction {
+            match state.compactions.find(&pending.tenant, &pending.chains) {
+                Some(c) if pending.compaction.is_none() => {
+                    pending.apply(c);
+                    tried.resent = true;
+                    tried.stale_retried = false;
+                    continue;
+                }
+                _ => return Ok(answer),
+            }
+        }
         // What recall rounds added goes first: the request fitted without.
         if !pending.extra.is_empty() {
             tracing::info!("too long with the recall rounds: sent again without them");
