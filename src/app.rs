@@ -122,8 +122,10 @@ impl AppState {
         )
         .shared_with(reads.clone());
         let stored = std::mem::take(&mut snapshot.compactions);
+        // The windows are stored by the URL as shown (see
+        // `discovery::tell`), trimmed as the upstream client keeps it.
         let windows = crate::windows::Windows::from_stored(
-            &config.upstream.base_url,
+            &crate::config::shown_url(config.upstream.base_url.trim_end_matches('/')),
             std::mem::take(&mut snapshot.windows),
         );
         let by_id = reads.clone();

@@ -231,3 +231,34 @@ async fn client_x_compactor_headers_never_reach_the_upstream() {
         );
     }
 }
+
+/// The windows the upstream tells are stored by upstream: by its URL as
+/// shown, so a password in `upstream.base_url` never reaches the records;
+/// and a restart still finds them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_told_window_is_stored_without_the_upstream_password() {
+    let h = Harness::start_with(|c| {
+        c.upstream.discover_windows = true;
+        c.upstream.base_url = upstream_with_password(&c.upstream.base_url);
+    })
+    .await;
+    h.fake.push(Reply::json(
+        200,
+        json!({"object": "list", "data": [{"id": "m-told", "object": "model", "max_model_len": 4096}]}),
+    ));
+    let body = json!({"model": "m-told", "messages": [{"role": "user", "content": "hi"}]});
+    let (status, _, _) =
+        support::post(&format!("{}/chat/completions", h.url()), "sk-c", &body).await;
+    assert_eq!(status, 200);
+    h.wait_exchanges(1).await;
+    let stored: Vec<String> = support::column(&*h.sql(), "SELECT upstream FROM windows");
+    assert_eq!(stored.len(), 1, "{stored:?}");
+    assert!(stored[0].contains("alice:***@"), "{stored:?}");
+    assert_masked("the windows table", &stored[0]);
+    let h = h.restart().await;
+    assert_eq!(
+        h.state.model_limits("m-told").context_window,
+        4096,
+        "found again"
+    );
+}
