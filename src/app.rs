@@ -65,9 +65,11 @@ pub struct AppState {
     /// Unix ms the upstream last answered an exchange whole (or a
     /// readiness probe): what `/readyz` looks at first.
     upstream_reached_ms: AtomicI64,
-    /// Readiness probes of the upstream go one at a time: a burst of
-    /// `/readyz` asks it once.
-    pub(crate) probing: tokio::sync::Mutex<()>,
+    /// Readiness probes of the upstream go one at a time, and the last
+    /// one's outcome is kept with when it finished (Unix ms): the probes
+    /// that waited for it take it, success or failure, so a burst of
+    /// `/readyz` asks a hanging upstream once.
+    pub(crate) probing: tokio::sync::Mutex<Option<(i64, bool, serde_json::Value)>>,
 }
 
 impl AppState {
@@ -120,8 +122,10 @@ impl AppState {
         )
         .shared_with(reads.clone());
         let stored = std::mem::take(&mut snapshot.compactions);
+        // The windows are stored by the URL as shown (see
+        // `discovery::tell`), trimmed as the upstream client keeps it.
         let windows = crate::windows::Windows::from_stored(
-            &config.upstream.base_url,
+            &crate::config::shown_url(config.upstream.base_url.trim_end_matches('/')),
             std::mem::take(&mut snapshot.windows),
         );
         let by_id = reads.clone();
@@ -146,7 +150,7 @@ impl AppState {
             windows,
             cut_at_shutdown: AtomicBool::new(false),
             upstream_reached_ms: AtomicI64::new(0),
-            probing: tokio::sync::Mutex::new(()),
+            probing: tokio::sync::Mutex::new(None),
             config,
         });
         // What another replica (or the CLI) deletes is forgotten here too.

@@ -389,11 +389,9 @@ fn completions(shell: clap_complete::Shell) -> ExitCode {
 }
 
 fn demo(args: DemoArgs) -> ExitCode {
-    // Only real warnings: the demo's own lines tell the story (the
-    // per-exchange accounting warns past the warn ratio by design).
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| {
-        tracing_subscriber::EnvFilter::new("warn,compactor::server::exchange=error")
-    });
+    // Only real warnings: the demo's own lines tell the story.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
     let _ = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
@@ -507,7 +505,7 @@ fn banner(state: &AppState, addr: std::net::SocketAddr) {
         .collect();
     tracing::info!(
         listen = %addr,
-        upstream = %state.upstream.base(),
+        upstream = %crate::config::shown_url(state.upstream.base()),
         store = %c.store.shown(&c.store_path()),
         trigger_ratio = c.compaction.trigger_ratio,
         warn_ratio = c.compaction.warn_ratio,
@@ -629,7 +627,7 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
                 if json {
                     to_json(&serde_json::json!({ "conversations": list }), false)
                 } else {
-                    render_list(&list)
+                    terminal_safe(&render_list(&list))
                 }
             })
         }
@@ -637,7 +635,7 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
             if json {
                 to_json(&d, false)
             } else {
-                render_show(&d)
+                terminal_safe(&render_show(&d))
             }
         }),
         // Export is JSON either way; --json makes it one line.
@@ -676,9 +674,45 @@ fn to_json<T: serde::Serialize>(value: &T, pretty: bool) -> String {
     } else {
         serde_json::to_string(value)
     };
-    let mut text = text.unwrap_or_default();
-    text.push('\n');
-    text
+    let text = text.unwrap_or_default();
+    // serde_json escapes C0 controls; C1 controls and bidi overrides go
+    // out raw, and a terminal acts on them. They can stand only inside
+    // JSON strings, where `\uXXXX` is the same character: still lossless.
+    let mut out = String::with_capacity(text.len() + 1);
+    for ch in text.chars() {
+        // Line breaks outside strings are the pretty layout's own.
+        if ch != '\n' && unsafe_for_terminal(ch) {
+            out.push_str(&format!("\\u{:04x}", ch as u32));
+        } else {
+            out.push(ch);
+        }
+    }
+    out.push('\n');
+    out
+}
+
+/// Whether a terminal could act on `ch` rather than show it: C0 and C1
+/// controls, DEL, and the bidirectional overrides and isolates that make
+/// text read differently from how it is stored.
+fn unsafe_for_terminal(ch: char) -> bool {
+    ch.is_control()
+        || matches!(ch, '\u{061c}' | '\u{200e}' | '\u{200f}' | '\u{202a}'..='\u{202e}' | '\u{2066}'..='\u{2069}')
+}
+
+/// Text for the terminal: every character a terminal could act on (see
+/// [`unsafe_for_terminal`]) but the line breaks the rendering makes itself
+/// shown as an escape (`\u{1b}`). Stored client strings (ids, previews,
+/// models, summaries) reach the views as the client sent them.
+fn terminal_safe(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for ch in text.chars() {
+        if ch != '\n' && unsafe_for_terminal(ch) {
+            out.push_str(&format!("\\u{{{:x}}}", ch as u32));
+        } else {
+            out.push(ch);
+        }
+    }
+    out
 }
 
 /// Writes to stdout; a closed pipe (`| head`) is not an error.
@@ -781,7 +815,7 @@ const CELL_CHARS: usize = 40;
 /// A table cell: one line, at most [`CELL_CHARS`].
 fn cell(text: &str) -> String {
     let line: String = text.split_whitespace().collect::<Vec<_>>().join(" ");
-    crate::store::bounded_text(&line, CELL_CHARS)
+    terminal_safe(&crate::store::bounded_text(&line, CELL_CHARS))
 }
 
 fn render_list(list: &[ConversationSummary]) -> String {
@@ -796,7 +830,7 @@ fn render_list(list: &[ConversationSummary]) -> String {
                 c.client_ids.first().map(|id| cell(id)).unwrap_or_default(),
                 c.tenant.clone(),
                 c.client.as_deref().map(cell).unwrap_or_default(),
-                c.model.clone(),
+                terminal_safe(&c.model),
                 thousands(c.exchanges),
                 thousands(c.compactions),
                 last_tokens(c),

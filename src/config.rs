@@ -75,6 +75,52 @@ pub struct Setting {
     pub origin: Origin,
 }
 
+/// A URL as the program may display it (`--check-config`, the banner,
+/// `doctor`, errors): the password of its userinfo and the value of every
+/// query parameter that can carry a credential (`password`, `sslpassword`,
+/// `api_key`, `token`, ...) replaced by `***`. Every URL the program shows
+/// goes through here. A string that is not a URL is not shown at all: what
+/// cannot be parsed cannot be masked with confidence.
+pub fn shown_url(url: &str) -> String {
+    let Ok(mut u) = reqwest::Url::parse(url) else {
+        return "(invalid URL)".into();
+    };
+    if u.password().is_some() {
+        let _ = u.set_password(Some("***"));
+    }
+    if u.query().is_some() {
+        let pairs: Vec<(String, String)> = u
+            .query_pairs()
+            .map(|(k, v)| {
+                let v = if secret_parameter(&k) {
+                    "***".to_string()
+                } else {
+                    v.into_owned()
+                };
+                (k.into_owned(), v)
+            })
+            .collect();
+        u.query_pairs_mut().clear().extend_pairs(pairs);
+    }
+    u.to_string()
+}
+
+/// Whether a URL query parameter's name says its value is a credential.
+fn secret_parameter(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    [
+        "pass",
+        "secret",
+        "token",
+        "key",
+        "auth",
+        "sig",
+        "credential",
+    ]
+    .iter()
+    .any(|w| name.contains(w))
+}
+
 /// A secret's value as shown: whether it is set and how long, never any
 /// of it.
 pub fn masked(secret: Option<&str>) -> String {
@@ -113,6 +159,9 @@ impl Config {
                     // Its password never shown.
                     Ok(_) if key == "store.url" && self.store.is_postgres() => {
                         format!("\"{}\"", self.store.shown_url())
+                    }
+                    Ok(_) if key == "upstream.base_url" => {
+                        format!("\"{}\"", shown_url(&self.upstream.base_url))
                     }
                     Ok(t) => t.to_string(),
                     // TOML has no null: a setting left unset.
@@ -336,18 +385,10 @@ impl StoreConfig {
         !self.url.is_empty()
     }
 
-    /// The URL as it may be shown: any password in it replaced by `***`.
+    /// The URL as it may be shown: its passwords (userinfo, `?password=`,
+    /// `?sslpassword=`) replaced by `***` ([`shown_url`]).
     pub fn shown_url(&self) -> String {
-        match reqwest::Url::parse(&self.url) {
-            Ok(mut u) => {
-                if u.password().is_some() {
-                    let _ = u.set_password(Some("***"));
-                }
-                u.to_string()
-            }
-            // Not a URL the validation accepts; show nothing of it.
-            Err(_) => "(invalid URL)".into(),
-        }
+        shown_url(&self.url)
     }
 
     /// The password: from the URL, else `PGPASSWORD`, else the variable
@@ -375,6 +416,10 @@ impl StoreConfig {
         }
     }
 }
+
+/// Most rounds of recall one request may take: each is an upstream call,
+/// so the setting bounds what one client request can cost.
+pub const MAX_RECALL_ROUNDS: u32 = 16;
 
 /// `[compaction]`
 #[derive(Debug, Clone, Deserialize, Serialize)]
@@ -619,6 +664,12 @@ impl Config {
         }
         if !(c.target_ratio > 0.0 && c.target_ratio < c.trigger_ratio) {
             return invalid("compaction.target_ratio", "must be in (0, trigger_ratio)");
+        }
+        if c.recall_max_rounds > MAX_RECALL_ROUNDS {
+            return invalid(
+                "compaction.recall_max_rounds",
+                &format!("must be at most {MAX_RECALL_ROUNDS}"),
+            );
         }
         if c.tool_output_keep_bytes >= c.tool_output_max_bytes {
             return invalid(
@@ -888,6 +939,23 @@ impl ConfigError {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn shown_urls_mask_userinfo_and_credential_parameters() {
+        assert_eq!(
+            shown_url("postgres://u:pw@h:5432/db?password=a&sslpassword=b&sslmode=require"),
+            "postgres://u:***@h:5432/db?password=***&sslpassword=***&sslmode=require"
+        );
+        assert_eq!(
+            shown_url("https://u:pw@api.example/v1?api-key=k&x=1"),
+            "https://u:***@api.example/v1?api-key=***&x=1"
+        );
+        assert_eq!(
+            shown_url("http://127.0.0.1:8080/v1"),
+            "http://127.0.0.1:8080/v1"
+        );
+        assert_eq!(shown_url("not a url pw"), "(invalid URL)");
+    }
 
     #[test]
     fn unknown_key_is_named() {

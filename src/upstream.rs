@@ -212,10 +212,18 @@ impl Upstream {
         let mut out = strip_hop_by_hop(incoming);
         out.remove(header::HOST);
         out.remove(header::CONTENT_LENGTH);
-        out.remove("x-compactor-conversation");
-        // The client's control of its own request is the proxy's business.
-        out.remove("x-compactor-mode");
-        out.remove("x-compactor-compact");
+        // Every `x-compactor-*` header is the proxy's business (the
+        // conversation, the request's controls, the admin token): none goes
+        // upstream but the hop header, which a proxy in front of this one
+        // set and which is how a request that comes back is recognised.
+        let ours: Vec<_> = out
+            .keys()
+            .filter(|k| k.as_str().starts_with("x-compactor-") && k.as_str() != HOP_HEADER)
+            .cloned()
+            .collect();
+        for k in ours {
+            out.remove(k);
+        }
         if identity {
             out.insert(
                 header::ACCEPT_ENCODING,

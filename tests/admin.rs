@@ -901,3 +901,46 @@ async fn a_deleted_history_sent_again_is_recorded_whole() {
         "every item reads back: {export}"
     );
 }
+
+/// A client picks its own conversation ids: one spelt like an abbreviation
+/// of another conversation's id must not take that id's place.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_abbreviated_id_wins_over_a_client_id_spelt_the_same() {
+    let h = Harness::start().await;
+    let url = format!("{}/chat/completions", h.url());
+    let send = |text: &str, header: Option<String>| {
+        let mut req = client()
+            .post(&url)
+            .header("authorization", format!("Bearer {KEY}"))
+            .json(&json!({"model": "m", "messages": [{"role": "user", "content": text}]}));
+        if let Some(v) = header {
+            req = req.header("x-compactor-conversation", v);
+        }
+        async move {
+            let resp = within(req.send()).await.expect("send");
+            assert_eq!(resp.status(), 200);
+            let id = resp.headers()["x-compactor-conversation"]
+                .to_str()
+                .unwrap()
+                .to_string();
+            within(resp.bytes()).await.expect("body");
+            id
+        }
+    };
+    let first = send("the first conversation", None).await;
+    let abbreviation = first.strip_prefix("conv_").unwrap()[..8].to_string();
+    let second = send("a second, unrelated one", Some(abbreviation.clone())).await;
+    assert_ne!(first, second);
+    h.wait_exchanges(2).await;
+    for name in [abbreviation.clone(), format!("conv_{abbreviation}")] {
+        let (status, show) = get(&h, &format!("/admin/api/conversations/{name}"), &[]).await;
+        assert_eq!(status, 200, "{show}");
+        assert_eq!(show["conversation"]["id"], first.as_str(), "{name}: {show}");
+    }
+    // The client's id alone, when it abbreviates nothing, still finds it.
+    let third = send("a third", Some("my-own-name".into())).await;
+    h.wait_exchanges(3).await;
+    let (status, show) = get(&h, "/admin/api/conversations/my-own-name", &[]).await;
+    assert_eq!(status, 200, "{show}");
+    assert_eq!(show["conversation"]["id"], third.as_str());
+}

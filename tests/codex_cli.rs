@@ -750,3 +750,52 @@ async fn codex_overflow_with_the_tail_holding_most_of_the_request_is_retried_str
     ]))
     .await;
 }
+
+/// The `x-codex-turn-metadata` `request_kind` of every request Codex sends
+/// on the turn after one whose reported tokens, answer included, were
+/// `reported`, with `model_context_window = codex_window` (and
+/// `model_auto_compact_token_limit` far above it, as before).
+async fn kinds_after_a_turn_of(codex_window: u64, reported: u64) -> Vec<String> {
+    let fake = support::within(FakeUpstream::start()).await.expect("fake");
+    let codex = Codex::new(&fake.url());
+    let path = codex.codex_home().join("config.toml");
+    let config = std::fs::read_to_string(&path).unwrap().replace(
+        "model_context_window = 1000000",
+        &format!("model_context_window = {codex_window}"),
+    );
+    std::fs::write(&path, config).unwrap();
+    // `sse_items` reports 40 output tokens besides the input.
+    fake.push(sse_items(vec![message(1, "first answer")], reported - 40));
+    expect_ok("turn 1", &codex.exec("turn 1: look around").await);
+    let before = fake.received().len();
+    fake.push(sse_items(vec![message(2, "second answer")], 1_000));
+    expect_ok("turn 2", &codex.resume("turn 2: go on").await);
+    fake.received()[before..]
+        .iter()
+        .filter(|r| r.method == http::Method::POST)
+        .map(|r| {
+            let meta: Value = r
+                .headers
+                .get("x-codex-turn-metadata")
+                .and_then(|v| serde_json::from_slice(v.as_bytes()).ok())
+                .unwrap_or(Value::Null);
+            meta["request_kind"].as_str().unwrap_or("").to_string()
+        })
+        .collect()
+}
+
+/// Codex compacts by itself at 90% of `model_context_window`, whatever
+/// `model_auto_compact_token_limit` says: with the window the proxy uses it
+/// did so on a turn that filled the window, and summarized what the proxy
+/// had compacted. With the window `connect codex` writes, the fullest turn
+/// the upstream can take leaves compaction to the proxy.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the Codex CLI: run scripts/test"]
+async fn codex_leaves_compaction_to_the_proxy_on_the_window_connect_writes() {
+    let window = 100_000;
+    let kinds = kinds_after_a_turn_of(window, window).await;
+    assert_eq!(kinds, ["compaction", "turn"], "Codex's own threshold");
+    let written = compactor::cli::connect::codex_context_window(window);
+    let kinds = kinds_after_a_turn_of(written, window).await;
+    assert_eq!(kinds, ["turn"], "no compaction request of Codex's own");
+}

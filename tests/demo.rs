@@ -171,3 +171,33 @@ async fn bad_options_are_refused() {
     };
     assert!(demo::run(tiny).await.is_err());
 }
+
+/// The demo's screen is the demo's: exchanges past the warn ratio are
+/// ordinary there, and no log line comes between its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_demo_prints_no_log_lines_between_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_compactor"));
+    cmd.args(["demo", "--requests", "30", "--window", "6000", "--db"])
+        .arg(dir.path().join("demo.db"))
+        .env_remove("RUST_LOG");
+    let out = tokio::time::timeout(
+        Duration::from_secs(120),
+        tokio::task::spawn_blocking(move || cmd.output()),
+    )
+    .await
+    .expect("the demo finishes")
+    .expect("join")
+    .expect("run the demo");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{stdout}{stderr}");
+    assert!(stdout.contains("compaction"), "the demo ran: {stdout}");
+    for text in [&stdout, &stderr] {
+        assert!(
+            !text.contains("WARN"),
+            "a warning on the demo's screen: {text}"
+        );
+        assert!(!text.contains("fraction="), "a log line: {text}");
+    }
+}

@@ -348,3 +348,302 @@ proptest! {
         prop_assert_eq!(whole, cut);
     }
 }
+
+/// A JSON value of any shape, small: what a client may put where the
+/// proxy reads its controls.
+fn any_json() -> impl Strategy<Value = Value> {
+    let leaf = prop_oneof![
+        Just(Value::Null),
+        any::<bool>().prop_map(Value::from),
+        any::<i64>().prop_map(Value::from),
+        "[a-zA-Z_ é\u{1b}\u{202e}]{0,12}".prop_map(Value::from),
+        Just(Value::from("auto")),
+        Just(Value::from("observe")),
+        Just(Value::from("off")),
+    ];
+    leaf.prop_recursive(2, 8, 3, |inner| {
+        prop_oneof![
+            prop::collection::vec(inner.clone(), 0..3).prop_map(Value::Array),
+            prop::collection::vec(("[a-z_]{1,14}", inner), 0..3)
+                .prop_map(|kv| Value::Object(kv.into_iter().collect())),
+        ]
+    })
+}
+
+/// A header value's bytes: the known words, text, non-ASCII UTF-8, and
+/// bytes that are not UTF-8.
+fn any_header_bytes() -> impl Strategy<Value = Vec<u8>> {
+    prop_oneof![
+        Just(b"auto".to_vec()),
+        Just(b"observe".to_vec()),
+        Just(b"off".to_vec()),
+        Just(b"now".to_vec()),
+        "[ -~]{0,16}".prop_map(String::into_bytes),
+        "[a-zé🚀]{1,6}".prop_map(String::into_bytes),
+        prop::collection::vec(0x80u8..=0xff, 1..6),
+    ]
+}
+
+/// One request's per-request controls: each header present or not, and
+/// `metadata` (with or without `compactor_mode`).
+#[derive(Debug, Clone)]
+struct Controls {
+    mode: Option<Vec<u8>>,
+    compact: Option<Vec<u8>>,
+    conversation: Option<Vec<u8>>,
+    metadata: Option<Value>,
+    metadata_mode: Option<Value>,
+}
+
+fn any_controls() -> impl Strategy<Value = Controls> {
+    (
+        prop::option::of(any_header_bytes()),
+        prop::option::of(any_header_bytes()),
+        prop::option::of(any_header_bytes()),
+        prop::option::of(any_json()),
+        prop::option::of(any_json()),
+    )
+        .prop_map(
+            |(mode, compact, conversation, metadata, metadata_mode)| Controls {
+                mode,
+                compact,
+                conversation,
+                metadata,
+                metadata_mode,
+            },
+        )
+}
+
+/// Sends `body` with `headers` (raw bytes as given) on a fresh connection;
+/// the status and the body of the answer.
+async fn raw_post(
+    addr: std::net::SocketAddr,
+    path: &str,
+    headers: &[(&str, &[u8])],
+    body: &[u8],
+) -> (u16, Vec<u8>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut head = format!(
+        "POST {path} HTTP/1.1\r\nhost: x\r\nauthorization: Bearer fuzz-controls\r\n\
+         content-type: application/json\r\nconnection: close\r\ncontent-length: {}\r\n",
+        body.len()
+    )
+    .into_bytes();
+    for (name, value) in headers {
+        head.extend_from_slice(name.as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(value);
+        head.extend_from_slice(b"\r\n");
+    }
+    head.extend_from_slice(b"\r\n");
+    head.extend_from_slice(body);
+    let mut s = support::within(tokio::net::TcpStream::connect(addr))
+        .await
+        .expect("connect");
+    support::within(s.write_all(&head)).await.expect("send");
+    let mut answer = Vec::new();
+    support::within(s.read_to_end(&mut answer))
+        .await
+        .expect("answer");
+    let text = String::from_utf8_lossy(&answer);
+    let status = text
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    let at = answer
+        .windows(4)
+        .position(|w| w == b"\r\n\r\n")
+        .map_or(answer.len(), |i| i + 4);
+    (status, answer[at..].to_vec())
+}
+
+/// Any per-request controls on either endpoint: the answer is the
+/// upstream's or an OpenAI-style 400 naming the control; nothing of the
+/// controls reaches the upstream (no `x-compactor-*` header but the hop
+/// header, no `compactor_mode` in the metadata); the proxy keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_per_request_controls_are_answered_and_never_forwarded() {
+    let h = support::Harness::start_with(|c| c.server.client_control = true).await;
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: compactor::fuzz_cases(64),
+        ..ProptestConfig::default()
+    });
+    let mut cases = Vec::new();
+    for _ in 0..runner.config().cases {
+        let tree = (0u8..3, any_controls())
+            .new_tree(&mut runner)
+            .expect("a case");
+        let (which, controls) = tree.current();
+        let api = [Api::Chat, Api::Responses, Api::Messages][which as usize];
+        cases.push((api, controls));
+    }
+    let mut refused = 0;
+    for (api, c) in cases {
+        let mut body = match api {
+            Api::Chat => {
+                serde_json::json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+            }
+            Api::Responses => serde_json::json!({"model": "m", "input": "hi"}),
+            Api::Messages => serde_json::json!({"model": "m", "max_tokens": 5,
+                "messages": [{"role": "user", "content": "hi"}]}),
+        };
+        let mut metadata = c.metadata.clone();
+        if let Some(mode) = &c.metadata_mode {
+            let mut m = match metadata.take() {
+                Some(Value::Object(m)) => m,
+                _ => serde_json::Map::new(),
+            };
+            m.insert("compactor_mode".into(), mode.clone());
+            metadata = Some(Value::Object(m));
+        }
+        if let Some(m) = metadata {
+            body["metadata"] = m;
+        }
+        let mut headers: Vec<(&str, &[u8])> = Vec::new();
+        for (name, v) in [
+            ("x-compactor-mode", &c.mode),
+            ("x-compactor-compact", &c.compact),
+            ("x-compactor-conversation", &c.conversation),
+        ] {
+            if let Some(v) = v {
+                headers.push((name, v));
+            }
+        }
+        let before = h.fake.received().len();
+        let raw = serde_json::to_vec(&body).unwrap();
+        let (status, answer) =
+            raw_post(h.addr, &format!("/v1{}", api.endpoint()), &headers, &raw).await;
+        if status != 200 {
+            refused += 1;
+            assert!((400..500).contains(&status), "{status} for {c:?}");
+            let v: Value = serde_json::from_slice(&answer).expect("a JSON error");
+            assert!(v["error"]["message"].is_string(), "{v}");
+            continue;
+        }
+        let received = h.fake.received();
+        assert_eq!(received.len(), before + 1, "{c:?}");
+        let got = received.last().unwrap();
+        for name in got.headers.keys() {
+            assert!(
+                !name.as_str().starts_with("x-compactor-") || name == "x-compactor-hop",
+                "{name} forwarded for {c:?}"
+            );
+        }
+        let sent = got.json();
+        assert!(
+            sent["metadata"].get("compactor_mode").is_none(),
+            "the metadata key was forwarded: {sent} for {c:?}"
+        );
+    }
+    // Unknown words and bytes are refused; the cases must have made some.
+    assert!(refused > 0);
+    let health = support::within(
+        support::client()
+            .get(format!("http://{}/healthz", h.addr))
+            .send(),
+    )
+    .await
+    .expect("healthz");
+    assert_eq!(health.status(), 200);
+}
+
+/// One recall call's arguments as a model might write them: the real
+/// reference, a made-up or huge one, another type, or no JSON at all.
+fn any_recall_arguments(real: String) -> impl Strategy<Value = String> {
+    prop_oneof![
+        Just(serde_json::json!({"ref": real}).to_string()),
+        "[ -~]{0,24}".prop_map(|r| serde_json::json!({"ref": r}).to_string()),
+        (1usize..200_000).prop_map(|n| serde_json::json!({"ref": "f".repeat(n)}).to_string()),
+        any::<i64>().prop_map(|n| serde_json::json!({"ref": n}).to_string()),
+        Just("{}".to_string()),
+        "[ -~]{0,16}",
+    ]
+}
+
+/// Any answer of recall calls (many, repeated, made up, beside the
+/// client's own): the client gets 200 and never a call of the recall tool;
+/// no request upstream grows past twice the client's; the rounds end.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn any_recall_calls_are_answered_bounded_and_never_relayed() {
+    use compactor::compaction::recall::TOOL;
+    use compactor::fake_upstream::Reply;
+    let h = support::Harness::start_with(support::small_window).await;
+    let log = format!(
+        "error[E0308]: mismatched types in src/fuzz.rs\n{}test result: FAILED\n",
+        "   compiling fuzz ... line of build output\n".repeat(260)
+    );
+    let output = serde_json::json!({"role": "tool", "tool_call_id": "call_build", "content": log});
+    let reference = compactor::compaction::ladder::archive_ref(&item_hash(&output));
+    let tools = serde_json::json!([{"type": "function", "function": {"name": "shell",
+        "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}}]);
+    let mut messages = vec![
+        serde_json::json!({"role": "system", "content": "You are a careful coding agent."}),
+        serde_json::json!({"role": "user", "content": "Build the project and fix what fails."}),
+        serde_json::json!({"role": "assistant", "content": null, "tool_calls": [{"id": "call_build",
+            "type": "function", "function": {"name": "shell", "arguments": "{\"cmd\":\"cargo build\"}"}}]}),
+        output,
+        serde_json::json!({"role": "assistant", "content": "The build failed."}),
+    ];
+    let url = format!("{}/chat/completions", h.url());
+    let key = "sk-fuzz-recall";
+    let first = serde_json::json!({"model": "tiny-test", "tools": tools, "messages": messages});
+    assert_eq!(support::post(&url, key, &first).await.0, 200);
+    support::wait_compactions(&h, 1).await;
+    messages.push(serde_json::json!({"role": "user", "content": "What was the error?"}));
+    let request = serde_json::json!({"model": "tiny-test", "tools": tools, "messages": messages});
+    let client_bytes = serde_json::to_vec(&request).unwrap().len();
+
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: compactor::fuzz_cases(24),
+        ..ProptestConfig::default()
+    });
+    let calls = prop::collection::vec(
+        (any_recall_arguments(reference.clone()), any::<bool>()),
+        1..12,
+    );
+    let mut cases = Vec::new();
+    for _ in 0..runner.config().cases {
+        let tree = calls.new_tree(&mut runner).expect("a case");
+        cases.push(tree.current());
+    }
+    for calls in cases {
+        let ids: Vec<String> = (0..calls.len()).map(|i| format!("call_{i}")).collect();
+        let scripted: Vec<(&str, &str, &str)> = calls
+            .iter()
+            .zip(&ids)
+            .map(|((args, ours), id)| {
+                (
+                    id.as_str(),
+                    if *ours { TOOL } else { "shell" },
+                    args.as_str(),
+                )
+            })
+            .collect();
+        // What follows the scripted answer is the fake's own text answer.
+        h.fake.push(Reply::chat_tool_calls(&scripted, 900, 10));
+        let before = h.fake.received().len();
+        let (status, _, body) = support::post(&url, key, &request).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        let answer: Value = serde_json::from_slice(&body).expect("JSON");
+        assert!(
+            !answer["choices"][0]["message"]["tool_calls"]
+                .to_string()
+                .contains(TOOL),
+            "the client got a recall call: {answer}"
+        );
+        let sent = &h.fake.received()[before..];
+        assert!(
+            sent[0].json()["tools"].to_string().contains(TOOL),
+            "compacted, and offered recall"
+        );
+        assert!(sent.len() <= 3 + 3, "{} requests upstream", sent.len());
+        for r in sent {
+            assert!(
+                r.body.len() <= client_bytes * 2,
+                "{} bytes upstream for a {client_bytes}-byte request",
+                r.body.len()
+            );
+        }
+    }
+}

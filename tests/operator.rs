@@ -538,7 +538,9 @@ async fn connect_llm_writes_yaml_llm_can_load() {
         entries,
         json!([
             {"model_id": "local", "model_name": "x"},
-            {"model_id": "compactor-gpt-4o", "model_name": "gpt-4o", "api_base": "http://127.0.0.1:8787/v1"},
+            // Without supports_tools, `llm -T` refuses the model.
+            {"model_id": "compactor-gpt-4o", "model_name": "gpt-4o", "api_base": "http://127.0.0.1:8787/v1",
+             "supports_tools": true},
         ])
     );
 }
@@ -613,7 +615,9 @@ async fn connect_codex_refuses_to_change_a_config_silently() {
     let doc: toml::Table = toml::from_str(&written).expect("TOML");
     assert_eq!(doc["approval_policy"].as_str(), Some("never"));
     assert_eq!(doc["model"].as_str(), Some("gpt-5"));
-    assert_eq!(doc["model_context_window"].as_integer(), Some(400_000));
+    // A quarter above the proxy's 400,000: Codex's own compaction (at 90%
+    // of it) never comes before the proxy's.
+    assert_eq!(doc["model_context_window"].as_integer(), Some(500_000));
     assert_eq!(
         doc["model_providers"]["compactor"]["base_url"].as_str(),
         Some("http://127.0.0.1:8787/v1")

@@ -443,3 +443,303 @@ async fn the_tool_is_offered_whatever_the_order_of_the_request_members() {
         messages.push(json!({"role": "user", "content": format!("turn {turn}: go on")}));
     }
 }
+
+/// The chunks of a streamed answer that calls `name` with `args`.
+fn streamed_call(id: &str, name: &str, args: &str) -> Reply {
+    let head = r#""id":"chatcmpl-t","object":"chat.completion.chunk","created":1,"model":"fake""#;
+    let args = serde_json::to_string(args).unwrap();
+    Reply::sse(vec![
+        format!("data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":null,\"tool_calls\":[{{\"index\":0,\"id\":\"{id}\",\"type\":\"function\",\"function\":{{\"name\":\"{name}\",\"arguments\":\"\"}}}}]}},\"finish_reason\":null}}]}}\n\n"),
+        format!("data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":0,\"function\":{{\"arguments\":{args}}}}}]}},\"finish_reason\":\"tool_calls\"}}]}}\n\n"),
+        format!("data: {{{head},\"choices\":[],\"usage\":{{\"prompt_tokens\":700,\"completion_tokens\":11,\"total_tokens\":711}}}}\n\n"),
+        "data: [DONE]\n\n".to_string(),
+    ])
+}
+
+/// A recall round fills no more than the room the window leaves: the
+/// continued request, recalled text included, still fits the 3,000-token
+/// window with the answer's 300 (each answer was up to 16 KiB whatever the
+/// window).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recall_answer_is_bounded_by_the_room_the_window_leaves() {
+    let h = Harness::start_with(small_window).await;
+    let (history, reference) = conversation("room");
+    compacted(&h, "sk-recall-room", &history).await;
+    let call = recall_call("call_r", &reference);
+    h.fake.push(Reply::chat_tool_calls(
+        &[(&call.0, &call.1, &call.2)],
+        900,
+        12,
+    ));
+    h.fake.push(Reply::chat("E0308.", 1500, 9));
+    let url = format!("{}/chat/completions", h.url());
+    let (status, _, _) = post(&url, "sk-recall-room", &next_turn(&history, false)).await;
+    assert_eq!(status, 200);
+    let text = recalled_text(&h);
+    assert!(text.starts_with("error[E0308]"), "the head: {text}");
+    let continued = h.fake.last().unwrap().json();
+    let tokens = h.state.tokens.count_text(&continued.to_string());
+    assert!(
+        tokens <= 3000 - 300,
+        "the continued request takes {tokens} tokens of a 3,000 window (recalled {} bytes)",
+        text.len()
+    );
+}
+
+/// After the last allowed round the model may call the tool again from the
+/// calls the rounds left in the request: the client, who never declared
+/// it, must not get that call, streamed or not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recall_call_after_the_last_round_never_reaches_the_client() {
+    let h = Harness::start_with(|c| {
+        small_window(c);
+        c.compaction.recall_max_rounds = 1;
+    })
+    .await;
+    let (history, reference) = conversation("last");
+    compacted(&h, "sk-recall-last", &history).await;
+    let url = format!("{}/chat/completions", h.url());
+    let args = json!({"ref": reference}).to_string();
+    for stream in [false, true] {
+        for n in 0..3 {
+            let id = format!("call_{n}");
+            h.fake.push(if stream {
+                streamed_call(&id, TOOL, &args)
+            } else {
+                Reply::chat_tool_calls(&[(&id, TOOL, &args)], 800, 10)
+            });
+        }
+        h.fake.push(if stream {
+            Reply::chat_stream(&["The error", " is E0308."], Some((900, 6)))
+        } else {
+            Reply::chat("The error is E0308.", 900, 6)
+        });
+        let before = h.fake.received().len();
+        let (status, _, body) = post(&url, "sk-recall-last", &next_turn(&history, stream)).await;
+        let text = String::from_utf8_lossy(&body);
+        assert_eq!(status, 200, "{text}");
+        assert!(
+            !text.contains(TOOL),
+            "stream {stream}: the client got {text}"
+        );
+        assert!(text.contains("E0308"), "{text}");
+        let sent: Vec<Value> = h.fake.received()[before..]
+            .iter()
+            .map(|r| r.json())
+            .collect();
+        assert_eq!(sent.len(), 4, "one round, then twice without the tool");
+        assert!(sent[..2]
+            .iter()
+            .all(|s| s["tools"].to_string().contains(TOOL)));
+        for (i, s) in sent.iter().enumerate().skip(2) {
+            assert!(
+                !s["tools"].to_string().contains(TOOL),
+                "stream {stream}, request {i}: {}",
+                s["tools"]
+            );
+        }
+        assert!(
+            !sent[3]["messages"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|m| m["tool_calls"].to_string().contains(TOOL)),
+            "the last try holds no recall calls to copy from"
+        );
+    }
+}
+
+/// Identical or made-up references cannot amplify one request: each
+/// distinct reference is answered once, at most a few per round, and an
+/// unknown reference is not echoed back whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_and_huge_references_do_not_amplify_a_request() {
+    let h = Harness::start_with(small_window).await;
+    let (history, reference) = conversation("amp");
+    compacted(&h, "sk-recall-amp", &history).await;
+    let url = format!("{}/chat/completions", h.url());
+    let args = json!({"ref": reference}).to_string();
+    let ids: Vec<String> = (0..40).map(|i| format!("call_{i}")).collect();
+    let calls: Vec<(&str, &str, &str)> = ids
+        .iter()
+        .map(|id| (id.as_str(), TOOL, args.as_str()))
+        .collect();
+    h.fake.push(Reply::chat_tool_calls(&calls, 800, 10));
+    h.fake.push(Reply::chat("Done.", 900, 3));
+    let request = next_turn(&history, false);
+    let sent_by_client = serde_json::to_vec(&request).unwrap().len();
+    let (status, _, _) = post(&url, "sk-recall-amp", &request).await;
+    assert_eq!(status, 200);
+    let continued = h.fake.last().unwrap();
+    assert!(
+        continued.body.len() < sent_by_client * 2,
+        "{} bytes upstream for a {sent_by_client}-byte request",
+        continued.body.len()
+    );
+    let tools: Vec<Value> = continued.json()["messages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|m| m["role"] == "tool" && m["tool_call_id"] != "call_build")
+        .cloned()
+        .collect();
+    assert_eq!(tools.len(), 40, "every call is answered");
+    let full: Vec<&Value> = tools
+        .iter()
+        .filter(|m| m["content"].as_str().unwrap().starts_with("error[E0308]"))
+        .collect();
+    assert_eq!(full.len(), 1, "the original once");
+
+    let huge = format!("item:{}", "f".repeat(1 << 20));
+    let huge_args = json!({"ref": huge}).to_string();
+    h.fake.push(Reply::chat_tool_calls(
+        &[("call_h", TOOL, &huge_args)],
+        800,
+        10,
+    ));
+    h.fake.push(Reply::chat("Done.", 900, 3));
+    let (status, _, _) = post(&url, "sk-recall-amp", &request).await;
+    assert_eq!(status, 200);
+    let continued = h.fake.last().unwrap().json();
+    let answer = continued["messages"].as_array().unwrap().last().unwrap()["content"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    assert!(answer.starts_with("error:"), "{answer}");
+    assert!(answer.len() < 300, "{} bytes echoed", answer.len());
+
+    let Err(err) =
+        compactor::config::Config::from_toml("[compaction]\nrecall_max_rounds = 1000000\n")
+    else {
+        panic!("recall_max_rounds = 1000000 is accepted");
+    };
+    assert!(err.to_string().contains("recall_max_rounds"), "{err}");
+}
+
+/// A client tool of the proxy's tool name is the client's: offered once,
+/// and its calls reach the client. A request for several choices is not
+/// offered recall (a call in one choice could not be answered alone).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_tool_named_like_the_recall_tool_and_several_choices_get_no_recall() {
+    let h = Harness::start_with(small_window).await;
+    let (history, reference) = conversation("own");
+    compacted(&h, "sk-recall-own", &history).await;
+    let url = format!("{}/chat/completions", h.url());
+    let mut body = next_turn(&history, false);
+    body["tools"].as_array_mut().unwrap().push(json!({"type": "function",
+        "function": {"name": TOOL, "description": "the client's own", "parameters": {"type": "object"}}}));
+    let args = json!({"ref": reference}).to_string();
+    h.fake.push(Reply::chat_tool_calls(
+        &[("call_own", TOOL, &args)],
+        800,
+        10,
+    ));
+    let (status, _, answer) = post(&url, "sk-recall-own", &body).await;
+    assert_eq!(status, 200);
+    let sent = h.fake.last().unwrap().json();
+    let named = sent["tools"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|t| t["function"]["name"] == TOOL)
+        .count();
+    assert_eq!(named, 1, "the client's tool alone: {}", sent["tools"]);
+    let answer: Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(
+        answer["choices"][0]["message"]["tool_calls"][0]["id"], "call_own",
+        "the client's tool's call is the client's"
+    );
+
+    let mut body = next_turn(&history, false);
+    body["n"] = json!(2);
+    h.fake.push(Reply::chat("Two answers.", 800, 10));
+    let (status, _, _) = post(&url, "sk-recall-own", &body).await;
+    assert_eq!(status, 200);
+    let sent = h.fake.last().unwrap().json();
+    assert!(
+        sent["messages"].to_string().contains("original archived"),
+        "compacted"
+    );
+    assert!(
+        !sent["tools"].to_string().contains(TOOL),
+        "{}",
+        sent["tools"]
+    );
+}
+
+/// A request compacted after identification (here by `x-compactor-compact:
+/// now`) is offered recall like one a stored compaction covers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_compacted_on_request_is_offered_recall() {
+    let h = Harness::start_with(support::small_window_foreground).await;
+    let (history, reference) = conversation("now");
+    let url = format!("{}/chat/completions", h.url());
+    let call = recall_call("call_r", &reference);
+    h.fake.push(Reply::chat_tool_calls(
+        &[(&call.0, &call.1, &call.2)],
+        900,
+        12,
+    ));
+    h.fake.push(Reply::chat("E0308 in src/now.rs.", 1500, 9));
+    let resp = within(
+        client()
+            .post(&url)
+            .header("authorization", "Bearer sk-recall-now")
+            .header("x-compactor-compact", "now")
+            .json(&next_turn(&history, false))
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    let answer: Value = within(resp.json()).await.unwrap();
+    assert_eq!(
+        answer["choices"][0]["message"]["content"], "E0308 in src/now.rs.",
+        "{answer}"
+    );
+    assert!(recalled_text(&h).starts_with("error[E0308]: mismatched types in src/now.rs"));
+}
+
+/// A continued request the upstream finds too long goes again without the
+/// recall rounds: the request fitted before them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn too_long_after_a_recall_round_drops_the_rounds_first() {
+    let h = Harness::start_with(small_window).await;
+    let (history, reference) = conversation("over");
+    compacted(&h, "sk-recall-over", &history).await;
+    let compactions = support::compactions(&h);
+    let call = recall_call("call_r", &reference);
+    h.fake.push(Reply::chat_tool_calls(
+        &[(&call.0, &call.1, &call.2)],
+        900,
+        12,
+    ));
+    h.fake.push(Reply::context_length_exceeded());
+    h.fake
+        .push(Reply::chat("From the marker alone: E0308.", 1200, 9));
+    let before = h.fake.received().len();
+    let url = format!("{}/chat/completions", h.url());
+    let (status, _, body) = post(&url, "sk-recall-over", &next_turn(&history, false)).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let sent: Vec<Value> = h.fake.received()[before..]
+        .iter()
+        .map(|r| r.json())
+        .collect();
+    assert_eq!(sent.len(), 3, "the round, the overflow, the request again");
+    let last = &sent[2];
+    assert!(!last["tools"].to_string().contains(TOOL));
+    assert!(
+        !last["messages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["tool_calls"].to_string().contains(TOOL)),
+        "the rounds are gone"
+    );
+    assert_eq!(
+        last["messages"].as_array().unwrap().len(),
+        sent[0]["messages"].as_array().unwrap().len(),
+        "the request as compacted before the rounds"
+    );
+    assert_eq!(support::compactions(&h), compactions, "no fresh compaction");
+}

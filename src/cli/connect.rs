@@ -275,11 +275,15 @@ fn codex_config(existing: Option<&str>, t: &Target) -> Result<String, String> {
         .map_err(|e| format!("not valid TOML: {e}"))?;
     doc["model"] = value(t.model.as_str());
     doc["model_provider"] = value(PROVIDER);
-    doc["model_context_window"] = value(i64::try_from(t.window).unwrap_or(i64::MAX));
+    let window = codex_context_window(t.window);
+    doc["model_context_window"] = value(i64::try_from(window).unwrap_or(i64::MAX));
     if let Some(mut key) = doc.key_mut("model_context_window") {
-        key.leaf_decor_mut().set_prefix(
-            "# The window compactor uses for this model; Codex's own compaction keys off it.\n",
-        );
+        key.leaf_decor_mut().set_prefix(format!(
+            "# A quarter above the {} tokens compactor uses for this model: Codex compacts by\n\
+             # itself at 90% of this, whatever model_auto_compact_token_limit says, and\n\
+             # compactor keeps every request below the real window, so that never happens.\n",
+            t.window
+        ));
     }
     if !doc.contains_table("model_providers") {
         let mut providers = Table::new();
@@ -306,6 +310,17 @@ fn codex_config(existing: Option<&str>, t: &Target) -> Result<String, String> {
         }
     }
     Ok(doc.to_string())
+}
+
+/// The `model_context_window` written for Codex when the proxy's window is
+/// `window`. Codex 0.171 sends its own compaction request (its turn
+/// metadata says `request_kind: compaction`) once a turn's reported tokens
+/// reach 90% of `model_context_window`, and no value of
+/// `model_auto_compact_token_limit` (above the window, 0, -1) stops it; a
+/// window a quarter larger puts that point past the real window, which no
+/// request through the proxy reaches.
+pub fn codex_context_window(window: u64) -> u64 {
+    window.saturating_add(window / 4)
 }
 
 /// aider's model metadata (LiteLLM's format): the window of
@@ -340,8 +355,9 @@ fn aider_metadata(existing: Option<&str>, t: &Target) -> Result<String, String> 
 fn llm_models(existing: Option<&str>, t: &Target) -> Result<String, String> {
     let id = format!("{PROVIDER}-{}", t.model);
     let q = |s: &str| Value::from(s).to_string();
+    // Without `supports_tools`, llm refuses `-T` for the model.
     let entry = format!(
-        "- model_id: {}\n  model_name: {}\n  api_base: {}\n",
+        "- model_id: {}\n  model_name: {}\n  api_base: {}\n  supports_tools: true\n",
         q(&id),
         q(&t.model),
         q(&t.base_url)
@@ -484,7 +500,7 @@ mod tests {
         assert!(new.starts_with("# mine\n"), "{new}");
         assert_eq!(doc["approval_policy"].as_str(), Some("never"));
         assert_eq!(doc["model"].as_str(), Some("gpt-4o"));
-        assert_eq!(doc["model_context_window"].as_integer(), Some(128_000));
+        assert_eq!(doc["model_context_window"].as_integer(), Some(160_000));
         let providers = doc["model_providers"].as_table().unwrap();
         assert_eq!(providers["other"]["name"].as_str(), Some("x"));
         let ours = providers["compactor"].as_table().unwrap();

@@ -123,8 +123,13 @@ pub async fn check(config: &Config, extra_models: &[String]) -> Vec<Finding> {
     if let Some((upstream, listed)) = listed {
         out.extend(check_windows(config, &upstream, &listed, extra_models).await);
     }
-    out.push(check_store(&config.store_path()));
-    out.push(check_journal(&config.store_path()));
+    if config.store.is_postgres() {
+        // The records are in the database: no SQLite file or journal here.
+        out.push(check_database(config).await);
+    } else {
+        out.push(check_store(&config.store_path()));
+        out.push(check_journal(&config.store_path()));
+    }
     out.extend(check_exposure(config));
     out
 }
@@ -171,7 +176,7 @@ pub async fn get_json(
 /// The upstream answers `/v1/models`: the client and that answer, for the
 /// window checks.
 async fn check_upstream(config: &Config, out: &mut Vec<Finding>) -> Option<(Upstream, Value)> {
-    let base = &config.upstream.base_url;
+    let base = crate::config::shown_url(&config.upstream.base_url);
     let upstream = match Upstream::new(&config.upstream) {
         Ok(u) => u,
         Err(e) => {
@@ -287,12 +292,34 @@ async fn check_windows(
     extra: &[String],
 ) -> Vec<Finding> {
     let headers = upstream_headers(upstream);
-    let mut out = Vec::new();
-    for model in models_to_check(config, listed, extra) {
-        let told = told_window(upstream, &headers, &model).await;
-        out.push(window_finding(config, &model, told));
-    }
-    out
+    // Every model asked at once, under one deadline: an upstream that
+    // hangs on `/props` costs the doctor one timeout, not one per model.
+    let deadline = tokio::time::Instant::now() + CHECK_TIMEOUT;
+    let models = models_to_check(config, listed, extra);
+    let asks = models.iter().map(|model| {
+        let ask = crate::server::discovery::ask_upstream(upstream, model, headers.clone());
+        tokio::time::timeout_at(deadline, ask)
+    });
+    let told = futures_util::future::join_all(asks).await;
+    models
+        .iter()
+        .zip(told)
+        .map(|(model, told)| match told {
+            Ok(told) => window_finding(config, model, told),
+            Err(_) => {
+                let (limits, _) = configured(config, model);
+                Finding::new(
+                    Verdict::Warn,
+                    format!("model {model}"),
+                    format!(
+                        "the upstream did not say within {}s what its window is; the proxy uses {} until it does",
+                        CHECK_TIMEOUT.as_secs(),
+                        thousands(limits.context_window)
+                    ),
+                )
+            }
+        })
+        .collect()
 }
 
 /// What the upstream states of `model`'s window when asked, within
@@ -436,6 +463,47 @@ pub async fn effective_window(
     let told = told.map(|w| told_at(&model, w));
     let (limits, _) = crate::windows::effective(limits, source, told.as_ref());
     Ok((model, limits.context_window, limits.max_output_tokens))
+}
+
+/// A PostgreSQL store answers: the doctor connects with the configured
+/// credentials and reads where the schema stands, changing nothing.
+async fn check_database(config: &Config) -> Finding {
+    use crate::store::postgres::{Options, Postgres};
+    let shown = config.store.shown_url();
+    let opts = Options::from_config(&config.store);
+    // The pool has its own runtime, which may not be built or dropped on
+    // an async thread.
+    let status =
+        tokio::task::spawn_blocking(move || Postgres::new(&opts).and_then(|pg| pg.status()));
+    match tokio::time::timeout(2 * CHECK_TIMEOUT, status).await {
+        Ok(Ok(Ok(s))) if s.is_current() => Finding::new(
+            Verdict::Ok,
+            "database",
+            format!("{shown} answers; schema current (version {})", s.applied),
+        ),
+        Ok(Ok(Ok(s))) => Finding::new(
+            Verdict::Ok,
+            "database",
+            format!(
+                "{shown} answers; schema at version {} of {} (serve migrates it at start-up)",
+                s.applied, s.latest
+            ),
+        ),
+        Ok(Ok(Err(e))) => Finding::new(
+            Verdict::Fail,
+            "database",
+            format!("{shown} cannot be used: {e}"),
+        ),
+        Ok(Err(e)) => Finding::new(Verdict::Fail, "database", format!("{shown}: {e}")),
+        Err(_) => Finding::new(
+            Verdict::Fail,
+            "database",
+            format!(
+                "{shown} did not answer within {}s",
+                (2 * CHECK_TIMEOUT).as_secs()
+            ),
+        ),
+    }
 }
 
 /// The store can be written: an existing database takes a write lock (in a

@@ -47,16 +47,94 @@ pub fn definition(api: Api) -> Value {
 }
 
 /// Whether the recall tool may be added to a request: it has tools of its
-/// own and does not forbid calling them, it continues no upstream-stored
-/// response (a continuation would have to name the recall round), and its
-/// items as sent carry an archived reference.
+/// own, none of them named [`TOOL`] (a client's own tool of that name is
+/// the client's, and its calls go to the client), and does not forbid
+/// calling them; it asks for one choice (a recall in another choice could
+/// not be answered without answering them all); it continues no
+/// upstream-stored response (a continuation would have to name the recall
+/// round); and its items as sent carry an archived reference.
 pub fn offers_recall(body: &Value, tools: Option<&Value>, sent: &[Value]) -> bool {
-    let has_tools = tools
-        .and_then(Value::as_array)
-        .is_some_and(|t| !t.is_empty());
+    let list = tools.and_then(Value::as_array);
+    let has_tools = list.is_some_and(|t| !t.is_empty());
+    let taken = list.is_some_and(|t| t.iter().any(|t| tool_name(t) == Some(TOOL)));
     let allowed = body.get("tool_choice").and_then(Value::as_str) != Some("none");
+    let one_choice = body
+        .get("n")
+        .is_none_or(|n| n.is_null() || n.as_u64() == Some(1));
     let stateless = body.get("previous_response_id").is_none_or(Value::is_null);
-    has_tools && allowed && stateless && carries_archive(sent)
+    has_tools && !taken && allowed && one_choice && stateless && carries_archive(sent)
+}
+
+/// A tool definition's name, in either API's shape.
+fn tool_name(tool: &Value) -> Option<&str> {
+    tool.pointer("/function/name")
+        .or_else(|| tool.get("name"))
+        .and_then(Value::as_str)
+}
+
+/// Most recall calls of one answer that are looked up; the others are
+/// answered with a short tool error.
+pub const MAX_CALLS_PER_ROUND: usize = 8;
+
+/// Most characters of a reference echoed back in a tool error.
+const MAX_ECHOED_REF: usize = 40;
+
+/// Below this many bytes of room a recall is refused rather than answered
+/// with a fragment too short to help.
+pub const MIN_ANSWER_BYTES: usize = 256;
+
+/// The answers to one round's `calls`, as (call id, text): each distinct
+/// reference looked up once, at most [`MAX_CALLS_PER_ROUND`] of them, the
+/// round's answers together within `room` bytes (shared evenly, each at
+/// most [`MAX_RECALL_BYTES`]). A repeated reference gets a pointer to the
+/// first answer; a call past the cap, or when there is no room, a tool
+/// error the model can read.
+pub fn answers(
+    calls: &[Call],
+    originals: &[Value],
+    hashes: &[ItemHash],
+    room: usize,
+) -> Vec<(String, String)> {
+    let mut distinct: Vec<&str> = Vec::new();
+    for c in calls {
+        if !distinct.contains(&c.reference.as_str()) && distinct.len() < MAX_CALLS_PER_ROUND {
+            distinct.push(&c.reference);
+        }
+    }
+    let each = (room / distinct.len().max(1)).min(MAX_RECALL_BYTES);
+    let mut first: Vec<(&str, &str)> = Vec::new();
+    calls
+        .iter()
+        .map(|c| {
+            let text = if let Some((_, id)) = first.iter().find(|(r, _)| *r == c.reference) {
+                format!("same original as the {TOOL} call {id} of this answer")
+            } else if !distinct.contains(&c.reference.as_str()) {
+                format!(
+                    "error: at most {MAX_CALLS_PER_ROUND} different references are recalled per answer; ask again for this one"
+                )
+            } else if each < MIN_ANSWER_BYTES {
+                format!(
+                    "error: the context window has no room left to recall {}; continue with what the marker says",
+                    echoed(&c.reference)
+                )
+            } else {
+                first.push((&c.reference, &c.id));
+                answer(&c.reference, originals, hashes, each)
+            };
+            (c.id.clone(), text)
+        })
+        .collect()
+}
+
+/// A client-chosen reference as a tool error quotes it: at most
+/// [`MAX_ECHOED_REF`] characters.
+fn echoed(reference: &str) -> String {
+    let cut: String = reference.chars().take(MAX_ECHOED_REF).collect();
+    if cut.len() < reference.len() {
+        format!("{cut:?}…")
+    } else {
+        format!("{cut:?}")
+    }
 }
 
 /// Whether any tool output of `items` has an archived original.
@@ -162,8 +240,30 @@ pub fn round(api: Api, answer: &Value) -> Round {
     }
 }
 
+/// Longest arguments of a recall call kept as the model wrote them in the
+/// continued request; longer ones (a made-up reference of any length) are
+/// cut, so a round cannot grow the request by what the model invents.
+const MAX_KEPT_ARGUMENTS: usize = 200;
+
+/// `arguments` of a recall call as the continued request repeats them.
+fn kept_arguments(arguments: &mut Value) {
+    let long = arguments
+        .as_str()
+        .is_some_and(|a| a.len() > MAX_KEPT_ARGUMENTS);
+    if long {
+        let cut: String = arguments
+            .as_str()
+            .unwrap_or_default()
+            .chars()
+            .take(MAX_KEPT_ARGUMENTS / 2)
+            .collect();
+        *arguments = Value::from(json!({ "ref": format!("{cut}…") }).to_string());
+    }
+}
+
 /// The items to append to the request to continue after a recall round:
-/// the answer's own output, then one tool result per call.
+/// the answer's own output (recall calls' long arguments cut), then one
+/// tool result per call.
 pub fn continuation(api: Api, answer: &Value, results: &[(String, String)]) -> Vec<Value> {
     match api {
         Api::Chat => {
@@ -172,6 +272,16 @@ pub fn continuation(api: Api, answer: &Value, results: &[(String, String)]) -> V
                 .cloned()
                 .into_iter()
                 .collect();
+            for call in out
+                .iter_mut()
+                .filter_map(|m| m.get_mut("tool_calls").and_then(Value::as_array_mut))
+                .flatten()
+                .filter(|c| c.pointer("/function/name").and_then(Value::as_str) == Some(TOOL))
+            {
+                if let Some(args) = call.pointer_mut("/function/arguments") {
+                    kept_arguments(args);
+                }
+            }
             out.extend(
                 results
                     .iter()
@@ -185,6 +295,14 @@ pub fn continuation(api: Api, answer: &Value, results: &[(String, String)]) -> V
                 .and_then(Value::as_array)
                 .cloned()
                 .unwrap_or_default();
+            for call in out
+                .iter_mut()
+                .filter(|i| i.get("name").and_then(Value::as_str) == Some(TOOL))
+            {
+                if let Some(args) = call.get_mut("arguments") {
+                    kept_arguments(args);
+                }
+            }
             out.extend(results.iter().map(
                 |(id, text)| json!({"type": "function_call_output", "call_id": id, "output": text}),
             ));
@@ -207,30 +325,36 @@ pub fn continuation(api: Api, answer: &Value, results: &[(String, String)]) -> V
 }
 
 /// The answer to a call of `reference`: the original tool output among
-/// the request's own `originals` (with their hashes), bounded; a tool
-/// error when it names none of them.
-pub fn answer(reference: &str, originals: &[Value], hashes: &[ItemHash]) -> String {
+/// the request's own `originals` (with their hashes), at most `max` bytes
+/// (and never more than [`MAX_RECALL_BYTES`]); a tool error when it names
+/// none of them.
+pub fn answer(reference: &str, originals: &[Value], hashes: &[ItemHash], max: usize) -> String {
     let found = originals
         .iter()
         .zip(hashes)
         .find(|(item, h)| is_tool_output(item) && archive_ref(h) == reference)
         .map(|(item, _)| output_text(item));
     match found {
-        Some(text) => bounded(&text),
+        Some(text) => bounded(&text, max.min(MAX_RECALL_BYTES)),
         None => format!(
-            "error: {TOOL} knows no archived output {reference:?} in this conversation; \
-             use a reference exactly as a compactor marker shows it"
+            "error: {TOOL} knows no archived output {} in this conversation; \
+             use a reference exactly as a compactor marker shows it",
+            echoed(reference)
         ),
     }
 }
 
-/// `text` cut to [`MAX_RECALL_BYTES`]: head and tail around a marker.
-fn bounded(text: &str) -> String {
-    if text.len() <= MAX_RECALL_BYTES {
+/// Room for the marker [`bounded`] puts between head and tail.
+const CUT_MARKER_BYTES: usize = 80;
+
+/// `text` cut to about `max` bytes: head and tail around a marker.
+fn bounded(text: &str, max: usize) -> String {
+    if text.len() <= max {
         return text.to_string();
     }
-    let head = floor_boundary(text, MAX_RECALL_BYTES * 2 / 3);
-    let tail = super::items::ceil_boundary(text, text.len() - MAX_RECALL_BYTES / 3);
+    let keep = max.saturating_sub(CUT_MARKER_BYTES);
+    let head = floor_boundary(text, keep * 2 / 3);
+    let tail = super::items::ceil_boundary(text, text.len() - keep / 3);
     format!(
         "{}\n[compactor: {} bytes of the original left out here]\n{}",
         &text[..head],
@@ -254,16 +378,30 @@ mod tests {
         let items = vec![json!({"role": "user", "content": "hi"}), tool_output(&log)];
         let hashes: Vec<ItemHash> = items.iter().map(item_hash).collect();
         let reference = archive_ref(&hashes[1]);
-        let got = answer(&reference, &items, &hashes);
+        let got = answer(&reference, &items, &hashes, MAX_RECALL_BYTES);
         assert!(got.starts_with("error[E0308]") && got.len() <= MAX_RECALL_BYTES + 100);
         assert!(got.contains("bytes of the original left out"));
         let short = vec![tool_output("exit 1")];
         let h: Vec<ItemHash> = short.iter().map(item_hash).collect();
-        assert_eq!(answer(&archive_ref(&h[0]), &short, &h), "exit 1");
+        assert_eq!(
+            answer(&archive_ref(&h[0]), &short, &h, MAX_RECALL_BYTES),
+            "exit 1"
+        );
         // A user message's hash is no archived output; an unknown reference
         // is a tool error.
-        assert!(answer(&archive_ref(&hashes[0]), &items, &hashes).starts_with("error:"));
-        assert!(answer("item:0000000000000000", &items, &hashes).starts_with("error:"));
+        assert!(
+            answer(&archive_ref(&hashes[0]), &items, &hashes, MAX_RECALL_BYTES)
+                .starts_with("error:")
+        );
+        assert!(
+            answer("item:0000000000000000", &items, &hashes, MAX_RECALL_BYTES)
+                .starts_with("error:")
+        );
+        // A made-up reference is not echoed back whole.
+        let huge = "x".repeat(1 << 20);
+        assert!(answer(&huge, &items, &hashes, MAX_RECALL_BYTES).len() < 300);
+        // A smaller bound is kept.
+        assert!(answer(&reference, &items, &hashes, 2_000).len() <= 2_000);
     }
 
     #[test]

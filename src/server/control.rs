@@ -24,6 +24,8 @@ use crate::error::{InvalidField, ProxyError};
 pub const MODE_HEADER: &str = "x-compactor-mode";
 /// Request header asking for this request to be compacted.
 pub const COMPACT_HEADER: &str = "x-compactor-compact";
+/// Request header naming the request's conversation.
+pub const CONVERSATION_HEADER: &str = "x-compactor-conversation";
 /// The `metadata` key choosing the request's mode.
 pub const MODE_METADATA: &str = "compactor_mode";
 
@@ -45,6 +47,17 @@ pub fn control(
     tenant: &str,
     model: &str,
 ) -> Result<(Control, bool), ProxyError> {
+    // A conversation id is any UTF-8 text; bytes that are not would be
+    // ignored, and the request filed under another conversation.
+    if let Some(v) = headers.get(CONVERSATION_HEADER) {
+        if std::str::from_utf8(v.as_bytes()).is_err() {
+            return Err(ProxyError::InvalidRequest(InvalidField {
+                param: Some(CONVERSATION_HEADER.to_string()),
+                code: "invalid_value",
+                message: format!("the {CONVERSATION_HEADER} header is not UTF-8 text"),
+            }));
+        }
+    }
     let configured = Control {
         mode: config.mode_for(tenant, model),
         compact_now: false,
@@ -117,6 +130,112 @@ fn take_metadata_mode(body: &mut Value) -> Option<String> {
     Some(value.as_str().unwrap_or_default().to_string())
 }
 
+/// The header Codex describes each request's turn with (JSON).
+pub const CODEX_TURN_METADATA: &str = "x-codex-turn-metadata";
+
+/// Whether the request is the client's own compaction of its history
+/// (Codex marks it `request_kind: compaction` in its turn metadata): a
+/// summary the client asks the model for, which must not be summarized
+/// again by the proxy.
+pub fn is_client_compaction(headers: &HeaderMap) -> bool {
+    headers
+        .get(CODEX_TURN_METADATA)
+        .and_then(|v| serde_json::from_slice::<Value>(v.as_bytes()).ok())
+        .is_some_and(|m| m.get("request_kind").and_then(Value::as_str) == Some("compaction"))
+}
+
+/// The client's bytes without `metadata.compactor_mode` (and without
+/// `metadata` when that key was all it held), every other byte as the
+/// client sent it: re-serialising the whole body instead would rewrite
+/// numbers beyond 64 bits, escapes and spellings of the rest. `None` when
+/// the bytes do not hold exactly one such key where [`control`] took it
+/// from (the body is then rebuilt from its parsed form).
+pub fn splice_metadata_mode(raw: &[u8]) -> Option<bytes::Bytes> {
+    let text = std::str::from_utf8(raw).ok()?;
+    let top: RawMembers = serde_json::from_str(text).ok()?;
+    let (at, metadata) = only(&top.0, "metadata")?;
+    let inner: RawMembers = serde_json::from_str(metadata.get()).ok()?;
+    only(&inner.0, MODE_METADATA)?;
+    let cut = if inner.0.len() == 1 {
+        member_span(text, &top.0, at)?
+    } else {
+        let (i, _) = only(&inner.0, MODE_METADATA)?;
+        let base = offset(text, metadata.get());
+        let (a, b) = member_span(metadata.get(), &inner.0, i)?;
+        (base + a, base + b)
+    };
+    let mut out = Vec::with_capacity(raw.len());
+    out.extend_from_slice(&raw[..cut.0]);
+    out.extend_from_slice(&raw[cut.1..]);
+    Some(out.into())
+}
+
+/// The one member named `key`, with its index; `None` when there is none
+/// or several (which one a parser keeps is its own choice).
+fn only<'r>(
+    members: &[(String, &'r serde_json::value::RawValue)],
+    key: &str,
+) -> Option<(usize, &'r serde_json::value::RawValue)> {
+    let mut found = members.iter().enumerate().filter(|(_, (k, _))| k == key);
+    let (i, (_, v)) = found.next()?;
+    found.next().is_none().then_some((i, *v))
+}
+
+/// Where `part`, a slice of `whole`, starts in it.
+fn offset(whole: &str, part: &str) -> usize {
+    part.as_ptr() as usize - whole.as_ptr() as usize
+}
+
+/// The byte range of `object` to cut to remove its member `i`: from the
+/// end of the member before it through its value, or for the first member
+/// from the opening brace through the comma after its value (through the
+/// value when it is the only one).
+fn member_span(
+    object: &str,
+    members: &[(String, &serde_json::value::RawValue)],
+    i: usize,
+) -> Option<(usize, usize)> {
+    let value = members.get(i)?.1.get();
+    let end = offset(object, value) + value.len();
+    if i > 0 {
+        let prev = members[i - 1].1.get();
+        return Some((offset(object, prev) + prev.len(), end));
+    }
+    let open = object.find('{')? + 1;
+    if members.len() == 1 {
+        return Some((open, end));
+    }
+    let rest = &object[end..];
+    let comma = rest.find(|c: char| !c.is_ascii_whitespace())?;
+    (rest.as_bytes()[comma] == b',').then_some((open, end + comma + 1))
+}
+
+/// An object's members as raw JSON, in order.
+struct RawMembers<'a>(Vec<(String, &'a serde_json::value::RawValue)>);
+
+impl<'de> serde::Deserialize<'de> for RawMembers<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Members;
+        impl<'de> serde::de::Visitor<'de> for Members {
+            type Value = RawMembers<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut out = Vec::new();
+                while let Some(entry) = map.next_entry()? {
+                    out.push(entry);
+                }
+                Ok(RawMembers(out))
+            }
+        }
+        d.deserialize_map(Members)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -135,6 +254,40 @@ mod tests {
             );
         }
         control(config, &h, body, "tenant", "gpt-4o")
+    }
+
+    #[test]
+    fn the_metadata_key_is_spliced_out_of_the_client_bytes() {
+        let cases = [
+            (
+                r#"{"model":"m","metadata":{"compactor_mode":"off"},"n":123456789012345678901234567890}"#,
+                r#"{"model":"m","n":123456789012345678901234567890}"#,
+            ),
+            (
+                r#"{"metadata": {"compactor_mode": "off"}, "model": "mé"}"#,
+                r#"{ "model": "mé"}"#,
+            ),
+            (
+                r#"{"model":"m","metadata":{"a":"A","compactor_mode":"observe"}}"#,
+                r#"{"model":"m","metadata":{"a":"A"}}"#,
+            ),
+            (
+                r#"{"model":"m","metadata":{ "compactor_mode" : "off" , "b":1.50}}"#,
+                r#"{"model":"m","metadata":{ "b":1.50}}"#,
+            ),
+        ];
+        for (raw, want) in cases {
+            let got = splice_metadata_mode(raw.as_bytes()).expect(raw);
+            assert_eq!(std::str::from_utf8(&got).unwrap(), want);
+        }
+        for raw in [
+            r#"{"model":"m"}"#,
+            r#"{"metadata":{"compactor_mode":"off","compactor_mode":"on"}}"#,
+            r#"{"metadata":1,"metadata":{"compactor_mode":"off"}}"#,
+            "not json",
+        ] {
+            assert!(splice_metadata_mode(raw.as_bytes()).is_none(), "{raw}");
+        }
     }
 
     #[test]

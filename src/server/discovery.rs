@@ -29,10 +29,11 @@ pub async fn discover(state: &std::sync::Arc<AppState>, model: &str, auth: &http
 
 /// Remembers (and stores) a window the upstream told for `model`.
 pub async fn tell(state: &std::sync::Arc<AppState>, model: &str, window: u64, source: Source) {
-    let upstream = state.upstream.base();
+    // Stored with the record: the URL as shown, never its password.
+    let upstream = crate::config::shown_url(state.upstream.base());
     let Some(told) = state
         .windows
-        .tell(upstream, model, window, source, crate::ids::now_ms())
+        .tell(&upstream, model, window, source, crate::ids::now_ms())
     else {
         return;
     };

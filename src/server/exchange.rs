@@ -73,12 +73,24 @@ pub struct PendingExchange {
     /// signed against the prefix the compaction replaced, so it asks the
     /// API to drop such a block (`thinking.block_binding`, with its beta).
     pub drop_block: bool,
-    /// The client's own compaction request (Claude Code's summary prompt):
-    /// it goes as it came while it fits, with the stored compaction of its
-    /// prefix when it does not, and starts no compaction of its own.
-    pub client_compaction: bool,
     /// The request goes with the `compactor_recall` tool added.
     pub recall: bool,
+    /// Most recall rounds the proxy answers (`compaction.recall_max_rounds`;
+    /// 0: the tool is never offered).
+    pub recall_rounds: u32,
+    /// The tool was offered at some point: every answer is looked at for
+    /// calls of it, also after it is withdrawn, so none reaches a client
+    /// that never declared it.
+    pub recall_offered: bool,
+    /// The tool was withdrawn (past the rounds, beside the client's own
+    /// calls, an overflow): a later compaction does not offer it again.
+    pub recall_withdrawn: bool,
+    /// The client's own compaction request (Codex's `request_kind:
+    /// compaction`, Claude Code's summary prompt): it goes as the client
+    /// sent it when it fits, else with a stored compaction applied, is
+    /// never compacted afresh before the upstream refuses it, and starts
+    /// no compaction of its own.
+    pub client_compaction: bool,
     /// Items after the view: the recall rounds' calls and answers.
     pub extra: Vec<Value>,
     /// What the recall rounds cost.
@@ -138,6 +150,37 @@ impl PendingExchange {
             view
         });
         self.compaction = Some(c);
+        self.offer_recall();
+    }
+
+    /// Offers `compactor_recall` when the view now carries archived
+    /// originals (whatever compacted it: a stored compaction, a hard-limit,
+    /// manual or requested one, an overflow's) and the request may have it
+    /// (see [`recall::offers_recall`]).
+    fn offer_recall(&mut self) {
+        let Some(c) = &self.compaction else {
+            return;
+        };
+        if self.recall_withdrawn || self.recall_rounds == 0 {
+            return;
+        }
+        self.recall = recall::carries_archive(&c.replacement)
+            && recall::offers_recall(
+                &self.body,
+                self.tools.as_ref().map(Tools::value),
+                &self.view.values(),
+            );
+        self.recall_offered |= self.recall;
+    }
+
+    /// Takes the recall tool away for the rest of the request; with
+    /// `forget`, the rounds' calls and answers too.
+    pub fn withdraw_recall(&mut self, forget: bool) {
+        self.recall = false;
+        self.recall_withdrawn = true;
+        if forget {
+            self.extra.clear();
+        }
     }
 
     /// The headers of an attempt: `headers`, with the beta a request that

@@ -91,11 +91,26 @@ async fn upstream_check(state: &Arc<AppState>) -> (bool, serde_json::Value) {
     if let Some(age) = recent(state) {
         return (true, json!({"ok": true, "reached_ms_ago": age}));
     }
-    // One probe at a time; those that waited use its result.
-    let _one = state.probing.lock().await;
+    // One probe at a time; those that waited take its outcome, whichever
+    // it was: probing again behind a hanging upstream would queue each
+    // probe behind the last one's timeout.
+    let arrived = crate::ids::now_ms();
+    let mut last = state.probing.lock().await;
+    if let Some((finished, ok, finding)) = last.as_ref() {
+        if *finished >= arrived {
+            return (*ok, finding.clone());
+        }
+    }
     if let Some(age) = recent(state) {
         return (true, json!({"ok": true, "reached_ms_ago": age}));
     }
+    let (ok, finding) = probe(state).await;
+    *last = Some((crate::ids::now_ms(), ok, finding.clone()));
+    (ok, finding)
+}
+
+/// One `GET /v1/models` of the upstream within [`PROBE_TIMEOUT`].
+async fn probe(state: &AppState) -> (bool, serde_json::Value) {
     let probe = async {
         let url = state.upstream.url("/models", None)?;
         let headers = state

@@ -12,7 +12,7 @@ use serde_json::Value;
 use super::exchange::{PendingExchange, Unanswered};
 use super::read::ReadRequest;
 use crate::app::AppState;
-use crate::compaction::{policy, recall};
+use crate::compaction::policy;
 use crate::config::Mode;
 use crate::engine;
 use crate::error::ProxyError;
@@ -105,8 +105,11 @@ pub(super) async fn identify(
             mode: control.mode,
             observed: None,
             drop_block: false,
-            client_compaction: false,
             recall: false,
+            recall_rounds: state.config.compaction.recall_max_rounds,
+            recall_offered: false,
+            recall_withdrawn: false,
+            client_compaction: super::control::is_client_compaction(&parts.headers),
             extra: Vec::new(),
             recall_spent: Default::default(),
             auth: engine::auth_headers(&parts.headers),
@@ -130,20 +133,37 @@ pub(super) async fn identify(
         }
         Mode::Off => return Ok(pending),
     }
-    pending.client_compaction = pending.api == Api::Messages
+    // Claude Code's own compaction request says so in its last message.
+    pending.client_compaction |= pending.api == Api::Messages
         && pending
             .items
             .len()
             .checked_sub(1)
             .is_some_and(|last| messages::is_client_compaction(&pending.items.item(last)));
-    // A stored compaction covering a prefix of this request replaces it; a
-    // request too large to go without one waits for one under way. A
-    // client's own compaction request is summarized by the model from what
-    // the client holds, so it goes as it came while it fits (below).
-    if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
-        if !pending.client_compaction {
-            pending.apply(c);
+    // The client's own compaction request goes as it came while it fits;
+    // otherwise with the stored compaction of its prefix, never a fresh
+    // one: a summary of the proxy's summary would be the client's summary.
+    if pending.client_compaction {
+        let check = engine::FitCheck {
+            tenant: &pending.tenant,
+            conversation: &pending.ident.conversation,
+            model: &pending.model,
+            view: pending.view.clone(),
+            hashes: Some(pending.hashes.clone()),
+            tools: pending.tools.clone(),
+            bytes: Some(raw_len),
+        };
+        if !matches!(engine::check_fit(state, check).await, engine::Fit::Fits) {
+            if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+                pending.apply(c);
+            }
         }
+        return Ok(pending);
+    }
+    // A stored compaction covering a prefix of this request replaces it; a
+    // request too large to go without one waits for one under way.
+    if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+        pending.apply(c);
     }
     let bytes = pending.compaction.is_none().then_some(raw_len);
     let check = engine::FitCheck {
@@ -184,16 +204,8 @@ pub(super) async fn identify(
         }
     }
     // A compacted request whose tool outputs were shortened may read them
-    // back, when it has tools of its own.
-    if let Some(c) = &pending.compaction {
-        pending.recall = state.config.compaction.recall_max_rounds > 0
-            && recall::carries_archive(&c.replacement)
-            && recall::offers_recall(
-                &pending.body,
-                pending.tools.as_ref().map(Tools::value),
-                &pending.view.values(),
-            );
-    }
+    // back, when it has tools of its own: `PendingExchange::apply` offers
+    // the recall tool, for this and any later compaction of the request.
     Ok(pending)
 }
 
@@ -236,23 +248,6 @@ pub(super) async fn compact_on_overflow(
     stated: policy::Stated,
     why: &str,
 ) -> bool {
-    // A client's own compaction request that went as it came: the stored
-    // compaction of its prefix, not a fresh summary of a summary.
-    if pending.client_compaction && pending.compaction.is_none() {
-        if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
-            if let Some(window) = stated.limit {
-                super::discovery::tell(
-                    state,
-                    &pending.model,
-                    window,
-                    crate::windows::Source::Learned,
-                )
-                .await;
-            }
-            pending.apply(c);
-            return true;
-        }
-    }
     if let Some(window) = stated.limit {
         super::discovery::tell(
             state,

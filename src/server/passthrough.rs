@@ -151,6 +151,14 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
         if let (true, Some(idle)) = (watch.stalled.load(Ordering::Acquire), idle) {
             return ProxyError::RequestTimeout(idle.as_secs()).into_response();
         }
+        let broken = watch
+            .broken
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
+        if let (Err(_), Some(why)) = (&sent, broken) {
+            return ProxyError::BodyUnreadable(why.into()).into_response();
+        }
         sent
     };
     let resp = match sent {
@@ -184,6 +192,9 @@ struct Watch {
     body: Mutex<Option<Incoming>>,
     /// The client sent nothing for the idle time, so the body failed.
     stalled: AtomicBool,
+    /// The client's body itself failed (a malformed chunk, a connection
+    /// cut mid-body): the client's fault, not the upstream's.
+    broken: Mutex<Option<String>>,
     /// Notified once the last byte was handed on.
     all_sent: tokio::sync::Notify,
     started: std::time::Instant,
@@ -198,6 +209,7 @@ impl Watch {
         Arc::new(Self {
             body: Mutex::new(Some(body)),
             stalled: AtomicBool::new(false),
+            broken: Mutex::new(None),
             all_sent: tokio::sync::Notify::new(),
             started: std::time::Instant::now(),
             last_taken_ms: AtomicU64::new(0),
@@ -293,7 +305,11 @@ impl Body for Watched {
                 }
                 Poll::Ready(Some(Ok(frame)))
             }
-            Poll::Ready(Some(Err(e))) => Poll::Ready(Some(Err(e.into()))),
+            Poll::Ready(Some(Err(e))) => {
+                let why = e.to_string();
+                *this.watch.broken.lock().unwrap_or_else(|p| p.into_inner()) = Some(why);
+                Poll::Ready(Some(Err(e.into())))
+            }
             Poll::Ready(None) => {
                 this.watch.finished();
                 Poll::Ready(None)

@@ -118,7 +118,12 @@ pub(super) async fn read_request(
         .get("previous_response_id")
         .and_then(Value::as_str)
         .map(String::from);
-    let mut rewritten = metadata_taken;
+    // The metadata key is cut out of the client's bytes, the rest going as
+    // it came; the body is rebuilt only when the bytes cannot be cut.
+    let spliced = metadata_taken
+        .then(|| super::control::splice_metadata_mode(&raw))
+        .flatten();
+    let mut rewritten = metadata_taken && spliced.is_none();
     let mut trigger = false;
     let mut items = api
         .item_list(&mut body, raw.clone(), spans)
@@ -159,6 +164,7 @@ pub(super) async fn read_request(
     // the usage it did not ask for.
     let had_stream_options = body.get("stream_options").is_some();
     let strip_usage = auto && api == Api::Chat && chat::lacks_stream_usage(&body);
+    let raw = spliced.unwrap_or(raw);
     let original = if rewritten {
         None
     } else if strip_usage {
@@ -175,7 +181,7 @@ pub(super) async fn read_request(
         body,
         items,
         tools,
-        body_key: body_key.filter(|_| !rewritten),
+        body_key: body_key.filter(|_| !rewritten && !metadata_taken),
         previous,
         original,
         strip_usage,

@@ -41,6 +41,11 @@ enum Seen {
     Calls(Value, Option<Usage>, Answer),
 }
 
+/// Most times an answer may still call the recall tool after it was
+/// withdrawn before the request is given up: the client is never relayed
+/// a call of a tool it did not declare.
+const MAX_STRAY_ANSWERS: u32 = 2;
+
 /// Answers the model's recall calls until it gives an answer for the
 /// client (at most `compaction.recall_max_rounds` rounds).
 pub(super) async fn settle(
@@ -50,48 +55,104 @@ pub(super) async fn settle(
     headers: &http::HeaderMap,
     mut answer: Answer,
 ) -> Result<Answer, ProxyError> {
-    let max = state.config.compaction.recall_max_rounds;
+    let max = pending.recall_rounds;
     let mut rounds = 0;
+    let mut strays = 0;
     loop {
-        if !pending.recall {
+        // Once offered, every answer is looked at: a model may call the
+        // tool after it is withdrawn, from the calls earlier rounds left.
+        if !pending.recall_offered {
             return Ok(answer);
         }
         let (v, usage, relay) = match inspect(state, pending.api, answer).await? {
             Seen::Relay(a) => return Ok(a),
             Seen::Calls(v, usage, a) => (v, usage, a),
         };
-        match recall::round(pending.api, &v) {
+        let round = recall::round(pending.api, &v);
+        if !matches!(round, Round::Final) {
+            pending.recall_spent.add(usage);
+        }
+        match round {
             Round::Final => return Ok(relay),
-            Round::Recall(calls) if rounds < max => {
+            Round::Recall(calls) if pending.recall && rounds < max => {
                 rounds += 1;
+                let room = room_bytes(state, pending).await;
                 let originals = pending.items.values();
-                let results: Vec<(String, String)> = calls
-                    .iter()
-                    .map(|c| {
-                        let text = recall::answer(&c.reference, &originals, &pending.hashes);
-                        (c.id.clone(), text)
-                    })
-                    .collect();
+                let results = recall::answers(&calls, &originals, &pending.hashes, room);
                 tracing::info!(
                     round = rounds,
                     calls = calls.len(),
+                    room,
                     "recall answered by the proxy"
                 );
                 let cont = recall::continuation(pending.api, &v, &results);
                 pending.extra.extend(cont);
-                pending.recall_spent.add(usage);
             }
-            Round::Recall(_) | Round::Mixed => {
+            _ if !pending.recall => {
+                // The tool is gone and the model still calls it: first
+                // without the rounds' calls to copy from, then give up.
+                strays += 1;
+                tracing::info!(
+                    strays,
+                    "recall call after the recall tool was withdrawn: not relayed"
+                );
+                if strays > MAX_STRAY_ANSWERS {
+                    return Err(ProxyError::UpstreamUnreachable(format!(
+                        "the model kept calling {}, a tool this request does not declare",
+                        recall::TOOL
+                    )));
+                }
+                pending.withdraw_recall(true);
+            }
+            _ => {
                 tracing::info!(
                     rounds,
                     "recall call beside the client's own, or past recall_max_rounds: sent again without the recall tool"
                 );
-                pending.recall_spent.add(usage);
-                pending.recall = false;
+                pending.withdraw_recall(false);
             }
         }
         answer = super::send::send(state, pending, url, headers).await?;
     }
+}
+
+/// Bytes a round's recall answers may take: the room the window leaves
+/// once the request as it stands (view, earlier rounds, tools) and the
+/// answer's own budget (the request's `max_tokens`-like field, else the
+/// model's largest output) are taken out, at a conservative two bytes a
+/// token.
+async fn room_bytes(state: &Arc<AppState>, pending: &Unanswered) -> usize {
+    let limits = state.model_limits(&pending.model);
+    let asked = ["max_output_tokens", "max_completion_tokens", "max_tokens"]
+        .iter()
+        .find_map(|k| pending.body.get(*k).and_then(Value::as_u64));
+    let budget = asked.unwrap_or(limits.max_output_tokens);
+    let (api, view, extra) = (pending.api, pending.view.clone(), pending.extra.clone());
+    let tools = pending.tools.clone();
+    let counter = state.clone();
+    // Tokenizing stays off the async threads.
+    let used = tokio::task::spawn_blocking(move || {
+        let hashes = view.hashes();
+        let mut used = counter
+            .tokens
+            .estimate(api, &view, &hashes, tools.as_ref())
+            .total();
+        for item in &extra {
+            used += counter.tokens.count_text(&item.to_string());
+        }
+        used + counter
+            .tokens
+            .count_text(&recall::definition(api).to_string())
+    })
+    .await
+    .unwrap_or(u64::MAX);
+    let room = limits
+        .context_window
+        .saturating_sub(used)
+        .saturating_sub(budget);
+    // A tenth kept back for what the estimate misses.
+    let room = room - room / 10;
+    usize::try_from(room.saturating_mul(2)).unwrap_or(usize::MAX)
 }
 
 /// Reads the start of `answer` (see the module's documentation).

@@ -216,7 +216,7 @@ impl PendingExchange {
     }
 
     /// The per-exchange accounting line: reported usage, estimate by
-    /// section of what was sent, fraction of the model's window; a warning
+    /// section of what was sent, fraction of the model's window, whether
     /// past `warn_ratio`. Then the compaction decision for the next request.
     fn account(&self, state: &Arc<AppState>, usage: Option<Usage>, status: u16, complete: bool) {
         let background = state.background;
@@ -257,27 +257,22 @@ impl PendingExchange {
                     .calibrate(&tenant, &conversation, u.input_tokens, est.total());
             }
             let fraction = used as f64 / limits.context_window as f64;
-            let warn = fraction >= state.config.compaction.warn_ratio;
-            macro_rules! line {
-                ($level:ident) => {
-                    tracing::$level!(
-                        conversation = %conversation, exchange = id, model = %model, status,
-                        compaction = compaction.as_deref().unwrap_or(""),
-                        input_tokens = usage.map(|u| u.input_tokens),
-                        output_tokens = usage.map(|u| u.output_tokens),
-                        tokens = used, tokens_source = source,
-                        est_system = est.system, est_messages = est.messages,
-                        est_tool_outputs = est.tool_outputs, est_tool_definitions = est.tool_definitions,
-                        window = limits.context_window, fraction = format!("{fraction:.3}"),
-                        "exchange"
-                    )
-                };
-            }
-            if warn {
-                line!(warn);
-            } else {
-                line!(info);
-            }
+            // Past `warn_ratio` is ordinary for a long conversation (the
+            // trigger is beyond it): the line says so at info, a field to
+            // filter on, not a warning on an operator's screen.
+            let past_warn_ratio = fraction >= state.config.compaction.warn_ratio;
+            tracing::info!(
+                conversation = %conversation, exchange = id, model = %model, status,
+                compaction = compaction.as_deref().unwrap_or(""),
+                input_tokens = usage.map(|u| u.input_tokens),
+                output_tokens = usage.map(|u| u.output_tokens),
+                tokens = used, tokens_source = source,
+                est_system = est.system, est_messages = est.messages,
+                est_tool_outputs = est.tool_outputs, est_tool_definitions = est.tool_definitions,
+                window = limits.context_window, fraction = format!("{fraction:.3}"),
+                past_warn_ratio,
+                "exchange"
+            );
             if let Some(input) = next {
                 engine::after_exchange(&state, input, used.saturating_sub(potential), true);
             }

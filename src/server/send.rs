@@ -167,6 +167,25 @@ pub(super) async fn send(
         let Some((stated, why)) = overflow.filter(|_| pending.mode == Mode::Auto) else {
             return Ok(answer);
         };
+        // The client's own compaction request: the stored compaction of its
+        // prefix, if it went without. Only when that is not enough is it
+        // compacted below: its overflow is never the client's.
+        if pending.client_compaction && pending.compaction.is_none() {
+            if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+                pending.apply(c);
+                tried.resent = true;
+                tried.stale_retried = false;
+                continue;
+            }
+        }
+        // What recall rounds added goes first: the request fitted without.
+        if !pending.extra.is_empty() {
+            tracing::info!("too long with the recall rounds: sent again without them");
+            pending.withdraw_recall(true);
+            tried.resent = true;
+            tried.stale_retried = false;
+            continue;
+        }
         if !compact_on_overflow(state, pending, stated, &why).await {
             return Ok(answer);
         }

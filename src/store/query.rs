@@ -280,16 +280,32 @@ pub struct ConversationExport {
     pub archived: BTreeMap<String, Value>,
 }
 
-/// Resolves what a person calls a conversation: its id, an id the client
-/// sent for it (our header, a session id, a `prompt_cache_key`), or an
-/// abbreviation of its id, with or without the `conv_` prefix (at least
-/// [`MIN_ABBREVIATION`] digits). A name that fits several is refused with
-/// the candidates.
+/// Resolves what a person calls a conversation: its id, an abbreviation
+/// of its id, with or without the `conv_` prefix (at least
+/// [`MIN_ABBREVIATION`] digits), or an id the client sent for it (our
+/// header, a session id, a `prompt_cache_key`), in that order: a client
+/// picks its own ids, so one of them must not shadow the id the proxy gave
+/// another conversation. A name that fits several is refused with the
+/// candidates.
 pub fn resolve_id(conn: &dyn Sql, name: &str) -> Result<String, QueryError> {
     let name = name.trim();
     let exact = conn.first("SELECT id FROM conversations WHERE id = ?1", &[name.into()])?;
     if let Some(found) = exact {
         return Ok(found.get(0)?);
+    }
+    let digits = name.strip_prefix(ID_PREFIX).unwrap_or(name);
+    let abbreviated = if digits.len() >= MIN_ABBREVIATION {
+        candidates(
+            conn,
+            "SELECT id FROM conversations WHERE substr(id, 1, length(CAST(?1 AS TEXT))) = ?1
+             ORDER BY last_seen_ms DESC LIMIT ?2",
+            &format!("{ID_PREFIX}{digits}"),
+        )?
+    } else {
+        Vec::new()
+    };
+    if abbreviated.len() == 1 {
+        return one(name, abbreviated);
     }
     // A client's own id; conversations recorded before the ids had columns
     // have the explicit key, spelt `name:value`.
@@ -303,23 +319,18 @@ pub fn resolve_id(conn: &dyn Sql, name: &str) -> Result<String, QueryError> {
          ORDER BY last_seen_ms DESC LIMIT ?2",
         name,
     )?;
-    if !by_client.is_empty() {
+    if abbreviated.is_empty() {
         return one(name, by_client);
     }
-    let digits = name.strip_prefix(ID_PREFIX).unwrap_or(name);
-    if digits.len() < MIN_ABBREVIATION {
-        return Err(QueryError::NotFound(name.to_string()));
+    // An abbreviation of several: all of them, and the conversations that
+    // go by the name, are the candidates.
+    let mut found = abbreviated;
+    for id in by_client {
+        if !found.contains(&id) && found.len() < MAX_CANDIDATES {
+            found.push(id);
+        }
     }
-    let prefix = format!("{ID_PREFIX}{digits}");
-    one(
-        name,
-        candidates(
-            conn,
-            "SELECT id FROM conversations WHERE substr(id, 1, length(CAST(?1 AS TEXT))) = ?1
-             ORDER BY last_seen_ms DESC LIMIT ?2",
-            &prefix,
-        )?,
-    )
+    one(name, found)
 }
 
 /// The conversations `sql` finds for `name` (bound as `?1`, the limit as

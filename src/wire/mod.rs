@@ -282,7 +282,7 @@ pub fn client_ids(headers: &http::HeaderMap, body: &Value) -> ClientIds {
     let text = |name: &str| {
         headers
             .get(name)
-            .and_then(|v| v.to_str().ok())
+            .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
             .map(str::trim)
             .filter(|v| !v.is_empty())
     };
@@ -330,7 +330,8 @@ pub fn explicit_conversation_key(headers: &http::HeaderMap, body: &Value) -> Opt
     let header = |name: &str| {
         headers
             .get(name)
-            .and_then(|v| v.to_str().ok())
+            // Any UTF-8 id: `to_str` takes visible ASCII only.
+            .and_then(|v| std::str::from_utf8(v.as_bytes()).ok())
             .filter(|v| !v.is_empty())
     };
     if let Some(v) = header("x-compactor-conversation") {
