@@ -210,7 +210,7 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
     for item in part {
         if is_user_message(item) {
             let text = typed_text(item);
-            if !text.is_empty() {
+            if !is_injected(&text) {
                 if facts.task.is_none() {
                     facts.task = Some(text);
                 } else {
