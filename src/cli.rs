@@ -51,10 +51,10 @@ pub enum Command {
     /// on a failed check.
     Doctor(doctor::DoctorArgs),
     /// Print (or `--write`) a client's configuration for this proxy: Codex,
-    /// aider, llm, or the environment of the OpenAI SDKs.
+    /// aider, llm, Claude Code, or the environment of the OpenAI SDKs.
     Connect(connect::ConnectArgs),
-    /// Run a client with the OpenAI base-URL variables pointing at this proxy:
-    /// `compactor run -- aider --model openai/gpt-4o`.
+    /// Run a client with the OpenAI and Anthropic base-URL variables pointing
+    /// at this proxy: `compactor run -- aider --model openai/gpt-4o`.
     Run(connect::RunArgs),
     /// Print a shell completion script: `compactor completions bash`.
     Completions {

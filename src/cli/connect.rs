@@ -36,6 +36,9 @@ pub enum Client {
     /// The OpenAI SDKs and anything else that reads `OPENAI_BASE_URL`:
     /// `export` lines for a shell (`eval "$(compactor connect openai-env)"`).
     OpenaiEnv,
+    /// Claude Code: `env.ANTHROPIC_BASE_URL` in its `settings.json`
+    /// (`$CLAUDE_CONFIG_DIR`, default `~/.claude`).
+    ClaudeCode,
 }
 
 /// Where the proxy is: the same layering as `serve`.
@@ -133,6 +136,9 @@ pub fn main(args: ConnectArgs) -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
         return print_out(&env_lines(&base_url));
+    }
+    if args.client == Client::ClaudeCode {
+        return connect_claude_code(&base_url, args.model.as_deref(), args.write, args.yes);
     }
     let target = match target(&config, base_url, args.model.as_deref(), args.offline) {
         Ok(t) => t,
@@ -233,6 +239,7 @@ pub fn client_file(client: Client) -> Option<PathBuf> {
             .or_else(|| dirs::config_dir().map(|d| d.join("io.datasette.llm")))
             .map(|d| d.join("extra-openai-models.yaml")),
         Client::OpenaiEnv => None,
+        Client::ClaudeCode => claude_settings_file(),
     }
 }
 
@@ -251,6 +258,7 @@ fn how_to_use(client: Client, t: &Target, path: &std::path::Path) -> String {
             t.model
         ),
         Client::OpenaiEnv => String::new(),
+        Client::ClaudeCode => claude_how_to_use(path),
     }
 }
 
@@ -262,6 +270,11 @@ pub fn render(client: Client, existing: Option<&str>, t: &Target) -> Result<Stri
         Client::Aider => aider_metadata(existing, t),
         Client::Llm => llm_models(existing, t),
         Client::OpenaiEnv => Ok(env_lines(&t.base_url)),
+        Client::ClaudeCode => claude_settings(
+            existing,
+            &anthropic_base_url(&t.base_url),
+            Some(t.model.as_str()),
+        ),
     }
 }
 
@@ -459,6 +472,7 @@ pub fn run(args: RunArgs) -> ExitCode {
     for var in BASE_URL_VARS {
         cmd.env(var, &base_url);
     }
+    cmd.env(ANTHROPIC_BASE_URL_VAR, anthropic_base_url(&base_url));
     let shown = program.to_string_lossy();
     // The client takes over this process: signals (Ctrl-C) and the exit
     // status are its own.
@@ -475,6 +489,101 @@ pub fn run(args: RunArgs) -> ExitCode {
         Err(e) => {
             eprintln!("compactor run: cannot run {shown}: {e}");
             ExitCode::from(127)
+        }
+    }
+}
+
+/// The variable Claude Code and the Anthropic SDKs read for their base URL.
+pub const ANTHROPIC_BASE_URL_VAR: &str = "ANTHROPIC_BASE_URL";
+
+/// The proxy's address as an Anthropic client wants it: the origin, since
+/// the client appends `/v1/messages` itself.
+pub fn anthropic_base_url(base_url: &str) -> String {
+    base_url.strip_suffix("/v1").unwrap_or(base_url).to_string()
+}
+
+/// Claude Code's user `settings.json`: in `$CLAUDE_CONFIG_DIR`, which it
+/// reads instead of `~/.claude` when set.
+fn claude_settings_file() -> Option<PathBuf> {
+    std::env::var_os("CLAUDE_CONFIG_DIR")
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .or_else(|| dirs::home_dir().map(|h| h.join(".claude")))
+        .map(|d| d.join("settings.json"))
+}
+
+fn claude_how_to_use(path: &std::path::Path) -> String {
+    format!(
+        "for {}; then run `claude` (it sets its `env` entries itself; the key stays its own)",
+        path.display()
+    )
+}
+
+/// Claude Code's `settings.json` with `env.ANTHROPIC_BASE_URL` at the
+/// proxy (and `model`, when one is named), every other key kept in its
+/// place.
+fn claude_settings(
+    existing: Option<&str>,
+    origin: &str,
+    model: Option<&str>,
+) -> Result<String, String> {
+    let mut doc: Value = match existing {
+        Some(text) if !text.trim().is_empty() => {
+            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?
+        }
+        _ => json!({}),
+    };
+    let map = doc.as_object_mut().ok_or("not a JSON object")?;
+    let env = map.entry("env").or_insert_with(|| json!({}));
+    env.as_object_mut()
+        .ok_or("`env` is not a JSON object")?
+        .insert(ANTHROPIC_BASE_URL_VAR.into(), Value::from(origin));
+    if let Some(model) = model {
+        map.insert("model".into(), Value::from(model));
+    }
+    let mut text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+    text.push('\n');
+    Ok(text)
+}
+
+/// `compactor connect claude-code`: no model or window to look up (Claude
+/// Code sizes nothing by them), so none is asked of the upstream.
+fn connect_claude_code(base_url: &str, model: Option<&str>, write: bool, yes: bool) -> ExitCode {
+    let Some(path) = claude_settings_file() else {
+        eprintln!(
+            "compactor: cannot tell where Claude Code keeps its settings (no home directory)"
+        );
+        return ExitCode::FAILURE;
+    };
+    let origin = anthropic_base_url(base_url);
+    if !write {
+        eprintln!("# {}", claude_how_to_use(&path));
+        return print_out(&claude_settings(None, &origin, model).unwrap_or_default());
+    }
+    let existing = match std::fs::read_to_string(&path) {
+        Ok(text) => Some(text),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => None,
+        Err(e) => {
+            eprintln!("compactor: cannot read {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    let new = match claude_settings(existing.as_deref(), &origin, model) {
+        Ok(text) => text,
+        Err(e) => {
+            eprintln!("compactor: {}: {e}", path.display());
+            return ExitCode::FAILURE;
+        }
+    };
+    match write_reviewed(&path, existing.as_deref(), &new, yes) {
+        Ok(said) => {
+            let code = print_out(&said);
+            eprintln!("# {}", claude_how_to_use(&path));
+            code
+        }
+        Err(e) => {
+            eprintln!("compactor: {e}");
+            ExitCode::FAILURE
         }
     }
 }
@@ -543,6 +652,33 @@ mod tests {
             "export OPENAI_BASE_URL=http://127.0.0.1:8787/v1\nexport OPENAI_API_BASE=http://127.0.0.1:8787/v1\n"
         );
         assert_eq!(shell_quote("a b'c"), r"'a b'\''c'");
+    }
+
+    #[test]
+    fn claude_settings_keep_the_users_other_keys_and_env() {
+        let old = r#"{"permissions": {"allow": ["Bash"]}, "env": {"DISABLE_TELEMETRY": "1", "ANTHROPIC_BASE_URL": "http://old"}, "theme": "dark"}"#;
+        let new = claude_settings(Some(old), "http://127.0.0.1:8787", None).unwrap();
+        let v: Value = serde_json::from_str(&new).unwrap();
+        assert_eq!(v["env"]["ANTHROPIC_BASE_URL"], "http://127.0.0.1:8787");
+        assert_eq!(v["env"]["DISABLE_TELEMETRY"], "1");
+        assert_eq!(v["permissions"]["allow"][0], "Bash");
+        assert_eq!(keys_of(&v), ["permissions", "env", "theme"], "in place");
+        assert!(v.get("model").is_none(), "no model unless named");
+        assert_eq!(
+            claude_settings(Some(&new), "http://127.0.0.1:8787", None).unwrap(),
+            new,
+            "idempotent"
+        );
+        assert!(claude_settings(Some("[1]"), "x", None).is_err());
+        assert!(claude_settings(Some(r#"{"env": 1}"#), "x", None).is_err());
+        assert_eq!(
+            anthropic_base_url("http://127.0.0.1:8787/v1"),
+            "http://127.0.0.1:8787"
+        );
+    }
+
+    fn keys_of(v: &Value) -> Vec<&str> {
+        v.as_object().unwrap().keys().map(String::as_str).collect()
     }
 
     #[test]

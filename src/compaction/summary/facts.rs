@@ -91,6 +91,27 @@ pub fn is_injected(text: &str) -> bool {
     false
 }
 
+/// What the person typed in a user message: its text parts that are not
+/// injected, joined. A harness can put its own block before the prompt in
+/// the same message (Claude Code's `<system-reminder>`), so each part is
+/// judged alone; a string content is one part.
+fn typed_text(item: &Value) -> String {
+    let Some(Value::Array(parts)) = item.get("content") else {
+        let text = text_of(item);
+        return if is_injected(&text) {
+            String::new()
+        } else {
+            text
+        };
+    };
+    parts
+        .iter()
+        .filter_map(|p| p.get("text").and_then(Value::as_str).or_else(|| p.as_str()))
+        .filter(|t| !is_injected(t))
+        .collect::<Vec<_>>()
+        .join("\n")
+}
+
 /// TASK of an assembled summary (for a part that starts with a summary when
 /// no previous facts were passed).
 fn task_from_summary(text: &str) -> Option<String> {
@@ -188,7 +209,7 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
     let mut unnamed: Vec<Pending> = Vec::new();
     for item in part {
         if is_user_message(item) {
-            let text = text_of(item);
+            let text = typed_text(item);
             if !is_injected(&text) {
                 if facts.task.is_none() {
                     facts.task = Some(text);
@@ -394,6 +415,32 @@ mod tests {
             None,
         );
         assert_eq!(f.task, None);
+    }
+
+    /// Claude Code's first user message is one message of two text blocks:
+    /// a `<system-reminder>` it injects, then what the person typed. The
+    /// typed block is the task; the reminder is not part of it.
+    #[test]
+    fn a_typed_block_after_an_injected_one_in_the_same_message_is_the_task() {
+        let first = json!({"role": "user", "content": [
+            {"type": "text", "text": "<system-reminder>\nAs you answer the user's questions, you can use the following context:\n# currentDate\nToday's date is 2026-12-01.\n</system-reminder>\n\n"},
+            {"type": "text", "text": "Task: reconcile the ledger; the codeword is MAGPIE-7.",
+             "cache_control": {"type": "ephemeral"}}]});
+        let later = json!({"role": "user", "content": [
+            {"type": "text", "text": "<system-reminder>\nThe date changed.\n</system-reminder>"},
+            {"type": "text", "text": "Do not touch the public API."}]});
+        let f = extract_facts(&[first, later], None);
+        assert_eq!(
+            f.task.as_deref(),
+            Some("Task: reconcile the ledger; the codeword is MAGPIE-7.")
+        );
+        assert!(
+            f.constraints
+                .iter()
+                .any(|c| c.contains("Do not touch the public API")),
+            "{:?}",
+            f.constraints
+        );
     }
 
     #[test]
