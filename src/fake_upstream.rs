@@ -552,10 +552,7 @@ pub fn auto_reply(rec: &Received) -> Reply {
             let narrative = summarizer_narrative(&as_chat(&body)).unwrap_or_default();
             return Reply::Messages(Answer::text(&narrative));
         }
-        let thinking = body
-            .pointer("/thinking/type")
-            .and_then(Value::as_str)
-            .is_some_and(|t| t != "disabled");
+        let thinking = crate::wire::messages::thinking_on(&body);
         let answer = Answer::text(AUTO_TEXT);
         return Reply::Messages(if thinking {
             answer.thinking("The fake upstream thinks briefly.")

@@ -679,11 +679,14 @@ async fn a_recall_round_is_answered_by_the_proxy_in_json_and_in_streams() {
     assert!(definition["input_schema"].is_object(), "{definition}");
     for streamed in [false, true] {
         let before = messages_requests(&h).len();
-        h.fake.push(Reply::Messages(Answer::tool_use(
-            "toolu_recall",
-            "compactor_recall",
-            json!({"ref": "item:0000000000000000"}),
-        )));
+        h.fake.push(Reply::Messages(
+            Answer::tool_use(
+                "toolu_recall",
+                "compactor_recall",
+                json!({"ref": "item:0000000000000000"}),
+            )
+            .thinking("read the original"),
+        ));
         h.fake
             .push(Reply::Messages(Answer::text("Read it; carrying on.")));
         let body = Agent::body(&agent.messages(), streamed);
@@ -705,7 +708,7 @@ async fn a_recall_round_is_answered_by_the_proxy_in_json_and_in_streams() {
         let cont = rounds[1].json();
         let msgs = cont["messages"].as_array().unwrap();
         let n = msgs.len();
-        assert_eq!(msgs[n - 2]["content"][0]["name"], "compactor_recall");
+        assert_eq!(msgs[n - 2]["content"][1]["name"], "compactor_recall");
         let result = &msgs[n - 1]["content"][0];
         assert_eq!(result["type"], "tool_result");
         assert_eq!(result["tool_use_id"], "toolu_recall");
@@ -723,4 +726,51 @@ async fn a_recall_round_is_answered_by_the_proxy_in_json_and_in_streams() {
             .history
             .push(json!({"role": "user", "content": [{"type": "text", "text": "Go on."}]}));
     }
+}
+
+/// A compacted request the upstream refuses for another reason than its
+/// length is sent again as the client sent it — which, once earlier
+/// requests went compacted, holds thinking the API signed against those:
+/// the resent request lets the API drop such blocks, so it is not refused
+/// for a signature.
+#[tokio::test]
+async fn a_refused_compacted_request_resent_as_sent_lets_the_api_drop_stale_thinking() {
+    let h = Harness::start_with(tiny_claude).await;
+    let mut agent = Agent::new(TASK);
+    // Compactions applied to a few requests, so the client's own history
+    // holds thinking signed against compacted requests. No window: the
+    // client's full history fits the upstream.
+    while compactions(&h) == 0 || agent.step < 20 {
+        agent.step(&h).await;
+        assert!(agent.step < 48, "no compaction in 48 steps");
+    }
+    let before = messages_requests(&h).len();
+    h.fake.push(Reply::json(
+        400,
+        json!({"type": "error", "error": {"type": "invalid_request_error", "message": "a refusal of the compacted request"}}),
+    ));
+    h.fake.push(Reply::Messages(Answer::text("done")));
+    let body = Agent::body(&agent.messages(), false);
+    let (status, headers, bytes) = send(&h, &body, &[]).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    assert!(
+        headers.get("x-compactor-compacted").is_none(),
+        "the client's own request answered"
+    );
+    let sent: Vec<Received> = messages_requests(&h)[before..]
+        .iter()
+        .filter(|r| !is_summary(r))
+        .cloned()
+        .collect();
+    assert_eq!(sent.len(), 2, "the compacted request, then the client's");
+    let resent = sent[1].json();
+    assert_eq!(
+        resent["messages"], body["messages"],
+        "as the client sent it"
+    );
+    assert_eq!(
+        resent["thinking"]["block_binding"]["prefix_mismatch_behavior"],
+        "drop_block"
+    );
+    assert!(anthropic::check(&resent, &sent[1].headers, None).is_none());
 }

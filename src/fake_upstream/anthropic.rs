@@ -137,10 +137,7 @@ pub fn check(body: &Value, headers: &http::HeaderMap, window: Option<u64>) -> Op
             "A maximum of 4 blocks with cache_control may be provided. Found {breakpoints}."
         ));
     }
-    let thinking_on = body
-        .pointer("/thinking/type")
-        .and_then(Value::as_str)
-        .is_some_and(|t| t != "disabled");
+    let thinking_on = messages::thinking_on(body);
     if thinking_on {
         let drop = body
             .pointer("/thinking/block_binding/prefix_mismatch_behavior")

@@ -69,9 +69,11 @@ pub struct PendingExchange {
     /// Observe mode: the would-be compaction that covers a prefix of the
     /// request (what the proxy would have applied).
     pub observed: Option<Arc<Compaction>>,
-    /// Anthropic Messages: the compacted request keeps a thinking block
-    /// signed against the prefix the compaction replaced, so it asks the
-    /// API to drop such a block (`thinking.block_binding`, with its beta).
+    /// Anthropic Messages: the request may hold a thinking block signed
+    /// against another prefix than it now has (the compacted request's open
+    /// tool loop; the client's own history sent again after a compacted
+    /// one was refused), so it asks the API to drop such a block
+    /// (`thinking.block_binding`, with its beta).
     pub drop_block: bool,
     /// The request goes with the `compactor_recall` tool added.
     pub recall: bool,
@@ -186,7 +188,7 @@ impl PendingExchange {
     /// The headers of an attempt: `headers`, with the beta a request that
     /// lets the API drop a thinking block needs.
     pub fn upstream_headers<'a>(&self, headers: &'a http::HeaderMap) -> Cow<'a, http::HeaderMap> {
-        if !(self.drop_block && self.compaction.is_some()) {
+        if !self.drop_block {
             return Cow::Borrowed(headers);
         }
         let mut out = headers.clone();
@@ -194,11 +196,14 @@ impl PendingExchange {
         Cow::Owned(out)
     }
 
-    /// Goes back to the client's own items.
+    /// Goes back to the client's own items. On Anthropic Messages with
+    /// thinking on, the client's history may hold thinking the API signed
+    /// against an earlier compacted request, which it would refuse as sent:
+    /// the request lets the API drop such blocks.
     pub fn unapply(&mut self) {
         self.view = self.items.clone();
         self.compaction = None;
-        self.drop_block = false;
+        self.drop_block = self.api == Api::Messages && messages::thinking_on(&self.body);
         self.recall = false;
         self.extra.clear();
     }
@@ -206,11 +211,11 @@ impl PendingExchange {
     /// The body to send upstream: the client's bytes while they can go as
     /// they came, else the body rebuilt around the items of the view.
     pub fn upstream_bytes(&self) -> Result<Payload, ProxyError> {
-        if let (None, Some(original)) = (&self.compaction, &self.original) {
+        if let (None, Some(original), false) = (&self.compaction, &self.original, self.drop_block) {
             return Ok(original.clone());
         }
         let bound;
-        let body = if self.drop_block && self.compaction.is_some() {
+        let body = if self.drop_block {
             let mut b = (*self.body).clone();
             messages::with_block_binding(&mut b);
             bound = b;

@@ -276,15 +276,23 @@ pub fn finish_view(view: &mut Vec<Value>, replacement_len: usize, outside: usize
     kept_thinking
 }
 
+/// Whether a request has thinking on (`thinking` set, and not `disabled`).
+pub fn thinking_on(body: &Value) -> bool {
+    body.get("thinking")
+        .and_then(|t| t.get("type"))
+        .and_then(Value::as_str)
+        .is_some_and(|t| t != "disabled")
+}
+
 /// Asks the API to drop a thinking block whose signature no longer matches
 /// its prefix rather than refuse the request (only where thinking is on).
 pub fn with_block_binding(body: &mut Value) {
+    if !thinking_on(body) {
+        return;
+    }
     let Some(thinking) = body.get_mut("thinking").and_then(Value::as_object_mut) else {
         return;
     };
-    if thinking.get("type").and_then(Value::as_str) == Some("disabled") {
-        return;
-    }
     thinking.insert(
         "block_binding".into(),
         json!({"prefix_mismatch_behavior": "drop_block"}),
