@@ -14,6 +14,7 @@ pub mod journal;
 pub mod postgres;
 pub mod postgres_listen;
 pub mod postgres_queries;
+pub mod postgres_text;
 pub mod query;
 pub mod retention;
 pub mod rows;
@@ -300,6 +301,16 @@ pub trait Backend: Send + 'static {
     fn load(&mut self, limits: Limits) -> Result<Snapshot, StoreError>;
     /// Writes a batch of records in one transaction.
     fn write(&mut self, batch: &[Record]) -> Result<(), StoreError>;
+    /// Writes each record of `batch` in a transaction of its own: what the
+    /// writer does with a batch [`Backend::write`] refused for a value one
+    /// of its records holds ([`StoreError::is_refusal`]), so that record
+    /// fails alone. One result per record, in order.
+    fn write_each(&mut self, batch: &[Record]) -> Vec<Result<(), StoreError>> {
+        batch
+            .iter()
+            .map(|r| self.write(std::slice::from_ref(r)))
+            .collect()
+    }
 }
 
 /// A storage backend's point reads, the ones the request path makes while
@@ -539,6 +550,22 @@ pub enum StoreError {
     /// record of the batch that waited for it.
     #[error("commit failed: {0}")]
     Commit(#[source] Arc<StoreError>),
+}
+
+impl StoreError {
+    /// Whether the database refused a write for a value a record holds (a
+    /// data exception, a constraint, a value past a limit such as an index
+    /// row's size), rather than because it could not be reached or is in
+    /// trouble: another record of the same batch would have been taken.
+    pub fn is_refusal(&self) -> bool {
+        match self {
+            StoreError::Postgres(e) => e
+                .code()
+                .is_some_and(|c| matches!(c.code().get(..2), Some("22" | "23" | "54"))),
+            StoreError::Commit(e) => e.is_refusal(),
+            _ => false,
+        }
+    }
 }
 
 impl From<deadpool_postgres::PoolError> for StoreError {
@@ -989,7 +1016,9 @@ fn writer_loop(
 #[derive(Default)]
 struct Pending {
     records: Vec<Record>,
-    acks: Vec<Ack>,
+    /// Each with the position in `records` of the record it waits for, if
+    /// one (a flush waits for them all).
+    acks: Vec<(Option<usize>, Ack)>,
     /// Sequence number of the last journaled record in `records`.
     upto: Option<u64>,
     /// Their share of the backlog (journaled records' footprints).
@@ -1011,26 +1040,59 @@ impl Pending {
             }
             Cmd::Write(rec, ack) => {
                 self.records.push(rec);
-                self.acks.extend(ack);
+                let at = self.records.len() - 1;
+                self.acks.extend(ack.map(|ack| (Some(at), ack)));
                 // A detached write has no ack but is committed now too.
                 deadline.take();
             }
-            Cmd::Flush(ack) => self.acks.push(ack),
+            Cmd::Flush(ack) => self.acks.push((None, ack)),
         }
     }
 
     fn commit(&mut self, backend: &mut dyn Backend, journal: &Option<Arc<Journal>>) {
+        // One result per record when the batch was refused and its records
+        // then went one by one.
+        let mut each: Option<Vec<Result<(), Arc<StoreError>>>> = None;
         let result = if self.records.is_empty() {
             Ok(())
         } else {
             let started = Instant::now();
-            let written = backend.write(&self.records).map_err(Arc::new);
+            let mut written = backend.write(&self.records).map_err(Arc::new);
+            if let Err(e) = &written {
+                if e.is_refusal() && self.records.len() > 1 {
+                    tracing::warn!(
+                        error = %e,
+                        records = self.records.len(),
+                        "the database refused a batch: its records go one by one"
+                    );
+                    let results: Vec<_> = backend
+                        .write_each(&self.records)
+                        .into_iter()
+                        .map(|r| r.map_err(Arc::new))
+                        .collect();
+                    // The batch as a whole (a flush) failed only if the
+                    // database failed, not when it refused a record.
+                    written = results
+                        .iter()
+                        .find_map(|r| r.clone().err().filter(|e| !e.is_refusal()))
+                        .map_or(Ok(()), Err);
+                    each = Some(results);
+                }
+            }
             if let Some(observe) = self.commits.get() {
                 observe(started.elapsed());
             }
-            self.failing.store(written.is_err(), Ordering::Release);
+            let failed = written.as_ref().is_err_and(|e| !e.is_refusal());
+            self.failing.store(failed, Ordering::Release);
             written
         };
+        let refused = each.iter().flatten().filter(|r| r.is_err()).count();
+        if refused > 0 {
+            tracing::error!(
+                records = refused,
+                "the database refused records: not stored"
+            );
+        }
         match (&result, journal, self.upto.take()) {
             (Err(e), _, _) => {
                 tracing::error!(error = %e, records = self.records.len(), "store write failed");
@@ -1039,13 +1101,15 @@ impl Pending {
                     j.keep();
                 }
             }
+            (Ok(()), Some(j), _) if refused > 0 => j.keep(),
             (Ok(()), Some(j), Some(seq)) => j.imported(seq),
             _ => {}
         }
         self.records.clear();
         self.backlog.release(std::mem::take(&mut self.bytes));
-        for ack in self.acks.drain(..) {
-            ack(result.clone());
+        for (at, ack) in self.acks.drain(..) {
+            let own = at.zip(each.as_ref()).and_then(|(i, each)| each.get(i));
+            ack(own.cloned().unwrap_or_else(|| result.clone()));
         }
     }
 }

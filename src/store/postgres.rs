@@ -14,6 +14,7 @@
 //! the first replica's, exchange ids come from a sequence in blocks, an
 //! explicit key belongs to the conversation that committed it first.
 
+use std::borrow::Cow;
 use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
@@ -22,6 +23,7 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::types::Type;
 use tokio_postgres::NoTls;
 
+use super::postgres_text::{escape, escape_opt, unescape, unescape_opt};
 use super::rows::COMPACTION_COLUMNS;
 use super::sql::{Cell, Row};
 use super::{
@@ -552,7 +554,7 @@ async fn load(pool: &Pool, limits: Limits) -> Result<Snapshot, StoreError> {
             response_len: r.get::<_, i32>(4) as usize,
             chain_request: hash_of(r.get(5)),
             chain_full: hash_of(r.get(6)),
-            response_id: r.get(7),
+            response_id: unescape_opt(r.get(7)),
             prefix_exchange: r.get(8),
         })
         .collect();
@@ -566,7 +568,7 @@ async fn load(pool: &Pool, limits: Limits) -> Result<Snapshot, StoreError> {
         .await?;
     snap.keys = rows
         .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .map(|r| (r.get(0), unescape(r.get(1)), r.get(2)))
         .collect();
     snap.keys_truncated = snap.keys.len() > limits.keys;
     snap.keys.truncate(limits.keys);
@@ -589,8 +591,8 @@ async fn load(pool: &Pool, limits: Limits) -> Result<Snapshot, StoreError> {
     snap.windows = rows
         .iter()
         .map(|r| Told {
-            upstream: r.get(0),
-            model: r.get(1),
+            upstream: unescape(r.get(0)),
+            model: unescape(r.get(1)),
             window: r.get::<_, i64>(2).max(0) as u64,
             source: Source::parse(r.get(3)).unwrap_or(Source::Learned),
             updated_ms: r.get(4),
@@ -779,7 +781,7 @@ type Span<'a> = (&'a str, super::ConversationSpan<'a>);
 columns! {
     Items<'a>(item: &'a (ItemHash, String)) into "items" "ON CONFLICT DO NOTHING" {
         hash: &'a [u8] as "bytea" = item.0.as_slice(),
-        body: &'a str as "text" = item.1.as_str(),
+        body: Cow<'a, str> as "text" = escape(item.1.as_str()),
     }
 }
 
@@ -792,10 +794,10 @@ columns! {
     KeyedConversations<'a>(span: &'a Span<'a>) into "conversations" "ON CONFLICT DO NOTHING" {
         id: &'a str as "text" = span.0,
         tenant: &'a str as "text" = &span.1.first.tenant,
-        explicit_key: Option<&'a str> as "text" = span.1.first.explicit_key.as_deref(),
+        explicit_key: Option<Cow<'a, str>> as "text" = escape_opt(span.1.first.explicit_key.as_deref()),
         created_ms: i64 as "bigint" = span.1.first.started_ms,
         last_seen_ms: i64 as "bigint" = span.1.last.started_ms,
-        model: &'a str as "text" = &span.1.last.model,
+        model: Cow<'a, str> as "text" = escape(&span.1.last.model),
     }
 }
 
@@ -818,12 +820,12 @@ columns! {
         tenant: &'a str as "text" = &span.1.first.tenant,
         created_ms: i64 as "bigint" = span.1.first.started_ms,
         last_seen_ms: i64 as "bigint" = span.1.last.started_ms,
-        model: &'a str as "text" = &span.1.last.model,
-        preview: Option<&'a str> as "text" = span.1.preview,
-        client: Option<&'a str> as "text" = span.1.client,
-        conversation_header: Option<&'a str> as "text" = span.1.ids.header.as_deref(),
-        session_id: Option<&'a str> as "text" = span.1.ids.session.as_deref(),
-        prompt_cache_key: Option<&'a str> as "text" = span.1.ids.cache_key.as_deref(),
+        model: Cow<'a, str> as "text" = escape(&span.1.last.model),
+        preview: Option<Cow<'a, str>> as "text" = escape_opt(span.1.preview),
+        client: Option<Cow<'a, str>> as "text" = escape_opt(span.1.client),
+        conversation_header: Option<Cow<'a, str>> as "text" = escape_opt(span.1.ids.header.as_deref()),
+        session_id: Option<Cow<'a, str>> as "text" = escape_opt(span.1.ids.session.as_deref()),
+        prompt_cache_key: Option<Cow<'a, str>> as "text" = escape_opt(span.1.ids.cache_key.as_deref()),
     }
 }
 
@@ -833,7 +835,7 @@ columns! {
         conversation_id: &'a str as "text" = &r.conversation,
         tenant: &'a str as "text" = &r.tenant,
         endpoint: &'a str as "text" = r.api.endpoint(),
-        model: &'a str as "text" = &r.model,
+        model: Cow<'a, str> as "text" = escape(&r.model),
         prefix_exchange: Option<i64> as "bigint" = r.prefix.map(|p| p.exchange),
         prefix_len: i64 as "bigint" = r.prefix.map_or(0, |p| p.len as i64),
         prefix_full: bool as "boolean" = r.prefix.is_some_and(|p| p.full),
@@ -841,7 +843,7 @@ columns! {
         request_len: i64 as "bigint" = r.request_len as i64,
         params: &'a [u8] as "bytea" = r.params.as_slice(),
         response_items: &'a [u8] as "bytea" = r.response_items.as_flattened(),
-        response_id: Option<&'a str> as "text" = r.response_id.as_deref(),
+        response_id: Option<Cow<'a, str>> as "text" = escape_opt(r.response_id.as_deref()),
         input_tokens: Option<i64> as "bigint" = r.usage.map(|u| u.input_tokens as i64),
         output_tokens: Option<i64> as "bigint" = r.usage.map(|u| u.output_tokens as i64),
         cached_tokens: Option<i64> as "bigint" =
@@ -849,7 +851,7 @@ columns! {
         status: i32 as "integer" = i32::from(r.status),
         streamed: bool as "boolean" = r.streamed,
         partial: bool as "boolean" = r.partial,
-        error: Option<&'a str> as "text" = r.error.as_deref(),
+        error: Option<Cow<'a, str>> as "text" = escape_opt(r.error.as_deref()),
         started_ms: i64 as "bigint" = r.started_ms,
         latency_ms: f64 as "double precision" = r.latency_ms,
         ttfb_ms: Option<f64> as "double precision" = r.ttfb_ms,
@@ -858,10 +860,10 @@ columns! {
         compaction_id: Option<&'a str> as "text" = r.compaction.as_deref(),
         context_window: Option<i64> as "bigint" = r.window.map(|w| w.tokens as i64),
         window_source: Option<&'a str> as "text" = r.window.map(|w| w.source.as_str()),
-        client: Option<&'a str> as "text" = r.client.as_deref(),
-        conversation_header: Option<&'a str> as "text" = r.client_ids.header.as_deref(),
-        session_id: Option<&'a str> as "text" = r.client_ids.session.as_deref(),
-        prompt_cache_key: Option<&'a str> as "text" = r.client_ids.cache_key.as_deref(),
+        client: Option<Cow<'a, str>> as "text" = escape_opt(r.client.as_deref()),
+        conversation_header: Option<Cow<'a, str>> as "text" = escape_opt(r.client_ids.header.as_deref()),
+        session_id: Option<Cow<'a, str>> as "text" = escape_opt(r.client_ids.session.as_deref()),
+        prompt_cache_key: Option<Cow<'a, str>> as "text" = escape_opt(r.client_ids.cache_key.as_deref()),
         mode: &'a str as "text" = r.savings.mode.as_str(),
         tokens_saved: i64 as "bigint" = r.savings.tokens_saved as i64,
         tokens_saved_potential: i64 as "bigint" = r.savings.tokens_saved_potential as i64,
@@ -882,12 +884,12 @@ columns! {
         replacement: String as "text" =
             serde_json::to_string(&c.replacement).unwrap_or_else(|_| "[]".into()),
         rung: &'a str as "text" = c.rung.as_str(),
-        reason: &'a str as "text" = &c.reason,
+        reason: Cow<'a, str> as "text" = escape(&c.reason),
         tokens_before: i64 as "bigint" = c.tokens_before as i64,
         tokens_after: i64 as "bigint" = c.tokens_after as i64,
         items_removed: i64 as "bigint" = c.items_removed as i64,
         items_kept: i64 as "bigint" = c.items_kept as i64,
-        summary: Option<&'a str> as "text" = c.summary.as_deref(),
+        summary: Option<Cow<'a, str>> as "text" = escape_opt(c.summary.as_deref()),
         facts: Option<String> as "text" =
             c.facts.as_ref().and_then(|f| serde_json::to_string(f).ok()),
         base_id: Option<&'a str> as "text" = c.base.as_deref(),
@@ -905,8 +907,8 @@ columns! {
     Windows<'a>(w: &'a Told) into "windows"
     "ON CONFLICT (upstream, model) DO UPDATE SET \"window\" = excluded.\"window\",
          source = excluded.source, updated_ms = excluded.updated_ms" {
-        upstream: &'a str as "text" = &w.upstream,
-        model: &'a str as "text" = &w.model,
+        upstream: Cow<'a, str> as "text" = escape(&w.upstream),
+        model: Cow<'a, str> as "text" = escape(&w.model),
         window: i64 as "bigint" = w.window as i64,
         source: &'a str as "text" = w.source.as_str(),
         updated_ms: i64 as "bigint" = w.updated_ms,
@@ -927,7 +929,7 @@ fn cell(row: &tokio_postgres::Row, i: usize) -> Result<Cell, StoreError> {
             .map_or(Cell::Null, Cell::Real),
         Type::TEXT | Type::VARCHAR | Type::NAME => row
             .try_get::<_, Option<String>>(i)?
-            .map_or(Cell::Null, Cell::Text),
+            .map_or(Cell::Null, |s| Cell::Text(unescape(s))),
         Type::BYTEA => row
             .try_get::<_, Option<Vec<u8>>>(i)?
             .map_or(Cell::Null, Cell::Blob),
@@ -1040,7 +1042,7 @@ impl super::Reads for PostgresReads {
     }
 
     fn conversation_of_key(&self, tenant: &str, key: &str) -> Option<String> {
-        let (tenant, key) = (tenant.to_string(), key.to_string());
+        let (tenant, key) = (tenant.to_string(), escape(key).into_owned());
         self.read("conversation_of_key", |pool| async move {
             let client = pool.get().await?;
             let stmt = client
@@ -1056,7 +1058,7 @@ impl super::Reads for PostgresReads {
     }
 
     fn response_history(&self, tenant: &str, response_id: &str) -> Option<Vec<serde_json::Value>> {
-        let (tenant, response_id) = (tenant.to_string(), response_id.to_string());
+        let (tenant, response_id) = (tenant.to_string(), escape(response_id).into_owned());
         self.read("response_history", |pool| async move {
             let client = pool.get().await?;
             response_history(&client, &tenant, &response_id).await
@@ -1093,7 +1095,7 @@ impl super::Reads for PostgresReads {
     }
 
     fn conversation_of_response(&self, tenant: &str, response_id: &str) -> Option<String> {
-        let (tenant, response_id) = (tenant.to_string(), response_id.to_string());
+        let (tenant, response_id) = (tenant.to_string(), escape(response_id).into_owned());
         self.read("conversation_of_response", |pool| async move {
             let client = pool.get().await?;
             let stmt = client
@@ -1306,8 +1308,10 @@ async fn response_history(
             &[&wanted],
         )
         .await?;
-    let bodies: foldhash::HashMap<Vec<u8>, String> =
-        rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let bodies: foldhash::HashMap<Vec<u8>, String> = rows
+        .iter()
+        .map(|r| (r.get(0), unescape(r.get(1))))
+        .collect();
     let mut items = Vec::with_capacity(hashes.len());
     for h in &hashes {
         let Some(body) = bodies.get(h.as_slice()) else {
