@@ -311,6 +311,15 @@ pub struct StoreConfig {
     /// A PostgreSQL statement running longer than this is cancelled, ms;
     /// also how long a request waits for a pooled connection.
     pub statement_timeout_ms: u64,
+    /// PostgreSQL: a commit under way longer than this (ms) declares the
+    /// database stalled: parsed requests are refused before they go
+    /// upstream (503 with `Retry-After`) and `/readyz` fails, until a
+    /// commit succeeds again.
+    pub stall_after_ms: u64,
+    /// PostgreSQL: how long a replica's claim on computing a
+    /// conversation's compaction lasts, s; past it (the replica died or
+    /// overran) another may compute it. Longer than a summary takes.
+    pub claim_lapse_secs: u64,
     /// Conversations last seen longer ago than this many days are deleted
     /// by the running proxy (hourly), with the items nothing else refers
     /// to. None: kept until deleted by hand.
@@ -325,6 +334,8 @@ impl Default for StoreConfig {
             password_env: String::new(),
             pool_size: 16,
             statement_timeout_ms: 5_000,
+            stall_after_ms: 2_000,
+            claim_lapse_secs: 120,
             retain_days: None,
         }
     }
@@ -637,6 +648,12 @@ impl Config {
             }
             if st.statement_timeout_ms == 0 {
                 return invalid("store.statement_timeout_ms", "must be greater than 0");
+            }
+            if st.stall_after_ms == 0 {
+                return invalid("store.stall_after_ms", "must be greater than 0");
+            }
+            if st.claim_lapse_secs == 0 {
+                return invalid("store.claim_lapse_secs", "must be greater than 0");
             }
         }
         let token_env = &self.admin.token_env;

@@ -38,6 +38,8 @@ fn options(url: &str, pool_size: usize) -> Options {
         password: None,
         pool_size,
         statement_timeout: Duration::from_secs(20),
+        stall_after: Duration::from_secs(2),
+        claim_lapse: Duration::from_secs(120),
     }
 }
 
@@ -595,10 +597,9 @@ fn a_record_the_database_refuses_fails_alone_and_its_batch_mates_commit() {
     let relay = rt.block_on(within(slow_link(cluster.port)));
     let slow = format!("postgres://postgres@127.0.0.1:{relay}/{name}");
     let pg = Postgres::open(&options(&slow, 2)).expect("open the database");
-    let ids = pg.clone();
     let (store, _) = compactor::store::Store::start_shared(
-        Box::new(PostgresBackend::new(pg)),
-        Box::new(move || ids.reserve_ids()),
+        Box::new(PostgresBackend::new(pg.clone())),
+        pg,
         compactor::store::Limits {
             exchanges: 10,
             keys: 10,

@@ -26,7 +26,7 @@ pub mod sql;
 pub mod sqlite;
 mod sqlite_queries;
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -513,6 +513,10 @@ pub enum StoreError {
     /// A PostgreSQL call took longer than its bound.
     #[error("postgres: no answer in time")]
     Timeout,
+    /// The database is stalled or down: requests are refused until a
+    /// commit succeeds again.
+    #[error("postgres: stalled: {0}")]
+    Stalled(String),
     /// Filesystem trouble (creating the directory…).
     #[error("store io: {0}")]
     Io(#[from] std::io::Error),
@@ -654,21 +658,28 @@ pub struct Store {
     ids: Option<SharedIds>,
     /// Told how long each commit took (the writer thread calls it).
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
-    /// Set while the last commit failed, cleared by the next that succeeds.
-    failing: Arc<AtomicBool>,
     journal: Option<Arc<Journal>>,
 }
 
 /// Told how long a commit took.
 pub type CommitObserver = Box<dyn Fn(Duration) + Send + Sync>;
 
-/// Reserves a block of exchange ids no other process gets.
-pub type ReserveIds = Box<dyn Fn() -> Result<std::ops::Range<i64>, StoreError> + Send + Sync>;
+/// The database of a store other processes write too, as the request path
+/// sees it.
+pub trait SharedDatabase: Send + Sync + 'static {
+    /// Reserves a block of exchange ids no other process gets.
+    fn reserve_ids(&self) -> Result<std::ops::Range<i64>, StoreError>;
+    /// Why the database cannot take a commit now, if it cannot: a commit
+    /// has been under way longer than the stall bound, or the last one
+    /// failed for want of the database and none has succeeded since.
+    /// Answered from memory.
+    fn stalled(&self) -> Option<StoreError>;
+}
 
 /// Exchange ids of a store shared with other processes: taken from blocks
 /// reserved in the database, one round trip per block.
 struct SharedIds {
-    reserve: ReserveIds,
+    db: Arc<dyn SharedDatabase>,
     block: Mutex<std::ops::Range<i64>>,
 }
 
@@ -705,17 +716,17 @@ impl Store {
     }
 
     /// [`Store::start`] for a store other processes write too: no journal
-    /// (an exchange is committed before its answer is released), and
-    /// exchange ids from `reserve`.
+    /// (an exchange is committed before its answer is released), exchange
+    /// ids from `db`, and requests refused while `db` is stalled.
     pub fn start_shared(
         backend: Box<dyn Backend>,
-        reserve: ReserveIds,
+        db: Arc<dyn SharedDatabase>,
         limits: Limits,
     ) -> Result<(Arc<Store>, Snapshot), StoreError> {
         let (store, snapshot) = Self::start_bounded(backend, None, limits, MAX_BACKLOG_BYTES)?;
         let mut store = Arc::into_inner(store).ok_or(StoreError::Closed)?;
         store.ids = Some(SharedIds {
-            reserve,
+            db,
             block: Mutex::new(0..0),
         });
         Ok((Arc::new(store), snapshot))
@@ -750,11 +761,9 @@ impl Store {
         let drained = backlog.clone();
         let commits: Arc<std::sync::OnceLock<CommitObserver>> = Arc::default();
         let observer = commits.clone();
-        let failing = Arc::new(AtomicBool::new(false));
-        let fails = failing.clone();
         let writer = std::thread::Builder::new()
             .name("compactor-store".into())
-            .spawn(move || writer_loop(backend, rx, upkeep, drained, observer, fails))?
+            .spawn(move || writer_loop(backend, rx, upkeep, drained, observer))?
             .thread()
             .clone();
         let store = Store {
@@ -770,7 +779,6 @@ impl Store {
             next_id: AtomicI64::new(snapshot.max_exchange_id + 1),
             ids: None,
             commits,
-            failing,
             backlog,
             max_backlog,
             journal,
@@ -782,6 +790,17 @@ impl Store {
     /// exchange could not be committed must not reach its client).
     pub fn is_shared(&self) -> bool {
         self.ids.is_some()
+    }
+
+    /// Whether the store takes an exchange now: an error while a shared
+    /// store's database is stalled or down ([`SharedDatabase::stalled`]),
+    /// told without asking the database. A request refused here goes
+    /// nowhere, so no answer is billed and then withheld.
+    pub fn available(&self) -> Result<(), StoreError> {
+        match self.ids.as_ref().and_then(|ids| ids.db.stalled()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Has `observe` told the duration of every commit from now on (the
@@ -796,12 +815,12 @@ impl Store {
         let Some(ids) = &self.ids else {
             return Ok(self.next_id.fetch_add(1, Ordering::Relaxed));
         };
+        // While the database is stalled (or down) a request is refused at
+        // once, before it goes upstream: none waits for it in turn.
+        self.available()?;
         let mut block = ids.block.lock().unwrap_or_else(|p| p.into_inner());
-        // While commits fail, each request asks the database first: it is
-        // refused (and goes nowhere) until the database answers again.
-        if block.is_empty() || self.failing.load(Ordering::Acquire) {
-            *block = (ids.reserve)()?;
-            self.failing.store(false, Ordering::Release);
+        if block.is_empty() {
+            *block = ids.db.reserve_ids()?;
         }
         let id = block.start;
         block.start += 1;
@@ -972,12 +991,10 @@ fn writer_loop(
     journal: Option<Arc<Journal>>,
     backlog: Arc<Backlog>,
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
-    failing: Arc<AtomicBool>,
 ) {
     let mut batch = Pending {
         backlog,
         commits,
-        failing,
         ..Pending::default()
     };
     let mut deadline: Option<Instant> = None;
@@ -1025,7 +1042,6 @@ struct Pending {
     bytes: usize,
     backlog: Arc<Backlog>,
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
-    failing: Arc<AtomicBool>,
 }
 
 impl Pending {
@@ -1082,8 +1098,6 @@ impl Pending {
             if let Some(observe) = self.commits.get() {
                 observe(started.elapsed());
             }
-            let failed = written.as_ref().is_err_and(|e| !e.is_refusal());
-            self.failing.store(failed, Ordering::Release);
             written
         };
         let refused = each.iter().flatten().filter(|r| r.is_err()).count();

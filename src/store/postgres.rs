@@ -16,6 +16,7 @@
 
 use std::borrow::Cow;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -229,6 +230,10 @@ pub struct Options {
     pub pool_size: usize,
     /// Statement timeout, and the longest wait for a pooled connection.
     pub statement_timeout: Duration,
+    /// A commit under way longer than this declares the database stalled.
+    pub stall_after: Duration,
+    /// How long a claim on computing a conversation's compaction lasts.
+    pub claim_lapse: Duration,
 }
 
 impl std::fmt::Debug for Options {
@@ -236,6 +241,7 @@ impl std::fmt::Debug for Options {
         f.debug_struct("Options")
             .field("pool_size", &self.pool_size)
             .field("statement_timeout", &self.statement_timeout)
+            .field("stall_after", &self.stall_after)
             .finish_non_exhaustive()
     }
 }
@@ -248,6 +254,8 @@ impl Options {
             password: c.password(),
             pool_size: c.pool_size,
             statement_timeout: Duration::from_millis(c.statement_timeout_ms),
+            stall_after: Duration::from_millis(c.stall_after_ms),
+            claim_lapse: Duration::from_secs(c.claim_lapse_secs),
         }
     }
 
@@ -289,7 +297,27 @@ pub struct Postgres {
     handle: tokio::runtime::Handle,
     pub(super) pool: Pool,
     timeout: Duration,
+    health: Arc<Health>,
+    stall_after: Duration,
+    claim_lapse: Duration,
 }
+
+/// What tells a stalled database, kept by the writer's commits and read by
+/// the request path without a round trip.
+#[derive(Default)]
+struct Health {
+    /// Unix ms the commit under way started (0: none is).
+    busy_since_ms: AtomicI64,
+    /// The last commit failed for want of the database (not for a value it
+    /// refused); cleared by the next commit that succeeds.
+    failing: AtomicBool,
+    /// A probe commit is being tried (see [`Postgres::probe_until_up`]).
+    probing: AtomicBool,
+}
+
+/// How often a database whose last commit failed is tried again with an
+/// empty commit, while no request is let through to commit one.
+const PROBE_EVERY: Duration = Duration::from_millis(250);
 
 impl Drop for Postgres {
     fn drop(&mut self) {
@@ -328,6 +356,9 @@ impl Postgres {
             runtime: Some(runtime),
             pool,
             timeout: opts.statement_timeout + CONNECT_TIMEOUT,
+            health: Arc::default(),
+            stall_after: opts.stall_after,
+            claim_lapse: opts.claim_lapse,
         }))
     }
 
@@ -397,6 +428,46 @@ impl Postgres {
         }
     }
 
+    /// Notes how the commit under way ended: a failure for want of the
+    /// database stalls the store until a probe commit succeeds.
+    fn committed(&self, result: &Result<(), StoreError>) {
+        self.health.busy_since_ms.store(0, Ordering::Release);
+        let down = result.as_ref().is_err_and(|e| !e.is_refusal());
+        self.health.failing.store(down, Ordering::Release);
+        if down {
+            self.probe_until_up();
+        }
+    }
+
+    /// Tries an empty commit every [`PROBE_EVERY`] until one succeeds,
+    /// which clears the failure: requests are refused meanwhile, so none
+    /// would commit to tell it. One prober at a time.
+    fn probe_until_up(&self) {
+        if self.health.probing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (pool, health, timeout) = (self.pool.clone(), self.health.clone(), self.timeout);
+        self.handle.spawn(async move {
+            loop {
+                tokio::time::sleep(PROBE_EVERY).await;
+                if !health.failing.load(Ordering::Acquire) {
+                    break;
+                }
+                let probe = async {
+                    let client = pool.get().await?;
+                    client.batch_execute("BEGIN; COMMIT").await?;
+                    Ok::<_, StoreError>(())
+                };
+                if let Ok(Ok(())) = tokio::time::timeout(timeout, probe).await {
+                    tracing::info!("the database answers again: requests are served");
+                    health.failing.store(false, Ordering::Release);
+                    break;
+                }
+            }
+            health.probing.store(false, Ordering::Release);
+        });
+    }
+
     /// A new block of exchange ids, unique across every replica.
     pub fn reserve_ids(&self) -> Result<std::ops::Range<i64>, StoreError> {
         let pool = self.pool.clone();
@@ -408,6 +479,24 @@ impl Postgres {
             let block: i64 = row.get(0);
             Ok(block * ID_BLOCK..(block + 1) * ID_BLOCK)
         })
+    }
+}
+
+impl super::SharedDatabase for Postgres {
+    fn reserve_ids(&self) -> Result<std::ops::Range<i64>, StoreError> {
+        Postgres::reserve_ids(self)
+    }
+
+    fn stalled(&self) -> Option<StoreError> {
+        if self.health.failing.load(Ordering::Acquire) {
+            return Some(StoreError::Stalled(
+                "the last commit failed; waiting for one to succeed".into(),
+            ));
+        }
+        let since = self.health.busy_since_ms.load(Ordering::Acquire);
+        let age = crate::ids::now_ms() - since;
+        (since > 0 && age >= self.stall_after.as_millis() as i64)
+            .then(|| StoreError::Stalled(format!("a commit has been under way for {age} ms")))
     }
 }
 
@@ -508,11 +597,17 @@ impl Backend for PostgresBackend {
         // where it is, without a copy.
         let pool = self.pg.pool.clone();
         let timeout = self.pg.timeout;
-        self.pg.handle.block_on(async move {
+        self.pg
+            .health
+            .busy_since_ms
+            .store(crate::ids::now_ms(), Ordering::Release);
+        let result = self.pg.handle.block_on(async move {
             tokio::time::timeout(timeout, write(&pool, batch))
                 .await
                 .unwrap_or(Err(StoreError::Timeout))
-        })
+        });
+        self.pg.committed(&result);
+        result
     }
 }
 
@@ -1152,9 +1247,12 @@ impl super::Reads for PostgresReads {
         })
     }
 
-    fn claim(&self, tenant: &str, conversation: &str, for_ms: i64) -> bool {
+    fn claim(&self, tenant: &str, conversation: &str, _for_ms: i64) -> bool {
         let (tenant, conversation) = (tenant.to_string(), conversation.to_string());
         let owner = self.owner.clone();
+        // The lapse is the deployment's (`store.claim_lapse_secs`): every
+        // replica of one database should be given the same.
+        let for_ms = self.pg.claim_lapse.as_millis() as i64;
         // An expired claim (its replica died, or overran) is taken over.
         let claimed = self.read("claim", |pool| async move {
             let client = pool.get().await?;
