@@ -651,3 +651,61 @@ fn a_record_the_database_refuses_fails_alone_and_its_batch_mates_commit() {
         ])]
     );
 }
+
+/// The unreferenced-item scan reads every exchange: on a shared store one
+/// process at a time makes it. While another holds its lock, a deletion
+/// takes its conversation and skips the scan; the next scan takes the
+/// items both deletions left.
+#[test]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+fn the_unreferenced_item_scan_runs_in_one_process_at_a_time() {
+    let Some((_cluster, url, rt)) = database() else {
+        return;
+    };
+    let (pg, mut backend) = backend(&url);
+    backend
+        .write(&[ex(exchange(50, "conv_x", 1)), ex(exchange(51, "conv_y", 2))])
+        .expect("the batch");
+    let reads = PostgresReads::new(pg);
+    use compactor::store::Queries;
+    let items = || rows(&rt, &url, "SELECT to_jsonb(count(*))::text FROM items");
+    assert_eq!(items(), vec![json!(2)]);
+
+    // Another process scans (holds the lock).
+    let (holder, driver) = rt.block_on(async {
+        let (client, conn) = within(tokio_postgres::connect(&url, tokio_postgres::NoTls))
+            .await
+            .expect("connect");
+        let driver = tokio::spawn(conn);
+        within(client.execute(
+            "SELECT pg_advisory_lock($1)",
+            &[&compactor::store::retention::PRUNE_LOCK],
+        ))
+        .await
+        .expect("the lock");
+        (client, driver)
+    });
+    let removed = reads
+        .delete_conversations(&["conv_x".to_string()])
+        .expect("the deletion");
+    assert_eq!(
+        (removed.conversations, removed.items),
+        (1, 0),
+        "{removed:?}"
+    );
+    assert_eq!(items(), vec![json!(2)], "the scan was left to the other");
+    drop(holder);
+    rt.block_on(async {
+        let _ = within(driver).await;
+    });
+
+    let removed = reads
+        .delete_conversations(&["conv_y".to_string()])
+        .expect("the deletion");
+    assert_eq!(
+        (removed.conversations, removed.items),
+        (1, 2),
+        "{removed:?}"
+    );
+    assert_eq!(items(), vec![json!(0)]);
+}
