@@ -261,3 +261,74 @@ async fn a_stalled_database_refuses_requests_at_once_before_they_go_upstream_the
         "before, in flight and after: every answer served is recorded"
     );
 }
+
+/// A commit that times out after its pipeline went to the database may
+/// still land there afterwards. Its client was told the answer was
+/// withheld (503), so the record says so too, whenever the late commit
+/// lands: never an exchange recorded as answered that its client never got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn an_answer_whose_commit_timed_out_is_recorded_as_withheld_though_the_commit_lands_later() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let relay = Relay::start(pg.port).await;
+    let name = url.rsplit('/').next().expect("a database name").to_string();
+    let via_relay = format!("postgres://postgres@127.0.0.1:{}/{name}", relay.port);
+    let h = Harness::start_with(|c| {
+        c.store.url = via_relay.clone();
+        // A commit gives up after this and the connect bound (5 s).
+        c.store.statement_timeout_ms = 1_000;
+    })
+    .await;
+    let endpoint = format!("{}/chat/completions", h.url());
+    let body =
+        |text: &str| json!({"model": MODEL, "messages": [{"role": "user", "content": text}]});
+    let (status, _, _) = post(&endpoint, "sk-late", &body("before")).await;
+    assert_eq!(status, 200);
+
+    // The answer's commit is sent while the database holds every byte.
+    h.fake.push(Reply::Delay(
+        Duration::from_millis(300),
+        Box::new(Reply::chat("late", 10, 2)),
+    ));
+    let pending = tokio::spawn({
+        let (endpoint, body) = (endpoint.clone(), body("in flight"));
+        async move { post(&endpoint, "sk-late", &body).await.0 }
+    });
+    within(async {
+        while chat_calls(&h) < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    relay.pause(true);
+    assert_eq!(within(pending).await.expect("the request"), 503, "withheld");
+
+    // The held pipeline reaches the database and commits after all.
+    relay.pause(false);
+    within(async {
+        while count(&url, "SELECT count(*) FROM exchanges").await < 2 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    within(async {
+        while readyz(&h).await != 200 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let (status, _, _) = post(&endpoint, "sk-late", &body("after")).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        count(&url, "SELECT count(*) FROM exchanges WHERE status = 200").await,
+        2,
+        "only the answers the client got are recorded as answered"
+    );
+    let withheld = format!(
+        "SELECT count(*) FROM exchanges WHERE status = 503 AND partial AND error = '{}'
+                                         AND response_id IS NULL",
+        compactor::store::postgres::WITHHELD
+    );
+    assert_eq!(count(&url, &withheld).await, 1);
+}

@@ -573,13 +573,40 @@ async fn apply_migrations(client: &mut deadpool_postgres::Object) -> Result<(), 
 /// The writer thread's side: batches in one transaction each.
 pub struct PostgresBackend {
     pg: Arc<Postgres>,
+    /// The exchanges of batches whose commit timed out after their
+    /// pipeline may have been sent, as their clients were answered
+    /// (withheld, see [`withheld`]): written with the next batch, whether
+    /// the timed-out commit landed meanwhile, lands later or never.
+    in_doubt: Vec<Record>,
 }
 
 impl PostgresBackend {
     /// The writer's backend over `pg`.
     pub fn new(pg: Arc<Postgres>) -> Self {
-        PostgresBackend { pg }
+        PostgresBackend {
+            pg,
+            in_doubt: Vec::new(),
+        }
     }
+}
+
+/// What an exchange whose commit timed out is recorded with: its client
+/// was told the answer was withheld.
+pub const WITHHELD: &str = "the answer was withheld: its commit did not finish in time";
+
+/// `rec` as recorded once its answer was withheld: a 503, its response not
+/// one a later request can continue.
+fn withheld(rec: &Record) -> Option<Record> {
+    let Record::Exchange(e) = rec else {
+        return None;
+    };
+    let mut e = e.clone();
+    e.status = 503;
+    e.partial = true;
+    e.error = Some(WITHHELD.into());
+    e.response_id = None;
+    e.chain_full = None;
+    Some(Record::Exchange(e))
 }
 
 fn hash_of(bytes: Option<Vec<u8>>) -> Option<ItemHash> {
@@ -594,18 +621,51 @@ impl Backend for PostgresBackend {
 
     fn write(&mut self, batch: &[Record]) -> Result<(), StoreError> {
         // The writer thread is outside any runtime: the batch is written
-        // where it is, without a copy.
+        // where it is, without a copy (but after a timeout, when what was in
+        // doubt goes first, in the same transaction).
         let pool = self.pg.pool.clone();
         let timeout = self.pg.timeout;
         self.pg
             .health
             .busy_since_ms
             .store(crate::ids::now_ms(), Ordering::Release);
-        let result = self.pg.handle.block_on(async move {
-            tokio::time::timeout(timeout, write(&pool, batch))
-                .await
-                .unwrap_or(Err(StoreError::Timeout))
-        });
+        let doubt = std::mem::take(&mut self.in_doubt);
+        let ids: Vec<i64> = doubt
+            .iter()
+            .filter_map(|r| match r {
+                Record::Exchange(e) => Some(e.id),
+                _ => None,
+            })
+            .collect();
+        let joined: Vec<Record>;
+        let records = if doubt.is_empty() {
+            batch
+        } else {
+            joined = doubt.iter().chain(batch).cloned().collect();
+            &joined
+        };
+        let result = self
+            .pg
+            .handle
+            .block_on(async { write(&pool, records, &ids, timeout).await });
+        match &result {
+            Ok(()) => {
+                if !ids.is_empty() {
+                    tracing::warn!(
+                        exchanges = ids.len(),
+                        "exchanges whose commit timed out are recorded as withheld"
+                    );
+                }
+            }
+            // Its pipeline may have been sent: the database may yet commit
+            // it. Its clients are told it failed, so the next batch records
+            // them so, whatever the database did with it.
+            Err(StoreError::Timeout) => {
+                self.in_doubt = doubt;
+                self.in_doubt.extend(batch.iter().filter_map(withheld));
+            }
+            Err(_) => self.in_doubt = doubt,
+        }
         self.pg.committed(&result);
         result
     }
@@ -714,22 +774,57 @@ fn stored_compaction(r: &tokio_postgres::Row) -> StoredCompaction {
 /// holds. Under load a round trip is mostly the wait for the threads at
 /// either end to be scheduled, so the count of them, not of rows, is what
 /// a commit's time grows with.
-async fn write(pool: &Pool, batch: &[Record]) -> Result<(), StoreError> {
-    let client = pool.get().await?;
-    let written = write_pipelined(&client, batch).await;
+///
+/// `withheld` are exchanges of the batch recorded so after an earlier
+/// commit of theirs timed out: should that commit have landed first (the
+/// batch's inserts then leave its rows), they are marked so in the same
+/// transaction; should it land later, its inserts find theirs and leave
+/// them. A commit still running holds their ids, and the inserts wait for
+/// it.
+async fn write(
+    pool: &Pool,
+    batch: &[Record],
+    withheld: &[i64],
+    timeout: Duration,
+) -> Result<(), StoreError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let client = tokio::time::timeout_at(deadline, pool.get())
+        .await
+        .map_err(|_| StoreError::Timeout)??;
+    let written = tokio::time::timeout_at(deadline, write_pipelined(&client, batch, withheld))
+        .await
+        .unwrap_or(Err(StoreError::Timeout));
     if written.is_err() {
         // A statement that failed before it was sent (its parameters could
-        // not be encoded) leaves the transaction open, without its COMMIT:
-        // the session is closed, which rolls it back, rather than handed to
-        // the pool's next user.
+        // not be encoded) leaves the transaction open, without its COMMIT,
+        // and one that timed out leaves answers due: the session is closed,
+        // rather than handed to the pool's next user.
         drop(deadpool_postgres::Object::take(client));
     }
     written
 }
 
+/// Marks exchanges as withheld (see [`WITHHELD`]).
+const MARK_WITHHELD: &str = "UPDATE exchanges SET status = 503, partial = TRUE, error = $2,
+                                                  response_id = NULL, chain_full = NULL
+                             WHERE id = ANY($1)";
+
+/// Runs [`MARK_WITHHELD`] over `ids`, unless there are none.
+async fn mark_withheld(
+    client: &deadpool_postgres::ClientWrapper,
+    statement: &tokio_postgres::Statement,
+    ids: &[i64],
+) -> Result<u64, tokio_postgres::Error> {
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    client.execute(statement, &[&ids, &WITHHELD]).await
+}
+
 async fn write_pipelined(
     client: &deadpool_postgres::ClientWrapper,
     batch: &[Record],
+    withheld: &[i64],
 ) -> Result<(), StoreError> {
     let spans = super::conversation_spans(batch);
     let mut items = Items::default();
@@ -775,6 +870,7 @@ async fn write_pipelined(
         client.prepare_cached(Exchanges::sql()),
         client.prepare_cached(Compactions::sql()),
         client.prepare_cached(Windows::sql()),
+        client.prepare_cached(MARK_WITHHELD),
     )?;
     // `biased`: each request is sent when first polled, so polled in this
     // order they run in it, the conversations before the exchanges that
@@ -789,6 +885,7 @@ async fn write_pipelined(
         insert(client, &statements.3, &exchanges),
         insert(client, &statements.4, &compactions),
         insert(client, &statements.5, &windows),
+        mark_withheld(client, &statements.6, withheld),
         client.batch_execute("COMMIT"),
     )?;
     Ok(())
