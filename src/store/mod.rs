@@ -391,10 +391,36 @@ pub trait Reads: Queries + Send + Sync + 'static {
         false
     }
 
+    /// Keeps the outcome of a compaction attempt that stored nothing
+    /// (discarded, failed) where every process reads it, for a store
+    /// several share: `compactor compact` asks any replica for it. A store
+    /// only this process writes keeps none (its attempts are in memory).
+    fn record_attempt(&self, _tenant: &str, _conversation: &str, _attempt: &AttemptRecord) {}
+    /// The latest attempt [`Reads::record_attempt`] kept of the
+    /// conversation, whichever process made it.
+    fn latest_attempt(&self, _tenant: &str, _conversation: &str) -> Option<AttemptRecord> {
+        None
+    }
+
     /// Calls `f` with each announcement of a deletion another process
     /// made ([`retention::forgotten`] reads it), for a store several
     /// replicas share; SQLite's deletions are this process's own.
     fn on_forgotten(&self, _f: Box<dyn Fn(&str) + Send + Sync>) {}
+}
+
+/// A compaction attempt that stored nothing, as a shared store keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    /// Unix ms it ended.
+    pub at_ms: i64,
+    /// `discarded` or `failed`.
+    pub result: String,
+    /// Estimated tokens of the request before.
+    pub tokens_before: Option<u64>,
+    /// Estimated tokens after (what a discarded one would have sent).
+    pub tokens_after: Option<u64>,
+    /// Why it failed.
+    pub error: Option<String>,
 }
 
 /// A recorded prefix a request repeats, as [`Reads::exchange_by_chain`]

@@ -28,8 +28,8 @@ use super::postgres_text::{escape, escape_opt, unescape, unescape_opt};
 use super::rows::COMPACTION_COLUMNS;
 use super::sql::{Cell, Row};
 use super::{
-    Backend, ChainHit, ExchangeRecord, IndexedExchange, Limits, PrefixRef, Record, Snapshot,
-    StoreError, StoredCompaction,
+    AttemptRecord, Backend, ChainHit, ExchangeRecord, IndexedExchange, Limits, PrefixRef, Record,
+    Snapshot, StoreError, StoredCompaction,
 };
 use crate::compaction::Compaction;
 use crate::config::StoreConfig;
@@ -200,6 +200,22 @@ CREATE TABLE manual_compactions (
 -- A conversation's timeline in the order it happened: replicas hand out
 -- exchange ids in blocks, so ids interleave across them.
 CREATE INDEX exchanges_timeline ON exchanges (conversation_id, started_ms, id);
+"#,
+    ),
+    (
+        5,
+        r#"
+-- The latest compaction attempt of a conversation that stored nothing
+-- (discarded, failed), whichever replica made it: `compact` asks any.
+CREATE TABLE compaction_attempts (
+    conversation_id TEXT PRIMARY KEY REFERENCES conversations(id) ON DELETE CASCADE,
+    tenant          TEXT NOT NULL,
+    at_ms           BIGINT NOT NULL,
+    result          TEXT NOT NULL,
+    tokens_before   BIGINT,
+    tokens_after    BIGINT,
+    error           TEXT
+);
 "#,
     ),
 ];
@@ -1438,6 +1454,71 @@ impl super::Reads for PostgresReads {
 
     fn on_forgotten(&self, f: Box<dyn Fn(&str) + Send + Sync>) {
         self.manual.on_forget(f);
+    }
+
+    fn record_attempt(&self, tenant: &str, conversation: &str, attempt: &AttemptRecord) {
+        let (tenant, conversation, a) = (
+            tenant.to_string(),
+            conversation.to_string(),
+            attempt.clone(),
+        );
+        self.read("record_attempt", |pool| async move {
+            let client = pool.get().await?;
+            // The newest stays, whichever replica commits last.
+            let stmt = client
+                .prepare_cached(
+                    "INSERT INTO compaction_attempts
+                         (conversation_id, tenant, at_ms, result, tokens_before, tokens_after,
+                          error)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7)
+                     ON CONFLICT (conversation_id) DO UPDATE
+                         SET at_ms = excluded.at_ms, result = excluded.result,
+                             tokens_before = excluded.tokens_before,
+                             tokens_after = excluded.tokens_after, error = excluded.error
+                         WHERE compaction_attempts.at_ms <= excluded.at_ms",
+                )
+                .await?;
+            let tokens = |t: Option<u64>| t.map(|t| t as i64);
+            client
+                .execute(
+                    &stmt,
+                    &[
+                        &conversation,
+                        &tenant,
+                        &a.at_ms,
+                        &a.result,
+                        &tokens(a.tokens_before),
+                        &tokens(a.tokens_after),
+                        &escape_opt(a.error.as_deref()),
+                    ],
+                )
+                .await?;
+            Ok(Some(()))
+        });
+    }
+
+    fn latest_attempt(&self, tenant: &str, conversation: &str) -> Option<AttemptRecord> {
+        let (tenant, conversation) = (tenant.to_string(), conversation.to_string());
+        self.read("latest_attempt", |pool| async move {
+            let client = pool.get().await?;
+            let stmt = client
+                .prepare_cached(
+                    "SELECT at_ms, result, tokens_before, tokens_after, error
+                     FROM compaction_attempts WHERE tenant = $1 AND conversation_id = $2",
+                )
+                .await?;
+            let tokens = |t: Option<i64>| t.map(|t| t.max(0) as u64);
+            Ok(client
+                .query_opt(&stmt, &[&tenant, &conversation])
+                .await?
+                .map(|r| AttemptRecord {
+                    at_ms: r.get(0),
+                    result: r.get(1),
+                    tokens_before: tokens(r.get(2)),
+                    tokens_after: tokens(r.get(3)),
+                    error: unescape_opt(r.get(4)),
+                }))
+        })
     }
 }
 
