@@ -306,9 +306,21 @@ pub trait Backend: Send + 'static {
     /// of its records holds ([`StoreError::is_refusal`]), so that record
     /// fails alone. One result per record, in order.
     fn write_each(&mut self, batch: &[Record]) -> Vec<Result<(), StoreError>> {
+        let mut down = false;
         batch
             .iter()
-            .map(|r| self.write(std::slice::from_ref(r)))
+            .map(|r| {
+                // Once the database fails (not refuses), the rest are not
+                // tried: each would wait its own timeout.
+                if down {
+                    return Err(StoreError::Stalled(
+                        "the database failed while the batch went record by record".into(),
+                    ));
+                }
+                let written = self.write(std::slice::from_ref(r));
+                down = written.as_ref().is_err_and(|e| !e.is_refusal());
+                written
+            })
             .collect()
     }
 }
