@@ -320,11 +320,19 @@ pub struct StoreConfig {
     /// conversation's compaction lasts, s; past it (the replica died or
     /// overran) another may compute it. Longer than a summary takes.
     pub claim_lapse_secs: u64,
+    /// PostgreSQL: the sessions' `synchronous_commit`, which decides what
+    /// of an acknowledged exchange survives a crash of the database's host
+    /// (`on`: everything; `off`: all but the last moments, for a shorter
+    /// commit). A kill of the proxy loses nothing acknowledged either way.
+    pub synchronous_commit: String,
     /// Conversations last seen longer ago than this many days are deleted
     /// by the running proxy (hourly), with the items nothing else refers
     /// to. None: kept until deleted by hand.
     pub retain_days: Option<u32>,
 }
+
+/// The values PostgreSQL's `synchronous_commit` takes.
+pub const SYNCHRONOUS_COMMIT: &[&str] = &["on", "off", "local", "remote_write", "remote_apply"];
 
 impl Default for StoreConfig {
     fn default() -> Self {
@@ -336,6 +344,7 @@ impl Default for StoreConfig {
             statement_timeout_ms: 5_000,
             stall_after_ms: 2_000,
             claim_lapse_secs: 120,
+            synchronous_commit: "on".into(),
             retain_days: None,
         }
     }
@@ -654,6 +663,12 @@ impl Config {
             }
             if st.claim_lapse_secs == 0 {
                 return invalid("store.claim_lapse_secs", "must be greater than 0");
+            }
+            if !SYNCHRONOUS_COMMIT.contains(&st.synchronous_commit.as_str()) {
+                return invalid(
+                    "store.synchronous_commit",
+                    "one of on, off, local, remote_write, remote_apply",
+                );
             }
         }
         let token_env = &self.admin.token_env;

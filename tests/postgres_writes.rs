@@ -40,6 +40,7 @@ fn options(url: &str, pool_size: usize) -> Options {
         statement_timeout: Duration::from_secs(20),
         stall_after: Duration::from_secs(2),
         claim_lapse: Duration::from_secs(120),
+        synchronous_commit: None,
     }
 }
 
@@ -716,4 +717,31 @@ fn the_unreferenced_item_scan_runs_in_one_process_at_a_time() {
         "{removed:?}"
     );
     assert_eq!(items(), vec![json!(0)]);
+}
+
+/// `store.synchronous_commit` is what the proxy's sessions commit with
+/// (what of an acknowledged exchange survives a crash of the database's
+/// host), the database's default untouched otherwise.
+#[test]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+fn the_sessions_commit_with_the_synchronous_commit_set() {
+    let Some((_cluster, url, _rt)) = database() else {
+        return;
+    };
+    let _schema = backend(&url);
+    use compactor::store::sql::Sql;
+    for setting in ["off", "local", "on"] {
+        let config = compactor::config::StoreConfig {
+            url: url.clone(),
+            synchronous_commit: setting.into(),
+            ..Default::default()
+        };
+        let conn = compactor::store::postgres_queries::connect(&Options::from_config(&config))
+            .expect("a connection");
+        let shown = conn
+            .first("SHOW synchronous_commit", &[])
+            .expect("shown")
+            .map(|r| r.get::<String>(0).expect("a text"));
+        assert_eq!(shown.as_deref(), Some(setting));
+    }
 }

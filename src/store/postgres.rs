@@ -250,6 +250,8 @@ pub struct Options {
     pub stall_after: Duration,
     /// How long a claim on computing a conversation's compaction lasts.
     pub claim_lapse: Duration,
+    /// The sessions' `synchronous_commit` (`on` unless set).
+    pub synchronous_commit: Option<String>,
 }
 
 impl std::fmt::Debug for Options {
@@ -272,6 +274,7 @@ impl Options {
             statement_timeout: Duration::from_millis(c.statement_timeout_ms),
             stall_after: Duration::from_millis(c.stall_after_ms),
             claim_lapse: Duration::from_secs(c.claim_lapse_secs),
+            synchronous_commit: Some(c.synchronous_commit.clone()),
         }
     }
 
@@ -282,10 +285,20 @@ impl Options {
         }
         pg.connect_timeout(CONNECT_TIMEOUT);
         pg.application_name("compactor");
-        pg.options(format!(
+        let mut options = format!(
             "-c statement_timeout={}",
             self.statement_timeout.as_millis()
-        ));
+        );
+        // Checked against the values PostgreSQL takes (config validation):
+        // nothing else reaches the options string.
+        if let Some(sync) = self
+            .synchronous_commit
+            .as_deref()
+            .filter(|s| crate::config::SYNCHRONOUS_COMMIT.contains(s))
+        {
+            options.push_str(&format!(" -c synchronous_commit={sync}"));
+        }
+        pg.options(options);
         Ok(pg)
     }
 }
