@@ -13,6 +13,16 @@
 //! bodies are inserted once (`ON CONFLICT DO NOTHING`), the tenant salt is
 //! the first replica's, exchange ids come from a sequence in blocks, an
 //! explicit key belongs to the conversation that committed it first.
+//!
+//! A commit under way longer than `store.stall_after_ms`, or a last one
+//! that failed for want of the database, marks it stalled
+//! ([`super::SharedDatabase::stalled`]): requests are refused before they go
+//! upstream until a commit (an empty one tried every 250 ms after
+//! a failure) succeeds. A batch the database refuses for a value one record
+//! holds goes again record by record; text is stored escaped
+//! ([`super::postgres_text`]), since PostgreSQL's refuses U+0000; the
+//! exchanges of a commit that timed out are written again as withheld with
+//! the next batch, whatever became of that commit.
 
 use std::borrow::Cow;
 use std::future::Future;

@@ -4,13 +4,14 @@
 //! one client's record cannot make the database refuse the batch that
 //! carries other tenants' records.
 //!
-//! The escape is [`MARK`], a Unicode noncharacter (set aside for a
+//! The escape is U+FDD0, a Unicode noncharacter (set aside for a
 //! program's internal use, so no client text needs it): U+0000 is stored
-//! as `MARK '0'`, `MARK` itself as `MARK MARK`; nothing else changes. Every
-//! text the PostgreSQL backend binds goes through [`escape`], every text it
-//! reads through [`unescape`]. Escaping keeps prefixes (the escape of a
-//! prefix is a prefix of the escape), so comparisons and prefix matches in
-//! SQL see the same relations as on the text itself.
+//! as U+FDD0 followed by `0`, U+FDD0 itself as two of it; nothing else
+//! changes. Every text the PostgreSQL backend binds goes through
+//! [`escape`], every text it reads through [`unescape`]. Escaping keeps
+//! equality and prefixes (the escape of a prefix is a prefix of the
+//! escape), so lookups and prefix matches in SQL find what they would on
+//! the text itself.
 
 use std::borrow::Cow;
 
