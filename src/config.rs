@@ -932,6 +932,31 @@ mod tests {
     }
 
     #[test]
+    fn postgres_settings_out_of_range_are_named() {
+        let base = "[store]\nurl = \"postgres://u@127.0.0.1:5432/db\"\n";
+        for (line, key) in [
+            ("stall_after_ms = 0", "store.stall_after_ms"),
+            ("claim_lapse_secs = 0", "store.claim_lapse_secs"),
+            (
+                "synchronous_commit = \"off; DROP\"",
+                "store.synchronous_commit",
+            ),
+        ] {
+            let c = Config::from_toml(&format!("{base}{line}\n"));
+            let err = c
+                .and_then(|c| c.validate().map(|()| c))
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(err.contains(key), "{line}: {err}");
+        }
+        let c =
+            Config::from_toml(&format!("{base}synchronous_commit = \"off\"\n")).expect("parses");
+        assert!(c.validate().is_ok());
+        assert_eq!(c.store.synchronous_commit, "off");
+    }
+
+    #[test]
     fn example_config_parses() {
         let text = include_str!("../proxy.toml");
         let c = Config::from_toml(text).expect("proxy.toml must parse");
