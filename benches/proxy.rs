@@ -16,7 +16,8 @@
 //!   PostgreSQL (rows marked `pg`), on a throwaway cluster started for the
 //!   run (`initdb`, fsync on), a fresh database per scenario. The `commit`
 //!   column is the mean time of the store's commits, which a PostgreSQL
-//!   exchange's answer waits for.
+//!   exchange's answer waits for. `BENCH_PG_SYNC=off` (or another value
+//!   of `store.synchronous_commit`) sets the proxy sessions' commit mode.
 //!
 //! Set-up, per scenario (so each starts from an empty store and the fake
 //! upstream's record of received bodies is freed afterwards):
@@ -745,6 +746,9 @@ impl Rig {
         config.upstream.base_url = fake.url();
         config.store.path = db.display().to_string();
         config.store.url = pg_url.clone().unwrap_or_default();
+        if let Ok(sync) = std::env::var("BENCH_PG_SYNC") {
+            config.store.synchronous_commit = sync;
+        }
         config.server.shutdown_grace_secs = 1;
         let (state, listener) = proxy_rt.block_on(async {
             let state = AppState::open(config).expect("open proxy state");

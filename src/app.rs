@@ -91,10 +91,9 @@ impl AppState {
             let opts = postgres::Options::from_config(&config.store);
             let pg = Postgres::open(&opts)
                 .map_err(|e| anyhow::anyhow!("cannot open the database {shown}: {e}"))?;
-            let ids = pg.clone();
             let (store, snapshot) = Store::start_shared(
                 Box::new(PostgresBackend::new(pg.clone())),
-                Box::new(move || ids.reserve_ids()),
+                pg.clone(),
                 crate::conversation::STORE_LIMITS,
             )
             .map_err(|e| anyhow::anyhow!("cannot load the database {shown}: {e}"))?;

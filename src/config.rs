@@ -360,11 +360,28 @@ pub struct StoreConfig {
     /// A PostgreSQL statement running longer than this is cancelled, ms;
     /// also how long a request waits for a pooled connection.
     pub statement_timeout_ms: u64,
+    /// PostgreSQL: a commit under way longer than this (ms) declares the
+    /// database stalled: parsed requests are refused before they go
+    /// upstream (503 with `Retry-After`) and `/readyz` fails, until a
+    /// commit succeeds again.
+    pub stall_after_ms: u64,
+    /// PostgreSQL: how long a replica's claim on computing a
+    /// conversation's compaction lasts, s; past it (the replica died or
+    /// overran) another may compute it. Longer than a summary takes.
+    pub claim_lapse_secs: u64,
+    /// PostgreSQL: the sessions' `synchronous_commit`, which decides what
+    /// of an acknowledged exchange survives a crash of the database's host
+    /// (`on`: everything; `off`: all but the last moments, for a shorter
+    /// commit). A kill of the proxy loses nothing acknowledged either way.
+    pub synchronous_commit: String,
     /// Conversations last seen longer ago than this many days are deleted
     /// by the running proxy (hourly), with the items nothing else refers
     /// to. None: kept until deleted by hand.
     pub retain_days: Option<u32>,
 }
+
+/// The values PostgreSQL's `synchronous_commit` takes.
+pub const SYNCHRONOUS_COMMIT: &[&str] = &["on", "off", "local", "remote_write", "remote_apply"];
 
 impl Default for StoreConfig {
     fn default() -> Self {
@@ -374,6 +391,9 @@ impl Default for StoreConfig {
             password_env: String::new(),
             pool_size: 16,
             statement_timeout_ms: 5_000,
+            stall_after_ms: 2_000,
+            claim_lapse_secs: 120,
+            synchronous_commit: "on".into(),
             retain_days: None,
         }
     }
@@ -689,6 +709,18 @@ impl Config {
             if st.statement_timeout_ms == 0 {
                 return invalid("store.statement_timeout_ms", "must be greater than 0");
             }
+            if st.stall_after_ms == 0 {
+                return invalid("store.stall_after_ms", "must be greater than 0");
+            }
+            if st.claim_lapse_secs == 0 {
+                return invalid("store.claim_lapse_secs", "must be greater than 0");
+            }
+            if !SYNCHRONOUS_COMMIT.contains(&st.synchronous_commit.as_str()) {
+                return invalid(
+                    "store.synchronous_commit",
+                    "one of on, off, local, remote_write, remote_apply",
+                );
+            }
         }
         let token_env = &self.admin.token_env;
         if token_env.contains(['=', '\0']) || token_env.trim() != token_env {
@@ -965,6 +997,31 @@ mod tests {
         assert!(err.contains("listen_port"), "{err}");
         let err = Config::from_toml("[compactoin]\n").unwrap_err().to_string();
         assert!(err.contains("compactoin"), "{err}");
+    }
+
+    #[test]
+    fn postgres_settings_out_of_range_are_named() {
+        let base = "[store]\nurl = \"postgres://u@127.0.0.1:5432/db\"\n";
+        for (line, key) in [
+            ("stall_after_ms = 0", "store.stall_after_ms"),
+            ("claim_lapse_secs = 0", "store.claim_lapse_secs"),
+            (
+                "synchronous_commit = \"off; DROP\"",
+                "store.synchronous_commit",
+            ),
+        ] {
+            let c = Config::from_toml(&format!("{base}{line}\n"));
+            let err = c
+                .and_then(|c| c.validate().map(|()| c))
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(err.contains(key), "{line}: {err}");
+        }
+        let c =
+            Config::from_toml(&format!("{base}synchronous_commit = \"off\"\n")).expect("parses");
+        assert!(c.validate().is_ok());
+        assert_eq!(c.store.synchronous_commit, "off");
     }
 
     #[test]

@@ -285,6 +285,11 @@ impl ProxyError {
             resp.headers_mut()
                 .insert(header::ALLOW, HeaderValue::from_static(allow));
         }
+        // Refused before anything went upstream: worth trying again soon.
+        if let ProxyError::StoreDown(_) = self {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
         resp
     }
 }

@@ -361,13 +361,13 @@ async fn replicas_started_together_share_one_schema_and_a_kill_9_loses_no_acknow
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let before = check();
-    assert!(before.contains("schema at version 0 of 4"), "{before}");
+    assert!(before.contains("schema at version 0 of 5"), "{before}");
     // Both on an empty database at once: one applies the migrations, the
     // other waits for its lock and finds them; one salt.
     let [(mut doomed, p1), (_survivor, p2)] = two_binaries(&config);
     assert_eq!(
         count(&url, "SELECT count(*) FROM schema_migrations").await,
-        4,
+        5,
         "each migration applied once"
     );
     assert_eq!(
@@ -375,7 +375,7 @@ async fn replicas_started_together_share_one_schema_and_a_kill_9_loses_no_acknow
         1
     );
     let after = check();
-    assert!(after.contains("schema current (version 4)"), "{after}");
+    assert!(after.contains("schema current (version 5)"), "{after}");
     let base = |port: u16| format!("http://127.0.0.1:{port}/v1");
     let mut chat = Chat::new(KEY);
     let mut acknowledged = 0;
@@ -892,4 +892,44 @@ fn a_views_connection_that_failed_mid_transaction_is_not_reused() {
         .expect("not inside the aborted transaction")
         .expect("a row");
     assert_eq!(row.get::<i64>(0).expect("a number"), 1);
+}
+
+/// `compactor compact` asked of one replica while another served the next
+/// request and found nothing to compact: the attempt, which stored no
+/// compaction, is kept in the database, and the replica asked reports it
+/// rather than waiting for an outcome it would never see.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn compact_asked_of_one_replica_reports_the_attempt_the_other_could_not_make() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, support::small_window_foreground).await;
+    let mut chat = Chat::new(KEY);
+    let id = chat.turn(&a, "Hello.").await.conversation;
+    let listen = b.addr.to_string();
+    let env = [("COMPACTOR_DATABASE_URL", url.clone())];
+    let asked = tokio::spawn(async move {
+        let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (*k, v.as_str())).collect();
+        support::cli(&["compact", &id, "--listen", &listen, "--wait", "30"], &env).await
+    });
+    within(async {
+        while count(&url, "SELECT count(*) FROM manual_compactions").await == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    let on_a = chat.turn(&a, "Go on.").await;
+    assert_eq!(on_a.status, 200);
+    assert!(on_a.compacted.is_none(), "nothing to compact");
+    let started = std::time::Instant::now();
+    let (code, out, err) = within(asked).await.expect("join");
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(": failed: "),
+        "the outcome, from the replica that was asked: {out}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "told, not left waiting"
+    );
 }

@@ -3,7 +3,9 @@
 //! round trip however many records it holds; every column lands where it
 //! belongs; the rules that let replicas write the same conversation hold
 //! (newest last-seen wins, ids filled in, a key not taken from the
-//! conversation that holds it, items once); a failed batch leaves nothing.
+//! conversation that holds it, items once); a failed batch leaves nothing;
+//! text holding U+0000 is stored losslessly, and a record the database
+//! refuses fails alone, not the batch it came in.
 //!
 //! A real PostgreSQL tier: `#[ignore]`d like the other real tiers (run with
 //! `--include-ignored`; `scripts/test` installs PostgreSQL).
@@ -36,6 +38,9 @@ fn options(url: &str, pool_size: usize) -> Options {
         password: None,
         pool_size,
         statement_timeout: Duration::from_secs(20),
+        stall_after: Duration::from_secs(2),
+        claim_lapse: Duration::from_secs(120),
+        synchronous_commit: None,
     }
 }
 
@@ -408,6 +413,22 @@ fn every_column_is_written_and_replicas_writing_one_conversation_keep_its_rules(
     );
 }
 
+/// An explicit key past what PostgreSQL's unique index can hold (2,704
+/// bytes a row), incompressible: a value the database refuses whatever the
+/// text rule.
+fn oversized_key() -> String {
+    let mut x: u64 = 0x9E37_79B9_7F4A_7C15;
+    let key: String = (0..12_000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            char::from(b'!' + (x % 90) as u8)
+        })
+        .collect();
+    format!("session-id:{key}")
+}
+
 #[test]
 #[ignore = "needs PostgreSQL (scripts/test installs it)"]
 fn a_batch_the_database_refuses_leaves_nothing_and_the_next_one_commits() {
@@ -415,14 +436,15 @@ fn a_batch_the_database_refuses_leaves_nothing_and_the_next_one_commits() {
         return;
     };
     let (_pg, mut backend) = backend(&url);
-    // PostgreSQL's text holds no NUL: the exchange's statement fails, after
-    // its conversation's and items' have run in the same transaction.
+    // The conversation's statement fails, after the items' have run in the
+    // same transaction.
     let mut refused = exchange(20, "conv_refused", 1);
-    refused.error = Some("nul \0 byte".into());
+    refused.explicit_key = Some(oversized_key());
     let err = backend
         .write(&[ex(refused), Record::Window(window("m", 1))])
-        .expect_err("a text with a NUL is refused");
+        .expect_err("a key past the index's row size is refused");
     assert!(err.to_string().contains("postgres"), "{err}");
+    assert!(err.is_refusal(), "a value the database refuses: {err}");
     // The same session (the pool holds one) commits the next batch, and
     // nothing of the refused one came with it.
     backend
@@ -437,4 +459,289 @@ fn a_batch_the_database_refuses_leaves_nothing_and_the_next_one_commits() {
                                (SELECT count(*)::text FROM items)])::text",
     );
     assert_eq!(stored, vec![json!(["conv_next", "21", "0", "1"])]);
+}
+
+/// PostgreSQL's text refuses U+0000: a client's NUL in any text it sends
+/// (its message, `model`, `prompt_cache_key`, session id, an item's body)
+/// is stored, in the batch that carries another tenant's record, and reads
+/// back as it came through every path that reads it.
+#[test]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+fn text_holding_nul_is_stored_beside_other_tenants_records_and_reads_back_as_sent() {
+    let Some((_cluster, url, rt)) = database() else {
+        return;
+    };
+    let (pg, mut backend) = backend(&url);
+    let nul = |s: &str| format!("{s}\0after\u{FDD0}mark");
+    let mut odd = exchange(30, "conv_nul", 1_000);
+    odd.tenant = "tenant-nul".into();
+    odd.model = nul("model");
+    odd.explicit_key = Some(nul("session-id:key"));
+    odd.client_ids.cache_key = Some(nul("cache"));
+    odd.client_ids.session = Some(nul("session"));
+    odd.preview = Some(nul("first message"));
+    odd.error = Some(nul("error"));
+    let body = nul("raw body");
+    odd.new_items = vec![([9; 32], body.clone())];
+    let mut summary = compaction("cmp_nul");
+    summary.summary = Some(nul("summary"));
+    summary.reason = nul("reason");
+    let other = exchange(31, "conv_other", 2_000);
+    backend
+        .write(&[
+            ex(odd.clone()),
+            ex(other),
+            Record::Compaction(Box::new(summary.clone())),
+            Record::Window(window(&nul("window model"), 5)),
+        ])
+        .expect("the batch commits");
+
+    // Nothing stored holds a NUL; the other tenant's exchange is there.
+    let counted = rows(
+        &rt,
+        &url,
+        "SELECT to_jsonb(ARRAY[(SELECT count(*) FROM exchanges),
+                               (SELECT count(*) FROM exchanges WHERE tenant = 'tenant-a')])::text",
+    );
+    assert_eq!(counted, vec![json!([1 + 1, 1])]);
+
+    // The views read every text as the client sent it.
+    let views = compactor::store::postgres_queries::PgSql::connect(&pg).expect("a connection");
+    use compactor::store::sql::Sql;
+    let texts: Vec<String> = views
+        .rows(
+            "SELECT e.model, c.explicit_key, e.prompt_cache_key, e.session_id, c.preview,
+                    e.error
+             FROM exchanges e JOIN conversations c ON c.id = e.conversation_id
+             WHERE e.id = 30",
+            &[],
+        )
+        .expect("the row")
+        .into_iter()
+        .flat_map(|r| (0..6).map(move |i| r.get::<String>(i).expect("a text")))
+        .collect();
+    assert_eq!(
+        texts,
+        [
+            odd.model.clone(),
+            odd.explicit_key.clone().unwrap_or_default(),
+            nul("cache"),
+            nul("session"),
+            nul("first message"),
+            nul("error"),
+        ]
+    );
+    let bodies: Vec<String> = views
+        .rows(
+            "SELECT body FROM items WHERE hash = ?1",
+            &[[9u8; 32][..].into()],
+        )
+        .expect("the item")
+        .iter()
+        .map(|r| r.get::<String>(0).expect("a body"))
+        .collect();
+    assert_eq!(bodies, vec![body]);
+    // Looked up by what the client sent, NUL included.
+    let found: Vec<String> = views
+        .rows(
+            "SELECT id FROM conversations WHERE prompt_cache_key = ?1",
+            &[nul("cache").as_str().into()],
+        )
+        .expect("the lookup")
+        .iter()
+        .map(|r| r.get::<String>(0).expect("an id"))
+        .collect();
+    assert_eq!(found, vec!["conv_nul".to_string()]);
+    drop(views);
+
+    // The request path's reads too.
+    let reads = PostgresReads::new(pg.clone());
+    let key = odd.explicit_key.as_deref().unwrap_or_default();
+    assert_eq!(
+        reads.conversation_of_key("tenant-nul", key).as_deref(),
+        Some("conv_nul")
+    );
+    let stored = reads.compaction("cmp_nul").expect("the compaction");
+    assert_eq!(stored.summary, summary.summary);
+    assert_eq!(stored.reason, summary.reason);
+    // And what a replica loads at start-up.
+    let snapshot = backend
+        .load(compactor::store::Limits {
+            exchanges: 10,
+            keys: 10,
+        })
+        .expect("the snapshot");
+    assert!(
+        snapshot
+            .keys
+            .iter()
+            .any(|(_, k, c)| k == key && c == "conv_nul"),
+        "{:?}",
+        snapshot.keys
+    );
+    assert!(snapshot
+        .windows
+        .iter()
+        .any(|w| w.model == nul("window model")));
+}
+
+/// A record the database refuses (here a key past its index's row size)
+/// fails alone: the records committed in the same batch, other tenants'
+/// among them, are stored and their writers told so.
+#[test]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+fn a_record_the_database_refuses_fails_alone_and_its_batch_mates_commit() {
+    let Some((cluster, url, rt)) = database() else {
+        return;
+    };
+    let name = url.rsplit('/').next().expect("a database name").to_string();
+    let relay = rt.block_on(within(slow_link(cluster.port)));
+    let slow = format!("postgres://postgres@127.0.0.1:{relay}/{name}");
+    let pg = Postgres::open(&options(&slow, 2)).expect("open the database");
+    let (store, _) = compactor::store::Store::start_shared(
+        Box::new(PostgresBackend::new(pg.clone())),
+        pg,
+        compactor::store::Limits {
+            exchanges: 10,
+            keys: 10,
+        },
+    )
+    .expect("the store");
+    rt.block_on(within(async {
+        // A first commit holds the writer one slow round trip; the three
+        // records queued meanwhile go in the next batch together.
+        let first = tokio::spawn({
+            let store = store.clone();
+            async move { store.record(exchange(40, "conv_first", 1)).await }
+        });
+        tokio::time::sleep(LATENCY / 4).await;
+        let mut bad = exchange(41, "conv_bad", 2);
+        bad.tenant = "tenant-bad".into();
+        bad.explicit_key = Some(oversized_key());
+        let spawn = |rec: ExchangeRecord| {
+            let store = store.clone();
+            tokio::spawn(async move { store.record(rec).await })
+        };
+        let (before, bad, after) = (
+            spawn(exchange(42, "conv_before", 3)),
+            spawn(bad),
+            spawn(exchange(43, "conv_after", 4)),
+        );
+        assert!(first.await.expect("the task").is_ok());
+        let bad = bad.await.expect("the task");
+        assert!(bad.is_err(), "the refused record is not acknowledged");
+        assert!(before.await.expect("the task").is_ok(), "{bad:?}");
+        assert!(after.await.expect("the task").is_ok(), "{bad:?}");
+        // The writer is not taken for failing: the next record commits.
+        store
+            .record(exchange(44, "conv_next", 5))
+            .await
+            .expect("the next record");
+    }));
+    let stored = rows(
+        &rt,
+        &url,
+        "SELECT to_jsonb(ARRAY[(SELECT string_agg(id::text, ',' ORDER BY id) FROM exchanges),
+                               (SELECT string_agg(id, ',' ORDER BY id) FROM conversations)])::text",
+    );
+    assert_eq!(
+        stored,
+        vec![json!([
+            "40,42,43,44",
+            "conv_after,conv_before,conv_first,conv_next"
+        ])]
+    );
+}
+
+/// The unreferenced-item scan reads every exchange: on a shared store one
+/// process at a time makes it. While another holds its lock, a deletion
+/// takes its conversation and skips the scan; the next scan takes the
+/// items both deletions left.
+#[test]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+fn the_unreferenced_item_scan_runs_in_one_process_at_a_time() {
+    let Some((_cluster, url, rt)) = database() else {
+        return;
+    };
+    let (pg, mut backend) = backend(&url);
+    backend
+        .write(&[ex(exchange(50, "conv_x", 1)), ex(exchange(51, "conv_y", 2))])
+        .expect("the batch");
+    let reads = PostgresReads::new(pg);
+    use compactor::store::Queries;
+    let items = || rows(&rt, &url, "SELECT to_jsonb(count(*))::text FROM items");
+    assert_eq!(items(), vec![json!(2)]);
+
+    // Another process scans (holds the lock).
+    let (holder, driver) = rt.block_on(async {
+        let (client, conn) = within(tokio_postgres::connect(&url, tokio_postgres::NoTls))
+            .await
+            .expect("connect");
+        let driver = tokio::spawn(conn);
+        within(client.execute(
+            "SELECT pg_advisory_lock($1)",
+            &[&compactor::store::retention::PRUNE_LOCK],
+        ))
+        .await
+        .expect("the lock");
+        (client, driver)
+    });
+    let removed = reads
+        .delete_conversations(&["conv_x".to_string()])
+        .expect("the deletion");
+    assert_eq!(
+        (removed.conversations, removed.items),
+        (1, 0),
+        "{removed:?}"
+    );
+    assert_eq!(items(), vec![json!(2)], "the scan was left to the other");
+    // Released before the session ends (its end is seen by the server a
+    // moment after the socket closes).
+    rt.block_on(async {
+        within(holder.execute(
+            "SELECT pg_advisory_unlock($1)",
+            &[&compactor::store::retention::PRUNE_LOCK],
+        ))
+        .await
+        .expect("the unlock");
+        drop(holder);
+        let _ = within(driver).await;
+    });
+
+    let removed = reads
+        .delete_conversations(&["conv_y".to_string()])
+        .expect("the deletion");
+    assert_eq!(
+        (removed.conversations, removed.items),
+        (1, 2),
+        "{removed:?}"
+    );
+    assert_eq!(items(), vec![json!(0)]);
+}
+
+/// `store.synchronous_commit` is what the proxy's sessions commit with
+/// (what of an acknowledged exchange survives a crash of the database's
+/// host), the database's default untouched otherwise.
+#[test]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+fn the_sessions_commit_with_the_synchronous_commit_set() {
+    let Some((_cluster, url, _rt)) = database() else {
+        return;
+    };
+    let _schema = backend(&url);
+    use compactor::store::sql::Sql;
+    for setting in ["off", "local", "on"] {
+        let config = compactor::config::StoreConfig {
+            url: url.clone(),
+            synchronous_commit: setting.into(),
+            ..Default::default()
+        };
+        let conn = compactor::store::postgres_queries::connect(&Options::from_config(&config))
+            .expect("a connection");
+        let shown = conn
+            .first("SHOW synchronous_commit", &[])
+            .expect("shown")
+            .map(|r| r.get::<String>(0).expect("a text"));
+        assert_eq!(shown.as_deref(), Some(setting));
+    }
 }

@@ -137,17 +137,24 @@ pub async fn compact_status(state: Arc<AppState>, name: String) -> Response<Prox
             true => None,
             false => reads.latest_compaction(&found.id)?,
         };
-        Ok((found.tenant, found.id, pending, stored))
+        // Or discarded it (kept in the shared store, not as a compaction).
+        let unstored = match pending || !reads.shared() {
+            true => None,
+            false => reads.latest_attempt(&found.tenant, &found.id),
+        };
+        Ok((found.tenant, found.id, pending, stored, unstored))
     })
     .await;
     match found {
-        Ok((tenant, id, pending, stored)) => {
+        Ok((tenant, id, pending, stored, unstored)) => {
             let own = state.compactions.attempts(&tenant, &id).pop();
             let stored = stored.as_ref().map(crate::engine::Attempt::stored);
-            let outcome = match (own, stored) {
-                (Some(own), Some(stored)) if stored.at_ms > own.at_ms => Some(stored),
-                (own, stored) => own.or(stored),
-            };
+            let unstored = unstored.as_ref().map(crate::engine::Attempt::shared);
+            // The newest, this replica's own first among equals.
+            let outcome = [own, stored, unstored]
+                .into_iter()
+                .flatten()
+                .reduce(|a, b| if b.at_ms > a.at_ms { b } else { a });
             json_response(
                 StatusCode::OK,
                 &serde_json::json!({

@@ -394,8 +394,15 @@ impl Compactions {
         found
     }
 
-    /// Keeps an attempt's outcome.
+    /// Keeps an attempt's outcome; with a shared store, one that stored
+    /// nothing is kept there too, for any replica asked for it.
     fn attempted(&self, key: (String, String), attempt: Attempt) {
+        if let (Some(shared), Some(record)) = (self.shared.clone(), attempt.unstored()) {
+            let (tenant, conversation) = key.clone();
+            tokio::task::spawn_blocking(move || {
+                shared.record_attempt(&tenant, &conversation, &record)
+            });
+        }
         let mut attempts = lock(&self.attempts);
         let map = attempts.get_or_insert_with(|| Generations::new(ATTEMPT_CONVERSATIONS));
         let mut list = map.renew(&key).cloned().unwrap_or_default();
@@ -682,6 +689,34 @@ impl Attempt {
             compaction: Some(c.id.clone()),
             error: None,
         }
+    }
+
+    /// An attempt another replica kept in the shared store.
+    pub fn shared(r: &crate::store::AttemptRecord) -> Self {
+        Attempt {
+            at_ms: r.at_ms,
+            result: if r.result == "discarded" {
+                "discarded"
+            } else {
+                "failed"
+            },
+            tokens_before: r.tokens_before,
+            tokens_after: r.tokens_after,
+            rung: None,
+            compaction: None,
+            error: r.error.clone(),
+        }
+    }
+
+    /// The attempt as a shared store keeps it, if it stored nothing.
+    fn unstored(&self) -> Option<crate::store::AttemptRecord> {
+        (self.result != "applied").then(|| crate::store::AttemptRecord {
+            at_ms: self.at_ms,
+            result: self.result.to_string(),
+            tokens_before: self.tokens_before,
+            tokens_after: self.tokens_after,
+            error: self.error.clone(),
+        })
     }
 
     fn of(result: &Result<Arc<Compaction>, CompactError>) -> Self {

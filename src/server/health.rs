@@ -49,6 +49,9 @@ pub async fn readyz(state: &Arc<AppState>) -> http::Response<ProxyBody> {
 /// The writer thread commits (a flush, bounded) and the database file
 /// opens for writing.
 async fn store_check(state: &AppState) -> (bool, serde_json::Value) {
+    if let Err(e) = state.store.available() {
+        return (false, json!({"ok": false, "error": e.to_string()}));
+    }
     match tokio::time::timeout(STORE_TIMEOUT, state.store.flush()).await {
         Err(_) => {
             return (

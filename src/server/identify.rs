@@ -45,6 +45,12 @@ pub(super) async fn identify(
         control,
         ..
     } = read;
+    // A stalled database refuses the request now, before it reads the
+    // database or anything goes upstream.
+    state
+        .store
+        .available()
+        .map_err(|e| ProxyError::StoreDown(e.to_string()))?;
     let model = body
         .get("model")
         .and_then(Value::as_str)

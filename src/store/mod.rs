@@ -14,6 +14,7 @@ pub mod journal;
 pub mod postgres;
 pub mod postgres_listen;
 pub mod postgres_queries;
+pub mod postgres_text;
 pub mod query;
 pub mod retention;
 pub mod rows;
@@ -25,7 +26,7 @@ pub mod sql;
 pub mod sqlite;
 mod sqlite_queries;
 
-use std::sync::atomic::{AtomicBool, AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -300,6 +301,28 @@ pub trait Backend: Send + 'static {
     fn load(&mut self, limits: Limits) -> Result<Snapshot, StoreError>;
     /// Writes a batch of records in one transaction.
     fn write(&mut self, batch: &[Record]) -> Result<(), StoreError>;
+    /// Writes each record of `batch` in a transaction of its own: what the
+    /// writer does with a batch [`Backend::write`] refused for a value one
+    /// of its records holds ([`StoreError::is_refusal`]), so that record
+    /// fails alone. One result per record, in order.
+    fn write_each(&mut self, batch: &[Record]) -> Vec<Result<(), StoreError>> {
+        let mut down = false;
+        batch
+            .iter()
+            .map(|r| {
+                // Once the database fails (not refuses), the rest are not
+                // tried: each would wait its own timeout.
+                if down {
+                    return Err(StoreError::Stalled(
+                        "the database failed while the batch went record by record".into(),
+                    ));
+                }
+                let written = self.write(std::slice::from_ref(r));
+                down = written.as_ref().is_err_and(|e| !e.is_refusal());
+                written
+            })
+            .collect()
+    }
 }
 
 /// A storage backend's point reads, the ones the request path makes while
@@ -380,10 +403,36 @@ pub trait Reads: Queries + Send + Sync + 'static {
         false
     }
 
+    /// Keeps the outcome of a compaction attempt that stored nothing
+    /// (discarded, failed) where every process reads it, for a store
+    /// several share: `compactor compact` asks any replica for it. A store
+    /// only this process writes keeps none (its attempts are in memory).
+    fn record_attempt(&self, _tenant: &str, _conversation: &str, _attempt: &AttemptRecord) {}
+    /// The latest attempt [`Reads::record_attempt`] kept of the
+    /// conversation, whichever process made it.
+    fn latest_attempt(&self, _tenant: &str, _conversation: &str) -> Option<AttemptRecord> {
+        None
+    }
+
     /// Calls `f` with each announcement of a deletion another process
     /// made ([`retention::forgotten`] reads it), for a store several
     /// replicas share; SQLite's deletions are this process's own.
     fn on_forgotten(&self, _f: Box<dyn Fn(&str) + Send + Sync>) {}
+}
+
+/// A compaction attempt that stored nothing, as a shared store keeps it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AttemptRecord {
+    /// Unix ms it ended.
+    pub at_ms: i64,
+    /// `discarded` or `failed`.
+    pub result: String,
+    /// Estimated tokens of the request before.
+    pub tokens_before: Option<u64>,
+    /// Estimated tokens after (what a discarded one would have sent).
+    pub tokens_after: Option<u64>,
+    /// Why it failed.
+    pub error: Option<String>,
 }
 
 /// A recorded prefix a request repeats, as [`Reads::exchange_by_chain`]
@@ -502,6 +551,10 @@ pub enum StoreError {
     /// A PostgreSQL call took longer than its bound.
     #[error("postgres: no answer in time")]
     Timeout,
+    /// The database is stalled or down: requests are refused until a
+    /// commit succeeds again.
+    #[error("postgres: stalled: {0}")]
+    Stalled(String),
     /// Filesystem trouble (creating the directory…).
     #[error("store io: {0}")]
     Io(#[from] std::io::Error),
@@ -539,6 +592,22 @@ pub enum StoreError {
     /// record of the batch that waited for it.
     #[error("commit failed: {0}")]
     Commit(#[source] Arc<StoreError>),
+}
+
+impl StoreError {
+    /// Whether the database refused a write for a value a record holds (a
+    /// data exception, a constraint, a value past a limit such as an index
+    /// row's size), rather than because it could not be reached or is in
+    /// trouble: another record of the same batch would have been taken.
+    pub fn is_refusal(&self) -> bool {
+        match self {
+            StoreError::Postgres(e) => e
+                .code()
+                .is_some_and(|c| matches!(c.code().get(..2), Some("22" | "23" | "54"))),
+            StoreError::Commit(e) => e.is_refusal(),
+            _ => false,
+        }
+    }
 }
 
 impl From<deadpool_postgres::PoolError> for StoreError {
@@ -627,21 +696,28 @@ pub struct Store {
     ids: Option<SharedIds>,
     /// Told how long each commit took (the writer thread calls it).
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
-    /// Set while the last commit failed, cleared by the next that succeeds.
-    failing: Arc<AtomicBool>,
     journal: Option<Arc<Journal>>,
 }
 
 /// Told how long a commit took.
 pub type CommitObserver = Box<dyn Fn(Duration) + Send + Sync>;
 
-/// Reserves a block of exchange ids no other process gets.
-pub type ReserveIds = Box<dyn Fn() -> Result<std::ops::Range<i64>, StoreError> + Send + Sync>;
+/// The database of a store other processes write too, as the request path
+/// sees it.
+pub trait SharedDatabase: Send + Sync + 'static {
+    /// Reserves a block of exchange ids no other process gets.
+    fn reserve_ids(&self) -> Result<std::ops::Range<i64>, StoreError>;
+    /// Why the database cannot take a commit now, if it cannot: a commit
+    /// has been under way longer than the stall bound, or the last one
+    /// failed for want of the database and none has succeeded since.
+    /// Answered from memory.
+    fn stalled(&self) -> Option<StoreError>;
+}
 
 /// Exchange ids of a store shared with other processes: taken from blocks
 /// reserved in the database, one round trip per block.
 struct SharedIds {
-    reserve: ReserveIds,
+    db: Arc<dyn SharedDatabase>,
     block: Mutex<std::ops::Range<i64>>,
 }
 
@@ -678,17 +754,17 @@ impl Store {
     }
 
     /// [`Store::start`] for a store other processes write too: no journal
-    /// (an exchange is committed before its answer is released), and
-    /// exchange ids from `reserve`.
+    /// (an exchange is committed before its answer is released), exchange
+    /// ids from `db`, and requests refused while `db` is stalled.
     pub fn start_shared(
         backend: Box<dyn Backend>,
-        reserve: ReserveIds,
+        db: Arc<dyn SharedDatabase>,
         limits: Limits,
     ) -> Result<(Arc<Store>, Snapshot), StoreError> {
         let (store, snapshot) = Self::start_bounded(backend, None, limits, MAX_BACKLOG_BYTES)?;
         let mut store = Arc::into_inner(store).ok_or(StoreError::Closed)?;
         store.ids = Some(SharedIds {
-            reserve,
+            db,
             block: Mutex::new(0..0),
         });
         Ok((Arc::new(store), snapshot))
@@ -723,11 +799,9 @@ impl Store {
         let drained = backlog.clone();
         let commits: Arc<std::sync::OnceLock<CommitObserver>> = Arc::default();
         let observer = commits.clone();
-        let failing = Arc::new(AtomicBool::new(false));
-        let fails = failing.clone();
         let writer = std::thread::Builder::new()
             .name("compactor-store".into())
-            .spawn(move || writer_loop(backend, rx, upkeep, drained, observer, fails))?
+            .spawn(move || writer_loop(backend, rx, upkeep, drained, observer))?
             .thread()
             .clone();
         let store = Store {
@@ -743,7 +817,6 @@ impl Store {
             next_id: AtomicI64::new(snapshot.max_exchange_id + 1),
             ids: None,
             commits,
-            failing,
             backlog,
             max_backlog,
             journal,
@@ -755,6 +828,17 @@ impl Store {
     /// exchange could not be committed must not reach its client).
     pub fn is_shared(&self) -> bool {
         self.ids.is_some()
+    }
+
+    /// Whether the store takes an exchange now: an error while a shared
+    /// store's database is stalled or down ([`SharedDatabase::stalled`]),
+    /// told without asking the database. A request refused here goes
+    /// nowhere, so no answer is billed and then withheld.
+    pub fn available(&self) -> Result<(), StoreError> {
+        match self.ids.as_ref().and_then(|ids| ids.db.stalled()) {
+            Some(e) => Err(e),
+            None => Ok(()),
+        }
     }
 
     /// Has `observe` told the duration of every commit from now on (the
@@ -769,12 +853,12 @@ impl Store {
         let Some(ids) = &self.ids else {
             return Ok(self.next_id.fetch_add(1, Ordering::Relaxed));
         };
+        // While the database is stalled (or down) a request is refused at
+        // once, before it goes upstream: none waits for it in turn.
+        self.available()?;
         let mut block = ids.block.lock().unwrap_or_else(|p| p.into_inner());
-        // While commits fail, each request asks the database first: it is
-        // refused (and goes nowhere) until the database answers again.
-        if block.is_empty() || self.failing.load(Ordering::Acquire) {
-            *block = (ids.reserve)()?;
-            self.failing.store(false, Ordering::Release);
+        if block.is_empty() {
+            *block = ids.db.reserve_ids()?;
         }
         let id = block.start;
         block.start += 1;
@@ -945,12 +1029,10 @@ fn writer_loop(
     journal: Option<Arc<Journal>>,
     backlog: Arc<Backlog>,
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
-    failing: Arc<AtomicBool>,
 ) {
     let mut batch = Pending {
         backlog,
         commits,
-        failing,
         ..Pending::default()
     };
     let mut deadline: Option<Instant> = None;
@@ -989,14 +1071,15 @@ fn writer_loop(
 #[derive(Default)]
 struct Pending {
     records: Vec<Record>,
-    acks: Vec<Ack>,
+    /// Each with the position in `records` of the record it waits for, if
+    /// one (a flush waits for them all).
+    acks: Vec<(Option<usize>, Ack)>,
     /// Sequence number of the last journaled record in `records`.
     upto: Option<u64>,
     /// Their share of the backlog (journaled records' footprints).
     bytes: usize,
     backlog: Arc<Backlog>,
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
-    failing: Arc<AtomicBool>,
 }
 
 impl Pending {
@@ -1011,26 +1094,57 @@ impl Pending {
             }
             Cmd::Write(rec, ack) => {
                 self.records.push(rec);
-                self.acks.extend(ack);
+                let at = self.records.len() - 1;
+                self.acks.extend(ack.map(|ack| (Some(at), ack)));
                 // A detached write has no ack but is committed now too.
                 deadline.take();
             }
-            Cmd::Flush(ack) => self.acks.push(ack),
+            Cmd::Flush(ack) => self.acks.push((None, ack)),
         }
     }
 
     fn commit(&mut self, backend: &mut dyn Backend, journal: &Option<Arc<Journal>>) {
+        // One result per record when the batch was refused and its records
+        // then went one by one.
+        let mut each: Option<Vec<Result<(), Arc<StoreError>>>> = None;
         let result = if self.records.is_empty() {
             Ok(())
         } else {
             let started = Instant::now();
-            let written = backend.write(&self.records).map_err(Arc::new);
+            let mut written = backend.write(&self.records).map_err(Arc::new);
+            if let Err(e) = &written {
+                if e.is_refusal() && self.records.len() > 1 {
+                    tracing::warn!(
+                        error = %e,
+                        records = self.records.len(),
+                        "the database refused a batch: its records go one by one"
+                    );
+                    let results: Vec<_> = backend
+                        .write_each(&self.records)
+                        .into_iter()
+                        .map(|r| r.map_err(Arc::new))
+                        .collect();
+                    // The batch as a whole (a flush) failed only if the
+                    // database failed, not when it refused a record.
+                    written = results
+                        .iter()
+                        .find_map(|r| r.clone().err().filter(|e| !e.is_refusal()))
+                        .map_or(Ok(()), Err);
+                    each = Some(results);
+                }
+            }
             if let Some(observe) = self.commits.get() {
                 observe(started.elapsed());
             }
-            self.failing.store(written.is_err(), Ordering::Release);
             written
         };
+        let refused = each.iter().flatten().filter(|r| r.is_err()).count();
+        if refused > 0 {
+            tracing::error!(
+                records = refused,
+                "the database refused records: not stored"
+            );
+        }
         match (&result, journal, self.upto.take()) {
             (Err(e), _, _) => {
                 tracing::error!(error = %e, records = self.records.len(), "store write failed");
@@ -1039,13 +1153,15 @@ impl Pending {
                     j.keep();
                 }
             }
+            (Ok(()), Some(j), _) if refused > 0 => j.keep(),
             (Ok(()), Some(j), Some(seq)) => j.imported(seq),
             _ => {}
         }
         self.records.clear();
         self.backlog.release(std::mem::take(&mut self.bytes));
-        for ack in self.acks.drain(..) {
-            ack(result.clone());
+        for (at, ack) in self.acks.drain(..) {
+            let own = at.zip(each.as_ref()).and_then(|(i, each)| each.get(i));
+            ack(own.cloned().unwrap_or_else(|| result.clone()));
         }
     }
 }

@@ -13,8 +13,20 @@
 //! bodies are inserted once (`ON CONFLICT DO NOTHING`), the tenant salt is
 //! the first replica's, exchange ids come from a sequence in blocks, an
 //! explicit key belongs to the conversation that committed it first.
+//!
+//! A commit under way longer than `store.stall_after_ms`, or a last one
+//! that failed for want of the database, marks it stalled
+//! ([`super::SharedDatabase::stalled`]): requests are refused before they go
+//! upstream until a commit (an empty one tried every 250 ms after
+//! a failure) succeeds. A batch the database refuses for a value one record
+//! holds goes again record by record; text is stored escaped
+//! ([`super::postgres_text`]), since PostgreSQL's refuses U+0000; the
+//! exchanges of a commit that timed out are written again as withheld with
+//! the next batch, whatever became of that commit.
 
+use std::borrow::Cow;
 use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -22,11 +34,12 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 use tokio_postgres::types::Type;
 use tokio_postgres::NoTls;
 
+use super::postgres_text::{escape, escape_opt, unescape, unescape_opt};
 use super::rows::COMPACTION_COLUMNS;
 use super::sql::{Cell, Row};
 use super::{
-    Backend, ChainHit, ExchangeRecord, IndexedExchange, Limits, PrefixRef, Record, Snapshot,
-    StoreError, StoredCompaction,
+    AttemptRecord, Backend, ChainHit, ExchangeRecord, IndexedExchange, Limits, PrefixRef, Record,
+    Snapshot, StoreError, StoredCompaction,
 };
 use crate::compaction::Compaction;
 use crate::config::StoreConfig;
@@ -199,6 +212,22 @@ CREATE TABLE manual_compactions (
 CREATE INDEX exchanges_timeline ON exchanges (conversation_id, started_ms, id);
 "#,
     ),
+    (
+        5,
+        r#"
+-- The latest compaction attempt of a conversation that stored nothing
+-- (discarded, failed), whichever replica made it: `compact` asks any.
+CREATE TABLE compaction_attempts (
+    conversation_id TEXT PRIMARY KEY REFERENCES conversations(id) ON DELETE CASCADE,
+    tenant          TEXT NOT NULL,
+    at_ms           BIGINT NOT NULL,
+    result          TEXT NOT NULL,
+    tokens_before   BIGINT,
+    tokens_after    BIGINT,
+    error           TEXT
+);
+"#,
+    ),
 ];
 
 /// The key of the advisory lock migrations run under, so that replicas
@@ -227,6 +256,12 @@ pub struct Options {
     pub pool_size: usize,
     /// Statement timeout, and the longest wait for a pooled connection.
     pub statement_timeout: Duration,
+    /// A commit under way longer than this declares the database stalled.
+    pub stall_after: Duration,
+    /// How long a claim on computing a conversation's compaction lasts.
+    pub claim_lapse: Duration,
+    /// The sessions' `synchronous_commit` (`on` unless set).
+    pub synchronous_commit: Option<String>,
 }
 
 impl std::fmt::Debug for Options {
@@ -234,6 +269,7 @@ impl std::fmt::Debug for Options {
         f.debug_struct("Options")
             .field("pool_size", &self.pool_size)
             .field("statement_timeout", &self.statement_timeout)
+            .field("stall_after", &self.stall_after)
             .finish_non_exhaustive()
     }
 }
@@ -246,6 +282,9 @@ impl Options {
             password: c.password(),
             pool_size: c.pool_size,
             statement_timeout: Duration::from_millis(c.statement_timeout_ms),
+            stall_after: Duration::from_millis(c.stall_after_ms),
+            claim_lapse: Duration::from_secs(c.claim_lapse_secs),
+            synchronous_commit: Some(c.synchronous_commit.clone()),
         }
     }
 
@@ -256,10 +295,20 @@ impl Options {
         }
         pg.connect_timeout(CONNECT_TIMEOUT);
         pg.application_name("compactor");
-        pg.options(format!(
+        let mut options = format!(
             "-c statement_timeout={}",
             self.statement_timeout.as_millis()
-        ));
+        );
+        // Checked against the values PostgreSQL takes (config validation):
+        // nothing else reaches the options string.
+        if let Some(sync) = self
+            .synchronous_commit
+            .as_deref()
+            .filter(|s| crate::config::SYNCHRONOUS_COMMIT.contains(s))
+        {
+            options.push_str(&format!(" -c synchronous_commit={sync}"));
+        }
+        pg.options(options);
         Ok(pg)
     }
 }
@@ -287,7 +336,27 @@ pub struct Postgres {
     handle: tokio::runtime::Handle,
     pub(super) pool: Pool,
     timeout: Duration,
+    health: Arc<Health>,
+    stall_after: Duration,
+    claim_lapse: Duration,
 }
+
+/// What tells a stalled database, kept by the writer's commits and read by
+/// the request path without a round trip.
+#[derive(Default)]
+struct Health {
+    /// Unix ms the commit under way started (0: none is).
+    busy_since_ms: AtomicI64,
+    /// The last commit failed for want of the database (not for a value it
+    /// refused); cleared by the next commit that succeeds.
+    failing: AtomicBool,
+    /// A probe commit is being tried (see [`Postgres::probe_until_up`]).
+    probing: AtomicBool,
+}
+
+/// How often a database whose last commit failed is tried again with an
+/// empty commit, while no request is let through to commit one.
+const PROBE_EVERY: Duration = Duration::from_millis(250);
 
 impl Drop for Postgres {
     fn drop(&mut self) {
@@ -326,6 +395,9 @@ impl Postgres {
             runtime: Some(runtime),
             pool,
             timeout: opts.statement_timeout + CONNECT_TIMEOUT,
+            health: Arc::default(),
+            stall_after: opts.stall_after,
+            claim_lapse: opts.claim_lapse,
         }))
     }
 
@@ -395,6 +467,46 @@ impl Postgres {
         }
     }
 
+    /// Notes how the commit under way ended: a failure for want of the
+    /// database stalls the store until a probe commit succeeds.
+    fn committed(&self, result: &Result<(), StoreError>) {
+        self.health.busy_since_ms.store(0, Ordering::Release);
+        let down = result.as_ref().is_err_and(|e| !e.is_refusal());
+        self.health.failing.store(down, Ordering::Release);
+        if down {
+            self.probe_until_up();
+        }
+    }
+
+    /// Tries an empty commit every [`PROBE_EVERY`] until one succeeds,
+    /// which clears the failure: requests are refused meanwhile, so none
+    /// would commit to tell it. One prober at a time.
+    fn probe_until_up(&self) {
+        if self.health.probing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (pool, health, timeout) = (self.pool.clone(), self.health.clone(), self.timeout);
+        self.handle.spawn(async move {
+            loop {
+                tokio::time::sleep(PROBE_EVERY).await;
+                if !health.failing.load(Ordering::Acquire) {
+                    break;
+                }
+                let probe = async {
+                    let client = pool.get().await?;
+                    client.batch_execute("BEGIN; COMMIT").await?;
+                    Ok::<_, StoreError>(())
+                };
+                if let Ok(Ok(())) = tokio::time::timeout(timeout, probe).await {
+                    tracing::info!("the database answers again: requests are served");
+                    health.failing.store(false, Ordering::Release);
+                    break;
+                }
+            }
+            health.probing.store(false, Ordering::Release);
+        });
+    }
+
     /// A new block of exchange ids, unique across every replica.
     pub fn reserve_ids(&self) -> Result<std::ops::Range<i64>, StoreError> {
         let pool = self.pool.clone();
@@ -406,6 +518,24 @@ impl Postgres {
             let block: i64 = row.get(0);
             Ok(block * ID_BLOCK..(block + 1) * ID_BLOCK)
         })
+    }
+}
+
+impl super::SharedDatabase for Postgres {
+    fn reserve_ids(&self) -> Result<std::ops::Range<i64>, StoreError> {
+        Postgres::reserve_ids(self)
+    }
+
+    fn stalled(&self) -> Option<StoreError> {
+        if self.health.failing.load(Ordering::Acquire) {
+            return Some(StoreError::Stalled(
+                "the last commit failed; waiting for one to succeed".into(),
+            ));
+        }
+        let since = self.health.busy_since_ms.load(Ordering::Acquire);
+        let age = crate::ids::now_ms() - since;
+        (since > 0 && age >= self.stall_after.as_millis() as i64)
+            .then(|| StoreError::Stalled(format!("a commit has been under way for {age} ms")))
     }
 }
 
@@ -482,13 +612,40 @@ async fn apply_migrations(client: &mut deadpool_postgres::Object) -> Result<(), 
 /// The writer thread's side: batches in one transaction each.
 pub struct PostgresBackend {
     pg: Arc<Postgres>,
+    /// The exchanges of batches whose commit timed out after their
+    /// pipeline may have been sent, as their clients were answered
+    /// (withheld, see [`withheld`]): written with the next batch, whether
+    /// the timed-out commit landed meanwhile, lands later or never.
+    in_doubt: Vec<Record>,
 }
 
 impl PostgresBackend {
     /// The writer's backend over `pg`.
     pub fn new(pg: Arc<Postgres>) -> Self {
-        PostgresBackend { pg }
+        PostgresBackend {
+            pg,
+            in_doubt: Vec::new(),
+        }
     }
+}
+
+/// What an exchange whose commit timed out is recorded with: its client
+/// was told the answer was withheld.
+pub const WITHHELD: &str = "the answer was withheld: its commit did not finish in time";
+
+/// `rec` as recorded once its answer was withheld: a 503, its response not
+/// one a later request can continue.
+fn withheld(rec: &Record) -> Option<Record> {
+    let Record::Exchange(e) = rec else {
+        return None;
+    };
+    let mut e = e.clone();
+    e.status = 503;
+    e.partial = true;
+    e.error = Some(WITHHELD.into());
+    e.response_id = None;
+    e.chain_full = None;
+    Some(Record::Exchange(e))
 }
 
 fn hash_of(bytes: Option<Vec<u8>>) -> Option<ItemHash> {
@@ -503,14 +660,53 @@ impl Backend for PostgresBackend {
 
     fn write(&mut self, batch: &[Record]) -> Result<(), StoreError> {
         // The writer thread is outside any runtime: the batch is written
-        // where it is, without a copy.
+        // where it is, without a copy (but after a timeout, when what was in
+        // doubt goes first, in the same transaction).
         let pool = self.pg.pool.clone();
         let timeout = self.pg.timeout;
-        self.pg.handle.block_on(async move {
-            tokio::time::timeout(timeout, write(&pool, batch))
-                .await
-                .unwrap_or(Err(StoreError::Timeout))
-        })
+        self.pg
+            .health
+            .busy_since_ms
+            .store(crate::ids::now_ms(), Ordering::Release);
+        let doubt = std::mem::take(&mut self.in_doubt);
+        let ids: Vec<i64> = doubt
+            .iter()
+            .filter_map(|r| match r {
+                Record::Exchange(e) => Some(e.id),
+                _ => None,
+            })
+            .collect();
+        let joined: Vec<Record>;
+        let records = if doubt.is_empty() {
+            batch
+        } else {
+            joined = doubt.iter().chain(batch).cloned().collect();
+            &joined
+        };
+        let result = self
+            .pg
+            .handle
+            .block_on(async { write(&pool, records, &ids, timeout).await });
+        match &result {
+            Ok(()) => {
+                if !ids.is_empty() {
+                    tracing::warn!(
+                        exchanges = ids.len(),
+                        "exchanges whose commit timed out are recorded as withheld"
+                    );
+                }
+            }
+            // Its pipeline may have been sent: the database may yet commit
+            // it. Its clients are told it failed, so the next batch records
+            // them so, whatever the database did with it.
+            Err(StoreError::Timeout) => {
+                self.in_doubt = doubt;
+                self.in_doubt.extend(batch.iter().filter_map(withheld));
+            }
+            Err(_) => self.in_doubt = doubt,
+        }
+        self.pg.committed(&result);
+        result
     }
 }
 
@@ -552,7 +748,7 @@ async fn load(pool: &Pool, limits: Limits) -> Result<Snapshot, StoreError> {
             response_len: r.get::<_, i32>(4) as usize,
             chain_request: hash_of(r.get(5)),
             chain_full: hash_of(r.get(6)),
-            response_id: r.get(7),
+            response_id: unescape_opt(r.get(7)),
             prefix_exchange: r.get(8),
         })
         .collect();
@@ -566,7 +762,7 @@ async fn load(pool: &Pool, limits: Limits) -> Result<Snapshot, StoreError> {
         .await?;
     snap.keys = rows
         .iter()
-        .map(|r| (r.get(0), r.get(1), r.get(2)))
+        .map(|r| (r.get(0), unescape(r.get(1)), r.get(2)))
         .collect();
     snap.keys_truncated = snap.keys.len() > limits.keys;
     snap.keys.truncate(limits.keys);
@@ -589,8 +785,8 @@ async fn load(pool: &Pool, limits: Limits) -> Result<Snapshot, StoreError> {
     snap.windows = rows
         .iter()
         .map(|r| Told {
-            upstream: r.get(0),
-            model: r.get(1),
+            upstream: unescape(r.get(0)),
+            model: unescape(r.get(1)),
             window: r.get::<_, i64>(2).max(0) as u64,
             source: Source::parse(r.get(3)).unwrap_or(Source::Learned),
             updated_ms: r.get(4),
@@ -617,22 +813,57 @@ fn stored_compaction(r: &tokio_postgres::Row) -> StoredCompaction {
 /// holds. Under load a round trip is mostly the wait for the threads at
 /// either end to be scheduled, so the count of them, not of rows, is what
 /// a commit's time grows with.
-async fn write(pool: &Pool, batch: &[Record]) -> Result<(), StoreError> {
-    let client = pool.get().await?;
-    let written = write_pipelined(&client, batch).await;
+///
+/// `withheld` are exchanges of the batch recorded so after an earlier
+/// commit of theirs timed out: should that commit have landed first (the
+/// batch's inserts then leave its rows), they are marked so in the same
+/// transaction; should it land later, its inserts find theirs and leave
+/// them. A commit still running holds their ids, and the inserts wait for
+/// it.
+async fn write(
+    pool: &Pool,
+    batch: &[Record],
+    withheld: &[i64],
+    timeout: Duration,
+) -> Result<(), StoreError> {
+    let deadline = tokio::time::Instant::now() + timeout;
+    let client = tokio::time::timeout_at(deadline, pool.get())
+        .await
+        .map_err(|_| StoreError::Timeout)??;
+    let written = tokio::time::timeout_at(deadline, write_pipelined(&client, batch, withheld))
+        .await
+        .unwrap_or(Err(StoreError::Timeout));
     if written.is_err() {
         // A statement that failed before it was sent (its parameters could
-        // not be encoded) leaves the transaction open, without its COMMIT:
-        // the session is closed, which rolls it back, rather than handed to
-        // the pool's next user.
+        // not be encoded) leaves the transaction open, without its COMMIT,
+        // and one that timed out leaves answers due: the session is closed,
+        // rather than handed to the pool's next user.
         drop(deadpool_postgres::Object::take(client));
     }
     written
 }
 
+/// Marks exchanges as withheld (see [`WITHHELD`]).
+const MARK_WITHHELD: &str = "UPDATE exchanges SET status = 503, partial = TRUE, error = $2,
+                                                  response_id = NULL, chain_full = NULL
+                             WHERE id = ANY($1)";
+
+/// Runs [`MARK_WITHHELD`] over `ids`, unless there are none.
+async fn mark_withheld(
+    client: &deadpool_postgres::ClientWrapper,
+    statement: &tokio_postgres::Statement,
+    ids: &[i64],
+) -> Result<u64, tokio_postgres::Error> {
+    if ids.is_empty() {
+        return Ok(0);
+    }
+    client.execute(statement, &[&ids, &WITHHELD]).await
+}
+
 async fn write_pipelined(
     client: &deadpool_postgres::ClientWrapper,
     batch: &[Record],
+    withheld: &[i64],
 ) -> Result<(), StoreError> {
     let spans = super::conversation_spans(batch);
     let mut items = Items::default();
@@ -678,6 +909,7 @@ async fn write_pipelined(
         client.prepare_cached(Exchanges::sql()),
         client.prepare_cached(Compactions::sql()),
         client.prepare_cached(Windows::sql()),
+        client.prepare_cached(MARK_WITHHELD),
     )?;
     // `biased`: each request is sent when first polled, so polled in this
     // order they run in it, the conversations before the exchanges that
@@ -692,6 +924,7 @@ async fn write_pipelined(
         insert(client, &statements.3, &exchanges),
         insert(client, &statements.4, &compactions),
         insert(client, &statements.5, &windows),
+        mark_withheld(client, &statements.6, withheld),
         client.batch_execute("COMMIT"),
     )?;
     Ok(())
@@ -779,7 +1012,7 @@ type Span<'a> = (&'a str, super::ConversationSpan<'a>);
 columns! {
     Items<'a>(item: &'a (ItemHash, String)) into "items" "ON CONFLICT DO NOTHING" {
         hash: &'a [u8] as "bytea" = item.0.as_slice(),
-        body: &'a str as "text" = item.1.as_str(),
+        body: Cow<'a, str> as "text" = escape(item.1.as_str()),
     }
 }
 
@@ -792,10 +1025,10 @@ columns! {
     KeyedConversations<'a>(span: &'a Span<'a>) into "conversations" "ON CONFLICT DO NOTHING" {
         id: &'a str as "text" = span.0,
         tenant: &'a str as "text" = &span.1.first.tenant,
-        explicit_key: Option<&'a str> as "text" = span.1.first.explicit_key.as_deref(),
+        explicit_key: Option<Cow<'a, str>> as "text" = escape_opt(span.1.first.explicit_key.as_deref()),
         created_ms: i64 as "bigint" = span.1.first.started_ms,
         last_seen_ms: i64 as "bigint" = span.1.last.started_ms,
-        model: &'a str as "text" = &span.1.last.model,
+        model: Cow<'a, str> as "text" = escape(&span.1.last.model),
     }
 }
 
@@ -818,12 +1051,12 @@ columns! {
         tenant: &'a str as "text" = &span.1.first.tenant,
         created_ms: i64 as "bigint" = span.1.first.started_ms,
         last_seen_ms: i64 as "bigint" = span.1.last.started_ms,
-        model: &'a str as "text" = &span.1.last.model,
-        preview: Option<&'a str> as "text" = span.1.preview,
-        client: Option<&'a str> as "text" = span.1.client,
-        conversation_header: Option<&'a str> as "text" = span.1.ids.header.as_deref(),
-        session_id: Option<&'a str> as "text" = span.1.ids.session.as_deref(),
-        prompt_cache_key: Option<&'a str> as "text" = span.1.ids.cache_key.as_deref(),
+        model: Cow<'a, str> as "text" = escape(&span.1.last.model),
+        preview: Option<Cow<'a, str>> as "text" = escape_opt(span.1.preview),
+        client: Option<Cow<'a, str>> as "text" = escape_opt(span.1.client),
+        conversation_header: Option<Cow<'a, str>> as "text" = escape_opt(span.1.ids.header.as_deref()),
+        session_id: Option<Cow<'a, str>> as "text" = escape_opt(span.1.ids.session.as_deref()),
+        prompt_cache_key: Option<Cow<'a, str>> as "text" = escape_opt(span.1.ids.cache_key.as_deref()),
     }
 }
 
@@ -833,7 +1066,7 @@ columns! {
         conversation_id: &'a str as "text" = &r.conversation,
         tenant: &'a str as "text" = &r.tenant,
         endpoint: &'a str as "text" = r.api.endpoint(),
-        model: &'a str as "text" = &r.model,
+        model: Cow<'a, str> as "text" = escape(&r.model),
         prefix_exchange: Option<i64> as "bigint" = r.prefix.map(|p| p.exchange),
         prefix_len: i64 as "bigint" = r.prefix.map_or(0, |p| p.len as i64),
         prefix_full: bool as "boolean" = r.prefix.is_some_and(|p| p.full),
@@ -841,7 +1074,7 @@ columns! {
         request_len: i64 as "bigint" = r.request_len as i64,
         params: &'a [u8] as "bytea" = r.params.as_slice(),
         response_items: &'a [u8] as "bytea" = r.response_items.as_flattened(),
-        response_id: Option<&'a str> as "text" = r.response_id.as_deref(),
+        response_id: Option<Cow<'a, str>> as "text" = escape_opt(r.response_id.as_deref()),
         input_tokens: Option<i64> as "bigint" = r.usage.map(|u| u.input_tokens as i64),
         output_tokens: Option<i64> as "bigint" = r.usage.map(|u| u.output_tokens as i64),
         cached_tokens: Option<i64> as "bigint" =
@@ -849,7 +1082,7 @@ columns! {
         status: i32 as "integer" = i32::from(r.status),
         streamed: bool as "boolean" = r.streamed,
         partial: bool as "boolean" = r.partial,
-        error: Option<&'a str> as "text" = r.error.as_deref(),
+        error: Option<Cow<'a, str>> as "text" = escape_opt(r.error.as_deref()),
         started_ms: i64 as "bigint" = r.started_ms,
         latency_ms: f64 as "double precision" = r.latency_ms,
         ttfb_ms: Option<f64> as "double precision" = r.ttfb_ms,
@@ -858,10 +1091,10 @@ columns! {
         compaction_id: Option<&'a str> as "text" = r.compaction.as_deref(),
         context_window: Option<i64> as "bigint" = r.window.map(|w| w.tokens as i64),
         window_source: Option<&'a str> as "text" = r.window.map(|w| w.source.as_str()),
-        client: Option<&'a str> as "text" = r.client.as_deref(),
-        conversation_header: Option<&'a str> as "text" = r.client_ids.header.as_deref(),
-        session_id: Option<&'a str> as "text" = r.client_ids.session.as_deref(),
-        prompt_cache_key: Option<&'a str> as "text" = r.client_ids.cache_key.as_deref(),
+        client: Option<Cow<'a, str>> as "text" = escape_opt(r.client.as_deref()),
+        conversation_header: Option<Cow<'a, str>> as "text" = escape_opt(r.client_ids.header.as_deref()),
+        session_id: Option<Cow<'a, str>> as "text" = escape_opt(r.client_ids.session.as_deref()),
+        prompt_cache_key: Option<Cow<'a, str>> as "text" = escape_opt(r.client_ids.cache_key.as_deref()),
         mode: &'a str as "text" = r.savings.mode.as_str(),
         tokens_saved: i64 as "bigint" = r.savings.tokens_saved as i64,
         tokens_saved_potential: i64 as "bigint" = r.savings.tokens_saved_potential as i64,
@@ -882,12 +1115,12 @@ columns! {
         replacement: String as "text" =
             serde_json::to_string(&c.replacement).unwrap_or_else(|_| "[]".into()),
         rung: &'a str as "text" = c.rung.as_str(),
-        reason: &'a str as "text" = &c.reason,
+        reason: Cow<'a, str> as "text" = escape(&c.reason),
         tokens_before: i64 as "bigint" = c.tokens_before as i64,
         tokens_after: i64 as "bigint" = c.tokens_after as i64,
         items_removed: i64 as "bigint" = c.items_removed as i64,
         items_kept: i64 as "bigint" = c.items_kept as i64,
-        summary: Option<&'a str> as "text" = c.summary.as_deref(),
+        summary: Option<Cow<'a, str>> as "text" = escape_opt(c.summary.as_deref()),
         facts: Option<String> as "text" =
             c.facts.as_ref().and_then(|f| serde_json::to_string(f).ok()),
         base_id: Option<&'a str> as "text" = c.base.as_deref(),
@@ -905,8 +1138,8 @@ columns! {
     Windows<'a>(w: &'a Told) into "windows"
     "ON CONFLICT (upstream, model) DO UPDATE SET \"window\" = excluded.\"window\",
          source = excluded.source, updated_ms = excluded.updated_ms" {
-        upstream: &'a str as "text" = &w.upstream,
-        model: &'a str as "text" = &w.model,
+        upstream: Cow<'a, str> as "text" = escape(&w.upstream),
+        model: Cow<'a, str> as "text" = escape(&w.model),
         window: i64 as "bigint" = w.window as i64,
         source: &'a str as "text" = w.source.as_str(),
         updated_ms: i64 as "bigint" = w.updated_ms,
@@ -927,7 +1160,7 @@ fn cell(row: &tokio_postgres::Row, i: usize) -> Result<Cell, StoreError> {
             .map_or(Cell::Null, Cell::Real),
         Type::TEXT | Type::VARCHAR | Type::NAME => row
             .try_get::<_, Option<String>>(i)?
-            .map_or(Cell::Null, Cell::Text),
+            .map_or(Cell::Null, |s| Cell::Text(unescape(s))),
         Type::BYTEA => row
             .try_get::<_, Option<Vec<u8>>>(i)?
             .map_or(Cell::Null, Cell::Blob),
@@ -1040,7 +1273,7 @@ impl super::Reads for PostgresReads {
     }
 
     fn conversation_of_key(&self, tenant: &str, key: &str) -> Option<String> {
-        let (tenant, key) = (tenant.to_string(), key.to_string());
+        let (tenant, key) = (tenant.to_string(), escape(key).into_owned());
         self.read("conversation_of_key", |pool| async move {
             let client = pool.get().await?;
             let stmt = client
@@ -1056,7 +1289,7 @@ impl super::Reads for PostgresReads {
     }
 
     fn response_history(&self, tenant: &str, response_id: &str) -> Option<Vec<serde_json::Value>> {
-        let (tenant, response_id) = (tenant.to_string(), response_id.to_string());
+        let (tenant, response_id) = (tenant.to_string(), escape(response_id).into_owned());
         self.read("response_history", |pool| async move {
             let client = pool.get().await?;
             response_history(&client, &tenant, &response_id).await
@@ -1093,7 +1326,7 @@ impl super::Reads for PostgresReads {
     }
 
     fn conversation_of_response(&self, tenant: &str, response_id: &str) -> Option<String> {
-        let (tenant, response_id) = (tenant.to_string(), response_id.to_string());
+        let (tenant, response_id) = (tenant.to_string(), escape(response_id).into_owned());
         self.read("conversation_of_response", |pool| async move {
             let client = pool.get().await?;
             let stmt = client
@@ -1150,9 +1383,12 @@ impl super::Reads for PostgresReads {
         })
     }
 
-    fn claim(&self, tenant: &str, conversation: &str, for_ms: i64) -> bool {
+    fn claim(&self, tenant: &str, conversation: &str, _for_ms: i64) -> bool {
         let (tenant, conversation) = (tenant.to_string(), conversation.to_string());
         let owner = self.owner.clone();
+        // The lapse is the deployment's (`store.claim_lapse_secs`): every
+        // replica of one database should be given the same.
+        let for_ms = self.pg.claim_lapse.as_millis() as i64;
         // An expired claim (its replica died, or overran) is taken over.
         let claimed = self.read("claim", |pool| async move {
             let client = pool.get().await?;
@@ -1242,6 +1478,71 @@ impl super::Reads for PostgresReads {
     fn on_forgotten(&self, f: Box<dyn Fn(&str) + Send + Sync>) {
         self.manual.on_forget(f);
     }
+
+    fn record_attempt(&self, tenant: &str, conversation: &str, attempt: &AttemptRecord) {
+        let (tenant, conversation, a) = (
+            tenant.to_string(),
+            conversation.to_string(),
+            attempt.clone(),
+        );
+        self.read("record_attempt", |pool| async move {
+            let client = pool.get().await?;
+            // The newest stays, whichever replica commits last.
+            let stmt = client
+                .prepare_cached(
+                    "INSERT INTO compaction_attempts
+                         (conversation_id, tenant, at_ms, result, tokens_before, tokens_after,
+                          error)
+                     VALUES ($1, $2, $3, $4, $5, $6, $7)
+                     ON CONFLICT (conversation_id) DO UPDATE
+                         SET at_ms = excluded.at_ms, result = excluded.result,
+                             tokens_before = excluded.tokens_before,
+                             tokens_after = excluded.tokens_after, error = excluded.error
+                         WHERE compaction_attempts.at_ms <= excluded.at_ms",
+                )
+                .await?;
+            let tokens = |t: Option<u64>| t.map(|t| t as i64);
+            client
+                .execute(
+                    &stmt,
+                    &[
+                        &conversation,
+                        &tenant,
+                        &a.at_ms,
+                        &a.result,
+                        &tokens(a.tokens_before),
+                        &tokens(a.tokens_after),
+                        &escape_opt(a.error.as_deref()),
+                    ],
+                )
+                .await?;
+            Ok(Some(()))
+        });
+    }
+
+    fn latest_attempt(&self, tenant: &str, conversation: &str) -> Option<AttemptRecord> {
+        let (tenant, conversation) = (tenant.to_string(), conversation.to_string());
+        self.read("latest_attempt", |pool| async move {
+            let client = pool.get().await?;
+            let stmt = client
+                .prepare_cached(
+                    "SELECT at_ms, result, tokens_before, tokens_after, error
+                     FROM compaction_attempts WHERE tenant = $1 AND conversation_id = $2",
+                )
+                .await?;
+            let tokens = |t: Option<i64>| t.map(|t| t.max(0) as u64);
+            Ok(client
+                .query_opt(&stmt, &[&tenant, &conversation])
+                .await?
+                .map(|r| AttemptRecord {
+                    at_ms: r.get(0),
+                    result: r.get(1),
+                    tokens_before: tokens(r.get(2)),
+                    tokens_after: tokens(r.get(3)),
+                    error: unescape_opt(r.get(4)),
+                }))
+        })
+    }
 }
 
 /// [`super::rows::response_history`] over PostgreSQL: the prefix
@@ -1306,8 +1607,10 @@ async fn response_history(
             &[&wanted],
         )
         .await?;
-    let bodies: foldhash::HashMap<Vec<u8>, String> =
-        rows.iter().map(|r| (r.get(0), r.get(1))).collect();
+    let bodies: foldhash::HashMap<Vec<u8>, String> = rows
+        .iter()
+        .map(|r| (r.get(0), unescape(r.get(1))))
+        .collect();
     let mut items = Vec::with_capacity(hashes.len());
     for h in &hashes {
         let Some(body) = bodies.get(h.as_slice()) else {

@@ -26,7 +26,8 @@ impl From<&Param<'_>> for Owned {
         match *p {
             Param::Null => Owned::Null,
             Param::Int(v) => Owned::Int(v),
-            Param::Text(s) => Owned::Text(s.to_string()),
+            // Escaped as every stored text is (see postgres_text).
+            Param::Text(s) => Owned::Text(super::postgres_text::escape(s).into_owned()),
             Param::Blob(b) => Owned::Blob(b.to_vec()),
         }
     }

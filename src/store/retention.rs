@@ -238,6 +238,34 @@ pub fn prune_items(conn: &dyn Sql) -> Result<u64, StoreError> {
     Ok(unreferenced.len() as u64)
 }
 
+/// The key of the advisory lock the unreferenced-item scan of a shared
+/// store runs under.
+pub const PRUNE_LOCK: i64 = 0x636f_6d70_6163_7402;
+
+/// [`prune_items`] on a store replicas share, by one of them at a time: the
+/// scan reads every exchange, and replicas applying `retain_days` on the
+/// same hour would each make it. While another holds the lock this one
+/// skips it (0 items): the scan under way, or the next one, takes what this
+/// deletion left unreferenced.
+fn prune_items_alone(conn: &dyn Sql) -> Result<u64, StoreError> {
+    let taken = conn
+        .first("SELECT pg_try_advisory_lock(?1)", &[PRUNE_LOCK.into()])?
+        .map(|r| r.get::<i64>(0))
+        .transpose()?
+        == Some(1);
+    if !taken {
+        tracing::info!("another process scans for unreferenced items now: skipped here");
+        return Ok(0);
+    }
+    let pruned = prune_items(conn);
+    // A session's lock: released whatever happened (a connection that
+    // failed is closed, which releases it too).
+    let unlocked = conn.execute("SELECT pg_advisory_unlock(?1)", &[PRUNE_LOCK.into()]);
+    let pruned = pruned?;
+    unlocked?;
+    Ok(pruned)
+}
+
 /// The PostgreSQL channel on which replicas hear which conversations were
 /// deleted: each forgets them, their compactions, and which items it
 /// believed stored. A payload is lines of `tenant conversation
@@ -333,7 +361,11 @@ pub fn delete_and_prune(conn: &dyn Sql, conversations: &[String]) -> Result<Remo
             &[FORGET_CHANNEL.into(), payload.as_str().into()],
         )?;
     }
-    removed.items = prune_items(conn)?;
+    removed.items = if shared {
+        prune_items_alone(conn)?
+    } else {
+        prune_items(conn)?
+    };
     if removed != Removed::default() {
         vacuum(conn)?;
     }

@@ -1,7 +1,8 @@
 //! A throwaway PostgreSQL cluster for the tests of the PostgreSQL store:
 //! `initdb` into a temp dir, `pg_ctl start` on 127.0.0.1 and a free port,
 //! stopped and removed when dropped. PostgreSQL refuses to run as root: as
-//! root, its commands run as an unprivileged user (created if missing).
+//! root, its commands run as an unprivileged user (`scripts/test` creates it
+//! before any test runs; a test run by hand creates it if missing).
 //!
 //! Under `CI=true` a cluster that cannot be started fails the test; on a
 //! developer's machine without PostgreSQL the test says so and passes.
@@ -9,6 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
 
 /// The user the cluster runs as when the tests run as root.
 const PG_USER: &str = "compactor-pg";
@@ -46,6 +48,93 @@ fn bin_dir() -> Option<PathBuf> {
     std::env::split_paths(&path).find(|p| p.join("initdb").exists() && p.join("pg_ctl").exists())
 }
 
+/// Whether [`PG_USER`] exists.
+fn user_known() -> bool {
+    Command::new("id")
+        .arg(PG_USER)
+        .output()
+        .is_ok_and(|o| o.status.success())
+}
+
+/// Creates [`PG_USER`] unless it exists (`scripts/test` creates it before
+/// any test runs; this is for a test run by hand). Creations are serialised
+/// across this process's threads and across processes: concurrent
+/// `useradd`s of one name can each hand it another uid, so that a
+/// directory given to the name a moment ago belongs to a uid the name no
+/// longer has, and `initdb` may not write in it.
+fn ensure_user() -> Result<(), String> {
+    static KNOWN: Mutex<bool> = Mutex::new(false);
+    let mut known = KNOWN.lock().unwrap_or_else(|p| p.into_inner());
+    if *known {
+        return Ok(());
+    }
+    let path = std::env::temp_dir().join(format!("{PG_USER}.user.lock"));
+    let lock = std::fs::File::create(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+    lock.lock()
+        .map_err(|e| format!("lock {}: {e}", path.display()))?;
+    if !user_known() {
+        let out = Command::new("useradd")
+            .args([
+                "--system",
+                "--no-create-home",
+                "--shell",
+                "/usr/sbin/nologin",
+            ])
+            .arg(PG_USER)
+            .output()
+            .map_err(|e| format!("useradd: {e}"))?;
+        // Another process that does not take the lock may have won.
+        if !user_known() {
+            ok(out, "useradd")?;
+            return Err(format!(
+                "useradd {PG_USER} succeeded, yet the user is unknown"
+            ));
+        }
+    }
+    *known = true;
+    Ok(())
+}
+
+/// The cluster's directory: a temp dir, given to [`PG_USER`] when `as_user`
+/// and checked to be writable by it. A temp dir below a directory that user
+/// may not enter (a `TMPDIR` in root's home, say) is replaced by one in
+/// `/tmp`.
+fn cluster_dir(as_user: bool) -> Result<tempfile::TempDir, String> {
+    let make = |parent: &Path| -> Result<tempfile::TempDir, String> {
+        let dir = tempfile::Builder::new()
+            .prefix("compactor-pg-")
+            .tempdir_in(parent)
+            .map_err(|e| format!("a temp dir in {}: {e}", parent.display()))?;
+        if as_user {
+            let out = Command::new("chown")
+                .args(["-R", PG_USER])
+                .arg(dir.path())
+                .output()
+                .map_err(|e| e.to_string())?;
+            ok(out, "chown")?;
+            let out = Command::new("runuser")
+                .args(["-u", PG_USER, "--", "test", "-w"])
+                .arg(dir.path())
+                .output()
+                .map_err(|e| format!("runuser: {e}"))?;
+            if !out.status.success() {
+                return Err(format!(
+                    "{} is not writable by {PG_USER} (a directory above it is closed to it)",
+                    dir.path().display()
+                ));
+            }
+        }
+        Ok(dir)
+    };
+    let tmp = std::env::temp_dir();
+    match make(&tmp) {
+        Err(why) if as_user && tmp != Path::new("/tmp") => {
+            make(Path::new("/tmp")).map_err(|e| format!("{why}; and {e}"))
+        }
+        made => made,
+    }
+}
+
 fn is_root() -> bool {
     Command::new("id")
         .arg("-u")
@@ -79,24 +168,9 @@ impl PgCluster {
         let bin = bin_dir().ok_or("no initdb (install Debian's postgresql)")?;
         let as_user = is_root();
         if as_user {
-            let known = Command::new("id")
-                .arg(PG_USER)
-                .output()
-                .is_ok_and(|o| o.status.success());
-            if !known {
-                // Several test binaries may race to create it: either wins.
-                let _ = Command::new("useradd")
-                    .args([
-                        "--system",
-                        "--no-create-home",
-                        "--shell",
-                        "/usr/sbin/nologin",
-                    ])
-                    .arg(PG_USER)
-                    .output();
-            }
+            ensure_user()?;
         }
-        let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
+        let dir = cluster_dir(as_user)?;
         let port = free_port();
         let cluster = PgCluster {
             bin,
@@ -106,9 +180,6 @@ impl PgCluster {
             as_user,
             databases: AtomicUsize::new(0),
         };
-        if as_user {
-            cluster.chown(cluster.dir.path())?;
-        }
         let data = cluster.data();
         cluster.run(
             "initdb",
@@ -130,15 +201,6 @@ impl PgCluster {
 
     fn data(&self) -> String {
         self.dir.path().join("data").display().to_string()
-    }
-
-    fn chown(&self, path: &Path) -> Result<(), String> {
-        let out = Command::new("chown")
-            .args(["-R", PG_USER])
-            .arg(path)
-            .output()
-            .map_err(|e| e.to_string())?;
-        ok(out, "chown")
     }
 
     /// Runs one of PostgreSQL's programs (as the unprivileged user if root).

@@ -1,0 +1,334 @@
+//! The shared store's faults, through a proxy on a real PostgreSQL: a
+//! client's text PostgreSQL refuses (U+0000) fails no one, and a stalled
+//! database (its connections held by a relay the test pauses) refuses
+//! requests at once, before they go upstream, then recovers on its own.
+//!
+//! A real PostgreSQL tier: `#[ignore]`d like the other real tiers (run with
+//! `--include-ignored`; `scripts/test` installs PostgreSQL), each test on a
+//! throwaway cluster of its own.
+
+mod support;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use compactor::fake_upstream::Reply;
+use serde_json::{json, Value};
+use support::postgres::PgCluster;
+use support::{post, within, Harness};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+const MODEL: &str = "tiny-test";
+
+/// One number a query over the database answers.
+async fn count(url: &str, sql: &str) -> i64 {
+    let (client, conn) = within(tokio_postgres::connect(url, tokio_postgres::NoTls))
+        .await
+        .expect("connect to the test database");
+    let driver = tokio::spawn(conn);
+    let n: i64 = within(client.query_one(sql, &[])).await.expect(sql).get(0);
+    drop(client);
+    let _ = within(driver).await;
+    n
+}
+
+/// Chat requests the upstream received.
+fn chat_calls(h: &Harness) -> usize {
+    h.fake
+        .received()
+        .iter()
+        .filter(|r| r.path.ends_with("/chat/completions"))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_client_sending_nul_in_its_text_is_served_recorded_and_fails_no_other_tenant() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let h = Harness::start_with(|c| c.store.url = url.clone()).await;
+    let endpoint = format!("{}/chat/completions", h.url());
+    // U+0000 in every text of the body the client chooses: its model, its
+    // prompt_cache_key (the conversation's key) and its message (the
+    // conversation's preview).
+    let odd = json!({
+        "model": "tiny\u{0}model",
+        "prompt_cache_key": "cache\u{0}key",
+        "messages": [{"role": "user", "content": "hello\u{0}world"}],
+    });
+    // Rounds of requests at once: the odd client beside three tenants.
+    let mut answers = Vec::new();
+    for round in 0..4 {
+        let mut sent = vec![tokio::spawn({
+            let (endpoint, odd) = (endpoint.clone(), odd.clone());
+            async move { post(&endpoint, "sk-nul-client", &odd).await.0 }
+        })];
+        for tenant in 0..3 {
+            let endpoint = endpoint.clone();
+            let body = json!({"model": MODEL,
+                "messages": [{"role": "user", "content": format!("round {round} of {tenant}")}]});
+            sent.push(tokio::spawn(async move {
+                post(&endpoint, &format!("sk-tenant-{tenant}"), &body)
+                    .await
+                    .0
+            }));
+        }
+        for s in sent {
+            answers.push(within(s).await.expect("the request"));
+        }
+    }
+    assert_eq!(answers, vec![200; 16], "every client, the odd one too");
+    assert_eq!(
+        count(&url, "SELECT count(*) FROM exchanges WHERE status = 200").await,
+        16
+    );
+    // Stored, and read back through the views as the client sent it.
+    let views = h.sql();
+    let got: Vec<String> = support::column(
+        &*views,
+        "SELECT e.model || '|' || e.prompt_cache_key || '|' || c.explicit_key || '|' || c.preview
+         FROM exchanges e JOIN conversations c ON c.id = e.conversation_id
+         WHERE e.model LIKE 'tiny%model'",
+    );
+    let expected = "tiny\u{0}model|cache\u{0}key|session-id:cache\u{0}key|hello\u{0}world";
+    assert_eq!(got, vec![expected.to_string(); 4]);
+    let conversations: Vec<String> = support::column(
+        &*views,
+        "SELECT DISTINCT conversation_id FROM exchanges WHERE model LIKE 'tiny%model'",
+    );
+    assert_eq!(conversations.len(), 1, "one conversation, by its key");
+}
+
+/// A TCP relay to PostgreSQL that the test pauses: while paused, every
+/// byte either way is held, as by a database that stopped answering (its
+/// host frozen, its disk stuck) while its connections stay open.
+struct Relay {
+    port: u16,
+    paused: Arc<tokio::sync::watch::Sender<bool>>,
+}
+
+impl Relay {
+    async fn start(target: u16) -> Relay {
+        let listener = within(tokio::net::TcpListener::bind("127.0.0.1:0"))
+            .await
+            .expect("bind the relay");
+        let port = listener.local_addr().expect("relay address").port();
+        let paused = Arc::new(tokio::sync::watch::channel(false).0);
+        let held = paused.clone();
+        tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = tokio::net::TcpStream::connect(("127.0.0.1", target)).await else {
+                    continue;
+                };
+                let (from_client, to_client) = client.into_split();
+                let (from_server, to_server) = server.into_split();
+                tokio::spawn(pipe(from_client, to_server, held.subscribe()));
+                tokio::spawn(pipe(from_server, to_client, held.subscribe()));
+            }
+        });
+        Relay { port, paused }
+    }
+
+    fn pause(&self, paused: bool) {
+        self.paused.send_replace(paused);
+    }
+}
+
+/// Copies `from` to `to`, each chunk held while the relay is paused.
+async fn pipe(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    mut paused: tokio::sync::watch::Receiver<bool>,
+) {
+    let mut buf = vec![0u8; 64 << 10];
+    while let Ok(n @ 1..) = from.read(&mut buf).await {
+        if paused.wait_for(|p| !p).await.is_err() {
+            return;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            return;
+        }
+    }
+}
+
+async fn readyz(h: &Harness) -> u16 {
+    within(
+        support::client()
+            .get(format!("http://{}/readyz", h.addr))
+            .send(),
+    )
+    .await
+    .expect("readyz")
+    .status()
+    .as_u16()
+}
+
+/// A stall (the oldest pending commit older than `store.stall_after_ms`):
+/// the parsed requests that come meanwhile are refused at once and all
+/// together, before they go upstream, with `Retry-After`; passthrough keeps
+/// flowing; `/readyz` fails; the answer whose commit was pending is served
+/// once it commits; the first successful commit clears the stall.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_stalled_database_refuses_requests_at_once_before_they_go_upstream_then_recovers() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let relay = Relay::start(pg.port).await;
+    let name = url.rsplit('/').next().expect("a database name").to_string();
+    let via_relay = format!("postgres://postgres@127.0.0.1:{}/{name}", relay.port);
+    let stall_after = Duration::from_millis(500);
+    let h = Harness::start_with(|c| {
+        c.store.url = via_relay.clone();
+        c.store.stall_after_ms = stall_after.as_millis() as u64;
+        // Far past the test's own bounds: what ends the wait here is the
+        // stall, not a timeout.
+        c.store.statement_timeout_ms = 120_000;
+    })
+    .await;
+    let endpoint = format!("{}/chat/completions", h.url());
+    let body =
+        |text: &str| json!({"model": MODEL, "messages": [{"role": "user", "content": text}]});
+    let (status, _, _) = post(&endpoint, "sk-stall", &body("before")).await;
+    assert_eq!(status, 200);
+
+    // An answer on its way when the database stops: the upstream holds it
+    // until the relay is paused, then its commit waits.
+    h.fake.push(Reply::Delay(
+        Duration::from_millis(300),
+        Box::new(Reply::chat("held", 10, 2)),
+    ));
+    let pending = tokio::spawn({
+        let (endpoint, body) = (endpoint.clone(), body("in flight"));
+        async move { post(&endpoint, "sk-stall", &body).await.0 }
+    });
+    within(async {
+        while chat_calls(&h) < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    relay.pause(true);
+    tokio::time::sleep(stall_after * 2).await;
+    assert!(!pending.is_finished(), "its commit waits for the database");
+
+    // Stalled: requests are refused together, promptly, none upstream.
+    let upstream_before = chat_calls(&h);
+    let started = Instant::now();
+    let refused: Vec<_> = (0..8)
+        .map(|i| {
+            let (endpoint, body) = (endpoint.clone(), body(&format!("stalled {i}")));
+            tokio::spawn(async move { post(&endpoint, &format!("sk-other-{i}"), &body).await })
+        })
+        .collect();
+    for r in refused {
+        let (status, headers, bytes) = within(r).await.expect("the request");
+        assert_eq!(status, 503);
+        assert_eq!(
+            headers.get("retry-after").map(|v| v.as_bytes()),
+            Some(&b"1"[..])
+        );
+        let err: Value = serde_json::from_slice(&bytes).expect("a JSON error");
+        assert_eq!(err["error"]["code"], "store_unavailable", "{err}");
+    }
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(2),
+        "refused at once, not in turn: {took:?}"
+    );
+    assert_eq!(chat_calls(&h), upstream_before, "nothing went upstream");
+    assert_eq!(readyz(&h).await, 503, "not ready while stalled");
+    // Passthrough does not need the database.
+    let models = within(support::client().get(format!("{}/models", h.url())).send())
+        .await
+        .expect("passthrough");
+    assert_eq!(models.status().as_u16(), 200);
+
+    // The database answers again: the held answer commits and is served,
+    // and that commit clears the stall.
+    relay.pause(false);
+    assert_eq!(within(pending).await.expect("the request"), 200);
+    within(async {
+        while readyz(&h).await != 200 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let (status, _, _) = post(&endpoint, "sk-stall", &body("after")).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        count(&url, "SELECT count(*) FROM exchanges WHERE status = 200").await,
+        3,
+        "before, in flight and after: every answer served is recorded"
+    );
+}
+
+/// A commit that times out after its pipeline went to the database may
+/// still land there afterwards. Its client was told the answer was
+/// withheld (503), so the record says so too, whenever the late commit
+/// lands: never an exchange recorded as answered that its client never got.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn an_answer_whose_commit_timed_out_is_recorded_as_withheld_though_the_commit_lands_later() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let relay = Relay::start(pg.port).await;
+    let name = url.rsplit('/').next().expect("a database name").to_string();
+    let via_relay = format!("postgres://postgres@127.0.0.1:{}/{name}", relay.port);
+    let h = Harness::start_with(|c| {
+        c.store.url = via_relay.clone();
+        // A commit gives up after this and the connect bound (5 s).
+        c.store.statement_timeout_ms = 1_000;
+    })
+    .await;
+    let endpoint = format!("{}/chat/completions", h.url());
+    let body =
+        |text: &str| json!({"model": MODEL, "messages": [{"role": "user", "content": text}]});
+    let (status, _, _) = post(&endpoint, "sk-late", &body("before")).await;
+    assert_eq!(status, 200);
+
+    // The answer's commit is sent while the database holds every byte.
+    h.fake.push(Reply::Delay(
+        Duration::from_millis(300),
+        Box::new(Reply::chat("late", 10, 2)),
+    ));
+    let pending = tokio::spawn({
+        let (endpoint, body) = (endpoint.clone(), body("in flight"));
+        async move { post(&endpoint, "sk-late", &body).await.0 }
+    });
+    within(async {
+        while chat_calls(&h) < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    relay.pause(true);
+    assert_eq!(within(pending).await.expect("the request"), 503, "withheld");
+
+    // The held pipeline reaches the database and commits after all.
+    relay.pause(false);
+    within(async {
+        while count(&url, "SELECT count(*) FROM exchanges").await < 2 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    within(async {
+        while readyz(&h).await != 200 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let (status, _, _) = post(&endpoint, "sk-late", &body("after")).await;
+    assert_eq!(status, 200);
+    assert_eq!(
+        count(&url, "SELECT count(*) FROM exchanges WHERE status = 200").await,
+        2,
+        "only the answers the client got are recorded as answered"
+    );
+    let withheld = format!(
+        "SELECT count(*) FROM exchanges WHERE status = 503 AND partial AND error = '{}'
+                                         AND response_id IS NULL",
+        compactor::store::postgres::WITHHELD
+    );
+    assert_eq!(count(&url, &withheld).await, 1);
+}
