@@ -429,7 +429,9 @@ mod tests {
         let patch = s.find("+    max_age = 3600").unwrap();
         assert!(patch > at("FILE/WORKSPACE STATE") && patch < at("CONSTRAINTS & PREFERENCES"));
         assert!(s.contains("- src/auth.py — patched"));
-        let err = s.find("```text\nKeyError: 'session'\n```").unwrap();
+        let err = s
+            .find("    s = req['session']\nKeyError: 'session'\n```")
+            .unwrap();
         assert!(err > at("ERRORS & FIXES") && err < at("OPEN ITEMS / NEXT STEP"));
         assert!(s.contains("- max_age 3600: sessions last an hour"));
         assert!(s.contains("- exec_command(cmd=pytest) → error: KeyError: 'session'"));

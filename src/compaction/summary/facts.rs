@@ -11,6 +11,7 @@ use serde_json::Value;
 use super::calls::{calls_of, short_args};
 use super::edits::{apply_op, effects_of, text_edits, Effect};
 use super::errors::{outcome, Outcome};
+use super::failures::headline;
 use super::statements::{classify_assistant_line, push_statement, user_constraints, Statement};
 use super::text::{clip, role};
 use super::{MAX_ERRORS, MAX_LOG_OUTCOME, MAX_TOOL_LOG};
@@ -24,8 +25,9 @@ pub struct Facts {
     pub task: Option<String>,
     /// Files touched, ordered by first touch; one entry per path.
     pub files: Vec<FileFact>,
-    /// Exact error lines from failed tool outputs (deduplicated, newest
-    /// kept, at most [`MAX_ERRORS`]).
+    /// Failures of failed tool outputs, each a block of the lines that
+    /// carry it, quoted as printed (deduplicated, newest kept, at most
+    /// [`MAX_ERRORS`]).
     pub errors: Vec<String>,
     /// Latest plan/todo list, rendered readably with statuses.
     pub plan: Option<String>,
@@ -121,10 +123,12 @@ fn settle(facts: &mut Facts, log: &mut [String], p: Pending, out: Option<&Outcom
         None => "no output".to_string(),
         Some(o) if o.pruned => "output pruned".to_string(),
         Some(o) if o.failed => {
+            // A failure's block opens with its marker or, for `go test -v`,
+            // its detail line: either names it.
             let first = o
                 .errors
                 .first()
-                .cloned()
+                .map(|e| headline(e).to_string())
                 .or_else(|| o.exit.map(|c| format!("exit code {c}")))
                 .unwrap_or_else(|| "failed".into());
             format!("error: {first}")
@@ -220,7 +224,17 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
             }
         }
         if is_tool_output(item) {
-            let out = outcome(&text_of(item));
+            let mut out = outcome(&text_of(item));
+            // A harness that flags the result itself (Anthropic's and Claude
+            // Code's `is_error`, a `status` of `error`) is believed over the text.
+            let flagged = item.get("is_error") == Some(&Value::Bool(true))
+                || matches!(
+                    item.get("status").and_then(Value::as_str),
+                    Some("error" | "failed")
+                );
+            if flagged && !out.failed {
+                out = Outcome::failed_with(&text_of(item));
+            }
             match output_id(item).and_then(|id| pending.remove(id)) {
                 Some(p) => settle(&mut facts, &mut log, p, Some(&out)),
                 None if out.failed => out
@@ -278,7 +292,7 @@ mod tests {
         assert_eq!(f.files.len(), 1);
         assert_eq!(file(&f, "app.py").action, "write");
         assert_eq!(file(&f, "app.py").content.as_deref(), Some("v2\n"));
-        assert_eq!(f.errors, vec!["KeyError: 'session'".to_string()]);
+        assert_eq!(f.errors, vec![TRACEBACK.trim_end().to_string()]);
         assert_eq!(f.tool_log.len(), 3);
         assert!(
             f.tool_log[0].starts_with("write_file(path=app.py, content=v1"),
@@ -344,7 +358,10 @@ mod tests {
         );
         assert_eq!(
             f2.errors,
-            vec!["NameError: name 'x' is not defined".to_string()],
+            vec![
+                "Traceback (most recent call last):\nNameError: name 'x' is not defined"
+                    .to_string()
+            ],
             "deduplicated"
         );
         assert_eq!(f2.tool_log.len(), 5, "appended");
