@@ -10,6 +10,7 @@ use std::borrow::Cow;
 use super::failures::failures;
 use super::text::{clip, str_field, value_or_json};
 use super::MAX_ERROR_LINE;
+use crate::compaction::items::{ceil_boundary, floor_boundary};
 
 /// Opens the digest line naming an output's paths.
 const PATHS_NAMED: &str = "Paths named:";
@@ -66,7 +67,11 @@ pub fn output_digest(text: &str, kept: &str) -> Vec<String> {
         );
     }
     let mut paths: Vec<&str> = Vec::new();
-    let sources = o.errors.iter().map(String::as_str).chain(text.lines());
+    let sources = o
+        .errors
+        .iter()
+        .map(String::as_str)
+        .chain(text.lines().take(MAX_DIGEST_SCAN_LINES));
     'scan: for line in sources {
         for w in line.split_whitespace() {
             if let Some(p) = path_in(w) {
@@ -148,6 +153,11 @@ fn leading_int(s: &str) -> Option<i64> {
     s[..end].parse().ok()
 }
 
+/// Bytes read at each end of an output for a stated exit code.
+const EXIT_SCAN_BYTES: usize = 8 * 1024;
+/// Lines of an output read for the paths it names (after its failures).
+const MAX_DIGEST_SCAN_LINES: usize = 2_000;
+
 /// An exit code stated by the output's own lines.
 fn stated_exit_code(body: &str) -> Option<i64> {
     const PHRASES: [&str; 6] = [
@@ -158,7 +168,12 @@ fn stated_exit_code(body: &str) -> Option<i64> {
         "exited with code",
         "exit_code",
     ];
-    body.lines().find_map(|l| {
+    // Harnesses state it in a header or a last line: the ends are read,
+    // not the whole of a long log.
+    let head = &body[..floor_boundary(body, EXIT_SCAN_BYTES)];
+    let tail =
+        &body[ceil_boundary(body, body.len().saturating_sub(EXIT_SCAN_BYTES)).max(head.len())..];
+    head.lines().chain(tail.lines()).find_map(|l| {
         let lower = l.trim().to_ascii_lowercase();
         PHRASES
             .iter()

@@ -17,9 +17,9 @@
 //!
 //! Bounds: at most [`MAX_BLOCK_LINES`] lines and [`MAX_BLOCK_BYTES`] bytes per
 //! failure, [`MAX_FAILURES`] failures per output; an output over
-//! [`MAX_SCAN_BYTES`] is read at its head and tail only, and a line is
-//! matched on its first [`MAX_MATCH_LINE`] bytes, so the cost is linear in at
-//! most a megabyte whatever the output.
+//! [`MAX_SCAN_BYTES`] or [`MAX_SCAN_LINES`] is read at its head and tail
+//! only, and a line is matched on its first [`MAX_MATCH_LINE`] bytes, so the
+//! cost is linear in at most a megabyte whatever the output.
 
 use std::borrow::Cow;
 
@@ -38,6 +38,8 @@ pub const MAX_SCAN_BYTES: usize = 1 << 20;
 /// Bytes of the head read when an output is over [`MAX_SCAN_BYTES`]: test
 /// runners and compilers print their verdict at the end, so most is tail.
 const SCAN_HEAD_BYTES: usize = MAX_SCAN_BYTES / 4;
+/// Most lines read: the first quarter and the rest from the end.
+pub const MAX_SCAN_LINES: usize = 40_000;
 /// Bytes of a line matched against the markers.
 const MAX_MATCH_LINE: usize = 4_096;
 /// Lines a traceback or stack trace is followed for before giving up.
@@ -95,6 +97,9 @@ enum Shape {
     PytestE,
     /// gradle's `FAILURE:` heading: what went wrong, up to `* Try:`.
     Gradle,
+    /// An `Error:` heading followed by a blank line (terraform without
+    /// colour, cobra CLIs): the paragraphs after it, up to the next heading.
+    Paragraphs,
 }
 
 /// A failure found in an output: the quoted block.
@@ -357,7 +362,7 @@ fn bare_marker(lines: &[Line<'_>], i: usize) -> Option<(Rank, Shape)> {
         return Some((Summary, Alone));
     }
     if (l.starts_with("=") && l.contains(" failed") && l.ends_with('='))
-        || (l.starts_with('✖') && l.contains("problem"))
+        || (l.starts_with('✖') && l.contains("problem") && !l.contains("(0 errors"))
         || (l.starts_with("found ") && l.contains(" error"))
         || l.starts_with("npm error a complete log")
         || l.starts_with("npm err! a complete log")
@@ -417,6 +422,13 @@ fn bare_marker(lines: &[Line<'_>], i: usize) -> Option<(Rank, Shape)> {
         // pip, BuildKit, psql.
         return Some((Primary, Family));
     }
+    if c.starts_with("Error: ")
+        && lines
+            .get(i + 1)
+            .is_some_and(|n| n.clean.is_empty() && !n.boxed)
+    {
+        return Some((Primary, Paragraphs));
+    }
     if c.starts_with("Exception in thread") || is_exception_line(c) {
         return Some((Primary, Exception));
     }
@@ -447,7 +459,10 @@ fn bare_marker(lines: &[Line<'_>], i: usize) -> Option<(Rank, Shape)> {
         "failure:",
         "aborted",
     ];
-    const CONTAINS: [&str; 12] = [
+    const CONTAINS: [&str; 15] = [
+        "cannot connect to the docker daemon",
+        "connection refused",
+        " was refused",
         ": error:",
         "command not found",
         ": not found",
@@ -737,6 +752,26 @@ fn gather(lines: &[Line<'_>], i: usize, shape: Shape) -> Vec<usize> {
                 break;
             }
         }
+        Shape::Paragraphs => {
+            let mut blanks = 0;
+            for j in i + 1..limit {
+                let c: &str = &lines[j].clean;
+                if blank(j) {
+                    blanks += 1;
+                    if blanks == 3 {
+                        break;
+                    }
+                    continue;
+                }
+                if c.starts_with("Error: ") || c.starts_with("Warning: ") {
+                    break;
+                }
+                out.push(j);
+                if out.len() >= MAX_BLOCK_LINES {
+                    break;
+                }
+            }
+        }
         Shape::Gradle => {
             for j in i + 1..limit {
                 let c: &str = &lines[j].clean;
@@ -764,13 +799,28 @@ fn quote(lines: &[Line<'_>], idx: &[usize], marker: usize) -> String {
     let mut count = 0;
     // The marker always, the others while they fit.
     let first = idx.iter().position(|&j| j == marker).unwrap_or(0);
+    // A line longer than half the budget (pip's list of every version) is
+    // clipped when the block has more lines, so the next one still fits.
+    let max_line = if idx.len() > 1 {
+        MAX_BLOCK_BYTES / 2
+    } else {
+        MAX_BLOCK_BYTES
+    };
+    let quoted = |j: usize| -> Cow<'_, str> {
+        let raw = lines[j].raw;
+        if raw.len() > max_line {
+            Cow::Owned(clip(raw, max_line))
+        } else {
+            Cow::Borrowed(raw)
+        }
+    };
     let mut chosen: Vec<usize> = vec![marker];
-    let mut bytes = lines[marker].raw.len().min(MAX_BLOCK_BYTES);
+    let mut bytes = quoted(marker).len();
     for &j in idx.iter().skip(first + 1).chain(idx[..first].iter().rev()) {
         if chosen.len() == MAX_BLOCK_LINES {
             break;
         }
-        let add = lines[j].raw.len() + 1;
+        let add = quoted(j).len() + 1;
         if bytes + add > MAX_BLOCK_BYTES {
             continue;
         }
@@ -782,7 +832,7 @@ fn quote(lines: &[Line<'_>], idx: &[usize], marker: usize) -> String {
         if count > 0 {
             text.push('\n');
         }
-        text.push_str(lines[j].raw);
+        text.push_str(&quoted(j));
         count += 1;
     }
     if text.len() > MAX_BLOCK_BYTES {
@@ -797,7 +847,18 @@ fn quote(lines: &[Line<'_>], idx: &[usize], marker: usize) -> String {
 /// failure does not open another.
 pub(super) fn failures(text: &str) -> Vec<Failure> {
     let (head, tail) = scanned(text);
-    let lines: Vec<Line<'_>> = head.lines().chain(tail.lines()).map(line_of).collect();
+    let all = head.lines().chain(tail.lines());
+    let count = head.lines().count() + tail.lines().count();
+    let lines: Vec<Line<'_>> = if count <= MAX_SCAN_LINES {
+        all.map(line_of).collect()
+    } else {
+        let skip = count - MAX_SCAN_LINES;
+        let first = MAX_SCAN_LINES / 4;
+        all.enumerate()
+            .filter(|&(i, _)| i < first || i >= first + skip)
+            .map(|(_, l)| line_of(l))
+            .collect()
+    };
     let markers: Vec<Option<(Rank, Shape)>> = (0..lines.len()).map(|i| marker(&lines, i)).collect();
     let mut used = vec![false; lines.len()];
     let mut found: Vec<(usize, Failure)> = Vec::new();
@@ -835,7 +896,10 @@ pub(super) fn failures(text: &str) -> Vec<Failure> {
             for &j in &idx {
                 used[j] = true;
             }
-            if found.iter().any(|(_, f)| f.text == text) {
+            // The same failure repeated with other timestamps or counts
+            // (klog's `E1201 20:00:09.504763`, retries) is one failure.
+            let key = shape_key(&text);
+            if found.iter().any(|(_, f)| shape_key(&f.text) == key) {
                 continue;
             }
             taken += 1;
@@ -856,6 +920,11 @@ pub(super) fn failures(text: &str) -> Vec<Failure> {
     }
     found.sort_by_key(|(i, _)| *i);
     found.into_iter().map(|(_, f)| f).collect()
+}
+
+/// A block's text without its digits, to tell repeats apart from failures.
+fn shape_key(text: &str) -> String {
+    text.chars().filter(|c| !c.is_ascii_digit()).collect()
 }
 
 /// The line of a failure's block that names it best, for one-line uses
