@@ -37,9 +37,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 
 #[path = "continuity/sessions.rs"]
 mod sessions;
-use sessions::{
-    add, fake_tier, per_rung, print_table, report_misses, run, RunConfig, Table, TIGHT_WINDOW,
-};
+use sessions::{add, fake_tier, per_rung, print_table, report_misses, run, Table, TIGHT_WINDOW};
 
 /// A front for the proxy: summary calls go to the real llama-server, the
 /// rest to the fake (which records what went upstream).
@@ -141,16 +139,7 @@ async fn llama_tier(llama: String, n: usize) -> Table {
         )
         .await;
         let t = Instant::now();
-        let mut g = run(
-            s,
-            router,
-            &fake,
-            RunConfig {
-                window: TIGHT_WINDOW,
-                tool_output_max_bytes: 8192,
-            },
-        )
-        .await;
+        let mut g = run(s, router, &fake, sessions::at(TIGHT_WINDOW, 8192)).await;
         g.rung = g.rung.map(|r| format!("{r} tight"));
         println!(
             "  llama: {} → {:?}, {} summary calls ({} refused), {:.1}s",

@@ -1,8 +1,8 @@
 //! The continuity bench's fake tier as a test, so CI guards its target:
 //! with a summarizer that writes nothing useful, at least 95% of the facts
 //! planted in the compacted part still reach the upstream, at every rung
-//! (truncate, prune, summary — here its facts-only fallback — and a tight
-//! 2048-token window). `cargo bench --bench continuity` prints the full
+//! (truncate, prune, summary — here its facts-only fallback — a tight
+//! 2048-token window, and a 1,600-token window with 200 for the answer). `cargo bench --bench continuity` prints the full
 //! table and runs the real llama-server tier.
 
 #[path = "../benches/continuity/sessions.rs"]
@@ -21,7 +21,13 @@ async fn planted_facts_survive_every_rung_with_a_useless_summarizer() {
     sessions::print_table("kept/planted per kind and rung", &table);
     let rungs = sessions::per_rung(&table);
     let names: Vec<&str> = rungs.iter().map(|r| r.0.as_str()).collect();
-    for want in ["truncate", "prune", "fallback", "fallback tight"] {
+    for want in [
+        "truncate",
+        "prune",
+        "fallback",
+        "fallback tight",
+        "fallback 1600",
+    ] {
         assert!(names.contains(&want), "rung {want} never ran: {names:?}");
     }
     for (rung, kept, planted) in rungs {

@@ -401,6 +401,20 @@ const NEVER_TRUNCATE: usize = usize::MAX / 2;
 pub const SUMMARY_WINDOW: u64 = 4_096;
 /// The tight window, tokens (also the real llama-server's own).
 pub const TIGHT_WINDOW: u64 = 2_048;
+/// The tightest window the facts must survive, tokens, and its answer's
+/// reservation.
+pub const TIGHTEST_WINDOW: u64 = 1_600;
+/// Tokens reserved for the answer at [`TIGHTEST_WINDOW`].
+pub const TIGHTEST_OUTPUT: u64 = 200;
+
+/// A run at `window` with an eighth of it reserved for the answer.
+pub fn at(window: u64, tool_output_max_bytes: usize) -> RunConfig {
+    RunConfig {
+        window,
+        max_output: window / 8,
+        tool_output_max_bytes,
+    }
+}
 
 /// Runs every session at every rung against `fake` answering summaries with
 /// nothing useful.
@@ -414,31 +428,15 @@ pub async fn fake_tier(scale: f64) -> Table {
         fake.set_summary_reply(Some(useless_summary(i)));
         let tokens = session_tokens(s);
         let runs = [
+            ("", at(tokens, 8192)),
+            ("", at(tokens, NEVER_TRUNCATE)),
+            ("", at(SUMMARY_WINDOW, 8192)),
+            (" tight", at(TIGHT_WINDOW, 8192)),
             (
-                "",
+                " 1600",
                 RunConfig {
-                    window: tokens,
-                    tool_output_max_bytes: 8192,
-                },
-            ),
-            (
-                "",
-                RunConfig {
-                    window: tokens,
-                    tool_output_max_bytes: NEVER_TRUNCATE,
-                },
-            ),
-            (
-                "",
-                RunConfig {
-                    window: SUMMARY_WINDOW,
-                    tool_output_max_bytes: 8192,
-                },
-            ),
-            (
-                " tight",
-                RunConfig {
-                    window: TIGHT_WINDOW,
+                    window: TIGHTEST_WINDOW,
+                    max_output: TIGHTEST_OUTPUT,
                     tool_output_max_bytes: 8192,
                 },
             ),
@@ -473,6 +471,8 @@ pub fn report_misses(name: &str, g: &Graded, facts: &[Fact]) {
 #[derive(Debug, Clone, Copy)]
 pub struct RunConfig {
     pub window: u64,
+    /// Tokens reserved for the answer (`max_output_tokens`).
+    pub max_output: u64,
     /// Rung 1's threshold; huge = rung 1 never applies.
     pub tool_output_max_bytes: usize,
 }
@@ -508,7 +508,7 @@ pub async fn run(
         ModelConfig {
             pattern: MODEL.into(),
             context_window: cfg.window,
-            max_output_tokens: Some(cfg.window / 8),
+            max_output_tokens: Some(cfg.max_output),
             trigger_ratio: None,
             ..Default::default()
         },

@@ -319,8 +319,6 @@ mod tests {
             f.errors,
             vec![
                 "error[E0308]: mismatched types\n --> src/main.rs:3:18\n3 |     let x: u32 = \"a\";\n  |                  ^^^ expected `u32`, found `&str`".to_string(),
-                "error: could not compile `demo` (bin \"demo\") due to 1 previous error"
-                    .to_string()
             ]
         );
         assert_eq!(

@@ -106,6 +106,8 @@ enum Shape {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Failure {
     pub(super) text: String,
+    /// Only a summary line (`test result: FAILED`).
+    summary: bool,
 }
 
 /// Whether `c` is a box-drawing character (U+2500–U+257F).
@@ -632,11 +634,20 @@ fn gather(lines: &[Line<'_>], i: usize, shape: Shape) -> Vec<usize> {
             }
         }
         Shape::Section => {
+            // cargo's `---- x stdout ----` ends at its first blank line;
+            // jest's and vitest's sections have blank lines inside.
+            let cargo = lines[i].clean.starts_with("---- ");
             let mut seen_text = false;
             for j in i + 1..limit {
                 let c: &str = &lines[j].clean;
                 if blank(j) {
+                    if cargo && seen_text {
+                        break;
+                    }
                     continue;
+                }
+                if c.starts_with("test ") && (c.ends_with(" ok") || c.ends_with(" FAILED")) {
+                    break;
                 }
                 if c.starts_with("● ")
                     || c.starts_with("---- ")
@@ -670,7 +681,6 @@ fn gather(lines: &[Line<'_>], i: usize, shape: Shape) -> Vec<usize> {
                     break;
                 }
             }
-            let _ = seen_text;
         }
         Shape::Family => {
             let prefix: String = lines[i]
@@ -903,11 +913,19 @@ pub(super) fn failures(text: &str) -> Vec<Failure> {
                 continue;
             }
             taken += 1;
-            found.push((i, Failure { text }));
+            found.push((
+                i,
+                Failure {
+                    text,
+                    summary: false,
+                },
+            ));
         }
     }
+    // Summary lines only say that something failed: quoted when nothing
+    // says what.
     for (i, m) in markers.iter().enumerate() {
-        if found.len() == MAX_FAILURES {
+        if !found.iter().all(|(_, f)| f.summary) || found.len() == MAX_FAILURES {
             break;
         }
         if used[i] || !matches!(m, Some((Rank::Summary, _))) {
@@ -915,7 +933,13 @@ pub(super) fn failures(text: &str) -> Vec<Failure> {
         }
         let text = quote(&lines, &[i], i);
         if !found.iter().any(|(_, f)| f.text.contains(&text)) {
-            found.push((i, Failure { text }));
+            found.push((
+                i,
+                Failure {
+                    text,
+                    summary: true,
+                },
+            ));
         }
     }
     found.sort_by_key(|(i, _)| *i);
@@ -954,9 +978,16 @@ mod tests {
     fn a_rust_panic_keeps_the_message_on_the_next_line() {
         let out = "running 3 tests\ntest archive::mtime ... FAILED\n\nfailures:\n\n---- archive::mtime stdout ----\nthread 'archive::mtime' panicked at src/archive.rs:212:9:\nassertion `left == right` failed: mtime not clamped\n  left: 0\n right: 1\nnote: run with `RUST_BACKTRACE=1` environment variable to display a backtrace\n\n\nfailures:\n    archive::mtime\n\ntest result: FAILED. 2 passed; 1 failed; 0 ignored; 0 measured; 0 filtered out; finished in 0.00s\n";
         let t = texts(out);
-        assert_eq!(t.len(), 2, "{t:?}");
+        assert_eq!(
+            t.len(),
+            1,
+            "the summary line only when nothing says what: {t:?}"
+        );
         assert_eq!(t[0], "---- archive::mtime stdout ----\nthread 'archive::mtime' panicked at src/archive.rs:212:9:\nassertion `left == right` failed: mtime not clamped\n  left: 0\n right: 1");
-        assert!(t[1].starts_with("test result: FAILED."), "{t:?}");
+        let only_summary = texts(
+            "test result: FAILED. 2 passed; 1 failed\nerror: test failed, to rerun pass `--lib`\n",
+        );
+        assert_eq!(only_summary.len(), 2, "{only_summary:?}");
     }
 
     #[test]
