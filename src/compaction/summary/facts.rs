@@ -105,6 +105,20 @@ fn task_from_summary(text: &str) -> Option<String> {
     (!task.is_empty() && task != "(not recorded)").then(|| task.to_string())
 }
 
+/// The output in a user message that reports a command's output (aider's
+/// `/run` and `/test`: "I ran this command: … And got this output: …",
+/// "Fix any errors below, if possible.").
+fn command_output(text: &str) -> Option<&str> {
+    const RAN: &str = "I ran this command:";
+    const GOT: &str = "And got this output:";
+    const FIX: &str = "Fix any errors below, if possible.";
+    let t = text.trim_start();
+    if t.starts_with(RAN) {
+        return t.find(GOT).map(|i| &t[i + GOT.len()..]);
+    }
+    t.trim_start_matches('#').trim_start().strip_prefix(FIX)
+}
+
 fn push_error(errors: &mut Vec<String>, line: String) {
     errors.retain(|e| *e != line);
     errors.push(line);
@@ -193,7 +207,15 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
     for item in part {
         if is_user_message(item) {
             let text = text_of(item);
-            if !is_injected(&text) {
+            if let Some(output) = command_output(&text) {
+                // aider hands command output back as a user message.
+                let out = outcome(output);
+                if out.failed {
+                    out.errors
+                        .iter()
+                        .for_each(|e| push_error(&mut facts.errors, e.clone()));
+                }
+            } else if !is_injected(&text) {
                 if facts.task.is_none() {
                     facts.task = Some(text);
                 } else {
@@ -409,6 +431,26 @@ mod tests {
             None,
         );
         assert_eq!(f.task, None);
+    }
+
+    /// aider reports a command's output as a user message: its failures
+    /// are read, and it is neither the task nor a constraint.
+    #[test]
+    fn aider_command_output_in_a_user_message_is_read_for_failures() {
+        let part = vec![
+            json!({"role": "user", "content": "Fix the VAT rounding."}),
+            json!({"role": "user", "content": "I ran this command:\n\npytest -q\n\nAnd got this output:\n\nE       AssertionError: vat for 10 should be 2.5\ntest_tax.py:5: AssertionError\n1 failed in 0.02s\nnever mind the warnings\n"}),
+        ];
+        let f = extract_facts(&part, None);
+        assert_eq!(f.task.as_deref(), Some("Fix the VAT rounding."));
+        assert_eq!(
+            f.errors,
+            vec![
+                "E       AssertionError: vat for 10 should be 2.5\ntest_tax.py:5: AssertionError"
+                    .to_string()
+            ]
+        );
+        assert!(f.constraints.is_empty(), "{:?}", f.constraints);
     }
 
     #[test]
