@@ -174,8 +174,12 @@ fn main() {
         .build()
         .expect("runtime");
     rt.block_on(async {
+        let (n, bytes, per) = sessions::extraction_cost(20);
+        println!("facts, prune stubs and truncation markers of {n} sessions ({} KiB): {per:?} per pass", bytes / 1024);
         let t = Instant::now();
         let a = fake_tier(1.0).await;
+        let agents = sessions::agents_fake_tier(1.0).await;
+        print_table("(a) other agents' vocabularies, failures from the corpus — kept/planted per kind and rung", &agents);
         print_table("(a) fake upstream, a summarizer that writes nothing useful — kept/planted per kind and rung", &a);
         println!("({:.1}s)", t.elapsed().as_secs_f64());
         match std::env::var("COMPACTOR_LLAMA_URL") {
@@ -186,11 +190,13 @@ fn main() {
                 print_table("(b) real llama-server summarizer, tight window — kept/planted per kind", &b);
                 println!("({:.1}s)", t.elapsed().as_secs_f64());
                 verdict("(a)", &a, 0.95);
+                verdict("(a) other agents", &agents, 0.95);
                 verdict("(b)", &b, 0.90);
             }
             _ => {
                 println!("\n(b) skipped: set COMPACTOR_LLAMA_URL to run the real llama-server tier");
                 verdict("(a)", &a, 0.95);
+                verdict("(a) other agents", &agents, 0.95);
             }
         }
     });

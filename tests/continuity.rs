@@ -78,3 +78,15 @@ async fn facts_survive_in_other_agents_vocabularies() {
     sessions::print_table("other agents: kept/planted per kind and rung", &table);
     check(&table);
 }
+
+/// The cost of reading failures, for the performance notes (`--ignored`):
+/// the facts, prune stubs and truncation markers of all sixteen sessions.
+#[test]
+#[ignore]
+fn extraction_cost() {
+    let (n, bytes, per) = sessions::extraction_cost(5);
+    println!(
+        "extraction over {n} sessions ({} KiB of history): {per:?} per pass",
+        bytes / 1024
+    );
+}

@@ -783,6 +783,51 @@ pub fn agent_sessions(scale: f64) -> Vec<Session> {
     out
 }
 
+// ---------------------------------------------------------------- cost
+
+/// Time the pure work a compaction does on every session's history: the
+/// facts (every tool output read for failures), the prune stubs and the
+/// truncation markers (each with its digest). Returns (sessions, bytes of
+/// history, time per pass over all of them).
+pub fn extraction_cost(passes: u32) -> (usize, usize, std::time::Duration) {
+    use compactor::compaction::ladder::{prune_outputs, truncate_outputs, TruncateLimits};
+    let all: Vec<Session> = sessions(1.0)
+        .into_iter()
+        .chain(agent_sessions(1.0))
+        .collect();
+    let bytes = all
+        .iter()
+        .map(|s| {
+            s.messages
+                .iter()
+                .map(|m| m.to_string().len())
+                .sum::<usize>()
+        })
+        .sum();
+    let hashes: Vec<Vec<_>> = all
+        .iter()
+        .map(|s| s.messages.iter().map(compactor::wire::item_hash).collect())
+        .collect();
+    let limits = TruncateLimits {
+        max_bytes: 8192,
+        keep_head: 2730,
+        keep_tail: 1365,
+    };
+    let t = std::time::Instant::now();
+    let mut sink = 0;
+    for _ in 0..passes {
+        for (s, h) in all.iter().zip(&hashes) {
+            let facts = compactor::compaction::summary::extract_facts(&s.messages, None);
+            sink += facts.errors.len();
+            sink += prune_outputs(&s.messages, h).1;
+            sink += truncate_outputs(&s.messages, h, limits).1;
+        }
+    }
+    let per = t.elapsed() / passes.max(1);
+    assert!(sink > 0);
+    (all.len(), bytes, per)
+}
+
 // ---------------------------------------------------------------- summarizers
 
 /// A summarizer that writes nothing useful, in the styles small models

@@ -118,7 +118,7 @@ fn is_box(c: char) -> bool {
 /// `s` without ANSI escape sequences (CSI `ESC [ … letter`, OSC `ESC ] …
 /// BEL`, two-byte escapes) and other control characters but tab.
 fn strip_ansi(s: &str) -> Cow<'_, str> {
-    if !s.chars().any(|c| c.is_control() && c != '\t') {
+    if !s.bytes().any(|b| (b < 0x20 && b != b'\t') || b == 0x7f) {
         return Cow::Borrowed(s);
     }
     let mut out = String::with_capacity(s.len());
@@ -315,10 +315,46 @@ fn is_code_frame(c: &str) -> bool {
     rest == "|" || rest.starts_with("| ") || (digits == 0 && rest.starts_with('|'))
 }
 
+/// Whether a (cleaned, non-empty) line can be a marker at all: every
+/// marker has a `:`, `!`, `*` or `=`, a test runner's symbol, or opens with
+/// one of a few words. Most lines of a log or a file fail this cheap test,
+/// and a passing test's line is rejected outright.
+fn may_mark(c: &str) -> bool {
+    let b = c.as_bytes();
+    if b.starts_with(b"test ") && (b.ends_with(b" ok") || b.ends_with(b" ignored")) {
+        return false;
+    }
+    const OPENERS: [&[u8]; 16] = [
+        b"fail",
+        b"error",
+        b"fatal",
+        b"found",
+        b"test files",
+        b"----",
+        b"e ",
+        b"segmentation",
+        b"aborted",
+        b"http/",
+        b"< http/",
+        b"exception",
+        b"npm",
+        b"[error]",
+        b"build",
+        b"err",
+    ];
+    let opens = |p: &[u8]| b.len() >= p.len() && b[..p.len()].eq_ignore_ascii_case(p);
+    b.iter()
+        .any(|&x| matches!(x, b':' | b'!' | b'*' | b'=') || x >= 0x80)
+        || c == "E"
+        || OPENERS.iter().any(|p| opens(p))
+        || c.ends_with("Error")
+        || c.ends_with("Exception")
+}
+
 /// The failure marker a (cleaned) line is, if any; inside a box frame
 /// (terraform) the frame is the block.
-fn marker(lines: &[Line<'_>], i: usize) -> Option<(Rank, Shape)> {
-    let m = bare_marker(lines, i)?;
+fn marker(lines: &[Line<'_>], i: usize, lower: &mut String) -> Option<(Rank, Shape)> {
+    let m = bare_marker(lines, i, lower)?;
     Some(if lines[i].boxed && m.0 == Rank::Primary {
         (Rank::Primary, Shape::Heading)
     } else {
@@ -326,13 +362,20 @@ fn marker(lines: &[Line<'_>], i: usize) -> Option<(Rank, Shape)> {
     })
 }
 
-fn bare_marker(lines: &[Line<'_>], i: usize) -> Option<(Rank, Shape)> {
+fn bare_marker(lines: &[Line<'_>], i: usize, lower: &mut String) -> Option<(Rank, Shape)> {
     let line = &lines[i];
     let c: &str = &line.clean;
     if c.is_empty() {
         return None;
     }
-    let l = c.to_ascii_lowercase();
+    if !may_mark(c) {
+        return None;
+    }
+    // One buffer for every line's lowercase form.
+    lower.clear();
+    lower.push_str(c);
+    lower.make_ascii_lowercase();
+    let l: &str = lower;
     use Rank::*;
     use Shape::*;
     // Summary lines first: they also match the primary patterns below.
@@ -857,19 +900,16 @@ fn quote(lines: &[Line<'_>], idx: &[usize], marker: usize) -> String {
 /// failure does not open another.
 pub(super) fn failures(text: &str) -> Vec<Failure> {
     let (head, tail) = scanned(text);
-    let all = head.lines().chain(tail.lines());
-    let count = head.lines().count() + tail.lines().count();
-    let lines: Vec<Line<'_>> = if count <= MAX_SCAN_LINES {
-        all.map(line_of).collect()
-    } else {
-        let skip = count - MAX_SCAN_LINES;
+    let mut raw: Vec<&str> = head.lines().chain(tail.lines()).collect();
+    if raw.len() > MAX_SCAN_LINES {
         let first = MAX_SCAN_LINES / 4;
-        all.enumerate()
-            .filter(|&(i, _)| i < first || i >= first + skip)
-            .map(|(_, l)| line_of(l))
-            .collect()
-    };
-    let markers: Vec<Option<(Rank, Shape)>> = (0..lines.len()).map(|i| marker(&lines, i)).collect();
+        raw.drain(first..raw.len() - (MAX_SCAN_LINES - first));
+    }
+    let lines: Vec<Line<'_>> = raw.into_iter().map(line_of).collect();
+    let mut lower = String::new();
+    let markers: Vec<Option<(Rank, Shape)>> = (0..lines.len())
+        .map(|i| marker(&lines, i, &mut lower))
+        .collect();
     let mut used = vec![false; lines.len()];
     let mut found: Vec<(usize, Failure)> = Vec::new();
     // Blocks with a structure of their own first (a test's section, a
