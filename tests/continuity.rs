@@ -90,3 +90,24 @@ fn extraction_cost() {
         bytes / 1024
     );
 }
+
+/// The smallest windows at which each kind survives, for the notes
+/// (`--ignored`; "failed" counts a request the proxy could not compact).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn window_sweep() {
+    let all: Vec<sessions::Session> = sessions::sessions(1.0)
+        .into_iter()
+        .chain(sessions::agent_sessions(1.0))
+        .collect();
+    let table = tokio::time::timeout(
+        WHOLE_RUN * 2,
+        sessions::window_sweep(&all, &[1_600, 1_400, 1_200, 1_000, 800]),
+    )
+    .await
+    .expect("sweep timed out");
+    sessions::print_table(
+        "kept/planted per kind and window (200 tokens for the answer)",
+        &table,
+    );
+}

@@ -689,11 +689,11 @@ pub fn agent_sessions(scale: f64) -> Vec<Session> {
     let filler_bytes = ((24_000.0 * scale) as usize).max(2_000);
     let turns = |n: usize| ((n as f64 * scale).round() as usize).max(1);
     let mut out = Vec::new();
-    for (a, &agent) in AGENTS.iter().enumerate() {
-        for n in 0..2 {
+    for (a, (&agent, failures)) in AGENTS.iter().zip(AGENT_FAILURES).enumerate() {
+        for (n, entry) in failures.into_iter().enumerate() {
             let k = a * 2 + n;
             let (topic, tag) = topics[k];
-            let failure = corpus_failure(AGENT_FAILURES[a][n]);
+            let failure = corpus_failure(entry);
             let task = format!("Make the {topic} service store every amount as integer cents (ticket {tag}-{k}07), keeping the REST API unchanged.");
             let path = format!("services/{topic}/src/settings_{tag}.rs");
             let line = format!("    pub zone_{tag}: CentsOnly, // {topic} keeps cents");
@@ -918,6 +918,33 @@ pub async fn fake_tier_of(list: &[Session]) -> Table {
             }
             g.rung = g.rung.map(|r| format!("{r}{suffix}"));
             report_misses(s.name, &g, &s.facts);
+            add(&mut table, &g);
+        }
+    }
+    table
+}
+
+/// Runs `list` at each of `windows` (200 tokens for the answer), the rung
+/// named by its window: where each kind stops surviving.
+pub async fn window_sweep(list: &[Session], windows: &[u64]) -> Table {
+    let mut table = Table::new();
+    for (i, s) in list.iter().enumerate() {
+        let fake = tokio::time::timeout(STEP, FakeUpstream::start())
+            .await
+            .expect("fake upstream timed out")
+            .expect("fake upstream");
+        fake.set_summary_reply(Some(useless_summary(i)));
+        for &window in windows {
+            let cfg = RunConfig {
+                window,
+                max_output: TIGHTEST_OUTPUT,
+                tool_output_max_bytes: 8192,
+            };
+            let mut g = run(s, fake.url(), &fake, cfg).await;
+            g.rung = Some(match g.rung {
+                Some(_) => format!("{window:>5}"),
+                None => format!("{window:>5} failed"),
+            });
             add(&mut table, &g);
         }
     }

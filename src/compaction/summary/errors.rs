@@ -108,12 +108,7 @@ impl Outcome {
     pub(super) fn failed_with(text: &str) -> Outcome {
         let mut errors: Vec<String> = failures(text).into_iter().map(|f| f.text).collect();
         if errors.is_empty() {
-            if let Some(last) = text
-                .lines()
-                .map(str::trim)
-                .filter(|l| !l.is_empty())
-                .next_back()
-            {
+            if let Some(last) = text.lines().map(str::trim).rfind(|l| !l.is_empty()) {
                 errors.push(clip(last, MAX_ERROR_LINE));
             }
         }
@@ -182,7 +177,7 @@ fn stated_exit_code(body: &str) -> Option<i64> {
 }
 
 /// Whether a (trimmed) output line reports a failure on its own: a marker
-/// of one of the toolchains [`failures`](super::failures) knows (compiler
+/// of one of the toolchains the summary module knows (compiler
 /// diagnostics, exception lines, panics, test failures, shell errors, HTTP
 /// error statuses, …).
 pub fn is_error_line(t: &str) -> bool {

@@ -559,6 +559,9 @@ fn is_noise(c: &str) -> bool {
 }
 
 /// Indices of the lines that make the failure at `i` of `shape`.
+// The loops walk indices on purpose: the indices are the result, and a
+// block looks at the lines around the one it is at.
+#[allow(clippy::needless_range_loop)]
 fn gather(lines: &[Line<'_>], i: usize, shape: Shape) -> Vec<usize> {
     let mut out = vec![i];
     let n = lines.len();
@@ -728,7 +731,7 @@ fn gather(lines: &[Line<'_>], i: usize, shape: Shape) -> Vec<usize> {
         Shape::Family => {
             let prefix: String = lines[i]
                 .clean
-                .split(|ch: char| ch == ' ' || ch == ':')
+                .split([' ', ':'])
                 .next()
                 .unwrap_or("")
                 .to_string();
