@@ -627,30 +627,21 @@ fn gather(lines: &[Line<'_>], i: usize, shape: Shape) -> Vec<usize> {
             }
         }
         Shape::Exception => {
+            // The first frame: `at …` (Java, node), `❯ …` (vitest), or Go's
+            // function line and the `file.go:N` line under it.
             for j in i + 1..limit.min(i + 12) {
                 let c: &str = &lines[j].clean;
-                if c.starts_with("at ")
-                    || c.starts_with("❯ ")
-                    || c.ends_with(".go:")
-                    || c.contains(".go:")
-                {
+                if c.starts_with("at ") || c.starts_with("❯ ") || c.contains(".go:") {
                     out.push(j);
-                    // Go prints the function, then its file:line.
-                    if !c.starts_with("at ") && !c.starts_with("❯ ") && !c.contains(".go:") {
-                        continue;
-                    }
                     break;
                 }
                 if c.starts_with("goroutine ") || blank(j) {
                     continue;
                 }
-                if lines[j].indent == 0 && !c.ends_with(')') {
+                if lines[j].indent > 0 || !c.ends_with(')') {
                     break;
                 }
-                // A Go function line: `main.main()`; its file line follows.
-                if c.ends_with(')') && lines[j].indent == 0 {
-                    out.push(j);
-                }
+                out.push(j);
             }
         }
         Shape::GoFail => {
@@ -1074,6 +1065,20 @@ mod tests {
         let out = " ❯ test/format.test.ts (2 tests | 1 failed) 4ms\n   × formats dates > uses the zone 3ms\n     → TypeError: Cannot read properties of undefined (reading 'timeZone')\n";
         let t = texts(out);
         assert_eq!(t[0], "   × formats dates > uses the zone 3ms\n     → TypeError: Cannot read properties of undefined (reading 'timeZone')");
+    }
+
+    #[test]
+    fn an_exception_keeps_its_first_frame() {
+        let go = "panic: runtime error: index out of range [5] with length 2\n\ngoroutine 1 [running]:\nmain.main()\n\t/src/main.go:6 +0x1d\nexit status 2\n";
+        assert_eq!(
+            texts(go)[0],
+            "panic: runtime error: index out of range [5] with length 2\nmain.main()\n\t/src/main.go:6 +0x1d"
+        );
+        let java = "Exception in thread \"main\" java.lang.IllegalStateException: ledger key K7 missing\n\tat Main.load(Main.java:2)\n\tat Main.main(Main.java:3)\n";
+        assert_eq!(
+            texts(java)[0],
+            "Exception in thread \"main\" java.lang.IllegalStateException: ledger key K7 missing\n\tat Main.load(Main.java:2)"
+        );
     }
 
     #[test]
