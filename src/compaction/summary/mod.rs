@@ -41,10 +41,12 @@
 //! - `prompt`: the transcript and the summarizer prompt
 //! - `narrative`: reading and validating the model's answer
 //! - `assemble`: the summary message within its budget
+//! - `checklist`: each extracted fact, present in a compacted request or not
 //! - `text`: small string helpers
 
 mod assemble;
 mod calls;
+mod checklist;
 mod edits;
 mod errors;
 mod facts;
@@ -56,6 +58,7 @@ mod statements;
 mod text;
 
 pub use assemble::{assemble, previous_narrative};
+pub use checklist::{checklist, Check, FactKind};
 pub use errors::{is_error_line, output_digest};
 pub use facts::{extract_facts, is_injected, Facts, FileFact};
 pub use narrative::{usable, validate};
