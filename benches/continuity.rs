@@ -37,9 +37,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 
 #[path = "continuity/sessions.rs"]
 mod sessions;
-use sessions::{
-    add, fake_tier, per_rung, print_table, report_misses, run, RunConfig, Table, TIGHT_WINDOW,
-};
+use sessions::{add, fake_tier, per_rung, print_table, report_misses, run, Table, TIGHT_WINDOW};
 
 /// A front for the proxy: summary calls go to the real llama-server, the
 /// rest to the fake (which records what went upstream).
@@ -141,16 +139,7 @@ async fn llama_tier(llama: String, n: usize) -> Table {
         )
         .await;
         let t = Instant::now();
-        let mut g = run(
-            s,
-            router,
-            &fake,
-            RunConfig {
-                window: TIGHT_WINDOW,
-                tool_output_max_bytes: 8192,
-            },
-        )
-        .await;
+        let mut g = run(s, router, &fake, sessions::at(TIGHT_WINDOW, 8192)).await;
         g.rung = g.rung.map(|r| format!("{r} tight"));
         println!(
             "  llama: {} → {:?}, {} summary calls ({} refused), {:.1}s",
@@ -185,8 +174,12 @@ fn main() {
         .build()
         .expect("runtime");
     rt.block_on(async {
+        let (n, bytes, per) = sessions::extraction_cost(20);
+        println!("facts, prune stubs and truncation markers of {n} sessions ({} KiB): {per:?} per pass", bytes / 1024);
         let t = Instant::now();
         let a = fake_tier(1.0).await;
+        let agents = sessions::agents_fake_tier(1.0).await;
+        print_table("(a) other agents' vocabularies, failures from the corpus — kept/planted per kind and rung", &agents);
         print_table("(a) fake upstream, a summarizer that writes nothing useful — kept/planted per kind and rung", &a);
         println!("({:.1}s)", t.elapsed().as_secs_f64());
         match std::env::var("COMPACTOR_LLAMA_URL") {
@@ -197,11 +190,13 @@ fn main() {
                 print_table("(b) real llama-server summarizer, tight window — kept/planted per kind", &b);
                 println!("({:.1}s)", t.elapsed().as_secs_f64());
                 verdict("(a)", &a, 0.95);
+                verdict("(a) other agents", &agents, 0.95);
                 verdict("(b)", &b, 0.90);
             }
             _ => {
                 println!("\n(b) skipped: set COMPACTOR_LLAMA_URL to run the real llama-server tier");
                 verdict("(a)", &a, 0.95);
+                verdict("(a) other agents", &agents, 0.95);
             }
         }
     });

@@ -80,6 +80,8 @@ pub struct Session {
     pub name: &'static str,
     pub messages: Vec<Value>,
     pub facts: Vec<Fact>,
+    /// The tool schemas the agent sends (none for the original six).
+    pub tools: Vec<Value>,
 }
 
 // ---------------------------------------------------------------- filler
@@ -353,6 +355,7 @@ pub fn sessions(scale: f64) -> Vec<Session> {
                     Fact { kind: Kind::Error, needle: error },
                     Fact { kind: Kind::NextStep, needle: format!("regenerate tests/fixtures/{topic}_{tag}.csv") },
                 ],
+                tools: Vec::new(),
             }
         })
         .collect()
@@ -367,6 +370,462 @@ fn form_name(f: Form) -> &'static str {
         Form::HeredocSed => "heredoc + sed -i",
         Form::Aider => "aider SEARCH/REPLACE",
     }
+}
+
+// ---------------------------------------------------------------- other agents
+
+/// The tool vocabularies of other agents, each session failing with an
+/// output from the failure corpus.
+#[derive(Debug, Clone, Copy)]
+enum Agent {
+    ClaudeCode,
+    Opencode,
+    Codex,
+    Aider,
+    SingleBash,
+}
+
+const AGENTS: [Agent; 5] = [
+    Agent::ClaudeCode,
+    Agent::Opencode,
+    Agent::Codex,
+    Agent::Aider,
+    Agent::SingleBash,
+];
+
+/// An entry of `tests/corpus/failures/failing/`: the command, its output and
+/// the strings that must be kept.
+pub struct CorpusFailure {
+    pub command: String,
+    pub output: String,
+    pub exit_code: i64,
+    pub keep: Vec<String>,
+}
+
+pub fn corpus_failure(name: &str) -> CorpusFailure {
+    let path = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/corpus/failures/failing")
+        .join(format!("{name}.json"));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    let v: Value = serde_json::from_str(&text).expect("corpus entry");
+    CorpusFailure {
+        command: v["command"].as_str().unwrap_or("").to_string(),
+        output: v["output"].as_str().unwrap_or("").to_string(),
+        exit_code: v["exit_code"].as_i64().unwrap_or(1),
+        keep: v["keep"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|k| k.as_str().map(String::from))
+                    .collect()
+            })
+            .unwrap_or_default(),
+    }
+}
+
+/// The failures the agent sessions plant, two per agent.
+const AGENT_FAILURES: [[&str; 2]; 5] = [
+    ["go-test-verbose", "terraform-unsupported"],
+    ["vitest-typeerror", "cargo-test-assert"],
+    ["buildkit-require-hashes", "java-exception"],
+    ["pytest-assert", "tsc-plain"],
+    ["psql-relation", "go-test"],
+];
+
+fn schema(name: &str, props: &[&str]) -> Value {
+    let properties: serde_json::Map<String, Value> = props
+        .iter()
+        .map(|p| (p.to_string(), json!({"type": "string"})))
+        .collect();
+    json!({"type": "function", "function": {"name": name, "parameters": {"type": "object", "properties": properties, "required": props}}})
+}
+
+impl Agent {
+    fn name(self, n: usize) -> &'static str {
+        match (self, n) {
+            (Agent::ClaudeCode, 0) => "Claude Code 1",
+            (Agent::ClaudeCode, _) => "Claude Code 2",
+            (Agent::Opencode, 0) => "opencode 1",
+            (Agent::Opencode, _) => "opencode 2",
+            (Agent::Codex, 0) => "Codex 1",
+            (Agent::Codex, _) => "Codex 2",
+            (Agent::Aider, 0) => "aider 1",
+            (Agent::Aider, _) => "aider 2",
+            (Agent::SingleBash, 0) => "one bash tool 1",
+            (Agent::SingleBash, _) => "one bash tool 2",
+        }
+    }
+
+    /// The tools the agent declares: a few, with small schemas (with the
+    /// system prompt, under 300 tokens).
+    fn tools(self) -> Vec<Value> {
+        match self {
+            Agent::ClaudeCode => vec![
+                schema("Bash", &["command", "description"]),
+                schema("Read", &["file_path"]),
+                schema("Write", &["file_path", "content"]),
+                schema("Edit", &["file_path", "old_string", "new_string"]),
+            ],
+            Agent::Opencode => vec![
+                schema("bash", &["command", "description"]),
+                schema("read", &["filePath"]),
+                schema("write", &["filePath", "content"]),
+                schema("edit", &["filePath", "oldString", "newString"]),
+            ],
+            Agent::Codex => vec![schema("shell", &["command"])],
+            Agent::Aider => Vec::new(),
+            Agent::SingleBash => vec![schema("bash", &["command"])],
+        }
+    }
+
+    fn system(self) -> &'static str {
+        match self {
+            Agent::ClaudeCode => {
+                "You are Claude Code, a CLI coding assistant. Use the tools to help the user."
+            }
+            Agent::Opencode => "You are opencode, an interactive CLI coding agent.",
+            Agent::Codex => "You are Codex, a coding agent running in a terminal.",
+            Agent::Aider => {
+                "Act as an expert software developer. Always use SEARCH/REPLACE blocks for edits."
+            }
+            Agent::SingleBash => {
+                "You are a coding agent with one tool: bash. Edit files with heredocs."
+            }
+        }
+    }
+}
+
+/// Builds agent turns in one agent's vocabulary.
+struct AgentBuilder {
+    agent: Agent,
+    b: Builder,
+}
+
+impl AgentBuilder {
+    /// A shell command and its output (exit code as the agent reports it).
+    fn shell(&mut self, text: Option<&str>, cmd: &str, output: &str, exit: i64) {
+        match self.agent {
+            Agent::ClaudeCode => self.b.call(
+                text,
+                "Bash",
+                json!({"command": cmd, "description": "Run the command"}),
+                output,
+            ),
+            Agent::Opencode => self.b.call(
+                text,
+                "bash",
+                json!({"command": cmd, "description": "Runs the command"}),
+                output,
+            ),
+            Agent::Codex => self.b.call(
+                text,
+                "shell",
+                json!({"command": ["bash", "-lc", cmd]}),
+                &json!({"output": output, "metadata": {"exit_code": exit, "duration_seconds": 2.1}})
+                    .to_string(),
+            ),
+            Agent::Aider => {
+                if let Some(t) = text {
+                    self.b.assistant(t);
+                }
+                self.b.user(&format!(
+                    "I ran this command:\n\n{cmd}\n\nAnd got this output:\n\n{output}\n"
+                ));
+                self.b.assistant("Ok.");
+            }
+            Agent::SingleBash => self.b.call(text, "bash", json!({"command": cmd}), output),
+        }
+    }
+
+    fn read(&mut self, text: Option<&str>, path: &str, content: &str) {
+        match self.agent {
+            Agent::ClaudeCode => {
+                let numbered: String = content
+                    .lines()
+                    .enumerate()
+                    .map(|(i, l)| format!("{:>6}\t{l}\n", i + 1))
+                    .collect();
+                self.b
+                    .call(text, "Read", json!({"file_path": path}), &numbered)
+            }
+            Agent::Opencode => self.b.call(
+                text,
+                "read",
+                json!({"filePath": path}),
+                &format!("<file>\n{content}</file>"),
+            ),
+            Agent::Aider => {
+                if let Some(t) = text {
+                    self.b.assistant(t);
+                }
+                self.b.user(&format!("{path}\n```\n{content}```\n"));
+                self.b.assistant("Ok, I have the file.");
+            }
+            _ => self.shell(text, &format!("cat {path}"), content, 0),
+        }
+    }
+
+    /// Plants the file fact: `path` ends up containing `line`.
+    fn edit(&mut self, path: &str, line: &str) {
+        let old = "    pub zone: Zone,";
+        match self.agent {
+            Agent::ClaudeCode => {
+                self.b.call(
+                    None,
+                    "Write",
+                    json!({"file_path": path, "content": SETTINGS}),
+                    &format!("File created successfully at: {path}"),
+                );
+                self.b.call(
+                    None,
+                    "Edit",
+                    json!({"file_path": path, "old_string": old, "new_string": line}),
+                    &format!("The file {path} has been updated. Here's the result of running `cat -n` on a snippet of the edited file:"),
+                );
+            }
+            Agent::Opencode => {
+                self.b.call(
+                    None,
+                    "write",
+                    json!({"filePath": path, "content": SETTINGS}),
+                    "",
+                );
+                self.b.call(
+                    None,
+                    "edit",
+                    json!({"filePath": path, "oldString": old, "newString": line}),
+                    "",
+                );
+            }
+            Agent::Codex => {
+                let patch = format!("*** Begin Patch\n*** Update File: {path}\n@@ pub struct Settings {{\n-{old}\n+{line}\n*** End Patch\n");
+                self.b.call(
+                    None,
+                    "shell",
+                    json!({"command": ["apply_patch", patch]}),
+                    &json!({"output": format!("Success. Updated the following files:\nM {path}\n"), "metadata": {"exit_code": 0, "duration_seconds": 0.0}}).to_string(),
+                );
+            }
+            Agent::Aider => {
+                self.b.assistant(&format!("{path}\n```rust\n<<<<<<< SEARCH\n{old}\n=======\n{line}\n>>>>>>> REPLACE\n```\n"));
+            }
+            Agent::SingleBash => {
+                let content = SETTINGS.replace(old, line);
+                self.b.call(
+                    None,
+                    "bash",
+                    json!({"command": format!("mkdir -p $(dirname {path}) && cat > {path} <<'EOF'\n{content}EOF")}),
+                    "",
+                );
+            }
+        }
+    }
+
+    /// `n` filler turns: reads, builds and passing test runs.
+    fn filler(&mut self, n: usize, bytes: usize) {
+        for i in 0..n {
+            let module = format!("src/{}_{}.rs", self.b.r.pick(WORDS), self.b.calls);
+            match i % 3 {
+                0 => {
+                    let src = source(&mut self.b.r, &module, bytes);
+                    self.read(None, &module, &src);
+                }
+                1 => {
+                    let log = build_log(&mut self.b.r, bytes / 2);
+                    self.shell(None, "cargo build --workspace", &log, 0);
+                }
+                _ => {
+                    let log = test_log(&mut self.b.r, bytes, None);
+                    self.shell(None, "cargo test --workspace", &log, 0);
+                }
+            }
+        }
+    }
+}
+
+/// A corpus failure inside a longer log: progress lines before and after
+/// (so a head-and-tail cut loses it).
+fn buried(r: &mut Rng, output: &str, bytes: usize) -> String {
+    let mut s = String::new();
+    while s.len() < bytes / 2 {
+        s.push_str(&format!(
+            "[step {}] {} {} done\n",
+            r.next() % 900,
+            r.pick(WORDS),
+            r.pick(WORDS)
+        ));
+    }
+    s.push_str(output);
+    if !output.ends_with('\n') {
+        s.push('\n');
+    }
+    let end = s.len() + bytes / 2;
+    while s.len() < end {
+        s.push_str(&format!(
+            "[cleanup {}] removed {} cache\n",
+            r.next() % 900,
+            r.pick(WORDS)
+        ));
+    }
+    s
+}
+
+/// Ten sessions in five agents' vocabularies (two each), each planting the
+/// same kinds of facts as [`sessions`], its error an output of the failure
+/// corpus (every string that entry must keep is a planted fact).
+pub fn agent_sessions(scale: f64) -> Vec<Session> {
+    let topics = [
+        ("payouts", "P1"),
+        ("invoices", "N8"),
+        ("audit", "A6"),
+        ("catalog", "C2"),
+        ("search", "S5"),
+        ("metrics", "E4"),
+        ("accounts", "U7"),
+        ("refunds", "F3"),
+        ("shipping", "H9"),
+        ("alerts", "L2"),
+    ];
+    let filler_bytes = ((24_000.0 * scale) as usize).max(2_000);
+    let turns = |n: usize| ((n as f64 * scale).round() as usize).max(1);
+    let mut out = Vec::new();
+    for (a, (&agent, failures)) in AGENTS.iter().zip(AGENT_FAILURES).enumerate() {
+        for (n, entry) in failures.into_iter().enumerate() {
+            let k = a * 2 + n;
+            let (topic, tag) = topics[k];
+            let failure = corpus_failure(entry);
+            let task = format!("Make the {topic} service store every amount as integer cents (ticket {tag}-{k}07), keeping the REST API unchanged.");
+            let path = format!("services/{topic}/src/settings_{tag}.rs");
+            let line = format!("    pub zone_{tag}: CentsOnly, // {topic} keeps cents");
+            let reason = format!("the {topic} ledger export truncates floats past two decimals");
+            let decision = if n == 0 {
+                format!("I chose integer cents over decimals because {reason}.")
+            } else {
+                format!("Going with integer cents because {reason}.")
+            };
+            let constraint = if n == 0 {
+                format!("Please don't touch the {topic}_archive schema, the nightly job reads it.")
+            } else {
+                format!("Never touch the {topic}_archive schema: the nightly job reads it.")
+            };
+            let next_needle =
+                format!("backfill the {topic}_{tag} amounts with scripts/backfill_cents.py");
+            let next = if n == 0 {
+                format!("Next, I'll {next_needle} and rerun the suite.")
+            } else {
+                format!("Next step: {next_needle}, then rerun the suite.")
+            };
+            let mut b = AgentBuilder {
+                agent,
+                b: Builder::new(0xA6E ^ k as u64, &task),
+            };
+            b.b.messages[0] = json!({"role": "system", "content": agent.system()});
+            b.filler(turns(2), filler_bytes);
+            let src = source(&mut Rng(k as u64), &path, filler_bytes / 3);
+            b.read(Some(&decision), &path, &src);
+            b.edit(&path, &line);
+            b.filler(turns(2), filler_bytes);
+            b.b.user(&constraint);
+            let log = buried(&mut Rng(11 + k as u64), &failure.output, filler_bytes);
+            b.shell(None, &failure.command, &log, failure.exit_code);
+            b.shell(
+                Some(&next),
+                "git status --short",
+                &format!(" M {path}\n"),
+                0,
+            );
+            b.filler(turns(5), filler_bytes);
+            b.b.user("Keep going.");
+            match agent {
+                // aider's reads are user messages, and the newest user
+                // message always stays whole: its last turn is a reply.
+                Agent::Aider => b.b.assistant("Now the remaining callers of the settings."),
+                _ => b.filler(1, filler_bytes / 4),
+            }
+            let mut facts = vec![
+                Fact {
+                    kind: Kind::Task,
+                    needle: task,
+                },
+                Fact {
+                    kind: Kind::FilePath,
+                    needle: path,
+                },
+                Fact {
+                    kind: Kind::FileContent,
+                    needle: line.trim().to_string(),
+                },
+                Fact {
+                    kind: Kind::Decision,
+                    needle: reason,
+                },
+                Fact {
+                    kind: Kind::Constraint,
+                    needle: format!("touch the {topic}_archive schema"),
+                },
+            ];
+            facts.extend(failure.keep.iter().map(|k| Fact {
+                kind: Kind::Error,
+                needle: k.clone(),
+            }));
+            facts.push(Fact {
+                kind: Kind::NextStep,
+                needle: next_needle,
+            });
+            out.push(Session {
+                name: agent.name(n),
+                messages: b.b.messages,
+                facts,
+                tools: agent.tools(),
+            });
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------- cost
+
+/// Time the pure work a compaction does on every session's history: the
+/// facts (every tool output read for failures), the prune stubs and the
+/// truncation markers (each with its digest). Returns (sessions, bytes of
+/// history, time per pass over all of them).
+pub fn extraction_cost(passes: u32) -> (usize, usize, std::time::Duration) {
+    use compactor::compaction::ladder::{prune_outputs, truncate_outputs, TruncateLimits};
+    let all: Vec<Session> = sessions(1.0)
+        .into_iter()
+        .chain(agent_sessions(1.0))
+        .collect();
+    let bytes = all
+        .iter()
+        .map(|s| {
+            s.messages
+                .iter()
+                .map(|m| m.to_string().len())
+                .sum::<usize>()
+        })
+        .sum();
+    let hashes: Vec<Vec<_>> = all
+        .iter()
+        .map(|s| s.messages.iter().map(compactor::wire::item_hash).collect())
+        .collect();
+    let limits = TruncateLimits {
+        max_bytes: 8192,
+        keep_head: 2730,
+        keep_tail: 1365,
+    };
+    let t = std::time::Instant::now();
+    let mut sink = 0;
+    for _ in 0..passes {
+        for (s, h) in all.iter().zip(&hashes) {
+            let facts = compactor::compaction::summary::extract_facts(&s.messages, None);
+            sink += facts.errors.len();
+            sink += prune_outputs(&s.messages, h).1;
+            sink += truncate_outputs(&s.messages, h, limits).1;
+        }
+    }
+    let per = t.elapsed() / passes.max(1);
+    assert!(sink > 0);
+    (all.len(), bytes, per)
 }
 
 // ---------------------------------------------------------------- summarizers
@@ -401,12 +860,37 @@ const NEVER_TRUNCATE: usize = usize::MAX / 2;
 pub const SUMMARY_WINDOW: u64 = 4_096;
 /// The tight window, tokens (also the real llama-server's own).
 pub const TIGHT_WINDOW: u64 = 2_048;
+/// The tightest window the facts must survive, tokens, and its answer's
+/// reservation.
+pub const TIGHTEST_WINDOW: u64 = 1_600;
+/// Tokens reserved for the answer at [`TIGHTEST_WINDOW`].
+pub const TIGHTEST_OUTPUT: u64 = 200;
+
+/// A run at `window` with an eighth of it reserved for the answer.
+pub fn at(window: u64, tool_output_max_bytes: usize) -> RunConfig {
+    RunConfig {
+        window,
+        max_output: window / 8,
+        tool_output_max_bytes,
+    }
+}
 
 /// Runs every session at every rung against `fake` answering summaries with
 /// nothing useful.
 pub async fn fake_tier(scale: f64) -> Table {
+    fake_tier_of(&sessions(scale)).await
+}
+
+/// [`fake_tier`] over the sessions in other agents' vocabularies.
+pub async fn agents_fake_tier(scale: f64) -> Table {
+    fake_tier_of(&agent_sessions(scale)).await
+}
+
+/// Runs `list` at every rung against a fake upstream answering summaries
+/// with nothing useful.
+pub async fn fake_tier_of(list: &[Session]) -> Table {
     let mut table = Table::new();
-    for (i, s) in sessions(scale).iter().enumerate() {
+    for (i, s) in list.iter().enumerate() {
         let fake = tokio::time::timeout(STEP, FakeUpstream::start())
             .await
             .expect("fake upstream timed out")
@@ -414,39 +898,53 @@ pub async fn fake_tier(scale: f64) -> Table {
         fake.set_summary_reply(Some(useless_summary(i)));
         let tokens = session_tokens(s);
         let runs = [
+            ("", at(tokens, 8192)),
+            ("", at(tokens, NEVER_TRUNCATE)),
+            ("", at(SUMMARY_WINDOW, 8192)),
+            (" tight", at(TIGHT_WINDOW, 8192)),
             (
-                "",
+                " 1600",
                 RunConfig {
-                    window: tokens,
-                    tool_output_max_bytes: 8192,
-                },
-            ),
-            (
-                "",
-                RunConfig {
-                    window: tokens,
-                    tool_output_max_bytes: NEVER_TRUNCATE,
-                },
-            ),
-            (
-                "",
-                RunConfig {
-                    window: SUMMARY_WINDOW,
-                    tool_output_max_bytes: 8192,
-                },
-            ),
-            (
-                " tight",
-                RunConfig {
-                    window: TIGHT_WINDOW,
+                    window: TIGHTEST_WINDOW,
+                    max_output: TIGHTEST_OUTPUT,
                     tool_output_max_bytes: 8192,
                 },
             ),
         ];
         for (suffix, cfg) in runs {
             let mut g = run(s, fake.url(), &fake, cfg).await;
+            if std::env::var_os("CONT_VERBOSE").is_some() {
+                eprintln!("  {} at window {}: {:?}", s.name, cfg.window, g.rung);
+            }
             g.rung = g.rung.map(|r| format!("{r}{suffix}"));
             report_misses(s.name, &g, &s.facts);
+            add(&mut table, &g);
+        }
+    }
+    table
+}
+
+/// Runs `list` at each of `windows` (200 tokens for the answer), the rung
+/// named by its window: where each kind stops surviving.
+pub async fn window_sweep(list: &[Session], windows: &[u64]) -> Table {
+    let mut table = Table::new();
+    for (i, s) in list.iter().enumerate() {
+        let fake = tokio::time::timeout(STEP, FakeUpstream::start())
+            .await
+            .expect("fake upstream timed out")
+            .expect("fake upstream");
+        fake.set_summary_reply(Some(useless_summary(i)));
+        for &window in windows {
+            let cfg = RunConfig {
+                window,
+                max_output: TIGHTEST_OUTPUT,
+                tool_output_max_bytes: 8192,
+            };
+            let mut g = run(s, fake.url(), &fake, cfg).await;
+            g.rung = Some(match g.rung {
+                Some(_) => format!("{window:>5}"),
+                None => format!("{window:>5} failed"),
+            });
             add(&mut table, &g);
         }
     }
@@ -473,6 +971,8 @@ pub fn report_misses(name: &str, g: &Graded, facts: &[Fact]) {
 #[derive(Debug, Clone, Copy)]
 pub struct RunConfig {
     pub window: u64,
+    /// Tokens reserved for the answer (`max_output_tokens`).
+    pub max_output: u64,
     /// Rung 1's threshold; huge = rung 1 never applies.
     pub tool_output_max_bytes: usize,
 }
@@ -508,7 +1008,7 @@ pub async fn run(
         ModelConfig {
             pattern: MODEL.into(),
             context_window: cfg.window,
-            max_output_tokens: Some(cfg.window / 8),
+            max_output_tokens: Some(cfg.max_output),
             trigger_ratio: None,
             ..Default::default()
         },
@@ -524,7 +1024,10 @@ pub async fn run(
     }));
     let before = fake.received().len();
     let client = reqwest::Client::new();
-    let body = json!({"model": MODEL, "messages": session.messages});
+    let mut body = json!({"model": MODEL, "messages": session.messages});
+    if !session.tools.is_empty() {
+        body["tools"] = Value::Array(session.tools.clone());
+    }
     let resp = tokio::time::timeout(
         STEP,
         client

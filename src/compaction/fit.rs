@@ -287,10 +287,12 @@ pub fn summary_floor(facts: &summary::Facts, covered: usize, count: &dyn Fn(&Val
     )))
 }
 
-/// Tokens of the facts-only summary at its full size (`max_bytes`): what a
-/// plan should leave room for before it keeps a long verbatim tail, so that
-/// the facts are budgeted before the tail's bulk. [`summary_floor`] is the
-/// fallback when no plan can give the summary that much.
+/// Tokens of the facts-only summary at its full size: what a plan should
+/// leave room for before it keeps a long verbatim tail, so that the facts
+/// are budgeted before the tail's bulk. `max_bytes` bounds the narrative,
+/// not the facts: a small window's byte budget would otherwise cut facts a
+/// shorter tail leaves room for. [`summary_floor`] is the fallback when no
+/// plan can give the summary that much.
 pub fn summary_wanted(
     facts: &summary::Facts,
     covered: usize,
@@ -298,9 +300,24 @@ pub fn summary_wanted(
     count: &dyn Fn(&Value) -> u64,
 ) -> u64 {
     count(&items::user_message(summary::assemble(
-        facts, None, covered, max_bytes,
+        facts,
+        None,
+        covered,
+        facts_bytes(facts, covered, max_bytes),
     )))
 }
+
+/// Bytes the summary may take: `max_bytes`, or more when the facts alone
+/// need more (up to [`MAX_FACTS_BYTES`]); the token budget then decides.
+fn facts_bytes(facts: &summary::Facts, covered: usize, max_bytes: usize) -> usize {
+    let whole = summary::assemble(facts, None, covered, MAX_FACTS_BYTES).len();
+    max_bytes.max(whole)
+}
+
+/// Largest facts-only summary, bytes, whatever the window: the facts are
+/// bounded (errors, files and statements are capped), this bounds their
+/// sum.
+const MAX_FACTS_BYTES: usize = 48_000;
 
 /// Most attempts at shrinking a summary into its budget.
 const SHRINK_ROUNDS: usize = 8;
@@ -317,7 +334,7 @@ pub fn fitted_summary(
     count: &dyn Fn(&Value) -> u64,
 ) -> String {
     let fits = |t: &str| count(&items::user_message(t.to_string())) <= budget;
-    let mut bytes = max_bytes;
+    let mut bytes = facts_bytes(facts, covered, max_bytes);
     let mut text = summary::assemble(facts, narrative, covered, bytes);
     for _ in 0..SHRINK_ROUNDS {
         let t = count(&items::user_message(text.clone()));
@@ -446,6 +463,44 @@ mod tests {
         let hashes: Vec<ItemHash> = view.iter().map(item_hash).collect();
         let err = plan(&input(&view, &tokens, &hashes, 500), &params(4096), &count).unwrap_err();
         assert_eq!(err.core, tokens.iter().sum::<u64>());
+    }
+
+    /// A small window's byte budget bounds the narrative, not the facts:
+    /// with tokens to spare, the facts a 1,024-byte budget would cut stay.
+    #[test]
+    fn a_small_byte_budget_does_not_cut_facts_the_tokens_have_room_for() {
+        let mut facts = summary::extract_facts(&codex_like(), None);
+        facts.next_steps = vec!["Next step: regenerate tests/fixtures/ledger_Q7.csv".into()];
+        facts.decisions =
+            vec!["Decision: convert at the writer because the parser rejects offsets".into()];
+        facts.errors = (0..4)
+            .map(|i| {
+                format!(
+                    "thread 't{i}' panicked at src/csv.rs:88:14:\nexpected `Z`, got `+01:00` ({i})"
+                )
+            })
+            .collect();
+        let full = summary::assemble(&facts, None, 10, usize::MAX);
+        assert!(full.len() > 1_024, "{}", full.len());
+        let wanted = summary_wanted(&facts, 10, 1_024, &count);
+        assert!(
+            wanted >= count(&items::user_message(full.clone())),
+            "{wanted}"
+        );
+        let text = fitted_summary(&facts, None, 10, 1_024, wanted, &count);
+        for kept in facts
+            .errors
+            .iter()
+            .chain(&facts.next_steps)
+            .chain(&facts.decisions)
+        {
+            assert!(text.contains(kept.as_str()), "{kept} cut:\n{text}");
+        }
+        // Short of tokens, the facts still give way, lowest first.
+        let tight = fitted_summary(&facts, None, 10, 1_024, wanted / 2, &count);
+        assert!(count(&items::user_message(tight.clone())) <= wanted / 2 + 8);
+        assert!(tight.contains(facts.next_steps[0].as_str()), "{tight}");
+        assert!(!tight.contains(facts.decisions[0].as_str()), "{tight}");
     }
 
     #[test]

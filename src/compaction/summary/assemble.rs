@@ -10,6 +10,9 @@ use crate::compaction::items::SUMMARY_MARKER;
 
 /// Shortest a narrative body is clipped to before it is cut altogether.
 const MIN_BODY: usize = 24;
+/// Shortest a file's content is shortened to before the statements give
+/// way (its head and tail: a patch's first lines carry the change).
+const MIN_CONTENT: usize = 256;
 
 /// The trimmable state of one assembled summary.
 struct Draft<'a> {
@@ -27,6 +30,8 @@ struct Draft<'a> {
     statements_from: [usize; 3],
     /// Files only read are counted, not listed.
     hide_reads: bool,
+    /// Changed files whose paths were cut, oldest first.
+    paths_cut: usize,
 }
 
 impl Draft<'_> {
@@ -148,8 +153,15 @@ Blocks starting \"{FACTS_LABEL}\" were extracted verbatim from the conversation;
         }
         let mut s = self.label("files touched, in order of first touch");
         let mut reads = 0;
+        let mut changed = 0;
         for (f, content) in self.facts.files.iter().zip(&self.contents) {
             let p = &f.path;
+            if f.action != "read" {
+                changed += 1;
+                if changed <= self.paths_cut {
+                    continue;
+                }
+            }
             let line = match (f.action.as_str(), content) {
                 ("read", _) if self.hide_reads => {
                     reads += 1;
@@ -177,6 +189,12 @@ Blocks starting \"{FACTS_LABEL}\" were extracted verbatim from the conversation;
         if reads > 0 {
             s.push_str(&format!("\n- and {reads} more read, not modified"));
         }
+        if self.paths_cut > 0 {
+            s.push_str(&format!(
+                "\n- and {} more changed earlier (paths cut for size)",
+                self.paths_cut
+            ));
+        }
         Some(s)
     }
 }
@@ -197,10 +215,12 @@ Blocks starting \"{FACTS_LABEL}\" were extracted verbatim from the conversation;
 /// Within `max_bytes`, facts first: the narrative is cut before any fact,
 /// then, in order: the explanatory header, the tool log (oldest first; its
 /// size is still stated), the list of files only read, file contents
-/// (context lines of patches first, then largest first, head and tail
-/// kept, then dropped — paths stay), the
-/// recorded statements (oldest first), errors (oldest first), the plan. TASK and the paths of changed files are never cut, so a task that
-/// alone exceeds the budget yields a longer text.
+/// shortened (context lines of patches first, then largest first, head and
+/// tail kept). Then the facts give way lowest-first: the user's
+/// constraints, the decisions, file contents and then the paths of changed
+/// files (oldest first; how many is stated), errors (oldest first), the
+/// plan, the next steps. TASK is never cut, so a task that alone exceeds
+/// the budget yields a longer text.
 pub fn assemble(
     facts: &Facts,
     narrative: Option<&str>,
@@ -227,6 +247,7 @@ pub fn assemble(
         log_from: 0,
         statements_from: [0; 3],
         hide_reads: false,
+        paths_cut: 0,
     };
     let mut text = d.render();
     let over = |t: &str| t.len().saturating_sub(max_bytes);
@@ -279,6 +300,7 @@ pub fn assemble(
         }
         text = d.render();
     }
+    // Contents shortened (head and tail kept), largest first, not yet dropped.
     for _ in 0..facts.files.len() * 3 + 1 {
         let excess = over(&text);
         if excess == 0 {
@@ -289,38 +311,55 @@ pub fn assemble(
             .iter()
             .enumerate()
             .filter_map(|(i, c)| c.as_ref().map(|c| (i, c.len())))
+            .filter(|&(_, len)| len > MIN_CONTENT)
             .max_by_key(|&(_, len)| len)
         else {
             break;
         };
-        d.contents[i] = if len > excess + 256 {
-            Some(head_tail(
-                d.contents[i].as_deref().unwrap_or(""),
-                len - excess - 16,
-            ))
-        } else {
-            None
-        };
+        let keep = len.saturating_sub(excess + 16).max(MIN_CONTENT);
+        d.contents[i] = Some(head_tail(d.contents[i].as_deref().unwrap_or(""), keep));
         text = d.render();
     }
-    // 6. Recorded statements, oldest first, from the longest list.
+    // Then the facts give way lowest-first: constraints, decisions, files
+    // (contents, then paths), errors, the plan, next steps; the task never.
+    let cut_statements = |d: &mut Draft<'_>, text: &mut String, k: usize| {
+        let list = [&facts.decisions, &facts.constraints, &facts.next_steps][k];
+        while over(text) > 0 && d.statements_from[k] < list.len() {
+            d.statements_from[k] += 1;
+            *text = d.render();
+        }
+    };
+    // 6. Constraints, oldest first.
+    cut_statements(&mut d, &mut text, 1);
+    // 7. Decisions, oldest first.
+    cut_statements(&mut d, &mut text, 0);
+    // 8. File contents, largest first, then the paths of changed files,
+    // oldest first.
     while over(&text) > 0 {
-        let lists = [&facts.decisions, &facts.constraints, &facts.next_steps];
-        let Some(k) = (0..3)
-            .filter(|&k| d.statements_from[k] < lists[k].len())
-            .max_by_key(|&k| lists[k].len() - d.statements_from[k])
+        let Some(i) = d
+            .contents
+            .iter()
+            .enumerate()
+            .filter_map(|(i, c)| c.as_ref().map(|c| (i, c.len())))
+            .max_by_key(|&(_, len)| len)
+            .map(|(i, _)| i)
         else {
             break;
         };
-        d.statements_from[k] += 1;
+        d.contents[i] = None;
         text = d.render();
     }
-    // 7. Errors, oldest first.
+    let changed = facts.files.iter().filter(|f| f.action != "read").count();
+    while over(&text) > 0 && d.paths_cut < changed {
+        d.paths_cut += 1;
+        text = d.render();
+    }
+    // 9. Errors, oldest first.
     while over(&text) > 0 && d.errors_from < facts.errors.len() {
         d.errors_from += 1;
         text = d.render();
     }
-    // 8. The plan.
+    // 10. The plan.
     if over(&text) > 0 {
         if let Some(p) = d.plan.as_deref() {
             let excess = over(&text);
@@ -328,6 +367,8 @@ pub fn assemble(
             text = d.render();
         }
     }
+    // 11. Next steps, oldest first.
+    cut_statements(&mut d, &mut text, 2);
     text
 }
 
@@ -429,7 +470,9 @@ mod tests {
         let patch = s.find("+    max_age = 3600").unwrap();
         assert!(patch > at("FILE/WORKSPACE STATE") && patch < at("CONSTRAINTS & PREFERENCES"));
         assert!(s.contains("- src/auth.py — patched"));
-        let err = s.find("```text\nKeyError: 'session'\n```").unwrap();
+        let err = s
+            .find("    s = req['session']\nKeyError: 'session'\n```")
+            .unwrap();
         assert!(err > at("ERRORS & FIXES") && err < at("OPEN ITEMS / NEXT STEP"));
         assert!(s.contains("- max_age 3600: sessions last an hour"));
         assert!(s.contains("- exec_command(cmd=pytest) → error: KeyError: 'session'"));
@@ -461,7 +504,7 @@ mod tests {
     }
 
     #[test]
-    fn assemble_within_budget_keeps_task_and_every_path() {
+    fn assemble_within_budget_gives_facts_way_lowest_first() {
         let mut f = Facts {
             task: Some("Refactor the storage layer".into()),
             plan: Some("- [pending] everything".into()),
@@ -487,7 +530,7 @@ mod tests {
             .collect();
         let full = assemble(&f, Some(GOOD), 100, usize::MAX);
         assert!(full.len() > 40_000);
-        for max in [30_000, 8_000, 3_000] {
+        for max in [30_000, 8_000] {
             let s = assemble(&f, Some(GOOD), 100, max);
             assert!(s.len() <= max, "{} > {max}", s.len());
             assert!(s.contains("## TASK\nRefactor the storage layer\n"));
@@ -499,6 +542,18 @@ mod tests {
                 );
             }
         }
+        // Tighter, the paths of the oldest changed files give way before the
+        // errors, and how many is stated.
+        let s = assemble(&f, Some(GOOD), 100, 3_000);
+        assert!(s.len() <= 3_000, "{}", s.len());
+        assert!(s.contains("## TASK\nRefactor the storage layer\n"));
+        assert!(s.contains("- gone.rs — deleted"), "{s}");
+        assert!(!s.contains("- src/module_0.rs —"), "{s}");
+        assert!(
+            s.contains("more changed earlier (paths cut for size)"),
+            "{s}"
+        );
+        assert!(s.contains(&f.errors[19]), "{s}");
         // The tool log goes first: with room for everything else, contents stay whole.
         let log_bytes: usize = f.tool_log.iter().map(|l| l.len() + 3).sum();
         let s = assemble(&f, Some(GOOD), 100, full.len() - log_bytes / 2);

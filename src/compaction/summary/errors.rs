@@ -5,8 +5,12 @@
 
 use serde_json::Value;
 
+use std::borrow::Cow;
+
+use super::failures::failures;
 use super::text::{clip, str_field, value_or_json};
-use super::{MAX_ERRORS_PER_OUTPUT, MAX_ERROR_LINE};
+use super::MAX_ERROR_LINE;
+use crate::compaction::items::{ceil_boundary, floor_boundary};
 
 /// Opens the digest line naming an output's paths.
 const PATHS_NAMED: &str = "Paths named:";
@@ -63,7 +67,11 @@ pub fn output_digest(text: &str, kept: &str) -> Vec<String> {
         );
     }
     let mut paths: Vec<&str> = Vec::new();
-    let sources = o.errors.iter().map(String::as_str).chain(text.lines());
+    let sources = o
+        .errors
+        .iter()
+        .map(String::as_str)
+        .chain(text.lines().take(MAX_DIGEST_SCAN_LINES));
     'scan: for line in sources {
         for w in line.split_whitespace() {
             if let Some(p) = path_in(w) {
@@ -88,9 +96,29 @@ pub(super) struct Outcome {
     pub(super) failed: bool,
     /// The output was replaced by the ladder's prune stub: status unknown.
     pub(super) pruned: bool,
-    /// Exact error lines (at most [`MAX_ERRORS_PER_OUTPUT`]).
+    /// The failures' blocks, quoted as printed (at most
+    /// [`MAX_FAILURES`](super::failures::MAX_FAILURES)).
     pub(super) errors: Vec<String>,
     pub(super) exit: Option<i64>,
+}
+
+impl Outcome {
+    /// A failure the harness flagged though the text did not say so: its
+    /// failure blocks, or its last line.
+    pub(super) fn failed_with(text: &str) -> Outcome {
+        let mut errors: Vec<String> = failures(text).into_iter().map(|f| f.text).collect();
+        if errors.is_empty() {
+            if let Some(last) = text.lines().map(str::trim).rfind(|l| !l.is_empty()) {
+                errors.push(clip(last, MAX_ERROR_LINE));
+            }
+        }
+        Outcome {
+            failed: true,
+            pruned: false,
+            errors,
+            exit: stated_exit_code(text),
+        }
+    }
 }
 
 /// Header lines harnesses and our own ladder put around tool output.
@@ -120,16 +148,27 @@ fn leading_int(s: &str) -> Option<i64> {
     s[..end].parse().ok()
 }
 
+/// Bytes read at each end of an output for a stated exit code.
+const EXIT_SCAN_BYTES: usize = 8 * 1024;
+/// Lines of an output read for the paths it names (after its failures).
+const MAX_DIGEST_SCAN_LINES: usize = 2_000;
+
 /// An exit code stated by the output's own lines.
 fn stated_exit_code(body: &str) -> Option<i64> {
-    const PHRASES: [&str; 5] = [
+    const PHRASES: [&str; 6] = [
         "process exited with code",
+        "error: exit code",
         "exit code",
         "exit status",
         "exited with code",
         "exit_code",
     ];
-    body.lines().find_map(|l| {
+    // Harnesses state it in a header or a last line: the ends are read,
+    // not the whole of a long log.
+    let head = &body[..floor_boundary(body, EXIT_SCAN_BYTES)];
+    let tail =
+        &body[ceil_boundary(body, body.len().saturating_sub(EXIT_SCAN_BYTES)).max(head.len())..];
+    head.lines().chain(tail.lines()).find_map(|l| {
         let lower = l.trim().to_ascii_lowercase();
         PHRASES
             .iter()
@@ -137,54 +176,23 @@ fn stated_exit_code(body: &str) -> Option<i64> {
     })
 }
 
-/// A Python/JS/Java-style exception line: `KeyError: 'session'`,
-/// `json.decoder.JSONDecodeError: …`, `TypeError: x is not a function`.
-fn is_exception_line(t: &str) -> bool {
-    let t = t.strip_prefix("Uncaught ").unwrap_or(t);
-    let name = t.split(':').next().unwrap_or("");
-    let ident = !name.is_empty()
-        && name.chars().next().is_some_and(|c| c.is_ascii_alphabetic())
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '.' || c == '$');
-    ident
-        && (name.ends_with("Error") || name.ends_with("Exception"))
-        && (name.len() == t.len() || t[name.len()..].starts_with(':'))
+/// Whether a (trimmed) output line reports a failure on its own: a marker
+/// of one of the toolchains the summary module knows (compiler
+/// diagnostics, exception lines, panics, test failures, shell errors, HTTP
+/// error statuses, …).
+pub fn is_error_line(t: &str) -> bool {
+    !failures(t).is_empty()
 }
 
-/// Whether a (trimmed) output line reports an error: compiler diagnostics
-/// (`error[E0308]: …`, `file.c:3:5: error: …`, `a.ts(1,2): error TS…`),
-/// exception lines, panics, test failures, shell errors.
-pub fn is_error_line(t: &str) -> bool {
-    let l = t.to_ascii_lowercase();
-    const STARTS: [&str; 8] = [
-        "error:",
-        "error[",
-        "fatal:",
-        "fatal error",
-        "panic:",
-        "segmentation fault",
-        "npm err!",
-        "exception in thread",
-    ];
-    const CONTAINS: [&str; 9] = [
-        ": error:",
-        ": error ",
-        "): error",
-        "panicked at",
-        "command not found",
-        "no such file or directory",
-        "permission denied",
-        "verification failed",
-        "undefined reference",
-    ];
-    STARTS.iter().any(|p| l.starts_with(p))
-        || CONTAINS.iter().any(|p| l.contains(p))
-        || t.starts_with("FAILED")
-        || t.starts_with("FAIL ")
-        || t.starts_with("--- FAIL")
-        || t.starts_with("ERROR")
-        || is_exception_line(t)
+/// The exit status a JSON wrapper states: Codex's `metadata.exit_code`,
+/// `exit_code`, `exitCode`, `returncode`, `status` as a number.
+fn json_exit(v: &Value) -> Option<i64> {
+    v.pointer("/metadata/exit_code")
+        .or_else(|| v.pointer("/metadata/exitCode"))
+        .or_else(|| v.get("exit_code"))
+        .or_else(|| v.get("exitCode"))
+        .or_else(|| v.get("returncode"))
+        .and_then(Value::as_i64)
 }
 
 /// Reads a tool output's payload.
@@ -197,60 +205,58 @@ pub(super) fn outcome(text: &str) -> Outcome {
             ..Outcome::default()
         };
     }
-    // Codex's JSON wrapper: {"output": "...", "metadata": {"exit_code": N}};
-    // other tools answer {"error": "..."} / {"is_error": true} / {"success": false}.
-    let mut body = text.to_string();
+    // JSON wrappers: Codex's {"output": "...", "metadata": {"exit_code": N}};
+    // {"stdout", "stderr", "exit_code"}; {"error": "..."} / {"is_error": true}
+    // / {"success": false}.
+    let mut body: Cow<'_, str> = Cow::Borrowed(text);
     let mut exit = None;
+    let mut flagged_line = None;
     if text.trim_start().starts_with('{') {
         if let Ok(v) = serde_json::from_str::<Value>(text) {
-            if let Some(out) = v.get("output").and_then(Value::as_str) {
-                body = out.to_string();
+            let out = v.get("output").and_then(Value::as_str);
+            let streams = [v.get("stdout"), v.get("stderr")]
+                .into_iter()
+                .flatten()
+                .filter_map(Value::as_str)
+                .collect::<Vec<_>>();
+            if let Some(out) = out {
+                body = Cow::Owned(out.to_string());
+            } else if !streams.is_empty() {
+                body = Cow::Owned(streams.join("\n"));
             }
-            exit = v
-                .pointer("/metadata/exit_code")
-                .or_else(|| v.get("exit_code"))
-                .and_then(Value::as_i64);
-            let error = v.get("error").filter(|e| !e.is_null() && *e != false);
+            exit = json_exit(&v);
+            let error = v.get("error").filter(|e| !e.is_null() && **e != false);
             let flagged = v.get("is_error") == Some(&Value::Bool(true))
                 || v.get("success") == Some(&Value::Bool(false));
             if error.is_some() || flagged {
                 let line = error
                     .map(value_or_json)
-                    .or_else(|| str_field(&v, &["message", "output"]).map(String::from))
+                    .or_else(|| str_field(&v, &["message", "output", "stderr"]).map(String::from))
                     .unwrap_or_else(|| v.to_string());
-                let line = line.trim().lines().next().unwrap_or("").trim();
-                return Outcome {
-                    failed: true,
-                    pruned: false,
-                    errors: vec![clip(line, MAX_ERROR_LINE)],
-                    exit,
-                };
+                flagged_line = Some(line);
             }
         }
     }
     let exit = exit.or_else(|| stated_exit_code(&body));
-    let mut errors: Vec<String> = Vec::new();
+    if let Some(line) = flagged_line {
+        let mut errors: Vec<String> = failures(&line).into_iter().map(|f| f.text).collect();
+        if errors.is_empty() {
+            let first = line.trim().lines().next().unwrap_or("").trim();
+            errors.push(clip(first, MAX_ERROR_LINE));
+        }
+        return Outcome {
+            failed: true,
+            pruned: false,
+            errors,
+            exit,
+        };
+    }
+    let found = failures(&body);
     let meaningful = || {
         body.lines()
             .map(str::trim)
             .filter(|t| !t.is_empty() && !is_header_line(t))
     };
-    for t in meaningful() {
-        // pytest repeats the exception as `E       KeyError: 'session'`.
-        let t = match t.strip_prefix("E ") {
-            Some(rest) if is_exception_line(rest.trim()) => rest.trim(),
-            _ => t,
-        };
-        if is_error_line(t) {
-            let line = clip(t, MAX_ERROR_LINE);
-            if !errors.contains(&line) {
-                errors.push(line);
-            }
-            if errors.len() == MAX_ERRORS_PER_OUTPUT {
-                break;
-            }
-        }
-    }
     let first = meaningful().next().unwrap_or("").to_ascii_lowercase();
     let says_failed = [
         "error",
@@ -264,14 +270,16 @@ pub(super) fn outcome(text: &str) -> Outcome {
     .any(|p| first.starts_with(p));
     let failed = match exit {
         Some(code) => code != 0,
-        None => !errors.is_empty() || says_failed,
+        None => !found.is_empty() || says_failed,
     };
-    if !failed {
-        errors.clear();
-    } else if errors.is_empty() {
-        // Nothing looked like an error: the last meaningful line says how it ended.
-        if let Some(last) = meaningful().next_back() {
-            errors.push(clip(last, MAX_ERROR_LINE));
+    let mut errors: Vec<String> = Vec::new();
+    if failed {
+        errors = found.into_iter().map(|f| f.text).collect();
+        if errors.is_empty() {
+            // Nothing looked like a failure: the last meaningful line says how it ended.
+            if let Some(last) = meaningful().next_back() {
+                errors.push(clip(last, MAX_ERROR_LINE));
+            }
         }
     }
     Outcome {
@@ -305,9 +313,7 @@ mod tests {
         assert_eq!(
             f.errors,
             vec![
-                "error[E0308]: mismatched types".to_string(),
-                "error: could not compile `demo` (bin \"demo\") due to 1 previous error"
-                    .to_string()
+                "error[E0308]: mismatched types\n --> src/main.rs:3:18\n3 |     let x: u32 = \"a\";\n  |                  ^^^ expected `u32`, found `&str`".to_string(),
             ]
         );
         assert_eq!(
@@ -351,9 +357,9 @@ mod tests {
         );
         assert!(outcome(r#"{"is_error": true, "message": "denied"}"#).failed);
         assert!(!outcome(r#"{"ok": true, "error": null}"#).failed);
-        // pytest's `E   ` prefix is stripped to the exact exception line.
+        // pytest's `E   ` lines are quoted as printed.
         let out = outcome("=== FAILURES ===\nE       KeyError: 'session'\n1 failed in 0.1s");
         assert!(out.failed);
-        assert_eq!(out.errors, vec!["KeyError: 'session'".to_string()]);
+        assert_eq!(out.errors, vec!["E       KeyError: 'session'".to_string()]);
     }
 }

@@ -11,6 +11,7 @@ use serde_json::Value;
 use super::calls::{calls_of, short_args};
 use super::edits::{apply_op, effects_of, text_edits, Effect};
 use super::errors::{outcome, Outcome};
+use super::failures::headline;
 use super::statements::{classify_assistant_line, push_statement, user_constraints, Statement};
 use super::text::{clip, role};
 use super::{MAX_ERRORS, MAX_LOG_OUTCOME, MAX_TOOL_LOG};
@@ -24,8 +25,9 @@ pub struct Facts {
     pub task: Option<String>,
     /// Files touched, ordered by first touch; one entry per path.
     pub files: Vec<FileFact>,
-    /// Exact error lines from failed tool outputs (deduplicated, newest
-    /// kept, at most [`MAX_ERRORS`]).
+    /// Failures of failed tool outputs, each a block of the lines that
+    /// carry it, quoted as printed (deduplicated, newest kept, at most
+    /// [`MAX_ERRORS`]).
     pub errors: Vec<String>,
     /// Latest plan/todo list, rendered readably with statuses.
     pub plan: Option<String>,
@@ -124,6 +126,20 @@ fn task_from_summary(text: &str) -> Option<String> {
     (!task.is_empty() && task != "(not recorded)").then(|| task.to_string())
 }
 
+/// The output in a user message that reports a command's output (aider's
+/// `/run` and `/test`: "I ran this command: … And got this output: …",
+/// "Fix any errors below, if possible.").
+fn command_output(text: &str) -> Option<&str> {
+    const RAN: &str = "I ran this command:";
+    const GOT: &str = "And got this output:";
+    const FIX: &str = "Fix any errors below, if possible.";
+    let t = text.trim_start();
+    if t.starts_with(RAN) {
+        return t.find(GOT).map(|i| &t[i + GOT.len()..]);
+    }
+    t.trim_start_matches('#').trim_start().strip_prefix(FIX)
+}
+
 fn push_error(errors: &mut Vec<String>, line: String) {
     errors.retain(|e| *e != line);
     errors.push(line);
@@ -142,10 +158,12 @@ fn settle(facts: &mut Facts, log: &mut [String], p: Pending, out: Option<&Outcom
         None => "no output".to_string(),
         Some(o) if o.pruned => "output pruned".to_string(),
         Some(o) if o.failed => {
+            // A failure's block opens with its marker or, for `go test -v`,
+            // its detail line: either names it.
             let first = o
                 .errors
                 .first()
-                .cloned()
+                .map(|e| headline(e).to_string())
                 .or_else(|| o.exit.map(|c| format!("exit code {c}")))
                 .unwrap_or_else(|| "failed".into());
             format!("error: {first}")
@@ -210,7 +228,15 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
     for item in part {
         if is_user_message(item) {
             let text = typed_text(item);
-            if !is_injected(&text) {
+            if let Some(output) = command_output(&text) {
+                // aider hands command output back as a user message.
+                let out = outcome(output);
+                if out.failed {
+                    out.errors
+                        .iter()
+                        .for_each(|e| push_error(&mut facts.errors, e.clone()));
+                }
+            } else if !is_injected(&text) {
                 if facts.task.is_none() {
                     facts.task = Some(text);
                 } else {
@@ -242,8 +268,17 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
         }
         for (id, text, flagged) in outputs(item) {
             let mut out = outcome(&text);
-            // The harness said so (an Anthropic `is_error` result).
-            out.failed |= flagged;
+            // A harness that flags the result itself (Anthropic's and Claude
+            // Code's `is_error`, a `status` of `error`) is believed over the text.
+            let flagged = flagged
+                || item.get("is_error") == Some(&Value::Bool(true))
+                || matches!(
+                    item.get("status").and_then(Value::as_str),
+                    Some("error" | "failed")
+                );
+            if flagged && !out.failed {
+                out = Outcome::failed_with(&text);
+            }
             match (!id.is_empty()).then(|| pending.remove(id)).flatten() {
                 Some(p) => settle(&mut facts, &mut log, p, Some(&out)),
                 None if out.failed => out
@@ -301,7 +336,7 @@ mod tests {
         assert_eq!(f.files.len(), 1);
         assert_eq!(file(&f, "app.py").action, "write");
         assert_eq!(file(&f, "app.py").content.as_deref(), Some("v2\n"));
-        assert_eq!(f.errors, vec!["KeyError: 'session'".to_string()]);
+        assert_eq!(f.errors, vec![TRACEBACK.trim_end().to_string()]);
         assert_eq!(f.tool_log.len(), 3);
         assert!(
             f.tool_log[0].starts_with("write_file(path=app.py, content=v1"),
@@ -367,7 +402,10 @@ mod tests {
         );
         assert_eq!(
             f2.errors,
-            vec!["NameError: name 'x' is not defined".to_string()],
+            vec![
+                "Traceback (most recent call last):\nNameError: name 'x' is not defined"
+                    .to_string()
+            ],
             "deduplicated"
         );
         assert_eq!(f2.tool_log.len(), 5, "appended");
@@ -441,6 +479,26 @@ mod tests {
             "{:?}",
             f.constraints
         );
+    }
+
+    /// aider reports a command's output as a user message: its failures
+    /// are read, and it is neither the task nor a constraint.
+    #[test]
+    fn aider_command_output_in_a_user_message_is_read_for_failures() {
+        let part = vec![
+            json!({"role": "user", "content": "Fix the VAT rounding."}),
+            json!({"role": "user", "content": "I ran this command:\n\npytest -q\n\nAnd got this output:\n\nE       AssertionError: vat for 10 should be 2.5\ntest_tax.py:5: AssertionError\n1 failed in 0.02s\nnever mind the warnings\n"}),
+        ];
+        let f = extract_facts(&part, None);
+        assert_eq!(f.task.as_deref(), Some("Fix the VAT rounding."));
+        assert_eq!(
+            f.errors,
+            vec![
+                "E       AssertionError: vat for 10 should be 2.5\ntest_tax.py:5: AssertionError"
+                    .to_string()
+            ]
+        );
+        assert!(f.constraints.is_empty(), "{:?}", f.constraints);
     }
 
     #[test]

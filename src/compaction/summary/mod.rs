@@ -24,27 +24,33 @@
 //!   what the file *now contains*; otherwise the changes written since are
 //!   kept in order (capped).
 //! - failure: a non-zero exit code when the output states one (Codex's
-//!   `Process exited with code N`, `Exit code: N`, JSON `metadata.exit_code`);
-//!   otherwise the presence of error-like lines ([`is_error_line`]).
+//!   `Process exited with code N`, Claude Code's `Exit code N`, JSON
+//!   `metadata.exit_code` / `exit_code`, an `is_error` result); otherwise
+//!   the markers of the common toolchains, read as blocks: the marker and
+//!   the lines beside it that carry the message (`failures`).
 //!
 //! Where each part lives:
 //!
 //! - `facts`: the [`Facts`] record, the task, [`extract_facts`]
 //! - `calls`: tool calls in both wire formats, the tool-log line
-//! - `errors`: exit status and exact error lines of a tool output
+//! - `errors`: exit status and exact failures of a tool output
+//! - `failures`: failure markers and the blocks quoted around them
 //! - `edits`: patches, edits, writes, heredocs and their effect on files
 //! - `plan`: plan and todo tools
 //! - `statements`: the agent's decisions and next steps, the user's constraints
 //! - `prompt`: the transcript and the summarizer prompt
 //! - `narrative`: reading and validating the model's answer
 //! - `assemble`: the summary message within its budget
+//! - `checklist`: each extracted fact, present in a compacted request or not
 //! - `text`: small string helpers
 
 mod assemble;
 mod calls;
+mod checklist;
 mod edits;
 mod errors;
 mod facts;
+mod failures;
 mod narrative;
 mod plan;
 mod prompt;
@@ -52,12 +58,13 @@ mod statements;
 mod text;
 
 pub use assemble::{assemble, previous_narrative};
+pub use checklist::{checklist, Check, FactKind};
 pub use errors::{is_error_line, output_digest};
 pub use facts::{extract_facts, is_injected, Facts, FileFact};
 pub use narrative::{usable, validate};
 pub use prompt::{render_transcript, retry_messages, summarizer_messages};
 
-/// Most error lines kept in [`Facts::errors`] (newest kept).
+/// Most failures kept in [`Facts::errors`] (newest kept).
 pub const MAX_ERRORS: usize = 20;
 /// Most lines kept in [`Facts::tool_log`] (newest kept).
 pub const MAX_TOOL_LOG: usize = 40;
@@ -65,8 +72,6 @@ pub const MAX_TOOL_LOG: usize = 40;
 pub const MAX_FILE_CONTENT: usize = 32 * 1024;
 /// Largest chain of patches/edits kept per file (newest kept).
 pub const MAX_CHANGE_CHAIN: usize = 8 * 1024;
-/// Error lines taken from one failed output.
-const MAX_ERRORS_PER_OUTPUT: usize = 5;
 /// Longest error line kept (longer ones are clipped with `…`).
 const MAX_ERROR_LINE: usize = 400;
 /// Longest `name(args)` part of a tool-log line.
