@@ -251,6 +251,14 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
         if role(item) == "assistant" {
             assistant_text(&mut facts, &text_of(item));
         }
+        // A system message in the middle of the conversation (Claude Code
+        // sends them): its instructions stay as constraints once it is
+        // summarized away.
+        if matches!(role(item), "system" | "developer") {
+            for c in user_constraints(&text_of(item)) {
+                push_statement(&mut facts.constraints, c);
+            }
+        }
         for call in calls_of(item) {
             let line = log.len();
             log.push(format!("{}({})", call.name, short_args(&call)));
@@ -476,6 +484,26 @@ mod tests {
             f.constraints
                 .iter()
                 .any(|c| c.contains("Do not touch the public API")),
+            "{:?}",
+            f.constraints
+        );
+    }
+
+    /// A system message in the middle of the conversation keeps its
+    /// instructions as constraints when it is summarized away.
+    #[test]
+    fn a_mid_conversation_system_messages_instructions_are_constraints() {
+        let part = vec![
+            json!({"role": "user", "content": "Fix the flaky test."}),
+            json!({"role": "system", "content": "Reminder from the harness.\nNever push to main without a review."}),
+            json!({"role": "assistant", "content": "On it."}),
+        ];
+        let f = extract_facts(&part, None);
+        assert_eq!(f.task.as_deref(), Some("Fix the flaky test."));
+        assert!(
+            f.constraints
+                .iter()
+                .any(|c| c.contains("Never push to main without a review.")),
             "{:?}",
             f.constraints
         );
