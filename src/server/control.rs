@@ -19,6 +19,7 @@ use serde_json::Value;
 
 use crate::config::{Config, Mode};
 use crate::error::{InvalidField, ProxyError};
+use crate::wire::RawMembers;
 
 /// Request header choosing the request's mode.
 pub const MODE_HEADER: &str = "x-compactor-mode";
@@ -208,32 +209,6 @@ fn member_span(
     let rest = &object[end..];
     let comma = rest.find(|c: char| !c.is_ascii_whitespace())?;
     (rest.as_bytes()[comma] == b',').then_some((open, end + comma + 1))
-}
-
-/// An object's members as raw JSON, in order.
-struct RawMembers<'a>(Vec<(String, &'a serde_json::value::RawValue)>);
-
-impl<'de> serde::Deserialize<'de> for RawMembers<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Members;
-        impl<'de> serde::de::Visitor<'de> for Members {
-            type Value = RawMembers<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<Self::Value, A::Error> {
-                let mut out = Vec::new();
-                while let Some(entry) = map.next_entry()? {
-                    out.push(entry);
-                }
-                Ok(RawMembers(out))
-            }
-        }
-        d.deserialize_map(Members)
-    }
 }
 
 #[cfg(test)]

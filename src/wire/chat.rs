@@ -5,7 +5,7 @@ use std::borrow::Cow;
 use serde::Deserialize;
 use serde_json::{Map, Value};
 
-use super::Usage;
+use super::{RawMembers, Usage};
 use crate::error::InvalidField;
 
 /// `messages` must be a list of objects.
@@ -142,32 +142,6 @@ pub fn strip_usage(data: &str) -> Strip {
     }
     out.push('}');
     Strip::Replace(out)
-}
-
-/// A JSON object's members, values left as raw JSON.
-struct RawMembers<'a>(Vec<(String, &'a serde_json::value::RawValue)>);
-
-impl<'de> serde::Deserialize<'de> for RawMembers<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Members;
-        impl<'de> serde::de::Visitor<'de> for Members {
-            type Value = RawMembers<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<Self::Value, A::Error> {
-                let mut out = Vec::new();
-                while let Some(entry) = map.next_entry()? {
-                    out.push(entry);
-                }
-                Ok(RawMembers(out))
-            }
-        }
-        d.deserialize_map(Members)
-    }
 }
 
 /// Rebuilds the assistant message(s) and usage from a chat stream's chunks.
