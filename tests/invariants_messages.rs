@@ -192,17 +192,7 @@ fn sent_request(items: &[Value], c: &Compaction) -> (Value, http::HeaderMap) {
 
 fn without_cache_control(v: &Value) -> Value {
     let mut v = v.clone();
-    fn strip(v: &mut Value) {
-        match v {
-            Value::Object(o) => {
-                o.remove("cache_control");
-                o.values_mut().for_each(strip);
-            }
-            Value::Array(l) => l.iter_mut().for_each(strip),
-            _ => {}
-        }
-    }
-    strip(&mut v);
+    anthropic::strip_cache_control(&mut v);
     v
 }
 
