@@ -23,6 +23,42 @@ use std::path::{Path, PathBuf};
 use proc_macro2::{TokenStream, TokenTree};
 use syn::visit::Visit;
 
+/// The layers, from the bottom up, each a list of top-level modules (as
+/// `docs/ARCHITECTURE.md` lists them): a module may use its own layer and
+/// those below it, never one above. Within a layer, the cycle check above
+/// keeps the order.
+const LAYERS: &[(&str, &[&str])] = &[
+    (
+        "foundations",
+        &[
+            "config",
+            "bounded",
+            "error",
+            "ids",
+            "redact",
+            "background",
+            "windows",
+        ],
+    ),
+    ("wire formats", &["wire"]),
+    (
+        "token counts and the upstream client",
+        &["tokens", "upstream"],
+    ),
+    ("pure compaction", &["compaction"]),
+    ("state and records", &["store", "conversation", "metrics"]),
+    ("engine", &["engine"]),
+    ("composition root", &["app"]),
+    (
+        "edges",
+        &["server", "admin", "cli", "demo", "fake_upstream"],
+    ),
+];
+
+/// The database drivers: only `store` (and its children) may name them, so
+/// that no other module opens a database or holds its types.
+const DATABASE_CRATES: &[&str] = &["rusqlite", "tokio_postgres", "postgres_types"];
+
 /// Edges that run against the layering, each (from, to, what it reaches
 /// for). Empty: not a place to add to; a change that needs a back-edge
 /// moves what the edge reaches for instead.
@@ -432,6 +468,88 @@ fn the_module_graph_has_no_cycle_but_the_listed_back_edges() {
     );
 }
 
+/// The top-level module of `module` (`wire::items` is `wire`).
+fn top(module: &str) -> &str {
+    module.split("::").next().unwrap_or(module)
+}
+
+/// Each edge that reaches a layer above its own, and each module in no
+/// layer.
+fn layer_problems(
+    graph: &BTreeMap<Module, BTreeSet<Module>>,
+    layers: &[(&str, &[&str])],
+) -> Vec<String> {
+    let layer_of = |m: &str| layers.iter().position(|(_, ms)| ms.contains(&top(m)));
+    let mut out = Vec::new();
+    let mut unplaced = BTreeSet::new();
+    for (from, tos) in graph {
+        if from == "crate" {
+            continue;
+        }
+        let Some(lf) = layer_of(from) else {
+            unplaced.insert(top(from).to_string());
+            continue;
+        };
+        for to in tos {
+            match layer_of(to) {
+                Some(lt) if lt > lf => out.push(format!(
+                    "{from} ({}) uses {to} ({}), a higher layer",
+                    layers[lf].0, layers[lt].0
+                )),
+                Some(_) => {}
+                None => {
+                    unplaced.insert(top(to).to_string());
+                }
+            }
+        }
+    }
+    out.extend(
+        unplaced.into_iter().map(|m| {
+            format!("module {m} is in no layer: add it to LAYERS and docs/ARCHITECTURE.md")
+        }),
+    );
+    out
+}
+
+/// The modules outside `store` whose code names a database driver.
+fn driver_users(modules: &BTreeMap<Module, String>, crates: &[&str]) -> Vec<String> {
+    modules
+        .iter()
+        .filter(|(name, _)| top(name) != "store")
+        .filter_map(|(name, text)| {
+            let file = syn::parse_file(text).unwrap_or_else(|e| panic!("{name}: {e}"));
+            let mut paths = Paths::default();
+            paths.visit_file(&file);
+            let named: BTreeSet<&str> = paths
+                .found
+                .iter()
+                .filter_map(|p| p.first().map(String::as_str))
+                .filter(|first| crates.contains(first))
+                .collect();
+            (!named.is_empty()).then(|| format!("{name} names {named:?}"))
+        })
+        .collect()
+}
+
+#[test]
+fn every_module_uses_only_its_own_layer_and_those_below() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let graph = graph(&modules(&src));
+    let problems = layer_problems(&graph, LAYERS);
+    assert!(
+        problems.is_empty(),
+        "\n{}\n(move what the edge reaches for down a layer, or the user up)\n",
+        problems.join("\n")
+    );
+}
+
+#[test]
+fn only_the_store_names_a_database_driver() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let users = driver_users(&modules(&src), DATABASE_CRATES);
+    assert!(users.is_empty(), "{users:#?}");
+}
+
 /// The checker itself, on small made-up crates: it sees each kind of path,
 /// finds a cycle, and holds the allow-list to what exists.
 mod checker {
@@ -506,6 +624,52 @@ mod checker {
         assert_eq!(
             p,
             ["the allowed back-edge b -> a is gone: delete it from ALLOWED_BACK_EDGES"]
+        );
+    }
+
+    #[test]
+    fn it_fails_on_an_import_of_a_higher_layer_and_on_a_module_in_none() {
+        let g = graph_of(&[
+            ("crate", "pub mod low; pub mod high; pub mod stray;"),
+            ("low", "pub mod x;"),
+            ("low::x", "fn f() { crate::high::h() }"),
+            ("high", "use crate::low::L; use crate::stray::S;"),
+            ("stray", ""),
+        ]);
+        let layers: &[(&str, &[&str])] = &[("bottom", &["low"]), ("top", &["high"])];
+        assert_eq!(
+            layer_problems(&g, layers),
+            [
+                "low::x (bottom) uses high (top), a higher layer",
+                "module stray is in no layer: add it to LAYERS and docs/ARCHITECTURE.md",
+            ]
+        );
+        let ok: &[(&str, &[&str])] = &[("bottom", &["low", "stray"]), ("top", &["high"])];
+        let g = graph_of(&[
+            ("crate", "pub mod low; pub mod high; pub mod stray;"),
+            ("high", "use crate::low::L; use crate::stray::S;"),
+            ("low", ""),
+            ("stray", ""),
+        ]);
+        assert!(layer_problems(&g, ok).is_empty());
+    }
+
+    #[test]
+    fn it_sees_a_driver_named_outside_the_store() {
+        let modules: BTreeMap<Module, String> = [
+            ("store::sqlite", "use rusqlite::Connection;"),
+            (
+                "cli",
+                "fn f() { let _ = rusqlite::Connection::open(\"x\"); }",
+            ),
+            ("app", "use crate::store::sqlite::Open;"),
+        ]
+        .iter()
+        .map(|(m, t)| (m.to_string(), t.to_string()))
+        .collect();
+        assert_eq!(
+            driver_users(&modules, DATABASE_CRATES),
+            ["cli names {\"rusqlite\"}"]
         );
     }
 }

@@ -527,7 +527,7 @@ pub fn check_store(path: &Path) -> Finding {
             ),
         };
     }
-    match write_lock(path) {
+    match crate::store::sqlite_check::writable(path, CHECK_TIMEOUT) {
         Ok(conversations) => Finding::new(
             Verdict::Ok,
             "store",
@@ -538,25 +538,6 @@ pub fn check_store(path: &Path) -> Finding {
         ),
         Err(why) => Finding::new(Verdict::Fail, "store", format!("{shown}: {why}")),
     }
-}
-
-fn write_lock(path: &Path) -> Result<u64, String> {
-    use rusqlite::OpenFlags;
-    let conn = rusqlite::Connection::open_with_flags(
-        path,
-        OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-    )
-    .map_err(|e| format!("cannot open it for writing: {e}"))?;
-    conn.busy_timeout(CHECK_TIMEOUT)
-        .map_err(|e| e.to_string())?;
-    let conversations: u64 = conn
-        .query_row("SELECT count(*) FROM conversations", [], |r| r.get(0))
-        .map_err(|e| format!("not a compactor store: {e}"))?;
-    // BEGIN IMMEDIATE takes the write lock (waiting for a running proxy's
-    // commit): what fails on a read-only file, disk or directory.
-    conn.execute_batch("BEGIN IMMEDIATE; ROLLBACK;")
-        .map_err(|e| format!("cannot be written: {e}"))?;
-    Ok(conversations)
 }
 
 /// The nearest existing directory above `path`, if a file can be made in it.

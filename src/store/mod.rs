@@ -24,6 +24,7 @@ pub mod savings;
 pub const TENANT_PREFIX: usize = 12;
 pub mod sql;
 pub mod sqlite;
+pub mod sqlite_check;
 mod sqlite_queries;
 
 use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
