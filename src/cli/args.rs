@@ -1,0 +1,270 @@
+//! The command line's shape (clap) and how its flags layer over the
+//! config file and the environment.
+
+use std::path::{Path, PathBuf};
+
+use clap::{Parser, Subcommand, ValueEnum};
+
+use super::{connect, doctor};
+use crate::config::{Config, ConfigError};
+
+/// A transparent OpenAI-compatible proxy that keeps long conversations alive.
+#[derive(Debug, Parser)]
+#[command(name = "compactor", version, about)]
+pub struct Cli {
+    /// What to do.
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Subcommands.
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Run the proxy.
+    Serve(ServeArgs),
+    /// Inspect recorded conversations (reads the store; works while the proxy runs).
+    #[command(subcommand)]
+    Conversations(ConversationsCommand),
+    /// Compact a conversation's next request, like Codex's `/compact` (asks
+    /// the running proxy through its admin API).
+    Compact(CompactArgs),
+    /// Delete conversations last seen longer ago than `--older-than`, then
+    /// the stored items nothing refers to any more, then VACUUM. Through
+    /// the running proxy when one serves the store.
+    Prune(PruneArgs),
+    /// Watch compaction work, offline: the proxy in front of a built-in
+    /// scripted upstream, driven through a long agent session.
+    Demo(DemoArgs),
+    /// Check a setup: the config, the upstream and the windows it states,
+    /// the store, its journal, who may use the admin API. Exits non-zero
+    /// on a failed check.
+    Doctor(doctor::DoctorArgs),
+    /// Print (or `--write`) a client's configuration for this proxy: Codex,
+    /// aider, llm, Claude Code, or the environment of the OpenAI SDKs.
+    Connect(connect::ConnectArgs),
+    /// Run a client with the OpenAI and Anthropic base-URL variables pointing
+    /// at this proxy: `compactor run -- aider --model openai/gpt-4o`.
+    Run(connect::RunArgs),
+    /// Print a shell completion script: `compactor completions bash`.
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
+    },
+}
+
+/// `compactor demo` options.
+#[derive(Debug, clap::Args)]
+pub struct DemoArgs {
+    /// Number of requests the scripted agent sends.
+    #[arg(long, default_value_t = 48)]
+    pub requests: usize,
+    /// Context window of the demo model, in tokens.
+    #[arg(long, default_value_t = 8000)]
+    pub window: u64,
+    /// Keep the demo's SQLite store here (default: a temporary one).
+    #[arg(long)]
+    pub db: Option<PathBuf>,
+    /// Pause between requests, in milliseconds (to watch it live).
+    #[arg(long, default_value_t = 0)]
+    pub pause_ms: u64,
+}
+
+/// `compactor conversations …`
+#[derive(Debug, Subcommand)]
+pub enum ConversationsCommand {
+    /// List conversations, most recently seen first.
+    List {
+        /// Where the store is.
+        #[command(flatten)]
+        store: StoreArgs,
+        /// Show at most this many.
+        #[arg(long, default_value_t = 50)]
+        limit: usize,
+    },
+    /// One conversation's timeline: exchanges, compactions, summaries.
+    Show {
+        /// Conversation id (or a unique prefix of one).
+        id: String,
+        /// Where the store is.
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Everything recorded about a conversation, as JSON: original items,
+    /// the rewritten view, compactions, archived tool outputs.
+    Export {
+        /// Conversation id (or a unique prefix of one).
+        id: String,
+        /// Where the store is.
+        #[command(flatten)]
+        store: StoreArgs,
+    },
+    /// Delete a conversation: its exchanges, its compactions, and the
+    /// stored items nothing else refers to. Through the running proxy when
+    /// one serves the store.
+    Delete {
+        /// Conversation id, an id its client sent, or an abbreviation.
+        id: String,
+        /// Where the store and the proxy are.
+        #[command(flatten)]
+        target: MaintainArgs,
+    },
+}
+
+/// Where a command that changes the store finds it, and the proxy that
+/// may be serving it.
+#[derive(Debug, clap::Args)]
+pub struct MaintainArgs {
+    /// Where the store is.
+    #[command(flatten)]
+    pub store: StoreArgs,
+    /// Address the proxy listens on, when one serves the store.
+    #[arg(long, env = "COMPACTOR_LISTEN")]
+    pub listen: Option<String>,
+}
+
+/// `compactor prune --older-than 30d`
+#[derive(Debug, clap::Args)]
+pub struct PruneArgs {
+    /// Conversations last seen longer ago than this go: `30d`, `12h`,
+    /// `90m`, `3600s` (a bare number is days).
+    #[arg(long)]
+    pub older_than: String,
+    /// Where the store and the proxy are.
+    #[command(flatten)]
+    pub target: MaintainArgs,
+}
+
+/// Where the read-only commands find the store; the same layering as
+/// `serve`: flag > environment > config file > defaults.
+#[derive(Debug, clap::Args)]
+pub struct StoreArgs {
+    /// Config file (TOML; see proxy.toml).
+    #[arg(long, env = "COMPACTOR_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// SQLite database path.
+    #[arg(long, env = "COMPACTOR_DB")]
+    pub db: Option<PathBuf>,
+    /// PostgreSQL URL, in place of the SQLite file (`[store] url`).
+    #[arg(long, env = "COMPACTOR_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+    /// Machine-readable JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `compactor compact ID`
+#[derive(Debug, clap::Args)]
+pub struct CompactArgs {
+    /// Conversation id, an id its client sent, or an abbreviation.
+    pub id: String,
+    /// Where the store and the proxy are: the config gives the listen
+    /// address and admin token; `--db` names the store the proxy must be
+    /// serving (the compaction itself runs in the proxy, which has the
+    /// client's credentials for the summary).
+    #[command(flatten)]
+    pub target: MaintainArgs,
+    /// Wait this many seconds for the outcome (the conversation's next
+    /// request is compacted); 0: do not wait.
+    #[arg(long, default_value_t = 10)]
+    pub wait: u64,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, ValueEnum, Default)]
+pub enum LogFormat {
+    /// Human-readable lines.
+    #[default]
+    Pretty,
+    /// One JSON object per line.
+    Json,
+}
+
+/// The settings `serve` and `doctor` take from the command line; each also
+/// reads an environment variable.
+/// Precedence: flag > environment > config file > defaults.
+#[derive(Debug, clap::Args)]
+pub struct ConfigArgs {
+    /// Config file (TOML; see proxy.toml).
+    #[arg(long, env = "COMPACTOR_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Listen address, e.g. 127.0.0.1:8787.
+    #[arg(long, env = "COMPACTOR_LISTEN")]
+    pub listen: Option<String>,
+    /// Upstream base URL including /v1, e.g. `https://api.openai.com/v1`.
+    #[arg(long, env = "COMPACTOR_UPSTREAM")]
+    pub upstream: Option<String>,
+    /// SQLite database path.
+    #[arg(long, env = "COMPACTOR_DB")]
+    pub db: Option<PathBuf>,
+    /// PostgreSQL URL, in place of the SQLite file (`[store] url`).
+    #[arg(long, env = "COMPACTOR_DATABASE_URL", hide_env_values = true)]
+    pub database_url: Option<String>,
+}
+
+impl ConfigArgs {
+    /// The effective configuration: file (if any) with flags/env on top.
+    pub fn load_config(&self) -> Result<Config, ConfigError> {
+        let config = layered_config(
+            self.config.as_deref(),
+            self.listen.as_deref(),
+            self.upstream.as_deref(),
+            self.db.as_deref(),
+        )?;
+        with_database_url(config, self.database_url.as_deref())
+    }
+}
+
+/// `config` with the `--database-url` / `COMPACTOR_DATABASE_URL` given on
+/// top, validated again.
+pub fn with_database_url(mut config: Config, url: Option<&str>) -> Result<Config, ConfigError> {
+    if let Some(u) = url.filter(|u| !u.is_empty()) {
+        config.store.url = u.to_string();
+        config.validate()?;
+    }
+    Ok(config)
+}
+
+/// `compactor serve` flags.
+#[derive(Debug, clap::Args)]
+pub struct ServeArgs {
+    /// Where the configuration comes from.
+    #[command(flatten)]
+    pub settings: ConfigArgs,
+    /// Validate the configuration, print it, and exit.
+    #[arg(long)]
+    pub check_config: bool,
+    /// Log format.
+    #[arg(long, env = "COMPACTOR_LOG_FORMAT", value_enum, default_value_t)]
+    pub log_format: LogFormat,
+}
+
+impl ServeArgs {
+    /// The effective configuration: file (if any) with flags/env on top.
+    pub fn load_config(&self) -> Result<Config, ConfigError> {
+        self.settings.load_config()
+    }
+}
+
+/// The file (if any) with the given flag/env values on top, validated.
+pub fn layered_config(
+    file: Option<&Path>,
+    listen: Option<&str>,
+    upstream: Option<&str>,
+    db: Option<&Path>,
+) -> Result<Config, ConfigError> {
+    let mut config = match file {
+        Some(path) => Config::from_file(path)?,
+        None => Config::default(),
+    };
+    if let Some(l) = listen {
+        config.server.listen = l.to_string();
+    }
+    if let Some(u) = upstream {
+        config.upstream.base_url = u.to_string();
+    }
+    if let Some(d) = db {
+        config.store.path = d.display().to_string();
+    }
+    config.validate()?;
+    Ok(config)
+}

@@ -1,0 +1,294 @@
+//! `compactor serve` and `compactor demo`: start-up, logging, the banner,
+//! `--check-config`, shutdown.
+
+use std::io::IsTerminal;
+use std::process::ExitCode;
+
+use super::args::{ConfigArgs, DemoArgs, LogFormat, ServeArgs};
+use super::render::table;
+use super::EXIT_USAGE;
+use crate::app::AppState;
+use crate::config::Config;
+use crate::server;
+
+/// What `--check-config` prints: every effective setting, where it came
+/// from, secrets masked.
+pub(super) fn check_config(args: &ConfigArgs, config: &Config) -> String {
+    use crate::config::Origin;
+    // clap takes a flag over its variable: a value equal to the variable's
+    // came from it unless the flag said the same.
+    let origin = |flag: &'static str, var: &str, value: Option<String>| {
+        let value = value?;
+        let from_env = std::env::var(var).is_ok_and(|v| v == value)
+            && !std::env::args().any(|a| a == flag || a.starts_with(&format!("{flag}=")));
+        Some(if from_env {
+            Origin::Env(var.to_string())
+        } else {
+            Origin::Flag(flag)
+        })
+    };
+    let given: Vec<(&str, Origin)> = [
+        (
+            "server.listen",
+            origin("--listen", "COMPACTOR_LISTEN", args.listen.clone()),
+        ),
+        (
+            "upstream.base_url",
+            origin("--upstream", "COMPACTOR_UPSTREAM", args.upstream.clone()),
+        ),
+        (
+            "store.path",
+            origin(
+                "--db",
+                "COMPACTOR_DB",
+                args.db.as_ref().map(|d| d.display().to_string()),
+            ),
+        ),
+        (
+            "store.url",
+            origin(
+                "--database-url",
+                "COMPACTOR_DATABASE_URL",
+                args.database_url.clone(),
+            ),
+        ),
+    ]
+    .into_iter()
+    .filter_map(|(k, o)| Some((k, o?)))
+    .collect();
+    let file = args
+        .config
+        .as_ref()
+        .and_then(|p| std::fs::read_to_string(p).ok())
+        .and_then(|t| t.parse::<toml::Table>().ok());
+    let mut out = String::from("configuration OK\n");
+    if let Some(path) = &args.config {
+        let how = origin(
+            "--config",
+            "COMPACTOR_CONFIG",
+            Some(path.display().to_string()),
+        )
+        .map(|o| o.to_string())
+        .unwrap_or_default();
+        out.push_str(&format!("  config file: {} ({how})\n", path.display()));
+    }
+    if config.store.is_postgres() {
+        out.push_str(&format!("  database: {}\n", config.store.shown_url()));
+    } else {
+        out.push_str(&format!(
+            "  store file: {}\n",
+            config.store_path().display()
+        ));
+    }
+    let settings = config.settings(file.as_ref(), &given);
+    let rows: Vec<Vec<String>> = settings
+        .into_iter()
+        .map(|s| vec![s.key, s.value, s.origin.to_string()])
+        .collect();
+    let table = table(
+        &[("SETTING", false), ("VALUE", false), ("FROM", false)],
+        &rows,
+    );
+    for line in table.lines() {
+        out.push_str("  ");
+        out.push_str(line);
+        out.push('\n');
+    }
+    out
+}
+
+pub(super) fn demo(args: DemoArgs) -> ExitCode {
+    // Only real warnings: the demo's own lines tell the story.
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal())
+        .try_init();
+    let opts = crate::demo::DemoOptions {
+        requests: args.requests,
+        window: args.window,
+        store: args.db,
+        pause: std::time::Duration::from_millis(args.pause_ms),
+    };
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("compactor: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let mut out = std::io::stdout();
+    match runtime.block_on(crate::demo::run_and_print(opts, &mut out)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("compactor demo: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+pub(super) fn init_logging(format: LogFormat) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    // Colour only for a person watching: a redirected log gets no escape codes.
+    let builder = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::stderr().is_terminal());
+    let _ = match format {
+        LogFormat::Pretty => builder.try_init(),
+        LogFormat::Json => builder.json().flatten_event(true).try_init(),
+    };
+}
+
+pub(super) fn serve(args: ServeArgs) -> ExitCode {
+    // The server-side key's variable is checked with the rest, so that
+    // `--check-config` does not pass what `serve` then refuses.
+    let config = match args
+        .load_config()
+        .and_then(|c| c.upstream.api_key().map(|_| c))
+    {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("compactor: configuration error: {e}");
+            return ExitCode::from(EXIT_USAGE);
+        }
+    };
+    if args.check_config {
+        print!("{}", check_config(&args.settings, &config));
+        if config.store.is_postgres() {
+            return check_database(&config);
+        }
+        return ExitCode::SUCCESS;
+    }
+    init_logging(args.log_format);
+    let runtime = match crate::server::runtime_builder().build() {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("compactor: cannot start the runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    match runtime.block_on(serve_async(config)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("compactor: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+pub(super) async fn serve_async(config: Config) -> anyhow::Result<()> {
+    let addr = config.listen_addr()?;
+    let listener = tokio::net::TcpListener::bind(addr)
+        .await
+        .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+    server::raise_open_file_limit(config.server.max_connections);
+    let state = AppState::open(config)?;
+    if let Some(days) = state.config.store.retain_days {
+        tokio::spawn(crate::admin::retention_loop(state.clone(), days));
+    }
+    banner(&state, listener.local_addr()?);
+    admin_notice(&state.config);
+    server::run(listener, state, shutdown_signal()).await;
+    Ok(())
+}
+
+pub(super) fn banner(state: &AppState, addr: std::net::SocketAddr) {
+    let c = &state.config;
+    let models: Vec<String> = c
+        .models_table()
+        .into_iter()
+        .map(|(pattern, window, source)| format!("{pattern}={window} ({source})"))
+        .collect();
+    // Windows the upstream told in earlier runs, which replace the table's.
+    let told: Vec<String> = state
+        .models_seen()
+        .into_iter()
+        .map(|(model, window, source)| format!("{model}={window} ({source})"))
+        .collect();
+    tracing::info!(
+        listen = %addr,
+        upstream = %crate::config::shown_url(state.upstream.base()),
+        store = %c.store.shown(&c.store_path()),
+        trigger_ratio = c.compaction.trigger_ratio,
+        warn_ratio = c.compaction.warn_ratio,
+        models = %models.join(", "),
+        windows_told = %told.join(", "),
+        "compactor listening"
+    );
+}
+
+/// `--check-config` with a PostgreSQL store: connects, and says whether
+/// the schema is current (`serve` brings it up to date at start-up).
+pub(super) fn check_database(config: &Config) -> ExitCode {
+    let opts = crate::store::postgres::Options::from_config(&config.store);
+    let status = crate::store::postgres::Postgres::new(&opts).and_then(|pg| pg.status());
+    match status {
+        Ok(s) if s.is_current() => {
+            println!(
+                "  database: reachable, schema current (version {})",
+                s.applied
+            );
+            ExitCode::SUCCESS
+        }
+        Ok(s) => {
+            println!(
+                "  database: reachable, schema at version {} of {} (serve migrates it at start-up)",
+                s.applied, s.latest
+            );
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!(
+                "compactor: cannot reach the database {}: {e}",
+                config.store.shown_url()
+            );
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Resolves on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = async {
+        let _ = tokio::signal::ctrl_c().await;
+    };
+    #[cfg(unix)]
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    #[cfg(not(unix))]
+    let term = std::future::pending::<()>();
+    tokio::select! {
+        _ = ctrl_c => {},
+        _ = term => {},
+    }
+}
+
+/// Says at start-up who may use `/admin/`.
+pub(super) fn admin_notice(config: &Config) {
+    let loopback = config
+        .listen_addr()
+        .is_ok_and(|a| a.ip().to_canonical().is_loopback());
+    let name = &config.admin.token_env;
+    let token_set = !name.is_empty() && std::env::var(name).is_ok_and(|t| !t.is_empty());
+    if !name.is_empty() && !token_set {
+        tracing::warn!(token_env = %name, "admin.token_env names a variable that is unset or empty: /admin/ answers loopback clients of a loopback listener only");
+    } else if !loopback && !token_set {
+        tracing::warn!("listening on a non-loopback address without [admin] token_env: /admin/ refuses every request");
+    }
+}
+
+// ---------------------------------------------------------------------------
+// compactor conversations …
