@@ -4,8 +4,7 @@
 
 use serde_json::{json, Value};
 
-const SYSTEM: &str =
-    "You are a coding agent working in the `kvcache` repository (a small Rust \
+const SYSTEM: &str = "You are a coding agent working in the `kvcache` repository (a small Rust \
 key-value cache library). Use the tools to inspect files, run the tests and apply patches. Make \
 small, reviewable changes, run the tests after every change, and never weaken a test to make it \
 pass. Answer concisely.";
