@@ -45,7 +45,8 @@ pub fn safe_cuts(items: &[Value]) -> Vec<bool> {
 /// `None` when no safe cut exists.
 pub fn choose_cut(items: &[Value], tokens: &[u64], tail_budget: u64) -> Option<usize> {
     let n = items.len();
-    let lead = leading_system(items);
+    // Nothing at or before a provider compaction item is cut.
+    let lead = leading_system(items).max(super::boundary::floor(items));
     if n < lead + 2 {
         return None;
     }

@@ -142,7 +142,8 @@ pub fn plan(
     } = *input;
     let n = view.len();
     let total: u64 = tokens.iter().sum();
-    let lead = leading_system(view);
+    // A provider compaction item and what precedes it stay as they are.
+    let lead = leading_system(view).max(super::boundary::floor(view));
     let lead_tokens: u64 = tokens[..lead].iter().sum();
     let min_cut = base.map(|b| b.replacement.len()).unwrap_or(0);
     let safe = cut::safe_cuts(view);
