@@ -192,7 +192,21 @@ pub fn finish_replacement(
     replacement: Vec<Value>,
     is_summary: impl Fn(&Value) -> bool,
 ) -> Vec<Value> {
-    let mut out: Vec<Value> = replacement
+    finish_replacement_after(replacement, 0, is_summary)
+}
+
+/// [`finish_replacement`] for a replacement whose first `keep` messages
+/// end with a provider `compaction` block: they go exactly as the client
+/// sent them (the API drops everything before the block and reads the
+/// block as sent), and what follows them is finished as a replacement is.
+/// The first message is then the client's, whatever its role.
+pub fn finish_replacement_after(
+    replacement: Vec<Value>,
+    keep: usize,
+    is_summary: impl Fn(&Value) -> bool,
+) -> Vec<Value> {
+    let keep = keep.min(replacement.len());
+    let mut out: Vec<Value> = replacement[keep..]
         .iter()
         .filter_map(without_thinking)
         .map(|mut m| {
@@ -205,11 +219,12 @@ pub fn finish_replacement(
             m
         })
         .collect();
-    if out
-        .first()
-        .and_then(|m| m.get("role"))
-        .and_then(Value::as_str)
-        != Some("user")
+    if keep == 0
+        && out
+            .first()
+            .and_then(|m| m.get("role"))
+            .and_then(Value::as_str)
+            != Some("user")
     {
         out.insert(
             0,
@@ -225,7 +240,10 @@ pub fn finish_replacement(
     }) {
         set_breakpoint(m);
     }
-    out
+    let mut whole = replacement;
+    whole.truncate(keep);
+    whole.extend(out);
+    whole
 }
 
 /// The view that goes upstream once a compaction applies
