@@ -386,8 +386,18 @@ fn set_breakpoint(m: &mut Value) {
 /// Usage of a Messages answer or stream event: the prompt is
 /// `input_tokens` plus the parts served from or written to the cache,
 /// which Anthropic (and llama.cpp on this endpoint) report apart.
+///
+/// An answer that compacted reports each sampling iteration apart in
+/// `iterations` (`type` `compaction` or `message`): the compaction's read
+/// the history before it was compacted, so the prompt the conversation now
+/// has is the one the last `message` iteration saw, not a sum.
 pub fn usage_of(v: &Value) -> Option<Usage> {
-    let obj = v.as_object()?;
+    let last_message = v.get("iterations").and_then(Value::as_array).and_then(|l| {
+        l.iter()
+            .rev()
+            .find(|i| i.get("type").and_then(Value::as_str) == Some("message"))
+    });
+    let obj = last_message.unwrap_or(v).as_object()?;
     let get = |k: &str| obj.get(k).and_then(Value::as_u64);
     let read = get("cache_read_input_tokens");
     let written = get("cache_creation_input_tokens").unwrap_or(0);
@@ -601,6 +611,33 @@ mod tests {
             })
         );
         assert_eq!(usage_of(&json!({"output_tokens": 3})), None);
+    }
+
+    /// An answer that compacted reports its iterations apart; the top
+    /// level may sum the message iterations (a server tool's rounds), and
+    /// the compaction's prompt was the history before it.
+    #[test]
+    fn usage_of_a_compacting_answer_is_its_last_message_iteration() {
+        let u = json!({
+            "input_tokens": 28000, "output_tokens": 1400,
+            "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0,
+            "iterations": [
+                {"type": "message", "input_tokens": 5000, "output_tokens": 400,
+                 "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
+                {"type": "compaction", "input_tokens": 180000, "output_tokens": 3500,
+                 "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
+                {"type": "message", "input_tokens": 20000, "output_tokens": 1000,
+                 "cache_read_input_tokens": 3000, "cache_creation_input_tokens": 0},
+            ]
+        });
+        assert_eq!(
+            usage_of(&u),
+            Some(Usage {
+                input_tokens: 23000,
+                output_tokens: 1000,
+                cached_tokens: Some(3000),
+            })
+        );
     }
 
     #[test]
