@@ -87,6 +87,21 @@ async fn proxy_compactions(h: &Harness) -> i64 {
     compactions(h)
 }
 
+/// Upstream tokens per estimated token the proxy learned for the one
+/// conversation of the test: its estimates count what the provider reads,
+/// from the newest compaction item on, as the reported usage does (an
+/// estimate of the whole history would drive it to its floor, 0.5).
+fn calibration(h: &Harness) -> f64 {
+    let rows: Vec<String> = column(&*h.sql(), "SELECT tenant FROM exchanges ORDER BY id");
+    let conversations: Vec<String> = column(
+        &*h.sql(),
+        "SELECT conversation_id FROM exchanges ORDER BY id",
+    );
+    h.state
+        .compactions
+        .calibration(rows.last().unwrap(), conversations.last().unwrap())
+}
+
 /// A tool's output: a few hundred bytes that name the turn.
 fn output_text(turn: usize, bytes: usize) -> String {
     let line = format!("turn {turn}: build step ok, wrote target/out_{turn}.o\n");
@@ -255,6 +270,7 @@ async fn a_responses_client_compacting_at_the_provider_is_not_compacted_twice() 
         h.fake.provider_compactions()
     );
     assert_eq!(c.minted.len(), h.fake.provider_compactions());
+    assert!(calibration(&h) > 0.6, "calibration {}", calibration(&h));
     assert_eq!(
         proxy_compactions(&h).await,
         0,
@@ -521,6 +537,7 @@ async fn a_messages_client_compacting_at_the_provider_is_not_compacted_twice() {
         0,
         "the proxy left compaction to the provider"
     );
+    assert!(calibration(&h) > 0.6, "calibration {}", calibration(&h));
     let requests = client_requests(&h, "/v1/messages");
     assert!(requests.last().unwrap().1.len() / 4 > 2700);
     assert_items_verbatim_later(&h, "/v1/messages", &c.minted);
