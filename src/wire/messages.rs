@@ -255,8 +255,18 @@ pub fn finish_replacement_after(
 /// ([`with_block_binding`]); this returns whether it must. Breakpoints past
 /// [`MAX_CACHE_BREAKPOINTS`] (counting `outside`, the system's and tools')
 /// are taken off the tail's oldest first, then the replacement's.
+///
+/// A provider's `compaction` block and the client's messages up to it go
+/// as the client sent them: the API reads from the block on.
 pub fn finish_view(view: &mut Vec<Value>, replacement_len: usize, outside: usize) -> bool {
-    let start = replacement_len.min(view.len());
+    let floor = view
+        .iter()
+        .rposition(holds_compaction_block)
+        .map_or(0, |i| i + 1);
+    let start = replacement_len.max(floor).min(view.len());
+    // The client's own messages below the floor: past the replacement, or
+    // the ones the replacement kept verbatim before the block.
+    let clients = |i: usize| i < floor && (i >= replacement_len || floor <= replacement_len);
     let open_loop = view.last().is_some_and(is_tool_result_message);
     let keep = if open_loop {
         view.iter()
@@ -284,7 +294,10 @@ pub fn finish_view(view: &mut Vec<Value>, replacement_len: usize, outside: usize
         i += 1;
     }
     let mut count = outside + view.iter().map(breakpoints).sum::<usize>();
-    let order: Vec<usize> = (start..view.len()).chain(0..start).collect();
+    let order: Vec<usize> = (start..view.len())
+        .chain(0..start)
+        .filter(|&i| !clients(i))
+        .collect();
     for i in order {
         while count > MAX_CACHE_BREAKPOINTS && breakpoints(&view[i]) > 0 {
             remove_first_breakpoint(&mut view[i]);
@@ -292,6 +305,13 @@ pub fn finish_view(view: &mut Vec<Value>, replacement_len: usize, outside: usize
         }
     }
     kept_thinking
+}
+
+/// Whether a message holds a provider `compaction` block.
+fn holds_compaction_block(m: &Value) -> bool {
+    blocks(m)
+        .iter()
+        .any(|b| b.get("type").and_then(Value::as_str) == Some("compaction"))
 }
 
 /// Whether a request has thinking on (`thinking` set, and not `disabled`).
@@ -616,6 +636,36 @@ mod tests {
     /// An answer that compacted reports its iterations apart; the top
     /// level may sum the message iterations (a server tool's rounds), and
     /// the compaction's prompt was the history before it.
+    /// A provider's compaction block past the compacted prefix keeps its
+    /// message as the client sent it, thinking and breakpoints included.
+    #[test]
+    fn the_tail_leaves_a_provider_compaction_message_as_sent() {
+        let bp = json!({"type": "ephemeral"});
+        let provider = json!({"role": "assistant", "content": [
+            {"type": "compaction", "content": "summary", "cache_control": bp},
+            {"type": "thinking", "thinking": "t", "signature": "s1"},
+            {"type": "text", "text": "ok", "cache_control": bp}]});
+        let mut view = vec![
+            json!({"role": "user", "content": [{"type": "text", "text": "[compactor summary]", "cache_control": bp}]}),
+            provider.clone(),
+            json!({"role": "user", "content": [{"type": "text", "text": "go", "cache_control": bp}]}),
+            json!({"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "t2", "signature": "s2"},
+                {"type": "text", "text": "done", "cache_control": bp}]}),
+            json!({"role": "user", "content": "next"}),
+        ];
+        assert!(!finish_view(&mut view, 1, 1));
+        assert_eq!(view[1], provider);
+        assert!(
+            !has_thinking(&view[3]),
+            "thinking after the block goes as before"
+        );
+        assert_eq!(
+            view.iter().map(breakpoints).sum::<usize>() + 1,
+            MAX_CACHE_BREAKPOINTS
+        );
+    }
+
     #[test]
     fn usage_of_a_compacting_answer_is_its_last_message_iteration() {
         let u = json!({
