@@ -662,7 +662,7 @@ mod properties {
 
     use compactor::compaction::boundary;
     use compactor::compaction::items::{call_ids, is_summary, output_ids};
-    use compactor::compaction::{rewrite, Compaction};
+    use compactor::compaction::{cut, rewrite, Compaction};
     use compactor::wire::messages::finish_replacement_after;
     use proptest::prelude::*;
     use serde_json::{json, Value};
@@ -804,7 +804,7 @@ mod properties {
                 };
                 let finish = |r: Vec<Value>| {
                     if messages {
-                        let keep = boundary::floor(&r);
+                        let keep = boundary::safe_floor(&r, &cut::safe_cuts(&r));
                         finish_replacement_after(r, keep, is_summary)
                     } else {
                         r

@@ -76,17 +76,23 @@ pub fn newest(items: &[Value]) -> Option<usize> {
     items.iter().rposition(is_provider_item)
 }
 
-/// The first index the proxy may compact from: just past the newest
-/// provider compaction item (0 without one), and past the outputs of the
-/// calls it holds (an Anthropic block opens the answer that makes them):
-/// a kept call never loses its output to a summary.
+/// The index just past the newest provider compaction item (0 without
+/// one): nothing before it is rewritten.
 pub fn floor(items: &[Value]) -> usize {
-    let Some(b) = newest(items) else {
+    newest(items).map_or(0, |i| i + 1)
+}
+
+/// [`floor`], moved on to the first safe cut (`safe`: the history's safe
+/// cuts, `0..=len`): past the outputs of the calls the item's message holds
+/// (an Anthropic block opens the answer that makes them), so a kept call
+/// never loses its output to a summary.
+pub fn safe_floor(items: &[Value], safe: &[bool]) -> usize {
+    let f = floor(items);
+    if f == 0 {
         return 0;
-    };
-    let safe = super::cut::safe_cuts(items);
-    (b + 1..=items.len())
-        .find(|&i| safe[i])
+    }
+    (f..=items.len())
+        .find(|&i| safe.get(i).copied().unwrap_or(true))
         .unwrap_or(items.len())
 }
 
@@ -187,7 +193,9 @@ mod tests {
             json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": "ok"}]}),
             user.clone(),
         ];
-        assert_eq!(floor(&calls), 3);
+        assert_eq!(floor(&calls), 2);
+        assert_eq!(safe_floor(&calls, &[true, true, false, true, true]), 3);
+        assert_eq!(safe_floor(&items[..1], &[true, true]), 0);
         assert_eq!(floor(&items[..1]), 0);
         let list = ItemList::from(items.clone());
         assert_eq!(newest_in(&list), Some(3));

@@ -273,9 +273,9 @@ fn finish_prepare(
     from: usize,
     whole: bool,
 ) -> Option<Prepared> {
-    // Everything up to the provider's newest compaction item goes as sent.
-    let lead = items::leading_system(view).max(boundary::floor(view));
     let safe = cut::safe_cuts(view);
+    // Everything up to the provider's newest compaction item goes as sent.
+    let lead = items::leading_system(view).max(boundary::safe_floor(view, &safe));
     let ok = |i: &usize| safe[*i] && *i > lead;
     let cut = if whole {
         (from..=view.len()).rev().find(ok)?

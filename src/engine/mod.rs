@@ -937,7 +937,11 @@ async fn compute<S: Context>(
         // A valid start of a Messages request (see `wire::messages`).
         // A provider compaction block and what precedes it go as sent.
         Api::Messages => {
-            let keep = crate::compaction::boundary::floor(&applied.replacement);
+            // The replacement starts with the view's items up to the lead.
+            let keep = match crate::compaction::boundary::floor(&applied.replacement) {
+                0 => 0,
+                _ => prepared.lead,
+            };
             crate::wire::messages::finish_replacement_after(
                 applied.replacement,
                 keep,
