@@ -172,6 +172,11 @@ mod tests {
             {"type": "compaction", "content": "summary"}, {"type": "text", "text": "ok"}]});
         let user = json!({"role": "user", "content": "hi"});
         assert!(!is_provider_item(&ours));
+        // Content the proxy cannot read is the provider's, forwarded as is.
+        assert!(is_provider_item(
+            &json!({"type": "compaction", "encrypted_content": 7})
+        ));
+        assert!(is_provider_item(&json!({"type": "compaction"})));
         assert!(is_provider_item(&theirs));
         assert!(is_provider_item(&block));
         assert!(!is_provider_item(&user));
