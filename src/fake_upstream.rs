@@ -24,6 +24,7 @@ use tokio::net::TcpListener;
 use crate::error::{BodyError, ProxyBody};
 
 pub mod anthropic;
+pub mod provider;
 
 /// The text the automatic replies answer with.
 pub const AUTO_TEXT: &str = "Hello from the fake upstream.";
@@ -277,6 +278,8 @@ struct Shared {
     cache: Option<VecDeque<Bytes>>,
     /// The window `/v1/messages` enforces, when set.
     messages_window: Option<u64>,
+    /// The provider's own compaction, when a test turns it on.
+    provider: provider::State,
 }
 
 /// Request bodies a simulated prompt cache keeps.
@@ -432,6 +435,17 @@ impl FakeUpstream {
         self.lock().messages_window = tokens;
     }
 
+    /// Compacts as the providers do when a request asks it to (see
+    /// [`provider`]); `None` turns it off.
+    pub fn set_provider_compaction(&self, settings: Option<provider::Settings>) {
+        self.lock().provider.settings = settings;
+    }
+
+    /// Compactions the fake's provider compaction made.
+    pub fn provider_compactions(&self) -> usize {
+        self.lock().provider.compactions
+    }
+
     /// The most recent request.
     pub fn last(&self) -> Option<Received> {
         self.lock().received.last().cloned()
@@ -463,9 +477,13 @@ impl FakeUpstream {
                 sh.received.push(rec.clone());
             }
             // A benchmark that keeps nothing judges nothing either.
-            let refusal = (messages && !sh.forget)
-                .then(|| anthropic::check(&rec.json(), &rec.headers, sh.messages_window))
-                .flatten();
+            let refusal = if sh.provider.on() {
+                sh.provider.refusal(&rec, sh.messages_window)
+            } else {
+                (messages && !sh.forget)
+                    .then(|| anthropic::check(&rec.json(), &rec.headers, sh.messages_window))
+                    .flatten()
+            };
             if let Some(refusal) = refusal {
                 (Some(refusal), None, None)
             } else {
@@ -509,7 +527,15 @@ impl FakeUpstream {
             (None, None) => auto_reply(&rec),
         };
         if let Reply::Messages(answer) = &reply {
-            reply = anthropic::reply(&rec.json(), rec.body.len(), answer, cached.unwrap_or(0));
+            let provider = self
+                .lock()
+                .provider
+                .messages_reply(&rec, answer, cached.unwrap_or(0));
+            reply = provider.unwrap_or_else(|| {
+                anthropic::reply(&rec.json(), rec.body.len(), answer, cached.unwrap_or(0))
+            });
+        } else {
+            reply = self.lock().provider.responses_reply(&rec, reply);
         }
         if let Some(d) = delay {
             reply = Reply::Delay(d, Box::new(reply));

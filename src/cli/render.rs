@@ -62,7 +62,14 @@ pub(super) fn conversations(cmd: ConversationsCommand) -> ExitCode {
             if json {
                 to_json(&d, false)
             } else {
-                terminal_safe(&render_show(&d))
+                // The history is read only to find the provider's boundary.
+                let history = query::export(&*conn, &config, id)
+                    .map(|e| e.original_items)
+                    .unwrap_or_default();
+                let text = render_show(&d);
+                let (head, rest) = text.split_once('\n').unwrap_or((&text, ""));
+                let boundary = render_boundary(&history, d.compactions.len());
+                terminal_safe(&format!("{head}\n{boundary}{rest}"))
             }
         }),
         // Export is JSON either way; --json makes it one line.
@@ -275,6 +282,26 @@ pub(super) fn render_compaction(n: usize, k: &CompactionRow) -> String {
         }
     }
     out
+}
+
+/// The `conversations show` line naming the provider's newest compaction
+/// item in the history, if the client's provider compacted: the provider
+/// reads from it on, and the record keeps what came before it.
+fn render_boundary(history: &[serde_json::Value], compactions: usize) -> String {
+    let Some(b) = crate::compaction::boundary::newest(history) else {
+        return String::new();
+    };
+    let facts = if compactions > 0 {
+        "; the facts the proxy extracted are in its compactions' summaries below"
+    } else {
+        ""
+    };
+    format!(
+        "  provider    compacted: item {} of {} is its newest compaction item, which the provider reads from; the {} items before it stay in the record (`conversations export`){facts}\n",
+        thousands(b as u64 + 1),
+        thousands(history.len() as u64),
+        thousands(b as u64),
+    )
 }
 
 /// The savings lines of `conversations show`.

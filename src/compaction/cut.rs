@@ -45,11 +45,12 @@ pub fn safe_cuts(items: &[Value]) -> Vec<bool> {
 /// `None` when no safe cut exists.
 pub fn choose_cut(items: &[Value], tokens: &[u64], tail_budget: u64) -> Option<usize> {
     let n = items.len();
-    let lead = leading_system(items);
+    let safe = safe_cuts(items);
+    // Nothing at or before a provider compaction item is cut.
+    let lead = leading_system(items).max(super::boundary::safe_floor(items, &safe));
     if n < lead + 2 {
         return None;
     }
-    let safe = safe_cuts(items);
     let mut suffix = vec![0u64; n + 1];
     for i in (0..n).rev() {
         suffix[i] = suffix[i + 1] + tokens[i];

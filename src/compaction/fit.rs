@@ -142,10 +142,11 @@ pub fn plan(
     } = *input;
     let n = view.len();
     let total: u64 = tokens.iter().sum();
-    let lead = leading_system(view);
+    let safe = cut::safe_cuts(view);
+    // A provider compaction item and what precedes it stay as they are.
+    let lead = leading_system(view).max(super::boundary::safe_floor(view, &safe));
     let lead_tokens: u64 = tokens[..lead].iter().sum();
     let min_cut = base.map(|b| b.replacement.len()).unwrap_or(0);
-    let safe = cut::safe_cuts(view);
     // A cut must map back to the client's items and leave a tail (unless
     // the whole history is asked for).
     let end = if whole { n } else { n.saturating_sub(1) };

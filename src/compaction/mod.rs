@@ -14,6 +14,8 @@
 //!   rungs elided
 //! - [`remote`]: compaction the client asks for (`/v1/responses/compact`,
 //!   `compaction_trigger`) and the `compaction` items that stand for it
+//! - [`boundary`]: the provider's own compaction a client asks for, and the
+//!   newest provider compaction item, before which nothing is compacted
 //!
 //! A compaction replaces the first `covered_len` items the client sends —
 //! identified by their chain hash, so it can never apply to bytes it did not
@@ -23,6 +25,7 @@
 //! works on the rewritten view, so a new summary covers [previous summary +
 //! newer items], never the raw history again.
 
+pub mod boundary;
 pub mod cut;
 pub mod fit;
 pub mod items;
@@ -270,8 +273,9 @@ fn finish_prepare(
     from: usize,
     whole: bool,
 ) -> Option<Prepared> {
-    let lead = items::leading_system(view);
     let safe = cut::safe_cuts(view);
+    // Everything up to the provider's newest compaction item goes as sent.
+    let lead = items::leading_system(view).max(boundary::safe_floor(view, &safe));
     let ok = |i: &usize| safe[*i] && *i > lead;
     let cut = if whole {
         (from..=view.len()).rev().find(ok)?
@@ -298,16 +302,23 @@ pub fn cheap_rungs(
     params: &Params,
     count: &dyn Fn(&Value) -> u64,
 ) -> Option<(Rung, Vec<Value>, u64)> {
-    let part = &view[..p.cut];
-    let (truncated, n1) = ladder::truncate_outputs(part, &hashes[..p.cut], params.truncate);
-    let after1: u64 = truncated.iter().map(count).sum::<u64>() + p.tail;
+    // The leading items (and a provider compaction item with what precedes
+    // it) are kept as they are; only what follows them is rewritten.
+    let kept = &view[..p.lead];
+    let part = &view[p.lead..p.cut];
+    let hashes = &hashes[p.lead..p.cut];
+    let whole =
+        |rewritten: &[Value]| -> Vec<Value> { kept.iter().chain(rewritten).cloned().collect() };
+    let kept_tokens = boundary::seen_tokens(kept, count);
+    let (truncated, n1) = ladder::truncate_outputs(part, hashes, params.truncate);
+    let after1: u64 = kept_tokens + truncated.iter().map(count).sum::<u64>() + p.tail;
     if n1 > 0 && after1 <= params.target_tokens {
-        return Some((Rung::Truncate, truncated, after1));
+        return Some((Rung::Truncate, whole(&truncated), after1));
     }
-    let (pruned, n2) = ladder::prune_outputs(&truncated, &hashes[..p.cut]);
-    let after2: u64 = pruned.iter().map(count).sum::<u64>() + p.tail;
+    let (pruned, n2) = ladder::prune_outputs(&truncated, hashes);
+    let after2: u64 = kept_tokens + pruned.iter().map(count).sum::<u64>() + p.tail;
     if n1 + n2 > 0 && after2 <= params.target_tokens {
-        return Some((Rung::Prune, pruned, after2));
+        return Some((Rung::Prune, whole(&pruned), after2));
     }
     None
 }
@@ -332,6 +343,6 @@ pub fn summary_replacement(
     let mut replacement: Vec<Value> = view[..p.lead].to_vec();
     replacement.push(items::user_message(summary_text));
     replacement.extend(recent.iter().map(|&i| part[i].clone()));
-    let after = replacement.iter().map(count).sum::<u64>() + p.tail;
+    let after = boundary::seen_tokens(&replacement, count) + p.tail;
     (replacement, after, recent.len())
 }

@@ -102,6 +102,10 @@ pub struct Input {
     /// done, never applied. `view` is then the client's items and `base`
     /// the would-be compaction before, which is applied here first.
     pub observe: bool,
+    /// The request asks the provider to compact
+    /// ([`crate::compaction::boundary::asks_provider_compaction`]): the
+    /// threshold trigger leaves the conversation to it.
+    pub provider_compaction: bool,
 }
 
 /// What a compaction must achieve; it escalates past the ladder until it
@@ -773,10 +777,13 @@ async fn compute<S: Context>(
         }
     }
     let input = input;
-    let (hashes, tokens) = count_items(state, input.view.clone(), None).await?;
+    let (hashes, mut tokens) = count_items(state, input.view.clone(), None).await?;
     let tools_tokens = count_tools(state, input.tools.clone()).await;
     let values = input.view.values();
     let view: &[Value] = &values;
+    // The provider does not read what precedes its compaction item.
+    crate::compaction::boundary::count_from_boundary(view, &mut tokens);
+    let tokens = tokens;
     let base = input.base.as_deref();
     let before: u64 = tokens.iter().sum();
     let limit = items_limit(state, &input, before, tools_tokens);
@@ -816,7 +823,8 @@ async fn compute<S: Context>(
             // Decided from the counts before a summarizer call is paid for:
             // the facts of everything after the leading items bound the
             // smallest summary of any cut.
-            let lead = crate::compaction::items::leading_system(view);
+            let lead = crate::compaction::items::leading_system(view)
+                .max(crate::compaction::boundary::floor(view));
             let widest = summary::extract_facts(&view[lead..], base.and_then(|b| b.facts.as_ref()));
             let floor = fit::summary_floor(&widest, view.len(), &count);
             let fit_input = FitInput {
@@ -927,10 +935,19 @@ async fn compute<S: Context>(
     }
     let replacement = match input.api {
         // A valid start of a Messages request (see `wire::messages`).
-        Api::Messages => crate::wire::messages::finish_replacement(
-            applied.replacement,
-            crate::compaction::items::is_summary,
-        ),
+        // A provider compaction block and what precedes it go as sent.
+        Api::Messages => {
+            // The replacement starts with the view's items up to the lead.
+            let keep = match crate::compaction::boundary::floor(&applied.replacement) {
+                0 => 0,
+                _ => prepared.lead,
+            };
+            crate::wire::messages::finish_replacement_after(
+                applied.replacement,
+                keep,
+                crate::compaction::items::is_summary,
+            )
+        }
         _ => applied.replacement,
     };
     let covered_chain = input.chains[prepared.covered_len - 1];
@@ -997,6 +1014,13 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estim
     let limits = state.model_limits(&input.model);
     let d = decide(used, estimated, &limits, cfg.warn_ratio);
     if !d.compact || !cfg.background {
+        return;
+    }
+    // The client asked the provider to compact: a summary of the proxy's
+    // own now would be a second compaction of the same history. Only the
+    // hard limit and an upstream "too long" compact it.
+    if input.provider_compaction {
+        tracing::debug!(conversation = %input.conversation, "threshold compaction left to the provider the request asks");
         return;
     }
     let key = (input.tenant.clone(), input.conversation.clone());
@@ -1194,6 +1218,16 @@ pub async fn check_fit<S: Context>(state: &Arc<S>, req: FitCheck<'_>) -> Fit {
         }
     }
     let tools_tokens = count_tools(state, tools).await;
+    // What the provider reads: from its newest compaction item on.
+    let (view, hashes) = match crate::compaction::boundary::newest_in(&view) {
+        Some(b) if b > 0 => (
+            Arc::new(view.with_prefix_replaced(b, &[])),
+            hashes
+                .filter(|h| h.len() == view.len())
+                .map(|h| Arc::new(h[b..].to_vec())),
+        ),
+        _ => (view, hashes),
+    };
     let estimate = estimate_view(state, view, hashes).await + tools_tokens;
     let tokens = (estimate as f64 * calibration).ceil() as u64;
     if tokens <= hard {

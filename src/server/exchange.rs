@@ -273,6 +273,9 @@ impl PendingExchange {
             goal: engine::Goal::Shrink,
             tools: self.tools.clone(),
             observe,
+            provider_compaction: crate::compaction::boundary::asks_provider_compaction(
+                self.api, &self.body,
+            ),
         }
     }
 }

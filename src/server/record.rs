@@ -239,6 +239,16 @@ impl PendingExchange {
         let compaction = self.compaction.as_ref().map(|c| c.id.clone());
         background.spawn(move || {
             let hashes = hashes.unwrap_or_else(|| Arc::new(view.hashes()));
+            // The provider reads from its newest compaction item on, and so
+            // does its reported usage: the estimate counts the same.
+            let (view, hashes, chains) = match crate::compaction::boundary::newest_in(&view) {
+                Some(b) if b > 0 && hashes.len() == view.len() => (
+                    Arc::new(view.with_prefix_replaced(b, &[])),
+                    Arc::new(hashes[b..].to_vec()),
+                    None,
+                ),
+                _ => (view, hashes, chains),
+            };
             let est = state.tokens.estimate_chained(
                 api,
                 &view,

@@ -192,7 +192,21 @@ pub fn finish_replacement(
     replacement: Vec<Value>,
     is_summary: impl Fn(&Value) -> bool,
 ) -> Vec<Value> {
-    let mut out: Vec<Value> = replacement
+    finish_replacement_after(replacement, 0, is_summary)
+}
+
+/// [`finish_replacement`] for a replacement whose first `keep` messages
+/// end with a provider `compaction` block: they go exactly as the client
+/// sent them (the API drops everything before the block and reads the
+/// block as sent), and what follows them is finished as a replacement is.
+/// The first message is then the client's, whatever its role.
+pub fn finish_replacement_after(
+    replacement: Vec<Value>,
+    keep: usize,
+    is_summary: impl Fn(&Value) -> bool,
+) -> Vec<Value> {
+    let keep = keep.min(replacement.len());
+    let mut out: Vec<Value> = replacement[keep..]
         .iter()
         .filter_map(without_thinking)
         .map(|mut m| {
@@ -205,11 +219,12 @@ pub fn finish_replacement(
             m
         })
         .collect();
-    if out
-        .first()
-        .and_then(|m| m.get("role"))
-        .and_then(Value::as_str)
-        != Some("user")
+    if keep == 0
+        && out
+            .first()
+            .and_then(|m| m.get("role"))
+            .and_then(Value::as_str)
+            != Some("user")
     {
         out.insert(
             0,
@@ -225,7 +240,10 @@ pub fn finish_replacement(
     }) {
         set_breakpoint(m);
     }
-    out
+    let mut whole = replacement;
+    whole.truncate(keep);
+    whole.extend(out);
+    whole
 }
 
 /// The view that goes upstream once a compaction applies
@@ -237,8 +255,18 @@ pub fn finish_replacement(
 /// ([`with_block_binding`]); this returns whether it must. Breakpoints past
 /// [`MAX_CACHE_BREAKPOINTS`] (counting `outside`, the system's and tools')
 /// are taken off the tail's oldest first, then the replacement's.
+///
+/// A provider's `compaction` block and the client's messages up to it go
+/// as the client sent them: the API reads from the block on.
 pub fn finish_view(view: &mut Vec<Value>, replacement_len: usize, outside: usize) -> bool {
-    let start = replacement_len.min(view.len());
+    let floor = view
+        .iter()
+        .rposition(holds_compaction_block)
+        .map_or(0, |i| i + 1);
+    let start = replacement_len.max(floor).min(view.len());
+    // The client's own messages below the floor: past the replacement, or
+    // the ones the replacement kept verbatim before the block.
+    let clients = |i: usize| i < floor && (i >= replacement_len || floor <= replacement_len);
     let open_loop = view.last().is_some_and(is_tool_result_message);
     let keep = if open_loop {
         view.iter()
@@ -266,7 +294,10 @@ pub fn finish_view(view: &mut Vec<Value>, replacement_len: usize, outside: usize
         i += 1;
     }
     let mut count = outside + view.iter().map(breakpoints).sum::<usize>();
-    let order: Vec<usize> = (start..view.len()).chain(0..start).collect();
+    let order: Vec<usize> = (start..view.len())
+        .chain(0..start)
+        .filter(|&i| !clients(i))
+        .collect();
     for i in order {
         while count > MAX_CACHE_BREAKPOINTS && breakpoints(&view[i]) > 0 {
             remove_first_breakpoint(&mut view[i]);
@@ -274,6 +305,13 @@ pub fn finish_view(view: &mut Vec<Value>, replacement_len: usize, outside: usize
         }
     }
     kept_thinking
+}
+
+/// Whether a message holds a provider `compaction` block.
+fn holds_compaction_block(m: &Value) -> bool {
+    blocks(m)
+        .iter()
+        .any(|b| b.get("type").and_then(Value::as_str) == Some("compaction"))
 }
 
 /// Whether a request has thinking on (`thinking` set, and not `disabled`).
@@ -368,8 +406,18 @@ fn set_breakpoint(m: &mut Value) {
 /// Usage of a Messages answer or stream event: the prompt is
 /// `input_tokens` plus the parts served from or written to the cache,
 /// which Anthropic (and llama.cpp on this endpoint) report apart.
+///
+/// An answer that compacted reports each sampling iteration apart in
+/// `iterations` (`type` `compaction` or `message`): the compaction's read
+/// the history before it was compacted, so the prompt the conversation now
+/// has is the one the last `message` iteration saw, not a sum.
 pub fn usage_of(v: &Value) -> Option<Usage> {
-    let obj = v.as_object()?;
+    let last_message = v.get("iterations").and_then(Value::as_array).and_then(|l| {
+        l.iter()
+            .rev()
+            .find(|i| i.get("type").and_then(Value::as_str) == Some("message"))
+    });
+    let obj = last_message.unwrap_or(v).as_object()?;
     let get = |k: &str| obj.get(k).and_then(Value::as_u64);
     let read = get("cache_read_input_tokens");
     let written = get("cache_creation_input_tokens").unwrap_or(0);
@@ -583,6 +631,63 @@ mod tests {
             })
         );
         assert_eq!(usage_of(&json!({"output_tokens": 3})), None);
+    }
+
+    /// An answer that compacted reports its iterations apart; the top
+    /// level may sum the message iterations (a server tool's rounds), and
+    /// the compaction's prompt was the history before it.
+    /// A provider's compaction block past the compacted prefix keeps its
+    /// message as the client sent it, thinking and breakpoints included.
+    #[test]
+    fn the_tail_leaves_a_provider_compaction_message_as_sent() {
+        let bp = json!({"type": "ephemeral"});
+        let provider = json!({"role": "assistant", "content": [
+            {"type": "compaction", "content": "summary", "cache_control": bp},
+            {"type": "thinking", "thinking": "t", "signature": "s1"},
+            {"type": "text", "text": "ok", "cache_control": bp}]});
+        let mut view = vec![
+            json!({"role": "user", "content": [{"type": "text", "text": "[compactor summary]", "cache_control": bp}]}),
+            provider.clone(),
+            json!({"role": "user", "content": [{"type": "text", "text": "go", "cache_control": bp}]}),
+            json!({"role": "assistant", "content": [
+                {"type": "thinking", "thinking": "t2", "signature": "s2"},
+                {"type": "text", "text": "done", "cache_control": bp}]}),
+            json!({"role": "user", "content": "next"}),
+        ];
+        assert!(!finish_view(&mut view, 1, 1));
+        assert_eq!(view[1], provider);
+        assert!(
+            !has_thinking(&view[3]),
+            "thinking after the block goes as before"
+        );
+        assert_eq!(
+            view.iter().map(breakpoints).sum::<usize>() + 1,
+            MAX_CACHE_BREAKPOINTS
+        );
+    }
+
+    #[test]
+    fn usage_of_a_compacting_answer_is_its_last_message_iteration() {
+        let u = json!({
+            "input_tokens": 28000, "output_tokens": 1400,
+            "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0,
+            "iterations": [
+                {"type": "message", "input_tokens": 5000, "output_tokens": 400,
+                 "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
+                {"type": "compaction", "input_tokens": 180000, "output_tokens": 3500,
+                 "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0},
+                {"type": "message", "input_tokens": 20000, "output_tokens": 1000,
+                 "cache_read_input_tokens": 3000, "cache_creation_input_tokens": 0},
+            ]
+        });
+        assert_eq!(
+            usage_of(&u),
+            Some(Usage {
+                input_tokens: 23000,
+                output_tokens: 1000,
+                cached_tokens: Some(3000),
+            })
+        );
     }
 
     #[test]
