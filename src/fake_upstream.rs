@@ -24,6 +24,7 @@ use tokio::net::TcpListener;
 use crate::error::{BodyError, ProxyBody};
 
 pub mod anthropic;
+pub mod provider_compact;
 
 /// The text the automatic replies answer with.
 pub const AUTO_TEXT: &str = "Hello from the fake upstream.";
@@ -277,6 +278,8 @@ struct Shared {
     cache: Option<VecDeque<Bytes>>,
     /// The window `/v1/messages` enforces, when set.
     messages_window: Option<u64>,
+    /// How the provider's own compaction answers.
+    provider_compact: provider_compact::Behaviour,
 }
 
 /// Request bodies a simulated prompt cache keeps.
@@ -432,6 +435,12 @@ impl FakeUpstream {
         self.lock().messages_window = tokens;
     }
 
+    /// How `/v1/responses/compact` and Messages on-demand compaction
+    /// answer from now on (see [`provider_compact::Behaviour`]).
+    pub fn set_provider_compaction(&self, behaviour: provider_compact::Behaviour) {
+        self.lock().provider_compact = behaviour;
+    }
+
     /// The most recent request.
     pub fn last(&self) -> Option<Received> {
         self.lock().received.last().cloned()
@@ -465,7 +474,10 @@ impl FakeUpstream {
             // A benchmark that keeps nothing judges nothing either.
             let refusal = (messages && !sh.forget)
                 .then(|| anthropic::check(&rec.json(), &rec.headers, sh.messages_window))
-                .flatten();
+                .flatten()
+                // The provider's compaction answers itself (and refuses a
+                // compaction item it did not mint).
+                .or_else(|| provider_compact::answer(&sh.provider_compact, &rec));
             if let Some(refusal) = refusal {
                 (Some(refusal), None, None)
             } else {

@@ -4,6 +4,8 @@
 //! summarizer, stores results, and backs off from clients whose edits keep
 //! compactions from ever matching.
 
+pub mod provider;
+
 use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -253,6 +255,9 @@ pub struct Compactions {
     /// (tenant, conversation), oldest first: discarded ones leave no
     /// compaction to show.
     attempts: Mutex<Option<Attempts>>,
+    /// Whether each upstream and model offers the provider's compaction
+    /// (`compaction.summarizer = "auto"`).
+    provider: provider::Support,
 }
 
 /// How long a claim on computing a conversation's compaction lasts: past
@@ -802,6 +807,8 @@ async fn compute<S: Context>(
             };
             Some((rung, prepared, applied))
         });
+    // The summary came from the provider's compaction.
+    let mut by_provider = false;
     let (rung, prepared, applied, summary_text, facts, cost, step) = match cheap {
         Some((rung, prepared, applied)) => (
             rung,
@@ -812,7 +819,7 @@ async fn compute<S: Context>(
             SummaryCost::default(),
             None,
         ),
-        None => {
+        None => 'summary: {
             // Decided from the counts before a summarizer call is paid for:
             // the facts of everything after the leading items bound the
             // smallest summary of any cut.
@@ -868,6 +875,33 @@ async fn compute<S: Context>(
             // the summary's, its size the facts' plus the answer it would
             // have asked for (see below).
             let estimate = input.observe && !state.config().compaction.observe_summaries;
+            let delegated = if !input.observe && provider::wanted(state, &input) {
+                let rung = provider::Rung {
+                    view,
+                    tokens: &tokens,
+                    hashes: &hashes,
+                    plan: &plan,
+                    params: &params,
+                    facts: &facts,
+                    limit,
+                    base,
+                };
+                provider::summary_rung(state, &input, rung, &count).await
+            } else {
+                None
+            };
+            if let Some(d) = delegated {
+                by_provider = true;
+                break 'summary (
+                    Rung::Summary,
+                    prepared,
+                    d.applied,
+                    Some(d.facts_text),
+                    Some(facts),
+                    d.cost,
+                    Some(plan.step),
+                );
+            }
             let (narrative, cost) = if estimate {
                 (None, SummaryCost::default())
             } else {
@@ -919,6 +953,10 @@ async fn compute<S: Context>(
         Some(s) if s != fit::Step::Ladder => format!("{}; escalated: {}", input.reason, s.as_str()),
         _ => input.reason.clone(),
     };
+    if by_provider {
+        reason.push_str("; ");
+        reason.push_str(crate::compaction::provider::PROVIDER_REASON);
+    }
     if input.observe {
         reason.push_str("; observed");
         if rung == Rung::Summary && cost.calls == 0 {
@@ -926,8 +964,9 @@ async fn compute<S: Context>(
         }
     }
     let replacement = match input.api {
-        // A valid start of a Messages request (see `wire::messages`).
-        Api::Messages => crate::wire::messages::finish_replacement(
+        // A valid start of a Messages request (see `wire::messages`); the
+        // provider's window is one already, its kept turns as they came.
+        Api::Messages if !by_provider => crate::wire::messages::finish_replacement(
             applied.replacement,
             crate::compaction::items::is_summary,
         ),
