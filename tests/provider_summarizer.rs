@@ -17,7 +17,7 @@ use std::time::Duration;
 
 use compactor::config::{Config, ModelConfig, Summarizer};
 use compactor::fake_upstream::provider_compact::Behaviour;
-use compactor::fake_upstream::{anthropic, Received};
+use compactor::fake_upstream::{anthropic, Received, Reply};
 use serde_json::{json, Value};
 use support::{client, column, is_summary_call, post, small_window_foreground, within, Harness};
 
@@ -453,16 +453,13 @@ async fn auto_asks_once_and_remembers() {
         1,
         "asked once"
     );
-    assert_eq!(
-        h.fake
-            .received()
-            .iter()
-            .filter(|r| is_summary_call(r))
-            .count()
-            >= 3,
-        true,
-        "every compaction summarized locally"
-    );
+    let local = h
+        .fake
+        .received()
+        .iter()
+        .filter(|r| is_summary_call(r))
+        .count();
+    assert!(local >= 3, "every compaction summarized locally: {local}");
 
     // Another model of the same upstream is asked for itself.
     let h2 = Harness::start_with(|c| {
@@ -486,4 +483,76 @@ async fn auto_asks_once_and_remembers() {
         "an upstream that compacts is asked every time"
     );
     assert!(!h2.fake.received().iter().any(is_summary_call));
+}
+
+/// The upstream refuses (a 4xx) the request compacted with the provider's
+/// window: the local summarizer compacts it again in the same request,
+/// the provider's compaction no longer applies, and the conversation's
+/// next compaction is local too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_provider_compaction_is_replaced_by_a_local_summary() {
+    let h = Harness::start_with(provider).await;
+    // The request compacted with the provider's window is the first to
+    // take a scripted reply (the compaction call is answered apart).
+    h.fake.push(Reply::json(
+        400,
+        json!({"error": {"message": "Invalid 'input[3]': unsupported item", "type": "invalid_request_error"}}),
+    ));
+    let url = format!("{}/responses", h.url());
+    let items = responses_history(TASK);
+    let (status, headers, bytes) =
+        post(&url, KEY, &json!({"model": "tiny-x", "input": items})).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let sent = requests_to(&h, "/v1/responses");
+    assert_eq!(sent.len(), 2, "the refused request, then the local one");
+    let carries_item = |r: &Received| {
+        r.json()["input"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|i| i["type"] == "compaction")
+    };
+    assert!(carries_item(&sent[0]));
+    assert!(
+        !carries_item(&sent[1]),
+        "the local summary, not the provider's window"
+    );
+    assert!(
+        sent[1].json()["input"]
+            .to_string()
+            .contains("[compactor summary"),
+        "compacted, not the client's own request"
+    );
+    assert!(h.fake.received().iter().any(is_summary_call));
+    assert_eq!(
+        metric(
+            &h,
+            "compactor_provider_compaction_fallbacks_total{reason=\"refused\"}"
+        )
+        .await,
+        1.0
+    );
+    let reasons: Vec<String> = column(
+        &*h.sql(),
+        "SELECT reason FROM compactions ORDER BY created_ms",
+    );
+    assert_eq!(reasons.len(), 2, "both recorded: {reasons:?}");
+    assert!(reasons[0].ends_with("summary by the provider"));
+    assert!(reasons[1].contains("refused upstream (400"), "{reasons:?}");
+
+    // The next request of the conversation: the local compaction applies.
+    let mut next = items.clone();
+    next.push(json!({"type": "message", "role": "assistant",
+        "content": [{"type": "output_text", "text": "Done."}]}));
+    next.push(json!({"type": "message", "role": "user",
+        "content": [{"type": "input_text", "text": "now the tests"}]}));
+    let (status, _, _) = post(&url, KEY, &json!({"model": "tiny-x", "input": next})).await;
+    assert_eq!(status, 200);
+    let last = requests_to(&h, "/v1/responses").pop().unwrap();
+    assert!(
+        !carries_item(&last),
+        "the refused window is not applied again"
+    );
+    assert_eq!(requests_to(&h, "/v1/responses/compact").len(), 1);
 }

@@ -82,7 +82,7 @@ pub fn responses_window(answer: &Value) -> Result<Vec<Value>, Invalid> {
     }
     let other = output
         .iter()
-        .any(|i| !is_compaction_item(i) && !(kind(i) == "message" || kind(i).is_empty()));
+        .any(|i| !(is_compaction_item(i) || kind(i) == "message" || kind(i).is_empty()));
     if other {
         return Err(Invalid(
             "an output item that is neither a message nor a compaction",

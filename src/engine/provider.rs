@@ -75,12 +75,17 @@ impl Failure {
 /// teaches nothing and is asked again next time.
 pub struct Support {
     known: Mutex<Generations<(String, String), bool>>,
+    /// Conversations, by (tenant, conversation), whose compacted request
+    /// the upstream refused with the provider's window: their summary
+    /// rung is local from then on.
+    refused: Mutex<Generations<(String, String), ()>>,
 }
 
 impl Default for Support {
     fn default() -> Self {
         Self {
             known: Mutex::new(Generations::new(SUPPORT_ENTRIES)),
+            refused: Mutex::new(Generations::new(SUPPORT_ENTRIES)),
         }
     }
 }
@@ -117,6 +122,11 @@ fn support_key<S: Context>(state: &Arc<S>, input: &Input) -> (String, String) {
 /// the upstream was not seen to lack it, on an API that has one.
 pub fn wanted<S: Context>(state: &Arc<S>, input: &Input) -> bool {
     if !matches!(input.api, Api::Responses | Api::Messages) {
+        return false;
+    }
+    let key = (input.tenant.clone(), input.conversation.clone());
+    let support = &state.compactions().provider;
+    if lock(&support.refused).renew(&key).is_some() {
         return false;
     }
     match state.config().summarizer_for(&input.tenant, &input.model) {
@@ -397,6 +407,38 @@ pub(super) async fn summary_rung<S: Context, F: Fn(&Value) -> u64 + Sync>(
             chunks_skipped: 0,
         },
     })
+}
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// The upstream refused (a 4xx) the request compacted with `c`, whose
+/// summary was the provider's: `c` no longer applies to the tenant's
+/// requests (the record keeps it), the conversation's summary rung is
+/// local from now on, and the fallback is counted. False when `c` was no
+/// provider compaction.
+pub fn refused<S: Context>(
+    state: &Arc<S>,
+    tenant: &str,
+    conversation: &str,
+    c: &Compaction,
+    status: http::StatusCode,
+) -> bool {
+    if !pure::by_provider(&c.reason) {
+        return false;
+    }
+    lock(&state.compactions().provider.refused)
+        .insert((tenant.to_string(), conversation.to_string()), ());
+    state
+        .compactions()
+        .forget(tenant, std::slice::from_ref(&c.id));
+    state.metrics().provider_fallback("refused");
+    tracing::warn!(
+        conversation, compaction = %c.id, %status,
+        "request compacted by the provider refused; the local summarizer compacts it again"
+    );
+    true
 }
 
 /// The one log line and the metric of a fallback to the local summarizer.

@@ -78,6 +78,12 @@ fn mint(prefix: &str, stands_for: &[Value]) -> String {
     format!("{prefix}{}", &digest.to_hex()[..32])
 }
 
+/// An item's bytes as sent (compact JSON, members in their order): what
+/// "byte-identical" compares.
+fn serialized(v: &Value) -> String {
+    serde_json::to_string(v).unwrap_or_default()
+}
+
 fn refuse(status: u16, message: &str) -> Reply {
     Reply::json(
         status,
@@ -155,7 +161,7 @@ fn responses_compact(behaviour: &Behaviour, body: &Value) -> Reply {
     registry().insert(
         token.clone(),
         Minted {
-            exact: item.to_string(),
+            exact: serialized(&item),
             stands_for,
         },
     );
@@ -183,7 +189,7 @@ fn responses_refusal(body: &Value) -> Option<Reply> {
             .and_then(Value::as_str)
             .unwrap_or("");
         match registry.get(token) {
-            Some(m) if m.exact == item.to_string() => {}
+            Some(m) if serialized(item) == m.exact => {}
             _ => {
                 return Some(Reply::json(
                     400,
@@ -208,7 +214,7 @@ fn on_demand(behaviour: &Behaviour, body: &Value) -> Reply {
         _ => {
             let first = msgs
                 .first()
-                .map(|m| crate::compaction::items::text_of(m))
+                .map(crate::compaction::items::text_of)
                 .unwrap_or_default();
             let first: String = first.chars().take(200).collect();
             format!("Summary of {} messages. It began: {first}", msgs.len())
@@ -220,7 +226,7 @@ fn on_demand(behaviour: &Behaviour, body: &Value) -> Reply {
     registry().insert(
         token.clone(),
         Minted {
-            exact: block.to_string(),
+            exact: serialized(&block),
             stands_for,
         },
     );
@@ -282,7 +288,7 @@ pub fn messages_refusal(body: &Value, headers: &http::HeaderMap) -> Option<Reply
             }
             let token = b.get("signature").and_then(Value::as_str).unwrap_or("");
             match registry.get(token) {
-                Some(minted) if minted.exact == b.to_string() => {}
+                Some(minted) if serialized(b) == minted.exact => {}
                 _ => {
                     return Some(refuse(
                         400,
