@@ -190,6 +190,9 @@ fn claude_tiny(c: &mut Config) {
 
 const THINKING: &str = r#"{"type": "enabled", "budget_tokens": 1024}"#;
 
+/// The Messages sessions' system prompt (their thinking is bound to it).
+const SYSTEM: &str = "You are a careful refactoring agent.";
+
 /// A Messages history with thinking, every answer the fake's own (its
 /// thinking signed for the request it answered), built against the fake
 /// directly: long user turns, past the tiny model's hard limit.
@@ -197,7 +200,8 @@ async fn signed_history(h: &Harness, task: &str) -> Vec<Value> {
     let thinking: Value = serde_json::from_str(THINKING).unwrap();
     let mut msgs = vec![json!({"role": "user", "content": task})];
     for i in 0..20 {
-        let body = json!({"model": "claude-tiny", "max_tokens": 300, "thinking": thinking, "messages": msgs});
+        let body = json!({"model": "claude-tiny", "max_tokens": 300, "thinking": thinking,
+                          "system": SYSTEM, "messages": msgs});
         let resp = within(
             client()
                 .post(format!("{}/messages", h.fake.url()))
@@ -232,7 +236,7 @@ async fn messages_the_block_goes_first_and_kept_thinking_stays_signed() {
         let history = signed_history(&h, &task).await;
         let thinking: Value = serde_json::from_str(THINKING).unwrap();
         let body = json!({"model": "claude-tiny", "max_tokens": 300, "thinking": thinking,
-                          "messages": history, "stream": stream});
+                          "system": SYSTEM, "messages": history, "stream": stream});
         let before = h.fake.received().len();
         let resp = within(
             client()
@@ -260,6 +264,7 @@ async fn messages_the_block_goes_first_and_kept_thinking_stays_signed() {
         let ask = asked[0].json();
         assert_eq!(ask["compaction"], json!({"type": "summarize"}));
         assert!(ask.get("context_management").is_none());
+        assert_eq!(ask["system"], SYSTEM, "the conversation's system prompt");
         assert!(asked[0].headers["anthropic-beta"]
             .to_str()
             .unwrap()
@@ -392,7 +397,8 @@ async fn a_messages_failure_falls_back_too() {
     ));
     let history = signed_history(&h, "Split the date parsing out.").await;
     let thinking: Value = serde_json::from_str(THINKING).unwrap();
-    let body = json!({"model": "claude-tiny", "max_tokens": 300, "thinking": thinking, "messages": history});
+    let body = json!({"model": "claude-tiny", "max_tokens": 300, "thinking": thinking,
+                      "system": SYSTEM, "messages": history});
     let before = h.fake.received().len();
     let resp = within(
         client()

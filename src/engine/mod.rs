@@ -100,6 +100,9 @@ pub struct Input {
     pub goal: Goal,
     /// The request's tool definitions (they count against the window).
     pub tools: Option<Tools>,
+    /// The request's top-level `system` (Anthropic Messages), which the
+    /// provider's compaction call sends as the conversation does.
+    pub system: Option<Value>,
     /// Observe mode: the result is recorded as what the proxy would have
     /// done, never applied. `view` is then the client's items and `base`
     /// the would-be compaction before, which is applied here first.

@@ -215,8 +215,9 @@ async fn call<S: Context>(
                 http::HeaderValue::from_static(COMPACT_BETA),
             );
             up.key_as_x_api_key(&mut headers);
-            // The tools go with it, as the documentation asks: the
-            // summarizer reads them. No `context_management`: the API
+            // The system prompt and tools go with it, as the documentation
+            // asks: the summarizer reads them, and the thinking of the
+            // turns kept after the block stays valid only if they match. No `context_management`: the API
             // refuses it beside `compaction`.
             let mut body = json!({
                 "model": input.model,
@@ -226,6 +227,9 @@ async fn call<S: Context>(
             });
             if let Some(tools) = &input.tools {
                 body["tools"] = tools.value().clone();
+            }
+            if let Some(system) = &input.system {
+                body["system"] = system.clone();
             }
             ("/messages", body)
         }

@@ -289,6 +289,9 @@ impl PendingExchange {
             whole,
             goal: engine::Goal::Shrink,
             tools: self.tools.clone(),
+            system: (self.api == Api::Messages)
+                .then(|| self.body.get("system").cloned())
+                .flatten(),
             observe,
         }
     }
