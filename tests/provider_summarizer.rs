@@ -308,6 +308,27 @@ async fn messages_the_block_goes_first_and_kept_thinking_stays_signed() {
             "{}",
             parts[1]
         );
+
+        // Counting the conversation's tokens counts what would go: the
+        // block, under its beta.
+        let resp = within(
+            client()
+                .post(format!("{}/messages/count_tokens", h.url()))
+                .header("x-api-key", KEY)
+                .header("anthropic-version", "2023-06-01")
+                .json(&json!({"model": "claude-tiny", "system": SYSTEM, "messages": history}))
+                .send(),
+        )
+        .await
+        .expect("count_tokens");
+        assert_eq!(resp.status(), 200);
+        let counted = h.fake.last().unwrap();
+        assert_eq!(counted.path, "/v1/messages/count_tokens");
+        assert_eq!(counted.json()["messages"][0], msgs[0], "the block");
+        assert!(counted.headers["anthropic-beta"]
+            .to_str()
+            .unwrap()
+            .contains("compact-2026-09-04"));
     }
 }
 
