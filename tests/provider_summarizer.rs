@@ -281,6 +281,20 @@ async fn messages_the_block_goes_first_and_kept_thinking_stays_signed() {
             anthropic::check(&compacted, &sent[0].headers, None).is_none(),
             "valid by the documented rules, the beta included"
         );
+        // The kept thinking is valid as signed, not only droppable.
+        assert_eq!(
+            compacted["thinking"]["block_binding"]["prefix_mismatch_behavior"],
+            "drop_block"
+        );
+        let mut strict = compacted.clone();
+        strict["thinking"]
+            .as_object_mut()
+            .unwrap()
+            .remove("block_binding");
+        assert!(
+            anthropic::check(&strict, &sent[0].headers, None).is_none(),
+            "every kept thinking block still matches its signature"
+        );
         let msgs = compacted["messages"].as_array().unwrap();
         assert_eq!(msgs[0]["role"], "assistant");
         assert_eq!(
@@ -582,4 +596,174 @@ async fn a_refused_provider_compaction_is_replaced_by_a_local_summary() {
         "the refused window is not applied again"
     );
     assert_eq!(requests_to(&h, "/v1/responses/compact").len(), 1);
+}
+
+/// A short tool output, different every time (the user's turns carry the
+/// bulk, which only the summary rung can shrink).
+fn bash_output(step: usize) -> String {
+    let mut out = format!("$ cargo test step{step}\n");
+    for i in 0..60 {
+        out.push_str(&format!(
+            "test module_{step}::case_{i:02} ... ok (line {i})\n"
+        ));
+    }
+    out.truncate(2500);
+    out
+}
+
+/// A Claude-Code-shaped loop (thinking on, a Bash tool, a breakpoint on the
+/// newest message, the `context_management` edit it sends every turn) with
+/// background compaction by the provider, past a small window several
+/// times: every answer a 200, every request the upstream received valid by
+/// the documented rules (the block with its beta, kept thinking signed),
+/// compacted by the provider, the task still carried by the facts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_thinking_tool_loop_compacted_by_the_provider_keeps_every_request_valid() {
+    const LOOP_TASK: &str = "Task: make every test in crates/ledger pass; keep the public API.";
+    let h = Harness::start_with(|c| {
+        c.compaction.summarizer = Summarizer::Provider;
+        c.models.push(ModelConfig {
+            pattern: "claude-tiny*".into(),
+            context_window: 9000,
+            max_output_tokens: Some(1024),
+            ..Default::default()
+        });
+    })
+    .await;
+    h.fake.set_messages_window(Some(9000));
+    let tools = json!([{"name": "Bash", "description": "Runs a shell command.",
+        "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}}}]);
+    let mut history =
+        vec![json!({"role": "user", "content": [{"type": "text", "text": LOOP_TASK}]})];
+    for step in 0..40 {
+        let end_of_turn = step % 4 == 3;
+        let answer = if end_of_turn {
+            anthropic::Answer::text(&format!("Step {step} done.")).thinking("wrap up")
+        } else {
+            anthropic::Answer::tool_use(
+                &format!("toolu_{step:03}"),
+                "Bash",
+                json!({"command": format!("cargo test step{step}")}),
+            )
+            .thinking(&format!("step {step}: run the tests"))
+        };
+        h.fake.push(Reply::Messages(answer));
+        let mut msgs = history.clone();
+        if let Some(Value::Array(blocks)) = msgs.last_mut().and_then(|m| m.get_mut("content")) {
+            if let Some(Value::Object(b)) = blocks.last_mut() {
+                b.insert("cache_control".into(), json!({"type": "ephemeral"}));
+            }
+        }
+        let streamed = step % 2 == 1;
+        let body = json!({"model": "claude-tiny-1", "max_tokens": 1024, "system": SYSTEM,
+            "tools": tools, "messages": msgs, "stream": streamed, "thinking": {"type": "adaptive"},
+            "context_management": {"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]}});
+        let resp = within(
+            client()
+                .post(format!("{}/messages", h.url()))
+                .header("x-api-key", KEY)
+                .header("anthropic-version", "2023-06-01")
+                .header("anthropic-beta", "context-management-2025-06-27")
+                .json(&body)
+                .send(),
+        )
+        .await
+        .expect("proxy");
+        let status = resp.status();
+        let bytes = within(resp.bytes()).await.expect("body");
+        assert_eq!(
+            status,
+            200,
+            "step {step}: {}",
+            String::from_utf8_lossy(&bytes)
+        );
+        let assistant = if streamed {
+            let mut acc = compactor::wire::messages::MessagesCollector::default();
+            let text = String::from_utf8_lossy(&bytes).into_owned();
+            for event in text.split("\n\n") {
+                let name = event.lines().find_map(|l| l.strip_prefix("event: "));
+                let data = event.lines().find_map(|l| l.strip_prefix("data: "));
+                if let (Some(name), Some(data)) = (name, data) {
+                    acc.push(name, data);
+                }
+            }
+            acc.items().remove(0)
+        } else {
+            let v: Value = serde_json::from_slice(&bytes).unwrap();
+            json!({"role": "assistant", "content": v["content"]})
+        };
+        history.push(assistant.clone());
+        if end_of_turn {
+            history.push(json!({"role": "user", "content": [{"type": "text",
+                "text": format!("Now the next part, after step {step}: {}",
+                    "the ledger's CSV import must reject rows whose dates lack an offset. ".repeat(40))}]}));
+        } else {
+            let id = assistant["content"][1]["id"]
+                .as_str()
+                .expect("the call")
+                .to_string();
+            history.push(json!({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": id, "content": bash_output(step)}]}));
+        }
+    }
+    let sent: Vec<Received> = requests_to(&h, "/v1/messages");
+    let (asked, client_requests): (Vec<&Received>, Vec<&Received>) = sent
+        .iter()
+        .partition(|r| r.json().get("compaction").is_some());
+    for r in &client_requests {
+        assert!(
+            anthropic::check(&r.json(), &r.headers, None).is_none(),
+            "a request the API would refuse went upstream: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+    }
+    assert!(!asked.is_empty(), "the provider was asked");
+    // Truncate and prune stay local; every summary is the provider's.
+    let summaries: Vec<String> = column(
+        &*h.sql(),
+        "SELECT reason FROM compactions WHERE rung IN ('summary', 'fallback')",
+    );
+    // Truncate and prune stay local; every summary is the provider's, but
+    // for those the provider refused (a compaction request over its own
+    // window, as this small one gets), each counted as a fallback.
+    let summaries: Vec<String> = column(
+        &*h.sql(),
+        "SELECT reason FROM compactions WHERE rung IN ('summary', 'fallback')",
+    );
+    let by_provider = summaries
+        .iter()
+        .filter(|r| r.ends_with("summary by the provider"))
+        .count();
+    assert!(by_provider > 0, "{summaries:?}");
+    let metrics = h.scrape().await;
+    let fell_back: f64 = metrics
+        .lines()
+        .filter(|l| l.starts_with("compactor_provider_compaction_fallbacks_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert_eq!(
+        (summaries.len() - by_provider) as f64,
+        fell_back,
+        "{summaries:?}"
+    );
+    for r in &asked {
+        let refused = anthropic::check(&r.json(), &r.headers, Some(9000));
+        assert!(
+            refused.is_none() || format!("{refused:?}").contains("exceed context limit"),
+            "{refused:?}"
+        );
+    }
+    let last = client_requests.last().unwrap().json();
+    let first = &last["messages"][0];
+    let compacted = first["content"][0]["type"] == "compaction"
+        || compactor::compaction::items::is_summary(first);
+    assert!(compacted, "{first}");
+    assert!(
+        last.to_string().contains(LOOP_TASK),
+        "the facts carry the task"
+    );
+    assert!(
+        anthropic::prompt_tokens(&last) <= 9000,
+        "the last request fits"
+    );
 }

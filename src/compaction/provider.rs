@@ -69,6 +69,15 @@ pub fn with_beta(existing: Option<&str>) -> String {
     }
 }
 
+/// Whether a replacement made of a Messages window keeps thinking blocks
+/// in its kept turns: each stays valid only if all before it is what it was
+/// signed against (an earlier compaction, or a tool the proxy added, may
+/// have changed that), so the request lets the API drop a block that no
+/// longer matches rather than refuse it.
+pub fn keeps_thinking(replacement: &[Value]) -> bool {
+    carries_block(replacement) && replacement.iter().any(messages::has_thinking)
+}
+
 /// The compacted window of a `/responses/compact` answer: its `output`, as
 /// it came. It must hold a `compaction` item, and nothing but that and
 /// messages.

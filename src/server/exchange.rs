@@ -146,7 +146,8 @@ impl PendingExchange {
                 .map_or(0, |t| messages::breakpoints(t.value()))
                 + self.body.get("system").map_or(0, messages::breakpoints);
             let mut values = view.into_values();
-            self.drop_block = messages::finish_view(&mut values, c.replacement.len(), outside);
+            self.drop_block = messages::finish_view(&mut values, c.replacement.len(), outside)
+                || crate::compaction::provider::keeps_thinking(&c.replacement);
             values.into()
         } else {
             view
