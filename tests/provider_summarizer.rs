@@ -718,11 +718,6 @@ async fn a_thinking_tool_loop_compacted_by_the_provider_keeps_every_request_vali
         );
     }
     assert!(!asked.is_empty(), "the provider was asked");
-    // Truncate and prune stay local; every summary is the provider's.
-    let summaries: Vec<String> = column(
-        &*h.sql(),
-        "SELECT reason FROM compactions WHERE rung IN ('summary', 'fallback')",
-    );
     // Truncate and prune stay local; every summary is the provider's, but
     // for those the provider refused (a compaction request over its own
     // window, as this small one gets), each counted as a fallback.
