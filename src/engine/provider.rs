@@ -394,7 +394,16 @@ pub(super) async fn summary_rung<S: Context, F: Fn(&Value) -> u64 + Sync>(
         );
         return None;
     }
-    let covered_len = crate::compaction::rewrite::view_to_original(placed.view_end, r.base)?;
+    let Some(covered_len) = crate::compaction::rewrite::view_to_original(placed.view_end, r.base)
+    else {
+        fell_back(
+            state,
+            input,
+            "other",
+            "the provider's window ends inside the compaction it extends",
+        );
+        return None;
+    };
     Some(Delegated {
         applied: fit::Applied {
             covered_len,
