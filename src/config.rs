@@ -231,6 +231,33 @@ impl Mode {
     }
 }
 
+/// Who writes the summary rung's summary (`compaction.summarizer`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Summarizer {
+    /// The proxy's own summarizer call (`summarizer_model`).
+    #[default]
+    Local,
+    /// The upstream's own compaction (Responses `/responses/compact`,
+    /// Messages on-demand compaction), the proxy's facts added; the local
+    /// summarizer when it fails.
+    Provider,
+    /// `provider` where the upstream has been seen to offer it, learned
+    /// once per upstream and model; `local` elsewhere.
+    Auto,
+}
+
+impl Summarizer {
+    /// Name used in config and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Summarizer::Local => "local",
+            Summarizer::Provider => "provider",
+            Summarizer::Auto => "auto",
+        }
+    }
+}
+
 /// One `[[tenants]]` entry.
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields)]
@@ -241,6 +268,9 @@ pub struct TenantConfig {
     /// The tenant's mode, over the model's and `compaction.mode`.
     #[serde(default)]
     pub mode: Option<Mode>,
+    /// The tenant's summarizer, over the model's and `compaction.summarizer`.
+    #[serde(default)]
+    pub summarizer: Option<Summarizer>,
 }
 
 /// Shortest tenant id prefix a `[[tenants]]` entry may name (what the admin
@@ -480,6 +510,12 @@ pub struct CompactionConfig {
     /// Most rounds of `compactor_recall` calls the proxy answers itself
     /// within one request; 0: the recall tool is never offered.
     pub recall_max_rounds: u32,
+    /// Who writes the summary rung's summary (see [`Summarizer`]);
+    /// `[[models]]` and `[[tenants]]` entries may say otherwise.
+    pub summarizer: Summarizer,
+    /// How long the provider's compaction may take before the local
+    /// summarizer takes over, seconds.
+    pub provider_timeout_secs: u64,
 }
 
 impl Default for CompactionConfig {
@@ -499,6 +535,8 @@ impl Default for CompactionConfig {
             mode: Mode::Auto,
             observe_summaries: false,
             recall_max_rounds: 3,
+            summarizer: Summarizer::Local,
+            provider_timeout_secs: 60,
         }
     }
 }
@@ -532,6 +570,9 @@ pub struct ModelConfig {
     /// Per-model override of `compaction.mode`.
     #[serde(default)]
     pub mode: Option<Mode>,
+    /// Per-model override of `compaction.summarizer`.
+    #[serde(default)]
+    pub summarizer: Option<Summarizer>,
     /// Price of a million input tokens, for the savings shown in money.
     #[serde(default)]
     pub input_price_per_mtok: Option<f64>,
@@ -690,6 +731,9 @@ impl Config {
                 "compaction.recall_max_rounds",
                 &format!("must be at most {MAX_RECALL_ROUNDS}"),
             );
+        }
+        if c.provider_timeout_secs == 0 {
+            return invalid("compaction.provider_timeout_secs", "must be at least 1");
         }
         if c.tool_output_keep_bytes >= c.tool_output_max_bytes {
             return invalid(
@@ -872,6 +916,18 @@ impl Config {
             .and_then(|t| t.mode)
             .or_else(|| self.model_entry(model).and_then(|m| m.mode))
             .unwrap_or(self.compaction.mode)
+    }
+
+    /// The summarizer of `tenant`'s requests to `model`: the tenant's
+    /// entry, then the model's, then `compaction.summarizer` (the same
+    /// order as [`Config::mode_for`]).
+    pub fn summarizer_for(&self, tenant: &str, model: &str) -> Summarizer {
+        self.tenants
+            .iter()
+            .find(|t| tenant.starts_with(&t.id.to_ascii_lowercase()))
+            .and_then(|t| t.summarizer)
+            .or_else(|| self.model_entry(model).and_then(|m| m.summarizer))
+            .unwrap_or(self.compaction.summarizer)
     }
 
     /// `model`'s prices, when its `[[models]]` entry gives an input price.
@@ -1094,6 +1150,29 @@ mod tests {
         ] {
             assert!(check(listen, upstream).is_ok(), "{listen} {upstream}");
         }
+    }
+
+    #[test]
+    fn summarizer_is_set_per_tenant_then_model_then_globally() {
+        let c = Config::from_toml(
+            "[compaction]\nsummarizer = \"auto\"\n\
+             [[models]]\nmatch = \"remote*\"\ncontext_window = 1000\nsummarizer = \"provider\"\n\
+             [[tenants]]\nid = \"0123456789AB\"\nsummarizer = \"local\"\n",
+        )
+        .unwrap();
+        assert_eq!(c.summarizer_for("fff", "gpt-4o"), Summarizer::Auto);
+        assert_eq!(c.summarizer_for("fff", "remote-1"), Summarizer::Provider);
+        assert_eq!(
+            c.summarizer_for("0123456789abcdef", "remote-1"),
+            Summarizer::Local
+        );
+        assert_eq!(
+            Config::default().summarizer_for("fff", "m"),
+            Summarizer::Local,
+            "the default"
+        );
+        assert!(Config::from_toml("[compaction]\nsummarizer = \"sometimes\"\n").is_err());
+        assert!(Config::from_toml("[compaction]\nprovider_timeout_secs = 0\n").is_err());
     }
 
     #[test]

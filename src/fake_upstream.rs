@@ -25,6 +25,7 @@ use crate::error::{BodyError, ProxyBody};
 
 pub mod anthropic;
 pub mod provider;
+pub mod provider_compact;
 
 /// The text the automatic replies answer with.
 pub const AUTO_TEXT: &str = "Hello from the fake upstream.";
@@ -280,6 +281,8 @@ struct Shared {
     messages_window: Option<u64>,
     /// The provider's own compaction, when a test turns it on.
     provider: provider::State,
+    /// How the provider's own compaction answers.
+    provider_compact: provider_compact::Behaviour,
 }
 
 /// Request bodies a simulated prompt cache keeps.
@@ -446,6 +449,12 @@ impl FakeUpstream {
         self.lock().provider.compactions
     }
 
+    /// How `/v1/responses/compact` and Messages on-demand compaction
+    /// answer from now on (see [`provider_compact::Behaviour`]).
+    pub fn set_compact_endpoint(&self, behaviour: provider_compact::Behaviour) {
+        self.lock().provider_compact = behaviour;
+    }
+
     /// The most recent request.
     pub fn last(&self) -> Option<Received> {
         self.lock().received.last().cloned()
@@ -483,6 +492,9 @@ impl FakeUpstream {
                 (messages && !sh.forget)
                     .then(|| anthropic::check(&rec.json(), &rec.headers, sh.messages_window))
                     .flatten()
+                    // The provider's compaction answers itself (and refuses a
+                    // compaction item it did not mint).
+                    .or_else(|| provider_compact::answer(&sh.provider_compact, &rec))
             };
             if let Some(refusal) = refusal {
                 (Some(refusal), None, None)

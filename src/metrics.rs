@@ -60,6 +60,21 @@ pub const REASONS: &[&str] = &[
 /// reach); anything else counts as `other`.
 pub const GOALS: &[&str] = &["overflow", "hard_limit", "shrink", "other"];
 
+/// Reasons of `compactor_provider_compaction_fallbacks_total`: why the
+/// provider's compaction gave way to the local summarizer (its answer's
+/// status, no answer in time, an answer that is no compaction, the
+/// endpoint missing, a result that does not fit, a refused compacted
+/// request); anything else counts as `other`.
+pub const PROVIDER_FALLBACK_REASONS: &[&str] = &[
+    "status",
+    "timeout",
+    "invalid",
+    "unsupported",
+    "too_large",
+    "refused",
+    "other",
+];
+
 /// Kinds of `compactor_input_tokens_total`: what the upstream received,
 /// what it would have received without compaction, of those it received
 /// the ones it reported read from its prompt cache, and (observe mode)
@@ -153,6 +168,13 @@ struct GoalLabels {
     goal: &'static str,
 }
 
+/// Labels of `compactor_provider_compaction_fallbacks_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FallbackLabels {
+    /// One of [`PROVIDER_FALLBACK_REASONS`].
+    reason: &'static str,
+}
+
 /// Labels of `compactor_model_context_window`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WindowLabels {
@@ -198,6 +220,8 @@ pub struct Metrics {
     input_tokens: Box<[Counter]>,
     /// `[goal]`: compactions declined because nothing could fit.
     unfittable: Box<[Counter]>,
+    /// `[reason]`: provider compactions the local summarizer replaced.
+    provider_fallbacks: Box<[Counter]>,
     /// Conversation → last request.
     seen: Mutex<Seen>,
 }
@@ -385,6 +409,17 @@ impl Metrics {
             family,
         );
 
+        let (family, provider_fallbacks) = closed_family(
+            PROVIDER_FALLBACK_REASONS
+                .iter()
+                .map(|&reason| FallbackLabels { reason }),
+        );
+        registry.register(
+            "compactor_provider_compaction_fallbacks",
+            "Summary rungs the provider's compaction was asked for and the local summarizer wrote instead, by why",
+            family,
+        );
+
         Metrics {
             registry,
             requests,
@@ -401,6 +436,7 @@ impl Metrics {
             summary_output_tokens,
             input_tokens,
             unfittable,
+            provider_fallbacks,
             seen: Mutex::default(),
         }
     }
@@ -498,6 +534,12 @@ impl Metrics {
     /// [`GOALS`]): call once per such decision.
     pub fn unfittable(&self, goal: &str) {
         self.unfittable[index_of(GOALS, goal)].inc();
+    }
+
+    /// The provider's compaction failed and the local summarizer took
+    /// over (`reason`: one of [`PROVIDER_FALLBACK_REASONS`]).
+    pub fn provider_fallback(&self, reason: &str) {
+        self.provider_fallbacks[index_of(PROVIDER_FALLBACK_REASONS, reason)].inc();
     }
 
     /// A request of `conversation` arrived: call once per proxied request

@@ -7,11 +7,22 @@
 //! scripted sessions, and on ten in other agents' vocabularies with
 //! failures from the corpus. `cargo bench --bench continuity` prints the full
 //! table and runs the real llama-server tier.
+//!
+//! The same sessions as Responses conversations compare the summarizer
+//! settings: `local` with its useless summarizer, and `provider` against a
+//! fake provider whose compaction keeps nothing, where the proxy's facts
+//! (in the newest user message) are all that carries the planted facts.
 
 #[path = "../benches/continuity/sessions.rs"]
 mod sessions;
 
 use std::time::Duration;
+
+use compactor::app::AppState;
+use compactor::config::{Config, ModelConfig, Summarizer};
+use compactor::fake_upstream::provider_compact::Behaviour;
+use compactor::fake_upstream::{FakeUpstream, Received};
+use serde_json::{json, Value};
 
 /// The whole run (24 compactions of ~70k-token sessions) stays under this.
 const WHOLE_RUN: Duration = Duration::from_secs(300);
@@ -110,4 +121,244 @@ async fn window_sweep() {
         "kept/planted per kind and window (200 tokens for the answer)",
         &table,
     );
+}
+
+/// A Chat Completions message as the Responses items it is.
+fn as_responses_items(m: &Value) -> Vec<Value> {
+    let text = |v: &Value| match v {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p["text"].as_str())
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    };
+    let content = text(&m["content"]);
+    match m["role"].as_str().unwrap_or("") {
+        "tool" => vec![json!({"type": "function_call_output",
+            "call_id": m["tool_call_id"], "output": content})],
+        "assistant" => {
+            let mut out = Vec::new();
+            if !content.is_empty() {
+                out.push(json!({"type": "message", "role": "assistant",
+                    "content": [{"type": "output_text", "text": content}]}));
+            }
+            for c in m["tool_calls"].as_array().into_iter().flatten() {
+                out.push(json!({"type": "function_call", "call_id": c["id"],
+                    "name": c["function"]["name"], "arguments": c["function"]["arguments"]}));
+            }
+            out
+        }
+        role => vec![json!({"type": "message", "role": role,
+            "content": [{"type": "input_text", "text": content}]})],
+    }
+}
+
+/// A Chat Completions tool schema as Responses declares it.
+fn as_responses_tool(t: &Value) -> Value {
+    let f = &t["function"];
+    json!({"type": "function", "name": f["name"], "description": f["description"],
+           "parameters": f["parameters"]})
+}
+
+/// What a Responses run of a session gave: its grade, and whether the
+/// compaction's summary was the provider's.
+struct ResponsesRun {
+    graded: sessions::Graded,
+    by_provider: bool,
+}
+
+/// [`sessions::run`] over `/v1/responses`, with `summarizer`.
+async fn run_responses(
+    session: &sessions::Session,
+    fake: &FakeUpstream,
+    cfg: sessions::RunConfig,
+    summarizer: Summarizer,
+) -> ResponsesRun {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let db = dir.path().join("compactor.db");
+    let mut config = Config::default();
+    config.upstream.base_url = fake.url();
+    config.upstream.discover_windows = false;
+    config.store.path = db.display().to_string();
+    config.server.shutdown_grace_secs = 2;
+    config.compaction.background = false;
+    config.compaction.tool_output_max_bytes = cfg.tool_output_max_bytes;
+    config.compaction.summarizer = summarizer;
+    config.models.insert(
+        0,
+        ModelConfig {
+            pattern: sessions::MODEL.into(),
+            context_window: cfg.window,
+            max_output_tokens: Some(cfg.max_output),
+            ..Default::default()
+        },
+    );
+    let state = AppState::open(config).expect("open state");
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let (tx, rx) = tokio::sync::oneshot::channel::<()>();
+    let server = tokio::spawn(compactor::server::run(listener, state, async {
+        let _ = rx.await;
+    }));
+    let before = fake.received().len();
+    let input: Vec<Value> = session
+        .messages
+        .iter()
+        .flat_map(as_responses_items)
+        .collect();
+    let mut body = json!({"model": sessions::MODEL, "input": input});
+    if !session.tools.is_empty() {
+        body["tools"] = session.tools.iter().map(as_responses_tool).collect();
+    }
+    let resp = tokio::time::timeout(
+        sessions::STEP,
+        reqwest::Client::new()
+            .post(format!("http://{addr}/v1/responses"))
+            .header("authorization", "Bearer sk-continuity")
+            .json(&body)
+            .send(),
+    )
+    .await
+    .expect("request timed out")
+    .expect("request");
+    assert_eq!(resp.status(), 200, "{}", session.name);
+    let compaction = resp
+        .headers()
+        .get("x-compactor-compacted")
+        .and_then(|v| v.to_str().ok())
+        .map(String::from);
+    let _ = tokio::time::timeout(sessions::STEP, resp.bytes()).await;
+    let _ = tx.send(());
+    let _ = tokio::time::timeout(sessions::STEP, server).await;
+    let received: Vec<Received> = fake.received()[before..].to_vec();
+    let summary_calls = received
+        .iter()
+        .filter(|r| sessions::is_summary_call(r))
+        .count();
+    let upstream_text = received
+        .iter()
+        .rev()
+        .find(|r| r.path == "/v1/responses")
+        .map(|r| String::from_utf8_lossy(&r.body).into_owned())
+        .unwrap_or_default();
+    let kept = session
+        .facts
+        .iter()
+        .map(|f| {
+            let escaped = serde_json::to_string(&f.needle).unwrap_or_default();
+            let inner = &escaped[1..escaped.len() - 1];
+            (f.kind, upstream_text.contains(inner))
+        })
+        .collect();
+    let row = compaction.and_then(|id| {
+        let conn =
+            rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+                .ok()?;
+        conn.query_row(
+            "SELECT rung, reason FROM compactions WHERE id = ?1",
+            [id],
+            |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)),
+        )
+        .ok()
+    });
+    let by_provider = row
+        .as_ref()
+        .is_some_and(|(_, reason)| reason.ends_with("summary by the provider"));
+    ResponsesRun {
+        graded: sessions::Graded {
+            rung: row.map(|(rung, _)| rung),
+            kept,
+            summary_calls,
+        },
+        by_provider,
+    }
+}
+
+/// The summary rung's windows, for one summarizer setting: its label, and
+/// the run.
+fn summary_windows() -> [(&'static str, sessions::RunConfig); 3] {
+    [
+        ("", sessions::at(sessions::SUMMARY_WINDOW, 8192)),
+        (" tight", sessions::at(sessions::TIGHT_WINDOW, 8192)),
+        (
+            " 1600",
+            sessions::RunConfig {
+                window: sessions::TIGHTEST_WINDOW,
+                max_output: sessions::TIGHTEST_OUTPUT,
+                tool_output_max_bytes: 8192,
+            },
+        ),
+    ]
+}
+
+/// The six sessions as Responses conversations at the summary rung's
+/// windows, with `summarizer = "local"` (a summarizer that writes nothing
+/// useful) and `"provider"` (a provider whose compaction keeps nothing):
+/// with the provider every summary is its own, and the planted facts reach
+/// the upstream as they do locally, at least 95% of them and every kind 5
+/// times in 6 — carried by the proxy's facts in the newest user message.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_facts_survive_a_provider_compaction_that_keeps_nothing() {
+    let run_all = async {
+        let mut table = sessions::Table::new();
+        for (i, s) in sessions::sessions(1.0).iter().enumerate() {
+            let fake = tokio::time::timeout(sessions::STEP, FakeUpstream::start())
+                .await
+                .expect("fake upstream timed out")
+                .expect("fake upstream");
+            fake.set_summary_reply(Some(sessions::useless_summary(i)));
+            fake.set_compact_endpoint(Behaviour::KeepNothing);
+            for (suffix, cfg) in summary_windows() {
+                for summarizer in [Summarizer::Local, Summarizer::Provider] {
+                    let run = run_responses(s, &fake, cfg, summarizer).await;
+                    let mut g = run.graded;
+                    assert!(
+                        g.rung.is_some(),
+                        "{} at {}: not compacted",
+                        s.name,
+                        cfg.window
+                    );
+                    assert_eq!(
+                        run.by_provider,
+                        summarizer == Summarizer::Provider,
+                        "{} at {}: {:?}",
+                        s.name,
+                        cfg.window,
+                        g.rung
+                    );
+                    if summarizer == Summarizer::Provider {
+                        assert_eq!(g.summary_calls, 0, "{}: no local summary", s.name);
+                    }
+                    g.rung = Some(format!("{}{suffix}", summarizer.as_str()));
+                    sessions::report_misses(s.name, &g, &s.facts);
+                    sessions::add(&mut table, &g);
+                }
+            }
+        }
+        table
+    };
+    let table = tokio::time::timeout(WHOLE_RUN, run_all)
+        .await
+        .expect("continuity run timed out");
+    sessions::print_table(
+        "Responses: kept/planted per kind and summarizer (useless summarizer, provider keeping nothing)",
+        &table,
+    );
+    for (rung, kept, planted) in sessions::per_rung(&table) {
+        assert!(
+            kept * 100 >= planted * 95,
+            "{rung}: {kept}/{planted} planted facts kept, under 95%"
+        );
+    }
+    for ((rung, kind), (kept, planted)) in &table {
+        assert!(
+            kept * 6 >= planted * 5,
+            "{rung}, {}: {kept}/{planted}",
+            kind.name()
+        );
+    }
 }

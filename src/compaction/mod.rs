@@ -12,6 +12,7 @@
 //! - [`rewrite`]: applying a stored compaction to a request (longest match)
 //! - [`recall`]: the `compactor_recall` tool that reads back what the cheap
 //!   rungs elided
+//! - [`provider`]: the summary rung's output when the provider compacts
 //! - [`remote`]: compaction the client asks for (`/v1/responses/compact`,
 //!   `compaction_trigger`) and the `compaction` items that stand for it
 //! - [`boundary`]: the provider's own compaction a client asks for, and the
@@ -31,6 +32,7 @@ pub mod fit;
 pub mod items;
 pub mod ladder;
 pub mod policy;
+pub mod provider;
 pub mod recall;
 pub mod remote;
 pub mod rewrite;

@@ -4,6 +4,8 @@
 //! summarizer, stores results, and backs off from clients whose edits keep
 //! compactions from ever matching.
 
+pub mod provider;
+
 use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -98,6 +100,9 @@ pub struct Input {
     pub goal: Goal,
     /// The request's tool definitions (they count against the window).
     pub tools: Option<Tools>,
+    /// The request's top-level `system` (Anthropic Messages), which the
+    /// provider's compaction call sends as the conversation does.
+    pub system: Option<Value>,
     /// Observe mode: the result is recorded as what the proxy would have
     /// done, never applied. `view` is then the client's items and `base`
     /// the would-be compaction before, which is applied here first.
@@ -257,6 +262,9 @@ pub struct Compactions {
     /// (tenant, conversation), oldest first: discarded ones leave no
     /// compaction to show.
     attempts: Mutex<Option<Attempts>>,
+    /// Whether each upstream and model offers the provider's compaction
+    /// (`compaction.summarizer = "auto"`).
+    provider: provider::Support,
 }
 
 /// How long a claim on computing a conversation's compaction lasts: past
@@ -809,6 +817,8 @@ async fn compute<S: Context>(
             };
             Some((rung, prepared, applied))
         });
+    // The summary came from the provider's compaction.
+    let mut by_provider = false;
     let (rung, prepared, applied, summary_text, facts, cost, step) = match cheap {
         Some((rung, prepared, applied)) => (
             rung,
@@ -819,7 +829,7 @@ async fn compute<S: Context>(
             SummaryCost::default(),
             None,
         ),
-        None => {
+        None => 'summary: {
             // Decided from the counts before a summarizer call is paid for:
             // the facts of everything after the leading items bound the
             // smallest summary of any cut.
@@ -876,6 +886,33 @@ async fn compute<S: Context>(
             // the summary's, its size the facts' plus the answer it would
             // have asked for (see below).
             let estimate = input.observe && !state.config().compaction.observe_summaries;
+            let delegated = if !input.observe && provider::wanted(state, &input) {
+                let rung = provider::Rung {
+                    view,
+                    tokens: &tokens,
+                    hashes: &hashes,
+                    plan: &plan,
+                    params: &params,
+                    facts: &facts,
+                    limit,
+                    base,
+                };
+                provider::summary_rung(state, &input, rung, &count).await
+            } else {
+                None
+            };
+            if let Some(d) = delegated {
+                by_provider = true;
+                break 'summary (
+                    Rung::Summary,
+                    prepared,
+                    d.applied,
+                    Some(d.facts_text),
+                    Some(facts),
+                    d.cost,
+                    Some(plan.step),
+                );
+            }
             let (narrative, cost) = if estimate {
                 (None, SummaryCost::default())
             } else {
@@ -927,6 +964,10 @@ async fn compute<S: Context>(
         Some(s) if s != fit::Step::Ladder => format!("{}; escalated: {}", input.reason, s.as_str()),
         _ => input.reason.clone(),
     };
+    if by_provider {
+        reason.push_str("; ");
+        reason.push_str(crate::compaction::provider::PROVIDER_REASON);
+    }
     if input.observe {
         reason.push_str("; observed");
         if rung == Rung::Summary && cost.calls == 0 {
@@ -935,8 +976,9 @@ async fn compute<S: Context>(
     }
     let replacement = match input.api {
         // A valid start of a Messages request (see `wire::messages`).
-        // A provider compaction block and what precedes it go as sent.
-        Api::Messages => {
+        // A provider compaction block and what precedes it go as sent; the
+        // provider's own window is one already, its kept turns as they came.
+        Api::Messages if !by_provider => {
             // The replacement starts with the view's items up to the lead.
             let keep = match crate::compaction::boundary::floor(&applied.replacement) {
                 0 => 0,

@@ -82,7 +82,17 @@ pub fn check(body: &Value, headers: &http::HeaderMap, window: Option<u64>) -> Op
             json!({"type": "error", "error": {"type": "invalid_request_error", "message": message}}),
         ))
     };
+    if let Some(refusal) = super::provider_compact::messages_refusal(body, headers) {
+        return Some(refusal);
+    }
+    // A compaction block is judged as the messages it stands for.
+    let expanded = super::provider_compact::expanded(body);
     let msgs = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .map(Vec::as_slice)
+        .unwrap_or_default();
+    let judged = expanded
         .get("messages")
         .and_then(Value::as_array)
         .map(Vec::as_slice)
@@ -93,7 +103,7 @@ pub fn check(body: &Value, headers: &http::HeaderMap, window: Option<u64>) -> Op
             .unwrap_or("")
             .to_string()
     };
-    let conversational: Vec<&Value> = msgs.iter().filter(|m| role(m) != "system").collect();
+    let conversational: Vec<&Value> = judged.iter().filter(|m| role(m) != "system").collect();
     if conversational.first().is_some_and(|m| role(m) != "user") {
         return refuse("messages: the first message must use the \"user\" role".into());
     }
@@ -197,6 +207,9 @@ pub fn prompt_tokens(body: &Value) -> u64 {
 /// The signature of a thinking block at `messages[i].content[j]`: a hash
 /// of everything before it, `cache_control` left out.
 pub fn signature(body: &Value, i: usize, j: usize) -> String {
+    // Bound to what a compaction block before it stands for.
+    let (body, i) = &super::provider_compact::expanded_at(body, i);
+    let (body, i) = (body, *i);
     let msgs = body
         .get("messages")
         .and_then(Value::as_array)

@@ -45,13 +45,30 @@ async fn count(
     )
     .await?;
     let tenant = tenant_of(&state.tenant_salt, wire::credential(&parts.headers));
-    let (bytes, drop_block) = compacted(state, &tenant, &raw).unwrap_or((raw, false));
+    let applied = compacted(state, &tenant, &raw);
+    // A provider's compaction block in what is counted needs its beta.
+    let compact_beta = applied.as_ref().is_some_and(|(b, _)| {
+        serde_json::from_slice::<Value>(b).is_ok_and(|v| {
+            v["messages"]
+                .as_array()
+                .is_some_and(|m| crate::compaction::provider::carries_block(m))
+        })
+    });
+    let (bytes, drop_block) = applied.unwrap_or((raw, false));
     let url = state.upstream.url(ENDPOINT, parts.uri.query())?;
     let mut headers = state
         .upstream
         .request_headers_for(Api::Messages, &parts.headers, true);
     if drop_block {
         messages::add_binding_beta(&mut headers);
+    }
+    if compact_beta {
+        let beta = crate::compaction::provider::with_beta(
+            headers.get("anthropic-beta").and_then(|v| v.to_str().ok()),
+        );
+        if let Ok(v) = http::HeaderValue::from_str(&beta) {
+            headers.insert("anthropic-beta", v);
+        }
     }
     let resp = state
         .upstream

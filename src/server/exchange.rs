@@ -146,7 +146,8 @@ impl PendingExchange {
                 .map_or(0, |t| messages::breakpoints(t.value()))
                 + self.body.get("system").map_or(0, messages::breakpoints);
             let mut values = view.into_values();
-            self.drop_block = messages::finish_view(&mut values, c.replacement.len(), outside);
+            self.drop_block = messages::finish_view(&mut values, c.replacement.len(), outside)
+                || crate::compaction::provider::keeps_thinking(&c.replacement);
             values.into()
         } else {
             view
@@ -188,11 +189,28 @@ impl PendingExchange {
     /// The headers of an attempt: `headers`, with the beta a request that
     /// lets the API drop a thinking block needs.
     pub fn upstream_headers<'a>(&self, headers: &'a http::HeaderMap) -> Cow<'a, http::HeaderMap> {
-        if !self.drop_block {
+        // A provider's compaction block in the view: every request carrying
+        // it needs the beta it was made under.
+        let compact_beta = self.api == Api::Messages
+            && self
+                .compaction
+                .as_ref()
+                .is_some_and(|c| crate::compaction::provider::carries_block(&c.replacement));
+        if !self.drop_block && !compact_beta {
             return Cow::Borrowed(headers);
         }
         let mut out = headers.clone();
-        messages::add_binding_beta(&mut out);
+        if self.drop_block {
+            messages::add_binding_beta(&mut out);
+        }
+        if compact_beta {
+            let beta = crate::compaction::provider::with_beta(
+                out.get("anthropic-beta").and_then(|v| v.to_str().ok()),
+            );
+            if let Ok(v) = http::HeaderValue::from_str(&beta) {
+                out.insert("anthropic-beta", v);
+            }
+        }
         Cow::Owned(out)
     }
 
@@ -272,6 +290,9 @@ impl PendingExchange {
             whole,
             goal: engine::Goal::Shrink,
             tools: self.tools.clone(),
+            system: (self.api == Api::Messages)
+                .then(|| self.body.get("system").cloned())
+                .flatten(),
             observe,
             provider_compaction: crate::compaction::boundary::asks_provider_compaction(
                 self.api, &self.body,

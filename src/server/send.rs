@@ -14,7 +14,7 @@ use futures_util::StreamExt;
 use http::header;
 use http::Method;
 
-use super::exchange::Unanswered;
+use super::exchange::{PendingExchange, Unanswered};
 use super::gather::{take_delivered, UpstreamStream};
 use super::identify::compact_on_overflow;
 use crate::app::AppState;
@@ -152,6 +152,14 @@ pub(super) async fn send(
             (next, Ok(got)) => match next {
                 Next::CompactAndRetry => got,
                 Next::ResendUncompacted => {
+                    // The provider's compaction refused: the local
+                    // summarizer's in its place, in this request.
+                    if let Answer::Error(status, ..) = &got.0 {
+                        if local_instead(state, pending, *status).await {
+                            tried.stale_retried = false;
+                            continue;
+                        }
+                    }
                     if let Answer::Error(status, ..) = &got.0 {
                         tracing::warn!(%status, "compacted request refused; resending it uncompacted");
                     }
@@ -194,6 +202,36 @@ pub(super) async fn send(
         tried.stale_retried = false;
         state.metrics.reactive_retry();
     }
+}
+
+/// A compacted request refused whose summary was the provider's
+/// (`engine::provider::refused`): compacted again from the client's items
+/// with the local summarizer. False when it was no provider compaction, or
+/// no local one could be made (the client's items are then what goes).
+async fn local_instead(
+    state: &Arc<AppState>,
+    pending: &mut PendingExchange,
+    status: http::StatusCode,
+) -> bool {
+    let Some(c) = pending.compaction.clone() else {
+        return false;
+    };
+    if !crate::engine::provider::refused(
+        state,
+        &pending.tenant,
+        &pending.ident.conversation,
+        &c,
+        status,
+    ) {
+        return false;
+    }
+    pending.unapply();
+    let trigger = c
+        .reason
+        .trim_end_matches(crate::compaction::provider::PROVIDER_REASON)
+        .trim_end_matches("; ");
+    let reason = format!("{trigger}; the provider's compaction refused upstream ({status})");
+    super::identify::compact_now(state, pending, reason, crate::engine::Goal::Shrink).await
 }
 
 /// Reads as much of an answer as the decision needs: an error answer
