@@ -6,6 +6,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand, ValueEnum};
 
+mod audit;
 pub mod connect;
 pub mod doctor;
 
@@ -96,6 +97,10 @@ pub enum ConversationsCommand {
     Show {
         /// Conversation id (or a unique prefix of one).
         id: String,
+        /// Show only its Nth compaction (1 is the oldest), with its facts
+        /// checklist, what was forgotten and the items it removed.
+        #[arg(long, value_name = "N")]
+        compaction: Option<usize>,
         /// Where the store is.
         #[command(flatten)]
         store: StoreArgs,
@@ -630,6 +635,30 @@ fn conversations(cmd: ConversationsCommand) -> ExitCode {
                     terminal_safe(&render_list(&list))
                 }
             })
+        }
+        ConversationsCommand::Show {
+            id,
+            compaction: Some(n),
+            ..
+        } => {
+            let shown = query::show(&*conn, &config, id)
+                .map_err(|e| e.to_string())
+                .and_then(|d| {
+                    audit::pick(&d, *n).map(|k| {
+                        if json {
+                            to_json(k, false)
+                        } else {
+                            terminal_safe(&audit::render(k, &render_compaction(*n, k)))
+                        }
+                    })
+                });
+            return match shown {
+                Ok(text) => print_out(&text),
+                Err(e) => {
+                    eprintln!("compactor: {e}");
+                    ExitCode::FAILURE
+                }
+            };
         }
         ConversationsCommand::Show { id, .. } => query::show(&*conn, &config, id).map(|d| {
             if json {

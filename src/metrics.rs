@@ -153,6 +153,28 @@ struct GoalLabels {
     goal: &'static str,
 }
 
+/// Labels of `compactor_compaction_facts_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FactLabels {
+    /// One of [`FACT_KINDS`].
+    kind: &'static str,
+    /// One of [`FACT_STATES`].
+    state: &'static str,
+}
+
+/// Kind labels of `compactor_compaction_facts_total`.
+pub const FACT_KINDS: &[&str] = &[
+    "task",
+    "file",
+    "failure",
+    "decision",
+    "constraint",
+    "next_step",
+];
+
+/// State labels of `compactor_compaction_facts_total`.
+pub const FACT_STATES: &[&str] = &["kept", "repaired", "forgotten"];
+
 /// Labels of `compactor_model_context_window`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WindowLabels {
@@ -200,6 +222,8 @@ pub struct Metrics {
     unfittable: Box<[Counter]>,
     /// Conversation → last request.
     seen: Mutex<Seen>,
+    /// `[kind][state]` of the facts compactions' audits checked.
+    facts: Box<[Counter]>,
 }
 
 /// When each conversation last sent a request, keyed by a 64-bit hash of
@@ -385,6 +409,17 @@ impl Metrics {
             family,
         );
 
+        let (family, facts) = closed_family(FACT_KINDS.iter().flat_map(|&kind| {
+            FACT_STATES
+                .iter()
+                .map(move |&state| FactLabels { kind, state })
+        }));
+        registry.register(
+            "compactor_compaction_facts",
+            "Facts the proxy extracted from the items compactions replaced, by kind and by what became of them: kept (in the compacted request), repaired (added to its facts message before it was used), forgotten (no room within the request's limit)",
+            family,
+        );
+
         Metrics {
             registry,
             requests,
@@ -402,6 +437,7 @@ impl Metrics {
             input_tokens,
             unfittable,
             seen: Mutex::default(),
+            facts,
         }
     }
 
@@ -463,6 +499,16 @@ impl Metrics {
     /// once per compaction stored with the `fallback` rung.
     pub fn summary_fallback(&self) {
         self.summary_fallbacks.inc();
+    }
+
+    /// A stored compaction's audit: call once per compaction applied to
+    /// requests (not observed), counting each fact of its checklist.
+    pub fn facts_audited(&self, audit: &crate::compaction::summary::Audit) {
+        for f in &audit.facts {
+            let k = index_of(FACT_KINDS, f.kind.as_str());
+            let s = index_of(FACT_STATES, f.state.as_str());
+            self.facts[k * FACT_STATES.len() + s].inc();
+        }
     }
 
     /// The upstream said the prompt did not fit and the proxy retried with a

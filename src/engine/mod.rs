@@ -925,16 +925,37 @@ async fn compute<S: Context>(
             reason.push_str(", summary size estimated without a summarizer call");
         }
     }
+    // The summary rungs extracted the facts already; the cheap rungs did not.
+    let extracted = summary_text.as_ref().and(facts.as_ref());
+    let tail_len = applied.tail_len;
+    let audited = audit(
+        view,
+        &hashes,
+        base,
+        extracted,
+        &prepared,
+        applied,
+        &count,
+        {
+            let ceiling = match input.goal {
+                Goal::Shrink => limit.min(params.target_tokens.max(after)),
+                _ => limit,
+            };
+            ceiling.min(prepared.before.saturating_sub(1)).max(after)
+        },
+    );
+    let after = audited.after;
+    let summary_text = audited.summary.or(summary_text);
     let replacement = match input.api {
         // A valid start of a Messages request (see `wire::messages`).
         Api::Messages => crate::wire::messages::finish_replacement(
-            applied.replacement,
+            audited.replacement,
             crate::compaction::items::is_summary,
         ),
-        _ => applied.replacement,
+        _ => audited.replacement,
     };
     let covered_chain = input.chains[prepared.covered_len - 1];
-    let items_kept = prepared.lead + kept_users + applied.tail_len;
+    let items_kept = prepared.lead + kept_users + tail_len;
     let c = Compaction {
         id: crate::ids::new_compaction_id(),
         tenant: input.tenant.clone(),
@@ -956,6 +977,7 @@ async fn compute<S: Context>(
         summary_output_tokens: cost.output_tokens,
         tokens_saved: (prepared.before - after) + base.map(Compaction::saved).unwrap_or(0),
         observed: input.observe,
+        audit: Some(audited.audit),
         duration_ms: started.elapsed().as_millis() as u64,
         created_ms: crate::ids::now_ms(),
     };
@@ -970,6 +992,9 @@ async fn compute<S: Context>(
             crate::metrics::reason_kind(&c.reason),
             c.tokens_before.saturating_sub(c.tokens_after),
         );
+    }
+    if let (false, Some(a)) = (c.observed, &c.audit) {
+        state.metrics().facts_audited(a);
     }
     if c.rung == Rung::Fallback {
         state.metrics().summary_fallback();
@@ -988,6 +1013,52 @@ async fn compute<S: Context>(
         "compacted"
     );
     Ok(c)
+}
+
+/// The audit of a compaction about to be stored: the facts the proxy
+/// extracted from the compacted part (the summary's own, or, for the cheap
+/// rungs, extracted here) checked against the request it makes (its
+/// replacement and the tail sent verbatim after it), the absent ones
+/// restored to its facts message within `ceiling` tokens, and the refs of
+/// the view's items it does not send as they were.
+fn audit(
+    view: &[Value],
+    hashes: &[ItemHash],
+    base: Option<&Compaction>,
+    extracted: Option<&summary::Facts>,
+    prepared: &crate::compaction::Prepared,
+    applied: fit::Applied,
+    count: &dyn Fn(&Value) -> u64,
+    ceiling: u64,
+) -> summary::Audited {
+    let compacted = view.len() - applied.tail_len;
+    let own;
+    let facts = match extracted {
+        Some(f) => f,
+        None => {
+            own = summary::extract_facts(
+                &view[prepared.lead..prepared.cut.min(compacted)],
+                base.and_then(|b| b.facts.as_ref()),
+            );
+            &own
+        }
+    };
+    let sent: std::collections::HashSet<ItemHash> =
+        applied.replacement.iter().map(item_hash).collect();
+    let removed = hashes[..compacted]
+        .iter()
+        .filter(|h| !sent.contains(*h))
+        .map(crate::compaction::ladder::archive_ref)
+        .collect();
+    summary::audit_and_repair(
+        facts,
+        applied.replacement,
+        &view[compacted..],
+        applied.after,
+        ceiling,
+        removed,
+        count,
+    )
 }
 
 /// After an exchange: decides from its usage and, past the trigger, starts a
