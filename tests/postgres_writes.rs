@@ -148,6 +148,7 @@ fn compaction(id: &str) -> Compaction {
         summary_output_tokens: 10,
         tokens_saved: 800,
         observed: false,
+        audit: None,
         duration_ms: 9,
         created_ms: 1_000,
     }

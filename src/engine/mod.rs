@@ -926,24 +926,26 @@ async fn compute<S: Context>(
         }
     }
     // The summary rungs extracted the facts already; the cheap rungs did not.
-    let extracted = summary_text.as_ref().and(facts.as_ref());
+    let extracted;
+    let audit_facts = match summary_text.as_ref().and(facts.as_ref()) {
+        Some(f) => f,
+        None => {
+            let compacted = view.len() - applied.tail_len;
+            extracted = summary::extract_facts(
+                &view[prepared.lead..prepared.cut.min(compacted)],
+                base.and_then(|b| b.facts.as_ref()),
+            );
+            &extracted
+        }
+    };
     let tail_len = applied.tail_len;
-    let audited = audit(
-        view,
-        &hashes,
-        base,
-        extracted,
-        &prepared,
-        applied,
-        &count,
-        {
-            let ceiling = match input.goal {
-                Goal::Shrink => limit.min(params.target_tokens.max(after)),
-                _ => limit,
-            };
-            ceiling.min(prepared.before.saturating_sub(1)).max(after)
-        },
-    );
+    let audited = audit(view, &hashes, audit_facts, applied, &count, {
+        let ceiling = match input.goal {
+            Goal::Shrink => limit.min(params.target_tokens.max(after)),
+            _ => limit,
+        };
+        ceiling.min(prepared.before.saturating_sub(1)).max(after)
+    });
     let after = audited.after;
     let summary_text = audited.summary.or(summary_text);
     let replacement = match input.api {
@@ -1015,34 +1017,20 @@ async fn compute<S: Context>(
     Ok(c)
 }
 
-/// The audit of a compaction about to be stored: the facts the proxy
-/// extracted from the compacted part (the summary's own, or, for the cheap
-/// rungs, extracted here) checked against the request it makes (its
+/// The audit of a compaction about to be stored: `facts`, those the proxy
+/// extracted from the compacted part, checked against the request it makes (its
 /// replacement and the tail sent verbatim after it), the absent ones
 /// restored to its facts message within `ceiling` tokens, and the refs of
 /// the view's items it does not send as they were.
 fn audit(
     view: &[Value],
     hashes: &[ItemHash],
-    base: Option<&Compaction>,
-    extracted: Option<&summary::Facts>,
-    prepared: &crate::compaction::Prepared,
+    facts: &summary::Facts,
     applied: fit::Applied,
     count: &dyn Fn(&Value) -> u64,
     ceiling: u64,
 ) -> summary::Audited {
     let compacted = view.len() - applied.tail_len;
-    let own;
-    let facts = match extracted {
-        Some(f) => f,
-        None => {
-            own = summary::extract_facts(
-                &view[prepared.lead..prepared.cut.min(compacted)],
-                base.and_then(|b| b.facts.as_ref()),
-            );
-            &own
-        }
-    };
     let sent: std::collections::HashSet<ItemHash> =
         applied.replacement.iter().map(item_hash).collect();
     let removed = hashes[..compacted]
