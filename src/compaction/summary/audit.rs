@@ -180,25 +180,35 @@ pub fn repair_block(facts: &[&Check]) -> Option<String> {
     if facts.is_empty() {
         return None;
     }
-    let mut s = format!(
-        "## FACTS RESTORED\n{FACTS_LABEL}: facts of the compacted items the rest of this message does not hold"
-    );
+    let mut s = repair_header();
     for f in facts {
-        let label = match f.kind {
-            FactKind::Task => "task",
-            FactKind::File => "changed file",
-            FactKind::Failure => "failure",
-            FactKind::Decision => "decision",
-            FactKind::Constraint => "the user's request",
-            FactKind::NextStep => "next step",
-        };
-        if f.kind == FactKind::Failure || f.fact.contains('\n') {
-            s.push_str(&format!("\n- {label}:\n{}", fenced(&f.fact, "text")));
-        } else {
-            s.push_str(&format!("\n- {label}: {}", f.fact));
-        }
+        s.push_str(&repair_line(f));
     }
     Some(s)
+}
+
+/// The heading of a repair block.
+fn repair_header() -> String {
+    format!(
+        "## FACTS RESTORED\n{FACTS_LABEL}: facts of the compacted items the rest of this message does not hold"
+    )
+}
+
+/// One restored fact of a repair block.
+fn repair_line(f: &Check) -> String {
+    let label = match f.kind {
+        FactKind::Task => "task",
+        FactKind::File => "changed file",
+        FactKind::Failure => "failure",
+        FactKind::Decision => "decision",
+        FactKind::Constraint => "the user's request",
+        FactKind::NextStep => "next step",
+    };
+    if f.kind == FactKind::Failure || f.fact.contains('\n') {
+        format!("\n- {label}:\n{}", fenced(&f.fact, "text"))
+    } else {
+        format!("\n- {label}: {}", f.fact)
+    }
 }
 
 /// The text a checklist is checked against: every string of `items`,
@@ -282,15 +292,16 @@ pub fn audit_and_repair(
         let t = after - old_tokens.min(after) + count(&m);
         Some((m, t))
     };
-    // Each fact is tried on its own estimate (its block's tokens), the
-    // chosen ones counted whole once; over the ceiling, the last chosen
-    // give way until the message fits.
-    let base_block = count(&user_message(repair_block(&[]).unwrap_or_default()));
+    // Each fact is tried on its own estimate (the tokens its line adds to
+    // the message), the chosen ones counted whole once; over the ceiling,
+    // the last chosen give way until the message fits.
+    let header = repair_header();
+    let empty = count(&message(&header));
+    let alone = count(&user_message(header.clone()));
     let mut chosen: Vec<&Check> = Vec::new();
-    let mut estimate = after + base_block;
+    let mut estimate = (after - old_tokens.min(after)) + empty;
     for m in missing {
-        let t =
-            count(&user_message(repair_block(&[m]).unwrap_or_default())).saturating_sub(base_block);
+        let t = count(&user_message(format!("{header}{}", repair_line(m)))).saturating_sub(alone);
         if estimate + t <= ceiling {
             estimate += t;
             chosen.push(m);
@@ -392,6 +403,123 @@ mod tests {
         // It round-trips as stored.
         let back: Audit = serde_json::from_str(&serde_json::to_string(&a).unwrap()).unwrap();
         assert_eq!(back, a);
+    }
+
+    /// Tokens as a quarter of the item's JSON bytes.
+    fn quarter(v: &Value) -> u64 {
+        v.to_string().len() as u64 / 4
+    }
+
+    /// Within a ceiling, the first to keep are restored first and the rest
+    /// are recorded forgotten; with no summary message, the facts message
+    /// goes after the leading system items, where no later compaction takes
+    /// it for the task.
+    #[test]
+    fn a_repair_restores_the_first_to_keep_within_the_ceiling() {
+        let mut f = sample_facts();
+        f.constraints = vec!["Never change the cookie name.".into()];
+        f.next_steps = vec!["Next step: rerun pytest -k cookie".into()];
+        let replacement = vec![
+            json!({"role": "system", "content": "be brief"}),
+            json!({"role": "assistant", "content": "ok"}),
+        ];
+        let tail = [json!({"role": "user", "content": "go on"})];
+        let after: u64 = replacement.iter().chain(&tail).map(quarter).sum();
+        // Room for everything.
+        let all = audit_and_repair(
+            &f,
+            replacement.clone(),
+            &tail,
+            after,
+            u64::MAX,
+            vec![],
+            &quarter,
+        );
+        assert!(
+            all.audit
+                .facts
+                .iter()
+                .all(|a| a.state == FactState::Repaired),
+            "{:?}",
+            all.audit
+        );
+        assert_eq!(all.replacement.len(), 3);
+        let facts_message = text_of(&all.replacement[1]);
+        assert!(facts_message.starts_with("<compactor_facts>"));
+        assert!(super::super::is_injected(&facts_message));
+        assert_eq!(
+            all.after,
+            all.replacement
+                .iter()
+                .chain(&tail)
+                .map(quarter)
+                .sum::<u64>()
+        );
+        // Room for the task and the next step only.
+        let some = Check {
+            kind: FactKind::Task,
+            fact: f.task.clone().unwrap(),
+            present: false,
+        };
+        let next = Check {
+            kind: FactKind::NextStep,
+            fact: f.next_steps[0].clone(),
+            present: false,
+        };
+        let room = quarter(&user_message(format!(
+            "<compactor_facts>\n{}\n</compactor_facts>",
+            repair_block(&[&some, &next]).unwrap()
+        )));
+        let tight = audit_and_repair(
+            &f,
+            replacement.clone(),
+            &tail,
+            after,
+            after + room,
+            vec![],
+            &quarter,
+        );
+        assert!(tight.after <= after + room);
+        let state = |k: FactKind| {
+            tight
+                .audit
+                .facts
+                .iter()
+                .find(|a| a.kind == k)
+                .map(|a| a.state)
+        };
+        assert_eq!(state(FactKind::Task), Some(FactState::Repaired));
+        assert_eq!(state(FactKind::NextStep), Some(FactState::Repaired));
+        assert_eq!(state(FactKind::Constraint), Some(FactState::Forgotten));
+        // No room at all: nothing changes, everything absent is forgotten.
+        let none = audit_and_repair(
+            &f,
+            replacement.clone(),
+            &tail,
+            after,
+            after,
+            vec![],
+            &quarter,
+        );
+        assert_eq!(none.replacement, replacement);
+        assert!(none
+            .audit
+            .facts
+            .iter()
+            .all(|a| a.state == FactState::Forgotten));
+        // A summary message takes the restored facts itself.
+        let mut with_summary = replacement.clone();
+        with_summary.insert(
+            1,
+            user_message("[compactor summary of 3 earlier items]\n## TASK\n".into()),
+        );
+        let s = audit_and_repair(&f, with_summary, &tail, after, u64::MAX, vec![], &quarter);
+        assert_eq!(s.replacement.len(), 3);
+        let text = s.summary.expect("the summary changed");
+        assert!(
+            text.contains("## FACTS RESTORED") && text.contains("KeyError: 'session'"),
+            "{text}"
+        );
     }
 
     #[test]
