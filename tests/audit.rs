@@ -299,7 +299,7 @@ async fn a_fact_the_prune_stub_drops_is_repaired_into_a_facts_message_and_counte
     assert_eq!(series(&scrape, FACTS, "kind=\"task\",state=\"kept\""), 1);
 }
 
-/// A history whose facts alone are over a 1,600-token window's room: a
+/// A history whose facts alone are over a 1,300-token window's room: a
 /// dozen long constraints and decisions besides the task, the failure and
 /// the next step. The first constraint carries an escape sequence, as a
 /// client may send.
@@ -334,7 +334,7 @@ fn config_file(h: &Harness) -> std::path::PathBuf {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_a_window_too_small_for_every_fact_the_lowest_are_recorded_forgotten_and_shown() {
-    let h = Harness::start_with(window(1600, 200)).await;
+    let h = Harness::start_with(window(1300, 200)).await;
     h.fake
         .set_summary_reply(Some("I could not summarize this.".into()));
     let (status, conversation) = chat(&h, &crowded_history()).await;
