@@ -1072,7 +1072,7 @@ pub async fn run(
         );
     }
     let rung = compaction.and_then(|id| {
-        report_audit(&db, &id, &session.name, cfg.window);
+        report_audit(&db, &id, session.name, cfg.window);
         rung_of(&db, &id)
     });
     Graded {
