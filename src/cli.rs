@@ -907,6 +907,7 @@ fn render_compaction(n: usize, k: &CompactionRow) -> String {
         thousands(k.items_kept),
         k.reason,
     );
+    out.extend(audit::summary_line(k));
     match &k.summary {
         Some(text) => {
             out.push_str("     summary:\n");

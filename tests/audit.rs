@@ -414,6 +414,20 @@ async fn at_a_window_too_small_for_every_fact_the_lowest_are_recorded_forgotten_
     );
     assert!(out.contains("\\u{1b}[31m"), "{out}");
     assert!(out.contains("removed: "), "{out}");
+    // The timeline counts them.
+    let (code, timeline, err) = cli(
+        &["conversations", "show", &conversation, "--config", config],
+        &[],
+    )
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(
+        timeline.contains(&format!(
+            "repaired, {} forgotten (the checklist: --compaction N)",
+            forgotten.len()
+        )),
+        "{timeline}"
+    );
     // As JSON, the compaction with its audit.
     let (code, json_out, err) = cli(
         &[

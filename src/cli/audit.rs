@@ -23,6 +23,19 @@ pub fn pick(d: &ConversationDetail, n: usize) -> Result<&CompactionRow, String> 
         })
 }
 
+/// The timeline's line for `k`'s audit: how many facts it kept, repaired
+/// and forgot (`None` for a compaction stored before audits were kept).
+pub fn summary_line(k: &CompactionRow) -> Option<String> {
+    let a = k.audit.as_ref()?;
+    let count = |s: FactState| a.facts.iter().filter(|f| f.state == s).count();
+    Some(format!(
+        "     facts: {} kept, {} repaired, {} forgotten (the checklist: --compaction N)\n",
+        count(FactState::Present),
+        count(FactState::Repaired),
+        count(FactState::Forgotten),
+    ))
+}
+
 /// One fact as a checklist line (a multi-line fact, a failure block, with
 /// its further lines indented under it).
 fn fact_line(f: &AuditedFact) -> String {
