@@ -466,3 +466,27 @@ async fn at_a_window_too_small_for_every_fact_the_lowest_are_recorded_forgotten_
         "{err}"
     );
 }
+
+/// Observe mode's would-be compaction carries its audit too (what it would
+/// have kept), and is not counted with the compactions that apply.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_observed_compaction_is_audited_and_not_counted() {
+    let h = Harness::start_with(|c| {
+        window(3000, 300)(c);
+        c.compaction.background = true;
+        c.compaction.mode = compactor::config::Mode::Observe;
+    })
+    .await;
+    let history = planted_history(10, 1200);
+    let (_, conversation) = chat(&h, &history).await;
+    wait_compactions(&h, 1).await;
+    let audit = audit_of(&h, &conversation).await;
+    let checks = lines(&audit);
+    assert!(
+        checks.iter().any(|c| c.0 == "task" && c.1 == TASK),
+        "{checks:?}"
+    );
+    assert!(checks.iter().all(|c| c.2 != "forgotten"), "{checks:?}");
+    let scrape = h.scrape().await;
+    assert_eq!(series(&scrape, FACTS, "kind=\"task\",state=\"kept\""), 0);
+}

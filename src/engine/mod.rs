@@ -947,7 +947,9 @@ async fn compute<S: Context>(
         ceiling.min(prepared.before.saturating_sub(1)).max(after)
     });
     let after = audited.after;
-    let summary_text = audited.summary.or(summary_text);
+    // A cheap rung over an earlier summary restores facts into that
+    // summary's message, which stays the earlier compaction's text.
+    let summary_text = summary_text.map(|t| audited.summary.unwrap_or(t));
     let replacement = match input.api {
         // A valid start of a Messages request (see `wire::messages`).
         Api::Messages => crate::wire::messages::finish_replacement(
