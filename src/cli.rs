@@ -6,6 +6,7 @@ use std::io::Write;
 use std::process::ExitCode;
 
 mod args;
+mod audit;
 pub mod connect;
 pub mod doctor;
 mod maintain;

@@ -175,6 +175,28 @@ struct FallbackLabels {
     reason: &'static str,
 }
 
+/// Labels of `compactor_compaction_facts_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct FactLabels {
+    /// One of [`FACT_KINDS`].
+    kind: &'static str,
+    /// One of [`FACT_STATES`].
+    state: &'static str,
+}
+
+/// Kind labels of `compactor_compaction_facts_total`.
+pub const FACT_KINDS: &[&str] = &[
+    "task",
+    "file",
+    "failure",
+    "decision",
+    "constraint",
+    "next_step",
+];
+
+/// State labels of `compactor_compaction_facts_total`.
+pub const FACT_STATES: &[&str] = &["kept", "repaired", "forgotten"];
+
 /// Labels of `compactor_model_context_window`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WindowLabels {
@@ -224,6 +246,8 @@ pub struct Metrics {
     provider_fallbacks: Box<[Counter]>,
     /// Conversation → last request.
     seen: Mutex<Seen>,
+    /// `[kind][state]` of the facts compactions' audits checked.
+    facts: Box<[Counter]>,
 }
 
 /// When each conversation last sent a request, keyed by a 64-bit hash of
@@ -420,6 +444,17 @@ impl Metrics {
             family,
         );
 
+        let (family, facts) = closed_family(FACT_KINDS.iter().flat_map(|&kind| {
+            FACT_STATES
+                .iter()
+                .map(move |&state| FactLabels { kind, state })
+        }));
+        registry.register(
+            "compactor_compaction_facts",
+            "Facts the proxy extracted from the items compactions replaced, by kind and by what became of them: kept (in the compacted request), repaired (added to its facts message before it was used), forgotten (no room within the request's limit)",
+            family,
+        );
+
         Metrics {
             registry,
             requests,
@@ -438,6 +473,7 @@ impl Metrics {
             unfittable,
             provider_fallbacks,
             seen: Mutex::default(),
+            facts,
         }
     }
 
@@ -499,6 +535,16 @@ impl Metrics {
     /// once per compaction stored with the `fallback` rung.
     pub fn summary_fallback(&self) {
         self.summary_fallbacks.inc();
+    }
+
+    /// A stored compaction's audit: call once per compaction applied to
+    /// requests (not observed), counting each fact of its checklist.
+    pub fn facts_audited(&self, audit: &crate::compaction::summary::Audit) {
+        for f in &audit.facts {
+            let k = index_of(FACT_KINDS, f.kind.as_str());
+            let s = index_of(FACT_STATES, f.state.as_str());
+            self.facts[k * FACT_STATES.len() + s].inc();
+        }
     }
 
     /// The upstream said the prompt did not fit and the proxy retried with a

@@ -240,6 +240,20 @@ async fn the_admin_page_lists_the_conversation_and_shows_its_compaction() {
         dom.contains("TASK: make the parser stream &lt;fast&gt; &amp; safely."),
         "the summary text:\n{dom}"
     );
+    // Under the compaction, its facts checklist: the task kept, nothing
+    // forgotten, the task's text as text.
+    assert!(
+        dom.contains(r#"<details class="audit">"#),
+        "the checklist, closed when nothing was forgotten:\n{dom}"
+    );
+    assert!(
+        dom.contains(r#"<tr data-state="present" data-kind="task"><td>kept</td><td>task</td><td><pre>TASK: make the parser stream &lt;fast&gt; &amp; safely.</pre></td></tr>"#),
+        "the task on the checklist:\n{dom}"
+    );
+    assert!(
+        dom.contains("What was forgotten: </strong>nothing, every extracted fact reached the compacted request"),
+        "{dom}"
+    );
     assert_eq!(
         dom.matches(r#"<tr class="exchange">"#).count(),
         history.len() / 2,

@@ -1071,11 +1071,52 @@ pub async fn run(
             session.name, cfg.window
         );
     }
-    let rung = compaction.and_then(|id| rung_of(&db, &id));
+    let rung = compaction.and_then(|id| {
+        report_audit(&db, &id, session.name, cfg.window);
+        rung_of(&db, &id)
+    });
     Graded {
         rung,
         kept,
         summary_calls,
+    }
+}
+
+/// Says on stderr which facts the compaction's own audit recorded as
+/// repaired or forgotten, when any were.
+fn report_audit(db: &PathBuf, id: &str, session: &str, window: u64) {
+    let Ok(conn) =
+        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+    else {
+        return;
+    };
+    let Ok(Some(audit)) =
+        conn.query_row("SELECT audit FROM compactions WHERE id = ?1", [id], |r| {
+            r.get::<_, Option<String>>(0)
+        })
+    else {
+        return;
+    };
+    let Ok(audit) = serde_json::from_str::<compactor::compaction::summary::Audit>(&audit) else {
+        return;
+    };
+    let of = |state: compactor::compaction::summary::FactState| -> Vec<&str> {
+        audit
+            .facts
+            .iter()
+            .filter(|f| f.state == state)
+            .map(|f| f.kind.as_str())
+            .collect()
+    };
+    let (repaired, forgotten) = (
+        of(compactor::compaction::summary::FactState::Repaired),
+        of(compactor::compaction::summary::FactState::Forgotten),
+    );
+    if !repaired.is_empty() || !forgotten.is_empty() {
+        eprintln!(
+            "audit of {session} (window {window}): {} facts checked, repaired {repaired:?}, forgotten {forgotten:?}",
+            audit.facts.len()
+        );
     }
 }
 

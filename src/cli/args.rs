@@ -85,6 +85,10 @@ pub enum ConversationsCommand {
     Show {
         /// Conversation id (or a unique prefix of one).
         id: String,
+        /// Show only its Nth compaction (1 is the oldest), with its facts
+        /// checklist, what was forgotten and the items it removed.
+        #[arg(long, value_name = "N")]
+        compaction: Option<usize>,
         /// Where the store is.
         #[command(flatten)]
         store: StoreArgs,

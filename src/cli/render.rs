@@ -4,6 +4,7 @@
 use std::process::ExitCode;
 
 use super::args::{layered_config, with_database_url, ConversationsCommand};
+use super::audit;
 use super::maintain::delete;
 use super::{print_out, to_json, unsafe_for_terminal, EXIT_USAGE};
 use crate::config::Config;
@@ -57,6 +58,30 @@ pub(super) fn conversations(cmd: ConversationsCommand) -> ExitCode {
                     terminal_safe(&render_list(&list))
                 }
             })
+        }
+        ConversationsCommand::Show {
+            id,
+            compaction: Some(n),
+            ..
+        } => {
+            let shown = query::show(&*conn, &config, id)
+                .map_err(|e| e.to_string())
+                .and_then(|d| {
+                    audit::pick(&d, *n).map(|k| {
+                        if json {
+                            to_json(k, false)
+                        } else {
+                            terminal_safe(&audit::render(k, &render_compaction(*n, k)))
+                        }
+                    })
+                });
+            return match shown {
+                Ok(text) => print_out(&text),
+                Err(e) => {
+                    eprintln!("compactor: {e}");
+                    ExitCode::FAILURE
+                }
+            };
         }
         ConversationsCommand::Show { id, .. } => query::show(&*conn, &config, id).map(|d| {
             if json {
@@ -268,6 +293,7 @@ pub(super) fn render_compaction(n: usize, k: &CompactionRow) -> String {
         thousands(k.items_kept),
         k.reason,
     );
+    out.extend(audit::summary_line(k));
     match &k.summary {
         Some(text) => {
             out.push_str("     summary:\n");

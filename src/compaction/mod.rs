@@ -129,6 +129,10 @@ pub struct Compaction {
     /// for the potential savings and never applied to a request.
     #[serde(default)]
     pub observed: bool,
+    /// Its facts checklist and what it removed (none for one stored
+    /// before audits were kept).
+    #[serde(default)]
+    pub audit: Option<summary::Audit>,
     /// Wall time to compute, ms.
     pub duration_ms: u64,
     /// Unix ms.
@@ -178,6 +182,7 @@ pub(crate) fn test_compaction(
         summary_output_tokens: 0,
         tokens_saved: 0,
         observed: false,
+        audit: None,
         duration_ms: 1,
         created_ms: 1,
     }

@@ -974,26 +974,51 @@ async fn compute<S: Context>(
             reason.push_str(", summary size estimated without a summarizer call");
         }
     }
+    // The summary rungs extracted the facts already; the cheap rungs did not.
+    let extracted;
+    let audit_facts = match summary_text.as_ref().and(facts.as_ref()) {
+        Some(f) => f,
+        None => {
+            let compacted = view.len() - applied.tail_len;
+            extracted = summary::extract_facts(
+                &view[prepared.lead..prepared.cut.min(compacted)],
+                base.and_then(|b| b.facts.as_ref()),
+            );
+            &extracted
+        }
+    };
+    let tail_len = applied.tail_len;
+    let audited = audit(view, &hashes, audit_facts, applied, &count, {
+        let ceiling = match input.goal {
+            Goal::Shrink => limit.min(params.target_tokens.max(after)),
+            _ => limit,
+        };
+        ceiling.min(prepared.before.saturating_sub(1)).max(after)
+    });
+    let after = audited.after;
+    // A cheap rung over an earlier summary restores facts into that
+    // summary's message, which stays the earlier compaction's text.
+    let summary_text = summary_text.map(|t| audited.summary.unwrap_or(t));
     let replacement = match input.api {
         // A valid start of a Messages request (see `wire::messages`).
         // A provider compaction block and what precedes it go as sent; the
         // provider's own window is one already, its kept turns as they came.
         Api::Messages if !by_provider => {
             // The replacement starts with the view's items up to the lead.
-            let keep = match crate::compaction::boundary::floor(&applied.replacement) {
+            let keep = match crate::compaction::boundary::floor(&audited.replacement) {
                 0 => 0,
                 _ => prepared.lead,
             };
             crate::wire::messages::finish_replacement_after(
-                applied.replacement,
+                audited.replacement,
                 keep,
                 crate::compaction::items::is_summary,
             )
         }
-        _ => applied.replacement,
+        _ => audited.replacement,
     };
     let covered_chain = input.chains[prepared.covered_len - 1];
-    let items_kept = prepared.lead + kept_users + applied.tail_len;
+    let items_kept = prepared.lead + kept_users + tail_len;
     let c = Compaction {
         id: crate::ids::new_compaction_id(),
         tenant: input.tenant.clone(),
@@ -1015,6 +1040,7 @@ async fn compute<S: Context>(
         summary_output_tokens: cost.output_tokens,
         tokens_saved: (prepared.before - after) + base.map(Compaction::saved).unwrap_or(0),
         observed: input.observe,
+        audit: Some(audited.audit),
         duration_ms: started.elapsed().as_millis() as u64,
         created_ms: crate::ids::now_ms(),
     };
@@ -1029,6 +1055,9 @@ async fn compute<S: Context>(
             crate::metrics::reason_kind(&c.reason),
             c.tokens_before.saturating_sub(c.tokens_after),
         );
+    }
+    if let (false, Some(a)) = (c.observed, &c.audit) {
+        state.metrics().facts_audited(a);
     }
     if c.rung == Rung::Fallback {
         state.metrics().summary_fallback();
@@ -1047,6 +1076,38 @@ async fn compute<S: Context>(
         "compacted"
     );
     Ok(c)
+}
+
+/// The audit of a compaction about to be stored: `facts`, those the proxy
+/// extracted from the compacted part, checked against the request it makes (its
+/// replacement and the tail sent verbatim after it), the absent ones
+/// restored to its facts message within `ceiling` tokens, and the refs of
+/// the view's items it does not send as they were.
+fn audit(
+    view: &[Value],
+    hashes: &[ItemHash],
+    facts: &summary::Facts,
+    applied: fit::Applied,
+    count: &dyn Fn(&Value) -> u64,
+    ceiling: u64,
+) -> summary::Audited {
+    let compacted = view.len() - applied.tail_len;
+    let sent: std::collections::HashSet<ItemHash> =
+        applied.replacement.iter().map(item_hash).collect();
+    let removed = hashes[..compacted]
+        .iter()
+        .filter(|h| !sent.contains(*h))
+        .map(crate::compaction::ladder::archive_ref)
+        .collect();
+    summary::audit_and_repair(
+        facts,
+        applied.replacement,
+        &view[compacted..],
+        applied.after,
+        ceiling,
+        removed,
+        count,
+    )
 }
 
 /// After an exchange: decides from its usage and, past the trigger, starts a

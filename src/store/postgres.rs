@@ -228,6 +228,14 @@ CREATE TABLE compaction_attempts (
 );
 "#,
     ),
+    (
+        6,
+        r#"
+-- Each compaction's facts checklist and the items it removed, as JSON
+-- (NULL for one stored before audits were kept).
+ALTER TABLE compactions ADD COLUMN audit TEXT;
+"#,
+    ),
 ];
 
 /// The key of the advisory lock migrations run under, so that replicas
@@ -1131,6 +1139,8 @@ columns! {
         summary_output_tokens: i64 as "bigint" = c.summary_output_tokens as i64,
         tokens_saved: i64 as "bigint" = c.tokens_saved as i64,
         observed: bool as "boolean" = c.observed,
+        audit: Option<String> as "text" =
+            c.audit.as_ref().and_then(|a| serde_json::to_string(a).ok()),
     }
 }
 

@@ -220,6 +220,10 @@ pub struct CompactionRow {
     pub cached_tokens_before: Option<u64>,
     /// See `cached_tokens_before`.
     pub cached_tokens_after: Option<u64>,
+    /// Its facts checklist (each fact present, repaired or forgotten) and
+    /// the refs of the items it removed; `null` for one stored before
+    /// audits were kept.
+    pub audit: Option<crate::compaction::summary::Audit>,
 }
 
 /// `show`: a conversation's timeline.
@@ -542,6 +546,7 @@ fn compaction_row(c: &Compaction, exchanges: &[ExchangeRow]) -> CompactionRow {
         tokens_saved: c.saved(),
         cached_tokens_before,
         cached_tokens_after,
+        audit: c.audit.clone(),
     }
 }
 

@@ -36,7 +36,7 @@ pub(super) const COMPACTION_COLUMNS: &str =
     "id, tenant, conversation_id, covered_len, covered_chain,
     replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept, summary,
     facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens, summary_output_tokens,
-    tokens_saved, observed";
+    tokens_saved, observed, audit";
 
 /// A compaction from a row of [`COMPACTION_COLUMNS`].
 pub(super) fn compaction(r: &Row) -> Result<Compaction, StoreError> {
@@ -69,6 +69,9 @@ pub(super) fn compaction(r: &Row) -> Result<Compaction, StoreError> {
         summary_output_tokens: r.count(19)?,
         tokens_saved: r.count(20)?,
         observed: r.get(21)?,
+        audit: r
+            .get::<Option<String>>(22)?
+            .and_then(|a| serde_json::from_str(&a).ok()),
     })
 }
 

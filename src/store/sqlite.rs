@@ -123,7 +123,10 @@ CREATE TABLE IF NOT EXISTS compactions (
     summary_tokens  INTEGER NOT NULL DEFAULT 0,
     summary_output_tokens INTEGER NOT NULL DEFAULT 0,
     tokens_saved    INTEGER NOT NULL DEFAULT 0,
-    observed        INTEGER NOT NULL DEFAULT 0
+    observed        INTEGER NOT NULL DEFAULT 0,
+    -- Its facts checklist and the items it removed, as JSON (NULL for one
+    -- stored before audits were kept).
+    audit           TEXT
 );
 CREATE INDEX IF NOT EXISTS compactions_conversation ON compactions (conversation_id, created_ms);
 -- The context windows upstreams told (stated in an overflow answer, or
@@ -183,6 +186,7 @@ const ADDED_COLUMNS: &[(&str, &str, &str)] = &[
         "recall_output_tokens",
         "INTEGER NOT NULL DEFAULT 0",
     ),
+    ("compactions", "audit", "TEXT"),
 ];
 
 /// Adds the [`ADDED_COLUMNS`] an existing database lacks.
@@ -504,13 +508,14 @@ fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Resul
 fn write_compaction(tx: &rusqlite::Transaction<'_>, c: &Compaction) -> Result<(), StoreError> {
     let replacement = serde_json::to_string(&c.replacement).unwrap_or_else(|_| "[]".into());
     let facts = c.facts.as_ref().and_then(|f| serde_json::to_string(f).ok());
+    let audit = c.audit.as_ref().and_then(|a| serde_json::to_string(a).ok());
     tx.prepare_cached(
         "INSERT OR REPLACE INTO compactions (id, tenant, conversation_id, covered_len, covered_chain,
             replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept,
             summary, facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens,
-            summary_output_tokens, tokens_saved, observed)
+            summary_output_tokens, tokens_saved, observed, audit)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18,
-            ?19, ?20, ?21, ?22)",
+            ?19, ?20, ?21, ?22, ?23)",
     )?
     .execute(params![
         c.id,
@@ -535,6 +540,7 @@ fn write_compaction(tx: &rusqlite::Transaction<'_>, c: &Compaction) -> Result<()
         c.summary_output_tokens as i64,
         c.tokens_saved as i64,
         c.observed,
+        audit,
     ])?;
     Ok(())
 }
@@ -886,6 +892,46 @@ mod tests {
             ]
         );
         // Opening again finds nothing left to add.
+        drop(b);
+        SqliteBackend::open(&path).unwrap();
+    }
+
+    /// A database of the schema before audits: its compactions are read
+    /// back without one, and a new compaction keeps its audit.
+    #[test]
+    fn a_store_of_the_schema_before_audits_is_migrated() {
+        use crate::compaction::summary::{Audit, AuditedFact, FactKind, FactState};
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.db");
+        {
+            let conn = Connection::open(&path).unwrap();
+            conn.execute_batch(include_str!("testdata/schema_before_audit.sql"))
+                .unwrap();
+            conn.execute_batch(
+                "INSERT INTO compactions (id, tenant, conversation_id, covered_len, covered_chain,
+                     replacement, rung, reason, tokens_before, tokens_after, items_removed,
+                     items_kept, summary, facts, base_id, summary_calls, duration_ms, created_ms)
+                 VALUES ('cmp_old', 't', 'conv_old', 3, zeroblob(32), '[]', 'prune', 'manual',
+                     100, 10, 2, 1, NULL, NULL, NULL, 0, 1, 1);",
+            )
+            .unwrap();
+        }
+        let mut b = SqliteBackend::open(&path).unwrap();
+        let old = load_compaction(&b.conn, "cmp_old").unwrap().unwrap();
+        assert_eq!(old.audit, None, "an old compaction has no audit");
+        let mut c = crate::compaction::test_compaction("cmp_new", "t", 3, [1; 32], vec![]);
+        c.audit = Some(Audit {
+            facts: vec![AuditedFact {
+                kind: FactKind::Constraint,
+                fact: "Never change the cookie name.".into(),
+                state: FactState::Forgotten,
+            }],
+            removed: vec!["item:0123456789abcdef".into()],
+            removed_count: 1,
+        });
+        b.write(&[Record::Compaction(Box::new(c.clone()))]).unwrap();
+        let back = load_compaction(&b.conn, "cmp_new").unwrap().unwrap();
+        assert_eq!(back.audit, c.audit);
         drop(b);
         SqliteBackend::open(&path).unwrap();
     }

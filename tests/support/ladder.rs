@@ -83,6 +83,7 @@ pub fn compact(
         summary_output_tokens: 0,
         tokens_saved: 0,
         observed: false,
+        audit: None,
         duration_ms: 0,
         created_ms: 0,
     })

@@ -42,9 +42,11 @@
 //! - `narrative`: reading and validating the model's answer
 //! - `assemble`: the summary message within its budget
 //! - `checklist`: each extracted fact, present in a compacted request or not
+//! - `audit`: a compaction's checklist as stored, its repairs and what it forgot
 //! - `text`: small string helpers
 
 mod assemble;
+mod audit;
 mod calls;
 mod checklist;
 mod edits;
@@ -58,6 +60,10 @@ mod statements;
 mod text;
 
 pub use assemble::{assemble, previous_narrative};
+pub use audit::{
+    audit_and_repair, repair_block, sent_text, to_repair, Audit, Audited, AuditedFact, FactState,
+    MAX_FACT_BYTES, MAX_REMOVED_REFS,
+};
 pub use checklist::{checklist, Check, FactKind};
 pub use errors::{is_error_line, output_digest};
 pub use facts::{extract_facts, is_injected, Facts, FileFact};
