@@ -12,6 +12,8 @@
 //! - [`rewrite`]: applying a stored compaction to a request (longest match)
 //! - [`recall`]: the `compactor_recall` tool that reads back what the cheap
 //!   rungs elided
+//! - [`agent_tool`]: the `compactor_compact` tool with which the model asks
+//!   for a compaction at the next turn boundary
 //! - [`remote`]: compaction the client asks for (`/v1/responses/compact`,
 //!   `compaction_trigger`) and the `compaction` items that stand for it
 //!
@@ -23,6 +25,7 @@
 //! works on the rewritten view, so a new summary covers [previous summary +
 //! newer items], never the raw history again.
 
+pub mod agent_tool;
 pub mod cut;
 pub mod fit;
 pub mod items;

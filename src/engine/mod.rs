@@ -102,6 +102,16 @@ pub struct Input {
     /// done, never applied. `view` is then the client's items and `base`
     /// the would-be compaction before, which is applied here first.
     pub observe: bool,
+    /// The result waits for the conversation's next turn boundary before
+    /// its first application (a background compaction: threshold, agent),
+    /// unless a request over the hard limit needs it sooner.
+    pub soft: bool,
+    /// The model's own notes of what to keep (its `compactor_compact`
+    /// call): the compaction is a summary, and they are a section of it.
+    pub keep: Option<String>,
+    /// The threshold starts no compaction after this exchange: one already
+    /// waits for the turn boundary, or the mode is manual.
+    pub no_trigger: bool,
 }
 
 /// What a compaction must achieve; it escalates past the ladder until it
@@ -246,6 +256,14 @@ pub struct Compactions {
     calibration: Mutex<Calibrations>,
     /// Conversations whose next request is to be compacted (manual).
     manual: Mutex<foldhash::HashSet<String>>,
+    /// Compactions computed here that wait for their first application at
+    /// a turn boundary (by id). One this process did not compute (replayed
+    /// from the store, stored by another replica) is taken as applied.
+    waiting: Mutex<foldhash::HashSet<String>>,
+    /// Per (tenant, conversation): the turn (see
+    /// [`crate::compaction::agent_tool::turn_of`]) whose agent compaction
+    /// was scheduled last (one per turn).
+    agent_turns: Mutex<HashMap<(String, String), ItemHash>>,
     /// A store other processes write too: compactions they computed are
     /// looked up there, and computing one is claimed there first.
     shared: Option<Arc<dyn Reads>>,
@@ -505,6 +523,26 @@ impl Compactions {
             }
             None => lock(&self.manual).remove(conversation),
         }
+    }
+
+    /// Whether a stored compaction still waits for its first application
+    /// at a turn boundary.
+    pub fn is_waiting(&self, id: &str) -> bool {
+        lock(&self.waiting).contains(id)
+    }
+
+    /// A compaction is applied to a request: true if this is its first
+    /// application after it waited (from then on every request that extends
+    /// its prefix gets it).
+    pub fn first_applied(&self, id: &str) -> bool {
+        lock(&self.waiting).remove(id)
+    }
+
+    /// The model asked for a compaction in `turn` of the conversation:
+    /// true if it is the first request of that turn to ask (one per turn).
+    pub fn schedule_agent_turn(&self, tenant: &str, conversation: &str, turn: ItemHash) -> bool {
+        let key = (tenant.to_string(), conversation.to_string());
+        lock(&self.agent_turns).insert(key, turn) != Some(turn)
     }
 
     /// A background job still computing for this conversation.
@@ -784,7 +822,8 @@ async fn compute<S: Context>(
     let count = move |v: &Value| counter.count_item(&item_hash(v), v);
 
     // The cheap rungs first: they cost no model call.
-    let cheap = (!input.whole)
+    // The model's notes of what to keep go in a summary: no cheap rung.
+    let cheap = (!input.whole && input.keep.is_none())
         .then(|| prepare(view, &tokens, base, &params))
         .flatten()
         .and_then(|prepared| {
@@ -886,6 +925,14 @@ async fn compute<S: Context>(
                 plan.summary_budget,
                 &count,
             );
+            let text = match input.keep.as_deref() {
+                Some(notes) => summary::with_notes(
+                    &text,
+                    facts.task.as_deref(),
+                    &crate::compaction::agent_tool::keep_section(notes),
+                ),
+                None => text,
+            };
             let mut applied = fit::apply(&fit_input, &plan, &params, text.clone(), &count);
             if estimate {
                 let facts_only = count(&crate::compaction::items::user_message(text.clone()));
@@ -963,7 +1010,13 @@ async fn compute<S: Context>(
         tracing::error!(error = %e, "compaction not recorded");
     }
     let c = Arc::new(c);
+    if input.soft && !c.observed {
+        lock(&state.compactions().waiting).insert(c.id.clone());
+    }
     state.compactions().insert(c.clone());
+    if let (false, Some(trigger)) = (c.observed, crate::metrics::trigger_of(&c.reason)) {
+        state.metrics().compaction_trigger(trigger);
+    }
     if !c.observed {
         state.metrics().compaction(
             c.rung.as_str(),
@@ -996,7 +1049,7 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estim
     let cfg = &state.config().compaction;
     let limits = state.model_limits(&input.model);
     let d = decide(used, estimated, &limits, cfg.warn_ratio);
-    if !d.compact || !cfg.background {
+    if !d.compact || !cfg.background || input.no_trigger {
         return;
     }
     let key = (input.tenant.clone(), input.conversation.clone());
@@ -1022,6 +1075,7 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estim
     let state = state.clone();
     let mut input = input;
     input.reason = format!("threshold: {}", d.reason());
+    input.soft = true;
     tokio::spawn(async move {
         let tenant = input.tenant.clone();
         match claim(&state, &input).await {
@@ -1043,6 +1097,38 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estim
             jobs.remove(&key);
         }
     });
+}
+
+/// Schedules the compaction the model asked for (`input.reason`,
+/// `input.keep` set): computed now in the background, applied at the
+/// conversation's next turn boundary. False when a job for the
+/// conversation is under way already (it will be applied the same way).
+pub fn schedule_agent<S: Context>(state: &Arc<S>, input: Input) -> bool {
+    let key = (input.tenant.clone(), input.conversation.clone());
+    let mut jobs = lock(&state.compactions().jobs);
+    if jobs.get(&key).is_some_and(|rx| !*rx.borrow()) {
+        return false;
+    }
+    let (tx, rx) = watch::channel(false);
+    jobs.insert(key.clone(), rx);
+    drop(jobs);
+    let state = state.clone();
+    let mut input = input;
+    input.soft = true;
+    tokio::spawn(async move {
+        if let Claimed::Yes = claim(&state, &input).await {
+            if let Err(e) = compact(&state, input.clone()).await {
+                tracing::info!(error = %e, "the compaction the model asked for produced nothing");
+            }
+            release(&state, &input).await;
+        }
+        let _ = tx.send(true);
+        let mut jobs = lock(&state.compactions().jobs);
+        if jobs.get(&key).is_some_and(|rx| *rx.borrow()) {
+            jobs.remove(&key);
+        }
+    });
+    true
 }
 
 /// Whether this process computes the conversation's compaction.

@@ -372,6 +372,27 @@ pub fn assemble(
     text
 }
 
+/// `text` (an assembled summary) with `section` (the model's own notes of
+/// what to keep, `## …` heading first) placed right after TASK, so it reads
+/// before the narrative; a re-compaction's [`previous_narrative`] does not
+/// carry it on (it is not one of the narrative sections). A text not in
+/// this format gets it at the end.
+pub fn with_notes(text: &str, task: Option<&str>, section: &str) -> String {
+    let head = "\n## TASK\n";
+    let task_len = task.map_or("(not recorded)".len(), str::len);
+    let at = text
+        .find(head)
+        .map(|i| i + head.len() + task_len)
+        .filter(|&i| {
+            text.get(i..)
+                .is_some_and(|rest| rest.starts_with("\n\n## "))
+        });
+    match at {
+        Some(i) => format!("{}\n\n{section}{}", &text[..i], &text[i..]),
+        None => format!("{}\n\n{section}\n", text.trim_end()),
+    }
+}
+
 /// The model-written sections of a previous assembled summary, for
 /// re-compaction (the model updates them instead of re-reading raw history;
 /// the facts are carried separately in [`Facts`]): each of the six

@@ -57,7 +57,7 @@ mod prompt;
 mod statements;
 mod text;
 
-pub use assemble::{assemble, previous_narrative};
+pub use assemble::{assemble, previous_narrative, with_notes};
 pub use checklist::{checklist, Check, FactKind};
 pub use errors::{is_error_line, output_digest};
 pub use facts::{extract_facts, is_injected, Facts, FileFact};
