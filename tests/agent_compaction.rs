@@ -274,3 +274,84 @@ async fn a_client_tool_of_the_same_name_wins() {
     assert_eq!(status, 200);
     assert_eq!(l.tool_names(&l.upstream(&h).pop().unwrap()), ["shell"]);
 }
+
+/// Anthropic Messages with thinking on: the hidden round replays the
+/// model's signed thinking as it came, and the client's later requests,
+/// which lack the hidden round, are still accepted (the fake refuses a
+/// thinking block whose prefix changed, as the API documents).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_thinking_on_the_hidden_round_and_the_requests_after_it_are_accepted() {
+    use compactor::fake_upstream::anthropic::Answer;
+    use compactor::fake_upstream::Reply;
+    let h = Harness::start_with(agent_on).await;
+    for stream in [false, true] {
+        let mut l = conversation(Shape::Messages, &format!("sk-agent-think-{stream}-01"));
+        l.stream = stream;
+        // Its tool calls were made without thinking: a new turn starts.
+        l.assistant("Built.");
+        l.user("Now run the tests.");
+        h.fake.push(Reply::Messages(
+            Answer::tool_use("call_think", TOOL, compact_args())
+                .thinking("the logs crowd the context"),
+        ));
+        h.fake.push(Reply::Messages(
+            Answer::tool_use(&l.call_id(), "shell", json!({"cmd": "cargo test"}))
+                .thinking("run the tests again"),
+        ));
+        let (status, text) = send_thinking(&h, &l).await;
+        assert_eq!(status, 200, "stream {stream}: {text}");
+        assert!(!text.contains(TOOL), "{text}");
+        // The client goes on from what it saw: the answer's thinking and
+        // its own tool call, then the tool's output.
+        let answer = if stream {
+            let mut c = compactor::wire::messages::MessagesCollector::default();
+            for event in text.split("\n\n") {
+                let (mut name, mut data) = ("", String::new());
+                for line in event.lines() {
+                    if let Some(n) = line.strip_prefix("event: ") {
+                        name = n;
+                    } else if let Some(d) = line.strip_prefix("data: ") {
+                        data.push_str(d);
+                    }
+                }
+                if !data.is_empty() {
+                    c.push(name, &data);
+                }
+            }
+            c.items().remove(0)
+        } else {
+            let v: serde_json::Value = serde_json::from_str(&text).unwrap();
+            json!({"role": "assistant", "content": v["content"]})
+        };
+        l.items.push(answer);
+        l.items.push(json!({"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": l.call_id(), "content": "test result: ok"}]}));
+        h.fake
+            .push(Reply::Messages(Answer::text("All green.").thinking("done")));
+        let (status, text) = send_thinking(&h, &l).await;
+        assert_eq!(
+            status, 200,
+            "stream {stream}: the next request is accepted: {text}"
+        );
+    }
+}
+
+/// Sends the loop's Messages request with thinking on: status and body.
+async fn send_thinking(h: &Harness, l: &Loop) -> (u16, String) {
+    let mut body = l.body();
+    body["thinking"] = json!({"type": "enabled", "budget_tokens": 1024});
+    body["max_tokens"] = json!(2048);
+    let resp = support::within(
+        support::client()
+            .post(format!("http://{}/v1/messages", h.addr))
+            .header("x-api-key", &l.key)
+            .header("anthropic-version", "2023-06-01")
+            .json(&body)
+            .send(),
+    )
+    .await
+    .unwrap();
+    let status = resp.status().as_u16();
+    let text = support::within(resp.text()).await.unwrap();
+    (status, text)
+}

@@ -264,6 +264,9 @@ pub struct Compactions {
     /// [`crate::compaction::agent_tool::turn_of`]) whose agent compaction
     /// was scheduled last (one per turn).
     agent_turns: Mutex<HashMap<(String, String), ItemHash>>,
+    /// (tenant, conversation) pairs on Anthropic Messages with thinking on
+    /// where an answer followed a round the proxy answered itself.
+    hidden_rounds: Mutex<foldhash::HashSet<(String, String)>>,
     /// A store other processes write too: compactions they computed are
     /// looked up there, and computing one is claimed there first.
     shared: Option<Arc<dyn Reads>>,
@@ -543,6 +546,19 @@ impl Compactions {
     pub fn schedule_agent_turn(&self, tenant: &str, conversation: &str, turn: ItemHash) -> bool {
         let key = (tenant.to_string(), conversation.to_string());
         lock(&self.agent_turns).insert(key, turn) != Some(turn)
+    }
+
+    /// An answer of the conversation followed a round the proxy answered
+    /// itself, with thinking on: its thinking is signed against a prefix the
+    /// client's history lacks.
+    pub fn mark_hidden_round(&self, tenant: &str, conversation: &str) {
+        lock(&self.hidden_rounds).insert((tenant.to_string(), conversation.to_string()));
+    }
+
+    /// Whether [`Compactions::mark_hidden_round`] was called for the
+    /// conversation (in this process).
+    pub fn had_hidden_round(&self, tenant: &str, conversation: &str) -> bool {
+        lock(&self.hidden_rounds).contains(&(tenant.to_string(), conversation.to_string()))
     }
 
     /// A background job still computing for this conversation.

@@ -101,6 +101,12 @@ pub struct PendingExchange {
     pub deferred: bool,
     /// The request goes with the `compactor_compact` tool added.
     pub agent_tool: bool,
+    /// Anthropic Messages with thinking on: an earlier answer of the
+    /// conversation came after a round the proxy answered itself (recall,
+    /// `compactor_compact`), so its thinking was signed against a prefix
+    /// the client's history lacks; every request of the conversation lets
+    /// the API drop such a block (see `drop_block`).
+    pub hidden_thinking: bool,
     /// The tool was offered at some point: every answer is looked at for
     /// calls of it, also after it is withdrawn.
     pub agent_offered: bool,
@@ -145,7 +151,7 @@ impl PendingExchange {
         let view = self
             .items
             .with_prefix_replaced(c.covered_len, &c.replacement);
-        self.drop_block = false;
+        self.drop_block = self.hidden_thinking;
         self.view = Arc::new(if self.api == Api::Messages {
             // The tail's old thinking and surplus cache breakpoints (see
             // `wire::messages::finish_view`).
@@ -155,7 +161,7 @@ impl PendingExchange {
                 .map_or(0, |t| messages::breakpoints(t.value()))
                 + self.body.get("system").map_or(0, messages::breakpoints);
             let mut values = view.into_values();
-            self.drop_block = messages::finish_view(&mut values, c.replacement.len(), outside);
+            self.drop_block |= messages::finish_view(&mut values, c.replacement.len(), outside);
             values.into()
         } else {
             view

@@ -119,6 +119,7 @@ pub(super) async fn identify(
             extra: Vec::new(),
             deferred: false,
             agent_tool: false,
+            hidden_thinking: false,
             agent_offered: false,
             recall_spent: Default::default(),
             auth: engine::auth_headers(&parts.headers),
@@ -225,6 +226,15 @@ pub(super) async fn identify(
     // the recall tool, for this and any later compaction of the request.
     // The model may ask for a compaction, when the tool is on.
     pending.offer_agent_tool(agent_tool);
+    if pending.api == Api::Messages
+        && messages::thinking_on(&pending.body)
+        && state
+            .compactions
+            .had_hidden_round(&pending.tenant, &pending.ident.conversation)
+    {
+        pending.hidden_thinking = true;
+        pending.drop_block = true;
+    }
     Ok(pending)
 }
 

@@ -67,7 +67,10 @@ pub(super) async fn settle(
             return Ok(answer);
         }
         let (v, usage, relay) = match inspect(state, pending.api, answer).await? {
-            Seen::Relay(a) => return Ok(a),
+            Seen::Relay(a) => {
+                note_hidden_rounds(state, pending);
+                return Ok(a);
+            }
             Seen::Calls(v, usage, a) => (v, usage, a),
         };
         let round = recall::round_of(
@@ -80,7 +83,10 @@ pub(super) async fn settle(
             pending.recall_spent.add(usage);
         }
         match round {
-            Round::Final => return Ok(relay),
+            Round::Final => {
+                note_hidden_rounds(state, pending);
+                return Ok(relay);
+            }
             Round::Recall(calls) if pending.recall && rounds < max => {
                 rounds += 1;
                 let room = room_bytes(state, pending).await;
@@ -143,6 +149,21 @@ pub(super) async fn settle(
             }
         }
         answer = super::send::send(state, pending, url, headers).await?;
+    }
+}
+
+/// The answer relayed after hidden rounds, on Anthropic Messages with
+/// thinking on, carries thinking signed against those rounds, which the
+/// client's next request will lack: the conversation's later requests let
+/// the API drop such blocks.
+fn note_hidden_rounds(state: &AppState, pending: &Unanswered) {
+    if pending.api == Api::Messages
+        && !pending.extra.is_empty()
+        && crate::wire::messages::thinking_on(&pending.body)
+    {
+        state
+            .compactions
+            .mark_hidden_round(&pending.tenant, &pending.ident.conversation);
     }
 }
 
