@@ -183,3 +183,38 @@ async fn manual_mode_computes_no_threshold_compaction() {
     assert_eq!(compactions(&h), 0, "no threshold compaction in manual mode");
     assert_eq!(h.state.metrics.triggers("threshold"), 0);
 }
+
+/// A compaction after the upstream's "too long" counts as `reactive`, one
+/// asked for through the admin API as `manual`; both cut where they must,
+/// inside the turn too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reactive_and_manual_compactions_are_counted() {
+    let h = Harness::start_with(window).await;
+    let mut l = Loop::new(Shape::Chat, MODEL, "sk-counted-00000001", 8, 1900);
+    let prompt = l.prompt_tokens();
+    h.fake.push(compactor::fake_upstream::Reply::json(
+        400,
+        serde_json::json!({"error": {"message": format!(
+            "This model's maximum context length is {} tokens. However, your messages resulted in {prompt} tokens.",
+            prompt * 3 / 5),
+            "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}),
+    ));
+    l.reported = Some(prompt / 2);
+    let headers = step(&h, &l, l.shell_reply()).await;
+    assert!(compacted(&headers), "compacted and retried");
+    let m = &h.state.metrics;
+    assert_eq!((m.triggers("reactive"), m.triggers("manual")), (1, 0));
+    let conversation = headers["x-compactor-conversation"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let (status, _) = h
+        .post_admin(&format!("/admin/api/conversations/{conversation}/compact"))
+        .await;
+    assert_eq!(status, 202);
+    l.round(300);
+    let headers = step(&h, &l, l.text_reply("ok")).await;
+    assert!(compacted(&headers));
+    assert_eq!((m.triggers("reactive"), m.triggers("manual")), (1, 1));
+    assert_eq!(m.triggers("threshold"), 0);
+}
