@@ -707,4 +707,20 @@ mod tests {
         );
         assert_eq!(previous_narrative("free text summary"), "free text summary");
     }
+
+    #[test]
+    fn the_agents_notes_go_after_the_task_and_are_not_carried_as_narrative() {
+        let f = sample_facts();
+        let s = assemble(&f, Some(GOOD), 12, 100_000);
+        let section = "## NOTES\nkeep port 8123";
+        let with = with_notes(&s, f.task.as_deref(), section);
+        let task = with.find("## TASK").unwrap();
+        let notes = with.find(section).unwrap();
+        let plan = with.find("## PLAN STATE").unwrap();
+        assert!(task < notes && notes < plan, "{with}");
+        assert_eq!(with.replace(&format!("\n\n{section}"), ""), s);
+        assert!(!previous_narrative(&with).contains("keep port 8123"));
+        // A text not in this format gets the notes at its end.
+        assert!(with_notes("free text", None, section).ends_with("keep port 8123\n"));
+    }
 }
