@@ -218,3 +218,27 @@ async fn reactive_and_manual_compactions_are_counted() {
     assert_eq!((m.triggers("reactive"), m.triggers("manual")), (1, 1));
     assert_eq!(m.triggers("threshold"), 0);
 }
+
+/// A compaction that waited while the turn grew can leave a request over
+/// the hard limit even once applied: the request is then compacted afresh
+/// from it, rather than sent for the upstream to refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_compaction_too_small_for_a_grown_turn_is_compacted_further() {
+    let h = Harness::start_with(window).await;
+    let mut l = long_loop(Shape::Chat, "sk-grown-0000000001");
+    step(&h, &l, l.shell_reply()).await;
+    wait_compactions(&h, 1).await;
+    // A tool printed more than the compaction frees.
+    l.round(20_000);
+    l.reported = Some(4000);
+    let headers = step(&h, &l, l.shell_reply()).await;
+    assert!(compacted(&headers));
+    let sent = l.upstream(&h).pop().unwrap();
+    assert!(
+        sent.body.len() / 4 < 6000,
+        "it fits the window: {} bytes",
+        sent.body.len()
+    );
+    assert_eq!(compactions(&h), 2, "compacted afresh from the waiting one");
+    assert!(h.state.metrics.triggers("hard") >= 2);
+}

@@ -193,7 +193,9 @@ pub(super) async fn identify(
         engine::Fit::Fits => {}
         engine::Fit::Waited => {
             if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
-                apply_stored(state, &mut pending, c, boundary, true);
+                if apply_stored(state, &mut pending, c, boundary, true) {
+                    fit_after_waiting(state, &mut pending).await;
+                }
             }
         }
         // Too large to go out as it is, and nothing under way: compact now
@@ -205,7 +207,9 @@ pub(super) async fn identify(
                 .find(&pending.tenant, &pending.chains)
                 .filter(|c| pending.compaction.as_ref().is_none_or(|p| p.id != c.id));
             if let Some(c) = newer {
-                apply_stored(state, &mut pending, c, boundary, true);
+                if apply_stored(state, &mut pending, c, boundary, true) {
+                    fit_after_waiting(state, &mut pending).await;
+                }
             } else if pending.mode == Mode::Manual {
                 // Nothing compacts on its own in manual mode: the request
                 // goes as it is, and the reactive path answers a refusal.
@@ -255,14 +259,14 @@ fn at_boundary(items: &ItemList) -> bool {
 /// and no longer waits), and the threshold starts nothing after it. Once
 /// applied, a compaction applies to every later request that extends its
 /// prefix, boundary or not; its first application is counted as
-/// `boundary` or `hard`.
+/// `boundary` or `hard`. True when this was that first application.
 fn apply_stored(
     state: &Arc<AppState>,
     pending: &mut PendingExchange,
     c: Arc<Compaction>,
     boundary: bool,
     over: bool,
-) {
+) -> bool {
     if !boundary && !over && state.compactions.is_waiting(&c.id) {
         pending.deferred = true;
         let base = c
@@ -281,15 +285,45 @@ fn apply_stored(
         if let Some(b) = base {
             pending.apply(b);
         }
-        return;
+        return false;
     }
-    if state.compactions.first_applied(&c.id) {
+    let first = state.compactions.first_applied(&c.id);
+    if first {
         let trigger = if boundary { "boundary" } else { "hard" };
         state.metrics.compaction_trigger(trigger);
         tracing::info!(compaction = %c.id, trigger, "waiting compaction applied");
     }
     pending.deferred = false;
     pending.apply(c);
+    first
+}
+
+/// A compaction that waited for its boundary, applied to a request over
+/// the hard limit, may leave it over still: the items of the turn after it
+/// grew while it waited. Then the request is compacted afresh from it, as
+/// one with none would be (not in manual mode).
+async fn fit_after_waiting(state: &Arc<AppState>, pending: &mut PendingExchange) {
+    if pending.mode == Mode::Manual {
+        return;
+    }
+    let check = engine::FitCheck {
+        tenant: &pending.tenant,
+        conversation: &pending.ident.conversation,
+        model: &pending.model,
+        view: pending.view.clone(),
+        hashes: None,
+        tools: pending.tools.clone(),
+        bytes: None,
+    };
+    if let engine::Fit::Over(tokens) = engine::check_fit(state, check).await {
+        compact_now(
+            state,
+            pending,
+            format!("hard_limit: ~{tokens} tokens leave no room for the answer"),
+            engine::Goal::HardLimit,
+        )
+        .await;
+    }
 }
 
 /// A header's text, if present, text and not blank.
