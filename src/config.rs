@@ -210,6 +210,11 @@ pub enum Mode {
     Observe,
     /// Forwards and records, nothing more.
     Off,
+    /// Compacts only when asked: by the model (`compactor_compact`), the
+    /// CLI or the admin API; no threshold or hard-limit compaction happens
+    /// on its own. A request the upstream refuses as too long is still
+    /// compacted and sent again (it would fail otherwise).
+    Manual,
 }
 
 impl Mode {
@@ -219,13 +224,20 @@ impl Mode {
             Mode::Auto => "auto",
             Mode::Observe => "observe",
             Mode::Off => "off",
+            Mode::Manual => "manual",
         }
+    }
+
+    /// Whether the proxy may rewrite the request's history in this mode
+    /// (apply compactions, answer its own tools' calls).
+    pub fn rewrites(self) -> bool {
+        matches!(self, Mode::Auto | Mode::Manual)
     }
 
     /// Parses [`Mode::as_str`] (ASCII case ignored, spaces trimmed).
     pub fn parse(s: &str) -> Option<Mode> {
         let s = s.trim();
-        [Mode::Auto, Mode::Observe, Mode::Off]
+        [Mode::Auto, Mode::Observe, Mode::Off, Mode::Manual]
             .into_iter()
             .find(|m| m.as_str().eq_ignore_ascii_case(s))
     }
@@ -271,6 +283,9 @@ pub struct TenantConfig {
     /// The tenant's summarizer, over the model's and `compaction.summarizer`.
     #[serde(default)]
     pub summarizer: Option<Summarizer>,
+    /// The tenant's `agent_tool`, over the model's and `compaction.agent_tool`.
+    #[serde(default)]
+    pub agent_tool: Option<bool>,
 }
 
 /// Shortest tenant id prefix a `[[tenants]]` entry may name (what the admin
@@ -516,6 +531,10 @@ pub struct CompactionConfig {
     /// How long the provider's compaction may take before the local
     /// summarizer takes over, seconds.
     pub provider_timeout_secs: u64,
+    /// Offer the model the `compactor_compact` tool (beside the client's
+    /// own tools), with which it asks for a compaction at the next turn
+    /// boundary; `[[models]]` and `[[tenants]]` entries may say otherwise.
+    pub agent_tool: bool,
 }
 
 impl Default for CompactionConfig {
@@ -537,6 +556,7 @@ impl Default for CompactionConfig {
             recall_max_rounds: 3,
             summarizer: Summarizer::Local,
             provider_timeout_secs: 60,
+            agent_tool: false,
         }
     }
 }
@@ -573,6 +593,9 @@ pub struct ModelConfig {
     /// Per-model override of `compaction.summarizer`.
     #[serde(default)]
     pub summarizer: Option<Summarizer>,
+    /// Per-model override of `compaction.agent_tool`.
+    #[serde(default)]
+    pub agent_tool: Option<bool>,
     /// Price of a million input tokens, for the savings shown in money.
     #[serde(default)]
     pub input_price_per_mtok: Option<f64>,
@@ -928,6 +951,17 @@ impl Config {
             .and_then(|t| t.summarizer)
             .or_else(|| self.model_entry(model).and_then(|m| m.summarizer))
             .unwrap_or(self.compaction.summarizer)
+    }
+
+    /// Whether `tenant`'s requests to `model` are offered `compactor_compact`:
+    /// the tenant's entry, then the model's, then `compaction.agent_tool`.
+    pub fn agent_tool_for(&self, tenant: &str, model: &str) -> bool {
+        self.tenants
+            .iter()
+            .find(|t| tenant.starts_with(&t.id.to_ascii_lowercase()))
+            .and_then(|t| t.agent_tool)
+            .or_else(|| self.model_entry(model).and_then(|m| m.agent_tool))
+            .unwrap_or(self.compaction.agent_tool)
     }
 
     /// `model`'s prices, when its `[[models]]` entry gives an input price.

@@ -53,8 +53,46 @@ pub const REASONS: &[&str] = &[
     "hard_limit",
     "manual",
     "requested",
+    "agent",
     "other",
 ];
+
+/// Trigger labels of `compactor_compaction_triggers_total`: what made a
+/// compaction happen, or where a waiting one was first applied.
+///
+/// - `threshold`: a background compaction computed because an exchange
+///   crossed the trigger (it then waits for a turn boundary);
+/// - `boundary`: a waiting compaction (threshold or agent) first applied,
+///   at a turn boundary (the request's last item a new user message);
+/// - `hard`: a request over the hard limit cut inside a turn (a waiting
+///   compaction applied before its boundary, or one computed at once);
+/// - `reactive`: the upstream refused a request as too long;
+/// - `agent`: the model asked, with `compactor_compact`;
+/// - `manual`: the CLI, the admin API or the client's request header;
+/// - `provider`: the provider compacted (its compaction item or block).
+pub const TRIGGERS: &[&str] = &[
+    "threshold",
+    "boundary",
+    "hard",
+    "reactive",
+    "agent",
+    "manual",
+    "provider",
+];
+
+/// The trigger of a compaction the proxy computed, from its reason string
+/// (see [`reason_kind`]): `threshold`, `hard_limit` → `hard`, `overflow` →
+/// `reactive`, `agent`, and `manual` or `requested` → `manual`.
+pub fn trigger_of(reason: &str) -> Option<&'static str> {
+    match reason_kind(reason) {
+        "threshold" => Some("threshold"),
+        "hard_limit" => Some("hard"),
+        "overflow" => Some("reactive"),
+        "agent" => Some("agent"),
+        "manual" | "requested" => Some("manual"),
+        _ => None,
+    }
+}
 
 /// Goal labels of `compactor_unfittable_total` (what the compaction had to
 /// reach); anything else counts as `other`.
@@ -147,6 +185,13 @@ struct CompactionLabels {
     reason: &'static str,
 }
 
+/// Labels of `compactor_compaction_triggers_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct TriggerLabels {
+    /// One of [`TRIGGERS`].
+    trigger: &'static str,
+}
+
 /// Labels of `compactor_compaction_tokens_saved_total`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct RungLabels {
@@ -226,6 +271,8 @@ pub struct Metrics {
     compactions: Box<[Counter]>,
     /// `[rung]`, every rung present from the start.
     tokens_saved: Box<[Counter]>,
+    /// `[trigger]` of [`TRIGGERS`].
+    triggers: Box<[Counter]>,
     /// Failed or invalid summarizer answers.
     summary_failures: Counter,
     /// Compactions stored with the deterministic fallback.
@@ -388,6 +435,14 @@ impl Metrics {
             family,
         );
 
+        let (family, triggers) =
+            closed_family(TRIGGERS.iter().map(|&trigger| TriggerLabels { trigger }));
+        registry.register(
+            "compactor_compaction_triggers",
+            "Compactions by what triggered them: threshold (background, past the trigger), boundary (a waiting compaction first applied at a turn boundary), hard (a request over the hard limit cut inside a turn), reactive (the upstream said too long), agent (the model's compactor_compact), manual (CLI, admin API, request header), provider (the provider compacted)",
+            family,
+        );
+
         let mut counter = |name: &str, help: &str| {
             let c = Counter::default();
             registry.register(name, help, c.clone());
@@ -463,6 +518,7 @@ impl Metrics {
             commits,
             compactions,
             tokens_saved,
+            triggers,
             summary_failures,
             summary_fallbacks,
             reactive_retries,
@@ -523,6 +579,30 @@ impl Metrics {
         let k = index_of(REASONS, reason_kind);
         self.compactions[r * REASONS.len() + k].inc();
         self.tokens_saved[r].inc_by(tokens_saved);
+    }
+
+    /// A compaction triggered (`trigger`: one of [`TRIGGERS`]; others are
+    /// not counted): call once per compaction made, and once when a waiting
+    /// one is first applied (`boundary`, `hard`).
+    pub fn compaction_trigger(&self, trigger: &str) {
+        if let Some(i) = TRIGGERS.iter().position(|&t| t == trigger) {
+            self.triggers[i].inc();
+        }
+    }
+
+    /// The provider compacted a conversation (a compaction item or block
+    /// it returned, or the summary rung it wrote): call once per such
+    /// compaction.
+    pub fn provider_compaction(&self) {
+        self.compaction_trigger("provider");
+    }
+
+    /// Compactions counted for `trigger` so far.
+    pub fn triggers(&self, trigger: &str) -> u64 {
+        TRIGGERS
+            .iter()
+            .position(|&t| t == trigger)
+            .map_or(0, |i| self.triggers[i].get())
     }
 
     /// A summarizer call failed or returned an invalid summary: call once

@@ -279,6 +279,10 @@ async fn a_compaction_never_applies_to_another_tenant() {
     let h = Harness::start_with(small_window).await;
     let mut alice = Chat::new(&h, "sk-alice");
     grow_until_compacted(&h, &mut alice).await;
+    // A new user message: a turn boundary, where a waiting compaction applies.
+    alice
+        .history
+        .push(json!({"role": "user", "content": "and now?"}));
     // Bob sends Alice's history byte for byte.
     let (status, headers, _) = post(
         &alice.url,

@@ -252,6 +252,16 @@ fn assert_items_verbatim_later(h: &Harness, path: &str, minted: &[String]) {
     }
 }
 
+/// The provider compactions `/metrics` counted.
+async fn provider_trigger_count(h: &Harness) -> usize {
+    let text = h.scrape().await;
+    text.lines()
+        .find(|l| l.starts_with("compactor_compaction_triggers_total{trigger=\"provider\"}"))
+        .and_then(|l| l.rsplit(' ').next())
+        .and_then(|v| v.parse::<f64>().ok())
+        .map_or(0, |v| v as usize)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_responses_client_compacting_at_the_provider_is_not_compacted_twice() {
     let h = Harness::start_with(prov_window).await;
@@ -264,6 +274,11 @@ async fn a_responses_client_compacting_at_the_provider_is_not_compacted_twice() 
         c.turn(&h, n, 700).await;
     }
     h.wait_exchanges(c.requests as i64).await;
+    assert_eq!(
+        provider_trigger_count(&h).await,
+        h.fake.provider_compactions(),
+        "every compaction the provider made is counted by trigger"
+    );
     assert!(
         h.fake.provider_compactions() >= 2,
         "the provider compacted: {}",
@@ -527,6 +542,11 @@ async fn a_messages_client_compacting_at_the_provider_is_not_compacted_twice() {
         c.turn(&h, n, 700).await;
     }
     h.wait_exchanges(c.requests as i64).await;
+    assert_eq!(
+        provider_trigger_count(&h).await,
+        h.fake.provider_compactions(),
+        "every compaction the provider made is counted by trigger"
+    );
     assert!(
         h.fake.provider_compactions() >= 2,
         "the provider compacted: {}",

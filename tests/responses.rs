@@ -73,6 +73,8 @@ async fn full_input_sessions_compact_and_keep_reasoning_only_in_the_tail() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     s.step();
+    // A new user message: the turn boundary a waiting compaction applies at.
+    s.input.push(json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "go on"}]}));
     let (status, headers, _) = post(&url, KEY, &s.body(true)).await;
     assert_eq!(status, 200);
     assert!(headers.get("x-compactor-compacted").is_some());

@@ -13,6 +13,8 @@
 //! - [`recall`]: the `compactor_recall` tool that reads back what the cheap
 //!   rungs elided
 //! - [`provider`]: the summary rung's output when the provider compacts
+//! - [`agent_tool`]: the `compactor_compact` tool with which the model asks
+//!   for a compaction at the next turn boundary
 //! - [`remote`]: compaction the client asks for (`/v1/responses/compact`,
 //!   `compaction_trigger`) and the `compaction` items that stand for it
 //! - [`boundary`]: the provider's own compaction a client asks for, and the
@@ -26,6 +28,7 @@
 //! works on the rewritten view, so a new summary covers [previous summary +
 //! newer items], never the raw history again.
 
+pub mod agent_tool;
 pub mod boundary;
 pub mod cut;
 pub mod fit;

@@ -181,6 +181,9 @@ pub enum Round {
     /// again without the recall tool (the client never sees a call it
     /// cannot answer, nor loses one of its own).
     Mixed,
+    /// Calls of `compactor_compact` (with recall calls, maybe) and none of
+    /// the client's: the proxy answers them all and continues.
+    Compact(Vec<Call>, Vec<super::agent_tool::Call>),
 }
 
 /// The tool calls of a complete answer, as (id, name, arguments).
@@ -221,10 +224,22 @@ fn tool_calls(api: Api, answer: &Value) -> Vec<(String, String, String)> {
 
 /// What a complete answer asks of the proxy.
 pub fn round(api: Api, answer: &Value) -> Round {
+    round_of(api, answer, true, false)
+}
+
+/// What a complete answer asks of the proxy, given which of its tools the
+/// request was offered: a call of a tool the proxy did not offer is the
+/// client's (its own tool of that name).
+pub fn round_of(api: Api, answer: &Value, recall: bool, compact: bool) -> Round {
     let calls = tool_calls(api, answer);
+    let compacts: Vec<super::agent_tool::Call> = calls
+        .iter()
+        .filter(|(_, name, _)| compact && name == super::agent_tool::TOOL)
+        .map(|(id, _, args)| super::agent_tool::call(id, args))
+        .collect();
     let recalls: Vec<Call> = calls
         .iter()
-        .filter(|(_, name, _)| name == TOOL)
+        .filter(|(_, name, _)| recall && name == TOOL)
         .map(|(id, _, args)| Call {
             id: id.clone(),
             reference: serde_json::from_str::<Value>(args)
@@ -233,6 +248,13 @@ pub fn round(api: Api, answer: &Value) -> Round {
                 .unwrap_or_default(),
         })
         .collect();
+    if !compacts.is_empty() {
+        return if recalls.len() + compacts.len() == calls.len() {
+            Round::Compact(recalls, compacts)
+        } else {
+            Round::Mixed
+        };
+    }
     match (recalls.is_empty(), recalls.len() == calls.len()) {
         (true, _) => Round::Final,
         (false, true) => Round::Recall(recalls),

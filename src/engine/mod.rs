@@ -111,6 +111,16 @@ pub struct Input {
     /// ([`crate::compaction::boundary::asks_provider_compaction`]): the
     /// threshold trigger leaves the conversation to it.
     pub provider_compaction: bool,
+    /// The result waits for the conversation's next turn boundary before
+    /// its first application (a background compaction: threshold, agent),
+    /// unless a request over the hard limit needs it sooner.
+    pub soft: bool,
+    /// The model's own notes of what to keep (its `compactor_compact`
+    /// call): the compaction is a summary, and they are a section of it.
+    pub keep: Option<String>,
+    /// The threshold starts no compaction after this exchange: one already
+    /// waits for the turn boundary, or the mode is manual.
+    pub no_trigger: bool,
 }
 
 /// What a compaction must achieve; it escalates past the ladder until it
@@ -255,6 +265,17 @@ pub struct Compactions {
     calibration: Mutex<Calibrations>,
     /// Conversations whose next request is to be compacted (manual).
     manual: Mutex<foldhash::HashSet<String>>,
+    /// Compactions computed here that wait for their first application at
+    /// a turn boundary (by id). One this process did not compute (replayed
+    /// from the store, stored by another replica) is taken as applied.
+    waiting: Mutex<foldhash::HashSet<String>>,
+    /// Per (tenant, conversation): the turn (see
+    /// [`crate::compaction::agent_tool::turn_of`]) whose agent compaction
+    /// was scheduled last (one per turn).
+    agent_turns: Mutex<HashMap<(String, String), ItemHash>>,
+    /// (tenant, conversation) pairs on Anthropic Messages with thinking on
+    /// where an answer followed a round the proxy answered itself.
+    hidden_rounds: Mutex<foldhash::HashSet<(String, String)>>,
     /// A store other processes write too: compactions they computed are
     /// looked up there, and computing one is claimed there first.
     shared: Option<Arc<dyn Reads>>,
@@ -517,6 +538,39 @@ impl Compactions {
             }
             None => lock(&self.manual).remove(conversation),
         }
+    }
+
+    /// Whether a stored compaction still waits for its first application
+    /// at a turn boundary.
+    pub fn is_waiting(&self, id: &str) -> bool {
+        lock(&self.waiting).contains(id)
+    }
+
+    /// A compaction is applied to a request: true if this is its first
+    /// application after it waited (from then on every request that extends
+    /// its prefix gets it).
+    pub fn first_applied(&self, id: &str) -> bool {
+        lock(&self.waiting).remove(id)
+    }
+
+    /// The model asked for a compaction in `turn` of the conversation:
+    /// true if it is the first request of that turn to ask (one per turn).
+    pub fn schedule_agent_turn(&self, tenant: &str, conversation: &str, turn: ItemHash) -> bool {
+        let key = (tenant.to_string(), conversation.to_string());
+        lock(&self.agent_turns).insert(key, turn) != Some(turn)
+    }
+
+    /// An answer of the conversation followed a round the proxy answered
+    /// itself, with thinking on: its thinking is signed against a prefix the
+    /// client's history lacks.
+    pub fn mark_hidden_round(&self, tenant: &str, conversation: &str) {
+        lock(&self.hidden_rounds).insert((tenant.to_string(), conversation.to_string()));
+    }
+
+    /// Whether [`Compactions::mark_hidden_round`] was called for the
+    /// conversation (in this process).
+    pub fn had_hidden_round(&self, tenant: &str, conversation: &str) -> bool {
+        lock(&self.hidden_rounds).contains(&(tenant.to_string(), conversation.to_string()))
     }
 
     /// A background job still computing for this conversation.
@@ -799,7 +853,8 @@ async fn compute<S: Context>(
     let count = move |v: &Value| counter.count_item(&item_hash(v), v);
 
     // The cheap rungs first: they cost no model call.
-    let cheap = (!input.whole)
+    // The model's notes of what to keep go in a summary: no cheap rung.
+    let cheap = (!input.whole && input.keep.is_none())
         .then(|| prepare(view, &tokens, base, &params))
         .flatten()
         .and_then(|prepared| {
@@ -931,6 +986,14 @@ async fn compute<S: Context>(
                 plan.summary_budget,
                 &count,
             );
+            let text = match input.keep.as_deref() {
+                Some(notes) => summary::with_notes(
+                    &text,
+                    facts.task.as_deref(),
+                    &crate::compaction::agent_tool::keep_section(notes),
+                ),
+                None => text,
+            };
             let mut applied = fit::apply(&fit_input, &plan, &params, text.clone(), &count);
             if estimate {
                 let facts_only = count(&crate::compaction::items::user_message(text.clone()));
@@ -1048,7 +1111,16 @@ async fn compute<S: Context>(
         tracing::error!(error = %e, "compaction not recorded");
     }
     let c = Arc::new(c);
+    if input.soft && !c.observed {
+        lock(&state.compactions().waiting).insert(c.id.clone());
+    }
     state.compactions().insert(c.clone());
+    if let (false, Some(trigger)) = (c.observed, crate::metrics::trigger_of(&c.reason)) {
+        state.metrics().compaction_trigger(trigger);
+    }
+    if by_provider && !c.observed {
+        state.metrics().provider_compaction();
+    }
     if !c.observed {
         state.metrics().compaction(
             c.rung.as_str(),
@@ -1116,7 +1188,7 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estim
     let cfg = &state.config().compaction;
     let limits = state.model_limits(&input.model);
     let d = decide(used, estimated, &limits, cfg.warn_ratio);
-    if !d.compact || !cfg.background {
+    if !d.compact || !cfg.background || input.no_trigger {
         return;
     }
     // The client asked the provider to compact: a summary of the proxy's
@@ -1149,6 +1221,7 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estim
     let state = state.clone();
     let mut input = input;
     input.reason = format!("threshold: {}", d.reason());
+    input.soft = true;
     tokio::spawn(async move {
         let tenant = input.tenant.clone();
         match claim(&state, &input).await {
@@ -1170,6 +1243,38 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estim
             jobs.remove(&key);
         }
     });
+}
+
+/// Schedules the compaction the model asked for (`input.reason`,
+/// `input.keep` set): computed now in the background, applied at the
+/// conversation's next turn boundary. False when a job for the
+/// conversation is under way already (it will be applied the same way).
+pub fn schedule_agent<S: Context>(state: &Arc<S>, input: Input) -> bool {
+    let key = (input.tenant.clone(), input.conversation.clone());
+    let mut jobs = lock(&state.compactions().jobs);
+    if jobs.get(&key).is_some_and(|rx| !*rx.borrow()) {
+        return false;
+    }
+    let (tx, rx) = watch::channel(false);
+    jobs.insert(key.clone(), rx);
+    drop(jobs);
+    let state = state.clone();
+    let mut input = input;
+    input.soft = true;
+    tokio::spawn(async move {
+        if let Claimed::Yes = claim(&state, &input).await {
+            if let Err(e) = compact(&state, input.clone()).await {
+                tracing::info!(error = %e, "the compaction the model asked for produced nothing");
+            }
+            release(&state, &input).await;
+        }
+        let _ = tx.send(true);
+        let mut jobs = lock(&state.compactions().jobs);
+        if jobs.get(&key).is_some_and(|rx| *rx.borrow()) {
+            jobs.remove(&key);
+        }
+    });
+    true
 }
 
 /// Whether this process computes the conversation's compaction.

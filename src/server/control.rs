@@ -91,10 +91,11 @@ pub fn control(
         })
     };
     let mode = match (&mode_header, &metadata) {
-        (Some(v), _) => Mode::parse(v).ok_or_else(|| bad(MODE_HEADER, v, "auto, observe, off"))?,
-        (None, Some(v)) => {
-            Mode::parse(v).ok_or_else(|| bad("metadata.compactor_mode", v, "auto, observe, off"))?
+        (Some(v), _) => {
+            Mode::parse(v).ok_or_else(|| bad(MODE_HEADER, v, "auto, observe, off, manual"))?
         }
+        (None, Some(v)) => Mode::parse(v)
+            .ok_or_else(|| bad("metadata.compactor_mode", v, "auto, observe, off, manual"))?,
         (None, None) => configured.mode,
     };
     let compact_now = match compact_header.as_deref() {
@@ -102,16 +103,16 @@ pub fn control(
         Some(v) if v.trim().eq_ignore_ascii_case("now") => true,
         Some(v) => return Err(bad(COMPACT_HEADER, v, "now")),
     };
-    if compact_now && mode != Mode::Auto {
+    if compact_now && !mode.rewrites() {
         tracing::info!(
             mode = mode.as_str(),
-            "x-compactor-compact ignored: the request is not in auto mode"
+            "x-compactor-compact ignored: the request is not in auto or manual mode"
         );
     }
     Ok((
         Control {
             mode,
-            compact_now: compact_now && mode == Mode::Auto,
+            compact_now: compact_now && mode.rewrites(),
         },
         changed,
     ))

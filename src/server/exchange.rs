@@ -10,7 +10,7 @@ use std::time::Instant;
 use serde_json::Value;
 
 use crate::app::AppState;
-use crate::compaction::{recall, Compaction};
+use crate::compaction::{agent_tool, recall, Compaction};
 use crate::config::Mode;
 use crate::conversation::Identified;
 use crate::engine::{self, Input};
@@ -95,6 +95,21 @@ pub struct PendingExchange {
     pub client_compaction: bool,
     /// Items after the view: the recall rounds' calls and answers.
     pub extra: Vec<Value>,
+    /// A stored compaction of the conversation waits for its first turn
+    /// boundary, and this request (inside a turn) went without it: the
+    /// threshold starts no other after it.
+    pub deferred: bool,
+    /// The request goes with the `compactor_compact` tool added.
+    pub agent_tool: bool,
+    /// Anthropic Messages with thinking on: an earlier answer of the
+    /// conversation came after a round the proxy answered itself (recall,
+    /// `compactor_compact`), so its thinking was signed against a prefix
+    /// the client's history lacks; every request of the conversation lets
+    /// the API drop such a block (see `drop_block`).
+    pub hidden_thinking: bool,
+    /// The tool was offered at some point: every answer is looked at for
+    /// calls of it, also after it is withdrawn.
+    pub agent_offered: bool,
     /// What the recall rounds cost.
     pub recall_spent: RecallSpent,
     /// The client's credential headers, kept in memory for summary calls.
@@ -136,7 +151,7 @@ impl PendingExchange {
         let view = self
             .items
             .with_prefix_replaced(c.covered_len, &c.replacement);
-        self.drop_block = false;
+        self.drop_block = self.hidden_thinking;
         self.view = Arc::new(if self.api == Api::Messages {
             // The tail's old thinking and surplus cache breakpoints (see
             // `wire::messages::finish_view`).
@@ -146,7 +161,7 @@ impl PendingExchange {
                 .map_or(0, |t| messages::breakpoints(t.value()))
                 + self.body.get("system").map_or(0, messages::breakpoints);
             let mut values = view.into_values();
-            self.drop_block = messages::finish_view(&mut values, c.replacement.len(), outside)
+            self.drop_block |= messages::finish_view(&mut values, c.replacement.len(), outside)
                 || crate::compaction::provider::keeps_thinking(&c.replacement);
             values.into()
         } else {
@@ -176,6 +191,18 @@ impl PendingExchange {
         self.recall_offered |= self.recall;
     }
 
+    /// Offers `compactor_compact` when `on` (`compaction.agent_tool` for
+    /// the request's tenant and model), the mode lets the proxy rewrite the
+    /// request, it is not the client's own compaction request, and the
+    /// request may have it (see [`agent_tool::offers`]).
+    pub fn offer_agent_tool(&mut self, on: bool) {
+        self.agent_tool = on
+            && self.mode.rewrites()
+            && !self.client_compaction
+            && agent_tool::offers(&self.body, self.tools.as_ref().map(Tools::value));
+        self.agent_offered |= self.agent_tool;
+    }
+
     /// Takes the recall tool away for the rest of the request; with
     /// `forget`, the rounds' calls and answers too.
     pub fn withdraw_recall(&mut self, forget: bool) {
@@ -184,6 +211,12 @@ impl PendingExchange {
         if forget {
             self.extra.clear();
         }
+    }
+
+    /// Takes `compactor_compact` away for the rest of the request (its
+    /// calls are still looked for, and never relayed).
+    pub fn withdraw_agent_tool(&mut self) {
+        self.agent_tool = false;
     }
 
     /// The headers of an attempt: `headers`, with the beta a request that
@@ -229,7 +262,12 @@ impl PendingExchange {
     /// The body to send upstream: the client's bytes while they can go as
     /// they came, else the body rebuilt around the items of the view.
     pub fn upstream_bytes(&self) -> Result<Payload, ProxyError> {
-        if let (None, Some(original), false) = (&self.compaction, &self.original, self.drop_block) {
+        if let (None, Some(original), false, false) = (
+            &self.compaction,
+            &self.original,
+            self.drop_block,
+            self.agent_tool,
+        ) {
             return Ok(original.clone());
         }
         let bound;
@@ -241,7 +279,7 @@ impl PendingExchange {
         } else {
             &*self.body
         };
-        if !self.recall && self.extra.is_empty() {
+        if !self.recall && !self.agent_tool && self.extra.is_empty() {
             return self
                 .api
                 .rebuild_body(body, &self.view.values(), self.tools.as_ref())
@@ -250,13 +288,15 @@ impl PendingExchange {
         }
         let mut items = self.view.values().to_vec();
         items.extend(self.extra.iter().cloned());
-        let with_recall = self.recall.then(|| {
+        let with_recall = (self.recall || self.agent_tool).then(|| {
             let tools = self
                 .tools
                 .as_ref()
                 .map(Tools::value)
                 .unwrap_or(&Value::Null);
-            let mut body = serde_json::json!({"tools": recall::with_tool(self.api, tools)});
+            let recall = self.recall.then(|| recall::definition(self.api));
+            let listed = agent_tool::with_tools(self.api, tools, self.agent_tool, recall);
+            let mut body = serde_json::json!({ "tools": listed });
             Tools::take(&mut body)
         });
         let tools = with_recall
@@ -297,6 +337,9 @@ impl PendingExchange {
             provider_compaction: crate::compaction::boundary::asks_provider_compaction(
                 self.api, &self.body,
             ),
+            soft: false,
+            keep: None,
+            no_trigger: self.deferred || self.mode == Mode::Manual,
         }
     }
 }

@@ -12,7 +12,7 @@ use serde_json::Value;
 use super::exchange::{PendingExchange, Unanswered};
 use super::read::ReadRequest;
 use crate::app::AppState;
-use crate::compaction::policy;
+use crate::compaction::{policy, Compaction};
 use crate::config::Mode;
 use crate::engine;
 use crate::error::ProxyError;
@@ -117,6 +117,10 @@ pub(super) async fn identify(
             recall_withdrawn: false,
             client_compaction: super::control::is_client_compaction(&parts.headers),
             extra: Vec::new(),
+            deferred: false,
+            agent_tool: false,
+            hidden_thinking: false,
+            agent_offered: false,
             recall_spent: Default::default(),
             auth: engine::auth_headers(&parts.headers),
             streamed,
@@ -128,8 +132,9 @@ pub(super) async fn identify(
     // The first request of a model asks the upstream for its window
     // (bounded in time), so that the check below already uses it.
     super::discovery::discover(state, &pending.model, &pending.auth).await;
+    let agent_tool = state.config.agent_tool_for(&pending.tenant, &pending.model);
     match pending.mode {
-        Mode::Auto => {}
+        Mode::Auto | Mode::Manual => {}
         // What would have applied: recorded, never sent.
         Mode::Observe => {
             pending.observed = state
@@ -166,10 +171,13 @@ pub(super) async fn identify(
         }
         return Ok(pending);
     }
-    // A stored compaction covering a prefix of this request replaces it; a
-    // request too large to go without one waits for one under way.
+    // A stored compaction covering a prefix of this request replaces it
+    // (one still waiting for its first turn boundary only at one: see
+    // `apply_stored`); a request too large to go without one
+    // waits for one under way.
+    let boundary = at_boundary(&pending.items);
     if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
-        pending.apply(c);
+        apply_stored(state, &mut pending, c, boundary, false);
     }
     let bytes = pending.compaction.is_none().then_some(raw_len);
     let check = engine::FitCheck {
@@ -185,7 +193,9 @@ pub(super) async fn identify(
         engine::Fit::Fits => {}
         engine::Fit::Waited => {
             if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
-                pending.apply(c);
+                if apply_stored(state, &mut pending, c, boundary, true) {
+                    fit_after_waiting(state, &mut pending).await;
+                }
             }
         }
         // Too large to go out as it is, and nothing under way: compact now
@@ -197,7 +207,13 @@ pub(super) async fn identify(
                 .find(&pending.tenant, &pending.chains)
                 .filter(|c| pending.compaction.as_ref().is_none_or(|p| p.id != c.id));
             if let Some(c) = newer {
-                pending.apply(c);
+                if apply_stored(state, &mut pending, c, boundary, true) {
+                    fit_after_waiting(state, &mut pending).await;
+                }
+            } else if pending.mode == Mode::Manual {
+                // Nothing compacts on its own in manual mode: the request
+                // goes as it is, and the reactive path answers a refusal.
+                tracing::info!(tokens, "over the hard limit in manual mode: sent as it is");
             } else {
                 compact_now(
                     state,
@@ -212,7 +228,102 @@ pub(super) async fn identify(
     // A compacted request whose tool outputs were shortened may read them
     // back, when it has tools of its own: `PendingExchange::apply` offers
     // the recall tool, for this and any later compaction of the request.
+    // The model may ask for a compaction, when the tool is on.
+    pending.offer_agent_tool(agent_tool);
+    if pending.api == Api::Messages
+        && messages::thinking_on(&pending.body)
+        && state
+            .compactions
+            .had_hidden_round(&pending.tenant, &pending.ident.conversation)
+    {
+        pending.hidden_thinking = true;
+        pending.drop_block = true;
+    }
     Ok(pending)
+}
+
+/// Whether a request is at a turn boundary: its last item is a new user
+/// message (not a tool result, not the proxy's summary), in any of the
+/// three APIs' shapes.
+fn at_boundary(items: &ItemList) -> bool {
+    items
+        .len()
+        .checked_sub(1)
+        .is_some_and(|last| crate::compaction::items::is_user_message(&items.item(last)))
+}
+
+/// Applies stored compaction `c` found for the request, unless it still
+/// waits for its first turn boundary and the request is inside a turn and
+/// not `over` the hard limit: then the request goes with what it would
+/// have had before `c` (the compaction `c` extends, if that one covers it
+/// and no longer waits), and the threshold starts nothing after it. Once
+/// applied, a compaction applies to every later request that extends its
+/// prefix, boundary or not; its first application is counted as
+/// `boundary` or `hard`. True when this was that first application.
+fn apply_stored(
+    state: &Arc<AppState>,
+    pending: &mut PendingExchange,
+    c: Arc<Compaction>,
+    boundary: bool,
+    over: bool,
+) -> bool {
+    if !boundary && !over && state.compactions.is_waiting(&c.id) {
+        pending.deferred = true;
+        let base = c
+            .base
+            .as_deref()
+            .and_then(|id| state.compactions.get(&pending.tenant, id))
+            .filter(|b| {
+                !state.compactions.is_waiting(&b.id)
+                    && pending.chains.get(b.covered_len.wrapping_sub(1)) == Some(&b.covered_chain)
+            });
+        tracing::debug!(
+            compaction = %c.id,
+            base = base.as_ref().map_or("", |b| b.id.as_str()),
+            "compaction waits for the turn boundary"
+        );
+        if let Some(b) = base {
+            pending.apply(b);
+        }
+        return false;
+    }
+    let first = state.compactions.first_applied(&c.id);
+    if first {
+        let trigger = if boundary { "boundary" } else { "hard" };
+        state.metrics.compaction_trigger(trigger);
+        tracing::info!(compaction = %c.id, trigger, "waiting compaction applied");
+    }
+    pending.deferred = false;
+    pending.apply(c);
+    first
+}
+
+/// A compaction that waited for its boundary, applied to a request over
+/// the hard limit, may leave it over still: the items of the turn after it
+/// grew while it waited. Then the request is compacted afresh from it, as
+/// one with none would be (not in manual mode).
+async fn fit_after_waiting(state: &Arc<AppState>, pending: &mut PendingExchange) {
+    if pending.mode == Mode::Manual {
+        return;
+    }
+    let check = engine::FitCheck {
+        tenant: &pending.tenant,
+        conversation: &pending.ident.conversation,
+        model: &pending.model,
+        view: pending.view.clone(),
+        hashes: None,
+        tools: pending.tools.clone(),
+        bytes: None,
+    };
+    if let engine::Fit::Over(tokens) = engine::check_fit(state, check).await {
+        compact_now(
+            state,
+            pending,
+            format!("hard_limit: ~{tokens} tokens leave no room for the answer"),
+            engine::Goal::HardLimit,
+        )
+        .await;
+    }
 }
 
 /// A header's text, if present, text and not blank.

@@ -54,7 +54,7 @@ async fn handle_inner(
         return compact::answer_trigger(&state, pending).await;
     }
     // A manual compaction waits for a request in auto mode.
-    let auto = pending.mode == Mode::Auto;
+    let auto = matches!(pending.mode, Mode::Auto | Mode::Manual);
     if auto
         && state
             .compactions

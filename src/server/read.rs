@@ -113,7 +113,7 @@ pub(super) async fn read_request(
         super::control::control(&state.config, &parts.headers, &mut body, &tenant, &model)?;
     // Observe and off send the client's request as it came: no expanded
     // history, no usage asked for, no trigger answered by the proxy.
-    let auto = control.mode == Mode::Auto;
+    let auto = matches!(control.mode, Mode::Auto | Mode::Manual);
     let previous = body
         .get("previous_response_id")
         .and_then(Value::as_str)

@@ -22,6 +22,7 @@ use super::exchange::Unanswered;
 use super::gather::UpstreamStream;
 use super::send::{is_sse, Answer, Held};
 use crate::app::AppState;
+use crate::compaction::agent_tool;
 use crate::compaction::recall::{self, Round};
 use crate::error::ProxyError;
 use crate::upstream::describe;
@@ -57,23 +58,35 @@ pub(super) async fn settle(
 ) -> Result<Answer, ProxyError> {
     let max = pending.recall_rounds;
     let mut rounds = 0;
+    let mut agent_rounds = 0;
     let mut strays = 0;
     loop {
         // Once offered, every answer is looked at: a model may call the
         // tool after it is withdrawn, from the calls earlier rounds left.
-        if !pending.recall_offered {
+        if !pending.recall_offered && !pending.agent_offered {
             return Ok(answer);
         }
         let (v, usage, relay) = match inspect(state, pending.api, answer).await? {
-            Seen::Relay(a) => return Ok(a),
+            Seen::Relay(a) => {
+                note_hidden_rounds(state, pending);
+                return Ok(a);
+            }
             Seen::Calls(v, usage, a) => (v, usage, a),
         };
-        let round = recall::round(pending.api, &v);
+        let round = recall::round_of(
+            pending.api,
+            &v,
+            pending.recall_offered,
+            pending.agent_offered,
+        );
         if !matches!(round, Round::Final) {
             pending.recall_spent.add(usage);
         }
         match round {
-            Round::Final => return Ok(relay),
+            Round::Final => {
+                note_hidden_rounds(state, pending);
+                return Ok(relay);
+            }
             Round::Recall(calls) if pending.recall && rounds < max => {
                 rounds += 1;
                 let room = room_bytes(state, pending).await;
@@ -88,7 +101,28 @@ pub(super) async fn settle(
                 let cont = recall::continuation(pending.api, &v, &results);
                 pending.extra.extend(cont);
             }
-            _ if !pending.recall => {
+            Round::Compact(recalls, compacts)
+                if pending.agent_tool
+                    && agent_rounds < MAX_AGENT_ROUNDS
+                    && (recalls.is_empty() || (pending.recall && rounds < max)) =>
+            {
+                agent_rounds += 1;
+                let mut results = Vec::new();
+                if !recalls.is_empty() {
+                    rounds += 1;
+                    let room = room_bytes(state, pending).await;
+                    let originals = pending.items.values();
+                    results = recall::answers(&recalls, &originals, &pending.hashes, room);
+                }
+                results.extend(answer_compacts(state, pending, &compacts));
+                tracing::info!(
+                    calls = compacts.len(),
+                    "compactor_compact answered by the proxy"
+                );
+                let cont = recall::continuation(pending.api, &v, &results);
+                pending.extra.extend(cont);
+            }
+            _ if stray(&round, pending) => {
                 // The tool is gone and the model still calls it: first
                 // without the rounds' calls to copy from, then give up.
                 strays += 1;
@@ -103,6 +137,7 @@ pub(super) async fn settle(
                     )));
                 }
                 pending.withdraw_recall(true);
+                pending.withdraw_agent_tool();
             }
             _ => {
                 tracing::info!(
@@ -110,10 +145,70 @@ pub(super) async fn settle(
                     "recall call beside the client's own, or past recall_max_rounds: sent again without the recall tool"
                 );
                 pending.withdraw_recall(false);
+                pending.withdraw_agent_tool();
             }
         }
         answer = super::send::send(state, pending, url, headers).await?;
     }
+}
+
+/// The answer relayed after hidden rounds, on Anthropic Messages with
+/// thinking on, carries thinking signed against those rounds, which the
+/// client's next request will lack: the conversation's later requests let
+/// the API drop such blocks.
+fn note_hidden_rounds(state: &AppState, pending: &Unanswered) {
+    if pending.api == Api::Messages
+        && !pending.extra.is_empty()
+        && crate::wire::messages::thinking_on(&pending.body)
+    {
+        state
+            .compactions
+            .mark_hidden_round(&pending.tenant, &pending.ident.conversation);
+    }
+}
+
+/// Most answers of one request in which the proxy answers
+/// `compactor_compact` calls; past them the tool is withdrawn.
+const MAX_AGENT_ROUNDS: u32 = 2;
+
+/// Whether an answer calls one of the proxy's tools that the request no
+/// longer offers (or, beside the client's own calls, when none is offered).
+fn stray(round: &Round, pending: &Unanswered) -> bool {
+    match round {
+        Round::Recall(_) => !pending.recall,
+        Round::Compact(recalls, _) => {
+            !pending.agent_tool || (!recalls.is_empty() && !pending.recall)
+        }
+        Round::Mixed => !pending.recall && !pending.agent_tool,
+        Round::Final => false,
+    }
+}
+
+/// The proxy's answers to the model's `compactor_compact` calls: the first
+/// call of a turn schedules the compaction (computed now in the
+/// background, applied at the next turn boundary, the calls' `keep` notes
+/// a section of its summary); any other is told it is already scheduled.
+fn answer_compacts(
+    state: &Arc<AppState>,
+    pending: &Unanswered,
+    calls: &[agent_tool::Call],
+) -> Vec<(String, String)> {
+    let items = pending.items.values();
+    let first = agent_tool::turn_of(&items, &pending.chains).is_some_and(|turn| {
+        state
+            .compactions
+            .schedule_agent_turn(&pending.tenant, &pending.ident.conversation, turn)
+    });
+    if first {
+        let mut input = pending.input(agent_tool::reason(calls), false);
+        input.keep = agent_tool::notes(calls);
+        if !crate::engine::schedule_agent(state, input) {
+            tracing::info!(
+                "compactor_compact: a compaction of the conversation is under way already"
+            );
+        }
+    }
+    agent_tool::answers(calls, !first)
 }
 
 /// Bytes a round's recall answers may take: the room the window leaves

@@ -173,6 +173,14 @@ impl PendingExchange {
     /// not reach the client: a store shared by replicas could not commit it
     /// (released, it would be an answer no replica knows of).
     pub async fn finish(&self, state: &Arc<AppState>, outcome: Outcome) -> bool {
+        // The provider compacted in this answer (a client that asked it to).
+        if outcome
+            .response_items
+            .iter()
+            .any(crate::compaction::boundary::is_provider_item)
+        {
+            state.metrics.provider_compaction();
+        }
         let rec = self.to_record(state, outcome);
         observe(state, &rec);
         self.record_on_span(&rec);

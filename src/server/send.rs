@@ -172,7 +172,9 @@ pub(super) async fn send(
             },
         };
         // Outside auto mode the upstream's "too long" is the client's.
-        let Some((stated, why)) = overflow.filter(|_| pending.mode == Mode::Auto) else {
+        let Some((stated, why)) =
+            overflow.filter(|_| matches!(pending.mode, Mode::Auto | Mode::Manual))
+        else {
             return Ok(answer);
         };
         // The client's own compaction request: the stored compaction of its

@@ -372,6 +372,27 @@ pub fn assemble(
     text
 }
 
+/// `text` (an assembled summary) with `section` (the model's own notes of
+/// what to keep, `## …` heading first) placed right after TASK, so it reads
+/// before the narrative; a re-compaction's [`previous_narrative`] does not
+/// carry it on (it is not one of the narrative sections). A text not in
+/// this format gets it at the end.
+pub fn with_notes(text: &str, task: Option<&str>, section: &str) -> String {
+    let head = "\n## TASK\n";
+    let task_len = task.map_or("(not recorded)".len(), str::len);
+    let at = text
+        .find(head)
+        .map(|i| i + head.len() + task_len)
+        .filter(|&i| {
+            text.get(i..)
+                .is_some_and(|rest| rest.starts_with("\n\n## "))
+        });
+    match at {
+        Some(i) => format!("{}\n\n{section}{}", &text[..i], &text[i..]),
+        None => format!("{}\n\n{section}\n", text.trim_end()),
+    }
+}
+
 /// The model-written sections of a previous assembled summary, for
 /// re-compaction (the model updates them instead of re-reading raw history;
 /// the facts are carried separately in [`Facts`]): each of the six
@@ -685,5 +706,21 @@ mod tests {
                 && prev_fb.contains("KeyError: 'session'")
         );
         assert_eq!(previous_narrative("free text summary"), "free text summary");
+    }
+
+    #[test]
+    fn the_agents_notes_go_after_the_task_and_are_not_carried_as_narrative() {
+        let f = sample_facts();
+        let s = assemble(&f, Some(GOOD), 12, 100_000);
+        let section = "## NOTES\nkeep port 8123";
+        let with = with_notes(&s, f.task.as_deref(), section);
+        let task = with.find("## TASK").unwrap();
+        let notes = with.find(section).unwrap();
+        let plan = with.find("## PLAN STATE").unwrap();
+        assert!(task < notes && notes < plan, "{with}");
+        assert_eq!(with.replace(&format!("\n\n{section}"), ""), s);
+        assert!(!previous_narrative(&with).contains("keep port 8123"));
+        // A text not in this format gets the notes at its end.
+        assert!(with_notes("free text", None, section).ends_with("keep port 8123\n"));
     }
 }

@@ -59,7 +59,7 @@ mod prompt;
 mod statements;
 mod text;
 
-pub use assemble::{assemble, previous_narrative};
+pub use assemble::{assemble, previous_narrative, with_notes};
 pub use audit::{
     audit_and_repair, repair_block, sent_text, to_repair, Audit, Audited, AuditedFact, FactState,
     MAX_FACT_BYTES, MAX_REMOVED_REFS,

@@ -1,0 +1,244 @@
+//! Soft and hard triggers, through real sockets: a background compaction
+//! computed after an exchange crossed the threshold waits for the
+//! conversation's next turn boundary (a new user message) before it is
+//! first applied, so a tool loop under way is not cut; only a request over
+//! the hard limit is compacted inside a turn. Once applied, a compaction
+//! applies to every later request that extends it. Chat Completions,
+//! Responses and Anthropic Messages; the compactions counted by trigger.
+
+mod support;
+
+#[path = "support/agent_loop.rs"]
+mod agent_loop;
+
+use agent_loop::{Loop, Shape, SHAPES};
+use compactor::config::{Config, ModelConfig};
+use std::time::Duration;
+use support::{compactions, wait_compactions, Harness};
+
+const MODEL: &str = "loop-test";
+
+/// A 6000-token window: the trigger (0.75) at 4500 reported tokens, the
+/// hard limit (less 200 for the answer) at 5800.
+fn window(c: &mut Config) {
+    c.models.push(ModelConfig {
+        pattern: "loop-*".into(),
+        context_window: 6000,
+        max_output_tokens: Some(200),
+        trigger_ratio: None,
+        ..Default::default()
+    });
+}
+
+fn compacted(headers: &http::HeaderMap) -> bool {
+    headers.get("x-compactor-compacted").is_some()
+}
+
+/// Sends the loop's request with `reply` scripted; asserts a 200.
+async fn step(h: &Harness, l: &Loop, reply: compactor::fake_upstream::Reply) -> http::HeaderMap {
+    h.fake.push(reply);
+    let (status, headers, body) = l.send(h).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    headers
+}
+
+/// Whether the upstream got the client's latest request smaller than the
+/// client sent it (a compaction replaced a prefix: pruned or summarized).
+fn upstream_shorter(h: &Harness, l: &Loop) -> bool {
+    let last = l.upstream(h).pop().expect("an upstream request");
+    let size = |items: &[serde_json::Value]| serde_json::to_vec(items).unwrap().len();
+    size(&l.items_of(&last)) < size(&l.items)
+}
+
+/// A history of about 4800 tokens (past the trigger, under the hard limit),
+/// in the middle of a tool loop.
+fn long_loop(shape: Shape, key: &str) -> Loop {
+    Loop::new(shape, MODEL, key, 10, 1900)
+}
+
+async fn a_tool_loop_keeps_going_uncompacted_until_the_next_user_message(shape: Shape) {
+    let h = Harness::start_with(window).await;
+    let mut l = long_loop(shape, &format!("sk-trigger-{shape:?}-000001"));
+    // The exchange that crosses the threshold: the model calls a tool.
+    let headers = step(&h, &l, l.shell_reply()).await;
+    assert!(!compacted(&headers));
+    wait_compactions(&h, 1).await;
+    // Two more requests of the same tool loop: the compaction waits.
+    for last in [false, true] {
+        l.round(300);
+        let reply = if last {
+            l.text_reply("The tests pass now.")
+        } else {
+            l.shell_reply()
+        };
+        let headers = step(&h, &l, reply).await;
+        assert!(!compacted(&headers), "{shape:?}: cut inside the turn");
+        assert!(
+            !upstream_shorter(&h, &l),
+            "{shape:?}: sent as the client sent it"
+        );
+    }
+    // Requests that went without the waiting compaction start no other.
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(compactions(&h), 1, "{shape:?}: no second compaction");
+    let m = &h.state.metrics;
+    assert_eq!((m.triggers("threshold"), m.triggers("boundary")), (1, 0));
+    // The next user message is the boundary: compacted now.
+    l.assistant("The tests pass now.");
+    l.user("Now add a test for the port setting.");
+    // The compacted requests report what the upstream got: far below the
+    // trigger.
+    l.reported = Some(2000);
+    let headers = step(&h, &l, l.shell_reply()).await;
+    assert!(compacted(&headers), "{shape:?}: compacted at the boundary");
+    assert!(upstream_shorter(&h, &l));
+    // And the tool loop that follows keeps the compaction.
+    l.round(300);
+    let headers = step(&h, &l, l.text_reply("Added.")).await;
+    assert!(compacted(&headers), "{shape:?}: applied ever after");
+    assert!(upstream_shorter(&h, &l));
+    assert_eq!(
+        (
+            m.triggers("threshold"),
+            m.triggers("boundary"),
+            m.triggers("hard")
+        ),
+        (1, 1, 0),
+        "{shape:?}"
+    );
+    let scraped = h.scrape().await;
+    for (trigger, n) in [("threshold", 1), ("boundary", 1), ("hard", 0), ("agent", 0)] {
+        let line = format!("compactor_compaction_triggers_total{{trigger=\"{trigger}\"}} {n}");
+        assert!(scraped.contains(&line), "{line} in\n{scraped}");
+    }
+    for trigger in ["reactive", "manual", "provider"] {
+        assert!(scraped.contains(&format!(
+            "compactor_compaction_triggers_total{{trigger=\"{trigger}\"}} 0"
+        )));
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_a_tool_loop_keeps_going_uncompacted_until_the_next_user_message() {
+    a_tool_loop_keeps_going_uncompacted_until_the_next_user_message(Shape::Chat).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_a_tool_loop_keeps_going_uncompacted_until_the_next_user_message() {
+    a_tool_loop_keeps_going_uncompacted_until_the_next_user_message(Shape::Responses).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_a_tool_loop_keeps_going_uncompacted_until_the_next_user_message() {
+    a_tool_loop_keeps_going_uncompacted_until_the_next_user_message(Shape::Messages).await;
+}
+
+/// A request of the loop over the hard limit (a tool printed a lot) gets
+/// the waiting compaction at once, inside the turn.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_mid_loop_request_over_the_hard_limit_is_compacted_at_once() {
+    for (i, shape) in SHAPES.into_iter().enumerate() {
+        let h = Harness::start_with(window).await;
+        let mut l = long_loop(shape, &format!("sk-hard-{i}-0000000001"));
+        step(&h, &l, l.shell_reply()).await;
+        wait_compactions(&h, 1).await;
+        l.round(10_000);
+        assert!(
+            l.prompt_tokens() > 5800,
+            "{shape:?}: over the hard limit as sent"
+        );
+        // What the compacted request the upstream gets reports, below the
+        // trigger.
+        l.reported = Some(4000);
+        let headers = step(&h, &l, l.shell_reply()).await;
+        assert!(compacted(&headers), "{shape:?}: compacted inside the turn");
+        assert!(upstream_shorter(&h, &l));
+        let m = &h.state.metrics;
+        assert_eq!(m.triggers("boundary"), 0, "{shape:?}");
+        assert!(m.triggers("hard") >= 1, "{shape:?}");
+        // Applied once, it stays: the next request of the loop has it too.
+        l.round(300);
+        let headers = step(&h, &l, l.text_reply("Done.")).await;
+        assert!(compacted(&headers), "{shape:?}");
+    }
+}
+
+/// In manual mode nothing compacts on its own: past the threshold no
+/// background compaction is computed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn manual_mode_computes_no_threshold_compaction() {
+    let h = Harness::start_with(|c| {
+        window(c);
+        c.compaction.mode = compactor::config::Mode::Manual;
+    })
+    .await;
+    let mut l = long_loop(Shape::Chat, "sk-manual-0000000001");
+    step(&h, &l, l.shell_reply()).await;
+    l.round(300);
+    l.assistant("ok");
+    l.user("go on");
+    let headers = step(&h, &l, l.text_reply("Going on.")).await;
+    assert!(!compacted(&headers));
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(compactions(&h), 0, "no threshold compaction in manual mode");
+    assert_eq!(h.state.metrics.triggers("threshold"), 0);
+}
+
+/// A compaction after the upstream's "too long" counts as `reactive`, one
+/// asked for through the admin API as `manual`; both cut where they must,
+/// inside the turn too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reactive_and_manual_compactions_are_counted() {
+    let h = Harness::start_with(window).await;
+    let mut l = Loop::new(Shape::Chat, MODEL, "sk-counted-00000001", 8, 1900);
+    let prompt = l.prompt_tokens();
+    h.fake.push(compactor::fake_upstream::Reply::json(
+        400,
+        serde_json::json!({"error": {"message": format!(
+            "This model's maximum context length is {} tokens. However, your messages resulted in {prompt} tokens.",
+            prompt * 3 / 5),
+            "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}),
+    ));
+    l.reported = Some(prompt / 2);
+    let headers = step(&h, &l, l.shell_reply()).await;
+    assert!(compacted(&headers), "compacted and retried");
+    let m = &h.state.metrics;
+    assert_eq!((m.triggers("reactive"), m.triggers("manual")), (1, 0));
+    let conversation = headers["x-compactor-conversation"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    let (status, _) = h
+        .post_admin(&format!("/admin/api/conversations/{conversation}/compact"))
+        .await;
+    assert_eq!(status, 202);
+    l.round(300);
+    let headers = step(&h, &l, l.text_reply("ok")).await;
+    assert!(compacted(&headers));
+    assert_eq!((m.triggers("reactive"), m.triggers("manual")), (1, 1));
+    assert_eq!(m.triggers("threshold"), 0);
+}
+
+/// A compaction that waited while the turn grew can leave a request over
+/// the hard limit even once applied: the request is then compacted afresh
+/// from it, rather than sent for the upstream to refuse.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_compaction_too_small_for_a_grown_turn_is_compacted_further() {
+    let h = Harness::start_with(window).await;
+    let mut l = long_loop(Shape::Chat, "sk-grown-0000000001");
+    step(&h, &l, l.shell_reply()).await;
+    wait_compactions(&h, 1).await;
+    // A tool printed more than the compaction frees.
+    l.round(20_000);
+    l.reported = Some(4000);
+    let headers = step(&h, &l, l.shell_reply()).await;
+    assert!(compacted(&headers));
+    let sent = l.upstream(&h).pop().unwrap();
+    assert!(
+        sent.body.len() / 4 < 6000,
+        "it fits the window: {} bytes",
+        sent.body.len()
+    );
+    assert_eq!(compactions(&h), 2, "compacted afresh from the waiting one");
+    assert!(h.state.metrics.triggers("hard") >= 2);
+}
