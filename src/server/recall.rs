@@ -14,7 +14,6 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
@@ -25,7 +24,7 @@ use crate::app::AppState;
 use crate::compaction::recall::{self, Round};
 use crate::error::ProxyError;
 use crate::upstream::describe;
-use crate::wire::sse::{complete_events, SseTee};
+use crate::wire::sse::{Framer, SseTee};
 use crate::wire::{Api, Usage};
 
 /// Most bytes of a streamed tool-call answer held back to look at it;
@@ -230,19 +229,24 @@ fn first_output(api: Api, name: &str, data: &str) -> Option<First> {
 /// Reads a stream until its first output; a tool call, to its end.
 async fn inspect_stream(state: &AppState, api: Api, mut held: Held) -> Result<Seen, ProxyError> {
     let idle = state.upstream.idle_timeout;
-    let mut buf: Vec<u8> = held.chunks.concat();
-    let mut scanned = 0;
+    let mut framer = Framer::new();
+    let mut size = 0;
+    for chunk in &held.chunks {
+        framer.push(chunk);
+        size += chunk.len();
+    }
     let mut first = None;
     let mut ended = held.end.is_some();
     loop {
-        if first.is_none() {
-            let (events, used) = complete_events(&buf[scanned..]);
-            scanned += used;
-            first = events
-                .iter()
-                .find_map(|(name, data)| first_output(api, name, data));
+        while first.is_none() {
+            let Some(block) = framer.next_block() else {
+                break;
+            };
+            first = block
+                .event
+                .and_then(|ev| first_output(api, &ev.name, &ev.data));
         }
-        if first == Some(First::Text) || ended || buf.len() > MAX_HELD_BYTES {
+        if first == Some(First::Text) || ended || size > MAX_HELD_BYTES {
             break;
         }
         match tokio::time::timeout(idle, held.rest.next()).await {
@@ -250,7 +254,10 @@ async fn inspect_stream(state: &AppState, api: Api, mut held: Held) -> Result<Se
             Ok(None) => ended = true,
             Ok(Some(Err(e))) => return Err(ProxyError::UpstreamUnreachable(describe(&e))),
             Ok(Some(Ok(chunk))) => {
-                buf.extend_from_slice(&chunk);
+                if first.is_none() {
+                    framer.push(&chunk);
+                }
+                size += chunk.len();
                 held.chunks.push(chunk);
             }
         }
@@ -263,7 +270,9 @@ async fn inspect_stream(state: &AppState, api: Api, mut held: Held) -> Result<Se
         return Ok(Seen::Relay(Answer::Held(held)));
     }
     let mut tee = SseTee::new(api, false);
-    tee.push(Bytes::from(buf));
+    for chunk in &held.chunks {
+        tee.push(chunk.clone());
+    }
     tee.finish();
     let items = tee.items();
     let v = match api {

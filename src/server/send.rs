@@ -315,8 +315,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
     let headers = resp.headers().clone();
     let mut rest: UpstreamStream = Box::pin(resp.bytes_stream());
     let mut chunks = Vec::new();
-    let mut buf = Vec::new();
-    let mut scanned = 0;
+    let mut framer = wire::sse::Framer::new();
     let release_at = tokio::time::Instant::now() + MAX_HOLD_BACK;
     let mut end = None;
     loop {
@@ -324,17 +323,18 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
         // timer: a timer due before every other one wakes the runtime's
         // driver (a syscall), and the first events of an answer usually
         // come together.
-        let mut size = buf.len();
+        let mut size: usize = chunks.iter().map(Bytes::len).sum();
         let delivered = take_delivered(&mut rest, size, |chunk| {
             size += chunk.len();
-            buf.extend_from_slice(&chunk);
+            framer.push(&chunk);
             chunks.push(chunk);
             size
         })
         .await;
-        let (events, used) = wire::sse::complete_events(&buf[scanned..]);
-        scanned += used;
-        for (name, data) in events {
+        while let Some(block) = framer.next_block() {
+            let Some(wire::sse::Event { name, data }) = block.event else {
+                continue;
+            };
             let kind = wire::responses::event_type(&data).unwrap_or(name);
             if PRELUDE_EVENTS.contains(&kind.as_str()) {
                 continue;
@@ -373,7 +373,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
             break;
         };
         let chunk = chunk.map_err(|e| ProxyError::UpstreamUnreachable(describe(&e)))?;
-        buf.extend_from_slice(&chunk);
+        framer.push(&chunk);
         chunks.push(chunk);
     }
     Ok(Held {
