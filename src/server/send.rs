@@ -246,6 +246,9 @@ pub(super) enum Answer {
     Error(http::StatusCode, http::HeaderMap, Bytes),
     /// A success read whole (to see whether it calls the recall tool).
     Read(http::StatusCode, http::HeaderMap, Bytes),
+    /// A stream offered the recall tool that began with reasoning: relayed
+    /// as it comes, the recall rounds spliced onto it (`server::splice`).
+    Live(Held),
 }
 
 /// A stream whose first events are held back.
@@ -260,6 +263,8 @@ pub(super) struct Held {
     pub rest: UpstreamStream,
     /// How the body ended (or failed), if it did while being read.
     pub end: Option<Option<reqwest::Result<Bytes>>>,
+    /// Set once the splice read it: how many of its bytes the client has.
+    pub relayed: Option<usize>,
 }
 
 impl Held {
@@ -272,6 +277,7 @@ impl Held {
             failure: None,
             rest: Box::pin(resp.bytes_stream()),
             end: None,
+            relayed: None,
         }
     }
 
@@ -347,6 +353,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
                 failure,
                 rest,
                 end: delivered,
+                relayed: None,
             });
         }
         match delivered {
@@ -383,6 +390,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
         failure: None,
         rest,
         end,
+        relayed: None,
     })
 }
 
