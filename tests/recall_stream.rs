@@ -354,3 +354,78 @@ async fn a_responses_reasoning_item_reaches_the_client_before_a_recall_and_the_c
     let sent = last["input"].as_array().unwrap();
     assert_eq!(sent.last().unwrap()["type"], "function_call_output");
 }
+
+/// A chat answer of reasoning and a recall call.
+fn reasoning_then_recall(id: &str, thought: &str, reference: &str) -> Reply {
+    let head =
+        format!(r#""id":"{id}","object":"chat.completion.chunk","created":1,"model":"fake""#);
+    let args = serde_json::to_string(&json!({"ref": reference}).to_string()).unwrap();
+    Reply::sse(vec![
+        format!("data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"reasoning_content\":\"{thought}\"}},\"finish_reason\":null}}]}}\n\n"),
+        format!("data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{\"tool_calls\":[{{\"index\":0,\"id\":\"call_{id}\",\"type\":\"function\",\"function\":{{\"name\":\"{TOOL}\",\"arguments\":{args}}}}}]}},\"finish_reason\":\"tool_calls\"}}]}}\n\n"),
+        format!("data: {{{head},\"choices\":[],\"usage\":{{\"prompt_tokens\":700,\"completion_tokens\":11,\"total_tokens\":711}}}}\n\n"),
+        "data: [DONE]\n\n".to_string(),
+    ])
+}
+
+/// A model that reasons and recalls again once the rounds are spent: the
+/// tool is withdrawn and its call never reaches the client, whose stream
+/// holds each answer's reasoning and the final text, well formed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recall_after_the_last_round_never_reaches_a_client_that_saw_the_reasoning() {
+    let h = Harness::start_with(|c| {
+        small_window(c);
+        c.compaction.recall_max_rounds = 1;
+    })
+    .await;
+    let url = format!("{}/chat/completions", h.url());
+    let key = "sk-think-rounds";
+    let (history, reference) = conversation(false);
+    let before = support::compactions(&h);
+    assert_eq!(post(&url, key, &chat_body(&history, false)).await.0, 200);
+    wait_compactions(&h, before + 1).await;
+    let sent_before = h.fake.received().len();
+    h.fake.push(reasoning_then_recall(
+        "chatcmpl-a",
+        "First thought.",
+        &reference,
+    ));
+    h.fake.push(reasoning_then_recall(
+        "chatcmpl-b",
+        " Second thought.",
+        &reference,
+    ));
+    h.fake.push(Reply::chat_stream(&["Done."], Some((1400, 2))));
+    let mut resp = open_stream(&url, key, &chat_body(&history, true)).await;
+    let mut seen = Vec::new();
+    read_rest(&mut resp, &mut seen).await;
+    let text = String::from_utf8_lossy(&seen).into_owned();
+    assert!(
+        !text.contains(TOOL) && !text.contains("call_chatcmpl"),
+        "no trace of a recall call: {text}"
+    );
+    let chunks = events(&text);
+    let deltas: Vec<&Value> = chunks
+        .iter()
+        .filter_map(|(_, v)| v.pointer("/choices/0/delta"))
+        .collect();
+    let joined = |k: &str| -> String {
+        deltas
+            .iter()
+            .filter_map(|d| d.get(k).and_then(Value::as_str))
+            .collect()
+    };
+    assert_eq!(
+        joined("reasoning_content"),
+        "First thought. Second thought."
+    );
+    assert_eq!(joined("content"), "Done.");
+    assert_eq!(deltas.iter().filter(|d| d.get("role").is_some()).count(), 1);
+    let done = chunks.iter().filter(|(_, v)| v == &json!("[DONE]")).count();
+    assert_eq!(done, 1, "{text}");
+    // The last request went without the recall tool.
+    let received = h.fake.received();
+    assert_eq!(received.len() - sent_before, 3, "the request and two more");
+    let last = received.last().unwrap().json();
+    assert!(!last["tools"].to_string().contains(TOOL), "{last}");
+}

@@ -45,9 +45,9 @@ use crate::wire::Api;
 /// What the task hands the client's body.
 type Chunk = Result<Bytes, BodyError>;
 
-/// Answers past the first a request may still enter the recall rounds
-/// with, beyond `compaction.recall_max_rounds`, before it is given up (the
-/// rounds' own bound counts within one entry).
+/// Tool-call answers, beyond `compaction.recall_max_rounds`, the task may
+/// still hand the rounds once the tool was withdrawn, before it gives the
+/// request up (a model that keeps calling a tool it no longer has).
 const EXTRA_ENTRIES: u32 = 3;
 
 /// Starts the client's response for a stream that began with reasoning
@@ -311,6 +311,11 @@ async fn run(
             );
             client.break_off(&state, err.to_string()).await;
             return;
+        }
+        // The rounds are spent: the call is answered as a recall past the
+        // last round would be, without the tool.
+        if entries > pending.recall_rounds {
+            pending.withdraw_recall(false);
         }
         let answer = Held {
             status,
