@@ -64,7 +64,8 @@ pub struct Framer {
     name: Option<String>,
     data: Option<String>,
     data_lines: usize,
-    data_only: bool,
+    /// A line other than a `data:` field was read.
+    other_lines: bool,
     /// The first line of the stream was read (a byte-order mark is skipped
     /// only before it).
     started: bool,
@@ -73,10 +74,7 @@ pub struct Framer {
 impl Framer {
     /// A framer at the start of a stream.
     pub fn new() -> Self {
-        Self {
-            data_only: true,
-            ..Self::default()
-        }
+        Self::default()
     }
 
     /// Takes the next bytes of the stream.
@@ -116,7 +114,7 @@ impl Framer {
         self.name = None;
         self.data = None;
         self.data_lines = 0;
-        self.data_only = true;
+        self.other_lines = false;
         self.buf.split().freeze()
     }
 
@@ -143,7 +141,7 @@ impl Framer {
         let (field, value) = match memchr::memchr(b':', line) {
             Some(0) => {
                 // A comment.
-                self.data_only = false;
+                self.other_lines = true;
                 return;
             }
             Some(c) => {
@@ -165,10 +163,10 @@ impl Framer {
                 }
             }
             b"event" => {
-                self.data_only = false;
+                self.other_lines = true;
                 self.name = Some(String::from_utf8_lossy(value).into_owned());
             }
-            _ => self.data_only = false,
+            _ => self.other_lines = true,
         }
     }
 
@@ -177,7 +175,7 @@ impl Framer {
         let name = self.name.take();
         let data = self.data.take();
         let lines = std::mem::take(&mut self.data_lines);
-        let data_only = std::mem::replace(&mut self.data_only, true);
+        let data_only = !std::mem::take(&mut self.other_lines);
         let event = (lines > 0).then(|| Event {
             name: name
                 .filter(|n| !n.is_empty())
