@@ -73,6 +73,16 @@ pub enum Reply {
         /// Break the connection after this many chunks.
         reset_after: Option<usize>,
     },
+    /// An SSE body whose chunks from index `at` on wait until the test
+    /// opens `gate` (`notify_one`): a stream still being generated.
+    Gated {
+        /// The chunks, sent as separate writes.
+        chunks: Vec<Bytes>,
+        /// The first chunk held back.
+        at: usize,
+        /// Opened by the test.
+        gate: Arc<tokio::sync::Notify>,
+    },
     /// Wait, then answer.
     Delay(Duration, Box<Reply>),
     /// The answer with this status instead (e.g. an SSE body as an error).
@@ -714,6 +724,25 @@ async fn render(reply: Reply) -> Response<ProxyBody> {
                     resp.headers_mut().append(k, v);
                 }
             }
+            resp
+        }
+        Reply::Gated { chunks, at, gate } => {
+            let stream =
+                futures_util::stream::unfold((chunks.into_iter(), 0usize), move |(mut it, n)| {
+                    let gate = gate.clone();
+                    async move {
+                        let chunk = it.next()?;
+                        if n == at {
+                            gate.notified().await;
+                        }
+                        Some((Ok::<_, BodyError>(Frame::data(chunk)), (it, n + 1)))
+                    }
+                });
+            let mut resp = Response::new(StreamBody::new(stream).boxed_unsync());
+            resp.headers_mut().insert(
+                http::header::CONTENT_TYPE,
+                http::HeaderValue::from_static("text/event-stream"),
+            );
             resp
         }
         Reply::Sse {

@@ -1,8 +1,9 @@
 //! Small holes, each through real sockets or the real binary: readiness
 //! probes behind a hanging upstream, the doctor's deadline and its database
 //! check, terminal control sequences in what the CLI prints, a malformed
-//! chunked body, a non-ASCII conversation id, and the client's bytes kept
-//! when the proxy takes its metadata key out.
+//! chunked body, a non-ASCII conversation id, the client's bytes kept
+//! when the proxy takes its metadata key out, and a conversation's next
+//! request sent the moment a stream that crossed the trigger ended.
 
 mod support;
 
@@ -352,6 +353,96 @@ async fn requests_sent_the_moment_a_stream_ends_use_the_existing_compaction() {
     assert!(
         fresh.is_empty(),
         "{} of {} compactions were fresh hard-limit ones: {reasons:?}",
+        fresh.len(),
+        reasons.len()
+    );
+}
+
+/// A user turn of about `tokens` tokens, of plain words (which the
+/// estimate and the fake's four bytes a token count alike).
+fn long_turn(turn: usize, tokens: usize) -> String {
+    let mut text = format!("turn {turn}: the build log follows.");
+    while text.len() < tokens * 4 {
+        text.push_str(" the build ran one more step and all of it went well");
+    }
+    text
+}
+
+/// Every streamed answer takes the conversation past the trigger, so a
+/// background compaction starts at each, and the next request, sent the
+/// moment the stream ends, is too large to go without that compaction: it
+/// must find it under way (and wait for it) or stored, never compact afresh
+/// at the hard limit, 150 times in a row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_the_moment_a_stream_crossed_the_trigger_finds_its_compaction() {
+    // Between the trigger (5,000) and the hard limit (9,700) there is room
+    // for a turn (3,000): each request crosses the trigger, and the next,
+    // a turn larger, needs the compaction that started.
+    let h = Harness::start_with(|c| {
+        c.models.push(compactor::config::ModelConfig {
+            pattern: "mid*".into(),
+            context_window: 10_000,
+            max_output_tokens: Some(300),
+            trigger_ratio: Some(0.5),
+            ..Default::default()
+        })
+    })
+    .await;
+    let url = format!("{}/chat/completions", h.url());
+    let http = client();
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are a careful coding agent."}),
+        json!({"role": "user", "content": long_turn(0, 3000)}),
+    ];
+    let started = Instant::now();
+    let mut failures = Vec::new();
+    for turn in 1..=150 {
+        let body = json!({"model": "mid-test", "stream": true,
+            "stream_options": {"include_usage": true}, "messages": messages});
+        let resp = within(
+            http.post(&url)
+                .header("authorization", format!("Bearer {KEY}"))
+                .json(&body)
+                .send(),
+        )
+        .await
+        .expect("send");
+        let status = resp.status().as_u16();
+        let text = within(resp.text()).await.expect("the stream");
+        if status != 200 {
+            failures.push((turn, status, text));
+            break;
+        }
+        let answer: String = text
+            .lines()
+            .filter_map(|l| l.strip_prefix("data: "))
+            .filter_map(|d| serde_json::from_str::<Value>(d).ok())
+            .filter_map(|v| {
+                v.pointer("/choices/0/delta/content")
+                    .and_then(Value::as_str)
+                    .map(String::from)
+            })
+            .collect();
+        messages.push(json!({"role": "assistant", "content": answer}));
+        messages.push(json!({"role": "user", "content": long_turn(turn, 3000)}));
+        assert!(
+            started.elapsed() < Duration::from_secs(400),
+            "bounded in time"
+        );
+    }
+    assert!(failures.is_empty(), "{failures:?}");
+    let reasons: Vec<String> = support::column(&*h.sql(), "SELECT reason FROM compactions");
+    assert!(
+        reasons.len() >= 50,
+        "most answers started a compaction: {reasons:?}"
+    );
+    let fresh: Vec<&String> = reasons
+        .iter()
+        .filter(|r| r.starts_with("hard_limit"))
+        .collect();
+    assert!(
+        fresh.is_empty(),
+        "{} of {} compactions were fresh hard-limit ones: {fresh:?}",
         fresh.len(),
         reasons.len()
     );

@@ -250,8 +250,9 @@ pub struct Compactions {
     observed: Mutex<HashMap<String, HashMap<ItemHash, Entry>>>,
     jobs: Mutex<HashMap<(String, String), watch::Receiver<bool>>>,
     backoff: Mutex<HashMap<String, Backoff>>,
-    /// When each conversation's newest compaction was stored (Unix ms).
-    newest: Mutex<HashMap<(String, String), i64>>,
+    /// When each conversation's newest compaction was stored (Unix ms),
+    /// and its id.
+    newest: Mutex<HashMap<(String, String), (i64, String)>>,
     /// The tenant of every stored compaction, by id (to expand `compaction`
     /// items).
     by_id: Mutex<HashMap<String, String>>,
@@ -342,7 +343,9 @@ impl Compactions {
         let visible = crate::ids::now_ms().max(created_ms);
         let mut newest = lock(&self.newest);
         let at = newest.entry((tenant.clone(), conversation)).or_default();
-        *at = (*at).max(visible);
+        if visible >= at.0 {
+            *at = (visible, id.clone());
+        }
         drop(newest);
         lock(&self.by_id).insert(id.clone(), tenant.clone());
         let index = if observed {
@@ -1200,10 +1203,14 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estim
     }
     let key = (input.tenant.clone(), input.conversation.clone());
     // A compaction stored after this request left was not applied to it; the
-    // next request will be rewritten and its usage will tell.
+    // next request will be rewritten and its usage will tell. One the
+    // request waited for and was sent with is no such compaction: the usage
+    // is already its own.
     if lock(&state.compactions().newest)
         .get(&key)
-        .is_some_and(|&t| t >= input.requested_ms)
+        .is_some_and(|(t, id)| {
+            *t >= input.requested_ms && input.base.as_ref().is_none_or(|b| &b.id != id)
+        })
     {
         return;
     }

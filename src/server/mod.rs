@@ -18,6 +18,7 @@ mod recall;
 mod record;
 mod relay;
 mod send;
+mod splice;
 
 use std::convert::Infallible;
 use std::future::Future;

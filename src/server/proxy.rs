@@ -74,6 +74,9 @@ async fn handle_inner(
         Err(e) => Err(e),
     };
     match sent {
+        Ok(send::Answer::Live(held)) => Ok(super::splice::relay_live(
+            state, pending, url, headers, held, started,
+        )),
         Ok(answer) => relay::relay(state, pending.into_inner(), answer, started).await,
         Err(e) => Err(fail(&state, pending.into_inner(), e, None).await),
     }

@@ -14,7 +14,6 @@
 
 use std::sync::Arc;
 
-use bytes::Bytes;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
@@ -26,7 +25,7 @@ use crate::compaction::agent_tool;
 use crate::compaction::recall::{self, Round};
 use crate::error::ProxyError;
 use crate::upstream::describe;
-use crate::wire::sse::{complete_events, SseTee};
+use crate::wire::sse::{Framer, SseTee};
 use crate::wire::{Api, Usage};
 
 /// Most bytes of a streamed tool-call answer held back to look at it;
@@ -40,6 +39,9 @@ enum Seen {
     /// A complete answer with tool calls: the answer as JSON, its usage,
     /// and how to relay it if no recall is made of it.
     Calls(Value, Option<Usage>, Answer),
+    /// A stream that began with reasoning, read up to it: relayed as it
+    /// comes (`server::splice`).
+    Live(Held),
 }
 
 /// Most times an answer may still call the recall tool after it was
@@ -71,6 +73,7 @@ pub(super) async fn settle(
                 note_hidden_rounds(state, pending);
                 return Ok(a);
             }
+            Seen::Live(held) => return Ok(Answer::Live(held)),
             Seen::Calls(v, usage, a) => (v, usage, a),
         };
         let round = recall::round_of(
@@ -272,13 +275,13 @@ async fn inspect(state: &AppState, api: Api, answer: Answer) -> Result<Seen, Pro
 
 /// How a stream's first output begins.
 #[derive(PartialEq)]
-enum First {
+pub(super) enum First {
     Text,
     ToolCall,
 }
 
 /// The kind of output an SSE event starts, if it starts one.
-fn first_output(api: Api, name: &str, data: &str) -> Option<First> {
+pub(super) fn first_output(api: Api, name: &str, data: &str) -> Option<First> {
     let v: Value = serde_json::from_str(data).ok()?;
     match api {
         Api::Chat => {
@@ -322,22 +325,61 @@ fn first_output(api: Api, name: &str, data: &str) -> Option<First> {
     }
 }
 
+/// Whether an SSE event opens reasoning: a chat or Responses stream that
+/// begins so is relayed as it comes (`server::splice`).
+fn starts_reasoning(api: Api, name: &str, data: &str) -> bool {
+    let Ok(v) = serde_json::from_str::<Value>(data) else {
+        return false;
+    };
+    match api {
+        Api::Chat => v.pointer("/choices/0/delta").is_some_and(|d| {
+            ["reasoning_content", "reasoning"].iter().any(|k| {
+                d.get(*k)
+                    .and_then(Value::as_str)
+                    .is_some_and(|s| !s.is_empty())
+            })
+        }),
+        Api::Responses => {
+            let kind = crate::wire::responses::event_type(data).unwrap_or(name.to_string());
+            kind == "response.output_item.added"
+                && v.pointer("/item/type").and_then(Value::as_str) == Some("reasoning")
+        }
+        // A thinking block is signed for the request that produced it: one
+        // relayed from a recall round's answer would stand, in the client's
+        // history, before text another request produced, which the API may
+        // refuse once the client sends it back. Messages streams stay held.
+        Api::Messages => false,
+    }
+}
+
 /// Reads a stream until its first output; a tool call, to its end.
 async fn inspect_stream(state: &AppState, api: Api, mut held: Held) -> Result<Seen, ProxyError> {
     let idle = state.upstream.idle_timeout;
-    let mut buf: Vec<u8> = held.chunks.concat();
-    let mut scanned = 0;
+    let mut framer = Framer::new();
+    let mut size = 0;
+    for chunk in &held.chunks {
+        framer.push(chunk);
+        size += chunk.len();
+    }
     let mut first = None;
     let mut ended = held.end.is_some();
+    // A stream the splice has not read yet that begins with reasoning is
+    // relayed as it comes.
+    let may_splice = held.relayed.is_none();
     loop {
-        if first.is_none() {
-            let (events, used) = complete_events(&buf[scanned..]);
-            scanned += used;
-            first = events
-                .iter()
-                .find_map(|(name, data)| first_output(api, name, data));
+        while first.is_none() {
+            let Some(block) = framer.next_block() else {
+                break;
+            };
+            let Some(ev) = block.event else {
+                continue;
+            };
+            if may_splice && starts_reasoning(api, &ev.name, &ev.data) {
+                return Ok(Seen::Live(held));
+            }
+            first = first_output(api, &ev.name, &ev.data);
         }
-        if first == Some(First::Text) || ended || buf.len() > MAX_HELD_BYTES {
+        if first == Some(First::Text) || ended || size > MAX_HELD_BYTES {
             break;
         }
         match tokio::time::timeout(idle, held.rest.next()).await {
@@ -345,7 +387,10 @@ async fn inspect_stream(state: &AppState, api: Api, mut held: Held) -> Result<Se
             Ok(None) => ended = true,
             Ok(Some(Err(e))) => return Err(ProxyError::UpstreamUnreachable(describe(&e))),
             Ok(Some(Ok(chunk))) => {
-                buf.extend_from_slice(&chunk);
+                if first.is_none() {
+                    framer.push(&chunk);
+                }
+                size += chunk.len();
                 held.chunks.push(chunk);
             }
         }
@@ -358,7 +403,9 @@ async fn inspect_stream(state: &AppState, api: Api, mut held: Held) -> Result<Se
         return Ok(Seen::Relay(Answer::Held(held)));
     }
     let mut tee = SseTee::new(api, false);
-    tee.push(Bytes::from(buf));
+    for chunk in &held.chunks {
+        tee.push(chunk.clone());
+    }
     tee.finish();
     let items = tee.items();
     let v = match api {

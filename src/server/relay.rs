@@ -40,7 +40,7 @@ pub(super) async fn relay(
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let applied = pending.compaction.clone();
     let mut response = match answer {
-        Answer::Held(mut held) => {
+        Answer::Held(mut held) | Answer::Live(mut held) => {
             held.take_delivered().await;
             let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
             stream_response(state, pending, held, ttfb_ms)
@@ -74,7 +74,7 @@ pub(super) async fn relay(
 }
 
 /// Copies the upstream's status and end-to-end headers and adds ours.
-fn response_head(
+pub(super) fn response_head(
     status: http::StatusCode,
     upstream: &http::HeaderMap,
     conversation: &str,

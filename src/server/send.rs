@@ -286,6 +286,9 @@ pub(super) enum Answer {
     Error(http::StatusCode, http::HeaderMap, Bytes),
     /// A success read whole (to see whether it calls the recall tool).
     Read(http::StatusCode, http::HeaderMap, Bytes),
+    /// A stream offered the recall tool that began with reasoning: relayed
+    /// as it comes, the recall rounds spliced onto it (`server::splice`).
+    Live(Held),
 }
 
 /// A stream whose first events are held back.
@@ -300,6 +303,8 @@ pub(super) struct Held {
     pub rest: UpstreamStream,
     /// How the body ended (or failed), if it did while being read.
     pub end: Option<Option<reqwest::Result<Bytes>>>,
+    /// Set once the splice read it: how many of its bytes the client has.
+    pub relayed: Option<usize>,
 }
 
 impl Held {
@@ -312,6 +317,7 @@ impl Held {
             failure: None,
             rest: Box::pin(resp.bytes_stream()),
             end: None,
+            relayed: None,
         }
     }
 
@@ -355,8 +361,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
     let headers = resp.headers().clone();
     let mut rest: UpstreamStream = Box::pin(resp.bytes_stream());
     let mut chunks = Vec::new();
-    let mut buf = Vec::new();
-    let mut scanned = 0;
+    let mut framer = wire::sse::Framer::new();
     let release_at = tokio::time::Instant::now() + MAX_HOLD_BACK;
     let mut end = None;
     loop {
@@ -364,17 +369,18 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
         // timer: a timer due before every other one wakes the runtime's
         // driver (a syscall), and the first events of an answer usually
         // come together.
-        let mut size = buf.len();
+        let mut size: usize = chunks.iter().map(Bytes::len).sum();
         let delivered = take_delivered(&mut rest, size, |chunk| {
             size += chunk.len();
-            buf.extend_from_slice(&chunk);
+            framer.push(&chunk);
             chunks.push(chunk);
             size
         })
         .await;
-        let (events, used) = wire::sse::complete_events(&buf[scanned..]);
-        scanned += used;
-        for (name, data) in events {
+        while let Some(block) = framer.next_block() {
+            let Some(wire::sse::Event { name, data }) = block.event else {
+                continue;
+            };
             let kind = wire::responses::event_type(&data).unwrap_or(name);
             if PRELUDE_EVENTS.contains(&kind.as_str()) {
                 continue;
@@ -387,6 +393,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
                 failure,
                 rest,
                 end: delivered,
+                relayed: None,
             });
         }
         match delivered {
@@ -413,7 +420,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
             break;
         };
         let chunk = chunk.map_err(|e| ProxyError::UpstreamUnreachable(describe(&e)))?;
-        buf.extend_from_slice(&chunk);
+        framer.push(&chunk);
         chunks.push(chunk);
     }
     Ok(Held {
@@ -423,6 +430,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
         failure: None,
         rest,
         end,
+        relayed: None,
     })
 }
 

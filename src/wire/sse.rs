@@ -1,24 +1,20 @@
-//! The SSE tee: upstream bytes go to the client as they arrive while a copy
-//! is parsed (eventsource-stream) to collect output items and usage.
+//! Server-sent events: one incremental framer ([`Framer`]) and the tee
+//! built on it.
 //!
-//! Forwarding is chunk by chunk and never waits for more data (the relay in
-//! `server::proxy` joins only chunks that arrived together), except in one
-//! case: when the proxy asked a chat stream for usage the client did not ask
-//! for, the usage must be hidden again, so bytes are released a whole event
-//! at a time (upstreams send one event per chunk, so this adds no delay).
-//! Such an event that is one `data:` line goes to the collector straight
-//! from that framing, whose parse of its JSON also decides the rewrite; any
-//! other takes the parser's way.
-
-use std::collections::VecDeque;
-use std::convert::Infallible;
-use std::pin::Pin;
-use std::sync::{Arc, Mutex};
-use std::task::{Context, Poll};
+//! The framer takes bytes as they arrive and hands back complete events,
+//! each with the exact bytes it spanned: the send's hold-back, recall and
+//! the tee all read a stream through it, and what they relay is those bytes
+//! untouched (or, to hide usage, a whole event rewritten).
+//!
+//! The tee: upstream bytes go to the client as they arrive while a copy
+//! is framed to collect output items and usage. Forwarding is chunk by
+//! chunk and never waits for more data (the relay in `server::relay` joins
+//! only chunks that arrived together), except in one case: when the proxy
+//! asked a chat stream for usage the client did not ask for, the usage must
+//! be hidden again, so bytes are released a whole event at a time
+//! (upstreams send one event per chunk, so this adds no delay).
 
 use bytes::{Bytes, BytesMut};
-use eventsource_stream::EventStream;
-use futures_util::Stream;
 use serde_json::Value;
 
 use super::chat::{self, ChatCollector, Strip};
@@ -26,29 +22,173 @@ use super::messages::MessagesCollector;
 use super::responses::ResponsesCollector;
 use super::{Api, Usage};
 
-/// A stream the tee pushes chunks into and the event parser pulls from.
-#[derive(Default, Clone)]
-struct Feed(Arc<Mutex<FeedState>>);
-
-#[derive(Default)]
-struct FeedState {
-    queue: VecDeque<Bytes>,
-    closed: bool,
+/// One block of a stream: the bytes up to and including the blank line
+/// that ends it, and the event they dispatch, if any (a block of comments
+/// alone, or without `data:`, dispatches none, as the SSE rules say).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Block {
+    /// The block's bytes, exactly as they came.
+    pub raw: Bytes,
+    /// The event, if the block dispatches one.
+    pub event: Option<Event>,
+    /// Every non-empty line of the block is a `data:` field (no comment,
+    /// `event:`, `id:` or other field): such a block can be rewritten as
+    /// `data:` lines without losing anything.
+    pub data_only: bool,
 }
 
-impl Stream for Feed {
-    type Item = Result<Bytes, Infallible>;
-    fn poll_next(self: Pin<&mut Self>, _cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        let mut st = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        match st.queue.pop_front() {
-            Some(b) => Poll::Ready(Some(Ok(b))),
-            None if st.closed => Poll::Ready(None),
-            // Nothing to wake later: the tee polls again after each push.
-            None => Poll::Pending,
+/// An event: its type (`message` unless a non-empty `event:` line named it) and its
+/// data (the `data:` lines' values joined by `\n`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Event {
+    /// The `event:` field, else `message`.
+    pub name: String,
+    /// The data.
+    pub data: String,
+}
+
+/// Frames an SSE byte stream incrementally: [`Framer::push`] bytes as they
+/// arrive, [`Framer::next_block`] the blocks they complete. A line ends at
+/// `\n`, `\r\n` or `\r` (a `\r` at the end of what has arrived waits for
+/// the next byte); a blank line ends a block; a leading byte-order mark is
+/// skipped; `id:` and `retry:` are of no use to a proxy and are not kept.
+/// Bytes after the last blank line when the stream ends are no event
+/// ([`Framer::rest`]).
+#[derive(Debug, Default)]
+pub struct Framer {
+    /// Bytes of the block under way (every complete block was split off).
+    buf: BytesMut,
+    /// Where the first line not yet read starts in `buf`.
+    line: usize,
+    /// The block under way so far.
+    name: Option<String>,
+    data: Option<String>,
+    data_lines: usize,
+    /// A line other than a `data:` field was read.
+    other_lines: bool,
+    /// The first line of the stream was read (a byte-order mark is skipped
+    /// only before it).
+    started: bool,
+}
+
+impl Framer {
+    /// A framer at the start of a stream.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Takes the next bytes of the stream.
+    pub fn push(&mut self, bytes: &[u8]) {
+        self.buf.extend_from_slice(bytes);
+    }
+
+    /// Bytes taken and not yet part of a block returned.
+    pub fn pending(&self) -> usize {
+        self.buf.len()
+    }
+
+    /// The next complete block, if the bytes taken complete one.
+    pub fn next_block(&mut self) -> Option<Block> {
+        loop {
+            let (mut start, end, next) = self.next_line()?;
+            self.line = next;
+            if !self.started {
+                self.started = true;
+                if self.buf[start..end].starts_with(b"\xEF\xBB\xBF") {
+                    start += 3;
+                }
+            }
+            if start == end {
+                let raw = self.buf.split_to(next).freeze();
+                self.line = 0;
+                return Some(self.dispatch(raw));
+            }
+            self.field(start, end);
+        }
+    }
+
+    /// What is left once the stream ended: bytes after the last complete
+    /// block (an event without its blank line is no event).
+    pub fn rest(&mut self) -> Bytes {
+        self.line = 0;
+        self.name = None;
+        self.data = None;
+        self.data_lines = 0;
+        self.other_lines = false;
+        self.buf.split().freeze()
+    }
+
+    /// The next whole line from `self.line`: where it starts, where its text
+    /// ends, where the next one starts.
+    fn next_line(&self) -> Option<(usize, usize, usize)> {
+        let from = self.line;
+        let at = memchr::memchr2(b'\n', b'\r', &self.buf[from..])? + from;
+        let next = match self.buf[at] {
+            b'\n' => at + 1,
+            _ => match self.buf.get(at + 1) {
+                Some(b'\n') => at + 2,
+                Some(_) => at + 1,
+                // A `\n` may still follow.
+                None => return None,
+            },
+        };
+        Some((from, at, next))
+    }
+
+    /// Reads the field on `buf[start..end]` into the block under way.
+    fn field(&mut self, start: usize, end: usize) {
+        let line = &self.buf[start..end];
+        let (field, value) = match memchr::memchr(b':', line) {
+            Some(0) => {
+                // A comment.
+                self.other_lines = true;
+                return;
+            }
+            Some(c) => {
+                let v = &line[c + 1..];
+                (&line[..c], v.strip_prefix(b" ").unwrap_or(v))
+            }
+            None => (line, &b""[..]),
+        };
+        match field {
+            b"data" => {
+                let data = self.data.get_or_insert_with(String::new);
+                if self.data_lines > 0 {
+                    data.push('\n');
+                }
+                self.data_lines += 1;
+                match std::str::from_utf8(value) {
+                    Ok(v) => data.push_str(v),
+                    Err(_) => data.push_str(&String::from_utf8_lossy(value)),
+                }
+            }
+            b"event" => {
+                self.other_lines = true;
+                self.name = Some(String::from_utf8_lossy(value).into_owned());
+            }
+            _ => self.other_lines = true,
+        }
+    }
+
+    /// Ends the block under way: the event it makes, if its data has a line.
+    fn dispatch(&mut self, raw: Bytes) -> Block {
+        let name = self.name.take();
+        let data = self.data.take();
+        let lines = std::mem::take(&mut self.data_lines);
+        let data_only = !std::mem::take(&mut self.other_lines);
+        let event = (lines > 0).then(|| Event {
+            name: name
+                .filter(|n| !n.is_empty())
+                .unwrap_or_else(|| "message".to_string()),
+            data: data.unwrap_or_default(),
+        });
+        Block {
+            raw,
+            event,
+            data_only,
         }
     }
 }
-
 /// What the tee collected, per API.
 #[derive(Debug)]
 pub enum Collected {
@@ -60,98 +200,100 @@ pub enum Collected {
     Messages(MessagesCollector),
 }
 
-/// Parses a copy of an SSE body while it is forwarded.
+/// Frames a copy of an SSE body while it is forwarded.
 pub struct SseTee {
-    feed: Feed,
-    events: EventStream<Feed>,
+    framer: Framer,
     /// What has been collected so far.
     pub collected: Collected,
-    /// Present when usage must be hidden from the client: bytes of an event
-    /// not yet complete.
-    strip: Option<BytesMut>,
+    /// Usage must be hidden from the client: bytes are released a whole
+    /// event at a time.
+    strip: bool,
 }
 
 impl SseTee {
     /// A tee for `api`; `strip_usage` hides the usage the proxy injected.
     pub fn new(api: Api, strip_usage: bool) -> Self {
-        let feed = Feed::default();
         Self {
-            events: EventStream::new(feed.clone()),
-            feed,
+            framer: Framer::new(),
             collected: match api {
                 Api::Chat => Collected::Chat(ChatCollector::default()),
                 Api::Responses => Collected::Responses(ResponsesCollector::default()),
                 Api::Messages => Collected::Messages(MessagesCollector::default()),
             },
-            strip: strip_usage.then(BytesMut::new),
+            strip: strip_usage,
         }
     }
 
     /// Takes one upstream chunk and returns the bytes to send the client now.
     pub fn push(&mut self, chunk: Bytes) -> Bytes {
-        match &mut self.strip {
-            None => {
-                self.parse(chunk.clone());
-                chunk
+        self.framer.push(&chunk);
+        if !self.strip {
+            while let Some(block) = self.framer.next_block() {
+                self.collect(&block);
             }
-            Some(pending) => {
-                pending.extend_from_slice(&chunk);
-                self.release_complete_events()
-            }
+            return chunk;
         }
+        self.release_complete_events()
     }
 
-    /// The upstream body ended: parse what is left and return any held bytes.
+    /// The upstream body ended: returns any held bytes. What follows the
+    /// last complete event is no event, and is forwarded as it came.
     pub fn finish(&mut self) -> Bytes {
-        let released = self.release_complete_events();
-        // An unterminated last event is forwarded as it came.
-        let rest = self.strip.as_mut().map(|p| p.split().freeze());
-        let out = match rest.filter(|r| !r.is_empty()) {
-            None => released,
-            Some(rest) => {
-                self.parse(rest.clone());
-                [released, rest].concat().into()
+        let released = if self.strip {
+            self.release_complete_events()
+        } else {
+            Bytes::new()
+        };
+        let rest = self.framer.rest();
+        if !self.strip || rest.is_empty() {
+            return released;
+        }
+        if released.is_empty() {
+            return rest;
+        }
+        [released, rest].concat().into()
+    }
+
+    /// Hands one block's event to the collector; for a chat chunk, whether
+    /// its data is JSON.
+    fn collect(&mut self, block: &Block) -> bool {
+        let Some(ev) = &block.event else {
+            return false;
+        };
+        match &mut self.collected {
+            Collected::Chat(c) => c.push(&ev.data),
+            Collected::Responses(c) => {
+                c.push(&ev.name, &ev.data);
+                false
             }
-        };
-        {
-            let mut st = self.feed.0.lock().unwrap_or_else(|p| p.into_inner());
-            st.closed = true;
+            Collected::Messages(c) => {
+                c.push(&ev.name, &ev.data);
+                false
+            }
         }
-        self.drain_events();
-        out
     }
 
-    /// Hands bytes to the event parser and collects the events it completes.
-    fn parse(&mut self, bytes: Bytes) {
-        {
-            let mut st = self.feed.0.lock().unwrap_or_else(|p| p.into_inner());
-            st.queue.push_back(bytes);
-        }
-        self.drain_events();
-    }
-
-    /// Takes every complete event off the front of the held bytes, collects
-    /// it, and returns the events rewritten so the usage the client did not
-    /// ask for stays hidden.
+    /// Takes every complete event the framer holds, collects it, and returns
+    /// the events rewritten so the usage the client did not ask for stays
+    /// hidden.
     fn release_complete_events(&mut self) -> Bytes {
-        let Some(mut pending) = self.strip.take() else {
-            return Bytes::new();
-        };
         let mut out = BytesMut::new();
-        while let Some(end) = event_end(&pending) {
-            let block = pending.split_to(end).freeze();
-            let rewrite = match (single_data_line(&block), &mut self.collected) {
-                (Some(data), Collected::Chat(c)) => {
-                    let json = c.push(data);
-                    data_line_rewrite(data, json)
+        while let Some(block) = self.framer.next_block() {
+            let json = self.collect(&block);
+            let rewrite = match (&block.event, &self.collected) {
+                (None, _) => Strip::Keep,
+                (Some(ev), Collected::Chat(_)) if single_data_line(&block.raw).is_some() => {
+                    data_line_rewrite(&ev.data, json)
                 }
-                _ => {
-                    self.parse(block.clone());
-                    usage_rewrite(&block)
-                }
+                // Only events made of data lines alone are rewritten;
+                // anything else is forwarded as it came.
+                (Some(ev), _) => match chat::strip_usage(&ev.data) {
+                    Strip::Replace(_) if !block.data_only => Strip::Keep,
+                    s => s,
+                },
             };
             match rewrite {
-                Strip::Keep => out.extend_from_slice(&block),
+                Strip::Keep => out.extend_from_slice(&block.raw),
                 Strip::Drop => {}
                 Strip::Replace(data) => {
                     out.extend_from_slice(b"data: ");
@@ -160,22 +302,7 @@ impl SseTee {
                 }
             }
         }
-        self.strip = Some(pending);
         out.freeze()
-    }
-
-    fn drain_events(&mut self) {
-        let mut cx = Context::from_waker(futures_util::task::noop_waker_ref());
-        while let Poll::Ready(Some(ev)) = Pin::new(&mut self.events).poll_next(&mut cx) {
-            let Ok(ev) = ev else { continue };
-            match &mut self.collected {
-                Collected::Chat(c) => {
-                    c.push(&ev.data);
-                }
-                Collected::Responses(c) => c.push(&ev.event, &ev.data),
-                Collected::Messages(c) => c.push(&ev.event, &ev.data),
-            }
-        }
     }
 
     /// The stream's terminal event (`[DONE]`, `response.completed`…) was seen.
@@ -224,85 +351,6 @@ impl SseTee {
     }
 }
 
-/// The complete events at the start of `buf` as (event name, data), and
-/// the number of bytes they span. For deciding about a stream's first events
-/// before any byte of it is forwarded.
-pub fn complete_events(buf: &[u8]) -> (Vec<(String, String)>, usize) {
-    let mut out = Vec::new();
-    let mut at = 0;
-    while let Some(len) = event_end(&buf[at..]) {
-        let text = String::from_utf8_lossy(&buf[at..at + len]);
-        let (mut name, mut data) = (String::new(), String::new());
-        for line in text.lines() {
-            if let Some(v) = line.strip_prefix("event:") {
-                name = v.trim_start().to_string();
-            } else if let Some(v) = line.strip_prefix("data:") {
-                if !data.is_empty() {
-                    data.push('\n');
-                }
-                data.push_str(v.strip_prefix(' ').unwrap_or(v));
-            }
-        }
-        if !name.is_empty() || !data.is_empty() {
-            out.push((name, data));
-        }
-        at += len;
-    }
-    (out, at)
-}
-
-/// Index just past the blank line ending the first event, if complete.
-fn event_end(buf: &[u8]) -> Option<usize> {
-    let mut i = 0;
-    while i < buf.len() {
-        // A line ends at \n, \r\n or \r; an empty line ends the event.
-        let line_end = buf[i..].iter().position(|b| *b == b'\n' || *b == b'\r')? + i;
-        let mut next = line_end + 1;
-        if buf[line_end] == b'\r' {
-            match buf.get(next) {
-                Some(b'\n') => next += 1,
-                None => return None, // a \n may still follow
-                _ => {}
-            }
-        }
-        if line_end == i && i > 0 {
-            return Some(next);
-        }
-        if line_end == i && i == 0 {
-            // A leading blank line is an empty event: release it alone.
-            return Some(next);
-        }
-        i = next;
-    }
-    None
-}
-
-/// How an event must change so the client does not see the usage (any
-/// shape of event; see [`data_line_rewrite`] for the common one).
-fn usage_rewrite(block: &[u8]) -> Strip {
-    let Ok(text) = std::str::from_utf8(block) else {
-        return Strip::Keep;
-    };
-    let mut data = String::new();
-    let mut other_fields = false;
-    for line in text.lines() {
-        if let Some(d) = line.strip_prefix("data:") {
-            if !data.is_empty() {
-                data.push('\n');
-            }
-            data.push_str(d.strip_prefix(' ').unwrap_or(d));
-        } else if !line.is_empty() {
-            other_fields = true;
-        }
-    }
-    match chat::strip_usage(&data) {
-        // Only chunks made of data lines alone are rewritten; anything else
-        // is forwarded as it came.
-        Strip::Replace(_) if other_fields => Strip::Keep,
-        s => s,
-    }
-}
-
 /// What a chat chunk ends in once the stream was asked for usage.
 const NULL_USAGE_TAIL: &str = ",\"usage\":null}";
 
@@ -319,7 +367,7 @@ fn single_data_line(block: &[u8]) -> Option<&str> {
     std::str::from_utf8(data).ok()
 }
 
-/// [`usage_rewrite`] for an event of one `data:` line, `json` telling
+/// The rewrite of a chat chunk's usage ([`chat::strip_usage`]) for an event of one `data:` line, `json` telling
 /// whether its data is JSON. The common case needs no parse of its own: JSON
 /// ending in `,"usage":null}` ends with the object's closing brace after a
 /// `null` (not a string, not a nested value), so `"usage"` is a member of
@@ -335,6 +383,24 @@ fn data_line_rewrite(data: &str, json: bool) -> Strip {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// How a whole block is rewritten when its parse decides: a chunk of
+    /// data lines alone through [`chat::strip_usage`], anything else kept.
+    fn usage_rewrite(block: &[u8]) -> Strip {
+        let mut framer = Framer::new();
+        framer.push(block);
+        match framer.next_block() {
+            Some(Block {
+                event: Some(ev),
+                data_only,
+                ..
+            }) => match chat::strip_usage(&ev.data) {
+                Strip::Replace(_) if !data_only => Strip::Keep,
+                s => s,
+            },
+            _ => Strip::Keep,
+        }
+    }
 
     #[test]
     fn the_null_usage_shortcut_rewrites_as_the_parse_does() {
@@ -435,17 +501,18 @@ mod tests {
             proptest::prop_assert_eq!(&plain, &body);
             // Each complete event through the general rewrite, the rest as it came.
             let mut expected = Vec::new();
+            let mut whole = Framer::new();
+            whole.push(&body);
             let mut at = 0;
-            while let Some(len) = event_end(&body[at..]) {
-                let block = &body[at..at + len];
-                match usage_rewrite(block) {
-                    Strip::Keep => expected.extend_from_slice(block),
+            while let Some(block) = whole.next_block() {
+                match usage_rewrite(&block.raw) {
+                    Strip::Keep => expected.extend_from_slice(&block.raw),
                     Strip::Drop => {}
                     Strip::Replace(data) => {
                         expected.extend_from_slice(format!("data: {data}\n\n").as_bytes())
                     }
                 }
-                at += len;
+                at += block.raw.len();
             }
             expected.extend_from_slice(&body[at..]);
             proptest::prop_assert_eq!(
@@ -493,11 +560,30 @@ mod tests {
     }
 
     #[test]
-    fn event_boundaries() {
-        assert_eq!(event_end(b"data: x\n\nrest"), Some(9));
-        assert_eq!(event_end(b"data: x\r\n\r\n"), Some(11));
-        assert_eq!(event_end(b"data: x\r"), None);
-        assert_eq!(event_end(b"data: x\n"), None);
-        assert_eq!(event_end(b"event: a\ndata: x\n\n"), Some(18));
+    fn block_boundaries() {
+        let ends = |body: &[u8]| {
+            let mut f = Framer::new();
+            f.push(body);
+            let mut out = Vec::new();
+            while let Some(b) = f.next_block() {
+                out.push(b.raw.len());
+            }
+            (out, f.pending())
+        };
+        assert_eq!(ends(b"data: x\n\nrest"), (vec![9], 4));
+        assert_eq!(ends(b"data: x\r\n\r\n"), (vec![11], 0));
+        assert_eq!(
+            ends(b"data: x\r\r"),
+            (vec![], 9),
+            "a \\n may follow the last \\r"
+        );
+        assert_eq!(ends(b"data: x\r\rdata: y"), (vec![9], 7));
+        assert_eq!(ends(b"data: x\n"), (vec![], 8));
+        assert_eq!(ends(b"event: a\ndata: x\n\n"), (vec![18], 0));
+        assert_eq!(
+            ends(b"\ndata: x\n\n"),
+            (vec![1, 9], 0),
+            "a leading blank line alone"
+        );
     }
 }

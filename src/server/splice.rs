@@ -1,0 +1,533 @@
+//! Between recall and the client, when a streamed answer to a request
+//! offered `compactor_recall` begins with reasoning (chat
+//! `reasoning_content` deltas, a Responses `reasoning` item): the reasoning
+//! reaches the client as it comes instead of waiting for the model to say
+//! whether it recalls. (Anthropic Messages `thinking` stays held: a
+//! thinking block is signed for the request that produced it.)
+//!
+//! The client's response starts at once and a task carries on: it relays
+//! each answer's reasoning, then at the answer's first output either relays
+//! the rest (text: the model answers) or reads the tool call to its end and
+//! hands it to [`super::recall::settle`]. A recall round's tool call never
+//! reaches the client; the continuation's stream is spliced onto what the
+//! client already has, so that it sees one well-formed stream ([`Splice`]):
+//! chat, one role delta, one final chunk, one `[DONE]`; Responses, one
+//! `response.created`, output indices and sequence numbers following what
+//! was sent, one `response.completed` whose `output` lists every item the
+//! client saw. The exchange is recorded from the spliced stream, before its
+//! last event is released.
+
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+use bytes::{Bytes, BytesMut};
+use futures_util::StreamExt;
+use http::header::{self, HeaderValue};
+use http::Response;
+use http_body_util::{BodyExt, StreamBody};
+use hyper::body::Frame;
+use serde_json::{Map, Value};
+use tokio::sync::mpsc;
+
+use super::exchange::{Outcome, Unanswered};
+use super::gather::UpstreamStream;
+use super::recall::{first_output, First};
+use super::record::fail;
+use super::relay::{response_head, COMPACTED_HEADER};
+use super::send::{is_sse, Answer, Held};
+use crate::app::AppState;
+use crate::error::{BodyError, ProxyBody, ProxyError};
+use crate::upstream::describe;
+use crate::wire::sse::{Block, Framer, SseTee};
+use crate::wire::Api;
+
+/// What the task hands the client's body.
+type Chunk = Result<Bytes, BodyError>;
+
+/// Tool-call answers, beyond `compaction.recall_max_rounds`, the task may
+/// still hand the rounds once the tool was withdrawn, before it gives the
+/// request up (a model that keeps calling a tool it no longer has).
+const EXTRA_ENTRIES: u32 = 3;
+
+/// Starts the client's response for a stream that began with reasoning
+/// (`held`, read up to its first reasoning event) and leaves the rest of
+/// the request to a task.
+pub(super) fn relay_live(
+    state: Arc<AppState>,
+    pending: Unanswered,
+    url: reqwest::Url,
+    headers: http::HeaderMap,
+    held: Held,
+    started: Instant,
+) -> Response<ProxyBody> {
+    let (tx, rx) = mpsc::channel::<Chunk>(32);
+    let mut head = held.headers.clone();
+    head.remove(header::CONTENT_LENGTH);
+    let status = held.status;
+    let conversation = pending.ident.conversation.clone();
+    let applied = pending.compaction.as_ref().map(|c| c.id.clone());
+    let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
+    tokio::spawn(run(state, pending, url, headers, held, ttfb_ms, tx));
+    let body = futures_util::stream::unfold(rx, |mut rx| async move {
+        let chunk = rx.recv().await?;
+        Some((chunk.map(Frame::data), rx))
+    });
+    let mut response = response_head(
+        status,
+        &head,
+        &conversation,
+        BodyExt::boxed_unsync(StreamBody::new(body)),
+    );
+    if let Some(v) = applied.and_then(|id| HeaderValue::from_str(&id).ok()) {
+        response.headers_mut().insert(COMPACTED_HEADER, v);
+    }
+    response
+}
+
+/// The client's side of the task: the spliced stream, teed for the record.
+struct Client {
+    state: Arc<AppState>,
+    tx: mpsc::Sender<Chunk>,
+    tee: SseTee,
+    splice: Splice,
+    status: u16,
+    ttfb_ms: f64,
+    /// Until the exchange is recorded.
+    pending: Option<Unanswered>,
+}
+
+impl Client {
+    /// Sends one upstream block as the splice rewrites it; records the
+    /// exchange first when it ends the stream. False once the client is
+    /// gone or the stream was ended.
+    async fn send(&mut self, state: &Arc<AppState>, block: &Block) -> bool {
+        let Some(bytes) = self.splice.rewrite(block) else {
+            return true;
+        };
+        let out = self.tee.push(bytes);
+        if self.tee.finished() && !self.record(state, false, None).await {
+            let _ = self
+                .tx
+                .send(Err("the answer could not be recorded".into()))
+                .await;
+            return false;
+        }
+        if out.is_empty() {
+            return true;
+        }
+        self.tx.send(Ok(out)).await.is_ok()
+    }
+
+    /// Records the exchange from what the client was sent; false when its
+    /// last bytes must be withheld.
+    async fn record(
+        &mut self,
+        state: &Arc<AppState>,
+        partial: bool,
+        error: Option<String>,
+    ) -> bool {
+        let Some(p) = self.pending.take() else {
+            return true;
+        };
+        let outcome = Outcome {
+            status: self.status,
+            usage: self.tee.usage(),
+            response_items: self.tee.items(),
+            response_id: self.tee.response_id(),
+            error: error.or_else(|| self.tee.error().map(|e| e.to_string())),
+            partial,
+            ttfb_ms: Some(self.ttfb_ms),
+        };
+        p.into_inner().finish(state, outcome).await
+    }
+
+    /// The upstream body ended: records the exchange if no final event did,
+    /// then releases what the tee still holds.
+    async fn end(&mut self, state: &Arc<AppState>) {
+        let out = self.tee.finish();
+        if self.pending.is_some() {
+            let complete = self.tee.finished();
+            let why = (!complete).then(|| "upstream ended the stream without a final event".into());
+            if !self.record(state, !complete, why).await {
+                let _ = self
+                    .tx
+                    .send(Err("the answer could not be recorded".into()))
+                    .await;
+                return;
+            }
+        }
+        if !out.is_empty() {
+            let _ = self.tx.send(Ok(out)).await;
+        }
+    }
+
+    /// Ends the client's stream uncleanly with `why`, recorded as partial.
+    async fn break_off(&mut self, state: &Arc<AppState>, why: String) {
+        self.record(state, true, Some(why.clone())).await;
+        let _ = self.tx.send(Err(why.into())).await;
+    }
+}
+
+impl Drop for Client {
+    fn drop(&mut self) {
+        if let Some(p) = self.pending.take() {
+            // The client left (or the task ended) before the record: kept
+            // as partial.
+            let outcome = Outcome {
+                status: self.status,
+                usage: self.tee.usage(),
+                response_items: self.tee.items(),
+                response_id: self.tee.response_id(),
+                error: Some("the client left before the end of the stream".into()),
+                partial: true,
+                ttfb_ms: Some(self.ttfb_ms),
+            };
+            p.into_inner().finish_detached(&self.state, outcome);
+        }
+    }
+}
+
+/// One answer's bytes, read in order: what was read before, then the rest.
+struct Reading {
+    queued: VecDeque<Bytes>,
+    rest: UpstreamStream,
+    end: Option<Option<reqwest::Result<Bytes>>>,
+}
+
+impl Reading {
+    fn new(held: Held) -> Reading {
+        Reading {
+            queued: held.chunks.into(),
+            rest: held.rest,
+            end: held.end,
+        }
+    }
+
+    /// The next chunk; `Ok(None)` at the end of the body.
+    async fn next(&mut self, idle: std::time::Duration) -> Result<Option<Bytes>, String> {
+        if let Some(c) = self.queued.pop_front() {
+            return Ok(Some(c));
+        }
+        let next = match self.end.take() {
+            Some(end) => end,
+            None => match tokio::time::timeout(idle, self.rest.next()).await {
+                Ok(next) => next,
+                Err(_) => return Err(format!("upstream stream silent for {} s", idle.as_secs())),
+            },
+        };
+        match next {
+            None => Ok(None),
+            Some(Ok(c)) => Ok(Some(c)),
+            Some(Err(e)) => Err(describe(&e)),
+        }
+    }
+}
+
+/// The task: relays answers until one is the client's, splicing each onto
+/// the last.
+async fn run(
+    state: Arc<AppState>,
+    pending: Unanswered,
+    url: reqwest::Url,
+    headers: http::HeaderMap,
+    held: Held,
+    ttfb_ms: f64,
+    tx: mpsc::Sender<Chunk>,
+) {
+    let api = pending.api;
+    let max_entries = pending.recall_rounds + EXTRA_ENTRIES;
+    let mut client = Client {
+        state: state.clone(),
+        tx,
+        tee: SseTee::new(api, pending.strip_usage),
+        splice: Splice::new(api),
+        status: held.status.as_u16(),
+        ttfb_ms,
+        pending: Some(pending),
+    };
+    let idle = state.upstream.idle_timeout;
+    let mut held = held;
+    let mut entries = 0;
+    loop {
+        let (status, headers_of) = (held.status, held.headers.clone());
+        let mut reading = Reading::new(held);
+        let mut framer = Framer::new();
+        // This answer's bytes, kept for the recall rounds while its first
+        // output is a tool call; how many of them the client has.
+        let mut kept: Vec<Bytes> = Vec::new();
+        let mut relayed = 0;
+        let mut first = None;
+        loop {
+            let chunk = match reading.next(idle).await {
+                Ok(Some(c)) => c,
+                Ok(None) => break,
+                Err(why) => {
+                    client.break_off(&state, why).await;
+                    return;
+                }
+            };
+            framer.push(&chunk);
+            if first != Some(First::Text) {
+                kept.push(chunk);
+            }
+            while let Some(block) = framer.next_block() {
+                if first.is_none() {
+                    first = block
+                        .event
+                        .as_ref()
+                        .and_then(|ev| first_output(api, &ev.name, &ev.data));
+                }
+                match first {
+                    Some(First::ToolCall) => continue,
+                    Some(First::Text) => kept.clear(),
+                    None => relayed += block.raw.len(),
+                }
+                if !client.send(&state, &block).await {
+                    return;
+                }
+            }
+        }
+        if first != Some(First::ToolCall) {
+            // The client's answer, relayed whole. What follows its last
+            // event is no event: the first answer's goes as it came, a
+            // continuation's is dropped.
+            let rest = framer.rest();
+            if client.splice.first_answer() && !rest.is_empty() {
+                let out = client.tee.push(rest);
+                let _ = client.tx.send(Ok(out)).await;
+            }
+            client.end(&state).await;
+            return;
+        }
+        // A tool call: the rounds decide whether the client gets it.
+        entries += 1;
+        let Some(pending) = client.pending.as_mut() else {
+            return;
+        };
+        if entries > max_entries {
+            let err = ProxyError::UpstreamUnreachable(
+                "the model kept calling the recall tool after its reasoning".into(),
+            );
+            client.break_off(&state, err.to_string()).await;
+            return;
+        }
+        // The rounds are spent: the call is answered as a recall past the
+        // last round would be, without the tool.
+        if entries > pending.recall_rounds {
+            pending.withdraw_recall(false);
+        }
+        let answer = Held {
+            status,
+            headers: headers_of,
+            chunks: kept,
+            failure: None,
+            rest: Box::pin(futures_util::stream::empty()),
+            end: Some(None),
+            relayed: Some(relayed),
+        };
+        let settled =
+            super::recall::settle(&state, pending, &url, &headers, Answer::Held(answer)).await;
+        held = match settled {
+            // The tool call was the client's: the rest of it follows what
+            // was relayed.
+            Ok(Answer::Held(h)) if h.relayed.is_some() => {
+                let mut framer = Framer::new();
+                let bytes = super::gather::concat(h.chunks).unwrap_or_default();
+                let from = h.relayed.unwrap_or(0).min(bytes.len());
+                framer.push(&bytes[from..]);
+                while let Some(block) = framer.next_block() {
+                    if !client.send(&state, &block).await {
+                        return;
+                    }
+                }
+                client.end(&state).await;
+                return;
+            }
+            Ok(Answer::Live(h) | Answer::Held(h)) => h,
+            Ok(Answer::Upstream(resp)) if is_sse(resp.headers()) => Held::unread(resp),
+            Ok(_) => {
+                client
+                    .break_off(
+                        &state,
+                        "the continued request was not answered as a stream".into(),
+                    )
+                    .await;
+                return;
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                if let Some(p) = client.pending.take() {
+                    fail(&state, p.into_inner(), e, None).await;
+                }
+                let _ = client.tx.send(Err(msg.into())).await;
+                return;
+            }
+        };
+        // A recall round: what the client saw of this answer stays, the
+        // rest never reaches it.
+        client.splice.next_answer();
+    }
+}
+
+/// How a continuation's events follow what the client already has.
+#[derive(Debug, Default)]
+struct Splice {
+    api: Option<Api>,
+    /// Answers begun before this one.
+    answer: u32,
+    /// The first answer's id (chat chunk, response).
+    id: Option<String>,
+    /// Output items (Responses) earlier answers showed the client, and
+    /// this one so far.
+    before: u64,
+    now: u64,
+    /// Responses: the items earlier answers showed done, and this one.
+    done_before: Vec<Value>,
+    done_now: Vec<Value>,
+    /// Responses: the last sequence number sent.
+    seq: Option<u64>,
+}
+
+impl Splice {
+    fn new(api: Api) -> Splice {
+        Splice {
+            api: Some(api),
+            ..Splice::default()
+        }
+    }
+
+    fn first_answer(&self) -> bool {
+        self.answer == 0
+    }
+
+    /// The answer under way was a recall round.
+    fn next_answer(&mut self) {
+        self.answer += 1;
+        self.before += std::mem::take(&mut self.now);
+        self.done_before.append(&mut self.done_now);
+    }
+
+    /// The bytes the client gets for `block`, if any.
+    fn rewrite(&mut self, block: &Block) -> Option<Bytes> {
+        let Some(ev) = &block.event else {
+            return Some(block.raw.clone());
+        };
+        let Ok(Value::Object(mut v)) = serde_json::from_str::<Value>(&ev.data) else {
+            return Some(block.raw.clone());
+        };
+        let first = self.answer == 0;
+        let keep = match self.api {
+            Some(Api::Chat) => self.chat(&mut v, first),
+            Some(Api::Responses) => self.responses(&ev.name, &mut v, first),
+            // Not spliced: see `recall::starts_reasoning`.
+            Some(Api::Messages) | None => true,
+        };
+        if !keep {
+            return None;
+        }
+        if first {
+            return Some(block.raw.clone());
+        }
+        let mut out = BytesMut::new();
+        if ev.name != "message" {
+            out.extend_from_slice(b"event: ");
+            out.extend_from_slice(ev.name.as_bytes());
+            out.extend_from_slice(b"\n");
+        }
+        out.extend_from_slice(b"data: ");
+        out.extend_from_slice(Value::Object(v).to_string().as_bytes());
+        out.extend_from_slice(b"\n\n");
+        Some(out.freeze())
+    }
+
+    /// A chat chunk: the continuation's take the first answer's id, and
+    /// lose their role (the client had it); one left with nothing is dropped.
+    fn chat(&mut self, v: &mut Map<String, Value>, first: bool) -> bool {
+        if first {
+            if self.id.is_none() {
+                self.id = v.get("id").and_then(Value::as_str).map(String::from);
+            }
+            return true;
+        }
+        if let (Some(id), Some(slot)) = (&self.id, v.get_mut("id")) {
+            *slot = Value::String(id.clone());
+        }
+        let Some(choice) = v
+            .get_mut("choices")
+            .and_then(Value::as_array_mut)
+            .and_then(|c| c.first_mut())
+        else {
+            return true;
+        };
+        let Some(delta) = choice.get_mut("delta").and_then(Value::as_object_mut) else {
+            return true;
+        };
+        delta.remove("role");
+        let empty = delta
+            .iter()
+            .all(|(_, d)| d.is_null() || d.as_str().is_some_and(str::is_empty));
+        let finish = choice.get("finish_reason").is_some_and(|f| !f.is_null());
+        let usage = v.get("usage").is_some_and(|u| !u.is_null());
+        !(empty && !finish && !usage)
+    }
+
+    /// A Responses event: the continuation's prelude dropped, indices and
+    /// sequence numbers following what was sent, the final response with
+    /// the first id and every item the client saw.
+    fn responses(&mut self, name: &str, v: &mut Map<String, Value>, first: bool) -> bool {
+        let kind = v
+            .get("type")
+            .and_then(Value::as_str)
+            .unwrap_or(name)
+            .to_string();
+        if first && self.id.is_none() {
+            self.id = v
+                .get("response")
+                .and_then(|r| r.get("id"))
+                .and_then(Value::as_str)
+                .map(String::from);
+        }
+        if !first
+            && matches!(
+                kind.as_str(),
+                "response.created" | "response.in_progress" | "response.queued"
+            )
+        {
+            return false;
+        }
+        if let Some(i) = v.get("output_index").and_then(Value::as_u64) {
+            self.now = self.now.max(i + 1);
+            if !first {
+                v.insert("output_index".into(), Value::from(i + self.before));
+            }
+        }
+        if kind == "response.output_item.done" {
+            if let Some(item) = v.get("item") {
+                self.done_now.push(item.clone());
+            }
+        }
+        if let Some(n) = v.get("sequence_number").and_then(Value::as_u64) {
+            if first {
+                self.seq = Some(n);
+            } else {
+                let next = self.seq.map_or(n, |s| s + 1);
+                self.seq = Some(next);
+                v.insert("sequence_number".into(), Value::from(next));
+            }
+        }
+        if !first {
+            if let Some(Value::Object(r)) = v.get_mut("response") {
+                if let Some(id) = &self.id {
+                    r.insert("id".into(), Value::String(id.clone()));
+                }
+                if let Some(Value::Array(out)) = r.get_mut("output") {
+                    let mut all = self.done_before.clone();
+                    all.append(out);
+                    *out = all;
+                }
+            }
+        }
+        true
+    }
+}
