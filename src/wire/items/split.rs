@@ -21,15 +21,15 @@ pub struct SplitBody {
     /// Byte range of each item in the body, when it has the item field.
     pub spans: Option<Vec<Range<usize>>>,
     /// Key of the body's bytes without the items (its tools by their key),
-    /// for [`ItemCaches::cached_hash`] of the body with its tools.
+    /// for [`ItemCaches::cached_hash`](super::ItemCaches::cached_hash) of the body with its tools.
     pub body_key: ItemHash,
     /// The `tools` field's byte range and the hash of those bytes, if the
-    /// body has one; `body` holds `null` in its place (see [`Tools`]).
+    /// body has one; `body` holds `null` in its place (see [`Tools`](super::Tools)).
     pub tools: Option<(Range<usize>, ItemHash)>,
     /// The recent request whose start this body repeats, when
-    /// [`ItemCaches::split_body_reusing`] parsed only what follows it.
+    /// [`ItemCaches::split_body_reusing`](super::ItemCaches::split_body_reusing) parsed only what follows it.
     pub reuse: Option<Reuse>,
-    /// What the split found outside the items, for [`ItemList::with_shell`].
+    /// What the split found outside the items, for [`ItemList::with_shell`](super::ItemList::with_shell).
     pub shell: Option<Arc<Shell>>,
 }
 
