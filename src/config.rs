@@ -933,34 +933,38 @@ impl Config {
     /// The mode of `tenant`'s requests to `model`: the tenant's entry,
     /// then the model's, then `compaction.mode`.
     pub fn mode_for(&self, tenant: &str, model: &str) -> Mode {
+        self.layered(tenant, model, |t| t.mode, |m| m.mode)
+            .unwrap_or(self.compaction.mode)
+    }
+
+    /// A per-request setting: the first `[[tenants]]` entry whose id starts
+    /// `tenant` that sets it, else `model`'s `[[models]]` entry's.
+    fn layered<T>(
+        &self,
+        tenant: &str,
+        model: &str,
+        of_tenant: impl Fn(&TenantConfig) -> Option<T>,
+        of_model: impl Fn(&ModelConfig) -> Option<T>,
+    ) -> Option<T> {
         self.tenants
             .iter()
             .find(|t| tenant.starts_with(&t.id.to_ascii_lowercase()))
-            .and_then(|t| t.mode)
-            .or_else(|| self.model_entry(model).and_then(|m| m.mode))
-            .unwrap_or(self.compaction.mode)
+            .and_then(of_tenant)
+            .or_else(|| self.model_entry(model).and_then(of_model))
     }
 
     /// The summarizer of `tenant`'s requests to `model`: the tenant's
     /// entry, then the model's, then `compaction.summarizer` (the same
     /// order as [`Config::mode_for`]).
     pub fn summarizer_for(&self, tenant: &str, model: &str) -> Summarizer {
-        self.tenants
-            .iter()
-            .find(|t| tenant.starts_with(&t.id.to_ascii_lowercase()))
-            .and_then(|t| t.summarizer)
-            .or_else(|| self.model_entry(model).and_then(|m| m.summarizer))
+        self.layered(tenant, model, |t| t.summarizer, |m| m.summarizer)
             .unwrap_or(self.compaction.summarizer)
     }
 
     /// Whether `tenant`'s requests to `model` are offered `compactor_compact`:
     /// the tenant's entry, then the model's, then `compaction.agent_tool`.
     pub fn agent_tool_for(&self, tenant: &str, model: &str) -> bool {
-        self.tenants
-            .iter()
-            .find(|t| tenant.starts_with(&t.id.to_ascii_lowercase()))
-            .and_then(|t| t.agent_tool)
-            .or_else(|| self.model_entry(model).and_then(|m| m.agent_tool))
+        self.layered(tenant, model, |t| t.agent_tool, |m| m.agent_tool)
             .unwrap_or(self.compaction.agent_tool)
     }
 
