@@ -110,6 +110,32 @@ async fn serve_masks_the_database_password_when_it_cannot_open_the_database() {
     assert_masked("serve's start-up error", &out);
 }
 
+/// A URL the PostgreSQL client refuses before it connects (it takes no
+/// `sslpassword` without TLS) is a start-up error, masked, not a panic.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_refuses_a_database_url_the_client_cannot_take_without_a_panic() {
+    let dir = tempfile::tempdir().unwrap();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut cmd = compactor(&[
+        "serve",
+        "--listen",
+        &listen,
+        "--upstream",
+        "http://127.0.0.1:9/v1",
+        "--database-url",
+        &format!("postgres://app@127.0.0.1:1/records?sslpassword={PG_SECRET}"),
+    ]);
+    cmd.env("HOME", dir.path()).env("RUST_LOG", "info");
+    let (code, out) = output(cmd).await;
+    assert_ne!(code, Some(0), "{out}");
+    assert!(
+        !out.contains("panicked"),
+        "a start-up error, not a panic: {out}"
+    );
+    assert!(out.contains("127.0.0.1:1/records"), "names it: {out}");
+    assert_masked("serve's start-up error", &out);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_banner_masks_a_password_in_the_upstream_url() {
     let dir = tempfile::tempdir().unwrap();

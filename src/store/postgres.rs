@@ -379,11 +379,9 @@ impl Drop for Postgres {
 impl Postgres {
     /// The pool (no connection yet).
     pub fn new(opts: &Options) -> Result<Arc<Self>, StoreError> {
-        let runtime = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(RUNTIME_THREADS)
-            .thread_name("compactor-pg")
-            .enable_all()
-            .build()?;
+        // What can be refused is checked before the runtime exists: a
+        // runtime dropped on an early return from inside the caller's async
+        // context (`serve` opens the store there) would panic.
         let manager = Manager::from_config(
             opts.pg_config()?,
             NoTls,
@@ -398,6 +396,11 @@ impl Postgres {
             .runtime(deadpool_postgres::Runtime::Tokio1)
             .build()
             .map_err(|e| StoreError::Pool(e.to_string()))?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(RUNTIME_THREADS)
+            .thread_name("compactor-pg")
+            .enable_all()
+            .build()?;
         Ok(Arc::new(Postgres {
             handle: runtime.handle().clone(),
             runtime: Some(runtime),
