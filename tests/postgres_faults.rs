@@ -99,6 +99,42 @@ async fn a_client_sending_nul_in_its_text_is_served_recorded_and_fails_no_other_
     assert_eq!(conversations.len(), 1, "one conversation, by its key");
 }
 
+/// A `prompt_cache_key` of 12 KB (past what PostgreSQL's index takes in a
+/// row) names one conversation, served and recorded like any other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_cache_key_of_any_length_is_served_recorded_and_one_conversation() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let h = Harness::start_with(|c| c.store.url = url.clone()).await;
+    let endpoint = format!("{}/chat/completions", h.url());
+    // Text that does not compress (PostgreSQL compresses an index row
+    // before it measures it).
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let key: String = (0..12_000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            char::from(b'!' + (x % 90) as u8)
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for turn in 0..3 {
+        let body = json!({"model": MODEL, "prompt_cache_key": key,
+            "messages": [{"role": "user", "content": format!("turn {turn}")}]});
+        statuses.push(post(&endpoint, "sk-long-key", &body).await.0);
+    }
+    assert_eq!(statuses, vec![200; 3]);
+    assert_eq!(
+        count(&url, "SELECT count(*) FROM exchanges WHERE status = 200").await,
+        3
+    );
+    let views = h.sql();
+    let conversations: Vec<String> =
+        support::column(&*views, "SELECT DISTINCT conversation_id FROM exchanges");
+    assert_eq!(conversations.len(), 1, "one conversation, by its key");
+}
+
 /// A TCP relay to PostgreSQL that the test pauses: while paused, every
 /// byte either way is held, as by a database that stopped answering (its
 /// host frozen, its disk stuck) while its connections stay open.

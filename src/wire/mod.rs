@@ -325,8 +325,24 @@ pub const SESSION_HEADERS: [&str; 3] = ["session-id", "session_id", "x-claude-co
 /// `prompt_cache_key`, then `metadata.session_id`/`metadata.conversation_id`
 /// or the session in Claude Code's `metadata.user_id`. Every session id
 /// shares one namespace, so a client that sends it in two places is one
-/// conversation.
+/// conversation. A key longer than [`MAX_KEY_BYTES`] stands as a hash of
+/// itself in a namespace of its own (`…#blake3:`), so that any length a
+/// client sends names one conversation and fits every store's index.
 pub fn explicit_conversation_key(headers: &http::HeaderMap, body: &Value) -> Option<String> {
+    let key = client_conversation_key(headers, body)?;
+    if key.len() <= MAX_KEY_BYTES {
+        return Some(key);
+    }
+    let (ns, _) = key.split_once(':').unwrap_or(("key", ""));
+    let digest = blake3::hash(key.as_bytes());
+    Some(format!("{ns}#blake3:{}", digest.to_hex()))
+}
+
+/// The longest explicit conversation key kept as the client sent it
+/// (PostgreSQL's B-tree index takes about 2,700 bytes a row).
+pub const MAX_KEY_BYTES: usize = 512;
+
+fn client_conversation_key(headers: &http::HeaderMap, body: &Value) -> Option<String> {
     let header = |name: &str| {
         headers
             .get(name)
@@ -408,6 +424,30 @@ mod tests {
         let resp = json!({"input_tokens": 10, "output_tokens": 3, "total_tokens": 13});
         assert_eq!(Usage::from_value(&resp).unwrap().total(), 13);
         assert_eq!(Usage::from_value(&Value::Null), None);
+    }
+
+    #[test]
+    fn a_long_explicit_key_is_one_bounded_key() {
+        let long = "k".repeat(12_000);
+        let body = json!({"prompt_cache_key": long});
+        let key = explicit_conversation_key(&http::HeaderMap::new(), &body).unwrap();
+        assert!(key.len() <= MAX_KEY_BYTES, "{}", key.len());
+        assert!(key.starts_with("session-id#blake3:"), "{key}");
+        assert_eq!(
+            explicit_conversation_key(&http::HeaderMap::new(), &body),
+            Some(key.clone()),
+            "the same key every time"
+        );
+        let other = json!({"prompt_cache_key": format!("{long}x")});
+        assert_ne!(
+            explicit_conversation_key(&http::HeaderMap::new(), &other),
+            Some(key)
+        );
+        let short = json!({"prompt_cache_key": "abc"});
+        assert_eq!(
+            explicit_conversation_key(&http::HeaderMap::new(), &short).as_deref(),
+            Some("session-id:abc")
+        );
     }
 
     #[test]
