@@ -20,8 +20,13 @@ const MODEL: &str = "tiny-test";
 /// The same models table for the CLI, plus the store path.
 fn config_file(h: &Harness, extra: &str) -> std::path::PathBuf {
     let path = h.dir.path().join("proxy.toml");
+    // The harness's store: its SQLite file, or its PostgreSQL database.
+    let url = match h.state.config.store.url.as_str() {
+        "" => String::new(),
+        url => format!("url = {url:?}\n"),
+    };
     let text = format!(
-        "[store]\npath = {:?}\n{extra}\n[[models]]\nmatch = \"tiny*\"\ncontext_window = 3000\nmax_output_tokens = 300\n",
+        "[store]\npath = {:?}\n{url}{extra}\n[[models]]\nmatch = \"tiny*\"\ncontext_window = 3000\nmax_output_tokens = 300\n",
         h.db.display().to_string()
     );
     std::fs::write(&path, text).unwrap();
@@ -337,16 +342,19 @@ async fn the_cli_reads_the_store_while_the_proxy_runs() {
     .await;
     assert_eq!(code, 0, "{err}");
     assert_eq!(serde_json::from_str::<Value>(&out).unwrap(), api_list);
-    let (code, out, _) = cli(
-        &["conversations", "list", "--json"],
-        &[("COMPACTOR_DB", path_str(&h.db))],
-    )
-    .await;
-    assert_eq!(code, 0);
-    let v: Value = serde_json::from_str(&out).unwrap();
-    assert_eq!(v["conversations"][0]["id"], id.as_str());
-    assert_eq!(v["conversations"][0]["context_window"], 3_000);
-    assert_eq!(v["conversations"][0]["window_source"], "config");
+    // COMPACTOR_DB names a SQLite file: a PostgreSQL store has none.
+    if h.state.config.store.url.is_empty() {
+        let (code, out, _) = cli(
+            &["conversations", "list", "--json"],
+            &[("COMPACTOR_DB", path_str(&h.db))],
+        )
+        .await;
+        assert_eq!(code, 0);
+        let v: Value = serde_json::from_str(&out).unwrap();
+        assert_eq!(v["conversations"][0]["id"], id.as_str());
+        assert_eq!(v["conversations"][0]["context_window"], 3_000);
+        assert_eq!(v["conversations"][0]["window_source"], "config");
+    }
 
     let (_, api_show) = get(&h, &format!("/admin/api/conversations/{id}"), &[]).await;
     let (code, out, _) = cli(
@@ -440,19 +448,15 @@ async fn manual_compaction_through_the_api_and_the_cli_applies_to_the_next_reque
     // next request, sent once the request is seen.
     let config = config_file(&h, "");
     let listen = h.addr.to_string();
-    let args: Vec<String> = [
-        "compact",
-        &id,
-        "--config",
-        path_str(&config),
-        "--db",
-        path_str(&h.db),
-        "--listen",
-        &listen,
-    ]
-    .iter()
-    .map(|a| a.to_string())
-    .collect();
+    let mut args: Vec<String> = ["compact", &id, "--config", path_str(&config)]
+        .iter()
+        .map(|a| a.to_string())
+        .collect();
+    // `--db` names a SQLite file; a PostgreSQL store is the config's URL.
+    if h.state.config.store.url.is_empty() {
+        args.extend(["--db".to_string(), path_str(&h.db).to_string()]);
+    }
+    args.extend(["--listen".to_string(), listen.clone()]);
     let waiting = tokio::spawn(async move {
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         cli(&args, &[]).await
