@@ -17,7 +17,8 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::{Context, Input, SummaryCost, ANTHROPIC_VERSION, MAX_LOGGED_ERROR};
+use super::summarizer::{SummaryCost, ANTHROPIC_VERSION, MAX_LOGGED_ERROR};
+use super::{Context, Input};
 use crate::bounded::Generations;
 use crate::compaction::provider::{self as pure, COMPACT_BETA};
 use crate::compaction::summary::Facts;

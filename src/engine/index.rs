@@ -1,0 +1,578 @@
+//! The compactions this process knows, in memory: found by the covered
+//! prefix's chain hash per tenant, with each conversation's calibration,
+//! the back-off of compactions no request matched, the jobs under way and
+//! the attempts kept for the admin API.
+
+use foldhash::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokio::sync::watch;
+
+use super::{provider, CompactError, MAX_BACKOFF, MAX_CALIBRATION, MIN_CALIBRATION};
+use crate::bounded::Generations;
+use crate::compaction::{rewrite, Compaction};
+use crate::store::StoredCompaction;
+use crate::store::{Reads, StoreError};
+use crate::wire::ItemHash;
+
+#[derive(Default)]
+pub(super) struct Backoff {
+    /// Compactions registered that no request has matched since.
+    pub(super) unmatched: u32,
+    /// Exponent of the next back-off.
+    pub(super) level: u32,
+    /// Triggering exchanges still to skip.
+    pub(super) skip: u32,
+}
+
+/// Conversations whose calibration is kept, per generation (see
+/// [`Generations`]): one that reports usage again within this many others
+/// keeps it; past that it starts again from 1 (its next usage sets it).
+pub(super) const CALIBRATED: usize = 1 << 17;
+
+/// Per (tenant, conversation): upstream tokens per estimated token. Keyed
+/// by a 64-bit hash of the pair under a per-process seed, with no strings
+/// to allocate per exchange: two conversations sharing a key (about one
+/// chance in 2^64 / 2^18 entries) would share a figure that only scales an
+/// estimate, within bounds.
+pub(super) struct Calibrations {
+    pub(super) by_key: Generations<u64, f64>,
+    pub(super) seed: foldhash::quality::RandomState,
+}
+
+impl Default for Calibrations {
+    fn default() -> Self {
+        Self {
+            by_key: Generations::new(CALIBRATED),
+            seed: Default::default(),
+        }
+    }
+}
+
+impl Calibrations {
+    pub(super) fn key(&self, tenant: &str, conversation: &str) -> u64 {
+        use std::hash::BuildHasher;
+        self.seed.hash_one((tenant, conversation))
+    }
+}
+
+/// Compaction bodies kept in memory, per generation (see [`Generations`]):
+/// those used lately. A body holds its replacement items and extracted
+/// facts (tens of kilobytes); the others are read from the store when a
+/// request needs them.
+pub(super) const BODIES: usize = 256;
+
+/// A stored compaction as the registry finds it: its id and how much it
+/// covers.
+pub(super) struct Entry {
+    pub(super) id: String,
+    pub(super) covered_len: usize,
+}
+
+impl rewrite::Covering for Entry {
+    fn covered_len(&self) -> usize {
+        self.covered_len
+    }
+}
+
+/// Reads a compaction's body from the store, by id.
+pub type LoadCompaction = Arc<dyn Fn(&str) -> Option<Compaction> + Send + Sync>;
+
+/// The compaction bodies used lately, and how to read the others.
+pub(super) struct Bodies {
+    pub(super) recent: Generations<String, Arc<Compaction>>,
+    pub(super) load: Option<LoadCompaction>,
+}
+
+impl Default for Bodies {
+    fn default() -> Self {
+        Self {
+            recent: Generations::new(BODIES),
+            load: None,
+        }
+    }
+}
+
+/// The registry of stored compactions and running jobs.
+#[derive(Default)]
+pub struct Compactions {
+    /// Every stored compaction, by tenant and covered chain (without bodies).
+    pub(super) by_tenant: Mutex<HashMap<String, HashMap<ItemHash, Entry>>>,
+    /// The same for observe mode's would-be compactions: found only to
+    /// figure what a request would have saved, never applied.
+    pub(super) observed: Mutex<HashMap<String, HashMap<ItemHash, Entry>>>,
+    pub(super) jobs: Mutex<HashMap<(String, String), watch::Receiver<bool>>>,
+    pub(super) backoff: Mutex<HashMap<String, Backoff>>,
+    /// When each conversation's newest compaction was stored (Unix ms),
+    /// and its id.
+    pub(super) newest: Mutex<HashMap<(String, String), (i64, String)>>,
+    /// The tenant of every stored compaction, by id (to expand `compaction`
+    /// items).
+    pub(super) by_id: Mutex<HashMap<String, String>>,
+    pub(super) bodies: Mutex<Bodies>,
+    /// Per conversation: the upstream's token count over the proxy's
+    /// estimate, from the last exchange that reported usage. The upstream
+    /// may tokenize differently (llama, qwen…); limits are checked in its
+    /// tokens.
+    /// The recent conversations only: every conversation that reports
+    /// usage sets one, one-off requests included.
+    pub(super) calibration: Mutex<Calibrations>,
+    /// Conversations whose next request is to be compacted (manual).
+    pub(super) manual: Mutex<foldhash::HashSet<String>>,
+    /// Compactions computed here that wait for their first application at
+    /// a turn boundary (by id). One this process did not compute (replayed
+    /// from the store, stored by another replica) is taken as applied.
+    pub(super) waiting: Mutex<foldhash::HashSet<String>>,
+    /// Per (tenant, conversation): the turn (see
+    /// [`crate::compaction::agent_tool::turn_of`]) whose agent compaction
+    /// was scheduled last (one per turn).
+    pub(super) agent_turns: Mutex<HashMap<(String, String), ItemHash>>,
+    /// (tenant, conversation) pairs on Anthropic Messages with thinking on
+    /// where an answer followed a round the proxy answered itself.
+    pub(super) hidden_rounds: Mutex<foldhash::HashSet<(String, String)>>,
+    /// A store other processes write too: compactions they computed are
+    /// looked up there, and computing one is claimed there first.
+    pub(super) shared: Option<Arc<dyn Reads>>,
+    /// The recent compaction attempts of the recent conversations, by
+    /// (tenant, conversation), oldest first: discarded ones leave no
+    /// compaction to show.
+    pub(super) attempts: Mutex<Option<Attempts>>,
+    /// Whether each upstream and model offers the provider's compaction
+    /// (`compaction.summarizer = "auto"`).
+    pub(super) provider: provider::Support,
+}
+
+/// How long a claim on computing a conversation's compaction lasts: past
+/// it (a replica died mid-compaction) another may compute it. Longer than
+/// a summary takes.
+pub(super) const CLAIM_FOR: Duration = Duration::from_secs(120);
+
+/// How often a request waiting for another replica's compaction looks for it.
+pub(super) const FOREIGN_POLL: Duration = Duration::from_millis(100);
+
+pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Compactions {
+    /// Rebuilds the registry from the stored compactions (replay); `load`
+    /// reads a body from the store when a request needs one.
+    pub fn from_stored(list: Vec<StoredCompaction>, load: LoadCompaction) -> Self {
+        let me = Self::default();
+        lock(&me.bodies).load = Some(load);
+        for c in list {
+            me.index(c);
+        }
+        me
+    }
+
+    /// The registry over a store other processes write too (see
+    /// [`Reads::shared`]).
+    pub fn shared_with(mut self, reads: Arc<dyn Reads>) -> Self {
+        if reads.shared() {
+            self.shared = Some(reads);
+        }
+        self
+    }
+
+    /// Adds a compaction just stored.
+    pub(super) fn insert(&self, c: Arc<Compaction>) {
+        self.index(StoredCompaction::from(&*c));
+        lock(&self.bodies).recent.insert(c.id.clone(), c);
+    }
+
+    pub(super) fn index(&self, c: StoredCompaction) {
+        let StoredCompaction {
+            id,
+            tenant,
+            conversation,
+            covered_len,
+            covered_chain,
+            created_ms,
+            observed,
+        } = c;
+        // The time it became visible, not when it was computed: a request
+        // that started before this moment may have missed it.
+        let visible = crate::ids::now_ms().max(created_ms);
+        let mut newest = lock(&self.newest);
+        let at = newest.entry((tenant.clone(), conversation)).or_default();
+        if visible >= at.0 {
+            *at = (visible, id.clone());
+        }
+        drop(newest);
+        lock(&self.by_id).insert(id.clone(), tenant.clone());
+        let index = if observed {
+            &self.observed
+        } else {
+            &self.by_tenant
+        };
+        lock(index)
+            .entry(tenant)
+            .or_default()
+            .insert(covered_chain, Entry { id, covered_len });
+    }
+
+    /// A compaction's body: kept, or read from the store (a stored one
+    /// that cannot be read is treated as absent: the request goes as the
+    /// client sent it).
+    pub(super) fn body(&self, id: &str) -> Option<Arc<Compaction>> {
+        let load = {
+            let mut bodies = lock(&self.bodies);
+            // Used again: kept into the next generation.
+            if let Some(c) = bodies.recent.renew(id) {
+                return Some(c.clone());
+            }
+            bodies.load.clone()?
+        };
+        // Read without the lock: other requests' lookups go on meanwhile.
+        let c = match load(id) {
+            Some(c) => Arc::new(c),
+            None => {
+                tracing::warn!(compaction = %id, "stored compaction could not be read");
+                return None;
+            }
+        };
+        lock(&self.bodies).recent.insert(id.to_string(), c.clone());
+        Some(c)
+    }
+
+    /// The longest stored compaction of `tenant` that covers a prefix of the
+    /// request; a match also clears the tenant's back-off.
+    pub fn find(&self, tenant: &str, chains: &[ItemHash]) -> Option<Arc<Compaction>> {
+        self.find_in(&self.by_tenant, tenant, chains, true)
+    }
+
+    /// [`Compactions::find`] among observe mode's would-be compactions
+    /// (this replica's own: they are never applied, so never shared).
+    pub fn find_observed(&self, tenant: &str, chains: &[ItemHash]) -> Option<Arc<Compaction>> {
+        self.find_in(&self.observed, tenant, chains, false)
+    }
+
+    pub(super) fn find_in(
+        &self,
+        index: &Mutex<HashMap<String, HashMap<ItemHash, Entry>>>,
+        tenant: &str,
+        chains: &[ItemHash],
+        applied: bool,
+    ) -> Option<Arc<Compaction>> {
+        let (mut id, covered) = {
+            let idx = lock(index);
+            idx.get(tenant)
+                .and_then(|m| rewrite::find(chains, m))
+                .map_or((None, 0), |e| (Some(e.id.clone()), e.covered_len))
+        };
+        // Another replica may have stored one covering more since.
+        if let Some(shared) = self.shared.as_ref().filter(|_| applied) {
+            let longer = &chains[covered.min(chains.len())..];
+            if let Some(c) = shared.compaction_covering(tenant, longer) {
+                if c.covered_len > covered
+                    && chains.get(c.covered_len - 1) == Some(&c.covered_chain)
+                {
+                    id = Some(c.id.clone());
+                    self.index(c);
+                }
+            }
+        }
+        let id = id?;
+        let found = self.body(&id);
+        if found.is_some() {
+            if let Some(b) = lock(&self.backoff).get_mut(tenant) {
+                *b = Backoff::default();
+            }
+        }
+        found
+    }
+
+    /// Keeps an attempt's outcome; with a shared store, one that stored
+    /// nothing is kept there too, for any replica asked for it.
+    pub(super) fn attempted(&self, key: (String, String), attempt: Attempt) {
+        if let (Some(shared), Some(record)) = (self.shared.clone(), attempt.unstored()) {
+            let (tenant, conversation) = key.clone();
+            tokio::task::spawn_blocking(move || {
+                shared.record_attempt(&tenant, &conversation, &record)
+            });
+        }
+        let mut attempts = lock(&self.attempts);
+        let map = attempts.get_or_insert_with(|| Generations::new(ATTEMPT_CONVERSATIONS));
+        let mut list = map.renew(&key).cloned().unwrap_or_default();
+        list.push(attempt);
+        if list.len() > ATTEMPTS_KEPT {
+            list.remove(0);
+        }
+        map.insert(key, list);
+    }
+
+    /// The conversation's recent attempts, oldest first (those of a
+    /// conversation not seen for long are forgotten).
+    pub fn attempts(&self, tenant: &str, conversation: &str) -> Vec<Attempt> {
+        lock(&self.attempts)
+            .as_ref()
+            .and_then(|m| {
+                m.get(&(tenant.to_string(), conversation.to_string()))
+                    .cloned()
+            })
+            .unwrap_or_default()
+    }
+
+    /// Forgets `tenant`'s compactions `ids` (their conversation was
+    /// deleted): no request is rewritten by them any more.
+    pub fn forget(&self, tenant: &str, ids: &[String]) {
+        let mut by_id = lock(&self.by_id);
+        for id in ids {
+            by_id.remove(id);
+        }
+        drop(by_id);
+        // Observe mode's would-be compactions go too: a deleted one would
+        // still be offered as what a request would have saved.
+        for index in [&self.by_tenant, &self.observed] {
+            if let Some(m) = lock(index).get_mut(tenant) {
+                m.retain(|_, e| !ids.contains(&e.id));
+            }
+        }
+    }
+
+    /// A stored compaction by id, only if it belongs to `tenant` (and was
+    /// applied, not observed).
+    pub fn get(&self, tenant: &str, id: &str) -> Option<Arc<Compaction>> {
+        let owned = lock(&self.by_id).get(id).is_some_and(|t| t == tenant);
+        if owned {
+            self.body(id).filter(|c| !c.observed)
+        } else {
+            None
+        }
+    }
+
+    /// Learns how the upstream's token counts compare with the estimate.
+    pub fn calibrate(&self, tenant: &str, conversation: &str, reported: u64, estimated: u64) {
+        if reported == 0 || estimated == 0 {
+            return;
+        }
+        let ratio = (reported as f64 / estimated as f64).clamp(MIN_CALIBRATION, MAX_CALIBRATION);
+        let mut all = lock(&self.calibration);
+        let key = all.key(tenant, conversation);
+        all.by_key.insert(key, ratio);
+    }
+
+    /// Upstream tokens per estimated token for the conversation (1 until known).
+    pub fn calibration(&self, tenant: &str, conversation: &str) -> f64 {
+        let all = lock(&self.calibration);
+        all.by_key
+            .get(&all.key(tenant, conversation))
+            .copied()
+            .unwrap_or(1.0)
+    }
+
+    /// Asks for the conversation's next request to be compacted, like
+    /// Codex's `/compact`. The proxy needs that request's credentials for
+    /// the summary, so it happens then. False if already asked. With a
+    /// shared store the request is recorded there, so whichever process
+    /// serves that request honours it.
+    pub fn request_manual(&self, conversation: &str) -> Result<bool, StoreError> {
+        match &self.shared {
+            Some(shared) => shared.request_manual(conversation),
+            None => Ok(lock(&self.manual).insert(conversation.to_string())),
+        }
+    }
+
+    /// Whether a manual compaction of the conversation waits for its next
+    /// request (with a shared store, whichever process was asked).
+    pub fn manual_pending(&self, conversation: &str) -> Result<bool, StoreError> {
+        match &self.shared {
+            Some(shared) => shared.manual_pending(conversation),
+            None => Ok(lock(&self.manual).contains(conversation)),
+        }
+    }
+
+    /// Takes a pending manual request for the tenant's conversation. Every
+    /// request passes here: with a shared store, only one whose
+    /// conversation this process heard of asks the store, and of the
+    /// processes racing for it one gets it.
+    pub fn take_manual(&self, tenant: &str, conversation: &str) -> bool {
+        match &self.shared {
+            Some(shared) => {
+                shared.manual_heard(conversation) && shared.take_manual(tenant, conversation)
+            }
+            None => lock(&self.manual).remove(conversation),
+        }
+    }
+
+    /// Whether a stored compaction still waits for its first application
+    /// at a turn boundary.
+    pub fn is_waiting(&self, id: &str) -> bool {
+        lock(&self.waiting).contains(id)
+    }
+
+    /// A compaction is applied to a request: true if this is its first
+    /// application after it waited (from then on every request that extends
+    /// its prefix gets it).
+    pub fn first_applied(&self, id: &str) -> bool {
+        lock(&self.waiting).remove(id)
+    }
+
+    /// The model asked for a compaction in `turn` of the conversation:
+    /// true if it is the first request of that turn to ask (one per turn).
+    pub fn schedule_agent_turn(&self, tenant: &str, conversation: &str, turn: ItemHash) -> bool {
+        let key = (tenant.to_string(), conversation.to_string());
+        lock(&self.agent_turns).insert(key, turn) != Some(turn)
+    }
+
+    /// An answer of the conversation followed a round the proxy answered
+    /// itself, with thinking on: its thinking is signed against a prefix the
+    /// client's history lacks.
+    pub fn mark_hidden_round(&self, tenant: &str, conversation: &str) {
+        lock(&self.hidden_rounds).insert((tenant.to_string(), conversation.to_string()));
+    }
+
+    /// Whether [`Compactions::mark_hidden_round`] was called for the
+    /// conversation (in this process).
+    pub fn had_hidden_round(&self, tenant: &str, conversation: &str) -> bool {
+        lock(&self.hidden_rounds).contains(&(tenant.to_string(), conversation.to_string()))
+    }
+
+    /// A background job still computing for this conversation.
+    pub fn job(&self, tenant: &str, conversation: &str) -> Option<watch::Receiver<bool>> {
+        lock(&self.jobs)
+            .get(&(tenant.to_string(), conversation.to_string()))
+            .filter(|rx| !*rx.borrow())
+            .cloned()
+    }
+
+    /// Number of stored compactions.
+    pub fn len(&self) -> usize {
+        lock(&self.by_tenant).values().map(HashMap::len).sum()
+    }
+
+    /// Whether none is stored.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Whether a triggering exchange of `tenant` should be skipped: after
+    /// two compactions nothing matched, skip 2, 4, 8… triggers.
+    pub(super) fn backing_off(&self, tenant: &str) -> bool {
+        let mut all = lock(&self.backoff);
+        let b = all.entry(tenant.to_string()).or_default();
+        if b.skip > 0 {
+            b.skip -= 1;
+            return true;
+        }
+        if b.unmatched >= 2 {
+            b.level += 1;
+            b.skip = (1u32 << b.level.min(6)).min(MAX_BACKOFF) - 1;
+            b.unmatched = 0;
+            return true;
+        }
+        // Counted when the job starts, so jobs racing each other see it.
+        b.unmatched += 1;
+        false
+    }
+
+    /// A background job produced nothing: it cannot go unmatched.
+    pub(super) fn job_failed(&self, tenant: &str) {
+        if let Some(b) = lock(&self.backoff).get_mut(tenant) {
+            b.unmatched = b.unmatched.saturating_sub(1);
+        }
+    }
+}
+
+/// How a compaction attempt ended, as the admin API reports it.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Attempt {
+    /// Unix ms it ended.
+    pub at_ms: i64,
+    /// `applied`, `discarded` (it would not have shrunk the request) or
+    /// `failed`.
+    pub result: &'static str,
+    /// Estimated tokens of the request before.
+    pub tokens_before: Option<u64>,
+    /// Estimated tokens after (what a discarded one would have sent).
+    pub tokens_after: Option<u64>,
+    /// The rung, when applied.
+    pub rung: Option<&'static str>,
+    /// The compaction stored, when applied.
+    pub compaction: Option<String>,
+    /// Why it failed.
+    pub error: Option<String>,
+}
+
+impl Attempt {
+    /// A stored compaction as the attempt that made it (computed by
+    /// another replica, whose attempts this one does not hold).
+    pub fn stored(c: &Compaction) -> Self {
+        Attempt {
+            at_ms: c.created_ms,
+            result: "applied",
+            tokens_before: Some(c.tokens_before),
+            tokens_after: Some(c.tokens_after),
+            rung: Some(c.rung.as_str()),
+            compaction: Some(c.id.clone()),
+            error: None,
+        }
+    }
+
+    /// An attempt another replica kept in the shared store.
+    pub fn shared(r: &crate::store::AttemptRecord) -> Self {
+        Attempt {
+            at_ms: r.at_ms,
+            result: if r.result == "discarded" {
+                "discarded"
+            } else {
+                "failed"
+            },
+            tokens_before: r.tokens_before,
+            tokens_after: r.tokens_after,
+            rung: None,
+            compaction: None,
+            error: r.error.clone(),
+        }
+    }
+
+    /// The attempt as a shared store keeps it, if it stored nothing.
+    pub(super) fn unstored(&self) -> Option<crate::store::AttemptRecord> {
+        (self.result != "applied").then(|| crate::store::AttemptRecord {
+            at_ms: self.at_ms,
+            result: self.result.to_string(),
+            tokens_before: self.tokens_before,
+            tokens_after: self.tokens_after,
+            error: self.error.clone(),
+        })
+    }
+
+    pub(super) fn of(result: &Result<Arc<Compaction>, CompactError>) -> Self {
+        let mut a = Attempt {
+            at_ms: crate::ids::now_ms(),
+            result: "failed",
+            tokens_before: None,
+            tokens_after: None,
+            rung: None,
+            compaction: None,
+            error: None,
+        };
+        match result {
+            Ok(c) => {
+                a.result = "applied";
+                a.tokens_before = Some(c.tokens_before);
+                a.tokens_after = Some(c.tokens_after);
+                a.rung = Some(c.rung.as_str());
+                a.compaction = Some(c.id.clone());
+            }
+            Err(CompactError::NoShrink { before, after }) => {
+                a.result = "discarded";
+                a.tokens_before = Some(*before);
+                a.tokens_after = Some(*after);
+            }
+            Err(e) => a.error = Some(e.to_string()),
+        }
+        a
+    }
+}
+
+/// The recent attempts of the recent conversations.
+pub(super) type Attempts = Generations<(String, String), Vec<Attempt>>;
+
+/// Attempts kept per conversation, the latest.
+pub(super) const ATTEMPTS_KEPT: usize = 32;
+
+/// Conversations whose attempts are kept, per generation.
+pub(super) const ATTEMPT_CONVERSATIONS: usize = 4096;

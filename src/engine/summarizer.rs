@@ -1,0 +1,294 @@
+//! The summarizer call: the prompt in chunks within the model's window, the
+//! request to the configured summarizer and what can go wrong with it.
+
+use std::sync::Arc;
+
+use http::HeaderMap;
+use serde_json::{json, Value};
+
+use super::{Context, Input, TRANSCRIPT_ITEM_BYTES};
+use crate::compaction::summary;
+use crate::compaction::Params;
+use crate::wire::Api;
+
+/// What the summarizer calls of one compaction cost.
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct SummaryCost {
+    /// Calls made.
+    pub(super) calls: u32,
+    /// Their tokens, prompt and answer (as reported, else estimated).
+    pub(super) tokens: u64,
+    /// Of those, the answers'.
+    pub(super) output_tokens: u64,
+    /// Older chunks past the call cap, left to the extracted facts.
+    pub(super) chunks_skipped: usize,
+}
+
+/// Runs the summarizer over `part`, chunk by chunk, within
+/// `compaction.max_summary_calls`; `None` when the model wrote no
+/// usable section for a chunk (after one retry per chunk, if the cap leaves
+/// room, which names the sections missing from the first answer).
+///
+/// Past the cap the first chunk (which carries the previous summary, when
+/// there is one) and the newest are summarized, and the chunks between are
+/// left to the deterministic facts, which the summary always carries: what
+/// happened last is what the next turn needs most. A cap of 0 makes every
+/// summary the facts alone.
+pub(super) async fn summarize<S: Context>(
+    state: &Arc<S>,
+    input: &Input,
+    part: &[Value],
+    params: &Params,
+) -> (Option<String>, SummaryCost) {
+    let lines = summary::render_transcript(part, TRANSCRIPT_ITEM_BYTES);
+    let chunks = {
+        let counter = state.tokens().clone();
+        let budget = params.summary_chunk_tokens;
+        tokio::task::spawn_blocking(move || chunk_lines(&lines, budget, |s| counter.count_text(s)))
+            .await
+            .unwrap_or_default()
+    };
+    let cap = state.config().compaction.max_summary_calls;
+    let run = chunks_within_cap(chunks.len(), cap);
+    let mut cost = SummaryCost {
+        chunks_skipped: chunks.len() - run,
+        ..SummaryCost::default()
+    };
+    if run == 0 {
+        return (None, cost);
+    }
+    let newest = (chunks.len() - run + 1).max(1);
+    let mut narrative: Option<String> = None;
+    for chunk in chunks[..1].iter().chain(&chunks[newest..]) {
+        let mut messages = summary::summarizer_messages(narrative.as_deref(), chunk);
+        // The answer with the most sections written; a partial one is kept
+        // (the assembled summary fills the missing sections from the facts).
+        let mut got: Option<(usize, String)> = None;
+        for _attempt in 0..2 {
+            if cost.calls >= cap {
+                break;
+            }
+            cost.calls += 1;
+            match call_summarizer(state, input, &messages, params).await {
+                Ok((text, tokens, output_tokens)) => {
+                    cost.tokens += tokens;
+                    cost.output_tokens += output_tokens;
+                    match summary::validate(&text) {
+                        Ok(()) => {
+                            got = Some((summary::NARRATIVE_SECTIONS.len(), text));
+                            break;
+                        }
+                        Err(missing) => {
+                            state.metrics().summary_failure();
+                            tracing::warn!(?missing, "summary lacks mandatory sections");
+                            let written = summary::usable(&text);
+                            if written > 0 && got.as_ref().is_none_or(|(n, _)| written >= *n) {
+                                got = Some((written, text));
+                            }
+                            messages =
+                                summary::retry_messages(narrative.as_deref(), chunk, &missing);
+                        }
+                    }
+                }
+                Err(e) => {
+                    state.metrics().summary_failure();
+                    tracing::warn!(error = %e, "summary call failed")
+                }
+            }
+        }
+        match got {
+            Some((_, t)) => narrative = Some(t),
+            None => return (None, cost),
+        }
+    }
+    (narrative, cost)
+}
+
+/// How many of `chunks` to summarize under a cap of `cap` calls: one call
+/// each, with a quarter of the cap kept for retries.
+pub(super) fn chunks_within_cap(chunks: usize, cap: u32) -> usize {
+    let cap = cap as usize;
+    chunks.min(cap - cap / 4)
+}
+
+/// Groups transcript lines into chunks of at most `budget` tokens (a single
+/// longer line is its own chunk).
+pub fn chunk_lines(lines: &[String], budget: u64, count: impl Fn(&str) -> u64) -> Vec<String> {
+    let mut chunks = Vec::new();
+    let mut cur = String::new();
+    let mut used = 0;
+    for line in lines {
+        let t = count(line);
+        if !cur.is_empty() && used + t > budget {
+            chunks.push(std::mem::take(&mut cur));
+            used = 0;
+        }
+        cur.push_str(line);
+        cur.push('\n');
+        used += t;
+    }
+    if !cur.is_empty() {
+        chunks.push(cur);
+    }
+    chunks
+}
+
+/// Bytes of a summarizer's error answer kept in the log line.
+pub(super) const MAX_LOGGED_ERROR: usize = 300;
+
+/// Why a summarizer call gave no text. Every kind is tried again once by
+/// `summarize` (a refusal may be a passing overload, an empty answer a
+/// sampling accident); past that the summary falls back to the facts.
+#[derive(Debug, thiserror::Error)]
+pub enum SummarizerError {
+    /// The call could not be made or its answer read (its URL, the
+    /// connection, a timeout).
+    #[error(transparent)]
+    Upstream(#[from] crate::error::ProxyError),
+    /// The request could not be encoded.
+    #[error("summary request: {0}")]
+    Encode(#[source] serde_json::Error),
+    /// The summarizer refused: its status and answer, redacted and cut.
+    #[error("summarizer answered {status}: {shown}")]
+    Refused {
+        /// The answer's status.
+        status: http::StatusCode,
+        /// The start of its body, credentials redacted.
+        shown: String,
+    },
+    /// The answer is not JSON.
+    #[error("summarizer answer is not JSON: {0}")]
+    Decode(#[source] serde_json::Error),
+    /// The answer holds no message text.
+    #[error("summarizer answer has no message content")]
+    NoContent,
+}
+
+/// One summarizer call: the answer's text, the call's tokens and of those
+/// the answer's (as the upstream reports them, else estimated).
+pub(super) async fn call_summarizer<S: Context>(
+    state: &Arc<S>,
+    input: &Input,
+    messages: &[Value],
+    params: &Params,
+) -> Result<(String, u64, u64), SummarizerError> {
+    let cfg = &state.config().compaction;
+    let model = if cfg.summarizer_model.is_empty() {
+        input.model.as_str()
+    } else {
+        cfg.summarizer_model.as_str()
+    };
+    let mut body = match input.api {
+        // Anthropic Messages: the system prompt is a top-level field.
+        Api::Messages => json!({
+            "model": model,
+            "max_tokens": params.summary_output_tokens,
+            "system": messages.iter().find(|m| m["role"] == "system").map(|m| m["content"].clone()),
+            "messages": messages.iter().filter(|m| m["role"] != "system").collect::<Vec<_>>(),
+            "stream": false,
+        }),
+        _ => json!({"model": model, "messages": messages, "stream": false}),
+    };
+    if input.api != Api::Messages {
+        // Reasoning-model families reject `max_tokens`.
+        let lower = model.to_ascii_lowercase();
+        let key = if lower.starts_with('o')
+            && lower.chars().nth(1).is_some_and(|c| c.is_ascii_digit())
+            || lower.starts_with("gpt-5")
+        {
+            "max_completion_tokens"
+        } else {
+            "max_tokens"
+        };
+        body[key] = json!(params.summary_output_tokens);
+    }
+    let mut headers = input.auth.clone();
+    if input.api == Api::Messages {
+        // The API refuses a request without a version; the client's was not kept.
+        headers
+            .entry("anthropic-version")
+            .or_insert(http::HeaderValue::from_static(ANTHROPIC_VERSION));
+        state.summarizer().key_as_x_api_key(&mut headers);
+    }
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    headers.insert(
+        http::header::ACCEPT_ENCODING,
+        http::HeaderValue::from_static("identity"),
+    );
+    let url = state.summarizer().url(input.api.summary_endpoint(), None)?;
+    let bytes = bytes::Bytes::from(serde_json::to_vec(&body).map_err(SummarizerError::Encode)?);
+    let resp = state
+        .summarizer()
+        .send_bytes(http::Method::POST, &url, headers, bytes)
+        .await?;
+    let status = resp.status();
+    let body = state.summarizer().read_body(resp).await?;
+    if !status.is_success() {
+        // Redacted whole, then cut: a cut first could leave part of a key.
+        let text = String::from_utf8_lossy(&body);
+        let text = state.summarizer().redact(&text, &input.auth);
+        let shown = &text[..crate::compaction::items::floor_boundary(&text, MAX_LOGGED_ERROR)];
+        return Err(SummarizerError::Refused {
+            status,
+            shown: shown.to_string(),
+        });
+    }
+    let v: Value = serde_json::from_slice(&body).map_err(SummarizerError::Decode)?;
+    let text = match input.api {
+        Api::Messages => crate::wire::messages::answer_text(&v),
+        _ => v
+            .pointer("/choices/0/message/content")
+            .and_then(Value::as_str)
+            .map(String::from),
+    }
+    .ok_or(SummarizerError::NoContent)?;
+    let reported = match input.api.usage(&v) {
+        Some(u) if input.api == Api::Messages => (Some(u.total()), Some(u.output_tokens)),
+        _ => (
+            v.pointer("/usage/total_tokens").and_then(Value::as_u64),
+            v.pointer("/usage/completion_tokens")
+                .and_then(Value::as_u64),
+        ),
+    };
+    let (tokens, output) = match reported {
+        (Some(t), Some(out)) => (t, out.min(t)),
+        (total, _) => {
+            let counter = state.tokens().clone();
+            let all: String = messages
+                .iter()
+                .filter_map(|m| m.get("content").and_then(Value::as_str))
+                .chain([text.as_str()])
+                .collect();
+            let answer = text.clone();
+            let (all, answer) = tokio::task::spawn_blocking(move || {
+                (counter.count_text(&all), counter.count_text(&answer))
+            })
+            .await
+            .unwrap_or((0, 0));
+            let tokens = total.unwrap_or(all);
+            (tokens, answer.min(tokens))
+        }
+    };
+    Ok((text, tokens, output))
+}
+
+/// The `anthropic-version` a summary call through Anthropic Messages sends.
+pub(super) const ANTHROPIC_VERSION: &str = "2023-06-01";
+
+/// The credential headers of a request (kept in memory for the summarizer).
+pub fn auth_headers(headers: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::new();
+    for name in crate::redact::CREDENTIAL_HEADERS {
+        if let Some(v) = headers.get(name) {
+            let mut v = v.clone();
+            v.set_sensitive(true);
+            if let Ok(n) = http::HeaderName::from_bytes(name.as_bytes()) {
+                out.insert(n, v);
+            }
+        }
+    }
+    out
+}
