@@ -18,7 +18,7 @@ use std::sync::{Arc, Mutex};
 
 use crate::bounded::Generations;
 
-use crate::store::{IndexedExchange, PrefixRef, Reads, Snapshot};
+use crate::store::{ChainHit, IndexedExchange, PrefixRef, Reads, Snapshot};
 use crate::wire::ItemHash;
 
 /// Salted hash of the client's credential: identifies a tenant without
@@ -158,6 +158,20 @@ impl Inner {
                 .recent
                 .get(&(tenant.to_string(), hit.conversation.clone()))
                 .is_some_and(|o| o.tips.contains(&hit.prefix.exchange))
+    }
+
+    /// The prefixes of a request recorded, longest first.
+    fn hits<'a>(
+        &'a self,
+        scope: &'a TenantScope,
+        chains: &'a [ItemHash],
+    ) -> impl Iterator<Item = &'a Hit> + 'a {
+        chains
+            .iter()
+            .enumerate()
+            .rev()
+            .filter(|(i, _)| self.may_cover(i + 1))
+            .filter_map(|(_, c)| self.by_chain.get(&scope.chain(c)))
     }
 
     /// Whether some indexed chain covers `len` items.
@@ -324,8 +338,24 @@ impl ConversationIndex {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// Where a request's longest recorded prefix is to be looked up in a
+    /// store other processes write (see [`Reads::look_up`]): from the
+    /// chain after the longest prefix memory has, or nowhere (`None`) when
+    /// the store is this process's alone or memory has all but the
+    /// request's last item (the next turn of a session this replica served
+    /// last: longer would be this very request again). With the
+    /// conversation of that longest prefix, if memory has one.
+    pub fn to_look_up(&self, tenant: &str, chains: &[ItemHash]) -> (Option<usize>, Option<String>) {
+        let scope = TenantScope::of(tenant);
+        let inner = self.lock();
+        let hit = inner.hits(&scope, chains).next();
+        let known = hit.map_or(0, |h| h.prefix.len).min(chains.len());
+        let from = (self.shared.is_some() && known + 1 < chains.len()).then_some(known);
+        (from, hit.map(|h| h.conversation.clone()))
+    }
+
     /// Matches a request: `chains[i]` is the chain hash of its first `i + 1`
-    /// items.
+    /// items. Memory alone; see [`ConversationIndex::identify_with`].
     pub fn identify(
         &self,
         tenant: &str,
@@ -333,48 +363,51 @@ impl ConversationIndex {
         previous_response_id: Option<&str>,
         chains: &[ItemHash],
     ) -> Identified {
+        self.identify_with(tenant, explicit_key, previous_response_id, chains, None)
+    }
+
+    /// [`ConversationIndex::identify`] with what a store other processes
+    /// write answered for the request's longest recorded prefix (looked up
+    /// where [`ConversationIndex::to_look_up`] says, before the match):
+    /// another replica may have recorded a longer one than memory has.
+    pub fn identify_with(
+        &self,
+        tenant: &str,
+        explicit_key: Option<&str>,
+        previous_response_id: Option<&str>,
+        chains: &[ItemHash],
+        stored: Option<ChainHit>,
+    ) -> Identified {
         let scope = TenantScope::of(tenant);
         let mut inner = self.lock();
         // The longest prefix recorded, and the longest that continues its
         // conversation: the same unless the request repeats an old prefix,
         // as a session does whose first turns went as another's did.
-        let mut hits = chains
-            .iter()
-            .enumerate()
-            .rev()
-            .filter(|(i, _)| inner.may_cover(i + 1))
-            .filter_map(|(_, c)| inner.by_chain.get(&scope.chain(c)));
-        let mut hit = hits.next().cloned();
-        let mut continued = match &hit {
-            Some(h) if inner.continues(tenant, h, chains.len()) => Some(h.clone()),
-            Some(_) => hits
-                .find(|h| inner.continues(tenant, h, chains.len()))
-                .cloned(),
-            None => None,
+        let (mut hit, mut continued) = {
+            let mut hits = inner.hits(&scope, chains);
+            let hit = hits.next().cloned();
+            let continued = match &hit {
+                Some(h) if inner.continues(tenant, h, chains.len()) => Some(h.clone()),
+                Some(_) => hits
+                    .find(|h| inner.continues(tenant, h, chains.len()))
+                    .cloned(),
+                None => None,
+            };
+            (hit, continued)
         };
-        // Another replica may have recorded a longer prefix since: looked
-        // up without the lock. Not when memory has all but the request's
-        // last item (the next turn of a session this replica served last):
-        // longer would be this very request again.
         let known = hit.as_ref().map_or(0, |h| h.prefix.len).min(chains.len());
-        let shared = self.shared.as_ref().filter(|_| known + 1 < chains.len());
-        if let Some(shared) = shared {
-            drop(inner);
-            if let Some(found) = shared.exchange_by_chain(tenant, &chains[known..]) {
-                if found.prefix.len > known {
-                    let h = Hit {
-                        conversation: found.conversation,
-                        prefix: found.prefix,
-                        answered: found.answered,
-                    };
-                    // As `Inner::continues`, with the store's tips.
-                    if found.tip && extends(&h, chains.len()) {
-                        continued = Some(h.clone());
-                    }
-                    hit = Some(h);
-                }
+        if let Some(found) = stored.filter(|f| f.prefix.len > known && f.prefix.len <= chains.len())
+        {
+            let h = Hit {
+                conversation: found.conversation,
+                prefix: found.prefix,
+                answered: found.answered,
+            };
+            // As `Inner::continues`, with the store's tips.
+            if found.tip && extends(&h, chains.len()) {
+                continued = Some(h.clone());
             }
-            inner = self.lock();
+            hit = Some(h);
         }
         let prefix = hit.as_ref().map(|h| h.prefix);
         if let Some(k) = explicit_key {
@@ -758,18 +791,17 @@ mod tests {
         assert_ne!(other.conversation, first.conversation);
     }
 
-    /// A shared store that counts its chain lookups and finds nothing.
-    #[derive(Default)]
-    struct CountingStore(std::sync::atomic::AtomicUsize);
+    /// A store other processes write, as far as the index asks it.
+    struct SharedStore;
 
     /// The views are not what this test asks of it.
-    impl crate::store::Queries for CountingStore {
+    impl crate::store::Queries for SharedStore {
         fn views(&self) -> Result<Box<dyn crate::store::sql::Sql>, crate::store::StoreError> {
             Err(crate::store::StoreError::Closed)
         }
     }
 
-    impl crate::store::Reads for CountingStore {
+    impl crate::store::Reads for SharedStore {
         fn compaction(&self, _: &str) -> Option<crate::compaction::Compaction> {
             None
         }
@@ -782,28 +814,58 @@ mod tests {
         fn shared(&self) -> bool {
             true
         }
-        fn exchange_by_chain(&self, _: &str, _: &[ItemHash]) -> Option<crate::store::ChainHit> {
-            self.0.fetch_add(1, Ordering::Relaxed);
-            None
-        }
     }
 
     #[test]
     fn a_shared_store_is_asked_only_for_prefixes_memory_may_lack() {
-        let store = Arc::new(CountingStore::default());
-        let idx = ConversationIndex::default().shared_with(store.clone());
-        let asked = || store.0.load(Ordering::Relaxed);
+        let idx = ConversationIndex::default().shared_with(Arc::new(SharedStore));
         let c = chains(8);
+        assert_eq!(
+            idx.to_look_up("t", &c[..2]),
+            (Some(0), None),
+            "nothing in memory"
+        );
         let first = idx.identify("t", None, None, &c[..2]);
-        assert_eq!(asked(), 1, "nothing in memory: asked");
         idx.remember(&ex(1, &first.conversation, "t", &c, 2));
         // Request and answer known here: the next turn adds one item.
+        let seen = (None, Some(first.conversation.clone()));
+        assert_eq!(
+            idx.to_look_up("t", &c[..4]),
+            seen,
+            "all but the new item known"
+        );
         let next = idx.identify("t", None, None, &c[..4]);
         assert_eq!(next.conversation, first.conversation);
-        assert_eq!(asked(), 1, "memory has all but the new item: not asked");
-        // Turns this replica did not see: asked.
-        idx.identify("t", None, None, &c[..7]);
-        assert_eq!(asked(), 2);
+        // Turns this replica did not see: asked past what it knows.
+        assert_eq!(idx.to_look_up("t", &c[..7]).0, Some(3));
+        // The store's answer: a longer prefix another replica recorded,
+        // that nothing continued yet.
+        let prefix = PrefixRef {
+            exchange: 9,
+            len: 6,
+            full: true,
+        };
+        let hit = ChainHit {
+            conversation: first.conversation.clone(),
+            prefix,
+            answered: true,
+            tip: true,
+        };
+        let found = idx.identify_with("t", None, None, &c[..7], Some(hit.clone()));
+        assert_eq!(found.conversation, first.conversation);
+        assert_eq!(found.prefix, Some(prefix));
+        // One no longer than memory's changes nothing.
+        let short = ChainHit {
+            prefix: PrefixRef { len: 2, ..prefix },
+            ..hit
+        };
+        let again = idx.identify_with("t", None, None, &c[..4], Some(short));
+        assert_eq!(again.prefix, next.prefix);
+        // A store only this process writes is never asked.
+        assert_eq!(
+            ConversationIndex::default().to_look_up("t", &c[..7]).0,
+            None
+        );
     }
 
     #[test]

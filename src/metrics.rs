@@ -17,7 +17,7 @@ use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use prometheus_client::encoding::{prometheus_text, EncodeLabelSet, EncodeMetric, MetricEncoder};
-use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
@@ -80,6 +80,9 @@ pub struct Gauges {
     /// The PostgreSQL pool, when the store is there: connections open,
     /// idle, and callers waiting for one.
     pub db_pool: Option<(usize, usize, usize)>,
+    /// Round trips the request path's reads of PostgreSQL made, when the
+    /// store is there.
+    pub db_reads: Option<u64>,
 }
 
 /// Labels of `compactor_requests_total`.
@@ -604,6 +607,7 @@ impl Metrics {
             compactions_stored,
             windows: Vec::new(),
             db_pool: None,
+            db_reads: None,
         }
     }
 
@@ -683,6 +687,13 @@ fn scrape_registry(extra: &Gauges) -> Registry {
         if let Some(v) = v {
             registry.register(name, help, ConstGauge::new(v));
         }
+    }
+    if let Some(reads) = extra.db_reads {
+        registry.register(
+            "compactor_store_reads",
+            "Round trips the request path's reads of the shared store made (PostgreSQL)",
+            ConstCounter::new(reads),
+        );
     }
     registry
 }

@@ -51,6 +51,9 @@ async fn replicas(url: &str, adjust: fn(&mut compactor::config::Config)) -> (Har
 struct Chat {
     key: String,
     history: Vec<Value>,
+    /// Sends each answer back as it came (as the SDKs do), not only its
+    /// role and text.
+    verbatim: bool,
 }
 
 /// What one turn got back.
@@ -67,6 +70,7 @@ impl Chat {
         Chat {
             key: key.into(),
             history: vec![json!({"role": "system", "content": "You are a careful coding agent."})],
+            verbatim: false,
         }
     }
 
@@ -85,8 +89,10 @@ impl Chat {
             let content = v["choices"][0]["message"]["content"]
                 .as_str()
                 .unwrap_or_default();
-            self.history
-                .push(json!({"role": "assistant", "content": content}));
+            self.history.push(match self.verbatim {
+                true => v["choices"][0]["message"].clone(),
+                false => json!({"role": "assistant", "content": content}),
+            });
         }
         let header = |name: &str| {
             headers
@@ -361,13 +367,13 @@ async fn replicas_started_together_share_one_schema_and_a_kill_9_loses_no_acknow
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let before = check();
-    assert!(before.contains("schema at version 0 of 6"), "{before}");
+    assert!(before.contains("schema at version 0 of 7"), "{before}");
     // Both on an empty database at once: one applies the migrations, the
     // other waits for its lock and finds them; one salt.
     let [(mut doomed, p1), (_survivor, p2)] = two_binaries(&config);
     assert_eq!(
         count(&url, "SELECT count(*) FROM schema_migrations").await,
-        6,
+        7,
         "each migration applied once"
     );
     assert_eq!(
@@ -375,7 +381,7 @@ async fn replicas_started_together_share_one_schema_and_a_kill_9_loses_no_acknow
         1
     );
     let after = check();
-    assert!(after.contains("schema current (version 6)"), "{after}");
+    assert!(after.contains("schema current (version 7)"), "{after}");
     let base = |port: u16| format!("http://127.0.0.1:{port}/v1");
     let mut chat = Chat::new(KEY);
     let mut acknowledged = 0;
@@ -748,6 +754,7 @@ async fn a_manual_compaction_asked_of_one_replica_is_applied_once_by_whichever_s
     let mut twin = Chat {
         key: chat.key.clone(),
         history: chat.history.clone(),
+        verbatim: false,
     };
     let (x, y) = tokio::join!(chat.turn(&a, "Race."), twin.turn(&b, "Race."));
     assert_eq!((x.status, y.status), (200, 200));
@@ -932,4 +939,108 @@ async fn compact_asked_of_one_replica_reports_the_attempt_the_other_could_not_ma
         started.elapsed() < Duration::from_secs(10),
         "told, not left waiting"
     );
+}
+
+/// Round trips `h`'s request path made to the database so far
+/// (`compactor_store_reads_total`).
+async fn reads(h: &Harness) -> u64 {
+    let text = h.scrape().await;
+    text.lines()
+        .find_map(|l| l.strip_prefix("compactor_store_reads_total ")?.parse().ok())
+        .unwrap_or_else(|| panic!("no compactor_store_reads_total in {text}"))
+}
+
+/// A turn of `chat` through `h`, with the round trips it made to the
+/// database.
+async fn counted_turn(chat: &mut Chat, h: &Harness, text: &str) -> (Turn, u64) {
+    let before = reads(h).await;
+    let turn = chat.turn(h, text).await;
+    assert_eq!(turn.status, 200);
+    (turn, reads(h).await - before)
+}
+
+/// Turns of `chat` through `replicas` in turn until one is compacted (past
+/// the hard limit, at once): which replica compacted, and that turn.
+async fn until_compacted(chat: &mut Chat, replicas: &[&Harness]) -> (usize, Turn) {
+    for i in 0..40 {
+        let by = i % replicas.len();
+        let turn = chat.turn(replicas[by], &filler(i)).await;
+        assert_eq!(turn.status, 200, "turn {i}");
+        if turn.compacted.is_some() {
+            return (by, turn);
+        }
+    }
+    panic!("never compacted");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_conversation_new_to_a_replica_is_read_in_one_round_trip_and_then_not_at_all() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, support::small_window_foreground).await;
+    let mut chat = Chat {
+        verbatim: true,
+        ..Chat::new(KEY)
+    };
+    let (_, compacted) = until_compacted(&mut chat, &[&a]).await;
+    let compaction = compacted.compacted.clone();
+    // New to the other replica: its recorded prefix and the compaction that
+    // covers it, both read before it goes upstream, in one round trip.
+    let (turn, made) = counted_turn(&mut chat, &b, "Go on.").await;
+    assert_eq!(made, 1, "one round trip for both lookups");
+    assert_eq!(
+        turn.conversation, compacted.conversation,
+        "found its prefix"
+    );
+    assert_eq!(turn.compacted, compaction, "found its compaction");
+    // Seen whole now (all but the new message), its newest compaction
+    // known: nothing is read.
+    let (turn, made) = counted_turn(&mut chat, &b, "And then?").await;
+    assert_eq!(made, 0, "a conversation seen whole reads nothing");
+    assert_eq!(
+        (turn.conversation.as_str(), turn.compacted.as_deref()),
+        (compacted.conversation.as_str(), compaction.as_deref())
+    );
+    // The first replica missed two turns: their prefix is read (one round
+    // trip), then nothing again.
+    let (turn, made) = counted_turn(&mut chat, &a, "Once more.").await;
+    assert_eq!(
+        (made, turn.compacted.as_deref()),
+        (1, compaction.as_deref())
+    );
+    assert_eq!(turn.conversation, compacted.conversation);
+    let (_, made) = counted_turn(&mut chat, &a, "Last one.").await;
+    assert_eq!(made, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_compaction_one_replica_stores_is_announced_to_the_other_which_applies_it() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, support::small_window_foreground).await;
+    let replicas = [&a, &b];
+    let mut chat = Chat {
+        verbatim: true,
+        ..Chat::new(KEY)
+    };
+    // Both replicas serve the conversation, so each knows its compactions
+    // (none yet); then one compacts it.
+    let (by, compacted) = until_compacted(&mut chat, &replicas).await;
+    let other = replicas[1 - by];
+    within(async {
+        while other.state.compactions.is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    // Heard: the other replica reads only the turn it missed (one round
+    // trip) and applies the compaction it heard of.
+    let (turn, made) = counted_turn(&mut chat, other, "Go on.").await;
+    assert_eq!(made, 1);
+    assert_eq!(turn.conversation, compacted.conversation);
+    assert_eq!(turn.compacted, compacted.compacted);
+    let stored = count(&url, "SELECT count(*) FROM compactions").await;
+    assert_eq!(stored, 1, "compacted once");
 }

@@ -12,8 +12,9 @@ use tokio::sync::watch;
 use super::{provider, CompactError, MAX_BACKOFF, MAX_CALIBRATION, MIN_CALIBRATION};
 use crate::bounded::Generations;
 use crate::compaction::{rewrite, Compaction};
+use crate::conversation::ConversationIndex;
 use crate::store::StoredCompaction;
-use crate::store::{Reads, StoreError};
+use crate::store::{ChainHit, LookUp, Reads, StoreError};
 use crate::wire::ItemHash;
 
 #[derive(Default)]
@@ -141,6 +142,42 @@ pub struct Compactions {
     /// Whether each upstream and model offers the provider's compaction
     /// (`compaction.summarizer = "auto"`).
     pub(super) provider: provider::Support,
+    /// What a shared store's reads told of its compactions (see
+    /// [`Compactions::prefetch`]).
+    pub(super) heard: Heard,
+}
+
+/// What this process knows of the compactions other processes store.
+#[derive(Default)]
+pub(super) struct Heard {
+    /// Those announced and not yet indexed (indexed at the next lookup).
+    announced: Arc<Mutex<Vec<StoredCompaction>>>,
+    /// Per (tenant, conversation): the [`Reads::hearing`] under which the
+    /// store was last asked for the conversation's compactions. While it
+    /// holds, every compaction stored since was announced: the
+    /// conversation's newest is in memory.
+    asked: Mutex<Option<Generations<(String, String), u64>>>,
+    /// Requests (tenant, last chain) whose compaction lookup was made
+    /// before they were matched: their next [`Compactions::find`] looks in
+    /// memory only.
+    settled: Mutex<Option<Generations<(String, ItemHash), ()>>>,
+}
+
+/// Conversations whose [`Heard::asked`] is kept, and requests whose
+/// [`Heard::settled`], per generation: one asked for longer ago is asked
+/// again.
+const HEARD: usize = 1 << 16;
+
+/// What a request read of a shared store before it was matched
+/// ([`Compactions::prefetch`]).
+#[derive(Debug, Default)]
+pub struct Prefetched {
+    /// The longest recorded prefix the store has, if asked and found (for
+    /// [`ConversationIndex::identify_with`]).
+    pub chain: Option<ChainHit>,
+    /// The [`Reads::hearing`] under which the store answered for the
+    /// request's compactions, if asked and answered.
+    asked_under: Option<u64>,
 }
 
 /// How long a claim on computing a conversation's compaction lasts: past
@@ -171,9 +208,98 @@ impl Compactions {
     /// [`Reads::shared`]).
     pub fn shared_with(mut self, reads: Arc<dyn Reads>) -> Self {
         if reads.shared() {
+            let announced = self.heard.announced.clone();
+            reads.on_compacted(Box::new(move |c| lock(&announced).push(c)));
             self.shared = Some(reads);
         }
         self
+    }
+
+    /// Indexes the compactions announced since the last call (those this
+    /// process did not store itself).
+    fn take_announced(&self) {
+        let announced = std::mem::take(&mut *lock(&self.heard.announced));
+        for c in announced {
+            if !lock(&self.by_id).contains_key(&c.id) {
+                self.index(c);
+            }
+        }
+    }
+
+    /// Reads what a store other processes write may have of a request
+    /// that memory lacks, before the request is matched: the longest
+    /// recorded prefix past the one memory has (see
+    /// [`ConversationIndex::to_look_up`]), and a compaction covering more
+    /// than memory's (or else the body of memory's, if not kept), in one
+    /// round trip ([`Reads::look_up`]), awaited. A compaction found is
+    /// indexed, and the request's next [`Compactions::find`] looks in
+    /// memory only.
+    ///
+    /// The compactions are not asked for when the request continues a
+    /// conversation whose newest compaction this process knows: the store
+    /// was asked for it while this process has heard every compaction
+    /// stored since (its own, or announced by another). Nothing is read
+    /// when neither is asked, nor from a store only this process writes.
+    pub async fn prefetch(
+        &self,
+        conversations: &ConversationIndex,
+        tenant: &str,
+        chains: &[ItemHash],
+    ) -> Prefetched {
+        let (Some(shared), Some(last)) = (&self.shared, chains.last()) else {
+            return Prefetched::default();
+        };
+        self.take_announced();
+        let (prefix_from, conversation) = conversations.to_look_up(tenant, chains);
+        let (kept, covered) = {
+            let idx = lock(&self.by_tenant);
+            idx.get(tenant)
+                .and_then(|m| rewrite::find(chains, m))
+                .map_or((None, 0), |e| (Some(e.id.clone()), e.covered_len))
+        };
+        // The body of the one memory has, unless kept: read along.
+        let body_of = kept.filter(|id| lock(&self.bodies).recent.get(id).is_none());
+        let hearing = shared.hearing();
+        let known = conversation.is_some_and(|c| {
+            let asked = lock(&self.heard.asked);
+            let under = asked.as_ref().and_then(|a| a.get(&(tenant.to_string(), c)));
+            hearing.is_some() && under.copied() == hearing
+        });
+        let covering_from = (!known && covered < chains.len()).then_some(covered);
+        let ask = LookUp {
+            prefix_from,
+            covering_from,
+            body_of: body_of.clone(),
+        };
+        lock(&self.heard.settled)
+            .get_or_insert_with(|| Generations::new(HEARD))
+            .insert((tenant.to_string(), *last), ());
+        let found = shared.look_up(tenant, chains, ask).await;
+        if let Some(c) = found.compaction {
+            if Some(&c.id) == body_of.as_ref() {
+                lock(&self.bodies).recent.insert(c.id.clone(), Arc::new(c));
+            } else if c.covered_len > covered
+                && chains.get(c.covered_len - 1) == Some(&c.covered_chain)
+            {
+                self.insert(Arc::new(c));
+            }
+        }
+        Prefetched {
+            chain: found.chain,
+            asked_under: hearing.filter(|_| covering_from.is_some() && found.answered),
+        }
+    }
+
+    /// The request [`Compactions::prefetch`] read for is matched to
+    /// `conversation`: if the store was asked for its compactions, its
+    /// newest is known from now on (while every compaction stored is
+    /// heard).
+    pub fn matched(&self, tenant: &str, conversation: &str, prefetched: &Prefetched) {
+        if let Some(under) = prefetched.asked_under {
+            lock(&self.heard.asked)
+                .get_or_insert_with(|| Generations::new(HEARD))
+                .insert((tenant.to_string(), conversation.to_string()), under);
+        }
     }
 
     /// Adds a compaction just stored.
@@ -256,14 +382,24 @@ impl Compactions {
         chains: &[ItemHash],
         applied: bool,
     ) -> Option<Arc<Compaction>> {
+        self.take_announced();
         let (mut id, covered) = {
             let idx = lock(index);
             idx.get(tenant)
                 .and_then(|m| rewrite::find(chains, m))
                 .map_or((None, 0), |e| (Some(e.id.clone()), e.covered_len))
         };
-        // Another replica may have stored one covering more since.
-        if let Some(shared) = self.shared.as_ref().filter(|_| applied) {
+        // Another replica may have stored one covering more since: asked
+        // unless [`Compactions::prefetch`] just did (then once only: a
+        // later lookup of the request, after it waited or before it is
+        // compacted, asks).
+        let settled = chains.last().is_some_and(|last| {
+            lock(&self.heard.settled)
+                .as_mut()
+                .and_then(|s| s.remove(&(tenant.to_string(), *last)))
+                .is_some()
+        });
+        if let Some(shared) = self.shared.as_ref().filter(|_| applied && !settled) {
             let longer = &chains[covered.min(chains.len())..];
             if let Some(c) = shared.compaction_covering(tenant, longer) {
                 if c.covered_len > covered
@@ -440,6 +576,7 @@ impl Compactions {
 
     /// Number of stored compactions.
     pub fn len(&self) -> usize {
+        self.take_announced();
         lock(&self.by_tenant).values().map(HashMap::len).sum()
     }
 

@@ -9,6 +9,7 @@ use tokio::sync::watch;
 use super::index::{lock, CLAIM_FOR, FOREIGN_POLL};
 use super::{compact, Context, Input};
 use crate::compaction::policy::decide;
+use crate::store::LookUp;
 
 /// After an exchange: decides from its usage and, past the trigger, starts a
 /// background compaction that the next request will find.
@@ -125,30 +126,32 @@ pub(super) async fn claim<S: Context>(state: &Arc<S>, input: &Input) -> Claimed 
         return Claimed::Yes;
     };
     let (tenant, conversation) = (input.tenant.clone(), input.conversation.clone());
-    let chains = input.chains.clone();
-    let applied = input.base.as_ref().map(|b| b.id.clone());
+    let taker = shared.clone();
     let claimed = tokio::task::spawn_blocking(move || {
-        if !shared.claim(&tenant, &conversation, CLAIM_FOR.as_millis() as i64) {
-            return false;
-        }
-        // Claimed; but another replica may have stored one for this history
-        // that the request missed (stored after it looked): the next
-        // request, which extends this one, finds it.
-        let missed = shared
-            .compaction_covering(&tenant, &chains)
-            .is_some_and(|c| Some(&c.id) != applied.as_ref());
-        if missed {
-            shared.release(&tenant, &conversation);
-        }
-        !missed
+        taker.claim(&tenant, &conversation, CLAIM_FOR.as_millis() as i64)
     })
     .await
     .unwrap_or(false);
-    if claimed {
-        Claimed::Yes
-    } else {
-        Claimed::Elsewhere
+    if !claimed {
+        return Claimed::Elsewhere;
     }
+    // Claimed; but another replica may have stored one for this history
+    // that the request missed (stored after it looked, not yet heard): the
+    // next request, which extends this one, finds it. Asked before any
+    // compaction is computed, so that replicas never compute two for one
+    // history.
+    let ask = LookUp {
+        covering_from: Some(0),
+        ..LookUp::default()
+    };
+    let found = shared.look_up(&input.tenant, &input.chains, ask).await;
+    let applied = input.base.as_ref().map(|b| &b.id);
+    let missed = found.compaction.is_some_and(|c| Some(&c.id) != applied);
+    if missed {
+        release(state, input).await;
+        return Claimed::Elsewhere;
+    }
+    Claimed::Yes
 }
 
 /// Gives up the claim [`claim`] took.

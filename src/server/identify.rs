@@ -59,12 +59,21 @@ pub(super) async fn identify(
     let streamed = body.get("stream").and_then(Value::as_bool) == Some(true);
     let (hashes, chains, claims) = items.hashes_and_chains(&tenant);
     let explicit_key = wire::explicit_conversation_key(&parts.headers, &body);
-    let ident = state.conversations.identify(
+    // With a store other replicas write, what this replica may lack of the
+    // request (a longer recorded prefix, a compaction covering more) is
+    // read now, in one round trip, awaited; the match and the compaction
+    // lookups below use what it found (see `Compactions::prefetch`).
+    let prefetched = (state.compactions)
+        .prefetch(&state.conversations, &tenant, &chains)
+        .await;
+    let ident = state.conversations.identify_with(
         &tenant,
         explicit_key.as_deref(),
         previous.as_deref(),
         &chains,
+        prefetched.chain.clone(),
     );
+    (state.compactions).matched(&tenant, &ident.conversation, &prefetched);
     let span = tracing::Span::current();
     span.record("conversation", ident.conversation.as_str());
     span.record("model", model.as_str());

@@ -47,6 +47,7 @@ fn serve_metrics(state: &AppState) -> Response<ProxyBody> {
     );
     gauges.windows = state.models_seen();
     gauges.db_pool = state.postgres.as_ref().map(|pg| pg.pool_status());
+    gauges.db_reads = state.postgres.as_ref().map(|pg| pg.reads());
     let mut resp = Response::new(crate::error::full(state.metrics.render(&gauges)));
     *resp.status_mut() = StatusCode::OK;
     resp.headers_mut().insert(

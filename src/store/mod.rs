@@ -419,6 +419,58 @@ pub trait Reads: Queries + Send + Sync + 'static {
     /// made ([`retention::forgotten`] reads it), for a store several
     /// replicas share; SQLite's deletions are this process's own.
     fn on_forgotten(&self, _f: Box<dyn Fn(&str) + Send + Sync>) {}
+
+    /// The reads a request makes of a store other processes write, before
+    /// it is matched: the longest recorded prefix among
+    /// `chains[ask.prefix_from..]` (as [`Reads::exchange_by_chain`]) and
+    /// the compaction covering the most of `chains[ask.covering_from..]`
+    /// (as [`Reads::compaction_covering`]) or else compaction
+    /// `ask.body_of`, body included, both in one round trip, awaited
+    /// rather than blocking a thread. A lookup left out (`None`) is not
+    /// made, and none is made when all are; a store only this process
+    /// writes finds nothing.
+    fn look_up(&self, _tenant: &str, _chains: &[ItemHash], _ask: LookUp) -> ReadFuture<Found> {
+        Box::pin(std::future::ready(Found::default()))
+    }
+    /// Calls `f` with each compaction stored by any process, as a store
+    /// several share announces it (SQLite's are this process's own).
+    fn on_compacted(&self, _f: Box<dyn Fn(StoredCompaction) + Send + Sync>) {}
+    /// While every compaction stored is announced to this process (see
+    /// [`Reads::on_compacted`]): a number that changes whenever it may have
+    /// missed one since (its listening connection dropped). `None` while it
+    /// may miss some, and for a store that announces none.
+    fn hearing(&self) -> Option<u64> {
+        None
+    }
+}
+
+/// The answer of a [`Reads::look_up`], to be awaited.
+pub type ReadFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'static>>;
+
+/// Which lookups a [`Reads::look_up`] makes: each from where in the
+/// request's chains, or not at all.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct LookUp {
+    /// The longest recorded prefix, among the chains from here on.
+    pub prefix_from: Option<usize>,
+    /// The compaction covering the most, among the chains from here on.
+    pub covering_from: Option<usize>,
+    /// A compaction whose body is wanted, if none covering more is found
+    /// (the one memory has for the request, without its body).
+    pub body_of: Option<String>,
+}
+
+/// What a [`Reads::look_up`] found.
+#[derive(Debug, Clone, Default)]
+pub struct Found {
+    /// The longest recorded prefix, if looked up and found.
+    pub chain: Option<ChainHit>,
+    /// The compaction covering the most (or the one whose body was
+    /// asked), body included, if looked up and found.
+    pub compaction: Option<Compaction>,
+    /// Whether the store answered (false when nothing was asked, or the
+    /// read failed: then nothing is known of what it holds).
+    pub answered: bool,
 }
 
 /// A compaction attempt that stored nothing, as a shared store keeps it.

@@ -38,8 +38,8 @@ use super::postgres_text::{escape, escape_opt, unescape, unescape_opt};
 use super::rows::COMPACTION_COLUMNS;
 use super::sql::{Cell, Row};
 use super::{
-    AttemptRecord, Backend, ChainHit, ExchangeRecord, IndexedExchange, Limits, PrefixRef, Record,
-    Snapshot, StoreError, StoredCompaction,
+    AttemptRecord, Backend, ChainHit, ExchangeRecord, Found, IndexedExchange, Limits, LookUp,
+    PrefixRef, ReadFuture, Record, Snapshot, StoreError, StoredCompaction,
 };
 use crate::compaction::Compaction;
 use crate::config::StoreConfig;
@@ -236,6 +236,26 @@ CREATE TABLE compaction_attempts (
 ALTER TABLE compactions ADD COLUMN audit TEXT;
 "#,
     ),
+    (
+        7,
+        r#"
+-- Every compaction stored is announced, with what finding it needs
+-- (see Postgres::announced): a replica that hears them all need not ask
+-- for a conversation's newest.
+CREATE FUNCTION compactor_announce_compaction() RETURNS trigger AS $$
+BEGIN
+    IF NOT NEW.observed THEN
+        PERFORM pg_notify('compactor_compacted', concat_ws(' ', NEW.tenant, NEW.id,
+            NEW.covered_len, encode(NEW.covered_chain, 'hex'), NEW.created_ms,
+            NEW.conversation_id));
+    END IF;
+    RETURN NULL;
+END
+$$ LANGUAGE plpgsql;
+CREATE TRIGGER compactions_announced AFTER INSERT ON compactions
+    FOR EACH ROW EXECUTE PROCEDURE compactor_announce_compaction();
+"#,
+    ),
 ];
 
 /// The key of the advisory lock migrations run under, so that replicas
@@ -347,6 +367,8 @@ pub struct Postgres {
     health: Arc<Health>,
     stall_after: Duration,
     claim_lapse: Duration,
+    /// Round trips the reads made (see [`Postgres::reads`]).
+    reads: std::sync::atomic::AtomicU64,
 }
 
 /// What tells a stalled database, kept by the writer's commits and read by
@@ -409,6 +431,7 @@ impl Postgres {
             health: Arc::default(),
             stall_after: opts.stall_after,
             claim_lapse: opts.claim_lapse,
+            reads: Default::default(),
         }))
     }
 
@@ -1227,6 +1250,7 @@ impl PostgresReads {
         T: Send + 'static,
         F: Future<Output = Result<Option<T>, StoreError>> + Send + 'static,
     {
+        self.pg.counted();
         match self.pg.wait(f(self.pg.pool.clone())) {
             Ok(found) => found,
             Err(e) => {
@@ -1321,19 +1345,7 @@ impl super::Reads for PostgresReads {
         let chains: Vec<Vec<u8>> = chains.iter().map(|c| c.to_vec()).collect();
         self.read("exchange_by_chain", |pool| async move {
             let client = pool.get().await?;
-            let stmt = client
-                .prepare_cached(
-                    "SELECT id, conversation_id, request_len, length(response_items) / 32,
-                            COALESCE(chain_request = ANY($2), FALSE),
-                            COALESCE(chain_full = ANY($2), FALSE),
-                            chain_full IS NOT NULL,
-                            NOT EXISTS (SELECT 1 FROM exchanges later
-                                        WHERE later.prefix_exchange = e.id)
-                     FROM exchanges e
-                     WHERE tenant = $1 AND (chain_request = ANY($2) OR chain_full = ANY($2))
-                     ORDER BY id DESC LIMIT 64",
-                )
-                .await?;
+            let stmt = client.prepare_cached(BY_CHAIN).await?;
             Ok(best_hit(&client.query(&stmt, &[&tenant, &chains]).await?))
         })
     }
@@ -1363,15 +1375,7 @@ impl super::Reads for PostgresReads {
         let chains: Vec<Vec<u8>> = chains.iter().map(|c| c.to_vec()).collect();
         self.read("compaction_covering", |pool| async move {
             let client = pool.get().await?;
-            let stmt = client
-                .prepare_cached(
-                    "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms,
-                            observed
-                     FROM compactions
-                     WHERE tenant = $1 AND covered_chain = ANY($2) AND NOT observed
-                     ORDER BY covered_len DESC, created_ms DESC LIMIT 1",
-                )
-                .await?;
+            let stmt = client.prepare_cached(COVERING).await?;
             Ok(client
                 .query_opt(&stmt, &[&tenant, &chains])
                 .await?
@@ -1490,6 +1494,20 @@ impl super::Reads for PostgresReads {
 
     fn on_forgotten(&self, f: Box<dyn Fn(&str) + Send + Sync>) {
         self.manual.on_forget(f);
+    }
+
+    fn look_up(&self, tenant: &str, chains: &[ItemHash], ask: LookUp) -> ReadFuture<Found> {
+        self.pg.look_up(tenant, chains, ask)
+    }
+
+    fn on_compacted(&self, f: Box<dyn Fn(StoredCompaction) + Send + Sync>) {
+        self.manual.on_compacted(Box::new(move |p| {
+            Postgres::announced(p).into_iter().for_each(&f)
+        }));
+    }
+
+    fn hearing(&self) -> Option<u64> {
+        self.manual.hearing()
     }
 
     fn record_attempt(&self, tenant: &str, conversation: &str, attempt: &AttemptRecord) {
@@ -1654,4 +1672,166 @@ impl PostgresReads {
         });
         Ok(self)
     }
+}
+
+/// The request path's reads of what other replicas recorded, awaited
+/// rather than waited for, and what replicas announce: the longest
+/// recorded prefix of a request and the compaction covering the most of
+/// it, asked together in one round trip (the two statements are sent
+/// before either answer is awaited) on the backend's runtime, so that no
+/// request's worker blocks; and every compaction stored, announced on
+/// [`super::postgres_listen::COMPACTED`] by a trigger, so that a replica
+/// that hears them all asks for a conversation's compactions only once.
+impl Postgres {
+    /// Round trips the request path's reads of the database made
+    /// (`compactor_store_reads_total`): a [`super::Reads::look_up`] one,
+    /// whatever it asks; each other read of [`PostgresReads`] one.
+    pub fn reads(&self) -> u64 {
+        self.reads.load(Ordering::Relaxed)
+    }
+
+    fn counted(&self) {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// [`super::Reads::look_up`], run on the backend's runtime.
+    fn look_up(&self, tenant: &str, chains: &[ItemHash], ask: LookUp) -> ReadFuture<Found> {
+        let from = |at: Option<usize>| {
+            at.filter(|&at| at < chains.len())
+                .map(|at| chains[at..].iter().map(|c| c.to_vec()).collect::<Vec<_>>())
+        };
+        let (prefix, covering) = (from(ask.prefix_from), from(ask.covering_from));
+        let (body_of, covering) = match (ask.body_of, covering) {
+            (None, None) => (None, None),
+            (body_of, covering) => (body_of, Some(covering.unwrap_or_default())),
+        };
+        if prefix.is_none() && covering.is_none() {
+            return Box::pin(std::future::ready(Found::default()));
+        }
+        self.counted();
+        let (pool, timeout, tenant) = (self.pool.clone(), self.timeout, tenant.to_string());
+        let task = self.handle.spawn(async move {
+            let read = look_up(&pool, &tenant, prefix, covering, body_of);
+            tokio::time::timeout(timeout, read)
+                .await
+                .unwrap_or(Err(StoreError::Timeout))
+        });
+        Box::pin(async move {
+            match task.await {
+                Ok(Ok(found)) => found,
+                Ok(Err(e)) => {
+                    tracing::warn!(error = %e, read = "look_up", "cannot read the store");
+                    Found::default()
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, read = "look_up", "cannot read the store");
+                    Found::default()
+                }
+            }
+        })
+    }
+
+    /// The compaction a [`super::postgres_listen::COMPACTED`] announcement
+    /// tells of: `tenant id covered_len covered_chain created_ms
+    /// conversation`, the chain in hex.
+    fn announced(payload: &str) -> Option<StoredCompaction> {
+        let mut parts = payload.splitn(6, ' ');
+        let mut next = || parts.next().filter(|p| !p.is_empty());
+        let (tenant, id) = (next()?.to_string(), next()?.to_string());
+        let covered_len = next()?.parse().ok()?;
+        let covered_chain = *blake3::Hash::from_hex(next()?).ok()?.as_bytes();
+        let created_ms = next()?.parse().ok()?;
+        Some(StoredCompaction {
+            id,
+            tenant,
+            conversation: next()?.to_string(),
+            covered_len,
+            covered_chain,
+            created_ms,
+            observed: false,
+        })
+    }
+}
+
+/// The statement of [`super::Reads::exchange_by_chain`]: rows for
+/// [`best_hit`].
+const BY_CHAIN: &str = "SELECT id, conversation_id, request_len, length(response_items) / 32,
+        COALESCE(chain_request = ANY($2), FALSE),
+        COALESCE(chain_full = ANY($2), FALSE),
+        chain_full IS NOT NULL,
+        NOT EXISTS (SELECT 1 FROM exchanges later WHERE later.prefix_exchange = e.id)
+ FROM exchanges e
+ WHERE tenant = $1 AND (chain_request = ANY($2) OR chain_full = ANY($2))
+ ORDER BY id DESC LIMIT 64";
+
+/// The statement of [`super::Reads::look_up`]'s compaction: the one
+/// covering the most among chains `$2`, or else compaction `$3`, whole.
+fn covering_whole() -> &'static str {
+    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SQL.get_or_init(|| {
+        format!(
+            "SELECT {COMPACTION_COLUMNS} FROM compactions
+             WHERE tenant = $1 AND (covered_chain = ANY($2) AND NOT observed OR id = $3)
+             ORDER BY covered_len DESC, created_ms DESC LIMIT 1"
+        )
+    })
+}
+
+/// The statement of [`super::Reads::compaction_covering`]: a row for
+/// [`stored_compaction`].
+const COVERING: &str = "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms,
+        observed
+ FROM compactions
+ WHERE tenant = $1 AND covered_chain = ANY($2) AND NOT observed
+ ORDER BY covered_len DESC, created_ms DESC LIMIT 1";
+
+/// The lookups of [`Postgres::look_up`] that are asked, sent together.
+async fn look_up(
+    pool: &Pool,
+    tenant: &str,
+    prefix: Option<Vec<Vec<u8>>>,
+    covering: Option<Vec<Vec<u8>>>,
+    body_of: Option<String>,
+) -> Result<Found, StoreError> {
+    let client = pool.get().await?;
+    let prepare = |sql: &'static str, asked: bool| {
+        let client = &client;
+        async move {
+            match asked {
+                true => client.prepare_cached(sql).await.map(Some),
+                false => Ok(None),
+            }
+        }
+    };
+    // Prepared once per connection (together, the first time).
+    let (by_chain, covers) = tokio::join!(
+        prepare(BY_CHAIN, prefix.is_some()),
+        prepare(covering_whole(), covering.is_some())
+    );
+    let (by_chain, covers) = (by_chain?, covers?);
+    let rows = async {
+        match (&by_chain, &prefix) {
+            (Some(stmt), Some(chains)) => client.query(stmt, &[&tenant, chains]).await,
+            _ => Ok(Vec::new()),
+        }
+    };
+    let row = async {
+        match (&covers, &covering) {
+            (Some(stmt), Some(chains)) => {
+                client.query_opt(stmt, &[&tenant, chains, &body_of]).await
+            }
+            _ => Ok(None),
+        }
+    };
+    // Both are sent on the first poll, before either answer is awaited.
+    let (rows, row) = tokio::join!(rows, row);
+    let compaction = match row? {
+        Some(r) => Some(super::rows::compaction(&plain(&r)?)?),
+        None => None,
+    };
+    Ok(Found {
+        chain: best_hit(&rows?),
+        compaction,
+        answered: true,
+    })
 }

@@ -12,9 +12,12 @@
 //! while this one was cut off, is not missed.
 //!
 //! The same connection hears deletions ([`super::retention::FORGET_CHANNEL`]):
-//! what another replica or the CLI deleted is forgotten here too.
+//! what another replica or the CLI deleted is forgotten here too; and the
+//! compactions stored ([`COMPACTED`], see `Postgres::announced`), so that
+//! a replica knows every compaction stored while it listens.
 
 use std::future::poll_fn;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
@@ -29,6 +32,9 @@ type Client = deadpool_postgres::Client;
 
 /// The channel rows added (`+conv_…`) and taken (`-conv_…`) are announced on.
 pub const CHANNEL: &str = "compactor_manual";
+
+/// The channel every compaction stored is announced on (by a trigger).
+pub const COMPACTED: &str = "compactor_compacted";
 
 /// The listening connection's `application_name`, to tell it apart among
 /// a replica's connections (`pg_stat_activity`).
@@ -49,6 +55,17 @@ pub struct Heard {
     pending: Arc<Mutex<foldhash::HashSet<String>>>,
     listener: OnceLock<tokio::task::AbortHandle>,
     forget: OnForget,
+    compacted: Compacted,
+}
+
+/// What to do with a stored compaction's announcement, and whether all
+/// are heard.
+#[derive(Default, Clone)]
+struct Compacted {
+    on: OnForget,
+    /// Odd while listening, even while not: bumped at each change, so that
+    /// a value seen twice means nothing was missed in between.
+    epoch: Arc<AtomicU64>,
 }
 
 /// What to do with a deletion's announcement (its payload), once the
@@ -76,7 +93,8 @@ impl Heard {
         let (ready, started) = oneshot::channel();
         if self.listener.get().is_none() {
             let (pending, forget) = (self.pending.clone(), self.forget.clone());
-            let task = runtime.spawn(listen(config, pending, forget, ready));
+            let compacted = self.compacted.clone();
+            let task = runtime.spawn(listen(config, pending, forget, compacted, ready));
             if self.listener.set(task.abort_handle()).is_err() {
                 task.abort();
             }
@@ -92,6 +110,17 @@ impl Heard {
     /// Calls `f` with each deletion announced from now on (once set, kept).
     pub fn on_forget(&self, f: Box<dyn Fn(&str) + Send + Sync>) {
         let _ = self.forget.set(f);
+    }
+
+    /// Calls `f` with each compaction's announcement from now on (once
+    /// set, kept).
+    pub fn on_compacted(&self, f: Box<dyn Fn(&str) + Send + Sync>) {
+        let _ = self.compacted.on.set(f);
+    }
+
+    /// While listening, a number that changes when listening stops.
+    pub fn hearing(&self) -> Option<u64> {
+        Some(self.compacted.epoch.load(Ordering::Acquire)).filter(|e| e % 2 == 1)
     }
 
     /// Knows `conversation` pending without waiting to hear it: what this
@@ -117,13 +146,26 @@ async fn listen(
     config: tokio_postgres::Config,
     pending: Arc<Mutex<foldhash::HashSet<String>>>,
     forget: OnForget,
+    compacted: Compacted,
     ready: oneshot::Sender<()>,
 ) {
     let mut ready = Some(ready);
     let mut wait = RECONNECT_MIN;
     loop {
         let mut listened = false;
-        let ended = session(&config, &pending, &forget, &mut ready, &mut listened).await;
+        let ended = session(
+            &config,
+            &pending,
+            &forget,
+            &compacted,
+            &mut ready,
+            &mut listened,
+        )
+        .await;
+        // Compactions stored from now on may go unheard.
+        if compacted.epoch.load(Ordering::Acquire) % 2 == 1 {
+            compacted.epoch.fetch_add(1, Ordering::AcqRel);
+        }
         // It listened a while: the back-off starts anew.
         if listened {
             wait = RECONNECT_MIN;
@@ -149,6 +191,7 @@ async fn session(
     config: &tokio_postgres::Config,
     pending: &Arc<Mutex<foldhash::HashSet<String>>>,
     forget: &OnForget,
+    compacted: &Compacted,
     ready: &mut Option<oneshot::Sender<()>>,
     listened: &mut bool,
 ) -> Result<(), StoreError> {
@@ -156,6 +199,7 @@ async fn session(
     // The connection's messages: replies to the client, and notifications,
     // applied in the order they were committed.
     let (told, forget) = (pending.clone(), forget.clone());
+    let stored = compacted.on.clone();
     let mut driver = tokio::spawn(async move {
         while let Some(message) = poll_fn(|cx| connection.poll_message(cx)).await {
             let AsyncMessage::Notification(n) = message? else {
@@ -164,6 +208,10 @@ async fn session(
             if n.channel() == FORGET {
                 if let Some(forget) = forget.get() {
                     forget(n.payload());
+                }
+            } else if n.channel() == COMPACTED {
+                if let Some(stored) = stored.get() {
+                    stored(n.payload());
                 }
             } else {
                 apply(&told, n.payload());
@@ -175,7 +223,9 @@ async fn session(
         // Listening before reading: a row added meanwhile is either read or
         // heard (both, at worst).
         client
-            .batch_execute(&format!("LISTEN {CHANNEL}; LISTEN {FORGET}"))
+            .batch_execute(&format!(
+                "LISTEN {CHANNEL}; LISTEN {FORGET}; LISTEN {COMPACTED}"
+            ))
             .await?;
         let rows = client
             .query("SELECT conversation_id FROM manual_compactions", &[])
@@ -197,6 +247,8 @@ async fn session(
     };
     tracing::debug!(pending = loaded, "listening for manual compactions");
     *listened = true;
+    // Listening: every compaction committed from here on is heard.
+    compacted.epoch.fetch_add(1, Ordering::AcqRel);
     if let Some(r) = ready.take() {
         let _ = r.send(());
     }
