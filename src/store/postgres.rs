@@ -1835,3 +1835,33 @@ async fn look_up(
         answered: true,
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_announcement_reads_as_the_compaction_it_tells_of() {
+        let chain = [7u8; 32];
+        let payload = format!(
+            "0123abcd cmp_1 12 {} 1700000000000 conv_x",
+            blake3::Hash::from_bytes(chain).to_hex()
+        );
+        let c = Postgres::announced(&payload).expect("announced");
+        assert_eq!(
+            (c.tenant.as_str(), c.id.as_str(), c.conversation.as_str()),
+            ("0123abcd", "cmp_1", "conv_x")
+        );
+        assert_eq!((c.covered_len, c.covered_chain), (12, chain));
+        assert_eq!((c.created_ms, c.observed), (1_700_000_000_000, false));
+        // Anything else is not one.
+        for bad in [
+            "",
+            "t cmp_1 12",
+            "t cmp_1 x 00 1 conv",
+            &payload.replace(" 12 ", " -1 "),
+        ] {
+            assert!(Postgres::announced(bad).is_none(), "{bad}");
+        }
+    }
+}
