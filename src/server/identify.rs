@@ -63,7 +63,8 @@ pub(super) async fn identify(
     // request (a longer recorded prefix, a compaction covering more) is
     // read now, in one round trip, awaited; the match and the compaction
     // lookups below use what it found (see `Compactions::prefetch`).
-    let prefetched = (state.compactions)
+    let prefetched = state
+        .compactions
         .prefetch(&state.conversations, &tenant, &chains)
         .await;
     let ident = state.conversations.identify_with(
@@ -73,7 +74,9 @@ pub(super) async fn identify(
         &chains,
         prefetched.chain.clone(),
     );
-    (state.compactions).matched(&tenant, &ident.conversation, &prefetched);
+    state
+        .compactions
+        .matched(&tenant, &ident.conversation, &prefetched);
     let span = tracing::Span::current();
     span.record("conversation", ident.conversation.as_str());
     span.record("model", model.as_str());
