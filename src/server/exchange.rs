@@ -293,7 +293,7 @@ impl PendingExchange {
                 .api
                 .rebuild_body(body, &self.view.values(), self.tools.as_ref())
                 .map(Payload::from)
-                .map_err(|e| ProxyError::Internal(e.to_string()));
+                .map_err(ProxyError::internal);
         }
         let mut items = self.view.values().to_vec();
         items.extend(self.extra.iter().cloned());
@@ -314,7 +314,7 @@ impl PendingExchange {
         self.api
             .rebuild_body(body, &items, tools)
             .map(Payload::from)
-            .map_err(|e| ProxyError::Internal(e.to_string()))
+            .map_err(ProxyError::internal)
     }
 
     /// What a compaction of this request starts from (in observe mode,

@@ -63,10 +63,7 @@ pub(super) async fn identify(
     } = read;
     // A stalled database refuses the request now, before it reads the
     // database or anything goes upstream.
-    state
-        .store
-        .available()
-        .map_err(|e| ProxyError::StoreDown(e.to_string()))?;
+    state.store.available().map_err(ProxyError::store_down)?;
     let model = body
         .get("model")
         .and_then(Value::as_str)
@@ -103,7 +100,7 @@ pub(super) async fn identify(
             id: state
                 .store
                 .next_exchange_id()
-                .map_err(|e| ProxyError::StoreDown(e.to_string()))?,
+                .map_err(ProxyError::store_down)?,
             ident,
             explicit_key,
             client_ids: wire::client_ids(&parts.headers, &body),

@@ -27,7 +27,6 @@ use crate::app::AppState;
 use crate::compaction::agent_tool;
 use crate::compaction::recall::{self, Round};
 use crate::error::ProxyError;
-use crate::upstream::describe;
 use crate::wire::sse::{Framer, SseTee};
 use crate::wire::{Api, Usage};
 
@@ -156,9 +155,11 @@ pub(super) async fn settle(
                 "recall call after the recall tool was withdrawn: not relayed"
             );
             if rounds.strays > MAX_STRAY_ANSWERS {
-                return Err(ProxyError::UpstreamUnreachable(format!(
-                    "the model kept calling {}, a tool this request does not declare",
-                    recall::TOOL
+                return Err(ProxyError::from(crate::upstream::Error::Misbehaved(
+                    format!(
+                        "the model kept calling {}, a tool this request does not declare",
+                        recall::TOOL
+                    ),
                 )));
             }
             pending.withdraw_recall(true);
@@ -352,9 +353,9 @@ async fn inspect_stream(state: &AppState, api: Api, mut held: Held) -> Result<Se
             break;
         }
         match tokio::time::timeout(idle, held.rest.next()).await {
-            Err(_) => return Err(ProxyError::UpstreamTimeout(idle.as_secs())),
+            Err(_) => return Err(crate::upstream::Error::silent(idle).into()),
             Ok(None) => ended = true,
-            Ok(Some(Err(e))) => return Err(ProxyError::UpstreamUnreachable(describe(&e))),
+            Ok(Some(Err(e))) => return Err(crate::upstream::Error::broke(e).into()),
             Ok(Some(Ok(chunk))) => {
                 if first.is_none() {
                     framer.push(&chunk);

@@ -51,7 +51,7 @@ pub(super) async fn relay(
             let headers = resp.headers().clone();
             match state.upstream.read_body(resp).await {
                 Ok(b) => buffered_response(state, pending, status, headers, b, ttfb_ms).await,
-                Err(err) => return Err(pending.fail(&state, err, Some(ttfb_ms)).await),
+                Err(err) => return Err(pending.fail(&state, err.into(), Some(ttfb_ms)).await),
             }
         }
         Answer::Error(status, headers, bytes) | Answer::Read(status, headers, bytes) => {
@@ -92,7 +92,7 @@ async fn buffered_response(
         outcome.error = Some(String::from_utf8_lossy(&bytes).into_owned());
     }
     if !pending.finish(&state, outcome).await {
-        return ProxyError::StoreDown("the answer could not be recorded".into()).into_response();
+        return ProxyError::store_down("the answer could not be recorded").into_response();
     }
     let mut headers = headers;
     let bytes = if status.is_success() {

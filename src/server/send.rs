@@ -22,7 +22,7 @@ use crate::app::AppState;
 use crate::compaction::policy;
 use crate::config::Mode;
 use crate::error::ProxyError;
-use crate::upstream::{describe, SendFailure};
+use crate::upstream::SendFailure;
 use crate::wire::{self, Api};
 
 /// Most reactive compactions of one request. The first fits the limit the
@@ -171,7 +171,7 @@ pub(super) async fn send(
         Ok(resp) => read_start(state, pending.api, resp)
             .await
             .map_err(SendFailure::Failed),
-        Err(failure) => Err(failure),
+        Err(failure) => Err(failure.into()),
     };
     let reply = match &got {
         Err(failure) => Reply::Failed {
@@ -344,7 +344,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
             });
         }
         match delivered {
-            Some(Some(Err(e))) => return Err(ProxyError::UpstreamUnreachable(describe(&e))),
+            Some(Some(Err(e))) => return Err(crate::upstream::Error::broke(e).into()),
             Some(_) => {
                 end = Some(None);
                 break;
@@ -360,13 +360,13 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
         let next = match tokio::time::timeout(wait.min(idle), rest.next()).await {
             Ok(next) => next,
             Err(_) if wait <= idle => break,
-            Err(_) => return Err(ProxyError::UpstreamTimeout(idle.as_secs())),
+            Err(_) => return Err(crate::upstream::Error::silent(idle).into()),
         };
         let Some(chunk) = next else {
             end = Some(None);
             break;
         };
-        let chunk = chunk.map_err(|e| ProxyError::UpstreamUnreachable(describe(&e)))?;
+        let chunk = chunk.map_err(crate::upstream::Error::broke)?;
         framer.push(&chunk);
         chunks.push(chunk);
     }

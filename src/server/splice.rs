@@ -324,9 +324,9 @@ async fn run(
             return;
         };
         if entries > max_entries {
-            let err = ProxyError::UpstreamUnreachable(
+            let err = ProxyError::from(crate::upstream::Error::Misbehaved(
                 "the model kept calling the recall tool after its reasoning".into(),
-            );
+            ));
             client.break_off(&state, err.to_string()).await;
             return;
         }
