@@ -14,6 +14,7 @@ mod identify;
 mod passthrough;
 mod proxy;
 mod read;
+mod rebuild;
 mod recall;
 mod record;
 mod relay;

@@ -117,6 +117,7 @@ pub(super) async fn send(
     headers: &http::HeaderMap,
 ) -> Result<Answer, ProxyError> {
     let mut tried = Tried::default();
+    let mut rebuilt = false;
     loop {
         tried.compacted = pending.compaction.is_some();
         // The client's bytes, or the body with the compaction applied now.
@@ -142,6 +143,15 @@ pub(super) async fn send(
             },
             Ok(_) => Reply::Answer,
         };
+        // The provider refused its own compaction item: the request is
+        // rebuilt from the record and sent again, once (`super::rebuild`).
+        if let (false, Ok((Answer::Error(status, _, bytes), None))) = (rebuilt, &got) {
+            if super::rebuild::rebuilt(state, pending, *status, bytes).await {
+                rebuilt = true;
+                tried.stale_retried = false;
+                continue;
+            }
+        }
         let (answer, overflow) = match (decide(reply, tried), got) {
             (Next::RetryStale, Err(failure)) => {
                 tracing::debug!(error = %failure, "retrying once");
