@@ -347,6 +347,35 @@ async fn a_client_that_dropped_what_the_item_stood_for_gets_it_back() {
     );
 }
 
+/// The same refusal as a stream's failure event before any output.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_failing_on_the_item_is_rebuilt_before_the_client_sees_it() {
+    let h = Harness::start_with(prov_window).await;
+    h.fake.set_provider_compaction(provider());
+    h.fake.set_summary_reply(Some(SUMMARY.into()));
+    let mut c = Client::new();
+    let n = c.until_minted(&h, 1, false).await;
+    h.wait_exchanges(c.requests as i64).await;
+    let failed = json!({"id": "resp_failed", "object": "response", "status": "failed", "output": [],
+        "error": {"code": "invalid_encrypted_content",
+                  "message": "The encrypted content for item cmp_fake1 could not be verified."}});
+    h.fake.push(Reply::sse(vec![
+        format!("event: response.created\ndata: {}\n\n", json!({"type": "response.created",
+            "sequence_number": 0, "response": {"id": "resp_failed", "status": "in_progress", "output": []}})),
+        format!("event: response.failed\ndata: {}\n\n", json!({"type": "response.failed",
+            "sequence_number": 1, "response": failed})),
+    ]));
+    h.fake.push(responses_text("docs written", true));
+    c.user(&format!("step {n}: and now the docs"));
+    let before = client_requests(&h).len();
+    let output = c.send(&h, true).await;
+    assert_eq!(output.last().unwrap()["content"][0]["text"], "docs written");
+    let sent = client_requests(&h);
+    assert_eq!(sent.len() - before, 2, "failed once, sent again once");
+    assert!(!carries_any(&sent[before + 1], &c.minted[..1]));
+    assert!(String::from_utf8_lossy(&sent[before + 1].body).contains(PLANTED));
+}
+
 /// An item the proxy never relayed: nothing to rebuild from, and the
 /// client gets the provider's refusal as it came.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -54,6 +54,24 @@ pub fn refuses_encrypted_item(api: Api, status: u16, body: &[u8]) -> bool {
         && (message.contains("could not be verified") || message.contains("could not be decrypted"))
 }
 
+/// Whether the data of a Responses stream's failure event (`response.failed`,
+/// its error under `response.error`; `error`, its fields at the top level
+/// or under `error`), seen before any output, is that same refusal.
+pub fn stream_refuses_encrypted_item(data: &[u8]) -> bool {
+    let Ok(v) = serde_json::from_slice::<Value>(data) else {
+        return false;
+    };
+    let error = v
+        .pointer("/response/error")
+        .filter(|e| e.is_object())
+        .or_else(|| v.get("error").filter(|e| e.is_object()))
+        .unwrap_or(&v);
+    let Ok(body) = serde_json::to_vec(&serde_json::json!({ "error": error })) else {
+        return false;
+    };
+    refuses_encrypted_item(Api::Responses, 400, &body)
+}
+
 /// What replaces the client's items up to its newest provider compaction
 /// item: `(covered_len, history)`, the items it covers (the item and all
 /// before it) and the history the item stood for, with no provider item
@@ -154,6 +172,14 @@ mod tests {
         assert!(!refuses_encrypted_item(Api::Responses, 500, real));
         assert!(!refuses_encrypted_item(Api::Messages, 400, real));
         assert!(!refuses_encrypted_item(Api::Responses, 400, b"not json"));
+        // The same refusal as a stream's failure event.
+        let failed = br#"{"type": "response.failed", "sequence_number": 2, "response": {"status": "failed",
+            "error": {"code": "invalid_encrypted_content", "message": "The encrypted content could not be verified."}}}"#;
+        assert!(stream_refuses_encrypted_item(failed));
+        let event = br#"{"type": "error", "code": "invalid_encrypted_content", "message": "x", "param": null}"#;
+        assert!(stream_refuses_encrypted_item(event));
+        let too_long = br#"{"type": "response.failed", "response": {"error": {"code": "context_length_exceeded", "message": "too long"}}}"#;
+        assert!(!stream_refuses_encrypted_item(too_long));
     }
 
     #[test]

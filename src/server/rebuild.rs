@@ -1,8 +1,9 @@
 //! Phase 3, send: the provider refused its own compaction item (expired,
 //! or no longer readable), so the request is rebuilt from the record and
 //! compacted locally (`compaction::rebuild`, `engine::rebuild`), to be sent
-//! again in the same request. Called from `send::send` on an error answer;
-//! it must not send the request or answer the client.
+//! again in the same request. Called from `send::send` on an error answer
+//! (or a Responses stream that failed before any output); it must not send
+//! the request or answer the client.
 
 use std::sync::Arc;
 
@@ -11,26 +12,43 @@ use crate::app::AppState;
 use crate::compaction::{boundary, rebuild};
 use crate::engine;
 
-/// Rebuilds the request when the upstream's error answer (`status`,
-/// `body`) refuses an encrypted item and the client's items hold a
-/// provider compaction item: the items through it are replaced by the
-/// history the record holds for it, which is then compacted locally. True
-/// when the request is to be sent again; false leaves it as it was (the
-/// mode does not rewrite, it is another refusal, or the record does not
-/// hold what the item stood for), and the answer goes to the client as it
-/// came.
+/// How the upstream refused an encrypted item it can no longer read, when
+/// it did: `status` and `body` of an error answer, or (`status` `None`) the
+/// data of a Responses stream's failure event before any output. Only in a
+/// mode that rewrites requests, when the client's items hold a provider
+/// compaction item; `None` otherwise.
+pub(super) fn refusal(
+    pending: &PendingExchange,
+    status: Option<http::StatusCode>,
+    body: &[u8],
+) -> Option<String> {
+    if !pending.mode.rewrites() || boundary::newest_in(&pending.items).is_none() {
+        return None;
+    }
+    match status {
+        Some(status) if rebuild::refuses_encrypted_item(pending.api, status.as_u16(), body) => {
+            Some(status.to_string())
+        }
+        None if pending.api == crate::wire::Api::Responses
+            && rebuild::stream_refuses_encrypted_item(body) =>
+        {
+            Some("its stream failed".to_string())
+        }
+        _ => None,
+    }
+}
+
+/// Rebuilds the request the upstream refused (`how`: see [`refusal`]): the
+/// client's items through their newest provider compaction item are
+/// replaced by the history the record holds for it, which is then
+/// compacted locally. True when the request is to be sent again; false
+/// leaves it as it was (the record does not hold what the item stood for),
+/// and the answer goes to the client as it came.
 pub(super) async fn rebuilt(
     state: &Arc<AppState>,
     pending: &mut PendingExchange,
-    status: http::StatusCode,
-    body: &[u8],
+    how: String,
 ) -> bool {
-    if !pending.mode.rewrites()
-        || !rebuild::refuses_encrypted_item(pending.api, status.as_u16(), body)
-        || boundary::newest_in(&pending.items).is_none()
-    {
-        return false;
-    }
     // The exchange that answered with the item may still be on its way to
     // the database.
     if let Err(e) = state.store.flush().await {
@@ -46,7 +64,6 @@ pub(super) async fn rebuilt(
     .await;
     let Some((covered_len, history)) = found else {
         tracing::warn!(
-            %status,
             "the provider refused its compaction item and the record does not hold what it stood for: its answer is relayed"
         );
         return false;
@@ -65,7 +82,7 @@ pub(super) async fn rebuilt(
     pending.unapply();
     pending.apply(Arc::new(base));
     let reason = format!(
-        "{}: the provider refused its compaction item ({status}); {restored} items it stood for rebuilt from the record",
+        "{}: the provider refused its compaction item ({how}); {restored} items it stood for rebuilt from the record",
         rebuild::REBUILD_REASON
     );
     let compacted =

@@ -145,8 +145,18 @@ pub(super) async fn send(
         };
         // The provider refused its own compaction item: the request is
         // rebuilt from the record and sent again, once (`super::rebuild`).
-        if let (false, Ok((Answer::Error(status, _, bytes), None))) = (rebuilt, &got) {
-            if super::rebuild::rebuilt(state, pending, *status, bytes).await {
+        let refused = match (&got, rebuilt) {
+            (Ok((Answer::Error(status, _, body), None)), false) => {
+                super::rebuild::refusal(pending, Some(*status), body)
+            }
+            (Ok((Answer::Held(held), None)), false) => held
+                .failure
+                .as_deref()
+                .and_then(|data| super::rebuild::refusal(pending, None, data.as_bytes())),
+            _ => None,
+        };
+        if let Some(how) = refused {
+            if super::rebuild::rebuilt(state, pending, how).await {
                 rebuilt = true;
                 tried.stale_retried = false;
                 continue;
