@@ -8,6 +8,7 @@ mod check;
 mod index;
 mod jobs;
 pub mod provider;
+pub mod rebuild;
 mod summarizer;
 
 pub use check::{check_fit, Fit, FitCheck};

@@ -2,7 +2,7 @@
 //! the decisions the phases leave to the driver in `server::proxy` (over
 //! the hard limit at identify, a manual or client-asked compaction, an
 //! upstream "too long", a compacted request refused whose summary was the
-//! provider's). Each computes the compaction and applies it to the
+//! provider's, the provider's own compaction item refused). Each computes the compaction and applies it to the
 //! exchange; none sends, answers or records. The driver calls it, and, as
 //! a phase, it calls no other.
 
@@ -12,7 +12,7 @@ use serde_json::Value;
 
 use super::exchange::PendingExchange;
 use crate::app::AppState;
-use crate::compaction::policy;
+use crate::compaction::{policy, rebuild};
 use crate::config::Mode;
 use crate::engine;
 
@@ -131,4 +131,67 @@ pub(super) async fn local_instead(
         .trim_end_matches("; ");
     let reason = format!("{trigger}; the provider's compaction refused upstream ({status})");
     compact_now(state, pending, reason, engine::Goal::Shrink).await
+}
+
+/// Rebuilds the request the upstream refused (`how`: see `send::refusal`): the
+/// client's items through their newest provider compaction item are
+/// replaced by the history the record holds for it, which is then
+/// compacted locally. True when the request is to be sent again; false
+/// leaves it as it was (the record does not hold what the item stood for),
+/// and the answer goes to the client as it came.
+pub(super) async fn rebuild_from_record(
+    state: &Arc<AppState>,
+    pending: &mut PendingExchange,
+    how: String,
+) -> bool {
+    // The exchange that answered with the item may still be on its way to
+    // the database.
+    if let Err(e) = state.store.flush().await {
+        tracing::debug!(error = %e, "store flush before a rebuild");
+    }
+    let items = pending.items.values().to_vec();
+    let found = engine::rebuild::from_record(
+        state.reads.clone(),
+        pending.tenant.clone(),
+        pending.ident.conversation.clone(),
+        items,
+    )
+    .await;
+    let Some((covered_len, history)) = found else {
+        tracing::warn!(
+            "the provider refused its compaction item and the record does not hold what it stood for: its answer is relayed"
+        );
+        return false;
+    };
+    let Some(&covered_chain) = pending.chains.get(covered_len - 1) else {
+        return false;
+    };
+    let restored = history.len();
+    let base = rebuild::standing_for(
+        &pending.tenant,
+        &pending.ident.conversation,
+        covered_len,
+        covered_chain,
+        history,
+    );
+    pending.unapply();
+    pending.apply(Arc::new(base));
+    let reason = format!(
+        "{}: the provider refused its compaction item ({how}); {restored} items it stood for rebuilt from the record",
+        rebuild::REBUILD_REASON
+    );
+    let compacted = compact_now(state, pending, reason, engine::Goal::Shrink).await;
+    if compacted {
+        // The upstream refused the request and the proxy compacted it to
+        // go again: the reactive path's trigger.
+        state.metrics.compaction_trigger("reactive");
+    }
+    tracing::info!(
+        conversation = %pending.ident.conversation,
+        covered = covered_len,
+        restored,
+        compacted,
+        "the provider refused its compaction item: the conversation was rebuilt from the record and is sent again"
+    );
+    true
 }

@@ -147,6 +147,16 @@ async fn settle(
                     }
                     continue;
                 }
+                // The provider refused its own compaction item: rebuilt
+                // from the record and sent again, once; else its answer.
+                Sent::ItemRefused { how, answer } => {
+                    tried.rebuilt = true;
+                    if compact_now::rebuild_from_record(state, pending, how).await {
+                        tried.stale_retried = false;
+                        continue;
+                    }
+                    answer
+                }
                 Sent::Overflow {
                     stated,
                     why,

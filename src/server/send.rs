@@ -19,7 +19,7 @@ use super::answer::{is_sse, Answer, Held};
 use super::exchange::Unanswered;
 use super::gather::{take_delivered, UpstreamStream};
 use crate::app::AppState;
-use crate::compaction::policy;
+use crate::compaction::{boundary, policy, rebuild};
 use crate::config::Mode;
 use crate::error::ProxyError;
 use crate::upstream::SendFailure;
@@ -66,6 +66,9 @@ pub(super) struct Tried {
     pub stale_retried: bool,
     /// A compaction applies to the body of this attempt.
     pub compacted: bool,
+    /// The request was rebuilt from the record once already, after the
+    /// provider refused its own compaction item.
+    pub rebuilt: bool,
 }
 
 /// What to do after an attempt.
@@ -122,6 +125,16 @@ pub(super) enum Sent {
     /// (`compact_now::local_instead`), else sent as the client sent it
     /// ([`resend_uncompacted`]); then sent again.
     Refused(http::StatusCode),
+    /// The provider refused its own compaction item (`how`: see
+    /// [`refusal`]): rebuild the request from the record and send it again
+    /// (`compact_now::rebuild_from_record`), or, if the record does not hold
+    /// what the item stood for, hand the `answer` on as it came.
+    ItemRefused {
+        /// How it refused, for the compaction's reason.
+        how: String,
+        /// Its answer, relayed if the request cannot be rebuilt.
+        answer: Answer,
+    },
     /// The upstream said the request does not fit: compact it to the
     /// size `stated` and send again, or, if none can be made, hand the
     /// `answer` on.
@@ -182,6 +195,15 @@ pub(super) async fn send(
             client_error: status.is_client_error(),
         },
         Ok(_) => Reply::Answer,
+    };
+    // The provider refused its own compaction item: the driver rebuilds
+    // the request from the record, once.
+    let got = match got {
+        Ok((answer, None)) if !tried.rebuilt => match item_refused(pending, &answer) {
+            Some(how) => return Ok(Sent::ItemRefused { how, answer }),
+            None => Ok((answer, None)),
+        },
+        got => got,
     };
     let (answer, overflow) = match (decide(reply, *tried), got) {
         (Next::RetryStale, Err(failure)) => {
@@ -244,6 +266,45 @@ pub(super) fn resend_uncompacted(
     }
     pending.unapply();
     tried.resent();
+}
+
+/// [`refusal`] of an answer in hand: an error answer, or a held stream
+/// that failed before any output.
+fn item_refused(pending: &Unanswered, answer: &Answer) -> Option<String> {
+    match answer {
+        Answer::Error(status, _, body) => refusal(pending, Some(*status), body),
+        Answer::Held(held) => held
+            .failure
+            .as_deref()
+            .and_then(|data| refusal(pending, None, data.as_bytes())),
+        _ => None,
+    }
+}
+
+/// How the upstream refused an encrypted item it can no longer read, when
+/// it did: `status` and `body` of an error answer, or (`status` `None`) the
+/// data of a Responses stream's failure event before any output. Only in a
+/// mode that rewrites requests, when the client's items hold a provider
+/// compaction item; `None` otherwise.
+pub(super) fn refusal(
+    pending: &Unanswered,
+    status: Option<http::StatusCode>,
+    body: &[u8],
+) -> Option<String> {
+    if !pending.mode.rewrites() || boundary::newest_in(&pending.items).is_none() {
+        return None;
+    }
+    match status {
+        Some(status) if rebuild::refuses_encrypted_item(pending.api, status.as_u16(), body) => {
+            Some(status.to_string())
+        }
+        None if pending.api == crate::wire::Api::Responses
+            && rebuild::stream_refuses_encrypted_item(body) =>
+        {
+            Some("its stream failed".to_string())
+        }
+        _ => None,
+    }
 }
 
 /// Reads as much of an answer as the decision needs: an error answer
@@ -390,6 +451,7 @@ mod tests {
         resent: false,
         stale_retried: false,
         compacted: false,
+        rebuilt: false,
     };
 
     #[test]
