@@ -30,6 +30,9 @@ use support::*;
 const TASK: &str = "step 0: build the planted_module crate";
 const PLANTED: &str = "Never edit vendor/zlib_planted.c by hand.";
 const SUMMARY: &str = "## TASK\nbuild the modules";
+/// The most a turn's tool outputs hold together (the fake counts bytes / 4
+/// against its 3,300-token window).
+const MAX_BATCH_BYTES: usize = 10_000;
 
 #[derive(Debug, Clone)]
 enum Op {
@@ -46,6 +49,12 @@ fn op() -> impl Strategy<Value = Op> {
     let size = prop_oneof![6 => 200usize..1_500, 1 => 5_000usize..9_000];
     prop_oneof![
         8 => (prop::collection::vec(size, 1..3), prop::bool::weighted(0.6))
+            // A turn's own batch stays under the window: the newest user
+            // message and the pending tool batch are never cut, so a
+            // larger one fails with or without the proxy.
+            .prop_filter("a batch larger than the window", |(outputs, _)| {
+                outputs.iter().sum::<usize>() <= MAX_BATCH_BYTES
+            })
             .prop_map(|(outputs, provider)| Op::Turn { outputs, provider }),
         2 => any::<bool>().prop_map(|provider| Op::Agent { provider }),
         1 => Just(Op::Expire),
