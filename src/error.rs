@@ -106,7 +106,8 @@ pub enum ProxyError {
         path: String,
     },
     /// A path the proxy will not forward: it could leave the upstream's base
-    /// path, or it spells a parsed endpoint another way.
+    /// path, or it spells a parsed endpoint another way. Text: a refusal
+    /// has no cause, only a reason.
     #[error("{0}")]
     InvalidPath(String),
     /// The request came back to the proxy that sent it: the upstream is the
@@ -116,15 +117,15 @@ pub enum ProxyError {
     /// The client stopped sending its request body.
     #[error("the client sent nothing of its request body for {0} s")]
     RequestTimeout(u64),
-    /// The upstream could not be reached or broke the connection.
-    #[error("upstream unreachable: {0}")]
-    UpstreamUnreachable(String),
-    /// The upstream did not answer in time.
-    #[error("upstream timed out after {0} s")]
-    UpstreamTimeout(u64),
-    /// A bug or resource failure inside the proxy.
+    /// The upstream could not be reached, broke the connection, or did not
+    /// answer in time: the upstream client's error, its message and its
+    /// source. (A path it refuses is an [`ProxyError::InvalidPath`].)
+    #[error(transparent)]
+    Upstream(UpstreamFailure),
+    /// A bug or resource failure inside the proxy (the cause is logged,
+    /// not shown).
     #[error("internal error")]
-    Internal(String),
+    Internal(#[source] BoxError),
     /// The admin page or API refused the caller (see `admin::authorize`).
     #[error("{message}")]
     Forbidden {
@@ -139,20 +140,158 @@ pub enum ProxyError {
         /// The `Allow` header's value.
         allow: &'static str,
     },
-    /// No recorded conversation has this id or id prefix.
+    /// No recorded conversation has this id or id prefix. Text: the
+    /// answer to a lookup, not a failure with a cause.
     #[error("{0}")]
     ConversationNotFound(String),
-    /// The id prefix names several recorded conversations.
+    /// The id prefix names several recorded conversations (text, as
+    /// [`ProxyError::ConversationNotFound`]: it lists them).
     #[error("{0}")]
     ConversationAmbiguous(String),
-    /// The store could not be read (the detail is logged, not shown).
+    /// The store could not be read (the cause is logged, not shown).
     #[error("the store could not be read")]
-    StoreUnavailable(String),
+    StoreUnavailable(#[source] BoxError),
     /// The store cannot take records now (its database is unreachable):
     /// the request is refused before it goes upstream, so that no answer
-    /// goes out unrecorded (the detail is logged, not shown).
+    /// goes out unrecorded (the cause is logged, not shown).
     #[error("the proxy's database is unreachable; try again shortly")]
-    StoreDown(String),
+    StoreDown(#[source] BoxError),
+    /// `/readyz`: a check failed. The answer is the readiness report
+    /// (`{"status":"not_ready","checks":{…}}`) whatever the endpoint's
+    /// error shape: each failed check's finding is an [`Unready`]'s.
+    #[error("not ready")]
+    NotReady {
+        /// Each check's finding, by name.
+        checks: serde_json::Value,
+    },
+}
+
+/// Why a readiness check (`/readyz`) failed. Its message is the finding
+/// the probe reports, for operators: store errors and the upstream
+/// client's carry no credentials (the upstream's never its URL).
+#[derive(Debug, thiserror::Error)]
+pub enum Unready {
+    /// The store refused or failed (a stalled database, a writer gone):
+    /// its own error.
+    #[error("{0}")]
+    Store(#[source] BoxError),
+    /// The database file does not open for writing.
+    #[error("the database is not writable: {0}")]
+    NotWritable(#[source] std::io::Error),
+    /// The store's writer, or its database, did not answer within the
+    /// check's bound.
+    #[error("{0} did not answer in time")]
+    StoreSilent(&'static str),
+    /// The upstream answered its probe with a server error.
+    #[error("the upstream answered {0}")]
+    UpstreamStatus(StatusCode),
+    /// The probe could not be sent, or its answer not read: the error a
+    /// request would get.
+    #[error(transparent)]
+    Request(ProxyError),
+    /// The probe had no answer within its bound, in seconds.
+    #[error("the upstream did not answer within {0} s")]
+    UpstreamSilent(u64),
+}
+
+impl Unready {
+    /// The `code` of its finding, as a request's error would say it.
+    fn code(&self) -> &'static str {
+        match self {
+            Unready::Store(_) | Unready::NotWritable(_) | Unready::StoreSilent(_) => {
+                "store_unavailable"
+            }
+            Unready::Request(e) => e.code(),
+            Unready::UpstreamSilent(_) => "upstream_timeout",
+            Unready::UpstreamStatus(_) => "upstream_unreachable",
+        }
+    }
+
+    /// What `/readyz` says of the failed check:
+    /// `{"ok": false, "error", "code"}`.
+    pub fn finding(&self) -> serde_json::Value {
+        serde_json::json!({"ok": false, "error": self.to_string(), "code": self.code()})
+    }
+}
+
+/// The upstream client's error (`upstream::Error`, which converts to a
+/// [`ProxyError`] where the two meet) as the request path holds it: its
+/// message is the client's, its source the cause it keeps (the reqwest
+/// error), and whether it timed out decides 504 over 502. Boxed, because
+/// the upstream client sits above this module and this module cannot name
+/// its type; `get_ref` and a downcast reach it.
+#[derive(Debug)]
+pub struct UpstreamFailure {
+    error: BoxError,
+    timed_out: bool,
+}
+
+impl UpstreamFailure {
+    /// `error`, which `timed_out` or not.
+    pub fn new(error: impl Into<BoxError>, timed_out: bool) -> Self {
+        UpstreamFailure {
+            error: error.into(),
+            timed_out,
+        }
+    }
+
+    /// Whether the upstream did not answer in time (504).
+    pub fn is_timeout(&self) -> bool {
+        self.timed_out
+    }
+
+    /// The upstream client's error itself.
+    pub fn get_ref(&self) -> &(dyn std::error::Error + Send + Sync + 'static) {
+        &*self.error
+    }
+}
+
+impl std::fmt::Display for UpstreamFailure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.error.fmt(f)
+    }
+}
+
+impl std::error::Error for UpstreamFailure {
+    /// The upstream client's error's own source: this wrapper adds nothing
+    /// to the chain.
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        self.error.source()
+    }
+}
+
+impl ProxyError {
+    /// A failure inside the proxy, its cause kept for the log.
+    pub fn internal(cause: impl Into<BoxError>) -> Self {
+        ProxyError::Internal(cause.into())
+    }
+
+    /// The store could not be read, its cause kept for the log.
+    pub fn store_unavailable(cause: impl Into<BoxError>) -> Self {
+        ProxyError::StoreUnavailable(cause.into())
+    }
+
+    /// The store cannot take records now, its cause kept for the log.
+    pub fn store_down(cause: impl Into<BoxError>) -> Self {
+        ProxyError::StoreDown(cause.into())
+    }
+}
+
+/// An error and its sources, one after the other (`a: b: c`), each said
+/// once: a message that already ends with its source's is not repeated.
+/// For logs and operators' findings, never a client's answer.
+pub fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.ends_with(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
 }
 
 impl ProxyError {
@@ -169,13 +308,15 @@ impl ProxyError {
             ProxyError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ProxyError::ConversationNotFound(_) => StatusCode::NOT_FOUND,
             ProxyError::StoreUnavailable(_) => StatusCode::INTERNAL_SERVER_ERROR,
-            ProxyError::StoreDown(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ProxyError::StoreDown(_) | ProxyError::NotReady { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ProxyError::LoopDetected => StatusCode::LOOP_DETECTED,
             ProxyError::PayloadTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ProxyError::RequestTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ProxyError::NotFound { .. } => StatusCode::NOT_FOUND,
-            ProxyError::UpstreamUnreachable(_) => StatusCode::BAD_GATEWAY,
-            ProxyError::UpstreamTimeout(_) => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::Upstream(e) if e.is_timeout() => StatusCode::GATEWAY_TIMEOUT,
+            ProxyError::Upstream(_) => StatusCode::BAD_GATEWAY,
             ProxyError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
@@ -195,11 +336,12 @@ impl ProxyError {
             | ProxyError::ConversationNotFound(_)
             | ProxyError::ConversationAmbiguous(_) => "invalid_request_error",
             ProxyError::Forbidden { .. } => "permission_error",
-            ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => "upstream_error",
+            ProxyError::Upstream(_) => "upstream_error",
             ProxyError::Internal(_)
             | ProxyError::LoopDetected
             | ProxyError::StoreUnavailable(_)
-            | ProxyError::StoreDown(_) => "server_error",
+            | ProxyError::StoreDown(_)
+            | ProxyError::NotReady { .. } => "server_error",
         }
     }
 
@@ -215,14 +357,15 @@ impl ProxyError {
             ProxyError::PayloadTooLarge { .. } => "request_too_large",
             ProxyError::RequestTimeout(_) => "request_timeout",
             ProxyError::NotFound { .. } => "unknown_url",
-            ProxyError::UpstreamUnreachable(_) => "upstream_unreachable",
-            ProxyError::UpstreamTimeout(_) => "upstream_timeout",
+            ProxyError::Upstream(e) if e.is_timeout() => "upstream_timeout",
+            ProxyError::Upstream(_) => "upstream_unreachable",
             ProxyError::Internal(_) => "internal_error",
             ProxyError::Forbidden { code, .. } => code,
             ProxyError::MethodNotAllowed { .. } => "method_not_allowed",
             ProxyError::ConversationNotFound(_) => "conversation_not_found",
             ProxyError::ConversationAmbiguous(_) => "conversation_id_ambiguous",
             ProxyError::StoreUnavailable(_) | ProxyError::StoreDown(_) => "store_unavailable",
+            ProxyError::NotReady { .. } => "not_ready",
         }
     }
 
@@ -250,6 +393,9 @@ impl ProxyError {
     /// Anthropic's `{"type":"error","error":{"type","message"}}` on
     /// `/v1/messages`.
     pub fn body_as(&self, shape: ErrorShape) -> serde_json::Value {
+        if let ProxyError::NotReady { checks } = self {
+            return serde_json::json!({"status": "not_ready", "checks": checks});
+        }
         match shape {
             ErrorShape::OpenAi => self.body(),
             ErrorShape::Anthropic => serde_json::json!({
@@ -271,13 +417,18 @@ impl ProxyError {
     /// [`ProxyError::into_response`] in the shape of an endpoint's errors.
     pub fn into_response_as(self, shape: ErrorShape) -> Response<ProxyBody> {
         match &self {
-            ProxyError::Internal(detail) => tracing::error!(detail = %detail, "internal error"),
-            ProxyError::UpstreamUnreachable(_) | ProxyError::UpstreamTimeout(_) => {
-                tracing::warn!(error = %self, "upstream failure")
+            ProxyError::Internal(cause) => {
+                tracing::error!(detail = %chain(cause.as_ref()), "internal error")
             }
+            ProxyError::Upstream(_) => tracing::warn!(error = %self, "upstream failure"),
             ProxyError::LoopDetected => tracing::error!(error = %self, "request loop"),
-            ProxyError::StoreUnavailable(detail) => tracing::error!(detail, "store read failed"),
-            ProxyError::StoreDown(detail) => tracing::error!(detail, "store unreachable"),
+            ProxyError::StoreUnavailable(cause) => {
+                tracing::error!(detail = %chain(cause.as_ref()), "store read failed")
+            }
+            ProxyError::StoreDown(cause) => {
+                tracing::error!(detail = %chain(cause.as_ref()), "store unreachable")
+            }
+            ProxyError::NotReady { checks } => tracing::info!(%checks, "not ready"),
             _ => tracing::debug!(error = %self, "rejected request"),
         }
         let mut resp = json_response(self.status(), &self.body_as(shape));
@@ -372,6 +523,50 @@ mod tests {
         assert!(b["error"]["message"].as_str().unwrap().contains("10 bytes"));
     }
 
+    /// A store failure keeps its cause as the source, shows none of it,
+    /// and the log's chain says each cause once.
+    #[test]
+    fn store_failures_keep_their_cause_out_of_sight() {
+        let io = std::io::Error::other("disk I/O error at /secret/path");
+        let e = ProxyError::store_down(crate::store::StoreError::Io(io));
+        let source = std::error::Error::source(&e).expect("a source");
+        assert!(source.downcast_ref::<crate::store::StoreError>().is_some());
+        assert!(!e.body().to_string().contains("/secret/path"));
+        assert_eq!(
+            chain(&e),
+            "the proxy's database is unreachable; try again shortly: store io: disk I/O error at /secret/path"
+        );
+    }
+
+    /// `/readyz`'s 503 comes from the same mapping, in the readiness
+    /// report's shape, each failed check with its code.
+    #[test]
+    fn not_ready_is_the_readiness_report() {
+        let store =
+            Unready::NotWritable(std::io::Error::from(std::io::ErrorKind::PermissionDenied));
+        let upstream = Unready::Request(
+            crate::upstream::Error::silent(std::time::Duration::from_secs(2)).into(),
+        );
+        let checks = serde_json::json!({"store": store.finding(), "upstream": upstream.finding()});
+        let resp = ProxyError::NotReady { checks }.into_response_as(ErrorShape::Anthropic);
+        assert_eq!(resp.status(), StatusCode::SERVICE_UNAVAILABLE);
+        let e = ProxyError::NotReady {
+            checks: serde_json::json!({"store": store.finding(), "upstream": upstream.finding()}),
+        };
+        let b = e.body_as(ErrorShape::OpenAi);
+        assert_eq!(b["status"], "not_ready");
+        assert_eq!(b["checks"]["store"]["ok"], false);
+        assert_eq!(b["checks"]["store"]["code"], "store_unavailable");
+        assert!(b["checks"]["store"]["error"]
+            .as_str()
+            .is_some_and(|m| m.starts_with("the database is not writable: ")));
+        assert_eq!(b["checks"]["upstream"]["code"], "upstream_timeout");
+        assert_eq!(
+            b["checks"]["upstream"]["error"],
+            "upstream timed out after 2 s"
+        );
+    }
+
     /// The admin API's refusals go through the same mapping: their status,
     /// type and code, and the `Allow` header of a wrong method.
     #[test]
@@ -396,7 +591,7 @@ mod tests {
                 "conversation_id_ambiguous",
             ),
             (
-                ProxyError::StoreUnavailable("disk I/O error at /secret/path".into()),
+                ProxyError::store_unavailable("disk I/O error at /secret/path"),
                 StatusCode::INTERNAL_SERVER_ERROR,
                 "server_error",
                 "store_unavailable",

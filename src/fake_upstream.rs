@@ -454,6 +454,13 @@ impl FakeUpstream {
         self.lock().provider.settings = settings;
     }
 
+    /// Expires every provider `compaction` item minted so far: later
+    /// requests carrying one are refused as OpenAI refuses an item it can no
+    /// longer decrypt (see [`provider::State::expire`]). How many expired.
+    pub fn expire_provider_items(&self) -> usize {
+        self.lock().provider.expire()
+    }
+
     /// Compactions the fake's provider compaction made.
     pub fn provider_compactions(&self) -> usize {
         self.lock().provider.compactions

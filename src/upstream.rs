@@ -11,8 +11,99 @@ use bytes::Bytes;
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
 use crate::config::UpstreamConfig;
-use crate::error::ProxyError;
+use crate::error::{ProxyError, UpstreamFailure};
 use crate::wire::Api;
+
+/// Why the upstream client got no usable answer. The message is the one a
+/// client gets (`ProxyError` shows it as it is), so it names the innermost
+/// cause of a reqwest error but never its URL, which could carry a key in
+/// a query string (see [`describe`]); the reqwest error itself stays the
+/// source, for the log and for telling failures apart.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    /// The URL would leave the upstream's base path. A refusal, not a
+    /// failure: there is no cause to keep, and the text says which base.
+    #[error("path refused: it leads outside the upstream's base path {base}/")]
+    OutsideBase {
+        /// The base path, without its trailing slash.
+        base: String,
+    },
+    /// No connection could be made.
+    #[error("upstream unreachable: {}", describe(.0))]
+    Connect(#[source] reqwest::Error),
+    /// The request failed on its connection (written in part, reset,
+    /// closed before an answer).
+    #[error("upstream unreachable: {}", describe(.0))]
+    Request(#[source] reqwest::Error),
+    /// The answer's body broke off or could not be decoded.
+    #[error("upstream unreachable: {}", describe(.0))]
+    Body(#[source] reqwest::Error),
+    /// The answer is longer than the proxy reads whole.
+    #[error("upstream unreachable: the answer is over the {limit} bytes the proxy reads whole")]
+    TooLarge {
+        /// [`MAX_ANSWER_BYTES`], or the limit the caller set.
+        limit: usize,
+    },
+    /// No answer, or no next piece of one, within the bound: reqwest's
+    /// error when it timed out itself, none when the proxy's own clock ran
+    /// out.
+    #[error("upstream timed out after {secs} s")]
+    Timeout {
+        /// The bound, in seconds.
+        secs: u64,
+        /// reqwest's timeout error, if it was reqwest that gave up.
+        #[source]
+        source: Option<reqwest::Error>,
+    },
+    /// The upstream answered, but its answers break the exchange the proxy
+    /// holds it to (a model that keeps calling a tool it was not given).
+    /// Text, because the answers themselves are the cause and they are
+    /// not the client's to read here.
+    #[error("upstream unreachable: {0}")]
+    Misbehaved(String),
+}
+
+impl Error {
+    /// A reqwest failure that is not a timeout the caller bounds: which
+    /// step failed, as [`describe`] names it.
+    pub fn broke(e: reqwest::Error) -> Error {
+        if e.is_connect() {
+            Error::Connect(e)
+        } else if e.is_body() || e.is_decode() {
+            Error::Body(e)
+        } else {
+            Error::Request(e)
+        }
+    }
+
+    /// The proxy's own bound of `after` ran out (the upstream stayed
+    /// silent, or stopped taking the request's body).
+    pub fn silent(after: Duration) -> Error {
+        Error::Timeout {
+            secs: after.as_secs(),
+            source: None,
+        }
+    }
+
+    /// Whether the upstream did not answer in time (504, not 502).
+    pub fn is_timeout(&self) -> bool {
+        matches!(self, Error::Timeout { .. })
+    }
+}
+
+impl From<Error> for ProxyError {
+    /// A path the upstream client refuses is the client's mistake (400);
+    /// every other failure is the upstream's (502, 504).
+    fn from(e: Error) -> Self {
+        match e {
+            Error::OutsideBase { .. } => ProxyError::InvalidPath(e.to_string()),
+            e => {
+                let timed_out = e.is_timeout();
+                ProxyError::Upstream(UpstreamFailure::new(e, timed_out))
+            }
+        }
+    }
+}
 
 /// A secret that never prints.
 #[derive(Clone)]
@@ -110,7 +201,7 @@ impl Upstream {
 
     /// The upstream URL for a client path below `/v1` (e.g. `/models`);
     /// refused unless it stays below the base URL's path.
-    pub fn url(&self, below_v1: &str, query: Option<&str>) -> Result<reqwest::Url, ProxyError> {
+    pub fn url(&self, below_v1: &str, query: Option<&str>) -> Result<reqwest::Url, Error> {
         let known = self.endpoints.iter().find(|(p, _)| *p == below_v1);
         match (known, query) {
             (Some((_, url)), None) => Ok(url.clone()),
@@ -118,7 +209,7 @@ impl Upstream {
         }
     }
 
-    fn derive_url(&self, below_v1: &str, query: Option<&str>) -> Result<reqwest::Url, ProxyError> {
+    fn derive_url(&self, below_v1: &str, query: Option<&str>) -> Result<reqwest::Url, Error> {
         let mut url = self.base_url.clone();
         let base = self.base_url.path().trim_end_matches('/');
         url.set_path(&format!("{base}{below_v1}"));
@@ -132,9 +223,9 @@ impl Upstream {
             .strip_prefix(base)
             .is_some_and(|rest| rest.is_empty() || rest.starts_with('/'));
         if !under {
-            return Err(ProxyError::InvalidPath(format!(
-                "path refused: it leads outside the upstream's base path {base}/"
-            )));
+            return Err(Error::OutsideBase {
+                base: base.to_string(),
+            });
         }
         Ok(url)
     }
@@ -172,10 +263,10 @@ impl Upstream {
     /// Reads a whole (small) answer body: 502 if the upstream breaks off or
     /// sends more than [`MAX_ANSWER_BYTES`], 504 if it stays silent longer
     /// than `idle_timeout`.
-    pub async fn read_body(&self, resp: reqwest::Response) -> Result<bytes::Bytes, ProxyError> {
+    pub async fn read_body(&self, resp: reqwest::Response) -> Result<bytes::Bytes, Error> {
         match tokio::time::timeout(self.idle_timeout, read_capped(resp, MAX_ANSWER_BYTES)).await {
             Ok(result) => result,
-            Err(_) => Err(ProxyError::UpstreamTimeout(self.idle_timeout.as_secs())),
+            Err(_) => Err(Error::silent(self.idle_timeout)),
         }
     }
 
@@ -275,8 +366,8 @@ impl Upstream {
         url: &reqwest::Url,
         headers: HeaderMap,
         body: reqwest::Body,
-        give_up: impl Future<Output = ProxyError>,
-    ) -> Result<reqwest::Response, ProxyError> {
+        give_up: impl Future<Output = Error>,
+    ) -> Result<reqwest::Response, Error> {
         let send = self.request(method, url, headers).body(body).send();
         tokio::select! {
             sent = send => self.map(Ok(sent)),
@@ -294,7 +385,7 @@ impl Upstream {
         url: &reqwest::Url,
         headers: HeaderMap,
         body: impl Into<Payload>,
-    ) -> Result<reqwest::Response, ProxyError> {
+    ) -> Result<reqwest::Response, Error> {
         let body = body.into();
         self.send_again_if_stale(|| {
             self.request(method.clone(), url, headers.clone())
@@ -310,7 +401,7 @@ impl Upstream {
         method: http::Method,
         url: &reqwest::Url,
         headers: HeaderMap,
-    ) -> Result<reqwest::Response, ProxyError> {
+    ) -> Result<reqwest::Response, Error> {
         self.send_again_if_stale(|| self.request(method.clone(), url, headers.clone()))
             .await
     }
@@ -332,13 +423,13 @@ impl Upstream {
     async fn send_again_if_stale(
         &self,
         build: impl Fn() -> reqwest::RequestBuilder,
-    ) -> Result<reqwest::Response, ProxyError> {
+    ) -> Result<reqwest::Response, Error> {
         match self.attempt(build()).await {
             Err(failed) if failed.retry_allowed() => {
                 tracing::debug!(error = %failed, "retrying once");
                 self.execute(build()).await
             }
-            other => other.map_err(SendFailure::into_proxy_error),
+            other => other.map_err(SendFailure::into_error),
         }
     }
 
@@ -369,49 +460,73 @@ impl Upstream {
         }
     }
 
-    async fn execute(&self, req: reqwest::RequestBuilder) -> Result<reqwest::Response, ProxyError> {
+    async fn execute(&self, req: reqwest::RequestBuilder) -> Result<reqwest::Response, Error> {
         self.map(tokio::time::timeout(self.response_timeout, req.send()).await)
     }
 
     fn map(
         &self,
         sent: Result<reqwest::Result<reqwest::Response>, tokio::time::error::Elapsed>,
-    ) -> Result<reqwest::Response, ProxyError> {
+    ) -> Result<reqwest::Response, Error> {
         match sent {
-            Err(_) => Err(ProxyError::UpstreamTimeout(self.response_timeout.as_secs())),
-            Ok(Err(e)) if e.is_timeout() => {
-                Err(ProxyError::UpstreamTimeout(self.response_timeout.as_secs()))
-            }
-            Ok(Err(e)) => Err(ProxyError::UpstreamUnreachable(describe(&e))),
+            Err(_) => Err(Error::silent(self.response_timeout)),
+            Ok(Err(e)) if e.is_timeout() => Err(Error::Timeout {
+                secs: self.response_timeout.as_secs(),
+                source: Some(e),
+            }),
+            Ok(Err(e)) => Err(Error::broke(e)),
             Ok(Ok(resp)) => Ok(resp),
         }
     }
 }
 
-/// A send that failed, and whether it may be sent again.
+/// A send that failed, and whether it may be sent again. `E` is the error
+/// of any other failure: the client's ([`Error`]), or, once the caller has
+/// read the start of the answer too, the one it answers with.
 #[derive(Debug, thiserror::Error)]
-pub enum SendFailure {
+pub enum SendFailure<E = Error> {
     /// A pooled connection the upstream had closed before the request
     /// reached it: sending again on a new connection is allowed.
     #[error("pooled upstream connection was closed: {}", describe(.0))]
     Stale(#[source] reqwest::Error),
-    /// Any other failure, as the client would get it.
+    /// Any other failure.
     #[error(transparent)]
-    Failed(ProxyError),
+    Failed(E),
 }
 
-impl SendFailure {
+impl<E> SendFailure<E> {
     /// Whether the request may be sent again.
     pub fn retry_allowed(&self) -> bool {
         matches!(self, SendFailure::Stale(_))
     }
+}
 
-    /// The error the client gets when no retry is made: a closed connection
-    /// is the upstream unreachable.
-    pub fn into_proxy_error(self) -> ProxyError {
+impl SendFailure {
+    /// The failure when no retry is made: a closed connection is the
+    /// upstream unreachable.
+    pub fn into_error(self) -> Error {
         match self {
-            SendFailure::Stale(e) => ProxyError::UpstreamUnreachable(describe(&e)),
+            SendFailure::Stale(e) => Error::broke(e),
             SendFailure::Failed(e) => e,
+        }
+    }
+}
+
+impl<E: From<Error>> SendFailure<E> {
+    /// The error the client gets when no retry is made.
+    pub fn into_proxy_error(self) -> E {
+        match self {
+            SendFailure::Stale(e) => Error::broke(e).into(),
+            SendFailure::Failed(e) => e,
+        }
+    }
+}
+
+impl From<SendFailure> for SendFailure<ProxyError> {
+    fn from(f: SendFailure) -> Self {
+        match f {
+            SendFailure::Stale(e) => SendFailure::Stale(e),
+            SendFailure::Failed(e) => SendFailure::Failed(e.into()),
         }
     }
 }
@@ -578,19 +693,12 @@ pub const MAX_ANSWER_BYTES: usize = 64 << 20;
 
 /// The whole body, or an error once it is over `limit` bytes. A body that
 /// arrives in one chunk is not copied.
-async fn read_capped(
-    mut resp: reqwest::Response,
-    limit: usize,
-) -> Result<bytes::Bytes, ProxyError> {
-    let too_large = || {
-        ProxyError::UpstreamUnreachable(format!(
-            "the answer is over the {limit} bytes the proxy reads whole"
-        ))
-    };
+async fn read_capped(mut resp: reqwest::Response, limit: usize) -> Result<bytes::Bytes, Error> {
+    let too_large = || Error::TooLarge { limit };
     if resp.content_length().is_some_and(|n| n > limit as u64) {
         return Err(too_large());
     }
-    let broke = |e: reqwest::Error| ProxyError::UpstreamUnreachable(describe(&e));
+    let broke = Error::broke;
     let Some(first) = resp.chunk().await.map_err(broke)? else {
         return Ok(bytes::Bytes::new());
     };
@@ -711,7 +819,7 @@ mod tests {
         ] {
             let refused = u.url(below, None);
             assert!(
-                matches!(refused, Err(ProxyError::InvalidPath(_))),
+                matches!(refused, Err(Error::OutsideBase { .. })),
                 "{below}: {refused:?}"
             );
         }
@@ -749,6 +857,66 @@ mod tests {
             .expect("timed out")
     }
 
+    /// A connection refused keeps its cause: the client-facing error's
+    /// source is the reqwest error itself, and its message, unchanged,
+    /// names the innermost cause without the URL.
+    #[tokio::test]
+    async fn a_refused_connection_keeps_its_reqwest_error_as_source() {
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = closed.local_addr().unwrap().port();
+        drop(closed);
+        let u = Upstream::new(&UpstreamConfig {
+            base_url: format!("http://127.0.0.1:{port}/v1"),
+            ..Default::default()
+        })
+        .unwrap();
+        let url = u.url("/models", None).unwrap();
+        let failed = within(u.send_bodyless(http::Method::GET, &url, HeaderMap::new()))
+            .await
+            .unwrap_err();
+        assert!(matches!(failed, Error::Connect(_)), "{failed:?}");
+        let e = ProxyError::from(failed);
+        assert_eq!(e.status(), http::StatusCode::BAD_GATEWAY);
+        assert_eq!(e.body()["error"]["code"], "upstream_unreachable");
+        let message = e.to_string();
+        assert!(
+            message.starts_with("upstream unreachable: connection failed: "),
+            "{message}"
+        );
+        assert!(!message.contains("/v1/models"), "the URL: {message}");
+        let source = std::error::Error::source(&e).expect("a source");
+        let reqwest = source
+            .downcast_ref::<reqwest::Error>()
+            .expect("the reqwest error");
+        assert!(reqwest.is_connect(), "{reqwest:?}");
+        // The whole chain reaches the operating system's refusal.
+        let mut innermost: &dyn std::error::Error = reqwest;
+        while let Some(s) = innermost.source() {
+            innermost = s;
+        }
+        assert!(message.ends_with(&innermost.to_string()), "{message}");
+    }
+
+    /// The proxy's own clock running out is a 504 with no cause; reqwest's
+    /// is kept; a path refused is the client's 400.
+    #[test]
+    fn timeouts_and_refusals_map_to_their_statuses() {
+        let silent = ProxyError::from(Error::silent(Duration::from_secs(7)));
+        assert_eq!(silent.status(), http::StatusCode::GATEWAY_TIMEOUT);
+        assert_eq!(silent.to_string(), "upstream timed out after 7 s");
+        assert_eq!(silent.body()["error"]["code"], "upstream_timeout");
+        assert!(std::error::Error::source(&silent).is_none());
+        let refused = ProxyError::from(Error::OutsideBase {
+            base: "/api/v1".into(),
+        });
+        assert_eq!(refused.status(), http::StatusCode::BAD_REQUEST);
+        assert_eq!(refused.body()["error"]["code"], "invalid_path");
+        assert_eq!(
+            refused.to_string(),
+            "path refused: it leads outside the upstream's base path /api/v1/"
+        );
+    }
+
     #[tokio::test]
     async fn an_answer_read_whole_is_capped() {
         use crate::fake_upstream::{FakeUpstream, Reply};
@@ -768,7 +936,7 @@ mod tests {
         ))
         .await
         .unwrap();
-        let err = within(read_capped(resp, 100)).await.unwrap_err();
+        let err = ProxyError::from(within(read_capped(resp, 100)).await.unwrap_err());
         assert_eq!(err.status(), http::StatusCode::BAD_GATEWAY);
         assert!(err.to_string().contains("100 bytes"), "{err}");
 

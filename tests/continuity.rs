@@ -9,9 +9,11 @@
 //! table and runs the real llama-server tier.
 //!
 //! The same sessions as Responses conversations compare the summarizer
-//! settings: `local` with its useless summarizer, and `provider` against a
+//! settings: `local` with its useless summarizer, `provider` against a
 //! fake provider whose compaction keeps nothing, where the proxy's facts
-//! (in the newest user message) are all that carries the planted facts.
+//! (in the newest user message) are all that carries the planted facts,
+//! and `auto` against a provider that offers that compaction and one that
+//! does not; the test prints retention per setting.
 
 #[path = "../benches/continuity/sessions.rs"]
 mod sessions;
@@ -295,11 +297,86 @@ fn summary_windows() -> [(&'static str, sessions::RunConfig); 3] {
     ]
 }
 
+/// A `compaction.summarizer` setting of the comparison, and whether the
+/// fake upstream offers its compaction endpoint.
+struct Setting {
+    /// The table's label.
+    label: &'static str,
+    summarizer: Summarizer,
+    /// The upstream's `/responses/compact` answers (keeping nothing);
+    /// otherwise it is missing (404).
+    offered: bool,
+}
+
+impl Setting {
+    fn endpoint(&self) -> Behaviour {
+        if self.offered {
+            Behaviour::KeepNothing
+        } else {
+            Behaviour::Fail(
+                404,
+                json!({"error": {"message": "Not Found", "type": "invalid_request_error"}}),
+            )
+        }
+    }
+}
+
+/// `local`; `provider` (offered); `auto` where the upstream offers it, and
+/// where it does not (then the local summarizer writes the summary, in the
+/// same request).
+const SETTINGS: [Setting; 4] = [
+    Setting {
+        label: "local",
+        summarizer: Summarizer::Local,
+        offered: false,
+    },
+    Setting {
+        label: "provider",
+        summarizer: Summarizer::Provider,
+        offered: true,
+    },
+    Setting {
+        label: "auto",
+        summarizer: Summarizer::Auto,
+        offered: true,
+    },
+    Setting {
+        label: "auto 404",
+        summarizer: Summarizer::Auto,
+        offered: false,
+    },
+];
+
+/// Retention per summarizer setting, over the three windows: planted facts
+/// that reached the upstream.
+fn print_retention(table: &sessions::Table) {
+    println!("\nretention per summarizer setting (all windows)");
+    println!("{:<10}{:>14}{:>9}", "setting", "kept/planted", "kept");
+    for setting in &SETTINGS {
+        let (kept, planted) = sessions::per_rung(table)
+            .into_iter()
+            .filter(|(rung, _, _)| {
+                summary_windows()
+                    .iter()
+                    .any(|(suffix, _)| *rung == format!("{}{suffix}", setting.label))
+            })
+            .fold((0, 0), |(k, n), (_, rk, rn)| (k + rk, n + rn));
+        println!(
+            "{:<10}{:>14}{:>8.1}%",
+            setting.label,
+            format!("{kept}/{planted}"),
+            100.0 * kept as f64 / planted.max(1) as f64
+        );
+    }
+}
+
 /// The six sessions as Responses conversations at the summary rung's
-/// windows, with `summarizer = "local"` (a summarizer that writes nothing
-/// useful) and `"provider"` (a provider whose compaction keeps nothing):
-/// with the provider every summary is its own, and the planted facts reach
-/// the upstream as they do locally, at least 95% of them and every kind 5
+/// windows, for each summarizer setting: `local` (a summarizer that writes
+/// nothing useful), `provider` (a provider whose compaction keeps nothing),
+/// and `auto` with the provider's compaction offered and missing. Where
+/// the provider's compaction is offered every summary is its own (`auto`
+/// learning it from the first call), and the planted facts reach the
+/// upstream as they do locally, at least 95% of them and every kind 5
 /// times in 6 — carried by the proxy's facts in the newest user message.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_facts_survive_a_provider_compaction_that_keeps_nothing() {
@@ -311,10 +388,10 @@ async fn the_facts_survive_a_provider_compaction_that_keeps_nothing() {
                 .expect("fake upstream timed out")
                 .expect("fake upstream");
             fake.set_summary_reply(Some(sessions::useless_summary(i)));
-            fake.set_compact_endpoint(Behaviour::KeepNothing);
             for (suffix, cfg) in summary_windows() {
-                for summarizer in [Summarizer::Local, Summarizer::Provider] {
-                    let run = run_responses(s, &fake, cfg, summarizer).await;
+                for setting in SETTINGS {
+                    fake.set_compact_endpoint(setting.endpoint());
+                    let run = run_responses(s, &fake, cfg, setting.summarizer).await;
                     let mut g = run.graded;
                     assert!(
                         g.rung.is_some(),
@@ -323,17 +400,16 @@ async fn the_facts_survive_a_provider_compaction_that_keeps_nothing() {
                         cfg.window
                     );
                     assert_eq!(
-                        run.by_provider,
-                        summarizer == Summarizer::Provider,
-                        "{} at {}: {:?}",
-                        s.name,
-                        cfg.window,
-                        g.rung
+                        run.by_provider, setting.offered,
+                        "{} at {}, {}: {:?}",
+                        s.name, cfg.window, setting.label, g.rung
                     );
-                    if summarizer == Summarizer::Provider {
+                    if run.by_provider {
                         assert_eq!(g.summary_calls, 0, "{}: no local summary", s.name);
+                    } else {
+                        assert!(g.summary_calls > 0, "{}: the local summary", s.name);
                     }
-                    g.rung = Some(format!("{}{suffix}", summarizer.as_str()));
+                    g.rung = Some(format!("{}{suffix}", setting.label));
                     sessions::report_misses(s.name, &g, &s.facts);
                     sessions::add(&mut table, &g);
                 }
@@ -348,6 +424,7 @@ async fn the_facts_survive_a_provider_compaction_that_keeps_nothing() {
         "Responses: kept/planted per kind and summarizer (useless summarizer, provider keeping nothing)",
         &table,
     );
+    print_retention(&table);
     for (rung, kept, planted) in sessions::per_rung(&table) {
         assert!(
             kept * 100 >= planted * 95,

@@ -16,6 +16,9 @@
 //! The graph minus [`ALLOWED_BACK_EDGES`] must be acyclic, and every edge of
 //! that list must still exist, so the list can only shrink: a change that
 //! removes a back-edge deletes its line, and one that adds a cycle fails here.
+//!
+//! The phases of a request ([`PHASES`]) name no other phase: each returns
+//! its decision to the driver, `server::proxy`.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -63,6 +66,22 @@ const DATABASE_CRATES: &[&str] = &["rusqlite", "tokio_postgres", "postgres_types
 /// for). Empty: not a place to add to; a change that needs a back-edge
 /// moves what the edge reaches for instead.
 const ALLOWED_BACK_EDGES: &[(&str, &str, &str)] = &[];
+
+/// The phases of a request (`server::proxy`, the driver, runs them): none
+/// may name another, so that each returns its decision to the driver
+/// rather than take the next step itself. A phase's children count as the
+/// phase.
+const PHASES: &[&str] = &[
+    "server::read",
+    "server::identify",
+    "server::compact_now",
+    "server::send",
+    "server::recall",
+    "server::splice",
+    "server::relay",
+    "server::record",
+    "server::compact",
+];
 
 /// A module path, `a::b`; the crate root is `crate`.
 type Module = String;
@@ -511,6 +530,30 @@ fn layer_problems(
     out
 }
 
+/// Each edge from one phase (or a child of it) to another.
+fn phase_edges(graph: &BTreeMap<Module, BTreeSet<Module>>, phases: &[&str]) -> Vec<String> {
+    let phase_of = |m: &str| {
+        phases
+            .iter()
+            .copied()
+            .find(|p| m == *p || is_ancestor(p, m))
+    };
+    let mut out = Vec::new();
+    for (from, tos) in graph {
+        let Some(pf) = phase_of(from) else {
+            continue;
+        };
+        for to in tos {
+            if let Some(pt) = phase_of(to).filter(|pt| *pt != pf) {
+                out.push(format!(
+                    "{from} uses {to}: the phase {pf} names the phase {pt}"
+                ));
+            }
+        }
+    }
+    out
+}
+
 /// The modules outside `store` whose code names a database driver.
 fn driver_users(modules: &BTreeMap<Module, String>, crates: &[&str]) -> Vec<String> {
     modules
@@ -539,6 +582,24 @@ fn every_module_uses_only_its_own_layer_and_those_below() {
     assert!(
         problems.is_empty(),
         "\n{}\n(move what the edge reaches for down a layer, or the user up)\n",
+        problems.join("\n")
+    );
+}
+
+#[test]
+fn no_phase_of_a_request_names_another() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let modules = modules(&src);
+    let mut problems: Vec<String> = PHASES
+        .iter()
+        .filter(|phase| !modules.contains_key(**phase))
+        .map(|phase| format!("{phase} is no module: update PHASES"))
+        .collect();
+    problems.extend(phase_edges(&graph(&modules), PHASES));
+    assert!(
+        problems.is_empty(),
+        "\n{}\n(a phase returns its decision to the driver, `server::proxy`, which takes \
+         the next step; what two phases share goes in a module that is none)\n",
         problems.join("\n")
     );
 }
@@ -652,6 +713,33 @@ mod checker {
             ("stray", ""),
         ]);
         assert!(layer_problems(&g, ok).is_empty());
+    }
+
+    #[test]
+    fn it_fails_on_a_phase_that_names_another() {
+        let g = graph_of(&[
+            ("crate", "pub mod s;"),
+            ("s", "mod a; mod b; mod c; mod shared; mod driver;"),
+            ("s::a", "pub mod x; use super::shared::T;"),
+            ("s::a::x", "fn f() { super::super::b::g() }"),
+            ("s::b", "use super::shared::T;"),
+            ("s::c", "fn f() { let _ = super::a::A; }"),
+            ("s::shared", ""),
+            (
+                "s::driver",
+                "fn f() { super::a::f(); super::b::g(); super::c::f(); }",
+            ),
+        ]);
+        // A phase's use of its child, of a module that is no phase, and the
+        // driver's use of the phases are no edges between phases.
+        let phases = ["s::a", "s::b", "s::c"];
+        assert_eq!(
+            phase_edges(&g, &phases),
+            [
+                "s::a::x uses s::b: the phase s::a names the phase s::b",
+                "s::c uses s::a: the phase s::c names the phase s::a",
+            ]
+        );
     }
 
     #[test]

@@ -244,3 +244,50 @@ async fn a_waiting_compaction_too_small_for_a_grown_turn_is_compacted_further() 
     assert_eq!(compactions(&h), 2, "compacted afresh from the waiting one");
     assert!(h.state.metrics.triggers("hard") >= 2);
 }
+
+/// A Messages client that sizes its next request inside a turn while a
+/// compaction waits for the boundary is told the compacted size: the
+/// request itself goes without it, but the compaction is what the
+/// conversation gets at its next user message (or at once over the hard
+/// limit), and a client told the uncompacted size might compact on its own
+/// first (Claude Code does, near its window).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn count_tokens_counts_a_waiting_compaction_as_applied() {
+    let h = Harness::start_with(window).await;
+    let mut l = long_loop(Shape::Messages, "sk-trigger-count-000001");
+    let headers = step(&h, &l, l.shell_reply()).await;
+    assert!(!compacted(&headers));
+    wait_compactions(&h, 1).await;
+    l.round(300);
+    // Counted: with the waiting compaction.
+    let resp = support::within(
+        support::client()
+            .post(format!("{}/messages/count_tokens", h.url()))
+            .header("x-api-key", &l.key)
+            .header("anthropic-version", "2023-06-01")
+            .header("content-type", "application/json")
+            .body(serde_json::to_vec(&l.body()).unwrap())
+            .send(),
+    )
+    .await
+    .expect("count_tokens");
+    assert_eq!(resp.status(), 200);
+    let counted: serde_json::Value =
+        serde_json::from_slice(&support::within(resp.bytes()).await.unwrap()).unwrap();
+    let upstream = h
+        .fake
+        .received()
+        .into_iter()
+        .rfind(|r| r.path == "/v1/messages/count_tokens")
+        .expect("counted upstream");
+    let size = |items: &[serde_json::Value]| serde_json::to_vec(items).unwrap().len();
+    assert!(
+        size(&l.items_of(&upstream)) < size(&l.items),
+        "counted as the compaction will send it"
+    );
+    assert!(counted["input_tokens"].as_u64().unwrap() < l.prompt_tokens());
+    // Sent: inside the turn, as the client sent it.
+    let headers = step(&h, &l, l.shell_reply()).await;
+    assert!(!compacted(&headers), "not cut inside the turn");
+    assert!(!upstream_shorter(&h, &l));
+}

@@ -39,7 +39,7 @@ where
     let answer = read(state, f).await.and_then(|value| {
         serde_json::to_value(&value)
             .map(|v| json_response(StatusCode::OK, &v))
-            .map_err(|e| ProxyError::Internal(e.to_string()))
+            .map_err(ProxyError::internal)
     });
     answer.unwrap_or_else(ProxyError::into_response)
 }
@@ -54,9 +54,9 @@ impl From<QueryError> for ProxyError {
     }
 }
 
-/// The store could not be read: the detail is logged, not shown.
-fn store_unavailable(e: impl std::fmt::Display) -> ProxyError {
-    ProxyError::StoreUnavailable(e.to_string())
+/// The store could not be read: the cause is logged, not shown.
+fn store_unavailable(e: impl Into<crate::error::BoxError>) -> ProxyError {
+    ProxyError::store_unavailable(e)
 }
 
 /// `GET /admin/api/conversations`

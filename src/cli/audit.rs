@@ -10,12 +10,12 @@ const REFS_SHOWN: usize = 20;
 
 /// The compaction `n` (1-based, as `show` numbers them) of `d`, or why
 /// there is none.
-pub fn pick(d: &ConversationDetail, n: usize) -> Result<&CompactionRow, String> {
+pub fn pick(d: &ConversationDetail, n: usize) -> anyhow::Result<&CompactionRow> {
     let count = d.compactions.len();
     n.checked_sub(1)
         .and_then(|i| d.compactions.get(i))
         .ok_or_else(|| {
-            format!(
+            anyhow::anyhow!(
                 "conversation {} has {count} compaction{}: --compaction takes 1 to {count}",
                 d.conversation.id,
                 if count == 1 { "" } else { "s" }

@@ -11,6 +11,7 @@ use std::ffi::OsString;
 use std::path::PathBuf;
 use std::process::ExitCode;
 
+use anyhow::Context as _;
 use clap::ValueEnum;
 use serde_json::{json, Value};
 
@@ -102,10 +103,8 @@ pub struct Target {
 }
 
 /// The proxy's base URL as clients reach it.
-pub fn proxy_base_url(config: &Config) -> Result<String, String> {
-    let addr = config
-        .listen_addr()
-        .map_err(|e| format!("server.listen: {e}"))?;
+pub fn proxy_base_url(config: &Config) -> anyhow::Result<String> {
+    let addr = config.listen_addr().context("server.listen")?;
     Ok(format!("http://{}/v1", admin_target(addr)))
 }
 
@@ -126,7 +125,7 @@ pub fn main(args: ConnectArgs) -> ExitCode {
     let base_url = match proxy_base_url(&config) {
         Ok(u) => u,
         Err(e) => {
-            eprintln!("compactor: configuration error: {e}");
+            eprintln!("compactor: configuration error: {}", super::said(&e));
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -143,7 +142,7 @@ pub fn main(args: ConnectArgs) -> ExitCode {
     let target = match target(&config, base_url, args.model.as_deref(), args.offline) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("compactor: {e}");
+            eprintln!("compactor: {}", super::said(&e));
             return ExitCode::FAILURE;
         }
     };
@@ -169,7 +168,7 @@ pub fn main(args: ConnectArgs) -> ExitCode {
     let new = match render(args.client, existing.as_deref(), &target) {
         Ok(text) => text,
         Err(e) => {
-            eprintln!("compactor: {}: {e}", path.display());
+            eprintln!("compactor: {}: {}", path.display(), super::said(&e));
             return ExitCode::FAILURE;
         }
     };
@@ -180,7 +179,7 @@ pub fn main(args: ConnectArgs) -> ExitCode {
             code
         }
         Err(e) => {
-            eprintln!("compactor: {e}");
+            eprintln!("compactor: {}", super::said(&e));
             ExitCode::FAILURE
         }
     }
@@ -193,7 +192,7 @@ fn target(
     base_url: String,
     model: Option<&str>,
     offline: bool,
-) -> Result<Target, String> {
+) -> anyhow::Result<Target> {
     let runtime = super::command_runtime()?;
     let (model, window, max_output) =
         runtime.block_on(super::doctor::effective_window(config, model, offline))?;
@@ -264,7 +263,7 @@ fn how_to_use(client: Client, t: &Target, path: &std::path::Path) -> String {
 
 /// The client's file with this proxy's entry in it: `existing` with the
 /// entry added or updated, or the entry alone.
-pub fn render(client: Client, existing: Option<&str>, t: &Target) -> Result<String, String> {
+pub fn render(client: Client, existing: Option<&str>, t: &Target) -> anyhow::Result<String> {
     match client {
         Client::Codex => codex_config(existing, t),
         Client::Aider => aider_metadata(existing, t),
@@ -280,12 +279,12 @@ pub fn render(client: Client, existing: Option<&str>, t: &Target) -> Result<Stri
 
 /// Codex's `config.toml`: the model, a provider at the proxy, and the
 /// window the proxy uses (Codex's own compaction keys off it).
-fn codex_config(existing: Option<&str>, t: &Target) -> Result<String, String> {
+fn codex_config(existing: Option<&str>, t: &Target) -> anyhow::Result<String> {
     use toml_edit::{value, DocumentMut, Item, Table};
     let mut doc: DocumentMut = existing
         .unwrap_or_default()
         .parse()
-        .map_err(|e| format!("not valid TOML: {e}"))?;
+        .context("not valid TOML")?;
     doc["model"] = value(t.model.as_str());
     doc["model_provider"] = value(PROVIDER);
     let window = codex_context_window(t.window);
@@ -310,7 +309,7 @@ fn codex_config(existing: Option<&str>, t: &Target) -> Result<String, String> {
     provider["wire_api"] = value("responses");
     let providers = doc["model_providers"]
         .as_table_mut()
-        .ok_or("model_providers is not a table")?;
+        .context("model_providers is not a table")?;
     match providers.get_mut(PROVIDER).and_then(Item::as_table_mut) {
         // Keep the user's other keys of the entry (retries, headers).
         Some(old) => {
@@ -338,14 +337,14 @@ pub fn codex_context_window(window: u64) -> u64 {
 
 /// aider's model metadata (LiteLLM's format): the window of
 /// `openai/MODEL`, which aider uses to warn before a request is too big.
-fn aider_metadata(existing: Option<&str>, t: &Target) -> Result<String, String> {
+fn aider_metadata(existing: Option<&str>, t: &Target) -> anyhow::Result<String> {
     let mut doc: Value = match existing {
         Some(text) if !text.trim().is_empty() => {
-            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?
+            serde_json::from_str(text).context("not valid JSON")?
         }
         _ => json!({}),
     };
-    let map = doc.as_object_mut().ok_or("not a JSON object")?;
+    let map = doc.as_object_mut().context("not a JSON object")?;
     map.insert(
         format!("openai/{}", t.model),
         json!({
@@ -356,7 +355,7 @@ fn aider_metadata(existing: Option<&str>, t: &Target) -> Result<String, String> 
             "mode": "chat",
         }),
     );
-    let mut text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+    let mut text = serde_json::to_string_pretty(&doc)?;
     text.push('\n');
     Ok(text)
 }
@@ -365,7 +364,7 @@ fn aider_metadata(existing: Option<&str>, t: &Target) -> Result<String, String> 
 /// strings, which YAML reads as its double-quoted scalars. An existing file
 /// gets the entry appended; one that already names the model id is left
 /// for a person to edit, since rewriting YAML would drop its comments.
-fn llm_models(existing: Option<&str>, t: &Target) -> Result<String, String> {
+fn llm_models(existing: Option<&str>, t: &Target) -> anyhow::Result<String> {
     let id = format!("{PROVIDER}-{}", t.model);
     let q = |s: &str| Value::from(s).to_string();
     // Without `supports_tools`, llm refuses `-T` for the model.
@@ -387,9 +386,7 @@ fn llm_models(existing: Option<&str>, t: &Target) -> Result<String, String> {
             .is_some_and(|v| v.trim().trim_matches(['"', '\'']) == id)
     });
     if names_it {
-        return Err(format!(
-            "already has an entry for {id}; edit it to read:\n{entry}"
-        ));
+        anyhow::bail!("already has an entry for {id}; edit it to read:\n{entry}");
     }
     let mut out = text.to_string();
     if !out.ends_with('\n') {
@@ -407,7 +404,7 @@ pub fn write_reviewed(
     existing: Option<&str>,
     new: &str,
     yes: bool,
-) -> Result<String, String> {
+) -> anyhow::Result<String> {
     let shown = path.display().to_string();
     let said = match existing {
         Some(old) if old == new => {
@@ -420,17 +417,16 @@ pub fn write_reviewed(
                 .header(&shown, &shown)
                 .to_string();
             if !yes {
-                return Err(format!(
+                anyhow::bail!(
                     "{shown} exists and would change:\n{diff}not written: run again with --yes to apply this"
-                ));
+                );
             }
             format!("{diff}wrote {shown}\n")
         }
         None => format!("{new}wrote {shown} (new file)\n"),
     };
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-        std::fs::create_dir_all(dir)
-            .map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+        std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
     }
     // Whole or not at all: a client starting meanwhile never reads half a file.
     let mut tmp = path.as_os_str().to_owned();
@@ -440,7 +436,7 @@ pub fn write_reviewed(
         .and_then(|()| std::fs::rename(&tmp, path))
         .map_err(|e| {
             let _ = std::fs::remove_file(&tmp);
-            format!("cannot write {shown}: {e}")
+            anyhow::Error::new(e).context(format!("cannot write {shown}"))
         })?;
     Ok(said)
 }
@@ -454,12 +450,12 @@ pub fn run(args: RunArgs) -> ExitCode {
         None,
         None,
     )
-    .map_err(|e| e.to_string())
+    .map_err(anyhow::Error::from)
     .and_then(|c| proxy_base_url(&c));
     let base_url = match base_url {
         Ok(u) => u,
         Err(e) => {
-            eprintln!("compactor: configuration error: {e}");
+            eprintln!("compactor: configuration error: {}", super::said(&e));
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -526,22 +522,22 @@ fn claude_settings(
     existing: Option<&str>,
     origin: &str,
     model: Option<&str>,
-) -> Result<String, String> {
+) -> anyhow::Result<String> {
     let mut doc: Value = match existing {
         Some(text) if !text.trim().is_empty() => {
-            serde_json::from_str(text).map_err(|e| format!("not valid JSON: {e}"))?
+            serde_json::from_str(text).context("not valid JSON")?
         }
         _ => json!({}),
     };
-    let map = doc.as_object_mut().ok_or("not a JSON object")?;
+    let map = doc.as_object_mut().context("not a JSON object")?;
     let env = map.entry("env").or_insert_with(|| json!({}));
     env.as_object_mut()
-        .ok_or("`env` is not a JSON object")?
+        .context("`env` is not a JSON object")?
         .insert(ANTHROPIC_BASE_URL_VAR.into(), Value::from(origin));
     if let Some(model) = model {
         map.insert("model".into(), Value::from(model));
     }
-    let mut text = serde_json::to_string_pretty(&doc).map_err(|e| e.to_string())?;
+    let mut text = serde_json::to_string_pretty(&doc)?;
     text.push('\n');
     Ok(text)
 }
@@ -571,7 +567,7 @@ fn connect_claude_code(base_url: &str, model: Option<&str>, write: bool, yes: bo
     let new = match claude_settings(existing.as_deref(), &origin, model) {
         Ok(text) => text,
         Err(e) => {
-            eprintln!("compactor: {}: {e}", path.display());
+            eprintln!("compactor: {}: {}", path.display(), super::said(&e));
             return ExitCode::FAILURE;
         }
     };
@@ -582,7 +578,7 @@ fn connect_claude_code(base_url: &str, model: Option<&str>, write: bool, yes: bo
             code
         }
         Err(e) => {
-            eprintln!("compactor: {e}");
+            eprintln!("compactor: {}", super::said(&e));
             ExitCode::FAILURE
         }
     }
@@ -641,7 +637,7 @@ mod tests {
         assert!(both.starts_with(other) && both.ends_with(&first), "{both}");
         let stale =
             "- model_id: compactor-gpt-4o\n  model_name: gpt-4o\n  api_base: http://old/v1\n";
-        let err = llm_models(Some(stale), &target()).unwrap_err();
+        let err = llm_models(Some(stale), &target()).unwrap_err().to_string();
         assert!(err.contains("already has an entry"), "{err}");
     }
 
@@ -688,7 +684,9 @@ mod tests {
         let said = write_reviewed(&path, None, "a = 1\n", false).unwrap();
         assert!(said.contains("new file"), "{said}");
         assert_eq!(std::fs::read_to_string(&path).unwrap(), "a = 1\n");
-        let err = write_reviewed(&path, Some("a = 1\n"), "a = 2\n", false).unwrap_err();
+        let err = write_reviewed(&path, Some("a = 1\n"), "a = 2\n", false)
+            .unwrap_err()
+            .to_string();
         assert!(
             err.contains("-a = 1") && err.contains("+a = 2") && err.contains("--yes"),
             "{err}"

@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use serde_json::Value;
 
 use super::ConfigArgs;
@@ -92,7 +93,7 @@ pub fn main(args: DoctorArgs) -> ExitCode {
             let runtime = match super::command_runtime() {
                 Ok(r) => r,
                 Err(e) => {
-                    eprintln!("compactor: {e}");
+                    eprintln!("compactor: {}", super::said(&e));
                     return ExitCode::FAILURE;
                 }
             };
@@ -157,19 +158,21 @@ pub async fn get_json(
     upstream: &Upstream,
     url: &reqwest::Url,
     headers: &http::HeaderMap,
-) -> Result<(u16, Value), String> {
+) -> anyhow::Result<(u16, Value)> {
     let ask = async {
         let resp = upstream
             .send_bodyless(http::Method::GET, url, headers.clone())
-            .await
-            .map_err(|e| e.to_string())?;
+            .await?;
         let status = resp.status().as_u16();
-        let body = upstream.read_body(resp).await.map_err(|e| e.to_string())?;
+        let body = upstream.read_body(resp).await?;
         Ok((status, serde_json::from_slice(&body).unwrap_or(Value::Null)))
     };
     match tokio::time::timeout(CHECK_TIMEOUT, ask).await {
         Ok(answer) => answer,
-        Err(_) => Err(format!("no answer within {}s", CHECK_TIMEOUT.as_secs())),
+        Err(_) => Err(anyhow::anyhow!(
+            "no answer within {}s",
+            CHECK_TIMEOUT.as_secs()
+        )),
     }
 }
 
@@ -192,14 +195,14 @@ async fn check_upstream(config: &Config, out: &mut Vec<Finding>) -> Option<(Upst
     let keyed = headers.contains_key(http::header::AUTHORIZATION);
     let answer = match upstream.url("/models", None) {
         Ok(url) => get_json(&upstream, &url, &headers).await,
-        Err(e) => Err(e.to_string()),
+        Err(e) => Err(e.into()),
     };
     match answer {
         Err(why) => {
             out.push(Finding::new(
                 Verdict::Fail,
                 "upstream",
-                format!("{base} is unreachable: {why}"),
+                format!("{base} is unreachable: {}", super::said(&why)),
             ));
             None
         }
@@ -415,11 +418,11 @@ pub async fn effective_window(
     config: &Config,
     model: Option<&str>,
     offline: bool,
-) -> Result<(String, u64, u64), String> {
+) -> anyhow::Result<(String, u64, u64)> {
     let asked = if offline {
         None
     } else {
-        let upstream = Upstream::new(&config.upstream).map_err(|e| format!("{e:#}"))?;
+        let upstream = Upstream::new(&config.upstream)?;
         let headers = upstream_headers(&upstream);
         let listed = match upstream.url("/models", None) {
             Ok(url) => match get_json(&upstream, &url, &headers).await {
@@ -430,29 +433,25 @@ pub async fn effective_window(
         };
         Some((upstream, headers, listed))
     };
-    let model =
-        match model {
-            Some(m) => m.to_string(),
-            None => {
-                let ids = asked
-                    .as_ref()
-                    .map(|(_, _, l)| model_ids(l))
-                    .unwrap_or_default();
-                match ids.as_slice() {
-                    [only] => only.clone(),
-                    [] => return Err(
-                        "name the model with --model (the upstream lists none, or was not asked)"
-                            .into(),
-                    ),
-                    _ => {
-                        return Err(format!(
-                            "name the model with --model; the upstream has {}",
-                            preview(&ids)
-                        ))
-                    }
-                }
+    let model = match model {
+        Some(m) => m.to_string(),
+        None => {
+            let ids = asked
+                .as_ref()
+                .map(|(_, _, l)| model_ids(l))
+                .unwrap_or_default();
+            match ids.as_slice() {
+                [only] => only.clone(),
+                [] => anyhow::bail!(
+                    "name the model with --model (the upstream lists none, or was not asked)"
+                ),
+                _ => anyhow::bail!(
+                    "name the model with --model; the upstream has {}",
+                    preview(&ids)
+                ),
             }
-        };
+        }
+    };
     let (limits, source) = configured(config, &model);
     let told = match &asked {
         Some((upstream, headers, _)) if config.upstream.discover_windows => {
@@ -523,7 +522,7 @@ pub fn check_store(path: &Path) -> Finding {
             Err(why) => Finding::new(
                 Verdict::Fail,
                 "store",
-                format!("{shown} cannot be created: {why}"),
+                format!("{shown} cannot be created: {}", super::said(&why)),
             ),
         };
     }
@@ -536,12 +535,16 @@ pub fn check_store(path: &Path) -> Finding {
                 thousands(conversations)
             ),
         ),
-        Err(why) => Finding::new(Verdict::Fail, "store", format!("{shown}: {why}")),
+        Err(why) => Finding::new(
+            Verdict::Fail,
+            "store",
+            format!("{shown}: {}", super::said(&why)),
+        ),
     }
 }
 
 /// The nearest existing directory above `path`, if a file can be made in it.
-fn writable_dir(path: &Path) -> Result<PathBuf, String> {
+fn writable_dir(path: &Path) -> anyhow::Result<PathBuf> {
     let mut dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
     if dir.as_os_str().is_empty() {
         dir = PathBuf::from(".");
@@ -557,7 +560,7 @@ fn writable_dir(path: &Path) -> Result<PathBuf, String> {
         .write(true)
         .create_new(true)
         .open(&probe)
-        .map_err(|e| format!("{}: {e}", dir.display()))?;
+        .with_context(|| dir.display().to_string())?;
     let _ = std::fs::remove_file(&probe);
     Ok(dir)
 }

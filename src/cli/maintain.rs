@@ -4,6 +4,8 @@
 use std::path::Path;
 use std::process::ExitCode;
 
+use anyhow::Context as _;
+
 use super::args::{layered_config, with_database_url, CompactArgs, MaintainArgs, PruneArgs};
 use super::EXIT_USAGE;
 use super::{print_out, to_json};
@@ -33,15 +35,15 @@ pub(super) fn maintain_config(target: &MaintainArgs) -> Result<Config, ExitCode>
 pub(super) const ADMIN_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
 
 /// A request to the running proxy's admin API (`path` below `/admin/api`):
-/// its JSON answer, or the message to print.
+/// its JSON answer, or why not.
 pub(super) fn admin_call(
     config: &Config,
     method: reqwest::Method,
     path: &str,
-) -> Result<serde_json::Value, String> {
+) -> anyhow::Result<serde_json::Value> {
     let addr = config
         .listen_addr()
-        .map_err(|e| format!("configuration error: server.listen: {e}"))?;
+        .context("configuration error: server.listen")?;
     let target = admin_target(addr);
     let url = format!("http://{target}/admin/api{path}");
     let token = Some(&config.admin.token_env)
@@ -64,10 +66,11 @@ pub(super) fn admin_call(
         Ok::<_, reqwest::Error>((status, body))
     });
     let (status, body) = answer.map_err(|e| {
-        format!(
+        let said = format!(
             "cannot reach the proxy's admin API at http://{target} ({}): is `compactor serve` running there? (address from server.listen / --listen / COMPACTOR_LISTEN)",
             describe_error(&e)
-        )
+        );
+        anyhow::Error::new(e).context(said)
     })?;
     let value: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
     if !status.is_success() {
@@ -76,9 +79,7 @@ pub(super) fn admin_call(
             .and_then(|m| m.as_str())
             .map(str::to_string)
             .unwrap_or_else(|| String::from_utf8_lossy(&body).into_owned());
-        return Err(format!(
-            "the proxy at {target} answered {status}: {message}"
-        ));
+        anyhow::bail!("the proxy at {target} answered {status}: {message}");
     }
     Ok(value)
 }
@@ -119,28 +120,30 @@ pub(super) fn maintain(
         Err(code) => return code,
     };
     let path = config.store_path();
-    let removed: Result<retention::Removed, String> = if config.store.is_postgres() {
+    let removed: anyhow::Result<retention::Removed> = if config.store.is_postgres() {
         // The database the replicas share: deleted there, and every replica
         // told to forget what went.
         let opts = crate::store::postgres::Options::from_config(&config.store);
         crate::store::postgres_queries::connect(&opts)
-            .map_err(|e| format!("cannot read the PostgreSQL store: {e}"))
-            .and_then(|conn| offline(&conn).map_err(|e| e.to_string()))
+            .context("cannot read the PostgreSQL store")
+            .and_then(|conn| Ok(offline(&conn)?))
     } else if served(&path) {
         // The proxy forgets what goes, so no request is taken as part of
         // it, and deletes on its side of the store.
-        admin_call(&config, admin.0, &admin.1)
-            .and_then(|v| serde_json::from_value(v["removed"].clone()).map_err(|e| e.to_string()))
+        admin_call(&config, admin.0, &admin.1).and_then(|v| {
+            serde_json::from_value(v["removed"].clone())
+                .context("the proxy's answer does not say what was removed")
+        })
     } else {
         crate::store::journal::import_orphaned(&path)
             .map_err(query::QueryError::from)
             .and_then(|_| Ok(retention::open_for_maintenance(&path)?))
             .and_then(|conn| offline(&conn))
-            .map_err(|e| e.to_string())
+            .map_err(anyhow::Error::from)
     };
     match removed {
         Err(e) => {
-            eprintln!("compactor: {e}");
+            eprintln!("compactor: {}", super::said(&e));
             ExitCode::FAILURE
         }
         Ok(r) if target.store.json => {
@@ -238,7 +241,7 @@ pub(super) fn compact(args: CompactArgs) -> ExitCode {
     let value = match admin_call(&config, reqwest::Method::POST, &path) {
         Ok(v) => v,
         Err(e) => {
-            eprintln!("compactor: {e}");
+            eprintln!("compactor: {}", super::said(&e));
             return ExitCode::FAILURE;
         }
     };
@@ -259,7 +262,7 @@ pub(super) fn compact(args: CompactArgs) -> ExitCode {
             }
             Ok(_) => std::thread::sleep(COMPACT_POLL),
             Err(e) => {
-                eprintln!("compactor: {e}");
+                eprintln!("compactor: {}", super::said(&e));
                 return ExitCode::FAILURE;
             }
         }
@@ -302,11 +305,11 @@ pub(super) fn outcome_text(o: &serde_json::Value) -> String {
 
 /// A one-thread runtime for a command's few requests (`compact`,
 /// `doctor`, `connect`).
-pub(crate) fn command_runtime() -> Result<tokio::runtime::Runtime, String> {
+pub(crate) fn command_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
     tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
-        .map_err(|e| format!("cannot start the runtime: {e}"))
+        .context("cannot start the runtime")
 }
 
 /// Where to reach a proxy listening on `addr`: an unspecified address

@@ -3,6 +3,8 @@
 
 use std::process::ExitCode;
 
+use anyhow::Context as _;
+
 use super::args::{layered_config, with_database_url, ConversationsCommand};
 use super::audit;
 use super::maintain::delete;
@@ -31,7 +33,7 @@ pub(super) fn conversations(cmd: ConversationsCommand) -> ExitCode {
     let conn = match views(&config) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("compactor: {e}");
+            eprintln!("compactor: {}", super::said(&e));
             return ExitCode::FAILURE;
         }
     };
@@ -65,7 +67,7 @@ pub(super) fn conversations(cmd: ConversationsCommand) -> ExitCode {
             ..
         } => {
             let shown = query::show(&*conn, &config, id)
-                .map_err(|e| e.to_string())
+                .map_err(anyhow::Error::from)
                 .and_then(|d| {
                     audit::pick(&d, *n).map(|k| {
                         if json {
@@ -78,7 +80,7 @@ pub(super) fn conversations(cmd: ConversationsCommand) -> ExitCode {
             return match shown {
                 Ok(text) => print_out(&text),
                 Err(e) => {
-                    eprintln!("compactor: {e}");
+                    eprintln!("compactor: {}", super::said(&e));
                     ExitCode::FAILURE
                 }
             };
@@ -114,17 +116,17 @@ pub(super) fn conversations(cmd: ConversationsCommand) -> ExitCode {
 
 /// A connection for the views: the SQLite file read-only, or one pooled
 /// connection to the PostgreSQL store (whose schema must be current).
-pub(super) fn views(config: &Config) -> Result<Box<dyn Sql>, String> {
+pub(super) fn views(config: &Config) -> anyhow::Result<Box<dyn Sql>> {
     if config.store.is_postgres() {
         let opts = crate::store::postgres::Options::from_config(&config.store);
         return crate::store::postgres_queries::connect(&opts)
             .map(|c| Box::new(c) as Box<dyn Sql>)
-            .map_err(|e| format!("cannot read the PostgreSQL store: {e}"));
+            .context("cannot read the PostgreSQL store");
     }
     let path = config.store_path();
     query::open_read_only(&path)
         .map(|c| Box::new(c) as Box<dyn Sql>)
-        .map_err(|e| format!("cannot open the store {}: {e}", path.display()))
+        .with_context(|| format!("cannot open the store {}", path.display()))
 }
 
 /// Text for the terminal: every character a terminal could act on (see

@@ -4,6 +4,8 @@
 use std::io::IsTerminal;
 use std::process::ExitCode;
 
+use anyhow::Context as _;
+
 use super::args::{ConfigArgs, DemoArgs, LogFormat, ServeArgs};
 use super::render::table;
 use super::EXIT_USAGE;
@@ -126,7 +128,7 @@ pub(super) fn demo(args: DemoArgs) -> ExitCode {
     match runtime.block_on(crate::demo::run_and_print(opts, &mut out)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("compactor demo: {e:#}");
+            eprintln!("compactor demo: {}", super::said(&e));
             ExitCode::FAILURE
         }
     }
@@ -177,7 +179,7 @@ pub(super) fn serve(args: ServeArgs) -> ExitCode {
     match runtime.block_on(serve_async(config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("compactor: {e:#}");
+            eprintln!("compactor: {}", super::said(&e));
             ExitCode::FAILURE
         }
     }
@@ -187,7 +189,7 @@ pub(super) async fn serve_async(config: Config) -> anyhow::Result<()> {
     let addr = config.listen_addr()?;
     let listener = tokio::net::TcpListener::bind(addr)
         .await
-        .map_err(|e| anyhow::anyhow!("cannot listen on {addr}: {e}"))?;
+        .with_context(|| format!("cannot listen on {addr}"))?;
     server::raise_open_file_limit(config.server.max_connections);
     let state = AppState::open(config)?;
     if let Some(days) = state.config.store.retain_days {

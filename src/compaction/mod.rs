@@ -19,6 +19,8 @@
 //!   `compaction_trigger`) and the `compaction` items that stand for it
 //! - [`boundary`]: the provider's own compaction a client asks for, and the
 //!   newest provider compaction item, before which nothing is compacted
+//! - [`rebuild`]: a provider compaction item the provider refuses, and the
+//!   history from the record that takes its place
 //!
 //! A compaction replaces the first `covered_len` items the client sends —
 //! identified by their chain hash, so it can never apply to bytes it did not
@@ -36,6 +38,7 @@ pub mod items;
 pub mod ladder;
 pub mod policy;
 pub mod provider;
+pub mod rebuild;
 pub mod recall;
 pub mod remote;
 pub mod rewrite;

@@ -8,6 +8,7 @@ mod check;
 mod index;
 mod jobs;
 pub mod provider;
+pub mod rebuild;
 mod summarizer;
 
 pub use check::{check_fit, Fit, FitCheck};
@@ -72,7 +73,7 @@ impl CompactError {
     /// gave nothing to compact, unless the proxy itself failed.
     pub fn into_refusal(self) -> crate::error::ProxyError {
         match self {
-            CompactError::Internal(detail) => crate::error::ProxyError::Internal(detail),
+            CompactError::Internal(detail) => crate::error::ProxyError::internal(detail),
             other => crate::error::ProxyError::NothingToCompact(Box::new(other)),
         }
     }

@@ -142,9 +142,10 @@ pub(super) const MAX_LOGGED_ERROR: usize = 300;
 #[derive(Debug, thiserror::Error)]
 pub enum SummarizerError {
     /// The call could not be made or its answer read (its URL, the
-    /// connection, a timeout).
+    /// connection, a timeout): the upstream client's error, its reqwest
+    /// cause its source.
     #[error(transparent)]
-    Upstream(#[from] crate::error::ProxyError),
+    Upstream(#[from] crate::upstream::Error),
     /// The request could not be encoded.
     #[error("summary request: {0}")]
     Encode(#[source] serde_json::Error),

@@ -6,8 +6,10 @@
 //!   item on is over `N` tokens, the answer's output starts with a
 //!   `compaction` item whose `encrypted_content` the fake minted (JSON and
 //!   SSE). Any later request carrying a `compaction` item that is not one it
-//!   minted, as it minted it, is refused (400), and only what follows the
-//!   newest one is counted (what came before is carried by it).
+//!   minted, as it minted it, is refused (400 `invalid_encrypted_content`,
+//!   as OpenAI refuses an item it can no longer decrypt; also every item
+//!   minted before [`State::expire`]), and only what follows the newest one
+//!   is counted (what came before is carried by it).
 //! - **Messages** (`context_management.edits: [{"type": "compact_20260112",
 //!   "trigger": {"type": "input_tokens", "value": N}}]`, beta
 //!   `compact-2026-01-12` required): over `N`, the answer's content starts
@@ -167,6 +169,15 @@ impl State {
         self.settings.is_some()
     }
 
+    /// Forgets every `compaction` item minted so far, as a provider whose
+    /// key rotated or whose items expired: a later request carrying one is
+    /// refused (400 `invalid_encrypted_content`). How many it forgot.
+    pub fn expire(&mut self) -> usize {
+        let n = self.minted.len();
+        self.minted.clear();
+        n
+    }
+
     /// The refusal of a request the provider would refuse, if any (only
     /// while on): a `compaction` item it did not mint, a threshold under
     /// the minimum, a missing beta, a prompt over the window; for
@@ -183,10 +194,16 @@ impl State {
             {
                 if !self.minted.contains(&item.to_string()) {
                     let id = item.get("id").and_then(Value::as_str).unwrap_or("");
-                    return Some(refuse_openai(
-                        format!("The encrypted content for item {id} could not be verified."),
-                        "invalid_encrypted_content",
-                    ));
+                    // As OpenAI answers it: no `param`.
+                    let mut refusal = json!({"error": {
+                        "message": format!("The encrypted content for item {id} could not be verified. Reason: Encrypted content could not be decrypted or parsed."),
+                        "type": "invalid_request_error", "param": null,
+                        "code": "invalid_encrypted_content"}});
+                    if id.is_empty() {
+                        refusal["error"]["message"] =
+                            json!("The encrypted content could not be verified.");
+                    }
+                    return Some(Reply::json(400, refusal));
                 }
             }
             if let Some(t) = responses_threshold(&body) {

@@ -1,7 +1,7 @@
 //! The answers the proxy makes itself, from a compaction, in OpenAI's
 //! shape: Codex's in-band `compaction_trigger` and `/v1/responses/compact`.
-//! They run after the request is identified, in place of the send and the
-//! relay; they must not send the client's request upstream.
+//! The driver runs them once the request is identified, in place of the
+//! send and the relay; they must not send the client's request upstream.
 
 use std::sync::Arc;
 
@@ -10,9 +10,8 @@ use http::header::{self, HeaderValue};
 use http::Response;
 use serde_json::Value;
 
+use super::answer::{COMPACTED_HEADER, CONVERSATION_HEADER};
 use super::exchange::{Outcome, PendingExchange, Unanswered};
-use super::record::fail;
-use super::relay::{COMPACTED_HEADER, CONVERSATION_HEADER};
 use crate::app::AppState;
 use crate::compaction::{remote, Compaction};
 use crate::engine;
@@ -31,7 +30,7 @@ pub(super) async fn answer_trigger(
         Ok(c) => c,
         Err(e) => {
             let err = e.into_refusal();
-            return Err(fail(state, pending, err, None).await);
+            return Err(pending.fail(state, err, None).await);
         }
     };
     let item = remote::compaction_item(&c, remote::Form::Full);

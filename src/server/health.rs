@@ -9,7 +9,7 @@ use http::StatusCode;
 use serde_json::json;
 
 use crate::app::AppState;
-use crate::error::{json_response, ProxyBody};
+use crate::error::{json_response, ProxyBody, ProxyError, Unready};
 
 /// An exchange the upstream answered whole within this long makes it
 /// ready without asking it again.
@@ -27,59 +27,45 @@ pub fn healthz() -> http::Response<ProxyBody> {
 }
 
 /// `GET /readyz`: 200 with `"status": "ready"` when the store takes
-/// writes and the upstream is reachable; 503 with `"status": "not_ready"`
-/// and each check's finding otherwise.
+/// writes and the upstream is reachable; otherwise the 503 of
+/// [`ProxyError::NotReady`], with each check's finding.
 pub async fn readyz(state: &Arc<AppState>) -> http::Response<ProxyBody> {
-    let (store_ok, store) = store_check(state).await;
+    let (store_ok, store) = match store_check(state).await {
+        Ok(()) => (true, json!({"ok": true})),
+        Err(e) => (false, e.finding()),
+    };
     let (upstream_ok, upstream) = upstream_check(state).await;
-    let ready = store_ok && upstream_ok;
-    json_response(
-        if ready {
-            StatusCode::OK
-        } else {
-            StatusCode::SERVICE_UNAVAILABLE
-        },
-        &json!({
-            "status": if ready { "ready" } else { "not_ready" },
-            "checks": {"store": store, "upstream": upstream},
-        }),
-    )
+    let checks = json!({"store": store, "upstream": upstream});
+    if store_ok && upstream_ok {
+        json_response(
+            StatusCode::OK,
+            &json!({"status": "ready", "checks": checks}),
+        )
+    } else {
+        ProxyError::NotReady { checks }.into_response()
+    }
 }
 
 /// The writer thread commits (a flush, bounded) and the database file
 /// opens for writing.
-async fn store_check(state: &AppState) -> (bool, serde_json::Value) {
-    if let Err(e) = state.store.available() {
-        return (false, json!({"ok": false, "error": e.to_string()}));
-    }
-    match tokio::time::timeout(STORE_TIMEOUT, state.store.flush()).await {
-        Err(_) => {
-            return (
-                false,
-                json!({"ok": false, "error": "the store writer did not answer in time"}),
-            )
-        }
-        Ok(Err(e)) => return (false, json!({"ok": false, "error": e.to_string()})),
-        Ok(Ok(())) => {}
-    }
+async fn store_check(state: &AppState) -> Result<(), Unready> {
+    let store = |e: crate::store::StoreError| Unready::Store(e.into());
+    state.store.available().map_err(store)?;
+    tokio::time::timeout(STORE_TIMEOUT, state.store.flush())
+        .await
+        .map_err(|_| Unready::StoreSilent("the store writer"))?
+        .map_err(store)?;
     if let Some(pg) = state.postgres.clone() {
         let ping = tokio::task::spawn_blocking(move || pg.ping());
         return match tokio::time::timeout(STORE_TIMEOUT, ping).await {
-            Ok(Ok(Ok(()))) => (true, json!({"ok": true})),
-            Ok(Ok(Err(e))) => (false, json!({"ok": false, "error": e.to_string()})),
-            _ => (
-                false,
-                json!({"ok": false, "error": "the database did not answer in time"}),
-            ),
+            Ok(Ok(pinged)) => pinged.map_err(store),
+            _ => Err(Unready::StoreSilent("the database")),
         };
     }
     let path = state.config.store_path();
     match std::fs::OpenOptions::new().append(true).open(&path) {
-        Ok(_) => (true, json!({"ok": true})),
-        Err(e) => (
-            false,
-            json!({"ok": false, "error": format!("the database is not writable: {e}")}),
-        ),
+        Ok(_) => Ok(()),
+        Err(e) => Err(Unready::NotWritable(e)),
     }
 }
 
@@ -107,13 +93,17 @@ async fn upstream_check(state: &Arc<AppState>) -> (bool, serde_json::Value) {
     if let Some(age) = recent(state) {
         return (true, json!({"ok": true, "reached_ms_ago": age}));
     }
-    let (ok, finding) = probe(state).await;
+    let (ok, finding) = match probe(state).await {
+        Ok(status) => (true, json!({"ok": true, "probe_status": status.as_u16()})),
+        Err(e) => (false, e.finding()),
+    };
     *last = Some((crate::ids::now_ms(), ok, finding.clone()));
     (ok, finding)
 }
 
-/// One `GET /v1/models` of the upstream within [`PROBE_TIMEOUT`].
-async fn probe(state: &AppState) -> (bool, serde_json::Value) {
+/// One `GET /v1/models` of the upstream within [`PROBE_TIMEOUT`]: the
+/// status of an answer below 500.
+async fn probe(state: &AppState) -> Result<StatusCode, Unready> {
     let probe = async {
         let url = state.upstream.url("/models", None)?;
         let headers = state
@@ -128,16 +118,10 @@ async fn probe(state: &AppState) -> (bool, serde_json::Value) {
     match tokio::time::timeout(PROBE_TIMEOUT, probe).await {
         Ok(Ok(status)) if status.as_u16() < 500 => {
             state.upstream_reached();
-            (true, json!({"ok": true, "probe_status": status.as_u16()}))
+            Ok(status)
         }
-        Ok(Ok(status)) => (
-            false,
-            json!({"ok": false, "error": format!("the upstream answered {status}")}),
-        ),
-        Ok(Err(e)) => (false, json!({"ok": false, "error": e.to_string()})),
-        Err(_) => (
-            false,
-            json!({"ok": false, "error": format!("the upstream did not answer within {} s", PROBE_TIMEOUT.as_secs())}),
-        ),
+        Ok(Ok(status)) => Err(Unready::UpstreamStatus(status)),
+        Ok(Err(e)) => Err(Unready::Request(e.into())),
+        Err(_) => Err(Unready::UpstreamSilent(PROBE_TIMEOUT.as_secs())),
     }
 }

@@ -1,8 +1,9 @@
 //! Phase 2, identify and apply compaction: runs once the request is read
-//! and parsed, before anything goes upstream, and again when the upstream
-//! refuses a request as too long. Names the conversation, opens the
-//! exchange, and chooses the items that go upstream (a stored compaction,
-//! one made now). It must not send the request or answer the client.
+//! and parsed, before anything goes upstream. Names the conversation, opens
+//! the exchange, applies the stored compaction that covers it, and says
+//! whether it needs one made now ([`Compact`], which the driver has
+//! `server::compact_now` make). It must not compact, send the request or
+//! answer the client.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -10,9 +11,9 @@ use std::time::Instant;
 use serde_json::Value;
 
 use super::exchange::{PendingExchange, Unanswered};
-use super::read::ReadRequest;
+use super::request::ReadRequest;
 use crate::app::AppState;
-use crate::compaction::{policy, Compaction};
+use crate::compaction::Compaction;
 use crate::config::Mode;
 use crate::engine;
 use crate::error::ProxyError;
@@ -20,17 +21,32 @@ use crate::store::{bounded_text, MAX_CLIENT_CHARS};
 use crate::wire::items::{ItemList, Tools};
 use crate::wire::{self, item_hash, messages, Api};
 
-/// Identifies the conversation of a request read, opens its exchange and
-/// applies the compaction it needs, if any. Fails only when the store
-/// cannot take the exchange (its database is unreachable): then nothing
-/// goes upstream.
+/// The compaction a request identified needs made now, before it goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Compact {
+    /// None: it goes as it is now.
+    No,
+    /// Too large to go out as it is (its estimated tokens, over the hard
+    /// limit), and nothing under way: compact now rather than let the
+    /// upstream refuse it.
+    HardLimit(u64),
+    /// A compaction that waited for its boundary was applied for the first
+    /// time to a request over the hard limit: compacted afresh if it leaves
+    /// the request over still.
+    IfStillOver,
+}
+
+/// Identifies the conversation of a request read, opens its exchange,
+/// applies the stored compaction it takes, if any, and says what it needs
+/// compacted now. Fails only when the store cannot take the exchange (its
+/// database is unreachable): then nothing goes upstream.
 pub(super) async fn identify(
     state: &Arc<AppState>,
     parts: &http::request::Parts,
     read: ReadRequest,
     started: Instant,
     started_ms: i64,
-) -> Result<Unanswered, ProxyError> {
+) -> Result<(Unanswered, Compact), ProxyError> {
     let ReadRequest {
         api,
         tenant,
@@ -47,10 +63,7 @@ pub(super) async fn identify(
     } = read;
     // A stalled database refuses the request now, before it reads the
     // database or anything goes upstream.
-    state
-        .store
-        .available()
-        .map_err(|e| ProxyError::StoreDown(e.to_string()))?;
+    state.store.available().map_err(ProxyError::store_down)?;
     let model = body
         .get("model")
         .and_then(Value::as_str)
@@ -99,7 +112,7 @@ pub(super) async fn identify(
             id: state
                 .store
                 .next_exchange_id()
-                .map_err(|e| ProxyError::StoreDown(e.to_string()))?,
+                .map_err(ProxyError::store_down)?,
             ident,
             explicit_key,
             client_ids: wire::client_ids(&parts.headers, &body),
@@ -152,9 +165,9 @@ pub(super) async fn identify(
             pending.observed = state
                 .compactions
                 .find_observed(&pending.tenant, &pending.chains);
-            return Ok(pending);
+            return Ok((pending, Compact::No));
         }
-        Mode::Off => return Ok(pending),
+        Mode::Off => return Ok((pending, Compact::No)),
     }
     // Claude Code's own compaction request says so in its last message.
     pending.client_compaction |= pending.api == Api::Messages
@@ -181,7 +194,7 @@ pub(super) async fn identify(
                 pending.apply(c);
             }
         }
-        return Ok(pending);
+        return Ok((pending, Compact::No));
     }
     // A stored compaction covering a prefix of this request replaces it
     // (one still waiting for its first turn boundary only at one: see
@@ -201,12 +214,13 @@ pub(super) async fn identify(
         tools: pending.tools.clone(),
         bytes,
     };
+    let mut compact = Compact::No;
     match engine::check_fit(state, check).await {
         engine::Fit::Fits => {}
         engine::Fit::Waited => {
             if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
                 if apply_stored(state, &mut pending, c, boundary, true) {
-                    fit_after_waiting(state, &mut pending).await;
+                    compact = Compact::IfStillOver;
                 }
             }
         }
@@ -220,20 +234,14 @@ pub(super) async fn identify(
                 .filter(|c| pending.compaction.as_ref().is_none_or(|p| p.id != c.id));
             if let Some(c) = newer {
                 if apply_stored(state, &mut pending, c, boundary, true) {
-                    fit_after_waiting(state, &mut pending).await;
+                    compact = Compact::IfStillOver;
                 }
             } else if pending.mode == Mode::Manual {
                 // Nothing compacts on its own in manual mode: the request
                 // goes as it is, and the reactive path answers a refusal.
                 tracing::info!(tokens, "over the hard limit in manual mode: sent as it is");
             } else {
-                compact_now(
-                    state,
-                    &mut pending,
-                    format!("hard_limit: ~{tokens} tokens leave no room for the answer"),
-                    engine::Goal::HardLimit,
-                )
-                .await;
+                compact = Compact::HardLimit(tokens);
             }
         }
     }
@@ -251,7 +259,7 @@ pub(super) async fn identify(
         pending.hidden_thinking = true;
         pending.drop_block = true;
     }
-    Ok(pending)
+    Ok((pending, compact))
 }
 
 /// Whether a request is at a turn boundary: its last item is a new user
@@ -310,34 +318,6 @@ fn apply_stored(
     first
 }
 
-/// A compaction that waited for its boundary, applied to a request over
-/// the hard limit, may leave it over still: the items of the turn after it
-/// grew while it waited. Then the request is compacted afresh from it, as
-/// one with none would be (not in manual mode).
-async fn fit_after_waiting(state: &Arc<AppState>, pending: &mut PendingExchange) {
-    if pending.mode == Mode::Manual {
-        return;
-    }
-    let check = engine::FitCheck {
-        tenant: &pending.tenant,
-        conversation: &pending.ident.conversation,
-        model: &pending.model,
-        view: pending.view.clone(),
-        hashes: None,
-        tools: pending.tools.clone(),
-        bytes: None,
-    };
-    if let engine::Fit::Over(tokens) = engine::check_fit(state, check).await {
-        compact_now(
-            state,
-            pending,
-            format!("hard_limit: ~{tokens} tokens leave no room for the answer"),
-            engine::Goal::HardLimit,
-        )
-        .await;
-    }
-}
-
 /// A header's text, if present, text and not blank.
 fn header_text<'a>(headers: &'a http::HeaderMap, name: &str) -> Option<&'a str> {
     headers
@@ -345,56 +325,4 @@ fn header_text<'a>(headers: &'a http::HeaderMap, name: &str) -> Option<&'a str> 
         .and_then(|v| v.to_str().ok())
         .map(str::trim)
         .filter(|v| !v.is_empty())
-}
-
-/// Computes a compaction of the request's view now, to reach `goal`, and
-/// applies it.
-pub(super) async fn compact_now(
-    state: &Arc<AppState>,
-    pending: &mut PendingExchange,
-    reason: String,
-    goal: engine::Goal,
-) -> bool {
-    let mut input = pending.input(reason, false);
-    input.goal = goal;
-    match engine::compact(state, input).await {
-        Ok(c) => {
-            pending.apply(c);
-            true
-        }
-        Err(e) => {
-            tracing::warn!(error = %e, "no compaction could be applied");
-            false
-        }
-    }
-}
-
-/// The upstream refused the request as too long: remembers the window it
-/// stated, and compacts the request to fit it.
-pub(super) async fn compact_on_overflow(
-    state: &Arc<AppState>,
-    pending: &mut PendingExchange,
-    stated: policy::Stated,
-    why: &str,
-) -> bool {
-    if let Some(window) = stated.limit {
-        super::discovery::tell(
-            state,
-            &pending.model,
-            window,
-            crate::windows::Source::Learned,
-        )
-        .await;
-    }
-    let max_output = request_max_output(&pending.body);
-    let goal = engine::Goal::Overflow { stated, max_output };
-    compact_now(state, pending, format!("overflow: {why}"), goal).await
-}
-
-/// The largest answer the request asks for, if it sets one (Chat's
-/// `max_tokens` / `max_completion_tokens`, Responses' `max_output_tokens`).
-fn request_max_output(body: &Value) -> Option<u64> {
-    ["max_completion_tokens", "max_tokens", "max_output_tokens"]
-        .iter()
-        .find_map(|k| body.get(*k).and_then(Value::as_u64))
 }

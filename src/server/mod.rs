@@ -3,7 +3,9 @@
 //! `run` takes a bound listener (never binds itself, so tests and the CLI
 //! choose the port) and a shutdown future.
 
+mod answer;
 mod compact;
+mod compact_now;
 pub mod control;
 mod count_tokens;
 pub mod discovery;
@@ -17,6 +19,7 @@ mod read;
 mod recall;
 mod record;
 mod relay;
+mod request;
 mod send;
 mod splice;
 

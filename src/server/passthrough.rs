@@ -89,7 +89,7 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
         .unwrap_or(parts.uri.path());
     let url = match state.upstream.url(below, parts.uri.query()) {
         Ok(url) => url,
-        Err(e) => return e.into_response(),
+        Err(e) => return ProxyError::from(e).into_response(),
     };
     let headers = state.upstream.request_headers(&parts.headers, false);
     let sent = if body.is_end_stream() {
@@ -135,10 +135,10 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
             tokio::select! {
                 () = watch.all_sent() => {
                     tokio::time::sleep(up.response_timeout).await;
-                    ProxyError::UpstreamTimeout(up.response_timeout.as_secs())
+                    crate::upstream::Error::silent(up.response_timeout)
                 }
                 () = watch.not_taken_for(up.idle_timeout) => {
-                    ProxyError::UpstreamTimeout(up.idle_timeout.as_secs())
+                    crate::upstream::Error::silent(up.idle_timeout)
                 }
             }
         };
@@ -163,7 +163,7 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
     };
     let resp = match sent {
         Ok(r) => r,
-        Err(e) => return e.into_response(),
+        Err(e) => return ProxyError::from(e).into_response(),
     };
     relay(resp)
 }

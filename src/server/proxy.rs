@@ -1,13 +1,25 @@
 //! `POST /v1/chat/completions`, `POST /v1/responses` and
-//! `POST /v1/responses/compact`: the phases of a request, in order.
+//! `POST /v1/responses/compact`: the driver of a request's phases. Each
+//! phase is a file of `server/` that returns what it decided to this
+//! driver, which takes the next step; no phase calls another.
 //!
 //! 1. [`super::read`]: read and parse the body, expand what the proxy
 //!    stands for;
 //! 2. [`super::identify`]: name the conversation, open the exchange, apply
-//!    a compaction;
-//! 3. [`super::send`]: send, and decide whether to send again;
-//! 4. [`super::relay`]: relay the answer and tee it;
-//! 5. [`super::record`]: record the exchange.
+//!    a stored compaction, say whether it needs one made now;
+//! 3. [`super::compact_now`]: make the compaction asked for (by identify,
+//!    a manual or requested compaction, an upstream "too long", a refused
+//!    provider compaction);
+//! 4. [`super::send`]: send once, and say whether to send again;
+//! 5. [`super::recall`]: answer the calls of the proxy's tools, and say
+//!    whether to send the continued request;
+//! 6. [`super::relay`], or [`super::splice`] for a stream that began with
+//!    reasoning: relay the answer and tee it;
+//! 7. [`super::record`]: record the exchange.
+//!
+//! [`super::compact`] answers in place of 4 to 6 when the client asked the
+//! proxy for a compaction. The loop of sends (retries, reactive
+//! compactions, recall rounds) is this driver's alone ([`settle`]).
 //!
 //! The client's bytes go upstream unchanged unless the proxy must change
 //! something (asking a chat stream for usage, a compaction); the answer
@@ -20,10 +32,14 @@ use std::time::Instant;
 use http::{Request, Response};
 use hyper::body::Incoming;
 
-use super::identify::{compact_now, identify};
+use super::answer::Answer;
+use super::exchange::Unanswered;
+use super::identify::{identify, Compact};
 use super::read::read_request;
-use super::record::fail;
-use super::{compact, relay, send};
+use super::recall::{Rounds, Settled};
+use super::request::ReadRequest;
+use super::send::{Sent, Tried};
+use super::{compact, compact_now, recall, relay, send, splice};
 use crate::app::AppState;
 use crate::config::Mode;
 use crate::engine;
@@ -49,36 +65,118 @@ async fn handle_inner(
     let read = read_request(&state, api, &parts, body).await?;
     let trigger = read.trigger;
     let asked = read.control.compact_now;
-    let mut pending = identify(&state, &parts, read, started, started_ms).await?;
+    let mut pending = open(&state, &parts, read, started, started_ms).await?;
     if trigger {
         return compact::answer_trigger(&state, pending).await;
     }
     // A manual compaction waits for a request in auto mode.
     let auto = matches!(pending.mode, Mode::Auto | Mode::Manual);
+    let goal = engine::Goal::Shrink;
     if auto
         && state
             .compactions
             .take_manual(&pending.tenant, &pending.ident.conversation)
     {
-        compact_now(&state, &mut pending, "manual".into(), engine::Goal::Shrink).await;
+        compact_now::compact_now(&state, &mut pending, "manual".into(), goal).await;
     } else if asked {
         let reason = format!("requested: {}", super::control::COMPACT_HEADER);
-        compact_now(&state, &mut pending, reason, engine::Goal::Shrink).await;
+        compact_now::compact_now(&state, &mut pending, reason, goal).await;
     }
     let url = state.upstream.url(api.endpoint(), parts.uri.query())?;
     let headers = state
         .upstream
         .request_headers_for(api, &parts.headers, true);
-    let sent = match send::send(&state, &mut pending, &url, &headers).await {
-        Ok(answer) => super::recall::settle(&state, &mut pending, &url, &headers, answer).await,
-        Err(e) => Err(e),
-    };
-    match sent {
-        Ok(send::Answer::Live(held)) => Ok(super::splice::relay_live(
-            state, pending, url, headers, held, started,
-        )),
+    match settle(&state, &mut pending, &url, &headers, None).await {
+        Ok(Answer::Live(held)) => {
+            // The spliced stream's tool calls come back to this loop.
+            let driver = state.clone();
+            let rounds = splice::rounds(move |pending, answer| {
+                let (state, url, headers) = (driver.clone(), url.clone(), headers.clone());
+                Box::pin(async move { settle(&state, pending, &url, &headers, Some(answer)).await })
+            });
+            Ok(splice::relay_live(state, pending, rounds, held, started))
+        }
         Ok(answer) => relay::relay(state, pending.into_inner(), answer, started).await,
-        Err(e) => Err(fail(&state, pending.into_inner(), e, None).await),
+        Err(e) => Err(pending.into_inner().fail(&state, e, None).await),
+    }
+}
+
+/// Identifies the request read and makes the compaction identify asked for.
+async fn open(
+    state: &Arc<AppState>,
+    parts: &http::request::Parts,
+    read: ReadRequest,
+    started: Instant,
+    started_ms: i64,
+) -> Result<Unanswered, ProxyError> {
+    let (mut pending, compact) = identify(state, parts, read, started, started_ms).await?;
+    match compact {
+        Compact::No => {}
+        Compact::HardLimit(tokens) => compact_now::hard_limit(state, &mut pending, tokens).await,
+        Compact::IfStillOver => compact_now::fit_after_waiting(state, &mut pending).await,
+    }
+    Ok(pending)
+}
+
+/// The loop of a request's sends: sends the exchange (after `answer`, if
+/// given, an answer in hand), acts on what [`send::send`] and
+/// [`recall::settle`] decide, and sends again until an answer is the
+/// client's. The error is the client's; the caller records it.
+async fn settle(
+    state: &Arc<AppState>,
+    pending: &mut Unanswered,
+    url: &reqwest::Url,
+    headers: &http::HeaderMap,
+    mut answer: Option<Answer>,
+) -> Result<Answer, ProxyError> {
+    let mut tried = Tried::default();
+    let mut rounds = Rounds::default();
+    loop {
+        let got = match answer.take() {
+            Some(got) => got,
+            None => match send::send(state, pending, url, headers, &mut tried).await? {
+                Sent::Answer(got) => got,
+                Sent::Again => continue,
+                // The provider's compaction refused: the local
+                // summarizer's in its place, in this request.
+                Sent::Refused(status) => {
+                    if compact_now::local_instead(state, pending, status).await {
+                        tried.stale_retried = false;
+                    } else {
+                        send::resend_uncompacted(pending, &mut tried, Some(status));
+                    }
+                    continue;
+                }
+                // The provider refused its own compaction item: rebuilt
+                // from the record and sent again, once; else its answer.
+                Sent::ItemRefused { how, answer } => {
+                    tried.rebuilt = true;
+                    if compact_now::rebuild_from_record(state, pending, how).await {
+                        tried.stale_retried = false;
+                        continue;
+                    }
+                    answer
+                }
+                Sent::Overflow {
+                    stated,
+                    why,
+                    answer,
+                } => {
+                    if !compact_now::compact_on_overflow(state, pending, stated, &why).await {
+                        answer
+                    } else {
+                        tried.compacted_again();
+                        state.metrics.reactive_retry();
+                        continue;
+                    }
+                }
+            },
+        };
+        match recall::settle(state, pending, got, &mut rounds).await? {
+            Settled::Answer(got) => return Ok(got),
+            // The continued request is a new one to send.
+            Settled::Round => tried = Tried::default(),
+        }
     }
 }
 
@@ -90,7 +188,7 @@ pub async fn handle_compact(state: Arc<AppState>, req: Request<Incoming>) -> Res
     let (parts, body) = req.into_parts();
     let result = async {
         let read = read_request(&state, Api::Responses, &parts, body).await?;
-        let pending = identify(&state, &parts, read, started, started_ms).await?;
+        let pending = open(&state, &parts, read, started, started_ms).await?;
         compact::answer_compact(&state, pending.into_inner()).await
     }
     .await;

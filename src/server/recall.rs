@@ -1,8 +1,11 @@
 //! Between send and relay, when the request offers `compactor_recall` (see
-//! [`crate::compaction::recall`]): reads as much of the answer as it takes
-//! to know whether the model called the tool; if it did, answers the calls
-//! from the request's own items and sends the continued request, so the
-//! client gets the final answer alone.
+//! [`crate::compaction::recall`]) or `compactor_compact`: runs on each
+//! answer the send hands on. Reads as much of the answer as it takes to
+//! know whether the model called the tool; if it did, answers the calls
+//! from the request's own items and says so ([`Settled::Round`]): the
+//! driver sends the continued request, so the client gets the final answer
+//! alone. It must not send the request, answer the client or record the
+//! exchange.
 //!
 //! A JSON answer is read whole. A stream is read until its first output:
 //! text flows as before (the model answers, it does not recall); a tool
@@ -17,14 +20,13 @@ use std::sync::Arc;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
+use super::answer::{first_output, is_sse, Answer, First, Held};
 use super::exchange::Unanswered;
 use super::gather::UpstreamStream;
-use super::send::{is_sse, Answer, Held};
 use crate::app::AppState;
 use crate::compaction::agent_tool;
 use crate::compaction::recall::{self, Round};
 use crate::error::ProxyError;
-use crate::upstream::describe;
 use crate::wire::sse::{Framer, SseTee};
 use crate::wire::{Api, Usage};
 
@@ -49,110 +51,130 @@ enum Seen {
 /// a call of a tool it did not declare.
 const MAX_STRAY_ANSWERS: u32 = 2;
 
-/// Answers the model's recall calls until it gives an answer for the
-/// client (at most `compaction.recall_max_rounds` rounds).
+/// The rounds a request's answers took so far, kept by the driver.
+#[derive(Debug, Default)]
+pub(super) struct Rounds {
+    /// Recall rounds answered.
+    recall: u32,
+    /// Answers whose `compactor_compact` calls were answered.
+    agent: u32,
+    /// Answers that called a tool the request no longer offered.
+    strays: u32,
+}
+
+/// What the answer is, for the driver in `server::proxy`.
+// Returned and matched at once, never kept: the empty variant's size
+// costs nothing.
+#[allow(clippy::large_enum_variant)]
+pub(super) enum Settled {
+    /// The client's: relay it.
+    Answer(Answer),
+    /// A round: the exchange carries the calls and their answers (or no
+    /// longer offers the tool); send it again.
+    Round,
+}
+
+/// Looks at an answer for calls of the proxy's tools: the client's answer
+/// is handed on; calls are answered (at most `compaction.recall_max_rounds`
+/// recall rounds) for the driver to send the request again.
 pub(super) async fn settle(
     state: &Arc<AppState>,
     pending: &mut Unanswered,
-    url: &reqwest::Url,
-    headers: &http::HeaderMap,
-    mut answer: Answer,
-) -> Result<Answer, ProxyError> {
+    answer: Answer,
+    rounds: &mut Rounds,
+) -> Result<Settled, ProxyError> {
     let max = pending.recall_rounds;
-    let mut rounds = 0;
-    let mut agent_rounds = 0;
-    let mut strays = 0;
-    loop {
-        // Once offered, every answer is looked at: a model may call the
-        // tool after it is withdrawn, from the calls earlier rounds left.
-        if !pending.recall_offered && !pending.agent_offered {
-            return Ok(answer);
+    // Once offered, every answer is looked at: a model may call the
+    // tool after it is withdrawn, from the calls earlier rounds left.
+    if !pending.recall_offered && !pending.agent_offered {
+        return Ok(Settled::Answer(answer));
+    }
+    let (v, usage, relay) = match inspect(state, pending.api, answer).await? {
+        Seen::Relay(a) => {
+            note_hidden_rounds(state, pending);
+            return Ok(Settled::Answer(a));
         }
-        let (v, usage, relay) = match inspect(state, pending.api, answer).await? {
-            Seen::Relay(a) => {
-                note_hidden_rounds(state, pending);
-                return Ok(a);
-            }
-            Seen::Live(held) => return Ok(Answer::Live(held)),
-            Seen::Calls(v, usage, a) => (v, usage, a),
-        };
-        let round = recall::round_of(
-            pending.api,
-            &v,
-            pending.recall_offered,
-            pending.agent_offered,
-        );
-        if !matches!(round, Round::Final) {
-            pending.recall_spent.add(usage);
+        Seen::Live(held) => return Ok(Settled::Answer(Answer::Live(held))),
+        Seen::Calls(v, usage, a) => (v, usage, a),
+    };
+    let round = recall::round_of(
+        pending.api,
+        &v,
+        pending.recall_offered,
+        pending.agent_offered,
+    );
+    if !matches!(round, Round::Final) {
+        pending.recall_spent.add(usage);
+    }
+    match round {
+        Round::Final => {
+            note_hidden_rounds(state, pending);
+            return Ok(Settled::Answer(relay));
         }
-        match round {
-            Round::Final => {
-                note_hidden_rounds(state, pending);
-                return Ok(relay);
-            }
-            Round::Recall(calls) if pending.recall && rounds < max => {
-                rounds += 1;
+        Round::Recall(calls) if pending.recall && rounds.recall < max => {
+            rounds.recall += 1;
+            let room = room_bytes(state, pending).await;
+            let originals = pending.items.values();
+            let results = recall::answers(&calls, &originals, &pending.hashes, room);
+            tracing::info!(
+                round = rounds.recall,
+                calls = calls.len(),
+                room,
+                "recall answered by the proxy"
+            );
+            let cont = recall::continuation(pending.api, &v, &results);
+            pending.extra.extend(cont);
+        }
+        Round::Compact(recalls, compacts)
+            if pending.agent_tool
+                && rounds.agent < MAX_AGENT_ROUNDS
+                && (recalls.is_empty() || (pending.recall && rounds.recall < max)) =>
+        {
+            rounds.agent += 1;
+            let mut results = Vec::new();
+            if !recalls.is_empty() {
+                rounds.recall += 1;
                 let room = room_bytes(state, pending).await;
                 let originals = pending.items.values();
-                let results = recall::answers(&calls, &originals, &pending.hashes, room);
-                tracing::info!(
-                    round = rounds,
-                    calls = calls.len(),
-                    room,
-                    "recall answered by the proxy"
-                );
-                let cont = recall::continuation(pending.api, &v, &results);
-                pending.extra.extend(cont);
+                results = recall::answers(&recalls, &originals, &pending.hashes, room);
             }
-            Round::Compact(recalls, compacts)
-                if pending.agent_tool
-                    && agent_rounds < MAX_AGENT_ROUNDS
-                    && (recalls.is_empty() || (pending.recall && rounds < max)) =>
-            {
-                agent_rounds += 1;
-                let mut results = Vec::new();
-                if !recalls.is_empty() {
-                    rounds += 1;
-                    let room = room_bytes(state, pending).await;
-                    let originals = pending.items.values();
-                    results = recall::answers(&recalls, &originals, &pending.hashes, room);
-                }
-                results.extend(answer_compacts(state, pending, &compacts));
-                tracing::info!(
-                    calls = compacts.len(),
-                    "compactor_compact answered by the proxy"
-                );
-                let cont = recall::continuation(pending.api, &v, &results);
-                pending.extra.extend(cont);
-            }
-            _ if stray(&round, pending) => {
-                // The tool is gone and the model still calls it: first
-                // without the rounds' calls to copy from, then give up.
-                strays += 1;
-                tracing::info!(
-                    strays,
-                    "recall call after the recall tool was withdrawn: not relayed"
-                );
-                if strays > MAX_STRAY_ANSWERS {
-                    return Err(ProxyError::UpstreamUnreachable(format!(
+            results.extend(answer_compacts(state, pending, &compacts));
+            tracing::info!(
+                calls = compacts.len(),
+                "compactor_compact answered by the proxy"
+            );
+            let cont = recall::continuation(pending.api, &v, &results);
+            pending.extra.extend(cont);
+        }
+        _ if stray(&round, pending) => {
+            // The tool is gone and the model still calls it: first
+            // without the rounds' calls to copy from, then give up.
+            rounds.strays += 1;
+            tracing::info!(
+                strays = rounds.strays,
+                "recall call after the recall tool was withdrawn: not relayed"
+            );
+            if rounds.strays > MAX_STRAY_ANSWERS {
+                return Err(ProxyError::from(crate::upstream::Error::Misbehaved(
+                    format!(
                         "the model kept calling {}, a tool this request does not declare",
                         recall::TOOL
-                    )));
-                }
-                pending.withdraw_recall(true);
-                pending.withdraw_agent_tool();
+                    ),
+                )));
             }
-            _ => {
-                tracing::info!(
-                    rounds,
-                    "recall call beside the client's own, or past recall_max_rounds: sent again without the recall tool"
-                );
-                pending.withdraw_recall(false);
-                pending.withdraw_agent_tool();
-            }
+            pending.withdraw_recall(true);
+            pending.withdraw_agent_tool();
         }
-        answer = super::send::send(state, pending, url, headers).await?;
+        _ => {
+            tracing::info!(
+                rounds = rounds.recall,
+                "recall call beside the client's own, or past recall_max_rounds: sent again without the recall tool"
+            );
+            pending.withdraw_recall(false);
+            pending.withdraw_agent_tool();
+        }
     }
+    Ok(Settled::Round)
 }
 
 /// The answer relayed after hidden rounds, on Anthropic Messages with
@@ -273,58 +295,6 @@ async fn inspect(state: &AppState, api: Api, answer: Answer) -> Result<Seen, Pro
     }
 }
 
-/// How a stream's first output begins.
-#[derive(PartialEq)]
-pub(super) enum First {
-    Text,
-    ToolCall,
-}
-
-/// The kind of output an SSE event starts, if it starts one.
-pub(super) fn first_output(api: Api, name: &str, data: &str) -> Option<First> {
-    let v: Value = serde_json::from_str(data).ok()?;
-    match api {
-        Api::Chat => {
-            let delta = v.pointer("/choices/0/delta")?;
-            if delta.get("tool_calls").is_some_and(|t| !t.is_null()) {
-                Some(First::ToolCall)
-            } else if delta
-                .get("content")
-                .and_then(Value::as_str)
-                .is_some_and(|c| !c.is_empty())
-            {
-                Some(First::Text)
-            } else {
-                None
-            }
-        }
-        Api::Responses => {
-            let kind = crate::wire::responses::event_type(data).unwrap_or(name.to_string());
-            match kind.as_str() {
-                "response.output_text.delta" => Some(First::Text),
-                "response.output_item.added" => {
-                    match v.pointer("/item/type").and_then(Value::as_str) {
-                        Some("function_call") => Some(First::ToolCall),
-                        Some("message") => Some(First::Text),
-                        _ => None,
-                    }
-                }
-                _ => None,
-            }
-        }
-        Api::Messages => match v.get("type").and_then(Value::as_str)? {
-            "content_block_start" => {
-                match v.pointer("/content_block/type").and_then(Value::as_str) {
-                    Some("tool_use") => Some(First::ToolCall),
-                    Some("text") => Some(First::Text),
-                    _ => None,
-                }
-            }
-            _ => None,
-        },
-    }
-}
-
 /// Whether an SSE event opens reasoning: a chat or Responses stream that
 /// begins so is relayed as it comes (`server::splice`).
 fn starts_reasoning(api: Api, name: &str, data: &str) -> bool {
@@ -383,9 +353,9 @@ async fn inspect_stream(state: &AppState, api: Api, mut held: Held) -> Result<Se
             break;
         }
         match tokio::time::timeout(idle, held.rest.next()).await {
-            Err(_) => return Err(ProxyError::UpstreamTimeout(idle.as_secs())),
+            Err(_) => return Err(crate::upstream::Error::silent(idle).into()),
             Ok(None) => ended = true,
-            Ok(Some(Err(e))) => return Err(ProxyError::UpstreamUnreachable(describe(&e))),
+            Ok(Some(Err(e))) => return Err(crate::upstream::Error::broke(e).into()),
             Ok(Some(Ok(chunk))) => {
                 if first.is_none() {
                     framer.push(&chunk);

@@ -1,5 +1,5 @@
-//! Phase 4, relay and tee: runs once [`super::send::decide`] said to relay
-//! an answer. Hands the upstream's answer to the client as it arrives
+//! Phase 4, relay and tee: runs once the driver has the client's answer
+//! (the send handed it on, the recall rounds found no call in it). Hands the upstream's answer to the client as it arrives
 //! (chunks delivered together joined into one write), tees it for usage
 //! and output, hides the usage the client did not ask for, and has the
 //! exchange recorded before the last bytes are released. It must not
@@ -16,21 +16,15 @@ use http_body_util::{BodyExt, StreamBody};
 use hyper::body::Frame;
 use serde_json::Value;
 
+use super::answer::{is_sse, response_head, Answer, Held, COMPACTED_HEADER};
 use super::exchange::{Outcome, PendingExchange};
 use super::gather::{concat, take_delivered, UpstreamStream};
-use super::record::fail;
-use super::send::{is_sse, Answer, Held};
 use crate::app::AppState;
 use crate::error::{full, BodyError, ProxyBody, ProxyError};
-use crate::upstream::{describe, strip_hop_by_hop};
+use crate::upstream::describe;
 use crate::wire::sse::SseTee;
 
-/// Response header naming the conversation.
-pub const CONVERSATION_HEADER: &str = "x-compactor-conversation";
-/// Response header naming the compaction applied to the request.
-pub const COMPACTED_HEADER: &str = "x-compactor-compacted";
-
-/// Relays the answer [`super::send::send`] settled on; `started` is when
+/// Relays the answer the driver settled on; `started` is when
 /// the request arrived (for the time to the upstream's first byte).
 pub(super) async fn relay(
     state: Arc<AppState>,
@@ -57,7 +51,7 @@ pub(super) async fn relay(
             let headers = resp.headers().clone();
             match state.upstream.read_body(resp).await {
                 Ok(b) => buffered_response(state, pending, status, headers, b, ttfb_ms).await,
-                Err(err) => return Err(fail(&state, pending, err, Some(ttfb_ms)).await),
+                Err(err) => return Err(pending.fail(&state, err.into(), Some(ttfb_ms)).await),
             }
         }
         Answer::Error(status, headers, bytes) | Answer::Read(status, headers, bytes) => {
@@ -71,22 +65,6 @@ pub(super) async fn relay(
         }
     }
     Ok(response)
-}
-
-/// Copies the upstream's status and end-to-end headers and adds ours.
-pub(super) fn response_head(
-    status: http::StatusCode,
-    upstream: &http::HeaderMap,
-    conversation: &str,
-    body: ProxyBody,
-) -> Response<ProxyBody> {
-    let mut out = Response::new(body);
-    *out.status_mut() = status;
-    *out.headers_mut() = strip_hop_by_hop(upstream);
-    if let Ok(v) = HeaderValue::from_str(conversation) {
-        out.headers_mut().insert(CONVERSATION_HEADER, v);
-    }
-    out
 }
 
 /// A JSON (or error) answer, read whole: parsed for usage and output,
@@ -114,7 +92,7 @@ async fn buffered_response(
         outcome.error = Some(String::from_utf8_lossy(&bytes).into_owned());
     }
     if !pending.finish(&state, outcome).await {
-        return ProxyError::StoreDown("the answer could not be recorded".into()).into_response();
+        return ProxyError::store_down("the answer could not be recorded").into_response();
     }
     let mut headers = headers;
     let bytes = if status.is_success() {

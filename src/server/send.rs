@@ -1,27 +1,28 @@
-//! Phase 3, send: runs once the items that go upstream are chosen. Sends
-//! the request, reads as much of the answer as the decision needs (an
-//! error answer whole, a Responses stream's first events), and decides
-//! with [`decide`], a pure function of what the attempt came to and what
-//! was tried before, whether to relay it, compact and send again, resend
-//! the client's own request, send again on a new connection, or give up.
-//! It must not answer the client or record the exchange.
+//! Phase 3, send: runs once the items that go upstream are chosen, and
+//! again each time the driver sends the request again. Sends the request
+//! once, reads as much of the answer as the decision needs (an error
+//! answer whole, a Responses stream's first events), and decides with
+//! [`decide`], a pure function of what the attempt came to and what was
+//! tried before, whether to hand the answer on, compact and send again,
+//! resend the client's own request, send again on a new connection, or
+//! give up; the driver acts on it ([`Sent`]). It must not compact, answer
+//! the client or record the exchange.
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
-use http::header;
 use http::Method;
 
-use super::exchange::{PendingExchange, Unanswered};
+use super::answer::{is_sse, Answer, Held};
+use super::exchange::Unanswered;
 use super::gather::{take_delivered, UpstreamStream};
-use super::identify::compact_on_overflow;
 use crate::app::AppState;
-use crate::compaction::policy;
+use crate::compaction::{boundary, policy, rebuild};
 use crate::config::Mode;
 use crate::error::ProxyError;
-use crate::upstream::{describe, SendFailure};
+use crate::upstream::SendFailure;
 use crate::wire::{self, Api};
 
 /// Most reactive compactions of one request. The first fits the limit the
@@ -65,6 +66,9 @@ pub(super) struct Tried {
     pub stale_retried: bool,
     /// A compaction applies to the body of this attempt.
     pub compacted: bool,
+    /// The request was rebuilt from the record once already, after the
+    /// provider refused its own compaction item.
+    pub rebuilt: bool,
 }
 
 /// What to do after an attempt.
@@ -108,132 +112,199 @@ pub(super) fn decide(reply: Reply, tried: Tried) -> Next {
 /// and how it said it (for the compaction's reason).
 type Overflow = (policy::Stated, String);
 
-/// Sends the exchange's request until [`decide`] says to relay the answer
-/// or give up. The error is the client's; the caller records it.
+/// What an attempt comes to, for the driver in `server::proxy`.
+pub(super) enum Sent {
+    /// The answer to hand on (to the recall rounds, then the relay).
+    Answer(Answer),
+    /// Send again: the exchange was changed for it (a stored compaction
+    /// applied, the recall rounds withdrawn, the client's own items), or
+    /// the same bytes go again on a new connection.
+    Again,
+    /// A compacted request refused with this 4xx: compacted again with the
+    /// local summarizer if the compaction was the provider's
+    /// (`compact_now::local_instead`), else sent as the client sent it
+    /// ([`resend_uncompacted`]); then sent again.
+    Refused(http::StatusCode),
+    /// The provider refused its own compaction item (`how`: see
+    /// [`refusal`]): rebuild the request from the record and send it again
+    /// (`compact_now::rebuild_from_record`), or, if the record does not hold
+    /// what the item stood for, hand the `answer` on as it came.
+    ItemRefused {
+        /// How it refused, for the compaction's reason.
+        how: String,
+        /// Its answer, relayed if the request cannot be rebuilt.
+        answer: Answer,
+    },
+    /// The upstream said the request does not fit: compact it to the
+    /// size `stated` and send again, or, if none can be made, hand the
+    /// `answer` on.
+    Overflow {
+        /// The limits the upstream stated.
+        stated: policy::Stated,
+        /// How it said it (for the compaction's reason).
+        why: String,
+        /// Its answer, relayed if no compaction can be made.
+        answer: Answer,
+    },
+}
+
+impl Tried {
+    /// The request goes again with another body.
+    pub(super) fn resent(&mut self) {
+        self.resent = true;
+        self.stale_retried = false;
+    }
+
+    /// The request goes again compacted after "too long".
+    pub(super) fn compacted_again(&mut self) {
+        self.reactive += 1;
+        self.resent();
+    }
+}
+
+/// Sends the exchange's request once and says, through [`decide`], what
+/// the driver does next. `tried` is what was tried for it before, and is
+/// kept up to date. The error is the client's; the driver records it.
 pub(super) async fn send(
     state: &Arc<AppState>,
     pending: &mut Unanswered,
     url: &reqwest::Url,
     headers: &http::HeaderMap,
-) -> Result<Answer, ProxyError> {
-    let mut tried = Tried::default();
-    loop {
-        tried.compacted = pending.compaction.is_some();
-        // The client's bytes, or the body with the compaction applied now.
-        let body = pending.upstream_bytes()?;
-        let attempt_headers = pending.upstream_headers(headers).into_owned();
-        let got = match state
-            .upstream
-            .send_once(Method::POST, url, attempt_headers, &body)
+    tried: &mut Tried,
+) -> Result<Sent, ProxyError> {
+    tried.compacted = pending.compaction.is_some();
+    // The client's bytes, or the body with the compaction applied now.
+    let body = pending.upstream_bytes()?;
+    let attempt_headers = pending.upstream_headers(headers).into_owned();
+    let got = match state
+        .upstream
+        .send_once(Method::POST, url, attempt_headers, &body)
+        .await
+    {
+        Ok(resp) => read_start(state, pending.api, resp)
             .await
-        {
-            Ok(resp) => read_start(state, pending.api, resp)
-                .await
-                .map_err(SendFailure::Failed),
-            Err(failure) => Err(failure),
-        };
-        let reply = match &got {
-            Err(failure) => Reply::Failed {
-                retry_allowed: failure.retry_allowed(),
-            },
-            Ok((_, Some(_))) => Reply::TooLong,
-            Ok((Answer::Error(status, ..), None)) => Reply::Refused {
-                client_error: status.is_client_error(),
-            },
-            Ok(_) => Reply::Answer,
-        };
-        let (answer, overflow) = match (decide(reply, tried), got) {
-            (Next::RetryStale, Err(failure)) => {
-                tracing::debug!(error = %failure, "retrying once");
-                tried.stale_retried = true;
-                continue;
-            }
-            (_, Err(failure)) => return Err(failure.into_proxy_error()),
-            (next, Ok(got)) => match next {
-                Next::CompactAndRetry => got,
-                Next::ResendUncompacted => {
-                    // The provider's compaction refused: the local
-                    // summarizer's in its place, in this request.
-                    if let Answer::Error(status, ..) = &got.0 {
-                        if local_instead(state, pending, *status).await {
-                            tried.stale_retried = false;
-                            continue;
-                        }
-                    }
-                    if let Answer::Error(status, ..) = &got.0 {
-                        tracing::warn!(%status, "compacted request refused; resending it uncompacted");
-                    }
-                    pending.unapply();
-                    tried.resent = true;
-                    tried.stale_retried = false;
-                    continue;
+            .map_err(SendFailure::Failed),
+        Err(failure) => Err(failure.into()),
+    };
+    let reply = match &got {
+        Err(failure) => Reply::Failed {
+            retry_allowed: failure.retry_allowed(),
+        },
+        Ok((_, Some(_))) => Reply::TooLong,
+        Ok((Answer::Error(status, ..), None)) => Reply::Refused {
+            client_error: status.is_client_error(),
+        },
+        Ok(_) => Reply::Answer,
+    };
+    // The provider refused its own compaction item: the driver rebuilds
+    // the request from the record, once.
+    let got = match got {
+        Ok((answer, None)) if !tried.rebuilt => match item_refused(pending, &answer) {
+            Some(how) => return Ok(Sent::ItemRefused { how, answer }),
+            None => Ok((answer, None)),
+        },
+        got => got,
+    };
+    let (answer, overflow) = match (decide(reply, *tried), got) {
+        (Next::RetryStale, Err(failure)) => {
+            tracing::debug!(error = %failure, "retrying once");
+            tried.stale_retried = true;
+            return Ok(Sent::Again);
+        }
+        (_, Err(failure)) => return Err(failure.into_proxy_error()),
+        (next, Ok(got)) => match next {
+            Next::CompactAndRetry => got,
+            Next::ResendUncompacted => {
+                if let Answer::Error(status, ..) = &got.0 {
+                    return Ok(Sent::Refused(*status));
                 }
-                _ => return Ok(got.0),
-            },
-        };
-        // Outside auto mode the upstream's "too long" is the client's.
-        let Some((stated, why)) =
-            overflow.filter(|_| matches!(pending.mode, Mode::Auto | Mode::Manual))
-        else {
-            return Ok(answer);
-        };
-        // The client's own compaction request: the stored compaction of its
-        // prefix, if it went without. Only when that is not enough is it
-        // compacted below: its overflow is never the client's.
-        if pending.client_compaction && pending.compaction.is_none() {
-            if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
-                pending.apply(c);
-                tried.resent = true;
-                tried.stale_retried = false;
-                continue;
+                resend_uncompacted(pending, tried, None);
+                return Ok(Sent::Again);
             }
+            _ => return Ok(Sent::Answer(got.0)),
+        },
+    };
+    // Outside auto mode the upstream's "too long" is the client's.
+    let Some((stated, why)) =
+        overflow.filter(|_| matches!(pending.mode, Mode::Auto | Mode::Manual))
+    else {
+        return Ok(Sent::Answer(answer));
+    };
+    // The client's own compaction request: the stored compaction of its
+    // prefix, if it went without. Only when that is not enough is it
+    // compacted: its overflow is never the client's.
+    if pending.client_compaction && pending.compaction.is_none() {
+        if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+            pending.apply(c);
+            tried.resent();
+            return Ok(Sent::Again);
         }
-        // What recall rounds added goes first: the request fitted without.
-        if !pending.extra.is_empty() {
-            tracing::info!("too long with the recall rounds: sent again without them");
-            pending.withdraw_recall(true);
-            tried.resent = true;
-            tried.stale_retried = false;
-            continue;
-        }
-        if !compact_on_overflow(state, pending, stated, &why).await {
-            return Ok(answer);
-        }
-        tried.reactive += 1;
-        tried.resent = true;
-        tried.stale_retried = false;
-        state.metrics.reactive_retry();
+    }
+    // What recall rounds added goes first: the request fitted without.
+    if !pending.extra.is_empty() {
+        tracing::info!("too long with the recall rounds: sent again without them");
+        pending.withdraw_recall(true);
+        tried.resent();
+        return Ok(Sent::Again);
+    }
+    Ok(Sent::Overflow {
+        stated,
+        why,
+        answer,
+    })
+}
+
+/// A compacted request refused (with `status`), and no local compaction
+/// made in its place: the client's own request goes, once.
+pub(super) fn resend_uncompacted(
+    pending: &mut Unanswered,
+    tried: &mut Tried,
+    status: Option<http::StatusCode>,
+) {
+    if let Some(status) = status {
+        tracing::warn!(%status, "compacted request refused; resending it uncompacted");
+    }
+    pending.unapply();
+    tried.resent();
+}
+
+/// [`refusal`] of an answer in hand: an error answer, or a held stream
+/// that failed before any output.
+fn item_refused(pending: &Unanswered, answer: &Answer) -> Option<String> {
+    match answer {
+        Answer::Error(status, _, body) => refusal(pending, Some(*status), body),
+        Answer::Held(held) => held
+            .failure
+            .as_deref()
+            .and_then(|data| refusal(pending, None, data.as_bytes())),
+        _ => None,
     }
 }
 
-/// A compacted request refused whose summary was the provider's
-/// (`engine::provider::refused`): compacted again from the client's items
-/// with the local summarizer. False when it was no provider compaction, or
-/// no local one could be made (the client's items are then what goes).
-async fn local_instead(
-    state: &Arc<AppState>,
-    pending: &mut PendingExchange,
-    status: http::StatusCode,
-) -> bool {
-    let Some(c) = pending.compaction.clone() else {
-        return false;
-    };
-    if !crate::engine::provider::refused(
-        state,
-        &pending.tenant,
-        &pending.ident.conversation,
-        &c,
-        status,
-    ) {
-        return false;
+/// How the upstream refused an encrypted item it can no longer read, when
+/// it did: `status` and `body` of an error answer, or (`status` `None`) the
+/// data of a Responses stream's failure event before any output. Only in a
+/// mode that rewrites requests, when the client's items hold a provider
+/// compaction item; `None` otherwise.
+pub(super) fn refusal(
+    pending: &Unanswered,
+    status: Option<http::StatusCode>,
+    body: &[u8],
+) -> Option<String> {
+    if !pending.mode.rewrites() || boundary::newest_in(&pending.items).is_none() {
+        return None;
     }
-    pending.unapply();
-    let trigger = c
-        .reason
-        .trim_end_matches(crate::compaction::provider::PROVIDER_REASON)
-        .trim_end_matches("; ");
-    let reason = format!("{trigger}; the provider's compaction refused upstream ({status})");
-    super::identify::compact_now(state, pending, reason, crate::engine::Goal::Shrink).await
+    match status {
+        Some(status) if rebuild::refuses_encrypted_item(pending.api, status.as_u16(), body) => {
+            Some(status.to_string())
+        }
+        None if pending.api == crate::wire::Api::Responses
+            && rebuild::stream_refuses_encrypted_item(body) =>
+        {
+            Some("its stream failed".to_string())
+        }
+        _ => None,
+    }
 }
 
 /// Reads as much of an answer as the decision needs: an error answer
@@ -274,69 +345,6 @@ async fn read_start(
         )
     });
     Ok((Answer::Error(status, headers, bytes), overflow))
-}
-
-/// What the upstream finally answered.
-pub(super) enum Answer {
-    /// A success, body not yet read.
-    Upstream(reqwest::Response),
-    /// A stream whose first events were read and held back.
-    Held(Held),
-    /// An error answer, read whole.
-    Error(http::StatusCode, http::HeaderMap, Bytes),
-    /// A success read whole (to see whether it calls the recall tool).
-    Read(http::StatusCode, http::HeaderMap, Bytes),
-    /// A stream offered the recall tool that began with reasoning: relayed
-    /// as it comes, the recall rounds spliced onto it (`server::splice`).
-    Live(Held),
-}
-
-/// A stream whose first events are held back.
-pub(super) struct Held {
-    pub status: http::StatusCode,
-    pub headers: http::HeaderMap,
-    /// Bytes read so far, in order.
-    pub chunks: Vec<Bytes>,
-    /// The data of a `response.failed` / `error` event seen before any output.
-    pub failure: Option<String>,
-    /// The rest of the body.
-    pub rest: UpstreamStream,
-    /// How the body ended (or failed), if it did while being read.
-    pub end: Option<Option<reqwest::Result<Bytes>>>,
-    /// Set once the splice read it: how many of its bytes the client has.
-    pub relayed: Option<usize>,
-}
-
-impl Held {
-    /// A stream of which nothing was read yet.
-    pub(super) fn unread(resp: reqwest::Response) -> Held {
-        Held {
-            status: resp.status(),
-            headers: resp.headers().clone(),
-            chunks: Vec::new(),
-            failure: None,
-            rest: Box::pin(resp.bytes_stream()),
-            end: None,
-            relayed: None,
-        }
-    }
-
-    /// Adds to the chunks what the upstream delivered with them (see
-    /// [`take_delivered`]), so that the answer's first write carries it all:
-    /// with a short answer, the whole of it.
-    pub(super) async fn take_delivered(&mut self) {
-        if self.end.is_some() {
-            return;
-        }
-        let chunks = &mut self.chunks;
-        let mut size: usize = chunks.iter().map(Bytes::len).sum();
-        self.end = take_delivered(&mut self.rest, size, |chunk| {
-            size += chunk.len();
-            chunks.push(chunk);
-            size
-        })
-        .await;
-    }
 }
 
 /// Longest time a Responses or Messages stream's first events are held back waiting
@@ -397,7 +405,7 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
             });
         }
         match delivered {
-            Some(Some(Err(e))) => return Err(ProxyError::UpstreamUnreachable(describe(&e))),
+            Some(Some(Err(e))) => return Err(crate::upstream::Error::broke(e).into()),
             Some(_) => {
                 end = Some(None);
                 break;
@@ -413,13 +421,13 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
         let next = match tokio::time::timeout(wait.min(idle), rest.next()).await {
             Ok(next) => next,
             Err(_) if wait <= idle => break,
-            Err(_) => return Err(ProxyError::UpstreamTimeout(idle.as_secs())),
+            Err(_) => return Err(crate::upstream::Error::silent(idle).into()),
         };
         let Some(chunk) = next else {
             end = Some(None);
             break;
         };
-        let chunk = chunk.map_err(|e| ProxyError::UpstreamUnreachable(describe(&e)))?;
+        let chunk = chunk.map_err(crate::upstream::Error::broke)?;
         framer.push(&chunk);
         chunks.push(chunk);
     }
@@ -434,14 +442,6 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
     })
 }
 
-/// Whether an answer is an SSE stream.
-pub(super) fn is_sse(headers: &http::HeaderMap) -> bool {
-    headers
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .is_some_and(|ct| ct.starts_with("text/event-stream"))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -451,6 +451,7 @@ mod tests {
         resent: false,
         stale_retried: false,
         compacted: false,
+        rebuilt: false,
     };
 
     #[test]

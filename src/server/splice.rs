@@ -8,20 +8,23 @@
 //! The client's response starts at once and a task carries on: it relays
 //! each answer's reasoning, then at the answer's first output either relays
 //! the rest (text: the model answers) or reads the tool call to its end and
-//! hands it to [`super::recall::settle`]. A recall round's tool call never
-//! reaches the client; the continuation's stream is spliced onto what the
-//! client already has, so that it sees one well-formed stream ([`Splice`]):
-//! chat, one role delta, one final chunk, one `[DONE]`; Responses, one
-//! `response.created`, output indices and sequence numbers following what
-//! was sent, one `response.completed` whose `output` lists every item the
-//! client saw. The exchange is recorded from the spliced stream, before its
-//! last event is released.
+//! hands it to the driver's rounds ([`Rounds`], which `server::proxy`
+//! gives it: the recall rounds and sends it takes, as for any answer); it
+//! must not send the request or answer a call itself. A recall round's
+//! tool call never reaches the client; the continuation's stream is
+//! spliced onto what the client already has, so that it sees one
+//! well-formed stream ([`Splice`]): chat, one role delta, one final chunk,
+//! one `[DONE]`; Responses, one `response.created`, output indices and
+//! sequence numbers following what was sent, one `response.completed`
+//! whose `output` lists every item the client saw. The exchange is
+//! recorded from the spliced stream, before its last event is released.
 
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
 use bytes::{Bytes, BytesMut};
+use futures_util::future::BoxFuture;
 use futures_util::StreamExt;
 use http::header::{self, HeaderValue};
 use http::Response;
@@ -30,12 +33,9 @@ use hyper::body::Frame;
 use serde_json::{Map, Value};
 use tokio::sync::mpsc;
 
+use super::answer::{first_output, is_sse, response_head, Answer, First, Held, COMPACTED_HEADER};
 use super::exchange::{Outcome, Unanswered};
 use super::gather::UpstreamStream;
-use super::recall::{first_output, First};
-use super::record::fail;
-use super::relay::{response_head, COMPACTED_HEADER};
-use super::send::{is_sse, Answer, Held};
 use crate::app::AppState;
 use crate::error::{BodyError, ProxyBody, ProxyError};
 use crate::upstream::describe;
@@ -50,14 +50,33 @@ type Chunk = Result<Bytes, BodyError>;
 /// request up (a model that keeps calling a tool it no longer has).
 const EXTRA_ENTRIES: u32 = 3;
 
+/// The driver's rounds for an answer that calls a tool: the answer the
+/// request comes to once the recall rounds it calls for are answered and
+/// sent (the driver's loop in `server::proxy`, from that answer on).
+pub(super) type Rounds = Box<
+    dyn for<'a> Fn(&'a mut Unanswered, Answer) -> BoxFuture<'a, Result<Answer, ProxyError>>
+        + Send
+        + Sync,
+>;
+
+/// [`Rounds`] from a closure (which takes its signature from here).
+pub(super) fn rounds<F>(f: F) -> Rounds
+where
+    F: for<'a> Fn(&'a mut Unanswered, Answer) -> BoxFuture<'a, Result<Answer, ProxyError>>
+        + Send
+        + Sync
+        + 'static,
+{
+    Box::new(f)
+}
+
 /// Starts the client's response for a stream that began with reasoning
 /// (`held`, read up to its first reasoning event) and leaves the rest of
-/// the request to a task.
+/// the request to a task, which hands each tool call to `rounds`.
 pub(super) fn relay_live(
     state: Arc<AppState>,
     pending: Unanswered,
-    url: reqwest::Url,
-    headers: http::HeaderMap,
+    rounds: Rounds,
     held: Held,
     started: Instant,
 ) -> Response<ProxyBody> {
@@ -68,7 +87,7 @@ pub(super) fn relay_live(
     let conversation = pending.ident.conversation.clone();
     let applied = pending.compaction.as_ref().map(|c| c.id.clone());
     let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
-    tokio::spawn(run(state, pending, url, headers, held, ttfb_ms, tx));
+    tokio::spawn(run(state, pending, rounds, held, ttfb_ms, tx));
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
         let chunk = rx.recv().await?;
         Some((chunk.map(Frame::data), rx))
@@ -229,8 +248,7 @@ impl Reading {
 async fn run(
     state: Arc<AppState>,
     pending: Unanswered,
-    url: reqwest::Url,
-    headers: http::HeaderMap,
+    rounds: Rounds,
     held: Held,
     ttfb_ms: f64,
     tx: mpsc::Sender<Chunk>,
@@ -306,9 +324,9 @@ async fn run(
             return;
         };
         if entries > max_entries {
-            let err = ProxyError::UpstreamUnreachable(
+            let err = ProxyError::from(crate::upstream::Error::Misbehaved(
                 "the model kept calling the recall tool after its reasoning".into(),
-            );
+            ));
             client.break_off(&state, err.to_string()).await;
             return;
         }
@@ -326,8 +344,7 @@ async fn run(
             end: Some(None),
             relayed: Some(relayed),
         };
-        let settled =
-            super::recall::settle(&state, pending, &url, &headers, Answer::Held(answer)).await;
+        let settled = rounds(pending, Answer::Held(answer)).await;
         held = match settled {
             // The tool call was the client's: the rest of it follows what
             // was relayed.
@@ -358,7 +375,7 @@ async fn run(
             Err(e) => {
                 let msg = e.to_string();
                 if let Some(p) = client.pending.take() {
-                    fail(&state, p.into_inner(), e, None).await;
+                    p.into_inner().fail(&state, e, None).await;
                 }
                 let _ = client.tx.send(Err(msg.into())).await;
                 return;

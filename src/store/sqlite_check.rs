@@ -5,24 +5,25 @@
 use std::path::Path;
 use std::time::Duration;
 
+use anyhow::Context as _;
 use rusqlite::{Connection, OpenFlags};
 
 /// The number of conversations the store at `path` holds, once it has been
 /// opened for writing and its write lock taken and given back (waiting up
 /// to `timeout` for a running proxy's commit); otherwise why not.
-pub fn writable(path: &Path, timeout: Duration) -> Result<u64, String> {
+pub fn writable(path: &Path, timeout: Duration) -> anyhow::Result<u64> {
     let conn = Connection::open_with_flags(
         path,
         OpenFlags::SQLITE_OPEN_READ_WRITE | OpenFlags::SQLITE_OPEN_NO_MUTEX,
     )
-    .map_err(|e| format!("cannot open it for writing: {e}"))?;
-    conn.busy_timeout(timeout).map_err(|e| e.to_string())?;
+    .context("cannot open it for writing")?;
+    conn.busy_timeout(timeout)?;
     let conversations: u64 = conn
         .query_row("SELECT count(*) FROM conversations", [], |r| r.get(0))
-        .map_err(|e| format!("not a compactor store: {e}"))?;
+        .context("not a compactor store")?;
     // BEGIN IMMEDIATE takes the write lock: what fails on a read-only file,
     // disk or directory.
     conn.execute_batch("BEGIN IMMEDIATE; ROLLBACK;")
-        .map_err(|e| format!("cannot be written: {e}"))?;
+        .context("cannot be written")?;
     Ok(conversations)
 }

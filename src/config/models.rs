@@ -1,0 +1,223 @@
+//! The models table: each model's window, answer budget and trigger from
+//! the `[[models]]` entries, then the built-in families; and its prices.
+
+use serde::Serialize;
+
+use super::{Config, ModelConfig};
+
+/// A model's prices per million tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct Prices {
+    /// Input tokens.
+    pub input: f64,
+    /// Input tokens read from the prompt cache.
+    pub cached_input: f64,
+    /// Output tokens.
+    pub output: f64,
+}
+
+impl Prices {
+    /// What `input` tokens (`cached` of them from the cache) and `output`
+    /// tokens cost.
+    pub fn cost(&self, input: u64, cached: u64, output: u64) -> f64 {
+        let cached = cached.min(input);
+        ((input - cached) as f64 * self.input
+            + cached as f64 * self.cached_input
+            + output as f64 * self.output)
+            / 1e6
+    }
+}
+
+/// What the proxy knows about one model's limits.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct ModelLimits {
+    /// Context window in tokens.
+    pub context_window: u64,
+    /// Largest completion, in tokens.
+    pub max_output_tokens: u64,
+    /// Fraction of the window at which compaction triggers.
+    pub trigger_ratio: f64,
+}
+
+/// Built-in defaults for common model families: (glob, window, max output).
+/// Consulted after the user's `[[models]]`, so any entry there wins.
+const BUILTIN_MODELS: &[(&str, u64, u64)] = &[
+    ("gpt-4o*", 128_000, 16_384),
+    ("chatgpt-4o*", 128_000, 16_384),
+    ("gpt-4.1*", 1_047_576, 32_768),
+    ("gpt-5*", 400_000, 128_000),
+    ("codex-*", 400_000, 128_000),
+    ("o1*", 200_000, 100_000),
+    ("o3*", 200_000, 100_000),
+    ("o4*", 200_000, 100_000),
+    ("gpt-4-turbo*", 128_000, 4_096),
+    ("gpt-4", 8_192, 4_096),
+    ("gpt-3.5-turbo*", 16_385, 4_096),
+    ("gpt-oss*", 131_072, 32_768),
+    ("claude*", 200_000, 32_000),
+    ("*llama-3*", 131_072, 8_192),
+    ("*qwen2.5*", 32_768, 8_192),
+    ("*qwen3*", 40_960, 8_192),
+    ("*mistral*", 32_768, 8_192),
+    ("*deepseek*", 128_000, 8_192),
+    ("*gemma*", 131_072, 8_192),
+    ("*smollm2*", 8_192, 2_048),
+    ("*", 128_000, 16_384),
+];
+
+impl Config {
+    /// Limits of `model`. Order: the user's `[[models]]` entries (first match),
+    /// then the built-in families, and only then a user entry of bare `*` —
+    /// so a fallback for unknown models does not hide what is known of gpt-5.
+    pub fn model_limits(&self, model: &str) -> ModelLimits {
+        self.model_limits_sourced(model).0
+    }
+
+    /// [`Config::model_limits`], and whether a `[[models]]` entry gave them
+    /// (rather than the built-in table).
+    pub fn model_limits_sourced(&self, model: &str) -> (ModelLimits, bool) {
+        let lower = model.to_ascii_lowercase();
+        let builtin = BUILTIN_MODELS
+            .iter()
+            .find(|(p, _, _)| *p != "*" && glob_match(p, &lower))
+            .map(|(_, w, o)| (*w, *o));
+        let chosen = self.model_entry(model);
+        if let Some(m) = chosen {
+            let default_out = builtin.map(|b| b.1).unwrap_or(16_384);
+            let limits = ModelLimits {
+                context_window: m.context_window,
+                max_output_tokens: m
+                    .max_output_tokens
+                    .unwrap_or_else(|| default_out.min(m.context_window / 4)),
+                trigger_ratio: m.trigger_ratio.unwrap_or(self.compaction.trigger_ratio),
+            };
+            return (limits, true);
+        }
+        let (window, out) = builtin.unwrap_or((128_000, 16_384));
+        let limits = ModelLimits {
+            context_window: window,
+            max_output_tokens: out,
+            trigger_ratio: self.compaction.trigger_ratio,
+        };
+        (limits, false)
+    }
+
+    /// The `[[models]]` entry that gives `model`'s limits, if one does
+    /// (the same order as [`Config::model_limits`]).
+    pub(super) fn model_entry(&self, model: &str) -> Option<&ModelConfig> {
+        let lower = model.to_ascii_lowercase();
+        let user = |fallback: bool| {
+            self.models.iter().find(|m| {
+                (m.pattern == "*") == fallback
+                    && glob_match(&m.pattern.to_ascii_lowercase(), &lower)
+            })
+        };
+        let builtin = BUILTIN_MODELS
+            .iter()
+            .any(|(p, _, _)| *p != "*" && glob_match(p, &lower));
+        user(false).or(if builtin { None } else { user(true) })
+    }
+
+    /// `model`'s prices, when its `[[models]]` entry gives an input price.
+    pub fn prices(&self, model: &str) -> Option<Prices> {
+        let m = self.model_entry(model)?;
+        let input = m.input_price_per_mtok?;
+        Some(Prices {
+            input,
+            cached_input: m.cached_input_price_per_mtok.unwrap_or(input),
+            output: m.output_price_per_mtok.unwrap_or(input),
+        })
+    }
+
+    /// The effective models table (user entries, then built-ins), for the banner.
+    pub fn models_table(&self) -> Vec<(String, u64, String)> {
+        let mut rows: Vec<(String, u64, String)> = self
+            .models
+            .iter()
+            .map(|m| (m.pattern.clone(), m.context_window, "config".to_string()))
+            .collect();
+        rows.extend(
+            BUILTIN_MODELS
+                .iter()
+                .map(|(p, w, _)| (p.to_string(), *w, "built-in".to_string())),
+        );
+        rows
+    }
+}
+
+/// Glob match with `*` (any run) and `?` (one char); everything else literal.
+pub fn glob_match(pattern: &str, text: &str) -> bool {
+    let p: Vec<char> = pattern.chars().collect();
+    let t: Vec<char> = text.chars().collect();
+    let (mut pi, mut ti) = (0, 0);
+    // Position of the last `*` and the text index it was tried at, for backtracking.
+    let mut star: Option<(usize, usize)> = None;
+    while ti < t.len() {
+        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
+            pi += 1;
+            ti += 1;
+        } else if pi < p.len() && p[pi] == '*' {
+            star = Some((pi, ti));
+            pi += 1;
+        } else if let Some((sp, st)) = star {
+            pi = sp + 1;
+            ti = st + 1;
+            star = Some((sp, st + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|c| *c == '*')
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn globs() {
+        assert!(glob_match("gpt-4o*", "gpt-4o-mini"));
+        assert!(glob_match("*", ""));
+        assert!(glob_match(
+            "*qwen3*",
+            "Qwen/qwen3-8b".to_lowercase().as_str()
+        ));
+        assert!(glob_match("a?c", "abc"));
+        assert!(!glob_match("gpt-4o*", "gpt-4.1"));
+        assert!(!glob_match("gpt-4", "gpt-4o"));
+        assert!(glob_match("*a*b", "xxaxxbxb"));
+    }
+
+    #[test]
+    fn user_models_win_over_builtins() {
+        let c = Config::from_toml(
+            "[[models]]\nmatch = \"gpt-4o*\"\ncontext_window = 1000\ntrigger_ratio = 0.5\n",
+        )
+        .unwrap();
+        let l = c.model_limits("gpt-4o");
+        assert_eq!(l.context_window, 1000);
+        assert_eq!(l.trigger_ratio, 0.5);
+        assert_eq!(c.model_limits("gpt-5-codex").context_window, 400_000);
+        assert_eq!(c.model_limits("something-new").context_window, 128_000);
+        let c = Config::from_toml("[[models]]\nmatch = \"*\"\ncontext_window = 4096\n").unwrap();
+        assert_eq!(c.model_limits("gpt-5").context_window, 400_000);
+        assert_eq!(c.model_limits("my-local-model").context_window, 4096);
+    }
+
+    #[test]
+    fn prices_default_to_the_input_price() {
+        let c = Config::from_toml(
+            "[[models]]\nmatch = \"m\"\ncontext_window = 1000\ninput_price_per_mtok = 3.0\n\
+             [[models]]\nmatch = \"free\"\ncontext_window = 1000\n",
+        )
+        .unwrap();
+        let p = c.prices("m").unwrap();
+        assert_eq!((p.cached_input, p.output), (3.0, 3.0));
+        assert_eq!(p.cost(2_000_000, 500_000, 0), 6.0);
+        assert_eq!(c.prices("free"), None);
+        assert!(Config::from_toml(
+            "[[models]]\nmatch = \"m\"\ncontext_window = 1\noutput_price_per_mtok = -1.0\n"
+        )
+        .is_err());
+    }
+}

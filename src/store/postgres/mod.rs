@@ -1,0 +1,360 @@
+//! The PostgreSQL backend: records shared by every replica given the same
+//! database, so that a conversation whose requests land on several
+//! processes stays one conversation.
+//!
+//! The store's interface is blocking (a writer thread, point reads from
+//! any thread), the driver is async: the backend runs its own small tokio
+//! runtime, and every call is a future run there and waited for. The
+//! writer thread commits each batch in one transaction: exchanges that end
+//! together share one commit (the group commit), and an exchange's answer
+//! is released only once its commit is done, since there is no journal.
+//!
+//! What must be unique across replicas is decided by the database: item
+//! bodies are inserted once (`ON CONFLICT DO NOTHING`), the tenant salt is
+//! the first replica's, exchange ids come from a sequence in blocks, an
+//! explicit key belongs to the conversation that committed it first.
+//!
+//! A commit under way longer than `store.stall_after_ms`, or a last one
+//! that failed for want of the database, marks it stalled
+//! ([`super::SharedDatabase::stalled`]): requests are refused before they go
+//! upstream until a commit (an empty one tried every 250 ms after
+//! a failure) succeeds. A batch the database refuses for a value one record
+//! holds goes again record by record; text is stored escaped
+//! ([`super::postgres_text`]), since PostgreSQL's refuses U+0000; the
+//! exchanges of a commit that timed out are written again as withheld with
+//! the next batch, whatever became of that commit.
+//!
+//! The pool, its runtime and the database's health are here; the schema's
+//! migrations in `schema`, the writer's side in `backend`, the reads in
+//! `reads`.
+
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use tokio_postgres::NoTls;
+
+use super::StoreError;
+use crate::config::StoreConfig;
+
+mod backend;
+mod reads;
+mod schema;
+
+pub use backend::{PostgresBackend, WITHHELD};
+pub(super) use reads::plain;
+pub use reads::PostgresReads;
+use schema::{applied_version, latest_version, migrate};
+
+/// Exchange ids one `nextval` reserves for a process: ids stay unique
+/// across replicas with one round trip per this many exchanges.
+const ID_BLOCK: i64 = 1024;
+
+/// How long a connection attempt may take.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Threads of the backend's runtime: the driver's work is I/O, the callers
+/// wait on their own threads.
+const RUNTIME_THREADS: usize = 2;
+
+/// How to reach the database.
+#[derive(Clone)]
+pub struct Options {
+    /// `postgres://…`
+    pub url: String,
+    /// From the URL, `PGPASSWORD` or `password_env` (never logged).
+    pub password: Option<String>,
+    /// Most connections the pool keeps.
+    pub pool_size: usize,
+    /// Statement timeout, and the longest wait for a pooled connection.
+    pub statement_timeout: Duration,
+    /// A commit under way longer than this declares the database stalled.
+    pub stall_after: Duration,
+    /// How long a claim on computing a conversation's compaction lasts.
+    pub claim_lapse: Duration,
+    /// The sessions' `synchronous_commit` (`on` unless set).
+    pub synchronous_commit: Option<String>,
+}
+
+impl std::fmt::Debug for Options {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Options")
+            .field("pool_size", &self.pool_size)
+            .field("statement_timeout", &self.statement_timeout)
+            .field("stall_after", &self.stall_after)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Options {
+    /// The options `[store]` gives.
+    pub fn from_config(c: &StoreConfig) -> Self {
+        Options {
+            url: c.url.clone(),
+            password: c.password(),
+            pool_size: c.pool_size,
+            statement_timeout: Duration::from_millis(c.statement_timeout_ms),
+            stall_after: Duration::from_millis(c.stall_after_ms),
+            claim_lapse: Duration::from_secs(c.claim_lapse_secs),
+            synchronous_commit: Some(c.synchronous_commit.clone()),
+        }
+    }
+
+    fn pg_config(&self) -> Result<tokio_postgres::Config, StoreError> {
+        let mut pg: tokio_postgres::Config = self.url.parse().map_err(StoreError::Postgres)?;
+        if let Some(p) = &self.password {
+            pg.password(p);
+        }
+        pg.connect_timeout(CONNECT_TIMEOUT);
+        pg.application_name("compactor");
+        let mut options = format!(
+            "-c statement_timeout={}",
+            self.statement_timeout.as_millis()
+        );
+        // Checked against the values PostgreSQL takes (config validation):
+        // nothing else reaches the options string.
+        if let Some(sync) = self
+            .synchronous_commit
+            .as_deref()
+            .filter(|s| crate::config::SYNCHRONOUS_COMMIT.contains(s))
+        {
+            options.push_str(&format!(" -c synchronous_commit={sync}"));
+        }
+        pg.options(options);
+        Ok(pg)
+    }
+}
+
+/// Where the schema of a database stands, for `--check-config`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SchemaStatus {
+    /// The newest migration applied (0: none).
+    pub applied: i32,
+    /// The newest this build knows.
+    pub latest: i32,
+}
+
+impl SchemaStatus {
+    /// Whether the database has every migration this build knows.
+    pub fn is_current(&self) -> bool {
+        self.applied >= self.latest
+    }
+}
+
+/// A connection pool and the runtime its connections live on, shared by
+/// the backend, its reads and the exchange ids.
+pub struct Postgres {
+    runtime: Option<tokio::runtime::Runtime>,
+    handle: tokio::runtime::Handle,
+    pub(super) pool: Pool,
+    timeout: Duration,
+    health: Arc<Health>,
+    stall_after: Duration,
+    claim_lapse: Duration,
+    /// Round trips the reads made (see [`Postgres::reads`]).
+    reads: std::sync::atomic::AtomicU64,
+}
+
+/// What tells a stalled database, kept by the writer's commits and read by
+/// the request path without a round trip.
+#[derive(Default)]
+struct Health {
+    /// Unix ms the commit under way started (0: none is).
+    busy_since_ms: AtomicI64,
+    /// The last commit failed for want of the database (not for a value it
+    /// refused); cleared by the next commit that succeeds.
+    failing: AtomicBool,
+    /// A probe commit is being tried (see [`Postgres::probe_until_up`]).
+    probing: AtomicBool,
+}
+
+/// How often a database whose last commit failed is tried again with an
+/// empty commit, while no request is let through to commit one.
+const PROBE_EVERY: Duration = Duration::from_millis(250);
+
+impl Drop for Postgres {
+    fn drop(&mut self) {
+        // Dropped on an async thread too (the state of a server that
+        // stops): a runtime may only be shut down there without blocking.
+        if let Some(rt) = self.runtime.take() {
+            rt.shutdown_background();
+        }
+    }
+}
+
+impl Postgres {
+    /// The pool (no connection yet).
+    pub fn new(opts: &Options) -> Result<Arc<Self>, StoreError> {
+        // What can be refused is checked before the runtime exists: a
+        // runtime dropped on an early return from inside the caller's async
+        // context (`serve` opens the store there) would panic.
+        let manager = Manager::from_config(
+            opts.pg_config()?,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(opts.pool_size)
+            .wait_timeout(Some(opts.statement_timeout))
+            .create_timeout(Some(CONNECT_TIMEOUT))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .build()
+            .map_err(|e| StoreError::Pool(e.to_string()))?;
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(RUNTIME_THREADS)
+            .thread_name("compactor-pg")
+            .enable_all()
+            .build()?;
+        Ok(Arc::new(Postgres {
+            handle: runtime.handle().clone(),
+            runtime: Some(runtime),
+            pool,
+            timeout: opts.statement_timeout + CONNECT_TIMEOUT,
+            health: Arc::default(),
+            stall_after: opts.stall_after,
+            claim_lapse: opts.claim_lapse,
+            reads: Default::default(),
+        }))
+    }
+
+    /// Connects and applies the migrations the database lacks.
+    pub fn open(opts: &Options) -> Result<Arc<Self>, StoreError> {
+        let pg = Self::new(opts)?;
+        let pool = pg.pool.clone();
+        pg.wait(async move { migrate(&pool).await })?;
+        Ok(pg)
+    }
+
+    /// Where the database's schema stands, without changing it.
+    pub fn status(&self) -> Result<SchemaStatus, StoreError> {
+        let pool = self.pool.clone();
+        self.wait(async move {
+            let client = pool.get().await?;
+            Ok(SchemaStatus {
+                applied: applied_version(&client).await?,
+                latest: latest_version(),
+            })
+        })
+    }
+
+    /// Whether the database answers now.
+    pub fn ping(&self) -> Result<(), StoreError> {
+        let pool = self.pool.clone();
+        self.wait(async move {
+            pool.get().await?.simple_query("SELECT 1").await?;
+            Ok(())
+        })
+    }
+
+    /// The pool's connections: (open, idle, callers waiting for one).
+    pub fn pool_status(&self) -> (usize, usize, usize) {
+        let s = self.pool.status();
+        (s.size, s.available, s.waiting)
+    }
+
+    /// Runs `fut` on the backend's runtime and waits for it, bounded in
+    /// time, from any thread: an async caller's thread blocks as on an
+    /// SQLite read.
+    pub(super) fn wait<T, F>(&self, fut: F) -> Result<T, StoreError>
+    where
+        T: Send + 'static,
+        F: Future<Output = Result<T, StoreError>> + Send + 'static,
+    {
+        let timeout = self.timeout;
+        let bounded = async move {
+            tokio::time::timeout(timeout, fut)
+                .await
+                .unwrap_or(Err(StoreError::Timeout))
+        };
+        if tokio::runtime::Handle::try_current().is_err() {
+            return self.handle.block_on(bounded);
+        }
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        self.handle.spawn(async move {
+            let _ = tx.send(bounded.await);
+        });
+        let wait = || rx.recv().map_err(|_| StoreError::Closed)?;
+        // Called from a request's task: the round trip must not stall the
+        // other tasks of that worker, so they move to another thread while
+        // this one waits (a current-thread runtime cannot, and just waits).
+        match tokio::runtime::Handle::current().runtime_flavor() {
+            tokio::runtime::RuntimeFlavor::MultiThread => tokio::task::block_in_place(wait),
+            _ => wait(),
+        }
+    }
+
+    /// Notes how the commit under way ended: a failure for want of the
+    /// database stalls the store until a probe commit succeeds.
+    fn committed(&self, result: &Result<(), StoreError>) {
+        self.health.busy_since_ms.store(0, Ordering::Release);
+        let down = result.as_ref().is_err_and(|e| !e.is_refusal());
+        self.health.failing.store(down, Ordering::Release);
+        if down {
+            self.probe_until_up();
+        }
+    }
+
+    /// Tries an empty commit every [`PROBE_EVERY`] until one succeeds,
+    /// which clears the failure: requests are refused meanwhile, so none
+    /// would commit to tell it. One prober at a time.
+    fn probe_until_up(&self) {
+        if self.health.probing.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        let (pool, health, timeout) = (self.pool.clone(), self.health.clone(), self.timeout);
+        self.handle.spawn(async move {
+            loop {
+                tokio::time::sleep(PROBE_EVERY).await;
+                if !health.failing.load(Ordering::Acquire) {
+                    break;
+                }
+                let probe = async {
+                    let client = pool.get().await?;
+                    client.batch_execute("BEGIN; COMMIT").await?;
+                    Ok::<_, StoreError>(())
+                };
+                if let Ok(Ok(())) = tokio::time::timeout(timeout, probe).await {
+                    tracing::info!("the database answers again: requests are served");
+                    health.failing.store(false, Ordering::Release);
+                    break;
+                }
+            }
+            health.probing.store(false, Ordering::Release);
+        });
+    }
+
+    /// A new block of exchange ids, unique across every replica.
+    pub fn reserve_ids(&self) -> Result<std::ops::Range<i64>, StoreError> {
+        let pool = self.pool.clone();
+        self.wait(async move {
+            let client = pool.get().await?;
+            let row = client
+                .query_one("SELECT nextval('exchange_id_blocks')", &[])
+                .await?;
+            let block: i64 = row.get(0);
+            Ok(block * ID_BLOCK..(block + 1) * ID_BLOCK)
+        })
+    }
+}
+
+impl super::SharedDatabase for Postgres {
+    fn reserve_ids(&self) -> Result<std::ops::Range<i64>, StoreError> {
+        Postgres::reserve_ids(self)
+    }
+
+    fn stalled(&self) -> Option<StoreError> {
+        if self.health.failing.load(Ordering::Acquire) {
+            return Some(StoreError::Stalled(
+                "the last commit failed; waiting for one to succeed".into(),
+            ));
+        }
+        let since = self.health.busy_since_ms.load(Ordering::Acquire);
+        let age = crate::ids::now_ms() - since;
+        (since > 0 && age >= self.stall_after.as_millis() as i64)
+            .then(|| StoreError::Stalled(format!("a commit has been under way for {age} ms")))
+    }
+}
