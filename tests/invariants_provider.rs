@@ -25,6 +25,7 @@ use proptest::prelude::*;
 use proptest::strategy::ValueTree;
 use proptest::test_runner::TestRunner;
 use serde_json::{json, Value};
+use support::responses::output_text;
 use support::*;
 
 const TASK: &str = "step 0: build the planted_module crate";
@@ -92,11 +93,6 @@ fn call(id: &str, name: &str, args: Value) -> Value {
 fn text(t: &str) -> Value {
     json!({"type": "message", "id": "msg_t", "status": "completed", "role": "assistant",
            "content": [{"type": "output_text", "text": t, "annotations": []}]})
-}
-
-fn output_text(n: usize, bytes: usize) -> String {
-    let line = format!("turn {n}: build step ok, wrote target/out_{n}.o\n");
-    line.repeat(bytes / line.len() + 1)[..bytes].to_string()
 }
 
 struct Session {

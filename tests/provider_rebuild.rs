@@ -15,6 +15,7 @@ use compactor::config::{Config, ModelConfig};
 use compactor::fake_upstream::provider::Settings;
 use compactor::fake_upstream::{Received, Reply};
 use serde_json::{json, Value};
+use support::responses::{output_text, responses_call, responses_output, responses_text};
 use support::*;
 
 const KEY: &str = "sk-test-rebuild-0001";
@@ -49,72 +50,6 @@ fn client_requests(h: &Harness) -> Vec<Received> {
         .into_iter()
         .filter(|r| r.path == "/v1/responses" && !is_summary_call(r))
         .collect()
-}
-
-fn responses_answer(output: Value, streamed: bool) -> Reply {
-    let done = json!({"id": compactor::fake_upstream::next_response_id(), "object": "response",
-        "status": "completed", "model": "prov", "output": output,
-        "usage": {"input_tokens": 1, "output_tokens": 12, "total_tokens": 13}});
-    if !streamed {
-        return Reply::json(200, done);
-    }
-    let mut events = Vec::new();
-    let mut push = |kind: &str, mut data: Value| {
-        data["type"] = json!(kind);
-        data["sequence_number"] = json!(events.len());
-        events.push(format!("event: {kind}\ndata: {data}\n\n"));
-    };
-    let created =
-        json!({"id": done["id"], "object": "response", "status": "in_progress", "output": []});
-    push("response.created", json!({"response": created}));
-    push("response.in_progress", json!({"response": created}));
-    for (i, item) in done["output"].as_array().unwrap().iter().enumerate() {
-        push(
-            "response.output_item.added",
-            json!({"output_index": i, "item": item}),
-        );
-        push(
-            "response.output_item.done",
-            json!({"output_index": i, "item": item}),
-        );
-    }
-    push("response.completed", json!({"response": done}));
-    Reply::sse(events)
-}
-
-fn responses_call(call_id: &str, streamed: bool) -> Reply {
-    responses_answer(
-        json!([{"type": "function_call", "id": format!("fc_{call_id}"), "call_id": call_id,
-                "name": "shell", "arguments": "{\"cmd\":\"make\"}", "status": "completed"}]),
-        streamed,
-    )
-}
-
-fn responses_text(text: &str, streamed: bool) -> Reply {
-    responses_answer(
-        json!([{"type": "message", "id": "msg_text", "status": "completed", "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}]}]),
-        streamed,
-    )
-}
-
-fn responses_output(bytes: &[u8], streamed: bool) -> Vec<Value> {
-    if !streamed {
-        let v: Value = serde_json::from_slice(bytes).expect("JSON answer");
-        return v["output"].as_array().cloned().unwrap_or_default();
-    }
-    let text = String::from_utf8_lossy(bytes);
-    text.split("\n\n")
-        .filter_map(|ev| ev.lines().find_map(|l| l.strip_prefix("data: ")))
-        .filter_map(|d| serde_json::from_str::<Value>(d).ok())
-        .find(|v| v["type"] == "response.completed")
-        .and_then(|v| v["response"]["output"].as_array().cloned())
-        .unwrap_or_else(|| panic!("a completed stream: {text}"))
-}
-
-fn output_text(turn: usize, bytes: usize) -> String {
-    let line = format!("turn {turn}: build step ok, wrote target/out_{turn}.o\n");
-    line.repeat(bytes / line.len() + 1)[..bytes].to_string()
 }
 
 /// A Responses client asking its provider to compact, holding its history.
