@@ -270,7 +270,7 @@ pub struct AttemptRecord {
 }
 
 /// A recorded prefix a request repeats, as
-/// [`Reads::exchange_by_chain`](super::Reads::exchange_by_chain) finds it.
+/// [`Reads::look_up`](super::Reads::look_up) finds it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ChainHit {
     /// The exchange's conversation.

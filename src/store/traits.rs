@@ -60,12 +60,6 @@ pub trait Reads: Queries + Send + Sync + 'static {
     fn shared(&self) -> bool {
         false
     }
-    /// The longest recorded prefix among `chains` (chain hashes of a
-    /// request's leading items) of one of the tenant's exchanges: its
-    /// conversation and where the request continues it.
-    fn exchange_by_chain(&self, _tenant: &str, _chains: &[ItemHash]) -> Option<ChainHit> {
-        None
-    }
     /// The conversation of the tenant's exchange answered with `response_id`.
     fn conversation_of_response(&self, _tenant: &str, _response_id: &str) -> Option<String> {
         None
@@ -134,7 +128,9 @@ pub trait Reads: Queries + Send + Sync + 'static {
 
     /// The reads a request makes of a store other processes write, before
     /// it is matched: the longest recorded prefix among
-    /// `chains[ask.prefix_from..]` (as [`Reads::exchange_by_chain`]) and
+    /// `chains[ask.prefix_from..]` (chain hashes of a request's leading
+    /// items) of one of the tenant's exchanges, its conversation and where
+    /// the request continues it, and
     /// the compaction covering the most of `chains[ask.covering_from..]`
     /// (as [`Reads::compaction_covering`]) or else compaction
     /// `ask.body_of`, body included, both in one round trip, awaited

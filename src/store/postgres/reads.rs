@@ -98,7 +98,7 @@ impl PostgresReads {
     }
 }
 
-/// The longest hit of [`crate::store::Reads::exchange_by_chain`] among rows of
+/// The longest hit of [`crate::store::Reads::look_up`]'s prefix among rows of
 /// (id, conversation, request_len, response_len, request matched, full
 /// matched, answered whole, tip).
 fn best_hit(rows: &[tokio_postgres::Row]) -> Option<ChainHit> {
@@ -172,19 +172,6 @@ impl crate::store::Reads for PostgresReads {
 
     fn shared(&self) -> bool {
         true
-    }
-
-    fn exchange_by_chain(&self, tenant: &str, chains: &[ItemHash]) -> Option<ChainHit> {
-        if chains.is_empty() {
-            return None;
-        }
-        let tenant = tenant.to_string();
-        let chains: Vec<Vec<u8>> = chains.iter().map(|c| c.to_vec()).collect();
-        self.read("exchange_by_chain", |pool| async move {
-            let client = pool.get().await?;
-            let stmt = client.prepare_cached(BY_CHAIN).await?;
-            Ok(best_hit(&client.query(&stmt, &[&tenant, &chains]).await?))
-        })
     }
 
     fn conversation_of_response(&self, tenant: &str, response_id: &str) -> Option<String> {
@@ -590,7 +577,7 @@ impl Postgres {
     }
 }
 
-/// The statement of [`crate::store::Reads::exchange_by_chain`]: rows for
+/// The statement of [`crate::store::Reads::look_up`]'s prefix: rows for
 /// [`best_hit`].
 const BY_CHAIN: &str = "SELECT id, conversation_id, request_len, length(response_items) / 32,
         COALESCE(chain_request = ANY($2), FALSE),
