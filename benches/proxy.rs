@@ -1413,7 +1413,87 @@ fn breakdown(o: &Opts) {
          stored before, as JSON text; tok: token estimate after the answer, on an accounting \
          thread — cold = all items new)"
     );
+    compacted_steps(reps, &median_us);
     tee_per_chunk(reps);
+}
+
+/// What a request a stored compaction applies to costs beyond the
+/// others: its body upstream (rebuilt from its parts, or the client's bytes
+/// with the compaction's JSON in place of what it covers) and the hashes of
+/// what was sent (recomputed, or the compaction's made once and the
+/// request's own past it).
+fn compacted_steps(reps: usize, median_us: &dyn Fn(usize, &mut dyn FnMut()) -> f64) {
+    use compactor::compaction::replacement::Made;
+    use compactor::upstream::Payload;
+    use compactor::wire::items::{split_body, ItemCaches, Tools};
+    use compactor::wire::Api;
+
+    println!();
+    println!(
+        "a compacted request (a stored compaction of the first 80% of its items: their first, a \
+         summary, their last two), one thread, median µs:"
+    );
+    println!(
+        "{:>7} {:>6} | {:>9} {:>9} | {:>11} {:>11}",
+        "body KB", "items", "rebuild", "splice", "hash again", "hash kept"
+    );
+    for size in [30_000, 300_000] {
+        let head = body_head(true);
+        let tail = b"]}";
+        let mut conv = Conv::new(2 << 16, size, head.len() + tail.len(), Shape::Chat);
+        let body = bytes::Bytes::from(conv.body(&head, tail).0);
+        let caches = ItemCaches::default();
+        let s = split_body(&body, "messages").expect("body splits");
+        let mut params = s.body;
+        let items = Api::Chat.item_list(&mut params, body.clone(), s.spans);
+        let tools = s
+            .tools
+            .map(|(span, key)| Tools::raw(body.clone(), span, key, &caches));
+        let hashes = items.hashes();
+        let covered = items.len() * 4 / 5;
+        let mut replacement = vec![items.item(0).into_owned()];
+        replacement
+            .push(serde_json::json!({"role": "user", "content": prose(&mut Rng::new(5), 1500)}));
+        replacement.extend((covered - 2..covered).map(|i| items.item(i).into_owned()));
+        let view = items.with_prefix_replaced(covered, &replacement);
+        let (head_bytes, rest) =
+            compactor::wire::chat::splice_stream_usage(&body).expect("an object");
+        let original = Payload::joined(head_bytes, rest);
+        let made = Made::default();
+        let rebuild = median_us(reps, &mut || {
+            std::hint::black_box(
+                Api::Chat
+                    .rebuild_body(&params, &view.values(), tools.as_ref())
+                    .expect("serialises"),
+            );
+        });
+        let (cut, follow) = items.covered_span(covered).expect("the client's items");
+        let splice = median_us(reps, &mut || {
+            std::hint::black_box(original.with_cut_replaced(
+                items.body_bytes(),
+                cut.clone(),
+                made.array_json(Api::Chat, &replacement, follow),
+            ));
+        });
+        let again = median_us(reps, &mut || {
+            let view = items.with_prefix_replaced(covered, &replacement);
+            std::hint::black_box(view.hashes());
+        });
+        let kept = median_us(reps, &mut || {
+            let mut all = made.hashes(&replacement).to_vec();
+            all.extend_from_slice(&hashes[covered..]);
+            std::hint::black_box(all);
+        });
+        println!(
+            "{:>7.1} {:>6} | {:>9.0} {:>9.1} | {:>11.0} {:>11.1}",
+            body.len() as f64 / 1000.0,
+            items.len(),
+            rebuild,
+            splice,
+            again,
+            kept
+        );
+    }
 }
 
 fn status_kb(key: &str) -> Option<u64> {

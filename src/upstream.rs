@@ -4,6 +4,7 @@
 use std::cell::Cell;
 use std::fmt;
 use std::future::Future;
+use std::ops::Range;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
@@ -531,49 +532,87 @@ impl From<SendFailure> for SendFailure<ProxyError> {
     }
 }
 
-/// A request body in memory: the client's bytes, or a few bytes put before
-/// them and the client's bytes, sent one after the other (with their total
-/// length) rather than copied into one buffer.
-#[derive(Clone, Debug, Default, PartialEq)]
+/// A request body in memory: the client's bytes, or pieces of them with a
+/// few bytes put before them or in a part's place, sent one after the
+/// other (with their total length) rather than copied into one buffer.
+#[derive(Clone, Debug, Default)]
 pub struct Payload {
-    head: Bytes,
-    rest: Bytes,
+    pieces: [Bytes; PIECES],
 }
+
+/// Most pieces a [`Payload`] is sent in.
+const PIECES: usize = 4;
 
 impl Payload {
     /// `head` then `rest`.
     pub fn joined(head: Bytes, rest: Bytes) -> Payload {
-        Payload { head, rest }
+        Payload {
+            pieces: [head, rest, Bytes::new(), Bytes::new()],
+        }
     }
 
-    /// All its bytes in one buffer (a copy only when it is in two pieces).
-    fn to_bytes(&self) -> Bytes {
-        match (self.head.is_empty(), self.rest.is_empty()) {
-            (true, _) => self.rest.clone(),
-            (false, true) => self.head.clone(),
-            (false, false) => [&self.head[..], &self.rest[..]].concat().into(),
+    /// This payload with the bytes `cut` of `body` replaced by `insert`,
+    /// when its last piece is a tail of `body` (the client's body as read)
+    /// that holds all of `cut`: what came before that tail stays as it is.
+    /// `None` when this payload is not such a tail of `body`.
+    pub fn with_cut_replaced(
+        &self,
+        body: &Bytes,
+        cut: Range<usize>,
+        insert: Bytes,
+    ) -> Option<Payload> {
+        let [head, rest, third, fourth] = &self.pieces;
+        if !third.is_empty() || !fourth.is_empty() || cut.end > body.len() {
+            return None;
+        }
+        // Where `rest` starts in `body`: it must be the same memory.
+        let from = (rest.as_ptr() as usize).checked_sub(body.as_ptr() as usize)?;
+        if from.checked_add(rest.len()) != Some(body.len()) || from > cut.start {
+            return None;
+        }
+        Some(Payload {
+            pieces: [
+                head.clone(),
+                body.slice(from..cut.start),
+                insert,
+                body.slice(cut.end..),
+            ],
+        })
+    }
+
+    /// All its bytes in one buffer (a copy only when it is in pieces).
+    pub fn to_bytes(&self) -> Bytes {
+        let mut full = self.pieces.iter().filter(|p| !p.is_empty());
+        match (full.next(), full.next()) {
+            (None, _) => Bytes::new(),
+            (Some(one), None) => one.clone(),
+            _ => self.pieces.concat().into(),
         }
     }
 
     fn body(&self) -> reqwest::Body {
-        if self.head.is_empty() || self.rest.is_empty() {
+        if self.pieces.iter().filter(|p| !p.is_empty()).count() < 2 {
             return reqwest::Body::from(self.to_bytes());
         }
-        reqwest::Body::wrap(Pieces([self.head.clone(), self.rest.clone()]))
+        reqwest::Body::wrap(Pieces(self.pieces.clone()))
+    }
+}
+
+impl PartialEq for Payload {
+    /// The same bytes, however they are cut into pieces.
+    fn eq(&self, other: &Payload) -> bool {
+        self.to_bytes() == other.to_bytes()
     }
 }
 
 impl From<Bytes> for Payload {
     fn from(rest: Bytes) -> Payload {
-        Payload {
-            head: Bytes::new(),
-            rest,
-        }
+        Payload::joined(Bytes::new(), rest)
     }
 }
 
-/// The two pieces of a [`Payload`] as a body of known length.
-struct Pieces([Bytes; 2]);
+/// The pieces of a [`Payload`] as a body of known length.
+struct Pieces([Bytes; PIECES]);
 
 impl hyper::body::Body for Pieces {
     type Data = Bytes;

@@ -10,7 +10,7 @@ use compactor::fake_upstream::Reply;
 use serde_json::{json, Value};
 use support::{
     client_calls, compactions, is_summary_call, last_client_call, last_client_request, post,
-    small_window, small_window_foreground, wait_compactions, within, Harness,
+    post_raw, small_window, small_window_foreground, wait_compactions, within, Harness,
 };
 
 const KEY: &str = "sk-compaction-tests";
@@ -22,6 +22,8 @@ struct Chat {
     history: Vec<Value>,
     /// Tool definitions sent with every request, if any.
     tools: Option<Value>,
+    /// Bodies go pretty-printed (as no serialiser of the proxy writes them).
+    pretty: bool,
 }
 
 impl Chat {
@@ -31,6 +33,7 @@ impl Chat {
             key: key.into(),
             history: vec![json!({"role": "system", "content": "You are a careful coding agent."})],
             tools: None,
+            pretty: false,
         }
     }
 
@@ -42,7 +45,16 @@ impl Chat {
             request["tools"] = tools.clone();
         }
         request["messages"] = json!(self.history);
-        let (status, headers, body) = post(&self.url, &self.key, &request).await;
+        let (status, headers, body) = if self.pretty {
+            post_raw(
+                &self.url,
+                &self.key,
+                serde_json::to_vec_pretty(&request).unwrap(),
+            )
+            .await
+        } else {
+            post(&self.url, &self.key, &request).await
+        };
         let v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
         if status == 200 {
             let content = v["choices"][0]["message"]["content"]
@@ -659,6 +671,50 @@ async fn a_compacted_request_keeps_the_clients_parameters_and_tools_in_place() {
         support::keys(&sent),
         ["model", "temperature", "tools", "messages"],
         "in the client's order"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compacted_request_goes_as_the_clients_bytes_with_the_replacement_in_place() {
+    let h = Harness::start_with(small_window).await;
+    let mut chat = Chat::new(&h, KEY);
+    chat.pretty = true;
+    grow_until_compacted(&h, &mut chat).await;
+    wait_compactions(&h, 1).await;
+    let (status, headers, _) = chat.turn("one more step").await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let sent = last_client_request(&h).body;
+    // What the client sent, pretty-printed as the proxy never writes JSON.
+    let mut request = json!({"model": MODEL, "temperature": 0.5});
+    request["messages"] = json!(chat.history[..chat.history.len() - 1]);
+    let client = serde_json::to_vec_pretty(&request).unwrap();
+    let text = String::from_utf8(client.clone()).unwrap();
+    // The bytes before the first item and from the last user message on
+    // are the client's, byte for byte: nothing was rebuilt.
+    let first_item = text.find("\"messages\": [").unwrap() + "\"messages\": [".len();
+    let first_item = first_item + text[first_item..].find('{').unwrap();
+    let last = text.rfind("{\n      \"role\": \"user\"").unwrap();
+    assert!(
+        sent.starts_with(&client[..first_item]),
+        "the client's bytes up to its items"
+    );
+    assert!(
+        sent.ends_with(&client[last..]),
+        "the client's bytes of what is kept"
+    );
+    assert!(
+        sent.len() < client.len(),
+        "the history it covers is replaced"
+    );
+    let sent: Value = serde_json::from_slice(&sent).expect("JSON");
+    let messages = sent["messages"].as_array().unwrap();
+    assert_eq!(messages[0], chat.history[0], "the system prompt leads");
+    assert_eq!(messages.last().unwrap()["content"], "one more step");
+    assert!(
+        messages.len() < chat.history.len() - 1,
+        "fewer messages than the client's {}",
+        chat.history.len() - 1
     );
 }
 

@@ -327,6 +327,7 @@ proptest! {
             audit: None,
             duration_ms: 0,
             created_ms: 0,
+            made: Default::default(),
         };
         let sent = rewrite::rewrite(&items, &c);
         prop_assert_eq!(sent.iter().map(count).sum::<u64>(), a.after);

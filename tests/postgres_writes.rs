@@ -159,6 +159,7 @@ fn compaction(id: &str) -> Compaction {
         ),
         duration_ms: 9,
         created_ms: 1_000,
+        made: Default::default(),
     }
 }
 

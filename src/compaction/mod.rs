@@ -21,6 +21,8 @@
 //!   newest provider compaction item, before which nothing is compacted
 //! - [`rebuild`]: a provider compaction item the provider refuses, and the
 //!   history from the record that takes its place
+//! - [`replacement`]: the replacement's hashes and JSON, made once for all
+//!   the requests it applies to
 //!
 //! A compaction replaces the first `covered_len` items the client sends —
 //! identified by their chain hash, so it can never apply to bytes it did not
@@ -41,6 +43,7 @@ pub mod provider;
 pub mod rebuild;
 pub mod recall;
 pub mod remote;
+pub mod replacement;
 pub mod rewrite;
 pub mod summary;
 
@@ -143,9 +146,24 @@ pub struct Compaction {
     pub duration_ms: u64,
     /// Unix ms.
     pub created_ms: i64,
+    /// The replacement's hashes and JSON, made on first use.
+    #[serde(skip)]
+    pub made: replacement::Made,
 }
 
 impl Compaction {
+    /// The canonical hashes of the replacement's items.
+    pub fn replacement_hashes(&self) -> &std::sync::Arc<Vec<ItemHash>> {
+        self.made.hashes(&self.replacement)
+    }
+
+    /// The replacement's items as JSON for an `api` body's item array,
+    /// comma-separated, a comma after the last when items `follow` (see
+    /// [`replacement::Made::array_json`]).
+    pub fn replacement_json(&self, api: crate::wire::Api, follow: bool) -> bytes::Bytes {
+        self.made.array_json(api, &self.replacement, follow)
+    }
+
     /// Estimated tokens fewer than the client's own items it covers (one
     /// stored before the figure was kept: its own shrink).
     pub fn saved(&self) -> u64 {
@@ -191,6 +209,7 @@ pub(crate) fn test_compaction(
         audit: None,
         duration_ms: 1,
         created_ms: 1,
+        made: Default::default(),
     }
 }
 

@@ -124,6 +124,7 @@ pub fn standing_for(
         audit: None,
         duration_ms: 0,
         created_ms: crate::ids::now_ms(),
+        made: Default::default(),
     }
 }
 

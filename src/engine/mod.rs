@@ -557,6 +557,7 @@ async fn compute<S: Context>(
         audit: Some(audited.audit),
         duration_ms: started.elapsed().as_millis() as u64,
         created_ms: crate::ids::now_ms(),
+        made: Default::default(),
     };
     if let Err(e) = state.store().record_compaction(c.clone()).await {
         tracing::error!(error = %e, "compaction not recorded");

@@ -94,7 +94,7 @@ pub(super) async fn fit_after_waiting(state: &Arc<AppState>, pending: &mut Pendi
         conversation: &pending.ident.conversation,
         model: &pending.model,
         view: pending.view.clone(),
-        hashes: None,
+        hashes: pending.view_hashes(),
         tools: pending.tools.clone(),
         bytes: None,
     };

@@ -279,6 +279,9 @@ impl PendingExchange {
         ) {
             return Ok(original.clone());
         }
+        if let Some(spliced) = self.spliced_bytes() {
+            return Ok(spliced);
+        }
         let bound;
         let body = if self.drop_block {
             let mut b = (*self.body).clone();
@@ -315,6 +318,50 @@ impl PendingExchange {
             .rebuild_body(body, &items, tools)
             .map(Payload::from)
             .map_err(ProxyError::internal)
+    }
+
+    /// The compacted request as the client's bytes with the compaction's
+    /// JSON in place of the items it covers, nothing parsed or serialised:
+    /// where the view is exactly its replacement followed by the client's
+    /// items past it, and nothing else changes (no tool the proxy adds, no
+    /// recall rounds, no thinking block to drop). Else `None`: the body is
+    /// rebuilt.
+    fn spliced_bytes(&self) -> Option<Payload> {
+        let c = self.plain_compaction()?;
+        if self.drop_block || self.recall || self.agent_tool || !self.extra.is_empty() {
+            return None;
+        }
+        let (cut, follow) = self.items.covered_span(c.covered_len)?;
+        self.original.as_ref()?.with_cut_replaced(
+            self.items.body_bytes(),
+            cut,
+            c.replacement_json(self.api, follow),
+        )
+    }
+
+    /// The compaction applied, when the view is its replacement followed
+    /// by the client's items past it, unchanged: in every API but
+    /// Anthropic Messages, whose view [`PendingExchange::apply`] edits.
+    fn plain_compaction(&self) -> Option<&Compaction> {
+        self.compaction
+            .as_deref()
+            .filter(|_| self.api != Api::Messages)
+    }
+
+    /// The hashes of the view's items when they are known without hashing
+    /// anything: the request's own, or those of a plain compaction's
+    /// replacement (made once per compaction) followed by the request's
+    /// past what it covers.
+    pub fn view_hashes(&self) -> Option<Arc<Vec<ItemHash>>> {
+        if Arc::ptr_eq(&self.view, &self.items) {
+            return Some(self.hashes.clone());
+        }
+        let c = self.plain_compaction()?;
+        let tail = self.hashes.get(c.covered_len..)?;
+        let mut all = Vec::with_capacity(c.replacement.len() + tail.len());
+        all.extend_from_slice(c.replacement_hashes());
+        all.extend_from_slice(tail);
+        Some(Arc::new(all))
     }
 
     /// What a compaction of this request starts from (in observe mode,
@@ -548,7 +595,7 @@ impl PendingExchange {
         // The request's own hashes and chains, unless a compaction changed
         // what was sent.
         let sent_as_received = Arc::ptr_eq(&self.view, &self.items);
-        let hashes = sent_as_received.then(|| self.hashes.clone());
+        let hashes = self.view_hashes();
         let chains = sent_as_received.then(|| self.chains.clone());
         // Without reported usage the estimate decides (only a complete
         // answer says how large the conversation now is).

@@ -210,7 +210,7 @@ pub(super) async fn identify(
         conversation: &pending.ident.conversation,
         model: &pending.model,
         view: pending.view.clone(),
-        hashes: Arc::ptr_eq(&pending.view, &pending.items).then(|| pending.hashes.clone()),
+        hashes: pending.view_hashes(),
         tools: pending.tools.clone(),
         bytes,
     };

@@ -65,6 +65,7 @@ pub(super) fn compaction(r: &Row) -> Result<Compaction, StoreError> {
         summary_calls: r.get(15)?,
         duration_ms: r.count(16)?,
         created_ms: r.get(17)?,
+        made: Default::default(),
         summary_tokens: r.count(18)?,
         summary_output_tokens: r.count(19)?,
         tokens_saved: r.count(20)?,

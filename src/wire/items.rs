@@ -151,6 +151,29 @@ impl ItemList {
         ItemList::raw(head, self.raw.clone(), self.spans[from_span..].to_vec())
     }
 
+    /// Where the client's bytes of this list's first `covered` items lie,
+    /// for a body that sends other items in their place: the range of
+    /// [`ItemList::body_bytes`] to cut (from the first item's start to
+    /// the first kept item's start, or to the last item's end when none is
+    /// kept) and whether items follow it (what goes in its place then
+    /// needs a comma after it). `None` when the list holds no client bytes
+    /// or `covered` ends inside the items the proxy made up (`head`).
+    pub fn covered_span(&self, covered: usize) -> Option<(Range<usize>, bool)> {
+        let own = covered.checked_sub(self.head.len())?;
+        let first = self.spans.first()?;
+        match self.spans.get(own) {
+            Some(kept) => Some((first.start..kept.start, true)),
+            None if own == self.spans.len() => Some((first.start..self.spans[own - 1].end, false)),
+            None => None,
+        }
+    }
+
+    /// The client's body that the items' byte ranges are of (empty for a
+    /// list of values).
+    pub fn body_bytes(&self) -> &Bytes {
+        &self.raw
+    }
+
     /// The items, taken out (parsed if need be).
     pub fn into_values(self) -> Vec<Value> {
         let values = self.values();

@@ -86,5 +86,6 @@ pub fn compact(
         audit: None,
         duration_ms: 0,
         created_ms: 0,
+        made: Default::default(),
     })
 }
