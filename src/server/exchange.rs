@@ -129,12 +129,12 @@ impl PendingExchange {
     }
 
     /// The hashes of the request's items.
-    pub fn hashes(&self) -> &Arc<Vec<ItemHash>> {
+    pub fn hashes(&self) -> &[ItemHash] {
         &self.digest.hashes
     }
 
     /// The chain hash of each prefix of the request's items.
-    pub fn chains(&self) -> &Arc<Vec<ItemHash>> {
+    pub fn chains(&self) -> &[ItemHash] {
         &self.digest.chains
     }
 
