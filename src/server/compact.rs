@@ -34,16 +34,16 @@ pub(super) async fn answer_trigger(
         }
     };
     let item = remote::compaction_item(&c, remote::Form::Full);
-    let response = compaction_response(&c, &pending.model, vec![item.clone()]);
+    let response = compaction_response(&c, pending.request().model(), vec![item.clone()]);
     let outcome = Outcome {
         status: 200,
-        usage: pending.api.usage(&response),
+        usage: pending.request().api().usage(&response),
         response_items: vec![item],
         response_id: response.get("id").and_then(Value::as_str).map(String::from),
         ..Outcome::default()
     };
     pending.finish(state, outcome).await;
-    let body = if pending.streamed {
+    let body = if pending.request().streamed() {
         let events = compaction_events(&response);
         let mut resp = Response::new(full(events));
         resp.headers_mut().insert(
@@ -121,7 +121,8 @@ pub(super) async fn answer_compact(
     let c = compact_whole(state, &pending, "requested: /v1/responses/compact")
         .await
         .map_err(engine::CompactError::into_refusal)?;
-    let mut answer = compaction_response(&c, &pending.model, remote::endpoint_output(&c));
+    let mut answer =
+        compaction_response(&c, pending.request().model(), remote::endpoint_output(&c));
     answer["object"] = "response.compaction".into();
     answer["id"] = Value::String(c.id.clone());
     let mut resp = json_response(http::StatusCode::OK, &answer);
@@ -147,8 +148,8 @@ fn name_conversation_and_compaction(
     c: &Compaction,
 ) {
     for (name, value) in [
-        (CONVERSATION_HEADER, &pending.ident.conversation),
-        (COMPACTED_HEADER, &c.id),
+        (CONVERSATION_HEADER, pending.conversation()),
+        (COMPACTED_HEADER, c.id.as_str()),
     ] {
         if let Ok(v) = HeaderValue::from_str(value) {
             resp.headers_mut().insert(name, v);

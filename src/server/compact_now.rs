@@ -49,13 +49,13 @@ pub(super) async fn compact_on_overflow(
     if let Some(window) = stated.limit {
         super::discovery::tell(
             state,
-            &pending.model,
+            pending.request().model(),
             window,
             crate::windows::Source::Learned,
         )
         .await;
     }
-    let max_output = request_max_output(&pending.body);
+    let max_output = request_max_output(pending.request().body());
     let goal = engine::Goal::Overflow { stated, max_output };
     compact_now(state, pending, format!("overflow: {why}"), goal).await
 }
@@ -86,18 +86,10 @@ pub(super) async fn hard_limit(state: &Arc<AppState>, pending: &mut PendingExcha
 /// grew while it waited. Then the request is compacted afresh from it, as
 /// one with none would be (not in manual mode).
 pub(super) async fn fit_after_waiting(state: &Arc<AppState>, pending: &mut PendingExchange) {
-    if pending.mode == Mode::Manual {
+    if pending.request().mode() == Mode::Manual {
         return;
     }
-    let check = engine::FitCheck {
-        tenant: &pending.tenant,
-        conversation: &pending.ident.conversation,
-        model: &pending.model,
-        view: pending.view.clone(),
-        hashes: pending.view_hashes(),
-        tools: pending.tools.clone(),
-        bytes: None,
-    };
+    let check = pending.fit_check(None);
     if let engine::Fit::Over(tokens) = engine::check_fit(state, check).await {
         hard_limit(state, pending, tokens).await;
     }
@@ -112,13 +104,13 @@ pub(super) async fn local_instead(
     pending: &mut PendingExchange,
     status: http::StatusCode,
 ) -> bool {
-    let Some(c) = pending.compaction.clone() else {
+    let Some(c) = pending.compaction().cloned() else {
         return false;
     };
     if !engine::provider::refused(
         state,
-        &pending.tenant,
-        &pending.ident.conversation,
+        pending.request().tenant(),
+        pending.conversation(),
         &c,
         status,
     ) {
@@ -149,11 +141,11 @@ pub(super) async fn rebuild_from_record(
     if let Err(e) = state.store.flush().await {
         tracing::debug!(error = %e, "store flush before a rebuild");
     }
-    let items = pending.items.values().to_vec();
+    let items = pending.request().items().values().to_vec();
     let found = engine::rebuild::from_record(
         state.reads.clone(),
-        pending.tenant.clone(),
-        pending.ident.conversation.clone(),
+        pending.request().tenant().to_string(),
+        pending.conversation().to_string(),
         items,
     )
     .await;
@@ -163,13 +155,13 @@ pub(super) async fn rebuild_from_record(
         );
         return false;
     };
-    let Some(&covered_chain) = pending.chains.get(covered_len - 1) else {
+    let Some(&covered_chain) = pending.chains().get(covered_len - 1) else {
         return false;
     };
     let restored = history.len();
     let base = rebuild::standing_for(
-        &pending.tenant,
-        &pending.ident.conversation,
+        pending.request().tenant(),
+        pending.conversation(),
         covered_len,
         covered_chain,
         history,
@@ -187,7 +179,7 @@ pub(super) async fn rebuild_from_record(
         state.metrics.compaction_trigger("reactive");
     }
     tracing::info!(
-        conversation = %pending.ident.conversation,
+        conversation = %pending.conversation(),
         covered = covered_len,
         restored,
         compacted,

@@ -1,17 +1,21 @@
 //! The exchange under way, the value every phase after the read passes on:
-//! the request's body (its parameters, items and tools, and the client's
-//! bytes while they can go as they came), the items that go upstream, and
-//! what is known of the conversation; with every method of it, the
-//! record's making among them ([`PendingExchange::finish`], committed by
-//! [`super::record`]). Not a phase: any phase may use it.
+//! the request as read (moved in whole: [`super::request::ReadRequest`]),
+//! and the exchange's own parts ([`parts`]): what its items hash to, its
+//! conversation, what goes upstream (the view, the compaction applied),
+//! the proxy's tools it goes with, and when it arrived; what goes upstream
+//! is made in [`outgoing`] (the body, an attempt's headers, the hashes of
+//! what is sent). All are private:
+//! the phases read them through its methods and change them only through
+//! the methods named for what they do; the record's making is among them
+//! ([`PendingExchange::finish`], committed by [`super::record`]). Not a
+//! phase: any phase may use it.
 
-use std::borrow::Cow;
 use std::sync::Arc;
-use std::time::Instant;
 
 use serde_json::Value;
 
 use super::record;
+use super::request::ReadRequest;
 use crate::app::AppState;
 use crate::compaction::{agent_tool, items, recall, Compaction};
 use crate::config::Mode;
@@ -21,117 +25,37 @@ use crate::error::ProxyError;
 use crate::store::{
     bounded_text, ExchangeRecord, ExchangeSavings, RecordedWindow, MAX_PREVIEW_CHARS,
 };
-use crate::upstream::Payload;
-use crate::wire::items::{Claims, ItemList, Tools};
+use crate::wire::items::{ItemList, Tools};
 use crate::wire::{chain_extend, item_hash, messages, Api, ItemHash, Usage};
+
+mod outgoing;
+mod parts;
+mod unanswered;
+
+use parts::{Conversation, Offered, RecallSpent, Upstream};
+pub(super) use parts::{Digest, Timing};
+pub(super) use unanswered::Unanswered;
 
 /// Items looked through for a conversation's first user message.
 const PREVIEW_SCAN: usize = 32;
 
-/// An exchange between request and completion.
+/// An exchange between request and completion: the request as read,
+/// and the exchange's own parts, each private; the phases read them through
+/// the methods below and change them through the methods named for what
+/// they do ([`PendingExchange::apply`], [`PendingExchange::withdraw_recall`], ...).
 pub struct PendingExchange {
-    /// Exchange id.
-    pub id: i64,
-    /// Which conversation.
-    pub ident: Identified,
-    /// The explicit key the conversation goes by, if any.
-    pub explicit_key: Option<String>,
-    /// The ids the client sent for its conversation, as sent.
-    pub client_ids: crate::store::ClientIds,
-    /// The client, from its `user-agent`.
-    pub client: Option<String>,
-    /// Tenant hash.
-    pub tenant: String,
-    /// Which API.
-    pub api: Api,
-    /// Requested model.
-    pub model: String,
-    /// The client's request body without its items (they are in `items`)
-    /// and tools (in `tools`): model, sampling parameters. Stream usage the
-    /// proxy asks for is added only to the bytes that go upstream.
-    pub body: Arc<Value>,
-    /// Hash of `body` with its tools (the request's parameters).
-    pub params: ItemHash,
-    /// The tool definitions, if any (`body` holds `null` in their place).
-    pub tools: Option<Tools>,
-    /// Its items (the client's bytes until something must look inside).
-    pub items: Arc<ItemList>,
-    /// Their hashes.
-    pub hashes: Arc<Vec<ItemHash>>,
-    /// Chain hash over all request items (zeros if none).
-    pub chain_request: ItemHash,
-    /// Chain hash of each prefix of the request items.
-    pub chains: Arc<Vec<ItemHash>>,
-    /// Which of `hashes` the store has claimed already.
-    pub claims: Claims,
-    /// The bytes that go upstream while no compaction applies, when they
-    /// need not be rebuilt (see [`super::request::ReadRequest::original`]).
-    pub original: Option<Payload>,
-    /// The proxy asked for stream usage the client did not ask for.
-    pub strip_usage: bool,
-    /// The items as sent upstream (after compaction; the same as `items` when none applied).
-    pub view: Arc<ItemList>,
-    /// The compaction applied, if any.
-    pub compaction: Option<Arc<Compaction>>,
-    /// The mode the request is served in.
-    pub mode: Mode,
-    /// Observe mode: the would-be compaction that covers a prefix of the
-    /// request (what the proxy would have applied).
-    pub observed: Option<Arc<Compaction>>,
-    /// Anthropic Messages: the request may hold a thinking block signed
-    /// against another prefix than it now has (the compacted request's open
-    /// tool loop; the client's own history sent again after a compacted
-    /// one was refused), so it asks the API to drop such a block
-    /// (`thinking.block_binding`, with its beta).
-    pub drop_block: bool,
-    /// The request goes with the `compactor_recall` tool added.
-    pub recall: bool,
-    /// Most recall rounds the proxy answers (`compaction.recall_max_rounds`;
-    /// 0: the tool is never offered).
-    pub recall_rounds: u32,
-    /// The tool was offered at some point: every answer is looked at for
-    /// calls of it, also after it is withdrawn, so none reaches a client
-    /// that never declared it.
-    pub recall_offered: bool,
-    /// The tool was withdrawn (past the rounds, beside the client's own
-    /// calls, an overflow): a later compaction does not offer it again.
-    pub recall_withdrawn: bool,
-    /// The client's own compaction request (Codex's `request_kind:
-    /// compaction`, Claude Code's summary prompt): it goes as the client
-    /// sent it when it fits, else with a stored compaction applied, is
-    /// never compacted afresh before the upstream refuses it, and starts
-    /// no compaction of its own.
-    pub client_compaction: bool,
-    /// Items after the view: the recall rounds' calls and answers.
-    pub extra: Vec<Value>,
-    /// A stored compaction of the conversation waits for its first turn
-    /// boundary, and this request (inside a turn) went without it: the
-    /// threshold starts no other after it.
-    pub deferred: bool,
-    /// The request goes with the `compactor_compact` tool added.
-    pub agent_tool: bool,
-    /// Anthropic Messages with thinking on: an earlier answer of the
-    /// conversation came after a round the proxy answered itself (recall,
-    /// `compactor_compact`), so its thinking was signed against a prefix
-    /// the client's history lacks; every request of the conversation lets
-    /// the API drop such a block (see `drop_block`).
-    pub hidden_thinking: bool,
-    /// The tool was offered at some point: every answer is looked at for
-    /// calls of it, also after it is withdrawn.
-    pub agent_offered: bool,
-    /// What the recall rounds cost.
-    pub recall_spent: RecallSpent,
-    /// The client's credential headers, kept in memory for summary calls.
-    pub auth: http::HeaderMap,
-    /// Whether the client asked for a stream.
-    pub streamed: bool,
-    /// When the request arrived.
-    pub started: Instant,
-    /// Same, as Unix ms.
-    pub started_ms: i64,
-    /// The request's span: token figures are recorded on it at the end,
-    /// also for streams, whose last bytes are sent outside it.
-    pub span: tracing::Span,
+    /// The request as read, whole.
+    request: ReadRequest,
+    /// What its items and parameters hash to.
+    digest: Digest,
+    /// The conversation it belongs to.
+    conversation: Conversation,
+    /// What goes upstream.
+    upstream: Upstream,
+    /// The proxy's own tools it goes with.
+    offered: Offered,
+    /// When it arrived.
+    timing: Timing,
 }
 
 /// How an exchange ended.
@@ -154,29 +78,205 @@ pub struct Outcome {
 }
 
 impl PendingExchange {
+    /// Opens exchange `id` of conversation `ident` for `request`, hashed
+    /// as `digest`: its items go as they came, with none of the proxy's
+    /// tools, which may answer up to `recall_rounds` recall rounds.
+    pub(super) fn open(
+        request: ReadRequest,
+        id: i64,
+        ident: Identified,
+        digest: Digest,
+        recall_rounds: u32,
+        timing: Timing,
+    ) -> Self {
+        Self {
+            conversation: Conversation {
+                id,
+                ident,
+                client_compaction: request.marked_client_compaction(),
+                deferred: false,
+            },
+            upstream: Upstream {
+                view: request.items().clone(),
+                compaction: None,
+                observed: None,
+                drop_block: false,
+                extra: Vec::new(),
+                hidden_thinking: false,
+            },
+            offered: Offered {
+                recall: false,
+                recall_rounds,
+                recall_offered: false,
+                recall_withdrawn: false,
+                agent_tool: false,
+                agent_offered: false,
+                spent: RecallSpent::default(),
+            },
+            request,
+            digest,
+            timing,
+        }
+    }
+
+    /// The request as read.
+    pub fn request(&self) -> &ReadRequest {
+        &self.request
+    }
+
+    /// Which conversation (its id).
+    pub fn conversation(&self) -> &str {
+        &self.conversation.ident.conversation
+    }
+
+    /// The hashes of the request's items.
+    pub fn hashes(&self) -> &[ItemHash] {
+        &self.digest.hashes
+    }
+
+    /// The chain hash of each prefix of the request's items.
+    pub fn chains(&self) -> &[ItemHash] {
+        &self.digest.chains
+    }
+
+    /// Whether it is the client's own compaction request.
+    pub fn client_compaction(&self) -> bool {
+        self.conversation.client_compaction
+    }
+
+    /// The items as they go upstream.
+    pub fn view(&self) -> &Arc<ItemList> {
+        &self.upstream.view
+    }
+
+    /// The compaction applied, if any.
+    pub fn compaction(&self) -> Option<&Arc<Compaction>> {
+        self.upstream.compaction.as_ref()
+    }
+
+    /// The recall rounds' calls and answers, after the view.
+    pub fn extra(&self) -> &[Value] {
+        &self.upstream.extra
+    }
+
+    /// Most recall rounds the proxy answers.
+    pub fn recall_rounds(&self) -> u32 {
+        self.offered.recall_rounds
+    }
+
+    /// Whether the request goes with `compactor_recall` now.
+    pub fn offers_recall(&self) -> bool {
+        self.offered.recall
+    }
+
+    /// Whether it went with `compactor_recall` at some point.
+    pub fn recall_offered(&self) -> bool {
+        self.offered.recall_offered
+    }
+
+    /// Whether the request goes with `compactor_compact` now.
+    pub fn offers_agent_tool(&self) -> bool {
+        self.offered.agent_tool
+    }
+
+    /// Whether it went with `compactor_compact` at some point.
+    pub fn agent_offered(&self) -> bool {
+        self.offered.agent_offered
+    }
+
+    /// The check of the view against the hard limit, with the body's
+    /// `bytes` when they are what goes (and the view's hashes, when they
+    /// are known without hashing: see `view_hashes`).
+    pub fn fit_check(&self, bytes: Option<usize>) -> engine::FitCheck<'_> {
+        engine::FitCheck {
+            tenant: self.request.tenant(),
+            conversation: self.conversation(),
+            model: self.request.model(),
+            view: self.upstream.view.clone(),
+            hashes: self.view_hashes(),
+            tools: self.request.tools().cloned(),
+            bytes,
+        }
+    }
+
+    /// Observe mode: records `c` as the compaction that would have
+    /// applied (it never goes upstream).
+    pub fn observe(&mut self, c: Option<Arc<Compaction>>) {
+        self.upstream.observed = c;
+    }
+
+    /// Takes the request as the client's own compaction request (its last
+    /// message says so).
+    pub fn treat_as_client_compaction(&mut self) {
+        self.conversation.client_compaction = true;
+    }
+
+    /// A stored compaction waits for its first turn boundary and the
+    /// request, inside a turn, goes without it: with `base` (the one it
+    /// extends) if given, and the threshold starts no other after it.
+    pub fn defer(&mut self, base: Option<Arc<Compaction>>) {
+        self.conversation.deferred = true;
+        if let Some(b) = base {
+            self.apply(b);
+        }
+    }
+
+    /// Applies stored compaction `c`, due now (at its boundary, or the
+    /// request over the hard limit): the request no longer waits for it.
+    pub fn apply_due(&mut self, c: Arc<Compaction>) {
+        self.conversation.deferred = false;
+        self.apply(c);
+    }
+
+    /// An earlier answer of the conversation came after a round the proxy
+    /// answered itself: this and every later view of the request lets the
+    /// API drop thinking signed against that round.
+    pub fn mark_hidden_thinking(&mut self) {
+        self.upstream.hidden_thinking = true;
+        self.upstream.drop_block = true;
+    }
+
+    /// Counts a round of the proxy's tools, whose answer reported `usage`.
+    pub fn count_round(&mut self, usage: Option<Usage>) {
+        self.offered.spent.add(usage);
+    }
+
+    /// A round answered: its calls and answers go after the view.
+    pub fn continue_with(&mut self, items: impl IntoIterator<Item = Value>) {
+        self.upstream.extra.extend(items);
+    }
+}
+
+impl PendingExchange {
     /// Applies a compaction: the view becomes its replacement followed by
     /// the rest of the client's items.
     pub fn apply(&mut self, c: Arc<Compaction>) {
         let view = self
-            .items
+            .request
+            .items()
             .with_prefix_replaced(c.covered_len, &c.replacement);
-        self.drop_block = self.hidden_thinking;
-        self.view = Arc::new(if self.api == Api::Messages {
+        let up = &mut self.upstream;
+        up.drop_block = up.hidden_thinking;
+        up.view = Arc::new(if self.request.api() == Api::Messages {
             // The tail's old thinking and surplus cache breakpoints (see
             // `wire::messages::finish_view`).
             let outside = self
-                .tools
-                .as_ref()
+                .request
+                .tools()
                 .map_or(0, |t| messages::breakpoints(t.value()))
-                + self.body.get("system").map_or(0, messages::breakpoints);
+                + self
+                    .request
+                    .body()
+                    .get("system")
+                    .map_or(0, messages::breakpoints);
             let mut values = view.into_values();
-            self.drop_block |= messages::finish_view(&mut values, c.replacement.len(), outside)
+            up.drop_block |= messages::finish_view(&mut values, c.replacement.len(), outside)
                 || crate::compaction::provider::keeps_thinking(&c.replacement);
             values.into()
         } else {
             view
         });
-        self.compaction = Some(c);
+        up.compaction = Some(c);
         self.offer_recall();
     }
 
@@ -185,19 +285,20 @@ impl PendingExchange {
     /// manual or requested one, an overflow's) and the request may have it
     /// (see [`recall::offers_recall`]).
     fn offer_recall(&mut self) {
-        let Some(c) = &self.compaction else {
+        let Some(c) = &self.upstream.compaction else {
             return;
         };
-        if self.recall_withdrawn || self.recall_rounds == 0 {
+        let offered = &mut self.offered;
+        if offered.recall_withdrawn || offered.recall_rounds == 0 {
             return;
         }
-        self.recall = recall::carries_archive(&c.replacement)
+        offered.recall = recall::carries_archive(&c.replacement)
             && recall::offers_recall(
-                &self.body,
-                self.tools.as_ref().map(Tools::value),
-                &self.view.values(),
+                self.request.body(),
+                self.request.tools().map(Tools::value),
+                &self.upstream.view.values(),
             );
-        self.recall_offered |= self.recall;
+        offered.recall_offered |= offered.recall;
     }
 
     /// Offers `compactor_compact` when `on` (`compaction.agent_tool` for
@@ -205,55 +306,29 @@ impl PendingExchange {
     /// request, it is not the client's own compaction request, and the
     /// request may have it (see [`agent_tool::offers`]).
     pub fn offer_agent_tool(&mut self, on: bool) {
-        self.agent_tool = on
-            && self.mode.rewrites()
-            && !self.client_compaction
-            && agent_tool::offers(&self.body, self.tools.as_ref().map(Tools::value));
-        self.agent_offered |= self.agent_tool;
+        let request = &self.request;
+        let offered = &mut self.offered;
+        offered.agent_tool = on
+            && request.mode().rewrites()
+            && !self.conversation.client_compaction
+            && agent_tool::offers(request.body(), request.tools().map(Tools::value));
+        offered.agent_offered |= offered.agent_tool;
     }
 
     /// Takes the recall tool away for the rest of the request; with
     /// `forget`, the rounds' calls and answers too.
     pub fn withdraw_recall(&mut self, forget: bool) {
-        self.recall = false;
-        self.recall_withdrawn = true;
+        self.offered.recall = false;
+        self.offered.recall_withdrawn = true;
         if forget {
-            self.extra.clear();
+            self.upstream.extra.clear();
         }
     }
 
     /// Takes `compactor_compact` away for the rest of the request (its
     /// calls are still looked for, and never relayed).
     pub fn withdraw_agent_tool(&mut self) {
-        self.agent_tool = false;
-    }
-
-    /// The headers of an attempt: `headers`, with the beta a request that
-    /// lets the API drop a thinking block needs.
-    pub fn upstream_headers<'a>(&self, headers: &'a http::HeaderMap) -> Cow<'a, http::HeaderMap> {
-        // A provider's compaction block in the view: every request carrying
-        // it needs the beta it was made under.
-        let compact_beta = self.api == Api::Messages
-            && self
-                .compaction
-                .as_ref()
-                .is_some_and(|c| crate::compaction::provider::carries_block(&c.replacement));
-        if !self.drop_block && !compact_beta {
-            return Cow::Borrowed(headers);
-        }
-        let mut out = headers.clone();
-        if self.drop_block {
-            messages::add_binding_beta(&mut out);
-        }
-        if compact_beta {
-            let beta = crate::compaction::provider::with_beta(
-                out.get("anthropic-beta").and_then(|v| v.to_str().ok()),
-            );
-            if let Ok(v) = http::HeaderValue::from_str(&beta) {
-                out.insert("anthropic-beta", v);
-            }
-        }
-        Cow::Owned(out)
+        self.offered.agent_tool = false;
     }
 
     /// Goes back to the client's own items. On Anthropic Messages with
@@ -261,141 +336,50 @@ impl PendingExchange {
     /// against an earlier compacted request, which it would refuse as sent:
     /// the request lets the API drop such blocks.
     pub fn unapply(&mut self) {
-        self.view = self.items.clone();
-        self.compaction = None;
-        self.drop_block = self.api == Api::Messages && messages::thinking_on(&self.body);
-        self.recall = false;
-        self.extra.clear();
-    }
-
-    /// The body to send upstream: the client's bytes while they can go as
-    /// they came, else the body rebuilt around the items of the view.
-    pub fn upstream_bytes(&self) -> Result<Payload, ProxyError> {
-        if let (None, Some(original), false, false) = (
-            &self.compaction,
-            &self.original,
-            self.drop_block,
-            self.agent_tool,
-        ) {
-            return Ok(original.clone());
-        }
-        if let Some(spliced) = self.spliced_bytes() {
-            return Ok(spliced);
-        }
-        let bound;
-        let body = if self.drop_block {
-            let mut b = (*self.body).clone();
-            messages::with_block_binding(&mut b);
-            bound = b;
-            &bound
-        } else {
-            &*self.body
-        };
-        if !self.recall && !self.agent_tool && self.extra.is_empty() {
-            return self
-                .api
-                .rebuild_body(body, &self.view.values(), self.tools.as_ref())
-                .map(Payload::from)
-                .map_err(ProxyError::internal);
-        }
-        let mut items = self.view.values().to_vec();
-        items.extend(self.extra.iter().cloned());
-        let with_recall = (self.recall || self.agent_tool).then(|| {
-            let tools = self
-                .tools
-                .as_ref()
-                .map(Tools::value)
-                .unwrap_or(&Value::Null);
-            let recall = self.recall.then(|| recall::definition(self.api));
-            let listed = agent_tool::with_tools(self.api, tools, self.agent_tool, recall);
-            let mut body = serde_json::json!({ "tools": listed });
-            Tools::take(&mut body)
-        });
-        let tools = with_recall
-            .as_ref()
-            .map_or(self.tools.as_ref(), Option::as_ref);
-        self.api
-            .rebuild_body(body, &items, tools)
-            .map(Payload::from)
-            .map_err(ProxyError::internal)
-    }
-
-    /// The compacted request as the client's bytes with the compaction's
-    /// JSON in place of the items it covers, nothing parsed or serialised:
-    /// where the view is exactly its replacement followed by the client's
-    /// items past it, and nothing else changes (no tool the proxy adds, no
-    /// recall rounds, no thinking block to drop). Else `None`: the body is
-    /// rebuilt.
-    fn spliced_bytes(&self) -> Option<Payload> {
-        let c = self.plain_compaction()?;
-        if self.drop_block || self.recall || self.agent_tool || !self.extra.is_empty() {
-            return None;
-        }
-        let (cut, follow) = self.items.covered_span(c.covered_len)?;
-        self.original.as_ref()?.with_cut_replaced(
-            self.items.body_bytes(),
-            cut,
-            c.replacement_json(self.api, follow),
-        )
-    }
-
-    /// The compaction applied, when the view is its replacement followed
-    /// by the client's items past it, unchanged: in every API but
-    /// Anthropic Messages, whose view [`PendingExchange::apply`] edits.
-    fn plain_compaction(&self) -> Option<&Compaction> {
-        self.compaction
-            .as_deref()
-            .filter(|_| self.api != Api::Messages)
-    }
-
-    /// The hashes of the view's items when they are known without hashing
-    /// anything: the request's own, or those of a plain compaction's
-    /// replacement (made once per compaction) followed by the request's
-    /// past what it covers.
-    pub fn view_hashes(&self) -> Option<Arc<Vec<ItemHash>>> {
-        if Arc::ptr_eq(&self.view, &self.items) {
-            return Some(self.hashes.clone());
-        }
-        let c = self.plain_compaction()?;
-        let tail = self.hashes.get(c.covered_len..)?;
-        let mut all = Vec::with_capacity(c.replacement.len() + tail.len());
-        all.extend_from_slice(c.replacement_hashes());
-        all.extend_from_slice(tail);
-        Some(Arc::new(all))
+        let request = &self.request;
+        let up = &mut self.upstream;
+        up.view = request.items().clone();
+        up.compaction = None;
+        up.drop_block = request.api() == Api::Messages && messages::thinking_on(request.body());
+        self.offered.recall = false;
+        up.extra.clear();
     }
 
     /// What a compaction of this request starts from (in observe mode,
     /// the client's items and the would-be compaction before).
     pub fn input(&self, reason: String, whole: bool) -> Input {
-        let observe = self.mode == Mode::Observe;
+        let request = &self.request;
+        let mode = request.mode();
+        let observe = mode == Mode::Observe;
         Input {
-            api: self.api,
-            tenant: self.tenant.clone(),
-            conversation: self.ident.conversation.clone(),
-            model: self.model.clone(),
-            view: self.view.clone(),
-            chains: self.chains.clone(),
+            api: request.api(),
+            tenant: request.tenant().to_string(),
+            conversation: self.conversation().to_string(),
+            model: request.model().to_string(),
+            view: self.upstream.view.clone(),
+            chains: self.digest.chains.clone(),
             base: if observe {
-                self.observed.clone()
+                self.upstream.observed.clone()
             } else {
-                self.compaction.clone()
+                self.upstream.compaction.clone()
             },
-            auth: self.auth.clone(),
+            auth: request.auth().clone(),
             reason,
-            requested_ms: self.started_ms,
+            requested_ms: self.timing.started_ms,
             whole,
             goal: engine::Goal::Shrink,
-            tools: self.tools.clone(),
-            system: (self.api == Api::Messages)
-                .then(|| self.body.get("system").cloned())
+            tools: request.tools().cloned(),
+            system: (request.api() == Api::Messages)
+                .then(|| request.body().get("system").cloned())
                 .flatten(),
             observe,
             provider_compaction: crate::compaction::boundary::asks_provider_compaction(
-                self.api, &self.body,
+                request.api(),
+                request.body(),
             ),
             soft: false,
             keep: None,
-            no_trigger: self.deferred || self.mode == Mode::Manual,
+            no_trigger: self.conversation.deferred || mode == Mode::Manual,
         }
     }
 }
@@ -426,23 +410,29 @@ impl PendingExchange {
         // The items of the prefix an earlier exchange stands for were
         // claimed when that exchange was recorded, and so were those a
         // recorded recent request had too.
-        let len = self.hashes.len();
-        let suffix_from = self.ident.prefix.map(|p| p.len).unwrap_or(0).min(len);
-        let known = self.claims.known();
+        let len = self.digest.hashes.len();
+        let suffix_from = self
+            .conversation
+            .ident
+            .prefix
+            .map(|p| p.len)
+            .unwrap_or(0)
+            .min(len);
+        let known = self.digest.claims.known();
         let before = suffix_from..known.start.clamp(suffix_from, len);
         let after = known.end.clamp(suffix_from, len)..len;
         for range in [before, after] {
-            for j in state.store.claim_items(&self.hashes[range.clone()]) {
+            for j in state.store.claim_items(&self.digest.hashes[range.clone()]) {
                 let at = range.start + j;
-                new_items.push((self.hashes[at], self.items.json(at)));
+                new_items.push((self.digest.hashes[at], self.request.items().json(at)));
             }
         }
-        self.claims.all_claimed();
+        self.digest.claims.all_claimed();
         // The body holds everything but the items: model, tools, sampling.
-        let params_hash = self.params;
+        let params_hash = self.digest.params;
         if state.store.claim_item(&params_hash) {
-            let mut params = (*self.body).clone();
-            Tools::restore(self.tools.as_ref(), &mut params);
+            let mut params = self.request.body().clone();
+            Tools::restore(self.request.tools(), &mut params);
             new_items.push((params_hash, params.to_string()));
         }
         let response_hashes: Vec<ItemHash> = outcome.response_items.iter().map(item_hash).collect();
@@ -453,45 +443,50 @@ impl PendingExchange {
         }
         let complete = !outcome.partial && (200..300).contains(&outcome.status);
         ExchangeRecord {
-            id: self.id,
-            conversation: self.ident.conversation.clone(),
-            new_conversation: self.ident.is_new,
-            explicit_key: self.explicit_key.clone(),
-            tenant: self.tenant.clone(),
-            api: self.api,
-            model: self.model.clone(),
-            prefix: self.ident.prefix,
-            suffix_items: self.hashes[suffix_from.min(self.hashes.len())..].to_vec(),
-            request_len: self.hashes.len(),
+            id: self.conversation.id,
+            conversation: self.conversation().to_string(),
+            new_conversation: self.conversation.ident.is_new,
+            explicit_key: self.request.explicit_key().map(String::from),
+            tenant: self.request.tenant().to_string(),
+            api: self.request.api(),
+            model: self.request.model().to_string(),
+            prefix: self.conversation.ident.prefix,
+            suffix_items: self.digest.hashes[suffix_from.min(self.digest.hashes.len())..].to_vec(),
+            request_len: self.digest.hashes.len(),
             params: params_hash,
             response_items: response_hashes.clone(),
             new_items,
             response_id: outcome.response_id,
             usage: outcome.usage,
             status: outcome.status,
-            streamed: self.streamed,
+            streamed: self.request.streamed(),
             partial: outcome.partial,
             error: outcome
                 .error
-                .map(|e| record::error_text(state, &e, &self.auth)),
-            started_ms: self.started_ms,
-            latency_ms: self.started.elapsed().as_secs_f64() * 1000.0,
+                .map(|e| record::error_text(state, &e, self.request.auth())),
+            started_ms: self.timing.started_ms,
+            latency_ms: self.timing.started.elapsed().as_secs_f64() * 1000.0,
             ttfb_ms: outcome.ttfb_ms,
-            chain_request: (!self.hashes.is_empty()).then_some(self.chain_request),
+            chain_request: (!self.digest.hashes.is_empty()).then_some(self.digest.chain_request),
             // Only a complete answer can be continued by the next request.
             chain_full: (complete && !response_hashes.is_empty())
-                .then(|| chain_extend(self.chain_request, &response_hashes)),
-            compaction: self.compaction.as_ref().map(|c| c.id.clone()),
+                .then(|| chain_extend(self.digest.chain_request, &response_hashes)),
+            compaction: self.upstream.compaction.as_ref().map(|c| c.id.clone()),
             window: {
-                let (limits, source) = state.model_window(&self.model);
+                let (limits, source) = state.model_window(self.request.model());
                 Some(RecordedWindow {
                     tokens: limits.context_window,
                     source,
                 })
             },
-            client_ids: self.client_ids.clone(),
-            client: self.client.clone(),
-            preview: self.ident.is_new.then(|| self.preview(state)).flatten(),
+            client_ids: self.request.client_ids().clone(),
+            client: self.request.user_agent().map(String::from),
+            preview: self
+                .conversation
+                .ident
+                .is_new
+                .then(|| self.preview(state))
+                .flatten(),
             savings: self.savings(state),
         }
     }
@@ -502,16 +497,16 @@ impl PendingExchange {
     fn savings(&self, state: &AppState) -> ExchangeSavings {
         let calibration = state
             .compactions
-            .calibration(&self.tenant, &self.ident.conversation);
+            .calibration(self.request.tenant(), self.conversation());
         let upstream = |c: &Arc<Compaction>| (c.saved() as f64 * calibration) as u64;
         ExchangeSavings {
-            mode: self.mode,
-            tokens_saved: self.compaction.as_ref().map(upstream).unwrap_or(0),
-            tokens_saved_potential: self.observed.as_ref().map(upstream).unwrap_or(0),
-            observed_compaction: self.observed.as_ref().map(|c| c.id.clone()),
-            recall_rounds: self.recall_spent.rounds,
-            recall_input_tokens: self.recall_spent.input_tokens,
-            recall_output_tokens: self.recall_spent.output_tokens,
+            mode: self.request.mode(),
+            tokens_saved: self.upstream.compaction.as_ref().map(upstream).unwrap_or(0),
+            tokens_saved_potential: self.upstream.observed.as_ref().map(upstream).unwrap_or(0),
+            observed_compaction: self.upstream.observed.as_ref().map(|c| c.id.clone()),
+            recall_rounds: self.offered.spent.rounds,
+            recall_input_tokens: self.offered.spent.input_tokens,
+            recall_output_tokens: self.offered.spent.output_tokens,
         }
     }
 
@@ -521,8 +516,8 @@ impl PendingExchange {
     /// person's own after them is the one shown.
     fn preview(&self, state: &AppState) -> Option<String> {
         let mut first: Option<String> = None;
-        for i in 0..self.items.len().min(PREVIEW_SCAN) {
-            let item = self.items.item(i);
+        for i in 0..self.request.items().len().min(PREVIEW_SCAN) {
+            let item = self.request.items().item(i);
             if !items::is_user_message(&item) {
                 continue;
             }
@@ -535,7 +530,10 @@ impl PendingExchange {
             // after: a credential cut in two at the first cut is gone by
             // the second.
             let cut = bounded_text(text, 4 * MAX_PREVIEW_CHARS);
-            let shown = bounded_text(&state.upstream.redact(&cut, &self.auth), MAX_PREVIEW_CHARS);
+            let shown = bounded_text(
+                &state.upstream.redact(&cut, self.request.auth()),
+                MAX_PREVIEW_CHARS,
+            );
             if !(text.starts_with('<') && text.ends_with('>')) {
                 return Some(shown);
             }
@@ -570,7 +568,7 @@ impl PendingExchange {
         // In observe mode the decision is taken on the size the request
         // would have had, as it would be in auto mode.
         // A client's own compaction request starts none of the proxy's.
-        let decides = self.mode != Mode::Off && !self.client_compaction;
+        let decides = self.request.mode() != Mode::Off && !self.conversation.client_compaction;
         if let (true, Some(u), true) = (complete, usage, decides) {
             let used = u.total().saturating_sub(potential);
             engine::after_exchange(state, self.input(String::new(), false), used, false);
@@ -591,22 +589,36 @@ impl PendingExchange {
     fn account(&self, state: &Arc<AppState>, usage: Option<Usage>, status: u16, complete: bool) {
         let background = state.background;
         let state = state.clone();
-        let (api, tools, view) = (self.api, self.tools.clone(), self.view.clone());
+        let (api, tools, view) = (
+            self.request.api(),
+            self.request.tools().cloned(),
+            self.upstream.view.clone(),
+        );
         // The request's own hashes and chains, unless a compaction changed
         // what was sent.
-        let sent_as_received = Arc::ptr_eq(&self.view, &self.items);
+        let sent_as_received = Arc::ptr_eq(&self.upstream.view, self.request.items());
         let hashes = self.view_hashes();
-        let chains = sent_as_received.then(|| self.chains.clone());
+        let chains = sent_as_received.then(|| self.digest.chains.clone());
         // Without reported usage the estimate decides (only a complete
         // answer says how large the conversation now is).
-        let next =
-            (complete && usage.is_none() && self.mode != Mode::Off && !self.client_compaction)
-                .then(|| self.input(String::new(), false));
-        let potential = self.observed.as_deref().map(Compaction::saved).unwrap_or(0);
-        let (conversation, model, id) =
-            (self.ident.conversation.clone(), self.model.clone(), self.id);
-        let tenant = self.tenant.clone();
-        let compaction = self.compaction.as_ref().map(|c| c.id.clone());
+        let next = (complete
+            && usage.is_none()
+            && self.request.mode() != Mode::Off
+            && !self.conversation.client_compaction)
+            .then(|| self.input(String::new(), false));
+        let potential = self
+            .upstream
+            .observed
+            .as_deref()
+            .map(Compaction::saved)
+            .unwrap_or(0);
+        let (conversation, model, id) = (
+            self.conversation().to_string(),
+            self.request.model().to_string(),
+            self.conversation.id,
+        );
+        let tenant = self.request.tenant().to_string();
+        let compaction = self.upstream.compaction.as_ref().map(|c| c.id.clone());
         background.spawn(move || {
             let hashes = hashes.unwrap_or_else(|| Arc::new(view.hashes()));
             // The provider reads from its newest compaction item on, and so
@@ -662,88 +674,11 @@ impl PendingExchange {
     /// The record's token figures and compaction, on the request's span.
     fn record_on_span(&self, rec: &ExchangeRecord) {
         if let Some(u) = rec.usage {
-            self.span.record("input_tokens", u.input_tokens);
-            self.span.record("output_tokens", u.output_tokens);
+            self.timing.span.record("input_tokens", u.input_tokens);
+            self.timing.span.record("output_tokens", u.output_tokens);
         }
         if let Some(c) = &rec.compaction {
-            self.span.record("compaction", c.as_str());
-        }
-    }
-}
-
-/// An exchange whose answer has not been handed to the client yet. A
-/// client that leaves before then (a timeout while the model thinks, say)
-/// makes hyper drop the request's future, and this with it: the exchange
-/// is recorded with status 499 (as nginx logs a client that closed the
-/// request), and the upstream request, dropped with the future, is
-/// cancelled. Every path that answers takes the exchange out first.
-pub(super) struct Unanswered {
-    state: Arc<AppState>,
-    /// Always here until [`Unanswered::into_inner`] or the drop.
-    pending: Option<PendingExchange>,
-}
-
-/// The status recorded for an exchange whose client left before its answer.
-pub const CLIENT_CLOSED: u16 = 499;
-
-impl Unanswered {
-    pub(super) fn new(state: &Arc<AppState>, pending: PendingExchange) -> Self {
-        Self {
-            state: state.clone(),
-            pending: Some(pending),
-        }
-    }
-
-    /// The exchange, for the path that answers (and records) it.
-    pub(super) fn into_inner(mut self) -> PendingExchange {
-        self.pending.take().expect("present until taken")
-    }
-}
-
-impl std::ops::Deref for Unanswered {
-    type Target = PendingExchange;
-    fn deref(&self) -> &PendingExchange {
-        self.pending.as_ref().expect("present until taken")
-    }
-}
-
-impl std::ops::DerefMut for Unanswered {
-    fn deref_mut(&mut self) -> &mut PendingExchange {
-        self.pending.as_mut().expect("present until taken")
-    }
-}
-
-impl Drop for Unanswered {
-    fn drop(&mut self) {
-        if let Some(p) = self.pending.take() {
-            let outcome = Outcome {
-                status: CLIENT_CLOSED,
-                error: Some(format!("{} before the answer", self.state.cut_reason())),
-                ..Outcome::default()
-            };
-            p.finish_detached(&self.state, outcome);
-        }
-    }
-}
-
-/// Tokens the recall rounds of one request cost.
-#[derive(Debug, Clone, Copy, Default, PartialEq)]
-pub struct RecallSpent {
-    /// Rounds the proxy answered (or ended, sending again without the tool).
-    pub rounds: u32,
-    /// Their input tokens, as reported.
-    pub input_tokens: u64,
-    /// Their output tokens, as reported.
-    pub output_tokens: u64,
-}
-
-impl RecallSpent {
-    /// One more round, whose answer reported `usage`.
-    pub(super) fn add(&mut self, usage: Option<Usage>) {
-        self.rounds += 1;
-        if let Some(u) = usage {
-            self.input_tokens += u.input_tokens;
-            self.output_tokens += u.output_tokens;
+            self.timing.span.record("compaction", c.as_str());
         }
     }
 }

@@ -1,25 +1,23 @@
 //! Phase 2, identify and apply compaction: runs once the request is read
-//! and parsed, before anything goes upstream. Names the conversation, opens
-//! the exchange, applies the stored compaction that covers it, and says
-//! whether it needs one made now ([`Compact`], which the driver has
+//! and parsed, before anything goes upstream. Hashes the request's items
+//! and parameters, names the conversation, opens the exchange (the request
+//! moved into it whole), applies the stored compaction that covers it, and
+//! says whether it needs one made now ([`Compact`], which the driver has
 //! `server::compact_now` make). It must not compact, send the request or
 //! answer the client.
 
 use std::sync::Arc;
 use std::time::Instant;
 
-use serde_json::Value;
-
-use super::exchange::{PendingExchange, Unanswered};
+use super::exchange::{Digest, PendingExchange, Timing, Unanswered};
 use super::request::ReadRequest;
 use crate::app::AppState;
 use crate::compaction::Compaction;
 use crate::config::Mode;
 use crate::engine;
 use crate::error::ProxyError;
-use crate::store::{bounded_text, MAX_CLIENT_CHARS};
 use crate::wire::items::{ItemList, Tools};
-use crate::wire::{self, item_hash, messages, Api};
+use crate::wire::{item_hash, messages, Api};
 
 /// The compaction a request identified needs made now, before it goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -42,155 +40,100 @@ pub(super) enum Compact {
 /// database is unreachable): then nothing goes upstream.
 pub(super) async fn identify(
     state: &Arc<AppState>,
-    parts: &http::request::Parts,
     read: ReadRequest,
     started: Instant,
     started_ms: i64,
 ) -> Result<(Unanswered, Compact), ProxyError> {
-    let ReadRequest {
-        api,
-        tenant,
-        body,
-        items,
-        tools,
-        body_key,
-        previous,
-        original,
-        strip_usage,
-        raw_len,
-        control,
-        ..
-    } = read;
     // A stalled database refuses the request now, before it reads the
     // database or anything goes upstream.
     state.store.available().map_err(ProxyError::store_down)?;
-    let model = body
-        .get("model")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string();
-    let streamed = body.get("stream").and_then(Value::as_bool) == Some(true);
-    let (hashes, chains, claims) = items.hashes_and_chains(&tenant);
-    let explicit_key = wire::explicit_conversation_key(&parts.headers, &body);
+    let tenant = read.tenant();
+    let (hashes, chains, claims) = read.items().hashes_and_chains(tenant);
     // With a store other replicas write, what this replica may lack of the
     // request (a longer recorded prefix, a compaction covering more) is
     // read now, in one round trip, awaited; the match and the compaction
     // lookups below use what it found (see `Compactions::prefetch`).
     let prefetched = state
         .compactions
-        .prefetch(&state.conversations, &tenant, &chains)
+        .prefetch(&state.conversations, tenant, &chains)
         .await;
     let ident = state.conversations.identify_with(
-        &tenant,
-        explicit_key.as_deref(),
-        previous.as_deref(),
+        tenant,
+        read.explicit_key(),
+        read.previous(),
         &chains,
         prefetched.chain.clone(),
     );
     state
         .compactions
-        .matched(&tenant, &ident.conversation, &prefetched);
+        .matched(tenant, &ident.conversation, &prefetched);
     let span = tracing::Span::current();
     span.record("conversation", ident.conversation.as_str());
-    span.record("model", model.as_str());
+    span.record("model", read.model());
     state.metrics.conversation_seen(&ident.conversation);
     // The parameters' hash, through their bytes unless the proxy changed
     // the body (an expanded `previous_response_id`).
     let full_hash = || {
-        let mut full = body.clone();
-        Tools::restore(tools.as_ref(), &mut full);
+        let mut full = read.body().clone();
+        Tools::restore(read.tools(), &mut full);
         item_hash(&full)
     };
-    let params = match body_key {
+    let params = match read.body_key() {
         Some(key) => state.item_caches.cached_hash(key, full_hash),
         None => full_hash(),
     };
-    let items: Arc<ItemList> = Arc::new(items);
+    let id = state
+        .store
+        .next_exchange_id()
+        .map_err(ProxyError::store_down)?;
+    let raw_len = read.raw_len();
     let mut pending = Unanswered::new(
         state,
-        PendingExchange {
-            id: state
-                .store
-                .next_exchange_id()
-                .map_err(ProxyError::store_down)?,
+        PendingExchange::open(
+            read,
+            id,
             ident,
-            explicit_key,
-            client_ids: wire::client_ids(&parts.headers, &body),
-            client: header_text(&parts.headers, http::header::USER_AGENT.as_str())
-                .map(|ua| bounded_text(ua, MAX_CLIENT_CHARS)),
-            tenant,
-            api,
-            model,
-            body: Arc::new(body),
-            params,
-            tools,
-            chain_request: chains.last().copied().unwrap_or([0; 32]),
-            hashes: Arc::new(hashes),
-            view: items.clone(),
-            items,
-            chains: Arc::new(chains),
-            claims,
-            original,
-            strip_usage,
-            compaction: None,
-            mode: control.mode,
-            observed: None,
-            drop_block: false,
-            recall: false,
-            recall_rounds: state.config.compaction.recall_max_rounds,
-            recall_offered: false,
-            recall_withdrawn: false,
-            client_compaction: super::control::is_client_compaction(&parts.headers),
-            extra: Vec::new(),
-            deferred: false,
-            agent_tool: false,
-            hidden_thinking: false,
-            agent_offered: false,
-            recall_spent: Default::default(),
-            auth: engine::auth_headers(&parts.headers),
-            streamed,
-            started,
-            started_ms,
-            span,
-        },
+            Digest::new(params, hashes, chains, claims),
+            state.config.compaction.recall_max_rounds,
+            Timing::new(started, started_ms, span),
+        ),
     );
+    let request = pending.request();
     // The first request of a model asks the upstream for its window
     // (bounded in time), so that the check below already uses it.
-    super::discovery::discover(state, &pending.model, &pending.auth).await;
-    let agent_tool = state.config.agent_tool_for(&pending.tenant, &pending.model);
-    match pending.mode {
+    super::discovery::discover(state, request.model(), request.auth()).await;
+    let agent_tool = state
+        .config
+        .agent_tool_for(request.tenant(), request.model());
+    match request.mode() {
         Mode::Auto | Mode::Manual => {}
         // What would have applied: recorded, never sent.
         Mode::Observe => {
-            pending.observed = state
+            let observed = state
                 .compactions
-                .find_observed(&pending.tenant, &pending.chains);
+                .find_observed(request.tenant(), pending.chains());
+            pending.observe(observed);
             return Ok((pending, Compact::No));
         }
         Mode::Off => return Ok((pending, Compact::No)),
     }
     // Claude Code's own compaction request says so in its last message.
-    pending.client_compaction |= pending.api == Api::Messages
-        && pending
-            .items
+    let items = request.items();
+    if request.api() == Api::Messages
+        && items
             .len()
             .checked_sub(1)
-            .is_some_and(|last| messages::is_client_compaction(&pending.items.item(last)));
+            .is_some_and(|last| messages::is_client_compaction(&items.item(last)))
+    {
+        pending.treat_as_client_compaction();
+    }
     // The client's own compaction request goes as it came while it fits;
     // otherwise with the stored compaction of its prefix, never a fresh
     // one: a summary of the proxy's summary would be the client's summary.
-    if pending.client_compaction {
-        let check = engine::FitCheck {
-            tenant: &pending.tenant,
-            conversation: &pending.ident.conversation,
-            model: &pending.model,
-            view: pending.view.clone(),
-            hashes: Some(pending.hashes.clone()),
-            tools: pending.tools.clone(),
-            bytes: Some(raw_len),
-        };
+    if pending.client_compaction() {
+        let check = pending.fit_check(Some(raw_len));
         if !matches!(engine::check_fit(state, check).await, engine::Fit::Fits) {
-            if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+            if let Some(c) = find(state, &pending) {
                 pending.apply(c);
             }
         }
@@ -200,25 +143,17 @@ pub(super) async fn identify(
     // (one still waiting for its first turn boundary only at one: see
     // `apply_stored`); a request too large to go without one
     // waits for one under way.
-    let boundary = at_boundary(&pending.items);
-    if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+    let boundary = at_boundary(pending.request().items());
+    if let Some(c) = find(state, &pending) {
         apply_stored(state, &mut pending, c, boundary, false);
     }
-    let bytes = pending.compaction.is_none().then_some(raw_len);
-    let check = engine::FitCheck {
-        tenant: &pending.tenant,
-        conversation: &pending.ident.conversation,
-        model: &pending.model,
-        view: pending.view.clone(),
-        hashes: pending.view_hashes(),
-        tools: pending.tools.clone(),
-        bytes,
-    };
+    let bytes = pending.compaction().is_none().then_some(raw_len);
+    let check = pending.fit_check(bytes);
     let mut compact = Compact::No;
     match engine::check_fit(state, check).await {
         engine::Fit::Fits => {}
         engine::Fit::Waited => {
-            if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+            if let Some(c) = find(state, &pending) {
                 if apply_stored(state, &mut pending, c, boundary, true) {
                     compact = Compact::IfStillOver;
                 }
@@ -228,15 +163,13 @@ pub(super) async fn identify(
         // rather than let the upstream refuse it.
         engine::Fit::Over(tokens) => {
             // Unless another replica stored one for it since it looked.
-            let newer = state
-                .compactions
-                .find(&pending.tenant, &pending.chains)
-                .filter(|c| pending.compaction.as_ref().is_none_or(|p| p.id != c.id));
+            let newer =
+                find(state, &pending).filter(|c| pending.compaction().is_none_or(|p| p.id != c.id));
             if let Some(c) = newer {
                 if apply_stored(state, &mut pending, c, boundary, true) {
                     compact = Compact::IfStillOver;
                 }
-            } else if pending.mode == Mode::Manual {
+            } else if pending.request().mode() == Mode::Manual {
                 // Nothing compacts on its own in manual mode: the request
                 // goes as it is, and the reactive path answers a refusal.
                 tracing::info!(tokens, "over the hard limit in manual mode: sent as it is");
@@ -250,16 +183,24 @@ pub(super) async fn identify(
     // the recall tool, for this and any later compaction of the request.
     // The model may ask for a compaction, when the tool is on.
     pending.offer_agent_tool(agent_tool);
-    if pending.api == Api::Messages
-        && messages::thinking_on(&pending.body)
+    let request = pending.request();
+    if request.api() == Api::Messages
+        && messages::thinking_on(request.body())
         && state
             .compactions
-            .had_hidden_round(&pending.tenant, &pending.ident.conversation)
+            .had_hidden_round(request.tenant(), pending.conversation())
     {
-        pending.hidden_thinking = true;
-        pending.drop_block = true;
+        pending.mark_hidden_thinking();
     }
     Ok((pending, compact))
+}
+
+/// The stored compaction that covers the longest prefix of the request, if
+/// any.
+fn find(state: &AppState, pending: &PendingExchange) -> Option<Arc<Compaction>> {
+    state
+        .compactions
+        .find(pending.request().tenant(), pending.chains())
 }
 
 /// Whether a request is at a turn boundary: its last item is a new user
@@ -288,23 +229,20 @@ fn apply_stored(
     over: bool,
 ) -> bool {
     if !boundary && !over && state.compactions.is_waiting(&c.id) {
-        pending.deferred = true;
         let base = c
             .base
             .as_deref()
-            .and_then(|id| state.compactions.get(&pending.tenant, id))
+            .and_then(|id| state.compactions.get(pending.request().tenant(), id))
             .filter(|b| {
                 !state.compactions.is_waiting(&b.id)
-                    && pending.chains.get(b.covered_len.wrapping_sub(1)) == Some(&b.covered_chain)
+                    && pending.chains().get(b.covered_len.wrapping_sub(1)) == Some(&b.covered_chain)
             });
         tracing::debug!(
             compaction = %c.id,
             base = base.as_ref().map_or("", |b| b.id.as_str()),
             "compaction waits for the turn boundary"
         );
-        if let Some(b) = base {
-            pending.apply(b);
-        }
+        pending.defer(base);
         return false;
     }
     let first = state.compactions.first_applied(&c.id);
@@ -313,16 +251,6 @@ fn apply_stored(
         state.metrics.compaction_trigger(trigger);
         tracing::info!(compaction = %c.id, trigger, "waiting compaction applied");
     }
-    pending.deferred = false;
-    pending.apply(c);
+    pending.apply_due(c);
     first
-}
-
-/// A header's text, if present, text and not blank.
-fn header_text<'a>(headers: &'a http::HeaderMap, name: &str) -> Option<&'a str> {
-    headers
-        .get(name)
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|v| !v.is_empty())
 }

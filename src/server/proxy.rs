@@ -63,22 +63,20 @@ async fn handle_inner(
     let started_ms = now_ms();
     let (parts, body) = req.into_parts();
     let read = read_request(&state, api, &parts, body).await?;
-    let trigger = read.trigger;
-    let asked = read.control.compact_now;
-    let mut pending = open(&state, &parts, read, started, started_ms).await?;
-    if trigger {
+    let mut pending = open(&state, read, started, started_ms).await?;
+    if pending.request().trigger() {
         return compact::answer_trigger(&state, pending).await;
     }
     // A manual compaction waits for a request in auto mode.
-    let auto = matches!(pending.mode, Mode::Auto | Mode::Manual);
+    let auto = matches!(pending.request().mode(), Mode::Auto | Mode::Manual);
     let goal = engine::Goal::Shrink;
     if auto
         && state
             .compactions
-            .take_manual(&pending.tenant, &pending.ident.conversation)
+            .take_manual(pending.request().tenant(), pending.conversation())
     {
         compact_now::compact_now(&state, &mut pending, "manual".into(), goal).await;
-    } else if asked {
+    } else if pending.request().asks_compaction_now() {
         let reason = format!("requested: {}", super::control::COMPACT_HEADER);
         compact_now::compact_now(&state, &mut pending, reason, goal).await;
     }
@@ -104,12 +102,11 @@ async fn handle_inner(
 /// Identifies the request read and makes the compaction identify asked for.
 async fn open(
     state: &Arc<AppState>,
-    parts: &http::request::Parts,
     read: ReadRequest,
     started: Instant,
     started_ms: i64,
 ) -> Result<Unanswered, ProxyError> {
-    let (mut pending, compact) = identify(state, parts, read, started, started_ms).await?;
+    let (mut pending, compact) = identify(state, read, started, started_ms).await?;
     match compact {
         Compact::No => {}
         Compact::HardLimit(tokens) => compact_now::hard_limit(state, &mut pending, tokens).await,
@@ -188,7 +185,7 @@ pub async fn handle_compact(state: Arc<AppState>, req: Request<Incoming>) -> Res
     let (parts, body) = req.into_parts();
     let result = async {
         let read = read_request(&state, Api::Responses, &parts, body).await?;
-        let pending = open(&state, &parts, read, started, started_ms).await?;
+        let pending = open(&state, read, started, started_ms).await?;
         compact::answer_compact(&state, pending.into_inner()).await
     }
     .await;

@@ -1,6 +1,8 @@
 //! Phase 1, read and parse: runs first, when a parsed endpoint's request
 //! arrives. Reads the body within its limits, splits it into its items,
-//! validates it, and expands what the proxy stands for (a recorded
+//! validates it, parses once what the later phases read of it (its model,
+//! whether it streams, the client's credentials and the names it gives its
+//! conversation), and expands what the proxy stands for (a recorded
 //! `previous_response_id` chain, its own `compaction` items, Codex's
 //! `compaction_trigger`). It must not identify the conversation, change
 //! the items for any other reason, or send anything upstream.
@@ -14,7 +16,7 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use serde_json::Value;
 
-use super::request::ReadRequest;
+use super::request::{AsSent, Client, Parsed, ReadRequest};
 use crate::app::AppState;
 use crate::compaction::remote;
 use crate::config::Mode;
@@ -69,11 +71,12 @@ pub(super) async fn read_request(
         }
     };
     api.validate(&body)?;
+    // Parsed once, here: the request carries it (`ReadRequest::model`).
     let model = body
         .get("model")
         .and_then(Value::as_str)
-        .unwrap_or_default();
-    let model = model.to_string();
+        .unwrap_or_default()
+        .to_string();
     let (control, metadata_taken) =
         super::control::control(&state.config, &parts.headers, &mut body, &tenant, &model)?;
     // Observe and off send the client's request as it came: no expanded
@@ -140,20 +143,16 @@ pub(super) async fn read_request(
     } else {
         Some(raw.into())
     };
-    Ok(ReadRequest {
-        api,
-        tenant,
-        body,
-        items,
-        tools,
-        body_key: body_key.filter(|_| !rewritten && !metadata_taken),
-        previous,
-        original,
-        strip_usage,
-        trigger,
-        raw_len,
+    let client = Client::of(tenant, &parts.headers, &body);
+    let body_key = body_key.filter(|_| !rewritten && !metadata_taken);
+    Ok(ReadRequest::new(
+        client,
+        Parsed::new(api, model, body, items, tools),
+        AsSent::new(original, strip_usage, body_key, raw_len),
         control,
-    })
+        previous,
+        trigger,
+    ))
 }
 
 /// The recorded history a `previous_response_id` continues, if the proxy

@@ -83,13 +83,13 @@ pub(super) async fn settle(
     answer: Answer,
     rounds: &mut Rounds,
 ) -> Result<Settled, ProxyError> {
-    let max = pending.recall_rounds;
+    let max = pending.recall_rounds();
     // Once offered, every answer is looked at: a model may call the
     // tool after it is withdrawn, from the calls earlier rounds left.
-    if !pending.recall_offered && !pending.agent_offered {
+    if !pending.recall_offered() && !pending.agent_offered() {
         return Ok(Settled::Answer(answer));
     }
-    let (v, usage, relay) = match inspect(state, pending.api, answer).await? {
+    let (v, usage, relay) = match inspect(state, pending.request().api(), answer).await? {
         Seen::Relay(a) => {
             note_hidden_rounds(state, pending);
             return Ok(Settled::Answer(a));
@@ -98,53 +98,53 @@ pub(super) async fn settle(
         Seen::Calls(v, usage, a) => (v, usage, a),
     };
     let round = recall::round_of(
-        pending.api,
+        pending.request().api(),
         &v,
-        pending.recall_offered,
-        pending.agent_offered,
+        pending.recall_offered(),
+        pending.agent_offered(),
     );
     if !matches!(round, Round::Final) {
-        pending.recall_spent.add(usage);
+        pending.count_round(usage);
     }
     match round {
         Round::Final => {
             note_hidden_rounds(state, pending);
             return Ok(Settled::Answer(relay));
         }
-        Round::Recall(calls) if pending.recall && rounds.recall < max => {
+        Round::Recall(calls) if pending.offers_recall() && rounds.recall < max => {
             rounds.recall += 1;
             let room = room_bytes(state, pending).await;
-            let originals = pending.items.values();
-            let results = recall::answers(&calls, &originals, &pending.hashes, room);
+            let originals = pending.request().items().values();
+            let results = recall::answers(&calls, &originals, pending.hashes(), room);
             tracing::info!(
                 round = rounds.recall,
                 calls = calls.len(),
                 room,
                 "recall answered by the proxy"
             );
-            let cont = recall::continuation(pending.api, &v, &results);
-            pending.extra.extend(cont);
+            let cont = recall::continuation(pending.request().api(), &v, &results);
+            pending.continue_with(cont);
         }
         Round::Compact(recalls, compacts)
-            if pending.agent_tool
+            if pending.offers_agent_tool()
                 && rounds.agent < MAX_AGENT_ROUNDS
-                && (recalls.is_empty() || (pending.recall && rounds.recall < max)) =>
+                && (recalls.is_empty() || (pending.offers_recall() && rounds.recall < max)) =>
         {
             rounds.agent += 1;
             let mut results = Vec::new();
             if !recalls.is_empty() {
                 rounds.recall += 1;
                 let room = room_bytes(state, pending).await;
-                let originals = pending.items.values();
-                results = recall::answers(&recalls, &originals, &pending.hashes, room);
+                let originals = pending.request().items().values();
+                results = recall::answers(&recalls, &originals, pending.hashes(), room);
             }
             results.extend(answer_compacts(state, pending, &compacts));
             tracing::info!(
                 calls = compacts.len(),
                 "compactor_compact answered by the proxy"
             );
-            let cont = recall::continuation(pending.api, &v, &results);
-            pending.extra.extend(cont);
+            let cont = recall::continuation(pending.request().api(), &v, &results);
+            pending.continue_with(cont);
         }
         _ if stray(&round, pending) => {
             // The tool is gone and the model still calls it: first
@@ -182,13 +182,14 @@ pub(super) async fn settle(
 /// client's next request will lack: the conversation's later requests let
 /// the API drop such blocks.
 fn note_hidden_rounds(state: &AppState, pending: &Unanswered) {
-    if pending.api == Api::Messages
-        && !pending.extra.is_empty()
-        && crate::wire::messages::thinking_on(&pending.body)
+    let request = pending.request();
+    if request.api() == Api::Messages
+        && !pending.extra().is_empty()
+        && crate::wire::messages::thinking_on(request.body())
     {
         state
             .compactions
-            .mark_hidden_round(&pending.tenant, &pending.ident.conversation);
+            .mark_hidden_round(request.tenant(), pending.conversation());
     }
 }
 
@@ -200,11 +201,11 @@ const MAX_AGENT_ROUNDS: u32 = 2;
 /// longer offers (or, beside the client's own calls, when none is offered).
 fn stray(round: &Round, pending: &Unanswered) -> bool {
     match round {
-        Round::Recall(_) => !pending.recall,
+        Round::Recall(_) => !pending.offers_recall(),
         Round::Compact(recalls, _) => {
-            !pending.agent_tool || (!recalls.is_empty() && !pending.recall)
+            !pending.offers_agent_tool() || (!recalls.is_empty() && !pending.offers_recall())
         }
-        Round::Mixed => !pending.recall && !pending.agent_tool,
+        Round::Mixed => !pending.offers_recall() && !pending.offers_agent_tool(),
         Round::Final => false,
     }
 }
@@ -218,11 +219,13 @@ fn answer_compacts(
     pending: &Unanswered,
     calls: &[agent_tool::Call],
 ) -> Vec<(String, String)> {
-    let items = pending.items.values();
-    let first = agent_tool::turn_of(&items, &pending.chains).is_some_and(|turn| {
-        state
-            .compactions
-            .schedule_agent_turn(&pending.tenant, &pending.ident.conversation, turn)
+    let items = pending.request().items().values();
+    let first = agent_tool::turn_of(&items, pending.chains()).is_some_and(|turn| {
+        state.compactions.schedule_agent_turn(
+            pending.request().tenant(),
+            pending.conversation(),
+            turn,
+        )
     });
     if first {
         let mut input = pending.input(agent_tool::reason(calls), false);
@@ -242,13 +245,18 @@ fn answer_compacts(
 /// model's largest output) are taken out, at a conservative two bytes a
 /// token.
 async fn room_bytes(state: &Arc<AppState>, pending: &Unanswered) -> usize {
-    let limits = state.model_limits(&pending.model);
+    let request = pending.request();
+    let limits = state.model_limits(request.model());
     let asked = ["max_output_tokens", "max_completion_tokens", "max_tokens"]
         .iter()
-        .find_map(|k| pending.body.get(*k).and_then(Value::as_u64));
+        .find_map(|k| request.body().get(*k).and_then(Value::as_u64));
     let budget = asked.unwrap_or(limits.max_output_tokens);
-    let (api, view, extra) = (pending.api, pending.view.clone(), pending.extra.clone());
-    let tools = pending.tools.clone();
+    let (api, view, extra) = (
+        request.api(),
+        pending.view().clone(),
+        pending.extra().to_vec(),
+    );
+    let tools = request.tools().cloned();
     let counter = state.clone();
     // Tokenizing stays off the async threads.
     let used = tokio::task::spawn_blocking(move || {

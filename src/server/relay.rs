@@ -32,7 +32,7 @@ pub(super) async fn relay(
     answer: Answer,
     started: Instant,
 ) -> Result<Response<ProxyBody>, ProxyError> {
-    let applied = pending.compaction.clone();
+    let applied = pending.compaction().cloned();
     let mut response = match answer {
         Answer::Held(mut held) | Answer::Live(mut held) => {
             held.take_delivered().await;
@@ -84,8 +84,8 @@ async fn buffered_response(
     };
     if status.is_success() {
         if let Ok(v) = serde_json::from_slice::<Value>(&bytes) {
-            outcome.usage = pending.api.usage(&v);
-            outcome.response_items = pending.api.response_items(&v);
+            outcome.usage = pending.request().api().usage(&v);
+            outcome.response_items = pending.request().api().response_items(&v);
             outcome.response_id = v.get("id").and_then(Value::as_str).map(String::from);
         }
     } else {
@@ -103,7 +103,7 @@ async fn buffered_response(
         headers.remove(http::header::CONTENT_LENGTH);
         shown
     };
-    response_head(status, &headers, &pending.ident.conversation, full(bytes))
+    response_head(status, &headers, pending.conversation(), full(bytes))
 }
 
 /// Why a stream ends uncleanly before its last bytes when its exchange
@@ -191,9 +191,9 @@ fn stream_response(
         ..
     } = held;
     headers.remove(header::CONTENT_LENGTH);
-    let conversation = pending.ident.conversation.clone();
+    let conversation = pending.conversation().to_string();
     let relay = Relay {
-        tee: SseTee::new(pending.api, pending.strip_usage),
+        tee: SseTee::new(pending.request().api(), pending.request().strip_usage()),
         state,
         held: concat(chunks),
         upstream: rest,

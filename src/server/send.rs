@@ -172,7 +172,7 @@ pub(super) async fn send(
     headers: &http::HeaderMap,
     tried: &mut Tried,
 ) -> Result<Sent, ProxyError> {
-    tried.compacted = pending.compaction.is_some();
+    tried.compacted = pending.compaction().is_some();
     // The client's bytes, or the body with the compaction applied now.
     let body = pending.upstream_bytes()?;
     let attempt_headers = pending.upstream_headers(headers).into_owned();
@@ -181,7 +181,7 @@ pub(super) async fn send(
         .send_once(Method::POST, url, attempt_headers, &body)
         .await
     {
-        Ok(resp) => read_start(state, pending.api, resp)
+        Ok(resp) => read_start(state, pending.request().api(), resp)
             .await
             .map_err(SendFailure::Failed),
         Err(failure) => Err(failure.into()),
@@ -226,22 +226,25 @@ pub(super) async fn send(
     };
     // Outside auto mode the upstream's "too long" is the client's.
     let Some((stated, why)) =
-        overflow.filter(|_| matches!(pending.mode, Mode::Auto | Mode::Manual))
+        overflow.filter(|_| matches!(pending.request().mode(), Mode::Auto | Mode::Manual))
     else {
         return Ok(Sent::Answer(answer));
     };
     // The client's own compaction request: the stored compaction of its
     // prefix, if it went without. Only when that is not enough is it
     // compacted: its overflow is never the client's.
-    if pending.client_compaction && pending.compaction.is_none() {
-        if let Some(c) = state.compactions.find(&pending.tenant, &pending.chains) {
+    if pending.client_compaction() && pending.compaction().is_none() {
+        let found = state
+            .compactions
+            .find(pending.request().tenant(), pending.chains());
+        if let Some(c) = found {
             pending.apply(c);
             tried.resent();
             return Ok(Sent::Again);
         }
     }
     // What recall rounds added goes first: the request fitted without.
-    if !pending.extra.is_empty() {
+    if !pending.extra().is_empty() {
         tracing::info!("too long with the recall rounds: sent again without them");
         pending.withdraw_recall(true);
         tried.resent();
@@ -291,14 +294,15 @@ pub(super) fn refusal(
     status: Option<http::StatusCode>,
     body: &[u8],
 ) -> Option<String> {
-    if !pending.mode.rewrites() || boundary::newest_in(&pending.items).is_none() {
+    let request = pending.request();
+    if !request.mode().rewrites() || boundary::newest_in(request.items()).is_none() {
         return None;
     }
     match status {
-        Some(status) if rebuild::refuses_encrypted_item(pending.api, status.as_u16(), body) => {
+        Some(status) if rebuild::refuses_encrypted_item(request.api(), status.as_u16(), body) => {
             Some(status.to_string())
         }
-        None if pending.api == crate::wire::Api::Responses
+        None if request.api() == crate::wire::Api::Responses
             && rebuild::stream_refuses_encrypted_item(body) =>
         {
             Some("its stream failed".to_string())

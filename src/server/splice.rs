@@ -84,8 +84,8 @@ pub(super) fn relay_live(
     let mut head = held.headers.clone();
     head.remove(header::CONTENT_LENGTH);
     let status = held.status;
-    let conversation = pending.ident.conversation.clone();
-    let applied = pending.compaction.as_ref().map(|c| c.id.clone());
+    let conversation = pending.conversation().to_string();
+    let applied = pending.compaction().map(|c| c.id.clone());
     let ttfb_ms = started.elapsed().as_secs_f64() * 1000.0;
     tokio::spawn(run(state, pending, rounds, held, ttfb_ms, tx));
     let body = futures_util::stream::unfold(rx, |mut rx| async move {
@@ -253,12 +253,12 @@ async fn run(
     ttfb_ms: f64,
     tx: mpsc::Sender<Chunk>,
 ) {
-    let api = pending.api;
-    let max_entries = pending.recall_rounds + EXTRA_ENTRIES;
+    let api = pending.request().api();
+    let max_entries = pending.recall_rounds() + EXTRA_ENTRIES;
     let mut client = Client {
         state: state.clone(),
         tx,
-        tee: SseTee::new(api, pending.strip_usage),
+        tee: SseTee::new(api, pending.request().strip_usage()),
         splice: Splice::new(api),
         status: held.status.as_u16(),
         ttfb_ms,
@@ -332,7 +332,7 @@ async fn run(
         }
         // The rounds are spent: the call is answered as a recall past the
         // last round would be, without the tool.
-        if entries > pending.recall_rounds {
+        if entries > pending.recall_rounds() {
             pending.withdraw_recall(false);
         }
         let answer = Held {
