@@ -60,13 +60,9 @@ pub fn carries_block(items: &[Value]) -> bool {
         .any(|m| messages::blocks(m).iter().any(is_compaction_block))
 }
 
-/// `anthropic-beta` with [`COMPACT_BETA`] added (once).
-pub fn with_beta(existing: Option<&str>) -> String {
-    match existing.map(str::trim).filter(|s| !s.is_empty()) {
-        Some(list) if list.split(',').any(|b| b.trim() == COMPACT_BETA) => list.to_string(),
-        Some(list) => format!("{list},{COMPACT_BETA}"),
-        None => COMPACT_BETA.to_string(),
-    }
+/// Adds [`COMPACT_BETA`] to the headers' `anthropic-beta` list (once).
+pub fn add_beta(headers: &mut http::HeaderMap) {
+    messages::add_beta(headers, COMPACT_BETA);
 }
 
 /// Whether a replacement made of a Messages window keeps thinking blocks

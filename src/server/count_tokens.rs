@@ -63,12 +63,7 @@ async fn count(
         messages::add_binding_beta(&mut headers);
     }
     if compact_beta {
-        let beta = crate::compaction::provider::with_beta(
-            headers.get("anthropic-beta").and_then(|v| v.to_str().ok()),
-        );
-        if let Ok(v) = http::HeaderValue::from_str(&beta) {
-            headers.insert("anthropic-beta", v);
-        }
+        crate::compaction::provider::add_beta(&mut headers);
     }
     let resp = state
         .upstream

@@ -339,18 +339,31 @@ pub fn with_block_binding(body: &mut Value) {
 
 /// Adds [`BLOCK_BINDING_BETA`] to a request's `anthropic-beta` header.
 pub fn add_binding_beta(headers: &mut http::HeaderMap) {
-    let beta = with_binding_beta(headers.get("anthropic-beta").and_then(|v| v.to_str().ok()));
-    if let Ok(v) = http::HeaderValue::from_str(&beta) {
-        headers.insert("anthropic-beta", v);
-    }
+    add_beta(headers, BLOCK_BINDING_BETA);
 }
 
 /// `anthropic-beta` with [`BLOCK_BINDING_BETA`] added (once).
 pub fn with_binding_beta(existing: Option<&str>) -> String {
+    with_beta(existing, BLOCK_BINDING_BETA)
+}
+
+/// Adds `beta` to the headers' `anthropic-beta` list (once).
+pub fn add_beta(headers: &mut http::HeaderMap, beta: &str) {
+    let list = with_beta(
+        headers.get("anthropic-beta").and_then(|v| v.to_str().ok()),
+        beta,
+    );
+    if let Ok(v) = http::HeaderValue::from_str(&list) {
+        headers.insert("anthropic-beta", v);
+    }
+}
+
+/// An `anthropic-beta` list with `beta` added (once).
+fn with_beta(existing: Option<&str>, beta: &str) -> String {
     match existing.map(str::trim).filter(|s| !s.is_empty()) {
-        Some(list) if list.split(',').any(|b| b.trim() == BLOCK_BINDING_BETA) => list.to_string(),
-        Some(list) => format!("{list},{BLOCK_BINDING_BETA}"),
-        None => BLOCK_BINDING_BETA.to_string(),
+        Some(list) if list.split(',').any(|b| b.trim() == beta) => list.to_string(),
+        Some(list) => format!("{list},{beta}"),
+        None => beta.to_string(),
     }
 }
 

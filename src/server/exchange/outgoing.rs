@@ -34,12 +34,7 @@ impl PendingExchange {
             messages::add_binding_beta(&mut out);
         }
         if compact_beta {
-            let beta = crate::compaction::provider::with_beta(
-                out.get("anthropic-beta").and_then(|v| v.to_str().ok()),
-            );
-            if let Ok(v) = http::HeaderValue::from_str(&beta) {
-                out.insert("anthropic-beta", v);
-            }
+            crate::compaction::provider::add_beta(&mut out);
         }
         Cow::Owned(out)
     }
