@@ -1496,6 +1496,56 @@ fn compacted_steps(reps: usize, median_us: &dyn Fn(usize, &mut dyn FnMut()) -> f
     }
 }
 
+/// Each SQLite row against the bare hop of its size and concurrency, in the
+/// same run: at c=1 the added p50 against twice the hop's + 0.05 ms, at c=32
+/// the throughput ratio against 0.8 × the hop's; beside them the proxy's CPU
+/// per request per KB of body, which means something on a shared machine
+/// where the ratios move.
+fn against_the_hop(rows: &[Row]) {
+    let hop = |size: usize, conc: usize| {
+        rows.iter()
+            .find(|r| r.sc.variant == Variant::Hop && !r.sc.pg && r.sc.size == size && r.sc.conc == conc)
+    };
+    let measured: Vec<&Row> = rows
+        .iter()
+        .filter(|r| r.sc.variant != Variant::Hop && !r.sc.pg && hop(r.sc.size, r.sc.conc).is_some())
+        .collect();
+    if measured.is_empty() {
+        return;
+    }
+    println!();
+    println!(
+        "Against the bare hop of the same size and concurrency (c=1: added p50 <= 2 x the hop's + 0.05 ms; \
+         c=32: ratio >= 0.8 x the hop's; cpu = the proxy's CPU ms per request per KB of body, the hop's beside it):"
+    );
+    for r in measured {
+        let h = hop(r.sc.size, r.sc.conc).expect("filtered on it");
+        let kb = r.side[0].mean_kb.max(1.0);
+        let cpu = format!(
+            "cpu {:.4} (hop {:.4}) ms/req/KB",
+            r.proxy_cpu_ms / kb,
+            h.proxy_cpu_ms / h.side[0].mean_kb.max(1.0)
+        );
+        if r.sc.conc == 1 {
+            let (added, hop_added) = (r.side[1].p50 - r.side[0].p50, h.side[1].p50 - h.side[0].p50);
+            let bound = 2.0 * hop_added + 0.05;
+            println!(
+                "  {:<23} +p50 {added:+.3} ms, bound {bound:.3} (hop {hop_added:+.3})  {}  {cpu}",
+                r.name,
+                verdict(added <= bound)
+            );
+        } else {
+            let (ratio, hop_ratio) = (r.side[1].rps / r.side[0].rps, h.side[1].rps / h.side[0].rps);
+            println!(
+                "  {:<23} ratio {ratio:.2}, bound {:.2} (hop {hop_ratio:.2})  {}  {cpu}",
+                r.name,
+                0.8 * hop_ratio,
+                verdict(ratio >= 0.8 * hop_ratio)
+            );
+        }
+    }
+}
+
 fn status_kb(key: &str) -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
     s.lines()
@@ -1530,8 +1580,8 @@ fn main() {
         ] {
             for stream in [false, true] {
                 for conc in [1, 32] {
-                    // The hop: a reference at c=32; Codex always streams.
-                    if (variant == Variant::Hop && (stream || conc == 1))
+                    // The hop: a reference, not streamed; Codex always streams.
+                    if (variant == Variant::Hop && stream)
                         || (variant == Variant::Codex && !stream)
                         || (variant == Variant::Same && conc == 1)
                     {
@@ -1756,6 +1806,7 @@ fn main() {
             r.side[1].rps / r.side[0].rps
         );
     }
+    against_the_hop(&rows);
     let errors: usize = rows
         .iter()
         .flat_map(|r| r.side.iter())

@@ -63,9 +63,9 @@ pub enum CompactError {
     /// before any summarizer call.
     #[error(transparent)]
     CannotFit(#[from] CannotFit),
-    /// A worker thread failed.
-    #[error("internal: {0}")]
-    Internal(String),
+    /// A worker thread failed (panicked or was cancelled).
+    #[error("internal: a worker thread failed")]
+    Internal(#[source] tokio::task::JoinError),
 }
 
 impl CompactError {
@@ -189,7 +189,7 @@ async fn count_items<S: Context>(
         (hashes, tokens)
     })
     .await
-    .map_err(|e| CompactError::Internal(e.to_string()))
+    .map_err(CompactError::Internal)
 }
 
 /// Estimated tokens of a request view (`hashes`: its item hashes, when
