@@ -204,7 +204,10 @@ impl TokenCounter {
         let role = facts.role.as_deref().unwrap_or("");
         let kind = facts.kind.as_deref().unwrap_or("");
         let sealed_tokens = match facts.sealed {
-            Some((_, sealed)) if is_sealed_kind(kind) => sealed_tokens(sealed.len()),
+            Some((at, sealed)) if is_sealed_kind(kind) => {
+                text::take_out(&mut text, at);
+                sealed_tokens(sealed.len())
+            }
             Some((at, other)) => {
                 text::put_back(&mut text, at, &other);
                 0

@@ -15,9 +15,11 @@ pub(super) struct Facts {
     /// `role` and `type`, when they are strings.
     pub role: Option<String>,
     pub kind: Option<String>,
-    /// The sealed field's string, left out of the text, and where in the
-    /// text it would have gone: the caller puts it back unless the item's
-    /// type is one whose payload is sealed (its `type` may come after it).
+    /// The sealed field's string, held out of the text, and where in the
+    /// text [`HELD`] stands for it (so that what follows is separated from
+    /// it as from any text): the caller puts it back, or takes it out when
+    /// the item's type is one whose payload is sealed (its `type` may come
+    /// after it).
     pub sealed: Option<(usize, String)>,
 }
 
@@ -31,17 +33,30 @@ pub(super) fn item_text(json: &[u8], out: &mut String) -> Option<Facts> {
     Some(facts)
 }
 
-/// Puts `s` back at `at`, where [`super::collect_text`] would have added it.
+/// What stands in the text for the sealed field's string while the
+/// item's type is not known yet: one byte, found by its place, not by
+/// its value.
+const HELD: &str = "\u{1}";
+
+/// Puts `s` in the place [`HELD`] holds at `at`, as
+/// [`super::collect_text`] would have added it.
 pub(super) fn put_back(out: &mut String, at: usize, s: &str) {
+    out.replace_range(at..at + HELD.len(), s);
+}
+
+/// Takes [`HELD`] at `at` out with the space that separates it, as
+/// [`super::collect_text`] leaves a sealed payload out.
+pub(super) fn take_out(out: &mut String, at: usize) {
+    let end = at + HELD.len();
     if at > 0 {
-        out.insert(at, ' ');
-        out.insert_str(at + 1, s);
-    } else if out.is_empty() {
-        out.push_str(s);
-    } else if !s.is_empty() {
-        // What followed was added as the first text, without a space.
-        out.insert(0, ' ');
-        out.insert_str(0, s);
+        out.replace_range(at - 1..end, "");
+    } else {
+        let end = if out[end..].starts_with(' ') {
+            end + 1
+        } else {
+            end
+        };
+        out.replace_range(at..end, "");
     }
 }
 
@@ -143,9 +158,7 @@ impl<'de> Visitor<'de> for Kept<'_> {
     no_text!(Option<String>, None);
 
     fn visit_str<E>(self, s: &str) -> Result<Option<String>, E> {
-        if !self.aside {
-            push(self.out, s);
-        }
+        push(self.out, if self.aside { HELD } else { s });
         Ok(Some(s.to_owned()))
     }
 
@@ -224,9 +237,10 @@ impl<'de> Visitor<'de> for Item<'_> {
                 Key::Role => facts.role = map.next_value_seed(Kept::new(out, false))?,
                 Key::Type => facts.kind = map.next_value_seed(Kept::new(out, false))?,
                 Key::Sealed => {
-                    let at = out.len();
                     if let Some(s) = map.next_value_seed(Kept::new(out, true))? {
-                        facts.sealed = Some((at, s));
+                        // A string: the last thing in the text is what
+                        // holds its place.
+                        facts.sealed = Some((out.len() - HELD.len(), s));
                     }
                 }
                 Key::Other => map.next_value_seed(Texts(&mut *out))?,
