@@ -239,8 +239,18 @@ fn tools_json() -> serde_json::Value {
 /// The model has a 1M-token window, so no size here comes near a compaction
 /// threshold: this measures the pass-through path.
 fn body_head(stream: bool) -> Arc<Vec<u8>> {
+    body_head_for("gpt-4.1-mini", stream)
+}
+
+/// The model of the `cmpt` rows: its window (set per scenario, see
+/// [`Rig::start`]) puts the `last` history over the trigger, so each
+/// session's first answer starts a compaction and every later request of
+/// it is sent compacted.
+const COMPACTED_MODEL: &str = "bench-compacted";
+
+fn body_head_for(model: &str, stream: bool) -> Arc<Vec<u8>> {
     let mut head = format!(
-        "{{\"model\":\"gpt-4.1-mini\",\"temperature\":0.2,\"stream\":{stream},\"tools\":{},\"messages\":[",
+        "{{\"model\":\"{model}\",\"temperature\":0.2,\"stream\":{stream},\"tools\":{},\"messages\":[",
         tools_json()
     );
     head.shrink_to_fit();
@@ -468,6 +478,10 @@ enum Variant {
     Same,
     /// Like `Grow`, as Claude Code sends it: `/v1/messages`.
     Messages,
+    /// `Last` for a model whose window the history overflows: once the
+    /// session's compaction is stored (during the warm-up), every request
+    /// goes upstream compacted.
+    Compacted,
 }
 
 impl Variant {
@@ -508,6 +522,10 @@ impl Session {
         let seed = if variant == Variant::Same { 1 } else { seed };
         let shape = variant.shape();
         let (head, tail) = match shape {
+            Shape::Chat if variant == Variant::Compacted => (
+                body_head_for(COMPACTED_MODEL, stream),
+                Arc::new(b"]}".to_vec()),
+            ),
             Shape::Chat => (body_head(stream), Arc::new(b"]}".to_vec())),
             Shape::Codex => (codex_head(), codex_tail(seed)),
             Shape::Messages => (messages_head(stream), Arc::new(b"]}".to_vec())),
@@ -568,6 +586,8 @@ struct Sample {
     total: Duration,
     ttfb: Duration,
     bytes: usize,
+    /// The proxy said it sent the request compacted.
+    compacted: bool,
 }
 
 fn contains(hay: &[u8], needle: &[u8]) -> bool {
@@ -592,6 +612,7 @@ async fn send(
         .await
         .map_err(|e| format!("send: {e}"))?;
     let status = resp.status();
+    let compacted = resp.headers().contains_key("x-compactor-compacted");
     let mut ttfb = None;
     let mut buf = Vec::with_capacity(2048);
     while let Some(chunk) = resp.chunk().await.map_err(|e| format!("body: {e}"))? {
@@ -628,6 +649,7 @@ async fn send(
         total,
         ttfb: ttfb.unwrap_or(total),
         bytes,
+        compacted,
     })
 }
 
@@ -718,7 +740,7 @@ struct Rig {
 }
 
 impl Rig {
-    fn start(o: &Opts, pg_url: Option<String>) -> Rig {
+    fn start(o: &Opts, size: usize, pg_url: Option<String>) -> Rig {
         let load_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(o.load_threads)
             .thread_name("bench-load")
@@ -750,6 +772,17 @@ impl Rig {
             config.store.synchronous_commit = sync;
         }
         config.server.shutdown_grace_secs = 1;
+        // A window of about 1.2 times the body's tokens (the fake counts a
+        // token per 4 bytes): over the trigger, under the hard limit.
+        config.models.insert(
+            0,
+            compactor::config::ModelConfig {
+                pattern: COMPACTED_MODEL.into(),
+                context_window: size as u64 * 3 / 10,
+                max_output_tokens: Some(500),
+                ..Default::default()
+            },
+        );
         let (state, listener) = proxy_rt.block_on(async {
             let state = AppState::open(config).expect("open proxy state");
             let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
@@ -863,6 +896,7 @@ impl Scenario {
                 Variant::Codex => "codx",
                 Variant::Same => "same",
                 Variant::Messages => "msgs",
+                Variant::Compacted => "cmpt",
             },
             if self.stream { "sse " } else { "json" },
             self.conc
@@ -946,7 +980,7 @@ struct Row {
 
 fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> Row {
     let started = Instant::now();
-    let rig = Rig::start(o, pg.filter(|_| sc.pg).map(|c| c.database()));
+    let rig = Rig::start(o, sc.size, pg.filter(|_| sc.pg).map(|c| c.database()));
     let urls = rig.urls(sc.variant);
     // Both sides get byte-identical sessions (same seeds).
     let sessions = |n: usize| -> Vec<Session> {
@@ -1047,8 +1081,33 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         .state
         .as_ref()
         .map_or((0.0, 0.0), |s| commit_mean(&s.metrics));
+    if sc.variant == Variant::Compacted {
+        // What the row stands on: a compaction stored per session, and
+        // the requests sent compacted.
+        let text = rig
+            .state
+            .as_ref()
+            .map(|s| s.metrics.render(&Default::default()))
+            .unwrap_or_default();
+        let shown: Vec<&str> = text
+            .lines()
+            .filter(|l| {
+                (l.starts_with("compactor_compaction") || l.starts_with("compactor_summary_calls"))
+                    && !l.ends_with(" 0")
+            })
+            .collect();
+        eprintln!("  {}: {}", sc.name(), shown.join("; "));
+    }
     rig.stop();
     let [d, p] = collected;
+    if sc.variant == Variant::Compacted {
+        eprintln!(
+            "  {}: {} of {} measured requests sent compacted",
+            sc.name(),
+            p.samples.iter().filter(|s| s.compacted).count(),
+            p.samples.len()
+        );
+    }
     let (dn, pn) = (d.samples.len() + d.errors, p.samples.len() + p.errors);
     let proxy_cpu_ms = cpu.proxy * 1000.0 / pn.max(1) as f64;
     let proxy_cpu_by_thread = cpu
@@ -1503,8 +1562,9 @@ fn compacted_steps(reps: usize, median_us: &dyn Fn(usize, &mut dyn FnMut()) -> f
 /// where the ratios move.
 fn against_the_hop(rows: &[Row]) {
     let hop = |size: usize, conc: usize| {
-        rows.iter()
-            .find(|r| r.sc.variant == Variant::Hop && !r.sc.pg && r.sc.size == size && r.sc.conc == conc)
+        rows.iter().find(|r| {
+            r.sc.variant == Variant::Hop && !r.sc.pg && r.sc.size == size && r.sc.conc == conc
+        })
     };
     let measured: Vec<&Row> = rows
         .iter()
@@ -1576,6 +1636,7 @@ fn main() {
             Variant::Codex,
             Variant::Messages,
             Variant::Same,
+            Variant::Compacted,
             Variant::Hop,
         ] {
             for stream in [false, true] {
@@ -1799,7 +1860,10 @@ fn main() {
         &|v| v < 1.0,
         " ms",
     );
-    for r in rows.iter().filter(|r| r.sc.variant == Variant::Hop) {
+    for r in rows
+        .iter()
+        .filter(|r| r.sc.variant == Variant::Hop && r.sc.conc > 1)
+    {
         println!(
             "  reference: the bare HTTP hop ({}) keeps {:.2} of direct throughput",
             r.name.trim_end(),
