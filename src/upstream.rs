@@ -540,14 +540,23 @@ pub struct Payload {
     pieces: [Bytes; PIECES],
 }
 
-/// Most pieces a [`Payload`] is sent in.
-const PIECES: usize = 4;
+/// Most pieces a [`Payload`] is sent in: a head put before the client's
+/// bytes, and two cuts of them (the items a compaction covers, the end of
+/// the tool definitions).
+const PIECES: usize = 6;
 
 impl Payload {
     /// `head` then `rest`.
     pub fn joined(head: Bytes, rest: Bytes) -> Payload {
         Payload {
-            pieces: [head, rest, Bytes::new(), Bytes::new()],
+            pieces: [
+                head,
+                rest,
+                Bytes::new(),
+                Bytes::new(),
+                Bytes::new(),
+                Bytes::new(),
+            ],
         }
     }
 
@@ -561,23 +570,39 @@ impl Payload {
         cut: Range<usize>,
         insert: Bytes,
     ) -> Option<Payload> {
-        let [head, rest, third, fourth] = &self.pieces;
-        if !third.is_empty() || !fourth.is_empty() || cut.end > body.len() {
+        self.with_cuts_replaced(body, vec![(cut, insert)])
+    }
+
+    /// [`Payload::with_cut_replaced`] for at most two cuts (an empty one
+    /// inserts), in any order; `None` also when they overlap.
+    pub fn with_cuts_replaced(
+        &self,
+        body: &Bytes,
+        mut edits: Vec<(Range<usize>, Bytes)>,
+    ) -> Option<Payload> {
+        let [head, rest, others @ ..] = &self.pieces;
+        if edits.len() > (PIECES - 2) / 2 || others.iter().any(|p| !p.is_empty()) {
             return None;
         }
         // Where `rest` starts in `body`: it must be the same memory.
         let from = (rest.as_ptr() as usize).checked_sub(body.as_ptr() as usize)?;
-        if from.checked_add(rest.len()) != Some(body.len()) || from > cut.start {
+        if from.checked_add(rest.len()) != Some(body.len()) {
             return None;
         }
-        Some(Payload {
-            pieces: [
-                head.clone(),
-                body.slice(from..cut.start),
-                insert,
-                body.slice(cut.end..),
-            ],
-        })
+        edits.sort_by_key(|(cut, _)| cut.start);
+        let mut pieces: [Bytes; PIECES] = Default::default();
+        pieces[0] = head.clone();
+        let (mut at, mut n) = (from, 1);
+        for (cut, insert) in edits {
+            if cut.start < at || cut.end < cut.start || cut.end > body.len() {
+                return None;
+            }
+            pieces[n] = body.slice(at..cut.start);
+            pieces[n + 1] = insert;
+            (at, n) = (cut.end, n + 2);
+        }
+        pieces[n] = body.slice(at..);
+        Some(Payload { pieces })
     }
 
     /// All its bytes in one buffer (a copy only when it is in pieces).

@@ -412,17 +412,29 @@ async fn the_tool_is_offered_whatever_the_order_of_the_request_members() {
     let url = format!("{}/chat/completions", h.url());
     // The members in the order an SDK writes them, tools after the
     // history, turn after turn: the third request and later take over the
-    // split of the first.
+    // split of the first. The tools pretty-printed, as the proxy never
+    // writes JSON.
+    let client_tools = serde_json::to_string_pretty(&tools()).unwrap();
     for turn in 0..4 {
         let body = format!(
-            "{{\"model\":\"{MODEL}\",\"messages\":{},\"tools\":{}}}",
+            "{{\"model\":\"{MODEL}\",\"messages\":{},\"tools\":{client_tools}}}",
             Value::from(messages.clone()),
-            tools()
         );
         let (status, _, _) = support::post_raw(&url, "sk-recall-o", body.into_bytes()).await;
         assert_eq!(status, 200);
         if turn == 0 {
             wait_compactions(&h, 1).await;
+        }
+        let raw = h.fake.last().unwrap().body;
+        if turn > 0 {
+            // The client's bytes with the recall tool after its own:
+            // nothing was rebuilt.
+            let kept = format!("\"tools\":{},{{", &client_tools[..client_tools.len() - 1]);
+            assert!(
+                raw.windows(kept.len()).any(|w| w == kept.as_bytes()),
+                "turn {turn}: the client's tools as it sent them, then the proxy's: {}",
+                String::from_utf8_lossy(&raw)
+            );
         }
         let sent = h.fake.last().unwrap().json();
         let names: Vec<&str> = sent["tools"]

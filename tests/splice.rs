@@ -3,11 +3,13 @@
 //! other members, tools before or after them, pretty-printed or compact,
 //! escapes and non-ASCII text, instructions or none, stream usage asked for
 //! by the proxy or by the client), with any prefix of the items replaced by
-//! any replacement, the bytes the splice sends are, as JSON, the body the
-//! proxy would otherwise rebuild from its parts.
+//! any replacement and the proxy's tools added after the client's or not,
+//! the bytes the splice sends are, as JSON, the body the proxy would
+//! otherwise rebuild from its parts.
 
 use bytes::Bytes;
 use compactor::compaction::replacement::Made;
+use compactor::compaction::{agent_tool, recall};
 use compactor::upstream::Payload;
 use compactor::wire::items::{split_body, ItemCaches, Tools};
 use compactor::wire::{chat, Api};
@@ -41,6 +43,9 @@ struct Case {
     client_usage: bool,
     pretty: bool,
     covered: usize,
+    /// The agent's compaction tool and the recall tool added (when the
+    /// body has tools).
+    added: [bool; 2],
 }
 
 fn case() -> impl Strategy<Value = Case> {
@@ -50,8 +55,9 @@ fn case() -> impl Strategy<Value = Case> {
         prop::collection::vec(text(), 0..4),
         any::<[bool; 7]>(),
         0usize..9,
+        any::<[bool; 2]>(),
     )
-        .prop_map(|(api, items, replacement, flags, covered)| {
+        .prop_map(|(api, items, replacement, flags, covered, added)| {
             let [instructions_first, instructions, tools_first, tools, stream, client_usage, pretty] =
                 flags;
             Case {
@@ -66,6 +72,7 @@ fn case() -> impl Strategy<Value = Case> {
                 client_usage,
                 pretty,
                 covered,
+                added,
             }
         })
 }
@@ -134,8 +141,16 @@ proptest! {
         }
         let covered = case.covered.min(items.len());
         let view = items.with_prefix_replaced(covered, &replacement);
+        let [compact, with_recall] = case.added;
+        let adds = tools.is_some() && (compact || with_recall);
+        let listed = adds.then(|| {
+            let tools = tools.as_ref().expect("has tools").value();
+            let listed = agent_tool::with_tools(api, tools, compact, with_recall.then(|| recall::definition(api)));
+            Tools::take(&mut json!({ "tools": listed }))
+        });
+        let sent_tools = listed.as_ref().map_or(tools.as_ref(), Option::as_ref);
         let rebuilt = api
-            .rebuild_body(&parsed, &view.values(), tools.as_ref())
+            .rebuild_body(&parsed, &view.values(), sent_tools)
             .expect("serialises");
         let rebuilt: Value = serde_json::from_slice(&rebuilt).unwrap();
         let Some((cut, follow)) = items.covered_span(covered) else {
@@ -145,8 +160,20 @@ proptest! {
             return Ok(());
         };
         let made = Made::default();
+        let mut edits = vec![(cut, made.array_json(api, &replacement, follow))];
+        if adds {
+            let added: Vec<Value> = [
+                compact.then(|| agent_tool::definition(api)),
+                with_recall.then(|| recall::definition(api)),
+            ]
+            .into_iter()
+            .flatten()
+            .collect();
+            let tools = tools.as_ref().expect("has tools");
+            edits.push(tools.appended(&raw, &added).expect("the client's tools"));
+        }
         let spliced = original
-            .with_cut_replaced(items.body_bytes(), cut, made.array_json(api, &replacement, follow))
+            .with_cuts_replaced(items.body_bytes(), edits)
             .expect("the client's bytes are the payload's");
         let spliced: Value = serde_json::from_slice(&spliced.to_bytes())
             .expect("the spliced body is JSON");

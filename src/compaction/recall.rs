@@ -54,6 +54,13 @@ pub fn definition(api: Api) -> Value {
 /// upstream-stored response (a continuation would have to name the recall
 /// round); and its items as sent carry an archived reference.
 pub fn offers_recall(body: &Value, tools: Option<&Value>, sent: &[Value]) -> bool {
+    may_offer(body, tools) && carries_archive(sent)
+}
+
+/// [`offers_recall`] but for the items: for a request whose items as sent
+/// are known to carry an archived reference (a compaction's replacement
+/// that does is among them) without reading them all.
+pub fn may_offer(body: &Value, tools: Option<&Value>) -> bool {
     let list = tools.and_then(Value::as_array);
     let has_tools = list.is_some_and(|t| !t.is_empty());
     let taken = list.is_some_and(|t| t.iter().any(|t| tool_name(t) == Some(TOOL)));
@@ -62,7 +69,7 @@ pub fn offers_recall(body: &Value, tools: Option<&Value>, sent: &[Value]) -> boo
         .get("n")
         .is_none_or(|n| n.is_null() || n.as_u64() == Some(1));
     let stateless = body.get("previous_response_id").is_none_or(Value::is_null);
-    has_tools && !taken && allowed && one_choice && stateless && carries_archive(sent)
+    has_tools && !taken && allowed && one_choice && stateless
 }
 
 /// A tool definition's name, in either API's shape.

@@ -254,7 +254,7 @@ impl PendingExchange {
         let view = self
             .request
             .items()
-            .with_prefix_replaced(c.covered_len, &c.replacement);
+            .with_prefix_shared(c.covered_len, c.clone());
         let up = &mut self.upstream;
         up.drop_block = up.hidden_thinking;
         up.view = Arc::new(if self.request.api() == Api::Messages {
@@ -292,12 +292,10 @@ impl PendingExchange {
         if offered.recall_withdrawn || offered.recall_rounds == 0 {
             return;
         }
+        // The view begins with the replacement: when that carries an
+        // archived reference, so does what is sent.
         offered.recall = recall::carries_archive(&c.replacement)
-            && recall::offers_recall(
-                self.request.body(),
-                self.request.tools().map(Tools::value),
-                &self.upstream.view.values(),
-            );
+            && recall::may_offer(self.request.body(), self.request.tools().map(Tools::value));
         offered.recall_offered |= offered.recall;
     }
 

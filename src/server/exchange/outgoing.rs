@@ -97,25 +97,39 @@ impl PendingExchange {
             .map_err(ProxyError::internal)
     }
 
-    /// The compacted request as the client's bytes with the compaction's
-    /// JSON in place of the items it covers, nothing parsed or serialised:
-    /// where the view is exactly its replacement followed by the client's
-    /// items past it, and nothing else changes (no tool the proxy adds, no
+    /// The request as the client's bytes with the compaction's JSON in
+    /// place of the items it covers and the proxy's tools (recall, the
+    /// agent's compaction tool) after the client's, nothing parsed or
+    /// serialised but those: where the view is exactly the replacement
+    /// followed by the client's items past it, and nothing else changes (no
     /// recall rounds, no thinking block to drop). Else `None`: the body is
     /// rebuilt.
     fn spliced_bytes(&self) -> Option<Payload> {
-        let c = self.plain_compaction()?;
         let up = &self.upstream;
-        if up.drop_block || self.offered.recall || self.offered.agent_tool || !up.extra.is_empty() {
+        let api = self.request.api();
+        if api == Api::Messages || up.drop_block || !up.extra.is_empty() {
             return None;
         }
         let items = self.request.items();
-        let (cut, follow) = items.covered_span(c.covered_len)?;
-        self.request.original()?.with_cut_replaced(
-            items.body_bytes(),
-            cut,
-            c.replacement_json(self.request.api(), follow),
-        )
+        let body = items.body_bytes();
+        let mut edits = Vec::with_capacity(2);
+        if up.compaction.is_some() {
+            let c = self.plain_compaction()?;
+            let (cut, follow) = items.covered_span(c.covered_len)?;
+            edits.push((cut, c.replacement_json(api, follow)));
+        }
+        // As `agent_tool::with_tools` lists them.
+        let added: Vec<Value> = [
+            self.offered.agent_tool.then(|| agent_tool::definition(api)),
+            self.offered.recall.then(|| recall::definition(api)),
+        ]
+        .into_iter()
+        .flatten()
+        .collect();
+        if !added.is_empty() {
+            edits.push(self.request.tools()?.appended(body, &added)?);
+        }
+        self.request.original()?.with_cuts_replaced(body, edits)
     }
 
     /// The compaction applied, when the view is its replacement followed

@@ -67,6 +67,38 @@ impl Tools {
         }
     }
 
+    /// The edit of `body`, the client's body as read, that adds `added`
+    /// after these definitions: an empty range before the array's closing
+    /// `]` and what goes there. `None` when these are not `body`'s bytes or
+    /// hold no definition (see [`Tools::end_in`]): the body is then rebuilt
+    /// around the definitions.
+    pub fn appended(&self, body: &Bytes, added: &[Value]) -> Option<(Range<usize>, Bytes)> {
+        let at = self.end_in(body)?;
+        let mut insert = Vec::new();
+        for tool in added {
+            insert.push(b',');
+            serde_json::to_writer(&mut insert, tool).ok()?;
+        }
+        Some((at..at, insert.into()))
+    }
+
+    /// Where definitions added at the end of these go in `body`: the
+    /// offset of the array's closing `]`, when these are its bytes and the
+    /// array holds at least one definition (so what goes in starts with a
+    /// comma).
+    pub fn end_in(&self, body: &Bytes) -> Option<usize> {
+        let json = &self.json;
+        if json.raw.as_ptr() != body.as_ptr() || json.raw.len() != body.len() {
+            return None;
+        }
+        let bytes = body.get(json.span.clone())?;
+        let inner = bytes.strip_prefix(b"[")?.strip_suffix(b"]")?;
+        inner
+            .iter()
+            .any(|b| !b.is_ascii_whitespace())
+            .then(|| json.span.end - 1)
+    }
+
     /// The definitions, parsed.
     pub fn value(&self) -> &Value {
         self.json.value()
