@@ -151,6 +151,14 @@ pub struct Compaction {
     pub made: replacement::Made,
 }
 
+/// A compaction's replacement, for a request's items to share
+/// ([`crate::wire::items::ItemList::with_prefix_shared`]).
+impl AsRef<[Value]> for Compaction {
+    fn as_ref(&self) -> &[Value] {
+        &self.replacement
+    }
+}
+
 impl Compaction {
     /// The canonical hashes of the replacement's items.
     pub fn replacement_hashes(&self) -> &std::sync::Arc<Vec<ItemHash>> {

@@ -33,7 +33,7 @@ use reuse::{best_candidate, common_prefix, recent_key};
 /// (after `head`, items the proxy made up, such as the Responses
 /// `instructions` pseudo-item), parsed on first need.
 pub struct ItemList {
-    head: Vec<Value>,
+    head: Head,
     raw: Bytes,
     spans: Vec<Range<usize>>,
     values: OnceLock<Arc<Vec<Value>>>,
@@ -41,6 +41,25 @@ pub struct ItemList {
     shell: Option<Arc<Shell>>,
     /// The caches its hashes go through, if any (else they are computed).
     caches: Option<Arc<ItemCaches>>,
+}
+
+/// The parsed items before the client's bytes: the proxy's own (such as
+/// the Responses `instructions` pseudo-item), or a compaction's
+/// replacement, shared by every request it applies to rather than copied.
+enum Head {
+    Own(Vec<Value>),
+    Shared(Arc<dyn AsRef<[Value]> + Send + Sync>),
+}
+
+impl std::ops::Deref for Head {
+    type Target = [Value];
+
+    fn deref(&self) -> &[Value] {
+        match self {
+            Head::Own(values) => values,
+            Head::Shared(values) => (**values).as_ref(),
+        }
+    }
 }
 
 /// A recent request (of the same scope) whose first `items` items a body
@@ -54,7 +73,7 @@ pub struct Reuse {
 impl From<Vec<Value>> for ItemList {
     fn from(values: Vec<Value>) -> Self {
         ItemList {
-            head: Vec::new(),
+            head: Head::Own(Vec::new()),
             raw: Bytes::new(),
             spans: Vec::new(),
             values: OnceLock::from(Arc::new(values)),
@@ -70,7 +89,7 @@ impl ItemList {
     /// as [`split_body`] found them).
     pub fn raw(head: Vec<Value>, raw: Bytes, spans: Vec<Range<usize>>) -> Self {
         ItemList {
-            head,
+            head: Head::Own(head),
             raw,
             spans,
             values: OnceLock::new(),
@@ -124,7 +143,7 @@ impl ItemList {
     pub fn values(&self) -> Arc<Vec<Value>> {
         self.values
             .get_or_init(|| {
-                let mut all = self.head.clone();
+                let mut all = self.head.to_vec();
                 all.extend(self.spans.iter().map(|s| parse(&self.raw[s.clone()])));
                 Arc::new(all)
             })
@@ -149,6 +168,28 @@ impl ItemList {
             .saturating_sub(self.head.len())
             .min(self.spans.len());
         ItemList::raw(head, self.raw.clone(), self.spans[from_span..].to_vec())
+    }
+
+    /// [`ItemList::with_prefix_replaced`] with a replacement the list
+    /// shares (a stored compaction's, applied to every request it covers)
+    /// rather than copies: while the list is the client's bytes and
+    /// `covered` takes in the proxy's own items before them.
+    pub fn with_prefix_shared(
+        &self,
+        covered: usize,
+        replacement: Arc<dyn AsRef<[Value]> + Send + Sync>,
+    ) -> ItemList {
+        if !self.is_raw() || covered < self.head.len() {
+            return self.with_prefix_replaced(covered, (*replacement).as_ref());
+        }
+        let from_span = (covered - self.head.len()).min(self.spans.len());
+        let mut list = ItemList::raw(
+            Vec::new(),
+            self.raw.clone(),
+            self.spans[from_span..].to_vec(),
+        );
+        list.head = Head::Shared(replacement);
+        list
     }
 
     /// Where the client's bytes of this list's first `covered` items lie,
