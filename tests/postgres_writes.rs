@@ -87,6 +87,8 @@ fn exchange(id: i64, conversation: &str, started_ms: i64) -> ExchangeRecord {
         params: [1; 32],
         response_items: vec![[3; 32]],
         new_items: vec![(hash, item.to_string())],
+        stored_items: Vec::new(),
+        claimed_at: 0,
         response_id: Some(format!("resp_{id}")),
         usage: Some(compactor::wire::Usage {
             input_tokens: 120,
