@@ -165,7 +165,9 @@ impl AppState {
     /// Forgets what a deletion elsewhere took (a [`retention::FORGET_CHANNEL`]
     /// payload): its conversations are no longer continued, their
     /// compactions no longer applied, and items are sent with the next
-    /// records again, since some may be gone.
+    /// records again, since some may be gone. An empty payload forgets
+    /// only the items (listening stopped or started again, and a deletion
+    /// may have gone unheard).
     ///
     /// [`retention::FORGET_CHANNEL`]: crate::store::retention::FORGET_CHANNEL
     pub fn forget_deleted(&self, payload: &str) {
@@ -175,10 +177,14 @@ impl AppState {
             self.compactions.forget(tenant, compactions);
         }
         self.forget_stored_items();
-        tracing::info!(
-            conversations = gone.len(),
-            "forgot what another process deleted"
-        );
+        if gone.is_empty() {
+            tracing::debug!("deletions may have gone unheard: items are sent whole again");
+        } else {
+            tracing::info!(
+                conversations = gone.len(),
+                "forgot what another process deleted"
+            );
+        }
     }
 
     /// Forgets which items are stored, after a deletion: the next records

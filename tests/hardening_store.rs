@@ -154,6 +154,8 @@ fn journaled(id: i64) -> compactor::store::ExchangeRecord {
         params: [1; 32],
         response_items: Vec::new(),
         new_items: vec![(hash, item.to_string())],
+        stored_items: Vec::new(),
+        claimed_at: 0,
         response_id: None,
         usage: None,
         status: 200,

@@ -370,3 +370,136 @@ async fn an_answer_whose_commit_timed_out_is_recorded_as_withheld_though_the_com
     );
     assert_eq!(count(&url, &withheld).await, 1);
 }
+
+/// One text a query over the database answers.
+async fn text(url: &str, sql: &str) -> String {
+    let (client, conn) = within(tokio_postgres::connect(url, tokio_postgres::NoTls))
+        .await
+        .expect("connect to the test database");
+    let driver = tokio::spawn(conn);
+    let s: String = within(client.query_one(sql, &[])).await.expect(sql).get(0);
+    drop(client);
+    let _ = within(driver).await;
+    s
+}
+
+/// Item hashes the exchanges refer to (by their request after its prefix,
+/// their answer or their parameters) that are not in the store.
+const MISSING_ITEMS: &str = "
+    SELECT count(*) FROM exchanges e CROSS JOIN LATERAL (
+        SELECT substring(e.suffix_items FROM i * 32 + 1 FOR 32) AS hash
+          FROM generate_series(0, length(e.suffix_items) / 32 - 1) i
+        UNION ALL
+        SELECT substring(e.response_items FROM i * 32 + 1 FOR 32)
+          FROM generate_series(0, length(e.response_items) / 32 - 1) i
+        UNION ALL
+        SELECT e.params) referred
+    WHERE NOT EXISTS (SELECT 1 FROM items WHERE items.hash = referred.hash)";
+
+/// A replica leaves out the bodies of the items it believes stored. When
+/// another process deletes the only conversation that referred to them
+/// and prunes them while such a record is still on its way (here withheld:
+/// its commit timed out while the database held every byte of this
+/// replica's), the record, written again once the database answers, goes
+/// with every body it left out: the exchange reads back whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_record_whose_items_were_pruned_before_it_committed_brings_their_bodies() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let relay = Relay::start(pg.port).await;
+    let name = url.rsplit('/').next().expect("a database name").to_string();
+    let via_relay = format!("postgres://postgres@127.0.0.1:{}/{name}", relay.port);
+    let statement_timeout = Duration::from_millis(1_000);
+    let h = Harness::start_with(|c| {
+        c.store.url = via_relay.clone();
+        // A commit gives up after this and the connect bound (5 s).
+        c.store.statement_timeout_ms = statement_timeout.as_millis() as u64;
+    })
+    .await;
+    let endpoint = format!("{}/chat/completions", h.url());
+    let shared = "words two tenants happen to send alike";
+    let body =
+        |text: &str| json!({"model": MODEL, "messages": [{"role": "user", "content": text}]});
+
+    // One tenant's conversation stores the message and the parameters.
+    let (status, _, _) = post(&endpoint, "sk-gone", &body(shared)).await;
+    assert_eq!(status, 200);
+    let gone = text(&url, "SELECT id FROM conversations").await;
+
+    // Another tenant sends them too: believed stored, they go by their
+    // hashes alone, in a commit that the database holds until it times out.
+    h.fake.push(Reply::Delay(
+        Duration::from_millis(300),
+        Box::new(Reply::chat("late", 10, 2)),
+    ));
+    let pending = tokio::spawn({
+        let (endpoint, body) = (endpoint.clone(), body(shared));
+        async move { post(&endpoint, "sk-kept", &body).await.0 }
+    });
+    within(async {
+        while chat_calls(&h) < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
+    relay.pause(true);
+    assert_eq!(within(pending).await.expect("the request"), 503, "withheld");
+
+    // Meanwhile another process (the CLI, say) deletes the first
+    // conversation: nothing committed refers to its items any more, and
+    // they go; the replica hears of it only once the database answers.
+    let direct = compactor::store::postgres::Options {
+        url: url.clone(),
+        password: None,
+        pool_size: 2,
+        statement_timeout,
+        stall_after: Duration::from_secs(2),
+        claim_lapse: Duration::from_secs(120),
+        synchronous_commit: None,
+    };
+    let removed = within(tokio::task::spawn_blocking(move || {
+        let conn = compactor::store::postgres_queries::connect(&direct).expect("a connection");
+        compactor::store::retention::delete_and_prune(&conn, &[gone]).expect("the deletion")
+    }))
+    .await
+    .expect("the deletion's thread");
+    assert_eq!(removed.conversations, 1, "{removed:?}");
+    assert!(
+        removed.items >= 2,
+        "the message and the parameters went: {removed:?}"
+    );
+
+    // The database answers again: the withheld exchange is written with
+    // the next batch (another tenant's, sharing none of its items).
+    relay.pause(false);
+    within(async {
+        while readyz(&h).await != 200 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    let unrelated = json!({
+        "model": MODEL,
+        "temperature": 0.5,
+        "messages": [{"role": "user", "content": "nothing in common"}],
+    });
+    let (status, _, _) = post(&endpoint, "sk-other", &unrelated).await;
+    assert_eq!(status, 200);
+    let withheld = format!(
+        "SELECT count(*) FROM exchanges WHERE status = 503 AND error = '{}'",
+        compactor::store::postgres::WITHHELD
+    );
+    within(async {
+        while count(&url, &withheld).await < 1 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert_eq!(count(&url, "SELECT count(*) FROM exchanges").await, 2);
+    assert_eq!(
+        count(&url, MISSING_ITEMS).await,
+        0,
+        "every item an exchange refers to is stored"
+    );
+}

@@ -87,6 +87,8 @@ fn exchange(id: i64, conversation: &str, started_ms: i64) -> ExchangeRecord {
         params: [1; 32],
         response_items: vec![[3; 32]],
         new_items: vec![(hash, item.to_string())],
+        stored_items: Vec::new(),
+        claimed_at: 0,
         response_id: Some(format!("resp_{id}")),
         usage: Some(compactor::wire::Usage {
             input_tokens: 120,
@@ -727,6 +729,100 @@ fn the_unreferenced_item_scan_runs_in_one_process_at_a_time() {
         "{removed:?}"
     );
     assert_eq!(items(), vec![json!(0)]);
+}
+
+/// An item the scan found unreferenced may be taken up again before it
+/// is deleted: a writer found it stored and left it as it was, in a
+/// transaction under way while the scan read. The deletion waits for that
+/// transaction (its lock on the items) and keeps the item its exchange
+/// refers to.
+#[test]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+fn an_item_taken_up_again_while_the_scan_ran_is_not_deleted() {
+    let Some((_cluster, url, rt)) = database() else {
+        return;
+    };
+    let (_pg, mut backend) = backend(&url);
+    let first = exchange(60, "conv_x", 1);
+    let item = first.new_items[0].0;
+    backend.write(&[ex(first)]).expect("the batch");
+    // A deletion's scan waits the commit bound (this and 5 s) and 2 s.
+    let quick = Options {
+        statement_timeout: Duration::from_secs(3),
+        ..options(&url, 1)
+    };
+    let reads = PostgresReads::new(Postgres::open(&quick).expect("open the database"));
+
+    // Another replica's writer: the item found stored, an exchange of its
+    // own referring to it, not committed yet.
+    let (writer, driver) = rt.block_on(async {
+        let (client, conn) = within(tokio_postgres::connect(&url, tokio_postgres::NoTls))
+            .await
+            .expect("connect");
+        let driver = tokio::spawn(conn);
+        within(client.batch_execute("BEGIN")).await.expect("begin");
+        within(client.execute(
+            "INSERT INTO items (hash, body) VALUES ($1, 'x') ON CONFLICT DO NOTHING",
+            &[&item.as_slice()],
+        ))
+        .await
+        .expect("the item");
+        within(client.batch_execute(
+            "INSERT INTO conversations (id, tenant, created_ms, last_seen_ms)
+             VALUES ('conv_y', 'tenant-a', 2, 2)",
+        ))
+        .await
+        .expect("the conversation");
+        within(client.execute(
+            "INSERT INTO exchanges (id, conversation_id, tenant, endpoint, model, suffix_items,
+                                    request_len, params, response_items, status, streamed,
+                                    partial, started_ms, latency_ms)
+             VALUES (61, 'conv_y', 'tenant-a', 'responses', 'm', $1, 1, $1, ''::bytea, 200,
+                     FALSE, FALSE, 2, 1.0)",
+            &[&item.as_slice()],
+        ))
+        .await
+        .expect("the exchange");
+        (client, driver)
+    });
+    let deletion = std::thread::spawn(move || {
+        use compactor::store::Queries;
+        reads.delete_conversations(&["conv_x".to_string()])
+    });
+    // The deletion scans (the exchange above is not committed), then waits
+    // for the writer's lock; then the writer commits.
+    let waiting = "SELECT to_jsonb(count(*))::text FROM pg_locks
+                   WHERE relation = 'items'::regclass AND NOT granted";
+    let deadline = Instant::now() + support::STEP;
+    while rows(&rt, &url, waiting) == vec![json!(0)] && !deletion.is_finished() {
+        assert!(
+            Instant::now() < deadline,
+            "the deletion neither waited nor ended"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    rt.block_on(async {
+        within(writer.batch_execute("COMMIT"))
+            .await
+            .expect("commit");
+        drop(writer);
+        let _ = within(driver).await;
+    });
+    let removed = deletion
+        .join()
+        .expect("the deletion's thread")
+        .expect("the deletion");
+    assert_eq!(removed.conversations, 1, "{removed:?}");
+    let stored = format!(
+        "SELECT to_jsonb(count(*))::text FROM items WHERE hash = decode('{}', 'hex')",
+        item.iter().map(|b| format!("{b:02x}")).collect::<String>()
+    );
+    assert_eq!(
+        rows(&rt, &url, &stored),
+        vec![json!(1)],
+        "the item the writer's exchange refers to stays: {removed:?}"
+    );
+    assert_eq!(removed.items, 0, "{removed:?}");
 }
 
 /// `store.synchronous_commit` is what the proxy's sessions commit with

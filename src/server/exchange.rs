@@ -405,6 +405,13 @@ impl PendingExchange {
     /// Builds the record: claims item bodies not yet stored, computes chains.
     pub fn to_record(&self, state: &AppState, outcome: Outcome) -> ExchangeRecord {
         let mut new_items = Vec::new();
+        // As of before the claims of recent requests were looked up: a
+        // forget since sends what they and the claims here found stored.
+        let claimed_at = self.digest.forgets;
+        // A store other processes write keeps the bodies the record leaves
+        // out until it commits: a deletion elsewhere may take them first.
+        let shared = state.store.is_shared();
+        let mut stored_items = Vec::new();
         // The items of the prefix an earlier exchange stands for were
         // claimed when that exchange was recorded, and so were those a
         // recorded recent request had too.
@@ -419,24 +426,40 @@ impl PendingExchange {
         let known = self.digest.claims.known();
         let before = suffix_from..known.start.clamp(suffix_from, len);
         let after = known.end.clamp(suffix_from, len)..len;
+        let body = |at: usize| (self.digest.hashes[at], self.request.items().json(at));
+        // Which of the items were claimed now (kept track of when shared).
+        let mut fresh = vec![false; if shared { len } else { 0 }];
         for range in [before, after] {
             for j in state.store.claim_items(&self.digest.hashes[range.clone()]) {
-                let at = range.start + j;
-                new_items.push((self.digest.hashes[at], self.request.items().json(at)));
+                if let Some(f) = fresh.get_mut(range.start + j) {
+                    *f = true;
+                }
+                new_items.push(body(range.start + j));
             }
+        }
+        if shared {
+            stored_items.extend((suffix_from..len).filter(|&at| !fresh[at]).map(body));
         }
         self.digest.claims.all_claimed();
         // The body holds everything but the items: model, tools, sampling.
         let params_hash = self.digest.params;
-        if state.store.claim_item(&params_hash) {
+        let params_fresh = state.store.claim_item(&params_hash);
+        if params_fresh || shared {
             let mut params = self.request.body().clone();
             Tools::restore(self.request.tools(), &mut params);
-            new_items.push((params_hash, params.to_string()));
+            let to = if params_fresh {
+                &mut new_items
+            } else {
+                &mut stored_items
+            };
+            to.push((params_hash, params.to_string()));
         }
         let response_hashes: Vec<ItemHash> = outcome.response_items.iter().map(item_hash).collect();
         for (h, item) in response_hashes.iter().zip(&outcome.response_items) {
             if state.store.claim_item(h) {
                 new_items.push((*h, item.to_string()));
+            } else if shared {
+                stored_items.push((*h, item.to_string()));
             }
         }
         let complete = !outcome.partial && (200..300).contains(&outcome.status);
@@ -454,6 +477,8 @@ impl PendingExchange {
             params: params_hash,
             response_items: response_hashes.clone(),
             new_items,
+            stored_items,
+            claimed_at,
             response_id: outcome.response_id,
             usage: outcome.usage,
             status: outcome.status,

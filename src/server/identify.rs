@@ -48,6 +48,8 @@ pub(super) async fn identify(
     // database or anything goes upstream.
     state.store.available().map_err(ProxyError::store_down)?;
     let tenant = read.tenant();
+    // Before the claims of recent requests are looked up (see Digest).
+    let forgets = state.store.forgets();
     let (hashes, chains, claims) = read.items().hashes_and_chains(tenant);
     // With a store other replicas write, what this replica may lack of the
     // request (a longer recorded prefix, a compaction covering more) is
@@ -93,7 +95,7 @@ pub(super) async fn identify(
             read,
             id,
             ident,
-            Digest::new(params, hashes, chains, claims),
+            Digest::new(params, hashes, chains, claims, forgets),
             state.config.compaction.recall_max_rounds,
             Timing::new(started, started_ms, span),
         ),

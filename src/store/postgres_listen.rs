@@ -12,7 +12,9 @@
 //! while this one was cut off, is not missed.
 //!
 //! The same connection hears deletions ([`super::retention::FORGET_CHANNEL`]):
-//! what another replica or the CLI deleted is forgotten here too; and the
+//! what another replica or the CLI deleted is forgotten here too (and the
+//! items believed stored whenever listening stops or starts again, since
+//! a deletion may have gone unheard); and the
 //! compactions stored ([`COMPACTED`], see `Postgres::announced`), so that
 //! a replica knows every compaction stored while it listens.
 
@@ -166,6 +168,11 @@ async fn listen(
         if compacted.epoch.load(Ordering::Acquire) % 2 == 1 {
             compacted.epoch.fetch_add(1, Ordering::AcqRel);
         }
+        // And so may deletions: the items believed stored are forgotten,
+        // as when one is heard (an empty announcement names none).
+        if let Some(forget) = forget.get() {
+            forget("");
+        }
         // It listened a while: the back-off starts anew.
         if listened {
             wait = RECONNECT_MIN;
@@ -196,6 +203,7 @@ async fn session(
     listened: &mut bool,
 ) -> Result<(), StoreError> {
     let (client, mut connection) = config.connect(NoTls).await?;
+    let unheard = forget.clone();
     // The connection's messages: replies to the client, and notifications,
     // applied in the order they were committed.
     let (told, forget) = (pending.clone(), forget.clone());
@@ -249,8 +257,17 @@ async fn session(
     *listened = true;
     // Listening: every compaction committed from here on is heard.
     compacted.epoch.fetch_add(1, Ordering::AcqRel);
-    if let Some(r) = ready.take() {
-        let _ = r.send(());
+    match ready.take() {
+        Some(r) => {
+            let _ = r.send(());
+        }
+        // Listening again: what was deleted meanwhile went unheard, and the
+        // items claimed since may be among it.
+        None => {
+            if let Some(forget) = unheard.get() {
+                forget("");
+            }
+        }
     }
     let ended = driver.await;
     // Kept open until the connection ends.

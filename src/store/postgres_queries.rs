@@ -165,6 +165,10 @@ impl Sql for PgSql {
             Ok(client.execute(&stmt, &refs(&owned)).await?)
         }))
     }
+
+    fn commit_timeout(&self) -> std::time::Duration {
+        self.pg.commit_timeout()
+    }
 }
 
 /// One pooled connection per view, from whichever replica is asked.

@@ -55,6 +55,18 @@ pub struct ExchangeRecord {
     /// Item bodies not yet in the store (request items, params, response items).
     #[serde(skip)]
     pub new_items: Vec<(ItemHash, String)>,
+    /// The bodies of the other items, those believed stored already (kept
+    /// by a store other processes write too): sent after all when that
+    /// belief was dropped before the record committed, since a deletion
+    /// elsewhere may have taken them (see [`Store::forgets`]).
+    ///
+    /// [`Store::forgets`]: super::Store::forgets
+    #[serde(skip)]
+    pub stored_items: Vec<(ItemHash, String)>,
+    /// [`Store::forgets`](super::Store::forgets) when its items were
+    /// claimed.
+    #[serde(skip)]
+    pub claimed_at: u64,
     /// The upstream's id for the answer (`resp_…`, `chatcmpl-…`).
     pub response_id: Option<String>,
     /// Usage the upstream reported.

@@ -8,6 +8,14 @@
 //! it. An exchange of another conversation whose request was stored as a
 //! reference to a deleted exchange's items gets those items written out
 //! first, so it reads back the same.
+//!
+//! On a store replicas share, a replica refers to an item it believes
+//! stored by its hash alone: the scan for unreferenced items waits until
+//! every replica has heard of the last deletion and what it was committing
+//! then has ended (`prune_items_alone`), and deletes them under a lock
+//! that keeps what was committed since (`delete_items_shared`).
+
+use std::time::Duration;
 
 use rusqlite::Connection;
 use serde::{Deserialize, Serialize};
@@ -169,8 +177,86 @@ pub fn delete_conversation(conn: &dyn Sql, id: &str) -> Result<Removed, StoreErr
                 &[id.into()],
             )?;
         }
+        // Last, so that the time is that of the commit, near enough: a
+        // scan that began before it sees the deletion made while it read.
+        if conn.dialect() == super::sql::Dialect::Postgres {
+            mark_deletion(conn)?;
+        }
         Ok(removed)
     })
+}
+
+/// Notes the time of a deletion (see [`DELETED_KEY`]): taken once the row
+/// is this session's, should another deletion hold it.
+fn mark_deletion(conn: &dyn Sql) -> Result<(), StoreError> {
+    conn.execute(
+        &format!(
+            "INSERT INTO meta (key, value) VALUES (?1, convert_to({CLOCK_MS}::text, 'UTF8'))
+             ON CONFLICT (key) DO UPDATE SET value = convert_to({CLOCK_MS}::text, 'UTF8')"
+        ),
+        &[DELETED_KEY.into()],
+    )?;
+    Ok(())
+}
+
+/// The `meta` key under which a shared store keeps when a conversation
+/// was last deleted (Unix ms by the database's clock, as text): the
+/// unreferenced-item scan starts [`settle`] after it at the earliest.
+const DELETED_KEY: &str = "deleted_ms";
+
+/// The database's clock, Unix ms: one clock for every process, whatever
+/// their hosts' say.
+const CLOCK_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
+
+/// How long a deletion's announcement may take to reach a listening
+/// replica and be applied there, at most, as the scan allows for it.
+pub const FORGET_SLACK: Duration = Duration::from_secs(2);
+
+/// How long after the last deletion the unreferenced-item scan of a shared
+/// store waits: a replica's commit under way when it heard of the
+/// deletion has ended by then (committed, so the scan sees what it refers
+/// to, or timed out, so it is written again with every item's body), and
+/// every record it commits after hearing carries the bodies it left out.
+pub fn settle(conn: &dyn Sql) -> Duration {
+    conn.commit_timeout() + FORGET_SLACK
+}
+
+/// How many times the scan starts again after a deletion committed while
+/// it read, before it is left to the scan after the next deletion.
+const SETTLE_TRIES: usize = 3;
+
+/// When the last deletion committed (see [`DELETED_KEY`]), once
+/// [`settle`] has passed since: waits until then.
+fn settled(conn: &dyn Sql) -> Result<i64, StoreError> {
+    let settle = settle(conn).as_millis().min(i64::MAX as u128) as i64;
+    loop {
+        let (last, now) = latest_deletion(conn)?;
+        let due = last.saturating_add(settle).saturating_sub(now);
+        if due <= 0 {
+            return Ok(last);
+        }
+        tracing::info!(
+            wait_ms = due,
+            "the item scan waits for replicas to hear of a deletion"
+        );
+        std::thread::sleep(Duration::from_millis(due as u64));
+    }
+}
+
+/// When the last deletion committed (0: none yet) and the time now, both
+/// by the database's clock.
+fn latest_deletion(conn: &dyn Sql) -> Result<(i64, i64), StoreError> {
+    let row = conn.first(
+        &format!(
+            "SELECT COALESCE((SELECT convert_from(value, 'UTF8')::bigint FROM meta
+                              WHERE key = ?1), 0), {CLOCK_MS}"
+        ),
+        &[DELETED_KEY.into()],
+    )?;
+    match row {
+        Some(r) => Ok((r.get(0)?, r.get(1)?)),
+        None => Ok((0, 0)),
+    }
 }
 
 /// Conversations last seen before `cutoff_ms` (Unix ms), at most `limit`,
@@ -195,13 +281,25 @@ pub fn seen_before(
 /// its parameters) and no remaining compaction names as an archived
 /// original; returns how many went.
 pub fn prune_items(conn: &dyn Sql) -> Result<u64, StoreError> {
+    delete_items(conn, &unreferenced(conn, None)?)
+}
+
+/// The items no exchange refers to and no compaction names, as of the
+/// scan; the exchanges it read go into `scanned` when given.
+fn unreferenced(
+    conn: &dyn Sql,
+    mut scanned: Option<&mut foldhash::HashSet<i64>>,
+) -> Result<Vec<ItemHash>, StoreError> {
     let mut referenced: foldhash::HashSet<ItemHash> = Default::default();
     for r in conn.rows(
-        "SELECT suffix_items, response_items, params FROM exchanges",
+        "SELECT suffix_items, response_items, params, id FROM exchanges",
         &[],
     )? {
         for column in 0..3 {
             referenced.extend(unpack_hashes(&r.get::<Vec<u8>>(column)?));
+        }
+        if let Some(ids) = scanned.as_deref_mut() {
+            ids.insert(r.get(3)?);
         }
     }
     // Archived originals are named by the first 8 bytes of their hash.
@@ -224,6 +322,11 @@ pub fn prune_items(conn: &dyn Sql) -> Result<u64, StoreError> {
             unreferenced.push(h);
         }
     }
+    Ok(unreferenced)
+}
+
+/// Deletes `unreferenced`, [`ITEM_BATCH`] a transaction.
+fn delete_items(conn: &dyn Sql, unreferenced: &[ItemHash]) -> Result<u64, StoreError> {
     for batch in unreferenced.chunks(ITEM_BATCH) {
         in_transaction(conn, || {
             for hash in batch {
@@ -238,6 +341,79 @@ pub fn prune_items(conn: &dyn Sql) -> Result<u64, StoreError> {
     Ok(unreferenced.len() as u64)
 }
 
+/// [`delete_items`] on a store replicas share, whose writers go on while
+/// it runs: each batch is deleted under a lock every insert of items
+/// waits for (and that waits for the inserts under way), after reading
+/// the exchanges committed since the scan (those not in `scanned`). An
+/// item one of them refers to stays: a writer that found it stored and
+/// left it as it was, or that wrote it while the scan read, committed
+/// before the lock was granted; one that comes after the lock writes it
+/// anew. Returns how many went.
+fn delete_items_shared(
+    conn: &dyn Sql,
+    unreferenced: &[ItemHash],
+    mut scanned: foldhash::HashSet<i64>,
+) -> Result<u64, StoreError> {
+    let mut since: foldhash::HashSet<ItemHash> = Default::default();
+    let mut deleted = 0;
+    for batch in unreferenced.chunks(ITEM_BATCH) {
+        // Most of what was committed since is read before the lock, so
+        // that what is left to read under it is what came in between.
+        catch_up(conn, &mut scanned, &mut since)?;
+        deleted += in_transaction(conn, || {
+            conn.execute("LOCK TABLE items IN SHARE ROW EXCLUSIVE MODE", &[])?;
+            catch_up(conn, &mut scanned, &mut since)?;
+            let doomed: Vec<u8> = batch
+                .iter()
+                .filter(|h| !since.contains(*h))
+                .flatten()
+                .copied()
+                .collect();
+            if doomed.is_empty() {
+                return Ok(0);
+            }
+            // One statement for the batch: the lock is held no longer than
+            // that takes.
+            conn.execute(
+                "DELETE FROM items WHERE hash IN (
+                     SELECT substring(?1::bytea FROM i * 32 + 1 FOR 32)
+                     FROM generate_series(0, length(?1::bytea) / 32 - 1) i)",
+                &[doomed.as_slice().into()],
+            )
+        })?;
+    }
+    Ok(deleted)
+}
+
+/// Adds what the exchanges not in `scanned` refer to to `referenced`, and
+/// them to `scanned`.
+fn catch_up(
+    conn: &dyn Sql,
+    scanned: &mut foldhash::HashSet<i64>,
+    referenced: &mut foldhash::HashSet<ItemHash>,
+) -> Result<(), StoreError> {
+    let mut new: Vec<i64> = Vec::new();
+    for r in conn.rows("SELECT id FROM exchanges", &[])? {
+        let id: i64 = r.get(0)?;
+        if !scanned.contains(&id) {
+            new.push(id);
+        }
+    }
+    for id in new {
+        let row = conn.first(
+            "SELECT suffix_items, response_items, params FROM exchanges WHERE id = ?1",
+            &[id.into()],
+        )?;
+        if let Some(row) = row {
+            for column in 0..3 {
+                referenced.extend(unpack_hashes(&row.get::<Vec<u8>>(column)?));
+            }
+        }
+        scanned.insert(id);
+    }
+    Ok(())
+}
+
 /// The key of the advisory lock the unreferenced-item scan of a shared
 /// store runs under.
 pub const PRUNE_LOCK: i64 = 0x636f_6d70_6163_7402;
@@ -247,6 +423,12 @@ pub const PRUNE_LOCK: i64 = 0x636f_6d70_6163_7402;
 /// same hour would each make it. While another holds the lock this one
 /// skips it (0 items): the scan under way, or the next one, takes what this
 /// deletion left unreferenced.
+///
+/// The scan starts [`settle`] after the last deletion, by whichever
+/// process: until every replica has heard of it, a replica may commit a
+/// record that refers to an item of it by its hash alone, believing it
+/// stored. A deletion committed while the scan ran makes it start again
+/// (after its own wait).
 fn prune_items_alone(conn: &dyn Sql) -> Result<u64, StoreError> {
     let taken = conn
         .first("SELECT pg_try_advisory_lock(?1)", &[PRUNE_LOCK.into()])?
@@ -257,13 +439,33 @@ fn prune_items_alone(conn: &dyn Sql) -> Result<u64, StoreError> {
         tracing::info!("another process scans for unreferenced items now: skipped here");
         return Ok(0);
     }
-    let pruned = prune_items(conn);
+    let mut scanned = Default::default();
+    let pruned = settled_scan(conn, &mut scanned)
+        .and_then(|found| delete_items_shared(conn, &found, scanned));
     // A session's lock: released whatever happened (a connection that
     // failed is closed, which releases it too).
     let unlocked = conn.execute("SELECT pg_advisory_unlock(?1)", &[PRUNE_LOCK.into()]);
     let pruned = pruned?;
     unlocked?;
     Ok(pruned)
+}
+
+/// [`unreferenced`], scanned [`settle`] after the last deletion, and with
+/// no deletion committed while it ran (none if deletions kept coming).
+fn settled_scan(
+    conn: &dyn Sql,
+    scanned: &mut foldhash::HashSet<i64>,
+) -> Result<Vec<ItemHash>, StoreError> {
+    for _ in 0..SETTLE_TRIES {
+        let last = settled(conn)?;
+        scanned.clear();
+        let found = unreferenced(conn, Some(scanned))?;
+        if latest_deletion(conn)?.0 == last {
+            return Ok(found);
+        }
+    }
+    tracing::info!("deletions went on during the item scan: it is left to the next one");
+    Ok(Vec::new())
 }
 
 /// The PostgreSQL channel on which replicas hear which conversations were
@@ -360,6 +562,11 @@ pub fn delete_and_prune(conn: &dyn Sql, conversations: &[String]) -> Result<Remo
             "SELECT pg_notify(?1, ?2)",
             &[FORGET_CHANNEL.into(), payload.as_str().into()],
         )?;
+    }
+    // The wait before the scan counts from the announcement (the last of
+    // many deletions may come well after the first).
+    if shared && !victims.is_empty() {
+        mark_deletion(conn)?;
     }
     removed.items = if shared {
         prune_items_alone(conn)?

@@ -180,6 +180,14 @@ pub trait Sql {
     fn first(&self, sql: &str, params: &[Param<'_>]) -> Result<Option<Row>, StoreError> {
         Ok(self.rows(sql, params)?.into_iter().next())
     }
+
+    /// How long a commit of a process writing this database stays under
+    /// way at most before that process gives up on it (this process's
+    /// bound, which replicas of one configuration share): none where no
+    /// other process writes.
+    fn commit_timeout(&self) -> std::time::Duration {
+        std::time::Duration::ZERO
+    }
 }
 
 impl rusqlite::ToSql for Param<'_> {

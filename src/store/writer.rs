@@ -2,7 +2,7 @@
 //! to the thread, committed in batches, acknowledged once committed; the
 //! backlog bound, and exchange ids (from blocks of a shared database).
 
-use std::sync::atomic::{AtomicI64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -43,6 +43,8 @@ pub struct Store {
     /// found here go without their bodies. One not found (new, or not seen
     /// for long) goes with its body, which the database ignores if it has it.
     known: Mutex<Generations<ItemHash, ()>>,
+    /// How many times `known` was forgotten (see [`Store::forgets`]).
+    forgets: Arc<AtomicU64>,
     backlog: Arc<Backlog>,
     max_backlog: usize,
     next_id: AtomicI64,
@@ -153,9 +155,11 @@ impl Store {
         let drained = backlog.clone();
         let commits: Arc<std::sync::OnceLock<CommitObserver>> = Arc::default();
         let observer = commits.clone();
+        let forgets: Arc<AtomicU64> = Arc::default();
+        let forgotten = forgets.clone();
         let writer = std::thread::Builder::new()
             .name("compactor-store".into())
-            .spawn(move || writer_loop(backend, rx, upkeep, drained, observer))?
+            .spawn(move || writer_loop(backend, rx, upkeep, drained, observer, forgotten))?
             .thread()
             .clone();
         let store = Store {
@@ -168,6 +172,7 @@ impl Store {
                 }
                 known
             }),
+            forgets,
             next_id: AtomicI64::new(snapshot.max_exchange_id + 1),
             ids: None,
             commits,
@@ -220,9 +225,25 @@ impl Store {
     }
 
     /// Forgets which items are stored: after items were deleted, every
-    /// record sends its items' bodies again until it is known anew.
+    /// record sends its items' bodies again until it is known anew, and so
+    /// do the records claimed before that are not committed yet (see
+    /// [`Store::forgets`]).
     pub fn forget_known_items(&self) {
-        *self.known.lock().unwrap_or_else(|p| p.into_inner()) = Generations::new(KNOWN_ITEMS);
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        *known = Generations::new(KNOWN_ITEMS);
+        // Under the lock: a claim that saw the items known saw the count
+        // before this.
+        self.forgets.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// How many times the items believed stored were forgotten. A record
+    /// takes it before claiming its items ([`ExchangeRecord::claimed_at`]);
+    /// when it has changed by the time the writer commits the record, the
+    /// record goes with the bodies it left out too
+    /// ([`ExchangeRecord::stored_items`]): the deletion that made the
+    /// process forget may have taken those items meanwhile.
+    pub fn forgets(&self) -> u64 {
+        self.forgets.load(Ordering::Acquire)
     }
 
     /// Marks `hash` as stored (or about to be); true if it was not yet.
@@ -383,10 +404,12 @@ fn writer_loop(
     journal: Option<Arc<Journal>>,
     backlog: Arc<Backlog>,
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
+    forgets: Arc<AtomicU64>,
 ) {
     let mut batch = Pending {
         backlog,
         commits,
+        forgets,
         ..Pending::default()
     };
     let mut deadline: Option<Instant> = None;
@@ -434,9 +457,25 @@ struct Pending {
     bytes: usize,
     backlog: Arc<Backlog>,
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
+    /// The store's [`Store::forgets`].
+    forgets: Arc<AtomicU64>,
 }
 
 impl Pending {
+    /// Gives the records claimed before the items believed stored were
+    /// last forgotten the bodies they left out.
+    fn send_forgotten_bodies(&mut self) {
+        let now = self.forgets.load(Ordering::Acquire);
+        for rec in &mut self.records {
+            if let Record::Exchange(e) = rec {
+                if e.claimed_at != now && !e.stored_items.is_empty() {
+                    let bodies = std::mem::take(&mut e.stored_items);
+                    e.new_items.extend(bodies);
+                }
+            }
+        }
+    }
+
     /// Adds `cmd` to what the next commit writes (and acknowledges).
     fn take(&mut self, cmd: Cmd, deadline: &mut Option<Instant>) {
         match cmd {
@@ -464,6 +503,7 @@ impl Pending {
         let result = if self.records.is_empty() {
             Ok(())
         } else {
+            self.send_forgotten_bodies();
             let started = Instant::now();
             let mut written = backend.write(&self.records).map_err(Arc::new);
             if let Err(e) = &written {

@@ -25,18 +25,25 @@ pub(in crate::server) struct Digest {
     pub(super) chain_request: ItemHash,
     /// Which of `hashes` the store has claimed already.
     pub(super) claims: Claims,
+    /// The store's count of forgets before `claims` were looked up (see
+    /// `Store::forgets`): what they and the record's own claims take for
+    /// stored is as of then.
+    pub(super) forgets: u64,
 }
 
 impl Digest {
     /// The hashes of a request: of its parameters, `params`; of its items,
-    /// `hashes`, with their `chains` and `claims`.
+    /// `hashes`, with their `chains` and `claims` (looked up after the
+    /// store had forgotten `forgets` times).
     pub(in crate::server) fn new(
         params: ItemHash,
         hashes: Vec<ItemHash>,
         chains: Vec<ItemHash>,
         claims: Claims,
+        forgets: u64,
     ) -> Self {
         Self {
+            forgets,
             params,
             chain_request: chains.last().copied().unwrap_or([0; 32]),
             hashes: Arc::new(hashes),

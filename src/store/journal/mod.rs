@@ -632,6 +632,8 @@ pub(crate) mod tests {
             params: [1; 32],
             response_items: vec![[2; 32]],
             new_items: vec![(item, body)],
+            stored_items: Vec::new(),
+            claimed_at: 0,
             response_id: Some("chatcmpl-1".into()),
             usage: None,
             status: 200,

@@ -45,12 +45,16 @@ impl PostgresBackend {
 pub const WITHHELD: &str = "the answer was withheld: its commit did not finish in time";
 
 /// `rec` as recorded once its answer was withheld: a 503, its response not
-/// one a later request can continue.
+/// one a later request can continue, with every item's body.
 fn withheld(rec: &Record) -> Option<Record> {
     let Record::Exchange(e) = rec else {
         return None;
     };
     let mut e = e.clone();
+    // Written again later, whenever the database answers: by then a
+    // deletion elsewhere may have taken the items it believed stored.
+    let bodies = std::mem::take(&mut e.stored_items);
+    e.new_items.extend(bodies);
     e.status = 503;
     e.partial = true;
     e.error = Some(WITHHELD.into());

@@ -327,6 +327,12 @@ impl Postgres {
         });
     }
 
+    /// How long the writer's commit may take before it gives up (its
+    /// pipeline may still land afterwards: see `backend`).
+    pub fn commit_timeout(&self) -> Duration {
+        self.timeout
+    }
+
     /// A new block of exchange ids, unique across every replica.
     pub fn reserve_ids(&self) -> Result<std::ops::Range<i64>, StoreError> {
         let pool = self.pool.clone();
