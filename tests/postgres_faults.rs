@@ -144,6 +144,12 @@ struct Relay {
 }
 
 impl Relay {
+    /// The database at `url` reached through the relay.
+    fn url_for(&self, url: &str) -> String {
+        let name = url.rsplit('/').next().expect("a database name");
+        format!("postgres://postgres@127.0.0.1:{}/{name}", self.port)
+    }
+
     async fn start(target: u16) -> Relay {
         let listener = within(tokio::net::TcpListener::bind("127.0.0.1:0"))
             .await
@@ -210,8 +216,7 @@ async fn a_stalled_database_refuses_requests_at_once_before_they_go_upstream_the
     let Some(pg) = PgCluster::start() else { return };
     let url = pg.database();
     let relay = Relay::start(pg.port).await;
-    let name = url.rsplit('/').next().expect("a database name").to_string();
-    let via_relay = format!("postgres://postgres@127.0.0.1:{}/{name}", relay.port);
+    let via_relay = relay.url_for(&url);
     let stall_after = Duration::from_millis(500);
     let h = Harness::start_with(|c| {
         c.store.url = via_relay.clone();
@@ -308,8 +313,7 @@ async fn an_answer_whose_commit_timed_out_is_recorded_as_withheld_though_the_com
     let Some(pg) = PgCluster::start() else { return };
     let url = pg.database();
     let relay = Relay::start(pg.port).await;
-    let name = url.rsplit('/').next().expect("a database name").to_string();
-    let via_relay = format!("postgres://postgres@127.0.0.1:{}/{name}", relay.port);
+    let via_relay = relay.url_for(&url);
     let h = Harness::start_with(|c| {
         c.store.url = via_relay.clone();
         // A commit gives up after this and the connect bound (5 s).
@@ -408,8 +412,7 @@ async fn a_record_whose_items_were_pruned_before_it_committed_brings_their_bodie
     let Some(pg) = PgCluster::start() else { return };
     let url = pg.database();
     let relay = Relay::start(pg.port).await;
-    let name = url.rsplit('/').next().expect("a database name").to_string();
-    let via_relay = format!("postgres://postgres@127.0.0.1:{}/{name}", relay.port);
+    let via_relay = relay.url_for(&url);
     let statement_timeout = Duration::from_millis(1_000);
     let h = Harness::start_with(|c| {
         c.store.url = via_relay.clone();
