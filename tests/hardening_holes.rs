@@ -440,12 +440,28 @@ async fn a_request_the_moment_a_stream_crossed_the_trigger_finds_its_compaction(
         .iter()
         .filter(|r| r.starts_with("hard_limit"))
         .collect();
-    assert!(
-        fresh.is_empty(),
-        "{} of {} compactions were fresh hard-limit ones: {fresh:?}",
-        fresh.len(),
-        reasons.len()
-    );
+    if !fresh.is_empty() {
+        // What led there: the exchanges and compactions in time order.
+        let timeline: Vec<String> = support::column(
+            &*h.sql(),
+            "SELECT line FROM (\
+             SELECT started_ms AS t, started_ms || ' exchange ' || id || ' took ' || latency_ms \
+                 || ' ms, input ' || coalesce(input_tokens, -1) || ', sent with ' \
+                 || coalesce(compaction_id, '-') AS line FROM exchanges \
+             UNION ALL \
+             SELECT created_ms AS t, created_ms || ' compaction ' || id || ' of ' \
+                 || coalesce(base_id, '-') || ' (' || reason || ', ' || rung || ', ' \
+                 || tokens_before || ' -> ' || tokens_after || ', covers ' || covered_len \
+                 || ', ' || duration_ms || ' ms)' AS line FROM compactions) AS all_lines \
+             ORDER BY t",
+        );
+        panic!(
+            "{} of {} compactions were fresh hard-limit ones: {fresh:?}\n{}",
+            fresh.len(),
+            reasons.len(),
+            timeline.join("\n")
+        );
+    }
 }
 
 const CODEX_COMPACTION: &str =

@@ -95,6 +95,10 @@ impl Default for Bodies {
     }
 }
 
+/// The background jobs computing, by (tenant, conversation): each told
+/// true when it ends.
+pub(super) type Jobs = HashMap<(String, String), watch::Receiver<bool>>;
+
 /// The registry of stored compactions and running jobs.
 #[derive(Default)]
 pub struct Compactions {
@@ -103,7 +107,11 @@ pub struct Compactions {
     /// The same for observe mode's would-be compactions: found only to
     /// figure what a request would have saved, never applied.
     pub(super) observed: Mutex<HashMap<String, HashMap<ItemHash, Entry>>>,
-    pub(super) jobs: Mutex<HashMap<(String, String), watch::Receiver<bool>>>,
+    pub(super) jobs: Mutex<Jobs>,
+    /// Per (tenant, conversation): the newest exchange that crossed the
+    /// trigger while a job for the conversation ran, with its tokens and
+    /// whether they were estimated. The job looks at it when it ends.
+    pub(super) follow_ups: Mutex<HashMap<(String, String), (super::Input, u64, bool)>>,
     pub(super) backoff: Mutex<HashMap<String, Backoff>>,
     /// When each conversation's newest compaction was stored (Unix ms),
     /// and its id.
@@ -572,6 +580,11 @@ impl Compactions {
             .get(&(tenant.to_string(), conversation.to_string()))
             .filter(|rx| !*rx.borrow())
             .cloned()
+    }
+
+    /// How many background jobs are computing now (any conversation).
+    pub fn jobs_under_way(&self) -> usize {
+        lock(&self.jobs).values().filter(|rx| !*rx.borrow()).count()
     }
 
     /// Number of stored compactions.

@@ -15,67 +15,150 @@ use crate::store::LookUp;
 /// background compaction that the next request will find.
 pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) {
     let cfg = &state.config().compaction;
-    let limits = state.model_limits(&input.model);
-    let d = decide(used, estimated, &limits, cfg.warn_ratio);
-    if !d.compact || !cfg.background || input.no_trigger {
+    if !cfg.background || input.no_trigger {
         return;
     }
     // The client asked the provider to compact: a summary of the proxy's
     // own now would be a second compaction of the same history. Only the
     // hard limit and an upstream "too long" compact it.
     if input.provider_compaction {
-        tracing::debug!(conversation = %input.conversation, "threshold compaction left to the provider the request asks");
+        if crosses(state, &input, used, estimated).is_some() {
+            tracing::debug!(conversation = %input.conversation, "threshold compaction left to the provider the request asks");
+        }
         return;
     }
     let key = (input.tenant.clone(), input.conversation.clone());
-    // A compaction stored after this request left was not applied to it; the
-    // next request will be rewritten and its usage will tell. One the
-    // request waited for and was sent with is no such compaction: the usage
-    // is already its own.
-    if lock(&state.compactions().newest)
-        .get(&key)
-        .is_some_and(|(t, id)| {
-            *t >= input.requested_ms && input.base.as_ref().is_none_or(|b| &b.id != id)
-        })
-    {
+    // The job under way was started by an earlier, shorter request: this
+    // one is decided when it ends, from what it stored (a request sent the
+    // moment the stream before ended gets here while the job of that
+    // stream still runs). Left under the jobs' lock, which the job takes
+    // to end.
+    let under_way = |jobs: &super::index::Jobs, input: Input| {
+        if !jobs.get(&key).is_some_and(|rx| !*rx.borrow()) {
+            return Some(input);
+        }
+        lock(&state.compactions().follow_ups).insert(key.clone(), (input, used, estimated));
+        None
+    };
+    let Some(input) = under_way(&*lock(&state.compactions().jobs), input) else {
         return;
-    }
+    };
+    let Some(input) = needed(state, input, used, estimated) else {
+        return;
+    };
     let mut jobs = lock(&state.compactions().jobs);
-    if jobs.get(&key).is_some_and(|rx| !*rx.borrow()) {
+    let Some(input) = under_way(&*jobs, input) else {
         return;
-    }
-    if state.compactions().backing_off(&input.tenant) {
-        tracing::info!(conversation = %input.conversation, "compaction backed off: earlier compactions were never matched (client rewrites its history)");
+    };
+    if backed_off(state, &input) {
         return;
     }
     let (tx, rx) = watch::channel(false);
     jobs.insert(key.clone(), rx);
     drop(jobs);
     let state = state.clone();
-    let mut input = input;
-    input.reason = format!("threshold: {}", d.reason());
-    input.soft = true;
     tokio::spawn(async move {
-        let tenant = input.tenant.clone();
-        match claim(&state, &input).await {
-            Claimed::Yes => {
-                if let Err(e) = compact(&state, input.clone()).await {
-                    tracing::info!(error = %e, "background compaction produced nothing");
-                    state.compactions().job_failed(&tenant);
-                }
-                release(&state, &input).await;
+        run_job(&state, input).await;
+        follow_ups(&state, &key, &tx).await;
+    });
+}
+
+/// Ends a job: first computes, as part of it, the compaction of an
+/// exchange that crossed the trigger while it ran (requests over the hard
+/// limit wait for all of it), then tells its waiters.
+async fn follow_ups<S: Context>(state: &Arc<S>, key: &(String, String), tx: &watch::Sender<bool>) {
+    loop {
+        let next = {
+            let mut jobs = lock(&state.compactions().jobs);
+            let next = lock(&state.compactions().follow_ups).remove(key);
+            if next.is_none() {
+                let _ = tx.send(true);
+                jobs.remove(key);
             }
-            Claimed::Elsewhere => {
-                tracing::info!(conversation = %input.conversation, "compaction left to the replica that claimed or stored it");
+            next
+        };
+        let Some((next, used, estimated)) = next else {
+            return;
+        };
+        if let Some(next) = needed(state, next, used, estimated).filter(|n| !backed_off(state, n)) {
+            run_job(state, next).await;
+        }
+    }
+}
+
+/// The threshold's reason when `used` tokens cross it.
+fn crosses<S: Context>(
+    state: &Arc<S>,
+    input: &Input,
+    used: u64,
+    estimated: bool,
+) -> Option<String> {
+    let limits = state.model_limits(&input.model);
+    let d = decide(
+        used,
+        estimated,
+        &limits,
+        state.config().compaction.warn_ratio,
+    );
+    d.compact.then(|| format!("threshold: {}", d.reason()))
+}
+
+/// `input` made a background compaction's, if the exchange's `used`
+/// tokens call for one: past the trigger still once the conversation's
+/// newest compaction is counted, when the request was not sent with it.
+fn needed<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) -> Option<Input> {
+    let reason = crosses(state, &input, used, estimated)?;
+    // A compaction stored after this request left was not applied to it;
+    // the next request will be, which sends what it saves fewer. One the
+    // request waited for and was sent with is no such compaction: the
+    // usage is already its own.
+    let key = (input.tenant.clone(), input.conversation.clone());
+    let newer = lock(&state.compactions().newest)
+        .get(&key)
+        .filter(|(t, id)| {
+            *t >= input.requested_ms && input.base.as_ref().is_none_or(|b| &b.id != id)
+        })
+        .map(|(_, id)| id.clone());
+    if let Some(id) = newer {
+        // Unreadable: left to the next request's usage.
+        let c = state.compactions().body(&id)?;
+        let had = input.base.as_ref().map_or(0, |b| b.saved());
+        let next = used.saturating_sub(c.saved().saturating_sub(had));
+        crosses(state, &input, next, true)?;
+    }
+    let mut input = input;
+    input.reason = reason;
+    input.soft = true;
+    Some(input)
+}
+
+/// Whether the tenant's compactions are backed off (two in a row were
+/// never matched: the client rewrites its history); counts this one.
+fn backed_off<S: Context>(state: &Arc<S>, input: &Input) -> bool {
+    let off = state.compactions().backing_off(&input.tenant);
+    if off {
+        tracing::info!(conversation = %input.conversation, "compaction backed off: earlier compactions were never matched (client rewrites its history)");
+    }
+    off
+}
+
+/// One background compaction: claimed (with a shared store), computed,
+/// released.
+async fn run_job<S: Context>(state: &Arc<S>, input: Input) {
+    let tenant = input.tenant.clone();
+    match claim(state, &input).await {
+        Claimed::Yes => {
+            if let Err(e) = compact(state, input.clone()).await {
+                tracing::info!(error = %e, "background compaction produced nothing");
                 state.compactions().job_failed(&tenant);
             }
+            release(state, &input).await;
         }
-        let _ = tx.send(true);
-        let mut jobs = lock(&state.compactions().jobs);
-        if jobs.get(&key).is_some_and(|rx| *rx.borrow()) {
-            jobs.remove(&key);
+        Claimed::Elsewhere => {
+            tracing::info!(conversation = %input.conversation, "compaction left to the replica that claimed or stored it");
+            state.compactions().job_failed(&tenant);
         }
-    });
+    }
 }
 
 /// Schedules the compaction the model asked for (`input.reason`,
@@ -101,11 +184,7 @@ pub fn schedule_agent<S: Context>(state: &Arc<S>, input: Input) -> bool {
             }
             release(&state, &input).await;
         }
-        let _ = tx.send(true);
-        let mut jobs = lock(&state.compactions().jobs);
-        if jobs.get(&key).is_some_and(|rx| *rx.borrow()) {
-            jobs.remove(&key);
-        }
+        follow_ups(&state, &key, &tx).await;
     });
     true
 }
