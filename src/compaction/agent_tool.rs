@@ -88,16 +88,22 @@ pub fn offers(body: &Value, tools: Option<&Value>) -> bool {
     has_tools && !taken && allowed && one_choice && stateless
 }
 
-/// The client's tool definitions with the proxy's added at the end:
-/// `compactor_compact` first (offered on every request of the
-/// conversation, so its place never moves), then `recall` when offered.
+/// The client's tool definitions with the proxy's [`added`] at the end.
 pub fn with_tools(api: Api, tools: &Value, compact: bool, recall: Option<Value>) -> Value {
     let mut list = tools.as_array().cloned().unwrap_or_default();
-    if compact {
-        list.push(definition(api));
-    }
-    list.extend(recall);
+    list.extend(added(api, compact, recall));
     Value::Array(list)
+}
+
+/// The tools the proxy adds after the client's, in their order:
+/// `compactor_compact` first (offered on every request of the
+/// conversation, so its place never moves), then `recall` when offered.
+pub fn added(api: Api, compact: bool, recall: Option<Value>) -> Vec<Value> {
+    compact
+        .then(|| definition(api))
+        .into_iter()
+        .chain(recall)
+        .collect()
 }
 
 /// A call of the tool, its arguments read.

@@ -118,14 +118,11 @@ impl PendingExchange {
             let (cut, follow) = items.covered_span(c.covered_len)?;
             edits.push((cut, c.replacement_json(api, follow)));
         }
-        // As `agent_tool::with_tools` lists them.
-        let added: Vec<Value> = [
-            self.offered.agent_tool.then(|| agent_tool::definition(api)),
+        let added = agent_tool::added(
+            api,
+            self.offered.agent_tool,
             self.offered.recall.then(|| recall::definition(api)),
-        ]
-        .into_iter()
-        .flatten()
-        .collect();
+        );
         if !added.is_empty() {
             edits.push(self.request.tools()?.appended(body, &added)?);
         }
