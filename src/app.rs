@@ -91,9 +91,19 @@ impl AppState {
             let opts = postgres::Options::from_config(&config.store);
             let pg = Postgres::open(&opts)
                 .map_err(|e| anyhow::anyhow!("cannot open the database {shown}: {e}"))?;
+            // A local journal: answers go before their commit.
+            let journal = if config.store.local_journal {
+                let path = config.postgres_journal_path();
+                Some(crate::store::Journal::open(&path).map_err(|e| {
+                    anyhow::anyhow!("cannot open the journal {}: {e}", path.display())
+                })?)
+            } else {
+                None
+            };
             let (store, snapshot) = Store::start_shared(
                 Box::new(PostgresBackend::new(pg.clone())),
                 pg.clone(),
+                journal,
                 crate::conversation::STORE_LIMITS,
             )
             .map_err(|e| anyhow::anyhow!("cannot load the database {shown}: {e}"))?;

@@ -156,6 +156,7 @@ fn journaled(id: i64) -> compactor::store::ExchangeRecord {
         new_items: vec![(hash, item.to_string())],
         stored_items: Vec::new(),
         claimed_at: 0,
+        journaled: false,
         response_id: None,
         usage: None,
         status: 200,

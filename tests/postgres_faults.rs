@@ -193,6 +193,38 @@ async fn pipe(
     }
 }
 
+/// Waits until the proxy says it is ready.
+async fn until_ready(h: &Harness) {
+    within(async {
+        while readyz(h).await != 200 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+}
+
+/// Waits until the count `sql` asks `url` for is at least `n`.
+async fn until_count(url: &str, sql: &str, n: i64) {
+    within(async {
+        while count(url, sql).await < n {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+}
+
+/// A proxy whose store is the database at `url`, reached through `relay`,
+/// its commits giving up after a second (and the connect bound, 5 s).
+async fn proxy_behind(relay: &Relay, url: &str, local_journal: bool) -> Harness {
+    let via_relay = relay.url_for(url);
+    Harness::start_with(|c| {
+        c.store.url = via_relay.clone();
+        c.store.local_journal = local_journal;
+        c.store.statement_timeout_ms = 1_000;
+    })
+    .await
+}
+
 async fn readyz(h: &Harness) -> u16 {
     within(
         support::client()
@@ -288,12 +320,7 @@ async fn a_stalled_database_refuses_requests_at_once_before_they_go_upstream_the
     // and that commit clears the stall.
     relay.pause(false);
     assert_eq!(within(pending).await.expect("the request"), 200);
-    within(async {
-        while readyz(&h).await != 200 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    until_ready(&h).await;
     let (status, _, _) = post(&endpoint, "sk-stall", &body("after")).await;
     assert_eq!(status, 200);
     assert_eq!(
@@ -313,13 +340,7 @@ async fn an_answer_whose_commit_timed_out_is_recorded_as_withheld_though_the_com
     let Some(pg) = PgCluster::start() else { return };
     let url = pg.database();
     let relay = Relay::start(pg.port).await;
-    let via_relay = relay.url_for(&url);
-    let h = Harness::start_with(|c| {
-        c.store.url = via_relay.clone();
-        // A commit gives up after this and the connect bound (5 s).
-        c.store.statement_timeout_ms = 1_000;
-    })
-    .await;
+    let h = proxy_behind(&relay, &url, false).await;
     let endpoint = format!("{}/chat/completions", h.url());
     let body =
         |text: &str| json!({"model": MODEL, "messages": [{"role": "user", "content": text}]});
@@ -348,20 +369,10 @@ async fn an_answer_whose_commit_timed_out_is_recorded_as_withheld_though_the_com
     // (unless the relay dropped it with the connection the proxy gave up
     // on); either way the next batch records the exchange as withheld.
     relay.pause(false);
-    within(async {
-        while readyz(&h).await != 200 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    until_ready(&h).await;
     let (status, _, _) = post(&endpoint, "sk-late", &body("after")).await;
     assert_eq!(status, 200);
-    within(async {
-        while count(&url, "SELECT count(*) FROM exchanges").await < 3 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    until_count(&url, "SELECT count(*) FROM exchanges", 3).await;
     assert_eq!(
         count(&url, "SELECT count(*) FROM exchanges WHERE status = 200").await,
         2,
@@ -373,6 +384,40 @@ async fn an_answer_whose_commit_timed_out_is_recorded_as_withheld_though_the_com
         compactor::store::postgres::WITHHELD
     );
     assert_eq!(count(&url, &withheld).await, 1);
+}
+
+/// With `store.local_journal` an answer whose commit timed out was
+/// answered all the same (it was journaled first): its exchange is written
+/// again until the database takes it, as served, never as withheld.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn with_a_local_journal_a_commit_that_timed_out_is_written_again_as_served() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let relay = Relay::start(pg.port).await;
+    let h = proxy_behind(&relay, &url, true).await;
+    let endpoint = format!("{}/chat/completions", h.url());
+    // One conversation, which the replica has seen whole: its next request
+    // reads nothing of the database.
+    let mut session = Session::default();
+    session.turn(&endpoint, 0).await;
+    relay.pause(true);
+    // Answered once journaled.
+    session.turn(&endpoint, 1).await;
+    // Its commit gives up (a second, and the connect bound) and is tried
+    // again while the database is out of reach.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    relay.pause(false);
+    until_count(&url, "SELECT count(*) FROM exchanges", 2).await;
+    until_ready(&h).await;
+    session.turn(&endpoint, 2).await;
+    within(h.state.store.flush()).await.expect("flush");
+    assert_eq!(
+        count(&url, "SELECT count(*) FROM exchanges WHERE status = 200").await,
+        3,
+        "every answer the client got is recorded as answered"
+    );
+    assert_eq!(count(&url, "SELECT count(*) FROM exchanges").await, 3);
 }
 
 /// One text a query over the database answers.
@@ -476,12 +521,7 @@ async fn a_record_whose_items_were_pruned_before_it_committed_brings_their_bodie
     // The database answers again: the withheld exchange is written with
     // the next batch (another tenant's, sharing none of its items).
     relay.pause(false);
-    within(async {
-        while readyz(&h).await != 200 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    until_ready(&h).await;
     let unrelated = json!({
         "model": MODEL,
         "temperature": 0.5,
@@ -493,16 +533,115 @@ async fn a_record_whose_items_were_pruned_before_it_committed_brings_their_bodie
         "SELECT count(*) FROM exchanges WHERE status = 503 AND error = '{}'",
         compactor::store::postgres::WITHHELD
     );
-    within(async {
-        while count(&url, &withheld).await < 1 {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
+    until_count(&url, &withheld, 1).await;
     assert_eq!(count(&url, "SELECT count(*) FROM exchanges").await, 2);
     assert_eq!(
         count(&url, MISSING_ITEMS).await,
         0,
         "every item an exchange refers to is stored"
     );
+}
+
+/// With `store.local_journal`, an answer goes out once journaled, before
+/// its commit: answers whose commits cannot reach the database (its link
+/// paused) reach their clients all the same, and a `kill -9` of the proxy
+/// then loses none of them: the process started again on the same files
+/// commits them before it serves, and the conversation goes on as one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn with_a_local_journal_answers_go_before_their_commit_and_a_kill_9_loses_none() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let relay = Relay::start(pg.port).await;
+    let fake = within(compactor::fake_upstream::FakeUpstream::start())
+        .await
+        .expect("fake upstream");
+    let dir = tempfile::tempdir().expect("tempdir");
+    let config = dir.path().join("proxy.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[upstream]\nbase_url = \"{}\"\ndiscover_windows = false\n\
+             [store]\nurl = \"{}\"\npath = \"{}\"\nlocal_journal = true\n\
+             stall_after_ms = 60000\nstatement_timeout_ms = 60000\n",
+            fake.url(),
+            relay.url_for(&url),
+            dir.path().join("compactor.db").display(),
+        ),
+    )
+    .expect("write the config");
+    let start = || {
+        let port = support::free_port();
+        let proxy = support::spawn_binary(port, &["--config".as_ref(), config.as_os_str()]);
+        (
+            proxy,
+            format!("http://127.0.0.1:{port}/v1/chat/completions"),
+        )
+    };
+    let mut session = Session::default();
+    let (mut proxy, chat) = start();
+    for i in 0..2 {
+        session.turn(&chat, i).await;
+    }
+    let committed = "SELECT count(*) FROM exchanges WHERE status = 200";
+    until_count(&url, committed, 2).await;
+    // The database out of reach: the answers come all the same.
+    relay.pause(true);
+    let held = Instant::now();
+    for i in 2..5 {
+        session.turn(&chat, i).await;
+    }
+    assert!(
+        held.elapsed() < Duration::from_secs(10),
+        "answered without waiting for the commits: {:?}",
+        held.elapsed()
+    );
+    assert_eq!(
+        count(&url, committed).await,
+        2,
+        "none of them committed yet"
+    );
+    proxy.kill().expect("kill -9");
+    proxy.wait().expect("reaped");
+    relay.pause(false);
+    // Started again: what the journal holds is committed first.
+    let (_proxy, chat) = start();
+    assert_eq!(
+        count(&url, committed).await,
+        5,
+        "every acknowledged exchange is recorded"
+    );
+    session.turn(&chat, 5).await;
+    assert_eq!(
+        session.conversations.len(),
+        1,
+        "one conversation: {:?}",
+        session.conversations
+    );
+}
+
+/// A client's chat session: its history, and the conversations the proxy
+/// said its turns were.
+#[derive(Default)]
+struct Session {
+    history: Vec<Value>,
+    conversations: std::collections::BTreeSet<String>,
+}
+
+impl Session {
+    /// Turn `i` through the proxy at `url`, which must answer it.
+    async fn turn(&mut self, url: &str, i: usize) {
+        let text = format!("step {i}: look at src/m{i}.rs and say what it does");
+        self.history.push(json!({"role": "user", "content": text}));
+        let body = json!({"model": MODEL, "messages": self.history});
+        let (status, headers, body) = post(url, "sk-journal-test-0000000000000000", &body).await;
+        assert_eq!(status, 200, "turn {i}: {}", String::from_utf8_lossy(&body));
+        let v: Value = serde_json::from_slice(&body).expect("a JSON answer");
+        self.history.push(v["choices"][0]["message"].clone());
+        let conversation = headers
+            .get("x-compactor-conversation")
+            .and_then(|h| h.to_str().ok())
+            .unwrap_or_default();
+        self.conversations.insert(conversation.to_string());
+    }
 }

@@ -89,6 +89,7 @@ fn exchange(id: i64, conversation: &str, started_ms: i64) -> ExchangeRecord {
         new_items: vec![(hash, item.to_string())],
         stored_items: Vec::new(),
         claimed_at: 0,
+        journaled: false,
         response_id: Some(format!("resp_{id}")),
         usage: Some(compactor::wire::Usage {
             input_tokens: 120,
@@ -613,6 +614,7 @@ fn a_record_the_database_refuses_fails_alone_and_its_batch_mates_commit() {
     let (store, _) = compactor::store::Store::start_shared(
         Box::new(PostgresBackend::new(pg.clone())),
         pg,
+        None,
         compactor::store::Limits {
             exchanges: 10,
             keys: 10,
@@ -894,3 +896,4 @@ fn a_database_of_the_schema_before_audits_is_migrated() {
     assert_eq!(stored.audit, compaction("cmp_new").audit);
     assert!(stored.audit.is_some());
 }
+

@@ -274,6 +274,14 @@ pub struct StoreConfig {
     /// (`on`: everything; `off`: all but the last moments, for a shorter
     /// commit). A kill of the proxy loses nothing acknowledged either way.
     pub synchronous_commit: String,
+    /// PostgreSQL: each exchange is written to a local journal (files
+    /// beside `path`, named `…-postgres-exchanges`) and its answer
+    /// released before its commit, which follows at once in the
+    /// background. A `kill -9` loses nothing acknowledged if the process
+    /// starts again with the same files (it commits what they hold
+    /// first); other replicas see an exchange once it is committed. Off:
+    /// every answer waits for its commit.
+    pub local_journal: bool,
     /// Conversations last seen longer ago than this many days are deleted
     /// by the running proxy (hourly), with the items nothing else refers
     /// to. None: kept until deleted by hand.
@@ -295,6 +303,7 @@ impl Default for StoreConfig {
             claim_lapse_secs: 120,
             synchronous_commit: "on".into(),
             retain_days: None,
+            local_journal: false,
         }
     }
 }
@@ -505,6 +514,15 @@ impl Config {
         } else {
             PathBuf::from(&self.store.path)
         }
+    }
+
+    /// Where `store.local_journal` keeps a PostgreSQL store's journal: the
+    /// name its files start with, beside the SQLite path (which is not
+    /// used then).
+    pub fn postgres_journal_path(&self) -> PathBuf {
+        let mut name = self.store_path().into_os_string();
+        name.push("-postgres");
+        PathBuf::from(name)
     }
 }
 

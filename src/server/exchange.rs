@@ -479,6 +479,7 @@ impl PendingExchange {
             new_items,
             stored_items,
             claimed_at,
+            journaled: false,
             response_id: outcome.response_id,
             usage: outcome.usage,
             status: outcome.status,

@@ -67,6 +67,10 @@ pub struct ExchangeRecord {
     /// claimed.
     #[serde(skip)]
     pub claimed_at: u64,
+    /// In the journal, its client answered: written however long that
+    /// takes, never recorded as withheld (set by the store).
+    #[serde(skip)]
+    pub journaled: bool,
     /// The upstream's id for the answer (`resp_…`, `chatcmpl-…`).
     pub response_id: Option<String>,
     /// Usage the upstream reported.

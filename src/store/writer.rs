@@ -96,6 +96,21 @@ pub const KNOWN_ITEMS: usize = 1 << 18;
 /// enough that a reader in another process sees it within half a second.
 const IMPORT_DELAY: Duration = Duration::from_millis(500);
 
+/// How often a journaled batch a shared database failed to take is tried
+/// again (with what was journaled since).
+const RETRY_EVERY: Duration = Duration::from_millis(250);
+
+/// How the writer treats journaled exchanges.
+#[derive(Clone, Copy)]
+struct Imports {
+    /// How long one may wait for its import (see [`IMPORT_DELAY`]).
+    delay: Duration,
+    /// A failed import is tried again until it lands (a shared database,
+    /// which may be down for a while), rather than left to the next
+    /// start-up.
+    retry: bool,
+}
+
 impl Store {
     /// Starts the writer thread over `backend` and returns the handle plus
     /// what was loaded. With a journal (opened with the records an earlier
@@ -109,15 +124,25 @@ impl Store {
         Self::start_bounded(backend, journal, limits, MAX_BACKLOG_BYTES)
     }
 
-    /// [`Store::start`] for a store other processes write too: no journal
-    /// (an exchange is committed before its answer is released), exchange
-    /// ids from `db`, and requests refused while `db` is stalled.
+    /// [`Store::start`] for a store other processes write too: exchange ids
+    /// from `db`, and requests refused while `db` is stalled. Without a
+    /// journal an exchange is committed before its answer is released.
+    /// With one (a local file of this process) its answer goes once it is
+    /// journaled; the writer commits at once what was journaled (the
+    /// other replicas see it a commit later), and a commit that failed is
+    /// tried again until it lands, never recorded as withheld.
     pub fn start_shared(
         backend: Box<dyn Backend>,
         db: Arc<dyn SharedDatabase>,
+        journal: Option<(Journal, Vec<ExchangeRecord>)>,
         limits: Limits,
     ) -> Result<(Arc<Store>, Snapshot), StoreError> {
-        let (store, snapshot) = Self::start_bounded(backend, None, limits, MAX_BACKLOG_BYTES)?;
+        let imports = Imports {
+            delay: Duration::ZERO,
+            retry: true,
+        };
+        let (store, snapshot) =
+            Self::start_with(backend, journal, limits, MAX_BACKLOG_BYTES, imports)?;
         let mut store = Arc::into_inner(store).ok_or(StoreError::Closed)?;
         store.ids = Some(SharedIds {
             db,
@@ -129,10 +154,24 @@ impl Store {
     /// [`Store::start`] with the backlog bound given (see
     /// [`MAX_BACKLOG_BYTES`]).
     pub(crate) fn start_bounded(
+        backend: Box<dyn Backend>,
+        journal: Option<(Journal, Vec<ExchangeRecord>)>,
+        limits: Limits,
+        max_backlog: usize,
+    ) -> Result<(Arc<Store>, Snapshot), StoreError> {
+        let imports = Imports {
+            delay: IMPORT_DELAY,
+            retry: false,
+        };
+        Self::start_with(backend, journal, limits, max_backlog, imports)
+    }
+
+    fn start_with(
         mut backend: Box<dyn Backend>,
         journal: Option<(Journal, Vec<ExchangeRecord>)>,
         limits: Limits,
         max_backlog: usize,
+        imports: Imports,
     ) -> Result<(Arc<Store>, Snapshot), StoreError> {
         let journal = match journal {
             Some((journal, leftovers)) => {
@@ -141,7 +180,15 @@ impl Store {
                         records = leftovers.len(),
                         "importing exchanges journaled before the last stop"
                     );
-                    backend.write(&journal::exchanges(leftovers))?;
+                    // On a thread of its own: a backend may block on a
+                    // runtime of its own, which the caller's async context
+                    // (`serve` opens the store there) must not do.
+                    let records = journal::exchanges(leftovers);
+                    std::thread::scope(|s| {
+                        s.spawn(|| backend.write(&records))
+                            .join()
+                            .unwrap_or_else(|_| Err(StoreError::Closed))
+                    })?;
                 }
                 journal.leftovers_imported()?;
                 Some(Arc::new(journal))
@@ -159,7 +206,7 @@ impl Store {
         let forgotten = forgets.clone();
         let writer = std::thread::Builder::new()
             .name("compactor-store".into())
-            .spawn(move || writer_loop(backend, rx, upkeep, drained, observer, forgotten))?
+            .spawn(move || writer_loop(backend, rx, upkeep, drained, observer, forgotten, imports))?
             .thread()
             .clone();
         let store = Store {
@@ -333,7 +380,8 @@ impl Store {
         };
         let tx = self.tx.lock().unwrap_or_else(|p| p.into_inner());
         let mut sent = Ok(());
-        let staged = journal.stage(rec, |seq, rec| {
+        let staged = journal.stage(rec, |seq, mut rec| {
+            rec.journaled = true;
             let size = rec.footprint();
             self.backlog.bytes.fetch_add(size, Ordering::AcqRel);
             sent = tx
@@ -405,11 +453,14 @@ fn writer_loop(
     backlog: Arc<Backlog>,
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
     forgets: Arc<AtomicU64>,
+    imports: Imports,
 ) {
     let mut batch = Pending {
         backlog,
         commits,
         forgets,
+        import_delay: imports.delay,
+        retry: imports.retry,
         ..Pending::default()
     };
     let mut deadline: Option<Instant> = None;
@@ -434,8 +485,8 @@ fn writer_loop(
         let due = deadline.is_some_and(|d| Instant::now() >= d);
         let full = batch.records.len() >= MAX_BATCH;
         if !open || !batch.acks.is_empty() || full || due || deadline.is_none() {
-            batch.commit(&mut *backend, &journal);
-            deadline = None;
+            // A failed import kept for a retry sets the next deadline.
+            deadline = batch.commit(&mut *backend, &journal);
         } else if let Some(d) = deadline {
             std::thread::park_timeout(d.saturating_duration_since(Instant::now()));
         }
@@ -459,6 +510,10 @@ struct Pending {
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
     /// The store's [`Store::forgets`].
     forgets: Arc<AtomicU64>,
+    /// How long a journaled record may wait for its import.
+    import_delay: Duration,
+    /// Journaled records whose import failed are kept and tried again.
+    retry: bool,
 }
 
 impl Pending {
@@ -483,7 +538,8 @@ impl Pending {
                 self.records.push(rec);
                 self.upto = Some(seq);
                 self.bytes += size;
-                deadline.get_or_insert_with(|| Instant::now() + IMPORT_DELAY);
+                let delay = self.import_delay;
+                deadline.get_or_insert_with(|| Instant::now() + delay);
             }
             Cmd::Write(rec, ack) => {
                 self.records.push(rec);
@@ -496,7 +552,13 @@ impl Pending {
         }
     }
 
-    fn commit(&mut self, backend: &mut dyn Backend, journal: &Option<Arc<Journal>>) {
+    /// Commits what is pending; `Some(when)` to try again then what was
+    /// kept (journaled records a shared database failed to take).
+    fn commit(
+        &mut self,
+        backend: &mut dyn Backend,
+        journal: &Option<Arc<Journal>>,
+    ) -> Option<Instant> {
         // One result per record when the batch was refused and its records
         // then went one by one.
         let mut each: Option<Vec<Result<(), Arc<StoreError>>>> = None;
@@ -539,7 +601,24 @@ impl Pending {
                 "the database refused records: not stored"
             );
         }
+        let mut retry = None;
         match (&result, journal, self.upto.take()) {
+            (Err(e), Some(_), upto) if self.retry => {
+                // Their clients were answered: written later, as they are.
+                let journaled: Vec<Record> = self
+                    .records
+                    .drain(..)
+                    .filter(|r| matches!(r, Record::Exchange(e) if e.journaled))
+                    .collect();
+                tracing::error!(
+                    error = %e,
+                    exchanges = journaled.len(),
+                    "store write failed: the journaled exchanges are written again"
+                );
+                self.records = journaled;
+                self.upto = upto;
+                retry = Some(Instant::now() + RETRY_EVERY);
+            }
             (Err(e), _, _) => {
                 tracing::error!(error = %e, records = self.records.len(), "store write failed");
                 if let Some(j) = journal {
@@ -551,12 +630,15 @@ impl Pending {
             (Ok(()), Some(j), Some(seq)) => j.imported(seq),
             _ => {}
         }
-        self.records.clear();
-        self.backlog.release(std::mem::take(&mut self.bytes));
+        if retry.is_none() {
+            self.records.clear();
+            self.backlog.release(std::mem::take(&mut self.bytes));
+        }
         for (at, ack) in self.acks.drain(..) {
             let own = at.zip(each.as_ref()).and_then(|(i, each)| each.get(i));
             ack(own.cloned().unwrap_or_else(|| result.clone()));
         }
+        retry
     }
 }
 

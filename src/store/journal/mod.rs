@@ -634,6 +634,7 @@ pub(crate) mod tests {
             new_items: vec![(item, body)],
             stored_items: Vec::new(),
             claimed_at: 0,
+            journaled: false,
             response_id: Some("chatcmpl-1".into()),
             usage: None,
             status: 200,

@@ -50,6 +50,11 @@ fn withheld(rec: &Record) -> Option<Record> {
     let Record::Exchange(e) = rec else {
         return None;
     };
+    // Its client was answered before the commit: the writer writes it
+    // again as it is (see `Store::start_shared`).
+    if e.journaled {
+        return None;
+    }
     let mut e = e.clone();
     // Written again later, whenever the database answers: by then a
     // deletion elsewhere may have taken the items it believed stored.

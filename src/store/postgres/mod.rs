@@ -7,7 +7,8 @@
 //! runtime, and every call is a future run there and waited for. The
 //! writer thread commits each batch in one transaction: exchanges that end
 //! together share one commit (the group commit), and an exchange's answer
-//! is released only once its commit is done, since there is no journal.
+//! is released only once its commit is done, unless a local journal
+//! (`store.local_journal`) holds it first (see `Store::start_shared`).
 //!
 //! What must be unique across replicas is decided by the database: item
 //! bodies are inserted once (`ON CONFLICT DO NOTHING`), the tenant salt is
