@@ -897,3 +897,70 @@ fn a_database_of_the_schema_before_audits_is_migrated() {
     assert!(stored.audit.is_some());
 }
 
+/// Two replicas committing the same conversations and the same new items
+/// at the same moments, each batch listing them in its own order: the
+/// rows are written in one order whatever the batch's, so one commit waits
+/// for the other instead of the database ending one as a deadlock (which
+/// a replica takes for a database down: its requests refused meanwhile).
+#[test]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+fn replicas_committing_the_same_rows_in_other_orders_never_deadlock() {
+    let Some((_cluster, url, _rt)) = database() else {
+        return;
+    };
+    // The schema first, once.
+    drop(backend(&url));
+    let batch = |replica: i64, round: i64| -> Vec<Record> {
+        let conversations = if replica == 0 {
+            ["c-a", "c-b"]
+        } else {
+            ["c-b", "c-a"]
+        };
+        let shared = [0, 1].map(|k| {
+            let item = json!({"role": "user", "content": format!("round {round}, item {k}")});
+            (compactor::wire::item_hash(&item), item.to_string())
+        });
+        (0..2)
+            .map(|n| {
+                let mut e = exchange(
+                    1_000_000 * (replica + 1) + 2 * round + n,
+                    conversations[n as usize],
+                    round,
+                );
+                e.new_items = if replica == 0 {
+                    shared.to_vec()
+                } else {
+                    shared.iter().rev().cloned().collect()
+                };
+                ex(e)
+            })
+            .collect()
+    };
+    let rounds = 150;
+    let start = std::sync::Arc::new(std::sync::Barrier::new(2));
+    let writers: Vec<_> = (0..2)
+        .map(|replica| {
+            let (url, start) = (url.clone(), start.clone());
+            std::thread::spawn(move || {
+                let (_pg, mut backend) = backend(&url);
+                let mut failed = Vec::new();
+                for round in 0..rounds {
+                    start.wait();
+                    if let Err(e) = backend.write(&batch(replica, round)) {
+                        failed.push(format!("round {round}: {e}"));
+                    }
+                }
+                failed
+            })
+        })
+        .collect();
+    let failed: Vec<String> = writers
+        .into_iter()
+        .flat_map(|w| w.join().expect("a writer"))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "{} commits failed: {failed:?}",
+        failed.len()
+    );
+}

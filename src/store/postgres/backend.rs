@@ -285,8 +285,24 @@ async fn write_pipelined(
     batch: &[Record],
     withheld: &[i64],
 ) -> Result<(), StoreError> {
-    let spans = crate::store::conversation_spans(batch);
+    // Rows another replica's commit may take too (a conversation both
+    // serve, an item both saw first) are written in one order, theirs by
+    // id and by hash: two commits then wait for each other's locks in turn
+    // instead of deadlocking.
+    let mut spans = crate::store::conversation_spans(batch);
+    spans.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    let mut new_items: Vec<&(ItemHash, String)> = batch
+        .iter()
+        .filter_map(|r| match r {
+            Record::Exchange(e) => Some(e.new_items.iter()),
+            _ => None,
+        })
+        .flatten()
+        .collect();
+    new_items.sort_unstable_by_key(|item| item.0);
+    new_items.dedup_by(|a, b| a.0 == b.0);
     let mut items = Items::default();
+    new_items.into_iter().for_each(|item| items.push(item));
     let mut keyed = KeyedConversations::default();
     let mut seen = SeenConversations::default();
     let mut exchanges = Exchanges::default();
@@ -300,10 +316,7 @@ async fn write_pipelined(
     }
     for rec in batch {
         match rec {
-            Record::Exchange(e) => {
-                e.new_items.iter().for_each(|item| items.push(item));
-                exchanges.push(e);
-            }
+            Record::Exchange(e) => exchanges.push(e),
             Record::Compaction(c) => compactions.push(c),
             Record::Window(_) => {}
         }
