@@ -99,6 +99,10 @@ impl Default for Bodies {
 /// true when it ends.
 pub(super) type Jobs = HashMap<(String, String), watch::Receiver<bool>>;
 
+/// An exchange to decide once its conversation's job ends: its input, its
+/// tokens, and whether they were estimated.
+pub(super) type FollowUp = (super::Input, u64, bool);
+
 /// The registry of stored compactions and running jobs.
 #[derive(Default)]
 pub struct Compactions {
@@ -111,7 +115,7 @@ pub struct Compactions {
     /// Per (tenant, conversation): the newest exchange that crossed the
     /// trigger while a job for the conversation ran, with its tokens and
     /// whether they were estimated. The job looks at it when it ends.
-    pub(super) follow_ups: Mutex<HashMap<(String, String), (super::Input, u64, bool)>>,
+    pub(super) follow_ups: Mutex<HashMap<(String, String), FollowUp>>,
     pub(super) backoff: Mutex<HashMap<String, Backoff>>,
     /// When each conversation's newest compaction was stored (Unix ms),
     /// and its id.

@@ -34,20 +34,20 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estim
     // stream still runs). Left under the jobs' lock, which the job takes
     // to end.
     let under_way = |jobs: &super::index::Jobs, input: Input| {
-        if !jobs.get(&key).is_some_and(|rx| !*rx.borrow()) {
+        if jobs.get(&key).is_none_or(|rx| *rx.borrow()) {
             return Some(input);
         }
         lock(&state.compactions().follow_ups).insert(key.clone(), (input, used, estimated));
         None
     };
-    let Some(input) = under_way(&*lock(&state.compactions().jobs), input) else {
+    let Some(input) = under_way(&lock(&state.compactions().jobs), input) else {
         return;
     };
     let Some(input) = needed(state, input, used, estimated) else {
         return;
     };
     let mut jobs = lock(&state.compactions().jobs);
-    let Some(input) = under_way(&*jobs, input) else {
+    let Some(input) = under_way(&jobs, input) else {
         return;
     };
     if backed_off(state, &input) {
