@@ -549,16 +549,26 @@ pub fn spawn_binary_in(
         .spawn()
         .expect("start compactor");
     let stderr = child.stderr.take().expect("stderr");
-    let (tx, rx) = std::sync::mpsc::channel();
+    // Started, or what it printed before it stopped.
+    let (tx, rx) = std::sync::mpsc::channel::<Result<(), Vec<String>>>();
     std::thread::spawn(move || {
+        let mut before = Vec::new();
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
             if line.contains("compactor listening") {
-                let _ = tx.send(());
+                let _ = tx.send(Ok(()));
+                before.clear();
+            } else if before.len() < 50 {
+                before.push(line);
             }
         }
+        let _ = tx.send(Err(before));
     });
     let child = Binary(child);
-    rx.recv_timeout(STEP).expect("compactor started");
+    match rx.recv_timeout(STEP) {
+        Ok(Ok(())) => {}
+        Ok(Err(printed)) => panic!("compactor stopped at start:\n{}", printed.join("\n")),
+        Err(e) => panic!("compactor did not start: {e}"),
+    }
     child
 }
 
