@@ -17,7 +17,16 @@
 //!   run (`initdb`, fsync on), a fresh database per scenario. The `commit`
 //!   column is the mean time of the store's commits, which a PostgreSQL
 //!   exchange's answer waits for. `BENCH_PG_SYNC=off` (or another value
-//!   of `store.synchronous_commit`) sets the proxy sessions' commit mode.
+//!   of `store.synchronous_commit`) sets the proxy sessions' commit mode;
+//!   `BENCH_PG_JOURNAL=1` sets `store.local_journal` (answers released once
+//!   journaled, committed just after).
+//! - `BENCH_REPLICAS=2` (with `BENCH_POSTGRES=1`): the PostgreSQL scenarios
+//!   run a third time with two proxies on one database (rows marked `pg2`),
+//!   each on a runtime of its own, a session's requests going to each in
+//!   turn (so every request's conversation was last served by the other
+//!   replica). Printed beside them: the proxies' and the database's CPU per
+//!   request, the request path's round trips to the database, and the
+//!   model of what two replicas would serve with cores of their own.
 //!
 //! Set-up, per scenario (so each starts from an empty store and the fake
 //! upstream's record of received bodies is freed afterwards):
@@ -76,6 +85,7 @@ struct Opts {
     load_threads: usize,
     filter: Option<String>,
     postgres: bool,
+    replicas: usize,
 }
 
 fn env_usize(name: &str, default: usize) -> usize {
@@ -105,6 +115,7 @@ fn opts() -> Opts {
         load_threads: env_usize("BENCH_LOAD_THREADS", 1),
         filter,
         postgres: std::env::var("BENCH_POSTGRES").is_ok_and(|v| !v.is_empty() && v != "0"),
+        replicas: env_usize("BENCH_REPLICAS", 1).min(4),
     }
 }
 
@@ -514,6 +525,8 @@ struct Session {
     reply: String,
     /// `Same`: the one body (and user message), made on the first request.
     fixed: Option<(Vec<u8>, String)>,
+    /// Requests made so far.
+    sent: usize,
 }
 
 impl Session {
@@ -548,10 +561,19 @@ impl Session {
             conv,
             reply: assistant_reply(shape),
             fixed: None,
+            sent: 0,
         }
     }
 
+    /// Where the next request goes, of `urls` (the replicas): each in
+    /// turn, so that a conversation's next request goes to a replica that
+    /// did not serve the one before.
+    fn url<'a>(&self, urls: &'a [String]) -> &'a str {
+        &urls[(self.seed as usize + self.sent) % urls.len()]
+    }
+
     fn next(&mut self) -> (Vec<u8>, String) {
+        self.sent += 1;
         if self.variant != Variant::Same {
             return self.conv.body(&self.head, &self.tail);
         }
@@ -680,7 +702,7 @@ impl Collected {
 /// = number of sessions). Returns the sessions for the next round.
 async fn burst(
     client: &reqwest::Client,
-    url: &str,
+    urls: &[String],
     sessions: Vec<Session>,
     count: usize,
     stream: bool,
@@ -690,10 +712,11 @@ async fn burst(
     let tasks: Vec<_> = sessions
         .into_iter()
         .map(|mut s| {
-            let (client, url, next) = (client.clone(), url.to_string(), next.clone());
+            let (client, urls, next) = (client.clone(), urls.to_vec(), next.clone());
             tokio::spawn(async move {
                 let mut c = Collected::default();
                 while next.fetch_add(1, Ordering::Relaxed) < count {
+                    let url = s.url(&urls).to_string();
                     let (body, user) = s.next();
                     match send(&client, &url, body, stream).await {
                         Ok(sample) => {
@@ -725,14 +748,71 @@ async fn burst(
 #[allow(dead_code)]
 mod pg_cluster;
 
-struct Rig {
-    load_rt: Runtime,
-    proxy_rt: Runtime,
-    fake: FakeUpstream,
-    state: Option<Arc<AppState>>,
-    proxy_addr: std::net::SocketAddr,
+/// One proxy: its runtime, state and server task.
+struct Replica {
+    rt: Runtime,
+    state: Arc<AppState>,
+    addr: std::net::SocketAddr,
     shutdown: Option<oneshot::Sender<()>>,
     server: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Replica {
+    fn start(o: &Opts, config: Config) -> Replica {
+        // The runtime `compactor serve` runs on (its threads are named
+        // "compactor"), with the bench's number of workers.
+        let rt = server::runtime_builder()
+            .worker_threads(o.proxy_threads)
+            // Idle blocking threads must not exit (and take their CPU
+            // counters with them) while a scenario runs.
+            .thread_keep_alive(Duration::from_secs(600))
+            .build()
+            .expect("proxy runtime");
+        let (state, listener) = rt.block_on(async {
+            let state = AppState::open(config).expect("open proxy state");
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+                .await
+                .expect("bind");
+            (state, listener)
+        });
+        // Blocks until the tokenizer (loaded in the background) is ready, so
+        // its loading does not land in the measurements.
+        state.tokens.count_text("warm up");
+        let addr = listener.local_addr().expect("addr");
+        let (tx, rx) = oneshot::channel::<()>();
+        let server = rt.spawn(server::run(listener, state.clone(), async move {
+            let _ = rx.await;
+        }));
+        Replica {
+            rt,
+            state,
+            addr,
+            shutdown: Some(tx),
+            server: Some(server),
+        }
+    }
+
+    fn stop(mut self) {
+        if let Some(tx) = self.shutdown.take() {
+            let _ = tx.send(());
+        }
+        if let Some(server) = self.server.take() {
+            let _ = self
+                .rt
+                .block_on(async { tokio::time::timeout(Duration::from_secs(5), server).await });
+        }
+        let Replica { rt, state, .. } = self;
+        drop(state);
+        rt.shutdown_timeout(Duration::from_secs(2));
+    }
+}
+
+struct Rig {
+    load_rt: Runtime,
+    fake: FakeUpstream,
+    /// The proxies: one, or with `BENCH_REPLICAS` several on one
+    /// PostgreSQL database.
+    replicas: Vec<Replica>,
     db: PathBuf,
     /// The PostgreSQL database, when the store is there.
     pg_url: Option<String>,
@@ -740,22 +820,13 @@ struct Rig {
 }
 
 impl Rig {
-    fn start(o: &Opts, size: usize, pg_url: Option<String>) -> Rig {
+    fn start(o: &Opts, size: usize, pg_url: Option<String>, replicas: usize) -> Rig {
         let load_rt = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(o.load_threads)
             .thread_name("bench-load")
             .enable_all()
             .build()
             .expect("load runtime");
-        // The runtime `compactor serve` runs on (its threads are named
-        // "compactor"), with the bench's number of workers.
-        let proxy_rt = server::runtime_builder()
-            .worker_threads(o.proxy_threads)
-            // Idle blocking threads must not exit (and take their CPU
-            // counters with them) while a scenario runs.
-            .thread_keep_alive(Duration::from_secs(600))
-            .build()
-            .expect("proxy runtime");
         let fake = load_rt
             .block_on(FakeUpstream::start())
             .expect("fake upstream");
@@ -771,6 +842,8 @@ impl Rig {
         if let Ok(sync) = std::env::var("BENCH_PG_SYNC") {
             config.store.synchronous_commit = sync;
         }
+        config.store.local_journal =
+            std::env::var("BENCH_PG_JOURNAL").is_ok_and(|v| !v.is_empty() && v != "0");
         config.server.shutdown_grace_secs = 1;
         // A window of about 1.2 times the body's tokens (the fake counts a
         // token per 4 bytes): over the trigger, under the hard limit.
@@ -783,46 +856,48 @@ impl Rig {
                 ..Default::default()
             },
         );
-        let (state, listener) = proxy_rt.block_on(async {
-            let state = AppState::open(config).expect("open proxy state");
-            let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-                .await
-                .expect("bind");
-            (state, listener)
-        });
-        // Blocks until the tokenizer (loaded in the background) is ready, so
-        // its loading does not land in the measurements.
-        state.tokens.count_text("warm up");
-        let proxy_addr = listener.local_addr().expect("addr");
-        let (tx, rx) = oneshot::channel::<()>();
-        let server = proxy_rt.spawn(server::run(listener, state.clone(), async move {
-            let _ = rx.await;
-        }));
+        // Several replicas share a store only on PostgreSQL.
+        let n = if pg_url.is_some() { replicas.max(1) } else { 1 };
+        // Each with a path of its own (a PostgreSQL store's local journal
+        // is beside it).
+        let replicas = (0..n)
+            .map(|i| {
+                let mut config = config.clone();
+                if i > 0 {
+                    config.store.path = dir
+                        .path()
+                        .join(format!("bench-{i}.db"))
+                        .display()
+                        .to_string();
+                }
+                Replica::start(o, config)
+            })
+            .collect();
         Rig {
             load_rt,
-            proxy_rt,
             fake,
-            state: Some(state),
-            proxy_addr,
-            shutdown: Some(tx),
-            server: Some(server),
+            replicas,
             db,
             pg_url,
             _dir: dir,
         }
     }
 
-    fn urls(&self, variant: Variant) -> [String; 2] {
+    /// The direct URL, and one per replica.
+    fn urls(&self, variant: Variant) -> (String, Vec<String>) {
         let path = match variant {
             Variant::Hop => "embeddings",
             Variant::Codex => "responses",
             Variant::Messages => "messages",
             _ => "chat/completions",
         };
-        [
+        (
             format!("{}/{path}", self.fake.url()),
-            format!("http://{}/v1/{path}", self.proxy_addr),
-        ]
+            self.replicas
+                .iter()
+                .map(|r| format!("http://{}/v1/{path}", r.addr))
+                .collect(),
+        )
     }
 
     fn exchanges_recorded(&self) -> i64 {
@@ -844,20 +919,13 @@ impl Rig {
             .unwrap_or(-1)
     }
 
-    fn stop(mut self) {
-        if let Some(tx) = self.shutdown.take() {
-            let _ = tx.send(());
-        }
-        if let Some(server) = self.server.take() {
-            let _ = self
-                .proxy_rt
-                .block_on(async { tokio::time::timeout(Duration::from_secs(5), server).await });
-        }
-        self.state = None;
+    fn stop(self) {
         let Rig {
-            load_rt, proxy_rt, ..
+            load_rt, replicas, ..
         } = self;
-        proxy_rt.shutdown_timeout(Duration::from_secs(2));
+        for r in replicas {
+            r.stop();
+        }
         load_rt.shutdown_timeout(Duration::from_secs(2));
     }
 }
@@ -882,6 +950,9 @@ struct Scenario {
     conc: usize,
     /// The store on PostgreSQL rather than SQLite.
     pg: bool,
+    /// Proxies sharing the store (PostgreSQL), the client's requests
+    /// going to each in turn.
+    replicas: usize,
 }
 
 impl Scenario {
@@ -900,7 +971,11 @@ impl Scenario {
             },
             if self.stream { "sse " } else { "json" },
             self.conc
-        ) + if self.pg { " pg" } else { "" }
+        ) + &match (self.pg, self.replicas) {
+            (false, _) => String::new(),
+            (true, 1) => " pg".into(),
+            (true, n) => format!(" pg{n}"),
+        }
     }
 }
 
@@ -959,7 +1034,8 @@ struct Row {
     name: String,
     side: [SideStats; 2],
     recorded: i64,
-    /// Mean time of the store's commits, ms, and how many there were.
+    /// Mean time of the store's commits, ms, and how many there were
+    /// (those after the warm-up).
     commit: (f64, f64),
     /// Seconds waited after warm-up for the proxy's background work.
     settle: f64,
@@ -975,13 +1051,19 @@ struct Row {
     /// CPU ms per request of the load runtime during the direct / the
     /// proxied rounds (c=32 only).
     load_cpu_by_side: [f64; 2],
+    /// CPU ms of the PostgreSQL cluster's processes per proxied request.
+    db_cpu_ms: f64,
+    /// Round trips of the request path's reads per proxied request.
+    db_reads: f64,
     secs: f64,
 }
 
 fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> Row {
     let started = Instant::now();
-    let rig = Rig::start(o, sc.size, pg.filter(|_| sc.pg).map(|c| c.database()));
-    let urls = rig.urls(sc.variant);
+    let pg = pg.filter(|_| sc.pg);
+    let rig = Rig::start(o, sc.size, pg.map(|c| c.database()), sc.replicas);
+    let (direct_url, proxy_urls) = rig.urls(sc.variant);
+    let urls = [vec![direct_url], proxy_urls];
     // Both sides get byte-identical sessions (same seeds).
     let sessions = |n: usize| -> Vec<Session> {
         (0..n)
@@ -992,17 +1074,37 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
     // later: before the measured rounds and after them, what is journaled
     // is imported at once (that of the warm-up is not measured; that of
     // the last rounds is), and the count of exchanges is complete.
-    let store = rig.state.clone();
+    let stores: Vec<Arc<AppState>> = rig.replicas.iter().map(|r| r.state.clone()).collect();
     let flush = || async {
-        if let Some(state) = &store {
+        for state in &stores {
             let _ = state.store.flush().await;
         }
     };
-    let (collected, settle, cpu, machine_busy, load_ns) = rig.load_rt.block_on(async {
+    let pg_reads = || -> u64 {
+        stores
+            .iter()
+            .filter_map(|s| s.postgres.as_ref().map(|pg| pg.reads()))
+            .sum()
+    };
+    let db_cpu = || pg.map_or(0.0, |c| c.cpu_secs());
+    // The commits' total seconds and count so far, over the replicas.
+    let commits = || -> (f64, f64) {
+        stores.iter().fold((0.0, 0.0), |(sum, n), s| {
+            (
+                sum + metric_value(&s.metrics, "compactor_store_commit_seconds_sum"),
+                n + metric_value(&s.metrics, "compactor_store_commit_seconds_count"),
+            )
+        })
+    };
+    let (collected, settle, cpu, machine_busy, load_ns, db, commit) = rig.load_rt.block_on(async {
         let client = client();
         let mut out = [Collected::default(), Collected::default()];
         let mut settle = Duration::ZERO;
         let mut cpu0 = ThreadCpu::default();
+        // The database's CPU seconds and the request path's reads of it;
+        // the commits.
+        let mut db0 = (0.0, 0);
+        let mut commits0 = (0.0, 0.0);
         // (busy, total) ticks of the machine during each side's rounds.
         let mut machine = [(0u64, 0u64); 2];
         // CPU ns of the load runtime during each side's rounds.
@@ -1014,11 +1116,14 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
                     flush().await;
                     settle = quiesce().await;
                     cpu0 = thread_cpu();
+                    db0 = (db_cpu(), pg_reads());
+                    commits0 = commits();
                 }
                 let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
                 for side in order {
+                    let url = s[side].url(&urls[side]).to_string();
                     let (body, user) = s[side].next();
-                    match send(&client, &urls[side], body, sc.stream).await {
+                    match send(&client, &url, body, sc.stream).await {
                         Ok(sample) => {
                             s[side].done(&user);
                             if i >= o.c1_warm {
@@ -1052,6 +1157,8 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
             flush().await;
             settle = quiesce().await;
             cpu0 = thread_cpu();
+            db0 = (db_cpu(), pg_reads());
+            commits0 = commits();
             let per_round = o.cn_n / o.cn_rounds;
             for round in 0..o.cn_rounds {
                 let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
@@ -1074,21 +1181,25 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         flush().await;
         quiesce().await;
         let busy = machine.map(|(busy, total)| busy as f64 / total.max(1) as f64);
-        (out, settle, thread_cpu().minus(&cpu0), busy, load_ns)
+        let db = (db_cpu() - db0.0, pg_reads() - db0.1);
+        let (sum, n) = commits();
+        let (sum, n) = (sum - commits0.0, n - commits0.1);
+        let commit = (sum * 1000.0 / n.max(1.0), n);
+        (
+            out,
+            settle,
+            thread_cpu().minus(&cpu0),
+            busy,
+            load_ns,
+            db,
+            commit,
+        )
     });
     let recorded = rig.exchanges_recorded();
-    let commit = rig
-        .state
-        .as_ref()
-        .map_or((0.0, 0.0), |s| commit_mean(&s.metrics));
     if sc.variant == Variant::Compacted {
         // What the row stands on: a compaction stored per session, and
         // the requests sent compacted.
-        let text = rig
-            .state
-            .as_ref()
-            .map(|s| s.metrics.render(&Default::default()))
-            .unwrap_or_default();
+        let text = rig.replicas[0].state.metrics.render(&Default::default());
         let shown: Vec<&str> = text
             .lines()
             .filter(|l| {
@@ -1133,23 +1244,18 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         load_cpu_ms,
         machine_busy,
         load_cpu_by_side,
+        db_cpu_ms: db.0 * 1000.0 / pn.max(1) as f64,
+        db_reads: db.1 as f64 / pn.max(1) as f64,
         secs: started.elapsed().as_secs_f64(),
     }
 }
 
-/// The mean of `compactor_store_commit_seconds`, ms, and its count.
-fn commit_mean(m: &compactor::metrics::Metrics) -> (f64, f64) {
-    let text = m.render(&Default::default());
-    let value = |name: &str| {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
-            .unwrap_or(0.0)
-    };
-    let (sum, count) = (
-        value("compactor_store_commit_seconds_sum"),
-        value("compactor_store_commit_seconds_count"),
-    );
-    (sum * 1000.0 / count.max(1.0), count)
+/// The value of metric `name` (its first sample, no labels), or 0.
+fn metric_value(m: &compactor::metrics::Metrics, name: &str) -> f64 {
+    m.render(&Default::default())
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse::<f64>().ok())
+        .unwrap_or(0.0)
 }
 
 /// CPU seconds used so far by the proxy's threads (runtime workers, blocking
@@ -1606,6 +1712,75 @@ fn against_the_hop(rows: &[Row]) {
     }
 }
 
+/// The PostgreSQL rows: what each proxied request cost the proxies and the
+/// database, and, where a row ran with one replica and with several, the
+/// model of what the replicas would serve with cores of their own.
+fn on_postgres(rows: &[Row]) {
+    let pg: Vec<&Row> = rows.iter().filter(|r| r.sc.pg).collect();
+    if pg.is_empty() {
+        return;
+    }
+    println!();
+    println!(
+        "PostgreSQL rows, per proxied request: CPU ms of the proxies' threads / of the database's \
+         processes, the request path's round trips to the database, exchanges per commit and the \
+         commit's mean ms:"
+    );
+    for r in &pg {
+        println!(
+            "  {:<23} rps {:>6.0}   cpu proxy {:.3} / db {:.3}   reads {:.2}   {:.1} per commit, {:.2} ms",
+            r.name,
+            r.side[1].rps,
+            r.proxy_cpu_ms,
+            r.db_cpu_ms,
+            r.db_reads,
+            r.side[1].n as f64 / r.commit.1.max(1.0),
+            r.commit.0
+        );
+    }
+    let pairs: Vec<(&Row, &Row)> = pg
+        .iter()
+        .filter(|r| r.sc.replicas == 1 && r.sc.conc > 1)
+        .filter_map(|one| {
+            let many = pg.iter().find(|r| {
+                r.sc.replicas > 1
+                    && (r.sc.size, r.sc.variant, r.sc.stream, r.sc.conc)
+                        == (one.sc.size, one.sc.variant, one.sc.stream, one.sc.conc)
+            })?;
+            Some((*one, *many))
+        })
+        .collect();
+    if pairs.is_empty() {
+        return;
+    }
+    println!(
+        "Replicas, a model (this machine's cores are shared, so it cannot be measured): each replica \
+         on a core of its own serves 1000 / (its CPU ms per request) requests/s, the database \
+         k × 1000 / (its CPU ms per request) on k cores; n replicas serve the least of n times a \
+         replica's rate and the database's, against one replica on the same database:"
+    );
+    for (one, many) in pairs {
+        let n = many.sc.replicas as f64;
+        let parts: Vec<String> = [1.0, 2.0]
+            .iter()
+            .map(|k| {
+                let single = (1000.0 / one.proxy_cpu_ms).min(k * 1000.0 / one.db_cpu_ms);
+                let proxies = n * 1000.0 / many.proxy_cpu_ms;
+                let db = k * 1000.0 / many.db_cpu_ms;
+                format!(
+                    "database on {k} core(s): one {single:.0}/s, {n} replicas min({proxies:.0}, {db:.0}) = {:.2} × one",
+                    proxies.min(db) / single
+                )
+            })
+            .collect();
+        println!(
+            "  {:<20} {}",
+            one.name.trim_end_matches(" pg"),
+            parts.join(";  ")
+        );
+    }
+}
+
 fn status_kb(key: &str) -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
     s.lines()
@@ -1648,16 +1823,22 @@ fn main() {
                     {
                         continue;
                     }
-                    for pg in [false, true] {
-                        if pg && !o.postgres {
-                            continue;
-                        }
+                    // SQLite; PostgreSQL; PostgreSQL with several replicas.
+                    let mut stores = vec![(false, 1)];
+                    if o.postgres {
+                        stores.push((true, 1));
+                    }
+                    if o.postgres && o.replicas > 1 {
+                        stores.push((true, o.replicas));
+                    }
+                    for (pg, replicas) in stores {
                         scenarios.push(Scenario {
                             size,
                             variant,
                             stream,
                             conc,
                             pg,
+                            replicas,
                         });
                     }
                 }
@@ -1762,7 +1943,8 @@ fn main() {
         "(ms; rps = measured requests / wall time of their rounds (c=1: 1 / mean latency); ratio = proxy/direct rps; \
          cpu/req p/l = CPU ms per request of the proxy's threads / of the load runtime (c=32: clients + fake; \
          c=1: fake only); rec = exchanges in the proxy's store, warm-up included; commit = mean ms of the \
-         store's commits / their number (SQLite: the journal's imports; pg: the commits answers wait for))"
+         store's commits after the warm-up / their number (SQLite: the journal's imports; pg: the commits \
+         answers wait for))"
     );
     println!();
     println!(
@@ -1787,6 +1969,7 @@ fn main() {
             parts.join(", ")
         );
     }
+    on_postgres(&rows);
     for r in &rows {
         for (side, s) in ["direct", "proxy"].iter().zip(&r.side) {
             if s.errors > 0 {

@@ -262,6 +262,52 @@ impl PgCluster {
         self.url(&name)
     }
 
+    /// CPU seconds the cluster's processes have used so far: the server,
+    /// its backends and helpers (children that exited count in the
+    /// server's own children's times).
+    pub fn cpu_secs(&self) -> f64 {
+        let pid_file = self.dir.path().join("data").join("postmaster.pid");
+        let Some(server) = std::fs::read_to_string(pid_file)
+            .ok()
+            .and_then(|s| s.lines().next()?.trim().parse::<u32>().ok())
+        else {
+            return 0.0;
+        };
+        let Ok(procs) = std::fs::read_dir("/proc") else {
+            return 0.0;
+        };
+        let mut ticks = 0u64;
+        for entry in procs.flatten() {
+            let Some(pid) = entry
+                .file_name()
+                .to_str()
+                .and_then(|n| n.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+                continue;
+            };
+            // The fields after the parenthesised command name: ppid is the
+            // 2nd, utime, stime, cutime, cstime the 12th to 15th.
+            let Some((_, rest)) = stat.rsplit_once(')') else {
+                continue;
+            };
+            let f: Vec<u64> = rest
+                .split_whitespace()
+                .map(|v| v.parse().unwrap_or(0))
+                .collect();
+            let get = |i: usize| f.get(i).copied().unwrap_or(0);
+            if pid == server {
+                ticks += get(11) + get(12) + get(13) + get(14);
+            } else if get(1) == u64::from(server) {
+                ticks += get(11) + get(12);
+            }
+        }
+        // USER_HZ, 100 on Linux.
+        ticks as f64 / 100.0
+    }
+
     /// The URL of database `name`.
     pub fn url(&self, name: &str) -> String {
         format!("postgres://postgres@127.0.0.1:{}/{name}", self.port)
