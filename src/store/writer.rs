@@ -101,7 +101,7 @@ const IMPORT_DELAY: Duration = Duration::from_millis(500);
 const RETRY_EVERY: Duration = Duration::from_millis(250);
 
 /// How the writer treats journaled exchanges.
-#[derive(Clone, Copy)]
+#[derive(Clone, Copy, Default)]
 struct Imports {
     /// How long one may wait for its import (see [`IMPORT_DELAY`]).
     delay: Duration,
@@ -459,8 +459,7 @@ fn writer_loop(
         backlog,
         commits,
         forgets,
-        import_delay: imports.delay,
-        retry: imports.retry,
+        imports,
         ..Pending::default()
     };
     let mut deadline: Option<Instant> = None;
@@ -510,10 +509,8 @@ struct Pending {
     commits: Arc<std::sync::OnceLock<CommitObserver>>,
     /// The store's [`Store::forgets`].
     forgets: Arc<AtomicU64>,
-    /// How long a journaled record may wait for its import.
-    import_delay: Duration,
-    /// Journaled records whose import failed are kept and tried again.
-    retry: bool,
+    /// How journaled records are imported.
+    imports: Imports,
 }
 
 impl Pending {
@@ -538,7 +535,7 @@ impl Pending {
                 self.records.push(rec);
                 self.upto = Some(seq);
                 self.bytes += size;
-                let delay = self.import_delay;
+                let delay = self.imports.delay;
                 deadline.get_or_insert_with(|| Instant::now() + delay);
             }
             Cmd::Write(rec, ack) => {
@@ -603,7 +600,7 @@ impl Pending {
         }
         let mut retry = None;
         match (&result, journal, self.upto.take()) {
-            (Err(e), Some(_), upto) if self.retry => {
+            (Err(e), Some(_), upto) if self.imports.retry => {
                 // Their clients were answered: written later, as they are.
                 let journaled: Vec<Record> = self
                     .records
