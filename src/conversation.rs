@@ -62,6 +62,10 @@ pub struct Identified {
 struct Hit {
     conversation: String,
     prefix: PrefixRef,
+    /// How many items the chain it is indexed by covers: `prefix.len`,
+    /// or more for an answer as its client sends it back (see
+    /// [`IndexedExchange::chain_echoed`]).
+    covers: usize,
     /// Whether that exchange was answered whole (a request repeating one
     /// that was not is its retry).
     answered: bool,
@@ -180,10 +184,10 @@ impl Inner {
     }
 
     fn index_chain(&mut self, key: ItemHash, hit: Hit) {
-        let len = hit.prefix.len;
+        let len = hit.covers;
         // The same chain again: the same items, so the same length.
         if let Some(old) = self.by_chain.insert(key, hit) {
-            self.uncount(old.prefix.len);
+            self.uncount(old.covers);
         }
         if len < COUNTED_LENGTHS {
             if self.lengths.len() <= len {
@@ -210,7 +214,7 @@ impl Inner {
                     .is_some_and(|h| h.conversation == conversation)
                 {
                     if let Some(old) = self.by_chain.remove(&k) {
-                        self.uncount(old.prefix.len);
+                        self.uncount(old.covers);
                     }
                 }
             }
@@ -349,7 +353,7 @@ impl ConversationIndex {
         let scope = TenantScope::of(tenant);
         let inner = self.lock();
         let hit = inner.hits(&scope, chains).next();
-        let known = hit.map_or(0, |h| h.prefix.len).min(chains.len());
+        let known = hit.map_or(0, |h| h.covers).min(chains.len());
         let from = (self.shared.is_some() && known + 1 < chains.len()).then_some(known);
         (from, hit.map(|h| h.conversation.clone()))
     }
@@ -400,6 +404,7 @@ impl ConversationIndex {
         {
             let h = Hit {
                 conversation: found.conversation,
+                covers: found.prefix.len,
                 prefix: found.prefix,
                 answered: found.answered,
             };
@@ -493,9 +498,14 @@ impl ConversationIndex {
         let scope = TenantScope::of(&ex.tenant);
         let mut inner = self.lock();
         let mut added = Vec::new();
-        for (chain, len, full) in [
-            (ex.chain_request, ex.request_len, false),
-            (ex.chain_full, ex.request_len + ex.response_len, true),
+        let answered = ex.request_len + ex.response_len;
+        // An answer as its client sends it back leads to the request's
+        // prefix: what the record repeats is what the client sent.
+        let echoed = ex.chain_echoed.filter(|_| ex.chain_full.is_some());
+        for (chain, len, full, covers) in [
+            (ex.chain_request, ex.request_len, false, ex.request_len),
+            (ex.chain_full, answered, true, answered),
+            (echoed, ex.request_len, false, answered),
         ] {
             if let (Some(c), true) = (chain, len > 0) {
                 let prefix = PrefixRef {
@@ -506,6 +516,7 @@ impl ConversationIndex {
                 let hit = Hit {
                     conversation: ex.conversation.clone(),
                     prefix,
+                    covers,
                     answered: ex.chain_full.is_some(),
                 };
                 let key = scope.chain(&c);
@@ -602,8 +613,8 @@ mod tests {
         let inner = idx.lock();
         let mut counted = vec![0u32; inner.lengths.len()];
         for hit in inner.by_chain.values() {
-            if hit.prefix.len < COUNTED_LENGTHS {
-                counted[hit.prefix.len] += 1;
+            if hit.covers < COUNTED_LENGTHS {
+                counted[hit.covers] += 1;
             }
         }
         assert_eq!(counted, inner.lengths);
@@ -620,6 +631,7 @@ mod tests {
             chain_full: Some(c[req]),
             response_id: Some(format!("resp_{id}")),
             prefix_exchange: None,
+            chain_echoed: None,
         }
     }
 
@@ -642,6 +654,7 @@ mod tests {
             response_len: usize::from(answer.is_some()),
             chain_request: chains.last().copied(),
             chain_full: full,
+            chain_echoed: None,
             response_id: None,
             prefix_exchange: found.prefix.map(|p| p.exchange),
         });
@@ -814,6 +827,53 @@ mod tests {
         fn shared(&self) -> bool {
             true
         }
+    }
+
+    #[test]
+    fn an_answer_sent_back_as_clients_send_it_continues_without_a_read() {
+        let idx = ConversationIndex::default().shared_with(Arc::new(SharedStore));
+        let answer = json!({"role": "assistant", "content": "1 2 3 4 5", "refusal": null});
+        let back = crate::wire::chat::echoed(&answer).expect("refusal: null is dropped");
+        assert_eq!(back, json!({"role": "assistant", "content": "1 2 3 4 5"}));
+        let (ask, answered, echoed) = (msg("Count to five."), item_hash(&answer), item_hash(&back));
+        let first = idx.identify("t", None, None, &chain_hashes(&[ask]));
+        let mut e = ex(
+            1,
+            &first.conversation,
+            "t",
+            &chain_hashes(&[ask, answered]),
+            1,
+        );
+        e.chain_echoed = Some(chain_hashes(&[ask, echoed])[1]);
+        idx.remember(&e);
+        assert_lengths_agree(&idx);
+        let next = chain_hashes(&[ask, echoed, msg("Now to ten.")]);
+        // Memory knows all but the new item: nothing to ask the store.
+        assert_eq!(
+            idx.to_look_up("t", &next),
+            (None, Some(first.conversation.clone()))
+        );
+        // Matched to the request's prefix, not the answer as recorded: the
+        // record repeats what the client sent.
+        let found = idx.identify("t", None, None, &next);
+        assert_eq!(found.conversation, first.conversation);
+        let request_only = PrefixRef {
+            exchange: 1,
+            len: 1,
+            full: false,
+        };
+        assert_eq!(found.prefix, Some(request_only));
+        // Without the alias, the same request is asked for.
+        let plain = ConversationIndex::default().shared_with(Arc::new(SharedStore));
+        let first = plain.identify("t", None, None, &chain_hashes(&[ask]));
+        plain.remember(&ex(
+            1,
+            &first.conversation,
+            "t",
+            &chain_hashes(&[ask, answered]),
+            1,
+        ));
+        assert_eq!(plain.to_look_up("t", &next).0, Some(1));
     }
 
     #[test]

@@ -168,6 +168,7 @@ fn journaled(id: i64) -> compactor::store::ExchangeRecord {
         ttfb_ms: None,
         chain_request: Some(hash),
         chain_full: None,
+        chain_echoed: None,
         compaction: None,
         window: None,
         client_ids: Default::default(),

@@ -1023,6 +1023,25 @@ async fn a_conversation_new_to_a_replica_is_read_in_one_round_trip_and_then_not_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_session_sending_back_only_the_answers_text_reads_nothing_from_the_replica_that_served_it(
+) {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, _b) = replicas(&url, |_| {}).await;
+    // The fake answers with `"refusal": null`; the client sends back role
+    // and text only, as most do.
+    let mut chat = Chat::new(KEY);
+    let (first, made) = counted_turn(&mut chat, &a, "Read src/lib.rs.").await;
+    assert_eq!(made, 1, "new to the replica: asked once");
+    for text in ["Now src/main.rs.", "And the tests."] {
+        let (turn, made) = counted_turn(&mut chat, &a, text).await;
+        assert_eq!(turn.conversation, first.conversation);
+        assert_eq!(made, 0, "{text}: the previous turn was served here");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
 async fn a_compaction_one_replica_stores_is_announced_to_the_other_which_applies_it() {
     let Some(pg) = PgCluster::start() else { return };
     let url = pg.database();

@@ -105,6 +105,7 @@ fn exchange(id: i64, conversation: &str, started_ms: i64) -> ExchangeRecord {
         ttfb_ms: Some(3.25),
         chain_request: Some([4; 32]),
         chain_full: Some([5; 32]),
+        chain_echoed: None,
         compaction: Some("cmp_applied".into()),
         window: Some(RecordedWindow {
             tokens: 8192,

@@ -495,6 +495,9 @@ impl PendingExchange {
             // Only a complete answer can be continued by the next request.
             chain_full: (complete && !response_hashes.is_empty())
                 .then(|| chain_extend(self.digest.chain_request, &response_hashes)),
+            chain_echoed: complete
+                .then(|| self.chain_echoed(&outcome.response_items, &response_hashes))
+                .flatten(),
             compaction: self.upstream.compaction.as_ref().map(|c| c.id.clone()),
             window: {
                 let (limits, source) = state.model_window(self.request.model());
@@ -513,6 +516,24 @@ impl PendingExchange {
                 .flatten(),
             savings: self.savings(state),
         }
+    }
+
+    /// The chain over the request and the answer as its client sends it
+    /// back, when that differs from the answer ([`Api::echoed`]).
+    ///
+    /// [`Api::echoed`]: crate::wire::Api::echoed
+    fn chain_echoed(&self, items: &[Value], hashes: &[ItemHash]) -> Option<ItemHash> {
+        let api = self.request.api();
+        let echoed: Vec<Option<Value>> = items.iter().map(|i| api.echoed(i)).collect();
+        if echoed.iter().all(Option::is_none) {
+            return None;
+        }
+        let hashes: Vec<ItemHash> = echoed
+            .iter()
+            .zip(hashes)
+            .map(|(e, h)| e.as_ref().map_or(*h, item_hash))
+            .collect();
+        Some(chain_extend(self.digest.chain_request, &hashes))
     }
 
     /// What the compaction applied saved, or the would-be one would have,

@@ -74,6 +74,7 @@ fn indexed(rec: &ExchangeRecord) -> IndexedExchange {
         response_len: rec.response_items.len(),
         chain_request: rec.chain_request,
         chain_full: rec.chain_full,
+        chain_echoed: rec.chain_echoed,
         response_id: rec.response_id.clone(),
         prefix_exchange: rec.prefix.map(|p| p.exchange),
     }

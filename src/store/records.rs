@@ -95,6 +95,10 @@ pub struct ExchangeRecord {
     /// Chain hash over the request items followed by the response items.
     #[serde(with = "hexed::opt")]
     pub chain_full: Option<ItemHash>,
+    /// Chain over the request items and the response items as the client
+    /// is likely to send them back, if that differs: memory's alone.
+    #[serde(skip)]
+    pub chain_echoed: Option<ItemHash>,
     /// The compaction applied to the request, if any.
     pub compaction: Option<String>,
     /// The context window the request was measured against, and where it
@@ -253,6 +257,11 @@ pub struct IndexedExchange {
     pub chain_request: Option<ItemHash>,
     /// Chain over request + response items.
     pub chain_full: Option<ItemHash>,
+    /// Chain over the request items and the response items as a client
+    /// sends them back, when that differs from `chain_full`: memory's
+    /// alone (the store keeps what was answered), so that the next turn of
+    /// a session this process served is known to continue it.
+    pub chain_echoed: Option<ItemHash>,
     /// The upstream's response id.
     pub response_id: Option<String>,
     /// The earlier exchange whose items its request repeats, if any.

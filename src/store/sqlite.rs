@@ -359,6 +359,7 @@ impl SqliteBackend {
                     response_len: r.get::<_, i64>(4)? as usize,
                     chain_request: opt_hash(r.get(5)?),
                     chain_full: opt_hash(r.get(6)?),
+                    chain_echoed: None,
                     response_id: r.get(7)?,
                     prefix_exchange: r.get(8)?,
                 })

@@ -35,6 +35,25 @@ pub fn response_items(body: &Value) -> Vec<Value> {
         .unwrap_or_default()
 }
 
+/// An answer's message as a client usually sends it back: without the
+/// members that say nothing (`"refusal": null`, `"annotations": []`,
+/// `"content": null` beside tool calls) and without `reasoning_content`,
+/// which the servers that return it ask clients not to send. `None` when
+/// the message has none of them (it comes back as it is).
+pub fn echoed(message: &Value) -> Option<Value> {
+    let obj = message.as_object()?;
+    let dropped = |k: &str, v: &Value| {
+        v.is_null() || v.as_array().is_some_and(Vec::is_empty) || k == "reasoning_content"
+    };
+    if !obj.iter().any(|(k, v)| dropped(k, v)) {
+        return None;
+    }
+    let kept = obj.iter().filter(|(k, v)| !dropped(k, v));
+    Some(Value::Object(
+        kept.map(|(k, v)| (k.clone(), v.clone())).collect(),
+    ))
+}
+
 /// Whether a request streams without asking for usage ([`ensure_stream_usage`]
 /// would change it).
 pub fn lacks_stream_usage(body: &Value) -> bool {

@@ -190,6 +190,15 @@ impl Api {
             Api::Messages => messages::response_items(body),
         }
     }
+
+    /// An answer's output item as its client is likely to send it back,
+    /// when that differs from the item: `None` if the same.
+    pub fn echoed(self, item: &Value) -> Option<Value> {
+        match self {
+            Api::Chat => chat::echoed(item),
+            Api::Responses | Api::Messages => None,
+        }
+    }
 }
 
 /// Token usage as the upstream reported it, normalised across both APIs.

@@ -646,6 +646,7 @@ pub(crate) mod tests {
             ttfb_ms: None,
             chain_request: Some([3; 32]),
             chain_full: None,
+            chain_echoed: None,
             compaction: None,
             window: Some(crate::store::RecordedWindow {
                 tokens: 4096,

@@ -168,6 +168,7 @@ async fn load(pool: &Pool, limits: Limits) -> Result<Snapshot, StoreError> {
             response_len: r.get::<_, i32>(4) as usize,
             chain_request: hash_of(r.get(5)),
             chain_full: hash_of(r.get(6)),
+            chain_echoed: None,
             response_id: unescape_opt(r.get(7)),
             prefix_exchange: r.get(8),
         })
