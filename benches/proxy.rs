@@ -20,6 +20,10 @@
 //!   of `store.synchronous_commit`) sets the proxy sessions' commit mode;
 //!   `BENCH_PG_JOURNAL=1` sets `store.local_journal` (answers released once
 //!   journaled, committed just after).
+//! - `BENCH_PG_STATEMENTS=1` (with `BENCH_POSTGRES=1`): the cluster loads
+//!   `pg_stat_statements`, and each PostgreSQL scenario prints the
+//!   statements the database spent most time in during its measured
+//!   requests.
 //! - `BENCH_REPLICAS=2` (with `BENCH_POSTGRES=1`): the PostgreSQL scenarios
 //!   run a third time with two proxies on one database (rows marked `pg2`),
 //!   each on a runtime of its own, a session's requests going to each in
@@ -85,6 +89,7 @@ struct Opts {
     load_threads: usize,
     filter: Option<String>,
     postgres: bool,
+    pg_statements: bool,
     replicas: usize,
 }
 
@@ -115,6 +120,8 @@ fn opts() -> Opts {
         load_threads: env_usize("BENCH_LOAD_THREADS", 1),
         filter,
         postgres: std::env::var("BENCH_POSTGRES").is_ok_and(|v| !v.is_empty() && v != "0"),
+        pg_statements: std::env::var("BENCH_PG_STATEMENTS")
+            .is_ok_and(|v| !v.is_empty() && v != "0"),
         replicas: env_usize("BENCH_REPLICAS", 1).min(4),
     }
 }
@@ -1061,7 +1068,17 @@ struct Row {
 fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> Row {
     let started = Instant::now();
     let pg = pg.filter(|_| sc.pg);
-    let rig = Rig::start(o, sc.size, pg.map(|c| c.database()), sc.replicas);
+    let pg_url = pg.map(|c| c.database());
+    let rig = Rig::start(o, sc.size, pg_url.clone(), sc.replicas);
+    // What the database spends its time in, when asked for.
+    let profiled = pg.zip(pg_url.as_deref()).filter(|_| o.pg_statements);
+    let reset_statements = || {
+        if let Some((c, url)) = profiled {
+            if let Err(e) = c.reset_statements(url) {
+                eprintln!("  pg_stat_statements: {e}");
+            }
+        }
+    };
     let (direct_url, proxy_urls) = rig.urls(sc.variant);
     let urls = [vec![direct_url], proxy_urls];
     // Both sides get byte-identical sessions (same seeds).
@@ -1118,6 +1135,7 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
                     cpu0 = thread_cpu();
                     db0 = (db_cpu(), pg_reads());
                     commits0 = commits();
+                    reset_statements();
                 }
                 let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
                 for side in order {
@@ -1159,6 +1177,7 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
             cpu0 = thread_cpu();
             db0 = (db_cpu(), pg_reads());
             commits0 = commits();
+            reset_statements();
             let per_round = o.cn_n / o.cn_rounds;
             for round in 0..o.cn_rounds {
                 let order = if round % 2 == 0 { [0, 1] } else { [1, 0] };
@@ -1196,6 +1215,12 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         )
     });
     let recorded = rig.exchanges_recorded();
+    if let Some((c, url)) = profiled {
+        match c.statements(url, 8) {
+            Ok(top) => eprintln!("  {}: statements by time\n{top}", sc.name()),
+            Err(e) => eprintln!("  pg_stat_statements: {e}"),
+        }
+    }
     if sc.variant == Variant::Compacted {
         // What the row stands on: a compaction stored per session, and
         // the requests sent compacted.
@@ -1874,7 +1899,7 @@ fn main() {
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
     );
     let cluster = if o.postgres {
-        let c = pg_cluster::PgCluster::start_with(true);
+        let c = pg_cluster::PgCluster::start_profiled(true, o.pg_statements);
         if c.is_none() {
             scenarios.retain(|s| !s.pg);
         }

@@ -21,6 +21,8 @@ pub struct PgCluster {
     /// Whether commits are flushed to disk (off for the tests, which kill
     /// compactor processes, never the cluster's machine).
     fsync: bool,
+    /// Whether `pg_stat_statements` is loaded (see [`PgCluster::statements`]).
+    statements: bool,
     dir: tempfile::TempDir,
     pub port: u16,
     as_user: bool,
@@ -152,7 +154,14 @@ impl PgCluster {
     /// [`PgCluster::start`], with commits flushed to disk if `fsync` (what a
     /// benchmark of the commit latency needs).
     pub fn start_with(fsync: bool) -> Option<PgCluster> {
-        match Self::try_start(fsync) {
+        Self::start_profiled(fsync, false)
+    }
+
+    /// [`PgCluster::start_with`], with `pg_stat_statements` loaded if
+    /// `statements` (what a benchmark that reports the database's time per
+    /// statement needs).
+    pub fn start_profiled(fsync: bool, statements: bool) -> Option<PgCluster> {
+        match Self::try_start(fsync, statements) {
             Ok(c) => Some(c),
             Err(why) if std::env::var("CI").is_ok_and(|v| v == "true") => {
                 panic!("PostgreSQL cannot be started (scripts/test installs it): {why}")
@@ -164,7 +173,7 @@ impl PgCluster {
         }
     }
 
-    fn try_start(fsync: bool) -> Result<PgCluster, String> {
+    fn try_start(fsync: bool, statements: bool) -> Result<PgCluster, String> {
         let bin = bin_dir().ok_or("no initdb (install Debian's postgresql)")?;
         let as_user = is_root();
         if as_user {
@@ -175,6 +184,7 @@ impl PgCluster {
         let cluster = PgCluster {
             bin,
             fsync,
+            statements,
             dir,
             port,
             as_user,
@@ -205,6 +215,11 @@ impl PgCluster {
 
     /// Runs one of PostgreSQL's programs (as the unprivileged user if root).
     fn run(&self, program: &str, args: &[&str]) -> Result<(), String> {
+        self.output(program, args).map(drop)
+    }
+
+    /// [`PgCluster::run`]: what it printed.
+    fn output(&self, program: &str, args: &[&str]) -> Result<String, String> {
         let exe = self.bin.join(program);
         let mut cmd = if self.as_user {
             let mut c = Command::new("runuser");
@@ -218,7 +233,8 @@ impl PgCluster {
             .current_dir(self.dir.path())
             .output()
             .map_err(|e| format!("{program}: {e}"))?;
-        ok(out, program)
+        let printed = String::from_utf8_lossy(&out.stdout).into_owned();
+        ok(out, program).map(|()| printed)
     }
 
     /// Stops the server (as a crash would: no shutdown checkpoint).
@@ -236,10 +252,13 @@ impl PgCluster {
     fn start_server(&self) -> Result<(), String> {
         let (data, port) = (self.data(), self.port);
         let sockets = self.dir.path().display().to_string();
-        let options = format!(
+        let mut options = format!(
             "-p {port} -c listen_addresses=127.0.0.1 -k {sockets} -c fsync={} -c max_connections=200",
             if self.fsync { "on" } else { "off" }
         );
+        if self.statements {
+            options.push_str(" -c shared_preload_libraries=pg_stat_statements");
+        }
         let log = self.dir.path().join("pg.log").display().to_string();
         self.run(
             "pg_ctl",
@@ -306,6 +325,42 @@ impl PgCluster {
         }
         // USER_HZ, 100 on Linux.
         ticks as f64 / 100.0
+    }
+
+    /// Forgets what `pg_stat_statements` counted so far (the cluster must
+    /// be [`PgCluster::start_profiled`] with it).
+    pub fn reset_statements(&self, url: &str) -> Result<(), String> {
+        self.psql(
+            url,
+            "CREATE EXTENSION IF NOT EXISTS pg_stat_statements; SELECT pg_stat_statements_reset()",
+        )
+        .map(drop)
+    }
+
+    /// The `top` statements of the database at `url` by time spent in
+    /// them since [`PgCluster::reset_statements`], one line each: calls,
+    /// total and mean milliseconds, rows, WAL bytes, and the statement's
+    /// start.
+    pub fn statements(&self, url: &str, top: usize) -> Result<String, String> {
+        let sql = format!(
+            "SELECT lpad(calls::text, 7) || lpad(round(total_exec_time)::text, 8) || ' ms'
+                    || lpad(round(mean_exec_time::numeric, 3)::text, 9) || ' ms/call'
+                    || lpad(rows::text, 8) || ' rows' || lpad(wal_bytes::text, 11) || ' WAL B  '
+                    || left(regexp_replace(query, '\\s+', ' ', 'g'), 80)
+             FROM pg_stat_statements
+             WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
+             ORDER BY total_exec_time DESC LIMIT {top}"
+        );
+        self.psql(url, &sql)
+    }
+
+    fn psql(&self, url: &str, sql: &str) -> Result<String, String> {
+        self.output("psql", &["-X", "-q", "-t", "-A", "-d", url, "-c", sql])
+    }
+
+    /// What the server logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("pg.log")).unwrap_or_default()
     }
 
     /// The URL of database `name`.
