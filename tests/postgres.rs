@@ -23,14 +23,7 @@ const MODEL: &str = "tiny-test";
 
 /// One number a query over the database answers.
 async fn count(url: &str, sql: &str) -> i64 {
-    let (client, conn) = within(tokio_postgres::connect(url, tokio_postgres::NoTls))
-        .await
-        .expect("connect to the test database");
-    let driver = tokio::spawn(conn);
-    let n: i64 = within(client.query_one(sql, &[])).await.expect(sql).get(0);
-    drop(client);
-    let _ = within(driver).await;
-    n
+    support::pg_rows(url, sql).await[0].get(0)
 }
 
 /// Two in-process replicas on `url`, sharing one fake upstream.
@@ -1069,4 +1062,68 @@ async fn a_compaction_one_replica_stores_is_announced_to_the_other_which_applies
     assert_eq!(turn.compacted, compacted.compacted);
     let stored = count(&url, "SELECT count(*) FROM compactions").await;
     assert_eq!(stored, 1, "compacted once");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_long_conversation_new_to_a_replica_is_looked_up_by_index_however_big_the_table() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    // Every session of the database logs the plan of each statement it
+    // runs, as it ran it.
+    let name = url.rsplit('/').next().unwrap_or_default();
+    support::pg_execute(
+        &url,
+        &format!(
+            "ALTER DATABASE {name} SET session_preload_libraries = 'auto_explain';
+             ALTER DATABASE {name} SET auto_explain.log_min_duration = 0"
+        ),
+    )
+    .await;
+    let (a, _b) = replicas(&url, |_| {}).await;
+    // The tenant's history: a conversation, and 100 000 exchanges more,
+    // the statistics up to date.
+    let (first, _) = counted_turn(&mut Chat::new(KEY), &a, "Hello.").await;
+    support::pg_execute(
+        &url,
+        &format!(
+            "INSERT INTO conversations (id, tenant, created_ms, last_seen_ms, model)
+                 SELECT 'filler', tenant, 0, 0, 'm' FROM conversations WHERE id = '{}';
+             INSERT INTO exchanges (id, conversation_id, tenant, endpoint, model, suffix_items,
+                                    request_len, params, response_items, status, streamed,
+                                    partial, started_ms, latency_ms, chain_request, chain_full,
+                                    prefix_exchange)
+                 SELECT -g, 'filler', c.tenant, 'chat', 'm', ''::bytea, 2, ''::bytea, ''::bytea,
+                        200, FALSE, FALSE, 0, 1.0, sha256(('r' || g)::bytea),
+                        sha256(('f' || g)::bytea), NULLIF(1 - g, 0)
+                 FROM generate_series(1, 100000) g, conversations c WHERE c.id = 'filler';
+             ANALYZE exchanges",
+            first.conversation
+        ),
+    )
+    .await;
+    // A client that kept its history elsewhere: 400 messages, every one of
+    // whose prefixes the replica asks the database about.
+    let mut chat = Chat::new(KEY);
+    for i in 0..200 {
+        chat.history
+            .push(json!({"role": "user", "content": format!("Step {i}: go on.")}));
+        chat.history
+            .push(json!({"role": "assistant", "content": format!("Done with step {i}.")}));
+    }
+    let logged = pg.log().len();
+    let (_, made) = counted_turn(&mut chat, &a, "Where were we?").await;
+    assert_eq!(made, 1, "new to the replica: asked once");
+    // The plan it was looked up by: probes of the chain indexes, not a walk
+    // of the whole table (by its primary key, or in order) nor a hash of
+    // every row's prefix.
+    let log = pg.log().split_off(logged);
+    let plan = log
+        .split("LOG:  duration:")
+        .find(|entry| entry.contains("chain_request = ANY"))
+        .unwrap_or_else(|| panic!("no look-up's plan logged in {log}"));
+    assert!(plan.contains("exchanges_chain_request"), "{plan}");
+    for whole in ["exchanges_pkey", "Seq Scan on exchanges"] {
+        assert!(!plan.contains(whole), "the look-up reads every row: {plan}");
+    }
 }

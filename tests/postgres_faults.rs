@@ -22,14 +22,7 @@ const MODEL: &str = "tiny-test";
 
 /// One number a query over the database answers.
 async fn count(url: &str, sql: &str) -> i64 {
-    let (client, conn) = within(tokio_postgres::connect(url, tokio_postgres::NoTls))
-        .await
-        .expect("connect to the test database");
-    let driver = tokio::spawn(conn);
-    let n: i64 = within(client.query_one(sql, &[])).await.expect(sql).get(0);
-    drop(client);
-    let _ = within(driver).await;
-    n
+    support::pg_rows(url, sql).await[0].get(0)
 }
 
 /// Chat requests the upstream received.

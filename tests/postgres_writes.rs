@@ -184,19 +184,10 @@ fn ex(rec: ExchangeRecord) -> Record {
 /// One JSON value per row of `sql`, which selects one `jsonb` column as
 /// text.
 fn rows(rt: &tokio::runtime::Runtime, url: &str, sql: &str) -> Vec<Value> {
-    rt.block_on(async {
-        let (client, conn) = within(tokio_postgres::connect(url, tokio_postgres::NoTls))
-            .await
-            .expect("connect to the test database");
-        let driver = tokio::spawn(conn);
-        let found = within(client.query(sql, &[])).await.expect(sql);
-        drop(client);
-        let _ = within(driver).await;
-        found
-            .iter()
-            .map(|r| serde_json::from_str(r.get::<_, &str>(0)).expect("json"))
-            .collect()
-    })
+    rt.block_on(support::pg_rows(url, sql))
+        .iter()
+        .map(|r| serde_json::from_str(r.get::<_, &str>(0)).expect("json"))
+        .collect()
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -869,17 +860,7 @@ fn a_database_of_the_schema_before_audits_is_migrated() {
     old.write(&[Record::Compaction(Box::new(compaction("cmp_old")))])
         .expect("write");
     drop((pg, old));
-    let back = |sql: &str| {
-        rt.block_on(async {
-            let (client, conn) = within(tokio_postgres::connect(&url, tokio_postgres::NoTls))
-                .await
-                .expect("connect to the test database");
-            let driver = tokio::spawn(conn);
-            within(client.batch_execute(sql)).await.expect(sql);
-            drop(client);
-            let _ = within(driver).await;
-        })
-    };
+    let back = |sql: &str| rt.block_on(support::pg_execute(&url, sql));
     back(
         "ALTER TABLE compactions DROP COLUMN audit;
          DROP TRIGGER compactions_announced ON compactions;

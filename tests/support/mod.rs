@@ -38,6 +38,36 @@ pub async fn within<T>(f: impl Future<Output = T>) -> T {
         .expect("test step timed out")
 }
 
+/// A session on the PostgreSQL database at `url`, for a test to look at or
+/// change what the store wrote, and its connection's task.
+async fn pg_session(url: &str) -> (tokio_postgres::Client, tokio::task::JoinHandle<()>) {
+    let (client, conn) = within(tokio_postgres::connect(url, tokio_postgres::NoTls))
+        .await
+        .expect("connect to the test database");
+    let driver = tokio::spawn(async move {
+        let _ = conn.await;
+    });
+    (client, driver)
+}
+
+/// The rows `sql` returns on the PostgreSQL database at `url`.
+pub async fn pg_rows(url: &str, sql: &str) -> Vec<tokio_postgres::Row> {
+    let (client, driver) = pg_session(url).await;
+    let rows = within(client.query(sql, &[])).await.expect(sql);
+    drop(client);
+    let _ = within(driver).await;
+    rows
+}
+
+/// Runs `sql` (statements separated by `;`) on the PostgreSQL database at
+/// `url`.
+pub async fn pg_execute(url: &str, sql: &str) {
+    let (client, driver) = pg_session(url).await;
+    within(client.batch_execute(sql)).await.expect(sql);
+    drop(client);
+    let _ = within(driver).await;
+}
+
 /// The variable that picks the store the tests run on: `postgres`, or
 /// `sqlite` (the default, also when unset).
 pub const STORE_ENV: &str = "COMPACTOR_TEST_STORE";

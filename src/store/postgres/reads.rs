@@ -579,34 +579,51 @@ impl Postgres {
 
 /// The statement of [`crate::store::Reads::look_up`]'s prefix: rows for
 /// [`best_hit`].
+///
+/// `$2` holds a chain per prefix of the request, hundreds for a long
+/// conversation, and reaches the index scans through a sub-select
+/// (`(SELECT $2::bytea[])::bytea[]`, the cast making it an array, not a
+/// subquery, to `ANY`): the planner then cannot count it. Counted, it
+/// expects as many matches as chains, and plans the `LIMIT` as a walk down
+/// the primary key that filters each row, which reads the whole table when
+/// nothing matches (a conversation new to every replica), and hashes every
+/// `prefix_exchange` for the `NOT EXISTS`. Uncounted, it probes the two
+/// chain indexes, at a cost that grows with the chains and not with the
+/// table.
 const BY_CHAIN: &str = "SELECT id, conversation_id, request_len, length(response_items) / 32,
         COALESCE(chain_request = ANY($2), FALSE),
         COALESCE(chain_full = ANY($2), FALSE),
         chain_full IS NOT NULL,
         NOT EXISTS (SELECT 1 FROM exchanges later WHERE later.prefix_exchange = e.id)
  FROM exchanges e
- WHERE tenant = $1 AND (chain_request = ANY($2) OR chain_full = ANY($2))
+ WHERE tenant = $1
+       AND (chain_request = ANY((SELECT $2::bytea[])::bytea[])
+            OR chain_full = ANY((SELECT $2::bytea[])::bytea[]))
  ORDER BY id DESC LIMIT 64";
 
 /// The statement of [`crate::store::Reads::look_up`]'s compaction: the one
-/// covering the most among chains `$2`, or else compaction `$3`, whole.
+/// covering the most among chains `$2`, or else compaction `$3`, whole
+/// (`$2` uncounted by the planner, as in [`BY_CHAIN`]).
 fn covering_whole() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
         format!(
             "SELECT {COMPACTION_COLUMNS} FROM compactions
-             WHERE tenant = $1 AND (covered_chain = ANY($2) AND NOT observed OR id = $3)
+             WHERE tenant = $1
+                   AND (covered_chain = ANY((SELECT $2::bytea[])::bytea[]) AND NOT observed
+                        OR id = $3)
              ORDER BY covered_len DESC, created_ms DESC LIMIT 1"
         )
     })
 }
 
 /// The statement of [`crate::store::Reads::compaction_covering`]: a row for
-/// [`stored_compaction`].
+/// [`stored_compaction`] (`$2` uncounted by the planner, as in
+/// [`BY_CHAIN`]).
 const COVERING: &str = "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms,
         observed
  FROM compactions
- WHERE tenant = $1 AND covered_chain = ANY($2) AND NOT observed
+ WHERE tenant = $1 AND covered_chain = ANY((SELECT $2::bytea[])::bytea[]) AND NOT observed
  ORDER BY covered_len DESC, created_ms DESC LIMIT 1";
 
 /// The lookups of [`Postgres::look_up`] that are asked, sent together.
