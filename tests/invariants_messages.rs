@@ -238,6 +238,67 @@ fn check(items: &[Value], c: &Compaction) -> Result<Vec<Value>, TestCaseError> {
     Ok(sent)
 }
 
+/// Plays `rounds` (turns added, the last call of a round maybe left
+/// waiting), compacting after each round as the engine would, and checks
+/// every compacted request.
+fn play(rounds: Vec<(Vec<Turn>, bool)>) -> Result<(), TestCaseError> {
+    let p = params();
+    let mut g = Gen { next_id: 0 };
+    let mut items: Vec<Value> = Vec::new();
+    // What the API received last: the model's next blocks are bound to it.
+    let mut sent: Vec<Value> = Vec::new();
+    let mut base: Option<Arc<Compaction>> = None;
+    for (turns, cut_short) in rounds {
+        // A call left waiting last round is answered first.
+        let pending: Vec<String> = items
+            .last()
+            .map(|m| {
+                messages::tool_use_ids(m)
+                    .into_iter()
+                    .map(String::from)
+                    .collect()
+            })
+            .unwrap_or_default();
+        if !pending.is_empty() {
+            let results: Vec<Value> = pending
+                .iter()
+                .map(|id| json!({"type": "tool_result", "tool_use_id": id, "content": "late"}))
+                .collect();
+            let m = json!({"role": "user", "content": results});
+            items.push(m.clone());
+            sent.push(m);
+        }
+        for (k, t) in turns.iter().enumerate() {
+            g.push_turn(&mut items, &mut sent, t, cut_short && k + 1 == turns.len());
+        }
+        let chains = chain_hashes(&items.iter().map(item_hash).collect::<Vec<_>>());
+        if let Some(b) = &base {
+            let by_chain: HashMap<ItemHash, Arc<Compaction>> =
+                [(b.covered_chain, b.clone())].into();
+            prop_assert!(
+                rewrite::find(&chains, &by_chain).is_some(),
+                "extended request no longer matches"
+            );
+        }
+        let applied = match compact(&items, base.as_ref(), &p) {
+            Some(c) => {
+                if let Some(b) = &base {
+                    prop_assert!(c.covered_len >= b.covered_len);
+                }
+                Some(Arc::new(c))
+            }
+            None => base.clone(),
+        };
+        if let Some(c) = &applied {
+            // The API saw the compacted request: what the model writes
+            // next is bound to it.
+            sent = check(&items, c)?;
+        }
+        base = applied;
+    }
+    Ok(())
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, ..ProptestConfig::default() })]
 
@@ -245,51 +306,38 @@ proptest! {
     fn a_compacted_messages_request_is_one_the_api_accepts_again_and_again(
         rounds in prop::collection::vec((prop::collection::vec(turn(), 1..5), any::<bool>()), 1..6),
     ) {
-        let p = params();
-        let mut g = Gen { next_id: 0 };
-        let mut items: Vec<Value> = Vec::new();
-        // What the API received last: the model's next blocks are bound to it.
-        let mut sent: Vec<Value> = Vec::new();
-        let mut base: Option<Arc<Compaction>> = None;
-        for (turns, cut_short) in rounds {
-            // A call left waiting last round is answered first.
-            let pending: Vec<String> = items
-                .last()
-                .map(|m| messages::tool_use_ids(m).into_iter().map(String::from).collect())
-                .unwrap_or_default();
-            if !pending.is_empty() {
-                let results: Vec<Value> = pending
-                    .iter()
-                    .map(|id| json!({"type": "tool_result", "tool_use_id": id, "content": "late"}))
-                    .collect();
-                let m = json!({"role": "user", "content": results});
-                items.push(m.clone());
-                sent.push(m);
-            }
-            for (k, t) in turns.iter().enumerate() {
-                g.push_turn(&mut items, &mut sent, t, cut_short && k + 1 == turns.len());
-            }
-            let chains = chain_hashes(&items.iter().map(item_hash).collect::<Vec<_>>());
-            if let Some(b) = &base {
-                let by_chain: HashMap<ItemHash, Arc<Compaction>> = [(b.covered_chain, b.clone())].into();
-                prop_assert!(rewrite::find(&chains, &by_chain).is_some(), "extended request no longer matches");
-            }
-            let applied = match compact(&items, base.as_ref(), &p) {
-                Some(c) => {
-                    if let Some(b) = &base {
-                        prop_assert!(c.covered_len >= b.covered_len);
-                    }
-                    Some(Arc::new(c))
-                }
-                None => base.clone(),
-            };
-            if let Some(c) = &applied {
-                // The API saw the compacted request: what the model writes
-                // next is bound to it.
-                sent = check(&items, c)?;
-            }
-            base = applied;
-        }
+        play(rounds)?;
+    }
+}
+
+/// A case the generator found: a compaction that saved fewer tokens than
+/// finishing its replacement for the wire adds (the opening user message,
+/// the summary's text block, a breakpoint) must be discarded, not sent
+/// larger than the client's request.
+#[test]
+fn a_compaction_that_finishing_would_make_larger_is_not_applied() {
+    let turn = |user_len, system_after, steps| Turn {
+        user_len,
+        system_after,
+        steps,
+    };
+    let rounds = vec![(
+        vec![
+            turn(213, false, vec![Step::Text(1), Step::Tools(vec![34])]),
+            turn(
+                1,
+                true,
+                vec![
+                    Step::Text(24),
+                    Step::Text(168),
+                    Step::Tools(vec![3744, 19971]),
+                ],
+            ),
+        ],
+        false,
+    )];
+    if let Err(e) = play(rounds) {
+        panic!("{e}");
     }
 }
 

@@ -462,15 +462,19 @@ async fn compute<S: Context>(
             )
         }
     };
-    let after = applied.after;
-    if after >= prepared.before || after > limit {
-        let err = CompactError::NoShrink {
-            before: prepared.before,
-            after,
-        };
+    // The circuit breaker: a compaction that does not shrink the request
+    // below what the client sent (and under the limit) is not applied.
+    let before = prepared.before;
+    let breaker = |after: u64| {
+        if after < before && after <= limit {
+            return Ok(());
+        }
+        let err = CompactError::NoShrink { before, after };
         tracing::warn!(conversation = %input.conversation, rung = rung.as_str(), limit, error = %err, "compaction discarded");
-        return Err(err);
-    }
+        Err(err)
+    };
+    let after = applied.after;
+    breaker(after)?;
     let kept_users = applied.kept_users;
     let mut prepared = prepared;
     prepared.covered_len = applied.covered_len;
@@ -513,7 +517,7 @@ async fn compute<S: Context>(
     // A cheap rung over an earlier summary restores facts into that
     // summary's message, which stays the earlier compaction's text.
     let summary_text = summary_text.map(|t| audited.summary.unwrap_or(t));
-    let replacement = match input.api {
+    let (replacement, after) = match input.api {
         // A valid start of a Messages request (see `wire::messages`).
         // A provider compaction block and what precedes it go as sent; the
         // provider's own window is one already, its kept turns as they came.
@@ -523,13 +527,21 @@ async fn compute<S: Context>(
                 0 => 0,
                 _ => prepared.lead,
             };
-            crate::wire::messages::finish_replacement_after(
+            let raw: u64 = audited.replacement.iter().map(&count).sum();
+            let finished = crate::wire::messages::finish_replacement_after(
                 audited.replacement,
                 keep,
                 crate::compaction::items::is_summary,
-            )
+            );
+            // Finishing adds a little (an opening user message, the
+            // summary's text block, a breakpoint): the breaker judges
+            // what is sent.
+            let sent: u64 = finished.iter().map(&count).sum();
+            let after = (after + sent).saturating_sub(raw);
+            breaker(after)?;
+            (finished, after)
         }
-        _ => audited.replacement,
+        _ => (audited.replacement, after),
     };
     let covered_chain = input.chains[prepared.covered_len - 1];
     let items_kept = prepared.lead + kept_users + tail_len;

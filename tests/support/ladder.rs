@@ -58,8 +58,13 @@ pub fn compact(
             (Rung::Fallback, rep, after)
         }
     };
+    // The engine's circuit breaker judges the replacement as finished for
+    // the wire, and discards what does not shrink.
+    let raw: u64 = replacement.iter().map(count).sum();
+    let replacement = finish(replacement);
+    let after = (after + replacement.iter().map(count).sum::<u64>()).saturating_sub(raw);
     if after >= prep.before {
-        return None; // the engine's circuit breaker discards it
+        return None;
     }
     let chains = chain_hashes(&items.iter().map(item_hash).collect::<Vec<_>>());
     Some(Compaction {
@@ -68,7 +73,7 @@ pub fn compact(
         conversation: "c".into(),
         covered_len: prep.covered_len,
         covered_chain: chains[prep.covered_len - 1],
-        replacement: finish(replacement),
+        replacement,
         rung,
         reason: "test".into(),
         tokens_before: prep.before,
