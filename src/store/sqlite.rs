@@ -95,9 +95,11 @@ CREATE TABLE IF NOT EXISTS exchanges (
     recall_input_tokens INTEGER NOT NULL DEFAULT 0,
     recall_output_tokens INTEGER NOT NULL DEFAULT 0
 );
-CREATE INDEX IF NOT EXISTS exchanges_conversation ON exchanges (conversation_id, id);
 -- A conversation's timeline, as the views read it (by time: a shared
--- store's ids interleave across replicas, and the views are written once).
+-- store's ids interleave across replicas, and the views are written once);
+-- every query of a conversation's exchanges uses it. (An index by
+-- (conversation_id, id) that only cost every insert is dropped.)
+DROP INDEX IF EXISTS exchanges_conversation;
 CREATE INDEX IF NOT EXISTS exchanges_timeline ON exchanges (conversation_id, started_ms, id);
 -- A compaction replaces the first covered_len items whose chain hash is
 -- covered_chain with `replacement` (a JSON array, sent byte-identically).
