@@ -154,7 +154,7 @@ fn journaled(id: i64) -> compactor::store::ExchangeRecord {
         params: [1; 32],
         response_items: Vec::new(),
         new_items: vec![(hash, item.to_string())],
-        stored_items: Vec::new(),
+        stored_items: Default::default(),
         claimed_at: 0,
         journaled: false,
         response_id: None,

@@ -87,7 +87,7 @@ fn exchange(id: i64, conversation: &str, started_ms: i64) -> ExchangeRecord {
         params: [1; 32],
         response_items: vec![[3; 32]],
         new_items: vec![(hash, item.to_string())],
-        stored_items: Vec::new(),
+        stored_items: Default::default(),
         claimed_at: 0,
         journaled: false,
         response_id: Some(format!("resp_{id}")),

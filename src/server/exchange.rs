@@ -23,7 +23,7 @@ use crate::conversation::Identified;
 use crate::engine::{self, Input};
 use crate::error::ProxyError;
 use crate::store::{
-    bounded_text, ExchangeRecord, ExchangeSavings, RecordedWindow, MAX_PREVIEW_CHARS,
+    bounded_text, ExchangeRecord, ExchangeSavings, LeftOut, RecordedWindow, MAX_PREVIEW_CHARS,
 };
 use crate::wire::items::{ItemList, Tools};
 use crate::wire::{chain_extend, item_hash, messages, Api, ItemHash, Usage};
@@ -75,6 +75,14 @@ pub struct Outcome {
     pub partial: bool,
     /// Time to upstream's response headers, ms.
     pub ttfb_ms: Option<f64>,
+}
+
+/// The stored form of a request's parameters: its body with the tools put
+/// back (everything but the items).
+fn params_json(body: &Value, tools: Option<&Tools>) -> String {
+    let mut params = body.clone();
+    Tools::restore(tools, &mut params);
+    params.to_string()
 }
 
 impl PendingExchange {
@@ -411,7 +419,6 @@ impl PendingExchange {
         // A store other processes write keeps the bodies the record leaves
         // out until it commits: a deletion elsewhere may take them first.
         let shared = state.store.is_shared();
-        let mut stored_items = Vec::new();
         // The items of the prefix an earlier exchange stands for were
         // claimed when that exchange was recorded, and so were those a
         // recorded recent request had too.
@@ -426,7 +433,8 @@ impl PendingExchange {
         let known = self.digest.claims.known();
         let before = suffix_from..known.start.clamp(suffix_from, len);
         let after = known.end.clamp(suffix_from, len)..len;
-        let body = |at: usize| (self.digest.hashes[at], self.request.items().json(at));
+        let list = self.request.items();
+        let body = |at: usize| (self.digest.hashes[at], list.json(at));
         // Which of the items were claimed now (kept track of when shared).
         let mut fresh = vec![false; if shared { len } else { 0 }];
         for range in [before, after] {
@@ -437,31 +445,46 @@ impl PendingExchange {
                 new_items.push(body(range.start + j));
             }
         }
-        if shared {
-            stored_items.extend((suffix_from..len).filter(|&at| !fresh[at]).map(body));
-        }
         self.digest.claims.all_claimed();
         // The body holds everything but the items: model, tools, sampling.
         let params_hash = self.digest.params;
         let params_fresh = state.store.claim_item(&params_hash);
-        if params_fresh || shared {
-            let mut params = self.request.body().clone();
-            Tools::restore(self.request.tools(), &mut params);
-            let to = if params_fresh {
-                &mut new_items
-            } else {
-                &mut stored_items
-            };
-            to.push((params_hash, params.to_string()));
+        if params_fresh {
+            new_items.push((
+                params_hash,
+                params_json(self.request.body(), self.request.tools()),
+            ));
         }
         let response_hashes: Vec<ItemHash> = outcome.response_items.iter().map(item_hash).collect();
+        let mut responses_left_out = Vec::new();
         for (h, item) in response_hashes.iter().zip(&outcome.response_items) {
             if state.store.claim_item(h) {
                 new_items.push((*h, item.to_string()));
             } else if shared {
-                stored_items.push((*h, item.to_string()));
+                responses_left_out.push((*h, item.clone()));
             }
         }
+        // What a shared store's record leaves out, made only if sent.
+        let stored_items = if shared {
+            let list = list.clone();
+            let left_out: Vec<(usize, ItemHash)> = (suffix_from..len)
+                .filter(|&at| !fresh[at])
+                .map(|at| (at, self.digest.hashes[at]))
+                .collect();
+            let params = (!params_fresh)
+                .then(|| (self.request.body().clone(), self.request.tools().cloned()));
+            LeftOut::new(move || {
+                let mut bodies: Vec<(ItemHash, String)> =
+                    left_out.iter().map(|&(at, h)| (h, list.json(at))).collect();
+                if let Some((body, tools)) = &params {
+                    bodies.push((params_hash, params_json(body, tools.as_ref())));
+                }
+                bodies.extend(responses_left_out.iter().map(|(h, v)| (*h, v.to_string())));
+                bodies
+            })
+        } else {
+            LeftOut::default()
+        };
         let complete = !outcome.partial && (200..300).contains(&outcome.status);
         ExchangeRecord {
             id: self.conversation.id,

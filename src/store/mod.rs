@@ -39,8 +39,8 @@ use std::sync::Arc;
 pub use journal::Journal;
 pub use records::{
     bounded_text, AttemptRecord, ChainHit, ClientIds, ExchangeRecord, ExchangeSavings,
-    IndexedExchange, Limits, PrefixRef, Record, RecordedWindow, Snapshot, StoredCompaction,
-    MAX_CLIENT_CHARS, MAX_CLIENT_ID_CHARS, MAX_PREVIEW_CHARS,
+    IndexedExchange, LeftOut, Limits, PrefixRef, Record, RecordedWindow, Snapshot,
+    StoredCompaction, MAX_CLIENT_CHARS, MAX_CLIENT_ID_CHARS, MAX_PREVIEW_CHARS,
 };
 pub use traits::{Backend, Found, LookUp, Queries, ReadFuture, Reads};
 pub use writer::{CommitObserver, SharedDatabase, Store, KNOWN_ITEMS};

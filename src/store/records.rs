@@ -2,6 +2,8 @@
 //! on them), compactions as the registry keeps them, the start-up snapshot
 //! and its limits, and the shared store's chain hits and attempts.
 
+use std::sync::Arc;
+
 use serde::{Deserialize, Serialize};
 
 use crate::compaction::Compaction;
@@ -19,6 +21,37 @@ pub struct PrefixRef {
     pub len: usize,
     /// Whether the shared part includes that exchange's response items.
     pub full: bool,
+}
+
+/// The bodies of items a record leaves out because they are believed
+/// stored, made only if they must be sent after all (seldom: a deletion
+/// elsewhere, or a commit that timed out), so a record of a shared store
+/// costs no copy of what it does not send.
+#[derive(Clone, Default)]
+pub struct LeftOut(Option<Arc<BodiesFn>>);
+
+type BodiesFn = dyn Fn() -> Vec<(ItemHash, String)> + Send + Sync;
+
+impl LeftOut {
+    /// Bodies `make` makes when asked.
+    pub fn new(make: impl Fn() -> Vec<(ItemHash, String)> + Send + Sync + 'static) -> Self {
+        LeftOut(Some(Arc::new(make)))
+    }
+
+    /// The bodies made now, for sending (none once taken).
+    pub fn take(&mut self) -> Vec<(ItemHash, String)> {
+        self.0.take().map(|make| make()).unwrap_or_default()
+    }
+}
+
+impl std::fmt::Debug for LeftOut {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(if self.0.is_some() {
+            "LeftOut(..)"
+        } else {
+            "LeftOut(none)"
+        })
+    }
 }
 
 /// One request/response pair, as recorded. In the journal its JSON leaves
@@ -62,7 +95,7 @@ pub struct ExchangeRecord {
     ///
     /// [`Store::forgets`]: super::Store::forgets
     #[serde(skip)]
-    pub stored_items: Vec<(ItemHash, String)>,
+    pub stored_items: LeftOut,
     /// [`Store::forgets`](super::Store::forgets) when its items were
     /// claimed.
     #[serde(skip)]

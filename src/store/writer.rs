@@ -520,8 +520,8 @@ impl Pending {
         let now = self.forgets.load(Ordering::Acquire);
         for rec in &mut self.records {
             if let Record::Exchange(e) = rec {
-                if e.claimed_at != now && !e.stored_items.is_empty() {
-                    let bodies = std::mem::take(&mut e.stored_items);
+                if e.claimed_at != now {
+                    let bodies = e.stored_items.take();
                     e.new_items.extend(bodies);
                 }
             }
@@ -692,5 +692,54 @@ impl ExchangeRecord {
             + self.preview.as_ref().map_or(0, String::len)
             + self.client.as_ref().map_or(0, String::len);
         std::mem::size_of::<Self>() + texts + hashes + strings
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::journal::tests::record;
+    use crate::store::LeftOut;
+
+    /// A record claimed before the items believed stored were last
+    /// forgotten goes with the bodies it left out, made then; one claimed
+    /// since goes without, and its bodies are never made.
+    #[test]
+    fn only_a_record_claimed_before_the_last_forget_makes_the_bodies_it_left_out() {
+        let made = Arc::new(AtomicUsize::new(0));
+        let left_out = |hash: ItemHash| {
+            let made = made.clone();
+            LeftOut::new(move || {
+                made.fetch_add(1, Ordering::Relaxed);
+                vec![(
+                    hash,
+                    "{\"role\":\"user\",\"content\":\"stored\"}".to_string(),
+                )]
+            })
+        };
+        let mut batch = Pending::default();
+        batch.forgets.store(1, Ordering::Release);
+        let mut stale = record(1);
+        stale.claimed_at = 0;
+        stale.stored_items = left_out([7; 32]);
+        let mut current = record(2);
+        current.claimed_at = 1;
+        current.stored_items = left_out([8; 32]);
+        batch.records = vec![
+            Record::Exchange(Box::new(stale)),
+            Record::Exchange(Box::new(current)),
+        ];
+        batch.send_forgotten_bodies();
+        let sent = |i: usize| match &batch.records[i] {
+            Record::Exchange(e) => e.new_items.iter().map(|(h, _)| *h).collect::<Vec<_>>(),
+            _ => unreachable!(),
+        };
+        assert!(sent(0).contains(&[7; 32]), "the stale record sends it");
+        assert!(!sent(1).contains(&[8; 32]), "the current one does not");
+        assert_eq!(
+            made.load(Ordering::Relaxed),
+            1,
+            "made once, for the stale one"
+        );
     }
 }

@@ -632,7 +632,7 @@ pub(crate) mod tests {
             params: [1; 32],
             response_items: vec![[2; 32]],
             new_items: vec![(item, body)],
-            stored_items: Vec::new(),
+            stored_items: Default::default(),
             claimed_at: 0,
             journaled: false,
             response_id: Some("chatcmpl-1".into()),

@@ -58,7 +58,7 @@ fn withheld(rec: &Record) -> Option<Record> {
     let mut e = e.clone();
     // Written again later, whenever the database answers: by then a
     // deletion elsewhere may have taken the items it believed stored.
-    let bodies = std::mem::take(&mut e.stored_items);
+    let bodies = e.stored_items.take();
     e.new_items.extend(bodies);
     e.status = 503;
     e.partial = true;
