@@ -1081,49 +1081,64 @@ async fn a_long_conversation_new_to_a_replica_is_looked_up_by_index_however_big_
     )
     .await;
     let (a, _b) = replicas(&url, |_| {}).await;
-    // The tenant's history: a conversation, and 100 000 exchanges more,
-    // the statistics up to date.
+    // The tenant's history: a conversation, and 2 000 exchanges more, then
+    // 100 000, the statistics up to date each time (a small table tempts
+    // the planner to hash every row's prefix; a big one, to walk them).
     let (first, _) = counted_turn(&mut Chat::new(KEY), &a, "Hello.").await;
     support::pg_execute(
         &url,
         &format!(
             "INSERT INTO conversations (id, tenant, created_ms, last_seen_ms, model)
-                 SELECT 'filler', tenant, 0, 0, 'm' FROM conversations WHERE id = '{}';
-             INSERT INTO exchanges (id, conversation_id, tenant, endpoint, model, suffix_items,
-                                    request_len, params, response_items, status, streamed,
-                                    partial, started_ms, latency_ms, chain_request, chain_full,
-                                    prefix_exchange)
-                 SELECT -g, 'filler', c.tenant, 'chat', 'm', ''::bytea, 2, ''::bytea, ''::bytea,
-                        200, FALSE, FALSE, 0, 1.0, sha256(('r' || g)::bytea),
-                        sha256(('f' || g)::bytea), NULLIF(1 - g, 0)
-                 FROM generate_series(1, 100000) g, conversations c WHERE c.id = 'filler';
-             ANALYZE exchanges",
+                 SELECT 'filler', tenant, 0, 0, 'm' FROM conversations WHERE id = '{}'",
             first.conversation
         ),
     )
     .await;
-    // A client that kept its history elsewhere: 400 messages, every one of
-    // whose prefixes the replica asks the database about.
-    let mut chat = Chat::new(KEY);
-    for i in 0..200 {
-        chat.history
-            .push(json!({"role": "user", "content": format!("Step {i}: go on.")}));
-        chat.history
-            .push(json!({"role": "assistant", "content": format!("Done with step {i}.")}));
-    }
-    let logged = pg.log().len();
-    let (_, made) = counted_turn(&mut chat, &a, "Where were we?").await;
-    assert_eq!(made, 1, "new to the replica: asked once");
-    // The plan it was looked up by: probes of the chain indexes, not a walk
-    // of the whole table (by its primary key, or in order) nor a hash of
-    // every row's prefix.
-    let log = pg.log().split_off(logged);
-    let plan = log
-        .split("LOG:  duration:")
-        .find(|entry| entry.contains("chain_request = ANY"))
-        .unwrap_or_else(|| panic!("no look-up's plan logged in {log}"));
-    assert!(plan.contains("exchanges_chain_request"), "{plan}");
-    for whole in ["exchanges_pkey", "Seq Scan on exchanges"] {
-        assert!(!plan.contains(whole), "the look-up reads every row: {plan}");
+    for (run, fillers) in [(1, 1..=2_000), (2, 2_001..=100_000)] {
+        support::pg_execute(
+            &url,
+            &format!(
+                "INSERT INTO exchanges (id, conversation_id, tenant, endpoint, model, suffix_items,
+                                        request_len, params, response_items, status, streamed,
+                                        partial, started_ms, latency_ms, chain_request,
+                                        chain_full, prefix_exchange)
+                     SELECT -g, 'filler', c.tenant, 'chat', 'm', ''::bytea, 2, ''::bytea,
+                            ''::bytea, 200, FALSE, FALSE, 0, 1.0, sha256(('r' || g)::bytea),
+                            sha256(('f' || g)::bytea), NULLIF(1 - g, 0)
+                     FROM generate_series({}, {}) g, conversations c WHERE c.id = 'filler';
+                 ANALYZE exchanges",
+                fillers.start(),
+                fillers.end()
+            ),
+        )
+        .await;
+        // A client that kept its history elsewhere: 400 messages, every
+        // one of whose prefixes the replica asks the database about.
+        let mut chat = Chat::new(KEY);
+        for i in 0..200 {
+            chat.history
+                .push(json!({"role": "user", "content": format!("Run {run}, step {i}: go on.")}));
+            chat.history
+                .push(json!({"role": "assistant", "content": format!("Done with step {i}.")}));
+        }
+        let logged = pg.log().len();
+        let (_, made) = counted_turn(&mut chat, &a, "Where were we?").await;
+        assert_eq!(made, 1, "new to the replica: asked once");
+        // The plan it was looked up by: probes of the chain indexes, not a
+        // walk of the whole table (by its primary key, or in order) nor a
+        // hash of every row's prefix.
+        let log = pg.log().split_off(logged);
+        let plan = log
+            .split("LOG:  duration:")
+            .find(|entry| entry.contains("chain_request = ANY"))
+            .unwrap_or_else(|| panic!("no look-up's plan logged in {log}"));
+        assert!(plan.contains("exchanges_chain_request"), "{plan}");
+        for whole in ["exchanges_pkey", "Seq Scan on exchanges"] {
+            assert!(
+                !plan.contains(whole),
+                "at {} rows the look-up reads every row: {plan}",
+                fillers.end()
+            );
+        }
     }
 }

@@ -587,14 +587,19 @@ impl Postgres {
 /// expects as many matches as chains, and plans the `LIMIT` as a walk down
 /// the primary key that filters each row, which reads the whole table when
 /// nothing matches (a conversation new to every replica), and hashes every
-/// `prefix_exchange` for the `NOT EXISTS`. Uncounted, it probes the two
-/// chain indexes, at a cost that grows with the chains and not with the
-/// table.
+/// `prefix_exchange`. Uncounted, it probes the two chain indexes, at a
+/// cost that grows with the chains and not with the table.
+///
+/// Whether a row is its conversation's tip is a sub-select with a `LIMIT`,
+/// not a `NOT EXISTS`: the planner may run that as a hash of every row's
+/// `prefix_exchange` (it did at a few thousand rows, half the statement's
+/// time), and a `LIMIT`ed sub-select it can only run per row, one probe of
+/// `exchanges_prefix` for each of the few rows found.
 const BY_CHAIN: &str = "SELECT id, conversation_id, request_len, length(response_items) / 32,
         COALESCE(chain_request = ANY($2), FALSE),
         COALESCE(chain_full = ANY($2), FALSE),
         chain_full IS NOT NULL,
-        NOT EXISTS (SELECT 1 FROM exchanges later WHERE later.prefix_exchange = e.id)
+        (SELECT 1 FROM exchanges later WHERE later.prefix_exchange = e.id LIMIT 1) IS NULL
  FROM exchanges e
  WHERE tenant = $1
        AND (chain_request = ANY((SELECT $2::bytea[])::bytea[])
