@@ -473,7 +473,8 @@ impl PendingExchange {
                 .collect();
             let params = (!params_fresh)
                 .then(|| (self.request.body().clone(), self.request.tools().cloned()));
-            LeftOut::new(move || {
+            // It keeps the request's items alive until the commit.
+            LeftOut::new(self.request.raw_len(), move || {
                 let mut bodies: Vec<(ItemHash, String)> =
                     left_out.iter().map(|&(at, h)| (h, list.json(at))).collect();
                 if let Some((body, tools)) = &params {

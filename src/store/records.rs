@@ -28,29 +28,43 @@ pub struct PrefixRef {
 /// elsewhere, or a commit that timed out), so a record of a shared store
 /// costs no copy of what it does not send.
 #[derive(Clone, Default)]
-pub struct LeftOut(Option<Arc<BodiesFn>>);
+pub struct LeftOut {
+    make: Option<Arc<BodiesFn>>,
+    /// About how many bytes what `make` keeps holds (the request it
+    /// reads them from): counted in the record's footprint, so a backlog
+    /// bounded by footprints bounds what it keeps alive.
+    held: usize,
+}
 
 type BodiesFn = dyn Fn() -> Vec<(ItemHash, String)> + Send + Sync;
 
 impl LeftOut {
-    /// Bodies `make` makes when asked.
-    pub fn new(make: impl Fn() -> Vec<(ItemHash, String)> + Send + Sync + 'static) -> Self {
-        LeftOut(Some(Arc::new(make)))
+    /// Bodies `make` makes when asked, from what holds about `held` bytes.
+    pub fn new(
+        held: usize,
+        make: impl Fn() -> Vec<(ItemHash, String)> + Send + Sync + 'static,
+    ) -> Self {
+        LeftOut {
+            make: Some(Arc::new(make)),
+            held,
+        }
     }
 
     /// The bodies made now, for sending (none once taken).
     pub fn take(&mut self) -> Vec<(ItemHash, String)> {
-        self.0.take().map(|make| make()).unwrap_or_default()
+        self.held = 0;
+        self.make.take().map(|make| make()).unwrap_or_default()
+    }
+
+    /// About how many bytes it keeps alive.
+    pub fn held(&self) -> usize {
+        self.held
     }
 }
 
 impl std::fmt::Debug for LeftOut {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(if self.0.is_some() {
-            "LeftOut(..)"
-        } else {
-            "LeftOut(none)"
-        })
+        write!(f, "LeftOut({} bytes held)", self.held)
     }
 }
 

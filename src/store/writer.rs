@@ -691,7 +691,7 @@ impl ExchangeRecord {
             + self.error.as_ref().map_or(0, String::len)
             + self.preview.as_ref().map_or(0, String::len)
             + self.client.as_ref().map_or(0, String::len);
-        std::mem::size_of::<Self>() + texts + hashes + strings
+        std::mem::size_of::<Self>() + texts + hashes + strings + self.stored_items.held()
     }
 }
 
@@ -709,7 +709,7 @@ mod tests {
         let made = Arc::new(AtomicUsize::new(0));
         let left_out = |hash: ItemHash| {
             let made = made.clone();
-            LeftOut::new(move || {
+            LeftOut::new(0, move || {
                 made.fetch_add(1, Ordering::Relaxed);
                 vec![(
                     hash,
@@ -741,5 +741,17 @@ mod tests {
             1,
             "made once, for the stale one"
         );
+    }
+
+    /// What a record's left-out bodies keep alive counts in its footprint
+    /// (which bounds a journal's backlog), until they are made.
+    #[test]
+    fn a_record_s_footprint_counts_the_request_its_left_out_bodies_keep() {
+        let mut rec = record(1);
+        let bare = rec.footprint();
+        rec.stored_items = LeftOut::new(300_000, Vec::new);
+        assert_eq!(rec.footprint(), bare + 300_000);
+        rec.stored_items.take();
+        assert_eq!(rec.footprint(), bare);
     }
 }
