@@ -238,6 +238,22 @@ fn check(items: &[Value], c: &Compaction) -> Result<Vec<Value>, TestCaseError> {
     Ok(sent)
 }
 
+/// Answers the calls the last message left waiting, if any, with one user
+/// message of `tool_result` blocks saying `content`.
+fn answer_waiting_calls(items: &mut Vec<Value>, sent: &mut Vec<Value>, content: &str) {
+    let Some(last) = items.last() else { return };
+    let results: Vec<Value> = messages::tool_use_ids(last)
+        .into_iter()
+        .map(|id| json!({"type": "tool_result", "tool_use_id": id, "content": content}))
+        .collect();
+    if results.is_empty() {
+        return;
+    }
+    let m = json!({"role": "user", "content": results});
+    items.push(m.clone());
+    sent.push(m);
+}
+
 /// Plays `rounds` (turns added, the last call of a round maybe left
 /// waiting), compacting after each round as the engine would, and checks
 /// every compacted request.
@@ -250,24 +266,7 @@ fn play(rounds: Vec<(Vec<Turn>, bool)>) -> Result<(), TestCaseError> {
     let mut base: Option<Arc<Compaction>> = None;
     for (turns, cut_short) in rounds {
         // A call left waiting last round is answered first.
-        let pending: Vec<String> = items
-            .last()
-            .map(|m| {
-                messages::tool_use_ids(m)
-                    .into_iter()
-                    .map(String::from)
-                    .collect()
-            })
-            .unwrap_or_default();
-        if !pending.is_empty() {
-            let results: Vec<Value> = pending
-                .iter()
-                .map(|id| json!({"type": "tool_result", "tool_use_id": id, "content": "late"}))
-                .collect();
-            let m = json!({"role": "user", "content": results});
-            items.push(m.clone());
-            sent.push(m);
-        }
+        answer_waiting_calls(&mut items, &mut sent, "late");
         for (k, t) in turns.iter().enumerate() {
             g.push_turn(&mut items, &mut sent, t, cut_short && k + 1 == turns.len());
         }
@@ -359,17 +358,7 @@ fn a_long_thinking_loop_compacts_repeatedly_and_every_request_is_accepted() {
             steps: vec![Step::Tools(vec![3_000, 400]), Step::Tools(vec![800])],
         };
         g.push_turn(&mut items, &mut sent, &t, true);
-        let pending: Vec<String> = messages::tool_use_ids(items.last().unwrap())
-            .into_iter()
-            .map(String::from)
-            .collect();
-        let results: Vec<Value> = pending
-            .iter()
-            .map(|id| json!({"type": "tool_result", "tool_use_id": id, "content": "done"}))
-            .collect();
-        let m = json!({"role": "user", "content": results});
-        items.push(m.clone());
-        sent.push(m);
+        answer_waiting_calls(&mut items, &mut sent, "done");
         if let Some(c) = compact(&items, base.as_ref(), &p) {
             compacted += 1;
             base = Some(Arc::new(c));
