@@ -35,8 +35,11 @@ async fn replicas(url: &str, adjust: fn(&mut compactor::config::Config)) -> (Har
     })
     .await;
     let dir = tempfile::tempdir().expect("tempdir");
-    let db = dir.path().join("unused.db");
-    let b = Harness::start_on(a.fake.clone(), dir, db, a.state.config.clone()).await;
+    // A path of its own: a local journal is kept beside it.
+    let db = dir.path().join("replica-b.db");
+    let mut config = a.state.config.clone();
+    config.store.path = db.display().to_string();
+    let b = Harness::start_on(a.fake.clone(), dir, db, config).await;
     (a, b)
 }
 
@@ -1141,4 +1144,40 @@ async fn a_long_conversation_new_to_a_replica_is_looked_up_by_index_however_big_
             );
         }
     }
+}
+
+/// With `store.local_journal` an answer goes once journaled, before its
+/// commit. A session whose next turn reaches the other replica the moment
+/// its first was answered still stays one conversation: a conversation's
+/// first exchange is committed before its answer goes, so the other
+/// replica finds it (its later exchanges only need the replica that
+/// serves the next turn to find one of them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn with_local_journals_a_session_alternating_without_pause_stays_one_conversation() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, |c| c.store.local_journal = true).await;
+    let sessions = 60;
+    for s in 0..sessions {
+        let mut chat = Chat::new(KEY);
+        let mut seen = Vec::new();
+        for i in 0..6 {
+            let via = if i % 2 == 0 { &a } else { &b };
+            let turn = chat
+                .turn(via, &format!("Session {s}, step {i}: go on."))
+                .await;
+            assert_eq!(turn.status, 200, "session {s}, turn {i}");
+            seen.push(turn.conversation);
+        }
+        assert!(
+            seen.iter().all(|c| c == &seen[0]),
+            "session {s} forked: {seen:?}"
+        );
+    }
+    for h in [&a, &b] {
+        within(h.state.store.flush()).await.expect("flush");
+    }
+    let stored = count(&url, "SELECT COUNT(*) FROM conversations").await;
+    assert_eq!(stored, sessions, "one stored conversation per session");
 }

@@ -313,8 +313,17 @@ impl Store {
     /// Records an exchange durably: once this returns `Ok`, the exchange
     /// survives the process being killed. Journaled (one write) when the
     /// store has a journal, else committed.
+    ///
+    /// On a store other replicas share, the first exchange of a
+    /// conversation is committed too before this returns: its client may
+    /// send the next turn to another replica the moment it is answered,
+    /// and that replica finds the conversation only in the database (it
+    /// would start another). Later exchanges need no such wait: the
+    /// replica serving the next turn finds the conversation by any one of
+    /// them (see `ConversationIndex::identify_with`).
     pub async fn record(&self, rec: ExchangeRecord) -> Result<(), StoreError> {
         let streamed = rec.streamed;
+        let visible_first = rec.new_conversation && self.ids.is_some();
         match self.stage(rec)? {
             Journaled::At(journal, seq) => {
                 // Buffered answers that end in this same turn of the runtime
@@ -325,8 +334,17 @@ impl Store {
                     tokio::task::yield_now().await;
                 }
                 journal.write_staged(seq)?;
-                // Durable now; the answer waits only while the database is
-                // far behind.
+                // Durable now. A commit that fails leaves it journaled
+                // (written again until it lands): its answer still goes.
+                if visible_first {
+                    if let Err(e) = self.flush().await {
+                        tracing::warn!(
+                            error = %e,
+                            "a conversation's first exchange is journaled, not yet committed"
+                        );
+                    }
+                }
+                // The answer waits only while the database is far behind.
                 self.backlog.wait_below(self.max_backlog).await;
                 Ok(())
             }
