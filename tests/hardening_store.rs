@@ -144,6 +144,7 @@ fn journaled(id: i64) -> compactor::store::ExchangeRecord {
         id,
         conversation: format!("conv_journaled_{id}"),
         new_conversation: true,
+        chained_by_id: false,
         explicit_key: None,
         tenant: "t".into(),
         api: compactor::wire::Api::Chat,

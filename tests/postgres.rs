@@ -1181,3 +1181,48 @@ async fn with_local_journals_a_session_alternating_without_pause_stays_one_conve
     let stored = count(&url, "SELECT COUNT(*) FROM conversations").await;
     assert_eq!(stored, sessions, "one stored conversation per session");
 }
+
+/// With `store.local_journal`, a client that chains its turns by
+/// `previous_response_id`, each sent the moment the one before was
+/// answered and each to the other replica, has every turn expanded into
+/// its whole history and kept in one conversation: an exchange asked for
+/// by id is committed before its answer goes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn with_local_journals_a_previous_response_id_chain_alternating_without_pause_is_expanded() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, |c| c.store.local_journal = true).await;
+    for s in 0..60 {
+        let mut previous: Option<String> = None;
+        let mut seen = Vec::new();
+        for i in 0..4 {
+            let via = if i % 2 == 0 { &a } else { &b };
+            let text = format!("chain {s}, turn {i}");
+            let mut body = json!({"model": "gpt-5", "input": [{"role": "user", "content": text}]});
+            if let Some(p) = &previous {
+                body["previous_response_id"] = json!(p);
+            }
+            let (status, headers, answer) =
+                post(&format!("{}/responses", via.url()), KEY, &body).await;
+            assert_eq!(status, 200, "chain {s}, turn {i}");
+            let sent = support::last_client_call(via);
+            assert!(
+                sent.get("previous_response_id").is_none(),
+                "chain {s}, turn {i} not expanded: {sent}"
+            );
+            assert_eq!(
+                sent["input"].as_array().map(Vec::len),
+                Some(2 * i + 1),
+                "chain {s}, turn {i}: the whole history"
+            );
+            let answer: Value = serde_json::from_slice(&answer).expect("json");
+            previous = answer["id"].as_str().map(String::from);
+            seen.push(headers.get("x-compactor-conversation").cloned());
+        }
+        assert!(
+            seen.iter().all(|c| c == &seen[0]),
+            "chain {s} forked: {seen:?}"
+        );
+    }
+}

@@ -491,6 +491,7 @@ impl PendingExchange {
             id: self.conversation.id,
             conversation: self.conversation().to_string(),
             new_conversation: self.conversation.ident.is_new,
+            chained_by_id: self.request.previous().is_some(),
             explicit_key: self.request.explicit_key().map(String::from),
             tenant: self.request.tenant().to_string(),
             api: self.request.api(),

@@ -78,6 +78,10 @@ pub struct ExchangeRecord {
     pub conversation: String,
     /// Whether this exchange opened the conversation.
     pub new_conversation: bool,
+    /// Whether its client chains answers by id (its request continued
+    /// one by `previous_response_id`): its next turn names this one's.
+    #[serde(skip)]
+    pub chained_by_id: bool,
     /// The explicit key that names the conversation, if any.
     pub explicit_key: Option<String>,
     /// Salted hash of the client's credential.

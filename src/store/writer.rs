@@ -314,16 +314,20 @@ impl Store {
     /// survives the process being killed. Journaled (one write) when the
     /// store has a journal, else committed.
     ///
-    /// On a store other replicas share, the first exchange of a
-    /// conversation is committed too before this returns: its client may
-    /// send the next turn to another replica the moment it is answered,
-    /// and that replica finds the conversation only in the database (it
-    /// would start another). Later exchanges need no such wait: the
-    /// replica serving the next turn finds the conversation by any one of
-    /// them (see `ConversationIndex::identify_with`).
+    /// On a store other replicas share, an exchange the next turn must
+    /// find by itself is committed too before this returns: its client may
+    /// send that turn to another replica the moment it is answered, which
+    /// finds it only in the database. That is a conversation's first
+    /// exchange (else another conversation would start) and one whose
+    /// client chains answers by id (else the next turn's
+    /// `previous_response_id` would not be expanded). Other exchanges need
+    /// no such wait: the replica serving the next turn finds the
+    /// conversation by any one of them (see
+    /// `ConversationIndex::identify_with`).
     pub async fn record(&self, rec: ExchangeRecord) -> Result<(), StoreError> {
         let streamed = rec.streamed;
-        let visible_first = rec.new_conversation && self.ids.is_some();
+        let visible_before_answer =
+            (rec.new_conversation || rec.chained_by_id) && self.ids.is_some();
         match self.stage(rec)? {
             Journaled::At(journal, seq) => {
                 // Buffered answers that end in this same turn of the runtime
@@ -336,11 +340,11 @@ impl Store {
                 journal.write_staged(seq)?;
                 // Durable now. A commit that fails leaves it journaled
                 // (written again until it lands): its answer still goes.
-                if visible_first {
+                if visible_before_answer {
                     if let Err(e) = self.flush().await {
                         tracing::warn!(
                             error = %e,
-                            "a conversation's first exchange is journaled, not yet committed"
+                            "an exchange the next turn must find is journaled, not yet committed"
                         );
                     }
                 }

@@ -622,6 +622,7 @@ pub(crate) mod tests {
             id,
             conversation: format!("conv_{id}"),
             new_conversation: true,
+            chained_by_id: false,
             explicit_key: None,
             tenant: "t".into(),
             api: Api::Chat,
