@@ -1067,22 +1067,27 @@ async fn a_compaction_one_replica_stores_is_announced_to_the_other_which_applies
     assert_eq!(stored, 1, "compacted once");
 }
 
+/// Every session the database at `url` opens from now on logs the plan of
+/// each statement it runs (with what each node did, if `analyze`).
+async fn log_plans(url: &str, analyze: bool) {
+    let name = url.rsplit('/').next().unwrap_or_default();
+    support::pg_execute(
+        url,
+        &format!(
+            "ALTER DATABASE {name} SET session_preload_libraries = 'auto_explain';
+             ALTER DATABASE {name} SET auto_explain.log_min_duration = 0;
+             ALTER DATABASE {name} SET auto_explain.log_analyze = {analyze}"
+        ),
+    )
+    .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs PostgreSQL (scripts/test installs it)"]
 async fn a_long_conversation_new_to_a_replica_is_looked_up_by_index_however_big_the_table() {
     let Some(pg) = PgCluster::start() else { return };
     let url = pg.database();
-    // Every session of the database logs the plan of each statement it
-    // runs, as it ran it.
-    let name = url.rsplit('/').next().unwrap_or_default();
-    support::pg_execute(
-        &url,
-        &format!(
-            "ALTER DATABASE {name} SET session_preload_libraries = 'auto_explain';
-             ALTER DATABASE {name} SET auto_explain.log_min_duration = 0"
-        ),
-    )
-    .await;
+    log_plans(&url, false).await;
     let (a, _b) = replicas(&url, |_| {}).await;
     // The tenant's history: a conversation, and 2 000 exchanges more, then
     // 100 000, the statistics up to date each time (a small table tempts
@@ -1144,6 +1149,78 @@ async fn a_long_conversation_new_to_a_replica_is_looked_up_by_index_however_big_
             );
         }
     }
+}
+
+/// A turn of `chat` through `h`, with the plan its look-up of a prefix ran
+/// by (logged by `auto_explain`, with what each node did) and how many of
+/// that plan's two reads of `exchanges` were never run.
+async fn look_up_plan(
+    pg: &PgCluster,
+    chat: &mut Chat,
+    h: &Harness,
+    text: &str,
+) -> (Turn, usize, String) {
+    let logged = pg.log().len();
+    let (turn, made) = counted_turn(chat, h, text).await;
+    assert_eq!(made, 1, "{text}: asked once");
+    let log = pg.log().split_off(logged);
+    let plan = log
+        .split("LOG:  duration:")
+        .find(|entry| entry.contains("WITH near"))
+        .unwrap_or_else(|| panic!("{text}: no look-up's plan logged in {log}"))
+        .to_string();
+    let reads: Vec<&str> = plan
+        .lines()
+        .filter(|l| l.contains("Scan") && l.contains(" on exchanges e"))
+        .collect();
+    assert_eq!(reads.len(), 2, "{text}: near and earlier chains: {plan}");
+    let skipped = reads
+        .iter()
+        .filter(|l| l.contains("never executed"))
+        .count();
+    (turn, skipped, plan)
+}
+
+/// A turn of a long conversation extends a prefix already recorded, so the
+/// look-up probes the request's last chains, and the earlier ones (every
+/// earlier exchange of the conversation would match) only when those
+/// match nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_replica_probes_a_request_s_earlier_chains_only_when_its_last_ones_match_nothing() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    log_plans(&url, true).await;
+    let (a, b) = replicas(&url, |_| {}).await;
+    let mut chat = Chat::new(KEY);
+    let steps = |chat: &mut Chat, from: usize, to: usize| {
+        for i in from..to {
+            chat.history
+                .push(json!({"role": "user", "content": format!("Step {i}: go on.")}));
+            chat.history
+                .push(json!({"role": "assistant", "content": format!("Done with step {i}.")}));
+        }
+    };
+    // New to every replica: no chain matches, both are probed.
+    steps(&mut chat, 0, 100);
+    let (first, skipped, plan) = look_up_plan(&pg, &mut chat, &a, "Where were we?").await;
+    assert_eq!(
+        skipped, 0,
+        "nothing near: the earlier chains are probed: {plan}"
+    );
+    // The next turn, new to the other replica, ends in the prefix the first
+    // recorded: the earlier chains are not probed.
+    let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &b, "Go on.").await;
+    assert_eq!(turn.conversation, first.conversation);
+    assert_eq!(skipped, 1, "a near chain matched: {plan}");
+    // Far past what was recorded: the earlier chains find it.
+    steps(&mut chat, 100, 120);
+    let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &a, "And now?").await;
+    assert_eq!(turn.conversation, first.conversation);
+    assert_eq!(
+        skipped, 0,
+        "nothing near: the earlier chains are probed: {plan}"
+    );
 }
 
 /// With `store.local_journal` an answer goes once journaled, before its

@@ -577,13 +577,23 @@ impl Postgres {
     }
 }
 
+/// How many of a request's last chains [`by_chain`] probes first.
+const NEAR_CHAINS: usize = 16;
+
 /// The statement of [`crate::store::Reads::look_up`]'s prefix: rows for
-/// [`best_hit`].
+/// [`best_hit`], probing chains `$2` (the request's last [`NEAR_CHAINS`])
+/// and, only when those match nothing, chains `$3` (the earlier ones).
 ///
-/// `$2` holds a chain per prefix of the request, hundreds for a long
-/// conversation, and reaches the index scans through a sub-select
+/// A conversation's next turn extends a prefix already recorded, so one of
+/// its last chains matches; the earlier ones then name only shorter
+/// prefixes, which [`best_hit`] would pass over. Probing every chain of a
+/// long conversation new to a replica read every earlier exchange of it
+/// (up to the `LIMIT`) each turn; the second branch's `NOT EXISTS` is a
+/// one-time filter, so when the near chains match it is never run.
+///
+/// The chains reach the index scans through a sub-select
 /// (`(SELECT $2::bytea[])::bytea[]`, the cast making it an array, not a
-/// subquery, to `ANY`): the planner then cannot count it. Counted, it
+/// subquery, to `ANY`): the planner then cannot count them. Counted, it
 /// expects as many matches as chains, and plans the `LIMIT` as a walk down
 /// the primary key that filters each row, which reads the whole table when
 /// nothing matches (a conversation new to every replica), and hashes every
@@ -595,20 +605,37 @@ impl Postgres {
 /// `prefix_exchange` (it did at a few thousand rows, half the statement's
 /// time), and a `LIMIT`ed sub-select it can only run per row, one probe of
 /// `exchanges_prefix` for each of the few rows found.
-const BY_CHAIN: &str = "SELECT id, conversation_id, request_len, length(response_items) / 32,
-        COALESCE(chain_request = ANY($2), FALSE),
-        COALESCE(chain_full = ANY($2), FALSE),
-        chain_full IS NOT NULL,
-        (SELECT 1 FROM exchanges later WHERE later.prefix_exchange = e.id LIMIT 1) IS NULL
- FROM exchanges e
- WHERE tenant = $1
-       AND (chain_request = ANY((SELECT $2::bytea[])::bytea[])
-            OR chain_full = ANY((SELECT $2::bytea[])::bytea[]))
- ORDER BY id DESC LIMIT 64";
+fn by_chain() -> &'static str {
+    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    SQL.get_or_init(|| {
+        let matching = |chains: &str, unless: &str| {
+            format!(
+                "SELECT id, conversation_id, request_len, length(response_items) / 32,
+                        COALESCE(chain_request = ANY({chains}), FALSE),
+                        COALESCE(chain_full = ANY({chains}), FALSE),
+                        chain_full IS NOT NULL,
+                        (SELECT 1 FROM exchanges later WHERE later.prefix_exchange = e.id
+                         LIMIT 1) IS NULL
+                 FROM exchanges e
+                 WHERE tenant = $1
+                       AND (chain_request = ANY((SELECT {chains}::bytea[])::bytea[])
+                            OR chain_full = ANY((SELECT {chains}::bytea[])::bytea[])){unless}
+                 ORDER BY id DESC LIMIT 64"
+            )
+        };
+        format!(
+            "WITH near AS MATERIALIZED ({})
+             SELECT * FROM near
+             UNION ALL ({})",
+            matching("$2", ""),
+            matching("$3", " AND NOT EXISTS (SELECT 1 FROM near)")
+        )
+    })
+}
 
 /// The statement of [`crate::store::Reads::look_up`]'s compaction: the one
 /// covering the most among chains `$2`, or else compaction `$3`, whole
-/// (`$2` uncounted by the planner, as in [`BY_CHAIN`]).
+/// (`$2` uncounted by the planner, as in [`by_chain`]).
 fn covering_whole() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
@@ -624,7 +651,7 @@ fn covering_whole() -> &'static str {
 
 /// The statement of [`crate::store::Reads::compaction_covering`]: a row for
 /// [`stored_compaction`] (`$2` uncounted by the planner, as in
-/// [`BY_CHAIN`]).
+/// [`by_chain`]).
 const COVERING: &str = "SELECT id, tenant, conversation_id, covered_len, covered_chain, created_ms,
         observed
  FROM compactions
@@ -651,13 +678,16 @@ async fn look_up(
     };
     // Prepared once per connection (together, the first time).
     let (by_chain, covers) = tokio::join!(
-        prepare(BY_CHAIN, prefix.is_some()),
+        prepare(by_chain(), prefix.is_some()),
         prepare(covering_whole(), covering.is_some())
     );
     let (by_chain, covers) = (by_chain?, covers?);
     let rows = async {
         match (&by_chain, &prefix) {
-            (Some(stmt), Some(chains)) => client.query(stmt, &[&tenant, chains]).await,
+            (Some(stmt), Some(chains)) => {
+                let (earlier, near) = chains.split_at(chains.len().saturating_sub(NEAR_CHAINS));
+                client.query(stmt, &[&tenant, &near, &earlier]).await
+            }
             _ => Ok(Vec::new()),
         }
     };
