@@ -345,26 +345,16 @@ impl ConversationIndex {
     /// Where a request's longest recorded prefix is to be looked up in a
     /// store other processes write (see [`Reads::look_up`]): from the
     /// chain after the longest prefix memory has, or nowhere (`None`) when
-    /// the store is this process's alone, when memory has all but the
+    /// the store is this process's alone or memory has all but the
     /// request's last item (the next turn of a session this replica served
-    /// last: longer would be this very request again), or when that
-    /// prefix is an answer, as its client sent it back, that ends one of
-    /// its conversation's tips memory has (a session this replica served
-    /// before, whose last turns others may have served). The conversation
-    /// is then the tip's, as the store would say; the request's record
-    /// extends the tip, repeating the hashes of what others recorded
-    /// since, where the store's longest prefix would have saved them.
-    /// With the conversation of that longest prefix, if memory has one.
+    /// last: longer would be this very request again). With the
+    /// conversation of that longest prefix, if memory has one.
     pub fn to_look_up(&self, tenant: &str, chains: &[ItemHash]) -> (Option<usize>, Option<String>) {
         let scope = TenantScope::of(tenant);
         let inner = self.lock();
         let hit = inner.hits(&scope, chains).next();
         let known = hit.map_or(0, |h| h.covers).min(chains.len());
-        // Past an answer (as recorded, or as its client sends it back).
-        let past_answer = |h: &Hit| h.prefix.full || h.covers > h.prefix.len;
-        let goes_on =
-            hit.is_some_and(|h| past_answer(h) && inner.continues(tenant, h, chains.len()));
-        let from = (self.shared.is_some() && known + 1 < chains.len() && !goes_on).then_some(known);
+        let from = (self.shared.is_some() && known + 1 < chains.len()).then_some(known);
         (from, hit.map(|h| h.conversation.clone()))
     }
 
@@ -906,9 +896,8 @@ mod tests {
         );
         let next = idx.identify("t", None, None, &c[..4]);
         assert_eq!(next.conversation, first.conversation);
-        // Turns this replica did not see, after the answer that is its
-        // tip: the conversation is the tip's, nothing is asked.
-        assert_eq!(idx.to_look_up("t", &c[..7]), seen, "its tip goes on");
+        // Turns this replica did not see: asked past what it knows.
+        assert_eq!(idx.to_look_up("t", &c[..7]).0, Some(3));
         // The store's answer: a longer prefix another replica recorded,
         // that nothing continued yet.
         let prefix = PrefixRef {
@@ -932,14 +921,6 @@ mod tests {
         };
         let again = idx.identify_with("t", None, None, &c[..4], Some(short));
         assert_eq!(again.prefix, next.prefix);
-        // Once another branch extended that answer here, it is no tip:
-        // asked past what memory knows, where the store may have more.
-        let branch: Vec<ItemHash> = (0..5).map(|i| item_hash(&json!({"b": i}))).collect();
-        idx.remember(&IndexedExchange {
-            prefix_exchange: Some(1),
-            ..ex(2, &first.conversation, "t", &branch, 4)
-        });
-        assert_eq!(idx.to_look_up("t", &c[..7]).0, Some(3));
         // A store only this process writes is never asked.
         assert_eq!(
             ConversationIndex::default().to_look_up("t", &c[..7]).0,
