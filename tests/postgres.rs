@@ -34,13 +34,18 @@ async fn replicas(url: &str, adjust: fn(&mut compactor::config::Config)) -> (Har
         c.store.url = url;
     })
     .await;
+    let b = another(&a).await;
+    (a, b)
+}
+
+/// Another in-process replica configured as `a`, sharing its fake upstream.
+async fn another(a: &Harness) -> Harness {
     let dir = tempfile::tempdir().expect("tempdir");
     // A path of its own: a local journal is kept beside it.
-    let db = dir.path().join("replica-b.db");
+    let db = dir.path().join("replica.db");
     let mut config = a.state.config.clone();
     config.store.path = db.display().to_string();
-    let b = Harness::start_on(a.fake.clone(), dir, db, config).await;
-    (a, b)
+    Harness::start_on(a.fake.clone(), dir, db, config).await
 }
 
 /// A chat session that sends its whole history each turn, to any replica.
@@ -1005,12 +1010,12 @@ async fn a_conversation_new_to_a_replica_is_read_in_one_round_trip_and_then_not_
         (turn.conversation.as_str(), turn.compacted.as_deref()),
         (compacted.conversation.as_str(), compaction.as_deref())
     );
-    // The first replica missed two turns: their prefix is read (one round
-    // trip), then nothing again.
+    // The first replica missed two turns after the answer that is its
+    // tip: the request goes on from it, nothing is read.
     let (turn, made) = counted_turn(&mut chat, &a, "Once more.").await;
     assert_eq!(
         (made, turn.compacted.as_deref()),
-        (1, compaction.as_deref())
+        (0, compaction.as_deref())
     );
     assert_eq!(turn.conversation, compacted.conversation);
     let (_, made) = counted_turn(&mut chat, &a, "Last one.").await;
@@ -1057,8 +1062,9 @@ async fn a_compaction_one_replica_stores_is_announced_to_the_other_which_applies
         }
     })
     .await;
-    // Heard: the other replica reads only the turn it missed (one round
-    // trip) and applies the compaction it heard of.
+    // Heard: the other replica, whose tip the turn it missed extends,
+    // reads only the body of the compaction it heard of (an announcement
+    // carries none), in one round trip, and applies it.
     let (turn, made) = counted_turn(&mut chat, other, "Go on.").await;
     assert_eq!(made, 1);
     assert_eq!(turn.conversation, compacted.conversation);
@@ -1213,9 +1219,11 @@ async fn a_replica_probes_a_request_s_earlier_chains_only_when_its_last_ones_mat
     let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &b, "Go on.").await;
     assert_eq!(turn.conversation, first.conversation);
     assert_eq!(skipped, 1, "a near chain matched: {plan}");
-    // Far past what was recorded: the earlier chains find it.
+    // Far past what was recorded, new to a third replica: the earlier
+    // chains find it.
     steps(&mut chat, 100, 120);
-    let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &a, "And now?").await;
+    let c = another(&a).await;
+    let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &c, "And now?").await;
     assert_eq!(turn.conversation, first.conversation);
     assert_eq!(
         skipped, 0,
@@ -1301,5 +1309,152 @@ async fn with_local_journals_a_previous_response_id_chain_alternating_without_pa
             seen.iter().all(|c| c == &seen[0]),
             "chain {s} forked: {seen:?}"
         );
+    }
+}
+
+/// What a client does next in [`play`].
+#[derive(Clone, Copy, Debug)]
+enum Step {
+    /// A new message after the answer.
+    Next,
+    /// The last message replaced by another (a branch from the answer
+    /// before it).
+    Edit,
+    /// The last two turns dropped, and a new message (a branch from
+    /// further back).
+    Back,
+}
+
+/// A session's steps, drawn from `seed`.
+fn script(seed: u64, n: usize) -> Vec<Step> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut draw = move || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    (0..n)
+        .map(|i| match (i, draw() % 10) {
+            (0..=2, _) | (_, 0..=5) => Step::Next,
+            (_, 6..=8) => Step::Edit,
+            _ => Step::Back,
+        })
+        .collect()
+}
+
+/// Plays `steps` as one session of tenant `key`, each turn through one of
+/// `via` (drawn from `seed`): the conversation each turn was identified as.
+async fn play(steps: &[Step], via: &[&Harness], key: &str, seed: u64) -> Vec<String> {
+    let mut chat = Chat::new(key);
+    let mut pick = seed;
+    let mut seen = Vec::new();
+    for (i, step) in steps.iter().enumerate() {
+        pick = pick.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+        let h = via[(pick >> 33) as usize % via.len()];
+        let turns = (chat.history.len() - 1) / 2;
+        let text = match step {
+            Step::Edit if turns > 0 => {
+                chat.history.truncate(chat.history.len() - 2);
+                format!("Instead, step {i}: read src/other_{i}.rs.")
+            }
+            Step::Back if turns > 1 => {
+                chat.history.truncate(chat.history.len() - 4);
+                format!("Back up, step {i}: read src/back_{i}.rs.")
+            }
+            _ => format!("Step {i}: read src/module_{i}.rs."),
+        };
+        // Each answer its own, as a model's are (a retry's too).
+        let answer = format!("Answer {i} of session {seed}.");
+        h.fake
+            .push(compactor::fake_upstream::Reply::chat(&answer, 40, 8));
+        let turn = chat.turn(h, &text).await;
+        assert_eq!(turn.status, 200, "step {i} ({step:?})");
+        seen.push(turn.conversation);
+    }
+    seen
+}
+
+/// Which turns share a conversation: each turn's conversation numbered by
+/// its first turn.
+fn partition(conversations: &[String]) -> Vec<usize> {
+    let mut first: Vec<&String> = Vec::new();
+    conversations
+        .iter()
+        .map(|c| match first.iter().position(|f| *f == c) {
+            Some(n) => n,
+            None => {
+                first.push(c);
+                first.len() - 1
+            }
+        })
+        .collect()
+}
+
+/// A session spread over two replicas, through edits and back-ups: a plain
+/// next turn stays in the conversation of the turn before, as on one
+/// replica, though a replica that served the session two turns back does
+/// not look it up (other replicas announce the branches they make); and
+/// every record's prefix and suffix make up the request it was sent, its
+/// items stored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_session_spread_over_two_replicas_through_branches_keeps_its_next_turns_together() {
+    let Some(pg) = PgCluster::start() else { return };
+    let (shared, alone) = (pg.database(), pg.database());
+    let (a, b) = replicas(&shared, |_| {}).await;
+    let one = Harness::start_with(|c| c.store.url = alone.clone()).await;
+    for seed in 1..=24u64 {
+        let steps = script(seed, 16);
+        let key = format!("sk-session-{seed}-0000000000000000");
+        let spread = play(&steps, &[&a, &b], &key, seed).await;
+        let single = play(&steps, &[&one], &key, seed).await;
+        // The turns a plain next turn did not keep together with the one
+        // before.
+        let apart = |seen: &[String]| -> Vec<usize> {
+            (1..steps.len())
+                .filter(|&i| matches!(steps[i], Step::Next) && seen[i] != seen[i - 1])
+                .collect()
+        };
+        assert_eq!(
+            (apart(&spread), apart(&single)),
+            (vec![], vec![]),
+            "seed {seed}, steps {steps:?}: over two replicas {:?}, on one {:?}",
+            partition(&spread),
+            partition(&single)
+        );
+    }
+    for h in [&a, &b, &one] {
+        within(h.state.store.flush()).await.expect("flush");
+    }
+    for url in [&shared, &alone] {
+        let extending = count(
+            url,
+            "SELECT count(*) FROM exchanges WHERE prefix_exchange IS NOT NULL",
+        )
+        .await;
+        assert!(extending > 100, "records extend others: {extending}");
+        let broken = count(
+            url,
+            "SELECT count(*) FROM exchanges e LEFT JOIN exchanges p ON p.id = e.prefix_exchange
+             WHERE e.prefix_len + length(e.suffix_items) / 32 <> e.request_len
+                OR (e.prefix_exchange IS NULL) <> (e.prefix_len = 0)
+                OR e.prefix_len <> CASE WHEN e.prefix_full
+                                        THEN p.request_len + length(p.response_items) / 32
+                                        ELSE p.request_len END",
+        )
+        .await;
+        assert_eq!(
+            broken, 0,
+            "records whose prefix and suffix miss their request"
+        );
+        let missing = count(
+            url,
+            "SELECT count(*) FROM exchanges e, generate_series(0, length(e.suffix_items) / 32 - 1) i
+             WHERE NOT EXISTS (SELECT 1 FROM items
+                               WHERE hash = substring(e.suffix_items FROM i * 32 + 1 FOR 32))",
+        )
+        .await;
+        assert_eq!(missing, 0, "items recorded without their bodies");
     }
 }
