@@ -56,10 +56,6 @@ pub struct Identified {
     pub is_new: bool,
     /// The longest earlier prefix this request repeats, if any.
     pub prefix: Option<PrefixRef>,
-    /// The conversation whose recorded prefix, the longest the request
-    /// repeats, it extended without going on in it (a branch: the request
-    /// went to a new conversation, or to one a shorter prefix continues).
-    pub branched_from: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -139,8 +135,6 @@ struct Owned {
     /// Its recent tips: exchanges no later exchange of it extended, the
     /// latest last, at most [`MAX_TIPS`].
     tips: VecDeque<i64>,
-    /// [`Reads::hearing`] when its latest exchange was remembered.
-    heard: Option<u64>,
 }
 
 /// Tips kept per conversation: a client that sends a side request or
@@ -162,14 +156,6 @@ impl Inner {
     /// Whether a request of `len` items whose prefix is `hit` continues
     /// the hit's conversation: it extends one of its recent tips, or
     /// retries one not answered whole.
-    /// [`Reads::hearing`] when `conversation`'s latest exchange was
-    /// remembered.
-    fn heard_since(&self, tenant: &str, conversation: &str) -> Option<u64> {
-        self.recent
-            .get(&(tenant.to_string(), conversation.to_string()))
-            .and_then(|o| o.heard)
-    }
-
     fn continues(&self, tenant: &str, hit: &Hit, len: usize) -> bool {
         extends(hit, len)
             && self
@@ -305,26 +291,6 @@ pub struct ConversationIndex {
     /// A store other processes write too: what the index lacks (another
     /// replica served it) is looked up there, the index being its cache.
     shared: Option<Arc<dyn Reads>>,
-    /// Conversations (tenant, id) a request extended without continuing,
-    /// here or as another replica announced (see [`Reads::on_branched`]).
-    branched: Arc<Branched>,
-}
-
-/// Conversations known to have branched, by (tenant, id).
-type Branched = Mutex<Option<Generations<(String, String), ()>>>;
-
-/// Branched conversations kept per generation.
-const BRANCHED: usize = 4096;
-
-/// Adds `tenant`'s `conversation` to `branched`.
-fn mark(
-    branched: &Mutex<Option<Generations<(String, String), ()>>>,
-    tenant: &str,
-    conversation: &str,
-) {
-    let mut set = branched.lock().unwrap_or_else(|p| p.into_inner());
-    set.get_or_insert_with(|| Generations::new(BRANCHED))
-        .insert((tenant.to_string(), conversation.to_string()), ());
 }
 
 impl ConversationIndex {
@@ -355,27 +321,9 @@ impl ConversationIndex {
     /// [`Reads::shared`]): requests it has not seen are looked up there.
     pub fn shared_with(mut self, reads: Arc<dyn Reads>) -> Self {
         if reads.shared() {
-            let branched = self.branched.clone();
-            reads.on_branched(Box::new(move |tenant, conversation| {
-                mark(&branched, tenant, conversation)
-            }));
             self.shared = Some(reads);
         }
         self
-    }
-
-    /// Knows `tenant`'s `conversation` branched, if any.
-    fn branched(&self, tenant: &str, conversation: Option<&str>) {
-        if let Some(c) = conversation {
-            mark(&self.branched, tenant, c);
-        }
-    }
-
-    /// Whether `tenant`'s `conversation` is known to have branched.
-    fn has_branched(&self, tenant: &str, conversation: &str) -> bool {
-        let set = self.branched.lock().unwrap_or_else(|p| p.into_inner());
-        let key = (tenant.to_string(), conversation.to_string());
-        set.as_ref().is_some_and(|s| s.get(&key).is_some())
     }
 
     /// An empty index keeping `per_generation` explicit keys per generation,
@@ -397,32 +345,16 @@ impl ConversationIndex {
     /// Where a request's longest recorded prefix is to be looked up in a
     /// store other processes write (see [`Reads::look_up`]): from the
     /// chain after the longest prefix memory has, or nowhere (`None`) when
-    /// the store is this process's alone, when memory has all but the
+    /// the store is this process's alone or memory has all but the
     /// request's last item (the next turn of a session this replica served
-    /// last: longer would be this very request again), or when that prefix
-    /// is an answer (as recorded, or as its client sends it back) ending
-    /// one of its conversation's tips memory has, the conversation has not
-    /// branched, and every branch announced since that answer was
-    /// remembered was heard (the session this replica served before,
-    /// whose last turns others served: they continued the same
-    /// conversation, or one of them branched it and said so). The
-    /// request's record then extends the tip, its suffix repeating the
-    /// hashes of the turns others recorded since. With the conversation of
-    /// that longest prefix, if memory has one.
+    /// last: longer would be this very request again). With the
+    /// conversation of that longest prefix, if memory has one.
     pub fn to_look_up(&self, tenant: &str, chains: &[ItemHash]) -> (Option<usize>, Option<String>) {
         let scope = TenantScope::of(tenant);
         let inner = self.lock();
         let hit = inner.hits(&scope, chains).next();
         let known = hit.map_or(0, |h| h.covers).min(chains.len());
-        let hearing = self.shared.as_ref().and_then(|s| s.hearing());
-        let goes_on = hit.is_some_and(|h| {
-            (h.prefix.full || h.covers > h.prefix.len)
-                && inner.continues(tenant, h, chains.len())
-                && hearing.is_some()
-                && inner.heard_since(tenant, &h.conversation) == hearing
-                && !self.has_branched(tenant, &h.conversation)
-        });
-        let from = (self.shared.is_some() && known + 1 < chains.len() && !goes_on).then_some(known);
+        let from = (self.shared.is_some() && known + 1 < chains.len()).then_some(known);
         (from, hit.map(|h| h.conversation.clone()))
     }
 
@@ -490,7 +422,6 @@ impl ConversationIndex {
                     conversation: c.clone(),
                     is_new: false,
                     prefix,
-                    branched_from: None,
                 })
             };
             if let Some(found) = kept(&mut inner) {
@@ -522,7 +453,6 @@ impl ConversationIndex {
                 conversation,
                 is_new,
                 prefix,
-                branched_from: None,
             };
         }
         if let Some(prev) = previous_response_id {
@@ -534,7 +464,6 @@ impl ConversationIndex {
                     conversation: c.clone(),
                     is_new: false,
                     prefix,
-                    branched_from: None,
                 };
             }
             drop(inner);
@@ -547,44 +476,26 @@ impl ConversationIndex {
                     conversation,
                     is_new: false,
                     prefix,
-                    branched_from: None,
                 };
             }
         }
         match continued {
-            Some(h) => {
-                // Going on from a shorter prefix of another conversation
-                // than the longest's: a branch of that one.
-                let branched_from = hit
-                    .map(|longest| longest.conversation)
-                    .filter(|c| *c != h.conversation);
-                self.branched(tenant, branched_from.as_deref());
-                Identified {
-                    conversation: h.conversation,
-                    is_new: false,
-                    prefix: Some(h.prefix),
-                    branched_from,
-                }
-            }
-            None => {
-                // A branch: known to this replica too, in case it serves a
-                // later turn of the conversation it left.
-                let branched_from = hit.map(|h| h.conversation);
-                self.branched(tenant, branched_from.as_deref());
-                Identified {
-                    conversation: crate::ids::new_conversation_id(),
-                    is_new: true,
-                    prefix: None,
-                    branched_from,
-                }
-            }
+            Some(h) => Identified {
+                conversation: h.conversation,
+                is_new: false,
+                prefix: Some(h.prefix),
+            },
+            None => Identified {
+                conversation: crate::ids::new_conversation_id(),
+                is_new: true,
+                prefix: None,
+            },
         }
     }
 
     /// Records a completed exchange's prefixes so later requests find it.
     pub fn remember(&self, ex: &IndexedExchange) {
         let scope = TenantScope::of(&ex.tenant);
-        let heard = self.shared.as_ref().and_then(|s| s.hearing());
         let mut inner = self.lock();
         let mut added = Vec::new();
         let answered = ex.request_len + ex.response_len;
@@ -626,7 +537,6 @@ impl ConversationIndex {
         inner.entries += added.len();
         let owned = inner.recent.entry(key).or_default();
         owned.stamp = stamp;
-        owned.heard = heard;
         owned.entries.extend(added);
         if let Some(extended) = ex.prefix_exchange {
             owned.tips.retain(|&t| t != extended);
@@ -691,7 +601,7 @@ mod tests {
     use super::*;
     use crate::wire::{chain_hashes, item_hash};
     use serde_json::json;
-    use std::sync::atomic::{AtomicU64, Ordering};
+    use std::sync::atomic::Ordering;
 
     fn chains(n: usize) -> Vec<ItemHash> {
         let items: Vec<ItemHash> = (0..n).map(|i| item_hash(&json!({"n": i}))).collect();
@@ -894,22 +804,17 @@ mod tests {
         assert_ne!(other.conversation, first.conversation);
     }
 
-    /// A store other processes write, as far as the index asks it: it
-    /// hears announcements while `hearing` is odd, and lets the test
-    /// announce a branch.
-    #[derive(Default)]
-    struct Listening {
-        hearing: AtomicU64,
-        branched: std::sync::OnceLock<crate::store::OnBranched>,
-    }
+    /// A store other processes write, as far as the index asks it.
+    struct SharedStore;
 
-    impl crate::store::Queries for Listening {
+    /// The views are not what this test asks of it.
+    impl crate::store::Queries for SharedStore {
         fn views(&self) -> Result<Box<dyn crate::store::sql::Sql>, crate::store::StoreError> {
             Err(crate::store::StoreError::Closed)
         }
     }
 
-    impl crate::store::Reads for Listening {
+    impl crate::store::Reads for SharedStore {
         fn compaction(&self, _: &str) -> Option<crate::compaction::Compaction> {
             None
         }
@@ -922,74 +827,11 @@ mod tests {
         fn shared(&self) -> bool {
             true
         }
-        fn hearing(&self) -> Option<u64> {
-            Some(self.hearing.load(Ordering::Relaxed)).filter(|e| e % 2 == 1)
-        }
-        fn on_branched(&self, f: crate::store::OnBranched) {
-            let _ = self.branched.set(f);
-        }
-    }
-
-    #[test]
-    fn a_session_served_here_two_turns_back_goes_on_unread_until_it_branched() {
-        let store = Arc::new(Listening::default());
-        store.hearing.store(1, Ordering::Relaxed);
-        let idx = ConversationIndex::default().shared_with(store.clone());
-        let c = chains(8);
-        let first = idx.identify("t", None, None, &c[..2]);
-        idx.remember(&ex(1, &first.conversation, "t", &c, 2));
-        // Turns another replica served after this one's answer, its tip:
-        // they continued its conversation, nothing is asked.
-        let seen = (None, Some(first.conversation.clone()));
-        assert_eq!(idx.to_look_up("t", &c[..7]), seen, "its tip goes on");
-        assert_eq!(idx.to_look_up("u", &c[..7]).0, Some(0), "another tenant's");
-        // Not while a branch announced may go unheard, nor after.
-        store.hearing.store(2, Ordering::Relaxed);
-        assert_eq!(idx.to_look_up("t", &c[..7]).0, Some(3), "not listening");
-        store.hearing.store(3, Ordering::Relaxed);
-        assert_eq!(
-            idx.to_look_up("t", &c[..7]).0,
-            Some(3),
-            "may have missed one"
-        );
-        // A turn served here while listening: its answer goes on unread.
-        idx.remember(&IndexedExchange {
-            prefix_exchange: Some(1),
-            ..ex(2, &first.conversation, "t", &c, 4)
-        });
-        assert_eq!(idx.to_look_up("t", &c[..7]), seen);
-        // Another replica branched the conversation: asked again.
-        let announce = store.branched.get().expect("listening for branches");
-        announce("t", &first.conversation);
-        assert_eq!(idx.to_look_up("t", &c[..7]).0, Some(5));
-        // A branch made here: a request from exchange 1's answer, which
-        // exchange 2 continued, is a new conversation that says so.
-        let here = ConversationIndex::default().shared_with(Arc::new(Listening {
-            hearing: AtomicU64::new(1),
-            ..Listening::default()
-        }));
-        let first = here.identify("t", None, None, &c[..2]);
-        here.remember(&ex(1, &first.conversation, "t", &c, 2));
-        here.remember(&IndexedExchange {
-            prefix_exchange: Some(1),
-            ..ex(2, &first.conversation, "t", &c, 4)
-        });
-        assert_eq!(here.to_look_up("t", &c[..7]).0, None);
-        let items: Vec<ItemHash> = (0..3).map(|i| item_hash(&json!({"n": i}))).collect();
-        let edited = chain_hashes(&[&items[..], &[msg("Instead.")]].concat());
-        let branch = here.identify("t", None, None, &edited);
-        assert!(branch.is_new);
-        assert_eq!(branch.branched_from.as_ref(), Some(&first.conversation));
-        assert_eq!(
-            here.to_look_up("t", &c[..7]).0,
-            Some(5),
-            "known here at once"
-        );
     }
 
     #[test]
     fn an_answer_sent_back_as_clients_send_it_continues_without_a_read() {
-        let idx = ConversationIndex::default().shared_with(Arc::new(Listening::default()));
+        let idx = ConversationIndex::default().shared_with(Arc::new(SharedStore));
         let answer = json!({"role": "assistant", "content": "1 2 3 4 5", "refusal": null});
         let back = crate::wire::chat::echoed(&answer).expect("refusal: null is dropped");
         assert_eq!(back, json!({"role": "assistant", "content": "1 2 3 4 5"}));
@@ -1022,7 +864,7 @@ mod tests {
         };
         assert_eq!(found.prefix, Some(request_only));
         // Without the alias, the same request is asked for.
-        let plain = ConversationIndex::default().shared_with(Arc::new(Listening::default()));
+        let plain = ConversationIndex::default().shared_with(Arc::new(SharedStore));
         let first = plain.identify("t", None, None, &chain_hashes(&[ask]));
         plain.remember(&ex(
             1,
@@ -1036,7 +878,7 @@ mod tests {
 
     #[test]
     fn a_shared_store_is_asked_only_for_prefixes_memory_may_lack() {
-        let idx = ConversationIndex::default().shared_with(Arc::new(Listening::default()));
+        let idx = ConversationIndex::default().shared_with(Arc::new(SharedStore));
         let c = chains(8);
         assert_eq!(
             idx.to_look_up("t", &c[..2]),

@@ -34,18 +34,13 @@ async fn replicas(url: &str, adjust: fn(&mut compactor::config::Config)) -> (Har
         c.store.url = url;
     })
     .await;
-    let b = another(&a).await;
-    (a, b)
-}
-
-/// Another in-process replica configured as `a`, sharing its fake upstream.
-async fn another(a: &Harness) -> Harness {
     let dir = tempfile::tempdir().expect("tempdir");
     // A path of its own: a local journal is kept beside it.
-    let db = dir.path().join("replica.db");
+    let db = dir.path().join("replica-b.db");
     let mut config = a.state.config.clone();
     config.store.path = db.display().to_string();
-    Harness::start_on(a.fake.clone(), dir, db, config).await
+    let b = Harness::start_on(a.fake.clone(), dir, db, config).await;
+    (a, b)
 }
 
 /// A chat session that sends its whole history each turn, to any replica.
@@ -1010,12 +1005,12 @@ async fn a_conversation_new_to_a_replica_is_read_in_one_round_trip_and_then_not_
         (turn.conversation.as_str(), turn.compacted.as_deref()),
         (compacted.conversation.as_str(), compaction.as_deref())
     );
-    // The first replica missed two turns after the answer that is its
-    // tip: the request goes on from it, nothing is read.
+    // The first replica missed two turns: their prefix is read (one round
+    // trip), then nothing again.
     let (turn, made) = counted_turn(&mut chat, &a, "Once more.").await;
     assert_eq!(
         (made, turn.compacted.as_deref()),
-        (0, compaction.as_deref())
+        (1, compaction.as_deref())
     );
     assert_eq!(turn.conversation, compacted.conversation);
     let (_, made) = counted_turn(&mut chat, &a, "Last one.").await;
@@ -1062,9 +1057,8 @@ async fn a_compaction_one_replica_stores_is_announced_to_the_other_which_applies
         }
     })
     .await;
-    // Heard: the other replica, whose tip the turn it missed extends,
-    // reads only the body of the compaction it heard of (an announcement
-    // carries none), in one round trip, and applies it.
+    // Heard: the other replica reads only the turn it missed (one round
+    // trip) and applies the compaction it heard of.
     let (turn, made) = counted_turn(&mut chat, other, "Go on.").await;
     assert_eq!(made, 1);
     assert_eq!(turn.conversation, compacted.conversation);
@@ -1219,11 +1213,9 @@ async fn a_replica_probes_a_request_s_earlier_chains_only_when_its_last_ones_mat
     let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &b, "Go on.").await;
     assert_eq!(turn.conversation, first.conversation);
     assert_eq!(skipped, 1, "a near chain matched: {plan}");
-    // Far past what was recorded, new to a third replica: the earlier
-    // chains find it.
+    // Far past what was recorded: the earlier chains find it.
     steps(&mut chat, 100, 120);
-    let c = another(&a).await;
-    let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &c, "And now?").await;
+    let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &a, "And now?").await;
     assert_eq!(turn.conversation, first.conversation);
     assert_eq!(
         skipped, 0,
@@ -1393,10 +1385,9 @@ fn partition(conversations: &[String]) -> Vec<usize> {
 
 /// A session spread over two replicas, through edits and back-ups: a plain
 /// next turn stays in the conversation of the turn before, as on one
-/// replica, though a replica that served the session two turns back does
-/// not look it up (other replicas announce the branches they make); and
-/// every record's prefix and suffix make up the request it was sent, its
-/// items stored.
+/// replica (a replica that served the session two turns back learns from
+/// the database that another branched it since); and every record's
+/// prefix and suffix make up the request it was sent, its items stored.
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]
 #[ignore = "needs PostgreSQL (scripts/test installs it)"]
 async fn a_session_spread_over_two_replicas_through_branches_keeps_its_next_turns_together() {

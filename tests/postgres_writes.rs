@@ -74,7 +74,6 @@ fn exchange(id: i64, conversation: &str, started_ms: i64) -> ExchangeRecord {
         conversation: conversation.to_string(),
         new_conversation: true,
         chained_by_id: false,
-        branched_from: None,
         explicit_key: None,
         tenant: "tenant-a".into(),
         api: compactor::wire::Api::Responses,

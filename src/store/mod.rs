@@ -42,7 +42,7 @@ pub use records::{
     IndexedExchange, LeftOut, Limits, PrefixRef, Record, RecordedWindow, Snapshot,
     StoredCompaction, MAX_CLIENT_CHARS, MAX_CLIENT_ID_CHARS, MAX_PREVIEW_CHARS,
 };
-pub use traits::{Backend, Found, LookUp, OnBranched, Queries, ReadFuture, Reads};
+pub use traits::{Backend, Found, LookUp, Queries, ReadFuture, Reads};
 pub use writer::{CommitObserver, SharedDatabase, Store, KNOWN_ITEMS};
 
 /// A store failure.

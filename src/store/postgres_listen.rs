@@ -38,12 +38,6 @@ pub const CHANNEL: &str = "compactor_manual";
 /// The channel every compaction stored is announced on (by a trigger).
 pub const COMPACTED: &str = "compactor_compacted";
 
-/// The channel a replica announces a branch on: `tenant conversation`, a
-/// conversation a request extended without continuing it (the request
-/// became a new conversation), in the transaction that commits the
-/// request's exchange.
-pub const BRANCHED: &str = "compactor_branched";
-
 /// The listening connection's `application_name`, to tell it apart among
 /// a replica's connections (`pg_stat_activity`).
 pub const APPLICATION_NAME: &str = "compactor-listen";
@@ -71,9 +65,6 @@ pub struct Heard {
 #[derive(Default, Clone)]
 struct Compacted {
     on: OnForget,
-    /// What to do with a branch's announcement ([`BRANCHED`]), heard while
-    /// [`Heard::hearing`] says so too.
-    branched: OnForget,
     /// Odd while listening, even while not: bumped at each change, so that
     /// a value seen twice means nothing was missed in between.
     epoch: Arc<AtomicU64>,
@@ -127,12 +118,6 @@ impl Heard {
     /// set, kept).
     pub fn on_compacted(&self, f: Box<dyn Fn(&str) + Send + Sync>) {
         let _ = self.compacted.on.set(f);
-    }
-
-    /// Calls `f` with each branch's announcement ([`BRANCHED`]) from now on
-    /// (once set, kept).
-    pub fn on_branched(&self, f: Box<dyn Fn(&str) + Send + Sync>) {
-        let _ = self.compacted.branched.set(f);
     }
 
     /// While listening, a number that changes when listening stops.
@@ -222,7 +207,7 @@ async fn session(
     // The connection's messages: replies to the client, and notifications,
     // applied in the order they were committed.
     let (told, forget) = (pending.clone(), forget.clone());
-    let (stored, branched) = (compacted.on.clone(), compacted.branched.clone());
+    let stored = compacted.on.clone();
     let mut driver = tokio::spawn(async move {
         while let Some(message) = poll_fn(|cx| connection.poll_message(cx)).await {
             let AsyncMessage::Notification(n) = message? else {
@@ -236,10 +221,6 @@ async fn session(
                 if let Some(stored) = stored.get() {
                     stored(n.payload());
                 }
-            } else if n.channel() == BRANCHED {
-                if let Some(branched) = branched.get() {
-                    branched(n.payload());
-                }
             } else {
                 apply(&told, n.payload());
             }
@@ -251,7 +232,7 @@ async fn session(
         // heard (both, at worst).
         client
             .batch_execute(&format!(
-                "LISTEN {CHANNEL}; LISTEN {FORGET}; LISTEN {COMPACTED}; LISTEN {BRANCHED}"
+                "LISTEN {CHANNEL}; LISTEN {FORGET}; LISTEN {COMPACTED}"
             ))
             .await?;
         let rows = client

@@ -82,11 +82,6 @@ pub struct ExchangeRecord {
     /// one by `previous_response_id`): its next turn names this one's.
     #[serde(skip)]
     pub chained_by_id: bool,
-    /// The conversation its request extended without going on in it (see
-    /// `Identified::branched_from`), announced to the other replicas of a
-    /// shared store with its commit.
-    #[serde(skip)]
-    pub branched_from: Option<String>,
     /// The explicit key that names the conversation, if any.
     pub explicit_key: Option<String>,
     /// Salted hash of the client's credential.

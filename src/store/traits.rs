@@ -150,15 +150,7 @@ pub trait Reads: Queries + Send + Sync + 'static {
     fn hearing(&self) -> Option<u64> {
         None
     }
-    /// Calls `f` with `(tenant, conversation)` for each branch another
-    /// process announces: a request that extended the conversation without
-    /// continuing it (it became a new conversation there). Heard while
-    /// [`Reads::hearing`] says so.
-    fn on_branched(&self, _f: OnBranched) {}
 }
-
-/// What [`Reads::on_branched`] calls, with a tenant and a conversation.
-pub type OnBranched = Box<dyn Fn(&str, &str) + Send + Sync>;
 
 /// The answer of a [`Reads::look_up`], to be awaited.
 pub type ReadFuture<T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'static>>;

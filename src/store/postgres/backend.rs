@@ -269,28 +269,6 @@ const MARK_WITHHELD: &str = "UPDATE exchanges SET status = 503, partial = TRUE, 
                                                   response_id = NULL, chain_full = NULL
                              WHERE id = ANY($1)";
 
-/// Announces the branches of a batch's exchanges (see
-/// [`crate::store::postgres_listen::BRANCHED`]), delivered at its commit.
-fn announce_branches_sql() -> &'static str {
-    static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
-    SQL.get_or_init(|| {
-        let channel = crate::store::postgres_listen::BRANCHED;
-        format!("SELECT pg_notify('{channel}', branch) FROM unnest($1::text[]) branch")
-    })
-}
-
-/// Runs [`announce_branches_sql`] over `branches`, unless there are none.
-async fn announce_branches(
-    client: &deadpool_postgres::ClientWrapper,
-    statement: &tokio_postgres::Statement,
-    branches: &[String],
-) -> Result<u64, tokio_postgres::Error> {
-    if branches.is_empty() {
-        return Ok(0);
-    }
-    client.execute(statement, &[&branches]).await
-}
-
 /// Runs [`MARK_WITHHELD`] over `ids`, unless there are none.
 async fn mark_withheld(
     client: &deadpool_postgres::ClientWrapper,
@@ -337,15 +315,9 @@ async fn write_pipelined(
         }
         seen.push(span);
     }
-    let mut branches = Vec::new();
     for rec in batch {
         match rec {
-            Record::Exchange(e) => {
-                exchanges.push(e);
-                if let Some(from) = &e.branched_from {
-                    branches.push(format!("{} {from}", e.tenant));
-                }
-            }
+            Record::Exchange(e) => exchanges.push(e),
             Record::Compaction(c) => compactions.push(c),
             Record::Window(_) => {}
         }
@@ -372,7 +344,6 @@ async fn write_pipelined(
         client.prepare_cached(Compactions::sql()),
         client.prepare_cached(Windows::sql()),
         client.prepare_cached(MARK_WITHHELD),
-        client.prepare_cached(announce_branches_sql()),
     )?;
     // `biased`: each request is sent when first polled, so polled in this
     // order they run in it, the conversations before the exchanges that
@@ -388,7 +359,6 @@ async fn write_pipelined(
         insert(client, &statements.4, &compactions),
         insert(client, &statements.5, &windows),
         mark_withheld(client, &statements.6, withheld),
-        announce_branches(client, &statements.7, &branches),
         client.batch_execute("COMMIT"),
     )?;
     Ok(())

@@ -334,14 +334,6 @@ impl crate::store::Reads for PostgresReads {
         self.manual.hearing()
     }
 
-    fn on_branched(&self, f: crate::store::OnBranched) {
-        self.manual.on_branched(Box::new(move |payload| {
-            if let Some((tenant, conversation)) = payload.split_once(' ') {
-                f(tenant, conversation)
-            }
-        }));
-    }
-
     fn record_attempt(&self, tenant: &str, conversation: &str, attempt: &AttemptRecord) {
         let (tenant, conversation, a) = (
             tenant.to_string(),
