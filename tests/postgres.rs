@@ -1356,7 +1356,7 @@ async fn play(steps: &[Step], via: &[&Harness], key: &str, seed: u64) -> Vec<Str
             }
             _ => format!("Step {i}: read src/module_{i}.rs."),
         };
-        // Each answer its own, as a model's are (a retry's too).
+        // Each answer its own, as a model's are.
         let answer = format!("Answer {i} of session {seed}.");
         h.fake
             .push(compactor::fake_upstream::Reply::chat(&answer, 40, 8));
