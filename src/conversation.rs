@@ -56,6 +56,26 @@ pub struct Identified {
     pub is_new: bool,
     /// The longest earlier prefix this request repeats, if any.
     pub prefix: Option<PrefixRef>,
+    /// The conversation whose recorded prefix, the longest the request
+    /// repeats, it extended without going on in it (a branch: the request
+    /// went to a new conversation, or to one a shorter prefix continues).
+    pub branched_from: Option<String>,
+}
+
+/// What [`ConversationIndex::to_look_up`] says to ask a store other
+/// processes write.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ToLookUp {
+    /// Where to look the request's longest recorded prefix up from, if
+    /// anywhere.
+    pub prefix_from: Option<usize>,
+    /// The conversation of the longest prefix memory has, if any.
+    pub conversation: Option<String>,
+    /// That conversation, when the prefix is an answer ending one of its
+    /// tips memory has: the request goes on in it unless a request has
+    /// left it since (a branch, recorded in the store), so the prefix is
+    /// looked up only then (see [`crate::store::LookUp::goes_on`]).
+    pub goes_on: Option<String>,
 }
 
 #[derive(Debug, Clone)]
@@ -348,14 +368,30 @@ impl ConversationIndex {
     /// the store is this process's alone or memory has all but the
     /// request's last item (the next turn of a session this replica served
     /// last: longer would be this very request again). With the
-    /// conversation of that longest prefix, if memory has one.
-    pub fn to_look_up(&self, tenant: &str, chains: &[ItemHash]) -> (Option<usize>, Option<String>) {
+    /// conversation of that longest prefix, if memory has one, and whether
+    /// the request goes on in it from one of its tips.
+    ///
+    /// That is the session this replica served before whose last turns
+    /// others served, behind a round-robin balancer: they continued the
+    /// same conversation, unless one of them left it (an edit, a back-up),
+    /// which its replica recorded before answering. A longer prefix then
+    /// names the same conversation, so the store need only say whether
+    /// any exchange left it.
+    pub fn to_look_up(&self, tenant: &str, chains: &[ItemHash]) -> ToLookUp {
         let scope = TenantScope::of(tenant);
         let inner = self.lock();
         let hit = inner.hits(&scope, chains).next();
         let known = hit.map_or(0, |h| h.covers).min(chains.len());
         let from = (self.shared.is_some() && known + 1 < chains.len()).then_some(known);
-        (from, hit.map(|h| h.conversation.clone()))
+        let goes_on = hit.is_some_and(|h| {
+            (h.prefix.full || h.covers > h.prefix.len) && inner.continues(tenant, h, chains.len())
+        });
+        let conversation = hit.map(|h| h.conversation.clone());
+        ToLookUp {
+            prefix_from: from,
+            goes_on: conversation.clone().filter(|_| goes_on && from.is_some()),
+            conversation,
+        }
     }
 
     /// Matches a request: `chains[i]` is the chain hash of its first `i + 1`
@@ -422,6 +458,7 @@ impl ConversationIndex {
                     conversation: c.clone(),
                     is_new: false,
                     prefix,
+                    branched_from: None,
                 })
             };
             if let Some(found) = kept(&mut inner) {
@@ -453,6 +490,7 @@ impl ConversationIndex {
                 conversation,
                 is_new,
                 prefix,
+                branched_from: None,
             };
         }
         if let Some(prev) = previous_response_id {
@@ -464,6 +502,7 @@ impl ConversationIndex {
                     conversation: c.clone(),
                     is_new: false,
                     prefix,
+                    branched_from: None,
                 };
             }
             drop(inner);
@@ -476,11 +515,16 @@ impl ConversationIndex {
                     conversation,
                     is_new: false,
                     prefix,
+                    branched_from: None,
                 };
             }
         }
+        // Gone elsewhere than the longest prefix's conversation, to a new
+        // one or to another a shorter prefix continues: a branch of it.
+        let longest = hit.map(|h| h.conversation);
         match continued {
             Some(h) => Identified {
+                branched_from: longest.filter(|c| *c != h.conversation),
                 conversation: h.conversation,
                 is_new: false,
                 prefix: Some(h.prefix),
@@ -489,6 +533,7 @@ impl ConversationIndex {
                 conversation: crate::ids::new_conversation_id(),
                 is_new: true,
                 prefix: None,
+                branched_from: longest,
             },
         }
     }
@@ -851,7 +896,7 @@ mod tests {
         // Memory knows all but the new item: nothing to ask the store.
         assert_eq!(
             idx.to_look_up("t", &next),
-            (None, Some(first.conversation.clone()))
+            asked(None, Some(&first.conversation))
         );
         // Matched to the request's prefix, not the answer as recorded: the
         // record repeats what the client sent.
@@ -873,7 +918,50 @@ mod tests {
             &chain_hashes(&[ask, answered]),
             1,
         ));
-        assert_eq!(plain.to_look_up("t", &next).0, Some(1));
+        assert_eq!(plain.to_look_up("t", &next).prefix_from, Some(1));
+    }
+
+    /// What [`ConversationIndex::to_look_up`] answers for a request that
+    /// does not go on from a tip.
+    fn asked(prefix_from: Option<usize>, conversation: Option<&String>) -> ToLookUp {
+        ToLookUp {
+            prefix_from,
+            conversation: conversation.cloned(),
+            goes_on: None,
+        }
+    }
+
+    #[test]
+    fn a_request_going_on_from_a_tip_says_so_and_a_branch_says_what_it_left() {
+        let idx = ConversationIndex::default().shared_with(Arc::new(SharedStore));
+        let c = chains(8);
+        let first = idx.identify("t", None, None, &c[..2]);
+        assert_eq!(first.branched_from, None, "nothing to leave");
+        idx.remember(&ex(1, &first.conversation, "t", &c, 2));
+        // Turns another replica served after this one's answer, its tip:
+        // they went on in its conversation unless one of them left it.
+        let on = idx.to_look_up("t", &c[..7]);
+        assert_eq!(on.goes_on.as_ref(), Some(&first.conversation));
+        assert_eq!(on.prefix_from, Some(3), "asked, should it have branched");
+        assert_eq!(idx.to_look_up("u", &c[..7]).goes_on, None, "another tenant");
+        // A prefix no answer ends (a request resent, cut short): no tip.
+        assert_eq!(idx.to_look_up("t", &c[..2]).goes_on, None);
+        // Exchange 2 went on from exchange 1's answer.
+        idx.remember(&IndexedExchange {
+            prefix_exchange: Some(1),
+            ..ex(2, &first.conversation, "t", &c, 4)
+        });
+        // A request from exchange 1's answer again, edited: exchange 1 is
+        // no tip now, so it is a new conversation, one that left the first.
+        let items: Vec<ItemHash> = (0..3).map(|i| item_hash(&json!({"n": i}))).collect();
+        let edited = chain_hashes(&[&items[..], &[msg("Instead.")]].concat());
+        assert_eq!(idx.to_look_up("t", &edited).goes_on, None, "no tip");
+        let branch = idx.identify("t", None, None, &edited);
+        assert!(branch.is_new);
+        assert_eq!(branch.branched_from.as_ref(), Some(&first.conversation));
+        // Its next turn, from exchange 2's answer, goes on from a tip.
+        let next = idx.identify("t", None, None, &c[..6]);
+        assert_eq!((next.is_new, next.branched_from), (false, None));
     }
 
     #[test]
@@ -882,13 +970,13 @@ mod tests {
         let c = chains(8);
         assert_eq!(
             idx.to_look_up("t", &c[..2]),
-            (Some(0), None),
+            asked(Some(0), None),
             "nothing in memory"
         );
         let first = idx.identify("t", None, None, &c[..2]);
         idx.remember(&ex(1, &first.conversation, "t", &c, 2));
         // Request and answer known here: the next turn adds one item.
-        let seen = (None, Some(first.conversation.clone()));
+        let seen = asked(None, Some(&first.conversation));
         assert_eq!(
             idx.to_look_up("t", &c[..4]),
             seen,
@@ -897,7 +985,7 @@ mod tests {
         let next = idx.identify("t", None, None, &c[..4]);
         assert_eq!(next.conversation, first.conversation);
         // Turns this replica did not see: asked past what it knows.
-        assert_eq!(idx.to_look_up("t", &c[..7]).0, Some(3));
+        assert_eq!(idx.to_look_up("t", &c[..7]).prefix_from, Some(3));
         // The store's answer: a longer prefix another replica recorded,
         // that nothing continued yet.
         let prefix = PrefixRef {
@@ -923,7 +1011,9 @@ mod tests {
         assert_eq!(again.prefix, next.prefix);
         // A store only this process writes is never asked.
         assert_eq!(
-            ConversationIndex::default().to_look_up("t", &c[..7]).0,
+            ConversationIndex::default()
+                .to_look_up("t", &c[..7])
+                .prefix_from,
             None
         );
     }

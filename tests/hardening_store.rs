@@ -145,6 +145,7 @@ fn journaled(id: i64) -> compactor::store::ExchangeRecord {
         conversation: format!("conv_journaled_{id}"),
         new_conversation: true,
         chained_by_id: false,
+        branched_from: None,
         explicit_key: None,
         tenant: "t".into(),
         api: compactor::wire::Api::Chat,

@@ -363,13 +363,13 @@ async fn replicas_started_together_share_one_schema_and_a_kill_9_loses_no_acknow
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let before = check();
-    assert!(before.contains("schema at version 0 of 8"), "{before}");
+    assert!(before.contains("schema at version 0 of 9"), "{before}");
     // Both on an empty database at once: one applies the migrations, the
     // other waits for its lock and finds them; one salt.
     let [(mut doomed, p1), (_survivor, p2)] = two_binaries(&config);
     assert_eq!(
         count(&url, "SELECT count(*) FROM schema_migrations").await,
-        8,
+        9,
         "each migration applied once"
     );
     assert_eq!(
@@ -377,7 +377,7 @@ async fn replicas_started_together_share_one_schema_and_a_kill_9_loses_no_acknow
         1
     );
     let after = check();
-    assert!(after.contains("schema current (version 8)"), "{after}");
+    assert!(after.contains("schema current (version 9)"), "{after}");
     let base = |port: u16| format!("http://127.0.0.1:{port}/v1");
     let mut chat = Chat::new(KEY);
     let mut acknowledged = 0;
@@ -1213,14 +1213,60 @@ async fn a_replica_probes_a_request_s_earlier_chains_only_when_its_last_ones_mat
     let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &b, "Go on.").await;
     assert_eq!(turn.conversation, first.conversation);
     assert_eq!(skipped, 1, "a near chain matched: {plan}");
-    // Far past what was recorded: the earlier chains find it.
+    // Far past what was recorded, at a replica that served none of it (one
+    // that did would go on from its own answer, probing no chain unless
+    // the conversation branched): the earlier chains find it.
     steps(&mut chat, 100, 120);
-    let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &a, "And now?").await;
+    let (c, _d) = replicas(&url, |_| {}).await;
+    let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &c, "And now?").await;
     assert_eq!(turn.conversation, first.conversation);
     assert_eq!(
         skipped, 0,
         "nothing near: the earlier chains are probed: {plan}"
     );
+}
+
+/// Behind a round-robin balancer a replica serves every other turn of a
+/// session: its request goes on from the answer the replica gave two turns
+/// back, one of its conversation's tips in memory. Its look-up then probes
+/// no chain unless an exchange recorded that it left that conversation (a
+/// branch, committed before its answer went), since any longer prefix
+/// would name the same conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_replica_going_on_from_its_own_answer_probes_no_chain_until_the_conversation_branched() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    log_plans(&url, true).await;
+    let (a, b) = replicas(&url, |_| {}).await;
+    let mut chat = Chat::new(KEY);
+    let (first, _) = counted_turn(&mut chat, &b, "Step 1.").await;
+    let (second, _) = counted_turn(&mut chat, &a, "Step 2.").await;
+    assert_eq!(second.conversation, first.conversation);
+    // From b's own answer, past a's turn: asked, but no chain probed.
+    let (third, skipped, plan) = look_up_plan(&pg, &mut chat, &b, "Step 3.").await;
+    assert_eq!(third.conversation, first.conversation);
+    assert_eq!(skipped, 2, "went on from its tip, unbranched: {plan}");
+    // The session's second turn edited, at a: a branch of the conversation.
+    let mut edited = Chat::new(KEY);
+    edited.history = chat.history[..2].to_vec();
+    let fork = edited.turn(&a, "Step 2, otherwise.").await;
+    assert_eq!(fork.status, 200);
+    assert_ne!(fork.conversation, first.conversation, "an edit branches");
+    let left = count(
+        &url,
+        &format!(
+            "SELECT COUNT(*) FROM exchanges WHERE branched_from = '{}'",
+            first.conversation
+        ),
+    )
+    .await;
+    assert_eq!(left, 1, "the branch says what it left");
+    // a's next turn of the first line goes on from its tip, but the
+    // conversation branched: the chains are probed (the near ones match).
+    let (fourth, skipped, plan) = look_up_plan(&pg, &mut chat, &a, "Step 4.").await;
+    assert_eq!(fourth.conversation, first.conversation);
+    assert_eq!(skipped, 1, "branched: probed: {plan}");
 }
 
 /// With `store.local_journal` an answer goes once journaled, before its

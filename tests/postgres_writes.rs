@@ -74,6 +74,7 @@ fn exchange(id: i64, conversation: &str, started_ms: i64) -> ExchangeRecord {
         conversation: conversation.to_string(),
         new_conversation: true,
         chained_by_id: false,
+        branched_from: Some("conv_left".into()),
         explicit_key: None,
         tenant: "tenant-a".into(),
         api: compactor::wire::Api::Responses,
@@ -344,6 +345,7 @@ fn every_column_is_written_and_replicas_writing_one_conversation_keep_its_rules(
         "mode": "observe", "tokens_saved": 11, "tokens_saved_potential": 22,
         "observed_compaction": "cmp_observed", "recall_rounds": 2,
         "recall_input_tokens": 33, "recall_output_tokens": 44,
+        "branched_from": "conv_left",
     });
     assert_eq!(exchanges[0], expected);
     let ids = rows(
@@ -866,6 +868,7 @@ fn a_database_of_the_schema_before_audits_is_migrated() {
         "ALTER TABLE compactions DROP COLUMN audit;
          DROP TRIGGER compactions_announced ON compactions;
          DROP FUNCTION compactor_announce_compaction();
+         ALTER TABLE exchanges DROP COLUMN branched_from;
          DELETE FROM schema_migrations WHERE version >= 6;",
     );
     let (pg, mut b) = backend(&url);

@@ -262,7 +262,11 @@ impl Compactions {
             return Prefetched::default();
         };
         self.take_announced();
-        let (prefix_from, conversation) = conversations.to_look_up(tenant, chains);
+        let crate::conversation::ToLookUp {
+            prefix_from,
+            conversation,
+            goes_on,
+        } = conversations.to_look_up(tenant, chains);
         let (kept, covered) = {
             let idx = lock(&self.by_tenant);
             idx.get(tenant)
@@ -282,6 +286,7 @@ impl Compactions {
             prefix_from,
             covering_from,
             body_of: body_of.clone(),
+            goes_on,
         };
         lock(&self.heard.settled)
             .get_or_insert_with(|| Generations::new(HEARD))

@@ -492,6 +492,7 @@ impl PendingExchange {
             conversation: self.conversation().to_string(),
             new_conversation: self.conversation.ident.is_new,
             chained_by_id: self.request.previous().is_some(),
+            branched_from: self.conversation.ident.branched_from.clone(),
             explicit_key: self.request.explicit_key().map(String::from),
             tenant: self.request.tenant().to_string(),
             api: self.request.api(),

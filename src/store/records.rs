@@ -82,6 +82,12 @@ pub struct ExchangeRecord {
     /// one by `previous_response_id`): its next turn names this one's.
     #[serde(skip)]
     pub chained_by_id: bool,
+    /// The conversation whose recorded prefix, the longest its request
+    /// repeats, it left (see `Identified::branched_from`): on a store
+    /// several replicas share, a replica goes on in a conversation without
+    /// looking up a longer prefix only while no exchange says it left it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub branched_from: Option<String>,
     /// The explicit key that names the conversation, if any.
     pub explicit_key: Option<String>,
     /// Salted hash of the client's credential.

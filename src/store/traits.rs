@@ -166,6 +166,11 @@ pub struct LookUp {
     /// A compaction whose body is wanted, if none covering more is found
     /// (the one memory has for the request, without its body).
     pub body_of: Option<String>,
+    /// The conversation the request goes on in, as far as memory knows
+    /// (see [`crate::conversation::ToLookUp::goes_on`]): the prefix is then
+    /// looked up only if an exchange recorded that it left that
+    /// conversation; else nothing longer is found.
+    pub goes_on: Option<String>,
 }
 
 /// What a [`Reads::look_up`] found.

@@ -320,14 +320,17 @@ impl Store {
     /// finds it only in the database. That is a conversation's first
     /// exchange (else another conversation would start) and one whose
     /// client chains answers by id (else the next turn's
-    /// `previous_response_id` would not be expanded). Other exchanges need
+    /// `previous_response_id` would not be expanded), and one that left the
+    /// conversation of its longest recorded prefix (a branch: else another
+    /// replica would go on in the conversation it left, unread). Other exchanges need
     /// no such wait: the replica serving the next turn finds the
     /// conversation by any one of them (see
     /// `ConversationIndex::identify_with`).
     pub async fn record(&self, rec: ExchangeRecord) -> Result<(), StoreError> {
         let streamed = rec.streamed;
         let visible_before_answer =
-            (rec.new_conversation || rec.chained_by_id) && self.ids.is_some();
+            (rec.new_conversation || rec.chained_by_id || rec.branched_from.is_some())
+                && self.ids.is_some();
         match self.stage(rec)? {
             Journaled::At(journal, seq) => {
                 // Buffered answers that end in this same turn of the runtime

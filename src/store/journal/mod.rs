@@ -623,6 +623,7 @@ pub(crate) mod tests {
             conversation: format!("conv_{id}"),
             new_conversation: true,
             chained_by_id: false,
+            branched_from: None,
             explicit_key: None,
             tenant: "t".into(),
             api: Api::Chat,

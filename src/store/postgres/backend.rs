@@ -536,6 +536,7 @@ columns! {
         recall_rounds: i64 as "bigint" = i64::from(r.savings.recall_rounds),
         recall_input_tokens: i64 as "bigint" = r.savings.recall_input_tokens as i64,
         recall_output_tokens: i64 as "bigint" = r.savings.recall_output_tokens as i64,
+        branched_from: Option<Cow<'a, str>> as "text" = escape_opt(r.branched_from.as_deref()),
     }
 }
 

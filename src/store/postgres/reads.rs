@@ -525,6 +525,7 @@ impl Postgres {
                 .map(|at| chains[at..].iter().map(|c| c.to_vec()).collect::<Vec<_>>())
         };
         let (prefix, covering) = (from(ask.prefix_from), from(ask.covering_from));
+        let goes_on = ask.goes_on.filter(|_| prefix.is_some());
         let (body_of, covering) = match (ask.body_of, covering) {
             (None, None) => (None, None),
             (body_of, covering) => (body_of, Some(covering.unwrap_or_default())),
@@ -535,7 +536,7 @@ impl Postgres {
         self.counted();
         let (pool, timeout, tenant) = (self.pool.clone(), self.timeout, tenant.to_string());
         let task = self.handle.spawn(async move {
-            let read = look_up(&pool, &tenant, prefix, covering, body_of);
+            let read = look_up(&pool, &tenant, prefix, covering, body_of, goes_on);
             tokio::time::timeout(timeout, read)
                 .await
                 .unwrap_or(Err(StoreError::Timeout))
@@ -605,6 +606,11 @@ const NEAR_CHAINS: usize = 16;
 /// `prefix_exchange` (it did at a few thousand rows, half the statement's
 /// time), and a `LIMIT`ed sub-select it can only run per row, one probe of
 /// `exchanges_prefix` for each of the few rows found.
+///
+/// `$4`, when not null, is the conversation memory says the request goes
+/// on in ([`crate::store::LookUp::goes_on`]): the chains are then probed
+/// only if an exchange left it (`exchanges_branched`, a one-time filter
+/// too), else nothing is found and memory's prefix stands.
 fn by_chain() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
@@ -620,6 +626,9 @@ fn by_chain() -> &'static str {
                  WHERE tenant = $1
                        AND (chain_request = ANY((SELECT {chains}::bytea[])::bytea[])
                             OR chain_full = ANY((SELECT {chains}::bytea[])::bytea[])){unless}
+                       AND ($4::text IS NULL
+                            OR EXISTS (SELECT 1 FROM exchanges b
+                                       WHERE b.tenant = $1 AND b.branched_from = $4))
                  ORDER BY id DESC LIMIT 64"
             )
         };
@@ -665,6 +674,7 @@ async fn look_up(
     prefix: Option<Vec<Vec<u8>>>,
     covering: Option<Vec<Vec<u8>>>,
     body_of: Option<String>,
+    goes_on: Option<String>,
 ) -> Result<Found, StoreError> {
     let client = pool.get().await?;
     let prepare = |sql: &'static str, asked: bool| {
@@ -686,7 +696,9 @@ async fn look_up(
         match (&by_chain, &prefix) {
             (Some(stmt), Some(chains)) => {
                 let (earlier, near) = chains.split_at(chains.len().saturating_sub(NEAR_CHAINS));
-                client.query(stmt, &[&tenant, &near, &earlier]).await
+                client
+                    .query(stmt, &[&tenant, &near, &earlier, &goes_on])
+                    .await
             }
             _ => Ok(Vec::new()),
         }

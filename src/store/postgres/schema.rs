@@ -223,6 +223,17 @@ CREATE TRIGGER compactions_announced AFTER INSERT ON compactions
 DROP INDEX IF EXISTS exchanges_conversation;
 "#,
     ),
+    (
+        9,
+        r#"
+-- The conversation an exchange's request left, the one of the longest
+-- prefix it repeats (a branch): a replica goes on in a conversation
+-- without looking a longer prefix up only while none left it.
+ALTER TABLE exchanges ADD COLUMN branched_from TEXT;
+CREATE INDEX exchanges_branched ON exchanges (tenant, branched_from)
+    WHERE branched_from IS NOT NULL;
+"#,
+    ),
 ];
 
 /// The key of the advisory lock migrations run under, so that replicas
