@@ -291,9 +291,12 @@ fn a_damaged_journal_frame_costs_only_its_own_exchange() {
 /// exit code and stderr (a start that does not end in time fails).
 fn refused_serve(upstream: &str, db: &std::path::Path) -> (Option<i32>, String) {
     use std::io::Read;
-    let listen = format!("127.0.0.1:{}", support::free_port());
+    // Port 0: a server refused its store is never reached, and a port
+    // picked ahead could be taken meanwhile (the refusal would then be
+    // "cannot listen", not the store's).
+    let listen = "127.0.0.1:0";
     let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_compactor"))
-        .args(["serve", "--listen", &listen, "--upstream", upstream, "--db"])
+        .args(["serve", "--listen", listen, "--upstream", upstream, "--db"])
         .arg(db)
         .env_remove("COMPACTOR_CONFIG")
         .stdout(std::process::Stdio::null())
