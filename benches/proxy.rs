@@ -19,7 +19,8 @@
 //!   exchange's answer waits for. `BENCH_PG_SYNC=off` (or another value
 //!   of `store.synchronous_commit`) sets the proxy sessions' commit mode;
 //!   `BENCH_PG_JOURNAL=1` sets `store.local_journal` (answers released once
-//!   journaled, committed just after).
+//!   journaled, committed within `store.commit_delay_ms`, which
+//!   `BENCH_PG_COMMIT_DELAY_MS` sets).
 //! - `BENCH_PG_STATEMENTS=1` (with `BENCH_POSTGRES=1`): the cluster loads
 //!   `pg_stat_statements`, and each PostgreSQL scenario prints the
 //!   statements the database spent most time in during its measured
@@ -31,6 +32,10 @@
 //!   replica). Printed beside them: the proxies' and the database's CPU per
 //!   request, the request path's round trips to the database, and the
 //!   model of what two replicas would serve with cores of their own.
+//! - `BENCH_PG_CPU=N` (with `BENCH_POSTGRES=1`): the cluster's processes
+//!   run on CPU `N` alone and this process on the others, in every row
+//!   (direct and SQLite too), as when the database has a host of its own:
+//!   the database's CPU then takes nothing from the proxy's or the load's.
 //!
 //! Set-up, per scenario (so each starts from an empty store and the fake
 //! upstream's record of received bodies is freed afterwards):
@@ -91,6 +96,8 @@ struct Opts {
     postgres: bool,
     pg_statements: bool,
     replicas: usize,
+    /// `BENCH_PG_CPU`: the CPU the database has to itself.
+    pg_cpu: Option<usize>,
 }
 
 fn env_usize(name: &str, default: usize) -> usize {
@@ -123,6 +130,9 @@ fn opts() -> Opts {
         pg_statements: std::env::var("BENCH_PG_STATEMENTS")
             .is_ok_and(|v| !v.is_empty() && v != "0"),
         replicas: env_usize("BENCH_REPLICAS", 1).min(4),
+        pg_cpu: std::env::var("BENCH_PG_CPU")
+            .ok()
+            .and_then(|v| v.parse().ok()),
     }
 }
 
@@ -750,6 +760,40 @@ async fn burst(
 
 // ---------------------------------------------------------------- rig
 
+/// `BENCH_PG_CPU`: the cluster's processes on CPU `cpu` alone, this
+/// process (every row's clients, fake upstream and proxies) on the others,
+/// as when the database has a host of its own. The server's backends, forked
+/// later, inherit its CPU.
+fn pin_apart(cpu: usize, cluster: &pg_cluster::PgCluster) {
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get());
+    let others: Vec<String> = (0..cpus)
+        .filter(|&c| c != cpu)
+        .map(|c| c.to_string())
+        .collect();
+    assert!(
+        cpu < cpus && !others.is_empty(),
+        "BENCH_PG_CPU={cpu}: this machine has CPUs 0..{cpus}, and the bench needs one more"
+    );
+    let pin = |list: &str, pid: u32| {
+        let out = std::process::Command::new("taskset")
+            .args(["-a", "-p", "-c", list, &pid.to_string()])
+            .output()
+            .expect("taskset (util-linux)");
+        assert!(out.status.success(), "taskset {list} {pid}: {out:?}");
+    };
+    let processes = cluster.processes();
+    assert!(!processes.is_empty(), "the cluster's processes not found");
+    for (pid, _) in processes {
+        pin(&cpu.to_string(), pid);
+    }
+    pin(&others.join(","), std::process::id());
+    eprintln!(
+        "BENCH_PG_CPU: the database on CPU {cpu}, this process on CPU {} (in every row, \
+         the direct and SQLite ones too)",
+        others.join(",")
+    );
+}
+
 /// The throwaway PostgreSQL cluster of `BENCH_POSTGRES=1`.
 #[path = "../tests/support/postgres.rs"]
 #[allow(dead_code)]
@@ -851,6 +895,12 @@ impl Rig {
         }
         config.store.local_journal =
             std::env::var("BENCH_PG_JOURNAL").is_ok_and(|v| !v.is_empty() && v != "0");
+        if let Some(ms) = std::env::var("BENCH_PG_COMMIT_DELAY_MS")
+            .ok()
+            .and_then(|v| v.parse().ok())
+        {
+            config.store.commit_delay_ms = ms;
+        }
         config.server.shutdown_grace_secs = 1;
         // A window of about 1.2 times the body's tokens (the fake counts a
         // token per 4 bytes): over the trigger, under the hard limit.
@@ -1907,6 +1957,9 @@ fn main() {
     } else {
         None
     };
+    if let (Some(cpu), Some(c)) = (o.pg_cpu, &cluster) {
+        pin_apart(cpu, c);
+    }
     let mut rows = Vec::new();
     for sc in scenarios {
         let row = run_scenario(&o, sc, cluster.as_ref());

@@ -281,21 +281,22 @@ impl PgCluster {
         self.url(&name)
     }
 
-    /// CPU seconds the cluster's processes have used so far: the server,
-    /// its backends and helpers (children that exited count in the
-    /// server's own children's times).
-    pub fn cpu_secs(&self) -> f64 {
+    /// The cluster's processes: the server first, then its children (its
+    /// backends and helpers), each with the fields of its `/proc/PID/stat`
+    /// after the parenthesised command name (ppid is the 2nd; utime,
+    /// stime, cutime, cstime the 12th to 15th).
+    pub fn processes(&self) -> Vec<(u32, Vec<u64>)> {
         let pid_file = self.dir.path().join("data").join("postmaster.pid");
         let Some(server) = std::fs::read_to_string(pid_file)
             .ok()
             .and_then(|s| s.lines().next()?.trim().parse::<u32>().ok())
         else {
-            return 0.0;
+            return Vec::new();
         };
         let Ok(procs) = std::fs::read_dir("/proc") else {
-            return 0.0;
+            return Vec::new();
         };
-        let mut ticks = 0u64;
+        let mut found = Vec::new();
         for entry in procs.flatten() {
             let Some(pid) = entry
                 .file_name()
@@ -307,8 +308,6 @@ impl PgCluster {
             let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
                 continue;
             };
-            // The fields after the parenthesised command name: ppid is the
-            // 2nd, utime, stime, cutime, cstime the 12th to 15th.
             let Some((_, rest)) = stat.rsplit_once(')') else {
                 continue;
             };
@@ -316,13 +315,31 @@ impl PgCluster {
                 .split_whitespace()
                 .map(|v| v.parse().unwrap_or(0))
                 .collect();
-            let get = |i: usize| f.get(i).copied().unwrap_or(0);
-            if pid == server {
-                ticks += get(11) + get(12) + get(13) + get(14);
-            } else if get(1) == u64::from(server) {
-                ticks += get(11) + get(12);
+            if pid == server || f.get(1) == Some(&u64::from(server)) {
+                found.push((pid, f));
             }
         }
+        found.sort_by_key(|(pid, _)| *pid != server);
+        found
+    }
+
+    /// CPU seconds the cluster's processes have used so far: the server,
+    /// its backends and helpers (children that exited count in the
+    /// server's own children's times).
+    pub fn cpu_secs(&self) -> f64 {
+        let processes = self.processes();
+        let server = processes.first().map(|(pid, _)| *pid);
+        let ticks: u64 = processes
+            .iter()
+            .map(|(pid, f)| {
+                let get = |i: usize| f.get(i).copied().unwrap_or(0);
+                if Some(*pid) == server {
+                    get(11) + get(12) + get(13) + get(14)
+                } else {
+                    get(11) + get(12)
+                }
+            })
+            .sum();
         // USER_HZ, 100 on Linux.
         ticks as f64 / 100.0
     }
