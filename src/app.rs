@@ -105,6 +105,7 @@ impl AppState {
                 pg.clone(),
                 journal,
                 crate::conversation::STORE_LIMITS,
+                std::time::Duration::from_millis(config.store.commit_delay_ms),
             )
             .map_err(|e| anyhow::anyhow!("cannot load the database {shown}: {e}"))?;
             let reads: Arc<dyn Reads> = Arc::new(PostgresReads::new(pg.clone()).listening(&opts)?);

@@ -421,11 +421,7 @@ async fn metrics_report_the_pool_and_the_commit_latency() {
         assert_eq!(chat.turn(&h, &filler(i)).await.status, 200);
     }
     let text = h.scrape().await;
-    let value = |name: &str| -> f64 {
-        text.lines()
-            .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
-            .unwrap_or_else(|| panic!("no {name} in {text}"))
-    };
+    let value = |name: &str| metric(&text, name);
     assert!(value("compactor_db_pool_connections") >= 1.0);
     assert!(value("compactor_db_pool_idle") >= 0.0);
     assert_eq!(value("compactor_db_pool_waiting"), 0.0);
@@ -433,6 +429,60 @@ async fn metrics_report_the_pool_and_the_commit_latency() {
         value("compactor_store_commit_seconds_count") >= 3.0,
         "a commit per exchange at least"
     );
+}
+
+/// The number a Prometheus text exposition gives `name`.
+fn metric(text: &str, name: &str) -> f64 {
+    text.lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.parse().ok())
+        .unwrap_or_else(|| panic!("no {name} in {text}"))
+}
+
+/// With `store.local_journal` the exchanges journaled within
+/// `store.commit_delay_ms` of the first go in one commit: a session's turns
+/// after its first (which is committed before its answer goes) are answered
+/// before any of them is committed, and committed together once the delay
+/// has passed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn with_a_local_journal_the_exchanges_of_one_commit_delay_go_in_one_commit() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let h = Harness::start_with(|c| {
+        c.store.url = url.clone();
+        c.store.local_journal = true;
+        c.store.commit_delay_ms = 3_000;
+    })
+    .await;
+    let exchanges = || count(&url, "SELECT count(*) FROM exchanges");
+    let mut chat = Chat::new(KEY);
+    assert_eq!(chat.turn(&h, &filler(0)).await.status, 200);
+    assert_eq!(
+        exchanges().await,
+        1,
+        "a first exchange commits before its answer"
+    );
+    let commits = metric(&h.scrape().await, "compactor_store_commit_seconds_count");
+    let started = std::time::Instant::now();
+    for i in 1..5 {
+        assert_eq!(chat.turn(&h, &filler(i)).await.status, 200);
+    }
+    let answered = started.elapsed();
+    let waiting = exchanges().await;
+    if started.elapsed() < Duration::from_millis(2_500) {
+        assert_eq!(
+            waiting, 1,
+            "four answers in {answered:?}, none committed yet"
+        );
+    }
+    within(async {
+        while exchanges().await < 5 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    })
+    .await;
+    let after = metric(&h.scrape().await, "compactor_store_commit_seconds_count");
+    assert_eq!(after - commits, 1.0, "one commit for the four exchanges");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -614,6 +614,7 @@ fn a_record_the_database_refuses_fails_alone_and_its_batch_mates_commit() {
             exchanges: 10,
             keys: 10,
         },
+        Duration::ZERO,
     )
     .expect("the store");
     rt.block_on(within(async {

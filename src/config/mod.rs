@@ -282,6 +282,14 @@ pub struct StoreConfig {
     /// first); other replicas see an exchange once it is committed. Off:
     /// every answer waits for its commit.
     pub local_journal: bool,
+    /// PostgreSQL with `local_journal`: how long a journaled exchange may
+    /// wait for its commit, ms, so that one commit holds the exchanges of
+    /// that time (what a commit costs the proxy and the database is mostly
+    /// per commit, not per exchange). Other replicas see an exchange up to
+    /// this much later; a conversation's first exchange, a branch and one
+    /// continuing another by `previous_response_id` are committed before
+    /// their answers go, whatever it is. 0: at once.
+    pub commit_delay_ms: u64,
     /// Conversations last seen longer ago than this many days are deleted
     /// by the running proxy (hourly), with the items nothing else refers
     /// to. None: kept until deleted by hand.
@@ -304,6 +312,7 @@ impl Default for StoreConfig {
             synchronous_commit: "on".into(),
             retain_days: None,
             local_journal: false,
+            commit_delay_ms: 50,
         }
     }
 }

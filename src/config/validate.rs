@@ -84,6 +84,9 @@ impl Config {
             if st.stall_after_ms == 0 {
                 return invalid("store.stall_after_ms", "must be greater than 0");
             }
+            if st.commit_delay_ms > 10_000 {
+                return invalid("store.commit_delay_ms", "must be at most 10000 (10 s)");
+            }
             if st.claim_lapse_secs == 0 {
                 return invalid("store.claim_lapse_secs", "must be greater than 0");
             }
@@ -180,6 +183,7 @@ mod tests {
         for (line, key) in [
             ("stall_after_ms = 0", "store.stall_after_ms"),
             ("claim_lapse_secs = 0", "store.claim_lapse_secs"),
+            ("commit_delay_ms = 60000", "store.commit_delay_ms"),
             (
                 "synchronous_commit = \"off; DROP\"",
                 "store.synchronous_commit",

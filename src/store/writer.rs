@@ -128,17 +128,20 @@ impl Store {
     /// from `db`, and requests refused while `db` is stalled. Without a
     /// journal an exchange is committed before its answer is released.
     /// With one (a local file of this process) its answer goes once it is
-    /// journaled; the writer commits at once what was journaled (the
-    /// other replicas see it a commit later), and a commit that failed is
-    /// tried again until it lands, never recorded as withheld.
+    /// journaled; the writer commits what was journaled `commit_delay`
+    /// after the first of it at the latest, with what was journaled
+    /// meanwhile (the other replicas see it then), at once when a record
+    /// that must be committed before its answer comes; and a commit that
+    /// failed is tried again until it lands, never recorded as withheld.
     pub fn start_shared(
         backend: Box<dyn Backend>,
         db: Arc<dyn SharedDatabase>,
         journal: Option<(Journal, Vec<ExchangeRecord>)>,
         limits: Limits,
+        commit_delay: Duration,
     ) -> Result<(Arc<Store>, Snapshot), StoreError> {
         let imports = Imports {
-            delay: Duration::ZERO,
+            delay: commit_delay,
             retry: true,
         };
         let (store, snapshot) =
