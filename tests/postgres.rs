@@ -1203,16 +1203,18 @@ async fn a_long_conversation_new_to_a_replica_is_looked_up_by_index_however_big_
 
 /// A turn of `chat` through `h`, with the plan its look-up of a prefix ran
 /// by (logged by `auto_explain`, with what each node did) and how many of
-/// that plan's two reads of `exchanges` were never run.
+/// that plan's two reads of `exchanges` were never run; `round_trips`, the
+/// reads the turn makes.
 async fn look_up_plan(
     pg: &PgCluster,
     chat: &mut Chat,
     h: &Harness,
     text: &str,
+    round_trips: u64,
 ) -> (Turn, usize, String) {
     let logged = pg.log().len();
     let (turn, made) = counted_turn(chat, h, text).await;
-    assert_eq!(made, 1, "{text}: asked once");
+    assert_eq!(made, round_trips, "{text}: round trips");
     let log = pg.log().split_off(logged);
     let plan = log
         .split("LOG:  duration:")
@@ -1253,14 +1255,14 @@ async fn a_replica_probes_a_request_s_earlier_chains_only_when_its_last_ones_mat
     };
     // New to every replica: no chain matches, both are probed.
     steps(&mut chat, 0, 100);
-    let (first, skipped, plan) = look_up_plan(&pg, &mut chat, &a, "Where were we?").await;
+    let (first, skipped, plan) = look_up_plan(&pg, &mut chat, &a, "Where were we?", 1).await;
     assert_eq!(
         skipped, 0,
         "nothing near: the earlier chains are probed: {plan}"
     );
     // The next turn, new to the other replica, ends in the prefix the first
     // recorded: the earlier chains are not probed.
-    let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &b, "Go on.").await;
+    let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &b, "Go on.", 1).await;
     assert_eq!(turn.conversation, first.conversation);
     assert_eq!(skipped, 1, "a near chain matched: {plan}");
     // Far past what was recorded, at a replica that served none of it (one
@@ -1268,7 +1270,7 @@ async fn a_replica_probes_a_request_s_earlier_chains_only_when_its_last_ones_mat
     // the conversation branched): the earlier chains find it.
     steps(&mut chat, 100, 120);
     let (c, _d) = replicas(&url, |_| {}).await;
-    let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &c, "And now?").await;
+    let (turn, skipped, plan) = look_up_plan(&pg, &mut chat, &c, "And now?", 1).await;
     assert_eq!(turn.conversation, first.conversation);
     assert_eq!(
         skipped, 0,
@@ -1293,10 +1295,21 @@ async fn a_replica_going_on_from_its_own_answer_probes_no_chain_until_the_conver
     let (first, _) = counted_turn(&mut chat, &b, "Step 1.").await;
     let (second, _) = counted_turn(&mut chat, &a, "Step 2.").await;
     assert_eq!(second.conversation, first.conversation);
-    // From b's own answer, past a's turn: asked, but no chain probed.
-    let (third, skipped, plan) = look_up_plan(&pg, &mut chat, &b, "Step 3.").await;
+    // From b's own answer, past a's turn: asked whether the conversation
+    // branched, in one round trip, and no chain probed.
+    let logged = pg.log().len();
+    let (third, made) = counted_turn(&mut chat, &b, "Step 3.").await;
     assert_eq!(third.conversation, first.conversation);
-    assert_eq!(skipped, 2, "went on from its tip, unbranched: {plan}");
+    assert_eq!(made, 1, "one round trip");
+    let log = pg.log().split_off(logged);
+    assert!(
+        log.contains("branched_from = q.conversation"),
+        "probed: {log}"
+    );
+    assert!(
+        !log.contains("WITH near"),
+        "went on from its tip, unbranched: no chain probed: {log}"
+    );
     // The session's second turn edited, at a: a branch of the conversation.
     let mut edited = Chat::new(KEY);
     edited.history = chat.history[..2].to_vec();
@@ -1313,10 +1326,60 @@ async fn a_replica_going_on_from_its_own_answer_probes_no_chain_until_the_conver
     .await;
     assert_eq!(left, 1, "the branch says what it left");
     // a's next turn of the first line goes on from its tip, but the
-    // conversation branched: the chains are probed (the near ones match).
-    let (fourth, skipped, plan) = look_up_plan(&pg, &mut chat, &a, "Step 4.").await;
+    // conversation branched: asked that, then the chains are probed (the
+    // near ones match), a round trip each.
+    let (fourth, skipped, plan) = look_up_plan(&pg, &mut chat, &a, "Step 4.", 2).await;
     assert_eq!(fourth.conversation, first.conversation);
     assert_eq!(skipped, 1, "branched: probed: {plan}");
+}
+
+/// Requests that go on from a replica's own answers at the same time ask
+/// whether their conversations branched in shared round trips (one
+/// statement for every probe that came while one was under way), and each
+/// still gets its own answer: a branched session among them is looked up
+/// and stays in its conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn concurrent_requests_going_on_from_a_replica_s_own_answers_share_their_branch_probes() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let (a, b) = replicas(&url, |_| {}).await;
+    let sessions = 24;
+    let mut chats: Vec<Chat> = (0..sessions).map(|_| Chat::new(KEY)).collect();
+    let mut first = Vec::new();
+    for (i, chat) in chats.iter_mut().enumerate() {
+        let turn = chat.turn(&b, &format!("Session {i}, step 1.")).await;
+        assert_eq!(turn.status, 200);
+        first.push(turn.conversation);
+        assert_eq!(
+            chat.turn(&a, &format!("Session {i}, step 2.")).await.status,
+            200
+        );
+    }
+    // Session 0's second turn edited at a: its conversation branched.
+    let mut edited = Chat::new(KEY);
+    edited.history = chats[0].history[..2].to_vec();
+    let fork = edited.turn(&a, "Session 0, step 2, otherwise.").await;
+    assert_ne!(fork.conversation, first[0], "an edit branches");
+    let before = reads(&b).await;
+    let turns = within(futures_util::future::join_all(
+        chats.iter_mut().enumerate().map(|(i, chat)| {
+            let b = &b;
+            async move { chat.turn(b, &format!("Session {i}, step 3.")).await }
+        }),
+    ))
+    .await;
+    let made = reads(&b).await - before;
+    for (i, turn) in turns.iter().enumerate() {
+        assert_eq!(turn.status, 200, "session {i}");
+        assert_eq!(turn.conversation, first[i], "session {i} stays together");
+    }
+    // One probe each, in shared round trips, and the branched session's
+    // chains looked up in one more.
+    assert!(
+        made <= sessions as u64 / 2,
+        "{made} round trips for {sessions} requests at once"
+    );
 }
 
 /// With `store.local_journal` an answer goes once journaled, before its

@@ -155,7 +155,11 @@ pub struct Postgres {
     stall_after: Duration,
     claim_lapse: Duration,
     /// Round trips the reads made (see [`Postgres::reads`]).
-    reads: std::sync::atomic::AtomicU64,
+    reads: Arc<std::sync::atomic::AtomicU64>,
+    /// Where the look-ups of requests that go on from this replica's own
+    /// answer ask whether their conversation branched (started on first
+    /// use; see [`reads::BranchProbes`]).
+    branches: std::sync::OnceLock<reads::BranchProbes>,
 }
 
 /// What tells a stalled database, kept by the writer's commits and read by
@@ -219,6 +223,7 @@ impl Postgres {
             stall_after: opts.stall_after,
             claim_lapse: opts.claim_lapse,
             reads: Default::default(),
+            branches: Default::default(),
         }))
     }
 

@@ -519,6 +519,12 @@ impl Postgres {
     }
 
     /// [`crate::store::Reads::look_up`], run on the backend's runtime.
+    ///
+    /// A request that goes on from this replica's own answer, asking for no
+    /// compaction, asks only whether an exchange left its conversation, in
+    /// one round trip with the other requests asking that meanwhile
+    /// ([`BranchProbes`]); only if one did are its chains probed, in a
+    /// second.
     fn look_up(&self, tenant: &str, chains: &[ItemHash], ask: LookUp) -> ReadFuture<Found> {
         let from = |at: Option<usize>| {
             at.filter(|&at| at < chains.len())
@@ -533,27 +539,74 @@ impl Postgres {
         if prefix.is_none() && covering.is_none() {
             return Box::pin(std::future::ready(Found::default()));
         }
-        self.counted();
+        let probe = match (&goes_on, &covering) {
+            (Some(conversation), None) => Some(self.branched(tenant, conversation)),
+            _ => None,
+        };
         let (pool, timeout, tenant) = (self.pool.clone(), self.timeout, tenant.to_string());
-        let task = self.handle.spawn(async move {
-            let read = look_up(&pool, &tenant, prefix, covering, body_of, goes_on);
-            tokio::time::timeout(timeout, read)
-                .await
-                .unwrap_or(Err(StoreError::Timeout))
-        });
+        let (handle, reads) = (self.handle.clone(), self.reads.clone());
+        let full = move || {
+            reads.fetch_add(1, Ordering::Relaxed);
+            handle.spawn(async move {
+                let read = look_up(&pool, &tenant, prefix, covering, body_of, goes_on);
+                tokio::time::timeout(timeout, read)
+                    .await
+                    .unwrap_or(Err(StoreError::Timeout))
+            })
+        };
+        let warned = |e: &dyn std::fmt::Display| {
+            tracing::warn!(error = %e, read = "look_up", "cannot read the store");
+            Found::default()
+        };
         Box::pin(async move {
-            match task.await {
-                Ok(Ok(found)) => found,
-                Ok(Err(e)) => {
-                    tracing::warn!(error = %e, read = "look_up", "cannot read the store");
-                    Found::default()
-                }
-                Err(e) => {
-                    tracing::warn!(error = %e, read = "look_up", "cannot read the store");
-                    Found::default()
+            if let Some(probe) = probe {
+                match probe.await {
+                    // Nothing left the conversation: memory's prefix stands.
+                    Ok(Ok(false)) => {
+                        return Found {
+                            answered: true,
+                            ..Found::default()
+                        }
+                    }
+                    Ok(Ok(true)) => {}
+                    Ok(Err(e)) => return warned(&e),
+                    Err(e) => return warned(&e),
                 }
             }
+            match full().await {
+                Ok(Ok(found)) => found,
+                Ok(Err(e)) => warned(&e),
+                Err(e) => warned(&e),
+            }
         })
+    }
+
+    /// Whether an exchange of `tenant` left `conversation`, asked with the
+    /// other probes waiting (see [`BranchProbes`]).
+    fn branched(
+        &self,
+        tenant: &str,
+        conversation: &str,
+    ) -> tokio::sync::oneshot::Receiver<Result<bool, Arc<StoreError>>> {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let probes = self.branches.get_or_init(|| {
+            let (probes, asked) = tokio::sync::mpsc::unbounded_channel();
+            self.handle.spawn(probe_branches(
+                asked,
+                self.pool.clone(),
+                self.timeout,
+                self.reads.clone(),
+            ));
+            BranchProbes(probes)
+        });
+        // A closed loop (the runtime shutting down) drops `tx`: the
+        // receiver then reads as a failed read.
+        let _ = probes.0.send(Probe {
+            tenant: tenant.to_string(),
+            conversation: escape(conversation).into_owned(),
+            answer: tx,
+        });
+        rx
     }
 
     /// The compaction a [`crate::store::postgres_listen::COMPACTED`] announcement
@@ -640,6 +693,73 @@ fn by_chain() -> &'static str {
             matching("$3", " AND NOT EXISTS (SELECT 1 FROM near)")
         )
     })
+}
+
+/// One request's question to [`probe_branches`]: did an exchange of
+/// `tenant` leave `conversation` (stored escaped, as `branched_from` is)?
+struct Probe {
+    tenant: String,
+    conversation: String,
+    answer: tokio::sync::oneshot::Sender<Result<bool, Arc<StoreError>>>,
+}
+
+/// The queue of [`Probe`]s of a process, which one task on the backend's
+/// runtime answers.
+pub(super) struct BranchProbes(tokio::sync::mpsc::UnboundedSender<Probe>);
+
+/// Most probes one statement asks.
+const PROBES_AT_ONCE: usize = 256;
+
+/// Which of `$1`/`$2` (tenants, conversations) an exchange left, by
+/// position from 1: one probe of `exchanges_branched` each.
+const BRANCHED: &str = "SELECT q.i FROM unnest($1::text[], $2::text[]) WITH ORDINALITY
+     AS q(tenant, conversation, i)
+ WHERE EXISTS (SELECT 1 FROM exchanges b
+               WHERE b.tenant = q.tenant AND b.branched_from = q.conversation)";
+
+/// Answers the probes as they come, one statement (one round trip) for
+/// all that came while the one before was under way: behind a round-robin
+/// balancer every request of a replica asks one, and the database's cost
+/// of a round trip is most of what it spends on a probe. A probe that
+/// finds none waiting goes at once.
+async fn probe_branches(
+    mut asked: tokio::sync::mpsc::UnboundedReceiver<Probe>,
+    pool: Pool,
+    timeout: std::time::Duration,
+    reads: Arc<std::sync::atomic::AtomicU64>,
+) {
+    while let Some(first) = asked.recv().await {
+        let mut batch = vec![first];
+        while batch.len() < PROBES_AT_ONCE {
+            match asked.try_recv() {
+                Ok(probe) => batch.push(probe),
+                Err(_) => break,
+            }
+        }
+        reads.fetch_add(1, Ordering::Relaxed);
+        let tenants: Vec<&str> = batch.iter().map(|p| p.tenant.as_str()).collect();
+        let conversations: Vec<&str> = batch.iter().map(|p| p.conversation.as_str()).collect();
+        let found = tokio::time::timeout(timeout, async {
+            let client = pool.get().await?;
+            let statement = client.prepare_cached(BRANCHED).await?;
+            let rows = client
+                .query(&statement, &[&tenants, &conversations])
+                .await?;
+            rows.iter()
+                .map(|r| r.try_get::<_, i64>(0).map_err(StoreError::from))
+                .collect::<Result<foldhash::HashSet<i64>, _>>()
+        })
+        .await
+        .unwrap_or(Err(StoreError::Timeout));
+        let found = found.map_err(Arc::new);
+        for (i, probe) in batch.into_iter().enumerate() {
+            let answer = match &found {
+                Ok(left) => Ok(left.contains(&(i as i64 + 1))),
+                Err(e) => Err(e.clone()),
+            };
+            let _ = probe.answer.send(answer);
+        }
+    }
 }
 
 /// The statement of [`crate::store::Reads::look_up`]'s compaction: the one
