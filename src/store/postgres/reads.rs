@@ -508,8 +508,10 @@ impl PostgresReads {
 /// that hears them all asks for a conversation's compactions only once.
 impl Postgres {
     /// Round trips the request path's reads of the database made
-    /// (`compactor_store_reads_total`): a [`crate::store::Reads::look_up`] one,
-    /// whatever it asks; each other read of [`PostgresReads`] one.
+    /// (`compactor_store_reads_total`): a [`crate::store::Reads::look_up`]'s
+    /// statements one, whatever they ask; a batch of branch probes one,
+    /// however many requests it answers; each other read of
+    /// [`PostgresReads`] one.
     pub fn reads(&self) -> u64 {
         self.reads.load(Ordering::Relaxed)
     }
