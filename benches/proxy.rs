@@ -781,7 +781,7 @@ fn pin_apart(cpu: usize, cluster: &pg_cluster::PgCluster) {
             .expect("taskset (util-linux)");
         assert!(out.status.success(), "taskset {list} {pid}: {out:?}");
     };
-    let processes = cluster.processes();
+    let (_, processes) = cluster.processes();
     assert!(!processes.is_empty(), "the cluster's processes not found");
     for (pid, _) in processes {
         pin(&cpu.to_string(), pid);

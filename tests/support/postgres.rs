@@ -281,20 +281,20 @@ impl PgCluster {
         self.url(&name)
     }
 
-    /// The cluster's processes: the server first, then its children (its
-    /// backends and helpers), each with the fields of its `/proc/PID/stat`
-    /// after the parenthesised command name (ppid is the 2nd; utime,
-    /// stime, cutime, cstime the 12th to 15th).
-    pub fn processes(&self) -> Vec<(u32, Vec<u64>)> {
+    /// The cluster's processes: the server's pid, and the server and its
+    /// children (its backends and helpers), each with the fields of its
+    /// `/proc/PID/stat` after the parenthesised command name (ppid is the
+    /// 2nd; utime, stime, cutime, cstime the 12th to 15th).
+    pub fn processes(&self) -> (u32, Vec<(u32, Vec<u64>)>) {
         let pid_file = self.dir.path().join("data").join("postmaster.pid");
         let Some(server) = std::fs::read_to_string(pid_file)
             .ok()
             .and_then(|s| s.lines().next()?.trim().parse::<u32>().ok())
         else {
-            return Vec::new();
+            return (0, Vec::new());
         };
         let Ok(procs) = std::fs::read_dir("/proc") else {
-            return Vec::new();
+            return (server, Vec::new());
         };
         let mut found = Vec::new();
         for entry in procs.flatten() {
@@ -319,21 +319,19 @@ impl PgCluster {
                 found.push((pid, f));
             }
         }
-        found.sort_by_key(|(pid, _)| *pid != server);
-        found
+        (server, found)
     }
 
     /// CPU seconds the cluster's processes have used so far: the server,
     /// its backends and helpers (children that exited count in the
     /// server's own children's times).
     pub fn cpu_secs(&self) -> f64 {
-        let processes = self.processes();
-        let server = processes.first().map(|(pid, _)| *pid);
+        let (server, processes) = self.processes();
         let ticks: u64 = processes
             .iter()
             .map(|(pid, f)| {
                 let get = |i: usize| f.get(i).copied().unwrap_or(0);
-                if Some(*pid) == server {
+                if *pid == server {
                     get(11) + get(12) + get(13) + get(14)
                 } else {
                     get(11) + get(12)
