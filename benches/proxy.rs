@@ -1362,25 +1362,20 @@ impl ThreadCpu {
     }
 }
 
-/// Clock ticks per second of /proc CPU times (USER_HZ; 100 on Linux).
-const USER_HZ: f64 = 100.0;
-
 fn thread_cpu() -> ThreadCpu {
     let mut t = ThreadCpu::default();
     let Ok(dir) = std::fs::read_dir("/proc/self/task") else {
         return t;
     };
     for entry in dir.flatten() {
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+        let Ok(comm) = std::fs::read_to_string(entry.path().join("comm")) else {
             continue;
         };
-        let (Some(open), Some(close)) = (stat.find('('), stat.rfind(')')) else {
-            continue;
-        };
-        let comm = &stat[open + 1..close];
-        let f: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-        let ticks = |i: usize| f.get(i).and_then(|v| v.parse::<u64>().ok()).unwrap_or(0);
-        let secs = (ticks(11) + ticks(12)) as f64 / USER_HZ;
+        let comm = comm.trim_end();
+        // Run time in ns (schedstat), not the 10 ms ticks of /proc stat:
+        // those are sampled, and a thread that runs a few ms in a row of
+        // 2,000 requests has a tick or two, or none.
+        let secs = run_ns(&entry.path()) as f64 / 1e9;
         if comm.starts_with("compactor") {
             t.proxy += secs;
             *t.proxy_by_name.entry(comm.to_string()).or_default() += secs;
@@ -1389,6 +1384,14 @@ fn thread_cpu() -> ThreadCpu {
         }
     }
     t
+}
+
+/// Time the task at `dir` (`/proc/…/task/TID`) has run, in ns.
+fn run_ns(dir: &std::path::Path) -> u64 {
+    std::fs::read_to_string(dir.join("schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
 }
 
 /// CPU time of the load runtime's threads ("bench-load"), in ns (from
@@ -1402,8 +1405,7 @@ fn load_runtime_ns() -> u64 {
             std::fs::read_to_string(e.path().join("comm"))
                 .is_ok_and(|c| c.starts_with("bench-load"))
         })
-        .filter_map(|e| std::fs::read_to_string(e.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .map(|e| run_ns(&e.path()))
         .sum()
 }
 
