@@ -21,6 +21,13 @@
 //!   `BENCH_PG_JOURNAL=1` sets `store.local_journal` (answers released once
 //!   journaled, committed within `store.commit_delay_ms`, which
 //!   `BENCH_PG_COMMIT_DELAY_MS` sets).
+//! - `BENCH_PG_FILL=N` (with `BENCH_POSTGRES=1`; default 20000, 0 with
+//!   `BENCH_QUICK`): each PostgreSQL scenario's database first gets N
+//!   exchanges of another tenant, with item bodies, and `ANALYZE`, so that
+//!   it is measured as a store that has served a while is, with plans made
+//!   from statistics of its size. `0`: an empty database, whose
+//!   connections keep the plans of an empty one (sequential scans) until
+//!   autovacuum analyzes it, a minute or more later.
 //! - `BENCH_PG_STATEMENTS=1` (with `BENCH_POSTGRES=1`): the cluster loads
 //!   `pg_stat_statements`, and each PostgreSQL scenario prints the
 //!   statements the database spent most time in during its measured
@@ -98,6 +105,9 @@ struct Opts {
     replicas: usize,
     /// `BENCH_PG_CPU`: the CPU the database has to itself.
     pg_cpu: Option<usize>,
+    /// `BENCH_PG_FILL`: exchanges of another tenant each PostgreSQL
+    /// scenario's database holds, analyzed, before its first request.
+    pg_fill: usize,
 }
 
 fn env_usize(name: &str, default: usize) -> usize {
@@ -133,6 +143,10 @@ fn opts() -> Opts {
         pg_cpu: std::env::var("BENCH_PG_CPU")
             .ok()
             .and_then(|v| v.parse().ok()),
+        pg_fill: std::env::var("BENCH_PG_FILL")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(if quick { 0 } else { 20_000 }),
     }
 }
 
@@ -1120,6 +1134,13 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
     let pg = pg.filter(|_| sc.pg);
     let pg_url = pg.map(|c| c.database());
     let rig = Rig::start(o, sc.size, pg_url.clone(), sc.replicas);
+    // The proxies migrated the schema: the database gets the history and
+    // the statistics of one that has served a while.
+    if let (Some(c), Some(url)) = (pg, pg_url.as_deref()) {
+        if o.pg_fill > 0 {
+            c.fill(url, o.pg_fill).expect("fill the database");
+        }
+    }
     // What the database spends its time in, when asked for.
     let profiled = pg.zip(pg_url.as_deref()).filter(|_| o.pg_statements);
     let reset_statements = || {

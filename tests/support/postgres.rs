@@ -257,7 +257,10 @@ impl PgCluster {
             if self.fsync { "on" } else { "off" }
         );
         if self.statements {
-            options.push_str(" -c shared_preload_libraries=pg_stat_statements");
+            options.push_str(
+                " -c shared_preload_libraries=pg_stat_statements \
+                 -c pg_stat_statements.track_planning=on",
+            );
         }
         let log = self.dir.path().join("pg.log").display().to_string();
         self.run(
@@ -346,6 +349,44 @@ impl PgCluster {
         secs
     }
 
+    /// Gives the database at `url` (its schema migrated) the history of a
+    /// store that has served a while: `exchanges` exchanges of another
+    /// tenant in conversations of 20, an item body each, and the
+    /// statistics of it all (`ANALYZE`), as autovacuum keeps them.
+    ///
+    /// A database created empty and filled within seconds has statistics
+    /// of an empty one, and its connections keep the plans made from them
+    /// (a sequential scan of `exchanges` per look-up) until autovacuum
+    /// analyzes it, up to a minute on: what a store does for the first
+    /// minute of its life, not after.
+    pub fn fill(&self, url: &str, exchanges: usize) -> Result<(), String> {
+        let conversations = exchanges.div_ceil(20);
+        self.psql(
+            url,
+            &format!(
+                "INSERT INTO conversations (id, tenant, created_ms, last_seen_ms, model)
+                     SELECT 'filler_' || c, 'filler', 0, c, 'm'
+                     FROM generate_series(1, {conversations}) c;
+                 INSERT INTO items (hash, body)
+                     SELECT sha256(('item' || g)::bytea), repeat('x', 400)
+                     FROM generate_series(1, {exchanges}) g;
+                 INSERT INTO exchanges (id, conversation_id, tenant, endpoint, model,
+                                        prefix_exchange, prefix_len, suffix_items,
+                                        request_len, params, response_items, status,
+                                        streamed, partial, started_ms, latency_ms,
+                                        chain_request, chain_full)
+                     SELECT -g, 'filler_' || (g % {conversations} + 1), 'filler', 'chat', 'm',
+                            CASE WHEN g > {conversations} THEN -(g - {conversations}) END,
+                            0, sha256(('item' || g)::bytea), 2 * (g / {conversations}) + 1,
+                            ''::bytea, sha256(('item' || g)::bytea), 200, FALSE, FALSE,
+                            g, 1.0, sha256(('r' || g)::bytea), sha256(('f' || g)::bytea)
+                     FROM generate_series(1, {exchanges}) g;
+                 ANALYZE"
+            ),
+        )
+        .map(drop)
+    }
+
     /// Forgets what `pg_stat_statements` counted so far (the cluster must
     /// be [`PgCluster::start_profiled`] with it).
     pub fn reset_statements(&self, url: &str) -> Result<(), String> {
@@ -358,13 +399,16 @@ impl PgCluster {
 
     /// The `top` statements of the database at `url` by time spent in
     /// them since [`PgCluster::reset_statements`], one line each: calls,
-    /// total and mean milliseconds, rows, WAL bytes, and the statement's
-    /// start.
+    /// total and mean milliseconds of execution, how many times it was
+    /// planned and the milliseconds that took (a statement planned at each
+    /// call pays that on top), rows, WAL bytes, and the statement's start.
     pub fn statements(&self, url: &str, top: usize) -> Result<String, String> {
         let sql = format!(
             "SELECT lpad(calls::text, 7) || lpad(round(total_exec_time)::text, 8) || ' ms'
                     || lpad(round(mean_exec_time::numeric, 3)::text, 9) || ' ms/call'
-                    || lpad(rows::text, 8) || ' rows' || lpad(wal_bytes::text, 11) || ' WAL B  '
+                    || lpad(plans::text, 7) || ' plans' || lpad(round(total_plan_time)::text, 6)
+                    || ' ms' || lpad(rows::text, 8) || ' rows' || lpad(wal_bytes::text, 11)
+                    || ' WAL B  '
                     || left(regexp_replace(query, '\\s+', ' ', 'g'), 80)
              FROM pg_stat_statements
              WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())
