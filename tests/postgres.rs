@@ -1396,6 +1396,55 @@ async fn concurrent_requests_going_on_from_a_replica_s_own_answers_share_their_b
     );
 }
 
+/// A replica's look-ups of a request's chains and its branch probes run by
+/// the plan their connection keeps, not one made again at every call: a
+/// plan made for one call's values looked cheaper than the kept one (the
+/// tenant's share of the rows, a null conversation folded away, the count
+/// of an array), so the plan cache made a new one each time, which cost the
+/// database as much as the statement's run, and ten times as much for the
+/// probe.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_replica_s_look_ups_and_probes_are_not_planned_at_every_call() {
+    let Some(pg) = PgCluster::start_profiled(false, true) else {
+        return;
+    };
+    let url = pg.database();
+    let (a, b) = replicas(&url, |_| {}).await;
+    // Another tenant's history, analyzed: this tenant's share of the rows
+    // then differs from the average one, as in any store of many tenants.
+    pg.fill(&url, 20_000).expect("fill");
+    pg.reset_statements(&url).expect("pg_stat_statements");
+    // Each session's second turn is new to b: a look-up of its chains; its
+    // third and fourth go on from their replica's own answer two turns
+    // back: a probe each.
+    for s in 0..30 {
+        let mut chat = Chat::new(KEY);
+        for i in 0..4 {
+            let via = if i % 2 == 0 { &a } else { &b };
+            let turn = chat.turn(via, &format!("Session {s}, step {i}.")).await;
+            assert_eq!(turn.status, 200, "session {s}, turn {i}");
+        }
+    }
+    for (what, start) in [("look-up", "WITH near%"), ("probe", "SELECT q.i%")] {
+        let row = support::pg_rows(
+            &url,
+            &format!(
+                "SELECT COALESCE(sum(calls), 0)::bigint, COALESCE(sum(plans), 0)::bigint
+                 FROM pg_stat_statements WHERE query LIKE '{start}'"
+            ),
+        )
+        .await;
+        let (calls, plans): (i64, i64) = (row[0].get(0), row[0].get(1));
+        assert!(calls >= 25, "{what}: {calls} calls");
+        // A connection's first five calls are planned for their values.
+        assert!(
+            plans * 2 < calls,
+            "{what}: planned {plans} times in {calls} calls"
+        );
+    }
+}
+
 /// With `store.local_journal` an answer goes once journaled, before its
 /// commit. A session whose next turn reaches the other replica the moment
 /// its first was answered still stays one conversation: a conversation's

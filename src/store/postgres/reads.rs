@@ -666,6 +666,14 @@ const NEAR_CHAINS: usize = 16;
 /// on in ([`crate::store::LookUp::goes_on`]): the chains are then probed
 /// only if an exchange left it (`exchanges_branched`, a one-time filter
 /// too), else nothing is found and memory's prefix stands.
+///
+/// Every parameter reaches the plan through a sub-select, so a plan made
+/// for the values of one call is no cheaper than the generic one: the
+/// plan cache then keeps the generic plan after a connection's first
+/// calls. Given as values, the tenant (its share of the rows) and a null
+/// `$4` (the branch probe folded away) made each call's own plan look
+/// cheaper, and the statement was planned again at every call, which
+/// cost the database as much as running it.
 fn by_chain() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
@@ -678,12 +686,13 @@ fn by_chain() -> &'static str {
                         (SELECT 1 FROM exchanges later WHERE later.prefix_exchange = e.id
                          LIMIT 1) IS NULL
                  FROM exchanges e
-                 WHERE tenant = $1
+                 WHERE tenant = (SELECT $1::text)
                        AND (chain_request = ANY((SELECT {chains}::bytea[])::bytea[])
                             OR chain_full = ANY((SELECT {chains}::bytea[])::bytea[])){unless}
-                       AND ($4::text IS NULL
+                       AND ((SELECT $4::text) IS NULL
                             OR EXISTS (SELECT 1 FROM exchanges b
-                                       WHERE b.tenant = $1 AND b.branched_from = $4))
+                                       WHERE b.tenant = (SELECT $1::text)
+                                             AND b.branched_from = (SELECT $4::text)))
                  ORDER BY id DESC LIMIT 64"
             )
         };
@@ -714,10 +723,17 @@ const PROBES_AT_ONCE: usize = 256;
 
 /// Which of `$1`/`$2` (tenants, conversations) an exchange left, by
 /// position from 1: one probe of `exchanges_branched` each.
-const BRANCHED: &str = "SELECT q.i FROM unnest($1::text[], $2::text[]) WITH ORDINALITY
+///
+/// The arrays reach the plan through sub-selects (as in [`by_chain`]): the
+/// plan for a call's own arrays counted them, looked cheaper than the
+/// generic one, and the statement was planned at every call, at ten times
+/// the cost of running it. The probe is a `LIMIT`ed sub-select, not an
+/// `EXISTS`, which the planner may run as a hash of every branch recorded.
+const BRANCHED: &str = "SELECT q.i
+ FROM unnest((SELECT $1::text[])::text[], (SELECT $2::text[])::text[]) WITH ORDINALITY
      AS q(tenant, conversation, i)
- WHERE EXISTS (SELECT 1 FROM exchanges b
-               WHERE b.tenant = q.tenant AND b.branched_from = q.conversation)";
+ WHERE (SELECT 1 FROM exchanges b
+        WHERE b.tenant = q.tenant AND b.branched_from = q.conversation LIMIT 1) IS NOT NULL";
 
 /// Answers the probes as they come, one statement (one round trip) for
 /// all that came while the one before was under way: behind a round-robin
@@ -766,15 +782,15 @@ async fn probe_branches(
 
 /// The statement of [`crate::store::Reads::look_up`]'s compaction: the one
 /// covering the most among chains `$2`, or else compaction `$3`, whole
-/// (`$2` uncounted by the planner, as in [`by_chain`]).
+/// (its parameters in sub-selects, as in [`by_chain`]).
 fn covering_whole() -> &'static str {
     static SQL: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     SQL.get_or_init(|| {
         format!(
             "SELECT {COMPACTION_COLUMNS} FROM compactions
-             WHERE tenant = $1
+             WHERE tenant = (SELECT $1::text)
                    AND (covered_chain = ANY((SELECT $2::bytea[])::bytea[]) AND NOT observed
-                        OR id = $3)
+                        OR id = (SELECT $3::text))
              ORDER BY covered_len DESC, created_ms DESC LIMIT 1"
         )
     })
