@@ -34,7 +34,7 @@ use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use deadpool_postgres::{Manager, ManagerConfig, Pool, QueueMode, RecyclingMethod};
 use tokio_postgres::NoTls;
 
 use super::StoreError;
@@ -202,7 +202,12 @@ impl Postgres {
                 recycling_method: RecyclingMethod::Fast,
             },
         );
+        // The connection used last goes out first: under a light load a
+        // few connections serve every call, and their backends (caches,
+        // prepared statements' plans) stay warm; a statement's first calls
+        // on a connection are planned anew each (see `reads::by_chain`).
         let pool = Pool::builder(manager)
+            .queue_mode(QueueMode::Lifo)
             .max_size(opts.pool_size)
             .wait_timeout(Some(opts.statement_timeout))
             .create_timeout(Some(CONNECT_TIMEOUT))
