@@ -1445,6 +1445,56 @@ async fn a_replica_s_look_ups_and_probes_are_not_planned_at_every_call() {
     }
 }
 
+/// A store created empty is analyzed by the replica that filled it, once it
+/// has committed a thousand exchanges, rather than when autovacuum first
+/// gets to it: until then the plans its connections keep are those of an
+/// empty table (sequential scans of `exchanges`, slower with every row).
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+async fn a_store_created_empty_is_analyzed_once_a_replica_has_filled_it() {
+    let Some(pg) = PgCluster::start() else { return };
+    let url = pg.database();
+    let a = Harness::start_with(|c| c.store.url = url.clone()).await;
+    // Not autovacuum: the replica.
+    support::pg_execute(
+        &url,
+        "ALTER TABLE exchanges SET (autovacuum_enabled = false)",
+    )
+    .await;
+    let known = || async {
+        let rows = support::pg_rows(
+            &url,
+            "SELECT reltuples::float8 FROM pg_class WHERE relname = 'exchanges'",
+        )
+        .await;
+        rows[0].get::<_, f64>(0)
+    };
+    assert!(known().await < 1.0, "a new store's statistics are empty");
+    // 40 sessions of 26 turns at once: 1,040 exchanges.
+    let mut chats: Vec<Chat> = (0..40).map(|_| Chat::new(KEY)).collect();
+    // Each turn's request is under a timeout of its own.
+    futures_util::future::join_all(chats.iter_mut().enumerate().map(|(s, chat)| {
+        let a = &a;
+        async move {
+            for i in 0..26 {
+                let turn = chat.turn(a, &format!("Session {s}, step {i}.")).await;
+                assert_eq!(turn.status, 200, "session {s}, turn {i}");
+            }
+        }
+    }))
+    .await;
+    within(a.state.store.flush()).await.expect("flush");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while known().await < 500.0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "still the statistics of an empty store: {}",
+            known().await
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// With `store.local_journal` an answer goes once journaled, before its
 /// commit. A session whose next turn reaches the other replica the moment
 /// its first was answered still stays one conversation: a conversation's

@@ -109,6 +109,11 @@ impl Backend for PostgresBackend {
             .block_on(async { write(&pool, records, &ids, timeout).await });
         match &result {
             Ok(()) => {
+                let exchanges = records
+                    .iter()
+                    .filter(|r| matches!(r, Record::Exchange(_)))
+                    .count();
+                self.pg.wrote(exchanges as u64);
                 if !ids.is_empty() {
                     tracing::warn!(
                         exchanges = ids.len(),

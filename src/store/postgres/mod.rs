@@ -30,7 +30,7 @@
 //! `reads`.
 
 use std::future::Future;
-use std::sync::atomic::{AtomicBool, AtomicI64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicI64, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -160,7 +160,14 @@ pub struct Postgres {
     /// answer ask whether their conversation branched (started on first
     /// use; see [`reads::BranchProbes`]).
     branches: std::sync::OnceLock<reads::BranchProbes>,
+    /// Exchanges this process committed (see [`Postgres::wrote`]).
+    written: AtomicU64,
 }
+
+/// How many exchanges a process commits before it checks that the
+/// database's statistics know `exchanges` is no longer empty (see
+/// [`Postgres::wrote`]).
+const STATISTICS_AT: [u64; 2] = [1_000, 20_000];
 
 /// What tells a stalled database, kept by the writer's commits and read by
 /// the request path without a round trip.
@@ -229,6 +236,7 @@ impl Postgres {
             claim_lapse: opts.claim_lapse,
             reads: Default::default(),
             branches: Default::default(),
+            written: AtomicU64::new(0),
         }))
     }
 
@@ -307,6 +315,57 @@ impl Postgres {
         if down {
             self.probe_until_up();
         }
+    }
+
+    /// Counts `exchanges` more committed. At each of [`STATISTICS_AT`], if
+    /// the database's statistics say `exchanges` holds less than half of
+    /// what this process alone committed, analyzes the tables a request's
+    /// look-ups read, in the background.
+    ///
+    /// A store's connections keep the plans of their statements (see
+    /// `reads::by_chain`), made from the statistics of the time, until the
+    /// tables are analyzed again. A database created empty has the
+    /// statistics of an empty table until autovacuum first analyzes it, a
+    /// minute or more on, and its plans are sequential scans of
+    /// `exchanges`, each look-up slower as the table fills; under load that
+    /// minute is enough to stall the database.
+    pub(super) fn wrote(&self, exchanges: u64) {
+        let before = self.written.fetch_add(exchanges, Ordering::Relaxed);
+        let Some(&at) = STATISTICS_AT
+            .iter()
+            .find(|&&at| before < at && before + exchanges >= at)
+        else {
+            return;
+        };
+        let (pool, timeout) = (self.pool.clone(), self.timeout);
+        self.handle.spawn(async move {
+            let analyze = async {
+                let client = pool.get().await?;
+                let row = client
+                    .query_one(
+                        "SELECT reltuples::float8 FROM pg_class WHERE oid = 'exchanges'::regclass",
+                        &[],
+                    )
+                    .await?;
+                let known: f64 = row.try_get(0)?;
+                if known >= at as f64 / 2.0 {
+                    return Ok::<_, StoreError>(false);
+                }
+                client
+                    .batch_execute("ANALYZE exchanges, items, conversations, compactions")
+                    .await?;
+                Ok(true)
+            };
+            match tokio::time::timeout(timeout * 4, analyze).await {
+                Ok(Ok(true)) => tracing::info!(
+                    written = at,
+                    "analyzed the store's tables: their statistics were of a nearly empty store"
+                ),
+                Ok(Ok(false)) => {}
+                Ok(Err(e)) => tracing::warn!(error = %e, "cannot analyze the store's tables"),
+                Err(_) => tracing::warn!("analyzing the store's tables timed out"),
+            }
+        });
     }
 
     /// Tries an empty commit every [`PROBE_EVERY`] until one succeeds,
