@@ -319,16 +319,16 @@ impl Postgres {
 
     /// Counts `exchanges` more committed. At each of [`STATISTICS_AT`], if
     /// the database's statistics say `exchanges` holds less than half of
-    /// what this process alone committed, analyzes the tables a request's
-    /// look-ups read, in the background.
+    /// what this process alone committed, analyzes the store's tables, in
+    /// the background.
     ///
     /// A store's connections keep the plans of their statements (see
     /// `reads::by_chain`), made from the statistics of the time, until the
     /// tables are analyzed again. A database created empty has the
     /// statistics of an empty table until autovacuum first analyzes it, a
     /// minute or more on, and its plans are sequential scans of
-    /// `exchanges`, each look-up slower as the table fills; under load that
-    /// minute is enough to stall the database.
+    /// `exchanges`, each look-up slower as the table fills (4.4 ms a call
+    /// at 17,000 rows in the bench, 0.33 ms once analyzed).
     pub(super) fn wrote(&self, exchanges: u64) {
         let before = self.written.fetch_add(exchanges, Ordering::Relaxed);
         let Some(&at) = STATISTICS_AT
