@@ -1396,7 +1396,7 @@ fn thread_cpu() -> ThreadCpu {
         // Run time in ns (schedstat), not the 10 ms ticks of /proc stat:
         // those are sampled, and a thread that runs a few ms in a row of
         // 2,000 requests has a tick or two, or none.
-        let secs = run_ns(&entry.path()) as f64 / 1e9;
+        let secs = pg_cluster::run_ns(&entry.path()) as f64 / 1e9;
         if comm.starts_with("compactor") {
             t.proxy += secs;
             *t.proxy_by_name.entry(comm.to_string()).or_default() += secs;
@@ -1405,14 +1405,6 @@ fn thread_cpu() -> ThreadCpu {
         }
     }
     t
-}
-
-/// Time the task at `dir` (`/proc/…/task/TID`) has run, in ns.
-fn run_ns(dir: &std::path::Path) -> u64 {
-    std::fs::read_to_string(dir.join("schedstat"))
-        .ok()
-        .and_then(|s| s.split_whitespace().next()?.parse().ok())
-        .unwrap_or(0)
 }
 
 /// CPU time of the load runtime's threads ("bench-load"), in ns (from
@@ -1426,7 +1418,7 @@ fn load_runtime_ns() -> u64 {
             std::fs::read_to_string(e.path().join("comm"))
                 .is_ok_and(|c| c.starts_with("bench-load"))
         })
-        .map(|e| run_ns(&e.path()))
+        .map(|e| pg_cluster::run_ns(&e.path()))
         .sum()
 }
 

@@ -335,11 +335,7 @@ impl PgCluster {
         let mut secs = 0.0;
         for (pid, f) in &processes {
             // PostgreSQL's processes have one thread each.
-            let run_ns: u64 = std::fs::read_to_string(format!("/proc/{pid}/schedstat"))
-                .ok()
-                .and_then(|s| s.split_whitespace().next()?.parse().ok())
-                .unwrap_or(0);
-            secs += run_ns as f64 / 1e9;
+            secs += run_ns(std::path::Path::new(&format!("/proc/{pid}"))) as f64 / 1e9;
             if *pid == server {
                 let get = |i: usize| f.get(i).copied().unwrap_or(0);
                 // USER_HZ, 100 on Linux.
@@ -458,4 +454,14 @@ impl Drop for PgCluster {
         let data = self.data();
         let _ = self.run("pg_ctl", &["-D", &data, "-m", "immediate", "-w", "stop"]);
     }
+}
+
+/// How long the task at `dir` (`/proc/PID` or `/proc/PID/task/TID`) has
+/// run, in ns: the first field of its schedstat, exact where the ticks of
+/// its stat are sampled every 10 ms.
+pub fn run_ns(dir: &std::path::Path) -> u64 {
+    std::fs::read_to_string(dir.join("schedstat"))
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse().ok())
+        .unwrap_or(0)
 }
