@@ -39,6 +39,9 @@
 //!   replica). Printed beside them: the proxies' and the database's CPU per
 //!   request, the request path's round trips to the database, and the
 //!   model of what two replicas would serve with cores of their own.
+//!   `BENCH_STICKY=1` adds a fourth run of them, `pg2s`: the same replicas
+//!   behind a balancer with session affinity, each session's requests all
+//!   going to one of them.
 //! - `BENCH_PG_CPU=N` (with `BENCH_POSTGRES=1`): the cluster's processes
 //!   run on CPU `N` alone and this process on the others, in every row
 //!   (direct and SQLite too), as when the database has a host of its own:
@@ -103,6 +106,9 @@ struct Opts {
     postgres: bool,
     pg_statements: bool,
     replicas: usize,
+    /// `BENCH_STICKY`: the replicas' rows also run with each session kept
+    /// on one replica.
+    sticky: bool,
     /// `BENCH_PG_CPU`: the CPU the database has to itself.
     pg_cpu: Option<usize>,
     /// `BENCH_PG_FILL`: exchanges of another tenant each PostgreSQL
@@ -140,6 +146,7 @@ fn opts() -> Opts {
         pg_statements: std::env::var("BENCH_PG_STATEMENTS")
             .is_ok_and(|v| !v.is_empty() && v != "0"),
         replicas: env_usize("BENCH_REPLICAS", 1).min(4),
+        sticky: std::env::var("BENCH_STICKY").is_ok_and(|v| !v.is_empty() && v != "0"),
         pg_cpu: std::env::var("BENCH_PG_CPU")
             .ok()
             .and_then(|v| v.parse().ok()),
@@ -558,6 +565,8 @@ struct Session {
     fixed: Option<(Vec<u8>, String)>,
     /// Requests made so far.
     sent: usize,
+    /// Every request to one replica (see [`Scenario::sticky`]).
+    sticky: bool,
 }
 
 impl Session {
@@ -593,14 +602,16 @@ impl Session {
             reply: assistant_reply(shape),
             fixed: None,
             sent: 0,
+            sticky: false,
         }
     }
 
     /// Where the next request goes, of `urls` (the replicas): each in
     /// turn, so that a conversation's next request goes to a replica that
-    /// did not serve the one before.
+    /// did not serve the one before; or, sticky, always the same one.
     fn url<'a>(&self, urls: &'a [String]) -> &'a str {
-        &urls[(self.seed as usize + self.sent) % urls.len()]
+        let turn = if self.sticky { 0 } else { self.sent };
+        &urls[(self.seed as usize + turn) % urls.len()]
     }
 
     fn next(&mut self) -> (Vec<u8>, String) {
@@ -1024,6 +1035,9 @@ struct Scenario {
     /// Proxies sharing the store (PostgreSQL), the client's requests
     /// going to each in turn.
     replicas: usize,
+    /// The replicas behind a balancer with session affinity: a session's
+    /// requests all go to one of them.
+    sticky: bool,
 }
 
 impl Scenario {
@@ -1045,6 +1059,7 @@ impl Scenario {
         ) + &match (self.pg, self.replicas) {
             (false, _) => String::new(),
             (true, 1) => " pg".into(),
+            (true, n) if self.sticky => format!(" pg{n}s"),
             (true, n) => format!(" pg{n}"),
         }
     }
@@ -1155,7 +1170,10 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
     // Both sides get byte-identical sessions (same seeds).
     let sessions = |n: usize| -> Vec<Session> {
         (0..n)
-            .map(|i| Session::new(sc.variant, sc.stream, sc.size, 1 + i as u64))
+            .map(|i| Session {
+                sticky: sc.sticky,
+                ..Session::new(sc.variant, sc.stream, sc.size, 1 + i as u64)
+            })
             .collect()
     };
     // The store imports journaled exchanges in batches up to half a second
@@ -1786,14 +1804,14 @@ fn against_the_hop(rows: &[Row]) {
             let (added, hop_added) = (r.side[1].p50 - r.side[0].p50, h.side[1].p50 - h.side[0].p50);
             let bound = 2.0 * hop_added + 0.05;
             println!(
-                "  {:<23} +p50 {added:+.3} ms, bound {bound:.3} (hop {hop_added:+.3})  {}  {cpu}",
+                "  {:<25} +p50 {added:+.3} ms, bound {bound:.3} (hop {hop_added:+.3})  {}  {cpu}",
                 r.name,
                 verdict(added <= bound)
             );
         } else {
             let (ratio, hop_ratio) = (r.side[1].rps / r.side[0].rps, h.side[1].rps / h.side[0].rps);
             println!(
-                "  {:<23} ratio {ratio:.2}, bound {:.2} (hop {hop_ratio:.2})  {}  {cpu}",
+                "  {:<25} ratio {ratio:.2}, bound {:.2} (hop {hop_ratio:.2})  {}  {cpu}",
                 r.name,
                 0.8 * hop_ratio,
                 verdict(ratio >= 0.8 * hop_ratio)
@@ -1818,7 +1836,7 @@ fn on_postgres(rows: &[Row]) {
     );
     for r in &pg {
         println!(
-            "  {:<23} rps {:>6.0}   cpu proxy {:.3} / db {:.3}   reads {:.2}   {:.1} per commit, {:.2} ms",
+            "  {:<25} rps {:>6.0}   cpu proxy {:.3} / db {:.3}   reads {:.2}   {:.1} per commit, {:.2} ms",
             r.name,
             r.side[1].rps,
             r.proxy_cpu_ms,
@@ -1828,16 +1846,18 @@ fn on_postgres(rows: &[Row]) {
             r.commit.0
         );
     }
+    // Each replicas' row (in turn, then sticky) beside its one-replica row.
     let pairs: Vec<(&Row, &Row)> = pg
         .iter()
         .filter(|r| r.sc.replicas == 1 && r.sc.conc > 1)
-        .filter_map(|one| {
-            let many = pg.iter().find(|r| {
-                r.sc.replicas > 1
-                    && (r.sc.size, r.sc.variant, r.sc.stream, r.sc.conc)
-                        == (one.sc.size, one.sc.variant, one.sc.stream, one.sc.conc)
-            })?;
-            Some((*one, *many))
+        .flat_map(|one| {
+            pg.iter()
+                .filter(|r| {
+                    r.sc.replicas > 1
+                        && (r.sc.size, r.sc.variant, r.sc.stream, r.sc.conc)
+                            == (one.sc.size, one.sc.variant, one.sc.stream, one.sc.conc)
+                })
+                .map(move |many| (*one, *many))
         })
         .collect();
     if pairs.is_empty() {
@@ -1847,7 +1867,8 @@ fn on_postgres(rows: &[Row]) {
         "Replicas, a model (this machine's cores are shared, so it cannot be measured): each replica \
          on a core of its own serves 1000 / (its CPU ms per request) requests/s, the database \
          k × 1000 / (its CPU ms per request) on k cores; n replicas serve the least of n times a \
-         replica's rate and the database's, against one replica on the same database:"
+         replica's rate and the database's, against one replica on the same database (sessions \
+         going to the replicas in turn, or with `sticky` each kept on one):"
     );
     for (one, many) in pairs {
         let n = many.sc.replicas as f64;
@@ -1864,8 +1885,9 @@ fn on_postgres(rows: &[Row]) {
             })
             .collect();
         println!(
-            "  {:<20} {}",
+            "  {:<20} {:<7} {}",
             one.name.trim_end_matches(" pg"),
+            if many.sc.sticky { "sticky" } else { "in turn" },
             parts.join(";  ")
         );
     }
@@ -1914,14 +1936,18 @@ fn main() {
                         continue;
                     }
                     // SQLite; PostgreSQL; PostgreSQL with several replicas.
-                    let mut stores = vec![(false, 1)];
+                    // Those replicas behind session affinity.
+                    let mut stores = vec![(false, 1, false)];
                     if o.postgres {
-                        stores.push((true, 1));
+                        stores.push((true, 1, false));
                     }
                     if o.postgres && o.replicas > 1 {
-                        stores.push((true, o.replicas));
+                        stores.push((true, o.replicas, false));
+                        if o.sticky {
+                            stores.push((true, o.replicas, true));
+                        }
                     }
-                    for (pg, replicas) in stores {
+                    for (pg, replicas, sticky) in stores {
                         scenarios.push(Scenario {
                             size,
                             variant,
@@ -1929,6 +1955,7 @@ fn main() {
                             conc,
                             pg,
                             replicas,
+                            sticky,
                         });
                     }
                 }
@@ -1987,7 +2014,7 @@ fn main() {
 
     println!();
     println!(
-        "{:<23} {:>5} | {:>15} | {:>15} | {:>7} {:>7} | {:>6} {:>6} {:>5} | {:>13} {:>6} | {:>11} | {:>4} | {:>12}",
+        "{:<25} {:>5} | {:>15} | {:>15} | {:>7} {:>7} | {:>6} {:>6} {:>5} | {:>13} {:>6} | {:>11} | {:>4} | {:>12}",
         "scenario",
         "KB",
         "direct p50/p99",
@@ -2015,7 +2042,7 @@ fn main() {
             ("-".into(), "-".into())
         };
         println!(
-            "{:<23} {:>5.0} | {:>15} | {:>15} | {:>+7.3} {:>+7.2} | {:>6.0} {:>6.0} {:>5.2} | {:>13} {:>6} | {:>11} | {:>4} | {:>12}",
+            "{:<25} {:>5.0} | {:>15} | {:>15} | {:>+7.3} {:>+7.2} | {:>6.0} {:>6.0} {:>5.2} | {:>13} {:>6} | {:>11} | {:>4} | {:>12}",
             r.name,
             d.mean_kb,
             format!("{:.3}/{:.2}", d.p50, d.p99),
