@@ -1009,3 +1009,74 @@ async fn a_models_window_is_discovered_at_its_first_request_and_a_silent_upstrea
         "discovery is time-boxed ({waited:?})"
     );
 }
+
+/// The estimate after an answer is made where something reads it: the
+/// calibration it feeds matters from half the trigger on, and the next
+/// request's fit check needs token counts once its bytes do not clear the
+/// hard limit alone. A conversation far from both, whose usage was
+/// reported, is not tokenized after each answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_estimate_after_an_answer_is_made_only_where_it_is_read() {
+    // 100 000 tokens: the trigger at 75 000, half of it 37 500; the hard
+    // limit at 99 000, half of it 49 500 bytes.
+    let h = Harness::start_with(|c| {
+        c.models.push(compactor::config::ModelConfig {
+            pattern: "roomy*".into(),
+            context_window: 100_000,
+            max_output_tokens: Some(1_000),
+            ..Default::default()
+        });
+    })
+    .await;
+    let url = format!("{}/chat/completions", h.url());
+    // Three conversations, each one exchange: usage far below half the
+    // trigger; usage past it; a body past half the hard limit in bytes.
+    let bodies = [
+        ("far", "Summarise the build log.".to_string(), 1_200),
+        ("near", "Summarise the test log.".to_string(), 40_000),
+        (
+            "large",
+            format!("Read this file: {}", "fn main() {} ".repeat(4_000)),
+            1_200,
+        ),
+    ];
+    for (_, text, prompt) in &bodies {
+        h.fake.push(Reply::chat("Done.", *prompt, 10));
+        let request = json!({"model": "roomy-1", "messages": [
+            {"role": "system", "content": "You are a careful coding agent."},
+            {"role": "user", "content": text},
+        ]});
+        let (status, _, _) = post(&url, KEY, &request).await;
+        assert_eq!(status, 200);
+    }
+    h.wait_exchanges(3).await;
+    assert!(
+        within(h.state.background.drained(Duration::from_secs(10))).await,
+        "the accounting thread ran every exchange's line"
+    );
+    let conversations: Vec<String> = support::column(
+        &*h.sql(),
+        "SELECT conversation_id FROM exchanges ORDER BY id",
+    );
+    assert_eq!(conversations.len(), 3);
+    let tenants: Vec<String> =
+        support::column(&*h.sql(), "SELECT tenant FROM exchanges ORDER BY id");
+    let calibration = |i: usize| {
+        h.state
+            .compactions
+            .calibration(&tenants[i], &conversations[i])
+    };
+    assert_eq!(calibration(0), 1.0, "{}: nothing estimated", bodies[0].0);
+    assert_ne!(
+        calibration(1),
+        1.0,
+        "{}: estimated and calibrated",
+        bodies[1].0
+    );
+    assert_ne!(
+        calibration(2),
+        1.0,
+        "{}: estimated and calibrated",
+        bodies[2].0
+    );
+}

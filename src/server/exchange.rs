@@ -18,7 +18,7 @@ use super::record;
 use super::request::ReadRequest;
 use crate::app::AppState;
 use crate::compaction::{agent_tool, items, recall, Compaction};
-use crate::config::Mode;
+use crate::config::{Mode, ModelLimits};
 use crate::conversation::Identified;
 use crate::engine::{self, Input};
 use crate::error::ProxyError;
@@ -75,6 +75,19 @@ pub struct Outcome {
     pub partial: bool,
     /// Time to upstream's response headers, ms.
     pub ttfb_ms: Option<f64>,
+}
+
+/// Whether the estimate after an exchange with reported `usage` is read by
+/// anything: the calibration of reported against estimated tokens, which
+/// the fit check and the compaction's budget use once a conversation nears
+/// its trigger (from half of it), and the token counts the next request's
+/// fit check takes when its bytes (`bytes` this time) no longer clear the
+/// hard limit by themselves. A conversation far from both needs none; its
+/// items are counted once it gets there.
+fn needs_estimate(limits: &ModelLimits, usage: Usage, bytes: u64) -> bool {
+    let half_trigger = limits.context_window as f64 * limits.trigger_ratio / 2.0;
+    usage.total() as f64 >= half_trigger
+        || bytes >= crate::compaction::policy::hard_limit(limits) / 2
 }
 
 /// The stored form of a request's parameters: its body with the tools put
@@ -655,8 +668,9 @@ impl PendingExchange {
     }
 
     /// The per-exchange accounting line: reported usage, estimate by
-    /// section of what was sent, fraction of the model's window, whether
-    /// past `warn_ratio`. Then the compaction decision for the next request.
+    /// section of what was sent (where something reads it: see
+    /// [`needs_estimate`]), fraction of the model's window, whether past
+    /// `warn_ratio`. Then the compaction decision for the next request.
     fn account(&self, state: &Arc<AppState>, usage: Option<Usage>, status: u16, complete: bool) {
         let background = state.background;
         let state = state.clone();
@@ -690,31 +704,38 @@ impl PendingExchange {
         );
         let tenant = self.request.tenant().to_string();
         let compaction = self.upstream.compaction.as_ref().map(|c| c.id.clone());
+        let bytes = self.request.raw_len() as u64;
         background.spawn(move || {
-            let hashes = hashes.unwrap_or_else(|| Arc::new(view.hashes()));
-            // The provider reads from its newest compaction item on, and so
-            // does its reported usage: the estimate counts the same.
-            let (view, hashes, chains) = match crate::compaction::boundary::newest_in(&view) {
-                Some(b) if b > 0 && hashes.len() == view.len() => (
-                    Arc::new(view.with_prefix_replaced(b, &[])),
-                    Arc::new(hashes[b..].to_vec()),
-                    None,
-                ),
-                _ => (view, hashes, chains),
-            };
-            let est = state.tokens.estimate_chained(
-                api,
-                &view,
-                &hashes,
-                chains.as_deref().map(Vec::as_slice),
-                tools.as_ref(),
-            );
             let limits = state.model_limits(&model);
-            let (used, source) = match usage {
-                Some(u) => (u.total(), "reported"),
-                None => (est.total(), "estimate"),
+            let est = usage
+                .is_none_or(|u| needs_estimate(&limits, u, bytes))
+                .then(|| {
+                    let hashes = hashes.unwrap_or_else(|| Arc::new(view.hashes()));
+                    // The provider reads from its newest compaction item on,
+                    // and so does its reported usage: the estimate counts the
+                    // same.
+                    let (view, hashes, chains) = match crate::compaction::boundary::newest_in(&view)
+                    {
+                        Some(b) if b > 0 && hashes.len() == view.len() => (
+                            Arc::new(view.with_prefix_replaced(b, &[])),
+                            Arc::new(hashes[b..].to_vec()),
+                            None,
+                        ),
+                        _ => (view, hashes, chains),
+                    };
+                    state.tokens.estimate_chained(
+                        api,
+                        &view,
+                        &hashes,
+                        chains.as_deref().map(Vec::as_slice),
+                        tools.as_ref(),
+                    )
+                });
+            let (used, source) = match (usage, &est) {
+                (Some(u), _) => (u.total(), "reported"),
+                (None, est) => (est.as_ref().map_or(0, |e| e.total()), "estimate"),
             };
-            if let Some(u) = usage {
+            if let (Some(u), Some(est)) = (usage, &est) {
                 state
                     .compactions
                     .calibrate(&tenant, &conversation, u.input_tokens, est.total());
@@ -730,8 +751,10 @@ impl PendingExchange {
                 input_tokens = usage.map(|u| u.input_tokens),
                 output_tokens = usage.map(|u| u.output_tokens),
                 tokens = used, tokens_source = source,
-                est_system = est.system, est_messages = est.messages,
-                est_tool_outputs = est.tool_outputs, est_tool_definitions = est.tool_definitions,
+                est_system = est.as_ref().map(|e| e.system),
+                est_messages = est.as_ref().map(|e| e.messages),
+                est_tool_outputs = est.as_ref().map(|e| e.tool_outputs),
+                est_tool_definitions = est.as_ref().map(|e| e.tool_definitions),
                 window = limits.context_window, fraction = format!("{fraction:.3}"),
                 past_warn_ratio,
                 "exchange"
