@@ -126,8 +126,13 @@ fn env_usize(name: &str, default: usize) -> usize {
         .unwrap_or(default)
 }
 
+/// A switch: set to anything but empty or `0`.
+fn env_flag(name: &str) -> bool {
+    std::env::var(name).is_ok_and(|v| !v.is_empty() && v != "0")
+}
+
 fn opts() -> Opts {
-    let quick = std::env::var("BENCH_QUICK").is_ok_and(|v| !v.is_empty() && v != "0");
+    let quick = env_flag("BENCH_QUICK");
     // `cargo bench` passes `--bench`; a free argument is a filter.
     let arg_filter = std::env::args().skip(1).find(|a| !a.starts_with('-'));
     let filter = std::env::var("BENCH_FILTER")
@@ -144,11 +149,10 @@ fn opts() -> Opts {
         proxy_threads: env_usize("BENCH_PROXY_THREADS", 1),
         load_threads: env_usize("BENCH_LOAD_THREADS", 1),
         filter,
-        postgres: std::env::var("BENCH_POSTGRES").is_ok_and(|v| !v.is_empty() && v != "0"),
-        pg_statements: std::env::var("BENCH_PG_STATEMENTS")
-            .is_ok_and(|v| !v.is_empty() && v != "0"),
+        postgres: env_flag("BENCH_POSTGRES"),
+        pg_statements: env_flag("BENCH_PG_STATEMENTS"),
         replicas: env_usize("BENCH_REPLICAS", 1).min(4),
-        sticky: std::env::var("BENCH_STICKY").is_ok_and(|v| !v.is_empty() && v != "0"),
+        sticky: env_flag("BENCH_STICKY"),
         pg_cpu: std::env::var("BENCH_PG_CPU")
             .ok()
             .and_then(|v| v.parse().ok()),
@@ -920,8 +924,7 @@ impl Rig {
         if let Ok(sync) = std::env::var("BENCH_PG_SYNC") {
             config.store.synchronous_commit = sync;
         }
-        config.store.local_journal =
-            std::env::var("BENCH_PG_JOURNAL").is_ok_and(|v| !v.is_empty() && v != "0");
+        config.store.local_journal = env_flag("BENCH_PG_JOURNAL");
         if let Some(ms) = std::env::var("BENCH_PG_COMMIT_DELAY_MS")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -1861,7 +1864,8 @@ fn on_postgres(rows: &[Row]) {
             r.commit.0
         );
     }
-    // Each replicas' row (in turn, then sticky) beside its one-replica row.
+    // Each row of several replicas (in turn, then sticky) beside its
+    // one-replica row.
     let pairs: Vec<(&Row, &Row)> = pg
         .iter()
         .filter(|r| r.sc.replicas == 1 && r.sc.conc > 1)
