@@ -49,8 +49,16 @@ struct Turn {
 fn step() -> impl Strategy<Value = Step> {
     prop_oneof![
         (1usize..200).prop_map(Step::Text),
-        prop::collection::vec(prop_oneof![1usize..300, 2_000usize..20_000], 1..4)
-            .prop_map(Step::Tools),
+        prop::collection::vec(
+            prop_oneof![
+                4 => 1usize..300,
+                4 => 2_000usize..20_000,
+                // A file read larger than the window (64 KB here) alone.
+                1 => 70_000usize..120_000,
+            ],
+            1..4
+        )
+        .prop_map(Step::Tools),
     ]
 }
 
@@ -165,10 +173,16 @@ impl Gen {
     }
 }
 
-/// One compaction as the engine computes it for this API.
+/// Tokens the compacted items must fit: the window less the answer's room
+/// (see [`params`]) and what the system and tools take.
+const LIMIT: u64 = 16_000 - 1_000 - 100;
+
+/// One compaction as the engine computes it for this API, escalating until
+/// the request fits [`LIMIT`] (a tail over it truncated into the
+/// replacement).
 fn compact(items: &[Value], base: Option<&Arc<Compaction>>, p: &Params) -> Option<Compaction> {
-    support::ladder::compact(items, base, p, |r| {
-        messages::finish_replacement(r, is_summary)
+    support::ladder::compact_within(items, base, p, LIMIT, |r, whole| {
+        messages::finish_replacement_after(r, 0, whole, is_summary)
     })
 }
 
@@ -279,7 +293,9 @@ fn play(rounds: Vec<(Vec<Turn>, bool)>) -> Result<(), TestCaseError> {
                 "extended request no longer matches"
             );
         }
-        let applied = match compact(&items, base.as_ref(), &p) {
+        let fresh = compact(&items, base.as_ref(), &p);
+        let made = fresh.is_some();
+        let applied = match fresh {
             Some(c) => {
                 if let Some(b) = &base {
                     prop_assert!(c.covered_len >= b.covered_len);
@@ -292,6 +308,10 @@ fn play(rounds: Vec<(Vec<Turn>, bool)>) -> Result<(), TestCaseError> {
             // The API saw the compacted request: what the model writes
             // next is bound to it.
             sent = check(&items, c)?;
+            if made {
+                let tokens: u64 = sent.iter().map(count).sum();
+                prop_assert!(tokens <= LIMIT, "compacted to {tokens} > {LIMIT}");
+            }
         }
         base = applied;
     }

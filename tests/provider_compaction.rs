@@ -755,7 +755,7 @@ mod properties {
                 let finish = |r: Vec<Value>| {
                     if messages {
                         let keep = boundary::safe_floor(&r, &cut::safe_cuts(&r));
-                        finish_replacement_after(r, keep, is_summary)
+                        finish_replacement_after(r, keep, false, is_summary)
                     } else {
                         r
                     }

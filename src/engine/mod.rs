@@ -531,6 +531,7 @@ async fn compute<S: Context>(
             let finished = crate::wire::messages::finish_replacement_after(
                 audited.replacement,
                 keep,
+                tail_len == 0,
                 crate::compaction::items::is_summary,
             );
             // Finishing adds a little (an opening user message, the

@@ -192,7 +192,7 @@ pub fn finish_replacement(
     replacement: Vec<Value>,
     is_summary: impl Fn(&Value) -> bool,
 ) -> Vec<Value> {
-    finish_replacement_after(replacement, 0, is_summary)
+    finish_replacement_after(replacement, 0, false, is_summary)
 }
 
 /// [`finish_replacement`] for a replacement whose first `keep` messages
@@ -200,15 +200,30 @@ pub fn finish_replacement(
 /// sent them (the API drops everything before the block and reads the
 /// block as sent), and what follows them is finished as a replacement is.
 /// The first message is then the client's, whatever its role.
+///
+/// `whole`: nothing of the client's request follows the replacement (its
+/// tail was truncated into it). When it then ends inside an open tool loop,
+/// the loop's last assistant message keeps its thinking, which the API
+/// requires there; [`finish_view`] takes it off once the loop has moved on,
+/// and lets the API drop it while it has not.
 pub fn finish_replacement_after(
     replacement: Vec<Value>,
     keep: usize,
+    whole: bool,
     is_summary: impl Fn(&Value) -> bool,
 ) -> Vec<Value> {
     let keep = keep.min(replacement.len());
+    let loop_assistant = open_loop_assistant(&replacement).filter(|&i| whole && i >= keep);
     let mut out: Vec<Value> = replacement[keep..]
         .iter()
-        .filter_map(without_thinking)
+        .enumerate()
+        .filter_map(|(i, m)| {
+            if Some(keep + i) == loop_assistant {
+                Some(m.clone())
+            } else {
+                without_thinking(m)
+            }
+        })
         .map(|mut m| {
             if is_summary(&m) {
                 if let Some(Value::String(text)) = m.get("content") {
@@ -251,8 +266,10 @@ pub fn finish_replacement_after(
 /// blocks of the tail were signed against the prefix the compaction
 /// replaced, so they go — but for the last assistant message of an open
 /// tool loop, which the API requires to start with its own block: that one
-/// stays, and the request must let the API drop it
-/// ([`with_block_binding`]); this returns whether it must. Breakpoints past
+/// stays, in the tail or in a replacement that took the tail in (see
+/// [`finish_replacement_after`]), and the request must let the API drop it
+/// ([`with_block_binding`]); this returns whether it must. A replacement's
+/// block whose loop has moved on goes like the tail's. Breakpoints past
 /// [`MAX_CACHE_BREAKPOINTS`] (counting `outside`, the system's and tools')
 /// are taken off the tail's oldest first, then the replacement's.
 ///
@@ -263,20 +280,12 @@ pub fn finish_view(view: &mut Vec<Value>, replacement_len: usize, outside: usize
         .iter()
         .rposition(holds_compaction_block)
         .map_or(0, |i| i + 1);
-    let start = replacement_len.max(floor).min(view.len());
-    // The client's own messages below the floor: past the replacement, or
-    // the ones the replacement kept verbatim before the block.
-    let clients = |i: usize| i < floor && (i >= replacement_len || floor <= replacement_len);
-    let open_loop = view.last().is_some_and(is_tool_result_message);
-    let keep = if open_loop {
-        view.iter()
-            .rposition(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
-            .filter(|&i| i >= start)
-    } else {
-        None
-    };
+    let mut replacement_len = replacement_len;
+    // The open loop's own block may be in the replacement (a tail
+    // truncated into it); any other thinking there went when it was made.
+    let keep = open_loop_assistant(view).filter(|&i| i >= floor);
     let mut kept_thinking = false;
-    let mut i = start;
+    let mut i = floor.min(view.len());
     while i < view.len() {
         if Some(i) == keep {
             kept_thinking |= has_thinking(&view[i]);
@@ -287,12 +296,19 @@ pub fn finish_view(view: &mut Vec<Value>, replacement_len: usize, outside: usize
                 Some(m) => view[i] = m,
                 None => {
                     view.remove(i);
+                    if i < replacement_len {
+                        replacement_len -= 1;
+                    }
                     continue;
                 }
             }
         }
         i += 1;
     }
+    let start = replacement_len.max(floor).min(view.len());
+    // The client's own messages below the floor: past the replacement, or
+    // the ones the replacement kept verbatim before the block.
+    let clients = |i: usize| i < floor && (i >= replacement_len || floor <= replacement_len);
     let mut count = outside + view.iter().map(breakpoints).sum::<usize>();
     let order: Vec<usize> = (start..view.len())
         .chain(0..start)
@@ -305,6 +321,16 @@ pub fn finish_view(view: &mut Vec<Value>, replacement_len: usize, outside: usize
         }
     }
     kept_thinking
+}
+
+/// The last assistant message of an open tool loop: the messages end with
+/// the user's `tool_result` blocks, which answer it.
+fn open_loop_assistant(msgs: &[Value]) -> Option<usize> {
+    if !msgs.last().is_some_and(is_tool_result_message) {
+        return None;
+    }
+    msgs.iter()
+        .rposition(|m| m.get("role").and_then(Value::as_str) == Some("assistant"))
 }
 
 /// Whether a message holds a provider `compaction` block.
@@ -899,6 +925,70 @@ mod tests {
             with_binding_beta(Some(BLOCK_BINDING_BETA)),
             BLOCK_BINDING_BETA
         );
+    }
+
+    /// A tail truncated into the replacement inside an open tool loop: the
+    /// loop's own block stays in the replacement, droppable; once the loop
+    /// moves on, it goes like any other.
+    #[test]
+    fn a_replacement_that_took_the_open_loop_in_keeps_its_block_until_it_moves_on() {
+        let think = |sig: &str| json!({"type": "thinking", "thinking": "t", "signature": sig});
+        let replacement = vec![
+            msg("user", json!("[compactor summary] facts")),
+            msg(
+                "assistant",
+                json!([think("old"), {"type": "tool_use", "id": "a", "name": "Read", "input": {}}]),
+            ),
+            msg(
+                "user",
+                json!([{"type": "tool_result", "tool_use_id": "a", "content": "short"}]),
+            ),
+            msg(
+                "assistant",
+                json!([think("loop"), {"type": "tool_use", "id": "b", "name": "Read", "input": {}}]),
+            ),
+            msg(
+                "user",
+                json!([{"type": "tool_result", "tool_use_id": "b", "content": "[elided]"}]),
+            ),
+        ];
+        let summary = |m: &Value| {
+            m["content"]
+                .as_str()
+                .is_some_and(|t| t.starts_with("[compactor"))
+        };
+        let part = finish_replacement_after(replacement.clone(), 0, false, summary);
+        assert!(!part.iter().any(has_thinking), "a tail follows: {part:?}");
+        let whole = finish_replacement_after(replacement, 0, true, summary);
+        assert!(!has_thinking(&whole[1]));
+        assert_eq!(whole[3]["content"][0]["signature"], "loop");
+        let n = whole.len();
+        let mut view = whole.clone();
+        assert!(
+            finish_view(&mut view, n, 0),
+            "the loop's block is droppable"
+        );
+        assert_eq!(view[3]["content"][0]["signature"], "loop");
+        // The loop moves on: its block in the replacement goes.
+        let mut later = whole;
+        later.push(msg(
+            "assistant",
+            json!([think("next"), {"type": "tool_use", "id": "c", "name": "Read", "input": {}}]),
+        ));
+        later.push(msg(
+            "user",
+            json!([{"type": "tool_result", "tool_use_id": "c", "content": "ok"}]),
+        ));
+        assert!(finish_view(&mut later, n, 0));
+        assert!(!has_thinking(&later[3]), "{:?}", later[3]);
+        assert_eq!(later[5]["content"][0]["signature"], "next");
+        later.push(msg(
+            "assistant",
+            json!([think("end"), {"type": "text", "text": "done"}]),
+        ));
+        later.push(msg("user", json!("thanks")));
+        assert!(!finish_view(&mut later, n, 0));
+        assert!(!later.iter().any(has_thinking));
     }
 
     #[test]

@@ -4,8 +4,10 @@
 
 use std::sync::Arc;
 
+use compactor::compaction::fit::{self, FitInput};
 use compactor::compaction::{
-    cheap_rungs, prepare, rewrite, summary, summary_replacement, Compaction, Params, Rung,
+    boundary, cheap_rungs, items as kinds, prepare, rewrite, summary, summary_replacement,
+    Compaction, Params, Rung,
 };
 use compactor::config::{CompactionConfig, ModelLimits};
 use compactor::wire::{chain_hashes, item_hash, ItemHash};
@@ -41,12 +43,7 @@ pub fn compact(
     p: &Params,
     finish: impl Fn(Vec<Value>) -> Vec<Value>,
 ) -> Option<Compaction> {
-    let view = match base {
-        Some(b) => rewrite::rewrite(items, b),
-        None => items.to_vec(),
-    };
-    let hashes: Vec<ItemHash> = view.iter().map(item_hash).collect();
-    let tokens: Vec<u64> = view.iter().map(count).collect();
+    let (view, hashes, tokens) = view_of(items, base);
     let prep = prepare(&view, &tokens, base.map(|b| b.as_ref()), p)?;
     let (rung, replacement, after) = match cheap_rungs(&view, &hashes, &prep, p, &count) {
         Some(r) => r,
@@ -66,17 +63,148 @@ pub fn compact(
     if after >= prep.before {
         return None;
     }
+    Some(stored(
+        items,
+        base,
+        prep.covered_len,
+        replacement,
+        rung,
+        prep.before,
+        after,
+    ))
+}
+
+/// One compaction of `items` on top of `base` that must fit `limit` tokens,
+/// as the engine computes it: the cheap rungs within the target and the
+/// limit, else the summary (the deterministic fallback) with the fit's
+/// escalation — later cuts, the smallest tail with its tool outputs
+/// truncated into the replacement, fewer user messages. `finish` gives the
+/// replacement the wire format's last touches, told whether nothing of
+/// the client's request follows it. `None` when nothing fits or nothing
+/// shrinks.
+pub fn compact_within(
+    items: &[Value],
+    base: Option<&Arc<Compaction>>,
+    p: &Params,
+    limit: u64,
+    finish: impl Fn(Vec<Value>, bool) -> Vec<Value>,
+) -> Option<Compaction> {
+    let (view, hashes, tokens) = view_of(items, base);
+    let before: u64 = tokens.iter().sum();
+    let base_c = base.map(|b| b.as_ref());
+    let cheap = prepare(&view, &tokens, base_c, p).and_then(|prep| {
+        let within = Params {
+            target_tokens: p.target_tokens.min(limit),
+            ..*p
+        };
+        let (rung, replacement, after) = cheap_rungs(&view, &hashes, &prep, &within, &count)?;
+        Some((
+            rung,
+            replacement,
+            after,
+            prep.covered_len,
+            view.len() - prep.cut,
+        ))
+    });
+    let (rung, replacement, after, covered_len, tail_len) = match cheap {
+        Some(c) => c,
+        None => {
+            let lead = kinds::leading_system(&view).max(boundary::floor(&view));
+            let base_facts = base.and_then(|b| b.facts.as_ref());
+            let widest = summary::extract_facts(&view[lead..], base_facts);
+            let floor = fit::summary_floor(&widest, view.len(), &count);
+            let input = FitInput {
+                view: &view,
+                tokens: &tokens,
+                hashes: &hashes,
+                base: base_c,
+                limit,
+                whole: false,
+                summary_floor: floor,
+            };
+            let wanted = fit::summary_wanted(&widest, view.len(), p.summary_max_bytes, &count)
+                .min(limit / 3)
+                .max(floor);
+            let roomy = FitInput {
+                summary_floor: wanted,
+                ..input
+            };
+            let plan = fit::plan(&roomy, p, &count)
+                .or_else(|_| fit::plan(&input, p, &count))
+                .ok()?;
+            let prep = &plan.prepared;
+            let facts = summary::extract_facts(&view[prep.lead..prep.cut], base_facts);
+            let text = fit::fitted_summary(
+                &facts,
+                None,
+                prep.covered_len,
+                p.summary_max_bytes,
+                plan.summary_budget,
+                &count,
+            );
+            let a = fit::apply(&input, &plan, p, text, &count);
+            (
+                Rung::Fallback,
+                a.replacement,
+                a.after,
+                a.covered_len,
+                a.tail_len,
+            )
+        }
+    };
+    let raw: u64 = replacement.iter().map(count).sum();
+    let replacement = finish(replacement, tail_len == 0);
+    let after = (after + replacement.iter().map(count).sum::<u64>()).saturating_sub(raw);
+    if after >= before || after > limit {
+        return None;
+    }
+    Some(stored(
+        items,
+        base,
+        covered_len,
+        replacement,
+        rung,
+        before,
+        after,
+    ))
+}
+
+/// The request as it goes upstream with `base` applied, its items'
+/// hashes and tokens.
+fn view_of(
+    items: &[Value],
+    base: Option<&Arc<Compaction>>,
+) -> (Vec<Value>, Vec<ItemHash>, Vec<u64>) {
+    let view = match base {
+        Some(b) => rewrite::rewrite(items, b),
+        None => items.to_vec(),
+    };
+    let hashes = view.iter().map(item_hash).collect();
+    let tokens = view.iter().map(count).collect();
+    (view, hashes, tokens)
+}
+
+/// The compaction stored for `items`, covering their first `covered_len`.
+fn stored(
+    items: &[Value],
+    base: Option<&Arc<Compaction>>,
+    covered_len: usize,
+    replacement: Vec<Value>,
+    rung: Rung,
+    before: u64,
+    after: u64,
+) -> Compaction {
     let chains = chain_hashes(&items.iter().map(item_hash).collect::<Vec<_>>());
-    Some(Compaction {
-        id: format!("cmp_{}", prep.covered_len),
+    Compaction {
+        id: format!("cmp_{covered_len}"),
         tenant: "t".into(),
         conversation: "c".into(),
-        covered_len: prep.covered_len,
-        covered_chain: chains[prep.covered_len - 1],
+        covered_len,
+        covered_chain: chains[covered_len - 1],
         replacement,
         rung,
         reason: "test".into(),
-        tokens_before: prep.before,
+        tokens_before: before,
         tokens_after: after,
         items_removed: 0,
         items_kept: 0,
@@ -92,5 +220,5 @@ pub fn compact(
         duration_ms: 0,
         created_ms: 0,
         made: Default::default(),
-    })
+    }
 }
