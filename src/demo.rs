@@ -283,7 +283,7 @@ async fn drive(
 ) -> anyhow::Result<DemoReport> {
     let state = &proxy.state;
     let limits = state.config.model_limits(MODEL);
-    let trigger = (limits.context_window as f64 * limits.trigger_ratio) as u64;
+    let trigger = crate::compaction::policy::trigger_tokens(&limits);
     let window = limits.context_window;
     writeln!(
         out,
@@ -291,9 +291,10 @@ async fn drive(
     )?;
     writeln!(
         out,
-        "model {MODEL}: window {} tokens, compaction triggers at {:.0}% ({} tokens)",
+        "model {MODEL}: window {} tokens, compaction triggers at {:.0}% of the {} an answer leaves ({} tokens)",
         thousands(window),
         limits.trigger_ratio * 100.0,
+        thousands(crate::compaction::policy::hard_limit(&limits)),
         thousands(trigger)
     )?;
     writeln!(

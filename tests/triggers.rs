@@ -291,3 +291,40 @@ async fn count_tokens_counts_a_waiting_compaction_as_applied() {
     assert!(!compacted(&headers), "not cut inside the turn");
     assert!(!upstream_shorter(&h, &l));
 }
+
+/// The trigger is a share of the effective limit (the window less the
+/// answer's budget), not of the window: with a large answer budget and a
+/// high ratio (Claude Code's 32k of a 200k window, `trigger_ratio` 0.9) it
+/// still fires in the background before a request stops fitting. Here 0.9
+/// of a 6000 window would be 5400, past the 3000 a 3000-token answer
+/// leaves; 0.9 of 3000 is 2700.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_high_trigger_fires_in_the_background_before_the_hard_limit() {
+    for (i, shape) in SHAPES.into_iter().enumerate() {
+        let h = Harness::start_with(|c| {
+            c.compaction.trigger_ratio = 0.9;
+            c.models.push(ModelConfig {
+                pattern: "loop-*".into(),
+                context_window: 6000,
+                max_output_tokens: Some(3000),
+                ..Default::default()
+            });
+        })
+        .await;
+        let mut l = Loop::new(shape, MODEL, &format!("sk-effective-{i}-000001"), 5, 1700);
+        // Under the hard limit as sent, past 0.9 of it as reported.
+        while l.prompt_tokens() < 2760 {
+            l.round(100);
+        }
+        assert!(l.prompt_tokens() < 3000, "{shape:?}: {}", l.prompt_tokens());
+        let headers = step(&h, &l, l.shell_reply()).await;
+        assert!(!compacted(&headers), "{shape:?}");
+        wait_compactions(&h, 1).await;
+        let m = &h.state.metrics;
+        assert_eq!(
+            (m.triggers("threshold"), m.triggers("hard")),
+            (1, 0),
+            "{shape:?}: a background compaction, not a synchronous one"
+        );
+    }
+}

@@ -15,7 +15,8 @@ pub struct Decision {
     pub used: u64,
     /// `used` is a tokenizer estimate, not the upstream's report.
     pub estimated: bool,
-    /// Tokens at which compaction triggers.
+    /// Tokens at which compaction triggers: the trigger ratio of the
+    /// effective limit ([`trigger_tokens`]).
     pub threshold: u64,
     /// The model's window.
     pub window: u64,
@@ -43,7 +44,7 @@ impl Decision {
 /// Decides from the tokens an exchange used (`prompt + completion`).
 pub fn decide(used: u64, estimated: bool, limits: &ModelLimits, warn_ratio: f64) -> Decision {
     let window = limits.context_window;
-    let threshold = (window as f64 * limits.trigger_ratio) as u64;
+    let threshold = trigger_tokens(limits);
     Decision {
         compact: used >= threshold,
         warn: used as f64 >= window as f64 * warn_ratio,
@@ -52,6 +53,17 @@ pub fn decide(used: u64, estimated: bool, limits: &ModelLimits, warn_ratio: f64)
         threshold,
         window,
     }
+}
+
+/// Tokens at which a conversation compacts: the trigger ratio of the
+/// effective limit (the window less the answer's budget, [`hard_limit`]),
+/// not of the window. Taken of the window, a trigger above the effective
+/// limit (0.9 of a 200k window is 180k, past the 168k a 32k answer leaves)
+/// would never fire before the request stops fitting, and every compaction
+/// would be a synchronous one inside a turn; taken of the effective limit,
+/// any configured ratio fires before it.
+pub fn trigger_tokens(limits: &ModelLimits) -> u64 {
+    (hard_limit(limits) as f64 * limits.trigger_ratio) as u64
 }
 
 /// Largest prompt that still leaves room for the model's answer.
@@ -76,18 +88,39 @@ mod tests {
     }
 
     #[test]
-    fn triggers_at_the_ratio() {
-        let d = decide(749, false, &limits(), 0.6);
+    fn triggers_at_the_ratio_of_the_effective_limit() {
+        // 0.75 of the 900 the answer's 100 leave of the window.
+        let d = decide(674, false, &limits(), 0.6);
         assert!(!d.compact && d.warn);
-        let d = decide(750, true, &limits(), 0.6);
+        let d = decide(675, true, &limits(), 0.6);
         assert!(d.compact);
         assert!(
-            d.reason().contains("estimated 750 tokens of 1000"),
+            d.reason().contains("estimated 675 tokens of 1000"),
             "{}",
             d.reason()
         );
         assert!(!decide(10, false, &limits(), 0.6).warn);
         assert_eq!(hard_limit(&limits()), 900);
+    }
+
+    #[test]
+    fn any_trigger_fires_before_the_hard_limit() {
+        // Claude's shape: a 200k window, a 32k answer.
+        for ratio in [0.5, 0.75, 0.9, 0.95, 1.0] {
+            let l = ModelLimits {
+                context_window: 200_000,
+                max_output_tokens: 32_000,
+                trigger_ratio: ratio,
+            };
+            assert!(trigger_tokens(&l) <= hard_limit(&l), "{ratio}");
+            assert!(decide(hard_limit(&l), false, &l, 0.6).compact, "{ratio}");
+        }
+        let l = ModelLimits {
+            context_window: 200_000,
+            max_output_tokens: 32_000,
+            trigger_ratio: 0.9,
+        };
+        assert_eq!(trigger_tokens(&l), 151_200);
     }
 }
 

@@ -85,9 +85,8 @@ pub struct Outcome {
 /// hard limit by themselves. A conversation far from both needs none; its
 /// items are counted once it gets there.
 fn needs_estimate(limits: &ModelLimits, usage: Usage, bytes: u64) -> bool {
-    let half_trigger = limits.context_window as f64 * limits.trigger_ratio / 2.0;
-    usage.total() as f64 >= half_trigger
-        || bytes >= crate::compaction::policy::hard_limit(limits) / 2
+    let half_trigger = crate::compaction::policy::trigger_tokens(limits) / 2;
+    usage.total() >= half_trigger || bytes >= crate::compaction::policy::hard_limit(limits) / 2
 }
 
 /// The stored form of a request's parameters: its body with the tools put
