@@ -124,17 +124,7 @@ async fn claude_code_session_past_a_small_window_is_compacted_and_its_overflow_r
     let out = claude
         .print(TASK, &[("ANTHROPIC_BASE_URL", &base_url(&h))])
         .await;
-    let requests = client_requests(&h);
-    describe_requests(&h.fake.received());
-    assert_eq!(out.code, Some(0), "{}", out.describe());
-    assert!(out.stdout.contains(FINAL), "{}", out.describe());
-    for said in [&out.stdout, &out.stderr] {
-        assert!(
-            !said.contains("prompt is too long") && !said.contains("exceed context limit"),
-            "an overflow reached Claude Code: {}",
-            out.describe()
-        );
-    }
+    let requests = finished_cleanly(&h, &out, &["prompt is too long", "exceed context limit"]);
     assert_eq!(
         requests.len(),
         STEPS + 1 + overflowed(&requests),
@@ -216,6 +206,22 @@ async fn claude_code_session_past_a_small_window_is_compacted_and_its_overflow_r
     assert_eq!(conversations, 1);
 }
 
+/// The Messages requests of a Claude Code run (described on stderr for
+/// the test's log), once it exited 0 with [`FINAL`] and said none of
+/// `refusals` (what an error reaching it would show).
+fn finished_cleanly(h: &Harness, out: &claude::Outcome, refusals: &[&str]) -> Vec<Received> {
+    let requests = client_requests(h);
+    describe_requests(&h.fake.received());
+    assert_eq!(out.code, Some(0), "{}", out.describe());
+    assert!(out.stdout.contains(FINAL), "{}", out.describe());
+    for said in [&out.stdout, &out.stderr] {
+        if let Some(r) = refusals.iter().find(|r| said.contains(**r)) {
+            panic!("Claude Code was told {r:?}: {}", out.describe());
+        }
+    }
+    requests
+}
+
 /// How many of these requests the fake refused for its window ("prompt is
 /// too long", or the prompt and `max_tokens` over the window).
 fn overflowed(requests: &[Received]) -> usize {
@@ -255,4 +261,102 @@ fn describe_requests(received: &[Received]) {
             names,
         );
     }
+}
+
+/// The upstream's window for the session that reads a large file: less
+/// than the file alone.
+const SMALL_WINDOW: u64 = 6_000;
+
+/// A file of ~29 KB (~7.2k tokens as the fake counts): alone over
+/// [`SMALL_WINDOW`], and under the 30,000 characters past which Claude
+/// Code keeps a `Bash` result in a file and sends a preview instead.
+fn big_file() -> String {
+    let mut out = String::from("BIG-FILE-HEAD: generated ledger dump\n");
+    let mut i = 0;
+    while out.len() < 29_000 {
+        out.push_str(&format!(
+            "dump row {i:05}: account {:03} moved {i} units between ledgers\n",
+            i % 997
+        ));
+        i += 1;
+    }
+    out.push_str("BIG-FILE-TAIL: end of dump\n");
+    out
+}
+
+/// A Claude Code session with thinking on whose second `Bash` call reads a
+/// file larger than the upstream's window (which the proxy is told is
+/// larger than it is), inside the open tool loop: the
+/// upstream's "prompt is too long" is compacted at once, escalating to
+/// truncating the current result into the compacted prefix with its call,
+/// whose thinking block stays (the API requires it there) and may be
+/// dropped. No 400 reaches Claude Code: it exits 0 with the final answer,
+/// and every request the upstream got keeps the API's rules.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the Claude Code CLI: run scripts/test"]
+async fn claude_code_reading_a_file_larger_than_the_window_with_thinking_on_gets_no_400() {
+    let h = Harness::start_with(tiny_claude).await;
+    h.fake.set_messages_window(Some(SMALL_WINDOW));
+    let claude = Claude::new();
+    let logs = claude.work.path().join("logs");
+    std::fs::create_dir_all(&logs).unwrap();
+    std::fs::write(logs.join("00.txt"), log_file(0)).unwrap();
+    std::fs::write(logs.join("dump.txt"), big_file()).unwrap();
+    let read = |id: &str, path: &str, thought: &str| {
+        Reply::Messages(
+            Answer::tool_use(
+                id,
+                "Bash",
+                json!({"command": format!("cat {path}"), "description": format!("Read {path}")}),
+            )
+            .thinking(thought),
+        )
+    };
+    h.fake
+        .push(read("toolu_00", "logs/00.txt", "The first ledger."));
+    h.fake
+        .push(read("toolu_01", "logs/dump.txt", "Now the whole dump."));
+    h.fake
+        .push(read("toolu_02", "logs/00.txt", "Once more, to compare."));
+    h.fake
+        .push(Reply::Messages(Answer::text(FINAL).thinking("Done.")));
+    let out = claude
+        .print(TASK, &[("ANTHROPIC_BASE_URL", &base_url(&h))])
+        .await;
+    let requests = finished_cleanly(&h, &out, &["400", "thinking block", "too long"]);
+    for r in &requests {
+        assert!(
+            anthropic::check(&r.json(), &r.headers, None).is_none(),
+            "a request the API would refuse went upstream: {}",
+            String::from_utf8_lossy(&r.body)
+        );
+    }
+    // The file really went: its head in the results the upstream got, the
+    // part the window has no room for elided, with a marker saying so.
+    assert!(big_file().len() as u64 / 4 > SMALL_WINDOW);
+    let results: Vec<String> = requests.iter().map(|r| tool_results(&r.json())).collect();
+    assert!(
+        results
+            .iter()
+            .any(|t| t.contains("BIG-FILE-HEAD") && t.contains("bytes of tool output elided")),
+        "the file's read went upstream, truncated"
+    );
+    assert!(compactions(&h) >= 1, "the conversation was compacted");
+    // Four steps, each refused one sent again: bounded.
+    let refused = requests
+        .iter()
+        .filter(|r| anthropic::check(&r.json(), &r.headers, Some(SMALL_WINDOW)).is_some())
+        .count();
+    eprintln!("{} requests, {refused} refused as too long", requests.len());
+    assert_eq!(
+        requests.len(),
+        4 + refused,
+        "one request per step and each refused one sent again"
+    );
+    assert!(refused <= 2, "{refused}");
+    let last = requests.last().unwrap();
+    assert!(
+        anthropic::check(&last.json(), &last.headers, Some(SMALL_WINDOW)).is_none(),
+        "the last request fits"
+    );
 }
