@@ -6,7 +6,9 @@ mod support;
 
 use std::time::Duration;
 
+use compactor::compaction::recall;
 use compactor::fake_upstream::Reply;
+use compactor::wire::Api;
 use serde_json::{json, Value};
 use support::{
     client_calls, compactions, is_summary_call, last_client_call, last_client_request, post,
@@ -665,12 +667,91 @@ async fn a_compacted_request_keeps_the_clients_parameters_and_tools_in_place() {
     assert_eq!(status, 200);
     assert!(headers.get("x-compactor-compacted").is_some());
     let sent = last_client_call(&h);
-    assert_eq!(sent["tools"], tools, "the tool definitions go up unchanged");
+    // The client's definitions unchanged and first, the proxy's recall
+    // tool after them.
+    let mut with_recall = tools.as_array().unwrap().clone();
+    with_recall.push(recall::definition(Api::Chat));
+    assert_eq!(
+        sent["tools"],
+        json!(with_recall),
+        "the client's tools, then recall"
+    );
     assert_eq!(sent["temperature"], 0.5);
     assert_eq!(
         support::keys(&sent),
         ["model", "temperature", "tools", "messages"],
         "in the client's order"
+    );
+}
+
+/// The proxy's own tool never comes and goes within a conversation: a
+/// text-only history (summaries, nothing archived) is offered
+/// `compactor_recall` from its first compacted request on, and every later
+/// compacted request, past a second compaction too, sends the tool
+/// definitions as the same bytes, so what a prompt cache keyed on them
+/// holds stays valid.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tool_definitions_keep_their_bytes_across_compactions() {
+    let h = Harness::start_with(small_window).await;
+    let mut chat = Chat::new(&h, KEY);
+    chat.tools = Some(
+        json!([{"type": "function", "function": {"name": "read_file",
+        "description": "Reads a file of the workspace.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]),
+    );
+    grow_until_compacted(&h, &mut chat).await;
+    let tools_sent = |h: &Harness| {
+        let sent = last_client_request(h).json();
+        serde_json::to_vec(&sent["tools"]).unwrap()
+    };
+    let (status, headers, _) = chat.turn("one more step").await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let first = tools_sent(&h);
+    let names: Vec<String> = serde_json::from_slice::<Value>(&first)
+        .unwrap()
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|t| t["function"]["name"].as_str().unwrap().to_string())
+        .collect();
+    assert_eq!(
+        names,
+        ["read_file", recall::TOOL],
+        "offered though nothing is archived"
+    );
+    let mut turns = 0;
+    while compactions(&h) < 2 {
+        let (status, headers, _) = chat.turn(&filler(100 + turns)).await;
+        assert_eq!(status, 200);
+        assert!(headers.get("x-compactor-compacted").is_some());
+        assert_eq!(tools_sent(&h), first, "turn {turns}: the same bytes");
+        turns += 1;
+        assert!(turns < 40, "never compacted again");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let (status, headers, _) = chat.turn("and the next step").await;
+    assert_eq!(status, 200);
+    let applied = headers
+        .get("x-compactor-compacted")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string();
+    let second: String = support::column(
+        &*h.sql(),
+        "SELECT id FROM compactions ORDER BY created_ms DESC LIMIT 1",
+    )
+    .pop()
+    .unwrap();
+    assert!(
+        applied.contains(&second),
+        "the second compaction applies: {applied}"
+    );
+    assert_eq!(
+        tools_sent(&h),
+        first,
+        "after the second compaction: the same bytes"
     );
 }
 

@@ -1,6 +1,20 @@
 //! Recall of what the cheap rungs elided: the `compactor_recall` tool the
-//! proxy adds to a compacted request whose tool outputs were truncated or
-//! pruned, the calls of it in an answer, and the answers to them.
+//! proxy adds to a compacted request, the calls of it in an answer, and the
+//! answers to them.
+//!
+//! Where the tool goes is decided once for a conversation's life: after the
+//! client's own tools (and `compactor_compact`), on every request a
+//! compaction applies to, from the conversation's first compacted request
+//! on, with the same bytes ([`definition`]), whether or not what the
+//! compaction holds has an archived original left to recall. Tool
+//! definitions come first in both providers' prompt-cache keys (Anthropic:
+//! tools, system, messages; OpenAI: the prefix as sent), so a tool that came
+//! with a prune and went with a later summary would make the request after
+//! each change read nothing from the cache, the unchanged tools and system
+//! included. It is not offered before the first compaction: that would hold
+//! every answer of a conversation that never compacts to look for calls,
+//! and change bytes the client sent for nothing, while the first compaction
+//! rewrites the cached prefix from its first replaced item anyway.
 //!
 //! A reference is answered from the request's own items: the originals the
 //! client sent, which the compaction replaced on the way upstream. So a
@@ -21,8 +35,7 @@ pub const TOOL: &str = "compactor_recall";
 /// its head and tail (two thirds, one third) around a marker.
 pub const MAX_RECALL_BYTES: usize = 16 * 1024;
 
-/// What the stub says of the archive: the text the ladder's markers carry
-/// and [`offers_recall`] looks for.
+/// What the stub says of the archive: the text the ladder's markers carry.
 pub const ARCHIVED: &str = "original archived as item:";
 
 const DESCRIPTION: &str = "Returns the original of a tool output that compactor shortened \
@@ -46,20 +59,13 @@ pub fn definition(api: Api) -> Value {
     }
 }
 
-/// Whether the recall tool may be added to a request: it has tools of its
-/// own, none of them named [`TOOL`] (a client's own tool of that name is
-/// the client's, and its calls go to the client), and does not forbid
-/// calling them; it asks for one choice (a recall in another choice could
-/// not be answered without answering them all); it continues no
-/// upstream-stored response (a continuation would have to name the recall
-/// round); and its items as sent carry an archived reference.
-pub fn offers_recall(body: &Value, tools: Option<&Value>, sent: &[Value]) -> bool {
-    may_offer(body, tools) && carries_archive(sent)
-}
-
-/// [`offers_recall`] but for the items: for a request whose items as sent
-/// are known to carry an archived reference (a compaction's replacement
-/// that does is among them) without reading them all.
+/// Whether the recall tool may be added to a compacted request: it has
+/// tools of its own, none of them named [`TOOL`] (a client's own tool of
+/// that name is the client's, and its calls go to the client), and does
+/// not forbid calling them; it asks for one choice (a recall in another
+/// choice could not be answered without answering them all); and it
+/// continues no upstream-stored response (a continuation would have to name
+/// the recall round).
 pub fn may_offer(body: &Value, tools: Option<&Value>) -> bool {
     let list = tools.and_then(Value::as_array);
     let has_tools = list.is_some_and(|t| !t.is_empty());
@@ -142,13 +148,6 @@ fn echoed(reference: &str) -> String {
     } else {
         format!("{cut:?}")
     }
-}
-
-/// Whether any tool output of `items` has an archived original.
-pub fn carries_archive(items: &[Value]) -> bool {
-    items
-        .iter()
-        .any(|item| is_tool_output(item) && output_text(item).contains(ARCHIVED))
 }
 
 /// The text of a tool output (every `tool_result` of an Anthropic message).
@@ -487,27 +486,19 @@ mod tests {
     }
 
     #[test]
-    fn offered_only_to_requests_with_tools_and_archives() {
-        let stub = tool_output(&format!(
-            "[compactor: tool output pruned (9 bytes); {ARCHIVED}0123456789abcdef]"
-        ));
+    fn offered_only_to_requests_with_tools() {
         let tools = json!([{"type": "function", "function": {"name": "shell"}}]);
         let body = json!({"model": "m"});
-        let stubs = std::slice::from_ref(&stub);
-        assert!(offers_recall(&body, Some(&tools), stubs));
-        assert!(!offers_recall(&body, None, stubs));
-        assert!(!offers_recall(&body, Some(&json!([])), stubs));
-        assert!(!offers_recall(
-            &json!({"tool_choice": "none"}),
-            Some(&tools),
-            stubs
-        ));
-        assert!(!offers_recall(
+        assert!(may_offer(&body, Some(&tools)));
+        assert!(!may_offer(&body, None));
+        assert!(!may_offer(&body, Some(&json!([]))));
+        assert!(!may_offer(&json!({"tool_choice": "none"}), Some(&tools)));
+        assert!(!may_offer(
             &json!({"previous_response_id": "resp_1"}),
-            Some(&tools),
-            stubs
+            Some(&tools)
         ));
-        assert!(!offers_recall(&body, Some(&tools), &[tool_output("plain")]));
+        let own = json!([{"type": "function", "function": {"name": TOOL}}]);
+        assert!(!may_offer(&body, Some(&own)));
         let once = with_tool(Api::Chat, &tools);
         assert_eq!(once.as_array().unwrap().len(), 2);
         assert_eq!(

@@ -112,8 +112,7 @@ fn compacted(state: &AppState, tenant: &str, raw: &[u8]) -> Option<(bytes::Bytes
     }
     // The recall tool goes with it when the proxy would offer it.
     let offered = state.config.compaction.recall_max_rounds > 0
-        && recall::carries_archive(&c.replacement)
-        && recall::offers_recall(&body, tools.as_ref().map(Tools::value), &view);
+        && recall::may_offer(&body, tools.as_ref().map(Tools::value));
     let tools = match (offered, &tools) {
         (true, Some(t)) => {
             let mut with =

@@ -300,22 +300,23 @@ impl PendingExchange {
         self.offer_recall();
     }
 
-    /// Offers `compactor_recall` when the view now carries archived
-    /// originals (whatever compacted it: a stored compaction, a hard-limit,
-    /// manual or requested one, an overflow's) and the request may have it
-    /// (see [`recall::offers_recall`]).
+    /// Offers `compactor_recall` to every compacted request (whatever
+    /// compacted it: a stored compaction, a hard-limit, manual or requested
+    /// one, an overflow's) that may have it (see [`recall::may_offer`]),
+    /// whether or not its replacement carries archived originals: the tool
+    /// definitions come first in the providers' prompt caches, so a tool
+    /// that came and went with what a compaction holds would make the
+    /// requests after it read nothing from the cache (see [`recall`]).
     fn offer_recall(&mut self) {
-        let Some(c) = &self.upstream.compaction else {
+        if self.upstream.compaction.is_none() {
             return;
-        };
+        }
         let offered = &mut self.offered;
         if offered.recall_withdrawn || offered.recall_rounds == 0 {
             return;
         }
-        // The view begins with the replacement: when that carries an
-        // archived reference, so does what is sent.
-        offered.recall = recall::carries_archive(&c.replacement)
-            && recall::may_offer(self.request.body(), self.request.tools().map(Tools::value));
+        offered.recall =
+            recall::may_offer(self.request.body(), self.request.tools().map(Tools::value));
         offered.recall_offered |= offered.recall;
     }
 
