@@ -6,6 +6,7 @@
 //! ([`TokenCounter::bound`]) and counts only when the bound does not settle
 //! it.
 
+pub mod media;
 mod pieces;
 mod text;
 
@@ -198,7 +199,9 @@ impl TokenCounter {
         let facts = items
             .raw_json(i)
             .and_then(|json| text::item_text(json, &mut text));
-        let Some(facts) = facts else {
+        // An item that may hold an image or a document is counted from its
+        // parsed form, where the block's members are seen together.
+        let Some(facts) = facts.filter(|f| !f.media) else {
             return self.count_new(&items.item(i));
         };
         let role = facts.role.as_deref().unwrap_or("");
@@ -222,7 +225,7 @@ impl TokenCounter {
 
     /// Counts an item the cache does not hold.
     fn count_new(&self, item: &Value) -> Counted {
-        let mut text = String::new();
+        let mut text = Text::default();
         let sealed = sealed_content(item);
         match (sealed, item) {
             // The sealed payload is not text the model reads as such: it
@@ -230,12 +233,12 @@ impl TokenCounter {
             (Some(_), Value::Object(fields)) => fields
                 .iter()
                 .filter(|(k, _)| k.as_str() != SEALED_FIELD)
-                .for_each(|(_, v)| collect_text(v, &mut text)),
-            _ => collect_text(item, &mut text),
+                .for_each(|(_, v)| text.collect(v)),
+            _ => text.collect(item),
         }
         let sealed_tokens = sealed.map_or(0, |s| sealed_tokens(s.len()));
         Counted {
-            tokens: self.count_text(&text) + sealed_tokens + PER_ITEM_OVERHEAD,
+            tokens: self.count_text(&text.text) + text.media + sealed_tokens + PER_ITEM_OVERHEAD,
             kind: Kind::of(item),
         }
     }
@@ -250,7 +253,9 @@ impl TokenCounter {
     /// An upper bound of [`TokenCounter::estimate`]'s total without the
     /// tokenizer: items counted before by their tokens, the others by their
     /// bytes. A token is at least one byte, and the text counted of an item
-    /// (its string values, space separated) is never longer than its JSON.
+    /// (its string values, space separated) is never longer than its JSON;
+    /// an image or document ([`media`]) may be priced above its bytes when
+    /// it is given by URL or is tiny (an upstream refusal then compacts).
     pub fn bound(&self, items: &ItemList, hashes: &[ItemHash], tools: Option<&Tools>) -> u64 {
         let cache = self.lock();
         let mut total = 0;
@@ -381,18 +386,42 @@ fn sealed_tokens(len: usize) -> u64 {
     ((len as u64) * 3 / 4).saturating_sub(650).div_ceil(4)
 }
 
-/// Appends every string leaf (values, not keys) of `v`, space separated.
-fn collect_text(v: &Value, out: &mut String) {
-    match v {
-        Value::String(s) => {
-            if !out.is_empty() {
-                out.push(' ');
-            }
-            out.push_str(s);
+/// What an item is counted from: its text, and the tokens of its images,
+/// documents and audio ([`media`]), which are not text.
+#[derive(Default)]
+struct Text {
+    text: String,
+    media: u64,
+}
+
+impl Text {
+    /// Appends every string leaf (values, not keys) of `v`, space
+    /// separated; a media block adds its estimate instead, and of its
+    /// members only a document's `title` and `context`.
+    fn collect(&mut self, v: &Value) {
+        match v {
+            Value::String(s) => self.push(s),
+            Value::Array(a) => a.iter().for_each(|x| self.collect(x)),
+            Value::Object(m) => match media::block_tokens(m) {
+                Some(tokens) => {
+                    self.media += tokens;
+                    for key in ["title", "context"] {
+                        if let Some(s) = m.get(key).and_then(Value::as_str) {
+                            self.push(s);
+                        }
+                    }
+                }
+                None => m.values().for_each(|x| self.collect(x)),
+            },
+            _ => {}
         }
-        Value::Array(a) => a.iter().for_each(|x| collect_text(x, out)),
-        Value::Object(m) => m.values().for_each(|x| collect_text(x, out)),
-        _ => {}
+    }
+
+    fn push(&mut self, s: &str) {
+        if !self.text.is_empty() {
+            self.text.push(' ');
+        }
+        self.text.push_str(s);
     }
 }
 
@@ -425,6 +454,10 @@ mod tests {
                 "tool",
                 "user",
                 "instructions",
+                "image",
+                "image_url",
+                "input_image",
+                "document",
             ])
             .prop_map(Value::from),
         ];
@@ -442,6 +475,9 @@ mod tests {
             "content",
             "summary",
             "output",
+            "source",
+            "image_url",
+            "title",
         ]);
         proptest::collection::vec((key, value), 0..6)
             .prop_map(|m| Value::Object(m.into_iter().map(|(k, v)| (k.to_string(), v)).collect()))
@@ -641,6 +677,65 @@ mod tests {
             };
             proptest::prop_assert_eq!(Kind::of(&item).section(), want);
             proptest::prop_assert_eq!(Kind::from_fields(role, kind).section(), want);
+        }
+    }
+}
+
+#[cfg(test)]
+mod media_tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A PNG header of `w` × `h` and `payload` bytes after it, as base64.
+    fn png_b64(w: u32, h: u32, payload: usize) -> String {
+        let mut b = b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR".to_vec();
+        b.extend(w.to_be_bytes());
+        b.extend(h.to_be_bytes());
+        b.extend((0..payload).map(|i| (i * 7919 % 251) as u8));
+        media::encode_base64(&b)
+    }
+
+    #[test]
+    fn an_image_counts_what_its_api_charges_from_bytes_or_tree() {
+        let png = png_b64(2880, 1800, 300_000);
+        let url = format!("data:image/png;base64,{png}");
+        let text = json!({"type": "text", "text": "The sidebar:"});
+        let cases = [
+            (
+                Api::Chat,
+                "messages",
+                json!({"role": "user", "content": [text, {"type": "image_url", "image_url": {"url": url}}]}),
+                media::openai_image(2880, 1800),
+            ),
+            (
+                Api::Responses,
+                "input",
+                json!({"role": "user", "content": [{"type": "input_text", "text": "The sidebar:"}, {"image_url": url, "type": "input_image"}]}),
+                media::openai_image(2880, 1800),
+            ),
+            (
+                Api::Messages,
+                "messages",
+                json!({"role": "user", "content": [text, {"source": {"data": png, "media_type": "image/png", "type": "base64"}, "type": "image"}]}),
+                media::anthropic_image(2880, 1800),
+            ),
+        ];
+        let t = TokenCounter::default();
+        let words = t
+            .count_new(&json!({"role": "user", "content": [text]}))
+            .tokens;
+        for (api, key, item, image) in cases {
+            let raw = bytes::Bytes::from(format!(r#"{{"{key}":[{item}]}}"#));
+            let split = crate::wire::items::split_body(&raw, key).unwrap();
+            let items = ItemList::raw(Vec::new(), raw.clone(), split.spans.unwrap());
+            let tree = t.count_new(&item);
+            assert_eq!(t.count_new_in(&items, 0), tree, "{api:?}");
+            // The image's price, and a word or two of its block's type.
+            assert!(tree.tokens >= words + image, "{api:?}: {}", tree.tokens);
+            assert!(tree.tokens <= words + image + 4, "{api:?}: {}", tree.tokens);
+            let hashes = items.hashes();
+            let e = TokenCounter::default().estimate(api, &items, &hashes, None);
+            assert_eq!(e.total(), tree.tokens, "{api:?}");
         }
     }
 }

@@ -1,7 +1,7 @@
 //! The text of an item read from its JSON bytes, without building its tree:
 //! what [`super::TokenCounter`] counts of a new item of a request whose items
 //! are still the client's bytes (most requests). The same text, in the same
-//! order, as [`super::collect_text`] gives for the item parsed.
+//! order, as [`super::Text::collect`] gives for the item parsed.
 
 use std::fmt;
 
@@ -21,16 +21,31 @@ pub(super) struct Facts {
     /// the item's type is one whose payload is sealed (its `type` may come
     /// after it).
     pub sealed: Option<(usize, String)>,
+    /// A string naming a media block's type was seen
+    /// ([`super::media::is_block_type`]): the item may hold an image or a
+    /// document, which this text does not tell from words.
+    pub media: bool,
 }
 
 /// Appends the string leaves of one JSON item to `out`, space separated
-/// (values, not keys, as [`super::collect_text`]), and returns its facts.
+/// (values, not keys, as [`super::Text::collect`]), and returns its facts.
 /// `None` when `json` is not one JSON value.
 pub(super) fn item_text(json: &[u8], out: &mut String) -> Option<Facts> {
     let mut de = serde_json::Deserializer::from_slice(json);
-    let facts = Item(out).deserialize(&mut de).ok()?;
+    let mut sink = Out {
+        text: out,
+        media: false,
+    };
+    let mut facts = Item(&mut sink).deserialize(&mut de).ok()?;
     de.end().ok()?;
+    facts.media = sink.media;
     Some(facts)
+}
+
+/// Where the text goes, and whether a media block's type was seen.
+struct Out<'a> {
+    text: &'a mut String,
+    media: bool,
 }
 
 /// What stands in the text for the sealed field's string while the
@@ -39,13 +54,13 @@ pub(super) fn item_text(json: &[u8], out: &mut String) -> Option<Facts> {
 const HELD: &str = "\u{1}";
 
 /// Puts `s` in the place [`HELD`] holds at `at`, as
-/// [`super::collect_text`] would have added it.
+/// [`super::Text::collect`] would have added it.
 pub(super) fn put_back(out: &mut String, at: usize, s: &str) {
     out.replace_range(at..at + HELD.len(), s);
 }
 
 /// Takes [`HELD`] at `at` out with the space that separates it, as
-/// [`super::collect_text`] leaves a sealed payload out.
+/// [`super::Text::collect`] leaves a sealed payload out.
 pub(super) fn take_out(out: &mut String, at: usize) {
     let end = at + HELD.len();
     if at > 0 {
@@ -60,17 +75,18 @@ pub(super) fn take_out(out: &mut String, at: usize) {
     }
 }
 
-fn push(out: &mut String, s: &str) {
-    if !out.is_empty() {
-        out.push(' ');
+fn push(out: &mut Out, s: &str) {
+    out.media |= super::media::is_block_type(s);
+    if !out.text.is_empty() {
+        out.text.push(' ');
     }
-    out.push_str(s);
+    out.text.push_str(s);
 }
 
 /// Every string leaf of a value.
-struct Texts<'a>(&'a mut String);
+struct Texts<'a, 'b>(&'a mut Out<'b>);
 
-impl<'de> DeserializeSeed<'de> for Texts<'_> {
+impl<'de> DeserializeSeed<'de> for Texts<'_, '_> {
     type Value = ();
 
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<(), D::Error> {
@@ -99,7 +115,7 @@ macro_rules! no_text {
     };
 }
 
-impl<'de> Visitor<'de> for Texts<'_> {
+impl<'de> Visitor<'de> for Texts<'_, '_> {
     type Value = ();
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -128,19 +144,19 @@ impl<'de> Visitor<'de> for Texts<'_> {
 
 /// A value's text, and the value itself when it is a string (`role`,
 /// `type`, the sealed field).
-struct Kept<'a> {
-    out: &'a mut String,
+struct Kept<'a, 'b> {
+    out: &'a mut Out<'b>,
     /// The string is kept out of the text.
     aside: bool,
 }
 
-impl<'a> Kept<'a> {
-    fn new(out: &'a mut String, aside: bool) -> Self {
+impl<'a, 'b> Kept<'a, 'b> {
+    fn new(out: &'a mut Out<'b>, aside: bool) -> Self {
         Kept { out, aside }
     }
 }
 
-impl<'de> DeserializeSeed<'de> for Kept<'_> {
+impl<'de> DeserializeSeed<'de> for Kept<'_, '_> {
     type Value = Option<String>;
 
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<String>, D::Error> {
@@ -148,7 +164,7 @@ impl<'de> DeserializeSeed<'de> for Kept<'_> {
     }
 }
 
-impl<'de> Visitor<'de> for Kept<'_> {
+impl<'de> Visitor<'de> for Kept<'_, '_> {
     type Value = Option<String>;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -159,6 +175,8 @@ impl<'de> Visitor<'de> for Kept<'_> {
 
     fn visit_str<E>(self, s: &str) -> Result<Option<String>, E> {
         push(self.out, if self.aside { HELD } else { s });
+        // Held out of the text, a media type's name still tells.
+        self.out.media |= super::media::is_block_type(s);
         Ok(Some(s.to_owned()))
     }
 
@@ -201,9 +219,9 @@ impl<'de> serde::Deserialize<'de> for Key {
 }
 
 /// An item: its members' text, with its facts when it is an object.
-struct Item<'a>(&'a mut String);
+struct Item<'a, 'b>(&'a mut Out<'b>);
 
-impl<'de> DeserializeSeed<'de> for Item<'_> {
+impl<'de> DeserializeSeed<'de> for Item<'_, '_> {
     type Value = Facts;
 
     fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Facts, D::Error> {
@@ -211,7 +229,7 @@ impl<'de> DeserializeSeed<'de> for Item<'_> {
     }
 }
 
-impl<'de> Visitor<'de> for Item<'_> {
+impl<'de> Visitor<'de> for Item<'_, '_> {
     type Value = Facts;
 
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
@@ -240,7 +258,7 @@ impl<'de> Visitor<'de> for Item<'_> {
                     if let Some(s) = map.next_value_seed(Kept::new(out, true))? {
                         // A string: the last thing in the text is what
                         // holds its place.
-                        facts.sealed = Some((out.len() - HELD.len(), s));
+                        facts.sealed = Some((out.text.len() - HELD.len(), s));
                     }
                 }
                 Key::Other => map.next_value_seed(Texts(&mut *out))?,

@@ -1,0 +1,240 @@
+//! Images are not text: a conversation at ~1% of its window whose next
+//! turn carries a ~1 MB screenshot goes upstream as it came, on each of
+//! the three APIs — no compaction, no summarizer call, the image's bytes
+//! unchanged. Tokenized as words, its base64 counted a million tokens and
+//! the turn was compacted on the spot.
+
+mod support;
+
+use compactor::config::{Config, ModelConfig};
+use compactor::fake_upstream::{Received, Reply};
+use serde_json::{json, Value};
+use support::*;
+
+const KEY: &str = "sk-images-test-0001";
+/// The model's window; the conversation reports about 1% of it.
+const WINDOW: u64 = 200_000;
+
+fn window(c: &mut Config) {
+    c.models.push(ModelConfig {
+        pattern: "shot-*".into(),
+        context_window: WINDOW,
+        max_output_tokens: Some(8_000),
+        trigger_ratio: None,
+        ..Default::default()
+    });
+}
+
+use compactor::tokens::media::encode_base64 as b64;
+
+fn chunk(kind: &[u8], data: &[u8]) -> Vec<u8> {
+    let mut c = (data.len() as u32).to_be_bytes().to_vec();
+    c.extend(kind);
+    c.extend(data);
+    let mut crc = crc32fast::Hasher::new();
+    crc.update(kind);
+    crc.update(data);
+    c.extend(crc.finalize().to_be_bytes());
+    c
+}
+
+/// A valid PNG of a 2880 × 1800 screenshot: its header, then ~1 MB of
+/// incompressible image data (what a busy screenshot's deflate stream
+/// looks like to anything but a PNG decoder).
+fn screenshot() -> Vec<u8> {
+    let mut ihdr = 2880u32.to_be_bytes().to_vec();
+    ihdr.extend(1800u32.to_be_bytes());
+    ihdr.extend([8, 6, 0, 0, 0]);
+    let mut x = 0x9e37_79b9_7f4a_7c15u64;
+    let data: Vec<u8> = (0..1_100_000)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect();
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    png.extend(chunk(b"IHDR", &ihdr));
+    png.extend(chunk(b"IDAT", &data));
+    png.extend(chunk(b"IEND", &[]));
+    png
+}
+
+/// ~2,000 tokens of conversation before the screenshot (1% of the window).
+fn history() -> Vec<(&'static str, String)> {
+    (0..8)
+        .map(|i| {
+            let role = if i % 2 == 0 { "user" } else { "assistant" };
+            let text = format!(
+                "Turn {i}: the settings page renders its sidebar twice when the window is narrow; \
+                 {} ",
+                "the layout code in src/ui/sidebar.rs decides the breakpoints. ".repeat(14)
+            );
+            (role, text)
+        })
+        .collect()
+}
+
+/// The three APIs: where a request goes, how it is sent, the image block,
+/// and a scripted answer reporting `prompt` input tokens.
+#[derive(Clone, Copy, Debug)]
+enum Api {
+    Chat,
+    Responses,
+    Messages,
+}
+
+impl Api {
+    fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/chat/completions",
+            Api::Responses => "/responses",
+            Api::Messages => "/messages",
+        }
+    }
+
+    fn image(self, png: &str) -> Value {
+        match self {
+            Api::Chat => {
+                json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{png}")}})
+            }
+            Api::Responses => {
+                json!({"type": "input_image", "image_url": format!("data:image/png;base64,{png}"), "detail": "auto"})
+            }
+            Api::Messages => {
+                json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}})
+            }
+        }
+    }
+
+    fn text(self, text: &str) -> Value {
+        match self {
+            Api::Responses => json!({"type": "input_text", "text": text}),
+            _ => json!({"type": "text", "text": text}),
+        }
+    }
+
+    fn body(self, items: &[Value]) -> Value {
+        match self {
+            Api::Chat => json!({"model": "shot-chat", "messages": items}),
+            Api::Responses => json!({"model": "shot-responses", "input": items}),
+            Api::Messages => {
+                json!({"model": "shot-messages", "max_tokens": 1024, "messages": items})
+            }
+        }
+    }
+
+    fn answer(self, text: &str, prompt: u64) -> Reply {
+        match self {
+            Api::Chat => Reply::chat(text, prompt, 40),
+            Api::Responses => Reply::responses(text, prompt, 40),
+            Api::Messages => Reply::json(
+                200,
+                json!({
+                    "id": "msg_shot", "type": "message", "role": "assistant", "model": "shot-messages",
+                    "content": [{"type": "text", "text": text}],
+                    "stop_reason": "end_turn", "stop_sequence": null,
+                    "usage": {"input_tokens": prompt, "output_tokens": 40},
+                }),
+            ),
+        }
+    }
+
+    async fn send(self, h: &Harness, body: &Value) -> (u16, Vec<u8>) {
+        let mut req = client()
+            .post(format!("{}{}", h.url(), self.path()))
+            .header("content-type", "application/json")
+            .body(serde_json::to_vec(body).unwrap());
+        req = match self {
+            Api::Messages => req
+                .header("x-api-key", KEY)
+                .header("anthropic-version", "2023-06-01"),
+            _ => req.header("authorization", format!("Bearer {KEY}")),
+        };
+        let resp = within(req.send()).await.expect("request");
+        let status = resp.status().as_u16();
+        (status, within(resp.bytes()).await.expect("body").to_vec())
+    }
+}
+
+fn message(role: &str, content: Value) -> Value {
+    json!({"role": role, "content": content})
+}
+
+async fn a_screenshot_at_one_percent_goes_as_it_came(api: Api) {
+    let h = Harness::start_with(window).await;
+    let mut items: Vec<Value> = history()
+        .into_iter()
+        .map(|(role, text)| message(role, json!(text)))
+        .collect();
+    items.push(message(
+        "user",
+        json!("Here is where it breaks; look next."),
+    ));
+    // The upstream counts the conversation at ~1% of the window.
+    h.fake.push(api.answer("Send me a screenshot.", 2_000));
+    let (status, body) = api.send(&h, &api.body(&items)).await;
+    assert_eq!(status, 200, "{api:?}: {}", String::from_utf8_lossy(&body));
+    items.push(message("assistant", json!("Send me a screenshot.")));
+
+    let png = b64(&screenshot());
+    assert!(png.len() > 1_400_000, "{}", png.len());
+    let image = api.image(&png);
+    items.push(message(
+        "user",
+        json!([api.text("The sidebar, twice:"), image.clone()]),
+    ));
+    // A 2880 × 1800 image: ~1,600 tokens on Anthropic, 1,105 on OpenAI.
+    h.fake.push(api.answer("I see two sidebars.", 3_700));
+    let (status, body) = api.send(&h, &api.body(&items)).await;
+    assert_eq!(status, 200, "{api:?}: {}", String::from_utf8_lossy(&body));
+    let at = items.len() - 1;
+    h.wait_exchanges(2).await;
+    // The turn after it: the screenshot is history now.
+    items.push(message("assistant", json!("I see two sidebars.")));
+    items.push(message("user", json!("Fix it, then show me the diff.")));
+    h.fake.push(api.answer("Done.", 3_800));
+    let (status, body) = api.send(&h, &api.body(&items)).await;
+    assert_eq!(status, 200, "{api:?}: {}", String::from_utf8_lossy(&body));
+    h.wait_exchanges(3).await;
+    // What follows the exchange (the trigger's check) has run.
+    tokio::time::sleep(std::time::Duration::from_millis(500)).await;
+
+    let received: Vec<Received> = h.fake.received();
+    let summaries = received.iter().filter(|r| is_summary_call(r)).count();
+    assert_eq!(summaries, 0, "{api:?}: no summarizer call");
+    assert_eq!(received.len(), 3, "{api:?}: the three turns, nothing else");
+    assert_eq!(compactions(&h), 0, "{api:?}: nothing compacted");
+    // The screenshot reached the upstream byte for byte, in its place,
+    // with the turn that sent it and with the next.
+    for (turn, n) in [(1, at + 1), (2, items.len())] {
+        let r = &received[turn];
+        assert!(
+            memchr::memmem::find(&r.body, png.as_bytes()).is_some(),
+            "{api:?}: the base64 went as it came"
+        );
+        let sent = r.json();
+        let list = match api {
+            Api::Responses => &sent["input"],
+            _ => &sent["messages"],
+        };
+        assert_eq!(list.as_array().map(Vec::len), Some(n), "{api:?}");
+        assert_eq!(list[at]["content"][1], image, "{api:?}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_screenshot_at_one_percent_is_not_compacted() {
+    a_screenshot_at_one_percent_goes_as_it_came(Api::Chat).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_responses_screenshot_at_one_percent_is_not_compacted() {
+    a_screenshot_at_one_percent_goes_as_it_came(Api::Responses).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_messages_screenshot_at_one_percent_is_not_compacted() {
+    a_screenshot_at_one_percent_goes_as_it_came(Api::Messages).await;
+}
