@@ -61,6 +61,7 @@ pub mod error;
 pub mod fake_upstream;
 pub mod ids;
 pub mod metrics;
+pub mod prices;
 pub mod redact;
 pub mod server;
 pub mod store;

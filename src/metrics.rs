@@ -25,10 +25,12 @@ use prometheus_client::metrics::info::Info;
 use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
+use crate::prices::{CacheSeen, Previous, Prices, Tokens};
+
 mod labels;
 
 pub use labels::{
-    reason_kind, trigger_of, ENDPOINTS, FACT_KINDS, FACT_STATES, GOALS, INPUT_KINDS,
+    reason_kind, trigger_of, BILL_KINDS, ENDPOINTS, FACT_KINDS, FACT_STATES, GOALS, INPUT_KINDS,
     PROVIDER_FALLBACK_REASONS, REASONS, RUNGS, TRIGGERS,
 };
 
@@ -147,6 +149,13 @@ struct FactLabels {
     state: &'static str,
 }
 
+/// Labels of `compactor_bill_dollars_total`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct BillLabels {
+    /// One of [`BILL_KINDS`].
+    kind: &'static str,
+}
+
 /// Labels of `compactor_model_context_window`.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 struct WindowLabels {
@@ -200,6 +209,10 @@ pub struct Metrics {
     seen: Mutex<Seen>,
     /// `[kind][state]` of the facts compactions' audits checked.
     facts: Box<[Counter]>,
+    /// `[kind]` of [`BILL_KINDS`], dollars.
+    bill: Box<[Counter<f64, AtomicU64>]>,
+    /// Calls no price is known for.
+    unpriced: Counter,
 }
 
 /// When each conversation last sent a request, keyed by a 64-bit hash of
@@ -211,6 +224,9 @@ pub struct Metrics {
 struct Seen {
     seed: foldhash::quality::RandomState,
     at: HashMap<u64, Instant, foldhash::fast::RandomState>,
+    /// Per conversation, what the bill's counterfactual needs of it: its
+    /// previous exchange and what its upstream reported of its cache.
+    bills: HashMap<u64, (Previous, CacheSeen), foldhash::fast::RandomState>,
 }
 
 impl Default for Metrics {
@@ -401,6 +417,23 @@ impl Metrics {
             family,
         );
 
+        let bill_family = Family::<BillLabels, Counter<f64, AtomicU64>>::default();
+        let bill = BILL_KINDS
+            .iter()
+            .map(|&kind| bill_family.get_or_create_owned(&BillLabels { kind }))
+            .collect();
+        registry.register(
+            "compactor_bill_dollars",
+            "Dollars at the models' prices (built-in list or proxy.toml): paid (exchanges from the cache figures they reported, recall rounds, summarizer and provider-compaction calls), of it the summaries, and what the exchanges would have cost without compaction with the cache they would have had. Saved: uncompacted - paid. Calls of models without a known price are left out (compactor_bill_unpriced_calls_total)",
+            bill_family,
+        );
+        let unpriced = Counter::default();
+        registry.register(
+            "compactor_bill_unpriced_calls",
+            "Exchanges and summarizer calls of a model with no price known: in tokens only, never in dollars",
+            unpriced.clone(),
+        );
+
         Metrics {
             registry,
             requests,
@@ -421,6 +454,8 @@ impl Metrics {
             provider_fallbacks,
             seen: Mutex::default(),
             facts,
+            bill,
+            unpriced,
         }
     }
 
@@ -543,6 +578,82 @@ impl Metrics {
             ("potential_saved", potential),
         ] {
             self.input_tokens[index_of(INPUT_KINDS, kind)].inc_by(n);
+        }
+    }
+
+    /// An exchange of `conversation` that reported usage, on the bill:
+    /// what it paid (its `tokens`, its recall rounds' `recall`) at
+    /// `prices`, and what it would have without the `saved` tokens of its
+    /// compaction (see `store::savings` for the assumptions; here the
+    /// conversation's cache as reported so far). It started and ended at
+    /// those Unix ms.
+    #[allow(clippy::too_many_arguments)]
+    pub fn exchange_bill(
+        &self,
+        conversation: &str,
+        prices: Option<Prices>,
+        tokens: Tokens,
+        recall: Tokens,
+        saved: u64,
+        started_ms: i64,
+        ended_ms: i64,
+    ) {
+        self.input_tokens[index_of(INPUT_KINDS, "cache_written")].inc_by(tokens.cache_write);
+        let uncompacted = {
+            let mut guard = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+            let key = guard.seed.hash_one(conversation);
+            if guard.bills.len() >= MAX_TRACKED_CONVERSATIONS && !guard.bills.contains_key(&key) {
+                // Keep the active conversations' (rare; amortized O(1)).
+                let Seen { at, bills, .. } = &mut *guard;
+                bills.retain(|k, _| at.contains_key(k));
+                if bills.len() >= MAX_TRACKED_CONVERSATIONS {
+                    bills.clear();
+                }
+            }
+            let (previous, mut cache) = guard
+                .bills
+                .get(&key)
+                .map_or((None, CacheSeen::default()), |(p, c)| (Some(*p), *c));
+            cache.add(&tokens);
+            let next = Previous {
+                whole: tokens.input + saved,
+                ended_ms,
+            };
+            guard.bills.insert(key, (next, cache));
+            crate::prices::uncompacted(tokens, saved, started_ms, previous, &cache)
+        };
+        let Some(p) = prices else {
+            self.unpriced.inc();
+            return;
+        };
+        self.bill_add("paid", p.cost(&tokens) + p.cost(&recall));
+        self.bill_add("uncompacted", p.cost(&uncompacted));
+    }
+
+    /// A compaction's summarizer (or provider) calls on the bill: `tokens`
+    /// of which `output_tokens` were written, at `prices` (their input
+    /// priced uncached: the call's cache figures are not recorded).
+    pub fn summary_bill(&self, prices: Option<Prices>, tokens: u64, output_tokens: u64) {
+        if tokens == 0 {
+            return;
+        }
+        let Some(p) = prices else {
+            self.unpriced.inc();
+            return;
+        };
+        let output = output_tokens.min(tokens);
+        let dollars = p.cost(&Tokens {
+            input: tokens - output,
+            output,
+            ..Tokens::default()
+        });
+        self.bill_add("paid", dollars);
+        self.bill_add("summaries", dollars);
+    }
+
+    fn bill_add(&self, kind: &str, dollars: f64) {
+        if dollars.is_finite() && dollars > 0.0 {
+            self.bill[index_of(BILL_KINDS, kind)].inc_by(dollars);
         }
     }
 

@@ -41,6 +41,7 @@ const LAYERS: &[(&str, &[&str])] = &[
             "redact",
             "background",
             "windows",
+            "prices",
         ],
     ),
     ("wire formats", &["wire"]),

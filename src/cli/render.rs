@@ -332,7 +332,13 @@ fn render_boundary(history: &[serde_json::Value], compactions: usize) -> String 
     )
 }
 
-/// The savings lines of `conversations show`.
+/// Dollars as shown: `$0.1234`, `-$0.0100`.
+pub(super) fn dollars(v: f64) -> String {
+    let sign = if v < 0.0 { "-" } else { "" };
+    format!("{sign}${:.4}", v.abs())
+}
+
+/// The savings lines of `conversations show`: tokens, the cache, the bill.
 pub(super) fn render_savings(s: &crate::store::savings::Savings) -> String {
     let pct = |r: Option<f64>| r.map_or("-".to_string(), |r| format!("{:.0}%", r * 100.0));
     let mut out = format!(
@@ -350,12 +356,43 @@ pub(super) fn render_savings(s: &crate::store::savings::Savings) -> String {
         ));
     }
     out.push_str(&format!(
-        "  cache       {} of input read from the upstream's cache ({} at best without compaction)\n",
+        "  cache       {} read, {} written ({} for an hour): {} of input read from the upstream's cache ({} at best without compaction)\n",
+        thousands(s.cached_tokens),
+        thousands(s.cache_write_tokens),
+        thousands(s.cache_write_1h_tokens),
         pct(s.cache_reuse),
         pct(s.cache_reuse_uncompacted)
     ));
-    if let (Some(cost), Some(saved)) = (s.cost, s.money_saved) {
-        out.push_str(&format!("  cost        {cost:.4}, {saved:.4} saved\n"));
+    if s.exchanges_without_cache_fields > 0 {
+        out.push_str(&format!(
+            "              the upstream reported no cache fields for {} of {} exchanges: taken as uncached\n",
+            thousands(s.exchanges_without_cache_fields),
+            thousands(s.exchanges_with_usage),
+        ));
+    }
+    match (s.cost, s.cost_uncompacted, s.money_saved) {
+        (Some(cost), Some(uncompacted), Some(saved)) => {
+            let verdict = if saved < 0.0 {
+                "compaction cost more"
+            } else {
+                "saved"
+            };
+            out.push_str(&format!(
+                "  bill        paid {} (summaries {}), {} without compaction: {} {verdict}\n",
+                dollars(cost),
+                dollars(s.cost_summaries.unwrap_or(0.0)),
+                dollars(uncompacted),
+                dollars(saved),
+            ));
+        }
+        _ if !s.unpriced_models.is_empty() => {
+            let models: Vec<&str> = s.unpriced_models.iter().map(String::as_str).collect();
+            out.push_str(&format!(
+                "  bill        no dollars: no price known for {} (tokens only; a [[models]] entry's input_price_per_mtok gives one)\n",
+                models.join(", ")
+            ));
+        }
+        _ => {}
     }
     out.push('\n');
     out
@@ -412,6 +449,7 @@ pub(super) fn render_show(d: &ConversationDetail) -> String {
                 format!("{}{}", e.status, if e.partial { " partial" } else { "" }),
                 opt_thousands(e.input_tokens),
                 opt_thousands(e.output_tokens),
+                cache_cell(e.cached_tokens, e.cache_write_tokens),
                 percent(
                     e.input_tokens.map(|i| i + e.output_tokens.unwrap_or(0)),
                     e.context_window.unwrap_or(c.context_window),
@@ -428,6 +466,7 @@ pub(super) fn render_show(d: &ConversationDetail) -> String {
             ("STATUS", false),
             ("INPUT", true),
             ("OUTPUT", true),
+            ("CACHE READ/WRITTEN", true),
             ("IN+OUT OF WINDOW", true),
             ("COMPACTION APPLIED", false),
         ],
@@ -452,6 +491,14 @@ pub(super) fn render_show(d: &ConversationDetail) -> String {
         }
     }
     out
+}
+
+/// An exchange's cache figures as reported: `read/written`, `-` for none.
+fn cache_cell(read: Option<u64>, written: Option<u64>) -> String {
+    match (read, written) {
+        (None, None) => "-".into(),
+        (r, w) => format!("{}/{}", opt_thousands(r), opt_thousands(w)),
+    }
 }
 
 // ---------------------------------------------------------------------------

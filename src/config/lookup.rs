@@ -1,10 +1,34 @@
 //! The per-request settings a `[[tenants]]` or `[[models]]` entry may set
-//! (mode, summarizer, agent_tool): the tenant's entry, then the model's,
+//! (mode, summarizer, agent_tool), and whether a conversation is held out
+//! of compaction: the tenant's entry, then the model's,
 //! then the `[compaction]` table's.
 
 use super::{Config, Mode, ModelConfig, Summarizer, TenantConfig};
 
 impl Config {
+    /// The model the summarizer calls for a conversation with `model`:
+    /// `compaction.summarizer_model`, else the conversation's own.
+    pub fn summarizer_model_for<'a>(&'a self, model: &'a str) -> &'a str {
+        match self.compaction.summarizer_model.as_str() {
+            "" => model,
+            m => m,
+        }
+    }
+
+    /// Whether `conversation` is among the `compaction.holdout_ratio`
+    /// held out of compaction: a fixed function of its id, so every
+    /// replica, and a restarted one, holds out the same conversations.
+    pub fn held_out(&self, conversation: &str) -> bool {
+        let ratio = self.compaction.holdout_ratio;
+        if ratio <= 0.0 {
+            return false;
+        }
+        let hash = blake3::hash(conversation.as_bytes());
+        let draw = u64::from_le_bytes(hash.as_bytes()[..8].try_into().unwrap_or_default());
+        // The draw in [0, 1).
+        ((draw >> 11) as f64 / (1u64 << 53) as f64) < ratio
+    }
+
     /// The mode of `tenant`'s requests to `model`: the tenant's entry,
     /// then the model's, then `compaction.mode`.
     pub fn mode_for(&self, tenant: &str, model: &str) -> Mode {
@@ -47,6 +71,27 @@ impl Config {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_holdout_is_a_share_fixed_by_the_ids() {
+        let ids: Vec<String> = (0..4000).map(|i| format!("conv_{i:024x}")).collect();
+        let held = |ratio: &str| {
+            let c = Config::from_toml(&format!("[compaction]\nholdout_ratio = {ratio}\n")).unwrap();
+            ids.iter()
+                .filter(|id| c.held_out(id))
+                .cloned()
+                .collect::<Vec<_>>()
+        };
+        assert!(held("0").is_empty());
+        assert_eq!(held("1").len(), ids.len());
+        let tenth = held("0.1");
+        assert!((320..480).contains(&tenth.len()), "{}", tenth.len());
+        // The same ids every time, and a larger share holds them too.
+        assert_eq!(tenth, held("0.1"));
+        let quarter = held("0.25");
+        assert!(tenth.iter().all(|id| quarter.contains(id)));
+        assert!(Config::from_toml("[compaction]\nholdout_ratio = 1.5\n").is_err());
+    }
 
     #[test]
     fn summarizer_is_set_per_tenant_then_model_then_globally() {

@@ -19,7 +19,7 @@ mod models;
 mod shown;
 mod validate;
 
-pub use models::{glob_match, ModelLimits, Prices};
+pub use models::{glob_match, ModelLimits};
 pub use shown::{masked, shown_url, Origin, Setting};
 
 /// Default listen address: loopback, so a fresh install exposes nothing.
@@ -408,6 +408,10 @@ pub struct CompactionConfig {
     /// own tools), with which it asks for a compaction at the next turn
     /// boundary; `[[models]]` and `[[tenants]]` entries may say otherwise.
     pub agent_tool: bool,
+    /// The share of new conversations held out of compaction, to compare
+    /// the bill with: they run in observe mode, chosen from their ids (so
+    /// the same ones on every replica and after a restart). 0: none.
+    pub holdout_ratio: f64,
 }
 
 impl Default for CompactionConfig {
@@ -430,6 +434,7 @@ impl Default for CompactionConfig {
             summarizer: Summarizer::Local,
             provider_timeout_secs: 60,
             agent_tool: false,
+            holdout_ratio: 0.0,
         }
     }
 }
@@ -469,14 +474,24 @@ pub struct ModelConfig {
     /// Per-model override of `compaction.agent_tool`.
     #[serde(default)]
     pub agent_tool: Option<bool>,
-    /// Price of a million input tokens, for the savings shown in money.
+    /// Price of a million input tokens, for the bill (default: the
+    /// built-in list's, see [`crate::prices`]).
     #[serde(default)]
     pub input_price_per_mtok: Option<f64>,
-    /// Price of a million input tokens served from the upstream's prompt
-    /// cache (default: the input price).
+    /// Price of a million input tokens read from the upstream's prompt
+    /// cache (default: the built-in list's, else the input price).
     #[serde(default)]
     pub cached_input_price_per_mtok: Option<f64>,
-    /// Price of a million output tokens (default: the input price).
+    /// Price of a million input tokens written to the cache for five
+    /// minutes (default: the built-in list's, else the input price).
+    #[serde(default)]
+    pub cache_write_price_per_mtok: Option<f64>,
+    /// Price of a million input tokens written to the cache for an hour
+    /// (default: the built-in list's, else the input price).
+    #[serde(default)]
+    pub cache_write_1h_price_per_mtok: Option<f64>,
+    /// Price of a million output tokens (default: the built-in list's,
+    /// else the input price).
     #[serde(default)]
     pub output_price_per_mtok: Option<f64>,
 }

@@ -1,32 +1,7 @@
 //! The models table: each model's window, answer budget and trigger from
-//! the `[[models]]` entries, then the built-in families; and its prices.
-
-use serde::Serialize;
+//! the `[[models]]` entries, then the built-in families.
 
 use super::{Config, ModelConfig};
-
-/// A model's prices per million tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
-pub struct Prices {
-    /// Input tokens.
-    pub input: f64,
-    /// Input tokens read from the prompt cache.
-    pub cached_input: f64,
-    /// Output tokens.
-    pub output: f64,
-}
-
-impl Prices {
-    /// What `input` tokens (`cached` of them from the cache) and `output`
-    /// tokens cost.
-    pub fn cost(&self, input: u64, cached: u64, output: u64) -> f64 {
-        let cached = cached.min(input);
-        ((input - cached) as f64 * self.input
-            + cached as f64 * self.cached_input
-            + output as f64 * self.output)
-            / 1e6
-    }
-}
 
 /// What the proxy knows about one model's limits.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -104,7 +79,7 @@ impl Config {
 
     /// The `[[models]]` entry that gives `model`'s limits, if one does
     /// (the same order as [`Config::model_limits`]).
-    pub(super) fn model_entry(&self, model: &str) -> Option<&ModelConfig> {
+    pub fn model_entry(&self, model: &str) -> Option<&ModelConfig> {
         let lower = model.to_ascii_lowercase();
         let user = |fallback: bool| {
             self.models.iter().find(|m| {
@@ -116,17 +91,6 @@ impl Config {
             .iter()
             .any(|(p, _, _)| *p != "*" && glob_match(p, &lower));
         user(false).or(if builtin { None } else { user(true) })
-    }
-
-    /// `model`'s prices, when its `[[models]]` entry gives an input price.
-    pub fn prices(&self, model: &str) -> Option<Prices> {
-        let m = self.model_entry(model)?;
-        let input = m.input_price_per_mtok?;
-        Some(Prices {
-            input,
-            cached_input: m.cached_input_price_per_mtok.unwrap_or(input),
-            output: m.output_price_per_mtok.unwrap_or(input),
-        })
     }
 
     /// The effective models table (user entries, then built-ins), for the banner.
@@ -202,22 +166,5 @@ mod tests {
         let c = Config::from_toml("[[models]]\nmatch = \"*\"\ncontext_window = 4096\n").unwrap();
         assert_eq!(c.model_limits("gpt-5").context_window, 400_000);
         assert_eq!(c.model_limits("my-local-model").context_window, 4096);
-    }
-
-    #[test]
-    fn prices_default_to_the_input_price() {
-        let c = Config::from_toml(
-            "[[models]]\nmatch = \"m\"\ncontext_window = 1000\ninput_price_per_mtok = 3.0\n\
-             [[models]]\nmatch = \"free\"\ncontext_window = 1000\n",
-        )
-        .unwrap();
-        let p = c.prices("m").unwrap();
-        assert_eq!((p.cached_input, p.output), (3.0, 3.0));
-        assert_eq!(p.cost(2_000_000, 500_000, 0), 6.0);
-        assert_eq!(c.prices("free"), None);
-        assert!(Config::from_toml(
-            "[[models]]\nmatch = \"m\"\ncontext_window = 1\noutput_price_per_mtok = -1.0\n"
-        )
-        .is_err());
     }
 }

@@ -48,6 +48,9 @@ impl Config {
         if !(c.trigger_ratio > 0.0 && c.trigger_ratio <= 1.0) {
             return invalid("compaction.trigger_ratio", "must be in (0, 1]");
         }
+        if !(0.0..=1.0).contains(&c.holdout_ratio) {
+            return invalid("compaction.holdout_ratio", "must be in [0, 1]");
+        }
         if !(c.warn_ratio > 0.0 && c.warn_ratio <= 1.0) {
             return invalid("compaction.warn_ratio", "must be in (0, 1]");
         }
@@ -115,6 +118,14 @@ impl Config {
                 (
                     "models.cached_input_price_per_mtok",
                     m.cached_input_price_per_mtok,
+                ),
+                (
+                    "models.cache_write_price_per_mtok",
+                    m.cache_write_price_per_mtok,
+                ),
+                (
+                    "models.cache_write_1h_price_per_mtok",
+                    m.cache_write_1h_price_per_mtok,
                 ),
                 ("models.output_price_per_mtok", m.output_price_per_mtok),
             ] {

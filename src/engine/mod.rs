@@ -602,6 +602,12 @@ async fn compute<S: Context>(
     state
         .metrics()
         .summary_cost(cost.calls, cost.tokens, cost.output_tokens);
+    let summarizer = state.config().summarizer_model_for(&input.model);
+    state.metrics().summary_bill(
+        crate::prices::of(state.config(), summarizer),
+        cost.tokens,
+        cost.output_tokens,
+    );
     tracing::info!(
         compaction = %c.id, conversation = %c.conversation, rung = c.rung.as_str(), reason = %c.reason,
         tokens_before = c.tokens_before, tokens_after = c.tokens_after,

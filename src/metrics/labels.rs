@@ -90,9 +90,21 @@ pub const PROVIDER_FALLBACK_REASONS: &[&str] = &[
 /// Kinds of `compactor_input_tokens_total`: what the upstream received,
 /// what it would have received without compaction, of those it received
 /// the ones it reported read from its prompt cache, and (observe mode)
-/// what compaction would have saved. Counted for exchanges that reported
-/// usage.
-pub const INPUT_KINDS: &[&str] = &["received", "uncompacted", "cached", "potential_saved"];
+/// what compaction would have saved, and the ones it reported written to
+/// its cache. Counted for exchanges that reported usage.
+pub const INPUT_KINDS: &[&str] = &[
+    "received",
+    "uncompacted",
+    "cached",
+    "potential_saved",
+    "cache_written",
+];
+
+/// Kinds of `compactor_bill_dollars_total`: what was paid (exchanges,
+/// recall rounds, summarizer and provider-compaction calls), of it the
+/// summarizer's and provider's compaction calls, and what the exchanges
+/// would have cost without compaction.
+pub const BILL_KINDS: &[&str] = &["paid", "summaries", "uncompacted"];
 
 /// Kind labels of `compactor_compaction_facts_total`.
 pub const FACT_KINDS: &[&str] = &[

@@ -219,6 +219,12 @@ impl PendingExchange {
         }
     }
 
+    /// Serves the request in observe mode: its conversation is held out
+    /// of compaction (`compaction.holdout_ratio`).
+    pub fn hold_out(&mut self) {
+        self.request.hold_out();
+    }
+
     /// Observe mode: records `c` as the compaction that would have
     /// applied (it never goes upstream).
     pub fn observe(&mut self, c: Option<Arc<Compaction>>) {

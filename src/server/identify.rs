@@ -107,6 +107,16 @@ pub(super) async fn identify(
     let agent_tool = state
         .config
         .agent_tool_for(request.tenant(), request.model());
+    // A conversation held out of compaction (`compaction.holdout_ratio`)
+    // runs in observe mode, unless a compaction already applies to it (it
+    // began before the holdout): its request could need it to fit.
+    if request.mode() == Mode::Auto
+        && state.config.held_out(pending.conversation())
+        && find(state, &pending).is_none()
+    {
+        pending.hold_out();
+    }
+    let request = pending.request();
     match request.mode() {
         Mode::Auto | Mode::Manual => {}
         // What would have applied: recorded, never sent.

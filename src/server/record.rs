@@ -58,6 +58,28 @@ fn observe(state: &AppState, rec: &ExchangeRecord) {
             s.tokens_saved,
             s.tokens_saved_potential,
         );
+        let tokens = crate::prices::Tokens {
+            input: u.input_tokens,
+            cache_read: cached,
+            cache_write: u.cache_write_tokens.unwrap_or(0),
+            cache_write_1h: u.cache_write_1h_tokens.unwrap_or(0),
+            output: u.output_tokens,
+        };
+        let recall = tokens.resent(s.recall_input_tokens, s.recall_output_tokens);
+        let saved = if rec.compaction.is_some() {
+            s.tokens_saved
+        } else {
+            0
+        };
+        state.metrics.exchange_bill(
+            &rec.conversation,
+            crate::prices::of(&state.config, &rec.model),
+            tokens,
+            recall,
+            saved,
+            rec.started_ms,
+            rec.started_ms + rec.latency_ms.max(0.0) as i64,
+        );
     }
     state.metrics.upstream_latency(rec.latency_ms / 1000.0);
     if let Some(t) = rec.ttfb_ms {

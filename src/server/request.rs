@@ -250,6 +250,13 @@ impl ReadRequest {
         self.control.mode
     }
 
+    /// Serves it in observe mode: its conversation is held out of
+    /// compaction.
+    pub(super) fn hold_out(&mut self) {
+        self.control.mode = Mode::Observe;
+        self.control.compact_now = false;
+    }
+
     /// Whether the client asked for it to be compacted now.
     pub(super) fn asks_compaction_now(&self) -> bool {
         self.control.compact_now

@@ -152,6 +152,10 @@ pub struct ExchangeRow {
     pub output_tokens: Option<u64>,
     /// Reported cached input tokens.
     pub cached_tokens: Option<u64>,
+    /// Reported input tokens written to the cache.
+    pub cache_write_tokens: Option<u64>,
+    /// Of those, the ones written for an hour.
+    pub cache_write_1h_tokens: Option<u64>,
     /// Time to the last byte, ms.
     pub latency_ms: f64,
     /// The compaction applied to the request, if any.
@@ -471,7 +475,7 @@ fn exchanges(conn: &dyn Sql, id: &str) -> Result<Vec<ExchangeRow>, QueryError> {
         "SELECT id, started_ms, endpoint, model, status, streamed, partial, request_len,
                 length(response_items) / 32, input_tokens, output_tokens, cached_tokens,
                 latency_ms, compaction_id, error, context_window, window_source, mode, tokens_saved,
-                tokens_saved_potential
+                tokens_saved_potential, cache_write_tokens, cache_write_1h_tokens
          FROM exchanges WHERE conversation_id = ?1 ORDER BY started_ms, id",
         &[id.into()],
     )?;
@@ -500,6 +504,8 @@ fn exchanges(conn: &dyn Sql, id: &str) -> Result<Vec<ExchangeRow>, QueryError> {
                 mode: r.get(17)?,
                 tokens_saved: r.count(18)?,
                 tokens_saved_potential: r.count(19)?,
+                cache_write_tokens: opt(r.get(20)?),
+                cache_write_1h_tokens: opt(r.get(21)?),
             })
         })
         .collect::<Result<_, _>>()?;

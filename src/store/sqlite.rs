@@ -93,7 +93,11 @@ CREATE TABLE IF NOT EXISTS exchanges (
     observed_compaction TEXT,
     recall_rounds   INTEGER NOT NULL DEFAULT 0,
     recall_input_tokens INTEGER NOT NULL DEFAULT 0,
-    recall_output_tokens INTEGER NOT NULL DEFAULT 0
+    recall_output_tokens INTEGER NOT NULL DEFAULT 0,
+    -- Prompt tokens the upstream reported written to its cache, and of
+    -- those the ones written for an hour (NULL: not reported).
+    cache_write_tokens INTEGER,
+    cache_write_1h_tokens INTEGER
 );
 -- A conversation's timeline, as the views read it (by time: a shared
 -- store's ids interleave across replicas, and the views are written once);
@@ -189,6 +193,8 @@ const ADDED_COLUMNS: &[(&str, &str, &str)] = &[
         "INTEGER NOT NULL DEFAULT 0",
     ),
     ("compactions", "audit", "TEXT"),
+    ("exchanges", "cache_write_tokens", "INTEGER"),
+    ("exchanges", "cache_write_1h_tokens", "INTEGER"),
 ];
 
 /// Adds the [`ADDED_COLUMNS`] an existing database lacks.
@@ -459,10 +465,10 @@ fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Resul
             chain_request, chain_full, compaction_id, context_window, window_source, client,
             conversation_header, session_id, prompt_cache_key, mode, tokens_saved,
             tokens_saved_potential, observed_compaction, recall_rounds, recall_input_tokens,
-            recall_output_tokens)
+            recall_output_tokens, cache_write_tokens, cache_write_1h_tokens)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16,
                  ?17, ?18, ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26, ?27, ?28, ?29, ?30, ?31,
-                 ?32, ?33, ?34, ?35, ?36, ?37, ?38, ?39)",
+                 ?32, ?33, ?34, ?35, ?36, ?37, ?38, ?39, ?40, ?41)",
     )?
     .execute(params![
         rec.id,
@@ -504,6 +510,12 @@ fn write_exchange(tx: &rusqlite::Transaction<'_>, rec: &ExchangeRecord) -> Resul
         rec.savings.recall_rounds,
         rec.savings.recall_input_tokens as i64,
         rec.savings.recall_output_tokens as i64,
+        rec.usage
+            .and_then(|u| u.cache_write_tokens)
+            .map(|c| c as i64),
+        rec.usage
+            .and_then(|u| u.cache_write_1h_tokens)
+            .map(|c| c as i64),
     ])?;
     Ok(())
 }
@@ -937,6 +949,37 @@ mod tests {
         assert_eq!(back.audit, c.audit);
         drop(b);
         SqliteBackend::open(&path).unwrap();
+    }
+
+    /// A database from before exchanges kept their cache writes gets the
+    /// columns; an exchange written then keeps what its upstream reported.
+    #[test]
+    fn a_store_of_the_schema_before_cache_writes_is_migrated() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("old.db");
+        Connection::open(&path)
+            .unwrap()
+            .execute_batch(include_str!("testdata/schema_before_audit.sql"))
+            .unwrap();
+        let mut b = SqliteBackend::open(&path).unwrap();
+        let mut r = record(1);
+        r.usage = Some(crate::wire::Usage {
+            input_tokens: 100,
+            output_tokens: 5,
+            cached_tokens: Some(10),
+            cache_write_tokens: Some(80),
+            cache_write_1h_tokens: Some(20),
+        });
+        b.write(&[Record::Exchange(Box::new(r))]).unwrap();
+        let got: (i64, i64) = b
+            .conn
+            .query_row(
+                "SELECT cache_write_tokens, cache_write_1h_tokens FROM exchanges",
+                [],
+                |r| Ok((r.get(0)?, r.get(1)?)),
+            )
+            .unwrap();
+        assert_eq!(got, (80, 20));
     }
 
     #[test]

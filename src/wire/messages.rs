@@ -459,12 +459,19 @@ pub fn usage_of(v: &Value) -> Option<Usage> {
     let obj = last_message.unwrap_or(v).as_object()?;
     let get = |k: &str| obj.get(k).and_then(Value::as_u64);
     let read = get("cache_read_input_tokens");
-    let written = get("cache_creation_input_tokens").unwrap_or(0);
+    let written = get("cache_creation_input_tokens");
     let input = get("input_tokens")?;
+    // The write's split by lifetime; without it, all five minutes.
+    let hour = obj
+        .get("cache_creation")
+        .and_then(|c| c.get("ephemeral_1h_input_tokens"))
+        .and_then(Value::as_u64);
     Some(Usage {
-        input_tokens: input + read.unwrap_or(0) + written,
+        input_tokens: input + read.unwrap_or(0) + written.unwrap_or(0),
         output_tokens: get("output_tokens").unwrap_or(0),
         cached_tokens: read,
+        cache_write_tokens: written,
+        cache_write_1h_tokens: hour.map(|h| h.min(written.unwrap_or(0))),
     })
 }
 
@@ -660,13 +667,17 @@ mod tests {
     #[test]
     fn usage_counts_the_cached_parts_of_the_prompt() {
         let u = json!({"input_tokens": 12, "cache_read_input_tokens": 3000,
-                       "cache_creation_input_tokens": 200, "output_tokens": 9});
+                       "cache_creation_input_tokens": 200, "output_tokens": 9,
+                       "cache_creation": {"ephemeral_5m_input_tokens": 150,
+                                          "ephemeral_1h_input_tokens": 50}});
         assert_eq!(
             usage_of(&u),
             Some(Usage {
                 input_tokens: 3212,
                 output_tokens: 9,
-                cached_tokens: Some(3000)
+                cached_tokens: Some(3000),
+                cache_write_tokens: Some(200),
+                cache_write_1h_tokens: Some(50),
             })
         );
         assert_eq!(usage_of(&json!({"output_tokens": 3})), None);
@@ -725,6 +736,8 @@ mod tests {
                 input_tokens: 23000,
                 output_tokens: 1000,
                 cached_tokens: Some(3000),
+                cache_write_tokens: Some(0),
+                cache_write_1h_tokens: None,
             })
         );
     }
@@ -790,7 +803,8 @@ mod tests {
             Some(Usage {
                 input_tokens: 100,
                 output_tokens: 42,
-                cached_tokens: Some(90)
+                cached_tokens: Some(90),
+                ..Usage::default()
             })
         );
         assert_eq!(

@@ -210,6 +210,16 @@ pub struct Usage {
     pub output_tokens: u64,
     /// Prompt tokens served from the upstream's cache, when reported.
     pub cached_tokens: Option<u64>,
+    /// Prompt tokens written to the upstream's cache, when reported
+    /// (Anthropic `cache_creation_input_tokens`; an OpenAI-compatible
+    /// `cache_write_tokens` or `cache_creation_tokens` in the details).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write_tokens: Option<u64>,
+    /// Of `cache_write_tokens`, those written for an hour (Anthropic
+    /// `cache_creation.ephemeral_1h_input_tokens`); the rest were written
+    /// for five minutes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cache_write_1h_tokens: Option<u64>,
 }
 
 impl Usage {
@@ -222,15 +232,20 @@ impl Usage {
         let output = get("completion_tokens")
             .or_else(|| get("output_tokens"))
             .unwrap_or(0);
-        let cached = obj
+        let details = obj
             .get("prompt_tokens_details")
-            .or_else(|| obj.get("input_tokens_details"))
-            .and_then(|d| d.get("cached_tokens"))
-            .and_then(Value::as_u64);
+            .or_else(|| obj.get("input_tokens_details"));
+        let detail = |k: &str| details.and_then(|d| d.get(k)).and_then(Value::as_u64);
+        let cached = detail("cached_tokens");
+        let written = ["cache_write_tokens", "cache_creation_tokens"]
+            .into_iter()
+            .find_map(detail);
         Some(Usage {
             input_tokens: input,
             output_tokens: output,
             cached_tokens: cached,
+            cache_write_tokens: written,
+            cache_write_1h_tokens: None,
         })
     }
 
@@ -427,8 +442,17 @@ mod tests {
             Some(Usage {
                 input_tokens: 32,
                 output_tokens: 8,
-                cached_tokens: Some(4)
+                cached_tokens: Some(4),
+                ..Usage::default()
             })
+        );
+        // A cache write, where an OpenAI-compatible upstream reports one.
+        let written = json!({"prompt_tokens": 3000, "completion_tokens": 8,
+            "prompt_tokens_details": {"cached_tokens": 1024, "cache_write_tokens": 1900}});
+        let u = Usage::from_value(&written).unwrap();
+        assert_eq!(
+            (u.cached_tokens, u.cache_write_tokens),
+            (Some(1024), Some(1900))
         );
         let resp = json!({"input_tokens": 10, "output_tokens": 3, "total_tokens": 13});
         assert_eq!(Usage::from_value(&resp).unwrap().total(), 13);

@@ -542,6 +542,10 @@ columns! {
         recall_input_tokens: i64 as "bigint" = r.savings.recall_input_tokens as i64,
         recall_output_tokens: i64 as "bigint" = r.savings.recall_output_tokens as i64,
         branched_from: Option<Cow<'a, str>> as "text" = escape_opt(r.branched_from.as_deref()),
+        cache_write_tokens: Option<i64> as "bigint" =
+            r.usage.and_then(|u| u.cache_write_tokens).map(|c| c as i64),
+        cache_write_1h_tokens: Option<i64> as "bigint" =
+            r.usage.and_then(|u| u.cache_write_1h_tokens).map(|c| c as i64),
     }
 }
 

@@ -234,6 +234,16 @@ CREATE INDEX exchanges_branched ON exchanges (tenant, branched_from)
     WHERE branched_from IS NOT NULL;
 "#,
     ),
+    (
+        10,
+        r#"
+-- Prompt tokens the upstream reported written to its cache, and of those
+-- the ones written for an hour (NULL: not reported), for the bill.
+ALTER TABLE exchanges
+    ADD COLUMN cache_write_tokens    BIGINT,
+    ADD COLUMN cache_write_1h_tokens BIGINT;
+"#,
+    ),
 ];
 
 /// The key of the advisory lock migrations run under, so that replicas
