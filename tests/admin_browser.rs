@@ -1,6 +1,9 @@
 //! The admin page in a real browser: headless Chromium loads `/admin/`,
 //! runs its script, and the DOM it leaves lists the conversation this test
-//! created and shows its compaction (chart marker, expandable summary).
+//! created and shows its compaction (chart marker, expandable summary); a
+//! conversation's net bill and the holdout's comparison, every table
+//! within a 1,400-px window (`COMPACTOR_SCREENSHOT_DIR` keeps the
+//! screenshots).
 //!
 //! Needs Debian's `chromium` (`apt-get install chromium`; `.ci/run` installs
 //! it), or a Chromium-compatible browser in `COMPACTOR_CHROMIUM`. Ignored by
@@ -50,18 +53,18 @@ const WINDOW: (u32, u32) = (1400, 1000);
 
 /// The DOM after the page's scripts ran, as headless Chromium dumps it.
 fn dump_dom(url: &str) -> String {
-    let (dom, _) = run_chromium(url, false);
+    let (dom, _) = run_chromium(url, false, WINDOW);
     dom
 }
 
 /// A screenshot of the page in [`WINDOW`] (PNG bytes).
 fn screenshot(url: &str) -> Vec<u8> {
-    run_chromium(url, true).1
+    run_chromium(url, true, WINDOW).1
 }
 
-/// Runs headless Chromium on `url` in a [`WINDOW`]-sized window: the DOM it
+/// Runs headless Chromium on `url` in a `window`-sized window: the DOM it
 /// dumps, and the screenshot when `shot`.
-fn run_chromium(url: &str, shot: bool) -> (String, Vec<u8>) {
+fn run_chromium(url: &str, shot: bool, window: (u32, u32)) -> (String, Vec<u8>) {
     let browser = chromium();
     let profile = tempfile::tempdir().expect("profile dir");
     let out_path = profile.path().join("dom.html");
@@ -85,7 +88,7 @@ fn run_chromium(url: &str, shot: bool) -> (String, Vec<u8>) {
             "--user-data-dir={}",
             profile.path().join("profile").display()
         ))
-        .arg(format!("--window-size={},{}", WINDOW.0, WINDOW.1))
+        .arg(format!("--window-size={},{}", window.0, window.1))
         .arg(if shot {
             format!("--screenshot={}", png_path.display())
         } else {
@@ -326,4 +329,124 @@ async fn the_admin_page_lists_the_conversation_and_shows_its_compaction() {
         dom.contains(&format!(r#"data-compaction="{compaction}""#)),
         "{dom}"
     );
+}
+
+/// A conversation's net bill on the page, the holdout compared, and every
+/// table within a 1,400-px window (none needs a horizontal scroll), with
+/// long names in the cells.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs chromium; scripts/test runs it"]
+async fn the_admin_page_shows_the_net_bill_and_its_tables_fit_the_window() {
+    let h = Harness::start_with(|c| {
+        small_window(c);
+        c.models[0].input_price_per_mtok = Some(2.0);
+        c.models[0].cached_input_price_per_mtok = Some(0.2);
+        c.models[0].output_price_per_mtok = Some(8.0);
+        c.compaction.holdout_ratio = 0.5;
+    })
+    .await;
+    h.fake.simulate_prompt_cache();
+    let url = format!("{}/chat/completions", h.url());
+    let mut last = String::new();
+    let mut compacted_one = None;
+    // Conversations until one compacted and one held out are recorded.
+    for conv in 0..12 {
+        let mut history = vec![
+            json!({"role": "system", "content": "You are a careful coding agent."}),
+            json!({"role": "user", "content": format!(
+                "TASK {conv}: make the parser of the configuration loader stream its input instead of reading whole files")}),
+        ];
+        let mut id = String::new();
+        for i in 0..40 {
+            // As Codex sends them: a long user agent and a session id.
+            let resp = within(
+                support::client()
+                    .post(&url)
+                    .header("authorization", format!("Bearer {KEY}"))
+                    .header(
+                        "user-agent",
+                        "codex_cli_rs/0.63.0 (Debian GNU/Linux 13; x86_64) xterm-256color",
+                    )
+                    .header(
+                        "session_id",
+                        format!("0199a3c1-7e2b-7c10-9d4e-5f1a2b3c4d{conv:02}"),
+                    )
+                    .json(&json!({"model": MODEL, "messages": history}))
+                    .send(),
+            )
+            .await
+            .expect("request");
+            assert_eq!(resp.status(), 200);
+            let headers = resp.headers().clone();
+            let body = within(resp.bytes()).await.expect("body");
+            let v: Value = serde_json::from_slice(&body).unwrap();
+            history.push(v["choices"][0]["message"].clone());
+            id = headers["x-compactor-conversation"].to_str().unwrap().into();
+            if headers.contains_key("x-compactor-compacted") {
+                compacted_one.get_or_insert(id.clone());
+                break;
+            }
+            if i >= 24 {
+                break;
+            }
+            history.push(json!({"role": "user", "content": format!(
+                "Step {i}: explain src/module_{i}.rs. {}", "lorem ipsum dolor ".repeat(25))}));
+            within(tokio::time::sleep(Duration::from_millis(20))).await;
+        }
+        last = id;
+        if compacted_one.is_some() && h.state.config.held_out(&last) {
+            break;
+        }
+    }
+    let compacted = compacted_one.expect("a conversation compacted");
+    assert!(
+        h.state.config.held_out(&last),
+        "a held-out conversation too"
+    );
+    let dom = browse(format!("http://{}/admin/#{compacted}", h.addr)).await;
+    // The conversation's net bill, in dollars.
+    let bill = &dom[dom.find(r#"<table id="bill">"#).expect("the bill")..];
+    let bill = &bill[..bill.find("</table>").unwrap()];
+    for row in [
+        "paid: exchanges, recall rounds, summaries</th><td class=\"num \">$",
+        "of which summaries and provider compactions</th><td class=\"num \">$",
+        "without compaction, with the cache it would have had</th><td class=\"num \">$",
+        "list prices of ",
+    ] {
+        assert!(bill.contains(row), "{row} in {bill}");
+    }
+    assert!(
+        bill.contains("<th>saved</th>") || bill.contains("<th>compaction cost more by</th>"),
+        "{bill}"
+    );
+    // The holdout's comparison, with its counts.
+    let holdout = &dom[dom.find(r#"<table id="holdout">"#).expect("the holdout")..];
+    let holdout = &holdout[..holdout.find("</table>").unwrap()];
+    assert!(holdout.contains("<th>compacted</th>"), "{holdout}");
+    assert!(
+        holdout.contains("<th>held out (50% of new conversations"),
+        "{holdout}"
+    );
+    assert!(!dom.contains(r#"id="holdout-box" hidden"#), "shown");
+    // Every table within its box in a 1,400-px window: nothing to scroll
+    // sideways.
+    let overflow: i64 = attr_of(&dom, "data-overflow", "data-overflow")
+        .parse()
+        .unwrap();
+    let page: u32 = attr_of(&dom, "data-overflow", "data-page-width")
+        .parse()
+        .unwrap();
+    assert!(
+        overflow <= 0 && page <= WINDOW.0,
+        "a table {overflow}px wider than its box, the page {page}px wide, in a {}px window",
+        WINDOW.0
+    );
+    // A window tall enough to show the bill under the chart.
+    let tall = (WINDOW.0, 2000);
+    let shot_url = format!("http://{}/admin/#{compacted}", h.addr);
+    let png = off_thread(move || run_chromium(&shot_url, true, tall).1).await;
+    assert_eq!(png_size(&png), tall);
+    if let Some(dir) = std::env::var_os("COMPACTOR_SCREENSHOT_DIR") {
+        std::fs::write(PathBuf::from(dir).join("admin-bill.png"), &png).unwrap();
+    }
 }
