@@ -24,6 +24,7 @@ use tokio::net::TcpListener;
 use crate::error::{BodyError, ProxyBody};
 
 pub mod anthropic;
+pub mod cache;
 pub mod provider;
 pub mod provider_compact;
 
@@ -289,6 +290,8 @@ struct Shared {
     cache: Option<VecDeque<Bytes>>,
     /// The window `/v1/messages` enforces, when set.
     messages_window: Option<u64>,
+    /// The providers' prompt caches, simulated ([`cache`]), when on.
+    sim: Option<cache::Sim>,
     /// The provider's own compaction, when a test turns it on.
     provider: provider::State,
     /// How the provider's own compaction answers.
@@ -321,37 +324,16 @@ fn cached_tokens(earlier: &VecDeque<Bytes>, body: &[u8]) -> u64 {
 /// `reply` with `cached` as its usage's cached tokens, when it is a JSON
 /// answer with usage (streamed answers are left as they are).
 fn with_cached(reply: Reply, cached: u64) -> Reply {
-    let Reply::Full {
-        status,
-        headers,
-        body,
-    } = reply
-    else {
-        return reply;
-    };
-    let mut v: Value = match serde_json::from_slice(&body) {
-        Ok(v) => v,
-        Err(_) => {
-            return Reply::Full {
-                status,
-                headers,
-                body,
-            }
+    cache::edit_json(reply, |v| {
+        if let Some(u) = v.get_mut("usage").and_then(Value::as_object_mut) {
+            let key = if u.contains_key("prompt_tokens") {
+                "prompt_tokens_details"
+            } else {
+                "input_tokens_details"
+            };
+            u.insert(key.into(), json!({"cached_tokens": cached}));
         }
-    };
-    if let Some(u) = v.get_mut("usage").and_then(Value::as_object_mut) {
-        let key = if u.contains_key("prompt_tokens") {
-            "prompt_tokens_details"
-        } else {
-            "input_tokens_details"
-        };
-        u.insert(key.into(), json!({"cached_tokens": cached}));
-    }
-    Reply::Full {
-        status,
-        headers,
-        body: Bytes::from(v.to_string()),
-    }
+    })
 }
 
 /// A running fake upstream.
@@ -407,6 +389,11 @@ impl FakeUpstream {
         self.lock().script.push_back(reply);
     }
 
+    /// Drops every queued reply not taken (a refused request left its own).
+    pub fn clear_script(&self) {
+        self.lock().script.clear();
+    }
+
     /// Answers every summarizer request with `text` (not taken from the
     /// script); `None` restores the automatic narrative.
     pub fn set_summary_reply(&self, text: Option<String>) {
@@ -425,9 +412,39 @@ impl FakeUpstream {
         self.lock().cache = Some(VecDeque::new());
     }
 
+    /// From now on, answers report the usage of each provider's documented
+    /// prompt cache, simulated on a clock of its own ([`cache`]), and every
+    /// answered request is billed in a ledger ([`FakeUpstream::take_bill`]);
+    /// summarizer requests take no scripted reply.
+    pub fn simulate_cache(&self, settings: cache::Settings) {
+        self.lock().sim = Some(cache::Sim::new(settings));
+    }
+
+    /// Moves the simulated cache's clock on (no-op without one).
+    pub fn advance_clock(&self, by: Duration) {
+        if let Some(sim) = self.lock().sim.as_mut() {
+            sim.advance(by);
+        }
+    }
+
+    /// What the simulated cache billed since the last call, oldest first.
+    pub fn take_bill(&self) -> Vec<cache::Billed> {
+        self.lock()
+            .sim
+            .as_mut()
+            .map(cache::Sim::take_ledger)
+            .unwrap_or_default()
+    }
+
     /// Everything received so far.
     pub fn received(&self) -> Vec<Received> {
         self.lock().received.clone()
+    }
+
+    /// Everything received since the last call (a long benchmark keeps
+    /// only what it has not looked at yet).
+    pub fn take_received(&self) -> Vec<Received> {
+        std::mem::take(&mut self.lock().received)
     }
 
     /// Number of requests received.
@@ -477,6 +494,47 @@ impl FakeUpstream {
         self.lock().received.last().cloned()
     }
 
+    /// `reply` with the simulated cache's `usage` (output tokens counted
+    /// from the text when the fake wrote the answer itself), and the output
+    /// tokens it reports.
+    fn billed_reply(
+        &self,
+        reply: Reply,
+        body: &Value,
+        usage: &cache::Usage,
+        auto: bool,
+    ) -> (Reply, u64) {
+        let sh = self.lock();
+        let Some(sim) = sh.sim.as_ref() else {
+            return (reply, 0);
+        };
+        let count = |t: &str| sim.count(t);
+        match reply {
+            Reply::Messages(mut answer) => {
+                if auto {
+                    let text: String = answer
+                        .content
+                        .iter()
+                        .filter_map(|b| b.get("text").and_then(Value::as_str))
+                        .collect();
+                    answer.output_tokens = count(&text);
+                }
+                let output = answer.output_tokens;
+                (
+                    anthropic::reply_with_usage(
+                        body,
+                        &answer,
+                        cache::messages_usage(usage, output),
+                    ),
+                    output,
+                )
+            }
+            other => {
+                cache::with_usage(other, usage, auto.then_some(&count as &dyn Fn(&str) -> u64))
+            }
+        }
+    }
+
     fn lock(&self) -> std::sync::MutexGuard<'_, Shared> {
         self.shared.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -496,33 +554,45 @@ impl FakeUpstream {
             body,
         };
         let messages = rec.path.ends_with("/messages");
-        let (scripted, delay, cached) = {
+        // Parsed once for a simulated cache (its bodies are large).
+        let parsed = std::sync::OnceLock::new();
+        let json = || parsed.get_or_init(|| rec.json());
+        let (scripted, delay, cached, billed) = {
             let mut sh = self.lock();
             sh.answered += 1;
             if !sh.forget {
                 sh.received.push(rec.clone());
             }
             // A benchmark that keeps nothing judges nothing either.
-            let refusal = if sh.provider.on() {
+            let mut refusal = if sh.provider.on() {
                 sh.provider.refusal(&rec, sh.messages_window)
             } else {
                 (messages && !sh.forget)
-                    .then(|| anthropic::check(&rec.json(), &rec.headers, sh.messages_window))
+                    .then(|| anthropic::check(json(), &rec.headers, sh.messages_window))
                     .flatten()
                     // The provider's compaction answers itself (and refuses a
                     // compaction item it did not mint).
                     .or_else(|| provider_compact::answer(&sh.provider_compact, &rec))
             };
+            let api = cache::Api::of(&rec.path);
+            let mut billed = None;
+            if let (None, Some(sim), Some(api)) = (&refusal, sh.sim.as_mut(), api) {
+                match sim.request(api, json(), &caller_key(&rec.headers)) {
+                    Ok(usage) => billed = Some(usage),
+                    Err(r) => refusal = Some(r),
+                }
+            }
             if let Some(refusal) = refusal {
-                (Some(refusal), None, None)
+                (Some(refusal), None, None, None)
             } else {
                 // Parsed only when a summary is answered differently or a
                 // prompt cache is simulated: the bench's fake answers without
                 // parsing.
                 let summary = (sh.summary_reply.is_some()
                     || sh.summary_delay.is_some()
-                    || sh.cache.is_some())
-                    && is_summarizer_request(&rec.json());
+                    || sh.cache.is_some()
+                    || sh.sim.is_some())
+                    && is_summarizer_request(json());
                 let delay = sh.summary_delay.filter(|_| summary);
                 let cached = match sh.cache.as_mut() {
                     Some(cache) if !summary => {
@@ -533,7 +603,7 @@ impl FakeUpstream {
                         cache.push_back(rec.body.clone());
                         Some(cached)
                     }
-                    _ => None,
+                    _ => billed.map(|u| u.read),
                 };
                 let scripted = match &sh.summary_reply {
                     Some(text) if summary && messages => {
@@ -544,24 +614,36 @@ impl FakeUpstream {
                     }
                     // A Messages test scripts the agent's answers: the
                     // proxy's summary calls take none of them.
-                    _ if messages && anthropic::is_summarizer_request(&rec.json()) => None,
+                    _ if messages && anthropic::is_summarizer_request(json()) => None,
+                    // With a simulated cache, only the model's turns take
+                    // them (a bench scripts its agent's turns).
+                    _ if sh.sim.is_some() && (summary || api.is_none()) => None,
                     _ => sh.script.pop_front(),
                 };
-                (scripted, delay, cached)
+                let billed = billed.map(|usage| (usage, summary, scripted.is_none()));
+                (scripted, delay, cached, billed)
             }
         };
         let mut reply = match (scripted, cached) {
             (Some(r), _) => r,
-            (None, Some(cached)) => with_cached(auto_reply(&rec), cached),
-            (None, None) => auto_reply(&rec),
+            (None, Some(cached)) if billed.is_none() => with_cached(auto_reply(&rec), cached),
+            (None, _) => auto_reply(&rec),
         };
-        if let Reply::Messages(answer) = &reply {
+        if let Some((usage, summary, auto)) = billed {
+            let (billed_reply, output) = self.billed_reply(reply, json(), &usage, auto);
+            reply = billed_reply;
+            let model = json().get("model").and_then(Value::as_str).unwrap_or("");
+            let mut sh = self.lock();
+            if let Some(sim) = sh.sim.as_mut() {
+                sim.bill(&rec.path, summary, model, usage, output);
+            }
+        } else if let Reply::Messages(answer) = &reply {
             let provider = self
                 .lock()
                 .provider
                 .messages_reply(&rec, answer, cached.unwrap_or(0));
             reply = provider.unwrap_or_else(|| {
-                anthropic::reply(&rec.json(), rec.body.len(), answer, cached.unwrap_or(0))
+                anthropic::reply(json(), rec.body.len(), answer, cached.unwrap_or(0))
             });
         } else {
             reply = self.lock().provider.responses_reply(&rec, reply);
@@ -571,6 +653,16 @@ impl FakeUpstream {
         }
         render(reply).await
     }
+}
+
+/// The caller's key, as the cache keys prefixes by organisation.
+fn caller_key(headers: &HeaderMap) -> String {
+    headers
+        .get("x-api-key")
+        .or_else(|| headers.get(http::header::AUTHORIZATION))
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or("")
+        .to_string()
 }
 
 /// What the fake answers when nothing is scripted.
@@ -806,5 +898,101 @@ mod cache_tests {
         assert_eq!(cached_tokens(&earlier, &next), 1024, "1025 tokens shared");
         next[2000] = b'b';
         assert_eq!(cached_tokens(&earlier, &next), 0, "under 1024 tokens: none");
+    }
+}
+
+#[cfg(test)]
+mod simulated_cache_tests {
+    use super::*;
+    use crate::compaction::summary::SUMMARIZER_MARKER;
+
+    async fn post(fake: &FakeUpstream, path: &str, body: &Value) -> (u16, Value) {
+        let client = reqwest::Client::new();
+        let send = client
+            .post(format!("http://{}{path}", fake.addr()))
+            .header("x-api-key", "k")
+            .json(body)
+            .send();
+        let resp = tokio::time::timeout(Duration::from_secs(10), send)
+            .await
+            .expect("in time")
+            .expect("sent");
+        let status = resp.status().as_u16();
+        let v = tokio::time::timeout(Duration::from_secs(10), resp.json::<Value>())
+            .await
+            .expect("in time")
+            .unwrap_or(Value::Null);
+        (status, v)
+    }
+
+    fn messages(n: usize, marker: bool) -> Value {
+        let big = "lorem ipsum dolor sit amet ".repeat(400);
+        let mut msgs: Vec<Value> = (0..n)
+            .map(|i| {
+                let role = if i % 2 == 0 { "user" } else { "assistant" };
+                json!({"role": role, "content": [{"type": "text", "text": format!("{i} {big}")}]})
+            })
+            .collect();
+        msgs.last_mut().unwrap()["content"][0]["cache_control"] = json!({"type": "ephemeral"});
+        let system = if marker {
+            format!("{SUMMARIZER_MARKER} summarize")
+        } else {
+            "You are terse.".to_string()
+        };
+        json!({"model": "claude-x", "max_tokens": 50, "system": system, "messages": msgs})
+    }
+
+    #[tokio::test]
+    async fn answers_report_and_bill_the_simulated_cache() {
+        let fake = tokio::time::timeout(Duration::from_secs(10), FakeUpstream::start())
+            .await
+            .unwrap()
+            .unwrap();
+        fake.simulate_cache(cache::Settings::default());
+        fake.push(Reply::Messages(anthropic::Answer::text("scripted")));
+        let (status, first) = post(&fake, "/v1/messages", &messages(1, false)).await;
+        assert_eq!(status, 200);
+        let u = &first["usage"];
+        let written = u["cache_creation_input_tokens"].as_u64().unwrap();
+        assert!(written > 1024, "{u}");
+        assert_eq!(u["cache_read_input_tokens"], 0);
+        assert_eq!(u["cache_creation"]["ephemeral_5m_input_tokens"], written);
+        assert_eq!(first["content"][0]["text"], "scripted");
+        // A summary call reads the same prefix and takes no scripted answer.
+        fake.push(Reply::Messages(anthropic::Answer::text("for the agent")));
+        let (_, summary) = post(&fake, "/v1/messages", &messages(3, true)).await;
+        assert_ne!(summary["content"][0]["text"], "for the agent");
+        assert_eq!(
+            summary["usage"]["cache_read_input_tokens"], 0,
+            "another system: another prefix"
+        );
+        let (_, second) = post(&fake, "/v1/messages", &messages(3, false)).await;
+        assert_eq!(second["content"][0]["text"], "for the agent");
+        assert_eq!(second["usage"]["cache_read_input_tokens"], written);
+        fake.advance_clock(cache::TTL_5M + Duration::from_secs(1));
+        let (_, cold) = post(&fake, "/v1/messages", &messages(3, false)).await;
+        assert_eq!(cold["usage"]["cache_read_input_tokens"], 0, "expired");
+        // Five breakpoints are refused, and not billed.
+        let mut five = messages(5, false);
+        for m in five["messages"].as_array_mut().unwrap() {
+            m["content"][0]["cache_control"] = json!({"type": "ephemeral"});
+        }
+        assert_eq!(post(&fake, "/v1/messages", &five).await.0, 400);
+        // Chat: automatic, reported as cached tokens.
+        let chat = json!({"model": "gpt-x", "messages": [{"role": "user", "content": "lorem ipsum ".repeat(1500)}]});
+        post(&fake, "/v1/chat/completions", &chat).await;
+        let (_, again) = post(&fake, "/v1/chat/completions", &chat).await;
+        let cached = again["usage"]["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        assert!(cached >= 1024 && cached % 128 == 0, "{again}");
+        let bill = fake.take_bill();
+        let kinds: Vec<(bool, u64)> = bill.iter().map(|b| (b.summarizer, b.usage.read)).collect();
+        assert_eq!(bill.len(), 6, "{kinds:?}");
+        assert!(bill[1].summarizer && !bill[0].summarizer);
+        assert_eq!(bill[2].usage.read, written);
+        assert_eq!(bill[5].usage.read, cached);
+        assert!(bill[5].output > 0);
+        assert!(fake.take_bill().is_empty());
     }
 }

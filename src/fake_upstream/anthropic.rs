@@ -248,6 +248,20 @@ pub fn strip_cache_control(v: &mut Value) {
 /// prompt as [`prompt_tokens`] does, as JSON or as the SSE events of a
 /// stream.
 pub fn reply(body: &Value, raw_len: usize, answer: &Answer, cached: u64) -> Reply {
+    let prompt = (raw_len as u64 / 4).max(1);
+    let cached = cached.min(prompt);
+    let usage = json!({
+        "input_tokens": prompt - cached,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": cached,
+        "output_tokens": answer.output_tokens,
+    });
+    reply_with_usage(body, answer, usage)
+}
+
+/// [`reply`] with a given `usage` object (a simulated cache's, see
+/// [`super::cache`]).
+pub fn reply_with_usage(body: &Value, answer: &Answer, usage: Value) -> Reply {
     let signs = answer
         .content
         .iter()
@@ -278,14 +292,6 @@ pub fn reply(body: &Value, raw_len: usize, answer: &Answer, cached: u64) -> Repl
     } else {
         answer.content.clone()
     };
-    let prompt = (raw_len as u64 / 4).max(1);
-    let cached = cached.min(prompt);
-    let usage = json!({
-        "input_tokens": prompt - cached,
-        "cache_creation_input_tokens": 0,
-        "cache_read_input_tokens": cached,
-        "output_tokens": answer.output_tokens,
-    });
     let id = format!("msg_{}", super::next_response_id());
     let model = body.get("model").cloned().unwrap_or(json!("fake"));
     if body.get("stream").and_then(Value::as_bool) != Some(true) {

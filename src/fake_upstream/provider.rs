@@ -345,24 +345,8 @@ fn summary_of(body: &Value) -> String {
 /// output and `prompt` as its input tokens.
 fn with_output_first(reply: Reply, item: Option<Value>, prompt: u64) -> Reply {
     match reply {
-        Reply::Full {
-            status,
-            headers,
-            body,
-        } => {
-            let Ok(mut v) = serde_json::from_slice::<Value>(&body) else {
-                return Reply::Full {
-                    status,
-                    headers,
-                    body,
-                };
-            };
-            edit_response(&mut v, item.as_ref(), prompt);
-            Reply::Full {
-                status,
-                headers,
-                body: bytes::Bytes::from(v.to_string()),
-            }
+        full @ Reply::Full { .. } => {
+            super::cache::edit_json(full, |v| edit_response(v, item.as_ref(), prompt))
         }
         Reply::Sse {
             chunks,
@@ -451,21 +435,11 @@ fn with_iterations(reply: Reply, compaction: Value) -> Reply {
         u["iterations"] = json!([compaction, message]);
     };
     match reply {
-        Reply::Full {
-            status,
-            headers,
-            body,
-        } => {
-            let mut v: Value = serde_json::from_slice(&body).unwrap_or(Value::Null);
+        full @ Reply::Full { .. } => super::cache::edit_json(full, |v| {
             if let Some(u) = v.get_mut("usage") {
                 add(u);
             }
-            Reply::Full {
-                status,
-                headers,
-                body: bytes::Bytes::from(v.to_string()),
-            }
-        }
+        }),
         Reply::Sse {
             chunks,
             gap,
