@@ -1,97 +1,155 @@
-//! Token economics of compaction on a long scripted agent session, against
-//! its budget (`docs/PERFORMANCE.md`): no request over the window, and
-//! cumulative input tokens well under half of the uncompacted run.
+//! The bill of a long agent session under prompt caching, with and without
+//! compactor (`docs/PERFORMANCE.md`, "Economics").
 //!
-//! `cargo bench --bench economics`. Nothing is asserted: the two targets are
+//! `cargo bench --bench economics`. Nothing is asserted: the targets are
 //! printed as PASS / MISS lines. Knobs (environment):
 //!
-//! - `ECON_REQUESTS` (default 220): client requests in the session (≥ 200).
-//! - `ECON_THINK_MS` (default 100): client pause between an answer and the
-//!   next request of run B (the agent "executing its tools"; long
-//!   enough for a background compaction against the instant fake to be
-//!   ready); run B0 uses 0 and races the background compaction.
-//! - `ECON_SEED` (default fixed): the session generator's seed.
-//! - `ECON_SUMMARY_DELAY_MS` (default 300): how long the scripted summarizer
-//!   answer takes in the wait scenario.
-//! - `ECON_LOG=1`: echo the proxy's log lines to stderr; `ECON_TRACE=1`:
-//!   also each proxied request's send time, latency and compaction id (to
-//!   line up with the log timestamps).
+//! - `ECON_SEED` (default fixed): the session generator's seed;
+//!   `ECON_SEEDS=N` runs N seeds (`ECON_SEED`, `ECON_SEED + 1`, …) and
+//!   prints the mean and spread of every ratio.
+//! - `ECON_REQUESTS` (default 250): agent requests per session.
+//! - `ECON_SHAPES` (default `claude,codex`): which sessions to run.
+//! - `ECON_THINK_MS` (default 50): real pause after each answer in the
+//!   proxied runs, so the proxy's background work is done before the next
+//!   request, as an agent's tool execution would let it be.
+//! - `ECON_LOG=1`: the proxy's log lines on stderr.
 //!
-//! The session: a Chat Completions coding agent (system prompt, a task, then
-//! turns in which the "model" asks for tool calls — read files, grep, run the
-//! tests, build, apply patches, update its plan — and the client appends the
-//! tool outputs, some of them large: 5–40 KB file contents and test/build
-//! logs), with a new user message every 30–50 requests. The client generates
-//! the assistant tool-call messages itself from a seeded script, so the
-//! history it keeps is byte-identical in every run, and the fake upstream is
-//! only used for its automatic answers: usage = request bytes / 4 as
-//! `prompt_tokens` (that is what compactor's trigger sees), and a valid
-//! structured narrative for summarizer calls.
+//! **The upstream** is the in-process fake (`compactor::fake_upstream`) with
+//! its simulated prompt cache (`fake_upstream::cache`): Anthropic's
+//! breakpoints, 20-block lookback, 5-minute / 1-hour lifetimes refreshed on
+//! read and 1,024-token minimum; OpenAI's automatic prefix cache in steps of
+//! 128 tokens with a 5-minute idle lifetime; tokens counted with the
+//! proxy's own estimator (tiktoken o200k) over each block's JSON. The fake
+//! enforces the window (Anthropic's "prompt is too long" and "input length
+//! and `max_tokens` exceed context limit", OpenAI's
+//! `context_length_exceeded`). Its clock is simulated: the bench advances it
+//! by each turn's time (4–40 s) and by three idle gaps of 10–50 minutes, all
+//! longer than the cache's lifetime, without sleeping.
 //!
-//! Runs, each against a fresh in-process `FakeUpstream`:
+//! **The sessions** (seeded): a coding agent's tool loop — reads of files,
+//! greps, test and build logs, diffs, patches, plan updates; outputs of
+//! 0.5–25 KB — with a new user message every 30–50 requests, rendered as
+//! two clients render it:
 //!
-//! - A: direct to the fake (what the client would send without compactor);
-//! - B: through compactor (fresh SQLite store, defaults, model `bench-*` with
-//!   `context_window = 32000`, `max_output_tokens = 4000`), think time
-//!   `ECON_THINK_MS`;
-//! - B0: as B with no think time (each request follows the previous answer
-//!   at once, racing the background compaction);
-//! - B0+: as B0, but the upstream enforces the window: a guard in front of
-//!   the fake answers OpenAI's `context_length_exceeded` to any chat request
-//!   over 32000 tokens (so compactor's reactive path is exercised).
+//! - *Claude-Code-shaped* on `/v1/messages`: model `claude-sonnet-4-5`
+//!   (200k window), `max_tokens` 32,000, ~18k tokens of tools and system,
+//!   `cache_control` on the system and on the last message, moved there every
+//!   request. It compacts itself as Claude Code does: when the last usage
+//!   plus what it added since reaches the effective window (window − 20k
+//!   reserved for the summary) − 13k, it sends the whole history with its
+//!   summary instruction appended as a last user message (`max_tokens`
+//!   20,000), then restarts from the summary and the last user message. On
+//!   "input length and `max_tokens` exceed context limit" it lowers
+//!   `max_tokens` to fit and sends again, as Claude Code does.
+//! - *Codex-shaped* on `/v1/chat/completions`: model `gpt-5-codex` (272k
+//!   input window), ~10k tokens of instructions and tools. It compacts at 90%
+//!   of the window: the history with Codex's summarization prompt appended,
+//!   then restarts from its instructions, its recent user messages (up to
+//!   20k tokens) and the summary.
 //!
-//! Token counts are tiktoken o200k (`compactor::tokens::TokenCounter`, the
-//! proxy's own estimator: text leaves + 4 per message, plus the `tools`
-//! definitions) of each request body the upstream actually received;
-//! summarizer calls are recognised by `SUMMARIZER_MARKER` and counted apart.
+//! The model's answers are scripted (the same tool calls in every run; their
+//! output tokens are the answer's tokens plus 150 of reasoning). The
+//! clients' own summaries are written by the bench as those prompts ask:
+//! every user message, the key decisions, the six most recently read files'
+//! first lines, the last errors, the current work and next step. Six facts
+//! are planted early (the task's ticket, a line of a file read once, an
+//! exact error, a decision, a rule, a next step); after each compaction the
+//! first request the upstream receives is searched for each one planted
+//! before it.
 //!
-//! The wait scenario: a text-only conversation (no tool outputs, so the cheap
-//! rungs cannot help and the summarizer must be called) is grown until an
-//! exchange crosses the trigger; the summarizer's answer is scripted to take
-//! `ECON_SUMMARY_DELAY_MS`; the next request is made larger than the hard
-//! limit (window − max output) but smaller than the window, so it must wait
-//! for the compaction under way. It is sent (a) once the summarizer call is
-//! known to be in flight and (b) immediately after the triggering answer (3
-//! trials), and its latency is compared with a normal request's.
+//! **Runs**, each against a fresh fake: (a) direct, the client compacting
+//! itself; (b) through compactor (fresh SQLite store, default settings), the
+//! client's own compaction off as compactor's docs advise (Claude Code's
+//! window set large, Codex's `model_auto_compact_token_limit` above the
+//! window); (c) direct on a 1M window, never compacting.
+//!
+//! **Priced** from the usage the fake reported for every call — the turns,
+//! the clients' compaction calls, the proxy's summary calls — at the list
+//! prices in [`PRICES`].
 
-use std::collections::BTreeMap;
-use std::convert::Infallible;
-use std::io::Write;
-use std::net::SocketAddr;
+use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::{TokioExecutor, TokioIo};
-
 use compactor::app::AppState;
-use compactor::compaction::summary::{NARRATIVE_SECTIONS, SUMMARIZER_MARKER};
-use compactor::config::{Config, ModelConfig};
+use compactor::config::Config;
+use compactor::fake_upstream::anthropic::Answer;
+use compactor::fake_upstream::cache::{Billed, Settings};
 use compactor::fake_upstream::{FakeUpstream, Received, Reply};
 use compactor::server;
 use compactor::tokens::TokenCounter;
-use compactor::wire::items::{ItemList, Tools};
-use compactor::wire::{item_hash, Api};
-use serde::Serialize;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
-const WINDOW: u64 = 32_000;
-const MAX_OUTPUT: u64 = 4_000;
-const HARD_LIMIT: u64 = WINDOW - MAX_OUTPUT;
-const TRIGGER: u64 = WINDOW * 3 / 4;
-const MODEL: &str = "bench-agent";
-const COMPACTED_HEADER: &str = "x-compactor-compacted";
 const DEFAULT_SEED: u64 = 0x00EC_0A0C_7E55_10A5;
+const COMPACTED_HEADER: &str = "x-compactor-compacted";
+/// Output tokens of reasoning each scripted answer is billed beyond its
+/// visible tokens.
+const REASONING_TOKENS: u64 = 150;
 
 fn env_u64(name: &str, default: u64) -> u64 {
     std::env::var(name)
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(default)
+}
+
+// ====================================================================== prices
+
+/// Dollars per million tokens. The totals and ratios are at the standard
+/// rates; Anthropic's long-context rates (a 1M window's prompts over 200k)
+/// are shown beside them, not used in the ratios.
+struct Prices {
+    name: &'static str,
+    input: f64,
+    output: f64,
+    /// Multipliers of `input` for cache writes (5 min, 1 h) and reads.
+    write_5m: f64,
+    write_1h: f64,
+    read: f64,
+    /// Prompts over this many tokens pay (input, output) at these prices
+    /// (Anthropic's long-context rates on a 1M window).
+    long: Option<(u64, f64, f64)>,
+}
+
+/// List prices as published by Anthropic and OpenAI (November 2025),
+/// entered by hand. OpenAI's GPT-5 bills no cache write: its uncached input
+/// is billed at the input price, its cached input at 0.1×.
+const PRICES: [Prices; 2] = [
+    Prices {
+        name: "Claude Sonnet 4.5: $3 in, $15 out; write 1.25x (5 min) / 2x (1 h), read 0.1x (long context, shown apart: over 200k $6 in, $22.50 out)",
+        input: 3.0,
+        output: 15.0,
+        write_5m: 1.25,
+        write_1h: 2.0,
+        read: 0.1,
+        long: Some((200_000, 6.0, 22.5)),
+    },
+    Prices {
+        name: "GPT-5 / GPT-5-Codex: $1.25 in, $10 out; no write premium, read 0.1x",
+        input: 1.25,
+        output: 10.0,
+        write_5m: 1.0,
+        write_1h: 1.0,
+        read: 0.1,
+        long: None,
+    },
+];
+
+/// What `b` cost; with `long`, prompts over the long-context threshold at
+/// its rates.
+fn cost(p: &Prices, b: &Billed, long: bool) -> f64 {
+    let u = &b.usage;
+    let (input, output) = match p.long {
+        Some((over, i, o)) if long && u.prompt() > over => (i, o),
+        _ => (p.input, p.output),
+    };
+    (u.input as f64 * input
+        + u.write_5m as f64 * input * p.write_5m
+        + u.write_1h as f64 * input * p.write_1h
+        + u.read as f64 * input * p.read
+        + b.output as f64 * output)
+        / 1e6
 }
 
 // ====================================================================== rng
@@ -485,17 +543,6 @@ fn diff_output(r: &mut Rng, files: &[(String, usize)]) -> String {
 
 // ====================================================================== the session
 
-const SYSTEM_PROMPT: &str = "You are a coding agent working in a Rust repository checked out at /home/dev/netkit. \
-You can call tools: read_file to read a file, grep to search the tree, run_tests to run `cargo test`, \
-shell to run other commands (cargo build, git diff, ls), apply_patch to edit files with the \
-`*** Begin Patch` envelope, and update_plan to keep a short plan with statuses. \
-Work in small verified steps: read the code before you change it, keep patches minimal, run the tests \
-after every change, and never claim a test passes without having run it. Prefer fixing root causes over \
-papering over symptoms; do not change public APIs unless the task says so; keep the existing code style \
-(rustfmt defaults, doc comments on public items, no unwrap in library code). When a command fails, read \
-its output carefully and quote the exact error in your reasoning. When you are done, answer with a short \
-summary of what changed and why, listing the files you touched.";
-
 const TASKS: &[&str] = &[
     "The retry logic in netkit is flaky: `retry::tests::jitter_stays_within_bounds` fails about one run in five on CI, and under load we see clients retrying in lockstep after an upstream outage. Find the cause in src/retry.rs and src/backoff.rs, fix it so that jitter is always within [0.5, 1.5] of the computed delay and the total retry budget is respected, and add a regression test. Do not change the public RetryPolicy API.",
     "Thanks. Now the connection pool: when a request is retried after a `connection reset by peer`, the broken connection goes back into the pool and the next request fails too. Make the pool drop connections that failed with an I/O error, and add a test that reproduces the reset with a fake server.",
@@ -505,72 +552,65 @@ const TASKS: &[&str] = &[
     "One more: the resolver caches negative answers forever. Give negative entries a TTL of 30 s (configurable via ResolverConfig::negative_ttl) and test it with a paused tokio clock.",
 ];
 
-/// A client's full history and the message count of each request.
+/// The planted facts: (kind, the text searched for).
+const FACTS: [(&str, &str); 6] = [
+    ("task", "NK-4821"),
+    ("file contents", "RETRY_SEED: u64 = 0x5A17_C0DE"),
+    ("exact error", "jitter 1.73 outside [0.5, 1.5] at attempt 4"),
+    ("decision", "DEC-9"),
+    ("rule", "RULE-17"),
+    ("next step", "NEXT-040"),
+];
+/// The requests the file, the error and the decision are planted at.
+const FILE_AT: usize = 4;
+const ERROR_AT: usize = 9;
+const DECISION_AT: usize = 14;
+/// The file read once, whose contents are a fact.
+const PLANTED_FILE: &str = "src/seed.rs";
+
+/// One tool call the agent makes, with what it returns.
+#[derive(Clone)]
+struct Call {
+    id: u32,
+    action: Action,
+    output: String,
+}
+
+#[derive(Clone)]
+enum Action {
+    Read(String),
+    Grep(String),
+    Test,
+    Build,
+    Diff,
+    Ls,
+    Patch(String, String),
+    Plan(Vec<Value>),
+}
+
+/// What the model answers to one request, and what follows it.
+enum Turn {
+    /// Tool calls (and maybe a sentence); the client appends their outputs.
+    Tools {
+        text: Option<String>,
+        calls: Vec<Call>,
+    },
+    /// The sub-task done; the user writes the next message.
+    Done { text: String, next_user: String },
+}
+
 struct Session {
-    messages: Vec<Value>,
-    cuts: Vec<usize>,
-    tools: Value,
-    /// Tool outputs of at least 5 KB, and of at least 20 KB.
-    large_outputs: (usize, usize),
-}
-
-#[derive(Serialize)]
-struct ChatRequest<'a> {
-    model: &'a str,
-    messages: &'a [Value],
-    tools: &'a Value,
-}
-
-impl Session {
-    fn body(&self, i: usize) -> Vec<u8> {
-        serde_json::to_vec(&ChatRequest {
-            model: MODEL,
-            messages: &self.messages[..self.cuts[i]],
-            tools: &self.tools,
-        })
-        .expect("serialize")
-    }
-}
-
-fn tool_defs() -> Value {
-    let f = |name: &str, desc: &str, params: Value| json!({"type": "function", "function": {"name": name, "description": desc, "parameters": params}});
-    json!([
-        f(
-            "read_file",
-            "Read a file of the repository.",
-            json!({"type": "object", "properties": {"path": {"type": "string", "description": "Path relative to the repository root."}}, "required": ["path"]})
-        ),
-        f(
-            "grep",
-            "Search the repository with a regular expression.",
-            json!({"type": "object", "properties": {"pattern": {"type": "string"}, "path": {"type": "string"}}, "required": ["pattern"]})
-        ),
-        f(
-            "run_tests",
-            "Run `cargo test` with an optional filter; returns the output.",
-            json!({"type": "object", "properties": {"filter": {"type": "string"}}})
-        ),
-        f(
-            "shell",
-            "Run a shell command in the repository; returns stdout and stderr.",
-            json!({"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]})
-        ),
-        f(
-            "apply_patch",
-            "Apply a patch in the `*** Begin Patch` format.",
-            json!({"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]})
-        ),
-        f(
-            "update_plan",
-            "Replace the plan: steps with statuses pending / in_progress / completed.",
-            json!({"type": "object", "properties": {"plan": {"type": "array", "items": {"type": "object", "properties": {"step": {"type": "string"}, "status": {"type": "string"}}}}}, "required": ["plan"]})
-        ),
-    ])
+    first_user: String,
+    turns: Vec<Turn>,
+    /// Simulated time before each request: the turn's time, or an idle gap.
+    before: Vec<Duration>,
+    gaps: usize,
+    /// The request from which each fact of [`FACTS`] is in the history.
+    facts_at: [usize; 6],
 }
 
 fn build_session(requests: usize, seed: u64) -> Session {
     let mut r = Rng::new(seed);
-    // The repository: paths and sizes (some large), revisions bumped by patches.
     let mut files: Vec<(String, usize)> = Vec::new();
     let dirs = ["src", "src/pool", "src/client", "tests", "benches"];
     for (i, n) in [
@@ -581,273 +621,728 @@ fn build_session(requests: usize, seed: u64) -> Session {
     .enumerate()
     {
         let size = match r.below(10) {
-            0..=3 => r.range(1_200, 4_500),
-            4..=6 => r.range(5_000, 12_000),
-            7..=8 => r.range(12_000, 25_000),
-            _ => r.range(25_000, 40_000),
+            0..=4 => r.range(500, 4_500),
+            5..=7 => r.range(4_500, 12_000),
+            _ => r.range(12_000, 25_000),
         };
         files.push((format!("{}/{n}.rs", dirs[i % dirs.len()]), size));
     }
     let mut revision: BTreeMap<String, u32> = BTreeMap::new();
-    let mut messages = vec![
-        json!({"role": "system", "content": SYSTEM_PROMPT}),
-        json!({"role": "user", "content": TASKS[0]}),
-    ];
-    let mut cuts = Vec::new();
+    let first_user = format!(
+        "Ticket NK-4821. {} Keep a plan with update_plan as you go.",
+        TASKS[0]
+    );
+    let mut facts_at = [0, FILE_AT + 1, ERROR_AT + 1, DECISION_AT + 1, 0, 0];
+    let mut turns = Vec::new();
+    let mut before = Vec::new();
     let mut task = 0usize;
+    let mut done = 0usize;
     let mut next_user = r.range(30, 50);
     let mut failing = 3usize;
     let mut call_no = 0u32;
-    let mut large = (0, 0);
     for i in 0..requests {
-        cuts.push(messages.len());
-        if i + 1 == requests {
-            break;
-        }
+        before.push(Duration::from_secs(r.range(4, 40) as u64));
         if i + 1 == next_user {
-            // The model finishes the sub-task; the user follows up.
-            messages.push(json!({"role": "assistant", "content": format!(
-                "Done. {} The tests pass now (`cargo test`: all green). Files touched: {}.",
-                sentence(&mut r, 20, 40), files[r.below(files.len())].0)}));
+            done += 1;
             task = (task + 1) % TASKS.len();
-            messages.push(json!({"role": "user", "content": TASKS[task]}));
+            let mut next = TASKS[task].to_string();
+            match done {
+                1 => {
+                    next += " Rule from now on: never edit files under src/generated/ by hand, regenerate them (RULE-17).";
+                    facts_at[4] = i + 1;
+                }
+                2 => {
+                    next += " When this is done, the next step is to bump the crate to 0.4.0 and tag it (NEXT-040).";
+                    facts_at[5] = i + 1;
+                }
+                _ => {}
+            }
+            turns.push(Turn::Done {
+                text: format!(
+                    "Done. {} The tests pass now (`cargo test`: all green). Files touched: {}.",
+                    sentence(&mut r, 20, 40),
+                    files[r.below(files.len())].0
+                ),
+                next_user: next,
+            });
             next_user += r.range(30, 50);
             failing = r.range(1, 4);
             continue;
         }
-        let n_calls = match r.below(10) {
-            0..=5 => 1,
-            6..=8 => 2,
+        let n_calls = match r.below(20) {
+            0..=13 => 1,
+            14..=18 => 2,
             _ => 3,
         };
         let mut calls = Vec::new();
-        let mut outputs = Vec::new();
-        for _ in 0..n_calls {
+        for k in 0..n_calls {
             call_no += 1;
-            let id = format!("call_{call_no:04}_{:08x}", r.next() as u32);
-            let (name, args, output) = match r.below(20) {
-                0..=6 => {
-                    let (path, size) = r.pick(&files).clone();
-                    let rev = *revision.get(&path).unwrap_or(&0);
-                    let content = source_file(&path, rev, size);
-                    ("read_file", json!({"path": path}), content)
-                }
-                7..=9 => {
-                    let p = format!("{}_{}", r.pick(NOUNS), r.pick(NOUNS));
-                    let out = grep_output(&mut r, &p, &files);
-                    ("grep", json!({"pattern": p, "path": "src"}), out)
-                }
-                10..=12 => {
-                    let size = r.range(3_000, 30_000);
-                    let f = if r.chance(0.6) { failing } else { 0 };
-                    let log = test_log(&mut r, size, f);
-                    if failing > 0 && r.chance(0.3) {
-                        failing -= 1;
+            let (action, output) = if i == FILE_AT && k == 0 {
+                let mut content = source_file(PLANTED_FILE, 0, 6_000);
+                let at = content.len() / 2;
+                let at = content[..at].rfind('\n').map_or(0, |p| p + 1);
+                content.insert_str(
+                    at,
+                    "/// The seed of the jitter generator; tests pin it.\npub const RETRY_SEED: u64 = 0x5A17_C0DE;\n",
+                );
+                (Action::Read(PLANTED_FILE.into()), content)
+            } else if i == ERROR_AT && k == 0 {
+                let mut log = test_log(&mut r, 6_000, 1);
+                log += "thread 'retry::tests::jitter_stays_within_bounds' panicked at src/retry.rs:214:9:\njitter 1.73 outside [0.5, 1.5] at attempt 4\n";
+                (Action::Test, log)
+            } else {
+                match r.below(20) {
+                    0..=6 => {
+                        let (path, size) = r.pick(&files).clone();
+                        let rev = *revision.get(&path).unwrap_or(&0);
+                        (Action::Read(path.clone()), source_file(&path, rev, size))
                     }
-                    ("run_tests", json!({"filter": ""}), log)
-                }
-                13..=15 => {
-                    let (path, _) = r.pick(&files).clone();
-                    let patch = patch_for(&mut r, &path);
-                    if r.chance(0.15) {
-                        let out = format!("Failed to apply patch: hunk 1 of {path} does not match.\nerror: patch failed: {path}:{}\nExit code: 1", r.range(10, 400));
-                        ("apply_patch", json!({"input": patch}), out)
-                    } else {
-                        *revision.entry(path.clone()).or_insert(0) += 1;
-                        (
-                            "apply_patch",
-                            json!({"input": patch}),
-                            format!("Success. Updated the following files:\nM {path}\n"),
-                        )
+                    7..=9 => {
+                        let p = format!("{}_{}", r.pick(NOUNS), r.pick(NOUNS));
+                        let out = grep_output(&mut r, &p, &files);
+                        (Action::Grep(p), out)
                     }
-                }
-                16..=18 => match r.below(3) {
-                    0 => {
-                        let size = r.range(1_000, 14_000);
-                        let broken = r.chance(0.25);
-                        let log = build_log(&mut r, size, broken);
-                        ("shell", json!({"cmd": "cargo build"}), log)
+                    10..=12 => {
+                        let size = if r.chance(0.2) {
+                            r.range(12_000, 25_000)
+                        } else {
+                            r.range(2_000, 9_000)
+                        };
+                        let f = if r.chance(0.6) { failing } else { 0 };
+                        let log = test_log(&mut r, size, f);
+                        if failing > 0 && r.chance(0.3) {
+                            failing -= 1;
+                        }
+                        (Action::Test, log)
                     }
-                    1 => (
-                        "shell",
-                        json!({"cmd": "git diff"}),
-                        diff_output(&mut r, &files),
-                    ),
+                    13..=15 => {
+                        let (path, _) = r.pick(&files).clone();
+                        let patch = patch_for(&mut r, &path);
+                        if r.chance(0.15) {
+                            let out = format!("Failed to apply patch: hunk 1 of {path} does not match.\nerror: patch failed: {path}:{}\nExit code: 1", r.range(10, 400));
+                            (Action::Patch(path, patch), out)
+                        } else {
+                            *revision.entry(path.clone()).or_insert(0) += 1;
+                            let out = format!("Success. Updated the following files:\nM {path}\n");
+                            (Action::Patch(path, patch), out)
+                        }
+                    }
+                    16..=18 => match r.below(3) {
+                        0 => {
+                            let size = r.range(1_000, 14_000);
+                            let broken = r.chance(0.25);
+                            (Action::Build, build_log(&mut r, size, broken))
+                        }
+                        1 => (Action::Diff, diff_output(&mut r, &files)),
+                        _ => {
+                            let ls: String = files
+                                .iter()
+                                .map(|(p, s)| format!("{s:>8}  {p}\n"))
+                                .collect();
+                            (Action::Ls, ls)
+                        }
+                    },
                     _ => {
-                        let ls: String = files
-                            .iter()
-                            .map(|(p, s)| format!("{s:>8}  {p}\n"))
+                        let steps: Vec<Value> = (0..r.range(3, 6))
+                            .map(|k| json!({"content": sentence(&mut r, 4, 9), "status": if k < 2 { "completed" } else if k == 2 { "in_progress" } else { "pending" }}))
                             .collect();
-                        ("shell", json!({"cmd": "ls -lR src tests benches"}), ls)
+                        (Action::Plan(steps), "Plan updated".to_string())
                     }
-                },
-                _ => {
-                    let steps: Vec<Value> = (0..r.range(3, 6))
-                        .map(|k| json!({"step": sentence(&mut r, 4, 9), "status": if k < 2 { "completed" } else if k == 2 { "in_progress" } else { "pending" }}))
-                        .collect();
-                    (
-                        "update_plan",
-                        json!({"plan": steps}),
-                        "Plan updated".to_string(),
-                    )
                 }
             };
-            if output.len() >= 5_000 {
-                large.0 += 1;
-            }
-            if output.len() >= 20_000 {
-                large.1 += 1;
-            }
-            calls.push(json!({"id": id, "type": "function", "function": {"name": name, "arguments": args.to_string()}}));
-            outputs.push(json!({"role": "tool", "tool_call_id": id, "content": output}));
-        }
-        let content = if r.chance(0.4) {
-            Value::String(sentence(&mut r, 8, 30) + ".")
-        } else {
-            Value::Null
-        };
-        messages.push(json!({"role": "assistant", "content": content, "tool_calls": calls}));
-        messages.extend(outputs);
-    }
-    Session {
-        messages,
-        cuts,
-        tools: tool_defs(),
-        large_outputs: large,
-    }
-}
-
-// ====================================================================== proxy plumbing
-
-/// The proxy's log lines, captured so events (waits, back-offs, discarded
-/// compactions) can be counted per run.
-#[derive(Clone, Default)]
-struct LogBuf(Arc<Mutex<Vec<u8>>>);
-
-struct LogWriter(LogBuf, bool);
-
-impl Write for LogWriter {
-    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
-        if self.1 {
-            let _ = std::io::stderr().write_all(b);
-        }
-        self.0 .0.lock().unwrap().extend_from_slice(b);
-        Ok(b.len())
-    }
-    fn flush(&mut self) -> std::io::Result<()> {
-        Ok(())
-    }
-}
-
-impl LogBuf {
-    fn take(&self) -> String {
-        String::from_utf8_lossy(&std::mem::take(&mut *self.0.lock().unwrap())).into_owned()
-    }
-}
-
-/// An upstream that enforces the window in front of the fake: a chat
-/// request over `WINDOW` tokens gets OpenAI's `context_length_exceeded`
-/// (400) and never reaches the fake; everything else is relayed.
-struct Guard {
-    url: String,
-    rejected: Arc<AtomicUsize>,
-}
-
-async fn start_guard(target: SocketAddr, counter: Arc<TokenCounter>) -> Guard {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind guard");
-    let addr = listener.local_addr().expect("addr");
-    let rejected = Arc::new(AtomicUsize::new(0));
-    let client = reqwest::Client::new();
-    let rej = rejected.clone();
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let (client, counter, rej) = (client.clone(), counter.clone(), rej.clone());
-            tokio::spawn(async move {
-                let svc = hyper::service::service_fn(move |req| {
-                    let (client, counter, rej) = (client.clone(), counter.clone(), rej.clone());
-                    async move {
-                        Ok::<_, Infallible>(guard_answer(req, target, client, counter, rej).await)
-                    }
-                });
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await;
+            calls.push(Call {
+                id: call_no,
+                action,
+                output,
             });
         }
-    });
-    Guard {
-        url: format!("http://{addr}/v1"),
-        rejected,
+        let text = if i == DECISION_AT {
+            Some("Decision: cap the backoff at 30 s and keep full jitter, seeded from RETRY_SEED in tests (DEC-9).".to_string())
+        } else if r.chance(0.4) {
+            Some(sentence(&mut r, 8, 30) + ".")
+        } else {
+            None
+        };
+        turns.push(Turn::Tools { text, calls });
+    }
+    // The idle gaps: before the request that follows the 1st, 3rd and 5th
+    // new user message (fewer when the session is short).
+    let mut seen = 0;
+    let mut gaps = 0usize;
+    for i in 0..turns.len() {
+        if let Turn::Done { .. } = turns[i] {
+            seen += 1;
+            // The user comes back after a long pause, three times.
+            if matches!(seen, 1 | 3 | 5) && i + 1 < before.len() {
+                before[i + 1] = Duration::from_secs(60 * r.range(10, 50) as u64);
+                gaps += 1;
+            }
+        }
+    }
+    Session {
+        first_user,
+        turns,
+        before,
+        gaps,
+        facts_at,
     }
 }
 
-async fn guard_answer(
-    req: http::Request<hyper::body::Incoming>,
-    target: SocketAddr,
-    client: reqwest::Client,
-    counter: Arc<TokenCounter>,
-    rejected: Arc<AtomicUsize>,
-) -> http::Response<Full<Bytes>> {
-    let (parts, body) = req.into_parts();
-    let bytes = body
-        .collect()
-        .await
-        .map(|c| c.to_bytes())
-        .unwrap_or_default();
-    let answer = |status: u16, body: Bytes| {
-        http::Response::builder()
-            .status(status)
-            .header("content-type", "application/json")
-            .body(Full::new(body))
-            .expect("response")
-    };
-    if parts.uri.path().ends_with("/chat/completions") {
-        let b = bytes.clone();
-        let t = tokio::task::spawn_blocking(move || request_tokens(&counter, &b))
-            .await
-            .unwrap_or(0);
-        if t > WINDOW {
-            rejected.fetch_add(1, Ordering::Relaxed);
-            let err = json!({"error": {"message": format!("This model's maximum context length is {WINDOW} tokens. However, your messages resulted in {t} tokens. Please reduce the length of the messages."),
-                "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}});
-            return answer(400, Bytes::from(err.to_string()));
+// ====================================================================== the clients
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Shape {
+    Claude,
+    Codex,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    ClientCompacts,
+    Proxy,
+    Never,
+}
+
+impl Mode {
+    fn label(self) -> &'static str {
+        match self {
+            Mode::ClientCompacts => "client compacts",
+            Mode::Proxy => "through compactor",
+            Mode::Never => "1M, never compacts",
         }
-    }
-    let mut rb = client
-        .request(parts.method, format!("http://{target}{}", parts.uri.path()))
-        .body(bytes);
-    for (k, v) in &parts.headers {
-        let skip = [
-            http::header::HOST,
-            http::header::CONTENT_LENGTH,
-            http::header::CONNECTION,
-            http::header::TRANSFER_ENCODING,
-        ];
-        if !skip.contains(k) {
-            rb = rb.header(k, v);
-        }
-    }
-    match rb.send().await {
-        Ok(resp) => {
-            let status = resp.status().as_u16();
-            answer(status, resp.bytes().await.unwrap_or_default())
-        }
-        Err(e) => answer(
-            502,
-            Bytes::from(json!({"error": {"message": e.to_string()}}).to_string()),
-        ),
     }
 }
+
+const CLAUDE_MODEL: &str = "claude-sonnet-4-5";
+const CLAUDE_WINDOW: u64 = 200_000;
+const CLAUDE_MAX_TOKENS: u64 = 32_000;
+/// Claude Code reserves this much for the summary's answer...
+const CLAUDE_SUMMARY_MAX_TOKENS: u64 = 20_000;
+/// ...and compacts this far below what remains.
+const CLAUDE_BUFFER: u64 = 13_000;
+const CODEX_MODEL: &str = "gpt-5-codex";
+const CODEX_WINDOW: u64 = 272_000;
+const BIG_WINDOW: u64 = 1_000_000;
+/// Codex keeps this many tokens of recent user messages when it compacts.
+const CODEX_USER_KEEP: u64 = 20_000;
+
+const CLAUDE_COMPACT_PROMPT: &str = "Your task is to create a detailed summary of the conversation so far, paying close attention to the user's explicit requests and your previous actions. This summary should be thorough in capturing technical details, code patterns, and architectural decisions that would be essential for continuing development work without losing context.\n\nBefore providing your final summary, wrap your analysis in <analysis> tags. Your summary should include the following sections:\n\n1. Primary Request and Intent\n2. Key Technical Concepts\n3. Files and Code Sections: enumerate specific files and code sections examined, modified, or created, with snippets where applicable\n4. Errors and fixes: list all errors that you ran into, and how you fixed them\n5. Problem Solving\n6. All user messages: list ALL user messages that are not tool results\n7. Pending Tasks\n8. Current Work\n9. Optional Next Step\n\nRespond with text only; do not call any tools.";
+const CLAUDE_CONTINUE: &str = "This session is being continued from a previous conversation that ran out of context. The conversation is summarized below:\n";
+const CODEX_COMPACT_PROMPT: &str = "You are performing a CONTEXT CHECKPOINT COMPACTION. Create a handoff summary for another LLM that will resume the task.\n\nInclude:\n- Current progress and key decisions made\n- Important context, constraints, or user preferences\n- What remains to be done (clear next steps)\n- Any critical data, examples, or references needed to continue\n\nBe concise, structured, and focused on helping the next LLM seamlessly continue the work.";
+const CODEX_SUMMARY_PREFIX: &str = "Another language model started to solve this problem and produced a summary of its thinking process. You also have access to the state of the tools that were used by that language model. Use this to build on the work that has already been done and avoid duplicating work. Here is the summary produced by the other language model, use the information in this summary to assist with your own analysis:\n";
+
+/// A long, fixed text (the same in every run) of about `bytes` bytes.
+fn boilerplate(tag: u64, bytes: usize) -> String {
+    let mut r = Rng::new(0xB0B0 ^ tag);
+    let mut s = String::new();
+    while s.len() < bytes {
+        s += &sentence(&mut r, 8, 24);
+        s += if r.chance(0.2) { ".\n\n- " } else { ". " };
+    }
+    s
+}
+
+fn claude_tools() -> Value {
+    let names = [
+        "Task",
+        "Bash",
+        "Glob",
+        "Grep",
+        "LS",
+        "ExitPlanMode",
+        "Read",
+        "Edit",
+        "MultiEdit",
+        "Write",
+        "NotebookEdit",
+        "WebFetch",
+        "TodoWrite",
+        "WebSearch",
+        "BashOutput",
+        "KillShell",
+    ];
+    Value::Array(
+        names
+            .iter()
+            .enumerate()
+            .map(|(i, n)| {
+                let len = match *n {
+                    "Bash" | "Task" | "TodoWrite" => 9_000,
+                    _ => 3_000,
+                };
+                json!({"name": n, "description": boilerplate(i as u64, len),
+                       "input_schema": {"type": "object", "properties": {
+                           "file_path": {"type": "string", "description": "The absolute path of the file."},
+                           "command": {"type": "string", "description": "The command to run."},
+                           "pattern": {"type": "string"}, "todos": {"type": "array", "items": {"type": "object"}}},
+                       "additionalProperties": false, "$schema": "http://json-schema.org/draft-07/schema#"}})
+            })
+            .collect(),
+    )
+}
+
+fn codex_tools() -> Value {
+    let f = |name: &str, tag: u64, params: Value| json!({"type": "function", "function": {"name": name, "description": boilerplate(tag, 2_500), "parameters": params}});
+    json!([
+        f(
+            "shell",
+            100,
+            json!({"type": "object", "properties": {"command": {"type": "array", "items": {"type": "string"}}, "workdir": {"type": "string"}, "timeout_ms": {"type": "number"}}, "required": ["command"]})
+        ),
+        f(
+            "apply_patch",
+            101,
+            json!({"type": "object", "properties": {"input": {"type": "string"}}, "required": ["input"]})
+        ),
+        f(
+            "update_plan",
+            102,
+            json!({"type": "object", "properties": {"explanation": {"type": "string"}, "plan": {"type": "array", "items": {"type": "object"}}}, "required": ["plan"]})
+        ),
+        f(
+            "view_image",
+            103,
+            json!({"type": "object", "properties": {"path": {"type": "string"}}, "required": ["path"]})
+        ),
+    ])
+}
+
+/// What a client sends and keeps: the fixed head (tools, system) and the
+/// history, in its own wire format.
+struct Client {
+    shape: Shape,
+    tools: Value,
+    system: Value,
+    messages: Vec<Value>,
+    /// Compacts itself at this many tokens (`None`: never).
+    compact_at: Option<u64>,
+    /// Tokens the upstream last reported (prompt + output), and the
+    /// client's estimate of what it added since.
+    last_usage: u64,
+    added: u64,
+    counter: TokenCounter,
+    /// Every message the user typed, oldest first.
+    humans: Vec<String>,
+}
+
+impl Client {
+    fn new(shape: Shape, session: &Session, compacts: bool) -> Client {
+        let counter = TokenCounter::default();
+        let (tools, system, compact_at) = match shape {
+            Shape::Claude => (
+                claude_tools(),
+                json!([
+                    {"type": "text", "text": "You are Claude Code, Anthropic's official CLI for Claude."},
+                    {"type": "text", "text": format!("You are an interactive CLI tool that helps users with software engineering tasks.\n\n{}", boilerplate(7, 12_000)),
+                     "cache_control": {"type": "ephemeral"}},
+                ]),
+                CLAUDE_WINDOW - CLAUDE_SUMMARY_MAX_TOKENS - CLAUDE_BUFFER,
+            ),
+            Shape::Codex => (
+                codex_tools(),
+                json!(format!(
+                    "You are Codex, based on GPT-5. You are running as a coding agent in the Codex CLI on a user's computer.\n\n{}\n\n<environment_context>\n  <cwd>/home/dev/netkit</cwd>\n  <approval_policy>on-request</approval_policy>\n  <sandbox_mode>workspace-write</sandbox_mode>\n</environment_context>",
+                    boilerplate(8, 34_000)
+                )),
+                CODEX_WINDOW * 9 / 10,
+            ),
+        };
+        let mut me = Client {
+            shape,
+            tools,
+            system,
+            messages: Vec::new(),
+            compact_at: compacts.then_some(compact_at),
+            last_usage: 0,
+            added: 0,
+            counter,
+            humans: Vec::new(),
+        };
+        if shape == Shape::Codex {
+            let system = me.system.clone();
+            me.messages
+                .push(json!({"role": "system", "content": system}));
+        }
+        me.human(&session.first_user);
+        me
+    }
+
+    fn human(&mut self, text: &str) {
+        self.humans.push(text.to_string());
+        self.push_user(text);
+    }
+
+    fn path(&self) -> &'static str {
+        match self.shape {
+            Shape::Claude => "/v1/messages",
+            Shape::Codex => "/v1/chat/completions",
+        }
+    }
+
+    fn push(&mut self, m: Value) {
+        self.added += self.counter.count_text(&m.to_string());
+        self.messages.push(m);
+    }
+
+    fn push_user(&mut self, text: &str) {
+        let m = match self.shape {
+            Shape::Claude => json!({"role": "user", "content": [{"type": "text", "text": text}]}),
+            Shape::Codex => json!({"role": "user", "content": text}),
+        };
+        self.push(m);
+    }
+
+    /// The request body for the history as it stands (`max_tokens` for
+    /// Messages).
+    fn body(&mut self, max_tokens: u64) -> Vec<u8> {
+        match self.shape {
+            Shape::Claude => {
+                // The breakpoint on the last message, moved every request.
+                let last = self
+                    .messages
+                    .last_mut()
+                    .and_then(|m| m["content"].as_array_mut())
+                    .and_then(|b| b.last_mut());
+                if let Some(b) = last {
+                    b["cache_control"] = json!({"type": "ephemeral"});
+                }
+                let body = serde_json::to_vec(&json!({
+                    "model": CLAUDE_MODEL, "max_tokens": max_tokens, "system": self.system,
+                    "tools": self.tools, "messages": self.messages,
+                }))
+                .expect("serialize");
+                if let Some(b) = self
+                    .messages
+                    .last_mut()
+                    .and_then(|m| m["content"].as_array_mut())
+                    .and_then(|b| b.last_mut())
+                    .and_then(Value::as_object_mut)
+                {
+                    b.remove("cache_control");
+                }
+                body
+            }
+            Shape::Codex => serde_json::to_vec(&json!({
+                "model": CODEX_MODEL, "messages": self.messages, "tools": self.tools,
+                "tool_choice": "auto", "parallel_tool_calls": true,
+            }))
+            .expect("serialize"),
+        }
+    }
+
+    fn due(&self) -> bool {
+        self.compact_at
+            .is_some_and(|at| self.last_usage + self.added >= at)
+    }
+
+    /// The tool call as this client's model would make it: (name, input).
+    fn call(&self, c: &Call) -> (String, Value) {
+        let root = "/home/dev/netkit";
+        match (self.shape, &c.action) {
+            (Shape::Claude, Action::Read(p)) => {
+                ("Read".into(), json!({"file_path": format!("{root}/{p}")}))
+            }
+            (Shape::Claude, Action::Grep(p)) => (
+                "Grep".into(),
+                json!({"pattern": p, "path": "src", "output_mode": "content"}),
+            ),
+            (Shape::Claude, Action::Test) => (
+                "Bash".into(),
+                json!({"command": "cargo test", "description": "Run the test suite"}),
+            ),
+            (Shape::Claude, Action::Build) => (
+                "Bash".into(),
+                json!({"command": "cargo build", "description": "Build"}),
+            ),
+            (Shape::Claude, Action::Diff) => (
+                "Bash".into(),
+                json!({"command": "git diff", "description": "Show changes"}),
+            ),
+            (Shape::Claude, Action::Ls) => ("LS".into(), json!({"path": root})),
+            (Shape::Claude, Action::Patch(p, patch)) => (
+                "Edit".into(),
+                json!({"file_path": format!("{root}/{p}"), "old_string": patch.lines().nth(3).unwrap_or(""), "new_string": patch.lines().nth(4).unwrap_or("")}),
+            ),
+            (Shape::Claude, Action::Plan(steps)) => ("TodoWrite".into(), json!({"todos": steps})),
+            (Shape::Codex, Action::Read(p)) => (
+                "shell".into(),
+                json!({"command": ["bash", "-lc", format!("sed -n '1,400p' {p}")]}),
+            ),
+            (Shape::Codex, Action::Grep(p)) => {
+                ("shell".into(), json!({"command": ["rg", "-n", p, "src"]}))
+            }
+            (Shape::Codex, Action::Test) => ("shell".into(), json!({"command": ["cargo", "test"]})),
+            (Shape::Codex, Action::Build) => {
+                ("shell".into(), json!({"command": ["cargo", "build"]}))
+            }
+            (Shape::Codex, Action::Diff) => ("shell".into(), json!({"command": ["git", "diff"]})),
+            (Shape::Codex, Action::Ls) => (
+                "shell".into(),
+                json!({"command": ["ls", "-lR", "src", "tests", "benches"]}),
+            ),
+            (Shape::Codex, Action::Patch(_, patch)) => {
+                ("apply_patch".into(), json!({"input": patch}))
+            }
+            (Shape::Codex, Action::Plan(steps)) => ("update_plan".into(), json!({"plan": steps})),
+        }
+    }
+
+    fn call_id(&self, c: &Call) -> String {
+        match self.shape {
+            Shape::Claude => format!("toolu_{:08}", c.id),
+            Shape::Codex => format!("call_{:08}", c.id),
+        }
+    }
+
+    /// The model's answer to the request before `turn`, as the fake is
+    /// scripted to give it, and the assistant message the client keeps.
+    fn answer(&self, turn: &Turn) -> (Reply, Value) {
+        match self.shape {
+            Shape::Claude => {
+                let mut content = Vec::new();
+                let text = match turn {
+                    Turn::Tools { text, .. } => text.clone(),
+                    Turn::Done { text, .. } => Some(text.clone()),
+                };
+                if let Some(t) = text {
+                    content.push(json!({"type": "text", "text": t}));
+                }
+                if let Turn::Tools { calls, .. } = turn {
+                    for c in calls {
+                        let (name, input) = self.call(c);
+                        content.push(json!({"type": "tool_use", "id": self.call_id(c), "name": name, "input": input}));
+                    }
+                }
+                let message = json!({"role": "assistant", "content": content});
+                let answer = Answer {
+                    content,
+                    stop_reason: if matches!(turn, Turn::Tools { .. }) {
+                        "tool_use".into()
+                    } else {
+                        "end_turn".into()
+                    },
+                    output_tokens: self.counter.count_text(&message.to_string()) + REASONING_TOKENS,
+                };
+                (Reply::Messages(answer), message)
+            }
+            Shape::Codex => {
+                let message = match turn {
+                    Turn::Tools { text, calls } => {
+                        let calls: Vec<Value> = calls
+                            .iter()
+                            .map(|c| {
+                                let (name, input) = self.call(c);
+                                json!({"id": self.call_id(c), "type": "function", "function": {"name": name, "arguments": input.to_string()}})
+                            })
+                            .collect();
+                        json!({"role": "assistant", "content": text, "tool_calls": calls})
+                    }
+                    Turn::Done { text, .. } => json!({"role": "assistant", "content": text}),
+                };
+                let out = self.counter.count_text(&message.to_string()) + REASONING_TOKENS;
+                let reply = match turn {
+                    Turn::Tools { calls, .. } => {
+                        let owned: Vec<(String, String, String)> = calls
+                            .iter()
+                            .map(|c| {
+                                let (name, input) = self.call(c);
+                                (self.call_id(c), name, input.to_string())
+                            })
+                            .collect();
+                        let refs: Vec<(&str, &str, &str)> = owned
+                            .iter()
+                            .map(|(a, b, c)| (a.as_str(), b.as_str(), c.as_str()))
+                            .collect();
+                        Reply::chat_tool_calls(&refs, 0, out)
+                    }
+                    Turn::Done { text, .. } => Reply::chat(text, 0, out),
+                };
+                (reply, message)
+            }
+        }
+    }
+
+    /// Appends the model's answer and what follows it (tool outputs, or
+    /// the user's next message).
+    fn follow(&mut self, turn: &Turn, assistant: Value) {
+        self.push(assistant);
+        match turn {
+            Turn::Tools { calls, .. } => match self.shape {
+                Shape::Claude => {
+                    let results: Vec<Value> = calls
+                        .iter()
+                        .map(|c| json!({"type": "tool_result", "tool_use_id": self.call_id(c), "content": c.output}))
+                        .collect();
+                    self.push(json!({"role": "user", "content": results}));
+                }
+                Shape::Codex => {
+                    for c in calls {
+                        let m = json!({"role": "tool", "tool_call_id": self.call_id(c), "content": c.output});
+                        self.push(m);
+                    }
+                }
+            },
+            Turn::Done { next_user, .. } => self.human(next_user),
+        }
+    }
+
+    /// The summary this client's model writes when asked to compact before
+    /// request `at`, from what the session held so far.
+    fn summary(&self, session: &Session, at: usize) -> String {
+        let mut users = vec![session.first_user.clone()];
+        let mut decisions = Vec::new();
+        let mut texts = Vec::new();
+        let mut errors: Vec<String> = Vec::new();
+        let mut reads: Vec<(String, String)> = Vec::new();
+        for turn in &session.turns[..at] {
+            match turn {
+                Turn::Done { text, next_user } => {
+                    texts.push(text.clone());
+                    users.push(next_user.clone());
+                }
+                Turn::Tools { text, calls } => {
+                    if let Some(t) = text {
+                        if t.starts_with("Decision:") {
+                            decisions.push(t.clone());
+                        }
+                        texts.push(t.clone());
+                    }
+                    for c in calls {
+                        if let Action::Read(p) = &c.action {
+                            reads.retain(|(q, _)| q != p);
+                            let head: String =
+                                c.output.lines().take(12).collect::<Vec<_>>().join("\n");
+                            reads.push((p.clone(), head));
+                        }
+                        for l in c.output.lines() {
+                            let l = l.trim();
+                            let error = l.starts_with("error")
+                                || l.contains("panicked at")
+                                || l.starts_with("Failed to apply")
+                                || l.starts_with("jitter ");
+                            if error && !errors.iter().any(|e| e == l) {
+                                errors.push(l.to_string());
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        let last =
+            |v: &[String], n: usize| -> Vec<String> { v[v.len().saturating_sub(n)..].to_vec() };
+        let bullets = |v: &[String]| {
+            v.iter()
+                .map(|x| format!("- {x}"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        };
+        match self.shape {
+            Shape::Claude => {
+                let files: String = last(
+                    &reads.iter().map(|(p, h)| format!("- {p}:\n```rust\n{h}\n```")).collect::<Vec<_>>(),
+                    6,
+                )
+                .join("\n");
+                format!(
+                    "<analysis>\n{}\n</analysis>\n\n<summary>\n1. Primary Request and Intent:\n{}\n\n2. Key Technical Concepts:\n- retry budgets, jitter, connection pooling, deadlines\n{}\n\n3. Files and Code Sections:\n{files}\n\n4. Errors and fixes:\n{}\n\n5. Problem Solving:\n{}\n\n6. All user messages:\n{}\n\n7. Pending Tasks:\n- {}\n\n8. Current Work:\n{}\n\n9. Optional Next Step:\n- continue with the current task where it stopped\n</summary>",
+                    boilerplate(at as u64, 3_000),
+                    users.last().cloned().unwrap_or_default(),
+                    bullets(&decisions),
+                    bullets(&last(&errors, 6)),
+                    bullets(&last(&texts, 4)),
+                    bullets(&users),
+                    users.last().cloned().unwrap_or_default(),
+                    bullets(&last(&texts, 2)),
+                )
+            }
+            Shape::Codex => format!(
+                "## Progress\n{}\n\n## Key decisions\n{}\n\n## Errors seen\n{}\n\n## Next steps\n- continue: {}",
+                bullets(&last(&texts, 4)),
+                bullets(&decisions),
+                bullets(&last(&errors, 3)),
+                users.last().cloned().unwrap_or_default(),
+            ),
+        }
+    }
+
+    /// Restarts from `summary` as this client does after compacting.
+    fn restart(&mut self, summary: &str) {
+        let users = self.humans.clone();
+        self.messages.clear();
+        match self.shape {
+            Shape::Claude => {
+                let last = users.last().cloned().unwrap_or_default();
+                self.messages.push(json!({"role": "user", "content": [
+                    {"type": "text", "text": format!("{CLAUDE_CONTINUE}{summary}\n\nPlease continue the conversation from where we left it off without asking the user any further questions. Continue with the last task that you were asked to work on.")},
+                    {"type": "text", "text": last},
+                ]}));
+            }
+            Shape::Codex => {
+                let system = self.system.clone();
+                self.messages
+                    .push(json!({"role": "system", "content": system}));
+                // The most recent user messages, up to the budget, oldest first.
+                let mut kept = Vec::new();
+                let mut budget = CODEX_USER_KEEP;
+                for u in users.iter().rev() {
+                    let t = self.counter.count_text(u);
+                    if t > budget {
+                        break;
+                    }
+                    budget -= t;
+                    kept.push(u.clone());
+                }
+                for u in kept.into_iter().rev() {
+                    self.messages.push(json!({"role": "user", "content": u}));
+                }
+                self.messages.push(
+                    json!({"role": "user", "content": format!("{CODEX_SUMMARY_PREFIX}{summary}")}),
+                );
+            }
+        }
+        self.added = self
+            .messages
+            .iter()
+            .map(|m| self.counter.count_text(&m.to_string()))
+            .sum();
+        self.last_usage = 0;
+    }
+
+    /// The compaction request: the history with the summary instruction
+    /// appended.
+    fn compaction_body(&mut self) -> Vec<u8> {
+        let prompt = match self.shape {
+            Shape::Claude => CLAUDE_COMPACT_PROMPT,
+            Shape::Codex => CODEX_COMPACT_PROMPT,
+        };
+        self.push_user(prompt);
+        let body = self.body(CLAUDE_SUMMARY_MAX_TOKENS);
+        self.messages.pop();
+        body
+    }
+}
+
+/// The tokens an answer's usage reports (prompt and output).
+fn usage_total(v: &Value) -> u64 {
+    let u = &v["usage"];
+    if let Some(t) = u["total_tokens"].as_u64() {
+        return t;
+    }
+    [
+        "input_tokens",
+        "cache_read_input_tokens",
+        "cache_creation_input_tokens",
+        "output_tokens",
+    ]
+    .iter()
+    .filter_map(|k| u[*k].as_u64())
+    .sum()
+}
+
+// ====================================================================== the proxy
 
 struct Proxy {
-    url: String,
-    fake: FakeUpstream,
-    guard: Option<Guard>,
+    base: String,
     db: PathBuf,
     _dir: tempfile::TempDir,
     shutdown: Option<oneshot::Sender<()>>,
@@ -855,22 +1350,14 @@ struct Proxy {
 }
 
 impl Proxy {
-    /// A proxy in front of a fresh fake; with `enforce`, in front of a
-    /// [`Guard`] in front of the fake.
-    async fn start(enforce: Option<Arc<TokenCounter>>) -> Proxy {
-        let fake = FakeUpstream::start().await.expect("fake upstream");
-        fake.simulate_prompt_cache();
-        let guard = match enforce {
-            Some(counter) => Some(start_guard(fake.addr(), counter).await),
-            None => None,
-        };
+    /// compactor with its default settings in front of `fake`.
+    async fn start(fake: &FakeUpstream) -> Proxy {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = dir.path().join("compactor.db");
         let mut config = Config::default();
-        config.upstream.base_url = guard.as_ref().map(|g| g.url.clone()).unwrap_or(fake.url());
+        config.upstream.base_url = fake.url();
         config.store.path = db.display().to_string();
         config.server.shutdown_grace_secs = 2;
-        config.models.push(bench_model());
         let state = AppState::open(config).expect("open state");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
@@ -884,9 +1371,7 @@ impl Proxy {
             .await
         });
         Proxy {
-            url: format!("http://{addr}/v1/chat/completions"),
-            fake,
-            guard,
+            base: format!("http://{addr}"),
             db,
             _dir: dir,
             shutdown: Some(tx),
@@ -894,905 +1379,619 @@ impl Proxy {
         }
     }
 
-    async fn stop(self) -> (FakeUpstream, Vec<Compacted>, usize, tempfile::TempDir) {
-        let (fake, compactions, rejected, dir, _) = self.stop_with_savings().await;
-        (fake, compactions, rejected, dir)
-    }
-
-    async fn stop_with_savings(
-        mut self,
-    ) -> (
-        FakeUpstream,
-        Vec<Compacted>,
-        usize,
-        tempfile::TempDir,
-        Option<compactor::store::savings::Savings>,
-    ) {
-        // Let background jobs started by the last exchanges finish.
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    /// Stops it once its background work is done; the rungs of the
+    /// compactions its store recorded.
+    async fn stop(mut self) -> Vec<String> {
+        tokio::time::sleep(Duration::from_millis(300)).await;
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
         }
         let _ = tokio::time::timeout(Duration::from_secs(10), &mut self.server).await;
-        let compactions = read_compactions(&self.db);
-        let savings = read_savings(&self.db);
-        let rejected = self
-            .guard
-            .as_ref()
-            .map(|g| g.rejected.load(Ordering::Relaxed))
-            .unwrap_or(0);
-        (self.fake, compactions, rejected, self._dir, savings)
+        let Ok(conn) = rusqlite::Connection::open_with_flags(
+            &self.db,
+            rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
+        ) else {
+            return Vec::new();
+        };
+        let Ok(mut stmt) = conn.prepare("SELECT rung FROM compactions ORDER BY created_ms, rowid")
+        else {
+            return Vec::new();
+        };
+        stmt.query_map([], |r| r.get::<_, String>(0))
+            .map(|rows| rows.filter_map(Result::ok).collect())
+            .unwrap_or_default()
     }
 }
 
-/// The bench model, priced like gpt-4o (per million tokens) so the
-/// proxy's accounting shows money too.
-fn bench_model() -> ModelConfig {
-    ModelConfig {
-        pattern: "bench-*".into(),
-        context_window: WINDOW,
-        max_output_tokens: Some(MAX_OUTPUT),
-        trigger_ratio: None,
-        input_price_per_mtok: Some(2.5),
-        cached_input_price_per_mtok: Some(1.25),
-        output_price_per_mtok: Some(10.0),
-        ..Default::default()
+// ====================================================================== one run
+
+/// What a call was, for the bill.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// An agent turn; `true` for the first one after a compaction.
+    Turn(bool),
+    /// A summary call: the client's own compaction or the proxy's.
+    Summary,
+}
+
+#[derive(Default)]
+struct RunStats {
+    cost: f64,
+    /// The same at long-context rates over their threshold.
+    cost_long: f64,
+    summary_cost: f64,
+    prompt: u64,
+    read: u64,
+    output: u64,
+    calls: usize,
+    /// Prompt tokens of every agent turn.
+    turns: Vec<u64>,
+    /// Prompt and cache-read tokens of the first turn after each compaction.
+    restarts: Vec<(u64, u64)>,
+    compactions: usize,
+    rungs: Vec<String>,
+    errors: usize,
+    error_kinds: BTreeMap<String, usize>,
+    /// (read, prompt) of the turns between compactions, and of summary calls.
+    between: (u64, u64),
+    summaries: (u64, u64, usize),
+    /// Facts found / looked for after compactions, by kind.
+    facts: BTreeMap<&'static str, (usize, usize)>,
+    wall: Duration,
+}
+
+impl RunStats {
+    fn bill(&mut self, prices: &Prices, kind: Kind, billed: &[Billed]) {
+        for b in billed {
+            let kind = if b.summarizer { Kind::Summary } else { kind };
+            let c = cost(prices, b, false);
+            self.cost += c;
+            self.cost_long += cost(prices, b, true);
+            self.calls += 1;
+            self.prompt += b.usage.prompt();
+            self.read += b.usage.read;
+            self.output += b.output;
+            match kind {
+                Kind::Summary => {
+                    self.summary_cost += c;
+                    self.summaries.0 += b.usage.read;
+                    self.summaries.1 += b.usage.prompt();
+                    self.summaries.2 += 1;
+                }
+                Kind::Turn(first) => {
+                    self.turns.push(b.usage.prompt());
+                    if first {
+                        self.restarts.push((b.usage.prompt(), b.usage.read));
+                    } else {
+                        self.between.0 += b.usage.read;
+                        self.between.1 += b.usage.prompt();
+                    }
+                }
+            }
+        }
+    }
+
+    fn facts_kept(&self) -> (usize, usize) {
+        self.facts
+            .values()
+            .fold((0, 0), |(k, n), (a, b)| (k + a, n + b))
     }
 }
 
-/// The proxy's own savings report over its store, as the admin API gives it.
-fn read_savings(db: &PathBuf) -> Option<compactor::store::savings::Savings> {
-    let conn =
-        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-            .ok()?;
-    let mut config = Config::default();
-    config.models.push(bench_model());
-    compactor::store::savings::report(&conn, &config, None)
-        .ok()
-        .map(|r| r.total)
+fn share(a: u64, b: u64) -> f64 {
+    a as f64 / b.max(1) as f64
 }
 
-struct Compacted {
-    rung: String,
-    before: i64,
-    after: i64,
-    summary_calls: i64,
-    duration_ms: i64,
-    reason: String,
-}
-
-fn read_compactions(db: &PathBuf) -> Vec<Compacted> {
-    let Ok(conn) =
-        rusqlite::Connection::open_with_flags(db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
-    else {
-        return Vec::new();
-    };
-    let Ok(mut stmt) = conn.prepare(
-        "SELECT rung, tokens_before, tokens_after, summary_calls, duration_ms, reason
-         FROM compactions ORDER BY created_ms, rowid",
-    ) else {
-        return Vec::new();
-    };
-    stmt.query_map([], |r| {
-        Ok(Compacted {
-            rung: r.get(0)?,
-            before: r.get(1)?,
-            after: r.get(2)?,
-            summary_calls: r.get(3)?,
-            duration_ms: r.get(4)?,
-            reason: r.get(5)?,
+/// The last request to the model the upstream received (not a summary
+/// call), as text.
+fn last_turn_body(received: &[Received]) -> Option<String> {
+    received
+        .iter()
+        .rev()
+        .find(|r| {
+            (r.path.ends_with("/messages") || r.path.ends_with("/chat/completions"))
+                && !String::from_utf8_lossy(&r.body)
+                    .contains(compactor::compaction::summary::SUMMARIZER_MARKER)
         })
-    })
-    .map(|rows| rows.filter_map(Result::ok).collect())
-    .unwrap_or_default()
+        .map(|r| String::from_utf8_lossy(&r.body).into_owned())
 }
 
 struct Sent {
     status: u16,
-    /// The usage the client saw: prompt tokens and cached tokens.
-    prompt: Option<u64>,
-    cached: Option<u64>,
-    completion: Option<u64>,
-    compacted: Option<String>,
-    ms: f64,
-    /// Wall clock when sent, for `ECON_TRACE` (to line up with the logs).
-    sent_at: String,
+    body: Value,
+    compaction: Option<String>,
 }
 
-fn wall_clock() -> String {
-    let d = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    format!("{:02}.{:06}", d.as_secs() % 60, d.subsec_micros())
-}
-
-async fn post(client: &reqwest::Client, url: &str, key: &str, body: Vec<u8>) -> Sent {
-    let sent_at = wall_clock();
-    let t = Instant::now();
-    let resp = client
+async fn post(http: &reqwest::Client, url: &str, shape: Shape, body: Vec<u8>) -> Sent {
+    let key = "sk-econ-bench-key";
+    let mut rb = http
         .post(url)
-        .header("authorization", format!("Bearer {key}"))
         .header("content-type", "application/json")
-        .body(body)
-        .send()
+        .body(body);
+    rb = match shape {
+        Shape::Claude => rb
+            .header("x-api-key", key)
+            .header("anthropic-version", "2023-06-01"),
+        Shape::Codex => rb.header("authorization", format!("Bearer {key}")),
+    };
+    let resp = tokio::time::timeout(Duration::from_secs(120), rb.send())
         .await
+        .expect("answered in time")
         .expect("request");
     let status = resp.status().as_u16();
-    let compacted = resp
+    let compaction = resp
         .headers()
         .get(COMPACTED_HEADER)
         .and_then(|v| v.to_str().ok())
         .map(String::from);
-    let body = resp.bytes().await.expect("body");
-    let usage = serde_json::from_slice::<Value>(&body)
-        .ok()
-        .and_then(|v| v.get("usage").cloned())
-        .unwrap_or(Value::Null);
+    let bytes = tokio::time::timeout(Duration::from_secs(120), resp.bytes())
+        .await
+        .expect("body in time")
+        .unwrap_or_default();
     Sent {
         status,
-        prompt: usage["prompt_tokens"].as_u64(),
-        completion: usage["completion_tokens"].as_u64(),
-        cached: usage
-            .pointer("/prompt_tokens_details/cached_tokens")
-            .and_then(Value::as_u64),
-        compacted,
-        ms: t.elapsed().as_secs_f64() * 1000.0,
-        sent_at,
+        body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+        compaction,
     }
 }
 
-fn is_summary_call(r: &Received) -> bool {
-    serde_json::from_slice::<Value>(&r.body)
-        .ok()
-        .and_then(|v| {
-            v["messages"].as_array().map(|m| {
-                m.iter().any(|m| {
-                    m["role"] == "system"
-                        && m["content"]
-                            .as_str()
-                            .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
-                })
-            })
-        })
-        .unwrap_or(false)
+/// The error message of a refused request.
+fn error_message(v: &Value) -> String {
+    v.pointer("/error/message")
+        .and_then(Value::as_str)
+        .unwrap_or("")
+        .to_string()
 }
 
-/// Tiktoken o200k tokens of a chat request body: messages (text leaves + 4
-/// each, as the proxy estimates) plus the `tools` definitions.
-fn request_tokens(counter: &TokenCounter, body: &[u8]) -> u64 {
-    let v: Value = serde_json::from_slice(body).unwrap_or(Value::Null);
-    let items: ItemList = Api::Chat.request_items(&v).into();
-    let tools = Tools::take(&mut v.clone());
-    counter
-        .estimate(Api::Chat, &items, &items.hashes(), tools.as_ref())
-        .total()
+/// `X + Y > Z` of Anthropic's "exceed context limit" refusal: (X, Z).
+fn context_overflow(message: &str) -> Option<(u64, u64)> {
+    let rest = message.split("context limit: ").nth(1)?;
+    let mut nums = rest
+        .split(|c: char| !c.is_ascii_digit())
+        .filter(|s| !s.is_empty())
+        .map(|s| s.parse::<u64>().ok());
+    let input = nums.next()??;
+    let _max = nums.next()??;
+    let window = nums.next()??;
+    Some((input, window))
 }
 
-fn view_tokens(counter: &TokenCounter, items: &[Value]) -> u64 {
-    items
-        .iter()
-        .map(|i| counter.count_item(&item_hash(i), i))
-        .sum()
-}
-
-// ====================================================================== runs
-
-#[derive(Default)]
-struct RunStats {
-    label: &'static str,
-    requests: usize,
-    tokens: Vec<u64>,
-    bytes4: Vec<u64>,
-    summary_calls: usize,
-    summary_tokens: u64,
-    rewritten: usize,
-    compacted: Vec<Option<String>>,
-    rejected: usize,
-    non_200: usize,
-    latencies: Vec<f64>,
-    compactions: Vec<Compacted>,
-    events: Vec<(&'static str, usize)>,
-    wall: Duration,
-    /// Prompt and cached tokens the upstream reported, summed.
-    reported_prompt: u64,
-    reported_cached: u64,
-    reported_completion: u64,
-    /// Client requests that reached the upstream with `compactor_recall`
-    /// offered.
-    recall_offered: usize,
-    /// The proxy's own accounting (`store::savings`), for proxied runs.
-    savings: Option<compactor::store::savings::Savings>,
-}
-
-const EVENTS: &[(&str, &str)] = &[
-    (
-        "waits for the compaction under way",
-        "waited for a compaction",
-    ),
-    ("compaction backed off", "back-off"),
-    ("compaction discarded", "discarded (no shrink)"),
-    (
-        "background compaction produced nothing",
-        "job produced nothing",
-    ),
-    (
-        "retrying once with the compacted request",
-        "overflow retries",
-    ),
-    ("compacted request refused", "compacted request refused"),
-    ("summary lacks mandatory sections", "invalid summaries"),
-    ("summary call failed", "summary call failures"),
-];
-
-fn analyse(
-    label: &'static str,
-    counter: &TokenCounter,
-    received: &[Received],
-    sent: &[Sent],
-    compactions: Vec<Compacted>,
-    logs: &str,
-    wall: Duration,
-) -> RunStats {
-    let mut s = RunStats {
-        label,
-        compactions,
-        wall,
-        ..RunStats::default()
-    };
-    for r in received
-        .iter()
-        .filter(|r| r.path.ends_with("/chat/completions"))
-    {
-        let t = request_tokens(counter, &r.body);
-        if is_summary_call(r) {
-            s.summary_calls += 1;
-            s.summary_tokens += t;
-        } else {
-            s.requests += 1;
-            let tools = serde_json::from_slice::<Value>(&r.body).unwrap_or(Value::Null)["tools"]
-                .to_string();
-            s.recall_offered += usize::from(tools.contains(compactor::compaction::recall::TOOL));
-            s.tokens.push(t);
-            s.bytes4.push(r.body.len() as u64 / 4);
-        }
-    }
-    s.rewritten = sent.iter().filter(|x| x.compacted.is_some()).count();
-    s.compacted = sent.iter().map(|x| x.compacted.clone()).collect();
-    s.non_200 = sent.iter().filter(|x| x.status != 200).count();
-    s.latencies = sent.iter().map(|x| x.ms).collect();
-    s.reported_prompt = sent.iter().filter_map(|x| x.prompt).sum();
-    s.reported_cached = sent.iter().filter_map(|x| x.cached).sum();
-    s.reported_completion = sent.iter().filter_map(|x| x.completion).sum();
-    for (needle, name) in EVENTS {
-        let n = logs.lines().filter(|l| l.contains(needle)).count();
-        if n > 0 {
-            s.events.push((name, n));
-        }
-    }
-    s
-}
-
-async fn run_direct(session: &Session, client: &reqwest::Client) -> (FakeUpstream, Vec<Sent>) {
-    let fake = FakeUpstream::start().await.expect("fake");
-    fake.simulate_prompt_cache();
-    let url = format!("{}/chat/completions", fake.url());
-    let mut sent = Vec::new();
-    for i in 0..session.cuts.len() {
-        sent.push(post(client, &url, "sk-econ-direct", session.body(i)).await);
-    }
-    (fake, sent)
-}
-
-async fn run_proxied(
+async fn run(
+    shape: Shape,
+    mode: Mode,
     session: &Session,
-    client: &reqwest::Client,
+    http: &reqwest::Client,
     think: Duration,
-    enforce: Option<Arc<TokenCounter>>,
-) -> (
-    FakeUpstream,
-    Vec<Sent>,
-    Vec<Compacted>,
-    usize,
-    Option<compactor::store::savings::Savings>,
-) {
-    let proxy = Proxy::start(enforce).await;
-    let mut sent = Vec::new();
-    for i in 0..session.cuts.len() {
-        sent.push(post(client, &proxy.url, "sk-econ-proxied", session.body(i)).await);
-        if !think.is_zero() {
+) -> RunStats {
+    let started = Instant::now();
+    let prices = &PRICES[price_row(shape)];
+    let window = match (mode, shape) {
+        (Mode::Never, _) => BIG_WINDOW,
+        (_, Shape::Claude) => CLAUDE_WINDOW,
+        (_, Shape::Codex) => CODEX_WINDOW,
+    };
+    let fake = FakeUpstream::start().await.expect("fake upstream");
+    fake.simulate_cache(Settings {
+        window: Some(window),
+    });
+    let proxy = match mode {
+        Mode::Proxy => Some(Proxy::start(&fake).await),
+        _ => None,
+    };
+    let base = proxy
+        .as_ref()
+        .map(|p| p.base.clone())
+        .unwrap_or_else(|| format!("http://{}", fake.addr()));
+    let mut client = Client::new(shape, session, mode == Mode::ClientCompacts);
+    let url = format!("{base}{}", client.path());
+    let mut stats = RunStats::default();
+    let mut seen_compactions: HashSet<String> = HashSet::new();
+    for (i, turn) in session.turns.iter().enumerate() {
+        fake.advance_clock(session.before[i]);
+        let mut first_after = false;
+        let mut attempts = 0;
+        loop {
+            attempts += 1;
+            if client.due() {
+                // The client's own compaction.
+                let summary = client.summary(session, i);
+                let out = client.counter.count_text(&summary) + REASONING_TOKENS;
+                fake.push(match shape {
+                    Shape::Claude => Reply::Messages(Answer {
+                        content: vec![json!({"type": "text", "text": summary})],
+                        stop_reason: "end_turn".into(),
+                        output_tokens: out,
+                    }),
+                    Shape::Codex => Reply::chat(&summary, 0, out),
+                });
+                let body = client.compaction_body();
+                let mut sent = post(http, &url, shape, body.clone()).await;
+                if let Some((input, w)) = context_overflow(&error_message(&sent.body)) {
+                    // As Claude Code does: lower `max_tokens` to what fits.
+                    let mut body: Value = serde_json::from_slice(&body).expect("json");
+                    body["max_tokens"] = json!(w.saturating_sub(input + 1).max(1));
+                    sent = post(http, &url, shape, body.to_string().into_bytes()).await;
+                }
+                fake.clear_script();
+                stats.bill(prices, Kind::Summary, &fake.take_bill());
+                fake.take_received();
+                if sent.status == 200 {
+                    client.restart(&summary);
+                    stats.compactions += 1;
+                    first_after = true;
+                } else {
+                    stats.errors += 1;
+                    *stats
+                        .error_kinds
+                        .entry(format!("compaction: {}", error_message(&sent.body)))
+                        .or_default() += 1;
+                    client.compact_at = None;
+                }
+                fake.advance_clock(Duration::from_secs(30));
+            }
+            let (reply, assistant) = client.answer(turn);
+            fake.push(reply);
+            let mut sent = post(http, &url, shape, client.body(CLAUDE_MAX_TOKENS)).await;
+            if sent.status != 200 {
+                // As Claude Code does: lower `max_tokens` to what fits.
+                if let Some((input, w)) = context_overflow(&error_message(&sent.body)) {
+                    let mut body: Value =
+                        serde_json::from_slice(&client.body(CLAUDE_MAX_TOKENS)).expect("json");
+                    body["max_tokens"] = json!(w.saturating_sub(input + 1).max(1));
+                    sent = post(http, &url, shape, body.to_string().into_bytes()).await;
+                    *stats
+                        .error_kinds
+                        .entry("max_tokens lowered to fit (retried)".into())
+                        .or_default() += 1;
+                }
+            }
+            fake.clear_script();
+            let received = fake.take_received();
+            if sent.status != 200 {
+                stats.errors += 1;
+                let message = error_message(&sent.body);
+                *stats
+                    .error_kinds
+                    .entry(message.chars().take(60).collect())
+                    .or_default() += 1;
+                stats.bill(prices, Kind::Turn(first_after), &fake.take_bill());
+                // A client that compacts tries again compacted, once.
+                if client.compact_at.is_some() && attempts < 2 {
+                    client.last_usage = client.compact_at.unwrap_or(0);
+                    continue;
+                }
+                client.follow(turn, assistant);
+                break;
+            }
+            if let Some(id) = sent.compaction.clone() {
+                if seen_compactions.insert(id) {
+                    stats.compactions += 1;
+                    first_after = true;
+                }
+            }
+            stats.bill(prices, Kind::Turn(first_after), &fake.take_bill());
+            if first_after {
+                if let Some(body) = last_turn_body(&received) {
+                    for (k, (kind, needle)) in FACTS.iter().enumerate() {
+                        if session.facts_at[k] < i {
+                            let e = stats.facts.entry(kind).or_default();
+                            e.1 += 1;
+                            e.0 += usize::from(body.contains(needle));
+                        }
+                    }
+                }
+            }
+            client.last_usage = usage_total(&sent.body);
+            client.added = 0;
+            client.follow(turn, assistant);
+            break;
+        }
+        if mode == Mode::Proxy && !think.is_zero() {
             tokio::time::sleep(think).await;
         }
     }
-    if std::env::var_os("ECON_TRACE").is_some() {
-        for (i, x) in sent.iter().enumerate() {
-            eprintln!(
-                "TRACE #{i} sent at {} took {:.1} ms compaction {:?}",
-                x.sent_at, x.ms, x.compacted
-            );
-        }
+    if let Some(p) = proxy {
+        stats.rungs = p.stop().await;
+        stats.bill(prices, Kind::Summary, &fake.take_bill());
     }
-    let (fake, compactions, rejected, _dir, savings) = proxy.stop_with_savings().await;
-    (fake, sent, compactions, rejected, savings)
-}
-
-// ====================================================================== wait scenario
-
-fn narrative() -> String {
-    NARRATIVE_SECTIONS
-        .iter()
-        .map(|h| format!("## {h}\n- scripted (delayed) summarizer answer"))
-        .collect::<Vec<_>>()
-        .join("\n\n")
-}
-
-fn paste(r: &mut Rng, bytes: usize) -> String {
-    let mut s = String::new();
-    while s.len() < bytes {
-        s += &format!(
-            "{:>5}  {} {}={} {}\n",
-            r.range(1, 99_999),
-            sentence(r, 4, 12),
-            r.pick(NOUNS),
-            r.range(0, 9999),
-            r.pick(VERBS)
-        );
-    }
-    s
-}
-
-struct WaitTrial {
-    /// Latency of the over-the-hard-limit request, ms.
-    ms: f64,
-    /// Median of the last normal requests before it, ms.
-    normal_ms: f64,
-    /// Its estimate as the proxy computes it (must exceed the hard limit).
-    est: u64,
-    /// Tokens of what reached the upstream for it.
-    sent_tokens: u64,
-    compacted: bool,
-    /// It reached the upstream before the summarizer call did.
-    before_summary: bool,
-    /// The summarizer call was seen in flight before it was sent.
-    summary_in_flight: bool,
-}
-
-async fn wait_trial(
-    proxy: &Proxy,
-    client: &reqwest::Client,
-    counter: &TokenCounter,
-    key: &str,
-    wait_for_summary_call: bool,
-    delay: Duration,
-) -> Option<WaitTrial> {
-    let fake = &proxy.fake;
-    let mut r = Rng::new(DEFAULT_SEED ^ fnv(key));
-    let mut history = vec![
-        json!({"role": "system", "content": "You are a careful technical writer. Answer briefly."}),
-        json!({"role": "user", "content": format!("TASK ({key}): review the design notes I paste, one section per message, and keep a list of open questions.")}),
-    ];
-    let ser = |h: &[Value]| serde_json::to_vec(&json!({"model": MODEL, "messages": h})).unwrap();
-    let mut normal = Vec::new();
-    // Grow below the trigger (reported usage = bytes/4 + 7).
-    loop {
-        let body = ser(&history);
-        if body.len() as u64 / 4 + 7 >= TRIGGER {
-            break;
-        }
-        if normal.len() > 200 {
-            return None;
-        }
-        let s = post(client, &proxy.url, key, body).await;
-        normal.push(s.ms);
-        history.push(json!({"role": "assistant", "content": sentence(&mut r, 40, 120)}));
-        let n = r.range(2_500, 4_500);
-        history.push(
-            json!({"role": "user", "content": format!("Next section:\n{}", paste(&mut r, n))}),
-        );
-    }
-    let body = ser(&history);
-    // The next request, prepared now so it can follow the answer at once:
-    // over the hard limit, under the window.
-    history.push(json!({"role": "assistant", "content": "Noted."}));
-    let mut extra = 2_000;
-    let est = loop {
-        let mut h = history.clone();
-        h.push(json!({"role": "user", "content": format!("Here is the whole log:\n{}", paste(&mut Rng::new(7), extra))}));
-        let t = view_tokens(counter, &h);
-        if t > HARD_LIMIT + 600 || extra > 200_000 {
-            history = h;
-            break t;
-        }
-        extra += 1_000;
-    };
-    let next_body = ser(&history);
-    // The triggering request: its own answer first, then the summarizer's, delayed.
-    fake.push(Reply::chat("Noted.", body.len() as u64 / 4, 7));
-    fake.push(Reply::Delay(
-        delay,
-        Box::new(Reply::chat(&narrative(), 4_000, 60)),
-    ));
-    let before = fake.count();
-    let s = post(client, &proxy.url, key, body).await;
-    normal.push(s.ms);
-    let mut summary_in_flight = false;
-    if wait_for_summary_call {
-        let t = Instant::now();
-        while t.elapsed() < Duration::from_secs(5) {
-            if fake.received()[before..].iter().any(is_summary_call) {
-                summary_in_flight = true;
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(2)).await;
-        }
-    }
-    let s = post(client, &proxy.url, key, next_body).await;
-    // Let the background work of this conversation settle before the next trial.
-    tokio::time::sleep(delay + Duration::from_millis(300)).await;
-    let recv: Vec<Received> = fake.received()[before + 1..].to_vec();
-    let pos_summary = recv.iter().position(is_summary_call);
-    let last_user = "Here is the whole log:";
-    let pos_next = recv.iter().position(|x| {
-        !is_summary_call(x)
-            && String::from_utf8_lossy(&x.body).contains(last_user)
-            && String::from_utf8_lossy(&x.body).contains(key)
-    });
-    let sent_tokens = pos_next
-        .map(|p| request_tokens(counter, &recv[p].body))
-        .unwrap_or(0);
-    let mut tail: Vec<f64> = normal.iter().rev().take(5).copied().collect();
-    tail.sort_by(f64::total_cmp);
-    Some(WaitTrial {
-        ms: s.ms,
-        normal_ms: tail[tail.len() / 2],
-        est,
-        sent_tokens,
-        compacted: s.compacted.is_some(),
-        before_summary: match (pos_next, pos_summary) {
-            (Some(n), Some(m)) => n < m,
-            (Some(_), None) => true,
-            _ => false,
-        },
-        summary_in_flight,
-    })
+    stats.wall = started.elapsed();
+    stats
 }
 
 // ====================================================================== report
 
+fn price_row(shape: Shape) -> usize {
+    match shape {
+        Shape::Claude => 0,
+        Shape::Codex => 1,
+    }
+}
+
 fn fmt_tok(n: u64) -> String {
-    if n >= 10_000_000 {
-        format!("{:.1}M", n as f64 / 1e6)
-    } else if n >= 100_000 {
+    if n >= 1_000_000 {
+        format!("{:.2}M", n as f64 / 1e6)
+    } else if n >= 10_000 {
         format!("{:.0}k", n as f64 / 1e3)
     } else {
         n.to_string()
     }
 }
 
-fn pct(xs: &[f64], p: f64) -> f64 {
-    if xs.is_empty() {
-        return 0.0;
+fn print_runs(shape: Shape, session: &Session, runs: &[(Mode, RunStats)]) {
+    let name = match shape {
+        Shape::Claude => "Claude-Code-shaped, /v1/messages, claude-sonnet-4-5, 200k window",
+        Shape::Codex => "Codex-shaped, /v1/chat/completions, gpt-5-codex, 272k window",
+    };
+    println!();
+    println!(
+        "{name}: {} requests, {} idle gaps, {} new user messages",
+        session.turns.len(),
+        session.gaps,
+        session
+            .turns
+            .iter()
+            .filter(|t| matches!(t, Turn::Done { .. }))
+            .count()
+    );
+    print!("{:<44}", "");
+    for (m, _) in runs {
+        print!("{:>22}", m.label());
     }
-    let mut v = xs.to_vec();
-    v.sort_by(f64::total_cmp);
-    v[((v.len() - 1) as f64 * p).round() as usize]
+    println!();
+    let row = |label: &str, f: &dyn Fn(&RunStats) -> String| {
+        print!("{label:<44}");
+        for (_, s) in runs {
+            print!("{:>22}", f(s));
+        }
+        println!();
+    };
+    row("total $", &|s| format!("{:.2}", s.cost));
+    if PRICES[price_row(shape)].long.is_some() {
+        row("  at long-context rates over 200k", &|s| {
+            format!("{:.2}", s.cost_long)
+        });
+    }
+    row("  of which summary calls $", &|s| {
+        format!("{:.2}", s.summary_cost)
+    });
+    row("calls billed (turns + summaries)", &|s| {
+        format!("{} + {}", s.turns.len(), s.summaries.2)
+    });
+    row("input tokens / output tokens", &|s| {
+        format!("{} / {}", fmt_tok(s.prompt), fmt_tok(s.output))
+    });
+    row("cache-read share of input", &|s| {
+        format!("{:.1}%", 100.0 * share(s.read, s.prompt))
+    });
+    row("compactions", &|s| s.compactions.to_string());
+    row("  proxy's store: rungs", &|s| {
+        if s.rungs.is_empty() {
+            return "-".into();
+        }
+        let mut n: BTreeMap<&str, usize> = BTreeMap::new();
+        for r in &s.rungs {
+            *n.entry(r.as_str()).or_default() += 1;
+        }
+        n.iter()
+            .map(|(r, c)| format!("{}:{c}", &r[..r.len().min(5)]))
+            .collect::<Vec<_>>()
+            .join(" ")
+    });
+    row("average prompt / largest", &|s| {
+        let avg = s.turns.iter().sum::<u64>() / (s.turns.len().max(1) as u64);
+        format!(
+            "{} / {}",
+            fmt_tok(avg),
+            fmt_tok(s.turns.iter().copied().max().unwrap_or(0))
+        )
+    });
+    row("restarts at (first prompt after each)", &|s| {
+        if s.restarts.is_empty() {
+            return "-".into();
+        }
+        s.restarts
+            .iter()
+            .map(|(t, _)| fmt_tok(*t))
+            .collect::<Vec<_>>()
+            .join(" ")
+    });
+    row("  of which read from cache", &|s| {
+        if s.restarts.is_empty() {
+            return "-".into();
+        }
+        s.restarts
+            .iter()
+            .map(|(t, r)| format!("{:.0}%", 100.0 * share(*r, *t)))
+            .collect::<Vec<_>>()
+            .join(" ")
+    });
+    row("client errors", &|s| s.errors.to_string());
+    row("input read from cache between compactions", &|s| {
+        format!("{:.1}%", 100.0 * share(s.between.0, s.between.1))
+    });
+    row("summary calls: history read from cache", &|s| {
+        if s.summaries.2 == 0 {
+            return "-".into();
+        }
+        format!("{:.1}%", 100.0 * share(s.summaries.0, s.summaries.1))
+    });
+    row("facts kept after compactions", &|s| {
+        let (k, n) = s.facts_kept();
+        if n == 0 {
+            "-".into()
+        } else {
+            format!("{k}/{n}")
+        }
+    });
+    for (kind, _) in FACTS {
+        row(&format!("  {kind}"), &|s| {
+            s.facts
+                .get(kind)
+                .map_or("-".into(), |(k, n)| format!("{k}/{n}"))
+        });
+    }
+    row("wall time s", &|s| format!("{:.1}", s.wall.as_secs_f64()));
+    for (m, s) in runs {
+        if !s.error_kinds.is_empty() {
+            let kinds: Vec<String> = s
+                .error_kinds
+                .iter()
+                .map(|(k, n)| format!("{n}× {k}"))
+                .collect();
+            println!("{}: {}", m.label(), kinds.join("; "));
+        }
+    }
+}
+
+/// Mean and sample standard deviation.
+fn spread(xs: &[f64]) -> (f64, f64) {
+    let n = xs.len().max(1) as f64;
+    let mean = xs.iter().sum::<f64>() / n;
+    let var = if xs.len() > 1 {
+        xs.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / (n - 1.0)
+    } else {
+        0.0
+    };
+    (mean, var.sqrt())
 }
 
 fn main() {
-    let requests = env_u64("ECON_REQUESTS", 220).max(2) as usize;
-    let think = Duration::from_millis(env_u64("ECON_THINK_MS", 100));
-    let seed = env_u64("ECON_SEED", DEFAULT_SEED);
-    let delay = Duration::from_millis(env_u64("ECON_SUMMARY_DELAY_MS", 300));
-    let echo = std::env::var("ECON_LOG").is_ok_and(|v| !v.is_empty() && v != "0");
-
-    let logs = LogBuf::default();
-    {
-        let logs = logs.clone();
-        let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-            .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let requests = env_u64("ECON_REQUESTS", 250).max(20) as usize;
+    let seed0 = env_u64("ECON_SEED", DEFAULT_SEED);
+    let seeds = env_u64("ECON_SEEDS", 1).max(1);
+    let think = Duration::from_millis(env_u64("ECON_THINK_MS", 50));
+    let shapes: Vec<Shape> = std::env::var("ECON_SHAPES")
+        .unwrap_or_else(|_| "claude,codex".into())
+        .split(',')
+        .filter_map(|s| match s.trim() {
+            "claude" => Some(Shape::Claude),
+            "codex" => Some(Shape::Codex),
+            _ => None,
+        })
+        .collect();
+    if std::env::var("ECON_LOG").is_ok_and(|v| !v.is_empty() && v != "0") {
         let _ = tracing_subscriber::fmt()
-            .with_env_filter(filter)
-            .with_ansi(false)
-            .with_writer(move || LogWriter(logs.clone(), echo))
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+            )
+            .with_writer(std::io::stderr)
             .try_init();
     }
     let started = Instant::now();
-    let session = build_session(requests, seed);
-    let counter = Arc::new(TokenCounter::default());
-    counter.count_text("warm up the tokenizer");
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .expect("runtime");
-    let client = rt.block_on(async {
+    let http = rt.block_on(async {
         reqwest::Client::builder()
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .expect("client")
     });
-
-    // A: direct.
-    logs.take();
-    let t = Instant::now();
-    let (fake_a, sent_a) = rt.block_on(run_direct(&session, &client));
-    let wall_a = t.elapsed();
-    let a = analyse(
-        "A direct",
-        &counter,
-        &fake_a.received(),
-        &sent_a,
-        Vec::new(),
-        "",
-        wall_a,
-    );
-    drop(fake_a);
-
-    // B: through compactor, with think time; B0: no think time; B0+: no
-    // think time and an upstream that rejects requests over the window.
-    let mut runs = Vec::new();
-    for (label, pause, enforce) in [
-        ("B compactor", think, false),
-        ("B0 no think", Duration::ZERO, false),
-        ("B0+ enforcing", Duration::ZERO, true),
-    ] {
-        logs.take();
-        let t = Instant::now();
-        let guard = enforce.then(|| counter.clone());
-        let (fake, sent, compactions, rejected, savings) =
-            rt.block_on(run_proxied(&session, &client, pause, guard));
-        let wall = t.elapsed();
-        let log = logs.take();
-        let mut s = analyse(
-            label,
-            &counter,
-            &fake.received(),
-            &sent,
-            compactions,
-            &log,
-            wall,
-        );
-        s.rejected = rejected;
-        s.savings = savings;
-        runs.push(s);
+    println!("compactor economics under prompt caching: {requests} requests per session, {seeds} seed(s) from {seed0:#x}");
+    for p in &PRICES {
+        println!("prices: {}", p.name);
     }
-
-    // The wait scenario.
-    logs.take();
-    let (in_flight, immediate, wait_log) = rt.block_on(async {
-        let proxy = Proxy::start(None).await;
-        let a = wait_trial(&proxy, &client, &counter, "sk-econ-wait-a", true, delay).await;
-        let mut b = Vec::new();
-        for k in 0..3 {
-            b.push(
-                wait_trial(
-                    &proxy,
-                    &client,
-                    &counter,
-                    &format!("sk-econ-wait-b{k}"),
-                    false,
-                    delay,
-                )
-                .await,
-            );
-        }
-        let _ = proxy.stop().await;
-        (a, b, logs.take())
-    });
-
-    // ------------------------------------------------------------------ table
-    let sum = |v: &[u64]| v.iter().sum::<u64>();
-    let max = |v: &[u64]| v.iter().copied().max().unwrap_or(0);
-    let over = |v: &[u64], lim: u64| v.iter().filter(|&&t| t > lim).count();
-    println!();
-    println!(
-        "compactor token economics — {} requests ({} messages, {} tool outputs ≥5 KB, {} ≥20 KB), seed {seed:#x}",
-        session.cuts.len(),
-        session.messages.len(),
-        session.large_outputs.0,
-        session.large_outputs.1
-    );
-    println!(
-        "model {MODEL}: window {WINDOW}, max output {MAX_OUTPUT} (hard limit {HARD_LIMIT}), trigger {TRIGGER}; tokens = tiktoken o200k of each body the upstream received"
-    );
-    println!(
-        "B think time {} ms; B0, B0+ 0 ms; B0+ upstream rejects requests over the window",
-        think.as_millis()
-    );
-    println!();
-    let all = std::iter::once(&a).chain(runs.iter()).collect::<Vec<_>>();
-    print!("{:<40}", "");
-    for s in &all {
-        print!("{:>16}", s.label);
-    }
-    println!();
-    let row = |name: &str, f: &dyn Fn(&RunStats) -> String| {
-        print!("{name:<40}");
-        for s in &all {
-            print!("{:>16}", f(s));
-        }
+    // Per shape: (proxy / client compacts, proxy / never) per seed, and
+    // the figures the targets name.
+    let mut ratios: BTreeMap<&str, Vec<[f64; 5]>> = BTreeMap::new();
+    for k in 0..seeds {
+        let seed = seed0.wrapping_add(k);
         println!();
-    };
-    row("client requests reaching upstream", &|s| {
-        s.requests.to_string()
-    });
-    row("max request tokens", &|s| fmt_tok(max(&s.tokens)));
-    row("  vs window", &|s| {
-        format!("{:.2}x", max(&s.tokens) as f64 / WINDOW as f64)
-    });
-    row("  max by fake usage (bytes/4)", &|s| {
-        fmt_tok(max(&s.bytes4))
-    });
-    row("requests over window / over hard limit", &|s| {
-        format!(
-            "{} / {}",
-            over(&s.tokens, WINDOW),
-            over(&s.tokens, HARD_LIMIT)
-        )
-    });
-    row("rejected by upstream (> window)", &|s| {
-        if s.label.contains('+') {
-            s.rejected.to_string()
-        } else {
-            "-".into()
-        }
-    });
-    row("client saw non-200", &|s| s.non_200.to_string());
-    row("cumulative input tokens", &|s| fmt_tok(sum(&s.tokens)));
-    row("  + summarizer input", &|s| {
-        fmt_tok(sum(&s.tokens) + s.summary_tokens)
-    });
-    row("  ratio to A (incl. summarizer)", &|s| {
-        format!(
-            "{:.1}%",
-            100.0 * (sum(&s.tokens) + s.summary_tokens) as f64 / sum(&a.tokens).max(1) as f64
-        )
-    });
-    row("compactions trunc/prune/summ/fallback", &|s| {
-        if s.label.starts_with('A') {
-            return "-".into();
-        }
-        let n = |r: &str| s.compactions.iter().filter(|c| c.rung == r).count();
-        format!(
-            "{}/{}/{}/{}",
-            n("truncate"),
-            n("prune"),
-            n("summary"),
-            n("fallback")
-        )
-    });
-    row("  over target after (0.4 x window)", &|s| {
-        s.compactions
-            .iter()
-            .filter(|c| c.after as u64 > WINDOW * 2 / 5)
-            .count()
-            .to_string()
-    });
-    row("summary calls (fake) / recorded", &|s| {
-        format!(
-            "{} / {}",
-            s.summary_calls,
-            s.compactions.iter().map(|c| c.summary_calls).sum::<i64>()
-        )
-    });
-    row("requests rewritten (header)", &|s| s.rewritten.to_string());
-    row("  of which offered compactor_recall", &|s| {
-        s.recall_offered.to_string()
-    });
-    row("upstream-reported prompt tokens", &|s| {
-        fmt_tok(s.reported_prompt)
-    });
-    row("  cache reuse (reported cached/prompt)", &|s| {
-        format!(
-            "{:.1}%",
-            100.0 * s.reported_cached as f64 / s.reported_prompt.max(1) as f64
-        )
-    });
-    row("  cost of client requests, $ (gpt-4o)", &|s| {
-        let cached = s.reported_cached.min(s.reported_prompt);
-        let cost = ((s.reported_prompt - cached) as f64 * 2.5
-            + cached as f64 * 1.25
-            + s.reported_completion as f64 * 10.0)
-            / 1e6;
-        format!("{cost:.2}")
-    });
-    let acct = |s: &RunStats, f: &dyn Fn(&compactor::store::savings::Savings) -> String| {
-        s.savings.as_ref().map(f).unwrap_or_else(|| "-".into())
-    };
-    row("proxy accounting: input received", &|s| {
-        acct(s, &|v| fmt_tok(v.input_tokens))
-    });
-    row("  input without compaction", &|s| {
-        acct(s, &|v| fmt_tok(v.input_tokens_uncompacted))
-    });
-    row("  summarizer input + output", &|s| {
-        acct(s, &|v| {
-            format!(
-                "{}+{}",
-                fmt_tok(v.summarizer_input_tokens),
-                fmt_tok(v.summarizer_output_tokens)
-            )
-        })
-    });
-    row("  net tokens saved", &|s| {
-        acct(s, &|v| {
-            format!(
-                "{} ({:.1}%)",
-                fmt_tok(v.net_tokens_saved.max(0) as u64),
-                100.0 * v.net_tokens_saved as f64 / v.input_tokens_uncompacted.max(1) as f64
-            )
-        })
-    });
-    row("  cache reuse with / without (best)", &|s| {
-        acct(s, &|v| {
-            let p = |r: Option<f64>| r.map_or("-".into(), |r| format!("{:.0}%", 100.0 * r));
-            format!("{} / {}", p(v.cache_reuse), p(v.cache_reuse_uncompacted))
-        })
-    });
-    row("  cost / without, $ (gpt-4o prices)", &|s| {
-        acct(s, &|v| match (v.cost, v.cost_uncompacted) {
-            (Some(c), Some(u)) => format!("{c:.2} / {u:.2}"),
-            _ => "-".into(),
-        })
-    });
-    row("  net saved, $", &|s| {
-        acct(s, &|v| {
-            v.money_saved.map_or("-".into(), |m| format!("{m:.2}"))
-        })
-    });
-    row("latency p50 / max ms", &|s| {
-        format!(
-            "{:.1} / {:.0}",
-            pct(&s.latencies, 0.5),
-            pct(&s.latencies, 1.0)
-        )
-    });
-    row("wall time s", &|s| format!("{:.1}", s.wall.as_secs_f64()));
-    for s in &runs {
-        if !s.events.is_empty() {
-            let ev: Vec<String> = s.events.iter().map(|(n, c)| format!("{n} {c}")).collect();
-            println!("{} events: {}", s.label, ev.join(", "));
-        }
-        if s.non_200 > 0 {
-            println!("{}: {} non-200 answers", s.label, s.non_200);
-        }
-        let seq: Vec<String> = s
-            .compactions
-            .iter()
-            .map(|c| {
-                format!(
-                    "{}:{}→{}{}",
-                    &c.rung[..4],
-                    c.before,
-                    c.after,
-                    if c.reason.starts_with("overflow") {
-                        "!"
-                    } else {
-                        ""
-                    }
-                )
-            })
-            .collect();
-        println!(
-            "{} compactions (rung:before→after est.): {}",
-            s.label,
-            seq.join(" ")
-        );
-        let dur: Vec<i64> = s.compactions.iter().map(|c| c.duration_ms).collect();
-        if let Some(m) = dur.iter().max() {
-            println!("{} compaction duration max {m} ms", s.label);
-        }
-        let worst = s
-            .tokens
-            .iter()
-            .enumerate()
-            .max_by_key(|(_, t)| **t)
-            .map(|(i, t)| (i, *t));
-        if let Some((i, t)) = worst {
-            println!("{} largest request: #{i} ({t} tokens)", s.label);
-        }
-        // Why each request over the hard limit went out that large. `+N`:
-        // tokens the client added since its previous request (from run A).
-        // j = the previous exchange was under the trigger, so no compaction
-        // was due (one step jumped); r = it crossed the trigger but this
-        // request carried no newer compaction (not ready); c = a compaction
-        // newer than the previous request's was applied and it is still over.
-        let mut causes = Vec::new();
-        for (i, &t) in s.tokens.iter().enumerate() {
-            if t <= HARD_LIMIT || s.tokens.len() != a.tokens.len() {
-                continue;
-            }
-            let prev_used = if i > 0 { s.bytes4[i - 1] + 7 } else { 0 };
-            let this = s.compacted.get(i).cloned().flatten();
-            let prev = if i > 0 {
-                s.compacted.get(i - 1).cloned().flatten()
-            } else {
-                None
-            };
-            let cause = if prev_used < TRIGGER {
-                "j"
-            } else if this.is_none() || this == prev {
-                "r"
-            } else {
-                "c"
-            };
-            let step = if i > 0 {
-                a.tokens[i].saturating_sub(a.tokens[i - 1])
-            } else {
-                0
-            };
-            causes.push(format!("#{i}:{t}(+{step},{cause})"));
-        }
-        if !causes.is_empty() {
-            println!(
-                "{} over hard limit (j=jump from under trigger, r=not ready, c=fresh compaction still over): {}",
-                s.label,
-                causes.join(" ")
+        println!("===== seed {seed:#x}");
+        for &shape in &shapes {
+            let session = build_session(
+                requests,
+                match shape {
+                    Shape::Claude => seed,
+                    Shape::Codex => seed ^ 0xC0DE_C0DE,
+                },
             );
+            let mut runs = Vec::new();
+            for mode in [Mode::ClientCompacts, Mode::Proxy, Mode::Never] {
+                let s = rt.block_on(run(shape, mode, &session, &http, think));
+                runs.push((mode, s));
+            }
+            print_runs(shape, &session, &runs);
+            let (client, proxy, never) = (&runs[0].1, &runs[1].1, &runs[2].1);
+            let r = [
+                proxy.cost / client.cost,
+                proxy.cost / never.cost,
+                share(proxy.between.0, proxy.between.1),
+                if proxy.summaries.2 == 0 {
+                    f64::NAN
+                } else {
+                    share(proxy.summaries.0, proxy.summaries.1)
+                },
+                proxy.errors as f64,
+            ];
+            println!(
+                "proxy / client compacts {:.2}x, proxy / never compacts {:.2}x",
+                r[0], r[1]
+            );
+            let name = match shape {
+                Shape::Claude => "Claude-Code-shaped",
+                Shape::Codex => "Codex-shaped",
+            };
+            ratios.entry(name).or_default().push(r);
         }
     }
     println!();
     println!(
-        "wait scenario (summarizer answer delayed {} ms; next request over the hard limit):",
-        delay.as_millis()
+        "===== targets (through compactor, default settings), over {seeds} seed(s): mean ± sd [min, max]"
     );
-    let show = |name: &str, t: &Option<WaitTrial>| {
-        match t {
-        None => println!("  {name}: could not be set up"),
-        // It overtook the job's start: it went out as is and drew the
-        // delayed scripted answer meant for the summarizer, so its latency
-        // says nothing about waiting.
-        Some(t) if t.before_summary => println!(
-            "  {name}: did NOT wait — went out before the compaction job existed, {} tokens{} (est {} > {HARD_LIMIT}); latency n/a",
-            t.sent_tokens,
-            if t.compacted { ", compacted" } else { ", uncompacted" },
-            t.est,
-        ),
-        Some(t) => println!(
-            "  {name}: {:.0} ms vs normal {:.1} ms (+{:.0} ms); est {} > {HARD_LIMIT}; sent {} tokens{}{}",
-            t.ms,
-            t.normal_ms,
-            t.ms - t.normal_ms,
-            t.est,
-            t.sent_tokens,
-            if t.compacted { ", compacted" } else { ", NOT compacted" },
-            if t.summary_in_flight { " (sent while the summary call was in flight)" } else { "" },
-        ),
-    }
-    };
-    show("(a) sent while summary in flight", &in_flight);
-    for (k, t) in immediate.iter().enumerate() {
-        show(&format!("(b{k}) sent at once after trigger"), t);
-    }
-    let waits = wait_log
-        .lines()
-        .filter(|l| l.contains("waits for the compaction under way"))
-        .count();
-    println!("  proxy logged {waits} wait(s) in this scenario");
-    println!();
-    for s in &runs {
-        // In B0+ the guard turned requests over the window away: those count
-        // as sent over it, even though compactor retried them compacted.
-        let m = max(&s.tokens);
-        let n_over = over(&s.tokens, WINDOW) + s.rejected;
-        println!(
-            "{} {}: never over the window — max {} tokens reached the upstream vs {WINDOW}; {} sent over it{}",
-            if n_over == 0 && s.non_200 == 0 { "PASS" } else { "MISS" },
-            s.label,
-            m,
-            n_over,
-            if s.label.contains('+') {
-                format!(" (rejected, then retried compacted); {} client errors", s.non_200)
+    for (name, rs) in &ratios {
+        let col =
+            |j: usize| -> Vec<f64> { rs.iter().map(|r| r[j]).filter(|x| !x.is_nan()).collect() };
+        let show = |xs: &[f64], pct: bool| {
+            let (m, sd) = spread(xs);
+            let lo = xs.iter().copied().fold(f64::INFINITY, f64::min);
+            let hi = xs.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            if pct {
+                format!(
+                    "{:.1}% ± {:.1} [{:.1}, {:.1}]",
+                    100.0 * m,
+                    100.0 * sd,
+                    100.0 * lo,
+                    100.0 * hi
+                )
             } else {
-                String::new()
+                format!("{m:.2}x ± {sd:.2} [{lo:.2}, {hi:.2}]")
             }
-        );
-        let ratio = (sum(&s.tokens) + s.summary_tokens) as f64 / sum(&a.tokens).max(1) as f64;
+        };
+        let verdict = |ok: bool| if ok { "PASS" } else { "MISS" };
+        let c = col(0);
         println!(
-            "{} {}: cumulative input < 50% of uncompacted — {:.1}% (summarizer input included)",
-            if ratio < 0.5 { "PASS" } else { "MISS" },
-            s.label,
-            100.0 * ratio
+            "{} {name}: proxy ÷ client's own compaction ≤ 0.8 — {}",
+            verdict(spread(&c).0 <= 0.8),
+            show(&c, false)
         );
+        let n = col(1);
+        println!(
+            "{} {name}: proxy ÷ never compacting (1M window) ≤ 0.6 — {}",
+            verdict(spread(&n).0 <= 0.6),
+            show(&n, false)
+        );
+        let b = col(2);
+        println!(
+            "{} {name}: input read from cache between compactions ≥ 90% — {}",
+            verdict(spread(&b).0 >= 0.9),
+            show(&b, true)
+        );
+        let s = col(3);
+        if s.is_empty() {
+            println!("n/a  {name}: a summary call's history read from cache — no summary call through the proxy");
+        } else {
+            println!(
+                "{} {name}: a summary call's history read from cache ≥ 90% — {}",
+                verdict(spread(&s).0 >= 0.9),
+                show(&s, true)
+            );
+        }
+        let e: f64 = col(4).iter().sum();
+        println!("{} {name}: 0 client errors — {e}", verdict(e == 0.0));
     }
     println!("total bench time {:.1} s", started.elapsed().as_secs_f64());
 }
