@@ -15,6 +15,7 @@
 //!   thinking block;
 //! - answers every call it keeps exactly once;
 //! - keeps the latest user message and the tail's text as sent;
+//! - keeps every system message as sent, in order;
 //! - is never larger than the client's request.
 
 use std::collections::HashMap;
@@ -245,6 +246,15 @@ fn check(items: &[Value], c: &Compaction) -> Result<Vec<Value>, TestCaseError> {
             "latest user message missing"
         );
     }
+    // Every system message as the client sent it (breakpoints aside), in
+    // its order: none is summarized away.
+    let systems = |list: &[Value]| -> Vec<Value> {
+        list.iter()
+            .filter(|m| m["role"] == "system")
+            .map(without_cache_control)
+            .collect()
+    };
+    prop_assert_eq!(systems(&sent), systems(items), "system messages kept");
     // Never larger.
     let before: u64 = items.iter().map(count).sum();
     let after: u64 = sent.iter().map(count).sum();

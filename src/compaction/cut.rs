@@ -7,7 +7,7 @@
 
 use serde_json::Value;
 
-use super::items::{call_ids, is_user_message, leading_system, output_ids};
+use super::items::{call_ids, is_system, is_user_message, leading_system, output_ids};
 
 /// `safe[i]` says whether cutting before item `i` is safe (`0..=n`).
 pub fn safe_cuts(items: &[Value]) -> Vec<bool> {
@@ -91,6 +91,19 @@ pub fn recent_user_messages(
     kept
 }
 
+/// The items of `part` a summary keeps verbatim after it, as indices into
+/// `part` in their original order: every system message (a harness's
+/// instructions in the middle of the conversation — Claude Code's
+/// environment, tools and skills, a reminder — go as they came, whatever
+/// the budget) and the recent user messages ([`recent_user_messages`]).
+pub fn kept_verbatim(part: &[Value], tokens: &[u64], budget: u64, keep_newest: bool) -> Vec<usize> {
+    let users = recent_user_messages(part, tokens, budget, keep_newest);
+    let mut kept: Vec<usize> = (0..part.len()).filter(|&i| is_system(&part[i])).collect();
+    kept.extend(users);
+    kept.sort_unstable();
+    kept
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -123,6 +136,21 @@ mod tests {
         // Nothing fits: the smallest safe tail.
         assert_eq!(choose_cut(&h, &tokens, 1), Some(6));
         assert_eq!(choose_cut(&h[..2], &tokens[..2], 100), None);
+    }
+
+    #[test]
+    fn system_messages_are_kept_whatever_the_budget_in_order() {
+        let part = vec![
+            json!({"role": "user", "content": "task"}),
+            json!({"role": "system", "content": "environment"}),
+            json!({"role": "assistant", "content": "x"}),
+            json!({"role": "user", "content": "new"}),
+            json!({"role": "developer", "content": "reminder"}),
+        ];
+        let tokens = [5, 900, 1, 5, 900];
+        assert_eq!(kept_verbatim(&part, &tokens, 5, true), vec![1, 3, 4]);
+        assert_eq!(kept_verbatim(&part, &tokens, 0, false), vec![1, 4]);
+        assert_eq!(kept_verbatim(&part, &tokens, 10, true), vec![0, 1, 3, 4]);
     }
 
     #[test]

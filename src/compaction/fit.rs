@@ -114,10 +114,11 @@ const MIN_KEEP_BYTES: usize = 240;
 /// the newest.
 const USER_BUDGET_DIVISORS: [u64; 3] = [2, 4, 0];
 
-/// Tokens of the kept user messages for a cut.
+/// Tokens of what a summary keeps verbatim for a cut: the system messages
+/// and the recent user messages within `budget` (see [`cut::kept_verbatim`]).
 fn users_tokens(view: &[Value], tokens: &[u64], lead: usize, cut: usize, budget: u64) -> u64 {
     let newest_is_here = latest_user(view).is_some_and(|i| i >= lead && i < cut);
-    cut::recent_user_messages(&view[lead..cut], &tokens[lead..cut], budget, newest_is_here)
+    cut::kept_verbatim(&view[lead..cut], &tokens[lead..cut], budget, newest_is_here)
         .iter()
         .map(|&i| tokens[lead + i])
         .sum()

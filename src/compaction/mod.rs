@@ -363,9 +363,11 @@ pub fn cheap_rungs(
     None
 }
 
-/// Rung 3's replacement: leading items, the summary message, and the recent
-/// user messages of the compacted part (the latest user message always, when
-/// it is there). Returns (replacement, tokens after, user messages kept).
+/// Rung 3's replacement: leading items, the summary message, and, in their
+/// order, the system messages and the recent user messages of the compacted
+/// part (the latest user message always, when it is there; see
+/// [`cut::kept_verbatim`]). Returns (replacement, tokens after, messages
+/// kept verbatim after the summary).
 pub fn summary_replacement(
     view: &[Value],
     tokens: &[u64],
@@ -378,8 +380,7 @@ pub fn summary_replacement(
     let part_tokens = &tokens[p.lead..p.cut];
     // The latest user message of the whole view must reach the model verbatim.
     let newest_is_here = items::latest_user(view).is_some_and(|i| i >= p.lead && i < p.cut);
-    let recent =
-        cut::recent_user_messages(part, part_tokens, params.recent_user_budget, newest_is_here);
+    let recent = cut::kept_verbatim(part, part_tokens, params.recent_user_budget, newest_is_here);
     let mut replacement: Vec<Value> = view[..p.lead].to_vec();
     replacement.push(items::user_message(summary_text));
     replacement.extend(recent.iter().map(|&i| part[i].clone()));

@@ -234,15 +234,17 @@ pub fn finish_replacement_after(
             m
         })
         .collect();
-    if keep == 0
-        && out
-            .first()
-            .and_then(|m| m.get("role"))
+    // The first message but the system ones (which the API sets aside).
+    let role = |m: &Value| {
+        m.get("role")
             .and_then(Value::as_str)
-            != Some("user")
-    {
+            .unwrap_or("")
+            .to_string()
+    };
+    let first = out.iter().position(|m| role(m) != "system");
+    if keep == 0 && first.map(|i| role(&out[i])).as_deref() != Some("user") {
         out.insert(
-            0,
+            first.unwrap_or(out.len()),
             json!({"role": "user", "content": [{"type": "text", "text": "[compactor: the conversation so far follows]"}]}),
         );
     }
@@ -280,25 +282,36 @@ pub fn finish_view(view: &mut Vec<Value>, replacement_len: usize, outside: usize
         .iter()
         .rposition(holds_compaction_block)
         .map_or(0, |i| i + 1);
-    let mut replacement_len = replacement_len;
+    let mut replacement_len = replacement_len.min(view.len());
     // The open loop's own block may be in the replacement (a tail
-    // truncated into it); any other thinking there went when it was made.
-    let keep = open_loop_assistant(view).filter(|&i| i >= floor);
-    let mut kept_thinking = false;
-    let mut i = floor.min(view.len());
+    // truncated into it, see [`finish_replacement_after`]).
+    let mut keep = open_loop_assistant(view).filter(|&i| i >= floor);
+    // Such a block once its loop has moved on goes; the rest of the
+    // replacement is as it was made (a provider's kept turns keep theirs).
+    let moved_on = open_loop_assistant(&view[..replacement_len])
+        .filter(|&r| r >= floor && Some(r) != keep && has_thinking(&view[r]));
+    if let Some(r) = moved_on {
+        match without_thinking(&view[r]) {
+            Some(m) => view[r] = m,
+            None => {
+                view.remove(r);
+                replacement_len -= 1;
+                keep = keep.map(|k| k - 1);
+            }
+        }
+    }
+    let kept_thinking = keep.is_some_and(|k| has_thinking(&view[k]));
+    let mut i = replacement_len.max(floor);
     while i < view.len() {
-        if Some(i) == keep {
-            kept_thinking |= has_thinking(&view[i]);
-        } else if view[i].get("role").and_then(Value::as_str) == Some("assistant")
+        if Some(i) != keep
+            && view[i].get("role").and_then(Value::as_str) == Some("assistant")
             && has_thinking(&view[i])
         {
             match without_thinking(&view[i]) {
                 Some(m) => view[i] = m,
                 None => {
                     view.remove(i);
-                    if i < replacement_len {
-                        replacement_len -= 1;
-                    }
+                    keep = keep.map(|k| if k > i { k - 1 } else { k });
                     continue;
                 }
             }

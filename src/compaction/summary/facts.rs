@@ -252,13 +252,8 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
             assistant_text(&mut facts, &text_of(item));
         }
         // A system message in the middle of the conversation (Claude Code
-        // sends them): its instructions stay as constraints once it is
-        // summarized away.
-        if matches!(role(item), "system" | "developer") {
-            for c in user_constraints(&text_of(item)) {
-                push_statement(&mut facts.constraints, c);
-            }
-        }
+        // sends them) is kept verbatim beside the summary, and none of its
+        // lines is the user's.
         for call in calls_of(item) {
             let line = log.len();
             log.push(format!("{}({})", call.name, short_args(&call)));
@@ -489,23 +484,25 @@ mod tests {
         );
     }
 
-    /// A system message in the middle of the conversation keeps its
-    /// instructions as constraints when it is summarized away.
+    /// A system message in the middle of the conversation is not the
+    /// user's: none of its lines is a constraint the user stated (it is
+    /// kept verbatim beside the summary instead), nor the task.
     #[test]
-    fn a_mid_conversation_system_messages_instructions_are_constraints() {
+    fn a_mid_conversation_system_message_is_not_read_as_the_users() {
         let part = vec![
+            json!({"role": "system", "content": "You must answer in French.\nAlways run the tests first."}),
             json!({"role": "user", "content": "Fix the flaky test."}),
             json!({"role": "system", "content": "Reminder from the harness.\nNever push to main without a review."}),
+            json!({"role": "developer", "content": "Do not use the network."}),
             json!({"role": "assistant", "content": "On it."}),
+            json!({"role": "user", "content": "Also, never touch the CI config."}),
         ];
         let f = extract_facts(&part, None);
         assert_eq!(f.task.as_deref(), Some("Fix the flaky test."));
-        assert!(
-            f.constraints
-                .iter()
-                .any(|c| c.contains("Never push to main without a review.")),
-            "{:?}",
-            f.constraints
+        assert_eq!(
+            f.constraints,
+            vec!["Also, never touch the CI config.".to_string()],
+            "only what the user typed"
         );
     }
 
