@@ -335,6 +335,54 @@ mod tests {
     }
 
     #[test]
+    fn the_uncompacted_call_reads_the_previous_one_while_the_cache_lives() {
+        let actual = Tokens {
+            input: 3_000,
+            cache_read: 1_000,
+            cache_write: 2_000,
+            cache_write_1h: 0,
+            output: 10,
+        };
+        let cache = CacheSeen {
+            reads: 1_000,
+            writes: 4_000,
+            writes_1h: 0,
+        };
+        let before = |ended_ms| {
+            Some(Previous {
+                whole: 8_000,
+                ended_ms,
+            })
+        };
+        // No compaction: the call itself.
+        assert_eq!(uncompacted(actual, 0, 0, before(0), &cache), actual);
+        // 7,000 fewer: 10,000 in all, the previous 8,000 read, 2,000 written.
+        let warm = uncompacted(actual, 7_000, 60_000, before(0), &cache);
+        assert_eq!(
+            (warm.input, warm.cache_read, warm.cache_write),
+            (10_000, 8_000, 2_000)
+        );
+        // Past five minutes: all written again.
+        let cold = uncompacted(actual, 7_000, CACHE_TTL_MS + 1, before(0), &cache);
+        assert_eq!((cold.cache_read, cold.cache_write), (0, 10_000));
+        // A clock gone backwards is no gap; an hour's writes live an hour.
+        let back = uncompacted(actual, 7_000, 0, before(90_000), &cache);
+        assert_eq!(back.cache_read, 8_000);
+        let hour = CacheSeen {
+            writes_1h: 1_000,
+            ..cache
+        };
+        let kept = uncompacted(actual, 7_000, 30 * 60_000, before(0), &hour);
+        assert_eq!((kept.cache_read, kept.cache_write_1h), (8_000, 500));
+        // An upstream without cache figures: nothing read or written.
+        let none = uncompacted(actual, 7_000, 1, before(0), &CacheSeen::default());
+        assert_eq!(
+            (none.cache_read, none.cache_write, none.input),
+            (0, 0, 10_000)
+        );
+    }
+
+    #[test]
     fn a_call_costs_each_part_at_its_price() {
         let p = Prices::anthropic(3.0, 15.0);
         let t = Tokens {

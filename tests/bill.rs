@@ -248,6 +248,15 @@ fn priced_small_window(c: &mut compactor::config::Config) {
     c.models[0].output_price_per_mtok = Some(8.0);
 }
 
+/// Half the new conversations held out, of the priced small-window model.
+async fn holdout_harness() -> Harness {
+    Harness::start_with(|c| {
+        priced_small_window(c);
+        c.compaction.holdout_ratio = 0.5;
+    })
+    .await
+}
+
 fn filler(i: usize) -> String {
     format!(
         "Step {i}: please look at src/module_{i}.rs and explain it. {}",
@@ -315,11 +324,7 @@ async fn a_compacted_conversation_is_billed_against_its_uncompacted_self() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn held_out_conversations_run_uncompacted_and_are_compared() {
-    let h = Harness::start_with(|c| {
-        priced_small_window(c);
-        c.compaction.holdout_ratio = 0.5;
-    })
-    .await;
+    let h = holdout_harness().await;
     let url = format!("{}/chat/completions", h.url());
     let mut ids = vec![];
     for conv in 0..6 {
@@ -397,4 +402,68 @@ async fn held_out_conversations_run_uncompacted_and_are_compared() {
             );
         }
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_holdout_counts_the_upstreams_too_long_answers_on_both_sides() {
+    let h = holdout_harness().await;
+    let url = format!("{}/chat/completions", h.url());
+    // Conversations of five turns until one of each side is open.
+    let mut open: Vec<(String, Vec<Value>)> = vec![];
+    let mut requests = 0;
+    for conv in 0..24 {
+        let mut history = vec![json!({"role": "system", "content": format!("Agent {conv}.")})];
+        let mut id = String::new();
+        for i in 0..5 {
+            history.push(json!({"role": "user", "content": filler(i)}));
+            let (status, headers, body) = post(
+                &url,
+                KEY,
+                &json!({"model": "tiny-bill", "messages": history}),
+            )
+            .await;
+            assert_eq!(status, 200);
+            requests += 1;
+            let v: Value = serde_json::from_slice(&body).unwrap();
+            history.push(v["choices"][0]["message"].clone());
+            id = headers["x-compactor-conversation"].to_str().unwrap().into();
+        }
+        let held = h.state.config.held_out(&id);
+        if !open.iter().any(|(o, _)| h.state.config.held_out(o) == held) {
+            open.push((id, history));
+        }
+        if open.len() == 2 {
+            break;
+        }
+    }
+    assert_eq!(open.len(), 2, "one conversation of each side");
+    // The upstream says "too long" to the next request of each.
+    for (id, history) in &mut open {
+        h.fake.push(Reply::context_length_exceeded());
+        history.push(json!({"role": "user", "content": "And now?"}));
+        let (status, headers, body) = post(
+            &url,
+            KEY,
+            &json!({"model": "tiny-bill", "messages": history}),
+        )
+        .await;
+        requests += 1;
+        if h.state.config.held_out(id) {
+            // Held out: nothing compacts, the refusal reaches the client.
+            assert_eq!(status, 400, "{}", String::from_utf8_lossy(&body));
+        } else {
+            // Compacted on the refusal, and sent again.
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+            assert!(headers.contains_key("x-compactor-compacted"));
+        }
+    }
+    // One exchange per client request (a retry is the same exchange).
+    h.wait_exchanges(requests).await;
+    let report = h.get_json("/admin/api/savings").await;
+    let holdout = &report["holdout"];
+    for side in ["held_out", "compacted"] {
+        assert_eq!(holdout[side]["too_long"], 1, "{side}: {holdout}");
+    }
+    assert_eq!(holdout["held_out"]["errors"], 1, "{holdout}");
+    assert_eq!(holdout["compacted"]["errors"], 0, "{holdout}");
 }
