@@ -26,7 +26,7 @@ fn close(got: &Value, want: f64) -> bool {
 }
 
 /// A Messages request as the anthropic SDKs send it.
-async fn messages(h: &Harness, body: &Value) -> (u16, http::HeaderMap, Value) {
+async fn messages_call(h: &Harness, body: &Value) -> (u16, http::HeaderMap, Value) {
     let req = client()
         .post(format!("{}/messages", h.url()))
         .header("x-api-key", KEY)
@@ -85,7 +85,7 @@ async fn anthropic_cache_figures_are_recorded_priced_and_shown() {
         ));
         history.push(json!({"role": "user", "content": format!("question {n}")}));
         let body = json!({"model": SONNET, "max_tokens": 100, "messages": history});
-        let (status, headers, answer) = messages(&h, &body).await;
+        let (status, headers, answer) = messages_call(&h, &body).await;
         assert_eq!(status, 200, "{answer}");
         history.push(json!({"role": "assistant", "content": answer["content"]}));
         id = headers["x-compactor-conversation"].to_str().unwrap().into();
@@ -466,4 +466,83 @@ async fn the_holdout_counts_the_upstreams_too_long_answers_on_both_sides() {
     }
     assert_eq!(holdout["held_out"]["errors"], 1, "{holdout}");
     assert_eq!(holdout["compacted"]["errors"], 0, "{holdout}");
+}
+
+/// The fake's simulated Anthropic cache bills each call as the provider
+/// would (its own ledger): the proxy's bill of what was paid for the
+/// exchanges, compacted ones included, is that ledger at list prices.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_was_paid_is_what_a_simulated_anthropic_cache_billed() {
+    let h = Harness::start_with(|c| {
+        // A small window for the model, its prices from the built-in list.
+        c.models.push(compactor::config::ModelConfig {
+            pattern: "claude-sonnet-4-5*".into(),
+            context_window: 9000,
+            max_output_tokens: Some(1024),
+            ..Default::default()
+        });
+    })
+    .await;
+    h.fake
+        .simulate_cache(compactor::fake_upstream::cache::Settings::default());
+    let breakpoint = |ttl: Option<&str>| match ttl {
+        Some(t) => json!({"type": "ephemeral", "ttl": t}),
+        None => json!({"type": "ephemeral"}),
+    };
+    let system = json!([{"type": "text", "text": "You are a careful agent. ".repeat(200),
+                         "cache_control": breakpoint(Some("1h"))}]);
+    let mut history: Vec<Value> = vec![];
+    let mut compacted = 0;
+    for i in 0..30 {
+        let text = [filler(i), filler(i + 100), filler(i + 200), filler(i + 300)].join("\n");
+        history.push(json!({"role": "user", "content": [{"type": "text", "text": text}]}));
+        // The newest message carries the moving breakpoint, as Claude Code's.
+        let mut messages = history.clone();
+        messages.last_mut().unwrap()["content"][0]["cache_control"] = breakpoint(None);
+        let body = json!({"model": SONNET, "max_tokens": 200, "system": system,
+                          "messages": messages});
+        let (status, headers, answer) = messages_call(&h, &body).await;
+        assert_eq!(status, 200, "{answer}");
+        history.push(json!({"role": "assistant", "content": answer["content"]}));
+        compacted += headers.contains_key("x-compactor-compacted") as usize;
+        if compacted >= 2 {
+            break;
+        }
+        // Once, an idle gap past the cache's five minutes.
+        if i == 3 {
+            h.fake.advance_clock(Duration::from_secs(6 * 60));
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    assert!(compacted >= 2, "compacted {compacted} times");
+    let ledger = h.fake.take_bill();
+    let exchanges: Vec<_> = ledger.iter().filter(|b| !b.summarizer).collect();
+    h.wait_exchanges(exchanges.len() as i64).await;
+    assert!(
+        exchanges.iter().any(|b| b.usage.write_1h > 0)
+            && exchanges.iter().any(|b| b.usage.read > 0),
+        "the ledger has hour-long writes and reads: {exchanges:?}"
+    );
+    // Sonnet's list prices per million tokens.
+    let billed: f64 = exchanges
+        .iter()
+        .map(|b| {
+            let u = &b.usage;
+            (u.input as f64 * 3.0
+                + u.read as f64 * 0.3
+                + u.write_5m as f64 * 3.75
+                + u.write_1h as f64 * 6.0
+                + b.output as f64 * 15.0)
+                / 1e6
+        })
+        .sum();
+    let report = h.get_json("/admin/api/savings").await;
+    let t = &report["total"];
+    let paid = t["cost"].as_f64().unwrap() - t["cost_summaries"].as_f64().unwrap();
+    assert!(
+        (paid - billed).abs() < 1e-9,
+        "the proxy's {paid} against the ledger's {billed}: {t}"
+    );
+    assert_eq!(t["exchanges_without_cache_fields"], 0, "{t}");
+    assert!(t["exchanges_compacted"].as_u64().unwrap() >= 2, "{t}");
 }
