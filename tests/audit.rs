@@ -264,7 +264,13 @@ fn deploy_session(steps: usize, bytes: usize) -> Vec<Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fact_the_prune_stub_drops_is_repaired_into_a_facts_message_and_counted() {
-    let h = Harness::start_with(window(3000, 300)).await;
+    // A target a prune reaches (the default compacts deeper, to a
+    // summary): the rung under test is the prune's.
+    let h = Harness::start_with(|c| {
+        window(3000, 300)(c);
+        c.compaction.target_ratio = 0.4;
+    })
+    .await;
     let body = json!({"model": "tiny-a", "max_tokens": 300, "messages": deploy_session(6, 2000)});
     let (_, conversation) = messages(&h, &body).await;
     assert_eq!(compactions(&h), 1, "compacted before it went out");

@@ -171,6 +171,58 @@ async fn crossing_the_trigger_compacts_in_the_background_and_rewrites_the_next_r
     assert!(after < before, "{before} -> {after}");
 }
 
+/// Compact deep: a long conversation on a 200k window (Claude's shape, a
+/// 32k answer) that crosses the trigger restarts small — its system prompt,
+/// the summary with the proxy's facts, a few recent user messages and the
+/// newest turn: under 25k tokens, the range a client's own compaction
+/// restarts at, not the 44–107k the old budgets (40% of the window, 20k of
+/// user messages, a 16k tail, a 12k summary) kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compacted_conversation_restarts_small_with_its_task() {
+    let h = Harness::start_with(|c| {
+        c.models.push(compactor::config::ModelConfig {
+            pattern: "big-*".into(),
+            context_window: 200_000,
+            max_output_tokens: Some(32_000),
+            ..Default::default()
+        });
+    })
+    .await;
+    let url = format!("{}/chat/completions", h.url());
+    let task = "TASK: port the scheduler to async; never touch src/legacy.rs.";
+    let mut history = vec![
+        json!({"role": "system", "content": "You are a careful coding agent."}),
+        json!({"role": "user", "content": task}),
+    ];
+    // About 140k tokens as the fake counts them (a token per 4 bytes).
+    for i in 0..270 {
+        history.push(json!({"role": "user", "content": format!("Step {i}: {}",
+            "carry on with the next part of the port and report what changed ".repeat(30))}));
+        history.push(
+            json!({"role": "assistant", "content": format!("Step {i} done; {}",
+            "the tests pass and nothing else changed ".repeat(6))}),
+        );
+    }
+    let body = json!({"model": "big-test", "messages": history});
+    let size = serde_json::to_vec(&body).unwrap().len() / 4;
+    assert!((130_000..160_000).contains(&size), "{size}");
+    assert_eq!(post(&url, KEY, &body).await.0, 200);
+    wait_compactions(&h, 1).await;
+    history.push(json!({"role": "assistant", "content": "Noted."}));
+    history.push(json!({"role": "user", "content": "What is the next step?"}));
+    let body = json!({"model": "big-test", "messages": history});
+    let (status, headers, _) = post(&url, KEY, &body).await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let sent = last_client_request(&h);
+    let tokens = sent.body.len() / 4;
+    assert!(tokens < 25_000, "restarts at {tokens} tokens");
+    let text = String::from_utf8_lossy(&sent.body);
+    assert!(text.contains(task), "the task kept");
+    let msgs = sent.json()["messages"].as_array().unwrap().clone();
+    assert_eq!(msgs.last().unwrap()["content"], "What is the next step?");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_replacement_is_byte_identical_on_every_later_request() {
     let h = Harness::start_with(small_window).await;
@@ -464,7 +516,7 @@ async fn a_request_over_the_hard_limit_waits_for_the_compaction_under_way() {
     loop {
         let (_, _, v) = chat.turn(&big_filler(i)).await;
         i += 1;
-        if v["usage"]["prompt_tokens"].as_u64().unwrap() >= 2250 {
+        if v["usage"]["prompt_tokens"].as_u64().unwrap() >= 2025 {
             break;
         }
         assert!(i < 30);

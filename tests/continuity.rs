@@ -292,6 +292,7 @@ fn summary_windows() -> [(&'static str, sessions::RunConfig); 3] {
                 window: sessions::TIGHTEST_WINDOW,
                 max_output: sessions::TIGHTEST_OUTPUT,
                 tool_output_max_bytes: 8192,
+                target_ratio: None,
             },
         ),
     ]

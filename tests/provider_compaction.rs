@@ -36,8 +36,8 @@ const KEY: &str = "sk-test-provider-0001";
 /// of the replies the tests script for the client).
 const SUMMARY: &str = "## TASK\nbuild the modules";
 
-/// A 3000-token window for `prov*` models (the proxy's trigger past 2250
-/// tokens, its hard limit 2700).
+/// A 3000-token window for `prov*` models (the proxy's trigger past 2025
+/// tokens, 0.75 of its hard limit 2700).
 fn prov_window(c: &mut Config) {
     c.models.push(ModelConfig {
         pattern: "prov*".into(),
@@ -197,7 +197,7 @@ async fn a_responses_client_compacting_at_the_provider_is_not_compacted_twice() 
     let h = Harness::start_with(prov_window).await;
     h.fake.set_provider_compaction(provider(100, None));
     h.fake.set_summary_reply(Some(SUMMARY.into()));
-    // Past the proxy's trigger (2250), under its hard limit (2700): a
+    // Past the proxy's trigger (2025), under its hard limit (2700): a
     // proxy that ignored the request would compact before the provider.
     let mut c = ResponsesClient::new(2400);
     for n in 0..24 {

@@ -741,10 +741,17 @@ async fn a_thinking_tool_loop_compacted_by_the_provider_keeps_every_request_vali
         fell_back,
         "{summaries:?}"
     );
+    // A refusal is the provider's window's, in either of its wordings (the
+    // prompt alone, or with the answer's room): the summary rung runs more
+    // often than the cheap rungs at the default target, and a request the
+    // hard limit compacts can be over the window as the client sent it.
     for r in &asked {
         let refused = anthropic::check(&r.json(), &r.headers, Some(9000));
+        let said = format!("{refused:?}");
         assert!(
-            refused.is_none() || format!("{refused:?}").contains("exceed context limit"),
+            refused.is_none()
+                || said.contains("exceed context limit")
+                || said.contains("prompt is too long"),
             "{refused:?}"
         );
     }

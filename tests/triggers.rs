@@ -18,7 +18,7 @@ use support::{compactions, wait_compactions, Harness};
 
 const MODEL: &str = "loop-test";
 
-/// A 6000-token window: the trigger (0.75) at 4500 reported tokens, the
+/// A 6000-token window: the trigger (0.75 of the hard limit) at 4350 reported tokens, the
 /// hard limit (less 200 for the answer) at 5800.
 fn window(c: &mut Config) {
     c.models.push(ModelConfig {

@@ -872,8 +872,14 @@ pub fn at(window: u64, tool_output_max_bytes: usize) -> RunConfig {
         window,
         max_output: window / 8,
         tool_output_max_bytes,
+        target_ratio: None,
     }
 }
+
+/// The target of the run that makes rung 1 (truncate) run: one a
+/// truncation of the session's long outputs reaches (the default target is
+/// deeper, which a summary reaches and a truncation does not).
+pub const TRUNCATE_TARGET_RATIO: f64 = 0.4;
 
 /// Runs every session at every rung against `fake` answering summaries with
 /// nothing useful.
@@ -898,7 +904,13 @@ pub async fn fake_tier_of(list: &[Session]) -> Table {
         fake.set_summary_reply(Some(useless_summary(i)));
         let tokens = session_tokens(s);
         let runs = [
-            ("", at(tokens, 8192)),
+            (
+                "",
+                RunConfig {
+                    target_ratio: Some(TRUNCATE_TARGET_RATIO),
+                    ..at(tokens, 8192)
+                },
+            ),
             ("", at(tokens, NEVER_TRUNCATE)),
             ("", at(SUMMARY_WINDOW, 8192)),
             (" tight", at(TIGHT_WINDOW, 8192)),
@@ -908,6 +920,7 @@ pub async fn fake_tier_of(list: &[Session]) -> Table {
                     window: TIGHTEST_WINDOW,
                     max_output: TIGHTEST_OUTPUT,
                     tool_output_max_bytes: 8192,
+                    target_ratio: None,
                 },
             ),
         ];
@@ -939,6 +952,7 @@ pub async fn window_sweep(list: &[Session], windows: &[u64]) -> Table {
                 window,
                 max_output: TIGHTEST_OUTPUT,
                 tool_output_max_bytes: 8192,
+                target_ratio: None,
             };
             let mut g = run(s, fake.url(), &fake, cfg).await;
             g.rung = Some(match g.rung {
@@ -975,6 +989,8 @@ pub struct RunConfig {
     pub max_output: u64,
     /// Rung 1's threshold; huge = rung 1 never applies.
     pub tool_output_max_bytes: usize,
+    /// `compaction.target_ratio`, when not the default.
+    pub target_ratio: Option<f64>,
 }
 
 /// What one run gave.
@@ -1003,6 +1019,9 @@ pub async fn run(
     config.server.shutdown_grace_secs = 2;
     config.compaction.background = false;
     config.compaction.tool_output_max_bytes = cfg.tool_output_max_bytes;
+    if let Some(r) = cfg.target_ratio {
+        config.compaction.target_ratio = r;
+    }
     config.models.insert(
         0,
         ModelConfig {

@@ -240,6 +240,18 @@ pub struct Params {
     pub summary_chunk_tokens: u64,
 }
 
+/// Hysteresis: a compaction's cheap rungs must bring the request to at
+/// most this share of the trigger ([`policy::trigger_tokens`]), so that
+/// one compaction buys at least as many tokens of turns as it leaves
+/// rather than a prune that lands just under the trigger and is due again
+/// a turn later.
+pub const HYSTERESIS: f64 = 0.5;
+
+/// Largest summary message, bytes, on a large window: about 6k tokens, so
+/// that a compacted conversation restarts small (its summary, the
+/// proxy's facts, the newest turn), as a client's own compaction does.
+pub const SUMMARY_MAX_BYTES: usize = 24_000;
+
 impl Params {
     /// Budgets for `limits`, scaled down for small windows so a compacted
     /// request always has room left.
@@ -247,16 +259,17 @@ impl Params {
         let w = limits.context_window;
         let frac = |f: f64| (w as f64 * f) as u64;
         let summary_output_tokens = frac(0.12).clamp(128, 4096);
+        let hysteresis = (policy::trigger_tokens(limits) as f64 * HYSTERESIS) as u64;
         Params {
             tail_budget: cfg.tail_tokens.min(frac(0.2)),
             recent_user_budget: cfg.recent_user_tokens.min(frac(0.1)),
-            target_tokens: frac(cfg.target_ratio),
+            target_tokens: frac(cfg.target_ratio).min(hysteresis),
             truncate: TruncateLimits {
                 max_bytes: cfg.tool_output_max_bytes,
                 keep_head: cfg.tool_output_keep_bytes * 2 / 3,
                 keep_tail: cfg.tool_output_keep_bytes / 3,
             },
-            summary_max_bytes: (frac(0.15) * 4).clamp(1024, 48_000) as usize,
+            summary_max_bytes: (frac(0.15) * 4).clamp(1024, SUMMARY_MAX_BYTES as u64) as usize,
             summary_output_tokens,
             // Room for the prompt, the previous summary and the answer.
             summary_chunk_tokens: w.saturating_sub(summary_output_tokens * 3 + 400).max(256),
@@ -386,4 +399,32 @@ pub fn summary_replacement(
     replacement.extend(recent.iter().map(|&i| part[i].clone()));
     let after = boundary::seen_tokens(&replacement, count) + p.tail;
     (replacement, after, recent.len())
+}
+
+#[cfg(test)]
+mod params_tests {
+    use super::*;
+
+    #[test]
+    fn the_target_leaves_half_the_trigger_to_grow_into() {
+        let cfg = CompactionConfig {
+            target_ratio: 0.6,
+            trigger_ratio: 0.75,
+            ..CompactionConfig::default()
+        };
+        let limits = ModelLimits {
+            context_window: 200_000,
+            max_output_tokens: 32_000,
+            trigger_ratio: 0.75,
+        };
+        // 0.6 of the window would be 120k, just under the 126k trigger: a
+        // prune landing there would be due again a turn later.
+        let p = Params::new(&cfg, &limits);
+        assert_eq!(p.target_tokens, 63_000);
+        // The defaults restart small on Claude's window.
+        let p = Params::new(&CompactionConfig::default(), &limits);
+        assert_eq!(p.target_tokens, 30_000);
+        assert!(p.tail_budget + p.recent_user_budget <= 8_000);
+        assert_eq!(p.summary_max_bytes, SUMMARY_MAX_BYTES);
+    }
 }

@@ -419,9 +419,9 @@ impl Default for CompactionConfig {
         Self {
             trigger_ratio: 0.75,
             warn_ratio: 0.6,
-            recent_user_tokens: 20_000,
-            tail_tokens: 16_000,
-            target_ratio: 0.4,
+            recent_user_tokens: 4_000,
+            tail_tokens: 4_000,
+            target_ratio: 0.15,
             summarizer_model: String::new(),
             background: true,
             tool_output_max_bytes: 8_192,

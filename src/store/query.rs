@@ -434,7 +434,7 @@ fn summary_row(
         last_tokens: input.map(|i| (i + output.unwrap_or(0)) as u64),
         context_window: limits.context_window,
         window_source: source.as_str(),
-        trigger_tokens: (limits.context_window as f64 * limits.trigger_ratio) as u64,
+        trigger_tokens: crate::compaction::policy::trigger_tokens(&limits),
         model,
     })
 }

@@ -442,7 +442,7 @@ pub async fn post_raw(url: &str, key: &str, body: Vec<u8>) -> (u16, http::Header
     (status, headers, body)
 }
 
-/// A 3000-token window for `tiny*` models: compaction triggers past 2250
+/// A 3000-token window for `tiny*` models: compaction triggers past 2025
 /// reported tokens (the fake reports a token per 4 bytes of request).
 pub fn small_window(c: &mut Config) {
     c.models.push(ModelConfig {
