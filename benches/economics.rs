@@ -77,6 +77,7 @@ use compactor::fake_upstream::anthropic::Answer;
 use compactor::fake_upstream::cache::{Billed, Settings};
 use compactor::fake_upstream::{FakeUpstream, Received, Reply};
 use compactor::server;
+use compactor::store::savings::Savings;
 use compactor::tokens::TokenCounter;
 use serde_json::{json, Value};
 use tokio::sync::oneshot;
@@ -1380,8 +1381,8 @@ impl Proxy {
     }
 
     /// Stops it once its background work is done; the rungs of the
-    /// compactions its store recorded.
-    async fn stop(mut self) -> Vec<String> {
+    /// compactions its store recorded, and its own accounting of the bill.
+    async fn stop(mut self) -> (Vec<String>, Option<Savings>) {
         tokio::time::sleep(Duration::from_millis(300)).await;
         if let Some(tx) = self.shutdown.take() {
             let _ = tx.send(());
@@ -1391,15 +1392,20 @@ impl Proxy {
             &self.db,
             rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY,
         ) else {
-            return Vec::new();
+            return (Vec::new(), None);
         };
+        let savings = compactor::store::savings::report(&conn, &Config::default(), None)
+            .ok()
+            .map(|r| r.total);
         let Ok(mut stmt) = conn.prepare("SELECT rung FROM compactions ORDER BY created_ms, rowid")
         else {
-            return Vec::new();
+            return (Vec::new(), savings);
         };
-        stmt.query_map([], |r| r.get::<_, String>(0))
+        let rungs = stmt
+            .query_map([], |r| r.get::<_, String>(0))
             .map(|rows| rows.filter_map(Result::ok).collect())
-            .unwrap_or_default()
+            .unwrap_or_default();
+        (rungs, savings)
     }
 }
 
@@ -1430,6 +1436,8 @@ struct RunStats {
     restarts: Vec<(u64, u64)>,
     compactions: usize,
     rungs: Vec<String>,
+    /// The proxy's own accounting (`store::savings`), for the proxied run.
+    accounting: Option<Savings>,
     errors: usize,
     error_kinds: BTreeMap<String, usize>,
     /// (read, prompt) of the turns between compactions, and of summary calls.
@@ -1691,7 +1699,7 @@ async fn run(
         }
     }
     if let Some(p) = proxy {
-        stats.rungs = p.stop().await;
+        (stats.rungs, stats.accounting) = p.stop().await;
         stats.bill(prices, Kind::Summary, &fake.take_bill());
     }
     stats.wall = started.elapsed();
@@ -1785,26 +1793,6 @@ fn print_runs(shape: Shape, session: &Session, runs: &[(Mode, RunStats)]) {
             fmt_tok(s.turns.iter().copied().max().unwrap_or(0))
         )
     });
-    row("restarts at (first prompt after each)", &|s| {
-        if s.restarts.is_empty() {
-            return "-".into();
-        }
-        s.restarts
-            .iter()
-            .map(|(t, _)| fmt_tok(*t))
-            .collect::<Vec<_>>()
-            .join(" ")
-    });
-    row("  of which read from cache", &|s| {
-        if s.restarts.is_empty() {
-            return "-".into();
-        }
-        s.restarts
-            .iter()
-            .map(|(t, r)| format!("{:.0}%", 100.0 * share(*r, *t)))
-            .collect::<Vec<_>>()
-            .join(" ")
-    });
     row("client errors", &|s| s.errors.to_string());
     row("input read from cache between compactions", &|s| {
         format!("{:.1}%", 100.0 * share(s.between.0, s.between.1))
@@ -1830,8 +1818,35 @@ fn print_runs(shape: Shape, session: &Session, runs: &[(Mode, RunStats)]) {
                 .map_or("-".into(), |(k, n)| format!("{k}/{n}"))
         });
     }
+    row("proxy's accounting: paid / uncompacted $", &|s| {
+        let Some(a) = &s.accounting else {
+            return "-".into();
+        };
+        match (a.cost, a.cost_uncompacted) {
+            (Some(c), Some(u)) => format!("{c:.2} / {u:.2}"),
+            _ => "no price".into(),
+        }
+    });
+    row("  its net saved $", &|s| {
+        s.accounting
+            .as_ref()
+            .and_then(|a| a.money_saved)
+            .map_or("-".into(), |m| format!("{m:.2}"))
+    });
     row("wall time s", &|s| format!("{:.1}", s.wall.as_secs_f64()));
     for (m, s) in runs {
+        if !s.restarts.is_empty() {
+            let r: Vec<String> = s
+                .restarts
+                .iter()
+                .map(|(t, r)| format!("{} ({:.0}% read)", fmt_tok(*t), 100.0 * share(*r, *t)))
+                .collect();
+            println!(
+                "{}: first prompt after each compaction: {}",
+                m.label(),
+                r.join(", ")
+            );
+        }
         if !s.error_kinds.is_empty() {
             let kinds: Vec<String> = s
                 .error_kinds
