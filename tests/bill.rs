@@ -43,15 +43,15 @@ async fn messages_call(h: &Harness, body: &Value) -> (u16, http::HeaderMap, Valu
     )
 }
 
-/// The same store for the CLI.
-fn config_file(h: &Harness) -> String {
+/// The same store for the CLI, with `extra` (TOML tables) too.
+fn config_file(h: &Harness, extra: &str) -> String {
     let path = h.dir.path().join("proxy.toml");
     let url = match h.state.config.store.url.as_str() {
         "" => String::new(),
         url => format!("url = {url:?}\n"),
     };
     let text = format!(
-        "[store]\npath = {:?}\n{url}\n[[models]]\nmatch = \"tiny*\"\ncontext_window = 3000\nmax_output_tokens = 300\n",
+        "[store]\npath = {:?}\n{url}\n{extra}\n[[models]]\nmatch = \"tiny*\"\ncontext_window = 3000\nmax_output_tokens = 300\n",
         h.db.display().to_string()
     );
     std::fs::write(&path, text).unwrap();
@@ -143,7 +143,7 @@ async fn anthropic_cache_figures_are_recorded_priced_and_shown() {
     assert_eq!(shown["exchanges"][0]["cache_write_1h_tokens"], 1_000);
 
     // The CLI shows the bill, each exchange's cache figures.
-    let config = config_file(&h);
+    let config = config_file(&h, "");
     let (code, out, err) = cli(&["conversations", "show", &id, "--config", &config], &[]).await;
     assert_eq!(code, 0, "{err}");
     assert!(
@@ -204,7 +204,13 @@ async fn no_cache_fields_and_no_price_give_tokens_and_say_so() {
         .unwrap()
         .to_string();
     let (code, out, err) = cli(
-        &["conversations", "show", &id, "--config", &config_file(&h)],
+        &[
+            "conversations",
+            "show",
+            &id,
+            "--config",
+            &config_file(&h, ""),
+        ],
         &[],
     )
     .await;
@@ -388,6 +394,27 @@ async fn held_out_conversations_run_uncompacted_and_are_compared() {
             .find(|c| c["id"] == id.as_str())
             .unwrap();
         assert_eq!(row["held_out"], *held);
+        let shown = h.get_json(&format!("/admin/api/conversations/{id}")).await;
+        assert_eq!(shown["held_out"], *held);
+    }
+    // And the CLI says so.
+    if let Some((id, _)) = ids.iter().find(|(_, held)| *held) {
+        let (code, out, err) = cli(
+            &[
+                "conversations",
+                "show",
+                id,
+                "--config",
+                &config_file(&h, "[compaction]\nholdout_ratio = 0.5"),
+            ],
+            &[],
+        )
+        .await;
+        assert_eq!(code, 0, "{err}");
+        assert!(
+            out.contains("  holdout     held out of compaction"),
+            "{out}"
+        );
     }
     let turns = |g: &str| holdout[g]["turns"].as_u64().unwrap();
     assert_eq!(

@@ -423,6 +423,11 @@ pub(super) fn render_show(d: &ConversationDetail) -> String {
         thousands(c.compactions),
         last_tokens(c),
     );
+    if d.held_out {
+        out.push_str(
+            "  holdout     held out of compaction (compaction.holdout_ratio): served in observe mode\n",
+        );
+    }
     out.push_str(&render_savings(&d.savings));
     // Each compaction goes just before the first request it rewrote, or
     // after the last exchange that started before it.

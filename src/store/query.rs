@@ -241,6 +241,9 @@ pub struct ConversationDetail {
     pub compactions: Vec<CompactionRow>,
     /// What compaction saved (or, in observe mode, would have).
     pub savings: super::savings::Savings,
+    /// Held out of compaction (`compaction.holdout_ratio`): served in
+    /// observe mode.
+    pub held_out: bool,
 }
 
 /// A compaction in an export: the timeline row plus what it sends.
@@ -564,16 +567,17 @@ pub fn show(conn: &dyn Sql, config: &Config, id: &str) -> Result<ConversationDet
         .iter()
         .map(|c| compaction_row(c, &exchanges))
         .collect();
-    let savings = super::savings::report(conn, config, Some(&conversation.id))?
+    let shown = super::savings::report(conn, config, Some(&conversation.id))?
         .conversations
-        .pop()
-        .map(|c| c.savings)
-        .unwrap_or_default();
+        .pop();
+    let held_out = shown.as_ref().is_some_and(|c| c.held_out);
+    let savings = shown.map(|c| c.savings).unwrap_or_default();
     Ok(ConversationDetail {
         conversation,
         exchanges,
         compactions,
         savings,
+        held_out,
     })
 }
 
