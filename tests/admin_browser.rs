@@ -225,7 +225,7 @@ async fn the_admin_page_lists_the_conversation_and_shows_its_compaction() {
     assert!(dom.contains(r#"id="token-chart""#), "the chart:\n{dom}");
     assert!(dom.contains(r#"class="window-line""#) && dom.contains(r#"class="trigger-line""#));
     assert!(
-        dom.contains("window 3,000") && dom.contains("trigger 2,250"),
+        dom.contains("window 3,000") && dom.contains("trigger 2,025"),
         "{dom}"
     );
     assert!(
