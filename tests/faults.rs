@@ -581,11 +581,13 @@ async fn an_upstream_that_stops_taking_an_upload_gives_504() {
 async fn upstream_reset_mid_stream_reaches_the_client_and_is_recorded_partial() {
     let h = Harness::start().await;
     let events = chat_stream_events(&["a", "b", "c", "d"], Some((9, 4)));
-    // A gap lets the status line and first chunks leave before the reset.
+    // A gap lets the status line and first chunks leave before the reset,
+    // after the first content chunk (a stream that breaks before any
+    // output is the proxy's 502, as for the other APIs).
     h.fake.push(Reply::Sse {
         chunks: events.into_iter().map(Into::into).collect(),
         gap: Duration::from_millis(50),
-        reset_after: Some(2),
+        reset_after: Some(3),
     });
     let req = json!({"model": "m", "stream": true, "stream_options": {"include_usage": true},
                      "messages": [{"role": "user", "content": "hi"}]});

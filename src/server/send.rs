@@ -312,20 +312,20 @@ pub(super) fn refusal(
 }
 
 /// Reads as much of an answer as the decision needs: an error answer
-/// whole (it is small, and says whether the prompt did not fit), a
-/// Responses stream up to its first event past the prelude.
+/// whole (it is small, and says whether the prompt did not fit), a stream
+/// up to its first event past the prelude.
 async fn read_start(
     state: &AppState,
     api: Api,
     resp: reqwest::Response,
 ) -> Result<(Answer, Option<Overflow>), ProxyError> {
     if resp.status().is_success() {
-        if !matches!(api, Api::Responses | Api::Messages) || !is_sse(resp.headers()) {
+        if !is_sse(resp.headers()) {
             return Ok((Answer::Upstream(resp), None));
         }
         // Hold the first events back until the upstream commits to an
         // answer, so a start that fails for lack of room can be retried.
-        let held = hold_back(resp, state.upstream.idle_timeout).await?;
+        let held = hold_back(resp, api, state.upstream.idle_timeout).await?;
         let overflow = held
             .failure
             .as_ref()
@@ -366,9 +366,59 @@ const PRELUDE_EVENTS: &[&str] = &[
     "ping",
 ];
 
-/// Reads a Responses stream until its first event past the prelude: an
-/// output event (committed) or a failure.
-async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, ProxyError> {
+/// What a chat stream's chunk says of the answer's start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ChatStart {
+    /// No output yet: the role, empty content, a keep-alive.
+    Prelude,
+    /// An error chunk (`{"error": …}`), as LiteLLM- and OpenRouter-style
+    /// servers send a failure inside a 200 stream.
+    Failed,
+    /// The answer began (content, a tool call, reasoning, its end), or a
+    /// chunk the proxy cannot read: relayed as it comes.
+    Committed,
+}
+
+fn chat_start(data: &str) -> ChatStart {
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
+        return ChatStart::Committed;
+    };
+    if v.get("error").is_some_and(|e| !e.is_null()) {
+        return ChatStart::Failed;
+    }
+    let Some(choice) = v.pointer("/choices/0") else {
+        return ChatStart::Prelude;
+    };
+    let delta = choice.get("delta");
+    let has = |k: &str| {
+        delta.and_then(|d| d.get(k)).is_some_and(|x| match x {
+            serde_json::Value::Null => false,
+            serde_json::Value::String(s) => !s.is_empty(),
+            _ => true,
+        })
+    };
+    let ended = choice.get("finish_reason").is_some_and(|f| !f.is_null());
+    if ended
+        || [
+            "content",
+            "tool_calls",
+            "reasoning_content",
+            "reasoning",
+            "refusal",
+        ]
+        .iter()
+        .any(|k| has(k))
+    {
+        ChatStart::Committed
+    } else {
+        ChatStart::Prelude
+    }
+}
+
+/// Reads a stream until its first event past the prelude: an output event
+/// (committed) or a failure (a Responses `response.failed`, an `error`
+/// event, a chat stream's error chunk).
+async fn hold_back(resp: reqwest::Response, api: Api, idle: Duration) -> Result<Held, ProxyError> {
     let status = resp.status();
     let headers = resp.headers().clone();
     let mut rest: UpstreamStream = Box::pin(resp.bytes_stream());
@@ -393,11 +443,19 @@ async fn hold_back(resp: reqwest::Response, idle: Duration) -> Result<Held, Prox
             let Some(wire::sse::Event { name, data }) = block.event else {
                 continue;
             };
-            let kind = wire::responses::event_type(&data).unwrap_or(name);
-            if PRELUDE_EVENTS.contains(&kind.as_str()) {
-                continue;
-            }
-            let failure = (kind == "response.failed" || kind == "error").then_some(data);
+            let failure = if api == Api::Chat {
+                match chat_start(&data) {
+                    ChatStart::Prelude => continue,
+                    ChatStart::Failed => Some(data),
+                    ChatStart::Committed => None,
+                }
+            } else {
+                let kind = wire::responses::event_type(&data).unwrap_or(name);
+                if PRELUDE_EVENTS.contains(&kind.as_str()) {
+                    continue;
+                }
+                (kind == "response.failed" || kind == "error").then_some(data)
+            };
             return Ok(Held {
                 status,
                 headers,
@@ -477,6 +535,30 @@ mod tests {
             ..FIRST
         };
         assert_eq!(decide(closed, compacted), Next::RetryStale);
+    }
+
+    #[test]
+    fn a_chat_stream_commits_at_its_first_output_or_fails_on_an_error_chunk() {
+        for prelude in [
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}"#,
+            r#"{"id":"x","choices":[]}"#,
+        ] {
+            assert_eq!(chat_start(prelude), ChatStart::Prelude, "{prelude}");
+        }
+        for committed in [
+            r#"{"choices":[{"delta":{"content":"Hi"}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}"#,
+            r#"{"choices":[{"delta":{"reasoning_content":"hm"}}]}"#,
+            r#"{"choices":[{"delta":{},"finish_reason":"stop"}]}"#,
+            "[DONE]",
+        ] {
+            assert_eq!(chat_start(committed), ChatStart::Committed, "{committed}");
+        }
+        assert_eq!(
+            chat_start(r#"{"error":{"message":"maximum context length is 4096 tokens"}}"#),
+            ChatStart::Failed
+        );
     }
 
     #[test]
