@@ -263,6 +263,27 @@ async fn holdout_harness() -> Harness {
     .await
 }
 
+/// One chat turn on the priced small-window model: `text` and the answer
+/// appended to `history`; the conversation, and whether the request went
+/// upstream compacted.
+async fn chat_turn(url: &str, history: &mut Vec<Value>, text: String) -> (String, bool) {
+    history.push(json!({"role": "user", "content": text}));
+    let (status, headers, body) = post(
+        url,
+        KEY,
+        &json!({"model": "tiny-bill", "messages": history}),
+    )
+    .await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    history.push(v["choices"][0]["message"].clone());
+    let id = headers["x-compactor-conversation"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    (id, headers.contains_key("x-compactor-compacted"))
+}
+
 fn filler(i: usize) -> String {
     format!(
         "Step {i}: please look at src/module_{i}.rs and explain it. {}",
@@ -278,17 +299,7 @@ async fn a_compacted_conversation_is_billed_against_its_uncompacted_self() {
     let mut history = vec![json!({"role": "system", "content": "You are a careful agent."})];
     let mut compacted = 0;
     for i in 0..40 {
-        history.push(json!({"role": "user", "content": filler(i)}));
-        let (status, headers, body) = post(
-            &url,
-            KEY,
-            &json!({"model": "tiny-bill", "messages": history}),
-        )
-        .await;
-        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
-        let v: Value = serde_json::from_slice(&body).unwrap();
-        history.push(v["choices"][0]["message"].clone());
-        compacted += headers.contains_key("x-compactor-compacted") as usize;
+        compacted += chat_turn(&url, &mut history, filler(i)).await.1 as usize;
         if compacted >= 3 {
             break;
         }
@@ -343,22 +354,8 @@ async fn held_out_conversations_run_uncompacted_and_are_compared() {
             if compacted || (i >= 24 && h.state.config.held_out(&id)) {
                 break;
             }
-            history.push(json!({"role": "user", "content": filler(i)}));
-            let (status, headers, body) = post(
-                &url,
-                KEY,
-                &json!({"model": "tiny-bill", "messages": history}),
-            )
-            .await;
-            if status != 200 {
-                // A held-out conversation past its window: the upstream's
-                // refusal reaches the client.
-                break;
-            }
-            let v: Value = serde_json::from_slice(&body).unwrap();
-            history.push(v["choices"][0]["message"].clone());
-            compacted |= headers.contains_key("x-compactor-compacted");
-            id = headers["x-compactor-conversation"].to_str().unwrap().into();
+            let (conversation, turn_compacted) = chat_turn(&url, &mut history, filler(i)).await;
+            (id, compacted) = (conversation, compacted || turn_compacted);
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         // Held out or not is the id's; a held-out one never compacts.
@@ -442,18 +439,8 @@ async fn the_holdout_counts_the_upstreams_too_long_answers_on_both_sides() {
         let mut history = vec![json!({"role": "system", "content": format!("Agent {conv}.")})];
         let mut id = String::new();
         for i in 0..5 {
-            history.push(json!({"role": "user", "content": filler(i)}));
-            let (status, headers, body) = post(
-                &url,
-                KEY,
-                &json!({"model": "tiny-bill", "messages": history}),
-            )
-            .await;
-            assert_eq!(status, 200);
+            id = chat_turn(&url, &mut history, filler(i)).await.0;
             requests += 1;
-            let v: Value = serde_json::from_slice(&body).unwrap();
-            history.push(v["choices"][0]["message"].clone());
-            id = headers["x-compactor-conversation"].to_str().unwrap().into();
         }
         let held = h.state.config.held_out(&id);
         if !open.iter().any(|(o, _)| h.state.config.held_out(o) == held) {
@@ -572,4 +559,68 @@ async fn what_was_paid_is_what_a_simulated_anthropic_cache_billed() {
     );
     assert_eq!(t["exchanges_without_cache_fields"], 0, "{t}");
     assert!(t["exchanges_compacted"].as_u64().unwrap() >= 2, "{t}");
+}
+
+/// A conversation a compaction already applies to stays compacted when
+/// the holdout is turned on: held out, its next request would go whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_conversation_compacted_before_the_holdout_stays_compacted() {
+    if support::sqlite_only("restarts on the harness's SQLite file with another config") {
+        return;
+    }
+    let mut h = Harness::start_with(priced_small_window).await;
+    let url = format!("{}/chat/completions", h.url());
+    let mut history = vec![json!({"role": "system", "content": "Agent."})];
+    let mut id = String::new();
+    for i in 0..40 {
+        let compacted;
+        (id, compacted) = chat_turn(&url, &mut history, filler(i)).await;
+        if compacted {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(30)).await;
+    }
+    assert!(compactions(&h) >= 1, "compacted");
+    // The same store, now holding every new conversation out.
+    h.stop().await;
+    let Harness {
+        fake,
+        state,
+        db,
+        dir,
+        ..
+    } = h;
+    let mut config = state.config.clone();
+    config.compaction.holdout_ratio = 1.0;
+    drop(state);
+    let h = Harness::start_on(fake, dir, db, config).await;
+    assert!(h.state.config.held_out(&id));
+    let url = format!("{}/chat/completions", h.url());
+    let (again, compacted) = chat_turn(&url, &mut history, "And the next step?".into()).await;
+    assert_eq!(again, id);
+    assert!(compacted, "still compacted");
+    // A new conversation is held out.
+    let (_, headers, _) = post(
+        &url,
+        KEY,
+        &json!({"model": "tiny-bill", "messages": [{"role": "user", "content": "hello"}]}),
+    )
+    .await;
+    let new = headers["x-compactor-conversation"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    h.wait_exchanges(
+        h.fake
+            .received()
+            .iter()
+            .filter(|r| !support::is_summary_call(r))
+            .count() as i64,
+    )
+    .await;
+    let modes: Vec<String> = support::column(
+        &*h.sql(),
+        &format!("SELECT mode FROM exchanges WHERE conversation_id = '{new}'"),
+    );
+    assert_eq!(modes, vec!["observe".to_string()]);
 }
