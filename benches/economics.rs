@@ -12,6 +12,12 @@
 //! - `ECON_THINK_MS` (default 50): real pause after each answer in the
 //!   proxied runs, so the proxy's background work is done before the next
 //!   request, as an agent's tool execution would let it be.
+//! - `ECON_PROXY_CONFIG=FILE`: the proxied runs use this `proxy.toml`
+//!   instead of the defaults (its upstream and store are the bench's), to
+//!   measure a setting against them.
+//! - `ECON_GAP_SLEEP_MS` (default 0): real pause at each idle gap of the
+//!   proxied runs, for a proxy configured to notice idle gaps that short
+//!   (the fake's clock is simulated; the proxy's is not).
 //! - `ECON_LOG=1`: the proxy's log lines on stderr.
 //!
 //! **The upstream** is the in-process fake (`compactor::fake_upstream`) with
@@ -1344,6 +1350,7 @@ fn usage_total(v: &Value) -> u64 {
 
 struct Proxy {
     base: String,
+    config: Config,
     db: PathBuf,
     _dir: tempfile::TempDir,
     shutdown: Option<oneshot::Sender<()>>,
@@ -1351,15 +1358,16 @@ struct Proxy {
 }
 
 impl Proxy {
-    /// compactor with its default settings in front of `fake`.
-    async fn start(fake: &FakeUpstream) -> Proxy {
+    /// compactor in front of `fake`, with `config` (its upstream and store
+    /// replaced).
+    async fn start(fake: &FakeUpstream, config: &Config) -> Proxy {
         let dir = tempfile::tempdir().expect("tempdir");
         let db = dir.path().join("compactor.db");
-        let mut config = Config::default();
+        let mut config = config.clone();
         config.upstream.base_url = fake.url();
         config.store.path = db.display().to_string();
         config.server.shutdown_grace_secs = 2;
-        let state = AppState::open(config).expect("open state");
+        let state = AppState::open(config.clone()).expect("open state");
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("bind");
@@ -1373,6 +1381,7 @@ impl Proxy {
         });
         Proxy {
             base: format!("http://{addr}"),
+            config,
             db,
             _dir: dir,
             shutdown: Some(tx),
@@ -1394,7 +1403,7 @@ impl Proxy {
         ) else {
             return (Vec::new(), None);
         };
-        let savings = compactor::store::savings::report(&conn, &Config::default(), None)
+        let savings = compactor::store::savings::report(&conn, &self.config, None)
             .ok()
             .map(|r| r.total);
         let Ok(mut stmt) = conn.prepare("SELECT rung FROM compactions ORDER BY created_ms, rowid")
@@ -1564,12 +1573,21 @@ fn context_overflow(message: &str) -> Option<(u64, u64)> {
     Some((input, window))
 }
 
+/// How the proxied runs run.
+struct Setup {
+    config: Config,
+    /// Real pause after each answer.
+    think: Duration,
+    /// Real pause at each idle gap.
+    gap_sleep: Duration,
+}
+
 async fn run(
     shape: Shape,
     mode: Mode,
     session: &Session,
     http: &reqwest::Client,
-    think: Duration,
+    setup: &Setup,
 ) -> RunStats {
     let started = Instant::now();
     let prices = &PRICES[price_row(shape)];
@@ -1583,7 +1601,7 @@ async fn run(
         window: Some(window),
     });
     let proxy = match mode {
-        Mode::Proxy => Some(Proxy::start(&fake).await),
+        Mode::Proxy => Some(Proxy::start(&fake, &setup.config).await),
         _ => None,
     };
     let base = proxy
@@ -1596,6 +1614,10 @@ async fn run(
     let mut seen_compactions: HashSet<String> = HashSet::new();
     for (i, turn) in session.turns.iter().enumerate() {
         fake.advance_clock(session.before[i]);
+        let gap = session.before[i] > compactor::fake_upstream::cache::TTL_5M;
+        if mode == Mode::Proxy && gap && !setup.gap_sleep.is_zero() {
+            tokio::time::sleep(setup.gap_sleep).await;
+        }
         let mut first_after = false;
         let mut attempts = 0;
         loop {
@@ -1694,8 +1716,8 @@ async fn run(
             client.follow(turn, assistant);
             break;
         }
-        if mode == Mode::Proxy && !think.is_zero() {
-            tokio::time::sleep(think).await;
+        if mode == Mode::Proxy && !setup.think.is_zero() {
+            tokio::time::sleep(setup.think).await;
         }
     }
     if let Some(p) = proxy {
@@ -1874,7 +1896,15 @@ fn main() {
     let requests = env_u64("ECON_REQUESTS", 250).max(20) as usize;
     let seed0 = env_u64("ECON_SEED", DEFAULT_SEED);
     let seeds = env_u64("ECON_SEEDS", 1).max(1);
-    let think = Duration::from_millis(env_u64("ECON_THINK_MS", 50));
+    let config = match std::env::var_os("ECON_PROXY_CONFIG") {
+        Some(path) => Config::from_file(std::path::Path::new(&path)).expect("ECON_PROXY_CONFIG"),
+        None => Config::default(),
+    };
+    let setup = Setup {
+        config,
+        think: Duration::from_millis(env_u64("ECON_THINK_MS", 50)),
+        gap_sleep: Duration::from_millis(env_u64("ECON_GAP_SLEEP_MS", 0)),
+    };
     let shapes: Vec<Shape> = std::env::var("ECON_SHAPES")
         .unwrap_or_else(|_| "claude,codex".into())
         .split(',')
@@ -1906,6 +1936,10 @@ fn main() {
             .expect("client")
     });
     println!("compactor economics under prompt caching: {requests} requests per session, {seeds} seed(s) from {seed0:#x}");
+    match std::env::var("ECON_PROXY_CONFIG") {
+        Ok(path) => println!("proxied runs: the settings of {path}"),
+        Err(_) => println!("proxied runs: default settings"),
+    }
     for p in &PRICES {
         println!("prices: {}", p.name);
     }
@@ -1926,7 +1960,7 @@ fn main() {
             );
             let mut runs = Vec::new();
             for mode in [Mode::ClientCompacts, Mode::Proxy, Mode::Never] {
-                let s = rt.block_on(run(shape, mode, &session, &http, think));
+                let s = rt.block_on(run(shape, mode, &session, &http, &setup));
                 runs.push((mode, s));
             }
             print_runs(shape, &session, &runs);
@@ -1954,9 +1988,7 @@ fn main() {
         }
     }
     println!();
-    println!(
-        "===== targets (through compactor, default settings), over {seeds} seed(s): mean ± sd [min, max]"
-    );
+    println!("===== targets (through compactor), over {seeds} seed(s): mean ± sd [min, max]");
     for (name, rs) in &ratios {
         let col =
             |j: usize| -> Vec<f64> { rs.iter().map(|r| r[j]).filter(|x| !x.is_nan()).collect() };
