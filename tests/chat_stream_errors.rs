@@ -51,6 +51,9 @@ async fn a_too_long_error_chunk_before_content_is_compacted_and_retried() {
         c.compaction.background = false;
     })
     .await;
+    // A summary call takes none of the scripted answers.
+    h.fake
+        .set_summary_reply(Some("## TASK\nMake the tests pass.".into()));
     let items = long_history();
     h.fake
         .push(Reply::sse(vec![error_chunk(), "data: [DONE]\n\n".into()]));
