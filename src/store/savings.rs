@@ -267,7 +267,7 @@ impl Group {
         self.turns += s.exchanges;
         self.errors += errors;
         self.too_long += too_long;
-        self.unpriced |= s.cost.is_none() && s.exchanges_with_usage > 0;
+        self.unpriced |= !s.unpriced_models.is_empty();
         if let Some(c) = s.cost {
             *self.cost.get_or_insert(0.0) += c;
         }
@@ -741,5 +741,30 @@ mod tests {
         assert!(close(h.held_out.cost_per_turn, one / 2.0));
         assert!(close(h.compacted.cost_per_turn, one));
         assert!(r.conversations.iter().any(|c| c.held_out && &c.id == held));
+        // A held-out conversation of a model without prices: that side has
+        // no dollars, the other keeps its own.
+        let other = ids
+            .iter()
+            .find(|id| config.held_out(id) && *id != held)
+            .unwrap();
+        let Record::Exchange(mut e) = exchange(9, other, SONNET, 0, Some((1_000, 0, 1_000, 0)), 0)
+        else {
+            unreachable!()
+        };
+        e.model = "unpriced".into();
+        e.savings.mode = crate::config::Mode::Observe;
+        // Its tokens come after a priced exchange of the same conversation.
+        let Record::Exchange(mut first) =
+            exchange(8, other, SONNET, -MIN, Some((1_000, 0, 1_000, 0)), 0)
+        else {
+            unreachable!()
+        };
+        first.savings.mode = crate::config::Mode::Observe;
+        db.write(&[Record::Exchange(first), Record::Exchange(e)])
+            .unwrap();
+        let h = report(&conn, &config, None).unwrap().holdout.unwrap();
+        assert_eq!(h.held_out.conversations, 2);
+        assert_eq!((h.held_out.cost, h.held_out.cost_per_turn), (None, None));
+        assert!(close(h.compacted.cost_per_turn, one));
     }
 }
