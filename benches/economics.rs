@@ -1406,12 +1406,22 @@ impl Proxy {
         let savings = compactor::store::savings::report(&conn, &self.config, None)
             .ok()
             .map(|r| r.total);
-        let Ok(mut stmt) = conn.prepare("SELECT rung FROM compactions ORDER BY created_ms, rowid")
+        let Ok(mut stmt) =
+            conn.prepare("SELECT rung, reason FROM compactions ORDER BY created_ms, rowid")
         else {
             return (Vec::new(), savings);
         };
+        // "rung (why)", the reason's first word.
         let rungs = stmt
-            .query_map([], |r| r.get::<_, String>(0))
+            .query_map([], |r| {
+                let (rung, reason) = (r.get::<_, String>(0)?, r.get::<_, String>(1)?);
+                let why: String = reason
+                    .split(|c: char| !c.is_alphanumeric() && c != '_')
+                    .next()
+                    .unwrap_or("")
+                    .to_string();
+                Ok(format!("{rung} ({why})"))
+            })
             .map(|rows| rows.filter_map(Result::ok).collect())
             .unwrap_or_default();
         (rungs, savings)
@@ -1794,19 +1804,6 @@ fn print_runs(shape: Shape, session: &Session, runs: &[(Mode, RunStats)]) {
         format!("{:.1}%", 100.0 * share(s.read, s.prompt))
     });
     row("compactions", &|s| s.compactions.to_string());
-    row("  proxy's store: rungs", &|s| {
-        if s.rungs.is_empty() {
-            return "-".into();
-        }
-        let mut n: BTreeMap<&str, usize> = BTreeMap::new();
-        for r in &s.rungs {
-            *n.entry(r.as_str()).or_default() += 1;
-        }
-        n.iter()
-            .map(|(r, c)| format!("{}:{c}", &r[..r.len().min(5)]))
-            .collect::<Vec<_>>()
-            .join(" ")
-    });
     row("average prompt / largest", &|s| {
         let avg = s.turns.iter().sum::<u64>() / (s.turns.len().max(1) as u64);
         format!(
@@ -1857,6 +1854,18 @@ fn print_runs(shape: Shape, session: &Session, runs: &[(Mode, RunStats)]) {
     });
     row("wall time s", &|s| format!("{:.1}", s.wall.as_secs_f64()));
     for (m, s) in runs {
+        if !s.rungs.is_empty() {
+            let mut n: BTreeMap<&str, usize> = BTreeMap::new();
+            for r in &s.rungs {
+                *n.entry(r.as_str()).or_default() += 1;
+            }
+            let rungs: Vec<String> = n.iter().map(|(r, c)| format!("{c}× {r}")).collect();
+            println!(
+                "{}: compactions the store recorded (rung, reason): {}",
+                m.label(),
+                rungs.join(", ")
+            );
+        }
         if !s.restarts.is_empty() {
             let r: Vec<String> = s
                 .restarts
