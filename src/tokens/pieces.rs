@@ -12,6 +12,13 @@
 //! Each piece is then tokenized by tiktoken-rs alone (a piece of the split
 //! is split into itself) and its count kept, so a word, an indentation or a
 //! punctuation run seen before costs a lookup.
+//!
+//! A piece longer than [`MAX_PIECE`] bytes (a run of letters without a
+//! space: a pasted blob, a paragraph of a script written without spaces)
+//! is estimated, not tokenized: BPE's cost grows faster than the piece (a
+//! 4 MB word took seconds and hundreds of megabytes), so its density is
+//! sampled on a few windows of it and applied to its length
+//! ([`long_piece`]). Only such pieces count apart from tiktoken's count.
 
 use std::hash::BuildHasher;
 use std::sync::{Mutex, TryLockError};
@@ -119,7 +126,10 @@ impl PieceCounter {
     /// the count of each piece kept in `cache`. While another thread holds
     /// the cache, this one counts without it.
     pub fn count(&self, bpe: &CoreBPE, text: &str, cache: &PieceCache) -> u64 {
-        let count = |piece: &str| bpe.encode_ordinary(piece).len() as u32;
+        let count = |piece: &str| match piece.len() {
+            0..=MAX_PIECE => bpe.encode_ordinary(piece).len() as u32,
+            _ => long_piece(bpe, piece),
+        };
         let mut cache = match cache.0.try_lock() {
             Ok(guard) => guard,
             Err(TryLockError::Poisoned(p)) => p.into_inner(),
@@ -142,6 +152,41 @@ impl PieceCounter {
         }
         total
     }
+}
+
+/// The longest piece tokenized: a longer one is estimated ([`long_piece`]).
+/// Far above the pieces of prose, code or data (a word, a number, an
+/// indentation, a punctuation run: tens of bytes), so their counts stay
+/// tiktoken's; a sentence of a script written without spaces (Chinese,
+/// Japanese, Thai) stays under it too, its punctuation ending the piece.
+pub const MAX_PIECE: usize = 1024;
+/// The windows a long piece is sampled on, and their length in bytes.
+const SAMPLES: usize = 4;
+const SAMPLE_BYTES: usize = 256;
+
+/// Tokens of a piece longer than [`MAX_PIECE`]: tiktoken's count of
+/// [`SAMPLES`] windows spread over it, its start and end among them, the
+/// densest applied to its whole length. Homogeneous text (random letters,
+/// one letter repeated, a script without spaces) comes within a few
+/// percent; a piece that changes along its length is taken at its densest
+/// part, never below it. Linear in the piece, with a small constant.
+fn long_piece(bpe: &CoreBPE, piece: &str) -> u32 {
+    let len = piece.len();
+    let mut densest = 0f64;
+    for k in 0..SAMPLES {
+        let mut start = (len - SAMPLE_BYTES) * k / (SAMPLES - 1);
+        while !piece.is_char_boundary(start) {
+            start -= 1;
+        }
+        let mut end = (start + SAMPLE_BYTES).min(len);
+        while !piece.is_char_boundary(end) {
+            end += 1;
+        }
+        let window = &piece[start..end];
+        let density = bpe.encode_ordinary(window).len() as f64 / window.len() as f64;
+        densest = densest.max(density);
+    }
+    (densest * len as f64).ceil().min(f64::from(u32::MAX)) as u32
 }
 
 /// The o200k pattern [`ascii_piece`] implements, alternative by
@@ -422,8 +467,87 @@ mod tests {
             .prop_map(|b| String::from_utf8(b).expect("ASCII is UTF-8"))
     }
 
+    /// A piece of `n` bytes or so of one kind of text, without spaces.
+    fn long_word(kind: usize, n: usize, seed: u64) -> String {
+        let mut x = seed | 1;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let from =
+            |abc: &[u8], r: &mut dyn FnMut() -> u64| abc[(r() % abc.len() as u64) as usize] as char;
+        match kind {
+            0 => (0..n)
+                .map(|_| from(b"abcdefghijklmnopqrstuvwxyz", &mut rnd))
+                .collect(),
+            1 => (0..n)
+                .map(|_| {
+                    from(
+                        b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ",
+                        &mut rnd,
+                    )
+                })
+                .collect(),
+            2 => "x".repeat(n),
+            3 => {
+                let words = ["the", "parser", "config", "value", "error", "stream"];
+                let mut s = String::new();
+                while s.len() < n {
+                    s.push_str(words[(rnd() % 6) as usize]);
+                }
+                s
+            }
+            4 => (0..n / 3)
+                .map(|_| char::from_u32(0x4e00 + (rnd() % 2000) as u32).unwrap())
+                .collect(),
+            _ => (0..n).map(|_| from(b"=-*#~^", &mut rnd)).collect(),
+        }
+    }
+
+    #[test]
+    fn a_long_piece_is_estimated_near_its_count_and_not_below() {
+        for kind in 0..6 {
+            for n in [MAX_PIECE + 1, 5_000, 40_000] {
+                let t = long_word(kind, n, 7 + n as u64);
+                // Mixed case is cut at each capital: pieces of a few letters.
+                let longest = counter().pieces(&t).map(str::len).max();
+                assert_eq!(longest == Some(t.len()), kind != 1, "kind {kind}");
+                let exact = bpe().encode_ordinary(&t).len() as f64;
+                let estimate = counter().count(bpe(), &t, cache()) as f64;
+                let ratio = estimate / exact;
+                assert!(
+                    (0.97..1.25).contains(&ratio),
+                    "kind {kind}, {n} bytes: {estimate} for {exact}"
+                );
+            }
+        }
+        // Dense at one end only: taken at its densest.
+        let t = format!("{}{}", "x".repeat(20_000), long_word(1, 20_000, 3));
+        let exact = bpe().encode_ordinary(&t).len() as f64;
+        let estimate = counter().count(bpe(), &t, cache()) as f64;
+        assert!(estimate >= exact, "{estimate} < {exact}");
+        // Text of ordinary pieces around a long one: those counted exactly.
+        let word = long_word(0, 3_000, 11);
+        let around = "fn main() {\n    println!(\"hi\");\n}\n";
+        let t = format!("{around} {word} {around}");
+        let pieces: Vec<_> = counter().pieces(&t).collect();
+        assert_eq!(pieces.iter().filter(|p| p.len() > MAX_PIECE).count(), 1);
+        let want: u64 = pieces
+            .iter()
+            .map(|p| match p.len() {
+                0..=MAX_PIECE => bpe().encode_ordinary(p).len() as u64,
+                _ => u64::from(long_piece(bpe(), p)),
+            })
+            .sum();
+        assert_eq!(counter().count(bpe(), &t, cache()), want);
+    }
+
     proptest! {
         #![proptest_config(ProptestConfig::with_cases(512))]
+        /// (Every piece of these texts is under [`MAX_PIECE`]: their counts
+        /// are tiktoken's exactly.)
         #[test]
         fn pieces_and_counts_equal_tiktokens(t in text()) {
             prop_assert_eq!(counter().pieces(&t).collect::<Vec<_>>(), reference_pieces(&t));
@@ -442,6 +566,7 @@ mod tests {
 
         #[test]
         fn counts_of_any_string_equal_tiktokens(t in any::<String>()) {
+            prop_assume!(counter().pieces(&t).all(|p| p.len() <= MAX_PIECE));
             prop_assert_eq!(counter().count(bpe(), &t, cache()), bpe().encode_ordinary(&t).len() as u64);
         }
     }
