@@ -12,6 +12,7 @@ use serde_json::Value;
 
 use super::items::{ceil_boundary, floor_boundary, is_tool_output, output_field, value_text};
 use super::summary::output_digest;
+use crate::tokens::media::omitted_marker;
 use crate::wire::hash::hex;
 use crate::wire::{messages, ItemHash};
 
@@ -114,7 +115,7 @@ fn rewrite_outputs(
             match new_text(&text, hash) {
                 Some(t) => {
                     let mut new = item.clone();
-                    new[field] = Value::String(t);
+                    new[field] = Value::String(with_omitted(t, item.get(field)));
                     changed += 1;
                     new
                 }
@@ -142,7 +143,7 @@ fn rewrite_results(
                 continue;
             }
             if let Some(t) = new_text(&messages::tool_result_text(b), hash) {
-                b["content"] = Value::String(t);
+                b["content"] = Value::String(with_omitted(t, b.get("content")));
                 any = true;
             }
         }
@@ -151,6 +152,20 @@ fn rewrite_results(
         *changed += 1;
     }
     new
+}
+
+/// `text`, the new content of an output whose `old` content held images,
+/// documents or audio, followed by a marker for each: what the model was
+/// shown and is no longer is said, never dropped in silence.
+fn with_omitted(text: String, old: Option<&Value>) -> String {
+    let Some(Value::Array(parts)) = old else {
+        return text;
+    };
+    let markers: Vec<String> = parts.iter().filter_map(omitted_marker).collect();
+    if markers.is_empty() {
+        return text;
+    }
+    format!("{}\n{}", text.trim_end(), markers.join("\n"))
 }
 
 #[cfg(test)]
@@ -282,5 +297,44 @@ mod tests {
             vec![json!({"type": "function_call_output", "call_id": "q", "output": "all good"})];
         let (out, _) = prune_outputs(&quiet, &[item_hash(&quiet[0])]);
         assert!(!out[0]["output"].as_str().unwrap().contains('\n'));
+    }
+
+    #[test]
+    fn a_pruned_output_says_which_images_it_held() {
+        let mut png = b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR".to_vec();
+        png.extend(1568u32.to_be_bytes());
+        png.extend(1000u32.to_be_bytes());
+        let png = crate::tokens::media::encode_base64(&png);
+        let items = vec![
+            json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1", "content": [
+                {"type": "text", "text": "Screenshot taken."},
+                {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}},
+            ]}]}),
+            json!({"type": "function_call_output", "call_id": "c", "output": [
+                {"type": "input_text", "text": "page 1"},
+                {"type": "input_image", "image_url": "https://example.com/shot.png"},
+            ]}),
+            json!({"role": "tool", "tool_call_id": "a", "content": "plain text, no image"}),
+        ];
+        let hashes: Vec<_> = items.iter().map(item_hash).collect();
+        let (out, n) = prune_outputs(&items, &hashes);
+        assert_eq!(n, 3);
+        let anthropic = out[0]["content"][0]["content"].as_str().unwrap();
+        assert!(
+            anthropic.starts_with("[compactor: tool output pruned"),
+            "{anthropic}"
+        );
+        assert!(
+            anthropic.ends_with("\n[image omitted by compactor: 1568×1000 PNG, ~1600 tokens]"),
+            "{anthropic}"
+        );
+        assert!(!anthropic.contains(&png));
+        let openai = out[1]["output"].as_str().unwrap();
+        assert!(
+            openai.ends_with("\n[image omitted by compactor: ~1445 tokens]"),
+            "{openai}"
+        );
+        let plain = out[2]["content"].as_str().unwrap();
+        assert!(!plain.contains("omitted by compactor"), "{plain}");
     }
 }

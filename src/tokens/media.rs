@@ -95,6 +95,42 @@ pub(super) fn block_tokens(block: &Map<String, Value>) -> Option<u64> {
     }
 }
 
+/// What stands in for `block`, an image, document or audio block, when a
+/// rung of the compaction cuts the content holding it: a line that says
+/// what was there and what it cost (`[image omitted by compactor: 1568×1000
+/// PNG, ~1600 tokens]`), so the model knows something it was shown is
+/// gone. `None` when `block` is no such block.
+pub fn omitted_marker(block: &Value) -> Option<String> {
+    let map = block.as_object()?;
+    let tokens = block_tokens(map)?;
+    let kind = match str_of(map.get("type")) {
+        Some("image" | "image_url" | "input_image") => "image",
+        Some("input_audio") => "audio",
+        _ => "document",
+    };
+    let size = image_data(map)
+        .and_then(|b64| image_size(&Base64(b64.as_bytes())))
+        .map(|(w, h, format)| format!("{w}×{h} {}, ", format.name()))
+        .unwrap_or_default();
+    Some(format!(
+        "[{kind} omitted by compactor: {size}~{tokens} tokens]"
+    ))
+}
+
+/// The base64 of an image block, wherever its API puts it.
+fn image_data(block: &Map<String, Value>) -> Option<&str> {
+    match str_of(block.get("type"))? {
+        "image" => str_of(block.get("source")?.get("data")),
+        "image_url" => match block.get("image_url")? {
+            Value::String(url) => Some(url.as_str()),
+            v => str_of(v.get("url")),
+        }
+        .map(data_url_payload),
+        "input_image" => str_of(block.get("image_url")).map(data_url_payload),
+        _ => None,
+    }
+}
+
 fn str_of(v: Option<&Value>) -> Option<&str> {
     v.and_then(Value::as_str)
 }
@@ -646,6 +682,33 @@ mod tests {
             ),
             None
         );
+    }
+
+    #[test]
+    fn a_cut_block_leaves_a_marker_saying_what_it_was() {
+        let png = b64(&png(1568, 1000));
+        let marker = |v: Value| omitted_marker(&v);
+        assert_eq!(
+            marker(
+                json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}})
+            ),
+            Some("[image omitted by compactor: 1568×1000 PNG, ~1600 tokens]".into())
+        );
+        assert_eq!(
+            marker(
+                json!({"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{png}")}})
+            ),
+            Some("[image omitted by compactor: 1568×1000 PNG, ~1105 tokens]".into())
+        );
+        assert_eq!(
+            marker(json!({"type": "input_image", "image_url": "https://x/y.png"})),
+            Some("[image omitted by compactor: ~1445 tokens]".into())
+        );
+        assert_eq!(
+            marker(json!({"type": "input_file", "file_id": "file-1"})),
+            Some("[document omitted by compactor: ~22500 tokens]".into())
+        );
+        assert_eq!(marker(json!({"type": "text", "text": "hi"})), None);
     }
 
     #[test]
