@@ -15,14 +15,18 @@ const KEY: &str = "sk-images-test-0001";
 /// The model's window; the conversation reports about 1% of it.
 const WINDOW: u64 = 200_000;
 
-fn window(c: &mut Config) {
-    c.models.push(ModelConfig {
-        pattern: "shot-*".into(),
-        context_window: WINDOW,
-        max_output_tokens: Some(8_000),
-        trigger_ratio: None,
-        ..Default::default()
-    });
+/// Models matching `pattern` get a window of `window` tokens and an
+/// answer budget of `output`.
+fn model(pattern: &'static str, window: u64, output: u64) -> impl FnOnce(&mut Config) {
+    move |c| {
+        c.models.push(ModelConfig {
+            pattern: pattern.into(),
+            context_window: window,
+            max_output_tokens: Some(output),
+            trigger_ratio: None,
+            ..Default::default()
+        })
+    }
 }
 
 use compactor::tokens::media::encode_base64 as b64;
@@ -163,7 +167,7 @@ fn message(role: &str, content: Value) -> Value {
 }
 
 async fn a_screenshot_at_one_percent_goes_as_it_came(api: Api) {
-    let h = Harness::start_with(window).await;
+    let h = Harness::start_with(model("shot-*", WINDOW, 8_000)).await;
     let mut items: Vec<Value> = history()
         .into_iter()
         .map(|(role, text)| message(role, json!(text)))
@@ -237,4 +241,61 @@ async fn a_responses_screenshot_at_one_percent_is_not_compacted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_messages_screenshot_at_one_percent_is_not_compacted() {
     a_screenshot_at_one_percent_goes_as_it_came(Api::Messages).await;
+}
+
+/// The estimate may be far above what the upstream counts (three PDFs by
+/// file id, whose pages the proxy cannot see, are taken at ten pages
+/// each); the upstream reported the conversation at 900 tokens, and the
+/// next turn adds a few hundred. Its last report plus what was added fits:
+/// no hard-limit compaction, though the estimate of the whole is over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reported_usage_plus_what_was_added_decides_the_hard_limit() {
+    // A 3,000-token window, whose hard limit (2,700) a small body's bytes pass.
+    let h = Harness::start_with(model("docs-*", 3_000, 300)).await;
+    let file = |id: &str| json!({"type": "file", "file": {"file_id": id}});
+    let mut items = vec![
+        message("system", json!("You review contracts.")),
+        message(
+            "user",
+            json!([
+                {"type": "text", "text": "Compare the termination clauses of these three."},
+                file("file-a"), file("file-b"), file("file-c"),
+            ]),
+        ),
+    ];
+    let body = |items: &[Value]| json!({"model": "docs-chat", "messages": items});
+    h.fake.push(Reply::chat("Which clause first?", 900, 20));
+    let (status, _, _) = post(&format!("{}/chat/completions", h.url()), KEY, &body(&items)).await;
+    assert_eq!(status, 200);
+    h.wait_exchanges(1).await;
+    items.push(message("assistant", json!("Which clause first?")));
+    // About 400 tokens of new text: a pasted excerpt.
+    items.push(message(
+        "user",
+        json!(format!(
+            "Clause 14 first. Here is the excerpt I mean: {}",
+            "either party may terminate on ninety days written notice; ".repeat(40)
+        )),
+    ));
+    let sent = body(&items);
+    assert!(
+        serde_json::to_vec(&sent).unwrap().len() > 2_700,
+        "past the bytes shortcut"
+    );
+    h.fake
+        .push(Reply::chat("Clause 14 of A allows ninety days.", 1_350, 20));
+    let (status, _, _) = post(&format!("{}/chat/completions", h.url()), KEY, &sent).await;
+    assert_eq!(status, 200);
+    h.wait_exchanges(2).await;
+    tokio::time::sleep(std::time::Duration::from_millis(300)).await;
+
+    let received = h.fake.received();
+    assert_eq!(received.iter().filter(|r| is_summary_call(r)).count(), 0);
+    assert_eq!(compactions(&h), 0, "nothing compacted");
+    assert_eq!(received.len(), 2);
+    assert_eq!(
+        received[1].json()["messages"],
+        sent["messages"],
+        "sent as it came"
+    );
 }

@@ -7,7 +7,7 @@ use super::jobs::wait_foreign;
 use super::{count_tools, estimate_view, Context};
 use crate::compaction::policy::hard_limit;
 use crate::wire::items::{ItemList, Tools};
-use crate::wire::ItemHash;
+use crate::wire::{chain_hashes, ItemHash};
 
 /// Whether a request fits under the hard limit (window minus max output).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,6 +69,25 @@ pub async fn check_fit<S: Context>(state: &Arc<S>, req: FitCheck<'_>) -> Fit {
             return Fit::Fits;
         }
     }
+    // What the upstream reported for this conversation's last exchange,
+    // plus what the request adds to it: when that fits, the estimate of the
+    // whole (which may count what the upstream prices otherwise) does not
+    // get to compact it.
+    if let Some(tokens) = reported_plus_added(
+        state,
+        tenant,
+        conversation,
+        &view,
+        &hashes,
+        &tools,
+        calibration,
+    )
+    .await
+    {
+        if tokens <= hard {
+            return Fit::Fits;
+        }
+    }
     let tools_tokens = count_tools(state, tools).await;
     // What the provider reads: from its newest compaction item on.
     let (view, hashes) = match crate::compaction::boundary::newest_in(&view) {
@@ -99,4 +118,40 @@ pub async fn check_fit<S: Context>(state: &Arc<S>, req: FitCheck<'_>) -> Fit {
     );
     let _ = tokio::time::timeout(wait, rx.wait_for(|done| *done)).await;
     Fit::Waited
+}
+
+/// The conversation's last reported prompt plus the estimate of the items
+/// `view` adds to it (scaled by `calibration`), when `view` extends the
+/// items of that prompt with the same tools: `None` otherwise (another
+/// conversation's view, one a compaction rewrote since, other tools).
+async fn reported_plus_added<S: Context>(
+    state: &Arc<S>,
+    tenant: &str,
+    conversation: &str,
+    view: &Arc<ItemList>,
+    hashes: &Option<Arc<Vec<ItemHash>>>,
+    tools: &Option<Tools>,
+    calibration: f64,
+) -> Option<u64> {
+    let reported = state.compactions().last_reported(tenant, conversation)?;
+    if reported.tools != tools.as_ref().map(|t| t.hash) {
+        return None;
+    }
+    let hashes = match hashes {
+        Some(h) if h.len() == view.len() => h.clone(),
+        _ => Arc::new(view.hashes()),
+    };
+    let from = chain_hashes(&hashes)
+        .iter()
+        .rposition(|c| *c == reported.chain)?
+        + 1;
+    let (view, st) = (view.clone(), state.clone());
+    let added: u64 = tokio::task::spawn_blocking(move || {
+        (from..view.len())
+            .map(|i| st.tokens().count_item_with(&hashes[i], || view.item(i)))
+            .sum()
+    })
+    .await
+    .ok()?;
+    Some(reported.input_tokens + (added as f64 * calibration).ceil() as u64)
 }

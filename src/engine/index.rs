@@ -39,6 +39,8 @@ pub(super) const CALIBRATED: usize = 1 << 17;
 /// estimate, within bounds.
 pub(super) struct Calibrations {
     pub(super) by_key: Generations<u64, f64>,
+    /// The conversation's last reported prompt, by the same key.
+    pub(super) reported: Generations<u64, Reported>,
     pub(super) seed: foldhash::quality::RandomState,
 }
 
@@ -46,9 +48,25 @@ impl Default for Calibrations {
     fn default() -> Self {
         Self {
             by_key: Generations::new(CALIBRATED),
+            reported: Generations::new(CALIBRATED),
             seed: Default::default(),
         }
     }
+}
+
+/// What the upstream reported of the last complete exchange of a
+/// conversation: the prompt's size in its own tokens, and what that prompt
+/// was (the chain hash over the items sent, the tool definitions' hash). A
+/// next request that extends those items with the same tools is that many
+/// tokens plus what it adds (see [`crate::engine::check_fit`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Reported {
+    /// Chain hash after the last item sent.
+    pub chain: ItemHash,
+    /// The tool definitions' hash, if any were sent.
+    pub tools: Option<ItemHash>,
+    /// Prompt tokens the upstream reported.
+    pub input_tokens: u64,
 }
 
 impl Calibrations {
@@ -505,6 +523,22 @@ impl Compactions {
         let mut all = lock(&self.calibration);
         let key = all.key(tenant, conversation);
         all.by_key.insert(key, ratio);
+    }
+
+    /// Keeps the conversation's last reported prompt (see [`Reported`]).
+    pub fn report(&self, tenant: &str, conversation: &str, reported: Reported) {
+        if reported.input_tokens == 0 {
+            return;
+        }
+        let mut all = lock(&self.calibration);
+        let key = all.key(tenant, conversation);
+        all.reported.insert(key, reported);
+    }
+
+    /// The conversation's last reported prompt, if it is known here.
+    pub fn last_reported(&self, tenant: &str, conversation: &str) -> Option<Reported> {
+        let all = lock(&self.calibration);
+        all.reported.get(&all.key(tenant, conversation)).copied()
     }
 
     /// Upstream tokens per estimated token for the conversation (1 until known).

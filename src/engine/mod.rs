@@ -12,7 +12,7 @@ pub mod rebuild;
 mod summarizer;
 
 pub use check::{check_fit, Fit, FitCheck};
-pub use index::{Attempt, Compactions, LoadCompaction};
+pub use index::{Attempt, Compactions, LoadCompaction, Reported};
 pub use jobs::{after_exchange, schedule_agent};
 pub use summarizer::{auth_headers, chunk_lines, SummarizerError};
 

@@ -713,6 +713,23 @@ impl PendingExchange {
         let bytes = self.request.raw_len() as u64;
         background.spawn(move || {
             let limits = state.model_limits(&model);
+            // What the reported usage measured: the items sent, by their
+            // chain, and the tools (the hard-limit check adds to it).
+            let sent = usage.filter(|_| complete).map(|u| {
+                let chain = match (&chains, &hashes) {
+                    (Some(c), _) if c.len() == view.len() => c.last().copied().unwrap_or([0; 32]),
+                    (_, Some(h)) if h.len() == view.len() => chain_extend([0; 32], h),
+                    _ => chain_extend([0; 32], &view.hashes()),
+                };
+                engine::Reported {
+                    chain,
+                    tools: tools.as_ref().map(|t| t.hash),
+                    input_tokens: u.input_tokens,
+                }
+            });
+            if let Some(sent) = sent {
+                state.compactions.report(&tenant, &conversation, sent);
+            }
             let est = usage
                 .is_none_or(|u| needs_estimate(&limits, u, bytes))
                 .then(|| {
