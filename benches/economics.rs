@@ -48,7 +48,7 @@
 //!   "input length and `max_tokens` exceed context limit" it lowers
 //!   `max_tokens` to fit and sends again, as Claude Code does.
 //! - *Codex-shaped* on `/v1/chat/completions`: model `gpt-5-codex` (272k
-//!   input window), ~10k tokens of instructions and tools. It compacts at 90%
+//!   input window), ~9k tokens of instructions and tools. It compacts at 90%
 //!   of the window: the history with Codex's summarization prompt appended,
 //!   then restarts from its instructions, its recent user messages (up to
 //!   20k tokens) and the summary.
@@ -1764,8 +1764,9 @@ fn print_runs(shape: Shape, session: &Session, runs: &[(Mode, RunStats)]) {
     };
     println!();
     println!(
-        "{name}: {} requests, {} idle gaps, {} new user messages",
+        "{name}: {} requests (the first {} tokens: tools, system, task), {} idle gaps, {} new user messages",
         session.turns.len(),
+        fmt_tok(runs[0].1.turns.first().copied().unwrap_or(0)),
         session.gaps,
         session
             .turns
