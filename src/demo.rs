@@ -125,6 +125,10 @@ pub struct DemoReport {
     pub summarizer_calls: usize,
     /// Input tokens of those calls (bytes / 4).
     pub summarizer_input_tokens: u64,
+    /// Of those, the tokens that repeat the request the upstream had just
+    /// been sent (a summary call asked of it appends its instruction): a
+    /// prompt-cache read on an upstream that caches.
+    pub summarizer_repeated_tokens: u64,
     /// Where the store was kept, if it was.
     pub store: Option<PathBuf>,
     /// The savings as the proxy accounts them (admin page, `/metrics`).
@@ -455,6 +459,7 @@ async fn drive(
         .iter()
         .map(|r| (r.body.len() as u64 / 4).max(1))
         .sum();
+    report.summarizer_repeated_tokens = summaries.iter().map(repeated_tokens).sum();
     state.store.flush().await?;
     let reads = state.clone();
     report.savings =
@@ -483,10 +488,34 @@ async fn settle(state: &Arc<AppState>, tenant: &str, conversation: &str, before:
     }
 }
 
+/// Tokens of a summary call that repeat the conversation's request: all
+/// but the instruction it appends, when it is asked of that request.
+fn repeated_tokens(r: &Received) -> u64 {
+    let v = r.json();
+    let last = v["messages"].as_array().and_then(|m| m.last());
+    match last {
+        Some(m)
+            if m["content"]
+                .as_str()
+                .is_some_and(|s| s.contains(SUMMARIZER_MARKER)) =>
+        {
+            (r.body.len().saturating_sub(m.to_string().len()) as u64) / 4
+        }
+        _ => 0,
+    }
+}
+
+/// The proxy's summary call: the marker in its system message, or in the
+/// user message it appends to the conversation's request.
 fn is_summarizer_call(r: &Received) -> bool {
-    r.json()["messages"][0]["content"]
-        .as_str()
-        .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
+    let v = r.json();
+    let marked = |m: &serde_json::Value| {
+        m["content"]
+            .as_str()
+            .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
+    };
+    let messages = v["messages"].as_array().cloned().unwrap_or_default();
+    messages.first().is_some_and(marked) || messages.last().is_some_and(marked)
 }
 
 /// The compaction `id` as the store recorded it, read through the store's

@@ -775,7 +775,9 @@ fn summarizer_narrative(body: &Value) -> Option<String> {
     Some(narrative)
 }
 
-/// A chat request whose system message carries the summarizer marker.
+/// A chat request whose system message carries the summarizer marker, or
+/// whose last message does (a summary call repeating the conversation's
+/// request with the instruction appended).
 fn is_summarizer_request(body: &Value) -> bool {
     if anthropic::is_summarizer_request(body) {
         return true;
@@ -788,6 +790,7 @@ fn is_summarizer_request(body: &Value) -> bool {
             messages
                 .iter()
                 .filter(|m| m.get("role").and_then(Value::as_str) == Some("system"))
+                .chain(messages.last())
                 .any(|m| text(m).contains(crate::compaction::summary::SUMMARIZER_MARKER))
         })
 }

@@ -7,6 +7,7 @@ mod support;
 use std::time::Duration;
 
 use compactor::compaction::recall;
+use compactor::compaction::summary::SUMMARIZER_MARKER;
 use compactor::fake_upstream::Reply;
 use compactor::wire::Api;
 use serde_json::{json, Value};
@@ -171,6 +172,36 @@ async fn crossing_the_trigger_compacts_in_the_background_and_rewrites_the_next_r
     assert!(after < before, "{before} -> {after}");
 }
 
+/// The client's one tool, `read_file`.
+fn read_file_tools() -> Value {
+    json!([{"type": "function", "function": {"name": "read_file",
+        "description": "Reads a file of the workspace.",
+        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}])
+}
+
+/// A 200k window with a 32k answer (Claude's shape) for `big-*` models.
+fn big_window(c: &mut compactor::config::Config) {
+    c.models.push(compactor::config::ModelConfig {
+        pattern: "big-*".into(),
+        context_window: 200_000,
+        max_output_tokens: Some(32_000),
+        ..Default::default()
+    });
+}
+
+/// Appends `n` turns of about 500 tokens each (as the fake counts them)
+/// to `history`, numbered from `from`.
+fn long_turns(history: &mut Vec<Value>, from: usize, n: usize) {
+    for i in from..from + n {
+        history.push(json!({"role": "user", "content": format!("Step {i}: {}",
+            "carry on with the next part of the port and report what changed ".repeat(30))}));
+        history.push(
+            json!({"role": "assistant", "content": format!("Step {i} done; {}",
+            "the tests pass and nothing else changed ".repeat(6))}),
+        );
+    }
+}
+
 /// Compact deep: a long conversation on a 200k window (Claude's shape, a
 /// 32k answer) that crosses the trigger restarts small — its system prompt,
 /// the summary with the proxy's facts, a few recent user messages and the
@@ -179,15 +210,7 @@ async fn crossing_the_trigger_compacts_in_the_background_and_rewrites_the_next_r
 /// user messages, a 16k tail, a 12k summary) kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_compacted_conversation_restarts_small_with_its_task() {
-    let h = Harness::start_with(|c| {
-        c.models.push(compactor::config::ModelConfig {
-            pattern: "big-*".into(),
-            context_window: 200_000,
-            max_output_tokens: Some(32_000),
-            ..Default::default()
-        });
-    })
-    .await;
+    let h = Harness::start_with(big_window).await;
     let url = format!("{}/chat/completions", h.url());
     let task = "TASK: port the scheduler to async; never touch src/legacy.rs.";
     let mut history = vec![
@@ -195,14 +218,7 @@ async fn a_compacted_conversation_restarts_small_with_its_task() {
         json!({"role": "user", "content": task}),
     ];
     // About 140k tokens as the fake counts them (a token per 4 bytes).
-    for i in 0..270 {
-        history.push(json!({"role": "user", "content": format!("Step {i}: {}",
-            "carry on with the next part of the port and report what changed ".repeat(30))}));
-        history.push(
-            json!({"role": "assistant", "content": format!("Step {i} done; {}",
-            "the tests pass and nothing else changed ".repeat(6))}),
-        );
-    }
+    long_turns(&mut history, 0, 270);
     let body = json!({"model": "big-test", "messages": history});
     let size = serde_json::to_vec(&body).unwrap().len() / 4;
     assert!((130_000..160_000).contains(&size), "{size}");
@@ -221,6 +237,123 @@ async fn a_compacted_conversation_restarts_small_with_its_task() {
     assert!(text.contains(task), "the task kept");
     let msgs = sent.json()["messages"].as_array().unwrap().clone();
     assert_eq!(msgs.last().unwrap()["content"], "What is the next step?");
+}
+
+/// The summary call repeats the request the upstream last saw — its
+/// messages, tools (the proxy's recall tool among them), sampling
+/// parameters and credentials — with one user message appended carrying
+/// the summarizer's instructions, so that all it repeats is a prompt-cache
+/// read upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_summary_call_repeats_the_request_the_upstream_last_saw() {
+    let h = Harness::start_with(big_window).await;
+    let url = format!("{}/chat/completions", h.url());
+    let tools = read_file_tools();
+    let mut history = vec![
+        json!({"role": "system", "content": "You are a careful coding agent."}),
+        json!({"role": "user", "content": "TASK: port the scheduler to async."}),
+    ];
+    // Twice past the trigger: the first compaction's request had none
+    // applied; the second's went with the first and the recall tool.
+    for round in 0..2 {
+        long_turns(&mut history, round * 1000, 270);
+        let body = json!({"model": "big-test", "temperature": 0.5, "tools": tools,
+            "messages": history});
+        assert_eq!(post(&url, KEY, &body).await.0, 200);
+        wait_compactions(&h, round as i64 + 1).await;
+        history.push(json!({"role": "assistant", "content": "Noted."}));
+    }
+    let received = h.fake.received();
+    for (n, i) in received
+        .iter()
+        .enumerate()
+        .filter(|(_, r)| is_summary_call(r))
+        .map(|(i, _)| i)
+        .enumerate()
+    {
+        let call = received[i].json();
+        // The request before it is the one whose answer triggered it.
+        let seen = received[..i]
+            .iter()
+            .rev()
+            .find(|r| !is_summary_call(r))
+            .unwrap()
+            .json();
+        let messages = call["messages"].as_array().unwrap();
+        let (last, repeated) = messages.split_last().unwrap();
+        assert_eq!(
+            repeated,
+            seen["messages"].as_array().unwrap().as_slice(),
+            "call {n}: the history as sent"
+        );
+        assert_eq!(last["role"], "user");
+        assert!(last["content"]
+            .as_str()
+            .unwrap()
+            .contains(SUMMARIZER_MARKER));
+        assert_eq!(call["tools"], seen["tools"], "call {n}: the tools as sent");
+        assert_eq!(call["temperature"], seen["temperature"]);
+        assert_eq!(call["model"], seen["model"]);
+        assert_eq!(call["stream"], false);
+        assert_eq!(
+            received[i].headers.get("authorization").unwrap(),
+            &format!("Bearer {KEY}")
+        );
+    }
+    let reasons: Vec<String> = support::column(&*h.sql(), "SELECT reason FROM compactions");
+    assert_eq!(reasons.len(), 2);
+    for r in &reasons {
+        assert!(r.contains("summary from the cached request"), "{r}");
+        assert!(!r.contains("missed"), "{r}");
+    }
+}
+
+/// A summary asked of the repeated request that answers with a tool call
+/// is not used: the summarizer's own call writes it, and the compaction's
+/// reason says why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tool_call_for_a_summary_falls_back_to_the_summarizers_own_call() {
+    let h = Harness::start_with(big_window).await;
+    let url = format!("{}/chat/completions", h.url());
+    let tools = read_file_tools();
+    let mut history = vec![json!({"role": "user", "content": "TASK: port the scheduler."})];
+    long_turns(&mut history, 0, 270);
+    // The client's answer, then the repeated request's: a tool call.
+    h.fake.push(Reply::chat("Done.", 140_000, 5));
+    h.fake.push(Reply::chat_tool_calls(
+        &[("call_s", "read_file", "{\"path\":\"a\"}")],
+        140_000,
+        9,
+    ));
+    let body = json!({"model": "big-test", "tools": tools, "messages": history});
+    assert_eq!(post(&url, KEY, &body).await.0, 200);
+    wait_compactions(&h, 1).await;
+    let calls = support::summary_calls(&h);
+    assert_eq!(
+        calls.len(),
+        2,
+        "the repeated request, then the summarizer's own call"
+    );
+    assert!(calls[1]["messages"][0]["content"]
+        .as_str()
+        .unwrap()
+        .contains(SUMMARIZER_MARKER));
+    assert!(calls[1].get("tools").is_none());
+    let (rung, reason): (String, String) = h
+        .db()
+        .query_row("SELECT rung, reason FROM compactions", [], |r| {
+            Ok((r.get(0)?, r.get(1)?))
+        })
+        .unwrap();
+    assert_eq!(rung, "summary");
+    assert!(
+        reason.ends_with("summary from the cached request missed: tool_call"),
+        "{reason}"
+    );
+    assert!(h
+        .scrape()
+        .await
+        .contains("compactor_summary_failures_total 1"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -709,9 +842,7 @@ async fn the_real_binary_rewrites_exactly_as_before_after_kill_9_and_a_restart()
 async fn a_compacted_request_keeps_the_clients_parameters_and_tools_in_place() {
     let h = Harness::start_with(small_window).await;
     let mut chat = Chat::new(&h, KEY);
-    let tools = json!([{"type": "function", "function": {"name": "read_file",
-        "description": "Reads a file of the workspace.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]);
+    let tools = read_file_tools();
     chat.tools = Some(tools.clone());
     grow_until_compacted(&h, &mut chat).await;
     wait_compactions(&h, 1).await;
@@ -746,11 +877,7 @@ async fn a_compacted_request_keeps_the_clients_parameters_and_tools_in_place() {
 async fn the_tool_definitions_keep_their_bytes_across_compactions() {
     let h = Harness::start_with(small_window).await;
     let mut chat = Chat::new(&h, KEY);
-    chat.tools = Some(
-        json!([{"type": "function", "function": {"name": "read_file",
-        "description": "Reads a file of the workspace.",
-        "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]),
-    );
+    chat.tools = Some(read_file_tools());
     grow_until_compacted(&h, &mut chat).await;
     let tools_sent = |h: &Harness| {
         let sent = last_client_request(h).json();

@@ -437,7 +437,8 @@ async fn a_long_thinking_tool_loop_runs_past_a_small_window_with_every_request_v
         .expect("a summary call");
     assert_eq!(summary.headers["x-api-key"], KEY);
     assert!(summary.headers.get("anthropic-version").is_some());
-    assert!(summary.json()["system"].is_string());
+    // Asked of the request the upstream last saw: its system as sent.
+    assert_eq!(summary.json()["system"], last["system"]);
 }
 
 /// "prompt is too long" from an upstream whose window the proxy did not

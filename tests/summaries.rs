@@ -5,8 +5,8 @@
 
 mod support;
 
-use serde_json::{json, Value};
-use support::{is_summary_call, post, small_window_foreground, Harness};
+use serde_json::json;
+use support::{post, small_window_foreground, Harness};
 
 const KEY: &str = "sk-summaries-tests";
 
@@ -35,13 +35,7 @@ async fn a_partial_one_line_summary_is_kept_and_the_retry_names_what_is_missing(
     assert_eq!(status, 200);
     assert!(headers.get("x-compactor-compacted").is_some());
 
-    let calls: Vec<Value> = h
-        .fake
-        .received()
-        .iter()
-        .filter(|r| is_summary_call(r))
-        .map(|r| r.json())
-        .collect();
+    let calls = support::summary_calls(&h);
     assert!(
         calls.len() >= 2,
         "a partial answer is retried: {}",

@@ -14,10 +14,10 @@ mod summarizer;
 pub use check::{check_fit, Fit, FitCheck};
 pub use index::{Attempt, Compactions, LoadCompaction, Reported};
 pub use jobs::{after_exchange, schedule_agent};
-pub use summarizer::{auth_headers, chunk_lines, SummarizerError};
+pub use summarizer::{auth_headers, chunk_lines, provider_headers, SummarizerError};
 
 use index::lock;
-use summarizer::{summarize, SummaryCost};
+use summarizer::{cached_body, summarize, SummaryCost, INSTRUCTION_TOKENS};
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -130,6 +130,25 @@ pub struct Input {
     /// The threshold starts no compaction after this exchange: one already
     /// waits for the turn boundary, or the mode is manual.
     pub no_trigger: bool,
+    /// The request as the upstream last saw it, for a summary call that
+    /// reads its history from the upstream's prompt cache.
+    pub sent: Option<Arc<Sent>>,
+}
+
+/// What the upstream last saw of a conversation's request, but its items
+/// (the [`Input::view`]): a summary call that repeats it, with one user
+/// message appended, reads everything before that message from the
+/// upstream's prompt cache (see `engine::summarizer`).
+#[derive(Debug, Clone)]
+pub struct Sent {
+    /// The body without its items: the model, `system`, `tool_choice`,
+    /// thinking, sampling parameters, and `tools` as sent (the proxy's
+    /// own among them).
+    pub body: Value,
+    /// The request's provider headers that decide what its body means
+    /// (`anthropic-version`, `anthropic-beta`); the credentials are
+    /// [`Input::auth`].
+    pub headers: HeaderMap,
 }
 
 /// What a compaction must achieve; it escalates past the ladder until it
@@ -302,6 +321,9 @@ async fn compute<S: Context>(
     let limit = items_limit(state, &input, before, tools_tokens);
     let counter = state.tokens().clone();
     let count = move |v: &Value| counter.count_item(&item_hash(v), v);
+    // The target is the request's: what goes beside the items (the tool
+    // definitions, a Messages `system`) counts against it too.
+    let outside = tools_tokens + input.system.as_ref().map_or(0, &count);
 
     // The cheap rungs first: they cost no model call.
     // The model's notes of what to keep go in a summary: no cheap rung.
@@ -310,7 +332,7 @@ async fn compute<S: Context>(
         .flatten()
         .and_then(|prepared| {
             let p = Params {
-                target_tokens: params.target_tokens.min(limit),
+                target_tokens: params.target_tokens.saturating_sub(outside).min(limit),
                 ..params
             };
             let (rung, replacement, after) = cheap_rungs(view, &hashes, &prepared, &p, &count)?;
@@ -422,7 +444,22 @@ async fn compute<S: Context>(
             let (narrative, cost) = if estimate {
                 (None, SummaryCost::default())
             } else {
-                summarize(state, &input, part, &params).await
+                let cached = cached_body(state, &input, &params).filter(|body| {
+                    // It goes with the whole view: it must fit the window
+                    // with the instruction and the answer.
+                    let calibration = state
+                        .compactions()
+                        .calibration(&input.tenant, &input.conversation);
+                    let answer = ["max_tokens", "max_completion_tokens"]
+                        .iter()
+                        .find_map(|k| body.get(*k).and_then(Value::as_u64))
+                        .unwrap_or(params.summary_output_tokens);
+                    let asked = ((before + tools_tokens + INSTRUCTION_TOKENS) as f64 * calibration)
+                        .ceil() as u64
+                        + answer;
+                    asked <= limits.context_window
+                });
+                summarize(state, &input, part, &params, cached).await
             };
             let rung = if narrative.is_some() || estimate {
                 Rung::Summary
@@ -485,6 +522,14 @@ async fn compute<S: Context>(
     if by_provider {
         reason.push_str("; ");
         reason.push_str(crate::compaction::provider::PROVIDER_REASON);
+    }
+    match cost.cached {
+        Some(None) => reason.push_str("; summary from the cached request"),
+        Some(Some(miss)) => {
+            reason.push_str("; summary from the cached request missed: ");
+            reason.push_str(miss.as_str());
+        }
+        None => {}
     }
     if input.observe {
         reason.push_str("; observed");

@@ -418,7 +418,7 @@ pub(super) async fn summary_rung<S: Context, F: Fn(&Value) -> u64 + Sync>(
             calls: 1,
             tokens: got.tokens,
             output_tokens: got.output_tokens,
-            chunks_skipped: 0,
+            ..SummaryCost::default()
         },
     })
 }

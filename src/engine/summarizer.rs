@@ -22,6 +22,9 @@ pub(super) struct SummaryCost {
     pub(super) output_tokens: u64,
     /// Older chunks past the call cap, left to the extracted facts.
     pub(super) chunks_skipped: usize,
+    /// A summary call repeated the request the upstream last saw: it gave
+    /// the summary (`Some(None)`), or missed and today's calls followed.
+    pub(super) cached: Option<Option<CachedMiss>>,
 }
 
 /// Runs the summarizer over `part`, chunk by chunk, within
@@ -34,11 +37,54 @@ pub(super) struct SummaryCost {
 /// left to the deterministic facts, which the summary always carries: what
 /// happened last is what the next turn needs most. A cap of 0 makes every
 /// summary the facts alone.
+///
+/// First, when `cached` (the request the upstream last saw, [`cached_body`],
+/// which fits the window with the instruction and the answer), one call
+/// that repeats it with the instruction appended, so that its history is a
+/// prompt-cache read; today's calls follow only when its answer is a tool
+/// call, lacks the sections, or the call fails (counted).
 pub(super) async fn summarize<S: Context>(
     state: &Arc<S>,
     input: &Input,
     part: &[Value],
     params: &Params,
+    cached: Option<Value>,
+) -> (Option<String>, SummaryCost) {
+    let cap = state.config().compaction.max_summary_calls;
+    let mut spent = SummaryCost::default();
+    if let (Some(body), true) = (cached, cap > 0) {
+        spent.calls = 1;
+        match call_cached(state, input, &body).await {
+            Ok((text, tokens, output)) => {
+                spent.tokens = tokens;
+                spent.output_tokens = output;
+                spent.cached = Some(None);
+                return (Some(text), spent);
+            }
+            Err((miss, tokens, output)) => {
+                state.metrics().summary_failure();
+                tracing::info!(
+                    miss = miss.as_str(),
+                    "summary from the cached request unusable: the summarizer call instead"
+                );
+                spent.tokens = tokens;
+                spent.output_tokens = output;
+                spent.cached = Some(Some(miss));
+            }
+        }
+    }
+    let (narrative, cost) = summarize_part(state, input, part, params, spent).await;
+    (narrative, cost)
+}
+
+/// Today's summary calls: the transcript of `part`, in chunks; `spent`
+/// what was spent before them.
+async fn summarize_part<S: Context>(
+    state: &Arc<S>,
+    input: &Input,
+    part: &[Value],
+    params: &Params,
+    spent: SummaryCost,
 ) -> (Option<String>, SummaryCost) {
     let lines = summary::render_transcript(part, TRANSCRIPT_ITEM_BYTES);
     let chunks = {
@@ -49,10 +95,10 @@ pub(super) async fn summarize<S: Context>(
             .unwrap_or_default()
     };
     let cap = state.config().compaction.max_summary_calls;
-    let run = chunks_within_cap(chunks.len(), cap);
+    let run = chunks_within_cap(chunks.len(), cap.saturating_sub(spent.calls));
     let mut cost = SummaryCost {
         chunks_skipped: chunks.len() - run,
-        ..SummaryCost::default()
+        ..spent
     };
     if run == 0 {
         return (None, cost);
@@ -203,49 +249,8 @@ pub(super) async fn call_summarizer<S: Context>(
         };
         body[key] = json!(params.summary_output_tokens);
     }
-    let mut headers = input.auth.clone();
-    if input.api == Api::Messages {
-        // The API refuses a request without a version; the client's was not kept.
-        headers
-            .entry("anthropic-version")
-            .or_insert(http::HeaderValue::from_static(ANTHROPIC_VERSION));
-        state.summarizer().key_as_x_api_key(&mut headers);
-    }
-    headers.insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/json"),
-    );
-    headers.insert(
-        http::header::ACCEPT_ENCODING,
-        http::HeaderValue::from_static("identity"),
-    );
-    let url = state.summarizer().url(input.api.summary_endpoint(), None)?;
-    let bytes = bytes::Bytes::from(serde_json::to_vec(&body).map_err(SummarizerError::Encode)?);
-    let resp = state
-        .summarizer()
-        .send_bytes(http::Method::POST, &url, headers, bytes)
-        .await?;
-    let status = resp.status();
-    let body = state.summarizer().read_body(resp).await?;
-    if !status.is_success() {
-        // Redacted whole, then cut: a cut first could leave part of a key.
-        let text = String::from_utf8_lossy(&body);
-        let text = state.summarizer().redact(&text, &input.auth);
-        let shown = &text[..crate::compaction::items::floor_boundary(&text, MAX_LOGGED_ERROR)];
-        return Err(SummarizerError::Refused {
-            status,
-            shown: shown.to_string(),
-        });
-    }
-    let v: Value = serde_json::from_slice(&body).map_err(SummarizerError::Decode)?;
-    let text = match input.api {
-        Api::Messages => crate::wire::messages::answer_text(&v),
-        _ => v
-            .pointer("/choices/0/message/content")
-            .and_then(Value::as_str)
-            .map(String::from),
-    }
-    .ok_or(SummarizerError::NoContent)?;
+    let v = post_summary(state, input, &body, None).await?;
+    let text = answer_text(input.api, &v).ok_or(SummarizerError::NoContent)?;
     let reported = match input.api.usage(&v) {
         Some(u) if input.api == Api::Messages => (Some(u.total()), Some(u.output_tokens)),
         _ => (
@@ -276,8 +281,206 @@ pub(super) async fn call_summarizer<S: Context>(
     Ok((text, tokens, output))
 }
 
+/// The text of a summary call's answer `v` in `api`'s shape.
+fn answer_text(api: Api, v: &Value) -> Option<String> {
+    match api {
+        Api::Messages => crate::wire::messages::answer_text(v),
+        _ => v
+            .pointer("/choices/0/message/content")
+            .and_then(Value::as_str)
+            .map(String::from),
+    }
+}
+
+/// Sends a summary call's `body` with the client's credentials (and
+/// `provider` headers, when it repeats a request of the client's); its
+/// answer as JSON, or why there is none.
+async fn post_summary<S: Context>(
+    state: &Arc<S>,
+    input: &Input,
+    body: &Value,
+    provider: Option<&HeaderMap>,
+) -> Result<Value, SummarizerError> {
+    let mut headers = input.auth.clone();
+    if let Some(p) = provider {
+        for (name, v) in p {
+            headers.append(name.clone(), v.clone());
+        }
+    }
+    if input.api == Api::Messages {
+        // The API refuses a request without a version.
+        headers
+            .entry("anthropic-version")
+            .or_insert(http::HeaderValue::from_static(ANTHROPIC_VERSION));
+        state.summarizer().key_as_x_api_key(&mut headers);
+    }
+    headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/json"),
+    );
+    headers.insert(
+        http::header::ACCEPT_ENCODING,
+        http::HeaderValue::from_static("identity"),
+    );
+    let url = state.summarizer().url(input.api.summary_endpoint(), None)?;
+    let bytes = bytes::Bytes::from(serde_json::to_vec(body).map_err(SummarizerError::Encode)?);
+    let resp = state
+        .summarizer()
+        .send_bytes(http::Method::POST, &url, headers, bytes)
+        .await?;
+    let status = resp.status();
+    let answer = state.summarizer().read_body(resp).await?;
+    if !status.is_success() {
+        // Redacted whole, then cut: a cut first could leave part of a key.
+        let text = String::from_utf8_lossy(&answer);
+        let text = state.summarizer().redact(&text, &input.auth);
+        let shown = &text[..crate::compaction::items::floor_boundary(&text, MAX_LOGGED_ERROR)];
+        return Err(SummarizerError::Refused {
+            status,
+            shown: shown.to_string(),
+        });
+    }
+    serde_json::from_slice(&answer).map_err(SummarizerError::Decode)
+}
+
+/// Tokens the cached call's appended instruction may take (its prompt is
+/// about 500).
+pub(super) const INSTRUCTION_TOKENS: u64 = 800;
+
+/// Why a summary call that repeats the request the upstream last saw was
+/// not made, or gave nothing usable: today's call writes the summary then.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CachedMiss {
+    /// The answer was a tool call.
+    ToolCall,
+    /// The answer lacked the summary's sections, or any text.
+    Unusable,
+    /// The call failed (refused, unreadable).
+    Failed,
+}
+
+impl CachedMiss {
+    /// Name used in reasons and logs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CachedMiss::ToolCall => "tool_call",
+            CachedMiss::Unusable => "unusable",
+            CachedMiss::Failed => "failed",
+        }
+    }
+}
+
+/// The request a summary call that reads its history from the cache sends:
+/// the one the upstream last saw ([`super::Sent`], the view as its items),
+/// with one user message appended carrying the summarizer's instructions,
+/// not streamed, its answer bounded by the summary's budget (and the room
+/// thinking takes, which must stay under it). `None` where it cannot share
+/// the conversation's cache or cannot answer in text: another summarizer
+/// model, a tool choice that forces a call, or no request seen.
+pub(super) fn cached_body<S: Context>(
+    state: &Arc<S>,
+    input: &Input,
+    params: &Params,
+) -> Option<Value> {
+    let sent = input.sent.as_ref()?;
+    let cfg = &state.config().compaction;
+    if input.observe
+        || !matches!(input.api, Api::Chat | Api::Messages)
+        || (!cfg.summarizer_model.is_empty() && cfg.summarizer_model != input.model)
+    {
+        return None;
+    }
+    let forced = match sent.body.get("tool_choice") {
+        Some(Value::String(s)) => s == "required" || s == "any",
+        Some(Value::Object(o)) => o
+            .get("type")
+            .and_then(Value::as_str)
+            .is_some_and(|t| t != "auto" && t != "none"),
+        _ => false,
+    };
+    if forced {
+        return None;
+    }
+    let mut body = sent.body.clone();
+    let object = body.as_object_mut()?;
+    let instruction = summary::cached_instruction();
+    let mut items = input.view.values().to_vec();
+    items.push(match input.api {
+        Api::Messages => {
+            json!({"role": "user", "content": [{"type": "text", "text": instruction}]})
+        }
+        _ => json!({"role": "user", "content": instruction}),
+    });
+    object.insert("messages".into(), Value::Array(items));
+    object.insert("stream".into(), json!(false));
+    object.remove("stream_options");
+    let thinking = object
+        .get("thinking")
+        .and_then(|t| t.get("budget_tokens"))
+        .and_then(Value::as_u64)
+        .unwrap_or(0);
+    let answer = params.summary_output_tokens + thinking;
+    let key = match input.api {
+        Api::Messages => "max_tokens",
+        _ if object.contains_key("max_completion_tokens") => "max_completion_tokens",
+        _ if object.contains_key("max_tokens") => "max_tokens",
+        _ => return Some(body),
+    };
+    object.insert(key.into(), json!(answer));
+    Some(body)
+}
+
+/// The summary call that sends `body` ([`cached_body`]): the answer's text,
+/// the call's tokens and of those the answer's; why not, when its answer
+/// is a tool call, no text, or the call failed.
+pub(super) async fn call_cached<S: Context>(
+    state: &Arc<S>,
+    input: &Input,
+    body: &Value,
+) -> Result<(String, u64, u64), (CachedMiss, u64, u64)> {
+    let provider = input.sent.as_ref().map(|s| &s.headers);
+    let v = match post_summary(state, input, body, provider).await {
+        Ok(v) => v,
+        Err(e) => {
+            tracing::warn!(error = %e, "summary call from the cached request failed");
+            return Err((CachedMiss::Failed, 0, 0));
+        }
+    };
+    let usage = input.api.usage(&v);
+    let (tokens, output) = usage.map_or((0, 0), |u| (u.total(), u.output_tokens));
+    let called = match input.api {
+        Api::Messages => v
+            .get("content")
+            .and_then(Value::as_array)
+            .is_some_and(|b| b.iter().any(|b| b["type"] == "tool_use")),
+        _ => v
+            .pointer("/choices/0/message/tool_calls")
+            .and_then(Value::as_array)
+            .is_some_and(|c| !c.is_empty()),
+    };
+    if called {
+        return Err((CachedMiss::ToolCall, tokens, output));
+    }
+    match answer_text(input.api, &v) {
+        Some(t) if summary::validate(&t).is_ok() => Ok((t, tokens, output)),
+        _ => Err((CachedMiss::Unusable, tokens, output)),
+    }
+}
+
 /// The `anthropic-version` a summary call through Anthropic Messages sends.
 pub(super) const ANTHROPIC_VERSION: &str = "2023-06-01";
+
+/// The provider headers of a request that decide what its body means: a
+/// summary call that repeats the body sends them too.
+pub fn provider_headers(headers: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::new();
+    for name in ["anthropic-version", "anthropic-beta"] {
+        for v in headers.get_all(name) {
+            out.append(http::HeaderName::from_static(name), v.clone());
+        }
+    }
+    out
+}
 
 /// The credential headers of a request (kept in memory for the summarizer).
 pub fn auth_headers(headers: &HeaderMap) -> HeaderMap {

@@ -370,18 +370,27 @@ fn stream_block(b: &Value) -> (Value, Vec<Value>) {
 }
 
 /// Whether a Messages request is a summary call the proxy makes (its
-/// `system` carries the summarizer marker).
+/// `system` carries the summarizer marker, or its last message does: a
+/// summary call repeating the conversation's request with the instruction
+/// appended).
 pub fn is_summarizer_request(body: &Value) -> bool {
-    let system = match body.get("system") {
+    let text = |v: Option<&Value>| match v {
         Some(Value::String(s)) => s.clone(),
         Some(Value::Array(blocks)) => blocks
             .iter()
             .filter_map(|b| b.get("text").and_then(Value::as_str))
             .collect::<Vec<_>>()
             .join("\n"),
-        _ => return false,
+        _ => String::new(),
     };
-    system.contains(crate::compaction::summary::SUMMARIZER_MARKER)
+    let last = body
+        .get("messages")
+        .and_then(Value::as_array)
+        .and_then(|m| m.last())
+        .and_then(|m| m.get("content"));
+    [text(body.get("system")), text(last)]
+        .iter()
+        .any(|t| t.contains(crate::compaction::summary::SUMMARIZER_MARKER))
 }
 
 /// The body of a summary call as the chat-shaped messages the fake's

@@ -123,7 +123,7 @@ pub const FACT_STATES: &[&str] = &["kept", "repaired", "forgotten"];
 /// → `threshold`; `"overflow: …"` → `overflow`; `manual…` → `manual`.
 pub fn reason_kind(reason: &str) -> &'static str {
     let head = reason
-        .split(|c: char| c == ':' || c.is_whitespace())
+        .split(|c: char| c == ':' || c == ';' || c.is_whitespace())
         .next()
         .unwrap_or_default();
     REASONS

@@ -405,7 +405,36 @@ impl PendingExchange {
             soft: false,
             keep: None,
             no_trigger: self.conversation.deferred || mode == Mode::Manual,
+            sent: self.as_sent(),
         }
+    }
+
+    /// What the upstream last saw of the request but its items (the view):
+    /// its body with the tools as they went, the proxy's among them (see
+    /// [`engine::Sent`]). Chat Completions and Messages: a summary call
+    /// repeats it so its history is a cache read.
+    fn as_sent(&self) -> Option<Arc<engine::Sent>> {
+        let request = &self.request;
+        let api = request.api();
+        if !matches!(api, Api::Chat | Api::Messages) || !request.mode().rewrites() {
+            return None;
+        }
+        let mut body = request.body().clone();
+        let object = body.as_object_mut()?;
+        match request.tools().map(Tools::value) {
+            Some(tools) => {
+                let recall = self.offered.recall.then(|| recall::definition(api));
+                let listed = agent_tool::with_tools(api, tools, self.offered.agent_tool, recall);
+                object.insert("tools".into(), listed);
+            }
+            None => {
+                object.remove("tools");
+            }
+        }
+        Some(Arc::new(engine::Sent {
+            body,
+            headers: request.provider_headers().clone(),
+        }))
     }
 }
 

@@ -39,6 +39,9 @@ pub(super) struct Client {
     tenant: String,
     /// The client's credential headers, kept in memory for summary calls.
     auth: HeaderMap,
+    /// The provider headers that decide what its body means, repeated by a
+    /// summary call that reads the request from the prompt cache.
+    provider_headers: HeaderMap,
     /// The client, from its `user-agent`.
     user_agent: Option<String>,
     /// The ids the client sent for its conversation, as sent.
@@ -91,6 +94,7 @@ impl Client {
         Self {
             tenant,
             auth: engine::auth_headers(headers),
+            provider_headers: engine::provider_headers(headers),
             user_agent: header_text(headers, http::header::USER_AGENT.as_str())
                 .map(|ua| bounded_text(ua, MAX_CLIENT_CHARS)),
             ids: wire::client_ids(headers, body),
@@ -200,6 +204,12 @@ impl ReadRequest {
     /// The client's credential headers (for summary calls, and to redact).
     pub(super) fn auth(&self) -> &HeaderMap {
         &self.client.auth
+    }
+
+    /// The provider headers that decide what its body means
+    /// (`anthropic-version`, `anthropic-beta`).
+    pub(super) fn provider_headers(&self) -> &HeaderMap {
+        &self.client.provider_headers
     }
 
     /// The client, from its `user-agent`.

@@ -464,10 +464,28 @@ pub fn small_window_foreground(c: &mut Config) {
 /// Whether the upstream request is the proxy's own summarizer call.
 pub fn is_summary_call(r: &Received) -> bool {
     let v = r.json();
-    v["messages"][0]["content"]
-        .as_str()
-        .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
+    let marked = |m: &Value| {
+        m["content"]
+            .as_str()
+            .is_some_and(|s| s.contains(SUMMARIZER_MARKER))
+    };
+    let messages = v["messages"].as_array().cloned().unwrap_or_default();
+    // Today's call carries the marker in its system message; one repeating
+    // the conversation's request, in the user message it appends.
+    messages.first().is_some_and(marked)
+        || messages.last().is_some_and(marked)
         || compactor::fake_upstream::anthropic::is_summarizer_request(&v)
+}
+
+/// The bodies of the proxy's summary calls the fake upstream received,
+/// oldest first.
+pub fn summary_calls(h: &Harness) -> Vec<Value> {
+    h.fake
+        .received()
+        .iter()
+        .filter(|r| is_summary_call(r))
+        .map(|r| r.json())
+        .collect()
 }
 
 /// The bodies of the requests the fake upstream received that are not

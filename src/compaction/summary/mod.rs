@@ -68,7 +68,7 @@ pub use checklist::{checklist, Check, FactKind};
 pub use errors::{is_error_line, output_digest};
 pub use facts::{extract_facts, is_injected, Facts, FileFact};
 pub use narrative::{usable, validate};
-pub use prompt::{render_transcript, retry_messages, summarizer_messages};
+pub use prompt::{cached_instruction, render_transcript, retry_messages, summarizer_messages};
 
 /// Most failures kept in [`Facts::errors`] (newest kept).
 pub const MAX_ERRORS: usize = 20;

@@ -116,6 +116,19 @@ and the tool-call log, so do not copy long code or logs and do not restate the t
     )
 }
 
+/// The user message a summary call appends to the request the upstream
+/// last saw (see `engine::summarizer`), so that everything before it is
+/// read from the upstream's prompt cache: the summarizer's instructions
+/// (carrying [`SUMMARIZER_MARKER`]), asked of the conversation above.
+pub fn cached_instruction() -> String {
+    format!(
+        "{}
+The transcript is this conversation, everything above this message. Write the hand-off \
+summary of it now, as text: call no tool, and do not continue the work.",
+        system_prompt()
+    )
+}
+
 /// The chat `messages` for one summarizer call: the system prompt (carrying
 /// [`SUMMARIZER_MARKER`]) and a user message with the previous summary, when
 /// chunking or re-compacting, and the transcript chunk.
