@@ -256,6 +256,8 @@ struct Agent {
     step: usize,
     /// Bytes of every request body it sent.
     sent: usize,
+    /// Its `anthropic-beta` header lines.
+    betas: Vec<&'static str>,
 }
 
 fn agent_tools() -> Value {
@@ -270,6 +272,7 @@ impl Agent {
             history: vec![json!({"role": "user", "content": [{"type": "text", "text": task}]})],
             step: 0,
             sent: 0,
+            betas: vec!["context-management-2025-06-27"],
         }
     }
 
@@ -314,12 +317,8 @@ impl Agent {
         let streamed = step % 2 == 1;
         let body = Agent::body(&self.messages(), streamed);
         self.sent += serde_json::to_vec(&body).unwrap().len();
-        let (status, _, bytes) = send(
-            h,
-            &body,
-            &[("anthropic-beta", "context-management-2025-06-27")],
-        )
-        .await;
+        let betas: Vec<_> = self.betas.iter().map(|b| ("anthropic-beta", *b)).collect();
+        let (status, _, bytes) = send(h, &body, &betas).await;
         assert_eq!(
             status,
             200,
@@ -342,6 +341,42 @@ impl Agent {
 }
 
 const TASK: &str = "Task: make every test in crates/ledger pass; do not touch the public API.";
+
+/// A client that sends its betas on two header lines: a request the proxy
+/// adds its own beta to (compacted inside an open tool loop with thinking
+/// on) reaches the upstream with both of the client's and the proxy's.
+#[tokio::test]
+async fn a_clients_beta_lines_all_reach_the_upstream_when_the_proxy_adds_one() {
+    let h = Harness::start_with(tiny_claude).await;
+    h.fake.set_messages_window(Some(9000));
+    let mut agent = Agent::new(TASK);
+    agent.betas = vec![
+        "context-management-2025-06-27",
+        "interleaved-thinking-2025-05-14",
+    ];
+    let bound = |r: &Received| {
+        r.json()["thinking"]["block_binding"]["prefix_mismatch_behavior"] == "drop_block"
+    };
+    while !messages_requests(&h).iter().any(bound) {
+        agent.step(&h).await;
+        assert!(agent.step < 48, "no request the proxy added its beta to");
+    }
+    let received = messages_requests(&h);
+    for r in received.iter().filter(|r| !is_summary(r)) {
+        let betas: Vec<&str> = r
+            .headers
+            .get_all("anthropic-beta")
+            .iter()
+            .flat_map(|v| v.to_str().unwrap().split(','))
+            .map(str::trim)
+            .collect();
+        for client in &agent.betas {
+            assert!(betas.contains(client), "{client} lost: {betas:?}");
+        }
+        let binding = betas.contains(&compactor::wire::messages::BLOCK_BINDING_BETA);
+        assert_eq!(binding, bound(r), "{betas:?}");
+    }
+}
 
 /// A Claude-Code-shaped agent loop with thinking on against an upstream
 /// whose window it exceeds several times over: every answer reaches the

@@ -386,13 +386,33 @@ pub fn with_binding_beta(existing: Option<&str>) -> String {
     with_beta(existing, BLOCK_BINDING_BETA)
 }
 
-/// Adds `beta` to the headers' `anthropic-beta` list (once).
+/// Adds `beta` to the headers' `anthropic-beta` list (once). A client may
+/// send its betas on several header lines: every line is kept, joined into
+/// the one list the proxy's beta is added to. Should a line not be visible
+/// ASCII, the lines stay as they came and the beta goes on a line of its own.
 pub fn add_beta(headers: &mut http::HeaderMap, beta: &str) {
-    let list = with_beta(
-        headers.get("anthropic-beta").and_then(|v| v.to_str().ok()),
-        beta,
-    );
-    if let Ok(v) = http::HeaderValue::from_str(&list) {
+    let lines: Option<Vec<&str>> = headers
+        .get_all("anthropic-beta")
+        .iter()
+        .map(|v| v.to_str().ok().map(str::trim))
+        .collect();
+    let Some(lines) = lines else {
+        let present = headers
+            .get_all("anthropic-beta")
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .any(|l| l.split(',').any(|b| b.trim() == beta));
+        if let (false, Ok(v)) = (present, http::HeaderValue::from_str(beta)) {
+            headers.append("anthropic-beta", v);
+        }
+        return;
+    };
+    let joined = lines
+        .into_iter()
+        .filter(|s| !s.is_empty())
+        .collect::<Vec<_>>()
+        .join(",");
+    if let Ok(v) = http::HeaderValue::from_str(&with_beta(Some(&joined), beta)) {
         headers.insert("anthropic-beta", v);
     }
 }
@@ -952,6 +972,31 @@ mod tests {
             with_binding_beta(Some(BLOCK_BINDING_BETA)),
             BLOCK_BINDING_BETA
         );
+    }
+
+    /// Betas a client sent on several header lines all reach the upstream,
+    /// with the proxy's added once.
+    #[test]
+    fn every_beta_line_is_kept_when_one_is_added() {
+        let mut headers = http::HeaderMap::new();
+        headers.append("anthropic-beta", "a, b".parse().unwrap());
+        headers.append("anthropic-beta", "c".parse().unwrap());
+        add_binding_beta(&mut headers);
+        add_binding_beta(&mut headers);
+        let lines: Vec<_> = headers.get_all("anthropic-beta").iter().collect();
+        assert_eq!(lines.len(), 1);
+        assert_eq!(lines[0], format!("a, b,c,{BLOCK_BINDING_BETA}").as_str());
+        let mut odd = http::HeaderMap::new();
+        odd.append("anthropic-beta", "a".parse().unwrap());
+        odd.append(
+            "anthropic-beta",
+            http::HeaderValue::from_bytes(b"caf\xe9").unwrap(),
+        );
+        add_binding_beta(&mut odd);
+        add_binding_beta(&mut odd);
+        let lines: Vec<_> = odd.get_all("anthropic-beta").iter().collect();
+        assert_eq!(lines.len(), 3, "{lines:?}");
+        assert_eq!(lines[2], BLOCK_BINDING_BETA);
     }
 
     /// A tail truncated into the replacement inside an open tool loop: the
