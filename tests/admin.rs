@@ -863,6 +863,64 @@ async fn conversations_are_found_by_the_ids_their_clients_sent() {
     assert!(err.contains("no conversation conv_"), "{err}");
 }
 
+/// A conversation is listed by the person's first message: not by the
+/// `<system-reminder>` blocks Claude Code puts around it, nor by the
+/// few-shot turns aider sends before it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn conversations_are_listed_by_the_persons_first_message() {
+    let h = Harness::start_with(small_window).await;
+    let claude = send_as(
+        &h,
+        "/messages",
+        json!({"model": MODEL, "max_tokens": 64, "messages": [
+            {"role": "user", "content": [
+                {"type": "text", "text": "<system-reminder>\nAs you answer, use this context: the cwd is /w.\n</system-reminder>"},
+                {"type": "text", "text": "Fix the failing parser test"},
+                {"type": "text", "text": "<system-reminder>Todo list is empty.</system-reminder>"}]}]}),
+        &[("anthropic-version", "2023-06-01")],
+    )
+    .await;
+    let aider = send_as(
+        &h,
+        "/chat/completions",
+        json!({"model": MODEL, "messages": [
+            {"role": "system", "content": "Act as an expert software developer."},
+            {"role": "user", "content": "Change the greeting to be more casual"},
+            {"role": "assistant", "content": "Ok, I will: show_greeting.py"},
+            {"role": "user", "content": "I switched to a new code base."},
+            {"role": "assistant", "content": "Ok."},
+            {"role": "user", "content": "Rename the ledger module to accounts"},
+            {"role": "system", "content": "Reply in English."}]}),
+        &[],
+    )
+    .await;
+    within(h.state.store.flush()).await.unwrap();
+    let config = config_file(&h, "");
+    let config = path_str(&config);
+    let (code, out, err) = cli(&["conversations", "list", "--config", config], &[]).await;
+    assert_eq!(code, 0, "{err}");
+    let line = |id: &str| out.lines().find(|l| l.starts_with(id)).unwrap().to_string();
+    assert!(
+        line(&claude).contains("Fix the failing parser test"),
+        "{out}"
+    );
+    assert!(!out.contains("system-reminder"), "{out}");
+    assert!(line(&aider).contains("Rename the ledger module"), "{out}");
+    assert!(!out.contains("greeting"), "{out}");
+    let (_, list) = get(&h, "/admin/api/conversations", &[]).await;
+    let preview = |id: &str| {
+        let rows = list["conversations"].as_array().unwrap();
+        rows.iter()
+            .find(|c| c["id"] == id)
+            .map(|c| c["preview"].clone())
+    };
+    assert_eq!(preview(&claude), Some(json!("Fix the failing parser test")));
+    assert_eq!(
+        preview(&aider),
+        Some(json!("Rename the ledger module to accounts"))
+    );
+}
+
 /// A history deleted through the admin API and then sent again (the
 /// client still holds it) is recorded whole: the proxy no longer takes the
 /// deleted items for stored because a recent request had them.
