@@ -628,6 +628,45 @@ async fn connect_codex_refuses_to_change_a_config_silently() {
     assert!(out.stdout.contains("nothing to write"), "{out:#?}");
 }
 
+/// README and what `connect codex` writes agree: every README sentence
+/// naming `model_auto_compact_token_limit` also names the key that really
+/// leaves compaction to the proxy, when connect does not write it.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_readme_tells_codex_users_what_connect_writes() {
+    let fake = within(FakeUpstream::start()).await.expect("fake");
+    let home = tempfile::tempdir().unwrap();
+    let args = ["--model", "gpt-5", "--offline", "--write"];
+    let out = run(connect("codex", &fake, home.path(), &args)).await;
+    assert_eq!(out.code, Some(0), "{out:#?}");
+    let written = std::fs::read_to_string(home.path().join("codex/config.toml")).unwrap();
+    let doc: toml::Table = toml::from_str(&written).expect("TOML");
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let key = "model_auto_compact_token_limit";
+    let sentences: Vec<String> = readme
+        .split("\n\n")
+        .flat_map(|p| {
+            p.replace('\n', " ")
+                .split(". ")
+                .map(String::from)
+                .collect::<Vec<_>>()
+        })
+        .filter(|s| s.contains(key))
+        .collect();
+    assert!(
+        !sentences.is_empty(),
+        "the README says how Codex's own compaction is left to the proxy"
+    );
+    for s in &sentences {
+        if !doc.contains_key(key) {
+            assert!(
+                s.contains("`model_context_window`") && doc.contains_key("model_context_window"),
+                "a sentence that names {key} without the window connect writes: {s}"
+            );
+        }
+    }
+}
+
 /// The real Codex CLI loads what `connect codex --write` wrote (with
 /// `--strict-config`, so an unknown key fails it) and talks through the
 /// proxy with it.
