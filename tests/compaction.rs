@@ -308,6 +308,66 @@ async fn the_summary_call_repeats_the_request_the_upstream_last_saw() {
     }
 }
 
+/// On Messages the repeated request keeps what decides the cache and what
+/// the body means: the system with its breakpoint, thinking, the client's
+/// breakpoints in its messages, `anthropic-beta`; its answer's room is the
+/// summary's budget above the thinking budget.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_messages_summary_call_repeats_system_thinking_breakpoints_and_betas() {
+    let h = Harness::start_with(big_window).await;
+    let system = json!([{"type": "text", "text": "You are a careful coding agent.",
+        "cache_control": {"type": "ephemeral"}}]);
+    let mut history = vec![json!({"role": "user", "content": "TASK: port the scheduler."})];
+    long_turns(&mut history, 0, 270);
+    history.push(
+        json!({"role": "user", "content": [{"type": "text", "text": "Go on.",
+        "cache_control": {"type": "ephemeral"}}]}),
+    );
+    let body = json!({"model": "big-test", "max_tokens": 32000, "system": system,
+        "thinking": {"type": "enabled", "budget_tokens": 2048}, "messages": history});
+    let resp = support::post_messages(&h, KEY, "context-management-2025-06-27", &body).await;
+    assert_eq!(resp.status(), 200);
+    wait_compactions(&h, 1).await;
+    let received = h.fake.received();
+    let call = received
+        .iter()
+        .find(|r| is_summary_call(r))
+        .expect("a summary call");
+    let seen = received
+        .iter()
+        .find(|r| !is_summary_call(r))
+        .unwrap()
+        .json();
+    let v = call.json();
+    assert_eq!(v["system"], seen["system"], "the system and its breakpoint");
+    assert_eq!(v["thinking"], seen["thinking"]);
+    let messages = v["messages"].as_array().unwrap();
+    let (last, repeated) = messages.split_last().unwrap();
+    assert_eq!(repeated, seen["messages"].as_array().unwrap().as_slice());
+    assert!(last["content"][0]["text"]
+        .as_str()
+        .unwrap()
+        .contains(SUMMARIZER_MARKER));
+    assert!(
+        last["content"][0].get("cache_control").is_none(),
+        "no breakpoint of its own"
+    );
+    let max = v["max_tokens"].as_u64().unwrap();
+    assert!(max > 2048 && max < 32000, "{max}");
+    assert_eq!(
+        call.headers["anthropic-beta"],
+        "context-management-2025-06-27"
+    );
+    assert_eq!(call.headers["x-api-key"], KEY);
+    let reason: String = support::column(&*h.sql(), "SELECT reason FROM compactions")
+        .pop()
+        .unwrap();
+    assert!(
+        reason.ends_with("summary from the cached request"),
+        "{reason}"
+    );
+}
+
 /// A summary asked of the repeated request that answers with a tool call
 /// is not used: the summarizer's own call writes it, and the compaction's
 /// reason says why.

@@ -477,6 +477,18 @@ pub fn is_summary_call(r: &Received) -> bool {
         || compactor::fake_upstream::anthropic::is_summarizer_request(&v)
 }
 
+/// Sends `body` to the proxy's `/v1/messages` with `key` and the
+/// `anthropic-beta` header `beta`; the response, before its body.
+pub async fn post_messages(h: &Harness, key: &str, beta: &str, body: &Value) -> reqwest::Response {
+    let request = client()
+        .post(format!("{}/messages", h.url()))
+        .header("x-api-key", key)
+        .header("anthropic-version", "2023-06-01")
+        .header("anthropic-beta", beta)
+        .json(body);
+    within(request.send()).await.expect("proxy")
+}
+
 /// The bodies of the proxy's summary calls the fake upstream received,
 /// oldest first.
 pub fn summary_calls(h: &Harness) -> Vec<Value> {
