@@ -394,8 +394,9 @@ async fn readyz_answers_for_the_store_and_the_upstream_healthz_for_the_process()
     h.stop().await;
 }
 
-#[test]
-fn logs_to_a_redirected_stderr_carry_no_colour_codes() {
+/// The start-up banner of `compactor serve` with `extra` arguments, its
+/// log redirected.
+fn banner(extra: &[&std::ffi::OsStr]) -> String {
     use std::io::{BufRead, BufReader};
     let port = support::free_port();
     let dir = tempfile::tempdir().unwrap();
@@ -403,6 +404,7 @@ fn logs_to_a_redirected_stderr_carry_no_colour_codes() {
         compactor(&["serve", "--listen", &format!("127.0.0.1:{port}")])
             .args(["--upstream", "http://127.0.0.1:9/v1", "--db"])
             .arg(dir.path().join("c.db"))
+            .args(extra)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(Stdio::piped())
@@ -420,15 +422,66 @@ fn logs_to_a_redirected_stderr_carry_no_colour_codes() {
             }
         }
     });
-    let line = loop {
+    loop {
         let line = rx.recv_timeout(support::STEP).expect("the banner");
         if line.contains("compactor listening") {
             break line;
         }
-    };
+    }
+}
+
+#[test]
+fn logs_to_a_redirected_stderr_carry_no_colour_codes() {
+    let line = banner(&[]);
     assert!(
         !line.contains('\u{1b}'),
         "escape codes in a redirected log: {line:?}"
+    );
+}
+
+/// The banner lists the models table in the order it applies: the first
+/// pattern that matches a model gives that model's window, a `[[models]]`
+/// fallback of `*` written first included.
+#[test]
+fn the_banner_lists_models_in_the_order_they_apply() {
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("p.toml");
+    std::fs::write(
+        &config,
+        "[[models]]\nmatch = \"*\"\ncontext_window = 50000\n\n\
+         [[models]]\nmatch = \"my-model*\"\ncontext_window = 9000\n",
+    )
+    .unwrap();
+    let line = banner(&["--config".as_ref(), config.as_os_str()]);
+    let listed = line
+        .split(" models=")
+        .nth(1)
+        .and_then(|rest| rest.split(" windows_told=").next())
+        .unwrap_or_else(|| panic!("no models in {line}"));
+    let rows: Vec<(&str, u64)> = listed
+        .split(", ")
+        .map(|row| {
+            let (pattern, rest) = row.split_once('=').expect("pattern=window");
+            let window = rest.split(' ').next().unwrap().parse().expect("a window");
+            (pattern, window)
+        })
+        .collect();
+    for (model, window) in [
+        ("my-model-7b", 9000),
+        ("gpt-5-codex", 400_000),
+        ("claude-sonnet-4", 200_000),
+        ("something-else", 50_000),
+    ] {
+        let first = rows
+            .iter()
+            .find(|(p, _)| compactor::config::glob_match(p, model))
+            .unwrap_or_else(|| panic!("nothing matches {model}: {listed}"));
+        assert_eq!(first.1, window, "{model}: {listed}");
+    }
+    assert_eq!(
+        rows.iter().filter(|(p, _)| *p == "*").count(),
+        1,
+        "{listed}"
     );
 }
 

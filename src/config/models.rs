@@ -93,18 +93,21 @@ impl Config {
         user(false).or(if builtin { None } else { user(true) })
     }
 
-    /// The effective models table (user entries, then built-ins), for the banner.
+    /// The effective models table in the order it applies (the banner's):
+    /// the user's entries, then the built-in families, then the user's bare
+    /// `*` if there is one, else the built-in fallback. The first row whose
+    /// pattern matches a model gives its window.
     pub fn models_table(&self) -> Vec<(String, u64, String)> {
-        let mut rows: Vec<(String, u64, String)> = self
-            .models
-            .iter()
-            .map(|m| (m.pattern.clone(), m.context_window, "config".to_string()))
-            .collect();
-        rows.extend(
-            BUILTIN_MODELS
-                .iter()
-                .map(|(p, w, _)| (p.to_string(), *w, "built-in".to_string())),
-        );
+        let row = |m: &ModelConfig| (m.pattern.clone(), m.context_window, "config".to_string());
+        let builtin = |(p, w, _): &(&str, u64, u64)| (p.to_string(), *w, "built-in".to_string());
+        let (fallback, named): (Vec<_>, Vec<_>) =
+            self.models.iter().partition(|m| m.pattern == "*");
+        let mut rows: Vec<_> = named.into_iter().map(row).collect();
+        rows.extend(BUILTIN_MODELS.iter().filter(|b| b.0 != "*").map(builtin));
+        match fallback.first() {
+            Some(m) => rows.push(row(m)),
+            None => rows.extend(BUILTIN_MODELS.iter().filter(|b| b.0 == "*").map(builtin)),
+        }
         rows
     }
 }
