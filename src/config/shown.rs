@@ -135,7 +135,7 @@ impl Config {
             }
         }
         // The models table in the order it is consulted: the file's
-        // entries, then the built-in ones.
+        // entries, then the built-in ones, then the fallback `*`.
         for (pattern, window, source) in self.models_table() {
             out.push(Setting {
                 key: "models".into(),
