@@ -415,7 +415,10 @@ impl FakeUpstream {
     /// From now on, answers report the usage of each provider's documented
     /// prompt cache, simulated on a clock of its own ([`cache`]), and every
     /// answered request is billed in a ledger ([`FakeUpstream::take_bill`]);
-    /// summarizer requests take no scripted reply.
+    /// summarizer requests take no scripted reply. Not combined with the
+    /// provider's own compaction ([`FakeUpstream::set_provider_compaction`]):
+    /// with both on, model answers are the cache's, and the compaction
+    /// endpoints (`/v1/responses/compact`) are answered but not billed.
     pub fn simulate_cache(&self, settings: cache::Settings) {
         self.lock().sim = Some(cache::Sim::new(settings));
     }
