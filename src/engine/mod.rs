@@ -500,10 +500,15 @@ async fn compute<S: Context>(
         }
     };
     // The circuit breaker: a compaction that does not shrink the request
-    // below what the client sent (and under the limit) is not applied.
+    // below what the client sent (and under the limit) is not applied. A
+    // compaction the client asked for (`whole`: Codex's in-band trigger,
+    // `/v1/responses/compact`) is its answer: refusing it fails a request
+    // that asked for nothing the upstream could not do, so a short history
+    // whose kept system messages outweigh what the summary replaced is
+    // still answered, as long as it fits.
     let before = prepared.before;
     let breaker = |after: u64| {
-        if after < before && after <= limit {
+        if (after < before || input.whole) && after <= limit {
             return Ok(());
         }
         let err = CompactError::NoShrink { before, after };
@@ -610,7 +615,8 @@ async fn compute<S: Context>(
         summary_calls: cost.calls,
         summary_tokens: cost.tokens,
         summary_output_tokens: cost.output_tokens,
-        tokens_saved: (prepared.before - after) + base.map(Compaction::saved).unwrap_or(0),
+        tokens_saved: prepared.before.saturating_sub(after)
+            + base.map(Compaction::saved).unwrap_or(0),
         observed: input.observe,
         audit: Some(audited.audit),
         duration_ms: started.elapsed().as_millis() as u64,
