@@ -346,7 +346,7 @@ impl Metrics {
             closed_family(TRIGGERS.iter().map(|&trigger| TriggerLabels { trigger }));
         registry.register(
             "compactor_compaction_triggers",
-            "Compactions by what triggered them: threshold (background, past the trigger), boundary (a waiting compaction first applied at a turn boundary), hard (a request over the hard limit cut inside a turn), reactive (the upstream said too long), agent (the model's compactor_compact), manual (CLI, admin API, request header), provider (the provider compacted)",
+            "Compactions by what triggered them: threshold (background, past the trigger), boundary (a waiting compaction first applied under the hard limit: a threshold one on the next request, the model's at a turn boundary), hard (a request over the hard limit cut inside a turn), reactive (the upstream said too long), agent (the model's compactor_compact), manual (CLI, admin API, request header), provider (the provider compacted)",
             family,
         );
 

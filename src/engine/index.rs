@@ -151,8 +151,9 @@ pub struct Compactions {
     pub(super) calibration: Mutex<Calibrations>,
     /// Conversations whose next request is to be compacted (manual).
     pub(super) manual: Mutex<foldhash::HashSet<String>>,
-    /// Compactions computed here that wait for their first application at
-    /// a turn boundary (by id). One this process did not compute (replayed
+    /// Compactions computed here that wait for their first application (by
+    /// id): a threshold one's on the next request that extends it, the
+    /// model's at a turn boundary. One this process did not compute (replayed
     /// from the store, stored by another replica) is taken as applied.
     pub(super) waiting: Mutex<foldhash::HashSet<String>>,
     /// Per (tenant, conversation): the turn (see
@@ -585,7 +586,7 @@ impl Compactions {
     }
 
     /// Whether a stored compaction still waits for its first application
-    /// at a turn boundary.
+    /// (the model's own: at a turn boundary).
     pub fn is_waiting(&self, id: &str) -> bool {
         lock(&self.waiting).contains(id)
     }

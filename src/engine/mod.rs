@@ -120,8 +120,9 @@ pub struct Input {
     /// ([`crate::compaction::boundary::asks_provider_compaction`]): the
     /// threshold trigger leaves the conversation to it.
     pub provider_compaction: bool,
-    /// The result waits for the conversation's next turn boundary before
-    /// its first application (a background compaction: threshold, agent),
+    /// The result is a background compaction (threshold, agent), counted at
+    /// its first application: a threshold one's on the next request that
+    /// extends it, the model's at the conversation's next turn boundary
     /// unless a request over the hard limit needs it sooner.
     pub soft: bool,
     /// The model's own notes of what to keep (its `compactor_compact`

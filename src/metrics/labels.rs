@@ -35,9 +35,11 @@ pub const REASONS: &[&str] = &[
 /// compaction happen, or where a waiting one was first applied.
 ///
 /// - `threshold`: a background compaction computed because an exchange
-///   crossed the trigger (it then waits for a turn boundary);
-/// - `boundary`: a waiting compaction (threshold or agent) first applied,
-///   at a turn boundary (the request's last item a new user message);
+///   crossed the trigger (it then applies on the next request that
+///   extends it);
+/// - `boundary`: a waiting compaction first applied under the hard limit:
+///   a threshold one on the next request that extends it, the model's at
+///   a turn boundary (the request's last item a new user message);
 /// - `hard`: a request over the hard limit cut inside a turn (a waiting
 ///   compaction applied before its boundary, or one computed at once);
 /// - `reactive`: the upstream refused a request as too long;

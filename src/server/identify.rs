@@ -152,8 +152,8 @@ pub(super) async fn identify(
         return Ok((pending, Compact::No));
     }
     // A stored compaction covering a prefix of this request replaces it
-    // (one still waiting for its first turn boundary only at one: see
-    // `apply_stored`); a request too large to go without one
+    // (the model's own still waiting for its first turn boundary only at
+    // one: see `apply_stored`); a request too large to go without one
     // waits for one under way.
     let boundary = at_boundary(pending.request().items());
     if let Some(c) = find(state, &pending) {
@@ -225,14 +225,16 @@ fn at_boundary(items: &ItemList) -> bool {
         .is_some_and(|last| crate::compaction::items::is_user_message(&items.item(last)))
 }
 
-/// Applies stored compaction `c` found for the request, unless it still
-/// waits for its first turn boundary and the request is inside a turn and
-/// not `over` the hard limit: then the request goes with what it would
-/// have had before `c` (the compaction `c` extends, if that one covers it
-/// and no longer waits), and the threshold starts nothing after it. Once
-/// applied, a compaction applies to every later request that extends its
-/// prefix, boundary or not; its first application is counted as
-/// `boundary` or `hard`. True when this was that first application.
+/// Applies stored compaction `c` found for the request, unless it is the
+/// model's own (`compactor_compact`), still waits for its first turn
+/// boundary, and the request is inside a turn and not `over` the hard
+/// limit: then the request goes with what it would have had before `c`
+/// (the compaction `c` extends, if that one covers it and no longer
+/// waits), and the threshold starts nothing after it. A threshold
+/// compaction applies on the next request that extends it. Once applied,
+/// a compaction applies to every later request that extends its prefix,
+/// boundary or not; its first application is counted as `boundary` or
+/// `hard`. True when this was that first application.
 fn apply_stored(
     state: &Arc<AppState>,
     pending: &mut PendingExchange,
@@ -240,7 +242,14 @@ fn apply_stored(
     boundary: bool,
     over: bool,
 ) -> bool {
-    if !boundary && !over && state.compactions.is_waiting(&c.id) {
+    // A threshold compaction covers a prefix that ends at a safe cut, so
+    // it applies on the next request that extends it, inside a tool loop
+    // too: waiting for the next user message (30–50 requests later in an
+    // agent's session) let the conversation grow to the hard limit and
+    // took the whole turn with it. The model's own request waits for the
+    // end of its turn, as it asked.
+    let soft = crate::metrics::trigger_of(&c.reason) == Some("threshold");
+    if !boundary && !over && !soft && state.compactions.is_waiting(&c.id) {
         let base = c
             .base
             .as_deref()
@@ -259,7 +268,11 @@ fn apply_stored(
     }
     let first = state.compactions.first_applied(&c.id);
     if first {
-        let trigger = if boundary { "boundary" } else { "hard" };
+        let trigger = if boundary || (soft && !over) {
+            "boundary"
+        } else {
+            "hard"
+        };
         state.metrics.compaction_trigger(trigger);
         tracing::info!(compaction = %c.id, trigger, "waiting compaction applied");
     }
