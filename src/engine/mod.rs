@@ -506,10 +506,15 @@ async fn compute<S: Context>(
     // `/v1/responses/compact`) is its answer: refusing it fails a request
     // that asked for nothing the upstream could not do, so a short history
     // whose kept system messages outweigh what the summary replaced is
-    // still answered, as long as it fits.
+    // still answered, as long as it fits and replaced something (a history
+    // of one user message is still nothing to compact).
     let before = prepared.before;
+    let replaced = prepared
+        .cut
+        .saturating_sub(prepared.lead)
+        .saturating_sub(applied.kept_users);
     let breaker = |after: u64| {
-        if (after < before || input.whole) && after <= limit {
+        if (after < before || (input.whole && replaced > 0)) && after <= limit {
             return Ok(());
         }
         let err = CompactError::NoShrink { before, after };
