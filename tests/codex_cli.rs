@@ -34,6 +34,8 @@ const TURN_TIMEOUT: Duration = Duration::from_secs(60);
 /// which the fake reports as ~10k input tokens; each long answer adds ~1.2k,
 /// so the session crosses the trigger after a handful of turns.
 const WINDOW: u64 = 24_000;
+/// The answer's budget the model entry gives.
+const MAX_OUTPUT: u64 = 1_000;
 
 /// What Codex prints when the upstream says the prompt does not fit.
 const RAN_OUT: &str = "ran out of room in the model's context window";
@@ -74,7 +76,7 @@ fn small_window(c: &mut Config) {
     c.models.push(ModelConfig {
         pattern: "tiny*".into(),
         context_window: WINDOW,
-        max_output_tokens: Some(1000),
+        max_output_tokens: Some(MAX_OUTPUT),
         trigger_ratio: None,
         ..Default::default()
     });
@@ -469,7 +471,9 @@ async fn codex_session_crossing_the_threshold_is_compacted_in_one_conversation()
 
     // Long turns until one's reported usage crosses the trigger; the proxy
     // compacts in the background right after that answer.
-    let threshold = (WINDOW as f64 * 0.75) as i64;
+    // The trigger is a share of the effective limit: the window less the
+    // answer's budget.
+    let threshold = ((WINDOW - MAX_OUTPUT) as f64 * 0.75) as i64;
     let mut n = 3;
     loop {
         long_turn(&codex, &h.fake, n, false).await;
