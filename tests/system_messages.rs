@@ -163,12 +163,16 @@ async fn a_chat_historys_mid_conversation_system_message_is_kept_verbatim() {
     ];
     for step in 0..12 {
         let id = format!("call_{step}");
+        let body = json!({"model": "tiny-1", "messages": items});
+        // The usage an upstream would report for the history as sent (about
+        // four bytes a token): the proxy takes a reported size at its word,
+        // so a fixed small figure would keep it from ever compacting.
+        let prompt_tokens = serde_json::to_vec(&body).unwrap().len() as u64 / 4;
         h.fake.push(Reply::chat_tool_calls(
             &[(&id, "read", r#"{"path": "src/a.py"}"#)],
-            100,
+            prompt_tokens,
             10,
         ));
-        let body = json!({"model": "tiny-1", "messages": items});
         let (status, answer) = post(
             &h,
             "/chat/completions",
