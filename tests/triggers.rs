@@ -249,6 +249,13 @@ async fn count_tokens_counts_a_waiting_compaction_as_applied() {
     let headers = step(&h, &l, l.shell_reply()).await;
     assert!(!compacted(&headers));
     wait_compactions(&h, 1).await;
+    // Recorded first, then indexed where requests find it: wait for both.
+    support::within(async {
+        while h.state.compactions.is_empty() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await;
     l.round(300);
     // Counted: with the waiting compaction.
     let resp = support::within(
@@ -312,6 +319,13 @@ async fn a_high_trigger_fires_in_the_background_before_the_hard_limit() {
         assert!(!compacted(&headers), "{shape:?}");
         wait_compactions(&h, 1).await;
         let m = &h.state.metrics;
+        // Its trigger is counted just after it joins the index.
+        support::within(async {
+            while m.triggers("threshold") + m.triggers("hard") == 0 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await;
         assert_eq!(
             (m.triggers("threshold"), m.triggers("hard")),
             (1, 0),
