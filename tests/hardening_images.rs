@@ -268,6 +268,14 @@ async fn reported_usage_plus_what_was_added_decides_the_hard_limit() {
     let (status, _, _) = post(&format!("{}/chat/completions", h.url()), KEY, &body(&items)).await;
     assert_eq!(status, 200);
     h.wait_exchanges(1).await;
+    // The report is kept by the accounting step, after the answer: an agent's
+    // next turn comes after its tool run; this test's comes at once.
+    assert!(
+        h.state
+            .background
+            .drained(std::time::Duration::from_secs(10))
+            .await
+    );
     items.push(message("assistant", json!("Which clause first?")));
     // About 400 tokens of new text: a pasted excerpt.
     items.push(message(
