@@ -44,18 +44,7 @@ async fn start_tiny() -> Harness {
 
 /// POSTs a Messages request as Claude Code does; status and body.
 async fn send(h: &Harness, body: &Value) -> (u16, Vec<u8>) {
-    let resp = within(
-        client()
-            .post(format!("{}/messages", h.url()))
-            .header("x-api-key", KEY)
-            .header("anthropic-version", "2023-06-01")
-            .header("anthropic-beta", "context-management-2025-06-27")
-            .header("content-type", "application/json")
-            .body(serde_json::to_vec(body).unwrap())
-            .send(),
-    )
-    .await
-    .expect("request");
+    let resp = support::post_messages(h, KEY, "context-management-2025-06-27", body).await;
     let status = resp.status().as_u16();
     let bytes = within(resp.bytes()).await.expect("body");
     (status, bytes.to_vec())
