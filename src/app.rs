@@ -112,11 +112,18 @@ impl AppState {
             (store, snapshot, reads, Some(pg))
         } else {
             let path = config.store_path();
-            let backend = SqliteBackend::open_writer(&path)
-                .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
+            // The store's lock first: a second server opening the file for
+            // writing (its schema, its WAL) while the first serves it can
+            // leave the first a malformed database.
+            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+                std::fs::create_dir_all(dir)
+                    .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
+            }
             let journal = crate::store::Journal::open(&path).map_err(|e| {
                 anyhow::anyhow!("cannot open the journal of {}: {e}", path.display())
             })?;
+            let backend = SqliteBackend::open_writer(&path)
+                .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
             let (store, snapshot) = Store::start(
                 Box::new(backend),
                 Some(journal),

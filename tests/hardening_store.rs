@@ -370,6 +370,14 @@ async fn one_server_per_store_however_its_path_is_spelled() {
             spelled.display()
         );
     }
+    // Refused before it opened the database: SQLite names a WAL after the
+    // name it was given, so a server that opened the hard link for writing
+    // before it took the lock left one of its own, and two WALs of one
+    // database can leave it malformed.
+    for side in ["hard.db-wal", "hard.db-shm"] {
+        let side = dir.path().join(side);
+        assert!(!side.exists(), "{} was made", side.display());
+    }
     // The first server serves on, and records what it acknowledges.
     let url = format!("http://127.0.0.1:{port}/v1/chat/completions");
     for i in 0..3 {
