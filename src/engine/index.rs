@@ -95,6 +95,11 @@ impl rewrite::Covering for Entry {
     }
 }
 
+/// Conversations whose agent turn and hidden rounds are kept, per
+/// generation (see [`Generations`]): one not seen within this many others
+/// is forgotten, as if this process had just started.
+pub const PER_CONVERSATION: usize = 1 << 14;
+
 /// Reads a compaction's body from the store, by id.
 pub type LoadCompaction = Arc<dyn Fn(&str) -> Option<Compaction> + Send + Sync>;
 
@@ -158,11 +163,12 @@ pub struct Compactions {
     pub(super) waiting: Mutex<foldhash::HashSet<String>>,
     /// Per (tenant, conversation): the turn (see
     /// [`crate::compaction::agent_tool::turn_of`]) whose agent compaction
-    /// was scheduled last (one per turn).
-    pub(super) agent_turns: Mutex<HashMap<(String, String), ItemHash>>,
+    /// was scheduled last (one per turn). The recent conversations only.
+    pub(super) agent_turns: Mutex<Option<Generations<(String, String), ItemHash>>>,
     /// (tenant, conversation) pairs on Anthropic Messages with thinking on
-    /// where an answer followed a round the proxy answered itself.
-    pub(super) hidden_rounds: Mutex<foldhash::HashSet<(String, String)>>,
+    /// where an answer followed a round the proxy answered itself. The
+    /// recent conversations only.
+    pub(super) hidden_rounds: Mutex<Option<Generations<(String, String), ()>>>,
     /// A store other processes write too: compactions they computed are
     /// looked up there, and computing one is claimed there first.
     pub(super) shared: Option<Arc<dyn Reads>>,
@@ -602,20 +608,28 @@ impl Compactions {
     /// true if it is the first request of that turn to ask (one per turn).
     pub fn schedule_agent_turn(&self, tenant: &str, conversation: &str, turn: ItemHash) -> bool {
         let key = (tenant.to_string(), conversation.to_string());
-        lock(&self.agent_turns).insert(key, turn) != Some(turn)
+        lock(&self.agent_turns)
+            .get_or_insert_with(|| Generations::new(PER_CONVERSATION))
+            .insert(key, turn)
+            != Some(turn)
     }
 
     /// An answer of the conversation followed a round the proxy answered
     /// itself, with thinking on: its thinking is signed against a prefix the
     /// client's history lacks.
     pub fn mark_hidden_round(&self, tenant: &str, conversation: &str) {
-        lock(&self.hidden_rounds).insert((tenant.to_string(), conversation.to_string()));
+        lock(&self.hidden_rounds)
+            .get_or_insert_with(|| Generations::new(PER_CONVERSATION))
+            .insert((tenant.to_string(), conversation.to_string()), ());
     }
 
     /// Whether [`Compactions::mark_hidden_round`] was called for the
     /// conversation (in this process).
     pub fn had_hidden_round(&self, tenant: &str, conversation: &str) -> bool {
-        lock(&self.hidden_rounds).contains(&(tenant.to_string(), conversation.to_string()))
+        lock(&self.hidden_rounds)
+            .as_mut()
+            .and_then(|m| m.renew(&(tenant.to_string(), conversation.to_string())))
+            .is_some()
     }
 
     /// A background job still computing for this conversation.
