@@ -79,7 +79,8 @@ pub(super) fn print_table(r: &DemoReport, out: &mut (dyn Write + Send)) -> std::
     writeln!(
         out,
         "\nas compactor accounts it (admin page, /metrics): {} input tokens received, {} without \
-         compaction; summarizer {} in + {} out; net saved {}",
+         compaction (its own estimate: the upstream never saw those requests, so this differs \
+         a little from the measured column above); summarizer {} in + {} out; net saved {}",
         thousands(s.input_tokens),
         thousands(s.input_tokens_uncompacted),
         thousands(s.summarizer_input_tokens),
