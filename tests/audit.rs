@@ -1,7 +1,7 @@
 //! The audit of every compaction, through the real proxy on the fake
 //! upstream: each compaction's facts checklist (the task, changed files,
-//! failures, decisions, constraints and next steps the proxy extracted from
-//! what it replaced) checked against the request it makes; a fact a rung
+//! failures, decisions, constraints, next steps, commands, rules and system
+//! messages the proxy extracted from what it replaced) checked against the request it makes; a fact a rung
 //! would drop added to the facts message before the request goes out, and
 //! counted; at a window too small for every fact, the lowest kinds recorded
 //! as forgotten while the request still succeeds. The CLI, the admin API
@@ -162,8 +162,9 @@ async fn a_useless_summarizer_at_a_tight_window_keeps_every_fact_in_the_facts_me
         "file",
         "failure",
         "decision",
-        "constraint",
         "next_step",
+        "command",
+        "rule",
     ] {
         assert!(kinds.contains(&kind), "{kind} not checked: {checks:?}");
     }
@@ -187,8 +188,9 @@ async fn a_useless_summarizer_at_a_tight_window_keeps_every_fact_in_the_facts_me
         "file",
         "failure",
         "decision",
-        "constraint",
         "next_step",
+        "command",
+        "rule",
     ] {
         assert_eq!(
             series(&scrape, FACTS, &format!("kind=\"{kind}\",state=\"kept\"")),

@@ -116,6 +116,9 @@ pub const FACT_KINDS: &[&str] = &[
     "decision",
     "constraint",
     "next_step",
+    "command",
+    "rule",
+    "system",
 ];
 
 /// State labels of `compactor_compaction_facts_total`.

@@ -3,6 +3,9 @@
 //! byte budget; and reading a previous summary's narrative back for
 //! re-compaction.
 
+use super::ledger::{
+    decision_line, ledger_block, rules_block, Shown, LEDGER_HEADING, RULES_HEADING,
+};
 use super::narrative::{heading_of, is_fence, written_sections};
 use super::text::{clip, fenced, head_tail};
 use super::{Facts, FACTS_LABEL, NARRATIVE_SECTIONS, NOT_PROVIDED, UNAVAILABLE};
@@ -28,10 +31,9 @@ struct Draft<'a> {
     log_from: usize,
     /// First kept of decisions, constraints and next steps.
     statements_from: [usize; 3],
-    /// Files only read are counted, not listed.
-    hide_reads: bool,
-    /// Changed files whose paths were cut, oldest first.
-    paths_cut: usize,
+    /// How much of the rules, system messages, commands and files the
+    /// sections before the narrative still show.
+    shown: Shown,
 }
 
 impl Draft<'_> {
@@ -70,7 +72,11 @@ impl Draft<'_> {
         let mut s = self.label(what);
         for l in list {
             s.push_str("\n- ");
-            s.push_str(l);
+            if kind == 0 {
+                s.push_str(&decision_line(self.facts, l));
+            } else {
+                s.push_str(l);
+            }
         }
         Some(s)
     }
@@ -92,6 +98,18 @@ Blocks starting \"{FACTS_LABEL}\" were extracted verbatim from the conversation;
         }
         s.push_str("\n## TASK\n");
         s.push_str(f.task.as_deref().unwrap_or("(not recorded)"));
+        let label = |what: &str| self.label(what);
+        for (heading, block) in [
+            (RULES_HEADING, rules_block(f, &self.shown, &label)),
+            (
+                LEDGER_HEADING,
+                ledger_block(f, &self.shown, self.short_header, &label),
+            ),
+        ] {
+            if let Some(b) = block {
+                s.push_str(&format!("\n\n## {heading}\n{b}"));
+            }
+        }
         for (i, heading) in NARRATIVE_SECTIONS.iter().enumerate() {
             s.push_str(&format!("\n\n## {heading}"));
             if !self.bodies[i].is_empty() {
@@ -147,60 +165,43 @@ Blocks starting \"{FACTS_LABEL}\" were extracted verbatim from the conversation;
         s
     }
 
+    /// FILE/WORKSPACE STATE's facts: what each changed file now contains,
+    /// or the changes written to it, while they fit (the LEDGER lists every
+    /// file).
     fn files_block(&self) -> Option<String> {
-        if self.facts.files.is_empty() {
-            return None;
-        }
-        let mut s = self.label("files touched, in order of first touch");
-        let mut reads = 0;
-        let mut changed = 0;
+        let mut lines = Vec::new();
         for (f, content) in self.facts.files.iter().zip(&self.contents) {
-            let p = &f.path;
-            if f.action != "read" {
-                changed += 1;
-                if changed <= self.paths_cut {
-                    continue;
-                }
-            }
-            let line = match (f.action.as_str(), content) {
-                ("read", _) if self.hide_reads => {
-                    reads += 1;
-                    continue;
-                }
-                ("write", Some(c)) => format!("- {p} — current content:\n{}", fenced(c, "")),
-                ("patch", Some(c)) => format!(
+            let (p, Some(c)) = (&f.path, content) else {
+                continue;
+            };
+            lines.push(match f.action.as_str() {
+                "write" => format!("- {p} — current content:\n{}", fenced(c, "")),
+                "patch" => format!(
                     "- {p} — patched; the patches written, oldest first:\n{}",
                     fenced(c, "diff")
                 ),
-                ("edit", Some(c)) => format!(
+                "edit" => format!(
                     "- {p} — edited; the edits written, oldest first:\n{}",
                     fenced(c, "diff")
                 ),
-                ("delete", _) => format!("- {p} — deleted"),
-                ("read", _) => format!("- {p} — read, not modified"),
-                (action, None) if f.content.is_some() => {
-                    format!("- {p} — {action} (content omitted for size)")
-                }
-                (action, _) => format!("- {p} — {action}"),
-            };
-            s.push('\n');
-            s.push_str(&line);
+                _ => continue,
+            });
         }
-        if reads > 0 {
-            s.push_str(&format!("\n- and {reads} more read, not modified"));
+        if lines.is_empty() {
+            return None;
         }
-        if self.paths_cut > 0 {
-            s.push_str(&format!(
-                "\n- and {} more changed earlier (paths cut for size)",
-                self.paths_cut
-            ));
-        }
-        Some(s)
+        Some(format!(
+            "{}\n{}",
+            self.label("the content of the files changed, in order of first touch"),
+            lines.join("\n")
+        ))
     }
 }
 
 /// The full summary message text: [`SUMMARY_MARKER`] header, `## TASK`
-/// (verbatim), the six narrative sections with the proxy's facts after the
+/// (verbatim), `## RULES & SYSTEM MESSAGES` and `## LEDGER` (see
+/// `ledger`: placed before the narrative, and the last facts to give way),
+/// the six narrative sections with the proxy's facts after the
 /// model's text — PLAN STATE (plan), DECISIONS (the assistant's own
 /// decisions), FILE/WORKSPACE STATE (files with their content or changes in
 /// fenced blocks), CONSTRAINTS & PREFERENCES (what the user asked after the
@@ -217,9 +218,10 @@ Blocks starting \"{FACTS_LABEL}\" were extracted verbatim from the conversation;
 /// size is still stated), the list of files only read, file contents
 /// shortened (context lines of patches first, then largest first, head and
 /// tail kept). Then the facts give way lowest-first: the user's
-/// constraints, the decisions, file contents and then the paths of changed
-/// files (oldest first; how many is stated), errors (oldest first), the
-/// plan, the next steps. TASK is never cut, so a task that alone exceeds
+/// constraints, the decisions, file contents, the ledger's commands, the
+/// system messages, the ledger's changed files (each oldest first; how
+/// many is stated), errors (oldest first), the plan, the next steps, the
+/// user's standing rules. TASK is never cut, so a task that alone exceeds
 /// the budget yields a longer text.
 pub fn assemble(
     facts: &Facts,
@@ -242,12 +244,19 @@ pub fn assemble(
         fallback: narrative.is_none(),
         short_header: false,
         plan: facts.plan.clone(),
-        contents: facts.files.iter().map(|f| f.content.clone()).collect(),
+        contents: facts
+            .files
+            .iter()
+            .map(|f| {
+                matches!(f.action.as_str(), "write" | "patch" | "edit")
+                    .then(|| f.content.clone())
+                    .flatten()
+            })
+            .collect(),
         errors_from: 0,
         log_from: 0,
         statements_from: [0; 3],
-        hide_reads: false,
-        paths_cut: 0,
+        shown: Shown::default(),
     };
     let mut text = d.render();
     let over = |t: &str| t.len().saturating_sub(max_bytes);
@@ -283,7 +292,7 @@ pub fn assemble(
     }
     // 4. Files only read.
     if over(&text) > 0 {
-        d.hide_reads = true;
+        d.shown.hide_reads = true;
         text = d.render();
     }
     // 5. File contents: patches and edits without their context lines, then
@@ -333,8 +342,7 @@ pub fn assemble(
     cut_statements(&mut d, &mut text, 1);
     // 7. Decisions, oldest first.
     cut_statements(&mut d, &mut text, 0);
-    // 8. File contents, largest first, then the paths of changed files,
-    // oldest first.
+    // 8. File contents, largest first.
     while over(&text) > 0 {
         let Some(i) = d
             .contents
@@ -350,16 +358,26 @@ pub fn assemble(
         text = d.render();
     }
     let changed = facts.files.iter().filter(|f| f.action != "read").count();
-    while over(&text) > 0 && d.paths_cut < changed {
-        d.paths_cut += 1;
+    // 9. Commands, oldest first (how many is stated), then the system
+    // messages, oldest first.
+    while over(&text) > 0 && d.shown.commands_from < facts.commands.len() {
+        d.shown.commands_from += 1;
         text = d.render();
     }
-    // 9. Errors, oldest first.
+    while over(&text) > 0 && d.shown.system_from < facts.system.len() {
+        d.shown.system_from += 1;
+        text = d.render();
+    }
+    while over(&text) > 0 && d.shown.paths_cut < changed {
+        d.shown.paths_cut += 1;
+        text = d.render();
+    }
+    // 10. Errors, oldest first.
     while over(&text) > 0 && d.errors_from < facts.errors.len() {
         d.errors_from += 1;
         text = d.render();
     }
-    // 10. The plan.
+    // 11. The plan.
     if over(&text) > 0 {
         if let Some(p) = d.plan.as_deref() {
             let excess = over(&text);
@@ -367,8 +385,13 @@ pub fn assemble(
             text = d.render();
         }
     }
-    // 11. Next steps, oldest first.
+    // 12. Next steps, oldest first.
     cut_statements(&mut d, &mut text, 2);
+    // 13. The user's standing rules, oldest first (how many is stated).
+    while over(&text) > 0 && d.shown.rules_from < facts.rules.len() {
+        d.shown.rules_from += 1;
+        text = d.render();
+    }
     text
 }
 
@@ -410,7 +433,10 @@ pub fn previous_narrative(summary_text: &str) -> String {
         }
         let ours = line.starts_with("## ")
             && (heading_of(line).is_some()
-                || matches!(line.trim_end(), "## TASK" | "## TOOL CALL LOG"));
+                || matches!(
+                    line.trim_end().trim_start_matches("## "),
+                    "TASK" | "TOOL CALL LOG" | RULES_HEADING | LEDGER_HEADING
+                ));
         if !fence && !is_fence(line) && ours {
             current = heading_of(line).map(|(i, _)| i);
             if let Some(i) = current {
@@ -496,7 +522,21 @@ mod tests {
             .unwrap();
         assert!(err > at("ERRORS & FIXES") && err < at("OPEN ITEMS / NEXT STEP"));
         assert!(s.contains("- max_age 3600: sessions last an hour"));
-        assert!(s.contains("- exec_command(cmd=pytest) → error: KeyError: 'session'"));
+        assert!(s.contains(
+            "- exec_command(cmd=pytest) → error (Process exited with code 1): KeyError: 'session'"
+        ));
+        // The ledger, before the narrative: the file and the command with
+        // the words that stated its exit status.
+        let ledger = at("LEDGER");
+        assert!(at("TASK") < ledger && ledger < at("PLAN STATE"), "{s}");
+        assert!(
+            s[ledger..].starts_with("\n## LEDGER\nRecorded by the proxy: the files the tool calls touched and the commands they ran\nFiles:\n- src/auth.py — patched ("),
+            "{s}"
+        );
+        assert!(
+            s.contains("\n- pytest → Process exited with code 1\n"),
+            "{s}"
+        );
         assert!(s.len() <= 100_000);
     }
 

@@ -62,30 +62,39 @@ impl FactKind {
             FactKind::Decision => "decision",
             FactKind::Constraint => "constraint",
             FactKind::NextStep => "next_step",
+            FactKind::Command => "command",
+            FactKind::Rule => "rule",
+            FactKind::System => "system",
         }
     }
 
     /// Every kind, in the order a checklist lists them.
-    pub const ALL: [FactKind; 6] = [
+    pub const ALL: [FactKind; 9] = [
         FactKind::Task,
         FactKind::File,
         FactKind::Failure,
         FactKind::Decision,
         FactKind::Constraint,
         FactKind::NextStep,
+        FactKind::Command,
+        FactKind::Rule,
+        FactKind::System,
     ];
 
     /// Which kind is repaired first when room is short: the reverse of the
-    /// order the facts give way in (constraints, decisions, files, errors,
-    /// next step, the task last).
+    /// order the facts give way in (constraints, decisions, commands,
+    /// system messages, files, errors, next step, rules, the task last).
     pub fn keep_rank(self) -> u8 {
         match self {
             FactKind::Task => 0,
-            FactKind::NextStep => 1,
-            FactKind::Failure => 2,
-            FactKind::File => 3,
-            FactKind::Decision => 4,
-            FactKind::Constraint => 5,
+            FactKind::Rule => 1,
+            FactKind::NextStep => 2,
+            FactKind::Failure => 3,
+            FactKind::File => 4,
+            FactKind::System => 5,
+            FactKind::Command => 6,
+            FactKind::Decision => 7,
+            FactKind::Constraint => 8,
         }
     }
 }
@@ -203,6 +212,9 @@ fn repair_line(f: &Check) -> String {
         FactKind::Decision => "decision",
         FactKind::Constraint => "the user's request",
         FactKind::NextStep => "next step",
+        FactKind::Command => "command",
+        FactKind::Rule => "the user's standing rule",
+        FactKind::System => "system message",
     };
     if f.kind == FactKind::Failure || f.fact.contains('\n') {
         format!("\n- {label}:\n{}", fenced(&f.fact, "text"))
@@ -363,6 +375,7 @@ mod tests {
                 FactKind::NextStep,
                 FactKind::Failure,
                 FactKind::File,
+                FactKind::Command,
                 FactKind::Decision
             ]
         );

@@ -97,6 +97,7 @@ pub(super) fn calls_of(item: &Value) -> Vec<Call> {
                         .map(|e| vec![clip(e.trim(), MAX_ERROR_LINE)])
                         .unwrap_or_default(),
                     exit: None,
+                    status: None,
                 }),
             }
         }

@@ -24,6 +24,12 @@ pub enum FactKind {
     Constraint,
     /// One of the assistant's next steps.
     NextStep,
+    /// A command the ledger records, with how it ended (its line).
+    Command,
+    /// One of the user's standing rules.
+    Rule,
+    /// A system message inside the conversation, verbatim.
+    System,
 }
 
 /// One line of the checklist.
@@ -39,8 +45,9 @@ pub struct Check {
 
 /// The checklist of `facts` against `sent`, the text of the compacted
 /// request's items (every string of them, decoded, in any order): the
-/// task, then changed files, failures, decisions, constraints and next
-/// steps in the order the facts hold them.
+/// task, then changed files, failures, decisions, constraints, next
+/// steps, the ledger's commands, the user's standing rules and the system
+/// messages, in the order the facts hold them.
 pub fn checklist(facts: &Facts, sent: &str) -> Vec<Check> {
     let check = |kind, fact: &str| Check {
         kind,
@@ -72,6 +79,14 @@ pub fn checklist(facts: &Facts, sent: &str) -> Vec<Check> {
             .iter()
             .map(|s| check(FactKind::NextStep, s)),
     );
+    out.extend(
+        facts
+            .commands
+            .iter()
+            .map(|c| check(FactKind::Command, &c.line())),
+    );
+    out.extend(facts.rules.iter().map(|s| check(FactKind::Rule, s)));
+    out.extend(facts.system.iter().map(|s| check(FactKind::System, s)));
     out
 }
 
@@ -91,9 +106,11 @@ mod tests {
         f.decisions = vec!["Decision: max_age 3600 because sessions last an hour".into()];
         f.constraints = vec!["Never change the cookie name.".into()];
         f.next_steps = vec!["Next step: rerun pytest -k cookie".into()];
+        f.rules = vec!["From now on, run pytest before every commit.".into()];
+        f.system = vec!["<system-reminder>\nDeferred tools: WebFetch\n</system-reminder>".into()];
         let whole = assemble(&f, None, 9, usize::MAX);
         let all = checklist(&f, &whole);
-        assert_eq!(all.len(), 6, "{all:?}");
+        assert_eq!(all.len(), 9, "{all:?}");
         assert!(all.iter().all(|c| c.present), "{all:?}");
         let floor = assemble(&f, None, 9, 0).len();
         let mut forgotten_at = Vec::new();
@@ -118,9 +135,12 @@ mod tests {
             [
                 FactKind::Constraint,
                 FactKind::Decision,
+                FactKind::Command,
+                FactKind::System,
                 FactKind::File,
                 FactKind::Failure,
-                FactKind::NextStep
+                FactKind::NextStep,
+                FactKind::Rule,
             ],
             "{forgotten_at:?}"
         );

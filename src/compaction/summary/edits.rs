@@ -28,6 +28,8 @@ pub(super) enum Op {
         rendered: String,
     },
     Delete,
+    /// Moved to another path (`mv`, `git mv`, a patch's `*** Move to`).
+    Rename(String),
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -280,7 +282,7 @@ fn apply_update(content: &str, body: &[String]) -> Option<String> {
     Some(out)
 }
 
-fn clean_path(p: &str) -> String {
+pub(super) fn clean_path(p: &str) -> String {
     let p = p.trim().trim_matches(|c| c == '"' || c == '\'');
     p.strip_prefix("./").unwrap_or(p).to_string()
 }
@@ -445,7 +447,7 @@ pub(super) fn text_edits(text: &str) -> Vec<(String, Op)> {
 
 /// The words of a shell command line, quotes removed (no expansion);
 /// `;`, `|` and `&` are words of their own.
-fn shell_words(line: &str) -> Vec<String> {
+pub(super) fn shell_words(line: &str) -> Vec<String> {
     let mut words = Vec::new();
     let mut cur = String::new();
     let mut quote: Option<char> = None;
@@ -606,7 +608,7 @@ pub(super) fn effects_of(name: &str, args: &Value) -> Vec<Effect> {
                 'D' => fx.push(Effect::File(p.path, Op::Delete)),
                 _ => match p.move_to {
                     Some(to) => {
-                        fx.push(Effect::File(p.path, Op::Delete));
+                        fx.push(Effect::File(p.path, Op::Rename(to.clone())));
                         fx.push(Effect::File(
                             to,
                             Op::Patch {
@@ -640,6 +642,9 @@ pub(super) fn effects_of(name: &str, args: &Value) -> Vec<Effect> {
                 fx.push(Effect::File(path, Op::Write(content)));
             }
             for (path, op) in sed_edits(s) {
+                fx.push(Effect::File(path, op));
+            }
+            for (path, op) in super::shell::file_ops(s) {
                 fx.push(Effect::File(path, op));
             }
         }
@@ -743,6 +748,31 @@ pub(super) fn apply_op(files: &mut Vec<FileFact>, path: String, op: Op) {
         .flatten();
     match op {
         Op::Read => {}
+        Op::Rename(to) => {
+            // The old path says where it went; the new one takes its state
+            // when it was known, else says where it came from.
+            let from = f.path.clone();
+            let state = (f.action != "read" && f.action != "rename" && f.action != "moved")
+                .then(|| (f.action.clone(), f.content.clone()));
+            f.action = "rename".into();
+            f.content = Some(to.clone());
+            if to == from {
+                return;
+            }
+            let (action, content) = state.unwrap_or_else(|| ("moved".into(), Some(from)));
+            let at = match files.iter().position(|x| x.path == to) {
+                Some(i) => i,
+                None => {
+                    files.push(FileFact {
+                        path: to,
+                        ..FileFact::default()
+                    });
+                    files.len() - 1
+                }
+            };
+            files[at].action = action;
+            files[at].content = content;
+        }
         Op::Delete => {
             f.action = "delete".into();
             f.content = None;
@@ -854,7 +884,8 @@ mod tests {
         ];
         let f = extract_facts(&part, None);
         assert_eq!(file(&f, "old.txt").action, "delete");
-        assert_eq!(file(&f, "a.rs").action, "delete");
+        assert_eq!(file(&f, "a.rs").action, "rename");
+        assert_eq!(file(&f, "a.rs").content.as_deref(), Some("b.rs"));
         assert!(file(&f, "b.rs")
             .content
             .as_deref()

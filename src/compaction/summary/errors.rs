@@ -55,7 +55,14 @@ pub fn output_digest(text: &str, kept: &str) -> Vec<String> {
     let mut lines = Vec::new();
     if let Some(code) = o.exit {
         if stated_exit_code(kept) != Some(code) {
-            lines.push(format!("Exit code: {code}"));
+            // The words that stated it, unless they are a harness's header
+            // (`Exit code N`, `Process exited with code N`): that one reads
+            // the same for every harness.
+            let words = status_words(text).filter(|w| {
+                let lower = w.to_ascii_lowercase();
+                !lower.starts_with("exit code") && !lower.starts_with("process exited")
+            });
+            lines.push(words.unwrap_or_else(|| format!("Exit code: {code}")));
         }
     }
     if o.failed {
@@ -100,6 +107,8 @@ pub(super) struct Outcome {
     /// [`MAX_FAILURES`](super::failures::MAX_FAILURES)).
     pub(super) errors: Vec<String>,
     pub(super) exit: Option<i64>,
+    /// The words that stated the exit status ([`status_words`]).
+    pub(super) status: Option<String>,
 }
 
 impl Outcome {
@@ -117,13 +126,14 @@ impl Outcome {
             pruned: false,
             errors,
             exit: stated_exit_code(text),
+            status: status_words(text),
         }
     }
 }
 
 /// Header lines harnesses and our own ladder put around tool output.
 fn is_header_line(t: &str) -> bool {
-    const HEADERS: [&str; 10] = [
+    const HEADERS: [&str; 12] = [
         "Chunk ID:",
         "Wall time:",
         "Process exited with code",
@@ -134,6 +144,8 @@ fn is_header_line(t: &str) -> bool {
         "[compactor:",
         "[… ",
         PATHS_NAMED,
+        "<returncode>",
+        "[The command completed with exit code",
     ];
     HEADERS.iter().any(|h| t.starts_with(h))
 }
@@ -153,27 +165,69 @@ const EXIT_SCAN_BYTES: usize = 8 * 1024;
 /// Lines of an output read for the paths it names (after its failures).
 const MAX_DIGEST_SCAN_LINES: usize = 2_000;
 
+/// Longest statement of an exit status kept (its line, clipped).
+const MAX_STATUS_WORDS: usize = 160;
+
 /// An exit code stated by the output's own lines.
 fn stated_exit_code(body: &str) -> Option<i64> {
-    const PHRASES: [&str; 6] = [
+    stated_exit(body).map(|(code, _)| code)
+}
+
+/// An exit status stated by the output's own lines, and the line that
+/// states it, as printed: a header (Codex's `Process exited with code N`,
+/// Claude Code's `Exit code N`, `Exit code: N`), a wrapper (a one-`bash`
+/// agent's `<returncode>N</returncode>`), a trailer (OpenHands' `[The
+/// command completed with exit code N.]`) or a runner's own line (pnpm's
+/// and yarn's `Command failed with exit code N.`).
+fn stated_exit(body: &str) -> Option<(i64, String)> {
+    const PHRASES: [&str; 8] = [
         "process exited with code",
         "error: exit code",
         "exit code",
         "exit status",
         "exited with code",
         "exit_code",
+        "<returncode>",
+        "[the command completed with exit code",
     ];
+    const ANYWHERE: &str = "command failed with exit code";
     // Harnesses state it in a header or a last line: the ends are read,
     // not the whole of a long log.
     let head = &body[..floor_boundary(body, EXIT_SCAN_BYTES)];
     let tail =
         &body[ceil_boundary(body, body.len().saturating_sub(EXIT_SCAN_BYTES)).max(head.len())..];
     head.lines().chain(tail.lines()).find_map(|l| {
-        let lower = l.trim().to_ascii_lowercase();
-        PHRASES
+        let t = l.trim();
+        if t.len() > MAX_STATUS_WORDS * 4 {
+            return None;
+        }
+        let lower = t.to_ascii_lowercase();
+        let code = PHRASES
             .iter()
             .find_map(|p| lower.strip_prefix(p).and_then(leading_int))
+            .or_else(|| {
+                let at = lower.find(ANYWHERE)?;
+                leading_int(&lower[at + ANYWHERE.len()..])
+            })?;
+        Some((code, clip(t, MAX_STATUS_WORDS)))
     })
+}
+
+/// How an output states its call's exit status, in its own words: the
+/// line that states it, or the JSON wrapper's field as `exit_code: N`.
+/// `None` when it states none.
+pub(super) fn status_words(text: &str) -> Option<String> {
+    if text.trim_start().starts_with('{') {
+        if let Ok(v) = serde_json::from_str::<Value>(text) {
+            if let Some(code) = json_exit(&v) {
+                return Some(format!("exit_code: {code}"));
+            }
+            if let Some(out) = v.get("output").and_then(Value::as_str) {
+                return stated_exit(out).map(|(_, w)| w);
+            }
+        }
+    }
+    stated_exit(text).map(|(_, w)| w)
 }
 
 /// Whether a (trimmed) output line reports a failure on its own: a marker
@@ -249,6 +303,7 @@ pub(super) fn outcome(text: &str) -> Outcome {
             pruned: false,
             errors,
             exit,
+            status: status_words(text),
         };
     }
     let found = failures(&body);
@@ -287,6 +342,7 @@ pub(super) fn outcome(text: &str) -> Outcome {
         pruned: false,
         errors,
         exit,
+        status: exit.and(status_words(text)),
     }
 }
 
@@ -318,10 +374,20 @@ mod tests {
         );
         assert_eq!(
             f.tool_log[0],
-            "exec_command(cmd=cargo build) → error: error[E0308]: mismatched types"
+            "exec_command(cmd=cargo build) → error (Process exited with code 101): error[E0308]: mismatched types"
         );
         assert!(f.tool_log[1].ends_with("→ ok"));
-        assert!(f.tool_log[2].ends_with("→ error: exit code 1"));
+        assert!(f.tool_log[2].ends_with("→ error: Process exited with code 1"));
+        // The ledger: each command with the words that stated its status.
+        let lines: Vec<String> = f.commands.iter().map(|c| c.line()).collect();
+        assert_eq!(
+            lines,
+            [
+                "cargo build → Process exited with code 101",
+                "grep -rn error: src → Process exited with code 0",
+                "false → Process exited with code 1",
+            ]
+        );
     }
 
     #[test]

@@ -12,9 +12,14 @@ use super::calls::{calls_of, short_args};
 use super::edits::{apply_op, effects_of, text_edits, Effect};
 use super::errors::{outcome, Outcome};
 use super::failures::headline;
-use super::statements::{classify_assistant_line, push_statement, user_constraints, Statement};
+use super::shell::{command_of, file_ops, shell_blocks, MAX_COMMAND};
+use super::statements::{classify_assistant_line, push_statement, user_statements, Statement};
+use super::statements::{push_pinned, reverses, system_blocks};
 use super::text::{clip, role};
-use super::{MAX_ERRORS, MAX_LOG_OUTCOME, MAX_TOOL_LOG};
+use super::{
+    MAX_COMMANDS, MAX_ERRORS, MAX_LOG_OUTCOME, MAX_RULES, MAX_SYSTEM_NOTE, MAX_SYSTEM_NOTES,
+    MAX_TOOL_LOG,
+};
 use crate::compaction::items::{is_summary, is_user_message, outputs, text_of};
 
 /// Facts the proxy extracts deterministically, so they survive any model.
@@ -40,8 +45,48 @@ pub struct Facts {
     /// The agent's own statements of what it does next, newest kept.
     pub next_steps: Vec<String>,
     /// Constraints and preferences the user stated after the task, newest
-    /// kept.
+    /// kept (those that are standing rules are in `rules` instead).
     pub constraints: Vec<String>,
+    /// Commands run (shell-like calls, aider's reported runs), oldest
+    /// first, each with its exit status in the words of the output that
+    /// stated it (at most [`MAX_COMMANDS`], newest kept).
+    pub commands: Vec<CommandFact>,
+    /// Commands left out of `commands`, older than those kept.
+    pub commands_dropped: usize,
+    /// The user's standing instructions ("from now on…", "never…", "use X
+    /// not Y"), verbatim, in order (at most [`MAX_RULES`], newest kept).
+    pub rules: Vec<String>,
+    /// Rules left out of `rules`.
+    pub rules_dropped: usize,
+    /// System messages a harness put inside the history as user text
+    /// (`<system-reminder>`, `<environment_context>` blocks), verbatim, in
+    /// order (at most [`MAX_SYSTEM_NOTES`], newest kept). System-role
+    /// items are kept as items (`cut::kept_verbatim`).
+    pub system: Vec<String>,
+    /// System messages left out of `system`.
+    pub system_dropped: usize,
+    /// Decisions a later one reversed: (the replaced, the one replacing it).
+    pub replaced: Vec<(String, String)>,
+}
+
+/// One command of the ledger.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CommandFact {
+    /// The command line (its first line, clipped).
+    pub command: String,
+    /// Its exit status in the words of the output that stated it (a
+    /// header, trailer or wrapper line as printed; `exit_code: N` for a
+    /// JSON wrapper); else `failed: <its first failure>`, `ok`, `no
+    /// output` or `output pruned`.
+    pub status: String,
+}
+
+impl CommandFact {
+    /// The ledger's line for it (and the checklist's fact).
+    pub fn line(&self) -> String {
+        format!("{} → {}", self.command, self.status)
+    }
 }
 
 /// What the conversation did to one file.
@@ -118,26 +163,59 @@ fn typed_text(item: &Value) -> String {
 /// no previous facts were passed).
 fn task_from_summary(text: &str) -> Option<String> {
     let start = text.find("\n## TASK\n")? + "\n## TASK\n".len();
-    let end = text[start..]
-        .find("\n\n## PLAN STATE\n")
+    let end = ["RULES & SYSTEM MESSAGES", "LEDGER", "PLAN STATE"]
+        .iter()
+        .filter_map(|h| text[start..].find(&format!("\n\n## {h}\n")))
+        .min()
         .map(|e| start + e)
         .unwrap_or(text.len());
     let task = &text[start..end];
     (!task.is_empty() && task != "(not recorded)").then(|| task.to_string())
 }
 
-/// The output in a user message that reports a command's output (aider's
-/// `/run` and `/test`: "I ran this command: … And got this output: …",
-/// "Fix any errors below, if possible.").
-fn command_output(text: &str) -> Option<&str> {
+/// The command and output in a user message that reports a command's
+/// output (aider's `/run` and `/test`: "I ran this command: … And got this
+/// output: …", "Fix any errors below, if possible." without the command).
+fn command_output(text: &str) -> Option<(Option<&str>, &str)> {
     const RAN: &str = "I ran this command:";
     const GOT: &str = "And got this output:";
     const FIX: &str = "Fix any errors below, if possible.";
     let t = text.trim_start();
-    if t.starts_with(RAN) {
-        return t.find(GOT).map(|i| &t[i + GOT.len()..]);
+    if let Some(rest) = t.strip_prefix(RAN) {
+        let i = rest.find(GOT)?;
+        let cmd = rest[..i].trim();
+        return Some(((!cmd.is_empty()).then_some(cmd), &rest[i + GOT.len()..]));
     }
-    t.trim_start_matches('#').trim_start().strip_prefix(FIX)
+    t.trim_start_matches('#')
+        .trim_start()
+        .strip_prefix(FIX)
+        .map(|o| (None, o))
+}
+
+/// Records a command and how it ended; past [`MAX_COMMANDS`] the oldest
+/// are counted, not kept.
+fn push_command(facts: &mut Facts, command: &str, out: Option<&Outcome>) {
+    let status = match out {
+        None => "no output".to_string(),
+        Some(o) if o.pruned => "output pruned".to_string(),
+        Some(o) => match (&o.status, o.failed) {
+            (Some(w), _) => w.clone(),
+            (None, true) => match o.errors.first() {
+                Some(e) => format!("failed: {}", headline(e)),
+                None => "failed".to_string(),
+            },
+            (None, false) => "ok".to_string(),
+        },
+    };
+    facts.commands.push(CommandFact {
+        command: clip(command, MAX_COMMAND),
+        status: clip(&status, MAX_LOG_OUTCOME),
+    });
+    if facts.commands.len() > MAX_COMMANDS {
+        let n = facts.commands.len() - MAX_COMMANDS;
+        facts.commands.drain(..n);
+        facts.commands_dropped += n;
+    }
 }
 
 fn push_error(errors: &mut Vec<String>, line: String) {
@@ -151,6 +229,8 @@ fn push_error(errors: &mut Vec<String>, line: String) {
 struct Pending {
     line: usize,
     effects: Vec<Effect>,
+    /// The command line, for a shell-like call.
+    command: Option<String>,
 }
 
 fn settle(facts: &mut Facts, log: &mut [String], p: Pending, out: Option<&Outcome>) {
@@ -159,18 +239,25 @@ fn settle(facts: &mut Facts, log: &mut [String], p: Pending, out: Option<&Outcom
         Some(o) if o.pruned => "output pruned".to_string(),
         Some(o) if o.failed => {
             // A failure's block opens with its marker or, for `go test -v`,
-            // its detail line: either names it.
-            let first = o
-                .errors
-                .first()
-                .map(|e| headline(e).to_string())
-                .or_else(|| o.exit.map(|c| format!("exit code {c}")))
-                .unwrap_or_else(|| "failed".into());
-            format!("error: {first}")
+            // its detail line: either names it. The words that stated the
+            // exit status go first, so a clipped line keeps the code.
+            let first = o.errors.first().map(|e| headline(e).to_string());
+            match (&o.status, first) {
+                (Some(w), Some(f)) if f != *w => format!("error ({w}): {f}"),
+                (Some(w), _) => format!("error: {w}"),
+                (None, Some(f)) => format!("error: {f}"),
+                (None, None) => match o.exit {
+                    Some(c) => format!("error: exit code {c}"),
+                    None => "error: failed".to_string(),
+                },
+            }
         }
         Some(_) => "ok".to_string(),
     };
     log[p.line] = format!("{} → {}", log[p.line], clip(&suffix, MAX_LOG_OUTCOME));
+    if let Some(c) = &p.command {
+        push_command(facts, c, out);
+    }
     if let Some(o) = out {
         if o.failed {
             for e in &o.errors {
@@ -201,13 +288,60 @@ fn assistant_text(facts: &mut Facts, text: &str) {
             continue;
         }
         match classify_assistant_line(line) {
-            Some((Statement::Decision, s)) => push_statement(&mut facts.decisions, s),
+            Some((Statement::Decision, s)) => {
+                if reverses(&s) {
+                    // The newest earlier decision not already replaced.
+                    let old = facts
+                        .decisions
+                        .iter()
+                        .rev()
+                        .find(|d| **d != s && !facts.replaced.iter().any(|(r, _)| r == *d));
+                    if let Some(old) = old {
+                        facts.replaced.push((old.clone(), s.clone()));
+                    }
+                }
+                push_statement(&mut facts.decisions, s);
+                let kept = &facts.decisions;
+                facts.replaced.retain(|(old, _)| kept.contains(old));
+            }
             Some((Statement::NextStep, s)) => push_statement(&mut facts.next_steps, s),
             None => {}
         }
     }
     for (path, op) in text_edits(text) {
         apply_op(&mut facts.files, path, op);
+    }
+    // aider suggests shell commands in fenced blocks, and runs them.
+    for block in shell_blocks(text) {
+        for (path, op) in file_ops(&block) {
+            apply_op(&mut facts.files, path, op);
+        }
+    }
+}
+
+/// The context blocks of a user message a harness injected (pinned), each
+/// text part read.
+fn pin_system_blocks(facts: &mut Facts, item: &Value) {
+    let texts: Vec<String> = match item.get("content") {
+        Some(Value::Array(parts)) => parts
+            .iter()
+            .filter_map(|p| p.get("text").and_then(Value::as_str).or_else(|| p.as_str()))
+            .map(String::from)
+            .collect(),
+        _ => vec![text_of(item)],
+    };
+    for t in texts {
+        if !t.contains('<') {
+            continue;
+        }
+        for b in system_blocks(&t, MAX_SYSTEM_NOTE) {
+            push_pinned(
+                &mut facts.system,
+                &mut facts.system_dropped,
+                b,
+                MAX_SYSTEM_NOTES,
+            );
+        }
     }
 }
 
@@ -227,10 +361,15 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
     let mut unnamed: Vec<Pending> = Vec::new();
     for item in part {
         if is_user_message(item) {
+            pin_system_blocks(&mut facts, item);
             let text = typed_text(item);
-            if let Some(output) = command_output(&text) {
+            if let Some((command, output)) = command_output(&text) {
                 // aider hands command output back as a user message.
                 let out = outcome(output);
+                if let Some(c) = command {
+                    let line = c.lines().next().unwrap_or(c);
+                    push_command(&mut facts, line, Some(&out));
+                }
                 if out.failed {
                     out.errors
                         .iter()
@@ -240,8 +379,12 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
                 if facts.task.is_none() {
                     facts.task = Some(text);
                 } else {
-                    for c in user_constraints(&text) {
-                        push_statement(&mut facts.constraints, c);
+                    for (rule, c) in user_statements(&text) {
+                        if rule {
+                            push_pinned(&mut facts.rules, &mut facts.rules_dropped, c, MAX_RULES);
+                        } else {
+                            push_statement(&mut facts.constraints, c);
+                        }
                     }
                 }
             }
@@ -260,6 +403,7 @@ pub fn extract_facts(part: &[Value], previous: Option<&Facts>) -> Facts {
             let p = Pending {
                 line,
                 effects: effects_of(&call.name, &call.args),
+                command: command_of(&call.name, &call.args),
             };
             match (&call.inline, call.id.is_empty()) {
                 (Some(o), _) => settle(&mut facts, &mut log, p, Some(o)),
@@ -475,12 +619,14 @@ mod tests {
             f.task.as_deref(),
             Some("Task: reconcile the ledger; the codeword is MAGPIE-7.")
         );
-        assert!(
-            f.constraints
-                .iter()
-                .any(|c| c.contains("Do not touch the public API")),
-            "{:?}",
-            f.constraints
+        assert_eq!(f.rules, ["Do not touch the public API."], "a standing rule");
+        // The reminders are pinned, verbatim and in order.
+        assert_eq!(
+            f.system,
+            [
+                "<system-reminder>\nAs you answer the user's questions, you can use the following context:\n# currentDate\nToday's date is 2026-12-01.\n</system-reminder>",
+                "<system-reminder>\nThe date changed.\n</system-reminder>"
+            ]
         );
     }
 
@@ -499,8 +645,9 @@ mod tests {
         ];
         let f = extract_facts(&part, None);
         assert_eq!(f.task.as_deref(), Some("Fix the flaky test."));
+        assert!(f.constraints.is_empty(), "{:?}", f.constraints);
         assert_eq!(
-            f.constraints,
+            f.rules,
             vec!["Also, never touch the CI config.".to_string()],
             "only what the user typed"
         );

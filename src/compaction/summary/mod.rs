@@ -36,8 +36,13 @@
 //! - `errors`: exit status and exact failures of a tool output
 //! - `failures`: failure markers and the blocks quoted around them
 //! - `edits`: patches, edits, writes, heredocs and their effect on files
+//! - `shell`: deletes, renames and Python writes in shell commands; a
+//!   shell call's command line
 //! - `plan`: plan and todo tools
-//! - `statements`: the agent's decisions and next steps, the user's constraints
+//! - `statements`: the agent's decisions (and which reversed which) and
+//!   next steps, the user's constraints and standing rules, the context
+//!   blocks a harness injects
+//! - `ledger`: the LEDGER and RULES sections of the summary
 //! - `prompt`: the transcript and the summarizer prompt
 //! - `narrative`: reading and validating the model's answer
 //! - `assemble`: the summary message within its budget
@@ -53,9 +58,11 @@ mod edits;
 mod errors;
 mod facts;
 mod failures;
+mod ledger;
 mod narrative;
 mod plan;
 mod prompt;
+mod shell;
 mod statements;
 mod text;
 
@@ -66,7 +73,7 @@ pub use audit::{
 };
 pub use checklist::{checklist, Check, FactKind};
 pub use errors::{is_error_line, output_digest};
-pub use facts::{extract_facts, is_injected, Facts, FileFact};
+pub use facts::{extract_facts, is_injected, CommandFact, Facts, FileFact};
 pub use narrative::{usable, validate};
 pub use prompt::{cached_instruction, render_transcript, retry_messages, summarizer_messages};
 
@@ -74,6 +81,14 @@ pub use prompt::{cached_instruction, render_transcript, retry_messages, summariz
 pub const MAX_ERRORS: usize = 20;
 /// Most lines kept in [`Facts::tool_log`] (newest kept).
 pub const MAX_TOOL_LOG: usize = 40;
+/// Most commands kept in [`Facts::commands`] (newest kept, the rest counted).
+pub const MAX_COMMANDS: usize = 40;
+/// Most standing rules kept in [`Facts::rules`] (newest kept, the rest counted).
+pub const MAX_RULES: usize = 24;
+/// Most system messages kept in [`Facts::system`] (newest kept, the rest counted).
+pub const MAX_SYSTEM_NOTES: usize = 12;
+/// Longest system message kept (longer ones are clipped with `…`).
+pub const MAX_SYSTEM_NOTE: usize = 2_000;
 /// Largest full file content kept per file (head and tail kept beyond it).
 pub const MAX_FILE_CONTENT: usize = 32 * 1024;
 /// Largest chain of patches/edits kept per file (newest kept).

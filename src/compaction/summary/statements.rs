@@ -70,6 +70,19 @@ pub(super) fn classify_assistant_line(line: &str) -> Option<(Statement, String)>
     Some((kind, clip(&t, MAX_STATEMENT)))
 }
 
+/// Lines of a user message (after the task) that state a standing rule
+/// (`true`, [`is_standing_rule`]) or another constraint or preference.
+pub(super) fn user_statements(text: &str) -> Vec<(bool, String)> {
+    text.lines()
+        .map(bare)
+        .filter(|t| !t.is_empty() && t.len() <= MAX_STATEMENT * 2)
+        .filter_map(|t| {
+            let rule = is_standing_rule(&t);
+            (rule || !user_constraints(&t).is_empty()).then(|| (rule, clip(&t, MAX_STATEMENT)))
+        })
+        .collect()
+}
+
 /// Lines of a user message (after the task) that state a constraint or a
 /// preference.
 pub(super) fn user_constraints(text: &str) -> Vec<String> {
@@ -98,6 +111,93 @@ pub(super) fn user_constraints(text: &str) -> Vec<String> {
         })
         .map(|t| clip(&t, MAX_STATEMENT))
         .collect()
+}
+
+/// Whether a line the user wrote (one of [`user_constraints`], or any)
+/// is a standing instruction: it holds from now on, not only for the
+/// next step ("from now on…", "never…", "always…", "don't touch…", "use X
+/// not Y").
+pub(super) fn is_standing_rule(line: &str) -> bool {
+    let lower = format!(" {}", line.to_lowercase().replace('’', "'"));
+    const MARKERS: [&str; 12] = [
+        " from now on",
+        " going forward",
+        " from here on",
+        " never ",
+        " always ",
+        " don't ",
+        " do not ",
+        " dont ",
+        " no more ",
+        " stop ",
+        " must not ",
+        " mustn't ",
+    ];
+    let use_not = lower.contains(" use ")
+        && [" not ", " instead of ", " rather than ", ", not "]
+            .iter()
+            .any(|m| lower.contains(m));
+    use_not || MARKERS.iter().any(|m| lower.contains(m))
+}
+
+/// Whether a decision reverses an earlier one ("instead", "revert",
+/// "switching back", "changed my mind", …).
+pub(super) fn reverses(decision: &str) -> bool {
+    let lower = decision.to_lowercase();
+    const MARKERS: [&str; 14] = [
+        "instead",
+        "revert",
+        "switch back",
+        "switching back",
+        "changed my mind",
+        "scratch that",
+        "no longer",
+        "reverse",
+        "rather than",
+        "go back to",
+        "going back to",
+        "on second thought",
+        "replaces the earlier",
+        "supersede",
+    ];
+    MARKERS.iter().any(|m| lower.contains(m))
+}
+
+/// Appends `s` to a pinned list kept verbatim and in order: once (a
+/// repeat keeps its first place), the oldest dropped past `max` and
+/// counted in `dropped`.
+pub(super) fn push_pinned(list: &mut Vec<String>, dropped: &mut usize, s: String, max: usize) {
+    if list.contains(&s) {
+        return;
+    }
+    list.push(s);
+    if list.len() > max {
+        let n = list.len() - max;
+        list.drain(..n);
+        *dropped += n;
+    }
+}
+
+/// The context blocks a harness puts inside the history as user text
+/// (Claude Code's `<system-reminder>`, Codex's `<environment_context>`):
+/// each block verbatim, clipped to `max` bytes.
+pub(super) fn system_blocks(text: &str, max: usize) -> Vec<String> {
+    const TAGS: [&str; 2] = ["system-reminder", "environment_context"];
+    let mut out = Vec::new();
+    for tag in TAGS {
+        let (open, close) = (format!("<{tag}"), format!("</{tag}>"));
+        let mut rest = text;
+        while let Some(i) = rest.find(&open) {
+            let after = &rest[i..];
+            let end = after
+                .find(&close)
+                .map(|e| e + close.len())
+                .unwrap_or(after.len());
+            out.push(clip(after[..end].trim(), max));
+            rest = &after[end..];
+        }
+    }
+    out
 }
 
 /// Appends `s` to `list` (moved to the end when already there), newest
@@ -149,6 +249,51 @@ mod tests {
             ]
         );
         assert!(user_constraints("Keep going.").is_empty());
+    }
+
+    #[test]
+    fn standing_rules_and_reversals() {
+        for rule in [
+            "From now on, run clippy before every commit.",
+            "Never push to main.",
+            "Always use tabs in the Makefile.",
+            "Please don't touch the billing_archive schema.",
+            "Use pnpm, not npm.",
+            "use ruff instead of flake8",
+        ] {
+            assert!(is_standing_rule(rule), "{rule}");
+        }
+        for not in ["Keep going.", "Only the tests for now", "Looks good"] {
+            assert!(!is_standing_rule(not), "{not}");
+        }
+        assert!(reverses(
+            "Decision: go back to SQLite instead of Postgres because the CI has no server."
+        ));
+        assert!(!reverses(
+            "Decision: use Postgres because we need row locks."
+        ));
+    }
+
+    #[test]
+    fn system_blocks_are_kept_verbatim() {
+        let t = "<system-reminder>\nDeferred tools: WebFetch, NotebookEdit\n</system-reminder>\nFix it\n<environment_context>\n<cwd>/repo/api</cwd>\n</environment_context>";
+        assert_eq!(
+            system_blocks(t, 1000),
+            vec![
+                "<system-reminder>\nDeferred tools: WebFetch, NotebookEdit\n</system-reminder>"
+                    .to_string(),
+                "<environment_context>\n<cwd>/repo/api</cwd>\n</environment_context>".to_string(),
+            ]
+        );
+        let mut l = Vec::new();
+        let mut dropped = 0;
+        for i in [0, 1, 2, 1, 3, 2] {
+            push_pinned(&mut l, &mut dropped, format!("r{i}"), 3);
+        }
+        assert_eq!(
+            (l, dropped),
+            (vec!["r1".into(), "r2".into(), "r3".into()], 1)
+        );
     }
 
     #[test]
