@@ -141,10 +141,10 @@ mod tests {
     #[test]
     fn an_upstream_failure_is_said_without_its_url() {
         let runtime = maintain::command_runtime().unwrap();
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = closed.local_addr().unwrap().port();
+        drop(closed);
         let failed = runtime.block_on(async {
-            let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-            let port = closed.local_addr().unwrap().port();
-            drop(closed);
             let send = reqwest::Client::new()
                 .get(format!("http://127.0.0.1:{port}/v1/models?key=sk-in-url"))
                 .send();
@@ -156,7 +156,9 @@ mod tests {
         let e = anyhow::Error::new(crate::upstream::Error::broke(failed)).context("doctor");
         let text = said(&e);
         assert!(
-            text.starts_with("doctor: upstream unreachable: connection failed: "),
+            text.starts_with(&format!(
+                "doctor: upstream unreachable: connection to http://127.0.0.1:{port} failed: "
+            )),
             "{text}"
         );
         assert!(!text.contains("sk-in-url"), "{text}");

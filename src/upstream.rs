@@ -652,21 +652,28 @@ async fn read_capped(mut resp: reqwest::Response, limit: usize) -> Result<bytes:
     }
 }
 
-/// Describes a reqwest error without its URL (which could carry a key in a
-/// query string) — only the kind and the innermost cause.
+/// Describes a reqwest error without its URL's path or query (either could
+/// carry a key) — the kind, the server it was sent to (scheme, host and
+/// port only), and the innermost cause.
 pub fn describe(e: &reqwest::Error) -> String {
     let mut source: &dyn std::error::Error = e;
     while let Some(s) = source.source() {
         source = s;
     }
+    let server = e
+        .url()
+        .map(|u| u.origin())
+        .filter(|o| o.is_tuple())
+        .map(|o| format!(" to {}", o.ascii_serialization()))
+        .unwrap_or_default();
     let kind = if e.is_connect() {
-        "connection failed"
+        "connection"
     } else if e.is_body() || e.is_decode() {
-        "response body failed"
+        "response body"
     } else {
-        "request failed"
+        "request"
     };
-    format!("{kind}: {source}")
+    format!("{kind}{server} failed: {source}")
 }
 
 /// Copies headers without hop-by-hop ones (including those the `Connection`
@@ -813,7 +820,9 @@ mod tests {
         assert_eq!(e.body()["error"]["code"], "upstream_unreachable");
         let message = e.to_string();
         assert!(
-            message.starts_with("upstream unreachable: connection failed: "),
+            message.starts_with(&format!(
+                "upstream unreachable: connection to http://127.0.0.1:{port} failed: "
+            )),
             "{message}"
         );
         assert!(!message.contains("/v1/models"), "the URL: {message}");

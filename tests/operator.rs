@@ -201,7 +201,14 @@ async fn doctor_fails_on_an_unreachable_upstream_and_an_uncreatable_store() {
     .await;
     assert_eq!(out.code, Some(1), "{out:#?}");
     let up = line(&out, '✗', "upstream");
-    assert!(up.contains("unreachable"), "{up}");
+    // Which server, once, without the doubled "unreachable: upstream unreachable".
+    assert!(
+        up.contains(&format!(
+            "cannot reach http://127.0.0.1:{port}/v1: connection to http://127.0.0.1:{port} failed"
+        )),
+        "{up}"
+    );
+    assert!(!up.contains("unreachable"), "{up}");
     line(&out, '✗', "store");
     assert!(out.stdout.contains("2 failed"), "{}", out.stdout);
 
@@ -394,15 +401,24 @@ async fn readyz_answers_for_the_store_and_the_upstream_healthz_for_the_process()
     h.stop().await;
 }
 
-/// The start-up banner of `compactor serve` with `extra` arguments, its
-/// log redirected.
-fn banner(extra: &[&std::ffi::OsStr]) -> String {
+/// `compactor serve` on a free port against `upstream`, with `extra`
+/// arguments, its log redirected: the process, its port, its store's
+/// folder, and its log's lines as they come.
+fn serve_logged(
+    upstream: &str,
+    extra: &[&std::ffi::OsStr],
+) -> (
+    support::Binary,
+    u16,
+    tempfile::TempDir,
+    std::sync::mpsc::Receiver<String>,
+) {
     use std::io::{BufRead, BufReader};
     let port = support::free_port();
     let dir = tempfile::tempdir().unwrap();
     let mut child = support::Binary(
         compactor(&["serve", "--listen", &format!("127.0.0.1:{port}")])
-            .args(["--upstream", "http://127.0.0.1:9/v1", "--db"])
+            .args(["--upstream", upstream, "--db"])
             .arg(dir.path().join("c.db"))
             .args(extra)
             .env("RUST_LOG", "info")
@@ -415,19 +431,58 @@ fn banner(extra: &[&std::ffi::OsStr]) -> String {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         for line in BufReader::new(stderr).lines().map_while(Result::ok) {
-            let done = line.contains("compactor listening");
-            let _ = tx.send(line);
-            if done {
+            if tx.send(line).is_err() {
                 break;
             }
         }
     });
+    (child, port, dir, rx)
+}
+
+/// The start-up banner of `compactor serve` with `extra` arguments.
+fn banner(extra: &[&std::ffi::OsStr]) -> String {
+    let (_child, _, _dir, lines) = serve_logged("http://127.0.0.1:9/v1", extra);
     loop {
-        let line = rx.recv_timeout(support::STEP).expect("the banner");
+        let line = lines.recv_timeout(support::STEP).expect("the banner");
         if line.contains("compactor listening") {
             break line;
         }
     }
+}
+
+/// An upstream nothing listens on is said at start-up, naming it, and the
+/// first request's 502 names it too.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_unreachable_upstream_is_said_at_start_up_and_in_the_502() {
+    let dead = support::free_port();
+    let (_child, port, _dir, lines) = serve_logged(&format!("http://127.0.0.1:{dead}/v1"), &[]);
+    let warned = loop {
+        let line = lines
+            .recv_timeout(support::STEP)
+            .expect("a warning after the banner");
+        if line.contains("cannot reach the upstream") {
+            break line;
+        }
+    };
+    assert!(warned.contains("WARN"), "{warned}");
+    assert!(
+        warned.contains(&format!("connection to http://127.0.0.1:{dead} failed")),
+        "{warned}"
+    );
+    let (status, _, body) = within(support::post(
+        &format!("http://127.0.0.1:{port}/v1/chat/completions"),
+        "sk-test",
+        &json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}),
+    ))
+    .await;
+    let body: Value = serde_json::from_slice(&body).expect("a JSON error");
+    assert_eq!(status, 502, "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains(&format!("http://127.0.0.1:{dead}")),
+        "the 502 names the upstream: {body}"
+    );
+    assert!(!message.contains("sk-test"), "{body}");
 }
 
 #[test]

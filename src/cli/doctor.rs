@@ -199,11 +199,11 @@ async fn check_upstream(config: &Config, out: &mut Vec<Finding>) -> Option<(Upst
     };
     match answer {
         Err(why) => {
-            out.push(Finding::new(
-                Verdict::Fail,
-                "upstream",
-                format!("{base} is unreachable: {}", super::said(&why)),
-            ));
+            out.push(Finding::new(Verdict::Fail, "upstream", {
+                let said = super::said(&why);
+                let detail = said.strip_prefix("upstream unreachable: ").unwrap_or(&said);
+                format!("cannot reach {base}: {detail}")
+            }));
             None
         }
         Ok((200, body)) => {

@@ -197,6 +197,7 @@ pub(super) async fn serve_async(config: Config) -> anyhow::Result<()> {
     }
     banner(&state, listener.local_addr()?);
     admin_notice(&state.config);
+    tokio::spawn(upstream_notice(state.clone()));
     server::run(listener, state, shutdown_signal()).await;
     Ok(())
 }
@@ -276,6 +277,28 @@ pub async fn shutdown_signal() {
         _ = ctrl_c => {},
         _ = term => {},
     }
+}
+
+/// Says at start-up, as a warning, when the upstream cannot be reached: a
+/// `GET /models` without a key, any HTTP answer counting as reached, for at
+/// most 5 s. The proxy serves either way (the upstream may come up later).
+async fn upstream_notice(state: std::sync::Arc<AppState>) {
+    let Ok(url) = state.upstream.url("/models", None) else {
+        return;
+    };
+    let probe = state
+        .upstream
+        .send_bodyless(http::Method::GET, &url, http::HeaderMap::new());
+    let why = match tokio::time::timeout(std::time::Duration::from_secs(5), probe).await {
+        Ok(Ok(_)) => return,
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => "no answer within 5 s".to_string(),
+    };
+    let why = why.strip_prefix("upstream unreachable: ").unwrap_or(&why);
+    tracing::warn!(
+        upstream = %crate::config::shown_url(state.upstream.base()),
+        "cannot reach the upstream: {why}; requests answer 502 until it can be reached (--upstream or [upstream] base_url sets it)"
+    );
 }
 
 /// Says at start-up who may use `/admin/`.
