@@ -12,27 +12,15 @@ mod support;
 #[path = "support/agent_loop.rs"]
 mod agent_loop;
 
-use agent_loop::{Loop, Shape, SHAPES};
+use agent_loop::{agent_on, Loop, Shape, SHAPES};
 use compactor::compaction::agent_tool::{ALREADY_SCHEDULED, KEEP_HEADING, SCHEDULED, TOOL};
-use compactor::config::{Config, Mode, ModelConfig};
+use compactor::config::Mode;
 use serde_json::json;
 use std::time::Duration;
 use support::{column, compactions, wait_compactions, Harness};
 
 const MODEL: &str = "agent-test";
 const NOTE: &str = "KEEP: the service listens on port 8123; run the tests with --release";
-
-/// A 6000-token window (trigger at 4500, hard limit at 5800), the tool on.
-fn agent_on(c: &mut Config) {
-    c.models.push(ModelConfig {
-        pattern: "agent-*".into(),
-        context_window: 6000,
-        max_output_tokens: Some(200),
-        trigger_ratio: None,
-        ..Default::default()
-    });
-    c.compaction.agent_tool = true;
-}
 
 fn compacted(headers: &http::HeaderMap) -> bool {
     headers.get("x-compactor-compacted").is_some()

@@ -8,7 +8,7 @@ use compactor::config::Config;
 use compactor::fake_upstream::Reply;
 use compactor::store::rows::{item_body, request_item_hashes};
 use serde_json::json;
-use support::{column, post_raw, within, Harness};
+use support::{captured_logs, column, post_raw, within, Harness};
 
 fn conversation_of(headers: &http::HeaderMap) -> String {
     headers
@@ -423,32 +423,6 @@ async fn a_store_named_by_a_relative_path_is_served_and_still_one_per_store() {
     let (code, said) = tokio::task::block_in_place(|| refused_serve(&fake.url(), &absolute));
     assert_ne!(code, Some(0), "{said}");
     assert!(said.contains("another process serves the store"), "{said}");
-}
-
-/// What the proxies of this test binary log, for tests that look at it.
-fn captured_logs() -> String {
-    use std::sync::{Mutex, OnceLock};
-    static LOGS: OnceLock<&'static Mutex<Vec<u8>>> = OnceLock::new();
-    struct Writer(&'static Mutex<Vec<u8>>);
-    impl std::io::Write for Writer {
-        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-            self.0.lock().unwrap().extend_from_slice(buf);
-            Ok(buf.len())
-        }
-        fn flush(&mut self) -> std::io::Result<()> {
-            Ok(())
-        }
-    }
-    let logs = LOGS.get_or_init(|| {
-        let logs: &'static Mutex<Vec<u8>> = Box::leak(Box::default());
-        let _ = tracing_subscriber::fmt()
-            .with_writer(move || Writer(logs))
-            .with_ansi(false)
-            .with_max_level(tracing::Level::INFO)
-            .try_init();
-        logs
-    });
-    String::from_utf8_lossy(&logs.lock().unwrap()).into_owned()
 }
 
 /// A chat of `tiny-model` whose history grows by a long user message a

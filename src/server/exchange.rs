@@ -33,7 +33,7 @@ mod parts;
 mod unanswered;
 
 use parts::{Conversation, Offered, RecallSpent, Upstream};
-pub(super) use parts::{Digest, Timing};
+pub(super) use parts::{Digest, Rounds, Timing};
 pub(super) use unanswered::Unanswered;
 
 /// Items looked through for a conversation's first user message.
@@ -132,6 +132,7 @@ impl PendingExchange {
                 agent_tool: false,
                 agent_offered: false,
                 spent: RecallSpent::default(),
+                rounds: Default::default(),
             },
             request,
             digest,
@@ -265,6 +266,16 @@ impl PendingExchange {
     /// Counts a round of the proxy's tools, whose answer reported `usage`.
     pub fn count_round(&mut self, usage: Option<Usage>) {
         self.offered.spent.add(usage);
+    }
+
+    /// The rounds of the proxy's tools answered so far.
+    pub(in crate::server) fn rounds(&self) -> Rounds {
+        self.offered.rounds
+    }
+
+    /// Keeps the rounds answered so far.
+    pub(in crate::server) fn set_rounds(&mut self, rounds: Rounds) {
+        self.offered.rounds = rounds;
     }
 
     /// A round answered: its calls and answers go after the view.

@@ -36,7 +36,7 @@ use super::answer::Answer;
 use super::exchange::Unanswered;
 use super::identify::{identify, Compact};
 use super::read::read_request;
-use super::recall::{Rounds, Settled};
+use super::recall::Settled;
 use super::request::ReadRequest;
 use super::send::{Sent, Tried};
 use super::{compact, compact_now, recall, relay, send, splice};
@@ -127,7 +127,6 @@ async fn settle(
     mut answer: Option<Answer>,
 ) -> Result<Answer, ProxyError> {
     let mut tried = Tried::default();
-    let mut rounds = Rounds::default();
     loop {
         let got = match answer.take() {
             Some(got) => got,
@@ -169,7 +168,7 @@ async fn settle(
                 }
             },
         };
-        match recall::settle(state, pending, got, &mut rounds).await? {
+        match recall::settle(state, pending, got).await? {
             Settled::Answer(got) => return Ok(got),
             // The continued request is a new one to send.
             Settled::Round => tried = Tried::default(),

@@ -11,17 +11,23 @@
 //! text flows as before (the model answers, it does not recall); a tool
 //! call is held back with the rest of the stream (tool calls are short), and
 //! relayed untouched when none of its calls is a recall. A recall beside
-//! the client's own tool calls, or past `compaction.recall_max_rounds`, is
-//! sent again without the recall tool: the client never gets a call it
-//! cannot answer, nor loses one of its own.
+//! the client's own tool calls, or past `compaction.recall_max_rounds` (or
+//! a compact call past its rounds), is sent again once without the proxy's
+//! tools; a call of them in the answer to that is taken out of what the
+//! client gets (`strip`), with the stop reason it would have had without
+//! it: the client never gets a call it cannot answer, nor loses one of its
+//! own, and a model that keeps calling them cannot fail the request.
+
+mod strip;
 
 use std::sync::Arc;
 
+use bytes::Bytes;
 use futures_util::StreamExt;
 use serde_json::{json, Value};
 
 use super::answer::{first_output, is_sse, Answer, First, Held};
-use super::exchange::Unanswered;
+use super::exchange::{Rounds, Unanswered};
 use super::gather::UpstreamStream;
 use crate::app::AppState;
 use crate::compaction::agent_tool;
@@ -46,22 +52,6 @@ enum Seen {
     Live(Held),
 }
 
-/// Most times an answer may still call the recall tool after it was
-/// withdrawn before the request is given up: the client is never relayed
-/// a call of a tool it did not declare.
-const MAX_STRAY_ANSWERS: u32 = 2;
-
-/// The rounds a request's answers took so far, kept by the driver.
-#[derive(Debug, Default)]
-pub(super) struct Rounds {
-    /// Recall rounds answered.
-    recall: u32,
-    /// Answers whose `compactor_compact` calls were answered.
-    agent: u32,
-    /// Answers that called a tool the request no longer offered.
-    strays: u32,
-}
-
 /// What the answer is, for the driver in `server::proxy`.
 // Returned and matched at once, never kept: the empty variant's size
 // costs nothing.
@@ -76,19 +66,34 @@ pub(super) enum Settled {
 
 /// Looks at an answer for calls of the proxy's tools: the client's answer
 /// is handed on; calls are answered (at most `compaction.recall_max_rounds`
-/// recall rounds) for the driver to send the request again.
+/// recall rounds, [`MAX_AGENT_ROUNDS`] compact ones) for the driver to
+/// send the request again. Calls no round answers send the request once
+/// more without the proxy's tools; after that they are taken out of the
+/// answer the client gets.
 pub(super) async fn settle(
+    state: &Arc<AppState>,
+    pending: &mut Unanswered,
+    answer: Answer,
+) -> Result<Settled, ProxyError> {
+    // Once offered, every answer is looked at: a model may call the
+    // tool after it is withdrawn, from the calls earlier rounds left.
+    if !pending.recall_offered() && !pending.agent_offered() {
+        return Ok(Settled::Answer(answer));
+    }
+    let mut rounds = pending.rounds();
+    let settled = decide(state, pending, answer, &mut rounds).await;
+    pending.set_rounds(rounds);
+    settled
+}
+
+/// [`settle`], with the rounds answered so far.
+async fn decide(
     state: &Arc<AppState>,
     pending: &mut Unanswered,
     answer: Answer,
     rounds: &mut Rounds,
 ) -> Result<Settled, ProxyError> {
     let max = pending.recall_rounds();
-    // Once offered, every answer is looked at: a model may call the
-    // tool after it is withdrawn, from the calls earlier rounds left.
-    if !pending.recall_offered() && !pending.agent_offered() {
-        return Ok(Settled::Answer(answer));
-    }
     let (v, usage, relay) = match inspect(state, pending.request().api(), answer).await? {
         Seen::Relay(a) => {
             note_hidden_rounds(state, pending);
@@ -146,35 +151,77 @@ pub(super) async fn settle(
             let cont = recall::continuation(pending.request().api(), &v, &results);
             pending.continue_with(cont);
         }
-        _ if stray(&round, pending) => {
-            // The tool is gone and the model still calls it: first
-            // without the rounds' calls to copy from, then give up.
-            rounds.strays += 1;
-            tracing::info!(
-                strays = rounds.strays,
-                "recall call after the recall tool was withdrawn: not relayed"
-            );
-            if rounds.strays > MAX_STRAY_ANSWERS {
-                return Err(ProxyError::from(crate::upstream::Error::Misbehaved(
-                    format!(
-                        "the model kept calling {}, a tool this request does not declare",
-                        recall::TOOL
-                    ),
-                )));
-            }
-            pending.withdraw_recall(true);
-            pending.withdraw_agent_tool();
-        }
-        _ => {
-            tracing::info!(
-                rounds = rounds.recall,
-                "recall call beside the client's own, or past recall_max_rounds: sent again without the recall tool"
-            );
-            pending.withdraw_recall(false);
-            pending.withdraw_agent_tool();
-        }
+        _ => return Ok(unanswered_calls(state, pending, *rounds, &v, relay)),
     }
     Ok(Settled::Round)
+}
+
+/// An answer calling the proxy's tools that no round answers: past the
+/// rounds, beside the client's own calls, or after the tools were taken
+/// away. While the request still offers them, it is sent once more
+/// without them (the rounds' calls and answers kept); after that the
+/// answer goes to the client without the proxy's calls.
+fn unanswered_calls(
+    state: &AppState,
+    pending: &mut Unanswered,
+    rounds: Rounds,
+    v: &Value,
+    relay: Answer,
+) -> Settled {
+    let api = pending.request().api();
+    let names = proxy_tools(pending);
+    let called = strip::from_json(api, &names, &mut v.clone()).join(", ");
+    if pending.offers_recall() || pending.offers_agent_tool() {
+        tracing::info!(
+            tool = %called,
+            recall_rounds = rounds.recall,
+            compact_rounds = rounds.agent,
+            "{called} called past the rounds the proxy answers, or beside the client's own calls: sent again without the proxy's tools"
+        );
+        pending.withdraw_recall(false);
+        pending.withdraw_agent_tool();
+        return Settled::Round;
+    }
+    tracing::info!(
+        tool = %called,
+        "{called} called again without the proxy's tools: the answer goes to the client without those calls"
+    );
+    note_hidden_rounds(state, pending);
+    Settled::Answer(without_calls(api, &names, relay))
+}
+
+/// The proxy's tools the request was offered.
+fn proxy_tools(pending: &Unanswered) -> Vec<&'static str> {
+    let recall = pending.recall_offered().then_some(recall::TOOL);
+    let compact = pending.agent_offered().then_some(agent_tool::TOOL);
+    recall.into_iter().chain(compact).collect()
+}
+
+/// `answer` (a JSON answer read whole, or a stream held to its end)
+/// without the calls of the tools `names`.
+fn without_calls(api: Api, names: &[&str], answer: Answer) -> Answer {
+    match answer {
+        Answer::Read(status, mut headers, bytes) => {
+            let Ok(mut v) = serde_json::from_slice::<Value>(&bytes) else {
+                return Answer::Read(status, headers, bytes);
+            };
+            if strip::from_json(api, names, &mut v).is_empty() {
+                return Answer::Read(status, headers, bytes);
+            }
+            headers.remove(http::header::CONTENT_LENGTH);
+            Answer::Read(status, headers, Bytes::from(v.to_string()))
+        }
+        Answer::Held(mut held) => {
+            let body = super::gather::concat(std::mem::take(&mut held.chunks)).unwrap_or_default();
+            held.chunks = match strip::from_stream(api, names, &body) {
+                Some((stripped, _)) => vec![stripped],
+                None if body.is_empty() => Vec::new(),
+                None => vec![body],
+            };
+            Answer::Held(held)
+        }
+        other => other,
+    }
 }
 
 /// The answer relayed after hidden rounds, on Anthropic Messages with
@@ -196,19 +243,6 @@ fn note_hidden_rounds(state: &AppState, pending: &Unanswered) {
 /// Most answers of one request in which the proxy answers
 /// `compactor_compact` calls; past them the tool is withdrawn.
 const MAX_AGENT_ROUNDS: u32 = 2;
-
-/// Whether an answer calls one of the proxy's tools that the request no
-/// longer offers (or, beside the client's own calls, when none is offered).
-fn stray(round: &Round, pending: &Unanswered) -> bool {
-    match round {
-        Round::Recall(_) => !pending.offers_recall(),
-        Round::Compact(recalls, _) => {
-            !pending.offers_agent_tool() || (!recalls.is_empty() && !pending.offers_recall())
-        }
-        Round::Mixed => !pending.offers_recall() && !pending.offers_agent_tool(),
-        Round::Final => false,
-    }
-}
 
 /// The proxy's answers to the model's `compactor_compact` calls: the first
 /// call of a turn schedules the compaction (computed now in the

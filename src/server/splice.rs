@@ -23,7 +23,7 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::{Bytes, BytesMut};
+use bytes::Bytes;
 use futures_util::future::BoxFuture;
 use futures_util::StreamExt;
 use http::header::{self, HeaderValue};
@@ -46,9 +46,11 @@ use crate::wire::Api;
 type Chunk = Result<Bytes, BodyError>;
 
 /// Tool-call answers, beyond `compaction.recall_max_rounds`, the task may
-/// still hand the rounds once the tool was withdrawn, before it gives the
-/// request up (a model that keeps calling a tool it no longer has).
-const EXTRA_ENTRIES: u32 = 3;
+/// still hand the rounds: the compact rounds, the answer to the request
+/// sent again without the proxy's tools, and the one their calls are taken
+/// out of (see `server::recall`). Past them it gives the request up, which
+/// the rounds never leave it to do.
+const EXTRA_ENTRIES: u32 = 4;
 
 /// The driver's rounds for an answer that calls a tool: the answer the
 /// request comes to once the recall rounds it calls for are answered and
@@ -325,15 +327,10 @@ async fn run(
         };
         if entries > max_entries {
             let err = ProxyError::from(crate::upstream::Error::Misbehaved(
-                "the model kept calling the recall tool after its reasoning".into(),
+                "the model kept calling the proxy's tools after its reasoning".into(),
             ));
             client.break_off(&state, err.to_string()).await;
             return;
-        }
-        // The rounds are spent: the call is answered as a recall past the
-        // last round would be, without the tool.
-        if entries > pending.recall_rounds() {
-            pending.withdraw_recall(false);
         }
         let answer = Held {
             status,
@@ -446,16 +443,7 @@ impl Splice {
         if first {
             return Some(block.raw.clone());
         }
-        let mut out = BytesMut::new();
-        if ev.name != "message" {
-            out.extend_from_slice(b"event: ");
-            out.extend_from_slice(ev.name.as_bytes());
-            out.extend_from_slice(b"\n");
-        }
-        out.extend_from_slice(b"data: ");
-        out.extend_from_slice(Value::Object(v).to_string().as_bytes());
-        out.extend_from_slice(b"\n\n");
-        Some(out.freeze())
+        Some(crate::wire::sse::event_bytes(&ev.name, &Value::Object(v)))
     }
 
     /// A chat chunk: the continuation's take the first answer's id, and

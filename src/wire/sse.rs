@@ -189,6 +189,21 @@ impl Framer {
         }
     }
 }
+/// An event's bytes: its `event:` line unless it is a `message`, its data
+/// on one line.
+pub fn event_bytes(name: &str, data: &Value) -> Bytes {
+    let mut out = BytesMut::new();
+    if name != "message" {
+        out.extend_from_slice(b"event: ");
+        out.extend_from_slice(name.as_bytes());
+        out.extend_from_slice(b"\n");
+    }
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(data.to_string().as_bytes());
+    out.extend_from_slice(b"\n\n");
+    out.freeze()
+}
+
 /// What the tee collected, per API.
 #[derive(Debug)]
 pub enum Collected {

@@ -6,11 +6,25 @@
 
 #![allow(dead_code)]
 
+use compactor::config::{Config, ModelConfig};
 use compactor::fake_upstream::anthropic::Answer;
 use compactor::fake_upstream::{Received, Reply};
 use serde_json::{json, Value};
 
 use crate::support::{client, is_summary_call, within, Harness};
+
+/// A 6000-token window for the models `agent-*` (trigger at 4500, hard
+/// limit at 5800), `compactor_compact` offered.
+pub fn agent_on(c: &mut Config) {
+    c.models.push(ModelConfig {
+        pattern: "agent-*".into(),
+        context_window: 6000,
+        max_output_tokens: Some(200),
+        trigger_ratio: None,
+        ..Default::default()
+    });
+    c.compaction.agent_tool = true;
+}
 
 /// Which API.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -81,6 +81,33 @@ pub fn on_postgres() -> bool {
     }
 }
 
+/// What the proxies of this test binary log, for tests that look at it
+/// (the first call starts the capture).
+pub fn captured_logs() -> String {
+    use std::sync::OnceLock;
+    static LOGS: OnceLock<&'static Mutex<Vec<u8>>> = OnceLock::new();
+    struct Writer(&'static Mutex<Vec<u8>>);
+    impl std::io::Write for Writer {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.0.lock().unwrap().extend_from_slice(buf);
+            Ok(buf.len())
+        }
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+    let logs = LOGS.get_or_init(|| {
+        let logs: &'static Mutex<Vec<u8>> = Box::leak(Box::default());
+        let _ = tracing_subscriber::fmt()
+            .with_writer(move || Writer(logs))
+            .with_ansi(false)
+            .with_max_level(tracing::Level::INFO)
+            .try_init();
+        logs
+    });
+    String::from_utf8_lossy(&logs.lock().unwrap()).into_owned()
+}
+
 /// For a test about SQLite itself (its file, journal or lock): true, after
 /// saying so, when the stores are on PostgreSQL, and the test returns.
 pub fn sqlite_only(why: &str) -> bool {

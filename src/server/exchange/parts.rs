@@ -120,6 +120,19 @@ pub(super) struct Offered {
     pub(super) agent_offered: bool,
     /// What the recall rounds cost.
     pub(super) spent: RecallSpent,
+    /// The rounds answered so far, across every send of the request (a
+    /// stream spliced after its reasoning comes back once per answer).
+    pub(super) rounds: Rounds,
+}
+
+/// The rounds a request's answers took so far, kept with the exchange
+/// (across every send, and every answer a splice hands back).
+#[derive(Debug, Default, Clone, Copy)]
+pub(in crate::server) struct Rounds {
+    /// Recall rounds answered.
+    pub(in crate::server) recall: u32,
+    /// Answers whose `compactor_compact` calls were answered.
+    pub(in crate::server) agent: u32,
 }
 
 /// When the request arrived, and the span it is served in.
