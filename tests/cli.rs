@@ -313,3 +313,47 @@ fn store_commands_on_an_unreachable_postgres_store_fail_and_open_no_sqlite_file(
         "no SQLite store was created"
     );
 }
+
+/// Without `--config` or `COMPACTOR_CONFIG`, a `proxy.toml` in the working
+/// directory is read, and the output says it was found there; a named file
+/// wins over it; without either, the built-in defaults apply.
+#[test]
+fn a_proxy_toml_in_the_working_directory_is_read_and_said() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("proxy.toml"),
+        "[upstream]\nbase_url = \"http://found.invalid/v1\"\n",
+    )
+    .unwrap();
+    let (code, out) = run(compactor()
+        .args(["serve", "--check-config"])
+        .current_dir(dir.path()));
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("http://found.invalid/v1"), "{out}");
+    assert!(
+        out.contains("config file: proxy.toml (found in the working directory)"),
+        "{out}"
+    );
+
+    let named = dir.path().join("other.toml");
+    std::fs::write(
+        &named,
+        "[upstream]\nbase_url = \"http://named.invalid/v1\"\n",
+    )
+    .unwrap();
+    let (code, out) = run(compactor()
+        .args(["serve", "--check-config", "--config"])
+        .arg(&named)
+        .current_dir(dir.path()));
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("http://named.invalid/v1"), "{out}");
+    assert!(!out.contains("found.invalid"), "{out}");
+
+    let empty = tempfile::tempdir().unwrap();
+    let (code, out) = run(compactor()
+        .args(["serve", "--check-config"])
+        .current_dir(empty.path()));
+    assert_eq!(code, 0, "{out}");
+    assert!(out.contains("https://api.openai.com/v1"), "{out}");
+    assert!(!out.contains("config file:"), "{out}");
+}

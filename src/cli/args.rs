@@ -249,15 +249,32 @@ impl ServeArgs {
     }
 }
 
-/// The file (if any) with the given flag/env values on top, validated.
+/// The file read from the working directory when neither `--config` nor
+/// `COMPACTOR_CONFIG` names one.
+pub const FOUND_CONFIG: &str = "proxy.toml";
+
+/// The config file in effect: the one named, else `./proxy.toml` when the
+/// working directory has one, else none (built-in defaults).
+pub fn config_file(named: Option<&Path>) -> Option<PathBuf> {
+    match named {
+        Some(p) => Some(p.to_path_buf()),
+        None => {
+            let found = Path::new(FOUND_CONFIG);
+            found.is_file().then(|| found.to_path_buf())
+        }
+    }
+}
+
+/// The config file in effect ([`config_file`]) with the given flag/env
+/// values on top, validated.
 pub fn layered_config(
     file: Option<&Path>,
     listen: Option<&str>,
     upstream: Option<&str>,
     db: Option<&Path>,
 ) -> Result<Config, ConfigError> {
-    let mut config = match file {
-        Some(path) => Config::from_file(path)?,
+    let mut config = match config_file(file) {
+        Some(path) => Config::from_file(&path)?,
         None => Config::default(),
     };
     if let Some(l) = listen {

@@ -86,9 +86,12 @@ pub fn main(args: DoctorArgs) -> ExitCode {
     let findings = match config {
         Err(e) => vec![Finding::new(Verdict::Fail, "config", e.to_string())],
         Ok(config) => {
-            let from = match &args.settings.config {
-                Some(p) => format!("valid ({})", p.display()),
-                None => "valid (built-in defaults, flags and environment)".to_string(),
+            let from = match (&args.settings.config, super::args::config_file(None)) {
+                (Some(p), _) => format!("valid ({})", p.display()),
+                (None, Some(p)) => {
+                    format!("valid ({}, found in the working directory)", p.display())
+                }
+                (None, None) => "valid (built-in defaults, flags and environment)".to_string(),
             };
             let runtime = match super::command_runtime() {
                 Ok(r) => r,

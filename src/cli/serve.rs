@@ -58,20 +58,23 @@ pub(super) fn check_config(args: &ConfigArgs, config: &Config) -> String {
     .into_iter()
     .filter_map(|(k, o)| Some((k, o?)))
     .collect();
-    let file = args
-        .config
+    let path = super::args::config_file(args.config.as_deref());
+    let file = path
         .as_ref()
         .and_then(|p| std::fs::read_to_string(p).ok())
         .and_then(|t| t.parse::<toml::Table>().ok());
     let mut out = String::from("configuration OK\n");
-    if let Some(path) = &args.config {
-        let how = origin(
-            "--config",
-            "COMPACTOR_CONFIG",
-            Some(path.display().to_string()),
-        )
-        .map(|o| o.to_string())
-        .unwrap_or_default();
+    if let Some(path) = &path {
+        let how = match &args.config {
+            Some(named) => origin(
+                "--config",
+                "COMPACTOR_CONFIG",
+                Some(named.display().to_string()),
+            )
+            .map(|o| o.to_string())
+            .unwrap_or_default(),
+            None => "found in the working directory".to_string(),
+        };
         out.push_str(&format!("  config file: {} ({how})\n", path.display()));
     }
     if config.store.is_postgres() {
@@ -169,6 +172,17 @@ pub(super) fn serve(args: ServeArgs) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     init_logging(args.log_format);
+    match (&args.settings.config, super::args::config_file(None)) {
+        (Some(named), _) => tracing::info!(config = %named.display(), "configuration file"),
+        (None, Some(found)) => tracing::info!(
+            config = %found.display(),
+            "configuration file found in the working directory (--config or COMPACTOR_CONFIG names another)"
+        ),
+        (None, None) => tracing::info!(
+            "no configuration file (--config, COMPACTOR_CONFIG or ./{}): built-in defaults, flags and environment",
+            super::args::FOUND_CONFIG
+        ),
+    }
     let runtime = match crate::server::runtime_builder().build() {
         Ok(r) => r,
         Err(e) => {
