@@ -496,6 +496,32 @@ pub struct ModelConfig {
     pub output_price_per_mtok: Option<f64>,
 }
 
+/// serde's "unknown field `x`, expected one of `a`, `b`, …" said as the
+/// key and the valid one closest to it, when one is close enough to be a
+/// slip; the whole list otherwise. Other messages pass unchanged.
+fn closest_key(message: &str) -> String {
+    let Some((head, list)) = message.split_once(", expected one of ") else {
+        return message.to_string();
+    };
+    let Some(unknown) = head
+        .strip_prefix("unknown field `")
+        .and_then(|r| r.strip_suffix('`'))
+    else {
+        return message.to_string();
+    };
+    let best = list
+        .split(", ")
+        .map(|k| k.trim_matches('`'))
+        .map(|k| (strsim::damerau_levenshtein(unknown, k), k))
+        .min();
+    match best {
+        Some((distance, key)) if distance <= unknown.len().max(3) / 3 => {
+            format!("unknown key `{unknown}`; did you mean `{key}`?")
+        }
+        _ => format!("unknown key `{unknown}`; the keys here: {list}"),
+    }
+}
+
 impl Config {
     /// Parses a TOML document; unknown keys are an error naming the key.
     pub fn from_toml(text: &str) -> Result<Self, ConfigError> {
@@ -503,9 +529,9 @@ impl Config {
             let message = match e.span() {
                 Some(span) => {
                     let (line, column) = line_and_column(text, span.start);
-                    format!("line {line}, column {column}: {}", e.message())
+                    format!("line {line}, column {column}: {}", closest_key(e.message()))
                 }
-                None => e.message().to_string(),
+                None => closest_key(e.message()),
             };
             ConfigError::Parse(message, e.span())
         })?;
@@ -604,6 +630,30 @@ mod tests {
         assert!(err.contains("listen_port"), "{err}");
         let err = Config::from_toml("[compactoin]\n").unwrap_err().to_string();
         assert!(err.contains("compactoin"), "{err}");
+    }
+
+    /// A slip of a key is answered with the key it was meant to be, not
+    /// the list of every key; a word far from every key gets the list.
+    #[test]
+    fn a_mistyped_key_is_answered_with_the_closest() {
+        let err = Config::from_toml("[compaction]\ntriger_ratio = 0.5\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.ends_with("unknown key `triger_ratio`; did you mean `trigger_ratio`?"),
+            "{err}"
+        );
+        assert!(!err.contains("warn_ratio"), "{err}");
+        let err = Config::from_toml("[compaction]\nbananas = 1\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("unknown key `bananas`; the keys here: "),
+            "{err}"
+        );
+        assert!(err.contains("`trigger_ratio`"), "{err}");
+        let err = Config::from_toml("[compactoin]\n").unwrap_err().to_string();
+        assert!(err.contains("did you mean `compaction`?"), "{err}");
     }
 
     #[test]
