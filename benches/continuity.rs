@@ -176,9 +176,14 @@ fn main() {
     rt.block_on(async {
         let (n, bytes, per) = sessions::extraction_cost(20);
         println!("facts, prune stubs and truncation markers of {n} sessions ({} KiB): {per:?} per pass", bytes / 1024);
+        sessions::print_ledger_cost(&[usize::MAX, 16_000, 4_000]);
         let t = Instant::now();
         let a = fake_tier(1.0).await;
         let agents = sessions::agents_fake_tier(1.0).await;
+        let trail = sessions::trail_fake_tier(1.0).await;
+        print_table("(a) the trail: files, commands with their exit status, rules, system messages, reversed decisions — kept/planted per kind and rung", &trail);
+        let sweep = sessions::window_sweep(&sessions::trail::trail_sessions(1.0), &sessions::TRAIL_WINDOWS).await;
+        print_table("(a) the trail at every window down to 4,000 tokens (200 for the answer)", &sweep);
         print_table("(a) other agents' vocabularies, failures from the corpus — kept/planted per kind and rung", &agents);
         print_table("(a) fake upstream, a summarizer that writes nothing useful — kept/planted per kind and rung", &a);
         println!("({:.1}s)", t.elapsed().as_secs_f64());
@@ -191,12 +196,14 @@ fn main() {
                 println!("({:.1}s)", t.elapsed().as_secs_f64());
                 verdict("(a)", &a, 0.95);
                 verdict("(a) other agents", &agents, 0.95);
+                verdict("(a) the trail", &trail, 0.95);
                 verdict("(b)", &b, 0.90);
             }
             _ => {
                 println!("\n(b) skipped: set COMPACTOR_LLAMA_URL to run the real llama-server tier");
                 verdict("(a)", &a, 0.95);
                 verdict("(a) other agents", &agents, 0.95);
+                verdict("(a) the trail", &trail, 0.95);
             }
         }
     });

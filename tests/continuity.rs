@@ -92,6 +92,61 @@ async fn facts_survive_in_other_agents_vocabularies() {
     check(&table);
 }
 
+/// The rungs a window of at least 4,000 tokens reaches: there every kind
+/// of the trail must survive in 95% of the times it is planted.
+const TRAIL_RUNGS: [&str; 3] = ["truncate", "prune", "fallback"];
+
+/// The trail of work in eight agents' vocabularies (see
+/// `continuity/trail.rs`): every file changed, every command with its exit
+/// status as the agent's output stated it, the user's standing rules, a
+/// mid-conversation system message and a reversed decision reach the
+/// upstream after every rung down to a 4,000-token window, with a
+/// summarizer that writes nothing useful; below it (2,048 and 1,600
+/// tokens) the task still does, and the table says what else.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trail_survives_every_rung_with_a_useless_summarizer() {
+    let table = tokio::time::timeout(WHOLE_RUN, sessions::trail_fake_tier(1.0))
+        .await
+        .expect("continuity run timed out");
+    sessions::print_table("the trail: kept/planted per kind and rung", &table);
+    let rungs = sessions::per_rung(&table);
+    let names: Vec<&str> = rungs.iter().map(|r| r.0.as_str()).collect();
+    for want in TRAIL_RUNGS
+        .iter()
+        .chain(&["fallback tight", "fallback 1600"])
+    {
+        assert!(names.contains(want), "rung {want} never ran: {names:?}");
+    }
+    for ((rung, kind), (kept, planted)) in &table {
+        assert_ne!(rung, "none", "a session was not compacted");
+        if TRAIL_RUNGS.contains(&rung.as_str()) || *kind == sessions::Kind::Task {
+            assert!(
+                kept * 100 >= planted * 95,
+                "{rung}, {}: {kept}/{planted}",
+                kind.name()
+            );
+        }
+    }
+    // And at every window down to 4,000 tokens (200 for the answer).
+    let sweep = tokio::time::timeout(
+        WHOLE_RUN,
+        sessions::window_sweep(
+            &sessions::trail::trail_sessions(1.0),
+            &sessions::TRAIL_WINDOWS,
+        ),
+    )
+    .await
+    .expect("sweep timed out");
+    sessions::print_table("the trail: kept/planted per kind and window", &sweep);
+    for ((window, kind), (kept, planted)) in &sweep {
+        assert!(
+            kept * 100 >= planted * 95,
+            "window {window}, {}: {kept}/{planted}",
+            kind.name()
+        );
+    }
+}
+
 /// The cost of reading failures, for the performance notes (`--ignored`):
 /// the facts, prune stubs and truncation markers of all sixteen sessions.
 #[test]
@@ -102,6 +157,15 @@ fn extraction_cost() {
         "extraction over {n} sessions ({} KiB of history): {per:?} per pass",
         bytes / 1024
     );
+}
+
+/// What the ledger and the pinned rules cost in the summary's byte budget,
+/// for the notes (`--ignored`): at full size, and within the byte budgets
+/// a 4,000- and a 16,000-token window give the summary.
+#[test]
+#[ignore]
+fn ledger_cost() {
+    sessions::print_ledger_cost(&[usize::MAX, 16_000, 4_000]);
 }
 
 /// The smallest windows at which each kind survives, for the notes

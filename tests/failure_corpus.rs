@@ -257,6 +257,9 @@ fn bad_input_is_bounded_in_time_and_size() {
             "{name}: {} failures",
             facts.errors.len()
         );
+        // The ledger holds the one command, its status line clipped.
+        assert_eq!(facts.commands.len(), 1, "{name}");
+        assert!(facts.commands[0].line().len() <= 400, "{name}");
         assert!(
             facts
                 .errors
@@ -270,5 +273,118 @@ fn bad_input_is_bounded_in_time_and_size() {
             stub.len(),
             facts.errors.len()
         );
+    }
+}
+
+/// A history of `n` shell calls in the exit-status vocabularies the ledger
+/// reads, each deleting, moving and writing files, with a user rule and a
+/// reminder every tenth call.
+fn trail_history(n: usize) -> Vec<Value> {
+    let mut items = vec![json!({"role": "user", "content": "Clean up the workspace."})];
+    let outputs = [
+        "Exit code 2\nls: cannot access 'x': No such file or directory",
+        "Chunk ID: 1\nWall time: 0.1 seconds\nProcess exited with code 5\nOutput:\n",
+        "<returncode>1</returncode>\n<output>\nboom\n</output>",
+        "boom\n[The command completed with exit code 127.]",
+        "> x@1 test\n ELIFECYCLE  Command failed with exit code 1.",
+        "{\"output\": \"\", \"metadata\": {\"exit_code\": 3}}",
+    ];
+    for i in 0..n {
+        let id = format!("c{i}");
+        let cmd = format!("rm -f tmp/a_{i}.log && mv b_{i}.txt c_{i}.txt && python3 -c \"open('d_{i}.json', 'w').write('1')\"");
+        items.push(json!({"role": "assistant", "content": null, "tool_calls": [{"id": id, "type": "function",
+               "function": {"name": "bash", "arguments": json!({"command": cmd}).to_string()}}]}));
+        items.push(
+            json!({"role": "tool", "tool_call_id": id, "content": outputs[i % outputs.len()]}),
+        );
+        if i % 10 == 0 {
+            items.push(json!({"role": "user", "content": [
+                {"type": "text", "text": format!("<system-reminder>\nreminder {i}\n</system-reminder>")},
+                {"type": "text", "text": format!("From now on, never touch vendor_{i}/.")}]}));
+        }
+    }
+    items
+}
+
+/// The trail's extraction — the ledger's commands and files, the rules and
+/// reminders — grows linearly with the history and stays bounded: its
+/// lists are capped (what is left out counted), and the worst single
+/// inputs (an `rm` of thousands of paths, a Python one-liner with thousands
+/// of writes, a message of 100,000 unclosed reminders) are read within the
+/// time bound, with bounded results.
+#[test]
+fn the_trail_is_extracted_in_linear_time_and_bounded() {
+    use compactor::compaction::summary::{MAX_COMMANDS, MAX_RULES, MAX_SYSTEM_NOTES};
+    let time = |n: usize| {
+        let items = trail_history(n);
+        let t = Instant::now();
+        let facts = extract_facts(&items, None);
+        (t.elapsed(), facts)
+    };
+    let (small, _) = time(500);
+    let (large, facts) = time(4_000);
+    eprintln!("the trail of 500 calls: {small:?}; of 4,000: {large:?}");
+    assert!(
+        large < small * 16 + Duration::from_millis(500),
+        "8 times the history took {large:?} against {small:?}"
+    );
+    assert_eq!(facts.commands.len(), MAX_COMMANDS);
+    assert_eq!(facts.commands.len() + facts.commands_dropped, 4_000);
+    assert_eq!(
+        facts.commands.last().unwrap().line(),
+        "rm -f tmp/a_3999.log && mv b_3999.txt c_3999.txt && python3 -c \"open('d_3999.json', 'w').write('1')\" → [The command completed with exit code 127.]"
+    );
+    assert_eq!(facts.rules.len(), MAX_RULES);
+    assert_eq!(facts.rules.len() + facts.rules_dropped, 400);
+    assert_eq!(facts.system.len(), MAX_SYSTEM_NOTES);
+    assert_eq!(facts.system.len() + facts.system_dropped, 400);
+    let summary = assemble(&facts, None, 12_000, 48_000);
+    assert!(summary.len() <= 48_000, "{}", summary.len());
+    assert!(
+        summary.contains("3960 earlier left out"),
+        "the commands left out are counted"
+    );
+
+    let many_rm = format!(
+        "rm {}",
+        (0..50_000)
+            .map(|i| format!("f{i}"))
+            .collect::<Vec<_>>()
+            .join(" ")
+    );
+    let many_lines = (0..20_000)
+        .map(|i| format!("rm g{i}.txt"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let many_writes = format!(
+        "python3 -c \"{}\"",
+        "open('w.txt', 'w').write('x');".repeat(100_000)
+    );
+    let reminders = "<system-reminder>".repeat(100_000);
+    for (name, cmd, user) in [
+        ("an rm of 50,000 paths", many_rm.as_str(), ""),
+        ("20,000 rm lines", many_lines.as_str(), ""),
+        ("100,000 Python writes", many_writes.as_str(), ""),
+        ("100,000 unclosed reminders", "true", reminders.as_str()),
+    ] {
+        let mut items = part(cmd, "<returncode>0</returncode>");
+        items.push(json!({"role": "user", "content": format!("{user}Never push.")}));
+        let t = Instant::now();
+        let facts = extract_facts(&items, None);
+        let took = t.elapsed();
+        assert!(took < BAD_INPUT_TIME, "{name}: {took:?}");
+        assert!(
+            facts.files.len() <= 256,
+            "{name}: {} files",
+            facts.files.len()
+        );
+        assert!(facts.system.len() <= MAX_SYSTEM_NOTES, "{name}");
+        assert!(
+            facts.system.iter().all(|s| s.len() <= 2_000),
+            "{name}: a reminder past its clip"
+        );
+        assert_eq!(facts.commands.len(), 1, "{name}");
+        assert!(facts.commands[0].line().len() <= 400, "{name}");
+        eprintln!("{name}: {took:?}, {} files", facts.files.len());
     }
 }

@@ -15,6 +15,9 @@
 
 #![allow(dead_code)]
 
+#[path = "trail.rs"]
+pub mod trail;
+
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -42,10 +45,20 @@ pub enum Kind {
     Constraint,
     Error,
     NextStep,
+    /// A file created, edited, deleted, renamed or written by a one-liner.
+    FileChanged,
+    /// A command with its exit status (its ledger line).
+    Command,
+    /// One of the user's standing rules.
+    Rule,
+    /// A system message in the middle of the conversation.
+    SystemMessage,
+    /// A decision that reversed an earlier one.
+    Reversal,
 }
 
 impl Kind {
-    pub const ALL: [Kind; 7] = [
+    pub const ALL: [Kind; 12] = [
         Kind::Task,
         Kind::FilePath,
         Kind::FileContent,
@@ -53,6 +66,11 @@ impl Kind {
         Kind::Constraint,
         Kind::Error,
         Kind::NextStep,
+        Kind::FileChanged,
+        Kind::Command,
+        Kind::Rule,
+        Kind::SystemMessage,
+        Kind::Reversal,
     ];
 
     pub fn name(self) -> &'static str {
@@ -64,6 +82,11 @@ impl Kind {
             Kind::Constraint => "constraint",
             Kind::Error => "error",
             Kind::NextStep => "next step",
+            Kind::FileChanged => "file changed",
+            Kind::Command => "command+exit",
+            Kind::Rule => "rule",
+            Kind::SystemMessage => "system msg",
+            Kind::Reversal => "reversal",
         }
     }
 }
@@ -623,21 +646,48 @@ impl AgentBuilder {
 
     /// `n` filler turns: reads, builds and passing test runs.
     fn filler(&mut self, n: usize, bytes: usize) {
-        for i in 0..n {
-            let module = format!("src/{}_{}.rs", self.b.r.pick(WORDS), self.b.calls);
-            match i % 3 {
-                0 => {
-                    let src = source(&mut self.b.r, &module, bytes);
-                    self.read(None, &module, &src);
-                }
-                1 => {
-                    let log = build_log(&mut self.b.r, bytes / 2);
-                    self.shell(None, "cargo build --workspace", &log, 0);
-                }
-                _ => {
-                    let log = test_log(&mut self.b.r, bytes, None);
-                    self.shell(None, "cargo test --workspace", &log, 0);
-                }
+        filler_turns(self, n, bytes);
+    }
+}
+
+impl Turns for AgentBuilder {
+    fn builder(&mut self) -> &mut Builder {
+        &mut self.b
+    }
+    fn read_file(&mut self, path: &str, content: &str) {
+        self.read(None, path, content);
+    }
+    fn run_shell(&mut self, cmd: &str, output: &str) {
+        self.shell(None, cmd, output, 0);
+    }
+}
+
+/// A builder of turns in one agent's vocabulary, for [`filler_turns`].
+trait Turns {
+    fn builder(&mut self) -> &mut Builder;
+    /// A file read, as the agent reads one.
+    fn read_file(&mut self, path: &str, content: &str);
+    /// A successful shell command and its output.
+    fn run_shell(&mut self, cmd: &str, output: &str);
+}
+
+/// `n` filler turns of `t`: reads, builds and passing test runs.
+fn filler_turns(t: &mut impl Turns, n: usize, bytes: usize) {
+    for i in 0..n {
+        let b = t.builder();
+        let module = format!("src/{}_{}.rs", b.r.pick(WORDS), b.calls);
+        match i % 3 {
+            0 => {
+                let src = source(&mut t.builder().r, &module, bytes);
+                t.read_file(&module, &src);
+            }
+            1 => {
+                let log = build_log(&mut t.builder().r, bytes / 2);
+                t.run_shell("cargo build --workspace", &log);
+            }
+            _ => {
+                let log = test_log(&mut t.builder().r, bytes, None);
+                t.run_shell("cargo test --workspace", &log);
             }
         }
     }
@@ -828,6 +878,61 @@ pub fn extraction_cost(passes: u32) -> (usize, usize, std::time::Duration) {
     (all.len(), bytes, per)
 }
 
+/// What the sections before the narrative (RULES & SYSTEM MESSAGES and
+/// LEDGER) cost in the facts-only summary of a session's whole history:
+/// (family, sessions, their bytes, the summaries' bytes), at full size and
+/// within `budget` bytes.
+pub fn ledger_cost(budget: usize) -> Vec<(&'static str, usize, usize, usize)> {
+    use compactor::compaction::summary::{assemble, extract_facts};
+    let families: [(&'static str, Vec<Session>); 3] = [
+        ("edit forms", sessions(1.0)),
+        ("other agents", agent_sessions(1.0)),
+        ("the trail", trail::trail_sessions(1.0)),
+    ];
+    families
+        .into_iter()
+        .map(|(name, list)| {
+            let (mut ledger, mut whole) = (0, 0);
+            for s in &list {
+                let facts = extract_facts(&s.messages[1..], None);
+                let text = assemble(&facts, None, s.messages.len() - 1, budget);
+                let start = ["\n\n## RULES & SYSTEM MESSAGES\n", "\n\n## LEDGER\n"]
+                    .iter()
+                    .filter_map(|h| text.find(h))
+                    .min();
+                let end = text.find("\n\n## PLAN STATE\n");
+                if let (Some(a), Some(b)) = (start, end) {
+                    ledger += b - a;
+                }
+                whole += text.len();
+            }
+            (name, list.len(), ledger, whole)
+        })
+        .collect()
+}
+
+/// Prints [`ledger_cost`] at full size and within `budgets`.
+pub fn print_ledger_cost(budgets: &[usize]) {
+    println!(
+        "\nthe ledger's cost: bytes of RULES & SYSTEM MESSAGES + LEDGER in the facts-only summary"
+    );
+    for &budget in budgets {
+        for (name, n, ledger, whole) in ledger_cost(budget) {
+            let at = if budget == usize::MAX {
+                "full size".to_string()
+            } else {
+                format!("within {budget} bytes")
+            };
+            println!(
+                "  {name} ({n} sessions), {at}: {} of {} bytes per summary ({:.0}%)",
+                ledger / n.max(1),
+                whole / n.max(1),
+                100.0 * ledger as f64 / whole.max(1) as f64
+            );
+        }
+    }
+}
+
 // ---------------------------------------------------------------- summarizers
 
 /// A summarizer that writes nothing useful, in the styles small models
@@ -887,6 +992,11 @@ pub async fn fake_tier(scale: f64) -> Table {
     fake_tier_of(&sessions(scale)).await
 }
 
+/// [`fake_tier`] over the trail sessions ([`trail::trail_sessions`]).
+pub async fn trail_fake_tier(scale: f64) -> Table {
+    fake_tier_of(&trail::trail_sessions(scale)).await
+}
+
 /// [`fake_tier`] over the sessions in other agents' vocabularies.
 pub async fn agents_fake_tier(scale: f64) -> Table {
     fake_tier_of(&agent_sessions(scale)).await
@@ -936,6 +1046,9 @@ pub async fn fake_tier_of(list: &[Session]) -> Table {
     }
     table
 }
+
+/// The windows, tokens, the trail is swept over: down to 4,000.
+pub const TRAIL_WINDOWS: [u64; 4] = [32_000, 16_000, 8_000, 4_000];
 
 /// Runs `list` at each of `windows` (200 tokens for the answer), the rung
 /// named by its window: where each kind stops surviving.
@@ -1075,13 +1188,23 @@ pub async fn run(
         .map(|r| String::from_utf8_lossy(&r.body).into_owned())
         .unwrap_or_default();
     // The body is JSON: compare against the needles JSON-escaped the same way.
+    // A command and its status must be on one line of the decoded text.
+    let decoded = serde_json::from_str::<Value>(&upstream_text)
+        .map(|v| compactor::compaction::summary::sent_text(std::iter::once(&v)))
+        .unwrap_or_default();
     let kept = session
         .facts
         .iter()
         .map(|f| {
             let escaped = serde_json::to_string(&f.needle).unwrap_or_default();
             let inner = &escaped[1..escaped.len() - 1];
-            (f.kind, upstream_text.contains(inner))
+            let kept = match (f.kind, f.needle.split_once(" → ")) {
+                (Kind::Command, Some((cmd, status))) => decoded
+                    .lines()
+                    .any(|l| l.contains(cmd) && l.contains(status)),
+                _ => upstream_text.contains(inner),
+            };
+            (f.kind, kept)
         })
         .collect();
     if std::env::var_os("CONT_DUMP").is_some() {

@@ -9,7 +9,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::calls::{calls_of, short_args};
-use super::edits::{apply_op, effects_of, text_edits, Effect};
+use super::edits::{apply_op, effects_of, text_edits, Effect, Op};
 use super::errors::{outcome, Outcome};
 use super::failures::headline;
 use super::shell::{command_of, file_ops, shell_blocks, MAX_COMMAND};
@@ -17,8 +17,8 @@ use super::statements::{classify_assistant_line, push_statement, user_statements
 use super::statements::{push_pinned, reverses, system_blocks};
 use super::text::{clip, role};
 use super::{
-    MAX_COMMANDS, MAX_ERRORS, MAX_LOG_OUTCOME, MAX_RULES, MAX_SYSTEM_NOTE, MAX_SYSTEM_NOTES,
-    MAX_TOOL_LOG,
+    MAX_COMMANDS, MAX_ERRORS, MAX_FILES, MAX_LOG_OUTCOME, MAX_RULES, MAX_SYSTEM_NOTE,
+    MAX_SYSTEM_NOTES, MAX_TOOL_LOG,
 };
 use crate::compaction::items::{is_summary, is_user_message, outputs, text_of};
 
@@ -28,8 +28,12 @@ use crate::compaction::items::{is_summary, is_user_message, outputs, text_of};
 pub struct Facts {
     /// First real user message, verbatim.
     pub task: Option<String>,
-    /// Files touched, ordered by first touch; one entry per path.
+    /// Files touched, ordered by first touch; one entry per path (at most
+    /// [`MAX_FILES`]: past it the oldest only read go first, then the
+    /// oldest).
     pub files: Vec<FileFact>,
+    /// Files left out of `files`.
+    pub files_dropped: usize,
     /// Failures of failed tool outputs, each a block of the lines that
     /// carry it, quoted as printed (deduplicated, newest kept, at most
     /// [`MAX_ERRORS`]).
@@ -269,7 +273,7 @@ fn settle(facts: &mut Facts, log: &mut [String], p: Pending, out: Option<&Outcom
     for e in p.effects {
         match e {
             Effect::Plan(p) => facts.plan = Some(p),
-            Effect::File(path, op) => apply_op(&mut facts.files, path, op),
+            Effect::File(path, op) => apply_file(facts, path, op),
         }
     }
 }
@@ -309,13 +313,28 @@ fn assistant_text(facts: &mut Facts, text: &str) {
         }
     }
     for (path, op) in text_edits(text) {
-        apply_op(&mut facts.files, path, op);
+        apply_file(facts, path, op);
     }
     // aider suggests shell commands in fenced blocks, and runs them.
     for block in shell_blocks(text) {
         for (path, op) in file_ops(&block) {
-            apply_op(&mut facts.files, path, op);
+            apply_file(facts, path, op);
         }
+    }
+}
+
+/// Records `op` on `path`; past [`MAX_FILES`] the oldest file only read,
+/// else the oldest, is counted instead of kept.
+fn apply_file(facts: &mut Facts, path: String, op: Op) {
+    apply_op(&mut facts.files, path, op);
+    while facts.files.len() > MAX_FILES {
+        let i = facts
+            .files
+            .iter()
+            .position(|f| f.action == "read")
+            .unwrap_or(0);
+        facts.files.remove(i);
+        facts.files_dropped += 1;
     }
 }
 

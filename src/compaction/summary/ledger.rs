@@ -91,11 +91,11 @@ pub(super) fn ledger_block(
     label: &dyn Fn(&str) -> String,
 ) -> Option<String> {
     let commands_total = f.commands.len() + f.commands_dropped;
-    if f.files.is_empty() && commands_total == 0 {
+    if f.files.is_empty() && f.files_dropped == 0 && commands_total == 0 {
         return None;
     }
     let mut s = label("the files the tool calls touched and the commands they ran");
-    if !f.files.is_empty() {
+    if !f.files.is_empty() || f.files_dropped > 0 {
         s.push_str("\nFiles:");
         let mut reads = 0;
         let mut changed = 0;
@@ -121,6 +121,12 @@ pub(super) fn ledger_block(
         }
         if reads > 0 {
             s.push_str(&format!("\n- and {reads} more read, not modified"));
+        }
+        if f.files_dropped > 0 {
+            s.push_str(&format!(
+                "\n- and {} more touched earlier, left out",
+                f.files_dropped
+            ));
         }
     }
     if commands_total > 0 {

@@ -81,6 +81,8 @@ pub use prompt::{cached_instruction, render_transcript, retry_messages, summariz
 pub const MAX_ERRORS: usize = 20;
 /// Most lines kept in [`Facts::tool_log`] (newest kept).
 pub const MAX_TOOL_LOG: usize = 40;
+/// Most files kept in [`Facts::files`] (the rest counted).
+pub const MAX_FILES: usize = 200;
 /// Most commands kept in [`Facts::commands`] (newest kept, the rest counted).
 pub const MAX_COMMANDS: usize = 40;
 /// Most standing rules kept in [`Facts::rules`] (newest kept, the rest counted).

@@ -18,6 +18,8 @@ const MAX_SCRIPT: usize = 300;
 /// Longest command line read for file operations (a longer one is a
 /// script, not a command: its heredocs and seds are read by `edits`).
 const MAX_SCANNED_LINE: usize = 4_096;
+/// Most file operations one shell command records.
+const MAX_FILE_OPS: usize = 256;
 
 /// Whether a tool of this name runs shell commands.
 pub(super) fn is_shell_tool(name: &str) -> bool {
@@ -93,6 +95,9 @@ fn operands(words: &[String], k: usize) -> Vec<String> {
 fn removes_and_moves(cmd: &str) -> Vec<(String, Op)> {
     let mut out = Vec::new();
     for line in cmd.lines().filter(|l| l.len() <= MAX_SCANNED_LINE) {
+        if out.len() >= MAX_FILE_OPS {
+            break;
+        }
         let words = shell_words(line);
         for k in 0..words.len() {
             let (name, start) = match words[k].as_str() {
@@ -174,6 +179,7 @@ fn python_writes(cmd: &str) -> Vec<(String, Op)> {
 pub(super) fn file_ops(cmd: &str) -> Vec<(String, Op)> {
     let mut out = removes_and_moves(cmd);
     out.extend(python_writes(cmd));
+    out.truncate(MAX_FILE_OPS);
     out
 }
 

@@ -180,25 +180,33 @@ pub(super) fn push_pinned(list: &mut Vec<String>, dropped: &mut usize, s: String
 
 /// The context blocks a harness puts inside the history as user text
 /// (Claude Code's `<system-reminder>`, Codex's `<environment_context>`):
-/// each block verbatim, clipped to `max` bytes.
+/// each block verbatim, clipped to `max` bytes; at most
+/// [`MAX_BLOCKS`] of each tag, the last ones.
 pub(super) fn system_blocks(text: &str, max: usize) -> Vec<String> {
     const TAGS: [&str; 2] = ["system-reminder", "environment_context"];
     let mut out = Vec::new();
     for tag in TAGS {
         let (open, close) = (format!("<{tag}"), format!("</{tag}>"));
         let mut rest = text;
+        let mut blocks = Vec::new();
         while let Some(i) = rest.find(&open) {
             let after = &rest[i..];
-            let end = after
-                .find(&close)
-                .map(|e| e + close.len())
-                .unwrap_or(after.len());
-            out.push(clip(after[..end].trim(), max));
+            // An unclosed block runs to the end: nothing follows it.
+            let Some(end) = after.find(&close).map(|e| e + close.len()) else {
+                blocks.push(after);
+                break;
+            };
+            blocks.push(&after[..end]);
             rest = &after[end..];
         }
+        let from = blocks.len().saturating_sub(MAX_BLOCKS);
+        out.extend(blocks[from..].iter().map(|b| clip(b.trim(), max)));
     }
     out
 }
+
+/// Most context blocks of one tag read from one text.
+const MAX_BLOCKS: usize = 16;
 
 /// Appends `s` to `list` (moved to the end when already there), newest
 /// [`MAX_STATEMENTS`] kept.
