@@ -35,3 +35,52 @@ fn per_conversation_marks_keep_the_recent_conversations_only() {
         "its turn forgotten too"
     );
 }
+
+/// A streamed answer far longer than anything a model writes: every byte
+/// reaches the client, and the record keeps what the proxy collects of one
+/// answer at most, marked cut (the proxy collected and recorded all of it:
+/// a 192 MB stream grew it by 1.2 GB).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_huge_stream_is_relayed_whole_and_recorded_cut() {
+    use compactor::fake_upstream::Reply;
+    use compactor::wire::sse::MAX_COLLECTED;
+    let h = support::Harness::start().await;
+    let piece = "lorem ipsum dolor sit amet ".repeat(40);
+    let count = MAX_COLLECTED / piece.len() * 5 / 4;
+    let pieces: Vec<&str> = std::iter::repeat_n(piece.as_str(), count).collect();
+    h.fake.push(Reply::chat_stream(&pieces, Some((40, 9))));
+    let body = serde_json::json!({"model": "m", "stream": true,
+        "messages": [{"role": "user", "content": "Write it all out."}]});
+    let url = format!("{}/chat/completions", h.url());
+    let (status, _, got) = support::post(&url, "sk-huge", &body).await;
+    assert_eq!(status, 200);
+    let text = String::from_utf8_lossy(&got);
+    let content: usize = text
+        .split("\n\n")
+        .filter_map(|b| b.strip_prefix("data: "))
+        .filter_map(|d| serde_json::from_str::<serde_json::Value>(d).ok())
+        .filter_map(|v| {
+            v.pointer("/choices/0/delta/content")?
+                .as_str()
+                .map(str::len)
+        })
+        .sum();
+    assert_eq!(content, piece.len() * count, "every byte relayed");
+    assert!(text.trim_end().ends_with("data: [DONE]"));
+    let db = h.sql();
+    let partial: Vec<bool> = support::column(&*db, "SELECT partial FROM exchanges");
+    let error: Vec<Option<String>> = support::column(&*db, "SELECT error FROM exchanges");
+    assert_eq!(partial, [true], "{error:?}");
+    assert!(
+        error[0]
+            .as_deref()
+            .is_some_and(|e| e.contains("recorded cut")),
+        "{error:?}"
+    );
+    let stored: Vec<i64> = support::column(&*db, "SELECT length(body) FROM items");
+    let stored: i64 = stored.iter().sum();
+    assert!(
+        (stored as usize) < MAX_COLLECTED + (1 << 20),
+        "{stored} bytes stored"
+    );
+}

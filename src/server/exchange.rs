@@ -77,6 +77,30 @@ pub struct Outcome {
     pub ttfb_ms: Option<f64>,
 }
 
+impl Outcome {
+    /// The outcome of a streamed answer the tee read (`partial` and `error`
+    /// as the stream ended): one longer than what the tee collects is
+    /// recorded as cut, with what it collected.
+    pub(in crate::server) fn streamed(
+        status: u16,
+        tee: &crate::wire::sse::SseTee,
+        partial: bool,
+        error: Option<String>,
+        ttfb_ms: f64,
+    ) -> Outcome {
+        let cut = tee.cut();
+        Outcome {
+            status,
+            usage: tee.usage(),
+            response_items: tee.items(),
+            response_id: tee.response_id(),
+            partial: partial || cut.is_some(),
+            error: error.or_else(|| tee.error().map(|e| e.to_string())).or(cut),
+            ttfb_ms: Some(ttfb_ms),
+        }
+    }
+}
+
 /// Whether the estimate after an exchange with reported `usage` is read by
 /// anything: the calibration of reported against estimated tokens, which
 /// the fit check and the compaction's budget use once a conversation nears

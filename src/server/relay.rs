@@ -132,15 +132,7 @@ struct Relay {
 
 impl Relay {
     fn outcome(&self, partial: bool, error: Option<String>) -> Outcome {
-        Outcome {
-            status: self.status,
-            usage: self.tee.usage(),
-            response_items: self.tee.items(),
-            response_id: self.tee.response_id(),
-            error: error.or_else(|| self.tee.error().map(|e| e.to_string())),
-            partial,
-            ttfb_ms: Some(self.ttfb_ms),
-        }
+        Outcome::streamed(self.status, &self.tee, partial, error, self.ttfb_ms)
     }
 
     /// Records the exchange; false when its last bytes must be withheld

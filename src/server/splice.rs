@@ -151,15 +151,7 @@ impl Client {
         let Some(p) = self.pending.take() else {
             return true;
         };
-        let outcome = Outcome {
-            status: self.status,
-            usage: self.tee.usage(),
-            response_items: self.tee.items(),
-            response_id: self.tee.response_id(),
-            error: error.or_else(|| self.tee.error().map(|e| e.to_string())),
-            partial,
-            ttfb_ms: Some(self.ttfb_ms),
-        };
+        let outcome = Outcome::streamed(self.status, &self.tee, partial, error, self.ttfb_ms);
         p.into_inner().finish(state, outcome).await
     }
 
@@ -195,15 +187,8 @@ impl Drop for Client {
         if let Some(p) = self.pending.take() {
             // The client left (or the task ended) before the record: kept
             // as partial.
-            let outcome = Outcome {
-                status: self.status,
-                usage: self.tee.usage(),
-                response_items: self.tee.items(),
-                response_id: self.tee.response_id(),
-                error: Some("the client left before the end of the stream".into()),
-                partial: true,
-                ttfb_ms: Some(self.ttfb_ms),
-            };
+            let why = "the client left before the end of the stream".to_string();
+            let outcome = Outcome::streamed(self.status, &self.tee, true, Some(why), self.ttfb_ms);
             p.into_inner().finish_detached(&self.state, outcome);
         }
     }

@@ -177,6 +177,9 @@ pub struct ChatCollector {
     pub done: bool,
     /// The upstream's completion id.
     pub id: Option<String>,
+    /// Past what is collected of an answer: text and arguments are no
+    /// longer kept, the rest is.
+    pub capped: bool,
 }
 
 #[derive(Debug, Default)]
@@ -246,6 +249,9 @@ impl ChatCollector {
             let Some(d) = c.delta else { continue };
             if let Some(r) = d.role {
                 acc.role = Some(r.into_owned());
+            }
+            if self.capped {
+                continue;
             }
             append(&mut acc.content, d.content);
             append(&mut acc.reasoning, d.reasoning_content);

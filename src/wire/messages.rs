@@ -539,6 +539,9 @@ pub struct MessagesCollector {
     pub error: Option<Value>,
     /// `message_stop` was seen.
     pub done: bool,
+    /// Past what is collected of an answer: no more content is kept, the
+    /// usage and the end still are.
+    pub capped: bool,
 }
 
 #[derive(Debug, Default)]
@@ -561,6 +564,9 @@ impl MessagesCollector {
             return;
         };
         let kind = v.get("type").and_then(Value::as_str).unwrap_or(event);
+        if self.capped && kind.starts_with("content_block_") {
+            return;
+        }
         match kind {
             "message_start" => {
                 if let Some(m) = v.get("message") {

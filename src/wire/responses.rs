@@ -78,6 +78,9 @@ pub struct ResponsesCollector {
     pub id: Option<String>,
     /// An error reported inside the stream (`response.failed` or `error`).
     pub error: Option<Value>,
+    /// Past what is collected of an answer: no more items are kept (those
+    /// done before stand for the output), the usage and the end still are.
+    pub capped: bool,
 }
 
 impl ResponsesCollector {
@@ -109,7 +112,7 @@ impl ResponsesCollector {
         }
         match kind {
             "response.output_item.done" => {
-                if let Some(item) = view.item {
+                if let Some(item) = view.item.filter(|_| !self.capped) {
                     self.done_items.push(tree(item));
                 }
             }
@@ -117,7 +120,11 @@ impl ResponsesCollector {
                 if let Some(r) = view.response {
                     match serde_json::from_str::<FinalView>(r.get()) {
                         Ok(f) => {
-                            let output = f.output.map(tree).unwrap_or_default();
+                            let output = f
+                                .output
+                                .filter(|_| !self.capped)
+                                .map(tree)
+                                .unwrap_or_default();
                             let usage = f.usage.map(tree).unwrap_or_default();
                             let error = f.error.map(tree);
                             self.finish(kind, output, &usage, error);
@@ -148,7 +155,7 @@ impl ResponsesCollector {
         }
         match kind {
             "response.output_item.done" => {
-                if let Some(item) = v.get("item") {
+                if let Some(item) = v.get("item").filter(|_| !self.capped) {
                     self.done_items.push(item.clone());
                 }
             }
@@ -165,9 +172,14 @@ impl ResponsesCollector {
     /// A terminal event whose response object was read as a tree.
     fn finish_with(&mut self, kind: &str, response: &Value) {
         let field = |k: &str| response.get(k).cloned();
+        let output = if self.capped {
+            Value::Null
+        } else {
+            field("output").unwrap_or_default()
+        };
         self.finish(
             kind,
-            field("output").unwrap_or_default(),
+            output,
             &field("usage").unwrap_or_default(),
             field("error"),
         );

@@ -223,7 +223,18 @@ pub struct SseTee {
     /// Usage must be hidden from the client: bytes are released a whole
     /// event at a time.
     strip: bool,
+    /// Bytes of event data handed to the collector so far.
+    seen: usize,
+    /// Most of them whose text the collector keeps (see [`MAX_COLLECTED`]).
+    cap: usize,
 }
+
+/// Most bytes of a streamed answer's events whose text and items are
+/// collected (and recorded): past them the stream is still relayed whole
+/// and its usage and end still read, but nothing more of its output is
+/// kept, and the exchange is recorded as cut (see [`SseTee::cut`]). A
+/// 192 MB stream grew the proxy by 1.2 GB when every byte was kept.
+pub const MAX_COLLECTED: usize = 4 << 20;
 
 impl SseTee {
     /// A tee for `api`; `strip_usage` hides the usage the proxy injected.
@@ -236,7 +247,26 @@ impl SseTee {
                 Api::Messages => Collected::Messages(MessagesCollector::default()),
             },
             strip: strip_usage,
+            seen: 0,
+            cap: MAX_COLLECTED,
         }
+    }
+
+    /// The same tee, collecting the text of at most `cap` bytes of events.
+    pub fn with_cap(mut self, cap: usize) -> Self {
+        self.cap = cap;
+        self
+    }
+
+    /// Why what was collected is not the whole answer, when it is not:
+    /// the stream went past what is collected of it.
+    pub fn cut(&self) -> Option<String> {
+        (self.seen > self.cap).then(|| {
+            format!(
+                "the streamed answer was longer than the {} MiB the proxy records of one: relayed whole, recorded cut",
+                self.cap >> 20
+            )
+        })
     }
 
     /// Takes one upstream chunk and returns the bytes to send the client now.
@@ -275,6 +305,14 @@ impl SseTee {
         let Some(ev) = &block.event else {
             return false;
         };
+        self.seen = self.seen.saturating_add(ev.data.len());
+        if self.seen > self.cap {
+            match &mut self.collected {
+                Collected::Chat(c) => c.capped = true,
+                Collected::Responses(c) => c.capped = true,
+                Collected::Messages(c) => c.capped = true,
+            }
+        }
         match &mut self.collected {
             Collected::Chat(c) => c.push(&ev.data),
             Collected::Responses(c) => {
