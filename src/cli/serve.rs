@@ -294,24 +294,42 @@ pub async fn shutdown_signal() {
 }
 
 /// Says at start-up, as a warning, when the upstream cannot be reached: a
-/// `GET /models` without a key, any HTTP answer counting as reached, for at
-/// most 5 s. The proxy serves either way (the upstream may come up later).
+/// TCP connection to its host and port, for at most 5 s, and no request (a
+/// request would count against the upstream, and a scripted one would take
+/// an answer meant for a client). Left out when an HTTP proxy variable is
+/// set, since the connection would then go through it. The proxy serves
+/// either way: the upstream may come up later.
 async fn upstream_notice(state: std::sync::Arc<AppState>) {
-    let Ok(url) = state.upstream.url("/models", None) else {
+    let proxied = [
+        "HTTPS_PROXY",
+        "https_proxy",
+        "HTTP_PROXY",
+        "http_proxy",
+        "ALL_PROXY",
+        "all_proxy",
+    ]
+    .iter()
+    .any(|v| std::env::var_os(v).is_some_and(|x| !x.is_empty()));
+    let Ok(base) = reqwest::Url::parse(state.upstream.base()) else {
         return;
     };
-    let probe = state
-        .upstream
-        .send_bodyless(http::Method::GET, &url, http::HeaderMap::new());
-    let why = match tokio::time::timeout(std::time::Duration::from_secs(5), probe).await {
+    let (Some(host), Some(port)) = (base.host_str(), base.port_or_known_default()) else {
+        return;
+    };
+    if proxied {
+        return;
+    }
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    let connect = tokio::net::TcpStream::connect((host, port));
+    let why = match tokio::time::timeout(std::time::Duration::from_secs(5), connect).await {
         Ok(Ok(_)) => return,
         Ok(Err(e)) => e.to_string(),
         Err(_) => "no answer within 5 s".to_string(),
     };
-    let why = why.strip_prefix("upstream unreachable: ").unwrap_or(&why);
     tracing::warn!(
         upstream = %crate::config::shown_url(state.upstream.base()),
-        "cannot reach the upstream: {why}; requests answer 502 until it can be reached (--upstream or [upstream] base_url sets it)"
+        "cannot reach the upstream: connection to {} failed: {why}; requests answer 502 until it can be reached (--upstream or [upstream] base_url sets it)",
+        base.origin().ascii_serialization()
     );
 }
 
