@@ -437,3 +437,94 @@ async fn server_side_key_replaces_the_clients() {
         );
     }
 }
+
+/// `GET /v1/models` answers the upstream's listing with each model carrying
+/// the window the proxy uses for it: a `[[models]]` entry's, the built-in
+/// table's, or the listing's own where the proxy only guesses; one model's
+/// answer likewise; an error goes through as it came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_models_listing_tells_each_models_window() {
+    use compactor::config::ModelConfig;
+    let h = Harness::start_with(|c| {
+        c.models.insert(
+            0,
+            ModelConfig {
+                pattern: "my-model*".into(),
+                context_window: 9000,
+                ..Default::default()
+            },
+        );
+    })
+    .await;
+    h.fake.push(Reply::json(
+        200,
+        json!({"object": "list", "data": [
+            {"id": "gpt-4o", "object": "model", "owned_by": "openai"},
+            {"id": "my-model-7b", "object": "model", "max_model_len": 32768},
+            {"id": "served.gguf", "object": "model", "max_model_len": 4096},
+            {"id": "claude-sonnet-4-6", "type": "model", "display_name": "Claude Sonnet 4.6"},
+        ]}),
+    ));
+    let get = |path: &str| {
+        client()
+            .get(format!("{}{path}", h.url()))
+            .header("authorization", format!("Bearer {KEY}"))
+            .send()
+    };
+    let resp = within(get("/models")).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body: Value = within(resp.json()).await.unwrap();
+    let window = |id: &str, field: &str| {
+        body["data"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["id"] == id)
+            .unwrap_or_else(|| panic!("{id} in {body}"))[field]
+            .clone()
+    };
+    // The built-in table's window.
+    assert_eq!(window("gpt-4o", "context_length"), 128_000, "{body}");
+    assert_eq!(
+        window("gpt-4o", "owned_by"),
+        "openai",
+        "the rest stays: {body}"
+    );
+    // The configured window wins over what the server states.
+    assert_eq!(window("my-model-7b", "context_length"), 9000, "{body}");
+    assert_eq!(window("my-model-7b", "max_model_len"), 9000, "{body}");
+    // A name the table only guesses at: the server's word stays.
+    assert_eq!(window("served.gguf", "context_length"), 4096, "{body}");
+    // Anthropic's listing field too.
+    assert_eq!(
+        window("claude-sonnet-4-6", "max_input_tokens"),
+        200_000,
+        "{body}"
+    );
+    assert_eq!(
+        window("claude-sonnet-4-6", "display_name"),
+        "Claude Sonnet 4.6",
+        "{body}"
+    );
+    let asked = h.fake.last().unwrap();
+    assert_eq!(asked.path, "/v1/models");
+
+    h.fake.push(Reply::json(
+        200,
+        json!({"id": "my-model-7b", "object": "model"}),
+    ));
+    let resp = within(get("/models/my-model-7b")).await.unwrap();
+    let one: Value = within(resp.json()).await.unwrap();
+    assert_eq!(one["context_length"], 9000, "{one}");
+    assert_eq!(h.fake.last().unwrap().path, "/v1/models/my-model-7b");
+
+    h.fake.push(Reply::json(
+        401,
+        json!({"error": {"message": "bad key", "type": "invalid_request_error"}}),
+    ));
+    let resp = within(get("/models")).await.unwrap();
+    assert_eq!(resp.status(), 401);
+    let error: Value = within(resp.json()).await.unwrap();
+    assert_eq!(error["error"]["message"], "bad key", "{error}");
+    assert!(error.get("data").is_none(), "{error}");
+}

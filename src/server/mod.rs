@@ -13,6 +13,7 @@ mod exchange;
 mod gather;
 mod health;
 mod identify;
+mod models;
 mod passthrough;
 mod proxy;
 mod read;
@@ -508,6 +509,11 @@ async fn route(
             }
             (&Method::POST, "/v1/responses/compact") => {
                 ("responses_compact", proxy::handle_compact(state, req).await)
+            }
+            // The listing, each model with the window the proxy uses for it
+            // (counted as passthrough: the endpoint labels are fixed).
+            (&Method::GET, p) if models::is_listing(p) => {
+                ("passthrough", models::handle(state, req).await)
             }
             (_, p) if p.starts_with("/v1/") => {
                 ("passthrough", passthrough::handle(state, req).await)

@@ -76,20 +76,20 @@ pub fn check_path(path: &str) -> Result<(), ProxyError> {
     Ok(())
 }
 
+/// The upstream URL a `/v1/*` request goes to: its path below `/v1` on the
+/// upstream's base, its query kept, once [`check_path`] let it through.
+pub fn upstream_url(state: &AppState, uri: &http::Uri) -> Result<reqwest::Url, ProxyError> {
+    check_path(uri.path())?;
+    let below = uri.path().strip_prefix("/v1").unwrap_or(uri.path());
+    Ok(state.upstream.url(below, uri.query())?)
+}
+
 /// Forwards the request as is and streams the answer back.
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
     let (parts, body) = req.into_parts();
-    if let Err(e) = check_path(parts.uri.path()) {
-        return e.into_response();
-    }
-    let below = parts
-        .uri
-        .path()
-        .strip_prefix("/v1")
-        .unwrap_or(parts.uri.path());
-    let url = match state.upstream.url(below, parts.uri.query()) {
+    let url = match upstream_url(&state, &parts.uri) {
         Ok(url) => url,
-        Err(e) => return ProxyError::from(e).into_response(),
+        Err(e) => return e.into_response(),
     };
     let headers = state.upstream.request_headers(&parts.headers, false);
     let sent = if body.is_end_stream() {

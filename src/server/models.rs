@@ -1,0 +1,136 @@
+//! `GET /v1/models` and `GET /v1/models/{id}`: the upstream's listing,
+//! each model carrying the context window the proxy uses for it, so that a
+//! client which sizes its context from a listing sizes it as the proxy does.
+//!
+//! Every entry with an `id` gets `context_length` (OpenRouter's field, read
+//! by many clients) and `max_model_len` (vLLM's); an Anthropic entry
+//! (`"type": "model"`) gets `max_input_tokens`. The window is the proxy's
+//! (a `[[models]]` entry, or what the upstream told), except where the proxy
+//! only guesses from the model's name and the listing states a window of its
+//! own: the upstream's word stays. Anything else of the answer — a status
+//! other than 200, a body that is not a JSON listing, one over the size the
+//! proxy reads whole — goes to the client as it came.
+
+use std::sync::Arc;
+
+use http::{header, HeaderValue, Request, Response};
+use hyper::body::Incoming;
+use serde_json::Value;
+
+use super::passthrough;
+use crate::app::AppState;
+use crate::error::{ProxyBody, ProxyError};
+use crate::upstream::strip_hop_by_hop;
+use crate::windows::Source;
+
+/// True for the paths this module answers: the listing and one model.
+pub fn is_listing(path: &str) -> bool {
+    path == "/v1/models"
+        || path
+            .strip_prefix("/v1/models/")
+            .is_some_and(|id| !id.is_empty())
+}
+
+/// Forwards the listing request and annotates the answer.
+pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
+    let (parts, _body) = req.into_parts();
+    let url = match passthrough::upstream_url(&state, &parts.uri) {
+        Ok(url) => url,
+        Err(e) => return e.into_response(),
+    };
+    // Unencoded, so the proxy can read it.
+    let headers = state.upstream.request_headers(&parts.headers, true);
+    let resp = match state
+        .upstream
+        .send_bodyless(parts.method.clone(), &url, headers)
+        .await
+    {
+        Ok(r) => r,
+        Err(e) => return ProxyError::from(e).into_response(),
+    };
+    let json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|t| t.contains("json"));
+    let encoded = resp.headers().contains_key(header::CONTENT_ENCODING);
+    if resp.status() != http::StatusCode::OK || !json || encoded {
+        return passthrough::relay(resp);
+    }
+    let status = resp.status();
+    let mut headers = strip_hop_by_hop(resp.headers());
+    let body = match state.upstream.read_body(resp).await {
+        Ok(b) => b,
+        Err(e) => return ProxyError::from(e).into_response(),
+    };
+    let body = annotate(&state, &body).unwrap_or(body);
+    headers.remove(header::CONTENT_LENGTH);
+    headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
+    let mut out = Response::new(crate::error::full(body));
+    *out.status_mut() = status;
+    *out.headers_mut() = headers;
+    out
+}
+
+/// The listing (`{"data": [...]}`) or the single model (`{"id": ...}`) in
+/// `body` with each model's window written in; `None` when `body` is
+/// neither.
+fn annotate(state: &AppState, body: &[u8]) -> Option<bytes::Bytes> {
+    let mut doc: Value = serde_json::from_slice(body).ok()?;
+    let mut changed = false;
+    match doc.get_mut("data").and_then(Value::as_array_mut) {
+        Some(entries) => {
+            for entry in entries {
+                changed |= annotate_entry(state, entry);
+            }
+        }
+        None => changed = annotate_entry(state, &mut doc),
+    }
+    if !changed {
+        return None;
+    }
+    serde_json::to_vec(&doc).ok().map(bytes::Bytes::from)
+}
+
+/// Fields in which servers state a model's window, read when the proxy
+/// only guesses it.
+const STATED: &[&str] = &["context_length", "max_model_len", "max_input_tokens"];
+
+/// Writes the window the proxy uses for the entry's model; false when the
+/// entry names no model.
+fn annotate_entry(state: &AppState, entry: &mut Value) -> bool {
+    let Some(model) = entry.get("id").and_then(Value::as_str).map(str::to_string) else {
+        return false;
+    };
+    let Some(fields) = entry.as_object_mut() else {
+        return false;
+    };
+    let (limits, source) = window_of(state, &model);
+    let stated = STATED
+        .iter()
+        .find_map(|k| fields.get(*k).and_then(Value::as_u64))
+        .filter(|&w| w > 0);
+    let window = match (source, stated) {
+        (Source::Table, Some(w)) => w,
+        _ => limits.context_window,
+    };
+    fields.insert("context_length".into(), window.into());
+    fields.insert("max_model_len".into(), window.into());
+    if fields.get("type").and_then(Value::as_str) == Some("model") {
+        fields.insert("max_input_tokens".into(), window.into());
+    }
+    true
+}
+
+/// The proxy's window for `model` and where it came from, without adding
+/// the model to the set of models the proxy has seen (a gateway lists
+/// hundreds).
+fn window_of(state: &AppState, model: &str) -> (crate::config::ModelLimits, Source) {
+    let (configured, from_config) = state.config.model_limits_sourced(model);
+    let source = if from_config {
+        Source::Config
+    } else {
+        Source::Table
+    };
+    crate::windows::effective(configured, source, state.windows.told(model).as_ref())
+}
