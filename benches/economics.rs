@@ -15,9 +15,14 @@
 //! - `ECON_PROXY_CONFIG=FILE`: the proxied runs use this `proxy.toml`
 //!   instead of the defaults (its upstream and store are the bench's), to
 //!   measure a setting against them.
-//! - `ECON_GAP_SLEEP_MS` (default 0): real pause at each idle gap of the
-//!   proxied runs, for a proxy configured to notice idle gaps that short
-//!   (the fake's clock is simulated; the proxy's is not).
+//! - `ECON_GAP_SLEEP_MS` (default 2500): real pause at each idle gap of the
+//!   proxied runs. The fake's clock is simulated, the proxy's is not: the
+//!   proxy is told a cache lifetime on the bench's scale
+//!   (`compaction.cache_ttl_secs` × 1/300: 5 minutes is 1 s), and sleeps
+//!   through each idle gap for this long, so it sees the gap as longer
+//!   than the cache's lifetime, as the fake does. 0: the proxy sees no gap.
+//! - `ECON_TRACE=1`: one line per billed call (request, kind, prompt, read,
+//!   written, output, $).
 //! - `ECON_LOG=1`: the proxy's log lines on stderr.
 //!
 //! **The upstream** is the in-process fake (`compactor::fake_upstream`) with
@@ -89,6 +94,15 @@ use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
 const DEFAULT_SEED: u64 = 0x00EC_0A0C_7E55_10A5;
+/// Real seconds per simulated second of the proxy's cache lifetime: the
+/// default 5 minutes is 1 s to the proxy, and an idle gap (10–50 minutes
+/// simulated) is `ECON_GAP_SLEEP_MS` (2.5 s) of real time.
+const TIME_SCALE: f64 = 1.0 / 300.0;
+/// Where in an idle gap the fake's clock stands while the bench sleeps
+/// through it: 80% of the 5-minute lifetime, when the proxy computes an idle
+/// conversation's compaction (the summary call reads a warm cache, as it
+/// would).
+const GAP_SEEN_AT: Duration = Duration::from_secs(240);
 const COMPACTED_HEADER: &str = "x-compactor-compacted";
 /// Output tokens of reasoning each scripted answer is billed beyond its
 /// visible tokens.
@@ -1462,6 +1476,10 @@ struct RunStats {
     /// (read, prompt) of the turns between compactions, and of summary calls.
     between: (u64, u64),
     summaries: (u64, u64, usize),
+    /// The session's request being billed, and the run's label, for
+    /// `ECON_TRACE`.
+    at: usize,
+    label: &'static str,
     /// Facts found / looked for after compactions, by kind.
     facts: BTreeMap<&'static str, (usize, usize)>,
     wall: Duration,
@@ -1472,6 +1490,25 @@ impl RunStats {
         for b in billed {
             let kind = if b.summarizer { Kind::Summary } else { kind };
             let c = cost(prices, b, false);
+            if std::env::var_os("ECON_TRACE").is_some() {
+                let u = &b.usage;
+                println!(
+                    "trace {:>18} #{:<3} {:<9} prompt {:>7} read {:>7} write {:>7} input {:>6} out {:>5} ${:.4}",
+                    self.label,
+                    self.at,
+                    match kind {
+                        Kind::Summary => "summary",
+                        Kind::Turn(true) => "restart",
+                        Kind::Turn(false) => "turn",
+                    },
+                    u.prompt(),
+                    u.read,
+                    u.write_5m + u.write_1h,
+                    u.input,
+                    b.output,
+                    c
+                );
+            }
             self.cost += c;
             self.cost_long += cost(prices, b, true);
             self.calls += 1;
@@ -1620,14 +1657,25 @@ async fn run(
         .unwrap_or_else(|| format!("http://{}", fake.addr()));
     let mut client = Client::new(shape, session, mode == Mode::ClientCompacts);
     let url = format!("{base}{}", client.path());
-    let mut stats = RunStats::default();
+    let mut stats = RunStats {
+        label: mode.label(),
+        ..RunStats::default()
+    };
     let mut seen_compactions: HashSet<String> = HashSet::new();
     for (i, turn) in session.turns.iter().enumerate() {
-        fake.advance_clock(session.before[i]);
         let gap = session.before[i] > compactor::fake_upstream::cache::TTL_5M;
         if mode == Mode::Proxy && gap && !setup.gap_sleep.is_zero() {
+            // The proxy sees the gap on its own clock, where it computes an
+            // idle conversation's compaction 80% into the cache's lifetime:
+            // the fake's clock shows that moment while the bench sleeps.
+            let early = GAP_SEEN_AT.min(session.before[i]);
+            fake.advance_clock(early);
             tokio::time::sleep(setup.gap_sleep).await;
+            fake.advance_clock(session.before[i] - early);
+        } else {
+            fake.advance_clock(session.before[i]);
         }
+        stats.at = i;
         let mut first_after = false;
         let mut attempts = 0;
         loop {
@@ -1910,10 +1958,14 @@ fn main() {
         Some(path) => Config::from_file(std::path::Path::new(&path)).expect("ECON_PROXY_CONFIG"),
         None => Config::default(),
     };
+    // The proxy's clock is real, the fake's simulated: the cache lifetime
+    // the proxy is told is on the bench's scale (5 minutes: 1 s).
+    let mut config = config;
+    config.compaction.cache_ttl_secs *= TIME_SCALE;
     let setup = Setup {
         config,
         think: Duration::from_millis(env_u64("ECON_THINK_MS", 50)),
-        gap_sleep: Duration::from_millis(env_u64("ECON_GAP_SLEEP_MS", 0)),
+        gap_sleep: Duration::from_millis(env_u64("ECON_GAP_SLEEP_MS", 2_500)),
     };
     let shapes: Vec<Shape> = std::env::var("ECON_SHAPES")
         .unwrap_or_else(|_| "claude,codex".into())

@@ -174,6 +174,7 @@ pub fn effective(
         context_window: t.window,
         max_output_tokens: configured.max_output_tokens.min(t.window / 4),
         trigger_ratio: configured.trigger_ratio,
+        trigger_max_tokens: configured.trigger_max_tokens,
     };
     (limits, t.source)
 }
@@ -212,6 +213,7 @@ mod tests {
             context_window: 8192,
             max_output_tokens: 2048,
             trigger_ratio: 0.75,
+            trigger_max_tokens: 0,
         }
     }
 

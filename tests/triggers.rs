@@ -38,18 +38,13 @@ fn compacted(headers: &http::HeaderMap) -> bool {
 
 /// Sends the loop's request with `reply` scripted; asserts a 200.
 async fn step(h: &Harness, l: &Loop, reply: compactor::fake_upstream::Reply) -> http::HeaderMap {
-    h.fake.push(reply);
-    let (status, headers, body) = l.send(h).await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
-    headers
+    l.step(h, reply).await
 }
 
 /// Whether the upstream got the client's latest request smaller than the
 /// client sent it (a compaction replaced a prefix: pruned or summarized).
 fn upstream_shorter(h: &Harness, l: &Loop) -> bool {
-    let last = l.upstream(h).pop().expect("an upstream request");
-    let size = |items: &[serde_json::Value]| serde_json::to_vec(items).unwrap().len();
-    size(&l.items_of(&last)) < size(&l.items)
+    l.upstream_shorter(h)
 }
 
 /// A history of about 4800 tokens (past the trigger, under the hard limit),

@@ -373,6 +373,7 @@ mod tests {
                 context_window: window,
                 max_output_tokens: window / 4,
                 trigger_ratio: 0.75,
+                trigger_max_tokens: 0,
             },
         )
     }

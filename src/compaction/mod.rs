@@ -416,6 +416,7 @@ mod params_tests {
             context_window: 200_000,
             max_output_tokens: 32_000,
             trigger_ratio: 0.75,
+            trigger_max_tokens: 0,
         };
         // 0.6 of the window would be 120k, just under the 126k trigger: a
         // prune landing there would be due again a turn later.

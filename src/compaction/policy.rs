@@ -62,8 +62,27 @@ pub fn decide(used: u64, estimated: bool, limits: &ModelLimits, warn_ratio: f64)
 /// would never fire before the request stops fitting, and every compaction
 /// would be a synchronous one inside a turn; taken of the effective limit,
 /// any configured ratio fires before it.
+///
+/// On a large window it is capped (`compaction.trigger_max_tokens`): under
+/// prompt caching every turn pays for reading its whole prompt, so past a
+/// size the reads a compaction saves over the turns that follow outweigh
+/// its summary call and the write of the smaller prefix, however large the
+/// window (see `docs/PERFORMANCE.md`, "Economics").
 pub fn trigger_tokens(limits: &ModelLimits) -> u64 {
-    (hard_limit(limits) as f64 * limits.trigger_ratio) as u64
+    let by_ratio = (hard_limit(limits) as f64 * limits.trigger_ratio) as u64;
+    match limits.trigger_max_tokens {
+        0 => by_ratio,
+        cap => by_ratio.min(cap),
+    }
+}
+
+/// Tokens past which an idle conversation gets a compaction for when it
+/// comes back after its cache expired (`compaction.cold_ratio` of the
+/// effective limit, as [`trigger_tokens`]): its prefix is written again
+/// then anyway, so the compaction's own write costs nothing extra.
+pub fn cold_tokens(limits: &ModelLimits, cold_ratio: f64) -> u64 {
+    let by_ratio = (hard_limit(limits) as f64 * cold_ratio) as u64;
+    by_ratio.min(trigger_tokens(limits))
 }
 
 /// Largest prompt that still leaves room for the model's answer.
@@ -84,6 +103,7 @@ mod tests {
             context_window: 1000,
             max_output_tokens: 100,
             trigger_ratio: 0.75,
+            trigger_max_tokens: 0,
         }
     }
 
@@ -111,6 +131,7 @@ mod tests {
                 context_window: 200_000,
                 max_output_tokens: 32_000,
                 trigger_ratio: ratio,
+                trigger_max_tokens: 0,
             };
             assert!(trigger_tokens(&l) <= hard_limit(&l), "{ratio}");
             assert!(decide(hard_limit(&l), false, &l, 0.6).compact, "{ratio}");
@@ -119,8 +140,32 @@ mod tests {
             context_window: 200_000,
             max_output_tokens: 32_000,
             trigger_ratio: 0.9,
+            trigger_max_tokens: 0,
         };
         assert_eq!(trigger_tokens(&l), 151_200);
+    }
+
+    #[test]
+    fn a_large_window_triggers_at_the_cap_a_small_one_at_its_ratio() {
+        let mut l = ModelLimits {
+            context_window: 1_000_000,
+            max_output_tokens: 32_000,
+            trigger_ratio: 0.75,
+            trigger_max_tokens: 85_000,
+        };
+        assert_eq!(trigger_tokens(&l), 85_000);
+        assert!(decide(85_000, false, &l, 0.6).compact);
+        // The cold threshold is a ratio of the limit, never past the trigger.
+        assert_eq!(cold_tokens(&l, 0.25), 85_000);
+        l.trigger_max_tokens = 0;
+        assert_eq!(trigger_tokens(&l), 726_000);
+        assert_eq!(cold_tokens(&l, 0.25), 242_000);
+        let small = ModelLimits {
+            trigger_max_tokens: 85_000,
+            ..limits()
+        };
+        assert_eq!(trigger_tokens(&small), 675);
+        assert_eq!(cold_tokens(&small, 0.25), 225);
     }
 }
 
@@ -327,6 +372,7 @@ mod overflow_tests {
             context_window: 8192,
             max_output_tokens: 2048,
             trigger_ratio: 0.75,
+            trigger_max_tokens: 0,
         };
         let llama = Stated {
             limit: Some(2048),

@@ -363,8 +363,13 @@ pub const MAX_RECALL_ROUNDS: u32 = 16;
 #[derive(Debug, Clone, Deserialize, Serialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct CompactionConfig {
-    /// Compact once the last exchange used this fraction of the model's window.
+    /// Compact once the last exchange used this fraction of the model's
+    /// effective limit (its window less the answer's budget)...
     pub trigger_ratio: f64,
+    /// ...or this many tokens, whichever is fewer (0: no cap). Under prompt
+    /// caching every turn pays for reading its whole prompt: past this size
+    /// a compaction costs less than the reads it saves.
+    pub trigger_max_tokens: u64,
     /// Log a warning once the last exchange used this fraction of the window.
     pub warn_ratio: f64,
     /// Token budget of verbatim user messages kept from the summarized part.
@@ -412,12 +417,24 @@ pub struct CompactionConfig {
     /// the bill with: they run in observe mode, chosen from their ids (so
     /// the same ones on every replica and after a restart). 0: none.
     pub holdout_ratio: f64,
+    /// How long the upstream keeps an idle conversation's prompt cache,
+    /// seconds: 300 (Anthropic's default lifetime, the lower bound of
+    /// OpenAI's); a Messages request whose breakpoints ask for `ttl: "1h"`
+    /// takes 3,600. A conversation past `cold_ratio` that stays idle for
+    /// most of it gets a compaction computed in the background, applied
+    /// when it comes back after the cache expired: its prefix is written
+    /// again then anyway. 0: never.
+    pub cache_ttl_secs: f64,
+    /// The lower threshold of that compaction, a fraction of the effective
+    /// limit (the window less the answer's budget), as `trigger_ratio`.
+    pub cold_ratio: f64,
 }
 
 impl Default for CompactionConfig {
     fn default() -> Self {
         Self {
             trigger_ratio: 0.75,
+            trigger_max_tokens: 85_000,
             warn_ratio: 0.6,
             recent_user_tokens: 4_000,
             tail_tokens: 4_000,
@@ -435,6 +452,8 @@ impl Default for CompactionConfig {
             provider_timeout_secs: 60,
             agent_tool: false,
             holdout_ratio: 0.0,
+            cache_ttl_secs: 300.0,
+            cold_ratio: 0.25,
         }
     }
 }

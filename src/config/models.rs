@@ -12,6 +12,9 @@ pub struct ModelLimits {
     pub max_output_tokens: u64,
     /// Fraction of the window at which compaction triggers.
     pub trigger_ratio: f64,
+    /// Most tokens at which it triggers, whatever the window (0: no cap;
+    /// see [`crate::compaction::policy::trigger_tokens`]).
+    pub trigger_max_tokens: u64,
 }
 
 /// Built-in defaults for common model families: (glob, window, max output).
@@ -65,6 +68,7 @@ impl Config {
                     .max_output_tokens
                     .unwrap_or_else(|| default_out.min(m.context_window / 4)),
                 trigger_ratio: m.trigger_ratio.unwrap_or(self.compaction.trigger_ratio),
+                trigger_max_tokens: self.compaction.trigger_max_tokens,
             };
             return (limits, true);
         }
@@ -73,6 +77,7 @@ impl Config {
             context_window: window,
             max_output_tokens: out,
             trigger_ratio: self.compaction.trigger_ratio,
+            trigger_max_tokens: self.compaction.trigger_max_tokens,
         };
         (limits, false)
     }

@@ -57,6 +57,12 @@ impl Config {
         if !(c.target_ratio > 0.0 && c.target_ratio < c.trigger_ratio) {
             return invalid("compaction.target_ratio", "must be in (0, trigger_ratio)");
         }
+        if !(c.cache_ttl_secs.is_finite() && c.cache_ttl_secs >= 0.0) {
+            return invalid("compaction.cache_ttl_secs", "must be 0 or more");
+        }
+        if !(c.cold_ratio > 0.0 && c.cold_ratio <= c.trigger_ratio) {
+            return invalid("compaction.cold_ratio", "must be in (0, trigger_ratio]");
+        }
         if c.recall_max_rounds > MAX_RECALL_ROUNDS {
             return invalid(
                 "compaction.recall_max_rounds",

@@ -41,6 +41,11 @@ pub(super) struct Calibrations {
     pub(super) by_key: Generations<u64, f64>,
     /// The conversation's last reported prompt, by the same key.
     pub(super) reported: Generations<u64, Reported>,
+    /// When the upstream last read a conversation's prefix (an answered
+    /// exchange, a summary call that repeated it), and how long its cache
+    /// keeps it idle, by a hash of the tenant and the conversation's
+    /// thread (see `engine::idle::thread`).
+    pub(super) read_at: Generations<u64, (std::time::Instant, Duration)>,
     pub(super) seed: foldhash::quality::RandomState,
 }
 
@@ -49,6 +54,7 @@ impl Default for Calibrations {
         Self {
             by_key: Generations::new(CALIBRATED),
             reported: Generations::new(CALIBRATED),
+            read_at: Generations::new(CALIBRATED),
             seed: Default::default(),
         }
     }
@@ -182,6 +188,10 @@ pub struct Compactions {
     /// What a shared store's reads told of its compactions (see
     /// [`Compactions::prefetch`]).
     pub(super) heard: Heard,
+    /// Conversations past the cold threshold whose idle time is watched
+    /// (see `engine::idle`), by tenant and thread: when their last exchange
+    /// ended and what it sent.
+    pub(super) idle: Mutex<HashMap<(String, ItemHash), (std::time::Instant, super::Input)>>,
 }
 
 /// What this process knows of the compactions other processes store.
@@ -589,6 +599,32 @@ impl Compactions {
             }
             None => lock(&self.manual).remove(conversation),
         }
+    }
+
+    /// The upstream read the prefix of the conversation `thread` names
+    /// (see `engine::idle::thread`) now, and keeps it cached `ttl` while
+    /// idle.
+    pub fn read_now(&self, tenant: &str, thread: &ItemHash, ttl: Duration) {
+        let mut all = lock(&self.calibration);
+        let key = {
+            use std::hash::BuildHasher;
+            all.seed.hash_one((tenant, thread))
+        };
+        all.read_at.insert(key, (std::time::Instant::now(), ttl));
+    }
+
+    /// Whether the upstream's cache of the conversation's prefix has
+    /// expired: idle past its lifetime since the upstream last read it.
+    /// One this process never saw read (or forgot) is taken as expired.
+    pub fn cache_expired(&self, tenant: &str, thread: &ItemHash) -> bool {
+        let mut all = lock(&self.calibration);
+        let key = {
+            use std::hash::BuildHasher;
+            all.seed.hash_one((tenant, thread))
+        };
+        all.read_at
+            .renew(&key)
+            .is_none_or(|(at, ttl)| at.elapsed() > *ttl)
     }
 
     /// Whether a stored compaction still waits for its first application

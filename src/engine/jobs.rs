@@ -14,6 +14,7 @@ use crate::store::LookUp;
 /// After an exchange: decides from its usage and, past the trigger, starts a
 /// background compaction that the next request will find.
 pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) {
+    super::idle::after_exchange(state, &input, used);
     let cfg = &state.config().compaction;
     if !cfg.background || input.no_trigger {
         return;
@@ -66,7 +67,11 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estim
 /// Ends a job: first computes, as part of it, the compaction of an
 /// exchange that crossed the trigger while it ran (requests over the hard
 /// limit wait for all of it), then tells its waiters.
-async fn follow_ups<S: Context>(state: &Arc<S>, key: &(String, String), tx: &watch::Sender<bool>) {
+pub(super) async fn follow_ups<S: Context>(
+    state: &Arc<S>,
+    key: &(String, String),
+    tx: &watch::Sender<bool>,
+) {
     loop {
         let next = {
             let mut jobs = lock(&state.compactions().jobs);

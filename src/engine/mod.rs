@@ -5,6 +5,7 @@
 //! compactions from ever matching.
 
 mod check;
+mod idle;
 mod index;
 mod jobs;
 pub mod provider;
@@ -12,6 +13,7 @@ pub mod rebuild;
 mod summarizer;
 
 pub use check::{check_fit, Fit, FitCheck};
+pub use idle::{is_cold, thread as idle_thread};
 pub use index::{Attempt, Compactions, LoadCompaction, Reported};
 pub use jobs::{after_exchange, schedule_agent};
 pub use summarizer::{auth_headers, chunk_lines, provider_headers, SummarizerError};

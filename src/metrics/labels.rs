@@ -28,6 +28,7 @@ pub const REASONS: &[&str] = &[
     "manual",
     "requested",
     "agent",
+    "cold",
     "other",
 ];
 
@@ -45,9 +46,13 @@ pub const REASONS: &[&str] = &[
 /// - `reactive`: the upstream refused a request as too long;
 /// - `agent`: the model asked, with `compactor_compact`;
 /// - `manual`: the CLI, the admin API or the client's request header;
-/// - `provider`: the provider compacted (its compaction item or block).
+/// - `provider`: the provider compacted (its compaction item or block);
+/// - `cold`: a background compaction computed for a conversation idle for
+///   most of its cache's lifetime (it then applies when the conversation
+///   comes back after the cache expired).
 pub const TRIGGERS: &[&str] = &[
     "threshold",
+    "cold",
     "boundary",
     "hard",
     "reactive",
@@ -65,6 +70,7 @@ pub fn trigger_of(reason: &str) -> Option<&'static str> {
         "hard_limit" => Some("hard"),
         "overflow" => Some("reactive"),
         "agent" => Some("agent"),
+        "cold" => Some("cold"),
         "manual" | "requested" => Some("manual"),
         _ => None,
     }

@@ -231,7 +231,9 @@ fn at_boundary(items: &ItemList) -> bool {
 /// limit: then the request goes with what it would have had before `c`
 /// (the compaction `c` extends, if that one covers it and no longer
 /// waits), and the threshold starts nothing after it. A threshold
-/// compaction applies on the next request that extends it. Once applied,
+/// compaction applies on the next request that extends it; one computed for
+/// an idle conversation on the first that comes after the upstream's cache
+/// of its prefix expired (before, the request goes with what it had). Once applied,
 /// a compaction applies to every later request that extends its prefix,
 /// boundary or not; its first application is counted as `boundary` or
 /// `hard`. True when this was that first application.
@@ -248,16 +250,40 @@ fn apply_stored(
     // agent's session) let the conversation grow to the hard limit and
     // took the whole turn with it. The model's own request waits for the
     // end of its turn, as it asked.
-    let soft = crate::metrics::trigger_of(&c.reason) == Some("threshold");
-    if !boundary && !over && !soft && state.compactions.is_waiting(&c.id) {
-        let base = c
-            .base
+    let soft = matches!(
+        crate::metrics::trigger_of(&c.reason),
+        Some("threshold" | "cold")
+    );
+    let base = || {
+        c.base
             .as_deref()
             .and_then(|id| state.compactions.get(pending.request().tenant(), id))
             .filter(|b| {
                 !state.compactions.is_waiting(&b.id)
                     && pending.chains().get(b.covered_len.wrapping_sub(1)) == Some(&b.covered_chain)
-            });
+            })
+    };
+    // One computed for an idle conversation applies when it comes back
+    // after the upstream's cache of its prefix expired (written again then
+    // anyway), or over the hard limit; back sooner, the conversation goes
+    // on with what it had, reading its prefix from the cache, and the
+    // threshold compacts it as before.
+    if engine::is_cold(&c.reason)
+        && !over
+        && state.compactions.is_waiting(&c.id)
+        && !engine::idle_thread(pending.chains()).is_none_or(|thread| {
+            state
+                .compactions
+                .cache_expired(pending.request().tenant(), &thread)
+        })
+    {
+        if let Some(b) = base() {
+            pending.apply(b);
+        }
+        return false;
+    }
+    if !boundary && !over && !soft && state.compactions.is_waiting(&c.id) {
+        let base = base();
         tracing::debug!(
             compaction = %c.id,
             base = base.as_ref().map_or("", |b| b.id.as_str()),

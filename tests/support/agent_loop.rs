@@ -323,6 +323,24 @@ impl Loop {
             .collect()
     }
 
+    /// Sends the request with `reply` scripted; asserts a 200. The
+    /// answer's headers.
+    pub async fn step(&self, h: &Harness, reply: Reply) -> http::HeaderMap {
+        h.fake.push(reply);
+        let (status, headers, body) = self.send(h).await;
+        assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+        headers
+    }
+
+    /// Whether the upstream got the client's latest request smaller than
+    /// the client sent it (a compaction replaced a prefix: pruned or
+    /// summarized).
+    pub fn upstream_shorter(&self, h: &Harness) -> bool {
+        let last = self.upstream(h).pop().expect("an upstream request");
+        let size = |items: &[Value]| serde_json::to_vec(items).unwrap().len();
+        size(&self.items_of(&last)) < size(&self.items)
+    }
+
     /// The items of an upstream request.
     pub fn items_of(&self, r: &Received) -> Vec<Value> {
         let key = match self.shape {

@@ -30,6 +30,7 @@ pub fn params() -> Params {
         context_window: 16_000,
         max_output_tokens: 1_000,
         trigger_ratio: 0.75,
+        trigger_max_tokens: 0,
     };
     Params::new(&cfg, &limits)
 }
