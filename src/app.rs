@@ -13,9 +13,7 @@ use crate::bounded::Generations;
 use crate::config::{Config, ModelLimits};
 use crate::conversation::ConversationIndex;
 use crate::engine::Compactions;
-use crate::store::postgres::{self, Postgres, PostgresBackend, PostgresReads};
-use crate::store::sqlite::{SqliteBackend, SqliteReads};
-use crate::store::{Reads, Store};
+use crate::store::{Reads, SharedDatabase, Store};
 use crate::tokens::TokenCounter;
 use crate::upstream::Upstream;
 use crate::wire::items::ItemCaches;
@@ -35,8 +33,9 @@ pub struct AppState {
     /// The store's point reads (compaction bodies, explicit keys,
     /// `previous_response_id` histories).
     pub reads: Arc<dyn Reads>,
-    /// The PostgreSQL pool, when the records are there (for its gauges).
-    pub postgres: Option<Arc<Postgres>>,
+    /// The database other replicas write too, when the records are in one
+    /// (PostgreSQL's; for the readiness probe and the gauges).
+    pub postgres: Option<Arc<dyn SharedDatabase>>,
     /// Prefix / key / response-id → conversation.
     pub conversations: ConversationIndex,
     /// Token estimates.
@@ -86,52 +85,12 @@ impl AppState {
 
     /// Opens the store and builds the upstream client.
     pub fn open(config: Config) -> anyhow::Result<Arc<Self>> {
-        let (store, mut snapshot, reads, postgres) = if config.store.is_postgres() {
-            let shown = config.store.shown_url();
-            let opts = postgres::Options::from_config(&config.store);
-            let pg = Postgres::open(&opts)
-                .map_err(|e| anyhow::anyhow!("cannot open the database {shown}: {e}"))?;
-            // A local journal: answers go before their commit.
-            let journal = if config.store.local_journal {
-                let path = config.postgres_journal_path();
-                Some(crate::store::Journal::open(&path).map_err(|e| {
-                    anyhow::anyhow!("cannot open the journal {}: {e}", path.display())
-                })?)
-            } else {
-                None
-            };
-            let (store, snapshot) = Store::start_shared(
-                Box::new(PostgresBackend::new(pg.clone())),
-                pg.clone(),
-                journal,
-                crate::conversation::STORE_LIMITS,
-                std::time::Duration::from_millis(config.store.commit_delay_ms),
-            )
-            .map_err(|e| anyhow::anyhow!("cannot load the database {shown}: {e}"))?;
-            let reads: Arc<dyn Reads> = Arc::new(PostgresReads::new(pg.clone()).listening(&opts)?);
-            (store, snapshot, reads, Some(pg))
-        } else {
-            let path = config.store_path();
-            // The store's lock first: a second server opening the file for
-            // writing (its schema, its WAL) while the first serves it can
-            // leave the first a malformed database.
-            if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
-                std::fs::create_dir_all(dir)
-                    .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
-            }
-            let journal = crate::store::Journal::open(&path).map_err(|e| {
-                anyhow::anyhow!("cannot open the journal of {}: {e}", path.display())
-            })?;
-            let backend = SqliteBackend::open_writer(&path)
-                .map_err(|e| anyhow::anyhow!("cannot open store {}: {e}", path.display()))?;
-            let (store, snapshot) = Store::start(
-                Box::new(backend),
-                Some(journal),
-                crate::conversation::STORE_LIMITS,
-            )?;
-            let reads: Arc<dyn Reads> = Arc::new(SqliteReads::new(&path));
-            (store, snapshot, reads, None)
-        };
+        let crate::store::Opened {
+            store,
+            mut snapshot,
+            reads,
+            shared: postgres,
+        } = crate::store::open(&config, crate::conversation::STORE_LIMITS)?;
         let by_key = reads.clone();
         let conversations = ConversationIndex::from_snapshot(
             &snapshot,

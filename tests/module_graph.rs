@@ -18,7 +18,10 @@
 //! removes a back-edge deletes its line, and one that adds a cycle fails here.
 //!
 //! The phases of a request ([`PHASES`]) name no other phase: each returns
-//! its decision to the driver, `server::proxy`.
+//! its decision to the driver, `server::proxy`. Only the store names its
+//! backends ([`BACKENDS`]), and inside the folders of [`NO_ARROW_BACK_UP`]
+//! a child never names its parent: there, a parent's use by its children
+//! is an arrow back up after all.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -62,6 +65,18 @@ const LAYERS: &[(&str, &[&str])] = &[
 /// The database drivers: only `store` (and its children) may name them, so
 /// that no other module opens a database or holds its types.
 const DATABASE_CRATES: &[&str] = &["rusqlite", "tokio_postgres", "postgres_types"];
+
+/// The store's backends: only the store names them (`store::open` chooses
+/// one from the config), so that everything outside it holds the store's
+/// traits.
+const BACKENDS: &[&str] = &["store::sqlite", "store::postgres"];
+
+/// The folders whose children never name an ancestor inside the folder: a
+/// parent there declares its children and hands their names on, and what
+/// the children share is a child of its own, so the arrows inside the
+/// folder only run down or across. (`engine` is not listed yet: its
+/// children still import its helpers.)
+const NO_ARROW_BACK_UP: &[&str] = &["store"];
 
 /// Edges that run against the layering, each (from, to, what it reaches
 /// for). Empty: not a place to add to; a change that needs a back-edge
@@ -129,8 +144,20 @@ fn module_of(src: &Path, file: &Path) -> Option<Module> {
     Some(segs.join("::"))
 }
 
-/// The dependency graph: for each module, the modules its code names.
+/// The dependency graph: for each module, the modules its code names, but
+/// its ancestors.
 fn graph(modules: &BTreeMap<Module, String>) -> BTreeMap<Module, BTreeSet<Module>> {
+    named(modules)
+        .into_iter()
+        .map(|(name, to)| {
+            let to = to.into_iter().filter(|t| !is_ancestor(t, &name)).collect();
+            (name, to)
+        })
+        .collect()
+}
+
+/// For each module, the modules its code names (its ancestors too).
+fn named(modules: &BTreeMap<Module, String>) -> BTreeMap<Module, BTreeSet<Module>> {
     let names: BTreeSet<&str> = modules.keys().map(String::as_str).collect();
     modules
         .iter()
@@ -145,7 +172,7 @@ fn graph(modules: &BTreeMap<Module, String>) -> BTreeMap<Module, BTreeSet<Module
                     continue;
                 };
                 if let Some(target) = longest_module(&abs, &names) {
-                    if target != *name && !is_ancestor(&target, name) {
+                    if target != *name {
                         to.insert(target);
                     }
                 }
@@ -224,9 +251,37 @@ fn longest_module(abs: &[String], names: &BTreeSet<&str>) -> Option<Module> {
 struct Paths {
     found: Vec<Vec<String>>,
     imports: BTreeMap<String, Vec<String>>,
+    /// How deep in `mod x { … }` items of the file the visit is: their
+    /// code is the file's module's, so a `super::` there names the file's
+    /// module (or the inline module around), not its parent.
+    inline: usize,
 }
 
 impl Paths {
+    /// `path` as seen from the file's module.
+    fn seen_from_file(&self, mut path: Vec<String>) -> Vec<String> {
+        let supers = path.iter().take_while(|s| *s == "super").count();
+        let dropped = supers.min(self.inline);
+        if dropped > 0 {
+            path.drain(..dropped);
+            if dropped == supers {
+                path.insert(0, "self".into());
+            }
+        }
+        path
+    }
+
+    fn found(&mut self, path: Vec<String>) {
+        let path = self.seen_from_file(path);
+        self.found.push(path);
+    }
+
+    fn import(&mut self, alias: String, path: Vec<String>) {
+        let path = self.seen_from_file(path);
+        self.imports.insert(alias, path.clone());
+        self.found.push(path);
+    }
+
     fn use_tree(&mut self, prefix: &mut Vec<String>, tree: &syn::UseTree) {
         match tree {
             syn::UseTree::Path(p) => {
@@ -245,18 +300,16 @@ impl Paths {
                 } else {
                     name
                 };
-                self.imports.insert(alias, full.clone());
-                self.found.push(full);
+                self.import(alias, full);
             }
             syn::UseTree::Rename(r) => {
                 let mut full = prefix.clone();
                 if r.ident != "self" {
                     full.push(r.ident.to_string());
                 }
-                self.imports.insert(r.rename.to_string(), full.clone());
-                self.found.push(full);
+                self.import(r.rename.to_string(), full);
             }
-            syn::UseTree::Glob(_) => self.found.push(prefix.clone()),
+            syn::UseTree::Glob(_) => self.found(prefix.clone()),
             syn::UseTree::Group(g) => {
                 for t in &g.items {
                     self.use_tree(prefix, t);
@@ -295,7 +348,8 @@ impl Paths {
 
     fn end_run(&mut self, run: &mut Vec<String>) {
         if !run.is_empty() {
-            self.found.push(std::mem::take(run));
+            let path = std::mem::take(run);
+            self.found(path);
         }
     }
 }
@@ -334,10 +388,19 @@ impl<'ast> Visit<'ast> for Paths {
     }
 
     fn visit_path(&mut self, p: &'ast syn::Path) {
-        self.found
-            .push(p.segments.iter().map(|s| s.ident.to_string()).collect());
+        self.found(p.segments.iter().map(|s| s.ident.to_string()).collect());
         syn::visit::visit_path(self, p);
     }
+
+    fn visit_item_mod(&mut self, m: &'ast syn::ItemMod) {
+        self.inline += 1;
+        syn::visit::visit_item_mod(self, m);
+        self.inline -= 1;
+    }
+
+    /// `pub(super)`, `pub(in crate::a)`: whom an item is shown to, not
+    /// what it uses.
+    fn visit_visibility(&mut self, _: &'ast syn::Visibility) {}
 
     fn visit_macro(&mut self, m: &'ast syn::Macro) {
         self.visit_path(&m.path);
@@ -575,6 +638,73 @@ fn driver_users(modules: &BTreeMap<Module, String>, crates: &[&str]) -> Vec<Stri
         .collect()
 }
 
+/// Each edge from a module outside the store to one of its backends (or a
+/// backend's child).
+fn backend_users(graph: &BTreeMap<Module, BTreeSet<Module>>, backends: &[&str]) -> Vec<String> {
+    let backend_of = |m: &str| backends.iter().find(|b| m == **b || is_ancestor(b, m));
+    let mut out = Vec::new();
+    for (from, tos) in graph {
+        if top(from) == "store" {
+            continue;
+        }
+        for to in tos {
+            if let Some(b) = backend_of(to) {
+                out.push(format!(
+                    "{from} uses {to}: the backend {b} is named outside the store"
+                ));
+            }
+        }
+    }
+    out
+}
+
+/// Each edge from a module inside one of `folders` back up to one of its
+/// ancestors inside that folder (the folder itself included).
+fn arrows_back_up(named: &BTreeMap<Module, BTreeSet<Module>>, folders: &[&str]) -> Vec<String> {
+    let mut out = Vec::new();
+    for (from, tos) in named {
+        let Some(folder) = folders.iter().find(|f| is_ancestor(f, from)) else {
+            continue;
+        };
+        for to in tos {
+            let inside = to == folder || is_ancestor(folder, to);
+            if inside && is_ancestor(to, from) {
+                out.push(format!("{from} uses its ancestor {to}"));
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn only_the_store_names_its_backends() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let modules = modules(&src);
+    let mut problems: Vec<String> = BACKENDS
+        .iter()
+        .filter(|b| !modules.contains_key(**b))
+        .map(|b| format!("{b} is no module: update BACKENDS"))
+        .collect();
+    problems.extend(backend_users(&graph(&modules), BACKENDS));
+    assert!(
+        problems.is_empty(),
+        "\n{}\n(open the store through `store::open` and hold its traits)\n",
+        problems.join("\n")
+    );
+}
+
+#[test]
+fn no_child_of_the_listed_folders_uses_its_parent() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let modules = modules(&src);
+    let problems = arrows_back_up(&named(&modules), NO_ARROW_BACK_UP);
+    assert!(
+        problems.is_empty(),
+        "\n{}\n(what the children share goes in a child of its own, which they name)\n",
+        problems.join("\n")
+    );
+}
+
 #[test]
 fn every_module_uses_only_its_own_layer_and_those_below() {
     let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
@@ -739,6 +869,58 @@ mod checker {
             [
                 "s::a::x uses s::b: the phase s::a names the phase s::b",
                 "s::c uses s::a: the phase s::c names the phase s::a",
+            ]
+        );
+    }
+
+    #[test]
+    fn it_fails_on_a_backend_named_outside_the_store() {
+        let g = graph_of(&[
+            ("crate", "pub mod store; pub mod app; pub mod cli;"),
+            ("store", "pub mod sqlite; pub mod open; pub use open::open;"),
+            ("store::sqlite", "pub mod check;"),
+            ("store::sqlite::check", ""),
+            ("store::open", "use super::sqlite::Backend;"),
+            ("app", "fn f() { crate::store::open(); }"),
+            (
+                "cli",
+                "use crate::store::sqlite::check; fn f() { check::g() }",
+            ),
+        ]);
+        assert_eq!(
+            backend_users(&g, &["store::sqlite"]),
+            ["cli uses store::sqlite::check: the backend store::sqlite is named outside the store"]
+        );
+    }
+
+    #[test]
+    fn it_fails_on_a_child_that_uses_its_parent_inside_the_folder() {
+        let files: BTreeMap<Module, String> = [
+            ("crate", "pub mod s; pub mod t;"),
+            ("s", "mod a; mod b; pub use a::A; pub struct Helper;"),
+            ("s::a", "pub mod x; use super::b::B; use crate::t::T;"),
+            (
+                "s::a::x",
+                "fn f() -> super::A { crate::s::Helper } mod inner { use super::f; }",
+            ),
+            (
+                "s::b",
+                "use super::A; pub(super) fn g() {} pub(in crate::s) fn h() {}",
+            ),
+            ("t", "pub mod u;"),
+            ("t::u", "use super::T;"),
+        ]
+        .iter()
+        .map(|(m, t)| (m.to_string(), t.to_string()))
+        .collect();
+        // Naming a sibling, or a module outside the folder, is no arrow
+        // back up; `t` is not listed.
+        assert_eq!(
+            arrows_back_up(&named(&files), &["s"]),
+            [
+                "s::a::x uses its ancestor s",
+                "s::a::x uses its ancestor s::a",
+                "s::b uses its ancestor s",
             ]
         );
     }

@@ -931,8 +931,8 @@ async fn compact_asked_of_one_replica_reports_what_the_other_compacted() {
 #[test]
 #[ignore = "needs PostgreSQL (scripts/test installs it)"]
 fn a_views_connection_that_failed_mid_transaction_is_not_reused() {
+    use compactor::store::postgres::PgSql;
     use compactor::store::postgres::{Options, Postgres};
-    use compactor::store::postgres_queries::PgSql;
     use compactor::store::sql::Sql;
     let Some(pg) = PgCluster::start() else { return };
     let mut config = compactor::config::StoreConfig {

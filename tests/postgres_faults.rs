@@ -500,7 +500,7 @@ async fn a_record_whose_items_were_pruned_before_it_committed_brings_their_bodie
         synchronous_commit: None,
     };
     let removed = within(tokio::task::spawn_blocking(move || {
-        let conn = compactor::store::postgres_queries::connect(&direct).expect("a connection");
+        let conn = compactor::store::postgres::connect(&direct).expect("a connection");
         compactor::store::retention::delete_and_prune(&conn, &[gone]).expect("the deletion")
     }))
     .await

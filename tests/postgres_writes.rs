@@ -368,10 +368,10 @@ fn every_column_is_written_and_replicas_writing_one_conversation_keep_its_rules(
         ]
     );
 
-    // conv_a: created as of its first exchange, last seen and model as of
-    // its newest whichever committed last, its first preview, the latest
-    // ids sent (a missing one keeps the stored one), its key; conv_b
-    // without the key conv_a holds.
+    // conv_a: created as of its earliest exchange, with its preview; last
+    // seen, model and ids as of its newest, whichever committed last (a
+    // missing one kept from the other); its key; conv_b without the key
+    // conv_a holds.
     let conversations = rows(
         &rt,
         &url,
@@ -383,9 +383,9 @@ fn every_column_is_written_and_replicas_writing_one_conversation_keep_its_rules(
             json!({
                 "id": "conv_a", "tenant": "tenant-a",
                 "explicit_key": "x-compactor-conversation:k",
-                "created_ms": 1000, "last_seen_ms": 2000, "model": "model-2000",
-                "preview": "preview-1000", "client": "codex",
-                "conversation_header": "header-500", "session_id": null,
+                "created_ms": 500, "last_seen_ms": 2000, "model": "model-2000",
+                "preview": "preview-500", "client": "codex",
+                "conversation_header": "header-2000", "session_id": null,
                 "prompt_cache_key": "cache-key",
             }),
             json!({
@@ -422,6 +422,83 @@ fn every_column_is_written_and_replicas_writing_one_conversation_keep_its_rules(
         windows,
         vec![json!(["m", "2000"]), json!(["other", "3000"])]
     );
+}
+
+/// The two exchanges of a conversation that [`one_merge_rule`] writes in
+/// two batches: the earlier with its preview, client and cache key, the
+/// later with another model, header and a session id but no client or
+/// cache key.
+fn earlier_and_later(conversation: &str, first_id: i64) -> [Record; 2] {
+    let mut earlier = exchange(first_id, conversation, 1_000);
+    earlier.prefix = None;
+    let mut later = exchange(first_id + 1, conversation, 2_000);
+    later.prefix = None;
+    later.client = None;
+    later.client_ids.session = Some("session-2000".into());
+    later.client_ids.cache_key = None;
+    [ex(earlier), ex(later)]
+}
+
+/// Writes conv_ordered's exchanges in their order and conv_reversed's the
+/// other way round, one batch each, and reads both conversations back.
+fn one_merge_rule(
+    backend: &mut dyn Backend,
+    views: impl FnOnce() -> Box<dyn compactor::store::sql::Sql>,
+) -> Vec<compactor::store::sql::Row> {
+    let [earlier, later] = earlier_and_later("conv_ordered", 1);
+    backend.write(&[earlier]).expect("the earlier batch");
+    backend.write(&[later]).expect("the later batch");
+    let [earlier, later] = earlier_and_later("conv_reversed", 3);
+    backend.write(&[later]).expect("the later batch first");
+    backend.write(&[earlier]).expect("the earlier batch last");
+    views()
+        .rows(
+            "SELECT id, created_ms, last_seen_ms, model, preview, client,
+                    conversation_header, session_id, prompt_cache_key
+             FROM conversations ORDER BY id",
+            &[],
+        )
+        .expect("the conversations")
+}
+
+#[test]
+#[ignore = "needs PostgreSQL (scripts/test installs it)"]
+fn a_conversation_takes_its_batches_by_one_rule_in_either_order_on_both_backends() {
+    let Some((_cluster, url, _rt)) = database() else {
+        return;
+    };
+    let (pg, mut postgres) = backend(&url);
+    let on_postgres = one_merge_rule(&mut postgres, || {
+        Box::new(compactor::store::postgres::PgSql::connect(&pg).expect("a connection"))
+    });
+    let dir = tempfile::tempdir().expect("a directory");
+    let path = dir.path().join("s.db");
+    let mut sqlite = compactor::store::sqlite::SqliteBackend::open(&path).expect("a store");
+    let on_sqlite = one_merge_rule(&mut sqlite, || {
+        Box::new(compactor::store::sqlite::open_read_only(&path).expect("a connection"))
+    });
+
+    // Created as of the earlier exchange, with its preview; last seen,
+    // model and ids as of the later; the client and cache key the later
+    // did not send kept from the earlier: whichever batch committed last.
+    use compactor::store::sql::{Cell, Row};
+    let text = |s: &str| Cell::Text(s.into());
+    let row = |id: &str| {
+        Row(vec![
+            text(id),
+            Cell::Int(1_000),
+            Cell::Int(2_000),
+            text("model-2000"),
+            text("preview-1000"),
+            text("codex"),
+            text("header-2000"),
+            text("session-2000"),
+            text("cache-key"),
+        ])
+    };
+    let expected = vec![row("conv_ordered"), row("conv_reversed")];
+    assert_eq!(on_sqlite, expected, "on SQLite");
+    assert_eq!(on_postgres, expected, "on PostgreSQL");
 }
 
 /// An explicit key past what PostgreSQL's unique index can hold (2,704
@@ -517,7 +594,7 @@ fn text_holding_nul_is_stored_beside_other_tenants_records_and_reads_back_as_sen
     assert_eq!(counted, vec![json!([1 + 1, 1])]);
 
     // The views read every text as the client sent it.
-    let views = compactor::store::postgres_queries::PgSql::connect(&pg).expect("a connection");
+    let views = compactor::store::postgres::PgSql::connect(&pg).expect("a connection");
     use compactor::store::sql::Sql;
     let texts: Vec<String> = views
         .rows(
@@ -843,7 +920,7 @@ fn the_sessions_commit_with_the_synchronous_commit_set() {
             synchronous_commit: setting.into(),
             ..Default::default()
         };
-        let conn = compactor::store::postgres_queries::connect(&Options::from_config(&config))
+        let conn = compactor::store::postgres::connect(&Options::from_config(&config))
             .expect("a connection");
         let shown = conn
             .first("SHOW synchronous_commit", &[])

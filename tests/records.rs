@@ -316,7 +316,7 @@ async fn acknowledged_exchanges_survive_kill_9() {
     child.kill().unwrap();
     child.wait().unwrap();
     // What the next start (or a reader) does first: import the journal.
-    compactor::store::journal::import_orphaned(&db).unwrap();
+    compactor::store::sqlite::import_orphaned(&db).unwrap();
     let conn = rusqlite::Connection::open(&db).unwrap();
     let rows: Vec<(String, i64, Option<i64>)> = conn
         .prepare("SELECT endpoint, streamed, output_tokens FROM exchanges ORDER BY id")
@@ -493,7 +493,7 @@ async fn the_running_binary_applies_retain_days() {
     // As if last seen three days ago (a SQLite file's journal first: the
     // binary was killed).
     if !store.is_postgres() {
-        compactor::store::journal::import_orphaned(&store.path).unwrap();
+        compactor::store::sqlite::import_orphaned(&store.path).unwrap();
     }
     let conn = store.sql();
     let changed = conn

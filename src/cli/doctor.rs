@@ -470,13 +470,11 @@ pub async fn effective_window(
 /// A PostgreSQL store answers: the doctor connects with the configured
 /// credentials and reads where the schema stands, changing nothing.
 async fn check_database(config: &Config) -> Finding {
-    use crate::store::postgres::{Options, Postgres};
     let shown = config.store.shown_url();
-    let opts = Options::from_config(&config.store);
     // The pool has its own runtime, which may not be built or dropped on
     // an async thread.
-    let status =
-        tokio::task::spawn_blocking(move || Postgres::new(&opts).and_then(|pg| pg.status()));
+    let config = config.clone();
+    let status = tokio::task::spawn_blocking(move || crate::store::schema_status(&config));
     match tokio::time::timeout(2 * CHECK_TIMEOUT, status).await {
         Ok(Ok(Ok(s))) if s.is_current() => Finding::new(
             Verdict::Ok,
@@ -529,7 +527,7 @@ pub fn check_store(path: &Path) -> Finding {
             ),
         };
     }
-    match crate::store::sqlite_check::writable(path, CHECK_TIMEOUT) {
+    match crate::store::writable(path, CHECK_TIMEOUT) {
         Ok(conversations) => Finding::new(
             Verdict::Ok,
             "store",

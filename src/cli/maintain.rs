@@ -120,27 +120,19 @@ pub(super) fn maintain(
         Err(code) => return code,
     };
     let path = config.store_path();
-    let removed: anyhow::Result<retention::Removed> = if config.store.is_postgres() {
-        // The database the replicas share: deleted there, and every replica
-        // told to forget what went.
-        let opts = crate::store::postgres::Options::from_config(&config.store);
-        crate::store::postgres_queries::connect(&opts)
-            .context("cannot read the PostgreSQL store")
-            .and_then(|conn| Ok(offline(&conn)?))
-    } else if served(&path) {
-        // The proxy forgets what goes, so no request is taken as part of
-        // it, and deletes on its side of the store.
-        admin_call(&config, admin.0, &admin.1).and_then(|v| {
-            serde_json::from_value(v["removed"].clone())
-                .context("the proxy's answer does not say what was removed")
-        })
-    } else {
-        crate::store::journal::import_orphaned(&path)
-            .map_err(query::QueryError::from)
-            .and_then(|_| Ok(retention::open_for_maintenance(&path)?))
-            .and_then(|conn| offline(&conn))
-            .map_err(anyhow::Error::from)
-    };
+    let removed: anyhow::Result<retention::Removed> =
+        if !config.store.is_postgres() && served(&path) {
+            // The proxy forgets what goes, so no request is taken as part of
+            // it, and deletes on its side of the store.
+            admin_call(&config, admin.0, &admin.1).and_then(|v| {
+                serde_json::from_value(v["removed"].clone())
+                    .context("the proxy's answer does not say what was removed")
+            })
+        } else {
+            // The file no proxy serves, or the database the replicas share
+            // (deleted there, and every replica told to forget what went).
+            crate::store::maintenance(&config).and_then(|conn| Ok(offline(&*conn)?))
+        };
     match removed {
         Err(e) => {
             eprintln!("compactor: {}", super::said(&e));

@@ -3,16 +3,12 @@
 
 use std::process::ExitCode;
 
-use anyhow::Context as _;
-
 use super::args::{layered_config, with_database_url, ConversationsCommand};
 use super::audit;
 use super::maintain::delete;
 use super::{print_out, to_json, unsafe_for_terminal, EXIT_USAGE};
-use crate::config::Config;
 use crate::demo::thousands;
 use crate::store::query::{self, CompactionRow, ConversationDetail, ConversationSummary};
-use crate::store::sql::Sql;
 
 pub(super) fn conversations(cmd: ConversationsCommand) -> ExitCode {
     let store = match &cmd {
@@ -30,7 +26,7 @@ pub(super) fn conversations(cmd: ConversationsCommand) -> ExitCode {
             return ExitCode::from(EXIT_USAGE);
         }
     };
-    let conn = match views(&config) {
+    let conn = match crate::store::views(&config) {
         Ok(c) => c,
         Err(e) => {
             eprintln!("compactor: {}", super::said(&e));
@@ -112,21 +108,6 @@ pub(super) fn conversations(cmd: ConversationsCommand) -> ExitCode {
             ExitCode::FAILURE
         }
     }
-}
-
-/// A connection for the views: the SQLite file read-only, or one pooled
-/// connection to the PostgreSQL store (whose schema must be current).
-pub(super) fn views(config: &Config) -> anyhow::Result<Box<dyn Sql>> {
-    if config.store.is_postgres() {
-        let opts = crate::store::postgres::Options::from_config(&config.store);
-        return crate::store::postgres_queries::connect(&opts)
-            .map(|c| Box::new(c) as Box<dyn Sql>)
-            .context("cannot read the PostgreSQL store");
-    }
-    let path = config.store_path();
-    query::open_read_only(&path)
-        .map(|c| Box::new(c) as Box<dyn Sql>)
-        .with_context(|| format!("cannot open the store {}", path.display()))
 }
 
 /// Text for the terminal: every character a terminal could act on (see

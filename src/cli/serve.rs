@@ -244,9 +244,7 @@ pub(super) fn banner(state: &AppState, addr: std::net::SocketAddr) {
 /// `--check-config` with a PostgreSQL store: connects, and says whether
 /// the schema is current (`serve` brings it up to date at start-up).
 pub(super) fn check_database(config: &Config) -> ExitCode {
-    let opts = crate::store::postgres::Options::from_config(&config.store);
-    let status = crate::store::postgres::Postgres::new(&opts).and_then(|pg| pg.status());
-    match status {
+    match crate::store::schema_status(config) {
         Ok(s) if s.is_current() => {
             println!(
                 "  database: reachable, schema current (version {})",

@@ -7,22 +7,19 @@
 //! them read while the proxy writes.
 
 use std::collections::{BTreeMap, HashMap};
-use std::path::Path;
 
-use rusqlite::{Connection, OpenFlags};
 use serde::Serialize;
 use serde_json::Value;
 
-use super::rows::{item_body, load_compactions, request_item_hashes};
+use super::error::StoreError;
+use super::rows::{item_body, load_compactions, request_item_hashes, unpack_hashes};
 use super::sql::{Param, Row, Sql};
-use super::sqlite::unpack_hashes;
-use super::StoreError;
 use crate::compaction::{rewrite, Compaction};
 use crate::config::Config;
 use crate::wire::hash::hex;
 use crate::wire::ItemHash;
 
-pub use super::TENANT_PREFIX;
+pub use super::records::TENANT_PREFIX;
 
 /// Most candidates an ambiguous name lists.
 pub const MAX_CANDIDATES: usize = 10;
@@ -63,25 +60,6 @@ impl From<rusqlite::Error> for QueryError {
     fn from(e: rusqlite::Error) -> Self {
         QueryError::Store(StoreError::Db(e))
     }
-}
-
-/// Opens the database read-only (it must exist). Safe while the proxy runs.
-/// When no process serves the store, exchanges its journal still holds (a
-/// server was killed) are imported first.
-pub fn open_read_only(path: &Path) -> Result<Connection, StoreError> {
-    if !path.exists() {
-        return Err(StoreError::Io(std::io::Error::new(
-            std::io::ErrorKind::NotFound,
-            format!("no store at {}", path.display()),
-        )));
-    }
-    super::journal::import_orphaned(path)?;
-    let conn = Connection::open_with_flags(
-        path,
-        OpenFlags::SQLITE_OPEN_READ_ONLY | OpenFlags::SQLITE_OPEN_NO_MUTEX,
-    )?;
-    conn.busy_timeout(std::time::Duration::from_secs(5))?;
-    Ok(conn)
 }
 
 /// One line of the conversation list.
@@ -412,7 +390,7 @@ fn summary_row(
             .and_then(crate::windows::Source::parse)
             .unwrap_or(source);
     }
-    let ids = crate::store::ClientIds {
+    let ids = crate::store::records::ClientIds {
         header: r.get(13)?,
         session: r.get(14)?,
         cache_key: r.get(15)?,

@@ -207,6 +207,13 @@ pub struct ExchangeSavings {
     pub recall_output_tokens: u64,
 }
 
+/// Item hashes the store keeps per generation (two generations, ~35 MB at
+/// most), and the newest items whose hashes it loads at start-up.
+pub const KNOWN_ITEMS: usize = 1 << 18;
+
+/// Characters of the tenant hash shown (enough to tell tenants apart).
+pub const TENANT_PREFIX: usize = 12;
+
 /// Most characters of a `user-agent` kept as the client's name.
 pub const MAX_CLIENT_CHARS: usize = 120;
 

@@ -17,14 +17,12 @@
 
 use std::time::Duration;
 
-use rusqlite::Connection;
 use serde::{Deserialize, Serialize};
 
+use super::error::StoreError;
 use super::query::{archive_refs, parse_hex8};
-use super::rows::request_item_hashes;
+use super::rows::{pack_hashes, request_item_hashes, unpack_hashes};
 use super::sql::{Param, Sql};
-use super::sqlite::{pack_hashes, unpack_hashes};
-use super::StoreError;
 use crate::wire::ItemHash;
 
 /// Items deleted per transaction: a running proxy's writer waits for the
@@ -77,21 +75,6 @@ pub fn victims_of(conn: &dyn Sql, found: Vec<(String, String)>) -> Result<Vec<Vi
             })
         })
         .collect()
-}
-
-/// A writable connection to the store at `path` for maintenance, beside a
-/// proxy that may be writing (it waits for the lock as the proxy does).
-pub fn open_for_maintenance(path: &std::path::Path) -> Result<Connection, StoreError> {
-    if !path.exists() {
-        return Err(StoreError::Io(std::io::Error::new(
-            std::io::ErrorKind::NotFound,
-            format!("no store at {}", path.display()),
-        )));
-    }
-    let conn = Connection::open(path)?;
-    conn.busy_timeout(std::time::Duration::from_secs(30))?;
-    conn.pragma_update(None, "foreign_keys", "ON")?;
-    Ok(conn)
 }
 
 /// The tenant of conversation `id`, if it exists.
@@ -582,7 +565,7 @@ pub fn delete_and_prune(conn: &dyn Sql, conversations: &[String]) -> Result<Remo
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::sqlite::SqliteBackend;
+    use crate::store::sqlite::{open_for_maintenance, SqliteBackend};
     use crate::store::{Backend, PrefixRef, Record};
 
     #[test]

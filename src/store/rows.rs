@@ -3,8 +3,8 @@
 //! prefix references) and item bodies. The views and SQLite's point reads
 //! use them; PostgreSQL's request path has async reads of its own.
 
+use super::error::StoreError;
 use super::sql::{Dialect, Row, Sql};
-use super::StoreError;
 use crate::compaction::{Compaction, Rung};
 use crate::windows::{Source, Told};
 use crate::wire::ItemHash;

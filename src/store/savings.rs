@@ -52,8 +52,9 @@ use std::collections::{BTreeMap, BTreeSet};
 
 use serde::Serialize;
 
+use super::error::StoreError;
+use super::records::TENANT_PREFIX;
 use super::sql::Sql;
-use super::{StoreError, TENANT_PREFIX};
 use crate::config::Config;
 use crate::prices::{CacheSeen, Previous, Prices, Tokens};
 

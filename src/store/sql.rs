@@ -8,7 +8,7 @@
 //! are copied out as [`Cell`]s: the views read at most a conversation's
 //! exchanges at a time, so the copy costs nothing next to the round trip.
 
-use super::StoreError;
+use super::error::StoreError;
 
 /// Which database a [`Sql`] speaks to, where the statements must differ.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,8 +2,9 @@
 //! [`Reads`] (the request path's point reads) and [`Queries`] (the views of
 //! whole conversations, written once over [`sql::Sql`]).
 
+use super::error::StoreError;
+use super::records::{AttemptRecord, ChainHit, Limits, Record, Snapshot, StoredCompaction};
 use super::{query, retention, rows, savings, sql};
-use super::{AttemptRecord, ChainHit, Limits, Record, Snapshot, StoreError, StoredCompaction};
 use crate::compaction::Compaction;
 use crate::wire::ItemHash;
 

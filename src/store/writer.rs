@@ -8,8 +8,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::oneshot;
 
+use super::error::StoreError;
 use super::journal::{self, Journal};
-use super::{Backend, ExchangeRecord, Limits, Record, Snapshot, StoreError};
+use super::records::{ExchangeRecord, Limits, Record, Snapshot, KNOWN_ITEMS};
+use super::traits::Backend;
 use crate::bounded::Generations;
 use crate::compaction::Compaction;
 use crate::wire::ItemHash;
@@ -68,6 +70,13 @@ pub trait SharedDatabase: Send + Sync + 'static {
     /// failed for want of the database and none has succeeded since.
     /// Answered from memory.
     fn stalled(&self) -> Option<StoreError>;
+    /// Whether the database answers now (a round trip).
+    fn ping(&self) -> Result<(), StoreError>;
+    /// The pool's connections: (open, idle, callers waiting for one).
+    fn pool_status(&self) -> (usize, usize, usize);
+    /// Round trips the request path's reads of the database made since
+    /// start (`compactor_store_reads_total`).
+    fn reads(&self) -> u64;
 }
 
 /// Exchange ids of a store shared with other processes: taken from blocks
@@ -84,10 +93,6 @@ enum Journaled<'a> {
     /// Not journaled: to be committed.
     Back(Box<ExchangeRecord>),
 }
-
-/// Item hashes [`Store`] keeps per generation (two generations, ~35 MB at
-/// most), and the newest items whose hashes it loads at start-up.
-pub const KNOWN_ITEMS: usize = 1 << 18;
 
 /// How long a journaled exchange may wait for its import: long enough to
 /// import in large batches under load (see [`MAX_BATCH`]; at 500 rather

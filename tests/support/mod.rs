@@ -190,7 +190,7 @@ impl TestStore {
 pub fn inspect(c: &compactor::config::StoreConfig) -> Box<dyn Sql> {
     if c.is_postgres() {
         let opts = compactor::store::postgres::Options::from_config(c);
-        Box::new(compactor::store::postgres_queries::connect(&opts).expect("connect to the store"))
+        Box::new(compactor::store::postgres::connect(&opts).expect("connect to the store"))
     } else {
         Box::new(
             rusqlite::Connection::open_with_flags(

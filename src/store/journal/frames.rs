@@ -4,10 +4,18 @@
 
 use std::io;
 
-use super::{FRAME_HEAD, FRAME_MARK, MAGIC};
-use crate::store::ExchangeRecord;
+use crate::store::records::ExchangeRecord;
 use crate::wire::hash::text_item_hash;
 use crate::wire::ItemHash;
+
+/// The first bytes of a journal file: a name, then the format version.
+pub(super) const MAGIC: &[u8; 8] = b"cmpjrn\0\x02";
+/// Starts every frame. `0xFE` and `0xFF` never occur in UTF-8, so neither
+/// a record's JSON nor an item body holds it: a reader that lost its place
+/// looks for the next frame there.
+pub(super) const FRAME_MARK: [u8; 4] = [0xFF, b'c', b'j', 0xFE];
+/// A frame's mark, length and checksum.
+pub(super) const FRAME_HEAD: usize = 12;
 
 /// A frame: [`FRAME_MARK`]; `len: u32 LE` of the payload; a CRC-32 of
 /// `len`'s bytes and the payload, `u32 LE`; the payload. The payload (the

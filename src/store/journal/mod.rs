@@ -34,25 +34,17 @@ use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 
-use super::ExchangeRecord;
+use super::error::StoreError;
+use super::records::{ExchangeRecord, Record};
 
 mod frames;
 
-use frames::{decode_file, encode_frame, Skipped};
+use frames::{decode_file, encode_frame, Skipped, MAGIC};
 
 /// Above this size the journal is set aside and a new one started.
 const ROTATE_BYTES: u64 = 64 << 20;
 /// The staged frames' buffer is kept between writes up to this capacity.
 const STAGED_KEPT: usize = 1 << 20;
-
-/// The first bytes of a journal file: a name, then the format version.
-const MAGIC: &[u8; 8] = b"cmpjrn\0\x02";
-/// Starts every frame. `0xFE` and `0xFF` never occur in UTF-8, so neither
-/// a record's JSON nor an item body holds it: a reader that lost its place
-/// looks for the next frame there.
-const FRAME_MARK: [u8; 4] = [0xFF, b'c', b'j', 0xFE];
-/// A frame's mark, length and checksum.
-const FRAME_HEAD: usize = 12;
 
 /// Where [`Journal::stage`] put a record.
 pub enum Staged {
@@ -522,10 +514,14 @@ impl Journal {
     }
 }
 
-/// For a reader in another process (the CLI): imports what the journal of
-/// `db` holds if no process serves the store, so that exchanges of a
-/// killed server show. Returns how many records were imported.
-pub fn import_orphaned(given: &Path) -> Result<usize, super::StoreError> {
+/// For a reader in another process (the CLI): writes what the journal of
+/// `db` holds with `write` (given the store's path and the records as a
+/// batch) if no process serves the store, so that exchanges of a killed
+/// server show. Returns how many records were imported.
+pub fn import_orphaned(
+    given: &Path,
+    write: impl FnOnce(&Path, &[Record]) -> Result<(), StoreError>,
+) -> Result<usize, StoreError> {
     let db = canonical(given)?;
     let [log, old, _, _] = paths(&db);
     let non_empty = |p: &Path| std::fs::metadata(p).is_ok_and(|m| m.len() > 0);
@@ -538,8 +534,7 @@ pub fn import_orphaned(given: &Path) -> Result<usize, super::StoreError> {
     let records = read_all(&db)?;
     let n = records.len();
     if n > 0 {
-        let mut backend = super::sqlite::SqliteBackend::open(&db)?;
-        super::Backend::write(&mut backend, &exchanges(records))?;
+        write(&db, &exchanges(records))?;
     }
     clear(&log, &old)?;
     Ok(n)
@@ -598,15 +593,16 @@ pub fn status(given: &Path) -> io::Result<JournalStatus> {
 }
 
 /// The records as a batch for [`super::Backend::write`].
-pub fn exchanges(records: Vec<ExchangeRecord>) -> Vec<super::Record> {
+pub fn exchanges(records: Vec<ExchangeRecord>) -> Vec<Record> {
     records
         .into_iter()
-        .map(|r| super::Record::Exchange(Box::new(r)))
+        .map(|r| Record::Exchange(Box::new(r)))
         .collect()
 }
 
 #[cfg(test)]
 pub(crate) mod tests {
+    use super::frames::FRAME_HEAD;
     use super::*;
     use crate::wire::hash::text_item_hash;
     use crate::wire::Api;
@@ -1045,6 +1041,7 @@ pub(crate) mod tests {
 
     #[test]
     fn a_reader_imports_only_a_journal_nobody_serves() {
+        use crate::store::sqlite::import_orphaned;
         let dir = tempfile::tempdir().unwrap();
         let db = dir.path().join("s.db");
         crate::store::sqlite::SqliteBackend::open(&db).unwrap();

@@ -10,13 +10,14 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 
-use super::Postgres;
+use super::pool::Postgres;
+use super::rows::{hash_of, stored_compaction};
+use super::text::{escape, escape_opt, unescape, unescape_opt};
 use crate::compaction::Compaction;
-use crate::store::postgres_text::{escape, escape_opt, unescape, unescape_opt};
-use crate::store::{
-    Backend, ExchangeRecord, IndexedExchange, Limits, Record, Snapshot, StoreError,
-    StoredCompaction,
-};
+use crate::store::batch::{conversation_merge, conversation_spans, ConversationSpan};
+use crate::store::error::StoreError;
+use crate::store::records::{ExchangeRecord, IndexedExchange, Limits, Record, Snapshot};
+use crate::store::traits::Backend;
 use crate::windows::{Source, Told};
 use crate::wire::ItemHash;
 
@@ -66,10 +67,6 @@ fn withheld(rec: &Record) -> Option<Record> {
     e.response_id = None;
     e.chain_full = None;
     Some(Record::Exchange(e))
-}
-
-fn hash_of(bytes: Option<Vec<u8>>) -> Option<ItemHash> {
-    bytes.and_then(|b| b.as_slice().try_into().ok())
 }
 
 impl Backend for PostgresBackend {
@@ -221,18 +218,6 @@ async fn load(pool: &Pool, limits: Limits) -> Result<Snapshot, StoreError> {
     Ok(snap)
 }
 
-pub(super) fn stored_compaction(r: &tokio_postgres::Row) -> StoredCompaction {
-    StoredCompaction {
-        id: r.get(0),
-        tenant: r.get(1),
-        conversation: r.get(2),
-        covered_len: r.get::<_, i64>(3) as usize,
-        covered_chain: hash_of(r.get(4)).unwrap_or([0; 32]),
-        created_ms: r.get(5),
-        observed: r.get(6),
-    }
-}
-
 /// Writes a batch in one transaction, sent as one pipeline: `BEGIN`, one
 /// multi-row statement per table, `COMMIT`, all before any answer is
 /// awaited, so that a commit costs one round trip however many records it
@@ -295,7 +280,7 @@ async fn write_pipelined(
     // serve, an item both saw first) are written in one order, theirs by
     // id and by hash: two commits then wait for each other's locks in turn
     // instead of deadlocking.
-    let mut spans = crate::store::conversation_spans(batch);
+    let mut spans = conversation_spans(batch);
     spans.sort_unstable_by(|a, b| a.0.cmp(b.0));
     let mut new_items: Vec<&(ItemHash, String)> = batch
         .iter()
@@ -396,7 +381,7 @@ trait Columns {
 /// PostgreSQL type and value from a row, in one place, so the statement
 /// and its arrays cannot disagree.
 macro_rules! columns {
-    ($name:ident<$a:lifetime>($row:ident: $row_ty:ty) into $table:literal $conflict:literal {
+    ($name:ident<$a:lifetime>($row:ident: $row_ty:ty) into $table:literal $conflict:tt {
         $($col:ident: $ty:ty as $pg:literal = $value:expr,)+
     }) => {
         #[derive(Default)]
@@ -414,8 +399,12 @@ macro_rules! columns {
 
         impl Columns for $name<'_> {
             fn sql() -> &'static str {
-                static SQL: std::sync::LazyLock<String> =
-                    std::sync::LazyLock::new(|| unnest_insert($table, &[$((stringify!($col), $pg)),+], $conflict));
+                static SQL: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+                    // A literal, or a call in parentheses.
+                    #[allow(unused_parens)]
+                    let conflict: &str = $conflict;
+                    unnest_insert($table, &[$((stringify!($col), $pg)),+], conflict)
+                });
                 &SQL
             }
 
@@ -445,7 +434,7 @@ fn unnest_insert(table: &str, columns: &[(&str, &str)], conflict: &str) -> Strin
     )
 }
 
-type Span<'a> = (&'a str, crate::store::ConversationSpan<'a>);
+type Span<'a> = (&'a str, ConversationSpan<'a>);
 
 // Item bodies: each once across replicas.
 columns! {
@@ -472,20 +461,9 @@ columns! {
 }
 
 // Another replica's batch of the same conversation may commit after this
-// one: what is newest is kept, whichever commits last.
+// one: the row takes it by the rule both backends share.
 columns! {
-    SeenConversations<'a>(span: &'a Span<'a>) into "conversations"
-    "ON CONFLICT (id) DO UPDATE SET
-         last_seen_ms = GREATEST(conversations.last_seen_ms, excluded.last_seen_ms),
-         model = CASE WHEN excluded.last_seen_ms >= conversations.last_seen_ms
-                      THEN excluded.model ELSE conversations.model END,
-         preview = COALESCE(conversations.preview, excluded.preview),
-         client = COALESCE(excluded.client, conversations.client),
-         conversation_header = COALESCE(excluded.conversation_header,
-                                        conversations.conversation_header),
-         session_id = COALESCE(excluded.session_id, conversations.session_id),
-         prompt_cache_key = COALESCE(excluded.prompt_cache_key,
-                                     conversations.prompt_cache_key)" {
+    SeenConversations<'a>(span: &'a Span<'a>) into "conversations" (conversation_merge()) {
         id: &'a str as "text" = span.0,
         tenant: &'a str as "text" = &span.1.first.tenant,
         created_ms: i64 as "bigint" = span.1.first.started_ms,

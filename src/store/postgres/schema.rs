@@ -3,7 +3,7 @@
 
 use deadpool_postgres::Pool;
 
-use crate::store::StoreError;
+use crate::store::error::StoreError;
 
 /// The schema's versions, oldest first: each is applied once, in its own
 /// transaction, and recorded in `schema_migrations`. A change to the schema
@@ -155,7 +155,7 @@ ALTER TABLE exchanges
         r#"
 -- Manual compactions asked for and not yet applied, whichever replica was
 -- asked: the replica that serves the conversation's next request deletes
--- the row, and only one can (see postgres_listen).
+-- the row, and only one can (see listen.rs).
 CREATE TABLE manual_compactions (
     conversation_id TEXT PRIMARY KEY REFERENCES conversations(id) ON DELETE CASCADE,
     tenant          TEXT NOT NULL,

@@ -7,9 +7,13 @@ use std::sync::Arc;
 use bytes::BytesMut;
 use tokio_postgres::types::{IsNull, ToSql, Type};
 
-use super::postgres::{plain, Postgres, PostgresReads};
-use super::sql::{numbered, Dialect, Param, Row, Sql};
-use super::StoreError;
+use super::pool::{Options, Postgres};
+use super::reads::PostgresReads;
+use super::rows::plain;
+use super::text::escape;
+use crate::store::error::StoreError;
+use crate::store::sql::{numbered, Dialect, Param, Row, Sql};
+use crate::store::traits::Queries;
 
 /// A [`Param`] that owns its value: a statement runs on the pool's runtime,
 /// which outlives the caller's borrows.
@@ -26,8 +30,8 @@ impl From<&Param<'_>> for Owned {
         match *p {
             Param::Null => Owned::Null,
             Param::Int(v) => Owned::Int(v),
-            // Escaped as every stored text is (see postgres_text).
-            Param::Text(s) => Owned::Text(super::postgres_text::escape(s).into_owned()),
+            // Escaped as every stored text is (see `text`).
+            Param::Text(s) => Owned::Text(escape(s).into_owned()),
             Param::Blob(b) => Owned::Blob(b.to_vec()),
         }
     }
@@ -74,7 +78,7 @@ impl ToSql for Owned {
 
 /// A connection for the views to the database `opts` names, for the CLI:
 /// its schema must be current (`serve` brings it up to date).
-pub fn connect(opts: &super::postgres::Options) -> Result<PgSql, StoreError> {
+pub fn connect(opts: &Options) -> Result<PgSql, StoreError> {
     let pg = Postgres::new(opts)?;
     let status = pg.status()?;
     if !status.is_current() {
@@ -172,7 +176,7 @@ impl Sql for PgSql {
 }
 
 /// One pooled connection per view, from whichever replica is asked.
-impl super::Queries for PostgresReads {
+impl Queries for PostgresReads {
     fn views(&self) -> Result<Box<dyn Sql>, StoreError> {
         Ok(Box::new(PgSql::connect(self.pg())?))
     }

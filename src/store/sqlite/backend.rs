@@ -1,4 +1,4 @@
-//! The embedded SQLite backend (WAL). Nothing to install; one file.
+//! SQLite's writer connection and its point reads.
 //!
 //! Durability: WAL with `synchronous = NORMAL` makes every committed
 //! transaction survive the process being killed (the data is in the OS once
@@ -8,13 +8,16 @@ use std::path::Path;
 
 use rusqlite::{params, Connection, OptionalExtension};
 
-use super::rows::{load_compaction, load_windows, response_history};
-pub use super::rows::{pack_hashes, unpack_hashes};
-pub(crate) use super::rows::{rebuild_items, Link};
-use super::{
-    Backend, ExchangeRecord, IndexedExchange, Record, Snapshot, StoreError, StoredCompaction,
-};
 use crate::compaction::Compaction;
+use crate::store::batch::{conversation_merge, conversation_spans};
+use crate::store::error::StoreError;
+use crate::store::records::{
+    ExchangeRecord, IndexedExchange, Limits, Record, Snapshot, StoredCompaction, KNOWN_ITEMS,
+};
+use crate::store::rows::{
+    load_compaction, load_windows, pack_hashes, response_history, unpack_hashes,
+};
+use crate::store::traits::{Backend, Reads};
 use crate::windows::Told;
 use crate::wire::ItemHash;
 
@@ -296,8 +299,8 @@ fn opt_hash(blob: Option<Vec<u8>>) -> Option<ItemHash> {
 }
 
 impl Backend for SqliteBackend {
-    fn load(&mut self, limits: super::Limits) -> Result<Snapshot, StoreError> {
-        self.load_newest(super::KNOWN_ITEMS, limits.exchanges, limits.keys)
+    fn load(&mut self, limits: Limits) -> Result<Snapshot, StoreError> {
+        self.load_newest(KNOWN_ITEMS, limits.exchanges, limits.keys)
     }
 
     fn write(&mut self, batch: &[Record]) -> Result<(), StoreError> {
@@ -412,29 +415,25 @@ impl SqliteBackend {
 /// client and ids) as of its last; its preview is the first one given.
 /// Before the exchanges, which refer to them.
 fn write_conversations(tx: &rusqlite::Transaction<'_>, batch: &[Record]) -> Result<(), StoreError> {
-    let mut upsert = tx.prepare_cached(
-        // A key another conversation holds already (the index could not
-        // read it from here, so named a new one) is not claimed again: the
-        // unique index would fail the whole batch.
-        "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model,
-                                    preview, client, conversation_header, session_id,
-                                    prompt_cache_key)
-         VALUES (?1, ?2,
-                 CASE WHEN EXISTS (SELECT 1 FROM conversations
-                                   WHERE tenant = ?2 AND explicit_key = ?3 AND id <> ?1)
-                      THEN NULL ELSE ?3 END,
-                 ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
-         ON CONFLICT(id) DO UPDATE SET last_seen_ms = excluded.last_seen_ms,
-             model = excluded.model,
-             preview = coalesce(conversations.preview, excluded.preview),
-             client = coalesce(excluded.client, conversations.client),
-             conversation_header = coalesce(excluded.conversation_header,
-                                            conversations.conversation_header),
-             session_id = coalesce(excluded.session_id, conversations.session_id),
-             prompt_cache_key = coalesce(excluded.prompt_cache_key,
-                                         conversations.prompt_cache_key)",
-    )?;
-    for (conversation, span) in super::conversation_spans(batch) {
+    // A key another conversation holds already (the index could not read it
+    // from here, so named a new one) is not claimed again: the unique index
+    // would fail the whole batch.
+    static UPSERT: std::sync::LazyLock<String> = std::sync::LazyLock::new(|| {
+        format!(
+            "INSERT INTO conversations (id, tenant, explicit_key, created_ms, last_seen_ms, model,
+                                        preview, client, conversation_header, session_id,
+                                        prompt_cache_key)
+             VALUES (?1, ?2,
+                     CASE WHEN EXISTS (SELECT 1 FROM conversations
+                                       WHERE tenant = ?2 AND explicit_key = ?3 AND id <> ?1)
+                          THEN NULL ELSE ?3 END,
+                     ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11)
+             {}",
+            conversation_merge()
+        )
+    });
+    let mut upsert = tx.prepare_cached(&UPSERT)?;
+    for (conversation, span) in conversation_spans(batch) {
         upsert.execute(params![
             conversation,
             span.first.tenant,
@@ -638,7 +637,7 @@ impl SqliteReads {
     }
 }
 
-impl super::Reads for SqliteReads {
+impl Reads for SqliteReads {
     fn compaction(&self, id: &str) -> Option<Compaction> {
         (self.compaction)(&|conn| load_compaction(conn, id))
     }

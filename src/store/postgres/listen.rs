@@ -26,8 +26,8 @@ use std::time::Duration;
 use tokio::sync::oneshot;
 use tokio_postgres::{AsyncMessage, NoTls};
 
-use super::retention::FORGET_CHANNEL as FORGET;
-use super::StoreError;
+use crate::store::error::StoreError;
+use crate::store::retention::FORGET_CHANNEL as FORGET;
 
 /// A pooled connection.
 type Client = deadpool_postgres::Client;
