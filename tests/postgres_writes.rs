@@ -440,7 +440,8 @@ fn earlier_and_later(conversation: &str, first_id: i64) -> [Record; 2] {
 }
 
 /// Writes conv_ordered's exchanges in their order and conv_reversed's the
-/// other way round, one batch each, and reads both conversations back.
+/// other way round, one batch each, and conv_together's the other way round
+/// in one batch; reads the conversations back.
 fn one_merge_rule(
     backend: &mut dyn Backend,
     views: impl FnOnce() -> Box<dyn compactor::store::sql::Sql>,
@@ -451,6 +452,8 @@ fn one_merge_rule(
     let [earlier, later] = earlier_and_later("conv_reversed", 3);
     backend.write(&[later]).expect("the later batch first");
     backend.write(&[earlier]).expect("the earlier batch last");
+    let [earlier, later] = earlier_and_later("conv_together", 5);
+    backend.write(&[later, earlier]).expect("one batch");
     views()
         .rows(
             "SELECT id, created_ms, last_seen_ms, model, preview, client,
@@ -480,7 +483,8 @@ fn a_conversation_takes_its_batches_by_one_rule_in_either_order_on_both_backends
 
     // Created as of the earlier exchange, with its preview; last seen,
     // model and ids as of the later; the client and cache key the later
-    // did not send kept from the earlier: whichever batch committed last.
+    // did not send kept from the earlier: whichever batch committed last,
+    // and in whichever order a batch holds them.
     use compactor::store::sql::{Cell, Row};
     let text = |s: &str| Cell::Text(s.into());
     let row = |id: &str| {
@@ -496,7 +500,11 @@ fn a_conversation_takes_its_batches_by_one_rule_in_either_order_on_both_backends
             text("cache-key"),
         ])
     };
-    let expected = vec![row("conv_ordered"), row("conv_reversed")];
+    let expected = vec![
+        row("conv_ordered"),
+        row("conv_reversed"),
+        row("conv_together"),
+    ];
     assert_eq!(on_sqlite, expected, "on SQLite");
     assert_eq!(on_postgres, expected, "on PostgreSQL");
 }

@@ -4,15 +4,71 @@
 
 use super::records::{ClientIds, ExchangeRecord, Record};
 
-/// A conversation's part of a batch: it is created as of its first
-/// exchange, last seen (with its model, client and ids) as of its last; its
-/// preview is the first one given.
+/// A conversation's part of a batch, its exchanges taken by the rule its
+/// row takes batches by ([`conversation_merge`]), so that a batch writes
+/// what its exchanges written one by one, in any order, would.
 pub(super) struct ConversationSpan<'a> {
-    pub(super) first: &'a ExchangeRecord,
-    pub(super) last: &'a ExchangeRecord,
+    pub(super) tenant: &'a str,
+    /// The key of its first exchange in the batch, claimed as a write of
+    /// that exchange alone would.
+    pub(super) explicit_key: Option<&'a str>,
+    /// The earliest exchange's start.
+    pub(super) created_ms: i64,
+    /// The newest exchange's start.
+    pub(super) last_seen_ms: i64,
+    /// The newest exchange's model.
+    pub(super) model: &'a str,
+    /// The earliest preview given.
     pub(super) preview: Option<&'a str>,
+    /// The newest client and ids given.
     pub(super) client: Option<&'a str>,
     pub(super) ids: ClientIds,
+}
+
+impl<'a> ConversationSpan<'a> {
+    fn of(e: &'a ExchangeRecord) -> Self {
+        ConversationSpan {
+            tenant: &e.tenant,
+            explicit_key: e.explicit_key.as_deref(),
+            created_ms: e.started_ms,
+            last_seen_ms: e.started_ms,
+            model: &e.model,
+            preview: e.preview.as_deref(),
+            client: e.client.as_deref(),
+            ids: e.client_ids.clone(),
+        }
+    }
+
+    /// Takes `e`, a later exchange of the batch.
+    fn take(&mut self, e: &'a ExchangeRecord) {
+        let preview = e.preview.as_deref();
+        if e.started_ms < self.created_ms {
+            self.created_ms = e.started_ms;
+            self.preview = preview.or(self.preview);
+        } else {
+            self.preview = self.preview.or(preview);
+        }
+        let newest = e.started_ms >= self.last_seen_ms;
+        if newest {
+            self.last_seen_ms = e.started_ms;
+            self.model = &e.model;
+        }
+        let client = e.client.as_deref();
+        self.client = match newest {
+            true => client.or(self.client),
+            false => self.client.or(client),
+        };
+        let ids = &e.client_ids;
+        for (mine, theirs) in [
+            (&mut self.ids.header, &ids.header),
+            (&mut self.ids.session, &ids.session),
+            (&mut self.ids.cache_key, &ids.cache_key),
+        ] {
+            if theirs.is_some() && (newest || mine.is_none()) {
+                mine.clone_from(theirs);
+            }
+        }
+    }
 }
 
 /// The conversations of a batch's exchanges, each once, in the order they
@@ -22,27 +78,11 @@ pub(super) fn conversation_spans(batch: &[Record]) -> Vec<(&str, ConversationSpa
     let mut spans: foldhash::HashMap<&str, ConversationSpan<'_>> = Default::default();
     for rec in batch {
         if let Record::Exchange(e) = rec {
-            let span = spans.entry(&e.conversation).or_insert_with(|| {
-                order.push(&e.conversation);
-                ConversationSpan {
-                    first: e,
-                    last: e,
-                    preview: None,
-                    client: None,
-                    ids: ClientIds::default(),
-                }
-            });
-            span.last = e;
-            span.preview = span.preview.or(e.preview.as_deref());
-            span.client = e.client.as_deref().or(span.client);
-            let ids = &e.client_ids;
-            for (mine, theirs) in [
-                (&mut span.ids.header, &ids.header),
-                (&mut span.ids.session, &ids.session),
-                (&mut span.ids.cache_key, &ids.cache_key),
-            ] {
-                if theirs.is_some() {
-                    mine.clone_from(theirs);
+            match spans.entry(&e.conversation) {
+                std::collections::hash_map::Entry::Occupied(mut span) => span.get_mut().take(e),
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    order.push(&e.conversation);
+                    v.insert(ConversationSpan::of(e));
                 }
             }
         }

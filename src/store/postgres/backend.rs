@@ -300,7 +300,7 @@ async fn write_pipelined(
     let mut compactions = Compactions::default();
     let mut windows = Windows::default();
     for span in &spans {
-        if span.1.first.explicit_key.is_some() {
+        if span.1.explicit_key.is_some() {
             keyed.push(span);
         }
         seen.push(span);
@@ -444,19 +444,18 @@ columns! {
     }
 }
 
-// The conversations of a batch, each once: created as of its first
-// exchange, last seen as of its last. A key another conversation holds
+// The conversations of a batch, each once (see `ConversationSpan`). A key another conversation holds
 // (committed by another replica meanwhile, or earlier) is not claimed: this
 // statement then inserts nothing for it, and the next inserts the
 // conversation without it.
 columns! {
     KeyedConversations<'a>(span: &'a Span<'a>) into "conversations" "ON CONFLICT DO NOTHING" {
         id: &'a str as "text" = span.0,
-        tenant: &'a str as "text" = &span.1.first.tenant,
-        explicit_key: Option<Cow<'a, str>> as "text" = escape_opt(span.1.first.explicit_key.as_deref()),
-        created_ms: i64 as "bigint" = span.1.first.started_ms,
-        last_seen_ms: i64 as "bigint" = span.1.last.started_ms,
-        model: Cow<'a, str> as "text" = escape(&span.1.last.model),
+        tenant: &'a str as "text" = span.1.tenant,
+        explicit_key: Option<Cow<'a, str>> as "text" = escape_opt(span.1.explicit_key),
+        created_ms: i64 as "bigint" = span.1.created_ms,
+        last_seen_ms: i64 as "bigint" = span.1.last_seen_ms,
+        model: Cow<'a, str> as "text" = escape(span.1.model),
     }
 }
 
@@ -465,10 +464,10 @@ columns! {
 columns! {
     SeenConversations<'a>(span: &'a Span<'a>) into "conversations" (conversation_merge()) {
         id: &'a str as "text" = span.0,
-        tenant: &'a str as "text" = &span.1.first.tenant,
-        created_ms: i64 as "bigint" = span.1.first.started_ms,
-        last_seen_ms: i64 as "bigint" = span.1.last.started_ms,
-        model: Cow<'a, str> as "text" = escape(&span.1.last.model),
+        tenant: &'a str as "text" = span.1.tenant,
+        created_ms: i64 as "bigint" = span.1.created_ms,
+        last_seen_ms: i64 as "bigint" = span.1.last_seen_ms,
+        model: Cow<'a, str> as "text" = escape(span.1.model),
         preview: Option<Cow<'a, str>> as "text" = escape_opt(span.1.preview),
         client: Option<Cow<'a, str>> as "text" = escape_opt(span.1.client),
         conversation_header: Option<Cow<'a, str>> as "text" = escape_opt(span.1.ids.header.as_deref()),

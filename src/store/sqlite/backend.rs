@@ -411,9 +411,8 @@ impl SqliteBackend {
 }
 
 /// The conversations of a batch's exchanges, each once (not once per
-/// exchange): created as of its first exchange, last seen (with its model,
-/// client and ids) as of its last; its preview is the first one given.
-/// Before the exchanges, which refer to them.
+/// exchange; see `ConversationSpan`), before the exchanges, which refer to
+/// them.
 fn write_conversations(tx: &rusqlite::Transaction<'_>, batch: &[Record]) -> Result<(), StoreError> {
     // A key another conversation holds already (the index could not read it
     // from here, so named a new one) is not claimed again: the unique index
@@ -436,11 +435,11 @@ fn write_conversations(tx: &rusqlite::Transaction<'_>, batch: &[Record]) -> Resu
     for (conversation, span) in conversation_spans(batch) {
         upsert.execute(params![
             conversation,
-            span.first.tenant,
-            span.first.explicit_key,
-            span.first.started_ms,
-            span.last.started_ms,
-            span.last.model,
+            span.tenant,
+            span.explicit_key,
+            span.created_ms,
+            span.last_seen_ms,
+            span.model,
             span.preview,
             span.client,
             span.ids.header,
