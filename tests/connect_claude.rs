@@ -150,8 +150,23 @@ async fn connect_claude_code_writes_the_base_url_into_settings_keeping_the_rest(
     assert!(out.stderr.contains("not valid JSON"), "{out:#?}");
     assert_eq!(std::fs::read_to_string(&file).unwrap(), "{ not json");
 
-    // CLAUDE_CONFIG_DIR moves the file, as it moves Claude Code's; --model
-    // is written when named.
+    assert!(
+        fake.received().is_empty(),
+        "without a model named, nothing is asked of the upstream"
+    );
+
+    // CLAUDE_CONFIG_DIR moves the file, as it moves Claude Code's; a model
+    // named is written, with the window the proxy uses for it (here the
+    // one the upstream states) as the window Claude Code compacts by.
+    // Asked twice: the listing, then the model's window.
+    for _ in 0..2 {
+        fake.push(compactor::fake_upstream::Reply::json(
+            200,
+            serde_json::json!({"object": "list", "data": [
+                {"id": "qwen3-coder", "object": "model", "max_model_len": 65536}
+            ]}),
+        ));
+    }
     let elsewhere = home.path().join("other-claude");
     let mut cmd = connect(&["--write", "--model", "qwen3-coder"]);
     cmd.env("CLAUDE_CONFIG_DIR", &elsewhere);
@@ -164,10 +179,15 @@ async fn connect_claude_code_writes_the_base_url_into_settings_keeping_the_rest(
         "http://127.0.0.1:8787"
     );
     assert_eq!(written["model"], "qwen3-coder");
-
+    assert_eq!(
+        written["env"]["CLAUDE_CODE_AUTO_COMPACT_WINDOW"], "65536",
+        "{written}"
+    );
+    // Below Claude Code's floor for that setting: said.
     assert!(
-        fake.received().is_empty(),
-        "Claude Code needs no model or window from the upstream"
+        out.stderr
+            .contains("no CLAUDE_CODE_AUTO_COMPACT_WINDOW below 100000"),
+        "{out:#?}"
     );
 }
 

@@ -601,6 +601,51 @@ async fn connect_aider_writes_metadata_aider_reads_as_json() {
     );
 }
 
+/// opencode, Qwen Code and goose each get the window the proxy uses for
+/// the model (here the one the upstream states) in their own setting,
+/// read back from the file written.
+#[tokio::test(flavor = "multi_thread")]
+async fn connect_writes_each_agents_window_where_it_reads_it() {
+    let fake = within(FakeUpstream::start()).await.expect("fake");
+    let home = tempfile::tempdir().unwrap();
+    for client in ["opencode", "qwen", "goose"] {
+        // The listing names the model; the window is asked after it.
+        fake.push(models_answer(&[("served-coder", Some(24_576))]));
+        fake.push(models_answer(&[("served-coder", Some(24_576))]));
+        let out = run(connect(client, &fake, home.path(), &["--write"])).await;
+        assert_eq!(out.code, Some(0), "{client}: {out:#?}");
+    }
+    let opencode: Value = serde_json::from_str(
+        &std::fs::read_to_string(home.path().join(".config/opencode/opencode.json")).unwrap(),
+    )
+    .expect("opencode.json is JSON");
+    let model = &opencode["provider"]["compactor"]["models"]["served-coder"];
+    assert_eq!(model["limit"]["context"], 24_576, "{opencode}");
+    assert_eq!(
+        opencode["provider"]["compactor"]["options"]["baseURL"],
+        "http://127.0.0.1:8787/v1"
+    );
+    assert_eq!(opencode["model"], "compactor/served-coder");
+
+    let qwen: Value = serde_json::from_str(
+        &std::fs::read_to_string(home.path().join(".qwen/settings.json")).unwrap(),
+    )
+    .expect("settings.json is JSON");
+    let entry = &qwen["modelProviders"]["openai"][0];
+    assert_eq!(
+        entry["generationConfig"]["contextWindowSize"], 24_576,
+        "{qwen}"
+    );
+    assert_eq!(entry["baseUrl"], "http://127.0.0.1:8787/v1");
+
+    let goose = std::fs::read_to_string(home.path().join(".config/goose/config.yaml")).unwrap();
+    assert!(goose.contains("GOOSE_CONTEXT_LIMIT: 24576\n"), "{goose}");
+    assert!(
+        goose.contains("OPENAI_HOST: \"http://127.0.0.1:8787\"\n"),
+        "{goose}"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn connect_llm_writes_yaml_llm_can_load() {
     let fake = within(FakeUpstream::start()).await.expect("fake");

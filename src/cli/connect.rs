@@ -18,6 +18,8 @@ use serde_json::{json, Value};
 use super::{admin_target, layered_config, print_out, EXIT_USAGE};
 use crate::config::Config;
 
+mod agents;
+
 /// The environment variables the OpenAI SDKs (Python, Node) read for their
 /// base URL, and the older one LiteLLM and aider read.
 pub const BASE_URL_VARS: [&str; 2] = ["OPENAI_BASE_URL", "OPENAI_API_BASE"];
@@ -40,6 +42,13 @@ pub enum Client {
     /// Claude Code: `env.ANTHROPIC_BASE_URL` in its `settings.json`
     /// (`$CLAUDE_CONFIG_DIR`, default `~/.claude`).
     ClaudeCode,
+    /// opencode: a `compactor` provider in `~/.config/opencode/opencode.json`
+    /// (or `$OPENCODE_CONFIG`).
+    Opencode,
+    /// Qwen Code: a `modelProviders.openai` entry in `~/.qwen/settings.json`.
+    Qwen,
+    /// goose: its `openai` provider at the proxy in `~/.config/goose/config.yaml`.
+    Goose,
 }
 
 /// Where the proxy is: the same layering as `serve`.
@@ -137,7 +146,19 @@ pub fn main(args: ConnectArgs) -> ExitCode {
         return print_out(&env_lines(&base_url));
     }
     if args.client == Client::ClaudeCode {
-        return connect_claude_code(&base_url, args.model.as_deref(), args.write, args.yes);
+        // Its window is written only for a model named: Claude Code picks
+        // its own model otherwise, and sizes it itself.
+        let model = match args.model.as_deref() {
+            None => None,
+            Some(m) => match target(&config, base_url.clone(), Some(m), args.offline) {
+                Ok(t) => Some((t.model, t.window)),
+                Err(e) => {
+                    eprintln!("compactor: {}", super::said(&e));
+                    return ExitCode::FAILURE;
+                }
+            },
+        };
+        return connect_claude_code(&base_url, model, args.write, args.yes);
     }
     let target = match target(&config, base_url, args.model.as_deref(), args.offline) {
         Ok(t) => t,
@@ -239,6 +260,9 @@ pub fn client_file(client: Client) -> Option<PathBuf> {
             .map(|d| d.join("extra-openai-models.yaml")),
         Client::OpenaiEnv => None,
         Client::ClaudeCode => claude_settings_file(),
+        Client::Opencode => agents::opencode_file(),
+        Client::Qwen => agents::qwen_file(),
+        Client::Goose => agents::goose_file(),
     }
 }
 
@@ -257,7 +281,17 @@ fn how_to_use(client: Client, t: &Target, path: &std::path::Path) -> String {
             t.model
         ),
         Client::OpenaiEnv => String::new(),
-        Client::ClaudeCode => claude_how_to_use(path),
+        Client::ClaudeCode => claude_how_to_use(path, Some(t.window)),
+        Client::Opencode => format!(
+            "for {file}; then run `opencode` (the provider reads OPENAI_API_KEY; model {PROVIDER}/{})",
+            t.model
+        ),
+        Client::Qwen => {
+            format!("for {file}; then run `qwen` (the entry reads OPENAI_API_KEY)")
+        }
+        Client::Goose => format!(
+            "for {file}; then run `goose session` (its openai provider reads OPENAI_API_KEY)"
+        ),
     }
 }
 
@@ -272,8 +306,11 @@ pub fn render(client: Client, existing: Option<&str>, t: &Target) -> anyhow::Res
         Client::ClaudeCode => claude_settings(
             existing,
             &anthropic_base_url(&t.base_url),
-            Some(t.model.as_str()),
+            Some((t.model.as_str(), t.window)),
         ),
+        Client::Opencode => agents::opencode_config(existing, t),
+        Client::Qwen => agents::qwen_settings(existing, t),
+        Client::Goose => agents::goose_config(existing, t),
     }
 }
 
@@ -508,20 +545,37 @@ fn claude_settings_file() -> Option<PathBuf> {
         .map(|d| d.join("settings.json"))
 }
 
-fn claude_how_to_use(path: &std::path::Path) -> String {
-    format!(
+/// The variable Claude Code reads for the window its own compaction keys
+/// off (it compacts about 13k tokens before it). It takes no value below
+/// [`CLAUDE_WINDOW_FLOOR`].
+pub const CLAUDE_WINDOW_VAR: &str = "CLAUDE_CODE_AUTO_COMPACT_WINDOW";
+
+/// The smallest window Claude Code takes from [`CLAUDE_WINDOW_VAR`].
+pub const CLAUDE_WINDOW_FLOOR: u64 = 100_000;
+
+fn claude_how_to_use(path: &std::path::Path, window: Option<u64>) -> String {
+    let mut said = format!(
         "for {}; then run `claude` (it sets its `env` entries itself; the key stays its own)",
         path.display()
-    )
+    );
+    if let Some(w) = window.filter(|w| *w < CLAUDE_WINDOW_FLOOR) {
+        said.push_str(&format!(
+            "\n# Claude Code takes no {CLAUDE_WINDOW_VAR} below {CLAUDE_WINDOW_FLOOR}: with a \
+             {w}-token window its own compaction comes too late, and the proxy's compaction \
+             (and its retry of a refused request) keeps every request inside the window"
+        ));
+    }
+    said
 }
 
 /// Claude Code's `settings.json` with `env.ANTHROPIC_BASE_URL` at the
-/// proxy (and `model`, when one is named), every other key kept in its
-/// place.
+/// proxy (and, when a model is named, `model` and the window the proxy
+/// uses for it as `env.CLAUDE_CODE_AUTO_COMPACT_WINDOW`), every other key
+/// kept in its place.
 fn claude_settings(
     existing: Option<&str>,
     origin: &str,
-    model: Option<&str>,
+    model: Option<(&str, u64)>,
 ) -> anyhow::Result<String> {
     let mut doc: Value = match existing {
         Some(text) if !text.trim().is_empty() => {
@@ -531,10 +585,13 @@ fn claude_settings(
     };
     let map = doc.as_object_mut().context("not a JSON object")?;
     let env = map.entry("env").or_insert_with(|| json!({}));
-    env.as_object_mut()
-        .context("`env` is not a JSON object")?
-        .insert(ANTHROPIC_BASE_URL_VAR.into(), Value::from(origin));
-    if let Some(model) = model {
+    let env = env.as_object_mut().context("`env` is not a JSON object")?;
+    env.insert(ANTHROPIC_BASE_URL_VAR.into(), Value::from(origin));
+    if let Some((_, window)) = model {
+        // Claude Code reads its `env` values as strings.
+        env.insert(CLAUDE_WINDOW_VAR.into(), Value::from(window.to_string()));
+    }
+    if let Some((model, _)) = model {
         map.insert("model".into(), Value::from(model));
     }
     let mut text = serde_json::to_string_pretty(&doc)?;
@@ -542,9 +599,17 @@ fn claude_settings(
     Ok(text)
 }
 
-/// `compactor connect claude-code`: no model or window to look up (Claude
-/// Code sizes nothing by them), so none is asked of the upstream.
-fn connect_claude_code(base_url: &str, model: Option<&str>, write: bool, yes: bool) -> ExitCode {
+/// `compactor connect claude-code`: the base URL, and for a named model
+/// (`model`: its name and the window the proxy uses for it) the model and
+/// the window Claude Code's own compaction keys off.
+fn connect_claude_code(
+    base_url: &str,
+    model: Option<(String, u64)>,
+    write: bool,
+    yes: bool,
+) -> ExitCode {
+    let window = model.as_ref().map(|(_, w)| *w);
+    let model = model.as_ref().map(|(m, w)| (m.as_str(), *w));
     let Some(path) = claude_settings_file() else {
         eprintln!(
             "compactor: cannot tell where Claude Code keeps its settings (no home directory)"
@@ -553,7 +618,7 @@ fn connect_claude_code(base_url: &str, model: Option<&str>, write: bool, yes: bo
     };
     let origin = anthropic_base_url(base_url);
     if !write {
-        eprintln!("# {}", claude_how_to_use(&path));
+        eprintln!("# {}", claude_how_to_use(&path, window));
         return print_out(&claude_settings(None, &origin, model).unwrap_or_default());
     }
     let existing = match std::fs::read_to_string(&path) {
@@ -574,7 +639,7 @@ fn connect_claude_code(base_url: &str, model: Option<&str>, write: bool, yes: bo
     match write_reviewed(&path, existing.as_deref(), &new, yes) {
         Ok(said) => {
             let code = print_out(&said);
-            eprintln!("# {}", claude_how_to_use(&path));
+            eprintln!("# {}", claude_how_to_use(&path, window));
             code
         }
         Err(e) => {
