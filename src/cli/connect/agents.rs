@@ -5,9 +5,9 @@
 //! Each of them compacts by itself at a share of the window it is told
 //! (opencode near its end, Qwen Code at 70 %, goose at 80 %). Told the real
 //! window, each compacts at the right size when the proxy only observes;
-//! when the proxy compacts, its trigger (0.75 of the window less the
-//! answer's room, by default) comes first, and the client's own compaction
-//! is not reached.
+//! when the proxy compacts, its trigger (by default 0.75 of the window less
+//! the answer's room, at most `compaction.trigger_max_tokens`) comes first,
+//! and the client's own compaction is not reached.
 
 use std::path::PathBuf;
 
