@@ -180,19 +180,26 @@ pub fn effective(
 }
 
 /// The window a `/v1/models` answer gives `model`: vLLM's `max_model_len`,
-/// llama.cpp's `meta.n_ctx`.
+/// llama.cpp's `meta.n_ctx`, of the entry that names it. llama.cpp serves
+/// its one model under any name: its one entry (with `meta`) stands for
+/// every name. Any other server's window is its named model's alone: a
+/// gateway that lists one small model of its own may route other names to
+/// models of any size.
 pub fn window_in_models(body: &Value, model: &str) -> Option<u64> {
     let data = body.get("data")?.as_array()?;
-    let entry = data
+    let window = |w: Option<&Value>| w.and_then(Value::as_u64).filter(|&w| w > 0);
+    match data
         .iter()
         .find(|m| m.get("id").and_then(Value::as_str) == Some(model))
-        // A server with one model serves it under any name.
-        .or_else(|| (data.len() == 1).then(|| &data[0]))?;
-    entry
-        .get("max_model_len")
-        .or_else(|| entry.pointer("/meta/n_ctx"))
-        .and_then(Value::as_u64)
-        .filter(|&w| w > 0)
+    {
+        Some(entry) => window(
+            entry
+                .get("max_model_len")
+                .or_else(|| entry.pointer("/meta/n_ctx")),
+        ),
+        None if data.len() == 1 => window(data[0].pointer("/meta/n_ctx")),
+        None => None,
+    }
 }
 
 /// The window a llama.cpp `/props` answer gives (per slot).
@@ -274,6 +281,10 @@ mod tests {
         let llama = json!({"object": "list", "data": [
             {"id": "smollm2", "object": "model", "meta": {"n_ctx": 2048, "n_ctx_train": 8192}}]});
         assert_eq!(window_in_models(&llama, "anything"), Some(2048));
+        let gateway = json!({"object": "list", "data": [
+            {"id": "small-local", "object": "model", "max_model_len": 2048}]});
+        assert_eq!(window_in_models(&gateway, "small-local"), Some(2048));
+        assert_eq!(window_in_models(&gateway, "gpt-4o"), None, "not its model");
         let openai = json!({"object": "list", "data": [{"id": "gpt-4o", "object": "model"}]});
         assert_eq!(window_in_models(&openai, "gpt-4o"), None);
         let props = json!({"default_generation_settings": {"n_ctx": 2048}, "total_slots": 1});

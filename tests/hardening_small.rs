@@ -84,3 +84,52 @@ async fn a_huge_stream_is_relayed_whole_and_recorded_cut() {
         "{stored} bytes stored"
     );
 }
+
+/// The windows `/admin/api/windows` shows: (model, window, source).
+async fn admin_windows(h: &support::Harness) -> Vec<(String, u64, String)> {
+    let v: serde_json::Value = h.get_json("/admin/api/windows").await;
+    let s = |m: &serde_json::Value, k: &str| m[k].as_str().unwrap_or_default().to_string();
+    v["models"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|m| {
+            (
+                s(m, "model"),
+                m["context_window"].as_u64().unwrap_or(0),
+                s(m, "source"),
+            )
+        })
+        .collect()
+}
+
+/// A gateway whose `/v1/models` lists one small model of its own, and
+/// routes other names elsewhere: its window was taken for every model
+/// asked, and a 128k model was compacted as if it had 2048 tokens. It is
+/// its named model's alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gateways_one_listed_window_is_its_models_alone() {
+    use compactor::fake_upstream::Reply;
+    let h = support::Harness::start_with(|c| c.upstream.discover_windows = true).await;
+    let listed = serde_json::json!({"object": "list", "data": [
+        {"id": "small-local", "object": "model", "owned_by": "vllm", "max_model_len": 2048}]});
+    let url = format!("{}/chat/completions", h.url());
+    for model in ["gpt-4o", "small-local"] {
+        h.fake.push(Reply::json(200, listed.clone()));
+        let body = serde_json::json!({"model": model,
+            "messages": [{"role": "user", "content": "hello"}]});
+        let (status, _, _) = support::post(&url, "sk-gateway", &body).await;
+        assert_eq!(status, 200, "{model}");
+    }
+    let windows = admin_windows(&h).await;
+    assert!(
+        windows.contains(&("small-local".into(), 2048, "discovered".into())),
+        "{windows:?}"
+    );
+    assert!(
+        !windows.iter().any(|(m, w, _)| m == "gpt-4o" && *w == 2048),
+        "{windows:?}"
+    );
+    let (limits, _) = h.state.model_window("gpt-4o");
+    assert!(limits.context_window > 100_000, "{limits:?}");
+}
