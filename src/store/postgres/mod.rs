@@ -21,7 +21,7 @@
 //! upstream until a commit (an empty one tried every 250 ms after
 //! a failure) succeeds. A batch the database refuses for a value one record
 //! holds goes again record by record; text is stored escaped
-//! ([`super::postgres_text`]), since PostgreSQL's refuses U+0000; the
+//! (`text`), since PostgreSQL's refuses U+0000; the
 //! exchanges of a commit that timed out are written again as withheld with
 //! the next batch, whatever became of that commit.
 //!

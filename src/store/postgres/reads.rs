@@ -410,7 +410,7 @@ async fn response_history(
 
 impl PostgresReads {
     /// Makes this process hear of manual compactions whichever replica was
-    /// asked (see [`crate::store::postgres_listen`]): returns once the pending ones
+    /// asked (see `listen`): returns once the pending ones
     /// are read, or the database could not be reached for them in time
     /// (then it keeps trying in the background).
     pub fn listening(self, opts: &Options) -> Result<Self, StoreError> {
