@@ -133,3 +133,58 @@ async fn a_gateways_one_listed_window_is_its_models_alone() {
     let (limits, _) = h.state.model_window("gpt-4o");
     assert!(limits.context_window > 100_000, "{limits:?}");
 }
+
+/// Claude Code's own compaction request, with no compaction stored and
+/// too long for the upstream: it is compacted there and then, its summary
+/// prompt kept as sent, and the client gets its summary, not the refusal
+/// (what the reference says; it promised no fresh summary, which the proxy
+/// made all along).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clients_own_compaction_request_refused_as_too_long_is_compacted_once() {
+    use compactor::fake_upstream::anthropic::{self, Answer};
+    use compactor::fake_upstream::Reply;
+    use serde_json::{json, Value};
+    const PROMPT: &str = "CRITICAL: Respond with TEXT ONLY. Do NOT call any tools.\n\nYour task is to create a detailed summary of the conversation so far, paying close attention to the user's explicit requests and your previous actions.";
+    let h = support::Harness::start().await;
+    h.fake.set_messages_window(Some(9000));
+    let mut messages = Vec::new();
+    for turn in 0..8 {
+        let text = format!(
+            "Step {turn}: {}",
+            (0..220)
+                .map(|i| format!("the parser module {i} of step {turn} was rebuilt; "))
+                .collect::<String>()
+        );
+        messages.push(json!({"role": "user", "content": [{"type": "text", "text": text}]}));
+        messages.push(json!({"role": "assistant", "content": [{"type": "text", "text": format!("Done with step {turn}.")}]}));
+    }
+    messages.push(json!({"role": "user", "content": [
+        {"type": "text", "text": "Carry on."}, {"type": "text", "text": PROMPT}]}));
+    let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 1000, "messages": messages});
+    assert!(anthropic::prompt_tokens(&body) > 9000, "too long as sent");
+    h.fake.push(Reply::Messages(Answer::text(
+        "<summary>the steps so far</summary>",
+    )));
+    let resp = support::post_messages(&h, "sk-ant-own", "", &body).await;
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let text = support::within(resp.text()).await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    assert!(text.contains("the steps so far"), "{text}");
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let sent = support::client_calls(&h);
+    assert_eq!(sent.len(), 2, "as sent, refused; then compacted");
+    let last: &Value = sent.last().unwrap();
+    assert!(anthropic::prompt_tokens(last) <= 9000);
+    let last_message = last["messages"]
+        .as_array()
+        .unwrap()
+        .last()
+        .unwrap()
+        .to_string();
+    assert!(
+        last_message.contains("create a detailed summary"),
+        "{last_message}"
+    );
+    assert_eq!(support::summary_calls(&h).len(), 1, "one summary, made now");
+}
