@@ -390,6 +390,53 @@ mod tests {
         );
     }
 
+    /// A prune stub's digest keeps the exit status in the words of the
+    /// output that stated it (a harness's own header reads `Exit code: N`),
+    /// and the stub is read back with the same code.
+    #[test]
+    fn digests_keep_the_exit_status_in_each_harness_words() {
+        for (output, words, code) in [
+            (
+                "<returncode>2</returncode>\n<output>\nboom\n</output>",
+                "<returncode>2</returncode>",
+                2,
+            ),
+            (
+                "boom\n[The command completed with exit code 5.]\n[Current working directory: /w]",
+                "[The command completed with exit code 5.]",
+                5,
+            ),
+            (
+                "> app@1.0.0 test\n> vitest run\n\n ELIFECYCLE  Command failed with exit code 1.\n",
+                "ELIFECYCLE  Command failed with exit code 1.",
+                1,
+            ),
+            (
+                "Exit code 127\nbash: psql: command not found",
+                "Exit code: 127",
+                127,
+            ),
+            (
+                "Chunk ID: 1\nProcess exited with code 3\nOutput:\n",
+                "Exit code: 3",
+                3,
+            ),
+            (
+                r#"{"output": "", "metadata": {"exit_code": 4}}"#,
+                "exit_code: 4",
+                4,
+            ),
+        ] {
+            let digest = output_digest(output, "");
+            assert_eq!(digest.first().map(String::as_str), Some(words), "{output}");
+            let stub = format!(
+                "[compactor: tool output pruned (9 bytes)]\n{}",
+                digest.join("\n")
+            );
+            assert_eq!(outcome(&stub).exit, Some(code), "{stub}");
+        }
+    }
+
     #[test]
     fn error_line_patterns() {
         for l in [

@@ -692,6 +692,76 @@ mod tests {
         assert!(f.constraints.is_empty(), "{:?}", f.constraints);
     }
 
+    /// The ledger, the rules and the system messages of a first compaction
+    /// carry through the next: rules and reminders in order, once; the
+    /// commands newest first; a decision reversed in the second part is
+    /// marked replaced.
+    #[test]
+    fn the_trail_carries_through_a_later_compaction() {
+        let first = vec![
+            json!({"role": "user", "content": "Move the retry settings to config/retry.toml."}),
+            json!({"role": "user", "content": [
+                {"type": "text", "text": "<system-reminder>\ncwd: /srv/api\n</system-reminder>"},
+                {"type": "text", "text": "From now on, run make lint before each commit."}]}),
+            json!({"role": "assistant", "content": "Decision: keep the state in Redis because lookups must be fast."}),
+            chat_call("1", "bash", json!({"command": "make test"})),
+            chat_out(
+                "1",
+                "<returncode>2</returncode>\n<output>\nFAIL retry\n</output>",
+            ),
+        ];
+        let f1 = extract_facts(&first, None);
+        let summary = assemble(&f1, None, first.len(), 100_000);
+        let second = vec![
+            user_message(summary),
+            json!({"role": "user", "content": "Use pnpm, not npm."}),
+            json!({"role": "assistant", "content": "Decision: keep the state in Postgres instead of Redis, because the deploy has no Redis."}),
+            chat_call(
+                "2",
+                "bash",
+                json!({"command": "rm old/env.rs && make test"}),
+            ),
+            chat_out("2", "<returncode>0</returncode>\n<output>\nok\n</output>"),
+        ];
+        let f2 = extract_facts(&second, Some(&f1));
+        assert_eq!(
+            f2.rules,
+            [
+                "From now on, run make lint before each commit.",
+                "Use pnpm, not npm."
+            ]
+        );
+        assert_eq!(
+            f2.system,
+            ["<system-reminder>\ncwd: /srv/api\n</system-reminder>"]
+        );
+        assert_eq!(file(&f2, "old/env.rs").action, "delete");
+        let s = assemble(&f2, None, second.len(), 100_000);
+        let newest = s
+            .find("- rm old/env.rs && make test → <returncode>0</returncode>")
+            .unwrap_or_else(|| panic!("{s}"));
+        let oldest = s.find("- make test → <returncode>2</returncode>").unwrap();
+        assert!(newest < oldest, "newest first: {s}");
+        let rules = s.find("## RULES & SYSTEM MESSAGES").unwrap();
+        assert!(
+            rules < s.find("## LEDGER").unwrap()
+                && s.find("## LEDGER").unwrap() < s.find("## PLAN STATE").unwrap()
+        );
+        let replaced = s
+            .lines()
+            .find(|l| {
+                l.ends_with("] Decision: keep the state in Redis because lookups must be fast.")
+            })
+            .unwrap_or_else(|| panic!("{s}"));
+        assert!(
+            replaced.starts_with(
+                "- [REPLACED by the later decision \"Decision: keep the state in Postgres"
+            ),
+            "{replaced}"
+        );
+        assert!(!previous_narrative(&assemble(&f2, Some(GOOD), 4, 100_000)).contains("## LEDGER"));
+    }
+
     #[test]
     fn facts_serde_round_trip() {
         let f = sample_facts();

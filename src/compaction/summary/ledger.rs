@@ -155,7 +155,7 @@ pub(super) fn decision_line(f: &Facts, d: &str) -> String {
     match f.replaced.iter().find(|(old, _)| old == d) {
         Some((_, new)) => format!(
             "[REPLACED by the later decision \"{}\"] {d}",
-            super::text::clip(new, 80)
+            super::text::clip(new, 48)
         ),
         None => d.to_string(),
     }

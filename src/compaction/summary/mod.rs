@@ -3,11 +3,13 @@
 //! summary message (or its deterministic fallback when the model failed).
 //!
 //! Hard facts never depend on the summarizer model's skill: the
-//! task verbatim, the files the tool calls touched with what each now
-//! contains (or the changes written to it), exact error lines of failed tool
-//! calls, the latest plan and a one-line-per-call log are extracted here,
-//! deterministically, and placed by [`assemble`] next to the six narrative
-//! sections the model writes.
+//! task verbatim, the user's standing rules and the system messages inside
+//! the conversation, a ledger of every file touched and every command run
+//! with its exit status, the files' content (or the changes written to
+//! them), exact error lines of failed tool calls, the latest plan and a
+//! one-line-per-call log are extracted here, deterministically, and placed
+//! by [`assemble`] before and beside the six narrative sections the model
+//! writes.
 //!
 //! Heuristics, all documented where they live:
 //!
@@ -23,11 +25,26 @@
 //!   patches and old/new-string edits are applied to it, so the summary says
 //!   what the file *now contains*; otherwise the changes written since are
 //!   kept in order (capped).
+//!   `rm`, `mv` (and their `git` forms) and Python one-liners that open a
+//!   file for writing, in shell calls and in aider's suggested shell
+//!   blocks, delete, rename and write.
 //! - failure: a non-zero exit code when the output states one (Codex's
 //!   `Process exited with code N`, Claude Code's `Exit code N`, JSON
-//!   `metadata.exit_code` / `exit_code`, an `is_error` result); otherwise
-//!   the markers of the common toolchains, read as blocks: the marker and
-//!   the lines beside it that carry the message (`failures`).
+//!   `metadata.exit_code` / `exit_code`, a one-`bash` agent's
+//!   `<returncode>N</returncode>`, OpenHands' `[The command completed with
+//!   exit code N.]`, pnpm's `Command failed with exit code N.`, an
+//!   `is_error` result); otherwise the markers of the common toolchains,
+//!   read as blocks: the marker and the lines beside it that carry the
+//!   message (`failures`).
+//! - commands: each shell-like call's command line (and aider's "I ran
+//!   this command:"), with the line of its output that stated the exit
+//!   status, as printed.
+//! - rules: lines the user typed after the task that hold from now on
+//!   ("from now on…", "never…", "always…", "don't…", "use X not Y");
+//!   system messages: the `<system-reminder>` and `<environment_context>`
+//!   blocks a harness puts in user messages (system-role items are kept as
+//!   items). A decision that says it reverses ("instead", "revert", …)
+//!   marks the newest earlier one replaced.
 //!
 //! Where each part lives:
 //!
