@@ -249,23 +249,7 @@ impl ServeArgs {
     }
 }
 
-/// The file read from the working directory when neither `--config` nor
-/// `COMPACTOR_CONFIG` names one.
-pub const FOUND_CONFIG: &str = "proxy.toml";
-
-/// The config file in effect: the one named, else `./proxy.toml` when the
-/// working directory has one, else none (built-in defaults).
-pub fn config_file(named: Option<&Path>) -> Option<PathBuf> {
-    match named {
-        Some(p) => Some(p.to_path_buf()),
-        None => {
-            let found = Path::new(FOUND_CONFIG);
-            found.is_file().then(|| found.to_path_buf())
-        }
-    }
-}
-
-/// The config file in effect ([`config_file`]) with the given flag/env
+/// The config file in effect ([`crate::config::file_in_effect`]) with the given flag/env
 /// values on top, validated.
 pub fn layered_config(
     file: Option<&Path>,
@@ -273,7 +257,7 @@ pub fn layered_config(
     upstream: Option<&str>,
     db: Option<&Path>,
 ) -> Result<Config, ConfigError> {
-    let mut config = match config_file(file) {
+    let mut config = match crate::config::file_in_effect(file) {
         Some(path) => Config::from_file(&path)?,
         None => Config::default(),
     };

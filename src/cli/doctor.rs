@@ -86,7 +86,7 @@ pub fn main(args: DoctorArgs) -> ExitCode {
     let findings = match config {
         Err(e) => vec![Finding::new(Verdict::Fail, "config", e.to_string())],
         Ok(config) => {
-            let from = match (&args.settings.config, super::args::config_file(None)) {
+            let from = match (&args.settings.config, crate::config::file_in_effect(None)) {
                 (Some(p), _) => format!("valid ({})", p.display()),
                 (None, Some(p)) => {
                     format!("valid ({}, found in the working directory)", p.display())

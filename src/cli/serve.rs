@@ -58,7 +58,7 @@ pub(super) fn check_config(args: &ConfigArgs, config: &Config) -> String {
     .into_iter()
     .filter_map(|(k, o)| Some((k, o?)))
     .collect();
-    let path = super::args::config_file(args.config.as_deref());
+    let path = crate::config::file_in_effect(args.config.as_deref());
     let file = path
         .as_ref()
         .and_then(|p| std::fs::read_to_string(p).ok())
@@ -172,7 +172,7 @@ pub(super) fn serve(args: ServeArgs) -> ExitCode {
         return ExitCode::SUCCESS;
     }
     init_logging(args.log_format);
-    match (&args.settings.config, super::args::config_file(None)) {
+    match (&args.settings.config, crate::config::file_in_effect(None)) {
         (Some(named), _) => tracing::info!(config = %named.display(), "configuration file"),
         (None, Some(found)) => tracing::info!(
             config = %found.display(),
@@ -180,7 +180,7 @@ pub(super) fn serve(args: ServeArgs) -> ExitCode {
         ),
         (None, None) => tracing::info!(
             "no configuration file (--config, COMPACTOR_CONFIG or ./{}): built-in defaults, flags and environment",
-            super::args::FOUND_CONFIG
+            crate::config::FOUND_CONFIG
         ),
     }
     let runtime = match crate::server::runtime_builder().build() {

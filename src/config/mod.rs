@@ -515,6 +515,22 @@ pub struct ModelConfig {
     pub output_price_per_mtok: Option<f64>,
 }
 
+/// The file read from the working directory when neither `--config` nor
+/// `COMPACTOR_CONFIG` names one.
+pub const FOUND_CONFIG: &str = "proxy.toml";
+
+/// The config file in effect: the one named, else `./proxy.toml` when the
+/// working directory has one, else none (built-in defaults).
+pub fn file_in_effect(named: Option<&Path>) -> Option<PathBuf> {
+    match named {
+        Some(p) => Some(p.to_path_buf()),
+        None => {
+            let found = Path::new(FOUND_CONFIG);
+            found.is_file().then(|| found.to_path_buf())
+        }
+    }
+}
+
 /// serde's "unknown field `x`, expected one of `a`, `b`, …" said as the
 /// key and the valid one closest to it, when one is close enough to be a
 /// slip; the whole list otherwise. Other messages pass unchanged.
