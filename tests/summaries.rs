@@ -1,7 +1,8 @@
 //! The summary rung through the real proxy with a summarizer that answers
 //! in the one-line `LABEL: text` style and leaves sections out: its
 //! sections are kept, the retry names the missing ones, the rest is filled
-//! from the recorded facts.
+//! from the recorded facts; and the rules, reminders and ledger the proxy
+//! pins survive every later compaction.
 
 mod support;
 
@@ -72,4 +73,76 @@ async fn a_partial_one_line_summary_is_kept_and_the_retry_names_what_is_missing(
         summary.contains("## TASK\nPort the exporter to UTC."),
         "{summary}"
     );
+}
+
+/// A tool loop past a 3,000-token window, compacted again and again with a
+/// summarizer that writes nothing useful: every compacted request that
+/// goes upstream still carries the user's standing rule and the
+/// harness's reminder verbatim, before the narrative, and the ledger with
+/// the newest compacted command in the words its output stated its exit
+/// status in.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_reminders_and_the_ledger_survive_every_later_compaction() {
+    use compactor::compaction::items::{is_summary, text_of};
+    use compactor::fake_upstream::Reply;
+    let h = Harness::start_with(small_window_foreground).await;
+    h.fake
+        .set_summary_reply(Some("I could not summarize this.".into()));
+    let rule = "From now on, never push to main without a review.";
+    let reminder = "<system-reminder>\nThe working directory is now /srv/api. Deferred tools: WebFetch.\n</system-reminder>";
+    let mut items = vec![
+        json!({"role": "system", "content": "You are a coding agent with one tool: bash."}),
+        json!({"role": "user", "content": "Task: make the api tests pass."}),
+        json!({"role": "user", "content": [{"type": "text", "text": reminder}, {"type": "text", "text": rule}]}),
+    ];
+    let mut ran: Vec<String> = Vec::new();
+    for step in 0..24 {
+        let id = format!("call_{step}");
+        let body = json!({"model": "tiny-1", "messages": items});
+        let prompt_tokens = serde_json::to_vec(&body).unwrap().len() as u64 / 4;
+        let cmd = format!("make check_{step}");
+        h.fake.push(Reply::chat_tool_calls(
+            &[(&id, "bash", &json!({"command": cmd}).to_string())],
+            prompt_tokens,
+            10,
+        ));
+        let url = format!("{}/chat/completions", h.url());
+        let (status, _, answer) = post(&url, KEY, &body).await;
+        assert_eq!(status, 200, "step {step}");
+        let answer: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+        items.push(answer["choices"][0]["message"].clone());
+        let out = format!(
+            "<returncode>{}</returncode>\n<output>\n{}</output>",
+            step % 3,
+            format!("checked part {step}\n").repeat(100)
+        );
+        items.push(json!({"role": "tool", "tool_call_id": id, "content": out}));
+        ran.push(format!("{cmd} → <returncode>{}</returncode>", step % 3));
+    }
+    let n = support::compactions(&h);
+    assert!(n >= 2, "compacted again: {n} compactions");
+    let mut compacted = 0;
+    for v in support::client_calls(&h) {
+        let msgs = v["messages"].as_array().unwrap();
+        let Some(s) = msgs.iter().position(is_summary) else {
+            continue;
+        };
+        compacted += 1;
+        let summary = text_of(&msgs[s]);
+        let at = |x: &str| {
+            summary
+                .find(x)
+                .unwrap_or_else(|| panic!("{x} missing:\n{summary}"))
+        };
+        assert!(at(rule) < at("## PLAN STATE"), "{summary}");
+        assert!(at(reminder) < at("## PLAN STATE"), "{summary}");
+        // The newest command the summary covers is in its ledger.
+        let newest = ran
+            .iter()
+            .rev()
+            .find(|l| summary.contains(l.split(" → ").next().unwrap()))
+            .unwrap_or_else(|| panic!("no command in:\n{summary}"));
+        assert!(at(newest) > at("## LEDGER"), "{newest}:\n{summary}");
+    }
+    assert!(compacted >= 2, "{compacted} compacted requests");
 }
