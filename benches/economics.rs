@@ -45,7 +45,7 @@
 //! - *Claude-Code-shaped* on `/v1/messages`: model `claude-sonnet-4-5`
 //!   (200k window), `max_tokens` 32,000, ~18k tokens of tools and system,
 //!   `cache_control` on the system and on the last message, moved there every
-//!   request. It compacts itself as Claude Code does: when the last usage
+//!   request, its session id in `metadata.user_id`. It compacts itself as Claude Code does: when the last usage
 //!   plus what it added since reaches the effective window (window − 20k
 //!   reserved for the summary) − 13k, it sends the whole history with its
 //!   summary instruction appended as a last user message (`max_tokens`
@@ -94,6 +94,9 @@ use serde_json::{json, Value};
 use tokio::sync::oneshot;
 
 const DEFAULT_SEED: u64 = 0x00EC_0A0C_7E55_10A5;
+/// The session id the Claude-Code-shaped client sends, as Claude Code does
+/// (each run has a proxy of its own).
+const CLAUDE_SESSION: &str = "5f0c2a4e-econ-4b1d-9c7e-bench0session";
 /// Real seconds per simulated second of the proxy's cache lifetime: the
 /// default 5 minutes is 1 s to the proxy, and an idle gap (10–50 minutes
 /// simulated) is `ECON_GAP_SLEEP_MS` (2.5 s) of real time.
@@ -1027,9 +1030,12 @@ impl Client {
                 if let Some(b) = last {
                     b["cache_control"] = json!({"type": "ephemeral"});
                 }
+                // Claude Code names its session in `metadata.user_id`.
+                let user = json!({"device_id": "econ-bench", "session_id": CLAUDE_SESSION});
                 let body = serde_json::to_vec(&json!({
                     "model": CLAUDE_MODEL, "max_tokens": max_tokens, "system": self.system,
                     "tools": self.tools, "messages": self.messages,
+                    "metadata": {"user_id": user.to_string()},
                 }))
                 .expect("serialize");
                 if let Some(b) = self
