@@ -24,9 +24,18 @@ use tokio::net::TcpListener;
 use crate::error::{BodyError, ProxyBody};
 
 pub mod anthropic;
+mod auto;
+mod bodies;
 pub mod cache;
 pub mod provider;
 pub mod provider_compact;
+
+pub use auto::auto_reply;
+use auto::is_summarizer_request;
+pub use bodies::{
+    chat_body, chat_stream_events, next_response_id, responses_body, responses_stream_events,
+    usage_chat,
+};
 
 /// The text the automatic replies answer with.
 pub const AUTO_TEXT: &str = "Hello from the fake upstream.";
@@ -171,107 +180,6 @@ impl Reply {
                              "type": "invalid_request_error", "param": "messages", "code": "context_length_exceeded"}}),
         )
     }
-}
-
-/// A fresh `resp_…` id: every Responses answer has its own, as upstreams do.
-pub fn next_response_id() -> String {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
-    format!(
-        "resp_fake{}",
-        NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-    )
-}
-
-/// Usage object of Chat Completions.
-pub fn usage_chat(prompt: u64, completion: u64) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-           "prompt_tokens_details": {"cached_tokens": 0}})
-}
-
-/// A complete chat completion body.
-pub fn chat_body(text: &str, prompt: u64, completion: u64) -> Value {
-    json!({
-        "id": "chatcmpl-fake", "object": "chat.completion", "created": 1, "model": "fake",
-        "choices": [{"index": 0, "finish_reason": "stop",
-                     "message": {"role": "assistant", "content": text, "refusal": null}}],
-        "usage": usage_chat(prompt, completion),
-    })
-}
-
-/// The events of a streamed chat completion.
-pub fn chat_stream_events(pieces: &[&str], usage: Option<(u64, u64)>) -> Vec<String> {
-    let head =
-        r#""id":"chatcmpl-fake","object":"chat.completion.chunk","created":1,"model":"fake""#;
-    let null_usage = if usage.is_some() {
-        r#","usage":null"#
-    } else {
-        ""
-    };
-    let mut ev = vec![format!(
-        "data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{\"role\":\"assistant\",\"content\":\"\"}},\"finish_reason\":null}}]{null_usage}}}\n\n"
-    )];
-    for p in pieces {
-        let text = serde_json::to_string(p).unwrap_or_default();
-        ev.push(format!(
-            "data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{\"content\":{text}}},\"finish_reason\":null}}]{null_usage}}}\n\n"
-        ));
-    }
-    ev.push(format!(
-        "data: {{{head},\"choices\":[{{\"index\":0,\"delta\":{{}},\"finish_reason\":\"stop\"}}]{null_usage}}}\n\n"
-    ));
-    if let Some((p, c)) = usage {
-        ev.push(format!(
-            "data: {{{head},\"choices\":[],\"usage\":{}}}\n\n",
-            usage_chat(p, c)
-        ));
-    }
-    ev.push("data: [DONE]\n\n".into());
-    ev
-}
-
-/// A complete Responses body.
-pub fn responses_body(id: &str, text: &str, input: u64, output: u64) -> Value {
-    json!({
-        "id": id, "object": "response", "created_at": 1, "status": "completed", "model": "fake",
-        "output": [{"type": "message", "id": format!("msg_{id}"), "status": "completed", "role": "assistant",
-                    "content": [{"type": "output_text", "text": text, "annotations": []}]}],
-        "usage": {"input_tokens": input, "output_tokens": output, "total_tokens": input + output},
-    })
-}
-
-/// The events of a streamed Responses answer.
-pub fn responses_stream_events(id: &str, pieces: &[&str], input: u64, output: u64) -> Vec<String> {
-    let text: String = pieces.concat();
-    let mut seq = 0;
-    let mut ev = Vec::new();
-    let mut push = |kind: &str, mut data: Value| {
-        data["type"] = json!(kind);
-        data["sequence_number"] = json!(seq);
-        seq += 1;
-        ev.push(format!("event: {kind}\ndata: {data}\n\n"));
-    };
-    let created = json!({"id": id, "object": "response", "status": "in_progress", "output": []});
-    push("response.created", json!({"response": created}));
-    push("response.in_progress", json!({"response": created}));
-    let item_id = format!("msg_{id}");
-    push(
-        "response.output_item.added",
-        json!({"output_index": 0,
-        "item": {"type": "message", "id": item_id, "status": "in_progress", "role": "assistant", "content": []}}),
-    );
-    for p in pieces {
-        push(
-            "response.output_text.delta",
-            json!({"item_id": item_id, "output_index": 0, "content_index": 0, "delta": p}),
-        );
-    }
-    let done = responses_body(id, &text, input, output);
-    push(
-        "response.output_item.done",
-        json!({"output_index": 0, "item": done["output"][0]}),
-    );
-    push("response.completed", json!({"response": done}));
-    ev
 }
 
 #[derive(Default)]
@@ -666,136 +574,6 @@ fn caller_key(headers: &HeaderMap) -> String {
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")
         .to_string()
-}
-
-/// What the fake answers when nothing is scripted.
-pub fn auto_reply(rec: &Received) -> Reply {
-    let body = rec.json();
-    let prompt = (rec.body.len() as u64 / 4).max(1);
-    let completion = 7;
-    let stream = body.get("stream").and_then(Value::as_bool) == Some(true);
-    if rec.path.ends_with("/chat/completions") {
-        if let Some(narrative) = summarizer_narrative(&body) {
-            return Reply::chat(&narrative, prompt, 60);
-        }
-        if stream {
-            let include = body
-                .pointer("/stream_options/include_usage")
-                .and_then(Value::as_bool)
-                == Some(true);
-            return Reply::chat_stream(
-                &["Hello", " from the", " fake upstream."],
-                include.then_some((prompt, completion)),
-            );
-        }
-        return Reply::chat(AUTO_TEXT, prompt, completion);
-    }
-    if rec.path.ends_with("/messages/count_tokens") {
-        return Reply::json(
-            200,
-            json!({"input_tokens": anthropic::prompt_tokens(&body)}),
-        );
-    }
-    if rec.path.ends_with("/messages") {
-        use anthropic::{as_chat, is_summarizer_request, Answer};
-        if is_summarizer_request(&body) {
-            let narrative = summarizer_narrative(&as_chat(&body)).unwrap_or_default();
-            return Reply::Messages(Answer::text(&narrative));
-        }
-        let thinking = crate::wire::messages::thinking_on(&body);
-        let answer = Answer::text(AUTO_TEXT);
-        return Reply::Messages(if thinking {
-            answer.thinking("The fake upstream thinks briefly.")
-        } else {
-            answer
-        });
-    }
-    if rec.path.ends_with("/responses") {
-        if stream {
-            return Reply::responses_stream(
-                &["Hello", " from the", " fake upstream."],
-                prompt,
-                completion,
-            );
-        }
-        return Reply::responses(AUTO_TEXT, prompt, completion);
-    }
-    Reply::json(
-        200,
-        json!({"object": "list", "data": [], "path": rec.path, "method": rec.method.as_str()}),
-    )
-}
-
-/// For a summarizer request (a system message carrying
-/// [`SUMMARIZER_MARKER`](crate::compaction::summary::SUMMARIZER_MARKER)),
-/// a narrative with every section, each one short line derived from the
-/// transcript: DECISIONS and OPEN ITEMS name the last `[user]` line seen.
-fn summarizer_narrative(body: &Value) -> Option<String> {
-    use crate::compaction::summary::NARRATIVE_SECTIONS;
-    if !is_summarizer_request(body) {
-        return None;
-    }
-    let messages = body.get("messages")?.as_array()?;
-    let text =
-        |m: &Value| crate::compaction::items::value_text(m.get("content").unwrap_or(&Value::Null));
-    let is = |m: &&Value, r: &str| m.get("role").and_then(Value::as_str) == Some(r);
-    let user = messages
-        .iter()
-        .rev()
-        .find(|m| is(m, "user"))
-        .map(text)
-        .unwrap_or_default();
-    let last_user = user
-        .lines()
-        .rev()
-        .find_map(|l| l.strip_prefix("[user] "))
-        .map(|l| l.chars().take(120).collect::<String>())
-        .unwrap_or_else(|| "(none)".into());
-    let calls = user
-        .lines()
-        .filter(|l| l.starts_with("[tool call "))
-        .count();
-    let error = user
-        .lines()
-        .filter(|l| l.starts_with("[tool output "))
-        .find(|l| l.to_ascii_lowercase().contains("error"))
-        .map(|l| l.chars().take(120).collect::<String>())
-        .unwrap_or_else(|| "none".into());
-    let lines = [
-        format!("- fake plan: continue the work ({calls} tool calls seen)"),
-        format!("- fake decision: last user line seen: {last_user}"),
-        "- fake workspace: see the files recorded by the proxy".to_string(),
-        "- fake constraints: none stated".to_string(),
-        format!("- fake errors: {error}"),
-        format!("- fake next step: answer \"{last_user}\""),
-    ];
-    let narrative = NARRATIVE_SECTIONS
-        .iter()
-        .zip(lines)
-        .map(|(h, l)| format!("## {h}\n{l}"))
-        .collect::<Vec<_>>()
-        .join("\n\n");
-    Some(narrative)
-}
-
-/// A chat request whose system message carries the summarizer marker, or
-/// whose last message does (a summary call repeating the conversation's
-/// request with the instruction appended).
-fn is_summarizer_request(body: &Value) -> bool {
-    if anthropic::is_summarizer_request(body) {
-        return true;
-    }
-    let text =
-        |m: &Value| crate::compaction::items::value_text(m.get("content").unwrap_or(&Value::Null));
-    body.get("messages")
-        .and_then(Value::as_array)
-        .is_some_and(|messages| {
-            messages
-                .iter()
-                .filter(|m| m.get("role").and_then(Value::as_str) == Some("system"))
-                .chain(messages.last())
-                .any(|m| text(m).contains(crate::compaction::summary::SUMMARIZER_MARKER))
-        })
 }
 
 async fn render(reply: Reply) -> Response<ProxyBody> {

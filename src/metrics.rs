@@ -16,7 +16,7 @@ use std::sync::atomic::AtomicU64;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use prometheus_client::encoding::{prometheus_text, EncodeLabelSet, EncodeMetric, MetricEncoder};
+use prometheus_client::encoding::{prometheus_text, EncodeMetric, MetricEncoder};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
@@ -26,7 +26,12 @@ use prometheus_client::metrics::MetricType;
 use prometheus_client::registry::Registry;
 
 use crate::prices::{CacheSeen, Previous, Prices, Tokens};
+use label_sets::{
+    BillLabels, CompactionLabels, FactLabels, FallbackLabels, GoalLabels, InputLabels,
+    RequestLabels, RungLabels, TriggerLabels, WindowLabels,
+};
 
+mod label_sets;
 mod labels;
 
 pub use labels::{
@@ -85,84 +90,6 @@ pub struct Gauges {
     /// Round trips the request path's reads of PostgreSQL made, when the
     /// store is there.
     pub db_reads: Option<u64>,
-}
-
-/// Labels of `compactor_requests_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct RequestLabels {
-    /// One of [`ENDPOINTS`].
-    endpoint: &'static str,
-    /// Clamped to `STATUS_MIN..=STATUS_MAX`.
-    status: u16,
-}
-
-/// Labels of `compactor_compactions_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct CompactionLabels {
-    /// One of [`RUNGS`].
-    rung: &'static str,
-    /// One of [`REASONS`].
-    reason: &'static str,
-}
-
-/// Labels of `compactor_compaction_triggers_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct TriggerLabels {
-    /// One of [`TRIGGERS`].
-    trigger: &'static str,
-}
-
-/// Labels of `compactor_compaction_tokens_saved_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct RungLabels {
-    /// One of [`RUNGS`].
-    rung: &'static str,
-}
-
-/// Labels of `compactor_input_tokens_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct InputLabels {
-    /// One of [`INPUT_KINDS`].
-    kind: &'static str,
-}
-
-/// Labels of `compactor_unfittable_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct GoalLabels {
-    /// One of [`GOALS`].
-    goal: &'static str,
-}
-
-/// Labels of `compactor_provider_compaction_fallbacks_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct FallbackLabels {
-    /// One of [`PROVIDER_FALLBACK_REASONS`].
-    reason: &'static str,
-}
-
-/// Labels of `compactor_compaction_facts_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct FactLabels {
-    /// One of [`FACT_KINDS`].
-    kind: &'static str,
-    /// One of [`FACT_STATES`].
-    state: &'static str,
-}
-
-/// Labels of `compactor_bill_dollars_total`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct BillLabels {
-    /// One of [`BILL_KINDS`].
-    kind: &'static str,
-}
-
-/// Labels of `compactor_model_context_window`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-struct WindowLabels {
-    /// The model's name as clients send it (escaped by the encoder).
-    model: String,
-    /// Where the window came from: table, config, learned, discovered.
-    source: &'static str,
 }
 
 /// All of the proxy's metrics. One per process, in [`crate::app::AppState`].
