@@ -188,3 +188,75 @@ async fn a_clients_own_compaction_request_refused_as_too_long_is_compacted_once(
     );
     assert_eq!(support::summary_calls(&h).len(), 1, "one summary, made now");
 }
+
+/// A compacted Messages request with thinking on that the upstream refuses
+/// (not as too long) goes again as the client sent it: its history may
+/// hold thinking the API signed against compacted requests, so the resend
+/// lets the API drop such blocks, body and beta alike.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_uncompacted_resend_lets_the_api_drop_thinking() {
+    use compactor::fake_upstream::anthropic::Answer;
+    use compactor::fake_upstream::Reply;
+    use compactor::wire::messages::BLOCK_BINDING_BETA;
+    use serde_json::json;
+    let h = support::Harness::start().await;
+    let mut messages = Vec::new();
+    for turn in 0..8 {
+        let text = format!(
+            "Step {turn}: {}",
+            "the parser module was rebuilt; ".repeat(110)
+        );
+        messages.push(json!({"role": "user", "content": text}));
+        // Signed against a compacted request the client never saw.
+        messages.push(json!({"role": "assistant", "content": [
+            {"type": "thinking", "thinking": format!("Thinking of step {turn}."), "signature": "c2lnbmVk"},
+            {"type": "text", "text": format!("Done with step {turn}.")}]}));
+    }
+    messages.push(json!({"role": "user", "content": "Carry on."}));
+    let body = json!({"model": "claude-sonnet-4-5", "max_tokens": 500,
+        "thinking": {"type": "enabled", "budget_tokens": 400}, "messages": messages});
+    h.fake.push(Reply::json(
+        400,
+        json!({"type": "error", "error": {
+        "type": "invalid_request_error", "message": "messages.3: something the API refuses"}}),
+    ));
+    h.fake.push(Reply::Messages(Answer::text("Carrying on.")));
+    let resp = support::client()
+        .post(format!("{}/messages", h.url()))
+        .header("x-api-key", "sk-ant-resend")
+        .header("anthropic-version", "2023-06-01")
+        .header("x-compactor-compact", "now")
+        .json(&body)
+        .send();
+    let resp = support::within(resp).await.unwrap();
+    let status = resp.status().as_u16();
+    let text = support::within(resp.text()).await.unwrap();
+    assert_eq!(status, 200, "{text}");
+    let sent: Vec<_> = h
+        .fake
+        .received()
+        .into_iter()
+        .filter(|r| r.path == "/v1/messages" && !support::is_summary_call(r))
+        .filter(|r| !compactor::fake_upstream::anthropic::is_summarizer_request(&r.json()))
+        .collect();
+    assert_eq!(sent.len(), 2, "compacted and refused, then as sent");
+    assert!(sent[0].json()["messages"].as_array().unwrap().len() < 17);
+    let resent = &sent[1];
+    assert_eq!(
+        resent.json()["messages"],
+        body["messages"],
+        "the client's items"
+    );
+    assert_eq!(
+        resent.json()["thinking"]["block_binding"],
+        json!({"prefix_mismatch_behavior": "drop_block"})
+    );
+    let beta = resent
+        .headers
+        .get_all("anthropic-beta")
+        .iter()
+        .filter_map(|v| v.to_str().ok());
+    assert!(beta
+        .into_iter()
+        .any(|v| v.split(',').any(|b| b.trim() == BLOCK_BINDING_BETA)));
+}
