@@ -140,6 +140,27 @@ async fn under_the_cold_threshold_or_switched_off_nothing_is_computed() {
     assert_eq!(compactions(&off), 0, "switched off");
 }
 
+/// A Messages conversation whose breakpoints ask for an hour keeps its
+/// cache that long: a pause past the setting's lifetime computes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn breakpoints_that_ask_for_an_hour_keep_it_an_hour() {
+    let h = Harness::start_with(settings).await;
+    let mut hour = mid_loop(Shape::Messages, "sk-idle-hour-0000000001");
+    let last = hour.items.last_mut().expect("a message");
+    last["content"][0]["cache_control"] = serde_json::json!({"type": "ephemeral", "ttl": "1h"});
+    step(&h, &hour).await;
+    tokio::time::sleep(TTL * 2).await;
+    assert_eq!(
+        compactions(&h),
+        0,
+        "an hour's cache is not cold after {TTL:?}"
+    );
+    // The same conversation with a 5-minute breakpoint gets one.
+    let five = mid_loop(Shape::Messages, "sk-idle-five-0000000001");
+    step(&h, &five).await;
+    wait_compactions(&h, 1).await;
+}
+
 /// The setting is checked: a negative lifetime, a cold threshold past the
 /// trigger.
 #[test]
