@@ -231,3 +231,85 @@ async fn a_model_that_reasons_and_keeps_compacting_gets_a_whole_stream() {
         "two rounds, one past them, one resend"
     );
 }
+
+/// A streamed answer that says something first and then calls
+/// `compactor_compact` (as Claude does: a sentence, then the call) is
+/// relayed as it comes: the call reached the client, which never declared
+/// the tool. It is taken out of the stream, with a normal stop reason.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_speaks_before_calling_the_proxys_tool_reaches_the_client_without_the_call() {
+    use compactor::fake_upstream::anthropic::Answer;
+    use compactor::fake_upstream::Reply;
+    let args = json!({"reason": "the context is filling up"});
+    for shape in SHAPES {
+        let h = Harness::start_with(agent_on).await;
+        let mut l = Loop::new(
+            shape,
+            MODEL,
+            &format!("sk-own-text-{shape:?}-0001"),
+            6,
+            1900,
+        );
+        l.stream = true;
+        let said = "I will compact the context first.";
+        let event = |kind: &str, mut data: Value| {
+            data["type"] = json!(kind);
+            format!("event: {kind}\ndata: {data}\n\n")
+        };
+        h.fake.push(match shape {
+            Shape::Messages => Reply::Messages(Answer {
+                content: vec![
+                    json!({"type": "text", "text": said}),
+                    json!({"type": "tool_use", "id": "toolu_own", "name": TOOL, "input": args}),
+                ],
+                stop_reason: "tool_use".into(),
+                output_tokens: 30,
+            }),
+            Shape::Chat => {
+                let chunk = |delta: Value, finish: Value| {
+                    let choice = json!({"index": 0, "delta": delta, "finish_reason": finish});
+                    format!("data: {}\n\n", json!({"id": "chatcmpl-t", "object": "chat.completion.chunk", "choices": [choice]}))
+                };
+                Reply::sse(vec![
+                    chunk(json!({"role": "assistant", "content": said}), Value::Null),
+                    chunk(
+                        json!({"tool_calls": [{"index": 0, "id": "call_own", "type": "function",
+                            "function": {"name": TOOL, "arguments": args.to_string()}}]}),
+                        Value::Null,
+                    ),
+                    chunk(json!({}), json!("tool_calls")),
+                    "data: [DONE]\n\n".to_string(),
+                ])
+            }
+            Shape::Responses => {
+                let message = json!({"type": "message", "id": "msg_t", "role": "assistant", "status": "completed",
+                    "content": [{"type": "output_text", "text": said, "annotations": []}]});
+                let call = json!({"type": "function_call", "id": "fc_own", "call_id": "call_own",
+                    "name": TOOL, "arguments": args.to_string(), "status": "completed"});
+                let done = json!({"id": "resp_t", "object": "response", "status": "completed",
+                    "output": [message, call], "usage": {"input_tokens": 900, "output_tokens": 30, "total_tokens": 930}});
+                Reply::sse(vec![
+                    event("response.created", json!({"sequence_number": 0, "response": {"id": "resp_t", "status": "in_progress", "output": []}})),
+                    event("response.output_item.added", json!({"sequence_number": 1, "output_index": 0, "item": message})),
+                    event("response.output_text.delta", json!({"sequence_number": 2, "output_index": 0, "content_index": 0, "delta": said})),
+                    event("response.output_item.done", json!({"sequence_number": 3, "output_index": 0, "item": message})),
+                    event("response.output_item.added", json!({"sequence_number": 4, "output_index": 1, "item": call})),
+                    event("response.output_item.done", json!({"sequence_number": 5, "output_index": 1, "item": call})),
+                    event("response.completed", json!({"sequence_number": 6, "response": done})),
+                ])
+            }
+        });
+        let (status, _, body) = l.send(&h).await;
+        let text = String::from_utf8_lossy(&body).to_string();
+        assert_eq!(status, 200, "{shape:?}: {text}");
+        assert!(
+            text.contains("compact the context first"),
+            "{shape:?}: {text}"
+        );
+        assert!(!text.contains(TOOL), "{shape:?}: the client got {text}");
+        let (stop, calls) = stop_and_calls(shape, true, &text);
+        assert_eq!(stop, normal_stop(shape), "{shape:?}: {text}");
+        assert!(calls.is_empty(), "{shape:?}: {calls:?}");
+        assert_eq!(l.upstream(&h).len(), 1, "{shape:?}: relayed as it came");
+    }
+}

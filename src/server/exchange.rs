@@ -89,6 +89,12 @@ impl Outcome {
         ttfb_ms: f64,
     ) -> Outcome {
         let cut = tee.cut();
+        if !tee.calls_removed().is_empty() {
+            tracing::info!(
+                tool = %tee.calls_removed().join(", "),
+                "the proxy's tools called in a stream relayed as it came: the calls taken out of it"
+            );
+        }
         Outcome {
             status,
             usage: tee.usage(),
@@ -217,6 +223,14 @@ impl PendingExchange {
     /// Whether it went with `compactor_recall` at some point.
     pub fn recall_offered(&self) -> bool {
         self.offered.recall_offered
+    }
+
+    /// The proxy's tools the request was offered at some point: their
+    /// calls never reach the client.
+    pub fn own_tools(&self) -> Vec<&'static str> {
+        let recall = self.recall_offered().then_some(recall::TOOL);
+        let compact = self.agent_offered().then_some(agent_tool::TOOL);
+        recall.into_iter().chain(compact).collect()
     }
 
     /// Whether the request goes with `compactor_compact` now.

@@ -14,11 +14,9 @@
 //! the client's own tool calls, or past `compaction.recall_max_rounds` (or
 //! a compact call past its rounds), is sent again once without the proxy's
 //! tools; a call of them in the answer to that is taken out of what the
-//! client gets (`strip`), with the stop reason it would have had without
+//! client gets (`wire::own_calls`), with the stop reason it would have had without
 //! it: the client never gets a call it cannot answer, nor loses one of its
 //! own, and a model that keeps calling them cannot fail the request.
-
-mod strip;
 
 use std::sync::Arc;
 
@@ -34,7 +32,7 @@ use crate::compaction::agent_tool;
 use crate::compaction::recall::{self, Round};
 use crate::error::ProxyError;
 use crate::wire::sse::{Framer, SseTee};
-use crate::wire::{Api, Usage};
+use crate::wire::{own_calls, Api, Usage};
 
 /// Most bytes of a streamed tool-call answer held back to look at it;
 /// past this it is relayed as it is.
@@ -169,8 +167,8 @@ fn unanswered_calls(
     relay: Answer,
 ) -> Settled {
     let api = pending.request().api();
-    let names = proxy_tools(pending);
-    let called = strip::from_json(api, &names, &mut v.clone()).join(", ");
+    let names = pending.own_tools();
+    let called = own_calls::from_json(api, &names, &mut v.clone()).join(", ");
     if pending.offers_recall() || pending.offers_agent_tool() {
         tracing::info!(
             tool = %called,
@@ -190,13 +188,6 @@ fn unanswered_calls(
     Settled::Answer(without_calls(api, &names, relay))
 }
 
-/// The proxy's tools the request was offered.
-fn proxy_tools(pending: &Unanswered) -> Vec<&'static str> {
-    let recall = pending.recall_offered().then_some(recall::TOOL);
-    let compact = pending.agent_offered().then_some(agent_tool::TOOL);
-    recall.into_iter().chain(compact).collect()
-}
-
 /// `answer` (a JSON answer read whole, or a stream held to its end)
 /// without the calls of the tools `names`.
 fn without_calls(api: Api, names: &[&str], answer: Answer) -> Answer {
@@ -205,7 +196,7 @@ fn without_calls(api: Api, names: &[&str], answer: Answer) -> Answer {
             let Ok(mut v) = serde_json::from_slice::<Value>(&bytes) else {
                 return Answer::Read(status, headers, bytes);
             };
-            if strip::from_json(api, names, &mut v).is_empty() {
+            if own_calls::from_json(api, names, &mut v).is_empty() {
                 return Answer::Read(status, headers, bytes);
             }
             headers.remove(http::header::CONTENT_LENGTH);
@@ -213,7 +204,7 @@ fn without_calls(api: Api, names: &[&str], answer: Answer) -> Answer {
         }
         Answer::Held(mut held) => {
             let body = super::gather::concat(std::mem::take(&mut held.chunks)).unwrap_or_default();
-            held.chunks = match strip::from_stream(api, names, &body) {
+            held.chunks = match own_calls::from_stream(api, names, &body) {
                 Some((stripped, _)) => vec![stripped],
                 None if body.is_empty() => Vec::new(),
                 None => vec![body],

@@ -22,6 +22,7 @@ use super::gather::{concat, take_delivered, UpstreamStream};
 use crate::app::AppState;
 use crate::error::{full, BodyError, ProxyBody, ProxyError};
 use crate::upstream::describe;
+use crate::wire::own_calls;
 use crate::wire::sse::SseTee;
 
 /// Relays the answer the driver settled on; `started` is when
@@ -185,7 +186,9 @@ fn stream_response(
     headers.remove(header::CONTENT_LENGTH);
     let conversation = pending.conversation().to_string();
     let relay = Relay {
-        tee: SseTee::new(pending.request().api(), pending.request().strip_usage()),
+        tee: SseTee::new(pending.request().api(), pending.request().strip_usage()).rewritten(
+            own_calls::rewrite(pending.request().api(), &pending.own_tools()),
+        ),
         state,
         held: concat(chunks),
         upstream: rest,

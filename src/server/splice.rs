@@ -39,6 +39,7 @@ use super::gather::UpstreamStream;
 use crate::app::AppState;
 use crate::error::{BodyError, ProxyBody, ProxyError};
 use crate::upstream::describe;
+use crate::wire::own_calls;
 use crate::wire::sse::{Block, Framer, SseTee};
 use crate::wire::Api;
 
@@ -245,7 +246,8 @@ async fn run(
     let mut client = Client {
         state: state.clone(),
         tx,
-        tee: SseTee::new(api, pending.request().strip_usage()),
+        tee: SseTee::new(api, pending.request().strip_usage())
+            .rewritten(own_calls::rewrite(api, &pending.own_tools())),
         splice: Splice::new(api),
         status: held.status.as_u16(),
         ttfb_ms,

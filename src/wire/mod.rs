@@ -10,6 +10,7 @@ pub mod class;
 pub mod hash;
 pub mod items;
 pub mod messages;
+pub mod own_calls;
 pub mod responses;
 pub mod sse;
 

@@ -227,6 +227,18 @@ pub struct SseTee {
     seen: usize,
     /// Most of them whose text the collector keeps (see [`MAX_COLLECTED`]).
     cap: usize,
+    /// What rewrites each event before it is released and collected (the
+    /// proxy's own tool calls taken out): bytes are then released a whole
+    /// event at a time.
+    calls: Option<Box<dyn Rewrite>>,
+}
+
+/// Rewrites a stream's events one by one as they are relayed.
+pub trait Rewrite: Send + Sync {
+    /// The bytes the client gets for `block`, if any.
+    fn block(&mut self, block: &Block) -> Option<Bytes>;
+    /// The names of what was taken out so far (for the logs).
+    fn removed(&self) -> &[String];
 }
 
 /// Most bytes of a streamed answer's events whose text and items are
@@ -249,7 +261,21 @@ impl SseTee {
             strip: strip_usage,
             seen: 0,
             cap: MAX_COLLECTED,
+            calls: None,
         }
+    }
+
+    /// The same tee, each event rewritten by `rewrite` before it is
+    /// released and collected (the proxy's own tool calls taken out of a
+    /// stream relayed as it comes, which no round can answer).
+    pub fn rewritten(mut self, rewrite: Option<Box<dyn Rewrite>>) -> Self {
+        self.calls = rewrite;
+        self
+    }
+
+    /// What the rewrite took out.
+    pub fn calls_removed(&self) -> &[String] {
+        self.calls.as_ref().map_or(&[], |c| c.removed())
     }
 
     /// The same tee, collecting the text of at most `cap` bytes of events.
@@ -272,7 +298,7 @@ impl SseTee {
     /// Takes one upstream chunk and returns the bytes to send the client now.
     pub fn push(&mut self, chunk: Bytes) -> Bytes {
         self.framer.push(&chunk);
-        if !self.strip {
+        if !self.strip && self.calls.is_none() {
             while let Some(block) = self.framer.next_block() {
                 self.collect(&block);
             }
@@ -284,13 +310,14 @@ impl SseTee {
     /// The upstream body ended: returns any held bytes. What follows the
     /// last complete event is no event, and is forwarded as it came.
     pub fn finish(&mut self) -> Bytes {
-        let released = if self.strip {
+        let whole_events = self.strip || self.calls.is_some();
+        let released = if whole_events {
             self.release_complete_events()
         } else {
             Bytes::new()
         };
         let rest = self.framer.rest();
-        if !self.strip || rest.is_empty() {
+        if !whole_events || rest.is_empty() {
             return released;
         }
         if released.is_empty() {
@@ -332,7 +359,14 @@ impl SseTee {
     fn release_complete_events(&mut self) -> Bytes {
         let mut out = BytesMut::new();
         while let Some(block) = self.framer.next_block() {
+            let Some(block) = self.without_own_calls(block) else {
+                continue;
+            };
             let json = self.collect(&block);
+            if !self.strip {
+                out.extend_from_slice(&block.raw);
+                continue;
+            }
             let rewrite = match (&block.event, &self.collected) {
                 (None, _) => Strip::Keep,
                 (Some(ev), Collected::Chat(_)) if single_data_line(&block.raw).is_some() => {
@@ -356,6 +390,21 @@ impl SseTee {
             }
         }
         out.freeze()
+    }
+
+    /// `block` as the client gets it once the proxy's calls are out (see
+    /// [`SseTee::without_calls`]), if anything is left of it.
+    fn without_own_calls(&mut self, block: Block) -> Option<Block> {
+        let Some(calls) = self.calls.as_mut() else {
+            return Some(block);
+        };
+        let bytes = calls.block(&block)?;
+        if bytes == block.raw {
+            return Some(block);
+        }
+        let mut framer = Framer::new();
+        framer.push(&bytes);
+        framer.next_block()
     }
 
     /// The stream's terminal event (`[DONE]`, `response.completed`…) was seen.

@@ -14,12 +14,12 @@
 use bytes::{Bytes, BytesMut};
 use serde_json::{Map, Value};
 
-use crate::wire::sse::{event_bytes, Block, Framer};
-use crate::wire::Api;
+use super::sse::{event_bytes, Block, Framer};
+use super::Api;
 
 /// Whether a call's name is one of `names`.
-fn ours(names: &[&str], name: Option<&str>) -> bool {
-    name.is_some_and(|n| names.contains(&n))
+fn ours<S: AsRef<str>>(names: &[S], name: Option<&str>) -> bool {
+    name.is_some_and(|n| names.iter().any(|m| m.as_ref() == n))
 }
 
 /// Adds `name` to `removed` once.
@@ -33,7 +33,7 @@ fn note(removed: &mut Vec<String>, name: Option<&str>) {
 
 /// Takes the calls of the tools `names` out of a complete JSON answer;
 /// returns the names of those taken out (none: the answer is unchanged).
-pub(super) fn from_json(api: Api, names: &[&str], v: &mut Value) -> Vec<String> {
+pub fn from_json(api: Api, names: &[&str], v: &mut Value) -> Vec<String> {
     let mut removed = Vec::new();
     match api {
         Api::Chat => {
@@ -98,7 +98,7 @@ pub(super) fn from_json(api: Api, names: &[&str], v: &mut Value) -> Vec<String> 
 }
 
 /// Responses output items without the `function_call`s of `names`.
-fn retain_items(names: &[&str], output: &mut Vec<Value>, removed: &mut Vec<String>) {
+fn retain_items<S: AsRef<str>>(names: &[S], output: &mut Vec<Value>, removed: &mut Vec<String>) {
     output.retain(|item| {
         let name = item.get("name").and_then(Value::as_str);
         let drop =
@@ -112,14 +112,10 @@ fn retain_items(names: &[&str], output: &mut Vec<Value>, removed: &mut Vec<Strin
 
 /// A complete SSE answer without the calls of the tools `names`, with the
 /// names of those taken out; `None` when it calls none of them.
-pub(super) fn from_stream(api: Api, names: &[&str], body: &[u8]) -> Option<(Bytes, Vec<String>)> {
+pub fn from_stream(api: Api, names: &[&str], body: &[u8]) -> Option<(Bytes, Vec<String>)> {
     let mut framer = Framer::new();
     framer.push(body);
-    let mut strip = Strip {
-        api: Some(api),
-        names,
-        ..Strip::default()
-    };
+    let mut strip = OwnCalls::new(api, names);
     let mut out = BytesMut::with_capacity(body.len());
     while let Some(block) = framer.next_block() {
         if let Some(bytes) = strip.block(&block) {
@@ -130,11 +126,12 @@ pub(super) fn from_stream(api: Api, names: &[&str], body: &[u8]) -> Option<(Byte
     (!strip.removed.is_empty()).then(|| (out.freeze(), strip.removed))
 }
 
-/// What a stream showed so far of the calls taken out.
-#[derive(Default)]
-struct Strip<'a> {
+/// Takes the calls of the proxy's tools out of a stream, event by event,
+/// as it is relayed: what it showed so far of the calls taken out.
+#[derive(Default, Debug)]
+pub struct OwnCalls {
     api: Option<Api>,
-    names: &'a [&'a str],
+    names: Vec<String>,
     removed: Vec<String>,
     /// Chat: each call's index as the upstream numbered it, and as the
     /// client gets it (`None`: taken out).
@@ -154,9 +151,34 @@ enum Fate {
     Rewrite,
 }
 
-impl Strip<'_> {
-    /// The bytes the client gets for `block`, if any.
+impl super::sse::Rewrite for OwnCalls {
     fn block(&mut self, block: &Block) -> Option<Bytes> {
+        OwnCalls::block(self, block)
+    }
+
+    fn removed(&self) -> &[String] {
+        &self.removed
+    }
+}
+
+/// A tee's [`Rewrite`](super::sse::Rewrite) taking the calls of the tools
+/// `names` out of a stream of `api`; none when there are none to take.
+pub fn rewrite(api: Api, names: &[&str]) -> Option<Box<dyn super::sse::Rewrite>> {
+    (!names.is_empty()).then(|| Box::new(OwnCalls::new(api, names)) as Box<dyn super::sse::Rewrite>)
+}
+
+impl OwnCalls {
+    /// Takes out the calls of the tools `names` from a stream of `api`.
+    pub fn new(api: Api, names: &[&str]) -> OwnCalls {
+        OwnCalls {
+            api: Some(api),
+            names: names.iter().map(|n| n.to_string()).collect(),
+            ..OwnCalls::default()
+        }
+    }
+
+    /// The bytes the client gets for `block`, if any.
+    pub fn block(&mut self, block: &Block) -> Option<Bytes> {
         let Some(ev) = &block.event else {
             return Some(block.raw.clone());
         };
@@ -197,7 +219,7 @@ impl Strip<'_> {
                     let known = self.chat_calls.iter().find(|(i, _)| *i == index);
                     let to = match (known, name) {
                         (Some(&(_, to)), _) => to,
-                        (None, name) if ours(self.names, name) => {
+                        (None, name) if ours(&self.names, name) => {
                             note(&mut self.removed, name);
                             self.chat_calls.push((index, None));
                             None
@@ -276,7 +298,7 @@ impl Strip<'_> {
             let call =
                 item.and_then(|i| i.get("type")).and_then(Value::as_str) == Some("function_call");
             let called = item.and_then(|i| i.get("name")).and_then(Value::as_str);
-            if kind == "response.output_item.added" && call && ours(self.names, called) {
+            if kind == "response.output_item.added" && call && ours(&self.names, called) {
                 note(&mut self.removed, called);
                 self.dropped.push(i);
             }
@@ -297,7 +319,7 @@ impl Strip<'_> {
         if let Some(Value::Array(output)) = v.get_mut("response").and_then(|r| r.get_mut("output"))
         {
             let before = output.len();
-            retain_items(self.names, output, &mut self.removed);
+            retain_items(&self.names, output, &mut self.removed);
             changed |= output.len() != before;
         }
         if let Some(n) = v.get("sequence_number").and_then(Value::as_u64) {
@@ -341,7 +363,7 @@ impl Strip<'_> {
             let block = v.get("content_block");
             let called = block.and_then(|b| b.get("name")).and_then(Value::as_str);
             if block.and_then(|b| b.get("type")).and_then(Value::as_str) == Some("tool_use") {
-                if ours(self.names, called) {
+                if ours(&self.names, called) {
                     note(&mut self.removed, called);
                     self.dropped.push(i);
                 } else {
