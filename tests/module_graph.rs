@@ -22,6 +22,10 @@
 //! backends ([`BACKENDS`]), and inside the folders of [`NO_ARROW_BACK_UP`]
 //! a child never names its parent: there, a parent's use by its children
 //! is an arrow back up after all.
+//!
+//! Beside the graph, one habit is kept here: no file of `src/` passes
+//! [`MAX_LINES`] lines before its tests.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -943,4 +947,67 @@ mod checker {
             ["cli names {\"rusqlite\"}"]
         );
     }
+}
+
+/// Lines a file of `src/` may have before its `#[cfg(test)]` module: past
+/// it, a file holds more than one subject, and is split by subject.
+const MAX_LINES: usize = 800;
+
+/// Each `.rs` file under `dir`, with its lines before its first
+/// `#[cfg(test)]` at the start of a line (all of them when it has none).
+fn lines_before_tests(dir: &Path) -> Vec<(PathBuf, usize)> {
+    let mut out = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
+    while let Some(dir) = dirs.pop() {
+        let entries = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
+        for entry in entries {
+            let path = entry.expect("directory entry").path();
+            if path.is_dir() {
+                dirs.push(path);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                let text = std::fs::read_to_string(&path).expect("read a source file");
+                let before = text
+                    .lines()
+                    .take_while(|l| !l.starts_with("#[cfg(test)]"))
+                    .count();
+                out.push((path, before));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[test]
+fn no_file_of_src_passes_800_lines_before_its_tests() {
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    let files = lines_before_tests(&src);
+    assert!(files.len() > 50, "found the sources: {}", files.len());
+    let long: Vec<String> = files
+        .iter()
+        .filter(|(_, n)| *n > MAX_LINES)
+        .map(|(p, n)| {
+            let p = p.strip_prefix(&src).unwrap_or(p);
+            format!("src/{}: {n} lines before its tests", p.display())
+        })
+        .collect();
+    assert!(
+        long.is_empty(),
+        "over {MAX_LINES} lines (split by subject):\n{}",
+        long.join("\n")
+    );
+}
+
+#[test]
+fn the_line_gate_counts_up_to_the_tests() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("a.rs"),
+        "fn a() {}\n\n#[cfg(test)]\nmod tests {}\n",
+    )
+    .unwrap();
+    std::fs::write(dir.path().join("b.rs"), "fn b() {}\nfn c() {}\n").unwrap();
+    let counted = lines_before_tests(dir.path());
+    let counts: Vec<usize> = counted.iter().map(|(_, n)| *n).collect();
+    assert_eq!(counts, [2, 2], "{counted:?}");
 }

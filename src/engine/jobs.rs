@@ -14,7 +14,6 @@ use crate::store::LookUp;
 /// After an exchange: decides from its usage and, past the trigger, starts a
 /// background compaction that the next request will find.
 pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) {
-    super::idle::after_exchange(state, &input, used);
     let cfg = &state.config().compaction;
     if !cfg.background || input.no_trigger {
         return;

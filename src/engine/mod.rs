@@ -4,6 +4,7 @@
 //! summarizer, stores results, and backs off from clients whose edits keep
 //! compactions from ever matching.
 
+mod attempt;
 mod check;
 mod idle;
 mod index;
@@ -12,10 +13,24 @@ pub mod provider;
 pub mod rebuild;
 mod summarizer;
 
+pub use attempt::Attempt;
 pub use check::{check_fit, Fit, FitCheck};
 pub use idle::{is_cold, thread as idle_thread};
-pub use index::{Attempt, Compactions, LoadCompaction, Reported};
-pub use jobs::{after_exchange, schedule_agent};
+pub use index::{Compactions, LoadCompaction, Reported};
+pub use jobs::schedule_agent;
+
+/// After an exchange: the idle watch notes it (a conversation that goes
+/// quiet is compacted while its cache is still warm), and the decision from
+/// its usage may start a background compaction the next request will find.
+pub fn after_exchange<S: Context>(
+    state: &std::sync::Arc<S>,
+    input: Input,
+    used: u64,
+    estimated: bool,
+) {
+    idle::after_exchange(state, &input, used);
+    jobs::after_exchange(state, input, used, estimated);
+}
 pub use summarizer::{auth_headers, chunk_lines, provider_headers, SummarizerError};
 
 use index::lock;
@@ -714,7 +729,8 @@ fn audit(
 
 #[cfg(test)]
 mod tests {
-    use super::index::{ATTEMPTS_KEPT, BODIES};
+    use super::attempt::ATTEMPTS_KEPT;
+    use super::index::BODIES;
     use super::summarizer::chunks_within_cap;
     use super::*;
     use crate::store::StoredCompaction;

@@ -30,10 +30,13 @@ use crate::wire::{chain_extend, item_hash, messages, Api, ItemHash, Usage};
 
 mod outgoing;
 mod parts;
+mod preview;
 mod unanswered;
+mod view;
 
 use parts::{Conversation, Offered, RecallSpent, Upstream};
 pub(super) use parts::{Digest, Rounds, Timing};
+use preview::{is_answer, own_text};
 pub(super) use unanswered::Unanswered;
 
 /// Items looked through for a conversation's first user message.
@@ -319,171 +322,6 @@ impl PendingExchange {
     /// A round answered: its calls and answers go after the view.
     pub fn continue_with(&mut self, items: impl IntoIterator<Item = Value>) {
         self.upstream.extra.extend(items);
-    }
-}
-
-impl PendingExchange {
-    /// Applies a compaction: the view becomes its replacement followed by
-    /// the rest of the client's items.
-    pub fn apply(&mut self, c: Arc<Compaction>) {
-        let view = self
-            .request
-            .items()
-            .with_prefix_shared(c.covered_len, c.clone());
-        let up = &mut self.upstream;
-        up.drop_block = up.hidden_thinking;
-        up.view = Arc::new(if self.request.api() == Api::Messages {
-            // The tail's old thinking and surplus cache breakpoints (see
-            // `wire::messages::finish_view`).
-            let outside = self
-                .request
-                .tools()
-                .map_or(0, |t| messages::breakpoints(t.value()))
-                + self
-                    .request
-                    .body()
-                    .get("system")
-                    .map_or(0, messages::breakpoints);
-            let mut values = view.into_values();
-            up.drop_block |= messages::finish_view(&mut values, c.replacement.len(), outside)
-                || crate::compaction::provider::keeps_thinking(&c.replacement);
-            values.into()
-        } else {
-            view
-        });
-        up.compaction = Some(c);
-        self.offer_recall();
-    }
-
-    /// Offers `compactor_recall` to every compacted request (whatever
-    /// compacted it: a stored compaction, a hard-limit, manual or requested
-    /// one, an overflow's) that may have it (see [`recall::may_offer`]),
-    /// whether or not its replacement carries archived originals: the tool
-    /// definitions come first in the providers' prompt caches, so a tool
-    /// that came and went with what a compaction holds would make the
-    /// requests after it read nothing from the cache (see [`recall`]).
-    fn offer_recall(&mut self) {
-        if self.upstream.compaction.is_none() {
-            return;
-        }
-        let offered = &mut self.offered;
-        if offered.recall_withdrawn || offered.recall_rounds == 0 {
-            return;
-        }
-        offered.recall =
-            recall::may_offer(self.request.body(), self.request.tools().map(Tools::value));
-        offered.recall_offered |= offered.recall;
-    }
-
-    /// Offers `compactor_compact` when `on` (`compaction.agent_tool` for
-    /// the request's tenant and model), the mode lets the proxy rewrite the
-    /// request, it is not the client's own compaction request, and the
-    /// request may have it (see [`agent_tool::offers`]).
-    pub fn offer_agent_tool(&mut self, on: bool) {
-        let request = &self.request;
-        let offered = &mut self.offered;
-        offered.agent_tool = on
-            && request.mode().rewrites()
-            && !self.conversation.client_compaction
-            && agent_tool::offers(request.body(), request.tools().map(Tools::value));
-        offered.agent_offered |= offered.agent_tool;
-    }
-
-    /// Takes the recall tool away for the rest of the request; with
-    /// `forget`, the rounds' calls and answers too.
-    pub fn withdraw_recall(&mut self, forget: bool) {
-        self.offered.recall = false;
-        self.offered.recall_withdrawn = true;
-        if forget {
-            self.upstream.extra.clear();
-        }
-    }
-
-    /// Takes `compactor_compact` away for the rest of the request (its
-    /// calls are still looked for, and never relayed).
-    pub fn withdraw_agent_tool(&mut self) {
-        self.offered.agent_tool = false;
-    }
-
-    /// Goes back to the client's own items. On Anthropic Messages with
-    /// thinking on, the client's history may hold thinking the API signed
-    /// against an earlier compacted request, which it would refuse as sent:
-    /// the request lets the API drop such blocks.
-    pub fn unapply(&mut self) {
-        let request = &self.request;
-        let up = &mut self.upstream;
-        up.view = request.items().clone();
-        up.compaction = None;
-        up.drop_block = request.api() == Api::Messages && messages::thinking_on(request.body());
-        self.offered.recall = false;
-        up.extra.clear();
-    }
-
-    /// What a compaction of this request starts from (in observe mode,
-    /// the client's items and the would-be compaction before).
-    pub fn input(&self, reason: String, whole: bool) -> Input {
-        let request = &self.request;
-        let mode = request.mode();
-        let observe = mode == Mode::Observe;
-        Input {
-            api: request.api(),
-            tenant: request.tenant().to_string(),
-            conversation: self.conversation().to_string(),
-            model: request.model().to_string(),
-            view: self.upstream.view.clone(),
-            chains: self.digest.chains.clone(),
-            base: if observe {
-                self.upstream.observed.clone()
-            } else {
-                self.upstream.compaction.clone()
-            },
-            auth: request.auth().clone(),
-            reason,
-            requested_ms: self.timing.started_ms,
-            whole,
-            goal: engine::Goal::Shrink,
-            tools: request.tools().cloned(),
-            system: (request.api() == Api::Messages)
-                .then(|| request.body().get("system").cloned())
-                .flatten(),
-            observe,
-            provider_compaction: crate::compaction::boundary::asks_provider_compaction(
-                request.api(),
-                request.body(),
-            ),
-            soft: false,
-            keep: None,
-            no_trigger: self.conversation.deferred || mode == Mode::Manual,
-            sent: self.as_sent(),
-        }
-    }
-
-    /// What the upstream last saw of the request but its items (the view):
-    /// its body with the tools as they went, the proxy's among them (see
-    /// [`engine::Sent`]). Chat Completions and Messages: a summary call
-    /// repeats it so its history is a cache read.
-    fn as_sent(&self) -> Option<Arc<engine::Sent>> {
-        let request = &self.request;
-        let api = request.api();
-        if !matches!(api, Api::Chat | Api::Messages) || !request.mode().rewrites() {
-            return None;
-        }
-        let mut body = request.body().clone();
-        let object = body.as_object_mut()?;
-        match request.tools().map(Tools::value) {
-            Some(tools) => {
-                let recall = self.offered.recall.then(|| recall::definition(api));
-                let listed = agent_tool::with_tools(api, tools, self.offered.agent_tool, recall);
-                object.insert("tools".into(), listed);
-            }
-            None => {
-                object.remove("tools");
-            }
-        }
-        Some(Arc::new(engine::Sent {
-            body,
-            headers: request.provider_headers().clone(),
-        }))
     }
 }
 
@@ -898,79 +736,6 @@ impl PendingExchange {
             self.timing.span.record("compaction", c.as_str());
         }
     }
-}
-
-/// An answer a request carries: an assistant message or one of its calls.
-fn is_answer(item: &Value) -> bool {
-    item.get("role").and_then(Value::as_str) == Some("assistant")
-        || item
-            .get("type")
-            .and_then(Value::as_str)
-            .is_some_and(|t| t.ends_with("_call") || t == "reasoning")
-}
-
-/// A message's text without the tagged context blocks a client puts before
-/// or after the person's words (`<system-reminder>…</system-reminder>`);
-/// none when nothing else is left.
-fn own_text(text: &str) -> Option<&str> {
-    let mut rest = text.trim();
-    loop {
-        let before = rest;
-        if let Some(after) = leading_block(rest) {
-            rest = after.trim_start();
-        }
-        if let Some(before_it) = trailing_block(rest) {
-            rest = before_it.trim_end();
-        }
-        if rest == before {
-            break;
-        }
-    }
-    (!rest.is_empty()).then_some(rest)
-}
-
-/// A name a client's context tag may have (`system-reminder`, `cwd`).
-fn is_tag_name(name: &str) -> bool {
-    !name.is_empty()
-        && name
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
-}
-
-/// The text after a `<name …>…</name>` block it opens with.
-fn leading_block(text: &str) -> Option<&str> {
-    let open = text.strip_prefix('<')?;
-    let name_len = open
-        .find(|c: char| c.is_whitespace() || c == '>' || c == '/')
-        .unwrap_or(open.len());
-    let name = &open[..name_len];
-    if !is_tag_name(name) {
-        return None;
-    }
-    let close = format!("</{name}>");
-    let end = text.find(&close)? + close.len();
-    Some(&text[end..])
-}
-
-/// The text before a `<name …>…</name>` block it ends with.
-fn trailing_block(text: &str) -> Option<&str> {
-    let body = text.strip_suffix('>')?;
-    let slash = body.rfind("</")?;
-    let name = &body[slash + 2..];
-    if !is_tag_name(name) {
-        return None;
-    }
-    let open = format!("<{name}");
-    let start = text[..slash]
-        .rmatch_indices(&open)
-        .map(|(i, _)| i)
-        .find(|&i| {
-            text[i + open.len()..]
-                .chars()
-                .next()
-                .is_some_and(|c| c == '>' || c.is_whitespace())
-        })?;
-    Some(&text[..start])
 }
 
 #[cfg(test)]

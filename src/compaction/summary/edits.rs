@@ -5,32 +5,12 @@
 
 use serde_json::Value;
 
+pub(super) use super::ops::Op;
+use super::ops::{clean_path, shell_words};
 use super::plan::{is_plan_tool, render_plan};
 use super::text::{head_tail, name_has, str_field, string_leaves};
 use super::{FileFact, MAX_CHANGE_CHAIN, MAX_FILE_CONTENT};
 use crate::compaction::items::ceil_boundary;
-
-#[derive(Debug, Clone, PartialEq)]
-pub(super) enum Op {
-    Read,
-    Write(String),
-    /// One file's section of a patch (apply_patch envelope or unified
-    /// diff) as written, and its hunks in apply_patch form.
-    Patch {
-        section: String,
-        body: Vec<String>,
-    },
-    /// An old/new string replacement (`old` empty: not applicable, e.g. insert).
-    Edit {
-        old: String,
-        new: String,
-        all: bool,
-        rendered: String,
-    },
-    Delete,
-    /// Moved to another path (`mv`, `git mv`, a patch's `*** Move to`).
-    Rename(String),
-}
 
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum Effect {
@@ -225,7 +205,7 @@ fn apply_update(content: &str, body: &[String]) -> Option<String> {
             ));
             continue;
         }
-        let hunk = hunks.last_mut().expect("one hunk at least");
+        let hunk = hunks.last_mut()?;
         match l.chars().next() {
             Some('-') => hunk.1.push(l[1..].to_string()),
             Some('+') => hunk.2.push(l[1..].to_string()),
@@ -280,11 +260,6 @@ fn apply_update(content: &str, body: &[String]) -> Option<String> {
         out.push('\n');
     }
     Some(out)
-}
-
-pub(super) fn clean_path(p: &str) -> String {
-    let p = p.trim().trim_matches(|c| c == '"' || c == '\'');
-    p.strip_prefix("./").unwrap_or(p).to_string()
 }
 
 const PATH_KEYS: [&str; 10] = [
@@ -443,48 +418,6 @@ pub(super) fn text_edits(text: &str) -> Vec<(String, Op)> {
         i = end + 1;
     }
     out
-}
-
-/// The words of a shell command line, quotes removed (no expansion);
-/// `;`, `|` and `&` are words of their own.
-pub(super) fn shell_words(line: &str) -> Vec<String> {
-    let mut words = Vec::new();
-    let mut cur = String::new();
-    let mut quote: Option<char> = None;
-    let mut started = false;
-    let mut chars = line.chars();
-    while let Some(c) = chars.next() {
-        match (quote, c) {
-            (Some(q), c) if c == q => quote = None,
-            (Some('"'), '\\') => cur.extend(chars.next()),
-            (Some(_), c) => cur.push(c),
-            (None, '\'' | '"') => {
-                quote = Some(c);
-                started = true;
-            }
-            (None, '\\') => {
-                cur.extend(chars.next());
-                started = true;
-            }
-            (None, c) if c.is_whitespace() || ";|&".contains(c) => {
-                if started {
-                    words.push(std::mem::take(&mut cur));
-                }
-                started = false;
-                if ";|&".contains(c) {
-                    words.push(c.to_string());
-                }
-            }
-            (None, c) => {
-                cur.push(c);
-                started = true;
-            }
-        }
-    }
-    if started {
-        words.push(cur);
-    }
-    words
 }
 
 /// One `s<d>pattern<d>replacement<d>flags` sed command, as (pattern,

@@ -77,6 +77,7 @@ mod facts;
 mod failures;
 mod ledger;
 mod narrative;
+mod ops;
 mod plan;
 mod prompt;
 mod shell;

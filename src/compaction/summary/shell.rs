@@ -8,7 +8,7 @@ use std::sync::OnceLock;
 use regex::Regex;
 use serde_json::Value;
 
-use super::edits::{clean_path, shell_words, Op};
+use super::ops::{clean_path, shell_words, Op};
 use super::text::{clip, name_has};
 
 /// Longest command line a ledger entry keeps (its first line, clipped).
@@ -122,28 +122,35 @@ fn removes_and_moves(cmd: &str) -> Vec<(String, Op)> {
     out
 }
 
-fn python_patterns() -> &'static [(Regex, &'static str); 4] {
-    static P: OnceLock<[(Regex, &'static str); 4]> = OnceLock::new();
+/// The patterns of what a Python script does to files, each with what it
+/// does. Fixed patterns: a test compiles them all (`every_pattern_compiles`).
+const PYTHON_PATTERNS: [(&str, &str); 4] = [
+    (
+        r#"open\(\s*['"]([^'"\n]{1,300})['"]\s*,\s*['"][wax]"#,
+        "write",
+    ),
+    (
+        r#"Path\(\s*['"]([^'"\n]{1,300})['"]\s*\)\s*\.\s*write_(?:text|bytes)"#,
+        "write",
+    ),
+    (
+        r#"os\.(?:remove|unlink)\(\s*['"]([^'"\n]{1,300})['"]"#,
+        "delete",
+    ),
+    (
+        r#"(?:os\.rename|os\.replace|shutil\.move)\(\s*['"]([^'"\n]{1,300})['"]\s*,\s*['"]([^'"\n]{1,300})['"]"#,
+        "rename",
+    ),
+];
+
+/// [`PYTHON_PATTERNS`], compiled once.
+fn python_patterns() -> &'static [(Regex, &'static str)] {
+    static P: OnceLock<Vec<(Regex, &'static str)>> = OnceLock::new();
     P.get_or_init(|| {
-        let re = |s: &str| Regex::new(s).expect("valid pattern");
-        [
-            (
-                re(r#"open\(\s*['"]([^'"\n]{1,300})['"]\s*,\s*['"][wax]"#),
-                "write",
-            ),
-            (
-                re(r#"Path\(\s*['"]([^'"\n]{1,300})['"]\s*\)\s*\.\s*write_(?:text|bytes)"#),
-                "write",
-            ),
-            (
-                re(r#"os\.(?:remove|unlink)\(\s*['"]([^'"\n]{1,300})['"]"#),
-                "delete",
-            ),
-            (
-                re(r#"(?:os\.rename|os\.replace|shutil\.move)\(\s*['"]([^'"\n]{1,300})['"]\s*,\s*['"]([^'"\n]{1,300})['"]"#),
-                "rename",
-            ),
-        ]
+        PYTHON_PATTERNS
+            .iter()
+            .filter_map(|(p, what)| Some((Regex::new(p).ok()?, *what)))
+            .collect()
     })
 }
 
@@ -210,6 +217,11 @@ pub(super) fn shell_blocks(text: &str) -> Vec<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn every_pattern_compiles() {
+        assert_eq!(python_patterns().len(), PYTHON_PATTERNS.len());
+    }
     use serde_json::json;
 
     #[test]
