@@ -77,6 +77,7 @@
 //! **Priced** from the usage the fake reported for every call — the turns,
 //! the clients' compaction calls, the proxy's summary calls — at the list
 //! prices in [`PRICES`].
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;

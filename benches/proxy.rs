@@ -74,6 +74,7 @@
 //! proxy's threads and of the load runtime (read from /proc), and
 //! single-thread timings of the proxy's per-request steps (parse, clone,
 //! hash, …) on one body of each size, to show what the added latency is.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};

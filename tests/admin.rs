@@ -1,6 +1,7 @@
 //! The admin API (`/admin/api/…`) and the CLI over the store
 //! (`compactor conversations …`, `compactor compact`), against a harness
 //! proxy whose conversations compact through the fake upstream.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -9,6 +9,7 @@
 //! it), or a Chromium-compatible browser in `COMPACTOR_CHROMIUM`. Ignored by
 //! a bare `cargo test`; `scripts/test` runs it (`--include-ignored`), and it
 //! then fails, saying so, when no browser is installed.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -7,6 +7,7 @@
 //! as forgotten while the request still succeeds. The CLI, the admin API
 //! and `/metrics` show it; on `COMPACTOR_TEST_STORE=postgres` the audit
 //! round-trips through PostgreSQL.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

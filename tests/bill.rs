@@ -2,6 +2,7 @@
 //! reports recorded per exchange, priced, and shown on the admin API, in
 //! `compactor conversations show` and on `/metrics`; an upstream without
 //! cache fields and a model without prices; the holdout.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

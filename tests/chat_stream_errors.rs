@@ -2,6 +2,7 @@
 //! as LiteLLM- and OpenRouter-style servers do), through real sockets: before
 //! any content it is compacted and retried like the HTTP 400, so the client
 //! gets the retried answer; after content it is relayed as it came.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -15,6 +15,7 @@
 //! The binary comes from `COMPACTOR_CLAUDE_BIN`, else `scripts/claude.sh
 //! install` (see `tests/claude/mod.rs`). The tests are `#[ignore]`d so a
 //! plain `cargo test` stays offline; `scripts/test` runs them.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod claude;
 mod support;

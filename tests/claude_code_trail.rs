@@ -5,6 +5,7 @@
 //! back, are all in the summary the upstream receives — with a summarizer
 //! that writes nothing useful, so what survives is what the proxy keeps.
 //! `#[ignore]`d (it needs the CLI): `scripts/test` runs it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod claude;
 mod support;

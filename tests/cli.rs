@@ -1,4 +1,5 @@
 //! The `compactor` binary's configuration handling.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::process::Command;
 

@@ -12,6 +12,7 @@
 //! (idempotent: a fraction of a second once installed, ~6 s and ~430 MB the
 //! first time) and use the path it prints. They are `#[ignore]`d so a plain
 //! `cargo test` stays offline; `scripts/test` runs them.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -1,6 +1,7 @@
 //! Compaction of Chat Completions conversations through real sockets:
 //! background after the trigger, reactive on overflow, cache-stable
 //! replacement, tenancy, safety valves, and replay after a restart.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -3,6 +3,7 @@
 //! other keys kept, the diff and `--yes`), the variable `run` sets, and
 //! (`#[ignore]`d, with the real Claude Code CLI) that Claude Code reads both
 //! and its requests reach the proxy.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod claude;
 mod support;

@@ -14,6 +14,7 @@
 //! (in the newest user message) are all that carries the planted facts,
 //! and `auto` against a provider that offers that compaction and one that
 //! does not; the test prints retention per setting.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "../benches/continuity/sessions.rs"]
 mod sessions;

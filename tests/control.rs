@@ -2,6 +2,7 @@
 //! client's bytes and records what compaction would have saved; a client
 //! turns compaction off (or on, now) for one request; an operator can
 //! forbid that.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

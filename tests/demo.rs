@@ -1,5 +1,6 @@
 //! `compactor demo` end to end: the scripted session through a real proxy
 //! and the fake upstream, asserted on the text a newcomer would read.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::time::Duration;
 

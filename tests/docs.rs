@@ -1,5 +1,6 @@
 //! The documents point only at what the repository has: every relative link
 //! of a Markdown file resolves to a file or folder of the repository.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::{Path, PathBuf};
 

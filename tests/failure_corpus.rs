@@ -6,6 +6,7 @@
 //! a JSON wrapper with `exit_code`). The passing outputs must not be
 //! reported as failures. Bad input (megabytes, binary junk, ANSI floods,
 //! 10,000 error lines) stays within the stated bounds.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::path::Path;
 use std::time::{Duration, Instant};

@@ -1,6 +1,7 @@
 //! Bad input and faults: each gets a clear OpenAI-style error (or the
 //! upstream's own answer), nothing leaks the credential, the process keeps
 //! serving, and the exchange is recorded.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -1,5 +1,6 @@
 //! Forwarding through real sockets: what the upstream receives and what the
 //! client receives, JSON and SSE, both APIs, plus passthrough paths.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

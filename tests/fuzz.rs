@@ -3,6 +3,7 @@
 //! split of both endpoints, the proxy's answer to any body, and the SSE
 //! tee on any chunking of any event stream. (The journal reader's target
 //! is with the reader, in `store::journal`.) Seeds: `tests/corpus/`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

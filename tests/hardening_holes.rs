@@ -4,6 +4,7 @@
 //! chunked body, a non-ASCII conversation id, the client's bytes kept
 //! when the proxy takes its metadata key out, and a conversation's next
 //! request sent the moment a stream that crossed the trigger ended.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

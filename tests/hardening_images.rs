@@ -3,6 +3,7 @@
 //! the three APIs — no compaction, no summarizer call, the image's bytes
 //! unchanged. Tokenized as words, its base64 counted a million tokens and
 //! the turn was compacted on the spot.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

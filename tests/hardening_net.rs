@@ -1,6 +1,7 @@
 //! The network and operator side of hardening: paths that would leave the
 //! upstream's base path, connections that send nothing, the shutdown's
 //! records, and a proxy whose upstream is itself.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

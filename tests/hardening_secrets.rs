@@ -2,6 +2,7 @@
 //! configured with are masked wherever the program shows a URL, and the
 //! client's `x-compactor-*` headers (the admin token among them) stay with
 //! the proxy.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

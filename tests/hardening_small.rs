@@ -1,6 +1,7 @@
 //! Small holes of the fourth round, each through real sockets where the
 //! behaviour is seen there: per-conversation memory that only grew, a
 //! gateway's one small model, a stream larger than what is kept of it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -1,6 +1,7 @@
 //! The store against hostile input and unlucky operators: items with no
 //! canonical form, credentials in upstream errors, a corrupted journal,
 //! a second server on the same store under another name.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

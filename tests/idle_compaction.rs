@@ -5,6 +5,7 @@
 //! background; it applies when the conversation comes back after the
 //! cache expired, and not when it comes back sooner (its prefix is still a
 //! cache read then). Chat Completions and Anthropic Messages.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -9,6 +9,7 @@
 //! - the tail after the cut is verbatim;
 //! - the rewritten request is never larger than the original;
 //! - a stored compaction is found again by the request that extends it.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;

@@ -13,6 +13,7 @@
 //! and the client gets every answer (200): an expired item's refusal never
 //! reaches it.
 //! The kinds are counted over all cases: each must have happened.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -5,6 +5,7 @@
 //! API's shape, and compaction that keeps every request valid — pairing,
 //! the first role, cache breakpoints, thinking signatures — through a long
 //! thinking tool loop and an overflow.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -1,5 +1,6 @@
 //! `GET /metrics` through a real proxy: the exposition format, and the
 //! counters the request path and the compaction engine feed.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

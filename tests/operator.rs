@@ -1,6 +1,7 @@
 //! The operator's and user's tools around the proxy, through the real
 //! binary and real sockets: `doctor`, `connect`, `run`, `completions`,
 //! what `GET /` answers, and the logs a redirected stderr gets.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

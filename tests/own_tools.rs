@@ -5,6 +5,7 @@
 //! client gets that answer with the proxy's calls taken out and a normal
 //! stop reason (JSON and SSE; Chat Completions, Responses and Anthropic
 //! Messages), the logs naming the tool the model called.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

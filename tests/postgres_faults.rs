@@ -6,6 +6,7 @@
 //! A real PostgreSQL tier: `#[ignore]`d like the other real tiers (run with
 //! `--include-ignored`; `scripts/test` installs PostgreSQL), each test on a
 //! throwaway cluster of its own.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

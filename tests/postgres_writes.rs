@@ -9,6 +9,7 @@
 //!
 //! A real PostgreSQL tier: `#[ignore]`d like the other real tiers (run with
 //! `--include-ignored`; `scripts/test` installs PostgreSQL).
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -19,6 +19,7 @@
 //! - Context edits that are not compaction (`clear_thinking_*`,
 //!   `clear_tool_uses_*`) leave compaction to the proxy.
 //! - The record keeps every item the client sent, the opaque ones verbatim.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -8,6 +8,7 @@
 //!
 //! Anthropic's `compaction` block carries its summary as plain text and no
 //! refusal of one is documented: Messages requests are not rebuilt.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -10,6 +10,7 @@
 //! - every failure of the provider's compaction is served by the local
 //!   summarizer in the same request, with a metric;
 //! - `auto` asks an upstream once and remembers.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

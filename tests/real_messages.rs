@@ -16,6 +16,7 @@
 //! project's test command runs them with `--include-ignored`. Generations
 //! are kept to a few tokens; the server has one slot, so the tests take
 //! turns.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

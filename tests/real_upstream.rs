@@ -5,6 +5,7 @@
 //! Every test is `#[ignore]`d so a bare `cargo test` stays offline; the
 //! project's test command runs them with `--include-ignored`. Generations are
 //! kept to a few tokens so each step fits the harness' 20 s cap on 2 cores.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

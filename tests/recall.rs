@@ -4,6 +4,7 @@
 //! request; the client sees the final answer alone. Streamed and not; a
 //! reference of another tenant, or none, gets a tool error; a recall beside
 //! the client's own tool call is sent again without the tool.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

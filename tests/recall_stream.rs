@@ -4,6 +4,7 @@
 //! client has the first reasoning before that, and then one well-formed
 //! stream, the continuation spliced onto the reasoning, with no trace of
 //! the recall call.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -1,5 +1,6 @@
 //! Records: conversation grouping, tenants, content-addressed items, and
 //! durability of the real binary under `kill -9`.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

@@ -6,6 +6,7 @@
 //! any replacement and the proxy's tools added after the client's or not,
 //! the bytes the splice sends are, as JSON, the body the proxy would
 //! otherwise rebuild from its parts.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use bytes::Bytes;
 use compactor::compaction::replacement::Made;

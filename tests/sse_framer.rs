@@ -3,6 +3,7 @@
 //! however the stream is cut into chunks, the same as a general SSE parser
 //! (eventsource-stream) reading the whole stream, and blocks whose bytes are
 //! the stream's own.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 use std::pin::Pin;
 use std::task::{Context, Poll};

@@ -3,6 +3,7 @@
 //! sections are kept, the retry names the missing ones, the rest is filled
 //! from the recorded facts; and the rules, reminders and ledger the proxy
 //! pins survive every later compaction.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

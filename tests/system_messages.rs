@@ -4,6 +4,7 @@
 //! real sockets: every request the upstream gets after a compaction holds
 //! each of them as the client sent it (its cache breakpoint aside), in the
 //! client's order, and the summary never lists their lines as the user's.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

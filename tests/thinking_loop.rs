@@ -6,6 +6,7 @@
 //! its own thinking block, so no 400 reaches the client and the upstream is
 //! asked a bounded number of times; and when truly nothing fits, the client
 //! gets the upstream's "too long" once.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

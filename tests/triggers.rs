@@ -7,6 +7,7 @@
 //! the hard limit is compacted at once. Once applied, a compaction applies
 //! to every later request that extends it. Chat Completions,
 //! Responses and Anthropic Messages; the compactions counted by trigger.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 

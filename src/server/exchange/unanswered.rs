@@ -30,6 +30,10 @@ impl Unanswered {
     }
 
     /// The exchange, for the path that answers (and records) it.
+    #[expect(
+        clippy::expect_used,
+        reason = "`pending` is Some from `new` until `into_inner` consumes the value"
+    )]
     pub(in crate::server) fn into_inner(mut self) -> PendingExchange {
         self.pending.take().expect("present until taken")
     }
@@ -37,12 +41,20 @@ impl Unanswered {
 
 impl std::ops::Deref for Unanswered {
     type Target = PendingExchange;
+    #[expect(
+        clippy::expect_used,
+        reason = "`pending` is Some from `new` until `into_inner` consumes the value"
+    )]
     fn deref(&self) -> &PendingExchange {
         self.pending.as_ref().expect("present until taken")
     }
 }
 
 impl std::ops::DerefMut for Unanswered {
+    #[expect(
+        clippy::expect_used,
+        reason = "`pending` is Some from `new` until `into_inner` consumes the value"
+    )]
     fn deref_mut(&mut self) -> &mut PendingExchange {
         self.pending.as_mut().expect("present until taken")
     }
