@@ -106,10 +106,10 @@ const PHASES: &[&str] = &[
 /// A module path, `a::b`; the crate root is `crate`.
 type Module = String;
 
-/// The library's modules, each with its source, read from `src/`.
-fn modules(src: &Path) -> BTreeMap<Module, String> {
-    let mut out = BTreeMap::new();
-    let mut dirs = vec![src.to_path_buf()];
+/// Every `.rs` file under `dir`, with its text, in path order.
+fn sources(dir: &Path) -> Vec<(PathBuf, String)> {
+    let mut out = Vec::new();
+    let mut dirs = vec![dir.to_path_buf()];
     while let Some(dir) = dirs.pop() {
         let entries = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
         for entry in entries {
@@ -117,15 +117,22 @@ fn modules(src: &Path) -> BTreeMap<Module, String> {
             if path.is_dir() {
                 dirs.push(path);
             } else if path.extension().is_some_and(|e| e == "rs") {
-                if let Some(name) = module_of(src, &path) {
-                    let text = std::fs::read_to_string(&path)
-                        .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-                    out.insert(name, text);
-                }
+                let text = std::fs::read_to_string(&path)
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                out.push((path, text));
             }
         }
     }
+    out.sort();
     out
+}
+
+/// The library's modules, each with its source, read from `src/`.
+fn modules(src: &Path) -> BTreeMap<Module, String> {
+    sources(src)
+        .into_iter()
+        .filter_map(|(path, text)| Some((module_of(src, &path)?, text)))
+        .collect()
 }
 
 /// The module a file defines, or `None` for a file outside the library
@@ -956,26 +963,16 @@ const MAX_LINES: usize = 800;
 /// Each `.rs` file under `dir`, with its lines before its first
 /// `#[cfg(test)]` at the start of a line (all of them when it has none).
 fn lines_before_tests(dir: &Path) -> Vec<(PathBuf, usize)> {
-    let mut out = Vec::new();
-    let mut dirs = vec![dir.to_path_buf()];
-    while let Some(dir) = dirs.pop() {
-        let entries = std::fs::read_dir(&dir).unwrap_or_else(|e| panic!("{}: {e}", dir.display()));
-        for entry in entries {
-            let path = entry.expect("directory entry").path();
-            if path.is_dir() {
-                dirs.push(path);
-            } else if path.extension().is_some_and(|e| e == "rs") {
-                let text = std::fs::read_to_string(&path).expect("read a source file");
-                let before = text
-                    .lines()
-                    .take_while(|l| !l.starts_with("#[cfg(test)]"))
-                    .count();
-                out.push((path, before));
-            }
-        }
-    }
-    out.sort();
-    out
+    sources(dir)
+        .into_iter()
+        .map(|(path, text)| {
+            let before = text
+                .lines()
+                .take_while(|l| !l.starts_with("#[cfg(test)]"))
+                .count();
+            (path, before)
+        })
+        .collect()
 }
 
 #[test]
