@@ -3,8 +3,8 @@
 //!
 //! Functions over a [`Sql`] connection (SQLite's or PostgreSQL's) returning
 //! serialisable structs. With SQLite they run on their own read-only
-//! connection ([`open_read_only`]), never on the writer thread's; WAL lets
-//! them read while the proxy writes.
+//! connection ([`super::sqlite::open_read_only`]), never on the writer
+//! thread's; WAL lets them read while the proxy writes.
 
 use std::collections::{BTreeMap, HashMap};
 

@@ -28,7 +28,7 @@ impl Postgres {
     /// (`compactor_store_reads_total`): a [`crate::store::Reads::look_up`]'s
     /// statements one, whatever they ask; a batch of branch probes one,
     /// however many requests it answers; each other read of
-    /// [`PostgresReads`] one.
+    /// [`super::PostgresReads`] one.
     pub fn reads(&self) -> u64 {
         self.reads.load(Ordering::Relaxed)
     }

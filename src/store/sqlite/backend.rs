@@ -605,7 +605,7 @@ fn read_only<T>(path: std::path::PathBuf) -> impl Fn(&Query<'_, T>) -> Option<T>
     }
 }
 
-/// The point reads of an SQLite store ([`super::Reads`]). Lookups by id and
+/// The point reads of an SQLite store ([`crate::store::Reads`]). Lookups by id and
 /// by key each go through a read-only connection of their own (see
 /// `read_only`), so neither waits for the other; a `previous_response_id`
 /// history opens one per read, as such reads are rare and may be long.
