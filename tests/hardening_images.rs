@@ -308,3 +308,69 @@ async fn reported_usage_plus_what_was_added_decides_the_hard_limit() {
         "sent as it came"
     );
 }
+
+/// An image in a message the summary replaces is not dropped silently: the
+/// summary says what it was (its size and cost) and where, so the model
+/// knows it was shown something it no longer has.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_image_the_summary_replaces_leaves_a_marker() {
+    let h = Harness::start_with(model("media-*", 20_000, 2_000)).await;
+    let mut png = b"\x89PNG\r\n\x1a\n".to_vec();
+    let mut ihdr = 800u32.to_be_bytes().to_vec();
+    ihdr.extend(600u32.to_be_bytes());
+    ihdr.extend([8, 6, 0, 0, 0]);
+    png.extend(chunk(b"IHDR", &ihdr));
+    png.extend(chunk(b"IEND", &[]));
+    let png = b64(&png);
+    let mut items = vec![message(
+        "user",
+        json!([
+            {"type": "text", "text": "This dialog renders its buttons off screen. Fix the layout."},
+            Api::Messages.image(&png),
+        ]),
+    )];
+    // Later turns long enough that the recent user messages kept verbatim
+    // are these, not the first.
+    for i in 0..6 {
+        items.push(message(
+            "assistant",
+            json!(format!("Step {i}: looked at the dialog code.")),
+        ));
+        items.push(message(
+            "user",
+            json!(format!(
+                "Turn {i}: {}",
+                "the dialog's buttons sit in a flex row whose width comes from the parent. "
+                    .repeat(30)
+            )),
+        ));
+    }
+    let mut req = client()
+        .post(format!("{}/messages", h.url()))
+        .header("content-type", "application/json")
+        .header("x-api-key", KEY)
+        .header("anthropic-version", "2023-06-01")
+        .header("x-compactor-compact", "now");
+    let body = json!({"model": "media-messages", "max_tokens": 1024, "messages": items});
+    req = req.body(serde_json::to_vec(&body).unwrap());
+    let resp = within(req.send()).await.expect("request");
+    assert_eq!(resp.status(), 200);
+    assert!(
+        resp.headers().get("x-compactor-compacted").is_some(),
+        "compacted at once"
+    );
+    let sent = h
+        .fake
+        .received()
+        .into_iter()
+        .filter(|r| r.path == "/v1/messages" && !is_summary_call(r))
+        .last()
+        .expect("the compacted request");
+    let text = String::from_utf8_lossy(&sent.body).into_owned();
+    assert!(!text.contains(&png), "the image went as it came");
+    assert!(text.contains("## MEDIA NOT KEPT"), "{text}");
+    assert!(
+        text.contains("[image omitted by compactor: 800×600 PNG, ~640 tokens] (in a user message)"),
+        "{text}"
+    );
+}

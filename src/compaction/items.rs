@@ -207,10 +207,67 @@ pub fn user_message(text: String) -> Value {
     serde_json::json!({"role": "user", "content": text})
 }
 
+/// Markers for the images, documents and audio `item` holds, in order,
+/// each with where it was (`a user message`, `a tool output`…): what a
+/// summary says of the media of the items it replaces (see
+/// [`crate::tokens::media::omitted_marker`]). Content arrays of every API
+/// are read, and the ones inside an Anthropic `tool_result`.
+pub fn media_markers(item: &Value) -> Vec<String> {
+    fn walk(blocks: &[Value], place: &str, out: &mut Vec<String>) {
+        for b in blocks {
+            if let Some(marker) = crate::tokens::media::omitted_marker(b) {
+                out.push(format!("{marker} (in {place})"));
+            } else if let Some(inner) = b.get("content").and_then(Value::as_array) {
+                walk(inner, "a tool output", out);
+            }
+        }
+    }
+    let place = if is_tool_output(item) {
+        "a tool output"
+    } else {
+        match role(item) {
+            "user" => "a user message",
+            "assistant" => "an assistant message",
+            _ => "a message",
+        }
+    };
+    let mut out = Vec::new();
+    for key in ["content", "output"] {
+        if let Some(blocks) = item.get(key).and_then(Value::as_array) {
+            walk(blocks, place, &mut out);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use serde_json::json;
+
+    #[test]
+    fn media_markers_say_what_each_item_held_and_where() {
+        let mut png = b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR".to_vec();
+        png.extend(800u32.to_be_bytes());
+        png.extend(600u32.to_be_bytes());
+        let png = crate::tokens::media::encode_base64(&png);
+        let user = json!({"role": "user", "content": [
+            {"type": "text", "text": "what is wrong here?"},
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}},
+        ]});
+        let tool = json!({"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t", "content": [
+            {"type": "image_url", "image_url": {"url": "https://example.com/a.png"}},
+        ]}]});
+        let chat = json!({"role": "user", "content": "no media at all"});
+        assert_eq!(
+            media_markers(&user),
+            ["[image omitted by compactor: 800×600 PNG, ~640 tokens] (in a user message)"]
+        );
+        let in_tool = media_markers(&tool);
+        assert_eq!(in_tool.len(), 1, "{in_tool:?}");
+        assert!(in_tool[0].ends_with("(in a tool output)"), "{in_tool:?}");
+        assert!(media_markers(&chat).is_empty());
+    }
 
     #[test]
     fn both_wire_formats_pair_by_id() {

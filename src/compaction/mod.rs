@@ -394,11 +394,44 @@ pub fn summary_replacement(
     // The latest user message of the whole view must reach the model verbatim.
     let newest_is_here = items::latest_user(view).is_some_and(|i| i >= p.lead && i < p.cut);
     let recent = cut::kept_verbatim(part, part_tokens, params.recent_user_budget, newest_is_here);
+    let media: Vec<String> = part
+        .iter()
+        .enumerate()
+        .filter(|(i, _)| !recent.contains(i))
+        .flat_map(|(_, item)| items::media_markers(item))
+        .collect();
     let mut replacement: Vec<Value> = view[..p.lead].to_vec();
-    replacement.push(items::user_message(summary_text));
+    replacement.push(items::user_message(with_media_note(summary_text, &media)));
     replacement.extend(recent.iter().map(|&i| part[i].clone()));
     let after = boundary::seen_tokens(&replacement, count) + p.tail;
     (replacement, after, recent.len())
+}
+
+/// Most media markers a summary lists; past them, how many more.
+const MAX_MEDIA_MARKERS: usize = 16;
+
+/// `summary` with a line for each image, document or audio block of the
+/// items it replaced: the model learns what it was shown is gone, and can
+/// ask for it again.
+fn with_media_note(mut summary: String, markers: &[String]) -> String {
+    if markers.is_empty() {
+        return summary;
+    }
+    summary.push_str(
+        "\n\n## MEDIA NOT KEPT\nRecorded by the proxy: what the replaced messages showed, which \
+         this summary cannot carry (ask for it again if it is still needed)",
+    );
+    for m in markers.iter().take(MAX_MEDIA_MARKERS) {
+        summary.push_str("\n- ");
+        summary.push_str(m);
+    }
+    if markers.len() > MAX_MEDIA_MARKERS {
+        summary.push_str(&format!(
+            "\n- and {} more",
+            markers.len() - MAX_MEDIA_MARKERS
+        ));
+    }
+    summary
 }
 
 #[cfg(test)]
