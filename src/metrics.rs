@@ -118,6 +118,8 @@ pub struct Metrics {
     summary_failures: Counter,
     /// Compactions stored with the deterministic fallback.
     summary_fallbacks: Counter,
+    /// Threshold compactions held back because the last one bought no room.
+    storms_avoided: Counter,
     /// Requests retried compacted after an upstream overflow.
     reactive_retries: Counter,
     /// Summarizer calls made by stored compactions.
@@ -290,6 +292,10 @@ impl Metrics {
             "compactor_summary_fallbacks",
             "Compactions that fell back to the deterministic summary",
         );
+        let storms_avoided = counter(
+            "compactor_compaction_storms_avoided",
+            "Threshold compactions not started because the conversation's last compaction left it at its trigger and it has not grown since",
+        );
         let reactive_retries = counter(
             "compactor_reactive_retries",
             "Requests retried compacted after the upstream said the prompt was too long",
@@ -372,6 +378,7 @@ impl Metrics {
             triggers,
             summary_failures,
             summary_fallbacks,
+            storms_avoided,
             reactive_retries,
             summary_calls,
             summary_tokens,
@@ -468,6 +475,17 @@ impl Metrics {
     /// once per compaction stored with the `fallback` rung.
     pub fn summary_fallback(&self) {
         self.summary_fallbacks.inc();
+    }
+
+    /// A threshold compaction not started because the one the request was
+    /// built on bought no room (see `engine::jobs`): call once per request.
+    pub fn storm_avoided(&self) {
+        self.storms_avoided.inc();
+    }
+
+    /// Threshold compactions held back so far.
+    pub fn storms_avoided(&self) -> u64 {
+        self.storms_avoided.get()
     }
 
     /// A stored compaction's audit: call once per compaction applied to

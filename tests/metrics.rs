@@ -71,6 +71,7 @@ async fn metrics_are_prometheus_text_with_help_and_type() {
         ("compactor_summary_failures_total", "counter"),
         ("compactor_summary_fallbacks_total", "counter"),
         ("compactor_reactive_retries_total", "counter"),
+        ("compactor_compaction_storms_avoided_total", "counter"),
         ("compactor_store_bytes", "gauge"),
         ("compactor_active_conversations", "gauge"),
         ("compactor_compactions_stored", "gauge"),

@@ -329,3 +329,48 @@ async fn a_high_trigger_fires_in_the_background_before_the_hard_limit() {
         );
     }
 }
+
+/// A compaction that cannot bring a conversation under its trigger (its
+/// system prompt alone is most of the trigger) is not followed by another
+/// one at every request: the next requests, grown by little, start no
+/// threshold compaction and say so (`compactor_compaction_storms_avoided_total`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compaction_that_bought_no_room_is_not_repeated_every_request() {
+    let h = Harness::start_with(window).await;
+    let mut l = Loop::new(Shape::Chat, MODEL, "sk-storm-000000000001", 6, 600);
+    // About 4,300 tokens of system prompt: with it, no compaction gets the
+    // conversation below the 4,350-token trigger.
+    l.items[0] = serde_json::json!({"role": "system", "content":
+        "Follow the house style for every file you touch. ".repeat(345)});
+    assert!(
+        l.prompt_tokens() > 4350 && l.prompt_tokens() < 5800,
+        "{}",
+        l.prompt_tokens()
+    );
+    step(&h, &l, l.shell_reply()).await;
+    wait_compactions(&h, 1).await;
+    let after: i64 = h
+        .db()
+        .query_row("SELECT tokens_after FROM compactions", [], |r| r.get(0))
+        .unwrap();
+    assert!(
+        after >= 3915,
+        "the compaction left {after} tokens, under 0.9 of the trigger: no storm to test"
+    );
+    // Each next request is the compacted one, grown by a short tool round,
+    // and the upstream reports it over the trigger still.
+    for i in 0..4u64 {
+        l.round(200);
+        l.reported = Some(4400 + 60 * i);
+        let headers = step(&h, &l, l.shell_reply()).await;
+        assert!(compacted(&headers), "the stored compaction applies");
+    }
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(compactions(&h), 1, "no compaction after each request");
+    assert_eq!(h.state.metrics.storms_avoided(), 4);
+    let scraped = h.scrape().await;
+    assert!(
+        scraped.contains("compactor_compaction_storms_avoided_total 4"),
+        "{scraped}"
+    );
+}

@@ -8,7 +8,8 @@ use tokio::sync::watch;
 
 use super::index::{lock, CLAIM_FOR, FOREIGN_POLL};
 use super::{compact, Context, Input};
-use crate::compaction::policy::decide;
+use crate::compaction::policy::{decide, trigger_tokens};
+use crate::compaction::Compaction;
 use crate::store::LookUp;
 
 /// After an exchange: decides from its usage and, past the trigger, starts a
@@ -112,6 +113,23 @@ fn crosses<S: Context>(
 /// newest compaction is counted, when the request was not sent with it.
 fn needed<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) -> Option<Input> {
     let reason = crosses(state, &input, used, estimated)?;
+    let trigger = trigger_tokens(&state.model_limits(&input.model));
+    if let Some(base) = input
+        .base
+        .as_ref()
+        .filter(|b| bought_no_room(trigger, b, used))
+    {
+        state.metrics().storm_avoided();
+        tracing::warn!(
+            conversation = %input.conversation,
+            compaction = %base.id,
+            tokens_after = base.tokens_after,
+            used,
+            trigger,
+            "no threshold compaction: the last one left the conversation at its trigger and it has not grown since (what stays, the system, tools and newest turn, is about the trigger's size); the hard limit still compacts"
+        );
+        return None;
+    }
     // A compaction stored after this request left was not applied to it;
     // the next request will be, which sends what it saves fewer. One the
     // request waited for and was sent with is no such compaction: the
@@ -134,6 +152,18 @@ fn needed<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) 
     input.reason = reason;
     input.soft = true;
     Some(input)
+}
+
+/// Whether the compaction `base` a request was built on bought no room: it
+/// left the conversation at `trigger` already (what it must keep, the
+/// system, the tools, the newest turn, is about that size), and the
+/// conversation has not grown by a quarter of the trigger since. Another
+/// compaction now would come out the same, and the next request would ask
+/// for one again: a compaction storm, each paying a summary call. The hard
+/// limit and an upstream "too long" still compact.
+fn bought_no_room(trigger: u64, base: &Compaction, used: u64) -> bool {
+    base.tokens_after >= trigger.saturating_mul(9) / 10
+        && used < base.tokens_after.saturating_add(trigger / 4)
 }
 
 /// Whether the tenant's compactions are backed off (two in a row were
