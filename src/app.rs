@@ -191,12 +191,29 @@ impl AppState {
                 }
             }
         };
-        let source = if configured.1 {
+        self.told_over(model, configured)
+    }
+
+    /// [`AppState::model_window`] without adding `model` to the models
+    /// seen (the banner's, the metrics'): for a listing, which may name
+    /// hundreds the proxy never serves.
+    pub fn listed_model_window(&self, model: &str) -> (ModelLimits, crate::windows::Source) {
+        self.told_over(model, self.config.model_limits_sourced(model))
+    }
+
+    /// `configured` (the limits and whether a `[[models]]` entry gave them)
+    /// with what the upstream told of `model` applied.
+    fn told_over(
+        &self,
+        model: &str,
+        (limits, from_config): (ModelLimits, bool),
+    ) -> (ModelLimits, crate::windows::Source) {
+        let source = if from_config {
             crate::windows::Source::Config
         } else {
             crate::windows::Source::Table
         };
-        crate::windows::effective(configured.0, source, self.windows.told(model).as_ref())
+        crate::windows::effective(limits, source, self.windows.told(model).as_ref())
     }
 
     /// The effective window of every model seen or told, by name:

@@ -64,7 +64,6 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
         Err(e) => return ProxyError::from(e).into_response(),
     };
     let body = annotate(&state, &body).unwrap_or(body);
-    headers.remove(header::CONTENT_LENGTH);
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));
     let mut out = Response::new(crate::error::full(body));
     *out.status_mut() = status;
@@ -105,7 +104,7 @@ fn annotate_entry(state: &AppState, entry: &mut Value) -> bool {
     let Some(fields) = entry.as_object_mut() else {
         return false;
     };
-    let (limits, source) = window_of(state, &model);
+    let (limits, source) = state.listed_model_window(&model);
     let stated = STATED
         .iter()
         .find_map(|k| fields.get(*k).and_then(Value::as_u64))
@@ -120,17 +119,4 @@ fn annotate_entry(state: &AppState, entry: &mut Value) -> bool {
         fields.insert("max_input_tokens".into(), window.into());
     }
     true
-}
-
-/// The proxy's window for `model` and where it came from, without adding
-/// the model to the set of models the proxy has seen (a gateway lists
-/// hundreds).
-fn window_of(state: &AppState, model: &str) -> (crate::config::ModelLimits, Source) {
-    let (configured, from_config) = state.config.model_limits_sourced(model);
-    let source = if from_config {
-        Source::Config
-    } else {
-        Source::Table
-    };
-    crate::windows::effective(configured, source, state.windows.told(model).as_ref())
 }
