@@ -243,13 +243,15 @@ fn shell_quote(s: &str) -> String {
     }
 }
 
+/// A path the variable `var` names, when it is set and not empty.
+fn env_dir(var: &str) -> Option<PathBuf> {
+    std::env::var_os(var)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+}
+
 /// The file `client` reads its configuration from.
 pub fn client_file(client: Client) -> Option<PathBuf> {
-    let env_dir = |var: &str| {
-        std::env::var_os(var)
-            .filter(|v| !v.is_empty())
-            .map(PathBuf::from)
-    };
     match client {
         Client::Codex => env_dir("CODEX_HOME")
             .or_else(|| dirs::home_dir().map(|h| h.join(".codex")))
@@ -538,9 +540,7 @@ pub fn anthropic_base_url(base_url: &str) -> String {
 /// Claude Code's user `settings.json`: in `$CLAUDE_CONFIG_DIR`, which it
 /// reads instead of `~/.claude` when set.
 fn claude_settings_file() -> Option<PathBuf> {
-    std::env::var_os("CLAUDE_CONFIG_DIR")
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
+    env_dir("CLAUDE_CONFIG_DIR")
         .or_else(|| dirs::home_dir().map(|h| h.join(".claude")))
         .map(|d| d.join("settings.json"))
 }

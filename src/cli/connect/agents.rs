@@ -14,14 +14,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use serde_json::{json, Value};
 
-use super::{Target, PROVIDER};
-
-/// A directory named by `var`, when set and not empty.
-fn env_dir(var: &str) -> Option<PathBuf> {
-    std::env::var_os(var)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-}
+use super::{env_dir, Target, PROVIDER};
 
 /// `$XDG_CONFIG_HOME`, else `~/.config` (on every platform: these agents
 /// follow the XDG layout on macOS too).
