@@ -3,7 +3,7 @@
 
 use std::sync::Arc;
 
-use super::CompactError;
+use super::error::CompactError;
 use crate::bounded::Generations;
 use crate::compaction::Compaction;
 

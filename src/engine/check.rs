@@ -3,8 +3,9 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use super::context::Context;
+use super::count::{count_tools, estimate_view};
 use super::jobs::wait_foreign;
-use super::{count_tools, estimate_view, Context};
 use crate::compaction::policy::hard_limit;
 use crate::wire::items::{ItemList, Tools};
 use crate::wire::{chain_hashes, ItemHash};

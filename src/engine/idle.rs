@@ -18,9 +18,11 @@ use std::time::{Duration, Instant};
 use serde_json::Value;
 use tokio::sync::watch;
 
+use super::compute::compact;
+use super::context::Context;
 use super::index::lock;
+use super::input::Input;
 use super::jobs::{claim, follow_ups, release};
-use super::{compact, Context, Input};
 use crate::compaction::policy::{cold_tokens, trigger_tokens};
 use crate::wire::ItemHash;
 

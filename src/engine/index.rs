@@ -10,13 +10,20 @@ use std::time::Duration;
 use tokio::sync::watch;
 
 use super::attempt::{Attempt, Attempts, ATTEMPTS_KEPT, ATTEMPT_CONVERSATIONS};
-use super::{provider, MAX_BACKOFF, MAX_CALIBRATION, MIN_CALIBRATION};
+use super::input::Input;
+use super::learned::Support;
 use crate::bounded::Generations;
 use crate::compaction::{rewrite, Compaction};
 use crate::conversation::ConversationIndex;
 use crate::store::StoredCompaction;
 use crate::store::{ChainHit, LookUp, Reads, StoreError};
 use crate::wire::ItemHash;
+
+/// Bounds of the estimate calibration (a wild figure is a misreport).
+pub(super) const MIN_CALIBRATION: f64 = 0.5;
+pub(super) const MAX_CALIBRATION: f64 = 3.0;
+/// Longest back-off, in triggering exchanges skipped.
+const MAX_BACKOFF: u32 = 64;
 
 #[derive(Default)]
 pub(super) struct Backoff {
@@ -131,7 +138,7 @@ pub(super) type Jobs = HashMap<(String, String), watch::Receiver<bool>>;
 
 /// An exchange to decide once its conversation's job ends: its input, its
 /// tokens, and whether they were estimated.
-pub(super) type FollowUp = (super::Input, u64, bool);
+pub(super) type FollowUp = (Input, u64, bool);
 
 /// The registry of stored compactions and running jobs.
 #[derive(Default)]
@@ -185,14 +192,14 @@ pub struct Compactions {
     pub(super) attempts: Mutex<Option<Attempts>>,
     /// Whether each upstream and model offers the provider's compaction
     /// (`compaction.summarizer = "auto"`).
-    pub(super) provider: provider::Support,
+    pub(super) provider: Support,
     /// What a shared store's reads told of its compactions (see
     /// [`Compactions::prefetch`]).
     pub(super) heard: Heard,
     /// Conversations past the cold threshold whose idle time is watched
     /// (see `engine::idle`), by tenant and thread: when their last exchange
     /// ended and what it sent.
-    pub(super) idle: Mutex<HashMap<(String, ItemHash), (std::time::Instant, super::Input)>>,
+    pub(super) idle: Mutex<HashMap<(String, ItemHash), (std::time::Instant, Input)>>,
 }
 
 /// What this process knows of the compactions other processes store.
@@ -718,5 +725,161 @@ impl Compactions {
         if let Some(b) = lock(&self.backoff).get_mut(tenant) {
             b.unmatched = b.unmatched.saturating_sub(1);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::error::CompactError;
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn attempts_keep_what_a_discarded_compaction_would_have_sent() {
+        let registry = Compactions::default();
+        let discarded: Result<Arc<Compaction>, CompactError> = Err(CompactError::NoShrink {
+            before: 99,
+            after: 259,
+        });
+        registry.attempted(("t".into(), "c".into()), Attempt::of(&discarded));
+        let kept = registry.attempts("t", "c");
+        assert_eq!(kept.len(), 1);
+        assert_eq!(
+            (kept[0].result, kept[0].tokens_before, kept[0].tokens_after),
+            ("discarded", Some(99), Some(259))
+        );
+        assert!(registry.attempts("u", "c").is_empty(), "another tenant's");
+        for _ in 0..ATTEMPTS_KEPT + 5 {
+            registry.attempted(("t".into(), "c".into()), Attempt::of(&discarded));
+        }
+        assert_eq!(registry.attempts("t", "c").len(), ATTEMPTS_KEPT);
+    }
+
+    #[test]
+    fn calibrations_are_per_tenant_and_conversation() {
+        let c = Compactions::default();
+        c.calibrate("t1", "conv", 200, 100);
+        c.calibrate("ab", "c", 150, 100);
+        assert_eq!(c.calibration("t1", "conv"), 2.0);
+        assert_eq!(c.calibration("t2", "conv"), 1.0, "another tenant");
+        assert_eq!(c.calibration("t1", "other"), 1.0, "another conversation");
+        assert_eq!(c.calibration("ab", "c"), 1.5);
+        assert_eq!(
+            c.calibration("a", "bc"),
+            1.0,
+            "the pair, not its concatenation"
+        );
+    }
+
+    /// The chain hash the tests give a prefix of `len` items.
+    fn chain(len: usize) -> ItemHash {
+        let mut h = [0u8; 32];
+        h[..8].copy_from_slice(&(len as u64).to_le_bytes());
+        h
+    }
+
+    /// A compaction of `tenant` covering the first `len` items.
+    fn stored(tenant: &str, len: usize) -> Compaction {
+        crate::compaction::test_compaction(
+            &format!("cmp_{tenant}_{len}"),
+            tenant,
+            len,
+            chain(len),
+            vec![json!({"role": "user", "content": format!("summary {len}")})],
+        )
+    }
+
+    #[test]
+    fn a_forgotten_compaction_is_found_neither_applied_nor_observed() {
+        let (applied, mut observed) = (stored("t", 3), stored("t", 5));
+        observed.id = "cmp_t_observed".into();
+        observed.observed = true;
+        let bodies: HashMap<String, Compaction> = [applied.clone(), observed.clone()]
+            .into_iter()
+            .map(|c| (c.id.clone(), c))
+            .collect();
+        let list = bodies.values().map(StoredCompaction::from).collect();
+        let registry =
+            Compactions::from_stored(list, Arc::new(move |id: &str| bodies.get(id).cloned()));
+        let chains: Vec<ItemHash> = (1..=6).map(chain).collect();
+        assert!(registry.find("t", &chains).is_some());
+        assert!(registry.find_observed("t", &chains).is_some());
+        registry.forget("t", &[applied.id.clone(), observed.id.clone()]);
+        assert!(
+            registry.find("t", &chains).is_none(),
+            "applied one forgotten"
+        );
+        assert!(
+            registry.find_observed("t", &chains).is_none(),
+            "observed one forgotten"
+        );
+    }
+
+    #[test]
+    fn stored_compactions_are_found_with_bodies_read_when_not_kept() {
+        // More than two generations of bodies, all in the "store".
+        let n = 2 * BODIES + 40;
+        let store: HashMap<String, Compaction> = (1..=n)
+            .map(|len| stored("t", len))
+            .map(|c| (c.id.clone(), c))
+            .collect();
+        let list = store.values().map(StoredCompaction::from).collect();
+        let reads = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = reads.clone();
+        let registry = Compactions::from_stored(
+            list,
+            Arc::new(move |id: &str| {
+                counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                store.get(id).cloned()
+            }),
+        );
+        assert_eq!(registry.len(), n);
+        // A request whose first `len` items are each one's covered prefix.
+        let chains = |len: usize| -> Vec<ItemHash> { (1..=len).map(chain).collect() };
+        let c = registry.find("t", &chains(n)).expect("the longest one");
+        assert_eq!((c.covered_len, c.replacement.len()), (n, 1));
+        assert_eq!(
+            reads.load(std::sync::atomic::Ordering::Relaxed),
+            1,
+            "read once"
+        );
+        let again = registry.find("t", &chains(n)).unwrap();
+        assert!(Arc::ptr_eq(&c, &again), "then kept");
+        assert_eq!(reads.load(std::sync::atomic::Ordering::Relaxed), 1);
+        assert!(
+            registry.find("other", &chains(n)).is_none(),
+            "never another tenant's"
+        );
+        assert!(registry.get("other", &c.id).is_none());
+        assert_eq!(
+            registry.get("t", &c.id).map(|g| g.id.clone()),
+            Some(c.id.clone())
+        );
+        // Every one is found, though not all bodies fit in memory at once.
+        for len in 1..=n {
+            let found = registry.find("t", &chains(len)).unwrap();
+            assert_eq!(found.id, format!("cmp_t_{len}"));
+        }
+        assert!(lock(&registry.bodies).recent.len() <= 2 * BODIES);
+        let before = reads.load(std::sync::atomic::Ordering::Relaxed);
+        // Each once, and the longest (read first) again at the end of the
+        // loop: more than two generations were read after it.
+        assert_eq!(before, n + 1);
+        registry.find("t", &chains(1)).unwrap();
+        assert_eq!(
+            reads.load(std::sync::atomic::Ordering::Relaxed),
+            before + 1,
+            "the oldest was dropped from memory and is read again"
+        );
+    }
+
+    #[test]
+    fn a_new_compaction_is_kept_without_a_store() {
+        let registry = Compactions::default();
+        let c = Arc::new(stored("t", 3));
+        registry.insert(c.clone());
+        let chains: Vec<ItemHash> = (1..=4).map(chain).collect();
+        assert!(Arc::ptr_eq(&registry.find("t", &chains).unwrap(), &c));
+        assert!(registry.find("t", &chains[..2]).is_none(), "covers 3 items");
     }
 }

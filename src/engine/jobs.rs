@@ -6,8 +6,10 @@ use std::time::{Duration, Instant};
 
 use tokio::sync::watch;
 
+use super::compute::compact;
+use super::context::Context;
 use super::index::{lock, CLAIM_FOR, FOREIGN_POLL};
-use super::{compact, Context, Input};
+use super::input::Input;
 use crate::compaction::policy::{decide, trigger_tokens};
 use crate::compaction::Compaction;
 use crate::store::LookUp;

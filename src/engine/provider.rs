@@ -12,14 +12,14 @@
 //! ending in a tool call it does not answer (the part is cut before it,
 //! see [`crate::compaction::provider::closed_len`]).
 
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
 
+use super::context::Context;
+use super::input::Input;
 use super::summarizer::{SummaryCost, ANTHROPIC_VERSION, MAX_LOGGED_ERROR};
-use super::{Context, Input};
-use crate::bounded::Generations;
 use crate::compaction::provider::{self as pure, COMPACT_BETA};
 use crate::compaction::summary::Facts;
 use crate::compaction::{fit, Compaction, Params};
@@ -70,51 +70,6 @@ impl Failure {
     }
 }
 
-/// What `auto` learned of each upstream and model: whether its
-/// compaction exists. Kept in memory for the process's life (a restart
-/// asks again, once); an upstream that errs otherwise (5xx, a timeout)
-/// teaches nothing and is asked again next time.
-pub struct Support {
-    known: Mutex<Generations<(String, String), bool>>,
-    /// Conversations, by (tenant, conversation), whose compacted request
-    /// the upstream refused with the provider's window: their summary
-    /// rung is local from then on.
-    refused: Mutex<Generations<(String, String), ()>>,
-}
-
-impl Default for Support {
-    fn default() -> Self {
-        Self {
-            known: Mutex::new(Generations::new(SUPPORT_ENTRIES)),
-            refused: Mutex::new(Generations::new(SUPPORT_ENTRIES)),
-        }
-    }
-}
-
-impl Support {
-    fn get(&self, key: &(String, String)) -> Option<bool> {
-        self.known
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .renew(key)
-            .copied()
-    }
-
-    fn learn(&self, key: (String, String), offered: bool) {
-        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
-        if known.insert(key.clone(), offered) != Some(offered) {
-            tracing::info!(
-                upstream = %key.0, model = %key.1, offered,
-                "learned whether the upstream compacts for the summary rung"
-            );
-        }
-    }
-}
-
-/// Upstreams × models whose answer [`Support`] keeps, per generation (see
-/// [`Generations`]): one not used for longer is asked again.
-const SUPPORT_ENTRIES: usize = 4096;
-
 fn support_key<S: Context>(state: &Arc<S>, input: &Input) -> (String, String) {
     (state.summarizer().base().to_string(), input.model.clone())
 }
@@ -126,8 +81,7 @@ pub fn wanted<S: Context>(state: &Arc<S>, input: &Input) -> bool {
         return false;
     }
     let key = (input.tenant.clone(), input.conversation.clone());
-    let support = &state.compactions().provider;
-    if lock(&support.refused).renew(&key).is_some() {
+    if state.compactions().provider.refused(&key) {
         return false;
     }
     match state.config().summarizer_for(&input.tenant, &input.model) {
@@ -423,10 +377,6 @@ pub(super) async fn summary_rung<S: Context, F: Fn(&Value) -> u64 + Sync>(
     })
 }
 
-fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 /// The upstream refused (a 4xx) the request compacted with `c`, whose
 /// summary was the provider's: `c` no longer applies to the tenant's
 /// requests (the record keeps it), the conversation's summary rung is
@@ -442,8 +392,10 @@ pub fn refused<S: Context>(
     if !pure::by_provider(&c.reason) {
         return false;
     }
-    lock(&state.compactions().provider.refused)
-        .insert((tenant.to_string(), conversation.to_string()), ());
+    state
+        .compactions()
+        .provider
+        .refuse((tenant.to_string(), conversation.to_string()));
     state
         .compactions()
         .forget(tenant, std::slice::from_ref(&c.id));

@@ -6,7 +6,8 @@ use std::sync::Arc;
 use http::HeaderMap;
 use serde_json::{json, Value};
 
-use super::{Context, Input, TRANSCRIPT_ITEM_BYTES};
+use super::context::Context;
+use super::input::Input;
 use crate::compaction::summary;
 use crate::compaction::Params;
 use crate::wire::Api;
@@ -178,6 +179,9 @@ pub fn chunk_lines(lines: &[String], budget: u64, count: impl Fn(&str) -> u64) -
     }
     chunks
 }
+
+/// Bytes of one item's text shown to the summarizer (head and tail kept).
+const TRANSCRIPT_ITEM_BYTES: usize = 2_000;
 
 /// Bytes of a summarizer's error answer kept in the log line.
 pub(super) const MAX_LOGGED_ERROR: usize = 300;
@@ -371,7 +375,7 @@ impl CachedMiss {
 }
 
 /// The request a summary call that reads its history from the cache sends:
-/// the one the upstream last saw ([`super::Sent`], the view as its items),
+/// the one the upstream last saw ([`super::input::Sent`], the view as its items),
 /// with one user message appended carrying the summarizer's instructions,
 /// not streamed, its answer bounded by the summary's budget (and the room
 /// thinking takes, which must stay under it). `None` where it cannot share
@@ -495,4 +499,29 @@ pub fn auth_headers(headers: &HeaderMap) -> HeaderMap {
         }
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_call_cap_bounds_the_chunks_summarized() {
+        assert_eq!(chunks_within_cap(3, 8), 3);
+        assert_eq!(chunks_within_cap(76, 8), 6);
+        assert_eq!(chunks_within_cap(5, 1), 1);
+        assert_eq!(chunks_within_cap(5, 0), 0);
+        assert_eq!(chunks_within_cap(0, 8), 0);
+    }
+
+    #[test]
+    fn chunks_respect_the_budget() {
+        let lines: Vec<String> = ["aaaa", "bb", "cccccc", "d"]
+            .iter()
+            .map(|s| s.to_string())
+            .collect();
+        let chunks = chunk_lines(&lines, 6, |s| s.len() as u64);
+        assert_eq!(chunks, vec!["aaaa\nbb\n", "cccccc\n", "d\n"]);
+        assert!(chunk_lines(&[], 5, |s| s.len() as u64).is_empty());
+    }
 }
