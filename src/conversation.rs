@@ -6,9 +6,11 @@
 //! exchanges of the same tenant; the longest match that continues its
 //! conversation wins. A request continues a conversation when it extends
 //! one of the conversation's recent tips (an exchange no later one
-//! extended), or retries one that was not answered whole; one that only
-//! repeats an older prefix, as every session that opens with the same
-//! first message does, starts a conversation of its own. Explicit ids
+//! extended), retries one that was not answered whole, or sends a tip
+//! again whole when it holds an answer of the model (a client that lost the
+//! answer); one that only repeats an older prefix, or an opening, as every
+//! session that opens with the same first message does, starts a
+//! conversation of its own. Explicit ids
 //! (`session-id`, `prompt_cache_key`, our header) and `previous_response_id`
 //! take precedence. Everything is keyed by tenant: nothing is ever shared
 //! between two credentials, even for byte-identical histories.
@@ -177,11 +179,14 @@ impl Inner {
     /// the hit's conversation: it extends one of its recent tips, or
     /// retries one not answered whole.
     fn continues(&self, tenant: &str, hit: &Hit, len: usize) -> bool {
-        extends(hit, len)
-            && self
-                .recent
-                .get(&(tenant.to_string(), hit.conversation.clone()))
-                .is_some_and(|o| o.tips.contains(&hit.prefix.exchange))
+        extends(hit, len) && self.is_tip(tenant, hit)
+    }
+
+    /// Whether `hit`'s exchange is one of its conversation's recent tips.
+    fn is_tip(&self, tenant: &str, hit: &Hit) -> bool {
+        self.recent
+            .get(&(tenant.to_string(), hit.conversation.clone()))
+            .is_some_and(|o| o.tips.contains(&hit.prefix.exchange))
     }
 
     /// The prefixes of a request recorded, longest first.
@@ -395,7 +400,8 @@ impl ConversationIndex {
     }
 
     /// Matches a request: `chains[i]` is the chain hash of its first `i + 1`
-    /// items. Memory alone; see [`ConversationIndex::identify_with`].
+    /// items. Memory alone, for a request that holds no answer of the
+    /// model; see [`ConversationIndex::identify_with`].
     pub fn identify(
         &self,
         tenant: &str,
@@ -403,13 +409,22 @@ impl ConversationIndex {
         previous_response_id: Option<&str>,
         chains: &[ItemHash],
     ) -> Identified {
-        self.identify_with(tenant, explicit_key, previous_response_id, chains, None)
+        self.identify_with(
+            tenant,
+            explicit_key,
+            previous_response_id,
+            chains,
+            None,
+            || false,
+        )
     }
 
     /// [`ConversationIndex::identify`] with what a store other processes
     /// write answered for the request's longest recorded prefix (looked up
     /// where [`ConversationIndex::to_look_up`] says, before the match):
     /// another replica may have recorded a longer one than memory has.
+    /// `carries_answer` says whether the request holds an answer of the
+    /// model (asked only of a request that sends a tip again whole).
     pub fn identify_with(
         &self,
         tenant: &str,
@@ -417,6 +432,7 @@ impl ConversationIndex {
         previous_response_id: Option<&str>,
         chains: &[ItemHash],
         stored: Option<ChainHit>,
+        carries_answer: impl FnOnce() -> bool,
     ) -> Identified {
         let scope = TenantScope::of(tenant);
         let mut inner = self.lock();
@@ -435,6 +451,7 @@ impl ConversationIndex {
             };
             (hit, continued)
         };
+        let mut hit_is_tip = hit.as_ref().is_some_and(|h| inner.is_tip(tenant, h));
         let known = hit.as_ref().map_or(0, |h| h.prefix.len).min(chains.len());
         if let Some(found) = stored.filter(|f| f.prefix.len > known && f.prefix.len <= chains.len())
         {
@@ -448,7 +465,23 @@ impl ConversationIndex {
             if found.tip && extends(&h, chains.len()) {
                 continued = Some(h.clone());
             }
+            hit_is_tip = found.tip;
             hit = Some(h);
+        }
+        // A recent tip sent again whole, answered, when no tip is extended
+        // (a session whose requests go as another's did keeps to its own):
+        // a client retrying a turn whose answer it lost, or asking for
+        // another answer, goes on in that conversation, whether the tip's
+        // exchange was remembered yet or not (before, the request extends
+        // the tip before it). Unless it holds no answer of the model: two
+        // sessions that open alike share their opening, not the model's
+        // answers, so an opening sent again is a session of its own.
+        if continued.is_none() {
+            continued = hit
+                .as_ref()
+                .filter(|h| hit_is_tip && !h.prefix.full && h.prefix.len == chains.len())
+                .filter(|_| carries_answer())
+                .cloned();
         }
         let prefix = hit.as_ref().map(|h| h.prefix);
         if let Some(k) = explicit_key {
@@ -689,7 +722,8 @@ mod tests {
         answer: Option<ItemHash>,
     ) -> String {
         let chains = chain_hashes(items);
-        let found = idx.identify("t", None, None, &chains);
+        // Past its first item, a request holds an answer of the model.
+        let found = idx.identify_with("t", None, None, &chains, None, || items.len() > 1);
         let full = answer.map(|a| chain_hashes(&[items, &[a]].concat())[items.len()]);
         idx.remember(&IndexedExchange {
             id,
@@ -743,14 +777,32 @@ mod tests {
         // The next request fails; its retry is the same conversation.
         assert_eq!(turn(&idx, 2, &[u1, a1, u2], None), conv);
         assert_eq!(turn(&idx, 3, &[u1, a1, u2], Some(a2)), conv);
-        // A request answered whole, sent again, is a session of its own.
-        let again = turn(&idx, 4, &[u1, a1, u2], Some(a2));
-        assert_ne!(again, conv);
-        // The latest tip of the first is still extended.
-        assert_eq!(turn(&idx, 5, &[u1, a1, u2, a2, u3], Some(msg("a3"))), again);
+        // A request answered whole, sent again: its client lost the answer
+        // or asks for another. It goes on in its conversation.
+        assert_eq!(turn(&idx, 4, &[u1, a1, u2], Some(a2)), conv);
+        assert_eq!(turn(&idx, 5, &[u1, a1, u2, a2, u3], Some(msg("a3"))), conv);
         // An old prefix of a conversation, extended otherwise: a new one.
         let old = turn(&idx, 6, &[u1, a1, msg("other")], Some(msg("x")));
-        assert!(![conv.as_str(), again.as_str()].contains(&old.as_str()));
+        assert_ne!(old, conv);
+        // So is an old request sent again: it is no longer a tip.
+        assert_ne!(turn(&idx, 7, &[u1, a1, u2], Some(a2)), conv);
+    }
+
+    /// A session whose requests go as another's did (the same model,
+    /// deterministic, the same task) keeps to its own conversation: a tip
+    /// it extends wins over another's tip it repeats.
+    #[test]
+    fn a_session_that_runs_as_another_did_keeps_to_its_own() {
+        let idx = ConversationIndex::default();
+        let (task, a1, out, a2) = (msg("task"), msg("a1"), msg("out"), msg("a2"));
+        let first = turn(&idx, 1, &[task], Some(a1));
+        let second = turn(&idx, 2, &[task], Some(a1));
+        assert_ne!(
+            first, second,
+            "an opening sent again is a session of its own"
+        );
+        assert_eq!(turn(&idx, 3, &[task, a1, out], Some(a2)), second);
+        assert_eq!(turn(&idx, 4, &[task, a1, out], Some(a2)), second);
     }
 
     #[test]
@@ -999,7 +1051,7 @@ mod tests {
             answered: true,
             tip: true,
         };
-        let found = idx.identify_with("t", None, None, &c[..7], Some(hit.clone()));
+        let found = idx.identify_with("t", None, None, &c[..7], Some(hit.clone()), || false);
         assert_eq!(found.conversation, first.conversation);
         assert_eq!(found.prefix, Some(prefix));
         // One no longer than memory's changes nothing.
@@ -1007,7 +1059,7 @@ mod tests {
             prefix: PrefixRef { len: 2, ..prefix },
             ..hit
         };
-        let again = idx.identify_with("t", None, None, &c[..4], Some(short));
+        let again = idx.identify_with("t", None, None, &c[..4], Some(short), || false);
         assert_eq!(again.prefix, next.prefix);
         // A store only this process writes is never asked.
         assert_eq!(

@@ -374,3 +374,40 @@ async fn a_compaction_that_bought_no_room_is_not_repeated_every_request() {
         "{scraped}"
     );
 }
+
+/// A request sent again whole moments after it was answered, once the
+/// compaction that answer started is stored (its client lost the answer,
+/// or asks for another): the same conversation, with the compaction
+/// applied. It became a new conversation when its exchange had been
+/// remembered before the repeat came, and stayed in it when it had not.
+async fn a_repeat_after_the_compaction_stays_in_its_conversation(shape: Shape) {
+    let h = Harness::start_with(window).await;
+    let l = long_loop(shape, &format!("sk-repeat-{shape:?}-000001"));
+    step(&h, &l, l.shell_reply()).await;
+    wait_compactions(&h, 1).await;
+    let headers = step(&h, &l, l.shell_reply()).await;
+    h.wait_exchanges(2).await;
+    let seen: Vec<String> = support::column(
+        &*h.sql(),
+        "SELECT conversation_id FROM exchanges ORDER BY id",
+    );
+    assert_eq!(seen.len(), 2, "{shape:?}: {seen:?}");
+    assert_eq!(seen[0], seen[1], "{shape:?}: the same conversation");
+    assert!(compacted(&headers), "{shape:?}: with its compaction");
+    assert!(upstream_shorter(&h, &l), "{shape:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chat_a_repeat_after_the_compaction_stays_in_its_conversation() {
+    a_repeat_after_the_compaction_stays_in_its_conversation(Shape::Chat).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn responses_a_repeat_after_the_compaction_stays_in_its_conversation() {
+    a_repeat_after_the_compaction_stays_in_its_conversation(Shape::Responses).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn messages_a_repeat_after_the_compaction_stays_in_its_conversation() {
+    a_repeat_after_the_compaction_stays_in_its_conversation(Shape::Messages).await;
+}

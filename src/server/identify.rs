@@ -65,6 +65,7 @@ pub(super) async fn identify(
         read.previous(),
         &chains,
         prefetched.chain.clone(),
+        || carries_answer(read.items()),
     );
     state
         .compactions
@@ -304,4 +305,18 @@ fn apply_stored(
     }
     pending.apply_due(c);
     first
+}
+
+/// Whether a request holds an answer of the model (a request that does not
+/// is a session's opening).
+fn carries_answer(items: &ItemList) -> bool {
+    (0..items.len()).any(|i| {
+        let item = items.item(i);
+        let member = |m: &str| {
+            item.get(m)
+                .and_then(serde_json::Value::as_str)
+                .unwrap_or("")
+        };
+        crate::wire::class::is_model_output(member("role"), member("type"))
+    })
 }
