@@ -53,14 +53,7 @@ pub fn definition(api: Api) -> Value {
         "required": ["reason"],
         "additionalProperties": false,
     });
-    match api {
-        Api::Chat => json!({"type": "function", "function": {
-            "name": TOOL, "description": DESCRIPTION, "parameters": parameters}}),
-        Api::Responses => json!({"type": "function", "name": TOOL,
-            "description": DESCRIPTION, "parameters": parameters}),
-        Api::Messages => json!({"name": TOOL, "description": DESCRIPTION,
-            "input_schema": parameters}),
-    }
+    api.format().tool(TOOL, DESCRIPTION, parameters)
 }
 
 /// A tool definition's name, in any API's shape.

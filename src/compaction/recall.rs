@@ -49,14 +49,7 @@ pub fn definition(api: Api) -> Value {
         "required": ["ref"],
         "additionalProperties": false,
     });
-    match api {
-        Api::Chat => json!({"type": "function", "function": {
-            "name": TOOL, "description": DESCRIPTION, "parameters": parameters}}),
-        Api::Responses => json!({"type": "function", "name": TOOL,
-            "description": DESCRIPTION, "parameters": parameters}),
-        Api::Messages => json!({"name": TOOL, "description": DESCRIPTION,
-            "input_schema": parameters}),
-    }
+    api.format().tool(TOOL, DESCRIPTION, parameters)
 }
 
 /// Whether the recall tool may be added to a compacted request: it has
@@ -192,42 +185,6 @@ pub enum Round {
     Compact(Vec<Call>, Vec<super::agent_tool::Call>),
 }
 
-/// The tool calls of a complete answer, as (id, name, arguments).
-fn tool_calls(api: Api, answer: &Value) -> Vec<(String, String, String)> {
-    let s = |v: &Value, k: &str| v.get(k).and_then(Value::as_str).unwrap_or("").to_string();
-    match api {
-        Api::Chat => answer
-            .pointer("/choices/0/message/tool_calls")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-            .map(|c| {
-                let f = c.get("function").cloned().unwrap_or(Value::Null);
-                (s(c, "id"), s(&f, "name"), s(&f, "arguments"))
-            })
-            .collect(),
-        Api::Responses => answer
-            .get("output")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-            .filter(|i| i.get("type").and_then(Value::as_str) == Some("function_call"))
-            .map(|c| (s(c, "call_id"), s(c, "name"), s(c, "arguments")))
-            .collect(),
-        Api::Messages => answer
-            .get("content")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-            .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
-            .map(|b| {
-                let input = b.get("input").cloned().unwrap_or(Value::Null);
-                (s(b, "id"), s(b, "name"), input.to_string())
-            })
-            .collect(),
-    }
-}
-
 /// What a complete answer asks of the proxy.
 pub fn round(api: Api, answer: &Value) -> Round {
     round_of(api, answer, true, false)
@@ -237,18 +194,18 @@ pub fn round(api: Api, answer: &Value) -> Round {
 /// request was offered: a call of a tool the proxy did not offer is the
 /// client's (its own tool of that name).
 pub fn round_of(api: Api, answer: &Value, recall: bool, compact: bool) -> Round {
-    let calls = tool_calls(api, answer);
+    let calls = api.format().tool_calls(answer);
     let compacts: Vec<super::agent_tool::Call> = calls
         .iter()
-        .filter(|(_, name, _)| compact && name == super::agent_tool::TOOL)
-        .map(|(id, _, args)| super::agent_tool::call(id, args))
+        .filter(|c| compact && c.name == super::agent_tool::TOOL)
+        .map(|c| super::agent_tool::call(&c.id, &c.arguments))
         .collect();
     let recalls: Vec<Call> = calls
         .iter()
-        .filter(|(_, name, _)| recall && name == TOOL)
-        .map(|(id, _, args)| Call {
-            id: id.clone(),
-            reference: serde_json::from_str::<Value>(args)
+        .filter(|c| recall && c.name == TOOL)
+        .map(|c| Call {
+            id: c.id.clone(),
+            reference: serde_json::from_str::<Value>(&c.arguments)
                 .ok()
                 .and_then(|a| a.get("ref").and_then(Value::as_str).map(String::from))
                 .unwrap_or_default(),
@@ -293,63 +250,12 @@ fn kept_arguments(arguments: &mut Value) {
 /// the answer's own output (recall calls' long arguments cut), then one
 /// tool result per call.
 pub fn continuation(api: Api, answer: &Value, results: &[(String, String)]) -> Vec<Value> {
-    match api {
-        Api::Chat => {
-            let mut out: Vec<Value> = answer
-                .pointer("/choices/0/message")
-                .cloned()
-                .into_iter()
-                .collect();
-            for call in out
-                .iter_mut()
-                .filter_map(|m| m.get_mut("tool_calls").and_then(Value::as_array_mut))
-                .flatten()
-                .filter(|c| c.pointer("/function/name").and_then(Value::as_str) == Some(TOOL))
-            {
-                if let Some(args) = call.pointer_mut("/function/arguments") {
-                    kept_arguments(args);
-                }
+    api.format()
+        .continuation(answer, results, &mut |name, arguments| {
+            if name == TOOL {
+                kept_arguments(arguments);
             }
-            out.extend(
-                results
-                    .iter()
-                    .map(|(id, text)| json!({"role": "tool", "tool_call_id": id, "content": text})),
-            );
-            out
-        }
-        Api::Responses => {
-            let mut out: Vec<Value> = answer
-                .get("output")
-                .and_then(Value::as_array)
-                .cloned()
-                .unwrap_or_default();
-            for call in out
-                .iter_mut()
-                .filter(|i| i.get("name").and_then(Value::as_str) == Some(TOOL))
-            {
-                if let Some(args) = call.get_mut("arguments") {
-                    kept_arguments(args);
-                }
-            }
-            out.extend(results.iter().map(
-                |(id, text)| json!({"type": "function_call_output", "call_id": id, "output": text}),
-            ));
-            out
-        }
-        Api::Messages => {
-            let content = answer.get("content").cloned().unwrap_or(json!([]));
-            let results: Vec<Value> = results
-                .iter()
-                .map(
-                    |(id, text)| json!({"type": "tool_result", "tool_use_id": id, "content": text}),
-                )
-                .collect();
-            vec![
-                json!({"role": "assistant", "content": content}),
-                json!({"role": "user", "content": results}),
-            ]
-        }
-    }
+        })
 }
 
 /// The answer to a call of `reference`: the original tool output among

@@ -1,18 +1,15 @@
 //! What the phases hand on and the driver passes between them: the
-//! upstream's answer as far as it was read ([`Answer`], [`Held`]), what a
-//! stream's first output is ([`first_output`]), and the head of the
-//! client's response with the headers the proxy adds ([`response_head`]).
+//! upstream's answer as far as it was read ([`Answer`], [`Held`]), and the
+//! head of the client's response with the headers the proxy adds ([`response_head`]).
 //! Not a phase: it calls none.
 
 use bytes::Bytes;
 use http::header::{self, HeaderValue};
 use http::Response;
-use serde_json::Value;
 
 use super::gather::{take_delivered, UpstreamStream};
 use crate::error::ProxyBody;
 use crate::upstream::strip_hop_by_hop;
-use crate::wire::Api;
 
 /// Response header naming the conversation.
 pub const CONVERSATION_HEADER: &str = "x-compactor-conversation";
@@ -104,56 +101,4 @@ pub(super) fn is_sse(headers: &http::HeaderMap) -> bool {
         .get(header::CONTENT_TYPE)
         .and_then(|v| v.to_str().ok())
         .is_some_and(|ct| ct.starts_with("text/event-stream"))
-}
-
-/// How a stream's first output begins.
-#[derive(PartialEq)]
-pub(super) enum First {
-    Text,
-    ToolCall,
-}
-
-/// The kind of output an SSE event starts, if it starts one.
-pub(super) fn first_output(api: Api, name: &str, data: &str) -> Option<First> {
-    let v: Value = serde_json::from_str(data).ok()?;
-    match api {
-        Api::Chat => {
-            let delta = v.pointer("/choices/0/delta")?;
-            if delta.get("tool_calls").is_some_and(|t| !t.is_null()) {
-                Some(First::ToolCall)
-            } else if delta
-                .get("content")
-                .and_then(Value::as_str)
-                .is_some_and(|c| !c.is_empty())
-            {
-                Some(First::Text)
-            } else {
-                None
-            }
-        }
-        Api::Responses => {
-            let kind = crate::wire::responses::event_type(data).unwrap_or(name.to_string());
-            match kind.as_str() {
-                "response.output_text.delta" => Some(First::Text),
-                "response.output_item.added" => {
-                    match v.pointer("/item/type").and_then(Value::as_str) {
-                        Some("function_call") => Some(First::ToolCall),
-                        Some("message") => Some(First::Text),
-                        _ => None,
-                    }
-                }
-                _ => None,
-            }
-        }
-        Api::Messages => match v.get("type").and_then(Value::as_str)? {
-            "content_block_start" => {
-                match v.pointer("/content_block/type").and_then(Value::as_str) {
-                    Some("tool_use") => Some(First::ToolCall),
-                    Some("text") => Some(First::Text),
-                    _ => None,
-                }
-            }
-            _ => None,
-        },
-    }
 }

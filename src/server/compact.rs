@@ -77,13 +77,13 @@ fn compaction_response(c: &Compaction, model: &str, output: Vec<Value>) -> Value
 /// The SSE events of a completed response (created, each item added and
 /// done, completed).
 fn compaction_events(response: &Value) -> Bytes {
-    let mut out = String::new();
+    let mut out = bytes::BytesMut::new();
     let mut seq = 0;
     let mut push = |kind: &str, mut data: Value| {
         data["type"] = Value::String(kind.into());
         data["sequence_number"] = seq.into();
         seq += 1;
-        out.push_str(&format!("event: {kind}\ndata: {data}\n\n"));
+        crate::wire::sse::write_event(&mut out, kind, data.to_string().as_bytes());
     };
     let mut created = response.clone();
     created["status"] = "in_progress".into();
@@ -108,7 +108,7 @@ fn compaction_events(response: &Value) -> Bytes {
         "response.completed",
         serde_json::json!({"response": response}),
     );
-    Bytes::from(out)
+    out.freeze()
 }
 
 /// `POST /v1/responses/compact`: compacts the given input and answers with

@@ -197,8 +197,7 @@ pub(super) async fn identify(
     // The model may ask for a compaction, when the tool is on.
     pending.offer_agent_tool(agent_tool);
     let request = pending.request();
-    if request.api() == Api::Messages
-        && messages::thinking_on(request.body())
+    if request.api().format().signs_thinking(request.body())
         && state
             .compactions
             .had_hidden_round(request.tenant(), pending.conversation())

@@ -102,10 +102,12 @@ pub(super) async fn read_request(
     // compaction trigger change the items; anything else leaves them as
     // the client's bytes.
     let history = match &previous {
-        Some(prev) if api == Api::Responses && auto => previous_history(state, &tenant, prev).await,
+        Some(prev) if api.format().expands_items() && auto => {
+            previous_history(state, &tenant, prev).await
+        }
         _ => None,
     };
-    if api == Api::Responses && (history.is_some() || items.may_contain("\"compaction")) {
+    if api.format().expands_items() && (history.is_some() || items.may_contain("\"compaction")) {
         let mut values = items.into_values();
         // A chain the proxy recorded is expanded into full input, so it can
         // be compacted and works with upstreams that keep no responses.
@@ -131,7 +133,7 @@ pub(super) async fn read_request(
     // The body stays the client's; only the bytes going upstream ask for
     // the usage it did not ask for.
     let had_stream_options = body.get("stream_options").is_some();
-    let strip_usage = auto && api == Api::Chat && chat::lacks_stream_usage(&body);
+    let strip_usage = auto && api.format().lacks_stream_usage(&body);
     let raw = spliced.unwrap_or(raw);
     let original = if rewritten {
         None

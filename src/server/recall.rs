@@ -22,15 +22,16 @@ use std::sync::Arc;
 
 use bytes::Bytes;
 use futures_util::StreamExt;
-use serde_json::{json, Value};
+use serde_json::Value;
 
-use super::answer::{first_output, is_sse, Answer, First, Held};
+use super::answer::{is_sse, Answer, Held};
 use super::exchange::{Rounds, Unanswered};
 use super::gather::UpstreamStream;
 use crate::app::AppState;
 use crate::compaction::agent_tool;
 use crate::compaction::recall::{self, Round};
 use crate::error::ProxyError;
+use crate::wire::format::First;
 use crate::wire::sse::{Framer, SseTee};
 use crate::wire::{own_calls, Api, Usage};
 
@@ -221,10 +222,7 @@ fn without_calls(api: Api, names: &[&str], answer: Answer) -> Answer {
 /// the API drop such blocks.
 fn note_hidden_rounds(state: &AppState, pending: &Unanswered) {
     let request = pending.request();
-    if request.api() == Api::Messages
-        && !pending.extra().is_empty()
-        && crate::wire::messages::thinking_on(request.body())
-    {
+    if !pending.extra().is_empty() && request.api().format().signs_thinking(request.body()) {
         state
             .compactions
             .mark_hidden_round(request.tenant(), pending.conversation());
@@ -328,33 +326,6 @@ async fn inspect(state: &AppState, api: Api, answer: Answer) -> Result<Seen, Pro
     }
 }
 
-/// Whether an SSE event opens reasoning: a chat or Responses stream that
-/// begins so is relayed as it comes (`server::splice`).
-fn starts_reasoning(api: Api, name: &str, data: &str) -> bool {
-    let Ok(v) = serde_json::from_str::<Value>(data) else {
-        return false;
-    };
-    match api {
-        Api::Chat => v.pointer("/choices/0/delta").is_some_and(|d| {
-            ["reasoning_content", "reasoning"].iter().any(|k| {
-                d.get(*k)
-                    .and_then(Value::as_str)
-                    .is_some_and(|s| !s.is_empty())
-            })
-        }),
-        Api::Responses => {
-            let kind = crate::wire::responses::event_type(data).unwrap_or(name.to_string());
-            kind == "response.output_item.added"
-                && v.pointer("/item/type").and_then(Value::as_str) == Some("reasoning")
-        }
-        // A thinking block is signed for the request that produced it: one
-        // relayed from a recall round's answer would stand, in the client's
-        // history, before text another request produced, which the API may
-        // refuse once the client sends it back. Messages streams stay held.
-        Api::Messages => false,
-    }
-}
-
 /// Reads a stream until its first output; a tool call, to its end.
 async fn inspect_stream(state: &AppState, api: Api, mut held: Held) -> Result<Seen, ProxyError> {
     let idle = state.upstream.idle_timeout;
@@ -377,10 +348,10 @@ async fn inspect_stream(state: &AppState, api: Api, mut held: Held) -> Result<Se
             let Some(ev) = block.event else {
                 continue;
             };
-            if may_splice && starts_reasoning(api, &ev.name, &ev.data) {
+            if may_splice && api.format().starts_reasoning(&ev.name, &ev.data) {
                 return Ok(Seen::Live(held));
             }
-            first = first_output(api, &ev.name, &ev.data);
+            first = api.format().first_output(&ev.name, &ev.data);
         }
         if first == Some(First::Text) || ended || size > MAX_HELD_BYTES {
             break;
@@ -411,16 +382,6 @@ async fn inspect_stream(state: &AppState, api: Api, mut held: Held) -> Result<Se
     }
     tee.finish();
     let items = tee.items();
-    let v = match api {
-        Api::Chat => {
-            json!({"choices": [{"message": items.first().cloned().unwrap_or(Value::Null)}]})
-        }
-        Api::Responses => json!({"output": items}),
-        Api::Messages => json!({"content": items
-            .first()
-            .and_then(|m| m.get("content"))
-            .cloned()
-            .unwrap_or(Value::Null)}),
-    };
+    let v = api.format().answer_of(items);
     Ok(Seen::Calls(v, tee.usage(), Answer::Held(held)))
 }

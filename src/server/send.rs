@@ -23,6 +23,7 @@ use crate::compaction::{boundary, policy, rebuild};
 use crate::config::Mode;
 use crate::error::ProxyError;
 use crate::upstream::SendFailure;
+use crate::wire::format::Start;
 use crate::wire::{self, Api};
 
 /// Most reactive compactions of one request. The first fits the limit the
@@ -355,66 +356,6 @@ async fn read_start(
 /// for the upstream to commit (a reasoning model may think silently first).
 const MAX_HOLD_BACK: Duration = Duration::from_secs(10);
 
-/// Event types that come before a Responses stream commits to an answer.
-const PRELUDE_EVENTS: &[&str] = &[
-    "response.created",
-    "response.in_progress",
-    "response.queued",
-    // Anthropic Messages: the message opens, then its first content block
-    // commits to an answer.
-    "message_start",
-    "ping",
-];
-
-/// What a chat stream's chunk says of the answer's start.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum ChatStart {
-    /// No output yet: the role, empty content, a keep-alive.
-    Prelude,
-    /// An error chunk (`{"error": …}`), as LiteLLM- and OpenRouter-style
-    /// servers send a failure inside a 200 stream.
-    Failed,
-    /// The answer began (content, a tool call, reasoning, its end), or a
-    /// chunk the proxy cannot read: relayed as it comes.
-    Committed,
-}
-
-fn chat_start(data: &str) -> ChatStart {
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
-        return ChatStart::Committed;
-    };
-    if v.get("error").is_some_and(|e| !e.is_null()) {
-        return ChatStart::Failed;
-    }
-    let Some(choice) = v.pointer("/choices/0") else {
-        return ChatStart::Prelude;
-    };
-    let delta = choice.get("delta");
-    let has = |k: &str| {
-        delta.and_then(|d| d.get(k)).is_some_and(|x| match x {
-            serde_json::Value::Null => false,
-            serde_json::Value::String(s) => !s.is_empty(),
-            _ => true,
-        })
-    };
-    let ended = choice.get("finish_reason").is_some_and(|f| !f.is_null());
-    if ended
-        || [
-            "content",
-            "tool_calls",
-            "reasoning_content",
-            "reasoning",
-            "refusal",
-        ]
-        .iter()
-        .any(|k| has(k))
-    {
-        ChatStart::Committed
-    } else {
-        ChatStart::Prelude
-    }
-}
-
 /// Reads a stream until its first event past the prelude: an output event
 /// (committed) or a failure (a Responses `response.failed`, an `error`
 /// event, a chat stream's error chunk).
@@ -443,18 +384,10 @@ async fn hold_back(resp: reqwest::Response, api: Api, idle: Duration) -> Result<
             let Some(wire::sse::Event { name, data }) = block.event else {
                 continue;
             };
-            let failure = if api == Api::Chat {
-                match chat_start(&data) {
-                    ChatStart::Prelude => continue,
-                    ChatStart::Failed => Some(data),
-                    ChatStart::Committed => None,
-                }
-            } else {
-                let kind = wire::responses::event_type(&data).unwrap_or(name);
-                if PRELUDE_EVENTS.contains(&kind.as_str()) {
-                    continue;
-                }
-                (kind == "response.failed" || kind == "error").then_some(data)
+            let failure = match api.format().stream_start(&name, &data) {
+                Start::Prelude => continue,
+                Start::Failed => Some(data),
+                Start::Committed => None,
             };
             return Ok(Held {
                 status,
@@ -535,30 +468,6 @@ mod tests {
             ..FIRST
         };
         assert_eq!(decide(closed, compacted), Next::RetryStale);
-    }
-
-    #[test]
-    fn a_chat_stream_commits_at_its_first_output_or_fails_on_an_error_chunk() {
-        for prelude in [
-            r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
-            r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}"#,
-            r#"{"id":"x","choices":[]}"#,
-        ] {
-            assert_eq!(chat_start(prelude), ChatStart::Prelude, "{prelude}");
-        }
-        for committed in [
-            r#"{"choices":[{"delta":{"content":"Hi"}}]}"#,
-            r#"{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}"#,
-            r#"{"choices":[{"delta":{"reasoning_content":"hm"}}]}"#,
-            r#"{"choices":[{"delta":{},"finish_reason":"stop"}]}"#,
-            "[DONE]",
-        ] {
-            assert_eq!(chat_start(committed), ChatStart::Committed, "{committed}");
-        }
-        assert_eq!(
-            chat_start(r#"{"error":{"message":"maximum context length is 4096 tokens"}}"#),
-            ChatStart::Failed
-        );
     }
 
     #[test]

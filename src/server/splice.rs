@@ -33,12 +33,13 @@ use hyper::body::Frame;
 use serde_json::{Map, Value};
 use tokio::sync::mpsc;
 
-use super::answer::{first_output, is_sse, response_head, Answer, First, Held, COMPACTED_HEADER};
+use super::answer::{is_sse, response_head, Answer, Held, COMPACTED_HEADER};
 use super::exchange::{Outcome, Unanswered};
 use super::gather::UpstreamStream;
 use crate::app::AppState;
 use crate::error::{BodyError, ProxyBody, ProxyError};
 use crate::upstream::describe;
+use crate::wire::format::First;
 use crate::wire::own_calls;
 use crate::wire::sse::{Block, Framer, SseTee};
 use crate::wire::Api;
@@ -283,7 +284,7 @@ async fn run(
                     first = block
                         .event
                         .as_ref()
-                        .and_then(|ev| first_output(api, &ev.name, &ev.data));
+                        .and_then(|ev| api.format().first_output(&ev.name, &ev.data));
                 }
                 match first {
                     Some(First::ToolCall) => continue,

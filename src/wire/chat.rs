@@ -3,8 +3,9 @@
 use std::borrow::Cow;
 
 use serde::Deserialize;
-use serde_json::{Map, Value};
+use serde_json::{json, Map, Value};
 
+use super::format::{text_of, First, Format, Start, ToolCall};
 use super::{RawMembers, Usage};
 use crate::error::InvalidField;
 
@@ -429,6 +430,148 @@ impl<'a> ChunkView<'a> {
     }
 }
 
+/// Chat Completions' answers to what the phases ask ([`Format`]).
+pub struct Chat;
+
+impl Format for Chat {
+    fn tool(&self, name: &str, description: &str, parameters: Value) -> Value {
+        json!({"type": "function", "function": {
+            "name": name, "description": description, "parameters": parameters}})
+    }
+
+    fn stream_start(&self, _name: &str, data: &str) -> Start {
+        stream_start(data)
+    }
+
+    fn starts_reasoning(&self, _name: &str, data: &str) -> bool {
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            return false;
+        };
+        v.pointer("/choices/0/delta").is_some_and(|d| {
+            ["reasoning_content", "reasoning"].iter().any(|k| {
+                d.get(*k)
+                    .and_then(Value::as_str)
+                    .is_some_and(|s| !s.is_empty())
+            })
+        })
+    }
+
+    fn first_output(&self, _name: &str, data: &str) -> Option<First> {
+        let v: Value = serde_json::from_str(data).ok()?;
+        let delta = v.pointer("/choices/0/delta")?;
+        if delta.get("tool_calls").is_some_and(|t| !t.is_null()) {
+            Some(First::ToolCall)
+        } else if delta
+            .get("content")
+            .and_then(Value::as_str)
+            .is_some_and(|c| !c.is_empty())
+        {
+            Some(First::Text)
+        } else {
+            None
+        }
+    }
+
+    fn answer_of(&self, items: Vec<Value>) -> Value {
+        json!({"choices": [{"message": items.into_iter().next().unwrap_or(Value::Null)}]})
+    }
+
+    fn tool_calls(&self, answer: &Value) -> Vec<ToolCall> {
+        answer
+            .pointer("/choices/0/message/tool_calls")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .map(|c| {
+                let f = c.get("function").cloned().unwrap_or(Value::Null);
+                ToolCall {
+                    id: text_of(c, "id"),
+                    name: text_of(&f, "name"),
+                    arguments: text_of(&f, "arguments"),
+                }
+            })
+            .collect()
+    }
+
+    fn continuation(
+        &self,
+        answer: &Value,
+        results: &[(String, String)],
+        arguments: &mut dyn FnMut(&str, &mut Value),
+    ) -> Vec<Value> {
+        let mut out: Vec<Value> = answer
+            .pointer("/choices/0/message")
+            .cloned()
+            .into_iter()
+            .collect();
+        for call in out
+            .iter_mut()
+            .filter_map(|m| m.get_mut("tool_calls").and_then(Value::as_array_mut))
+            .flatten()
+        {
+            let name = call
+                .pointer("/function/name")
+                .and_then(Value::as_str)
+                .unwrap_or_default()
+                .to_string();
+            if let Some(args) = call.pointer_mut("/function/arguments") {
+                arguments(&name, args);
+            }
+        }
+        out.extend(
+            results
+                .iter()
+                .map(|(id, text)| json!({"role": "tool", "tool_call_id": id, "content": text})),
+        );
+        out
+    }
+
+    fn lacks_stream_usage(&self, body: &Value) -> bool {
+        lacks_stream_usage(body)
+    }
+}
+
+/// What a chat stream's chunk says of the answer's start: an error chunk
+/// (`{"error": …}`, as LiteLLM- and OpenRouter-style servers send a
+/// failure inside a 200 stream) failed it; content, a tool call,
+/// reasoning, its end, or a chunk the proxy cannot read committed it; the
+/// role, empty content, a keep-alive are its prelude.
+fn stream_start(data: &str) -> Start {
+    let Ok(v) = serde_json::from_str::<Value>(data) else {
+        return Start::Committed;
+    };
+    if v.get("error").is_some_and(|e| !e.is_null()) {
+        return Start::Failed;
+    }
+    let Some(choice) = v.pointer("/choices/0") else {
+        return Start::Prelude;
+    };
+    let delta = choice.get("delta");
+    let has = |k: &str| {
+        delta.and_then(|d| d.get(k)).is_some_and(|x| match x {
+            Value::Null => false,
+            Value::String(s) => !s.is_empty(),
+            _ => true,
+        })
+    };
+    let ended = choice.get("finish_reason").is_some_and(|f| !f.is_null());
+    if ended
+        || [
+            "content",
+            "tool_calls",
+            "reasoning_content",
+            "reasoning",
+            "refusal",
+        ]
+        .iter()
+        .any(|k| has(k))
+    {
+        Start::Committed
+    } else {
+        Start::Prelude
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -570,5 +713,29 @@ mod tests {
         let mut c = ChatCollector::default();
         c.push(r#"{"error":null,"choices":[]}"#);
         assert_eq!(c.error, None);
+    }
+
+    #[test]
+    fn a_chat_stream_commits_at_its_first_output_or_fails_on_an_error_chunk() {
+        for prelude in [
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#,
+            r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":null}}]}"#,
+            r#"{"id":"x","choices":[]}"#,
+        ] {
+            assert_eq!(stream_start(prelude), Start::Prelude, "{prelude}");
+        }
+        for committed in [
+            r#"{"choices":[{"delta":{"content":"Hi"}}]}"#,
+            r#"{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}"#,
+            r#"{"choices":[{"delta":{"reasoning_content":"hm"}}]}"#,
+            r#"{"choices":[{"delta":{},"finish_reason":"stop"}]}"#,
+            "[DONE]",
+        ] {
+            assert_eq!(stream_start(committed), Start::Committed, "{committed}");
+        }
+        assert_eq!(
+            stream_start(r#"{"error":{"message":"maximum context length is 4096 tokens"}}"#),
+            Start::Failed
+        );
     }
 }

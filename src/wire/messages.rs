@@ -8,6 +8,7 @@
 
 use serde_json::{json, Map, Value};
 
+use super::format::{text_of, First, Format, Start, ToolCall};
 use super::Usage;
 use crate::error::InvalidField;
 
@@ -697,6 +698,100 @@ impl BlockAcc {
 fn index(v: &Value) -> Option<usize> {
     let i = v.get("index")?.as_u64()? as usize;
     (i < MAX_BLOCKS).then_some(i)
+}
+
+/// Anthropic Messages' answers to what the phases ask ([`Format`]).
+pub struct Messages;
+
+/// Event types that come before a Messages stream commits to an answer:
+/// the message opens, then its first content block commits.
+const PRELUDE_EVENTS: &[&str] = &["message_start", "ping"];
+
+impl Format for Messages {
+    fn tool(&self, name: &str, description: &str, parameters: Value) -> Value {
+        json!({"name": name, "description": description, "input_schema": parameters})
+    }
+
+    fn stream_start(&self, name: &str, data: &str) -> Start {
+        let kind = super::responses::event_type(data).unwrap_or_else(|| name.to_string());
+        if PRELUDE_EVENTS.contains(&kind.as_str()) {
+            Start::Prelude
+        } else if kind == "error" {
+            Start::Failed
+        } else {
+            Start::Committed
+        }
+    }
+
+    /// Never: a thinking block is signed for the request that produced
+    /// it, and one relayed from a recall round's answer would stand, in
+    /// the client's history, before text another request produced, which
+    /// the API may refuse once the client sends it back. Messages streams
+    /// stay held.
+    fn starts_reasoning(&self, _name: &str, _data: &str) -> bool {
+        false
+    }
+
+    fn first_output(&self, _name: &str, data: &str) -> Option<First> {
+        let v: Value = serde_json::from_str(data).ok()?;
+        match v.get("type").and_then(Value::as_str)? {
+            "content_block_start" => {
+                match v.pointer("/content_block/type").and_then(Value::as_str) {
+                    Some("tool_use") => Some(First::ToolCall),
+                    Some("text") => Some(First::Text),
+                    _ => None,
+                }
+            }
+            _ => None,
+        }
+    }
+
+    fn answer_of(&self, items: Vec<Value>) -> Value {
+        let content = items
+            .first()
+            .and_then(|m| m.get("content"))
+            .cloned()
+            .unwrap_or(Value::Null);
+        json!({ "content": content })
+    }
+
+    fn tool_calls(&self, answer: &Value) -> Vec<ToolCall> {
+        answer
+            .get("content")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter(|b| b.get("type").and_then(Value::as_str) == Some("tool_use"))
+            .map(|b| ToolCall {
+                id: text_of(b, "id"),
+                name: text_of(b, "name"),
+                arguments: b.get("input").cloned().unwrap_or(Value::Null).to_string(),
+            })
+            .collect()
+    }
+
+    /// The answer's content as one assistant message, then the results as
+    /// one user message; a call's `input` is no text, and is kept.
+    fn continuation(
+        &self,
+        answer: &Value,
+        results: &[(String, String)],
+        _arguments: &mut dyn FnMut(&str, &mut Value),
+    ) -> Vec<Value> {
+        let content = answer.get("content").cloned().unwrap_or(json!([]));
+        let results: Vec<Value> = results
+            .iter()
+            .map(|(id, text)| json!({"type": "tool_result", "tool_use_id": id, "content": text}))
+            .collect();
+        vec![
+            json!({"role": "assistant", "content": content}),
+            json!({"role": "user", "content": results}),
+        ]
+    }
+
+    fn signs_thinking(&self, body: &Value) -> bool {
+        thinking_on(body)
+    }
 }
 
 #[cfg(test)]

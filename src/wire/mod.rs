@@ -7,6 +7,7 @@
 
 pub mod chat;
 pub mod class;
+pub mod format;
 pub mod hash;
 pub mod items;
 pub mod messages;
@@ -34,6 +35,15 @@ pub enum Api {
 }
 
 impl Api {
+    /// This API's answers to what the phases ask of its wire format.
+    pub fn format(self) -> &'static dyn format::Format {
+        match self {
+            Api::Chat => &chat::Chat,
+            Api::Responses => &responses::Responses,
+            Api::Messages => &messages::Messages,
+        }
+    }
+
     /// The endpoint path below the API prefix, as recorded.
     pub fn endpoint(self) -> &'static str {
         match self {

@@ -6,6 +6,7 @@ use serde::Deserialize;
 use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 
+use super::format::{text_of, First, Format, Start, ToolCall};
 use super::Usage;
 use crate::error::InvalidField;
 
@@ -275,6 +276,107 @@ pub fn is_terminal_event(kind: &str) -> bool {
         kind,
         "response.completed" | "response.incomplete" | "response.failed"
     )
+}
+
+/// The Responses API's answers to what the phases ask ([`Format`]).
+pub struct Responses;
+
+/// Event types that come before a Responses stream commits to an answer.
+const PRELUDE_EVENTS: &[&str] = &[
+    "response.created",
+    "response.in_progress",
+    "response.queued",
+];
+
+impl Format for Responses {
+    fn tool(&self, name: &str, description: &str, parameters: Value) -> Value {
+        json!({"type": "function", "name": name,
+            "description": description, "parameters": parameters})
+    }
+
+    fn stream_start(&self, name: &str, data: &str) -> Start {
+        let kind = event_type(data).unwrap_or_else(|| name.to_string());
+        if PRELUDE_EVENTS.contains(&kind.as_str()) {
+            Start::Prelude
+        } else if kind == "response.failed" || kind == "error" {
+            Start::Failed
+        } else {
+            Start::Committed
+        }
+    }
+
+    fn starts_reasoning(&self, name: &str, data: &str) -> bool {
+        let Ok(v) = serde_json::from_str::<Value>(data) else {
+            return false;
+        };
+        let kind = event_type(data).unwrap_or_else(|| name.to_string());
+        kind == "response.output_item.added"
+            && v.pointer("/item/type").and_then(Value::as_str) == Some("reasoning")
+    }
+
+    fn first_output(&self, name: &str, data: &str) -> Option<First> {
+        let v: Value = serde_json::from_str(data).ok()?;
+        match event_type(data)
+            .unwrap_or_else(|| name.to_string())
+            .as_str()
+        {
+            "response.output_text.delta" => Some(First::Text),
+            "response.output_item.added" => match v.pointer("/item/type").and_then(Value::as_str) {
+                Some("function_call") => Some(First::ToolCall),
+                Some("message") => Some(First::Text),
+                _ => None,
+            },
+            _ => None,
+        }
+    }
+
+    fn answer_of(&self, items: Vec<Value>) -> Value {
+        json!({ "output": items })
+    }
+
+    fn tool_calls(&self, answer: &Value) -> Vec<ToolCall> {
+        answer
+            .get("output")
+            .and_then(Value::as_array)
+            .into_iter()
+            .flatten()
+            .filter(|i| i.get("type").and_then(Value::as_str) == Some("function_call"))
+            .map(|c| ToolCall {
+                id: text_of(c, "call_id"),
+                name: text_of(c, "name"),
+                arguments: text_of(c, "arguments"),
+            })
+            .collect()
+    }
+
+    fn continuation(
+        &self,
+        answer: &Value,
+        results: &[(String, String)],
+        arguments: &mut dyn FnMut(&str, &mut Value),
+    ) -> Vec<Value> {
+        let mut out: Vec<Value> = answer
+            .get("output")
+            .and_then(Value::as_array)
+            .cloned()
+            .unwrap_or_default();
+        for item in &mut out {
+            let Some(name) = item.get("name").and_then(Value::as_str).map(String::from) else {
+                continue;
+            };
+            if let Some(args) = item.get_mut("arguments") {
+                arguments(&name, args);
+            }
+        }
+        out.extend(results.iter().map(
+            |(id, text)| json!({"type": "function_call_output", "call_id": id, "output": text}),
+        ));
+        out
+    }
+
+    fn expands_items(&self) -> bool {
+        true
+    }
 }
 
 #[cfg(test)]

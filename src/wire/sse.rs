@@ -189,19 +189,25 @@ impl Framer {
         }
     }
 }
-/// An event's bytes: its `event:` line unless it is a `message`, its data
-/// on one line.
+/// An event's bytes, as [`write_event`] writes them.
 pub fn event_bytes(name: &str, data: &Value) -> Bytes {
     let mut out = BytesMut::new();
-    if name != "message" {
+    write_event(&mut out, name, data.to_string().as_bytes());
+    out.freeze()
+}
+
+/// The one writer of an SSE event the proxy makes: its `event:` line
+/// unless it is a `message` (or has no name), then `data` (one line) and
+/// the blank line that ends it.
+pub fn write_event(out: &mut BytesMut, name: &str, data: &[u8]) {
+    if !name.is_empty() && name != "message" {
         out.extend_from_slice(b"event: ");
         out.extend_from_slice(name.as_bytes());
         out.extend_from_slice(b"\n");
     }
     out.extend_from_slice(b"data: ");
-    out.extend_from_slice(data.to_string().as_bytes());
+    out.extend_from_slice(data);
     out.extend_from_slice(b"\n\n");
-    out.freeze()
 }
 
 /// What the tee collected, per API.
@@ -382,11 +388,7 @@ impl SseTee {
             match rewrite {
                 Strip::Keep => out.extend_from_slice(&block.raw),
                 Strip::Drop => {}
-                Strip::Replace(data) => {
-                    out.extend_from_slice(b"data: ");
-                    out.extend_from_slice(data.as_bytes());
-                    out.extend_from_slice(b"\n\n");
-                }
+                Strip::Replace(data) => write_event(&mut out, "", data.as_bytes()),
             }
         }
         out.freeze()

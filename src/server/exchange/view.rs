@@ -96,7 +96,7 @@ impl PendingExchange {
         let up = &mut self.upstream;
         up.view = request.items().clone();
         up.compaction = None;
-        up.drop_block = request.api() == Api::Messages && messages::thinking_on(request.body());
+        up.drop_block = request.api().format().signs_thinking(request.body());
         self.offered.recall = false;
         up.extra.clear();
     }

@@ -1,0 +1,98 @@
+//! What the request's phases ask of a wire format, answered once per API:
+//! the phases hold an [`Api`](super::Api) and ask its [`Format`] rather than match on
+//! it. A new wire format is a file of `wire/` that implements [`Format`],
+//! and an arm in [`Api::format`](super::Api::format).
+
+use serde_json::Value;
+
+/// How a stream's event stands before the upstream commits to an answer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Start {
+    /// No output yet (the prelude, a keep-alive): held back.
+    Prelude,
+    /// A failure before any output: held, for the send to judge.
+    Failed,
+    /// The answer began, or an event the proxy cannot read: relayed as it
+    /// comes.
+    Committed,
+}
+
+/// How a stream's first output begins.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum First {
+    /// Text for the client.
+    Text,
+    /// A tool call.
+    ToolCall,
+}
+
+/// A tool call of a complete answer: its id, the tool's name, and its
+/// arguments as JSON text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ToolCall {
+    /// The call's id, which its result names.
+    pub id: String,
+    /// The tool called.
+    pub name: String,
+    /// The arguments, as JSON text.
+    pub arguments: String,
+}
+
+/// One API's answers to what the phases ask of its wire format.
+pub trait Format: Sync {
+    /// A tool's definition in this format's shape.
+    fn tool(&self, name: &str, description: &str, parameters: Value) -> Value;
+
+    /// What a stream's event (`name`, `data`) says of the answer's start.
+    fn stream_start(&self, name: &str, data: &str) -> Start;
+
+    /// Whether a stream's event opens reasoning: a stream that begins so
+    /// is relayed as it comes, recall rounds spliced onto it.
+    fn starts_reasoning(&self, name: &str, data: &str) -> bool;
+
+    /// The kind of output a stream's event starts, if it starts one.
+    fn first_output(&self, name: &str, data: &str) -> Option<First>;
+
+    /// A complete answer body holding a stream's output `items` (what the
+    /// tee collected), as far as its tool calls are read from it.
+    fn answer_of(&self, items: Vec<Value>) -> Value;
+
+    /// The tool calls of a complete answer, in order.
+    fn tool_calls(&self, answer: &Value) -> Vec<ToolCall>;
+
+    /// The items that continue a request after the proxy answered the tool
+    /// calls of `answer`: the answer's own output, then a result per
+    /// `(call id, text)`. `arguments` may rewrite the (JSON text)
+    /// arguments of each call the output repeats, given the tool's name;
+    /// a format whose arguments are no text leaves them as they came.
+    fn continuation(
+        &self,
+        answer: &Value,
+        results: &[(String, String)],
+        arguments: &mut dyn FnMut(&str, &mut Value),
+    ) -> Vec<Value>;
+
+    /// Whether a request streams without asking for the usage the proxy
+    /// needs, which the proxy then asks for (and hides from the client).
+    fn lacks_stream_usage(&self, _body: &Value) -> bool {
+        false
+    }
+
+    /// Whether a request's items may stand for others, which the proxy
+    /// expands: a response the upstream stored (`previous_response_id`),
+    /// from the proxy's record; the proxy's own compaction items.
+    fn expands_items(&self) -> bool {
+        false
+    }
+
+    /// Whether a request's thinking is signed against its prefix, so that
+    /// hiding rounds or compacting the prefix invalidates it.
+    fn signs_thinking(&self, _body: &Value) -> bool {
+        false
+    }
+}
+
+/// `s` of a JSON object's member `k`, or empty.
+pub(super) fn text_of(v: &Value, k: &str) -> String {
+    v.get(k).and_then(Value::as_str).unwrap_or("").to_string()
+}
