@@ -575,23 +575,18 @@ impl Metrics {
         self.bill_add("uncompacted", p.cost(&uncompacted));
     }
 
-    /// A compaction's summarizer (or provider) calls on the bill: `tokens`
-    /// of which `output_tokens` were written, at `prices` (their input
-    /// priced uncached: the call's cache figures are not recorded).
-    pub fn summary_bill(&self, prices: Option<Prices>, tokens: u64, output_tokens: u64) {
-        if tokens == 0 {
+    /// A compaction's summarizer (or provider) calls on the bill: their
+    /// prompts and answers, `call` (its cache reads and writes as the
+    /// upstream reported them), at `prices`.
+    pub fn summary_bill(&self, prices: Option<Prices>, call: Tokens) {
+        if call.input + call.output == 0 {
             return;
         }
         let Some(p) = prices else {
             self.unpriced.inc();
             return;
         };
-        let output = output_tokens.min(tokens);
-        let dollars = p.cost(&Tokens {
-            input: tokens - output,
-            output,
-            ..Tokens::default()
-        });
+        let dollars = p.cost(&call);
         self.bill_add("paid", dollars);
         self.bill_add("summaries", dollars);
     }

@@ -539,25 +539,37 @@ async fn what_was_paid_is_what_a_simulated_anthropic_cache_billed() {
         "the ledger has hour-long writes and reads: {exchanges:?}"
     );
     // Sonnet's list prices per million tokens.
-    let billed: f64 = exchanges
-        .iter()
-        .map(|b| {
-            let u = &b.usage;
-            (u.input as f64 * 3.0
-                + u.read as f64 * 0.3
-                + u.write_5m as f64 * 3.75
-                + u.write_1h as f64 * 6.0
-                + b.output as f64 * 15.0)
-                / 1e6
-        })
-        .sum();
+    let price = |b: &&compactor::fake_upstream::cache::Billed| {
+        let u = &b.usage;
+        (u.input as f64 * 3.0
+            + u.read as f64 * 0.3
+            + u.write_5m as f64 * 3.75
+            + u.write_1h as f64 * 6.0
+            + b.output as f64 * 15.0)
+            / 1e6
+    };
+    let billed: f64 = exchanges.iter().map(price).sum();
     let report = h.get_json("/admin/api/savings").await;
     let t = &report["total"];
-    let paid = t["cost"].as_f64().unwrap() - t["cost_summaries"].as_f64().unwrap();
+    let summaries = t["cost_summaries"].as_f64().unwrap();
+    let paid = t["cost"].as_f64().unwrap() - summaries;
     assert!(
         (paid - billed).abs() < 1e-9,
         "the proxy's {paid} against the ledger's {billed}: {t}"
     );
+    // The summary calls too, their history read from the cache.
+    let calls: Vec<_> = ledger.iter().filter(|b| b.summarizer).collect();
+    assert!(
+        calls.iter().any(|b| b.usage.read > 0),
+        "a summary call read the cache: {calls:?}"
+    );
+    let billed: f64 = calls.iter().map(price).sum();
+    assert!(
+        (summaries - billed).abs() < 1e-9,
+        "the proxy's summaries {summaries} against the ledger's {billed}: {t}"
+    );
+    let read: u64 = calls.iter().map(|b| b.usage.read).sum();
+    assert_eq!(t["summarizer_cached_tokens"], read, "{t}");
     assert_eq!(t["exchanges_without_cache_fields"], 0, "{t}");
     assert!(t["exchanges_compacted"].as_u64().unwrap() >= 2, "{t}");
 }

@@ -323,6 +323,7 @@ proptest! {
             summary_calls: 0,
             summary_tokens: 0,
             summary_output_tokens: 0,
+            summary_cache: Default::default(),
             tokens_saved: 0,
             observed: false,
             audit: None,

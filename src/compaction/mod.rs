@@ -129,6 +129,10 @@ pub struct Compaction {
     /// Of `summary_tokens`, those the summarizer wrote (priced as output).
     #[serde(default)]
     pub summary_output_tokens: u64,
+    /// What those calls' prompts read from and wrote to the upstream's
+    /// prompt cache, as it reported them (priced at the cache's rates).
+    #[serde(default)]
+    pub summary_cache: SummaryCache,
     /// Estimated tokens fewer than the client's own items it covers: its
     /// own shrink plus that of the compaction it extends (whose
     /// replacement it started from). What a request it applies to saves.
@@ -149,6 +153,29 @@ pub struct Compaction {
     /// The replacement's hashes and JSON, made on first use.
     #[serde(skip)]
     pub made: replacement::Made,
+}
+
+/// The prompt-cache figures of a compaction's summary calls, summed over
+/// the calls, as their upstream reported them: 0 where it reported none
+/// (an older server, or no call), which prices that prompt uncached.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SummaryCache {
+    /// Prompt tokens read from the cache.
+    pub read: u64,
+    /// Prompt tokens written to it.
+    pub write: u64,
+    /// Of `write`, those written for an hour.
+    pub write_1h: u64,
+}
+
+impl SummaryCache {
+    /// Adds what one call's `usage` reported.
+    pub fn add(&mut self, usage: &crate::wire::Usage) {
+        self.read += usage.cached_tokens.unwrap_or(0);
+        self.write += usage.cache_write_tokens.unwrap_or(0);
+        self.write_1h += usage.cache_write_1h_tokens.unwrap_or(0);
+    }
 }
 
 /// A compaction's replacement, for a request's items to share
@@ -212,6 +239,7 @@ pub(crate) fn test_compaction(
         summary_calls: 1,
         summary_tokens: 0,
         summary_output_tokens: 0,
+        summary_cache: SummaryCache::default(),
         tokens_saved: 0,
         observed: false,
         audit: None,

@@ -119,6 +119,7 @@ pub fn standing_for(
         summary_calls: 0,
         summary_tokens: 0,
         summary_output_tokens: 0,
+        summary_cache: Default::default(),
         tokens_saved: 0,
         observed: false,
         audit: None,

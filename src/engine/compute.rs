@@ -395,6 +395,7 @@ async fn compute<S: Context>(
         summary_calls: cost.calls,
         summary_tokens: cost.tokens,
         summary_output_tokens: cost.output_tokens,
+        summary_cache: cost.cache,
         tokens_saved: prepared.before.saturating_sub(after)
             + base.map(Compaction::saved).unwrap_or(0),
         observed: input.observe,
@@ -434,10 +435,16 @@ async fn compute<S: Context>(
         .metrics()
         .summary_cost(cost.calls, cost.tokens, cost.output_tokens);
     let summarizer = state.config().summarizer_model_for(&input.model);
+    let output = cost.output_tokens.min(cost.tokens);
     state.metrics().summary_bill(
         crate::prices::of(state.config(), summarizer),
-        cost.tokens,
-        cost.output_tokens,
+        crate::prices::Tokens {
+            input: cost.tokens - output,
+            cache_read: cost.cache.read,
+            cache_write: cost.cache.write,
+            cache_write_1h: cost.cache.write_1h,
+            output,
+        },
     );
     tracing::info!(
         compaction = %c.id, conversation = %c.conversation, rung = c.rung.as_str(), reason = %c.reason,

@@ -101,6 +101,8 @@ pub struct Compacted {
     pub tokens: u64,
     /// Of those, the answer's.
     pub output_tokens: u64,
+    /// What its prompt read from and wrote to the cache, as reported.
+    pub cache: crate::compaction::SummaryCache,
 }
 
 /// Asks the provider to compact `part` (the items after the leading ones,
@@ -237,10 +239,15 @@ async fn call<S: Context>(
     let (tokens, output_tokens) = usage
         .map(|u| (u.total(), u.output_tokens))
         .unwrap_or((0, 0));
+    let mut cache = crate::compaction::SummaryCache::default();
+    if let Some(u) = &usage {
+        cache.add(u);
+    }
     Ok(Compacted {
         window,
         tokens,
         output_tokens: output_tokens.min(tokens),
+        cache,
     })
 }
 
@@ -372,6 +379,7 @@ pub(super) async fn summary_rung<S: Context, F: Fn(&Value) -> u64 + Sync>(
             calls: 1,
             tokens: got.tokens,
             output_tokens: got.output_tokens,
+            cache: got.cache,
             ..SummaryCost::default()
         },
     })

@@ -9,7 +9,7 @@ use serde_json::{json, Value};
 use super::context::Context;
 use super::input::Input;
 use crate::compaction::summary;
-use crate::compaction::Params;
+use crate::compaction::{Params, SummaryCache};
 use crate::wire::Api;
 
 /// What the summarizer calls of one compaction cost.
@@ -21,11 +21,47 @@ pub(super) struct SummaryCost {
     pub(super) tokens: u64,
     /// Of those, the answers'.
     pub(super) output_tokens: u64,
+    /// What their prompts read from and wrote to the upstream's cache.
+    pub(super) cache: SummaryCache,
     /// Older chunks past the call cap, left to the extracted facts.
     pub(super) chunks_skipped: usize,
     /// A summary call repeated the request the upstream last saw: it gave
     /// the summary (`Some(None)`), or missed and today's calls followed.
     pub(super) cached: Option<Option<CachedMiss>>,
+}
+
+impl SummaryCost {
+    /// Adds one call's tokens.
+    fn add(&mut self, call: &CallTokens) {
+        self.tokens += call.tokens;
+        self.output_tokens += call.output;
+        self.cache.read += call.cache.read;
+        self.cache.write += call.cache.write;
+        self.cache.write_1h += call.cache.write_1h;
+    }
+}
+
+/// One summary call's tokens: prompt and answer (as reported, else
+/// estimated), of those the answer's, and what its prompt read from and
+/// wrote to the cache (as reported).
+#[derive(Debug, Clone, Copy, Default)]
+pub(super) struct CallTokens {
+    pub(super) tokens: u64,
+    pub(super) output: u64,
+    pub(super) cache: SummaryCache,
+}
+
+impl CallTokens {
+    /// From an answer's reported `usage` (none: zero).
+    fn reported(usage: Option<crate::wire::Usage>) -> CallTokens {
+        let mut call = CallTokens::default();
+        if let Some(u) = usage {
+            call.tokens = u.total();
+            call.output = u.output_tokens.min(call.tokens);
+            call.cache.add(&u);
+        }
+        call
+    }
 }
 
 /// Runs the summarizer over `part`, chunk by chunk, within
@@ -56,20 +92,18 @@ pub(super) async fn summarize<S: Context>(
     if let (Some(body), true) = (cached, cap > 0) {
         spent.calls = 1;
         match call_cached(state, input, &body).await {
-            Ok((text, tokens, output)) => {
-                spent.tokens = tokens;
-                spent.output_tokens = output;
+            Ok((text, call)) => {
+                spent.add(&call);
                 spent.cached = Some(None);
                 return (Some(text), spent);
             }
-            Err((miss, tokens, output)) => {
+            Err((miss, call)) => {
                 state.metrics().summary_failure();
                 tracing::info!(
                     miss = miss.as_str(),
                     "summary from the cached request unusable: the summarizer call instead"
                 );
-                spent.tokens = tokens;
-                spent.output_tokens = output;
+                spent.add(&call);
                 spent.cached = Some(Some(miss));
             }
         }
@@ -117,9 +151,8 @@ async fn summarize_part<S: Context>(
             }
             cost.calls += 1;
             match call_summarizer(state, input, &messages, params).await {
-                Ok((text, tokens, output_tokens)) => {
-                    cost.tokens += tokens;
-                    cost.output_tokens += output_tokens;
+                Ok((text, call)) => {
+                    cost.add(&call);
                     match summary::validate(&text) {
                         Ok(()) => {
                             got = Some((summary::NARRATIVE_SECTIONS.len(), text));
@@ -215,14 +248,14 @@ pub enum SummarizerError {
     NoContent,
 }
 
-/// One summarizer call: the answer's text, the call's tokens and of those
-/// the answer's (as the upstream reports them, else estimated).
+/// One summarizer call: the answer's text and the call's tokens (as the
+/// upstream reports them, else estimated).
 pub(super) async fn call_summarizer<S: Context>(
     state: &Arc<S>,
     input: &Input,
     messages: &[Value],
     params: &Params,
-) -> Result<(String, u64, u64), SummarizerError> {
+) -> Result<(String, CallTokens), SummarizerError> {
     let cfg = &state.config().compaction;
     let model = if cfg.summarizer_model.is_empty() {
         input.model.as_str()
@@ -255,7 +288,12 @@ pub(super) async fn call_summarizer<S: Context>(
     }
     let v = post_summary(state, input, &body, None).await?;
     let text = answer_text(input.api, &v).ok_or(SummarizerError::NoContent)?;
-    let reported = match input.api.usage(&v) {
+    let usage = input.api.usage(&v);
+    let mut cache = SummaryCache::default();
+    if let Some(u) = &usage {
+        cache.add(u);
+    }
+    let reported = match usage {
         Some(u) if input.api == Api::Messages => (Some(u.total()), Some(u.output_tokens)),
         _ => (
             v.pointer("/usage/total_tokens").and_then(Value::as_u64),
@@ -282,7 +320,14 @@ pub(super) async fn call_summarizer<S: Context>(
             (tokens, answer.min(tokens))
         }
     };
-    Ok((text, tokens, output))
+    Ok((
+        text,
+        CallTokens {
+            tokens,
+            output,
+            cache,
+        },
+    ))
 }
 
 /// The text of a summary call's answer `v` in `api`'s shape.
@@ -434,24 +479,23 @@ pub(super) fn cached_body<S: Context>(
     Some(body)
 }
 
-/// The summary call that sends `body` ([`cached_body`]): the answer's text,
-/// the call's tokens and of those the answer's; why not, when its answer
-/// is a tool call, no text, or the call failed.
+/// The summary call that sends `body` ([`cached_body`]): the answer's text
+/// and the call's tokens; why not, when its answer is a tool call, no
+/// text, or the call failed.
 pub(super) async fn call_cached<S: Context>(
     state: &Arc<S>,
     input: &Input,
     body: &Value,
-) -> Result<(String, u64, u64), (CachedMiss, u64, u64)> {
+) -> Result<(String, CallTokens), (CachedMiss, CallTokens)> {
     let provider = input.sent.as_ref().map(|s| &s.headers);
     let v = match post_summary(state, input, body, provider).await {
         Ok(v) => v,
         Err(e) => {
             tracing::warn!(error = %e, "summary call from the cached request failed");
-            return Err((CachedMiss::Failed, 0, 0));
+            return Err((CachedMiss::Failed, CallTokens::default()));
         }
     };
-    let usage = input.api.usage(&v);
-    let (tokens, output) = usage.map_or((0, 0), |u| (u.total(), u.output_tokens));
+    let call = CallTokens::reported(input.api.usage(&v));
     let called = match input.api {
         Api::Messages => v
             .get("content")
@@ -463,11 +507,11 @@ pub(super) async fn call_cached<S: Context>(
             .is_some_and(|c| !c.is_empty()),
     };
     if called {
-        return Err((CachedMiss::ToolCall, tokens, output));
+        return Err((CachedMiss::ToolCall, call));
     }
     match answer_text(input.api, &v) {
-        Some(t) if summary::validate(&t).is_ok() => Ok((t, tokens, output)),
-        _ => Err((CachedMiss::Unusable, tokens, output)),
+        Some(t) if summary::validate(&t).is_ok() => Ok((t, call)),
+        _ => Err((CachedMiss::Unusable, call)),
     }
 }
 

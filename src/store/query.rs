@@ -186,6 +186,9 @@ pub struct CompactionRow {
     pub summary_calls: u32,
     /// Tokens of those calls, prompt and answer.
     pub summary_tokens: u64,
+    /// Of their prompt tokens, those the upstream reported read from its
+    /// prompt cache.
+    pub summary_cached_tokens: u64,
     /// Time to compute, ms.
     pub duration_ms: u64,
     /// The first exchange whose request it rewrote, if any yet.
@@ -526,6 +529,7 @@ fn compaction_row(c: &Compaction, exchanges: &[ExchangeRow]) -> CompactionRow {
         base: c.base.clone(),
         summary_calls: c.summary_calls,
         summary_tokens: c.summary_tokens,
+        summary_cached_tokens: c.summary_cache.read,
         duration_ms: c.duration_ms,
         first_applied_exchange: applied.first().copied(),
         applied_exchanges: applied.len() as u64,

@@ -5,7 +5,7 @@
 
 use super::error::StoreError;
 use super::sql::{Dialect, Row, Sql};
-use crate::compaction::{Compaction, Rung};
+use crate::compaction::{Compaction, Rung, SummaryCache};
 use crate::windows::{Source, Told};
 use crate::wire::ItemHash;
 
@@ -36,7 +36,8 @@ pub(super) const COMPACTION_COLUMNS: &str =
     "id, tenant, conversation_id, covered_len, covered_chain,
     replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept, summary,
     facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens, summary_output_tokens,
-    tokens_saved, observed, audit";
+    tokens_saved, observed, audit, summary_cached_tokens, summary_cache_write_tokens,
+    summary_cache_write_1h_tokens";
 
 /// A compaction from a row of [`COMPACTION_COLUMNS`].
 pub(super) fn compaction(r: &Row) -> Result<Compaction, StoreError> {
@@ -73,6 +74,11 @@ pub(super) fn compaction(r: &Row) -> Result<Compaction, StoreError> {
         audit: r
             .get::<Option<String>>(22)?
             .and_then(|a| serde_json::from_str(&a).ok()),
+        summary_cache: SummaryCache {
+            read: r.count(23)?,
+            write: r.count(24)?,
+            write_1h: r.count(25)?,
+        },
     })
 }
 

@@ -16,9 +16,12 @@
 //! write price, output at the output price), the `compactor_recall`
 //! rounds' tokens (read from the cache in the share the exchange's own
 //! prompt was), and every summarizer and provider-compaction call of the
-//! conversation's compactions, at the summarizer model's prices. The
-//! summarizer's usage is recorded without its cache fields, so its input
-//! is priced uncached: the figure errs against compaction.
+//! conversation's compactions, at the summarizer model's prices, their
+//! prompts read from and written to the cache as their upstream reported
+//! it (recorded with each compaction: a summary call that repeats the
+//! conversation's request reads its history from the cache); a summary
+//! recorded without those figures (an upstream that reports none, or one
+//! stored before they were kept) is priced uncached.
 //!
 //! What the uncompacted request would have cost, the counterfactual: an
 //! exchange no compaction applied to is its own counterfactual (the same
@@ -85,6 +88,9 @@ pub struct Savings {
     pub summarizer_input_tokens: u64,
     /// Their output tokens.
     pub summarizer_output_tokens: u64,
+    /// Of their input tokens, those read from the upstream's prompt cache
+    /// (as reported).
+    pub summarizer_cached_tokens: u64,
     /// `tokens_saved` less the summarizer's tokens.
     pub net_tokens_saved: i64,
     /// Observe mode: input tokens compaction would have saved.
@@ -132,6 +138,7 @@ impl Savings {
         self.summarizer_calls += o.summarizer_calls;
         self.summarizer_input_tokens += o.summarizer_input_tokens;
         self.summarizer_output_tokens += o.summarizer_output_tokens;
+        self.summarizer_cached_tokens += o.summarizer_cached_tokens;
         self.tokens_saved_potential += o.tokens_saved_potential;
         self.cached_tokens += o.cached_tokens;
         self.cache_write_tokens += o.cache_write_tokens;
@@ -380,7 +387,8 @@ pub fn report(
         .collect();
     let rows = conn.rows(
         "SELECT conversation_id, summary_calls, summary_tokens, summary_output_tokens, reason,
-                observed
+                observed, summary_cached_tokens, summary_cache_write_tokens,
+                summary_cache_write_1h_tokens
          FROM compactions WHERE CAST(?1 AS TEXT) IS NULL OR conversation_id = ?1",
         &[conversation.into()],
     )?;
@@ -400,13 +408,17 @@ pub fn report(
         s.summarizer_calls += calls;
         s.summarizer_input_tokens += total - output;
         s.summarizer_output_tokens += output;
+        let (read, write, hour) = (r.count(6)?, r.count(7)?, r.count(8)?);
+        s.summarizer_cached_tokens += read;
         if total > 0 {
             let model = config.summarizer_model_for(&c.model).to_string();
             let prices = crate::prices::of(config, &model);
             let call = Tokens {
                 input: total - output,
+                cache_read: read,
+                cache_write: write,
+                cache_write_1h: hour,
                 output,
-                ..Tokens::default()
             };
             s.pay(prices, &model, call, None);
             if let Some(p) = prices {
@@ -565,6 +577,13 @@ mod tests {
         let mut c = crate::compaction::test_compaction("cmp_x", "t", 3, [0; 32], vec![]);
         c.conversation = "conv_a".into();
         (c.summary_calls, c.summary_tokens, c.summary_output_tokens) = (1, 3000, 500);
+        // Its summary call read 2,000 of its 2,500 prompt tokens from the
+        // cache and wrote 300 of them.
+        c.summary_cache = crate::compaction::SummaryCache {
+            read: 2_000,
+            write: 300,
+            write_1h: 0,
+        };
         db.write(&[
             // Written whole; then compacted (8,000 fewer) a minute later,
             // its prefix read; then compacted again after 10 idle minutes.
@@ -610,7 +629,11 @@ mod tests {
             (uncached * 3.0 + read * 0.3 + write * 3.75 + 100.0 * 15.0) / 1e6
         };
         let paid = m(0.0, 0.0, 10_000.0) + m(0.0, 2_000.0, 2_000.0) + m(0.0, 4_000.0, 1_000.0);
-        let summaries = (2_500.0 * 3.0 + 500.0 * 15.0) / 1e6;
+        let summaries = (200.0 * 3.0 + 2_000.0 * 0.3 + 300.0 * 3.75 + 500.0 * 15.0) / 1e6;
+        assert_eq!(
+            (a.summarizer_input_tokens, a.summarizer_cached_tokens),
+            (2_500, 2_000)
+        );
         // Uncompacted: the first exchange as it was; the second reads the
         // first's 10,000 of its 12,000 and writes the other 2,000; the
         // third came after the cache's five minutes, so writes all 13,000.

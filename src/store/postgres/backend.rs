@@ -554,6 +554,9 @@ columns! {
         observed: bool as "boolean" = c.observed,
         audit: Option<String> as "text" =
             c.audit.as_ref().and_then(|a| serde_json::to_string(a).ok()),
+        summary_cached_tokens: i64 as "bigint" = c.summary_cache.read as i64,
+        summary_cache_write_tokens: i64 as "bigint" = c.summary_cache.write as i64,
+        summary_cache_write_1h_tokens: i64 as "bigint" = c.summary_cache.write_1h as i64,
     }
 }
 

@@ -244,6 +244,18 @@ ALTER TABLE exchanges
     ADD COLUMN cache_write_1h_tokens BIGINT;
 "#,
     ),
+    (
+        11,
+        r#"
+-- What a compaction's summary calls' prompts read from and wrote to the
+-- upstream's cache, as reported (0: not reported, or no call), so the bill
+-- prices them as they were billed.
+ALTER TABLE compactions
+    ADD COLUMN summary_cached_tokens         BIGINT NOT NULL DEFAULT 0,
+    ADD COLUMN summary_cache_write_tokens    BIGINT NOT NULL DEFAULT 0,
+    ADD COLUMN summary_cache_write_1h_tokens BIGINT NOT NULL DEFAULT 0;
+"#,
+    ),
 ];
 
 /// The key of the advisory lock migrations run under, so that replicas

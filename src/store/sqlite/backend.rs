@@ -135,7 +135,12 @@ CREATE TABLE IF NOT EXISTS compactions (
     observed        INTEGER NOT NULL DEFAULT 0,
     -- Its facts checklist and the items it removed, as JSON (NULL for one
     -- stored before audits were kept).
-    audit           TEXT
+    audit           TEXT,
+    -- What its summary calls' prompts read from and wrote to the
+    -- upstream's cache, as reported (0: not reported, or no call).
+    summary_cached_tokens         INTEGER NOT NULL DEFAULT 0,
+    summary_cache_write_tokens    INTEGER NOT NULL DEFAULT 0,
+    summary_cache_write_1h_tokens INTEGER NOT NULL DEFAULT 0
 );
 CREATE INDEX IF NOT EXISTS compactions_conversation ON compactions (conversation_id, created_ms);
 -- The context windows upstreams told (stated in an overflow answer, or
@@ -198,6 +203,21 @@ const ADDED_COLUMNS: &[(&str, &str, &str)] = &[
     ("compactions", "audit", "TEXT"),
     ("exchanges", "cache_write_tokens", "INTEGER"),
     ("exchanges", "cache_write_1h_tokens", "INTEGER"),
+    (
+        "compactions",
+        "summary_cached_tokens",
+        "INTEGER NOT NULL DEFAULT 0",
+    ),
+    (
+        "compactions",
+        "summary_cache_write_tokens",
+        "INTEGER NOT NULL DEFAULT 0",
+    ),
+    (
+        "compactions",
+        "summary_cache_write_1h_tokens",
+        "INTEGER NOT NULL DEFAULT 0",
+    ),
 ];
 
 /// Adds the [`ADDED_COLUMNS`] an existing database lacks.
@@ -526,9 +546,10 @@ fn write_compaction(tx: &rusqlite::Transaction<'_>, c: &Compaction) -> Result<()
         "INSERT OR REPLACE INTO compactions (id, tenant, conversation_id, covered_len, covered_chain,
             replacement, rung, reason, tokens_before, tokens_after, items_removed, items_kept,
             summary, facts, base_id, summary_calls, duration_ms, created_ms, summary_tokens,
-            summary_output_tokens, tokens_saved, observed, audit)
+            summary_output_tokens, tokens_saved, observed, audit, summary_cached_tokens,
+            summary_cache_write_tokens, summary_cache_write_1h_tokens)
          VALUES (?1, ?2, ?3, ?4, ?5, ?6, ?7, ?8, ?9, ?10, ?11, ?12, ?13, ?14, ?15, ?16, ?17, ?18,
-            ?19, ?20, ?21, ?22, ?23)",
+            ?19, ?20, ?21, ?22, ?23, ?24, ?25, ?26)",
     )?
     .execute(params![
         c.id,
@@ -554,6 +575,9 @@ fn write_compaction(tx: &rusqlite::Transaction<'_>, c: &Compaction) -> Result<()
         c.tokens_saved as i64,
         c.observed,
         audit,
+        c.summary_cache.read as i64,
+        c.summary_cache.write as i64,
+        c.summary_cache.write_1h as i64,
     ])?;
     Ok(())
 }
@@ -932,7 +956,17 @@ mod tests {
         let mut b = SqliteBackend::open(&path).unwrap();
         let old = load_compaction(&b.conn, "cmp_old").unwrap().unwrap();
         assert_eq!(old.audit, None, "an old compaction has no audit");
+        assert_eq!(
+            old.summary_cache,
+            Default::default(),
+            "nor summary cache figures: priced uncached"
+        );
         let mut c = crate::compaction::test_compaction("cmp_new", "t", 3, [1; 32], vec![]);
+        c.summary_cache = crate::compaction::SummaryCache {
+            read: 900,
+            write: 80,
+            write_1h: 20,
+        };
         c.audit = Some(Audit {
             facts: vec![AuditedFact {
                 kind: FactKind::Constraint,
@@ -945,6 +979,7 @@ mod tests {
         b.write(&[Record::Compaction(Box::new(c.clone()))]).unwrap();
         let back = load_compaction(&b.conn, "cmp_new").unwrap().unwrap();
         assert_eq!(back.audit, c.audit);
+        assert_eq!(back.summary_cache, c.summary_cache);
         drop(b);
         SqliteBackend::open(&path).unwrap();
     }
