@@ -1,9 +1,10 @@
 //! How each compaction attempt ended, kept for the admin API: the latest
 //! of each recent conversation.
 
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 use super::error::CompactError;
+use super::guard::lock;
 use crate::bounded::Generations;
 use crate::compaction::Compaction;
 
@@ -99,8 +100,40 @@ impl Attempt {
     }
 }
 
-/// The recent attempts of the recent conversations.
-pub(super) type Attempts = Generations<(String, String), Vec<Attempt>>;
+/// The recent attempts of the recent conversations, by (tenant,
+/// conversation), oldest first: discarded ones leave no compaction to
+/// show. One lock.
+pub(super) struct Attempts {
+    kept: Mutex<Generations<(String, String), Vec<Attempt>>>,
+}
+
+impl Default for Attempts {
+    fn default() -> Self {
+        Self {
+            kept: Mutex::new(Generations::new(ATTEMPT_CONVERSATIONS)),
+        }
+    }
+}
+
+impl Attempts {
+    /// Keeps an attempt of the conversation `key` (the latest
+    /// [`ATTEMPTS_KEPT`]).
+    pub(super) fn push(&self, key: (String, String), attempt: Attempt) {
+        let mut kept = lock(&self.kept);
+        let mut list = kept.renew(&key).cloned().unwrap_or_default();
+        list.push(attempt);
+        if list.len() > ATTEMPTS_KEPT {
+            list.remove(0);
+        }
+        kept.insert(key, list);
+    }
+
+    /// The conversation's recent attempts, oldest first.
+    pub(super) fn of(&self, tenant: &str, conversation: &str) -> Vec<Attempt> {
+        let key = (tenant.to_string(), conversation.to_string());
+        lock(&self.kept).get(&key).cloned().unwrap_or_default()
+    }
+}
 
 /// Attempts kept per conversation, the latest.
 pub(super) const ATTEMPTS_KEPT: usize = 32;

@@ -10,8 +10,8 @@ use super::attempt::Attempt;
 use super::context::Context;
 use super::count::{count_items, count_tools};
 use super::error::CompactError;
-use super::index::{lock, MAX_CALIBRATION, MIN_CALIBRATION};
 use super::input::{goal_kind, Goal, Input};
+use super::learned::{MAX_CALIBRATION, MIN_CALIBRATION};
 use super::provider;
 use super::summarizer::{cached_body, summarize, SummaryCost, INSTRUCTION_TOKENS};
 use crate::compaction::fit::{self, CannotFit, FitInput};
@@ -409,7 +409,7 @@ async fn compute<S: Context>(
     }
     let c = Arc::new(c);
     if input.soft && !c.observed {
-        lock(&state.compactions().waiting).insert(c.id.clone());
+        state.compactions().running().wait(&c.id);
     }
     state.compactions().insert(c.clone());
     if let (false, Some(trigger)) = (c.observed, crate::metrics::trigger_of(&c.reason)) {

@@ -13,18 +13,16 @@
 //! backwards changes nothing here.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
-
-use serde_json::Value;
-use tokio::sync::watch;
+use std::time::Duration;
 
 use super::compute::compact;
 use super::context::Context;
-use super::index::lock;
 use super::input::Input;
 use super::jobs::{claim, follow_ups, release};
+use super::running::Idle;
 use crate::compaction::policy::{cold_tokens, trigger_tokens};
 use crate::wire::ItemHash;
+use serde_json::Value;
 
 /// The reason's first word of such a compaction (see
 /// [`crate::metrics::reason_kind`]).
@@ -114,19 +112,15 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: &Input, used: u64) {
     };
     state.compactions().read_now(&input.tenant, &thread, ttl);
     let key = (input.tenant.clone(), thread);
-    let mut idle = lock(&state.compactions().idle);
+    let running = state.compactions().running();
     if !watched {
-        idle.remove(&key);
+        running.unwatch_idle(&key);
         return;
     }
-    if idle
-        .insert(key.clone(), (Instant::now(), input.clone()))
-        .is_some()
-    {
+    if !running.watch_idle(key.clone(), input.clone()) {
         // Its watcher runs already, and sees the new time.
         return;
     }
-    drop(idle);
     let state = state.clone();
     tokio::spawn(async move { watch_idle(&state, key, ttl, used).await });
 }
@@ -136,33 +130,17 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: &Input, used: u64) {
 async fn watch_idle<S: Context>(state: &Arc<S>, key: (String, ItemHash), ttl: Duration, used: u64) {
     let wait = ttl.mul_f64(IDLE_SHARE);
     let input = loop {
-        let due = {
-            let mut idle = lock(&state.compactions().idle);
-            let Some((at, _)) = idle.get(&key) else {
-                return;
-            };
-            let due = *at + wait;
-            if Instant::now() >= due {
-                let Some((_, input)) = idle.remove(&key) else {
-                    return;
-                };
-                break input;
-            }
-            due
-        };
-        tokio::time::sleep_until(due.into()).await;
+        match state.compactions().running().idle_due(&key, wait) {
+            Idle::Gone => return,
+            Idle::Due(input) => break *input,
+            Idle::Until(due) => tokio::time::sleep_until(due.into()).await,
+        }
     };
     // Not while a compaction of the conversation is computed.
     let thread = key.1;
     let key = (input.tenant.clone(), input.conversation.clone());
-    let tx = {
-        let mut jobs = lock(&state.compactions().jobs);
-        if jobs.get(&key).is_some_and(|rx| !*rx.borrow()) {
-            return;
-        }
-        let (tx, rx) = watch::channel(false);
-        jobs.insert(key.clone(), rx);
-        tx
+    let Some(tx) = state.compactions().running().start_unless_running(&key) else {
+        return;
     };
     let mut input = input;
     input.reason = format!(

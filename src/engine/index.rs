@@ -1,227 +1,64 @@
-//! The compactions this process knows, in memory: found by the covered
-//! prefix's chain hash per tenant, with each conversation's calibration,
-//! the back-off of compactions no request matched, the jobs under way and
-//! the attempts kept for the admin API.
+//! The compactions this process knows, in memory, and what it keeps beside
+//! them: one registry of owned parts, each behind one lock of its own (or
+//! none), each with methods and no fields shown to its siblings.
+//!
+//! - [`Stored`]: what is stored (by tenant, by id, bodies, newest);
+//! - [`Heard`]: what a store shared by replicas announced;
+//! - [`Running`]: what is running (jobs, follow-ups, manual, waiting, idle
+//!   watches);
+//! - [`Learned`]: what was learned (calibration, reports, cache reads,
+//!   back-off, provider support);
+//! - [`Turns`]: per-turn bookkeeping (agent turns, hidden rounds);
+//! - [`Attempts`]: how the recent compaction attempts ended.
+//!
+//! Lock order: a part's method holds its lock only while it runs, and
+//! calls no other part meanwhile, but for one: [`Running::start`] runs its
+//! check (the back-off, [`Learned`]'s lock) under [`Running`]'s lock, and
+//! [`Learned`] never calls [`Running`]. So at most those two locks are held
+//! at once, always in that order.
 
-use foldhash::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tokio::sync::watch;
 
-use super::attempt::{Attempt, Attempts, ATTEMPTS_KEPT, ATTEMPT_CONVERSATIONS};
-use super::input::Input;
-use super::learned::Support;
-use crate::bounded::Generations;
-use crate::compaction::{rewrite, Compaction};
+use super::attempt::{Attempt, Attempts};
+use super::heard::Heard;
+use super::learned::{Learned, Reported};
+use super::running::Running;
+use super::stored::{LoadCompaction, Stored};
+use super::turns::Turns;
+use crate::compaction::Compaction;
 use crate::conversation::ConversationIndex;
 use crate::store::StoredCompaction;
 use crate::store::{ChainHit, LookUp, Reads, StoreError};
 use crate::wire::ItemHash;
 
-/// Bounds of the estimate calibration (a wild figure is a misreport).
-pub(super) const MIN_CALIBRATION: f64 = 0.5;
-pub(super) const MAX_CALIBRATION: f64 = 3.0;
-/// Longest back-off, in triggering exchanges skipped.
-const MAX_BACKOFF: u32 = 64;
-
-#[derive(Default)]
-pub(super) struct Backoff {
-    /// Compactions registered that no request has matched since.
-    pub(super) unmatched: u32,
-    /// Exponent of the next back-off.
-    pub(super) level: u32,
-    /// Triggering exchanges still to skip.
-    pub(super) skip: u32,
-}
-
-/// Conversations whose calibration is kept, per generation (see
-/// [`Generations`]): one that reports usage again within this many others
-/// keeps it; past that it starts again from 1 (its next usage sets it).
-pub(super) const CALIBRATED: usize = 1 << 17;
-
-/// Per (tenant, conversation): upstream tokens per estimated token. Keyed
-/// by a 64-bit hash of the pair under a per-process seed, with no strings
-/// to allocate per exchange: two conversations sharing a key (about one
-/// chance in 2^64 / 2^18 entries) would share a figure that only scales an
-/// estimate, within bounds.
-pub(super) struct Calibrations {
-    pub(super) by_key: Generations<u64, f64>,
-    /// The conversation's last reported prompt, by the same key.
-    pub(super) reported: Generations<u64, Reported>,
-    /// When the upstream last read a conversation's prefix (an answered
-    /// exchange, a summary call that repeated it), and how long its cache
-    /// keeps it idle, by a hash of the tenant and the conversation's
-    /// thread (see `engine::idle::thread`).
-    pub(super) read_at: Generations<u64, (std::time::Instant, Duration)>,
-    pub(super) seed: foldhash::quality::RandomState,
-}
-
-impl Default for Calibrations {
-    fn default() -> Self {
-        Self {
-            by_key: Generations::new(CALIBRATED),
-            reported: Generations::new(CALIBRATED),
-            read_at: Generations::new(CALIBRATED),
-            seed: Default::default(),
-        }
-    }
-}
-
-/// What the upstream reported of the last complete exchange of a
-/// conversation: the prompt's size in its own tokens, and what that prompt
-/// was (the chain hash over the items sent, the tool definitions' hash). A
-/// next request that extends those items with the same tools is that many
-/// tokens plus what it adds (see [`crate::engine::check_fit`]).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Reported {
-    /// Chain hash after the last item sent.
-    pub chain: ItemHash,
-    /// The tool definitions' hash, if any were sent.
-    pub tools: Option<ItemHash>,
-    /// Prompt tokens the upstream reported.
-    pub input_tokens: u64,
-}
-
-impl Calibrations {
-    pub(super) fn key(&self, tenant: &str, conversation: &str) -> u64 {
-        use std::hash::BuildHasher;
-        self.seed.hash_one((tenant, conversation))
-    }
-}
-
-/// Compaction bodies kept in memory, per generation (see [`Generations`]):
-/// those used lately. A body holds its replacement items and extracted
-/// facts (tens of kilobytes); the others are read from the store when a
-/// request needs them.
-pub(super) const BODIES: usize = 256;
-
-/// A stored compaction as the registry finds it: its id and how much it
-/// covers.
-pub(super) struct Entry {
-    pub(super) id: String,
-    pub(super) covered_len: usize,
-}
-
-impl rewrite::Covering for Entry {
-    fn covered_len(&self) -> usize {
-        self.covered_len
-    }
-}
-
-/// Conversations whose agent turn and hidden rounds are kept, per
-/// generation (see [`Generations`]): one not seen within this many others
-/// is forgotten, as if this process had just started.
-pub const PER_CONVERSATION: usize = 1 << 14;
-
-/// Reads a compaction's body from the store, by id.
-pub type LoadCompaction = Arc<dyn Fn(&str) -> Option<Compaction> + Send + Sync>;
-
-/// The compaction bodies used lately, and how to read the others.
-pub(super) struct Bodies {
-    pub(super) recent: Generations<String, Arc<Compaction>>,
-    pub(super) load: Option<LoadCompaction>,
-}
-
-impl Default for Bodies {
-    fn default() -> Self {
-        Self {
-            recent: Generations::new(BODIES),
-            load: None,
-        }
-    }
-}
-
-/// The background jobs computing, by (tenant, conversation): each told
-/// true when it ends.
-pub(super) type Jobs = HashMap<(String, String), watch::Receiver<bool>>;
-
-/// An exchange to decide once its conversation's job ends: its input, its
-/// tokens, and whether they were estimated.
-pub(super) type FollowUp = (Input, u64, bool);
-
 /// The registry of stored compactions and running jobs.
 #[derive(Default)]
 pub struct Compactions {
-    /// Every stored compaction, by tenant and covered chain (without bodies).
-    pub(super) by_tenant: Mutex<HashMap<String, HashMap<ItemHash, Entry>>>,
-    /// The same for observe mode's would-be compactions: found only to
-    /// figure what a request would have saved, never applied.
-    pub(super) observed: Mutex<HashMap<String, HashMap<ItemHash, Entry>>>,
-    pub(super) jobs: Mutex<Jobs>,
-    /// Per (tenant, conversation): the newest exchange that crossed the
-    /// trigger while a job for the conversation ran, with its tokens and
-    /// whether they were estimated. The job looks at it when it ends.
-    pub(super) follow_ups: Mutex<HashMap<(String, String), FollowUp>>,
-    pub(super) backoff: Mutex<HashMap<String, Backoff>>,
-    /// When each conversation's newest compaction was stored (Unix ms),
-    /// and its id.
-    pub(super) newest: Mutex<HashMap<(String, String), (i64, String)>>,
-    /// The tenant of every stored compaction, by id (to expand `compaction`
-    /// items).
-    pub(super) by_id: Mutex<HashMap<String, String>>,
-    pub(super) bodies: Mutex<Bodies>,
-    /// Per conversation: the upstream's token count over the proxy's
-    /// estimate, from the last exchange that reported usage. The upstream
-    /// may tokenize differently (llama, qwen…); limits are checked in its
-    /// tokens.
-    /// The recent conversations only: every conversation that reports
-    /// usage sets one, one-off requests included.
-    pub(super) calibration: Mutex<Calibrations>,
-    /// Conversations whose next request is to be compacted (manual).
-    pub(super) manual: Mutex<foldhash::HashSet<String>>,
-    /// Compactions computed here that wait for their first application (by
-    /// id): a threshold one's on the next request that extends it, the
-    /// model's at a turn boundary. One this process did not compute (replayed
-    /// from the store, stored by another replica) is taken as applied.
-    pub(super) waiting: Mutex<foldhash::HashSet<String>>,
-    /// Per (tenant, conversation): the turn (see
-    /// [`crate::compaction::agent_tool::turn_of`]) whose agent compaction
-    /// was scheduled last (one per turn). The recent conversations only.
-    pub(super) agent_turns: Mutex<Option<Generations<(String, String), ItemHash>>>,
-    /// (tenant, conversation) pairs on Anthropic Messages with thinking on
-    /// where an answer followed a round the proxy answered itself. The
-    /// recent conversations only.
-    pub(super) hidden_rounds: Mutex<Option<Generations<(String, String), ()>>>,
+    /// What is stored: every compaction, by tenant and covered chain, its
+    /// tenant by id, each conversation's newest, the bodies used lately.
+    stored: Stored,
+    /// What other processes stored, as a shared store announced it, and
+    /// which conversations and requests the store was asked for.
+    heard: Heard,
+    /// What is running: the jobs and their follow-ups, the manual
+    /// compactions asked for, the compactions waiting for their first
+    /// application, the idle conversations watched.
+    running: Running,
+    /// What was learned: calibrations, reported prompts, cache reads,
+    /// back-off, provider support.
+    learned: Learned,
+    /// Per-turn bookkeeping: agent turns, hidden rounds.
+    turns: Turns,
+    /// The recent compaction attempts of the recent conversations.
+    attempts: Attempts,
     /// A store other processes write too: compactions they computed are
-    /// looked up there, and computing one is claimed there first.
-    pub(super) shared: Option<Arc<dyn Reads>>,
-    /// The recent compaction attempts of the recent conversations, by
-    /// (tenant, conversation), oldest first: discarded ones leave no
-    /// compaction to show.
-    pub(super) attempts: Mutex<Option<Attempts>>,
-    /// Whether each upstream and model offers the provider's compaction
-    /// (`compaction.summarizer = "auto"`).
-    pub(super) provider: Support,
-    /// What a shared store's reads told of its compactions (see
-    /// [`Compactions::prefetch`]).
-    pub(super) heard: Heard,
-    /// Conversations past the cold threshold whose idle time is watched
-    /// (see `engine::idle`), by tenant and thread: when their last exchange
-    /// ended and what it sent.
-    pub(super) idle: Mutex<HashMap<(String, ItemHash), (std::time::Instant, Input)>>,
+    /// looked up there, computing one is claimed there first, and manual
+    /// requests and attempts are kept there. Set once, before any request.
+    shared: Option<Arc<dyn Reads>>,
 }
-
-/// What this process knows of the compactions other processes store.
-#[derive(Default)]
-pub(super) struct Heard {
-    /// Those announced and not yet indexed (indexed at the next lookup).
-    announced: Arc<Mutex<Vec<StoredCompaction>>>,
-    /// Per (tenant, conversation): the [`Reads::hearing`] under which the
-    /// store was last asked for the conversation's compactions. While it
-    /// holds, every compaction stored since was announced: the
-    /// conversation's newest is in memory.
-    asked: Mutex<Option<Generations<(String, String), u64>>>,
-    /// Requests (tenant, last chain) whose compaction lookup was made
-    /// before they were matched: their next [`Compactions::find`] looks in
-    /// memory only.
-    settled: Mutex<Option<Generations<(String, ItemHash), ()>>>,
-}
-
-/// Conversations whose [`Heard::asked`] is kept, and requests whose
-/// [`Heard::settled`], per generation: one asked for longer ago is asked
-/// again.
-const HEARD: usize = 1 << 16;
 
 /// What a request read of a shared store before it was matched
 /// ([`Compactions::prefetch`]).
@@ -243,18 +80,16 @@ pub(super) const CLAIM_FOR: Duration = Duration::from_secs(120);
 /// How often a request waiting for another replica's compaction looks for it.
 pub(super) const FOREIGN_POLL: Duration = Duration::from_millis(100);
 
-pub(super) fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
 impl Compactions {
     /// Rebuilds the registry from the stored compactions (replay); `load`
     /// reads a body from the store when a request needs one.
     pub fn from_stored(list: Vec<StoredCompaction>, load: LoadCompaction) -> Self {
-        let me = Self::default();
-        lock(&me.bodies).load = Some(load);
+        let me = Self {
+            stored: Stored::reading(load),
+            ..Self::default()
+        };
         for c in list {
-            me.index(c);
+            me.stored.index(c);
         }
         me
     }
@@ -263,20 +98,38 @@ impl Compactions {
     /// [`Reads::shared`]).
     pub fn shared_with(mut self, reads: Arc<dyn Reads>) -> Self {
         if reads.shared() {
-            let announced = self.heard.announced.clone();
-            reads.on_compacted(Box::new(move |c| lock(&announced).push(c)));
+            reads.on_compacted(Box::new(self.heard.announcer()));
             self.shared = Some(reads);
         }
         self
     }
 
+    /// What is stored.
+    pub(super) fn stored(&self) -> &Stored {
+        &self.stored
+    }
+
+    /// What is running.
+    pub(super) fn running(&self) -> &Running {
+        &self.running
+    }
+
+    /// What was learned.
+    pub(super) fn learned(&self) -> &Learned {
+        &self.learned
+    }
+
+    /// The store other processes write too, if any.
+    pub(super) fn shared(&self) -> Option<&Arc<dyn Reads>> {
+        self.shared.as_ref()
+    }
+
     /// Indexes the compactions announced since the last call (those this
     /// process did not store itself).
     fn take_announced(&self) {
-        let announced = std::mem::take(&mut *lock(&self.heard.announced));
-        for c in announced {
-            if !lock(&self.by_id).contains_key(&c.id) {
-                self.index(c);
+        for c in self.heard.take_announced() {
+            if !self.stored.knows(&c.id) {
+                self.stored.index(c);
             }
         }
     }
@@ -310,19 +163,13 @@ impl Compactions {
             conversation,
             goes_on,
         } = conversations.to_look_up(tenant, chains);
-        let (kept, covered) = {
-            let idx = lock(&self.by_tenant);
-            idx.get(tenant)
-                .and_then(|m| rewrite::find(chains, m))
-                .map_or((None, 0), |e| (Some(e.id.clone()), e.covered_len))
-        };
+        let (kept, covered) = self.stored.covering(tenant, chains, false);
         // The body of the one memory has, unless kept: read along.
-        let body_of = kept.filter(|id| lock(&self.bodies).recent.get(id).is_none());
+        let body_of = kept.filter(|id| !self.stored.body_kept(id));
         let hearing = shared.hearing();
         let known = conversation.is_some_and(|c| {
-            let asked = lock(&self.heard.asked);
-            let under = asked.as_ref().and_then(|a| a.get(&(tenant.to_string(), c)));
-            hearing.is_some() && under.copied() == hearing
+            let under = self.heard.asked_under(tenant, c);
+            hearing.is_some() && under == hearing
         });
         let covering_from = (!known && covered < chains.len()).then_some(covered);
         let ask = LookUp {
@@ -331,17 +178,15 @@ impl Compactions {
             body_of: body_of.clone(),
             goes_on,
         };
-        lock(&self.heard.settled)
-            .get_or_insert_with(|| Generations::new(HEARD))
-            .insert((tenant.to_string(), *last), ());
+        self.heard.settle(tenant, *last);
         let found = shared.look_up(tenant, chains, ask).await;
         if let Some(c) = found.compaction {
             if Some(&c.id) == body_of.as_ref() {
-                lock(&self.bodies).recent.insert(c.id.clone(), Arc::new(c));
+                self.stored.keep_body(Arc::new(c));
             } else if c.covered_len > covered
                 && chains.get(c.covered_len - 1) == Some(&c.covered_chain)
             {
-                self.insert(Arc::new(c));
+                self.stored.insert(Arc::new(c));
             }
         }
         Prefetched {
@@ -356,126 +201,56 @@ impl Compactions {
     /// heard).
     pub fn matched(&self, tenant: &str, conversation: &str, prefetched: &Prefetched) {
         if let Some(under) = prefetched.asked_under {
-            lock(&self.heard.asked)
-                .get_or_insert_with(|| Generations::new(HEARD))
-                .insert((tenant.to_string(), conversation.to_string()), under);
+            self.heard.asked(tenant, conversation, under);
         }
     }
 
     /// Adds a compaction just stored.
     pub(super) fn insert(&self, c: Arc<Compaction>) {
-        self.index(StoredCompaction::from(&*c));
-        lock(&self.bodies).recent.insert(c.id.clone(), c);
-    }
-
-    pub(super) fn index(&self, c: StoredCompaction) {
-        let StoredCompaction {
-            id,
-            tenant,
-            conversation,
-            covered_len,
-            covered_chain,
-            created_ms,
-            observed,
-        } = c;
-        // The time it became visible, not when it was computed: a request
-        // that started before this moment may have missed it.
-        let visible = crate::ids::now_ms().max(created_ms);
-        let mut newest = lock(&self.newest);
-        let at = newest.entry((tenant.clone(), conversation)).or_default();
-        if visible >= at.0 {
-            *at = (visible, id.clone());
-        }
-        drop(newest);
-        lock(&self.by_id).insert(id.clone(), tenant.clone());
-        let index = if observed {
-            &self.observed
-        } else {
-            &self.by_tenant
-        };
-        lock(index)
-            .entry(tenant)
-            .or_default()
-            .insert(covered_chain, Entry { id, covered_len });
-    }
-
-    /// A compaction's body: kept, or read from the store (a stored one
-    /// that cannot be read is treated as absent: the request goes as the
-    /// client sent it).
-    pub(super) fn body(&self, id: &str) -> Option<Arc<Compaction>> {
-        let load = {
-            let mut bodies = lock(&self.bodies);
-            // Used again: kept into the next generation.
-            if let Some(c) = bodies.recent.renew(id) {
-                return Some(c.clone());
-            }
-            bodies.load.clone()?
-        };
-        // Read without the lock: other requests' lookups go on meanwhile.
-        let c = match load(id) {
-            Some(c) => Arc::new(c),
-            None => {
-                tracing::warn!(compaction = %id, "stored compaction could not be read");
-                return None;
-            }
-        };
-        lock(&self.bodies).recent.insert(id.to_string(), c.clone());
-        Some(c)
+        self.stored.insert(c);
     }
 
     /// The longest stored compaction of `tenant` that covers a prefix of the
     /// request; a match also clears the tenant's back-off.
     pub fn find(&self, tenant: &str, chains: &[ItemHash]) -> Option<Arc<Compaction>> {
-        self.find_in(&self.by_tenant, tenant, chains, true)
+        self.find_in(false, tenant, chains)
     }
 
     /// [`Compactions::find`] among observe mode's would-be compactions
     /// (this replica's own: they are never applied, so never shared).
     pub fn find_observed(&self, tenant: &str, chains: &[ItemHash]) -> Option<Arc<Compaction>> {
-        self.find_in(&self.observed, tenant, chains, false)
+        self.find_in(true, tenant, chains)
     }
 
-    pub(super) fn find_in(
+    fn find_in(
         &self,
-        index: &Mutex<HashMap<String, HashMap<ItemHash, Entry>>>,
+        observed: bool,
         tenant: &str,
         chains: &[ItemHash],
-        applied: bool,
     ) -> Option<Arc<Compaction>> {
         self.take_announced();
-        let (mut id, covered) = {
-            let idx = lock(index);
-            idx.get(tenant)
-                .and_then(|m| rewrite::find(chains, m))
-                .map_or((None, 0), |e| (Some(e.id.clone()), e.covered_len))
-        };
+        let (mut id, covered) = self.stored.covering(tenant, chains, observed);
         // Another replica may have stored one covering more since: asked
         // unless [`Compactions::prefetch`] just did (then once only: a
         // later lookup of the request, after it waited or before it is
         // compacted, asks).
-        let settled = chains.last().is_some_and(|last| {
-            lock(&self.heard.settled)
-                .as_mut()
-                .and_then(|s| s.remove(&(tenant.to_string(), *last)))
-                .is_some()
-        });
-        if let Some(shared) = self.shared.as_ref().filter(|_| applied && !settled) {
+        let settled = chains
+            .last()
+            .is_some_and(|last| self.heard.take_settled(tenant, *last));
+        if let Some(shared) = self.shared.as_ref().filter(|_| !observed && !settled) {
             let longer = &chains[covered.min(chains.len())..];
             if let Some(c) = shared.compaction_covering(tenant, longer) {
                 if c.covered_len > covered
                     && chains.get(c.covered_len - 1) == Some(&c.covered_chain)
                 {
                     id = Some(c.id.clone());
-                    self.index(c);
+                    self.stored.index(c);
                 }
             }
         }
-        let id = id?;
-        let found = self.body(&id);
+        let found = self.stored.body(&id?);
         if found.is_some() {
-            if let Some(b) = lock(&self.backoff).get_mut(tenant) {
-                *b = Backoff::default();
-            }
+            self.learned.matched(tenant);
         }
         found
     }
@@ -489,51 +264,28 @@ impl Compactions {
                 shared.record_attempt(&tenant, &conversation, &record)
             });
         }
-        let mut attempts = lock(&self.attempts);
-        let map = attempts.get_or_insert_with(|| Generations::new(ATTEMPT_CONVERSATIONS));
-        let mut list = map.renew(&key).cloned().unwrap_or_default();
-        list.push(attempt);
-        if list.len() > ATTEMPTS_KEPT {
-            list.remove(0);
-        }
-        map.insert(key, list);
+        self.attempts.push(key, attempt);
     }
 
     /// The conversation's recent attempts, oldest first (those of a
     /// conversation not seen for long are forgotten).
     pub fn attempts(&self, tenant: &str, conversation: &str) -> Vec<Attempt> {
-        lock(&self.attempts)
-            .as_ref()
-            .and_then(|m| {
-                m.get(&(tenant.to_string(), conversation.to_string()))
-                    .cloned()
-            })
-            .unwrap_or_default()
+        self.attempts.of(tenant, conversation)
     }
 
     /// Forgets `tenant`'s compactions `ids` (their conversation was
     /// deleted): no request is rewritten by them any more.
     pub fn forget(&self, tenant: &str, ids: &[String]) {
-        let mut by_id = lock(&self.by_id);
-        for id in ids {
-            by_id.remove(id);
-        }
-        drop(by_id);
         // Observe mode's would-be compactions go too: a deleted one would
         // still be offered as what a request would have saved.
-        for index in [&self.by_tenant, &self.observed] {
-            if let Some(m) = lock(index).get_mut(tenant) {
-                m.retain(|_, e| !ids.contains(&e.id));
-            }
-        }
+        self.stored.forget(tenant, ids);
     }
 
     /// A stored compaction by id, only if it belongs to `tenant` (and was
     /// applied, not observed).
     pub fn get(&self, tenant: &str, id: &str) -> Option<Arc<Compaction>> {
-        let owned = lock(&self.by_id).get(id).is_some_and(|t| t == tenant);
-        if owned {
-            self.body(id).filter(|c| !c.observed)
+        if self.stored.belongs(id, tenant) {
+            self.stored.body(id).filter(|c| !c.observed)
         } else {
             None
         }
@@ -541,38 +293,23 @@ impl Compactions {
 
     /// Learns how the upstream's token counts compare with the estimate.
     pub fn calibrate(&self, tenant: &str, conversation: &str, reported: u64, estimated: u64) {
-        if reported == 0 || estimated == 0 {
-            return;
-        }
-        let ratio = (reported as f64 / estimated as f64).clamp(MIN_CALIBRATION, MAX_CALIBRATION);
-        let mut all = lock(&self.calibration);
-        let key = all.key(tenant, conversation);
-        all.by_key.insert(key, ratio);
+        self.learned
+            .calibrate(tenant, conversation, reported, estimated);
     }
 
     /// Keeps the conversation's last reported prompt (see [`Reported`]).
     pub fn report(&self, tenant: &str, conversation: &str, reported: Reported) {
-        if reported.input_tokens == 0 {
-            return;
-        }
-        let mut all = lock(&self.calibration);
-        let key = all.key(tenant, conversation);
-        all.reported.insert(key, reported);
+        self.learned.report(tenant, conversation, reported);
     }
 
     /// The conversation's last reported prompt, if it is known here.
     pub fn last_reported(&self, tenant: &str, conversation: &str) -> Option<Reported> {
-        let all = lock(&self.calibration);
-        all.reported.get(&all.key(tenant, conversation)).copied()
+        self.learned.last_reported(tenant, conversation)
     }
 
     /// Upstream tokens per estimated token for the conversation (1 until known).
     pub fn calibration(&self, tenant: &str, conversation: &str) -> f64 {
-        let all = lock(&self.calibration);
-        all.by_key
-            .get(&all.key(tenant, conversation))
-            .copied()
-            .unwrap_or(1.0)
+        self.learned.calibration(tenant, conversation)
     }
 
     /// Asks for the conversation's next request to be compacted, like
@@ -583,7 +320,7 @@ impl Compactions {
     pub fn request_manual(&self, conversation: &str) -> Result<bool, StoreError> {
         match &self.shared {
             Some(shared) => shared.request_manual(conversation),
-            None => Ok(lock(&self.manual).insert(conversation.to_string())),
+            None => Ok(self.running.ask_manual(conversation)),
         }
     }
 
@@ -592,7 +329,7 @@ impl Compactions {
     pub fn manual_pending(&self, conversation: &str) -> Result<bool, StoreError> {
         match &self.shared {
             Some(shared) => shared.manual_pending(conversation),
-            None => Ok(lock(&self.manual).contains(conversation)),
+            None => Ok(self.running.manual_pending(conversation)),
         }
     }
 
@@ -605,7 +342,7 @@ impl Compactions {
             Some(shared) => {
                 shared.manual_heard(conversation) && shared.take_manual(tenant, conversation)
             }
-            None => lock(&self.manual).remove(conversation),
+            None => self.running.take_manual(conversation),
         }
     }
 
@@ -613,125 +350,78 @@ impl Compactions {
     /// (see `engine::idle::thread`) now, and keeps it cached `ttl` while
     /// idle.
     pub fn read_now(&self, tenant: &str, thread: &ItemHash, ttl: Duration) {
-        let mut all = lock(&self.calibration);
-        let key = {
-            use std::hash::BuildHasher;
-            all.seed.hash_one((tenant, thread))
-        };
-        all.read_at.insert(key, (std::time::Instant::now(), ttl));
+        self.learned.read_now(tenant, thread, ttl);
     }
 
     /// Whether the upstream's cache of the conversation's prefix has
     /// expired: idle past its lifetime since the upstream last read it.
     /// One this process never saw read (or forgot) is taken as expired.
     pub fn cache_expired(&self, tenant: &str, thread: &ItemHash) -> bool {
-        let mut all = lock(&self.calibration);
-        let key = {
-            use std::hash::BuildHasher;
-            all.seed.hash_one((tenant, thread))
-        };
-        all.read_at
-            .renew(&key)
-            .is_none_or(|(at, ttl)| at.elapsed() > *ttl)
+        self.learned.cache_expired(tenant, thread)
     }
 
     /// Whether a stored compaction still waits for its first application
     /// (the model's own: at a turn boundary).
     pub fn is_waiting(&self, id: &str) -> bool {
-        lock(&self.waiting).contains(id)
+        self.running.is_waiting(id)
     }
 
     /// A compaction is applied to a request: true if this is its first
     /// application after it waited (from then on every request that extends
     /// its prefix gets it).
     pub fn first_applied(&self, id: &str) -> bool {
-        lock(&self.waiting).remove(id)
+        self.running.first_applied(id)
     }
 
     /// The model asked for a compaction in `turn` of the conversation:
     /// true if it is the first request of that turn to ask (one per turn).
     pub fn schedule_agent_turn(&self, tenant: &str, conversation: &str, turn: ItemHash) -> bool {
-        let key = (tenant.to_string(), conversation.to_string());
-        lock(&self.agent_turns)
-            .get_or_insert_with(|| Generations::new(PER_CONVERSATION))
-            .insert(key, turn)
-            != Some(turn)
+        self.turns.schedule_agent_turn(tenant, conversation, turn)
     }
 
     /// An answer of the conversation followed a round the proxy answered
     /// itself, with thinking on: its thinking is signed against a prefix the
     /// client's history lacks.
     pub fn mark_hidden_round(&self, tenant: &str, conversation: &str) {
-        lock(&self.hidden_rounds)
-            .get_or_insert_with(|| Generations::new(PER_CONVERSATION))
-            .insert((tenant.to_string(), conversation.to_string()), ());
+        self.turns.mark_hidden_round(tenant, conversation);
     }
 
     /// Whether [`Compactions::mark_hidden_round`] was called for the
     /// conversation (in this process).
     pub fn had_hidden_round(&self, tenant: &str, conversation: &str) -> bool {
-        lock(&self.hidden_rounds)
-            .as_mut()
-            .and_then(|m| m.renew(&(tenant.to_string(), conversation.to_string())))
-            .is_some()
+        self.turns.had_hidden_round(tenant, conversation)
     }
 
     /// A background job still computing for this conversation.
     pub fn job(&self, tenant: &str, conversation: &str) -> Option<watch::Receiver<bool>> {
-        lock(&self.jobs)
-            .get(&(tenant.to_string(), conversation.to_string()))
-            .filter(|rx| !*rx.borrow())
-            .cloned()
+        self.running
+            .job(&(tenant.to_string(), conversation.to_string()))
     }
 
     /// How many background jobs are computing now (any conversation).
     pub fn jobs_under_way(&self) -> usize {
-        lock(&self.jobs).values().filter(|rx| !*rx.borrow()).count()
+        self.running.jobs_under_way()
     }
 
     /// Number of stored compactions.
     pub fn len(&self) -> usize {
         self.take_announced();
-        lock(&self.by_tenant).values().map(HashMap::len).sum()
+        self.stored.len()
     }
 
     /// Whether none is stored.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
     }
-
-    /// Whether a triggering exchange of `tenant` should be skipped: after
-    /// two compactions nothing matched, skip 2, 4, 8… triggers.
-    pub(super) fn backing_off(&self, tenant: &str) -> bool {
-        let mut all = lock(&self.backoff);
-        let b = all.entry(tenant.to_string()).or_default();
-        if b.skip > 0 {
-            b.skip -= 1;
-            return true;
-        }
-        if b.unmatched >= 2 {
-            b.level += 1;
-            b.skip = (1u32 << b.level.min(6)).min(MAX_BACKOFF) - 1;
-            b.unmatched = 0;
-            return true;
-        }
-        // Counted when the job starts, so jobs racing each other see it.
-        b.unmatched += 1;
-        false
-    }
-
-    /// A background job produced nothing: it cannot go unmatched.
-    pub(super) fn job_failed(&self, tenant: &str) {
-        if let Some(b) = lock(&self.backoff).get_mut(tenant) {
-            b.unmatched = b.unmatched.saturating_sub(1);
-        }
-    }
 }
 
 #[cfg(test)]
 mod tests {
+    use super::super::attempt::ATTEMPTS_KEPT;
     use super::super::error::CompactError;
+    use super::super::stored::BODIES;
     use super::*;
+    use foldhash::HashMap;
     use serde_json::json;
 
     #[test]
@@ -860,7 +550,7 @@ mod tests {
             let found = registry.find("t", &chains(len)).unwrap();
             assert_eq!(found.id, format!("cmp_t_{len}"));
         }
-        assert!(lock(&registry.bodies).recent.len() <= 2 * BODIES);
+        assert!(registry.stored.bodies_kept() <= 2 * BODIES);
         let before = reads.load(std::sync::atomic::Ordering::Relaxed);
         // Each once, and the longest (read first) again at the end of the
         // loop: more than two generations were read after it.

@@ -8,7 +8,7 @@ use tokio::sync::watch;
 
 use super::compute::compact;
 use super::context::Context;
-use super::index::{lock, CLAIM_FOR, FOREIGN_POLL};
+use super::index::{CLAIM_FOR, FOREIGN_POLL};
 use super::input::Input;
 use crate::compaction::policy::{decide, trigger_tokens};
 use crate::compaction::Compaction;
@@ -34,31 +34,20 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estim
     // The job under way was started by an earlier, shorter request: this
     // one is decided when it ends, from what it stored (a request sent the
     // moment the stream before ended gets here while the job of that
-    // stream still runs). Left under the jobs' lock, which the job takes
+    // stream still runs). Left as the job's follow-up, which the job takes
     // to end.
-    let under_way = |jobs: &super::index::Jobs, input: Input| {
-        if jobs.get(&key).is_none_or(|rx| *rx.borrow()) {
-            return Some(input);
-        }
-        lock(&state.compactions().follow_ups).insert(key.clone(), (input, used, estimated));
-        None
-    };
-    let Some(input) = under_way(&lock(&state.compactions().jobs), input) else {
+    let running = state.compactions().running();
+    let Some((input, _, _)) = running.unless_running(&key, (input, used, estimated)) else {
         return;
     };
     let Some(input) = needed(state, input, used, estimated) else {
         return;
     };
-    let mut jobs = lock(&state.compactions().jobs);
-    let Some(input) = under_way(&jobs, input) else {
+    let Some((input, tx)) = running.start(&key, (input, used, estimated), |input| {
+        !backed_off(state, input)
+    }) else {
         return;
     };
-    if backed_off(state, &input) {
-        return;
-    }
-    let (tx, rx) = watch::channel(false);
-    jobs.insert(key.clone(), rx);
-    drop(jobs);
     let state = state.clone();
     tokio::spawn(async move {
         run_job(&state, input).await;
@@ -75,15 +64,7 @@ pub(super) async fn follow_ups<S: Context>(
     tx: &watch::Sender<bool>,
 ) {
     loop {
-        let next = {
-            let mut jobs = lock(&state.compactions().jobs);
-            let next = lock(&state.compactions().follow_ups).remove(key);
-            if next.is_none() {
-                let _ = tx.send(true);
-                jobs.remove(key);
-            }
-            next
-        };
+        let next = state.compactions().running().next_or_end(key, tx);
         let Some((next, used, estimated)) = next else {
             return;
         };
@@ -136,16 +117,17 @@ fn needed<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) 
     // the next request will be, which sends what it saves fewer. One the
     // request waited for and was sent with is no such compaction: the
     // usage is already its own.
-    let key = (input.tenant.clone(), input.conversation.clone());
-    let newer = lock(&state.compactions().newest)
-        .get(&key)
+    let newer = state
+        .compactions()
+        .stored()
+        .newest(&input.tenant, &input.conversation)
         .filter(|(t, id)| {
             *t >= input.requested_ms && input.base.as_ref().is_none_or(|b| &b.id != id)
         })
         .map(|(_, id)| id.clone());
     if let Some(id) = newer {
         // Unreadable: left to the next request's usage.
-        let c = state.compactions().body(&id)?;
+        let c = state.compactions().stored().body(&id)?;
         let had = input.base.as_ref().map_or(0, |b| b.saved());
         let next = used.saturating_sub(c.saved().saturating_sub(had));
         crosses(state, &input, next, true)?;
@@ -171,7 +153,7 @@ fn bought_no_room(trigger: u64, base: &Compaction, used: u64) -> bool {
 /// Whether the tenant's compactions are backed off (two in a row were
 /// never matched: the client rewrites its history); counts this one.
 fn backed_off<S: Context>(state: &Arc<S>, input: &Input) -> bool {
-    let off = state.compactions().backing_off(&input.tenant);
+    let off = state.compactions().learned().backing_off(&input.tenant);
     if off {
         tracing::info!(conversation = %input.conversation, "compaction backed off: earlier compactions were never matched (client rewrites its history)");
     }
@@ -186,13 +168,13 @@ async fn run_job<S: Context>(state: &Arc<S>, input: Input) {
         Claimed::Yes => {
             if let Err(e) = compact(state, input.clone()).await {
                 tracing::info!(error = %e, "background compaction produced nothing");
-                state.compactions().job_failed(&tenant);
+                state.compactions().learned().job_failed(&tenant);
             }
             release(state, &input).await;
         }
         Claimed::Elsewhere => {
             tracing::info!(conversation = %input.conversation, "compaction left to the replica that claimed or stored it");
-            state.compactions().job_failed(&tenant);
+            state.compactions().learned().job_failed(&tenant);
         }
     }
 }
@@ -203,13 +185,9 @@ async fn run_job<S: Context>(state: &Arc<S>, input: Input) {
 /// conversation is under way already (it will be applied the same way).
 pub fn schedule_agent<S: Context>(state: &Arc<S>, input: Input) -> bool {
     let key = (input.tenant.clone(), input.conversation.clone());
-    let mut jobs = lock(&state.compactions().jobs);
-    if jobs.get(&key).is_some_and(|rx| !*rx.borrow()) {
+    let Some(tx) = state.compactions().running().start_unless_running(&key) else {
         return false;
-    }
-    let (tx, rx) = watch::channel(false);
-    jobs.insert(key.clone(), rx);
-    drop(jobs);
+    };
     let state = state.clone();
     let mut input = input;
     input.soft = true;
@@ -237,7 +215,7 @@ pub(super) enum Claimed {
 /// Claims the computing of `input`'s compaction in a shared store: one
 /// replica computes it, however many see the trigger.
 pub(super) async fn claim<S: Context>(state: &Arc<S>, input: &Input) -> Claimed {
-    let Some(shared) = state.compactions().shared.clone() else {
+    let Some(shared) = state.compactions().shared().cloned() else {
         return Claimed::Yes;
     };
     let (tenant, conversation) = (input.tenant.clone(), input.conversation.clone());
@@ -271,7 +249,7 @@ pub(super) async fn claim<S: Context>(state: &Arc<S>, input: &Input) -> Claimed 
 
 /// Gives up the claim [`claim`] took.
 pub(super) async fn release<S: Context>(state: &Arc<S>, input: &Input) {
-    let Some(shared) = state.compactions().shared.clone() else {
+    let Some(shared) = state.compactions().shared().cloned() else {
         return;
     };
     let (tenant, conversation) = (input.tenant.clone(), input.conversation.clone());
@@ -286,7 +264,7 @@ pub(super) async fn wait_foreign<S: Context>(
     conversation: &str,
     wait: Duration,
 ) -> bool {
-    let Some(shared) = state.compactions().shared.clone() else {
+    let Some(shared) = state.compactions().shared().cloned() else {
         return false;
     };
     let (t, c) = (tenant.to_string(), conversation.to_string());

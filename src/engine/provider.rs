@@ -81,14 +81,18 @@ pub fn wanted<S: Context>(state: &Arc<S>, input: &Input) -> bool {
         return false;
     }
     let key = (input.tenant.clone(), input.conversation.clone());
-    if state.compactions().provider.refused(&key) {
+    if state.compactions().learned().provider_refused(&key) {
         return false;
     }
     match state.config().summarizer_for(&input.tenant, &input.model) {
         Summarizer::Local => false,
         Summarizer::Provider => true,
         Summarizer::Auto => {
-            state.compactions().provider.get(&support_key(state, input)) != Some(false)
+            state
+                .compactions()
+                .learned()
+                .offered(&support_key(state, input))
+                != Some(false)
         }
     }
 }
@@ -132,8 +136,8 @@ pub async fn compact<S: Context>(
     if let Some(offered) = learned {
         state
             .compactions()
-            .provider
-            .learn(support_key(state, input), offered);
+            .learned()
+            .learn_offered(support_key(state, input), offered);
     }
     result
 }
@@ -402,8 +406,8 @@ pub fn refused<S: Context>(
     }
     state
         .compactions()
-        .provider
-        .refuse((tenant.to_string(), conversation.to_string()));
+        .learned()
+        .refuse_provider((tenant.to_string(), conversation.to_string()));
     state
         .compactions()
         .forget(tenant, std::slice::from_ref(&c.id));
