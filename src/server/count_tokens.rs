@@ -13,16 +13,18 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use serde_json::Value;
 
-use super::read::read_body;
+use super::read::read_client_body;
 use crate::app::AppState;
 use crate::compaction::recall;
-use crate::conversation::tenant_of;
 use crate::error::{ErrorShape, ProxyBody, ProxyError};
 use crate::wire::items::{ItemList, Tools};
-use crate::wire::{self, messages, Api};
+use crate::wire::{messages, Api};
 
 /// The endpoint below `/v1`.
 const ENDPOINT: &str = "/messages/count_tokens";
+
+/// The API whose requests this endpoint counts.
+const API: Api = Api::Messages;
 
 /// Answers a count_tokens request.
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
@@ -37,14 +39,7 @@ async fn count(
     req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let (parts, body) = req.into_parts();
-    let raw = read_body(
-        body,
-        &parts.headers,
-        state.config.server.max_body_bytes,
-        state.config.body_read_timeout(),
-    )
-    .await?;
-    let tenant = tenant_of(&state.tenant_salt, wire::credential(&parts.headers));
+    let (raw, tenant) = read_client_body(state, &parts, body).await?;
     let applied = compacted(state, &tenant, &raw);
     // A provider's compaction block in what is counted needs its beta.
     let compact_beta = applied.as_ref().is_some_and(|(b, _)| {
@@ -58,7 +53,7 @@ async fn count(
     let url = state.upstream.url(ENDPOINT, parts.uri.query())?;
     let mut headers = state
         .upstream
-        .request_headers_for(Api::Messages, &parts.headers, true);
+        .request_headers_for(API, &parts.headers, true);
     if drop_block {
         messages::add_binding_beta(&mut headers);
     }
@@ -91,7 +86,7 @@ async fn count(
 /// `wire::messages::finish_view`); `None` otherwise.
 fn compacted(state: &AppState, tenant: &str, raw: &[u8]) -> Option<(bytes::Bytes, bool)> {
     let mut body: Value = serde_json::from_slice(raw).ok()?;
-    let values = Api::Messages.take_items(&mut body);
+    let values = API.take_items(&mut body);
     if values.is_empty() {
         return None;
     }
@@ -115,14 +110,11 @@ fn compacted(state: &AppState, tenant: &str, raw: &[u8]) -> Option<(bytes::Bytes
         && recall::may_offer(&body, tools.as_ref().map(Tools::value));
     let tools = match (offered, &tools) {
         (true, Some(t)) => {
-            let mut with =
-                serde_json::json!({"tools": recall::with_tool(Api::Messages, t.value())});
+            let mut with = serde_json::json!({"tools": recall::with_tool(API, t.value())});
             Tools::take(&mut with)
         }
         _ => tools,
     };
-    let bytes = Api::Messages
-        .rebuild_body(&body, &view, tools.as_ref())
-        .ok()?;
+    let bytes = API.rebuild_body(&body, &view, tools.as_ref()).ok()?;
     Some((bytes, drop_block))
 }

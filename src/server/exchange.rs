@@ -26,7 +26,7 @@ use crate::store::{
     bounded_text, ExchangeRecord, ExchangeSavings, LeftOut, RecordedWindow, MAX_PREVIEW_CHARS,
 };
 use crate::wire::items::{ItemList, Tools};
-use crate::wire::{chain_extend, item_hash, messages, Api, ItemHash, Usage};
+use crate::wire::{chain_extend, item_hash, ItemHash, Usage};
 
 mod outgoing;
 mod parts;

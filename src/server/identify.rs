@@ -16,8 +16,8 @@ use crate::compaction::Compaction;
 use crate::config::Mode;
 use crate::engine;
 use crate::error::ProxyError;
+use crate::wire::item_hash;
 use crate::wire::items::{ItemList, Tools};
-use crate::wire::{item_hash, messages, Api};
 
 /// The compaction a request identified needs made now, before it goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -132,11 +132,11 @@ pub(super) async fn identify(
     }
     // Claude Code's own compaction request says so in its last message.
     let items = request.items();
-    if request.api() == Api::Messages
-        && items
-            .len()
-            .checked_sub(1)
-            .is_some_and(|last| messages::is_client_compaction(&items.item(last)))
+    let format = request.api().format();
+    if items
+        .len()
+        .checked_sub(1)
+        .is_some_and(|last| format.is_client_compaction(&items.item(last)))
     {
         pending.treat_as_client_compaction();
     }

@@ -34,15 +34,8 @@ pub(super) async fn read_request(
     parts: &http::request::Parts,
     body: Incoming,
 ) -> Result<ReadRequest, ProxyError> {
-    let raw = read_body(
-        body,
-        &parts.headers,
-        state.config.server.max_body_bytes,
-        state.config.body_read_timeout(),
-    )
-    .await?;
+    let (raw, tenant) = read_client_body(state, parts, body).await?;
     let raw_len = raw.len();
-    let tenant = tenant_of(&state.tenant_salt, wire::credential(&parts.headers));
     // The history stays bytes (see `wire::items`), and the part of it that
     // repeats the tenant's recent request is not even parsed again; a body
     // that is not an object with an item array is parsed whole, which
@@ -184,6 +177,25 @@ pub(super) fn declared_length(headers: &http::HeaderMap) -> Option<u64> {
         .ok()?
         .parse()
         .ok()
+}
+
+/// A client's request body, read within the configured limits
+/// (`server.max_body_bytes`, the body read timeout), and the tenant its
+/// credential names.
+pub(super) async fn read_client_body(
+    state: &AppState,
+    parts: &http::request::Parts,
+    body: Incoming,
+) -> Result<(Bytes, String), ProxyError> {
+    let raw = read_body(
+        body,
+        &parts.headers,
+        state.config.server.max_body_bytes,
+        state.config.body_read_timeout(),
+    )
+    .await?;
+    let tenant = tenant_of(&state.tenant_salt, wire::credential(&parts.headers));
+    Ok((raw, tenant))
 }
 
 /// Reads the whole body, refusing more than `limit` bytes with 413, and a

@@ -85,6 +85,38 @@ pub trait Format: Sync {
         false
     }
 
+    /// Whether this format edits a compacted view past the compaction's
+    /// replacement ([`Format::finish_view`]): its body is then rebuilt,
+    /// never spliced from the client's bytes.
+    fn edits_view(&self) -> bool {
+        false
+    }
+
+    /// Edits a compacted view (`view`, the replacement's `replaced` items
+    /// first) as the API needs it, for a request with `body` and `tools`;
+    /// true when the request must let the API drop a thinking block.
+    fn finish_view(
+        &self,
+        _view: &mut Vec<Value>,
+        _replaced: usize,
+        _body: &Value,
+        _tools: Option<&Value>,
+    ) -> bool {
+        false
+    }
+
+    /// The body's system prompt, where it is a field of its own beside the
+    /// items (a summary call repeats it).
+    fn system(&self, _body: &Value) -> Option<Value> {
+        None
+    }
+
+    /// Whether `last`, a request's last item, asks for the client's own
+    /// compaction (a summary of the conversation so far).
+    fn is_client_compaction(&self, _last: &Value) -> bool {
+        false
+    }
+
     /// Whether a request's thinking is signed against its prefix, so that
     /// hiding rounds or compacting the prefix invalidates it.
     fn signs_thinking(&self, _body: &Value) -> bool {

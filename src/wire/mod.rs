@@ -11,8 +11,10 @@ pub mod format;
 pub mod hash;
 pub mod items;
 pub mod messages;
+mod messages_stream;
 pub mod own_calls;
 pub mod responses;
+pub mod splice;
 pub mod sse;
 
 use serde::{Deserialize, Serialize};
@@ -61,6 +63,13 @@ impl Api {
             Api::Messages => "/messages",
             _ => "/chat/completions",
         }
+    }
+
+    /// Whether a summary call for a conversation of this API goes to the
+    /// API's own endpoint, so it may repeat the request as sent (its
+    /// history then a cache read).
+    pub fn summary_repeats_request(self) -> bool {
+        self.summary_endpoint() == self.endpoint()
     }
 
     /// The shape of the errors this endpoint's clients read.

@@ -107,7 +107,7 @@ impl PendingExchange {
     fn spliced_bytes(&self) -> Option<Payload> {
         let up = &self.upstream;
         let api = self.request.api();
-        if api == Api::Messages || up.drop_block || !up.extra.is_empty() {
+        if api.format().edits_view() || up.drop_block || !up.extra.is_empty() {
             return None;
         }
         let items = self.request.items();
@@ -136,7 +136,7 @@ impl PendingExchange {
         self.upstream
             .compaction
             .as_deref()
-            .filter(|_| self.request.api() != Api::Messages)
+            .filter(|_| !self.request.api().format().edits_view())
     }
 
     /// The hashes of the view's items when they are known without hashing

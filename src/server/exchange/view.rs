@@ -14,21 +14,14 @@ impl PendingExchange {
             .with_prefix_shared(c.covered_len, c.clone());
         let up = &mut self.upstream;
         up.drop_block = up.hidden_thinking;
-        up.view = Arc::new(if self.request.api() == Api::Messages {
-            // The tail's old thinking and surplus cache breakpoints (see
-            // `wire::messages::finish_view`).
-            let outside = self
-                .request
-                .tools()
-                .map_or(0, |t| messages::breakpoints(t.value()))
-                + self
-                    .request
-                    .body()
-                    .get("system")
-                    .map_or(0, messages::breakpoints);
+        let request = &self.request;
+        let format = request.api().format();
+        up.view = Arc::new(if format.edits_view() {
             let mut values = view.into_values();
-            up.drop_block |= messages::finish_view(&mut values, c.replacement.len(), outside)
-                || crate::compaction::provider::keeps_thinking(&c.replacement);
+            let tools = request.tools().map(Tools::value);
+            up.drop_block |=
+                format.finish_view(&mut values, c.replacement.len(), request.body(), tools)
+                    || crate::compaction::provider::keeps_thinking(&c.replacement);
             values.into()
         } else {
             view
@@ -125,9 +118,7 @@ impl PendingExchange {
             whole,
             goal: engine::Goal::Shrink,
             tools: request.tools().cloned(),
-            system: (request.api() == Api::Messages)
-                .then(|| request.body().get("system").cloned())
-                .flatten(),
+            system: request.api().format().system(request.body()),
             observe,
             provider_compaction: crate::compaction::boundary::asks_provider_compaction(
                 request.api(),
@@ -147,7 +138,7 @@ impl PendingExchange {
     pub(super) fn as_sent(&self) -> Option<Arc<engine::Sent>> {
         let request = &self.request;
         let api = request.api();
-        if !matches!(api, Api::Chat | Api::Messages) || !request.mode().rewrites() {
+        if !api.summary_repeats_request() || !request.mode().rewrites() {
             return None;
         }
         let mut body = request.body().clone();
