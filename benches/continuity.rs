@@ -26,22 +26,16 @@
 //! guards (a) in CI).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
-use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
 
-use bytes::Bytes;
 use compactor::fake_upstream::FakeUpstream;
-use http_body_util::{BodyExt, Full};
-use hyper_util::rt::{TokioExecutor, TokioIo};
 
 #[path = "continuity/sessions.rs"]
 mod sessions;
 use sessions::{add, fake_tier, per_rung, print_table, report_misses, run, Table, TIGHT_WINDOW};
 
-/// A front for the proxy: summary calls go to the real llama-server, the
-/// rest to the fake (which records what went upstream).
 /// Summary calls the router forwarded, and how many the llama-server refused.
 #[derive(Default)]
 struct Calls {
@@ -49,78 +43,29 @@ struct Calls {
     refused: AtomicUsize,
 }
 
+/// A front for the proxy: summary calls go to the real llama-server, the
+/// rest to the fake (which records what went upstream).
 async fn start_router(llama: String, fake: String, calls: Arc<Calls>) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr = listener.local_addr().expect("addr");
-    let client = reqwest::Client::new();
-    tokio::spawn(async move {
-        loop {
-            let Ok((stream, _)) = listener.accept().await else {
-                continue;
-            };
-            let (client, llama, fake, calls) =
-                (client.clone(), llama.clone(), fake.clone(), calls.clone());
-            let svc =
-                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                    let (client, llama, fake, calls) =
-                        (client.clone(), llama.clone(), fake.clone(), calls.clone());
-                    async move {
-                        let path = req.uri().path().trim_start_matches("/v1").to_string();
-                        let body = req
-                            .into_body()
-                            .collect()
-                            .await
-                            .map(|c| c.to_bytes())
-                            .unwrap_or_default();
-                        let summary = String::from_utf8_lossy(&body)
-                            .contains(compactor::compaction::summary::SUMMARIZER_MARKER);
-                        let base = if summary { llama } else { fake };
-                        if summary {
-                            calls.sent.fetch_add(1, Ordering::Relaxed);
-                        }
-                        let (status, bytes) = match client
-                            .post(format!("{base}{path}"))
-                            .header("content-type", "application/json")
-                            .body(body)
-                            .timeout(sessions::STEP)
-                            .send()
-                            .await
-                        {
-                            Ok(r) => (r.status().as_u16(), r.bytes().await.unwrap_or_default()),
-                            Err(e) => (
-                                502,
-                                Bytes::from(format!("{{\"error\":{{\"message\":\"{e}\"}}}}")),
-                            ),
-                        };
-                        if summary && std::env::var_os("CONT_DUMP").is_some() {
-                            eprintln!(
-                                "--- summarizer answered {status}:\n{}",
-                                String::from_utf8_lossy(&bytes)
-                            );
-                        }
-                        if summary && status != 200 {
-                            calls.refused.fetch_add(1, Ordering::Relaxed);
-                        }
-                        let mut resp = hyper::Response::new(Full::new(bytes));
-                        *resp.status_mut() = hyper::StatusCode::from_u16(status)
-                            .unwrap_or(hyper::StatusCode::BAD_GATEWAY);
-                        resp.headers_mut().insert(
-                            "content-type",
-                            http::HeaderValue::from_static("application/json"),
-                        );
-                        Ok::<_, Infallible>(resp)
-                    }
-                });
-            tokio::spawn(async move {
-                let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await;
-            });
-        }
-    });
-    format!("http://{addr}/v1")
+    sessions::start_router(
+        move |summary| if summary { llama.clone() } else { fake.clone() },
+        move |r| {
+            if !r.summary {
+                return;
+            }
+            calls.sent.fetch_add(1, Ordering::Relaxed);
+            if std::env::var_os("CONT_DUMP").is_some() {
+                eprintln!(
+                    "--- summarizer answered {}:\n{}",
+                    r.status,
+                    String::from_utf8_lossy(r.answer)
+                );
+            }
+            if r.status != 200 {
+                calls.refused.fetch_add(1, Ordering::Relaxed);
+            }
+        },
+    )
+    .await
 }
 
 /// Filler volume of the sessions sent to the llama-server: one summary call

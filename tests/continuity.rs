@@ -192,16 +192,7 @@ async fn window_sweep() {
 
 /// A Chat Completions message as the Responses items it is.
 fn as_responses_items(m: &Value) -> Vec<Value> {
-    let text = |v: &Value| match v {
-        Value::String(s) => s.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p["text"].as_str())
-            .collect::<Vec<_>>()
-            .join("\n"),
-        _ => String::new(),
-    };
-    let content = text(&m["content"]);
+    let content = sessions::content_text(&m["content"]);
     match m["role"].as_str().unwrap_or("") {
         "tool" => vec![json!({"type": "function_call_output",
             "call_id": m["tool_call_id"], "output": content})],

@@ -1124,6 +1124,17 @@ pub async fn run(
     fake: &FakeUpstream,
     cfg: RunConfig,
 ) -> Graded {
+    run_sent(session, upstream, fake, cfg).await.0
+}
+
+/// [`run`], and the body of the request that went upstream (the compacted
+/// conversation; empty when none arrived).
+pub async fn run_sent(
+    session: &Session,
+    upstream: String,
+    fake: &FakeUpstream,
+    cfg: RunConfig,
+) -> (Graded, String) {
     let dir = tempfile::tempdir().expect("tempdir");
     let db = dir.path().join("compactor.db");
     let mut config = Config::default();
@@ -1145,15 +1156,8 @@ pub async fn run(
             ..Default::default()
         },
     );
-    let state = AppState::open(config).expect("open state");
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-        .await
-        .expect("bind");
-    let addr: SocketAddr = listener.local_addr().expect("addr");
-    let (tx, rx) = oneshot::channel::<()>();
-    let server = tokio::spawn(server::run(listener, state, async {
-        let _ = rx.await;
-    }));
+    let proxy = Proxy::start(config).await;
+    let addr = proxy.addr;
     let before = fake.received().len();
     let client = reqwest::Client::new();
     let mut body = json!({"model": MODEL, "messages": session.messages});
@@ -1177,8 +1181,7 @@ pub async fn run(
         .and_then(|v| v.to_str().ok())
         .map(String::from);
     let _ = tokio::time::timeout(STEP, resp.bytes()).await;
-    let _ = tx.send(());
-    let _ = tokio::time::timeout(STEP, server).await;
+    proxy.stop().await;
     let received: Vec<Received> = fake.received()[before..].to_vec();
     let summary_calls = received.iter().filter(|r| is_summary_call(r)).count();
     let upstream_text = received
@@ -1217,11 +1220,141 @@ pub async fn run(
         report_audit(&db, &id, session.name, cfg.window);
         rung_of(&db, &id)
     });
-    Graded {
-        rung,
-        kept,
-        summary_calls,
+    (
+        Graded {
+            rung,
+            kept,
+            summary_calls,
+        },
+        upstream_text,
+    )
+}
+
+/// A proxy serving `config` on a loopback port, in this process.
+pub struct Proxy {
+    pub addr: SocketAddr,
+    stop: oneshot::Sender<()>,
+    server: tokio::task::JoinHandle<()>,
+}
+
+impl Proxy {
+    pub async fn start(config: Config) -> Proxy {
+        let state = AppState::open(config).expect("open state");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr: SocketAddr = listener.local_addr().expect("addr");
+        let (stop, rx) = oneshot::channel::<()>();
+        let server = tokio::spawn(server::run(listener, state, async {
+            let _ = rx.await;
+        }));
+        Proxy { addr, stop, server }
     }
+
+    /// Shuts it down (its drain bounded by [`STEP`]).
+    pub async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = tokio::time::timeout(STEP, self.server).await;
+    }
+}
+
+/// The text of a message's content: a string, or its text parts joined.
+pub fn content_text(content: &Value) -> String {
+    match content {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p["text"].as_str())
+            .collect::<Vec<_>>()
+            .join("\n"),
+        _ => String::new(),
+    }
+}
+
+/// A request a [`start_router`] passed on, and its answer.
+pub struct Routed<'a> {
+    /// It carries the summarizer's marker.
+    pub summary: bool,
+    pub body: &'a [u8],
+    pub status: u16,
+    pub answer: &'a [u8],
+    pub elapsed: Duration,
+}
+
+/// A front for the proxy's upstream: each request goes on to the base URL
+/// `pick` gives for it (by whether it is a summary call), and `seen` is
+/// told of it and its answer. Its base URL, with `/v1`.
+pub async fn start_router(
+    pick: impl Fn(bool) -> String + Send + Sync + 'static,
+    seen: impl Fn(Routed) + Send + Sync + 'static,
+) -> String {
+    use http_body_util::{BodyExt, Full};
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+        .await
+        .expect("bind");
+    let addr = listener.local_addr().expect("addr");
+    let client = reqwest::Client::new();
+    let route = std::sync::Arc::new((pick, seen));
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let (client, route) = (client.clone(), route.clone());
+            let svc =
+                hyper::service::service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                    let (client, route) = (client.clone(), route.clone());
+                    async move {
+                        let path = req.uri().path().trim_start_matches("/v1").to_string();
+                        let method = req.method().clone();
+                        let body = req
+                            .into_body()
+                            .collect()
+                            .await
+                            .map(|c| c.to_bytes())
+                            .unwrap_or_default();
+                        let summary = String::from_utf8_lossy(&body).contains(SUMMARIZER_MARKER);
+                        let started = std::time::Instant::now();
+                        let (status, answer) = match client
+                            .request(method, format!("{}{path}", (route.0)(summary)))
+                            .header("content-type", "application/json")
+                            .body(body.clone())
+                            .timeout(STEP)
+                            .send()
+                            .await
+                        {
+                            Ok(r) => (r.status().as_u16(), r.bytes().await.unwrap_or_default()),
+                            Err(e) => (
+                                502,
+                                bytes::Bytes::from(
+                                    json!({"error": {"message": e.to_string()}}).to_string(),
+                                ),
+                            ),
+                        };
+                        (route.1)(Routed {
+                            summary,
+                            body: &body,
+                            status,
+                            answer: &answer,
+                            elapsed: started.elapsed(),
+                        });
+                        let mut resp = hyper::Response::new(Full::new(answer));
+                        *resp.status_mut() = hyper::StatusCode::from_u16(status)
+                            .unwrap_or(hyper::StatusCode::BAD_GATEWAY);
+                        resp.headers_mut().insert(
+                            "content-type",
+                            http::HeaderValue::from_static("application/json"),
+                        );
+                        Ok::<_, std::convert::Infallible>(resp)
+                    }
+                });
+            tokio::spawn(async move {
+                let _ = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                )
+                .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                .await;
+            });
+        }
+    });
+    format!("http://{addr}/v1")
 }
 
 /// Says on stderr which facts the compaction's own audit recorded as
