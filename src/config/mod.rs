@@ -168,6 +168,10 @@ pub struct ServerConfig {
     pub body_read_timeout_secs: u64,
     /// Most client connections open at once; more wait to be accepted.
     pub max_connections: usize,
+    /// How long a WebSocket on `/v1/responses` may sit with no response
+    /// under way and nothing from its client before it is closed; 0: no
+    /// limit.
+    pub websocket_idle_secs: u64,
     /// Whether a client may choose the mode of its own request
     /// (`x-compactor-mode`, `x-compactor-compact`, metadata
     /// `compactor_mode`); false: those are ignored (and logged).
@@ -183,6 +187,7 @@ impl Default for ServerConfig {
             header_read_timeout_secs: 30,
             body_read_timeout_secs: 60,
             max_connections: DEFAULT_MAX_CONNECTIONS,
+            websocket_idle_secs: 900,
             client_control: true,
         }
     }

@@ -7,6 +7,7 @@ pub const ENDPOINTS: &[&str] = &[
     "chat",
     "responses",
     "responses_compact",
+    "responses_websocket",
     "messages",
     "messages_count_tokens",
     "passthrough",

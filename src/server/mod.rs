@@ -23,6 +23,7 @@ mod relay;
 mod request;
 mod send;
 mod splice;
+mod websocket;
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -364,7 +365,7 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
             }
         });
         let conn = builder
-            .serve_connection(TokioIo::new(stream), service)
+            .serve_connection_with_upgrades(TokioIo::new(stream), service)
             .into_owned();
         let mut closing = closing_rx.clone();
         conns.spawn(async move {
@@ -496,6 +497,9 @@ async fn route(
             (&Method::GET, "/metrics") => ("metrics", serve_metrics(&state)),
             (&Method::POST, "/v1/chat/completions") => {
                 ("chat", proxy::handle(state, Api::Chat, req).await)
+            }
+            (&Method::GET, "/v1/responses") if websocket::is_upgrade(&req) => {
+                (websocket::ENDPOINT, websocket::handle(state, req))
             }
             (&Method::POST, "/v1/responses") => {
                 ("responses", proxy::handle(state, Api::Responses, req).await)

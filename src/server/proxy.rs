@@ -35,7 +35,7 @@ use hyper::body::Incoming;
 use super::answer::Answer;
 use super::exchange::Unanswered;
 use super::identify::{identify, Compact};
-use super::read::read_request;
+use super::read::{read_request, RequestBody};
 use super::recall::Settled;
 use super::request::ReadRequest;
 use super::send::{Sent, Tried};
@@ -49,7 +49,28 @@ use crate::wire::Api;
 
 /// Handles one parsed-endpoint request; every failure becomes a JSON error.
 pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Incoming>) -> Response<ProxyBody> {
-    handle_inner(state, api, req)
+    let (parts, body) = req.into_parts();
+    handle_read(state, api, parts, RequestBody::Http(body)).await
+}
+
+/// [`handle`] for a request whose body is whole already (a WebSocket
+/// message's, `super::websocket`).
+pub(super) async fn handle_whole(
+    state: Arc<AppState>,
+    api: Api,
+    parts: http::request::Parts,
+    body: bytes::Bytes,
+) -> Response<ProxyBody> {
+    handle_read(state, api, parts, RequestBody::Whole(body)).await
+}
+
+async fn handle_read(
+    state: Arc<AppState>,
+    api: Api,
+    parts: http::request::Parts,
+    body: RequestBody,
+) -> Response<ProxyBody> {
+    handle_inner(state, api, parts, body)
         .await
         .unwrap_or_else(|e| e.into_response_as(api.error_shape()))
 }
@@ -57,11 +78,11 @@ pub async fn handle(state: Arc<AppState>, api: Api, req: Request<Incoming>) -> R
 async fn handle_inner(
     state: Arc<AppState>,
     api: Api,
-    req: Request<Incoming>,
+    parts: http::request::Parts,
+    body: RequestBody,
 ) -> Result<Response<ProxyBody>, ProxyError> {
     let started = Instant::now();
     let started_ms = now_ms();
-    let (parts, body) = req.into_parts();
     let read = read_request(&state, api, &parts, body).await?;
     let mut pending = open(&state, read, started, started_ms).await?;
     if pending.request().trigger() {
@@ -183,7 +204,7 @@ pub async fn handle_compact(state: Arc<AppState>, req: Request<Incoming>) -> Res
     let started_ms = now_ms();
     let (parts, body) = req.into_parts();
     let result = async {
-        let read = read_request(&state, Api::Responses, &parts, body).await?;
+        let read = read_request(&state, Api::Responses, &parts, RequestBody::Http(body)).await?;
         let pending = open(&state, read, started, started_ms).await?;
         compact::answer_compact(&state, pending.into_inner()).await
     }

@@ -26,15 +26,34 @@ use crate::upstream::Payload;
 use crate::wire::items::Tools;
 use crate::wire::{self, chat, Api};
 
+/// A request's body as it reaches the driver.
+pub(super) enum RequestBody {
+    /// An HTTP request's, still to be read.
+    Http(Incoming),
+    /// Whole already: what a WebSocket message carried
+    /// (`server::websocket`).
+    Whole(Bytes),
+}
+
 /// Reads, parses and validates a request of `api`, and expands what the
 /// proxy stands for.
 pub(super) async fn read_request(
     state: &Arc<AppState>,
     api: Api,
     parts: &http::request::Parts,
-    body: Incoming,
+    body: RequestBody,
 ) -> Result<ReadRequest, ProxyError> {
-    let (raw, tenant) = read_client_body(state, parts, body).await?;
+    let (raw, tenant) = match body {
+        RequestBody::Http(body) => read_client_body(state, parts, body).await?,
+        RequestBody::Whole(raw) => {
+            let limit = state.config.server.max_body_bytes;
+            if raw.len() > limit {
+                return Err(ProxyError::PayloadTooLarge { limit });
+            }
+            let tenant = tenant_of(&state.tenant_salt, wire::credential(&parts.headers));
+            (raw, tenant)
+        }
+    };
     let raw_len = raw.len();
     // The history stays bytes (see `wire::items`), and the part of it that
     // repeats the tenant's recent request is not even parsed again; a body

@@ -1,0 +1,647 @@
+//! `GET /v1/responses` upgraded to a WebSocket: the Responses API's
+//! WebSocket mode, Codex's default transport.
+//!
+//! Each `response.create` message is the body of a `POST /v1/responses`
+//! without `stream`; it goes through the same driver as one
+//! ([`super::proxy::handle`]: conversation match, compaction, recording,
+//! retries, recall), as a streamed request carrying the upgrade's headers,
+//! and the events of its answer go back one message each (the JSON of the
+//! event), in order. The upstream is asked over HTTP with SSE; the client
+//! cannot tell.
+//!
+//! One response at a time: a `response.create` while one is under way is
+//! refused with an `error` event, as is a binary message, a message that
+//! is not JSON or an event type other than `response.create` (the socket
+//! stays open). A failure of the answer itself (an error status, the
+//! upstream breaking off) is an `error` event carrying the status, as
+//! OpenAI's WebSocket mode reports it. Messages over `server.max_body_bytes`
+//! close the socket (1009); no response and nothing from the client for
+//! `server.websocket_idle_secs` closes it (1001).
+//!
+//! Backpressure: the next part of the answer is read only once the last
+//! was written to the client, so a client that stops reading holds the
+//! upstream, not memory; one that reads nothing for
+//! `upstream.idle_timeout_secs` is dropped. A client that goes away
+//! mid-answer drops it, which records the exchange as partial, as a
+//! dropped HTTP stream does.
+
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use futures_util::{SinkExt, StreamExt};
+use http::header::{self, HeaderMap, HeaderName, HeaderValue};
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use hyper::body::Incoming;
+use hyper::upgrade::Upgraded;
+use hyper_util::rt::TokioIo;
+use serde_json::value::RawValue;
+use serde_json::{json, Value};
+use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
+use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig};
+use tokio_tungstenite::tungstenite::{Error as WsError, Message};
+use tokio_tungstenite::WebSocketStream;
+
+use super::answer::is_sse;
+use crate::app::AppState;
+use crate::error::{json_response, ProxyBody};
+use crate::wire::sse::Framer;
+use crate::wire::Api;
+
+/// The label its upgrade and each of its answers are counted under in
+/// `compactor_requests_total` (the upgrade with status 101).
+pub(super) const ENDPOINT: &str = "responses_websocket";
+
+/// Most bytes of an answer that is not a stream (an error) read to report
+/// it.
+const MAX_ERROR_BODY: usize = 1 << 20;
+
+type Socket = WebSocketStream<TokioIo<Upgraded>>;
+type Answering = Pin<Box<dyn Future<Output = Response<ProxyBody>> + Send>>;
+
+/// Whether the request asks to be upgraded to a WebSocket.
+pub(super) fn is_upgrade(req: &Request<Incoming>) -> bool {
+    has_token(req.headers(), &header::UPGRADE, "websocket")
+}
+
+/// Whether a comma-separated header has `token` (any case).
+fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
+    headers
+        .get_all(name)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .any(|t| t.trim().eq_ignore_ascii_case(token))
+}
+
+/// Answers the upgrade (101, or a JSON error for a malformed handshake)
+/// and runs the socket's session once hyper hands the connection over.
+pub(super) fn handle(state: Arc<AppState>, mut req: Request<Incoming>) -> Response<ProxyBody> {
+    let headers = req.headers();
+    let version_ok = headers
+        .get(header::SEC_WEBSOCKET_VERSION)
+        .is_some_and(|v| v.as_bytes() == b"13");
+    let key = headers.get(header::SEC_WEBSOCKET_KEY).cloned();
+    let (Some(key), true, true) = (
+        key,
+        version_ok,
+        has_token(headers, &header::CONNECTION, "upgrade"),
+    ) else {
+        let mut resp = json_response(
+            StatusCode::BAD_REQUEST,
+            &error_body(
+                "invalid_request_error",
+                "websocket_handshake_invalid",
+                "a WebSocket upgrade needs `Connection: Upgrade`, `Sec-WebSocket-Version: 13` \
+                 and a `Sec-WebSocket-Key`",
+            ),
+        );
+        resp.headers_mut().insert(
+            header::SEC_WEBSOCKET_VERSION,
+            HeaderValue::from_static("13"),
+        );
+        return resp;
+    };
+    let accept = derive_accept_key(key.as_bytes());
+    let forwarded = forwarded_headers(req.headers());
+    let uri = match req.uri().query() {
+        Some(q) => format!("{}?{q}", Api::Responses.endpoint()),
+        None => Api::Responses.endpoint().to_string(),
+    };
+    let upgrade = hyper::upgrade::on(&mut req);
+    let span = tracing::info_span!("websocket");
+    tokio::spawn(tracing::Instrument::instrument(
+        async move {
+            match upgrade.await {
+                Ok(io) => {
+                    let ws = WebSocketStream::from_raw_socket(
+                        TokioIo::new(io),
+                        Role::Server,
+                        Some(socket_config(&state)),
+                    )
+                    .await;
+                    tracing::debug!("websocket opened");
+                    Session::new(state, ws, forwarded, uri).run().await;
+                    tracing::debug!("websocket closed");
+                }
+                Err(e) => tracing::debug!(error = %e, "websocket upgrade failed"),
+            }
+        },
+        span,
+    ));
+    let mut resp = Response::new(crate::error::full(Bytes::new()));
+    *resp.status_mut() = StatusCode::SWITCHING_PROTOCOLS;
+    let h = resp.headers_mut();
+    h.insert(header::UPGRADE, HeaderValue::from_static("websocket"));
+    h.insert(header::CONNECTION, HeaderValue::from_static("Upgrade"));
+    if let Ok(v) = HeaderValue::from_str(&accept) {
+        h.insert(header::SEC_WEBSOCKET_ACCEPT, v);
+    }
+    resp
+}
+
+/// Frame and message limits: a message may be as large as a request body.
+fn socket_config(state: &AppState) -> WebSocketConfig {
+    let max = state.config.server.max_body_bytes.max(1 << 16);
+    WebSocketConfig::default()
+        .max_message_size(Some(max))
+        .max_frame_size(Some(max))
+        .max_write_buffer_size(max.saturating_mul(2))
+}
+
+/// The upgrade's headers, as each `response.create` carries them: the
+/// client's credentials and ids, without the upgrade's own.
+fn forwarded_headers(headers: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::with_capacity(headers.len() + 2);
+    for (name, value) in headers {
+        let n = name.as_str();
+        if n.starts_with("sec-websocket-")
+            || name == header::CONNECTION
+            || name == header::UPGRADE
+            || name == header::CONTENT_LENGTH
+            || name == header::TRANSFER_ENCODING
+            // Asks OpenAI for its WebSocket mode, which the HTTP request
+            // upstream is not.
+            || (n == "openai-beta"
+                && value
+                    .to_str()
+                    .is_ok_and(|v| v.contains("responses_websockets")))
+        {
+            continue;
+        }
+        out.append(name, value.clone());
+    }
+    out.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/json"),
+    );
+    out
+}
+
+/// An OpenAI-style error object's body (`{"error": {…}}`).
+fn error_body(kind: &str, code: &str, message: &str) -> Value {
+    json!({"error": {"type": kind, "code": code, "message": message, "param": null}})
+}
+
+/// The `error` event for a failure of status `status`: the error object of
+/// `body` (an OpenAI-style error body), as OpenAI's WebSocket mode sends it.
+fn error_event(status: u16, body: Value) -> Value {
+    let error = match body {
+        Value::Object(mut o) => o.remove("error").unwrap_or(Value::Object(o)),
+        other => json!({"type": "server_error", "message": other}),
+    };
+    json!({"type": "error", "status": status, "error": error})
+}
+
+/// What the socket is doing between two messages of the client.
+enum Turn {
+    /// No response under way.
+    Idle,
+    /// A `response.create` is in the driver, its answer not begun.
+    Starting(Answering),
+    /// Its answer streams: the body, framed into events.
+    Streaming {
+        body: ProxyBody,
+        framer: Framer,
+        /// A final event (`response.completed`, `.failed`, `.incomplete`,
+        /// `error`) went to the client.
+        ended: bool,
+    },
+}
+
+/// What woke the session.
+enum Step {
+    Client(Option<Result<Message, WsError>>),
+    Idle,
+    Answer(Response<ProxyBody>),
+    Frame(Option<Result<hyper::body::Frame<Bytes>, crate::error::BodyError>>),
+}
+
+/// One WebSocket's session.
+struct Session {
+    state: Arc<AppState>,
+    ws: Socket,
+    /// What each `response.create` is sent with.
+    headers: HeaderMap,
+    uri: String,
+    /// How long the socket may sit without a response or a client message.
+    idle: Option<Duration>,
+    /// How long a write may wait for the client to read.
+    write_limit: Duration,
+    /// Most bytes of one event of an answer.
+    max_event: usize,
+}
+
+impl Session {
+    fn new(state: Arc<AppState>, ws: Socket, headers: HeaderMap, uri: String) -> Self {
+        let idle_secs = state.config.server.websocket_idle_secs;
+        let write_limit = state.upstream.idle_timeout;
+        let max_event = state
+            .config
+            .server
+            .max_body_bytes
+            .max(crate::wire::sse::MAX_COLLECTED);
+        Self {
+            state,
+            ws,
+            headers,
+            uri,
+            idle: (idle_secs > 0).then(|| Duration::from_secs(idle_secs)),
+            write_limit,
+            max_event,
+        }
+    }
+
+    async fn run(mut self) {
+        let mut turn = Turn::Idle;
+        let mut quiet_since = tokio::time::Instant::now();
+        loop {
+            let step = {
+                let next = self.ws.next();
+                match &mut turn {
+                    Turn::Idle => {
+                        let idle = async {
+                            match self.idle {
+                                Some(limit) => tokio::time::sleep_until(quiet_since + limit).await,
+                                None => std::future::pending().await,
+                            }
+                        };
+                        tokio::select! {
+                            m = next => Step::Client(m),
+                            () = idle => Step::Idle,
+                        }
+                    }
+                    Turn::Starting(answering) => tokio::select! {
+                        m = next => Step::Client(m),
+                        resp = answering => Step::Answer(resp),
+                    },
+                    Turn::Streaming { body, .. } => tokio::select! {
+                        m = next => Step::Client(m),
+                        f = body.frame() => Step::Frame(f),
+                    },
+                }
+            };
+            let go_on = match step {
+                Step::Client(m) => {
+                    quiet_since = tokio::time::Instant::now();
+                    self.client_message(m, &mut turn).await
+                }
+                Step::Idle => {
+                    let reason = "no response and nothing from the client for the idle limit";
+                    self.close(CloseCode::Away, reason).await;
+                    false
+                }
+                Step::Answer(resp) => self.answer(resp, &mut turn).await,
+                Step::Frame(f) => {
+                    let go_on = self.frame(f, &mut turn).await;
+                    if matches!(turn, Turn::Idle) {
+                        quiet_since = tokio::time::Instant::now();
+                    }
+                    go_on
+                }
+            };
+            if !go_on {
+                // Dropping a turn under way drops its answer, which records
+                // the exchange as cut short.
+                return;
+            }
+        }
+    }
+
+    /// Acts on a message of the client; false once the socket is done.
+    async fn client_message(
+        &mut self,
+        m: Option<Result<Message, WsError>>,
+        turn: &mut Turn,
+    ) -> bool {
+        match m {
+            None | Some(Err(WsError::ConnectionClosed | WsError::AlreadyClosed)) => false,
+            Some(Err(WsError::Capacity(e))) => {
+                let msg = format!("message too large: {e}; the limit is server.max_body_bytes");
+                self.refuse(StatusCode::PAYLOAD_TOO_LARGE, "message_too_large", &msg)
+                    .await;
+                self.close(CloseCode::Size, "message too large").await;
+                false
+            }
+            Some(Err(WsError::Protocol(e))) => {
+                self.close(CloseCode::Protocol, &e.to_string()).await;
+                false
+            }
+            Some(Err(e)) => {
+                tracing::debug!(error = %e, "websocket read failed");
+                false
+            }
+            Some(Ok(Message::Text(text))) => self.event(text.as_str(), turn).await,
+            Some(Ok(Message::Binary(_))) => {
+                self.refuse(
+                    StatusCode::BAD_REQUEST,
+                    "unsupported_message",
+                    "binary messages are not accepted: send each event as a text message of JSON",
+                )
+                .await
+            }
+            Some(Ok(Message::Close(_))) => {
+                // The reply tungstenite queued.
+                let _ = tokio::time::timeout(self.write_limit, self.ws.flush()).await;
+                false
+            }
+            // Pings are answered by the socket itself.
+            Some(Ok(Message::Ping(_) | Message::Pong(_) | Message::Frame(_))) => true,
+        }
+    }
+
+    /// A client event (the text of a message).
+    async fn event(&mut self, text: &str, turn: &mut Turn) -> bool {
+        let body = match read_event(text) {
+            Ok(Some(body)) => body,
+            Ok(None) => return true,
+            Err((code, msg)) => return self.refuse(StatusCode::BAD_REQUEST, code, &msg).await,
+        };
+        if !matches!(turn, Turn::Idle) {
+            return self
+                .refuse(
+                    StatusCode::CONFLICT,
+                    "response_in_progress",
+                    "a response is already under way on this socket: send the next \
+                     `response.create` once it ended (one response at a time)",
+                )
+                .await;
+        }
+        let (mut parts, ()) = Request::new(()).into_parts();
+        parts.method = http::Method::POST;
+        if let Ok(uri) = self.uri.parse() {
+            parts.uri = uri;
+        }
+        parts.headers = self.headers.clone();
+        let state = self.state.clone();
+        let body = Bytes::from(body);
+        *turn = Turn::Starting(Box::pin(super::proxy::handle_whole(
+            state,
+            Api::Responses,
+            parts,
+            body,
+        )));
+        true
+    }
+
+    /// The driver's answer to a `response.create`.
+    async fn answer(&mut self, resp: Response<ProxyBody>, turn: &mut Turn) -> bool {
+        let status = resp.status();
+        self.state.metrics.request(ENDPOINT, status.as_u16());
+        if status.is_success() && is_sse(resp.headers()) {
+            *turn = Turn::Streaming {
+                body: resp.into_body(),
+                framer: Framer::new(),
+                ended: false,
+            };
+            return true;
+        }
+        *turn = Turn::Idle;
+        let bytes = tokio::time::timeout(self.write_limit, read_capped(resp.into_body()))
+            .await
+            .unwrap_or_default();
+        let value = serde_json::from_slice::<Value>(&bytes)
+            .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+        let event = if status.is_success() {
+            // An upstream that answered with the whole response.
+            json!({"type": "response.completed", "response": value})
+        } else {
+            error_event(status.as_u16(), value)
+        };
+        self.send_all(vec![event.to_string()]).await
+    }
+
+    /// The next part of a streamed answer.
+    async fn frame(
+        &mut self,
+        f: Option<Result<hyper::body::Frame<Bytes>, crate::error::BodyError>>,
+        turn: &mut Turn,
+    ) -> bool {
+        let Turn::Streaming { framer, ended, .. } = turn else {
+            return true;
+        };
+        match f {
+            Some(Ok(frame)) => {
+                let Some(data) = frame.data_ref() else {
+                    return true;
+                };
+                framer.push(data);
+                let mut events = Vec::new();
+                while let Some(block) = framer.next_block() {
+                    let Some(event) = block.event else { continue };
+                    if event.data.is_empty() || event.data == "[DONE]" {
+                        continue;
+                    }
+                    *ended |= is_final(&event.name, &event.data);
+                    events.push(event.data);
+                }
+                if framer.pending() > self.max_event {
+                    let msg = format!(
+                        "an event of the answer exceeds {} bytes; the answer is cut",
+                        self.max_event
+                    );
+                    *turn = Turn::Idle;
+                    return self.send_all(events).await
+                        && self
+                            .refuse(StatusCode::BAD_GATEWAY, "event_too_large", &msg)
+                            .await;
+                }
+                self.send_all(events).await
+            }
+            Some(Err(e)) => {
+                // The relay recorded the exchange as partial.
+                *turn = Turn::Idle;
+                let msg = format!("the answer broke off: {e}");
+                self.refuse(StatusCode::BAD_GATEWAY, "stream_interrupted", &msg)
+                    .await
+            }
+            None => {
+                let complete = *ended;
+                *turn = Turn::Idle;
+                if complete {
+                    return true;
+                }
+                self.refuse(
+                    StatusCode::BAD_GATEWAY,
+                    "stream_incomplete",
+                    "the upstream ended the answer before its final event",
+                )
+                .await
+            }
+        }
+    }
+
+    /// Sends an `error` event; false if the client is gone.
+    async fn refuse(&mut self, status: StatusCode, code: &str, message: &str) -> bool {
+        let kind = if status.is_client_error() {
+            "invalid_request_error"
+        } else {
+            "server_error"
+        };
+        let event = error_event(status.as_u16(), error_body(kind, code, message));
+        self.send_all(vec![event.to_string()]).await
+    }
+
+    /// Writes `events`, one message each, in one flush; false if the client
+    /// is gone or read nothing for the write limit.
+    async fn send_all(&mut self, events: Vec<String>) -> bool {
+        if events.is_empty() {
+            return true;
+        }
+        let ws = &mut self.ws;
+        let write = async {
+            for e in events {
+                ws.feed(Message::Text(e.into())).await?;
+            }
+            ws.flush().await
+        };
+        match tokio::time::timeout(self.write_limit, write).await {
+            Ok(Ok(())) => true,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %e, "websocket write failed");
+                false
+            }
+            Err(_) => {
+                tracing::info!(
+                    secs = self.write_limit.as_secs(),
+                    "websocket client read nothing for the limit; closed"
+                );
+                false
+            }
+        }
+    }
+
+    /// Closes the socket with `code` and `reason`.
+    async fn close(&mut self, code: CloseCode, reason: &str) {
+        let frame = CloseFrame {
+            code,
+            reason: reason.to_string().into(),
+        };
+        let _ = tokio::time::timeout(self.write_limit, self.ws.close(Some(frame))).await;
+    }
+}
+
+/// The first [`MAX_ERROR_BODY`] bytes of `body` (what arrived before a
+/// failure, if it fails).
+async fn read_capped(mut body: ProxyBody) -> Vec<u8> {
+    let mut out = Vec::new();
+    while let Some(Ok(frame)) = body.frame().await {
+        if let Some(data) = frame.data_ref() {
+            let room = MAX_ERROR_BODY.saturating_sub(out.len());
+            out.extend_from_slice(&data[..data.len().min(room)]);
+            if room <= data.len() {
+                break;
+            }
+        }
+    }
+    out
+}
+
+/// A client event: the body of the request a `response.create` stands for,
+/// `None` for an event that asks nothing, or why it is refused.
+fn read_event(text: &str) -> Result<Option<Vec<u8>>, (&'static str, String)> {
+    let members = parse_members(text).map_err(|e| {
+        (
+            "invalid_json",
+            format!("the message is not a JSON object: {e}"),
+        )
+    })?;
+    let kind = members
+        .iter()
+        .find(|(k, _)| k == "type")
+        .and_then(|(_, v)| serde_json::from_str::<String>(v.get()).ok());
+    match kind.as_deref() {
+        Some("response.create") => Ok(Some(request_body(text.len(), &members))),
+        // Codex's acknowledgement of an answer it has read: nothing to do.
+        Some("response.processed") => Ok(None),
+        Some(t) => Err((
+            "unsupported_event",
+            format!("unsupported event type `{t}`: this socket takes `response.create`"),
+        )),
+        None => Err((
+            "unsupported_event",
+            "the event has no `type`: this socket takes `response.create`".into(),
+        )),
+    }
+}
+
+/// The members of a JSON object in their order, values unparsed.
+fn parse_members(text: &str) -> Result<Vec<(String, &RawValue)>, serde_json::Error> {
+    serde_json::from_str::<Members<'_>>(text).map(|m| m.0)
+}
+
+/// An object's members in order (a map would sort or merge them).
+struct Members<'a>(Vec<(String, &'a RawValue)>);
+
+impl<'de> serde::Deserialize<'de> for Members<'de> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = Members<'de>;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<Members<'de>, A::Error> {
+                let mut out = Vec::new();
+                while let Some((k, v)) = map.next_entry::<String, &'de RawValue>()? {
+                    out.push((k, v));
+                }
+                Ok(Members(out))
+            }
+        }
+        d.deserialize_map(Visit)
+    }
+}
+
+/// The body of the `POST /v1/responses` a `response.create` stands for:
+/// its members but `type`, streamed.
+fn request_body(len: usize, members: &[(String, &RawValue)]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + 16);
+    out.push(b'{');
+    for (k, v) in members {
+        if k == "type" || k == "stream" {
+            continue;
+        }
+        if out.len() > 1 {
+            out.push(b',');
+        }
+        // A key that came from JSON serializes back.
+        let _ = serde_json::to_writer(&mut out, k);
+        out.push(b':');
+        out.extend_from_slice(v.get().as_bytes());
+    }
+    if out.len() > 1 {
+        out.push(b',');
+    }
+    out.extend_from_slice(b"\"stream\":true}");
+    out
+}
+
+/// Whether an event ends a response.
+fn is_final(name: &str, data: &str) -> bool {
+    const FINAL: [&str; 4] = [
+        "response.completed",
+        "response.failed",
+        "response.incomplete",
+        "error",
+    ];
+    if FINAL.contains(&name) {
+        return true;
+    }
+    // Named by its `type` alone (no `event:` line).
+    name == "message"
+        && serde_json::from_str::<TypeOnly>(data).is_ok_and(|t| FINAL.contains(&t.kind.as_str()))
+}
+
+#[derive(serde::Deserialize)]
+struct TypeOnly {
+    #[serde(rename = "type")]
+    kind: String,
+}

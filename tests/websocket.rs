@@ -1,0 +1,200 @@
+//! The Responses API over a WebSocket (`GET /v1/responses` upgraded), as
+//! Codex speaks it, through real sockets: a tokio-tungstenite client
+//! against the proxy in front of the scripted fake upstream, which is asked
+//! over HTTP with SSE.
+#![allow(clippy::unwrap_used, clippy::expect_used)]
+
+mod support;
+
+use compactor::fake_upstream::Reply;
+use futures_util::{SinkExt, StreamExt};
+use serde_json::{json, Value};
+use support::{client_calls, last_client_call, number, within, Harness};
+use tokio::net::TcpStream;
+use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::Message;
+use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
+
+const KEY: &str = "sk-ws-test";
+
+type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
+
+/// Opens a WebSocket on the proxy's `/v1/responses` with `key`.
+async fn connect(h: &Harness, key: &str) -> Ws {
+    let mut req = format!("ws://{}/v1/responses", h.addr)
+        .into_client_request()
+        .unwrap();
+    req.headers_mut()
+        .insert("authorization", format!("Bearer {key}").parse().unwrap());
+    req.headers_mut().insert(
+        "openai-beta",
+        "responses_websockets=2026-02-06".parse().unwrap(),
+    );
+    let (ws, resp) = within(tokio_tungstenite::connect_async(req))
+        .await
+        .expect("upgrade");
+    assert_eq!(resp.status(), 101);
+    ws
+}
+
+/// Sends `event` as a text message.
+async fn send(ws: &mut Ws, event: &Value) {
+    within(ws.send(Message::Text(event.to_string().into())))
+        .await
+        .unwrap();
+}
+
+/// The next text message, as JSON.
+async fn next_event(ws: &mut Ws) -> Value {
+    loop {
+        match within(ws.next()).await {
+            Some(Ok(Message::Text(t))) => return serde_json::from_str(&t).expect("a JSON event"),
+            Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
+            other => panic!("expected an event, got {other:?}"),
+        }
+    }
+}
+
+/// The events of one response, up to its final one (or an `error`).
+async fn response_events(ws: &mut Ws) -> Vec<Value> {
+    let mut events = Vec::new();
+    loop {
+        let e = next_event(ws).await;
+        let end = matches!(
+            e["type"].as_str(),
+            Some("response.completed" | "response.failed" | "response.incomplete" | "error")
+        );
+        events.push(e);
+        if end {
+            return events;
+        }
+    }
+}
+
+fn create(input: &str, previous: Option<&str>) -> Value {
+    let mut e = json!({"type": "response.create", "model": "gpt-5", "instructions": "be brief",
+        "input": [{"role": "user", "content": input}], "store": false});
+    if let Some(p) = previous {
+        e["previous_response_id"] = json!(p);
+    }
+    e
+}
+
+fn streamed(pieces: &[&str]) -> Reply {
+    Reply::responses_stream(pieces, 40, 5)
+}
+
+/// The SSE events of a scripted stream, each's JSON.
+fn sse_data(reply: &Reply) -> Vec<Value> {
+    let Reply::Sse { chunks, .. } = reply else {
+        panic!("an SSE reply")
+    };
+    chunks
+        .iter()
+        .flat_map(|c| {
+            String::from_utf8_lossy(c)
+                .lines()
+                .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
+                .collect::<Vec<_>>()
+        })
+        .map(|d| serde_json::from_str(&d).unwrap())
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_response_create_streams_back_the_upstreams_events_and_is_recorded() {
+    let h = Harness::start().await;
+    let reply = streamed(&["Hello", " over", " a socket"]);
+    let expected = sse_data(&reply);
+    h.fake.push(reply);
+    let mut ws = connect(&h, KEY).await;
+    send(&mut ws, &create("turn one", None)).await;
+    let events = response_events(&mut ws).await;
+    assert_eq!(events, expected, "each SSE event is one message, in order");
+    // Upstream: a streamed POST /v1/responses, without the event's type and
+    // without the socket's own headers.
+    let sent = last_client_call(&h);
+    assert_eq!(sent["stream"], true);
+    assert!(sent.get("type").is_none(), "{sent}");
+    assert_eq!(sent["input"][0]["content"], "turn one");
+    let last = h.fake.last().unwrap();
+    assert_eq!(last.method, http::Method::POST);
+    assert_eq!(last.path, "/v1/responses");
+    assert!(last.headers.get("sec-websocket-key").is_none());
+    assert!(last.headers.get("upgrade").is_none());
+    assert!(last.headers.get("openai-beta").is_none());
+    assert_eq!(
+        last.headers.get("authorization").unwrap(),
+        &format!("Bearer {KEY}")
+    );
+    h.wait_exchanges(1).await;
+    let metrics = h.scrape().await;
+    assert!(
+        metrics
+            .contains(r#"compactor_requests_total{endpoint="responses_websocket",status="101"} 1"#),
+        "{metrics}"
+    );
+    assert!(
+        metrics
+            .contains(r#"compactor_requests_total{endpoint="responses_websocket",status="200"} 1"#),
+        "{metrics}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn previous_response_id_continues_on_the_socket_against_an_upstream_that_stores_nothing() {
+    let h = Harness::start().await;
+    h.fake.push(streamed(&["first answer"]));
+    let mut ws = connect(&h, KEY).await;
+    send(&mut ws, &create("turn one", None)).await;
+    let events = response_events(&mut ws).await;
+    let done = events.last().unwrap();
+    assert_eq!(done["type"], "response.completed");
+    let id1 = done["response"]["id"].as_str().unwrap().to_string();
+    let first_output = done["response"]["output"][0].clone();
+    h.fake.push(streamed(&["second answer"]));
+    send(&mut ws, &create("turn two", Some(&id1))).await;
+    let events = response_events(&mut ws).await;
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    let sent = last_client_call(&h);
+    assert!(sent.get("previous_response_id").is_none(), "{sent}");
+    let input = sent["input"].as_array().unwrap();
+    assert_eq!(input.len(), 3, "{sent}");
+    assert_eq!(
+        input[0]["content"][0]["text"]
+            .as_str()
+            .or(input[0]["content"].as_str()),
+        Some("turn one")
+    );
+    assert_eq!(input[1], first_output);
+    h.wait_exchanges(2).await;
+    let conversations = number(
+        &*h.sql(),
+        "SELECT count(DISTINCT conversation_id) FROM exchanges",
+    );
+    assert_eq!(conversations, 1, "both turns are one conversation");
+    drop(ws);
+    assert_eq!(client_calls(&h).len(), 2);
+}
+
+/// An answer that is an error status comes back as an `error` event with
+/// the status and the upstream's error object, and the socket goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_answer_is_an_error_event_and_the_socket_goes_on() {
+    let h = Harness::start().await;
+    h.fake.push(Reply::json(
+        429,
+        json!({"error": {"type": "rate_limit_exceeded", "code": "rate_limit_exceeded", "message": "slow down"}}),
+    ));
+    let mut ws = connect(&h, KEY).await;
+    send(&mut ws, &create("turn one", None)).await;
+    let e = next_event(&mut ws).await;
+    assert_eq!(e["type"], "error");
+    assert_eq!(e["status"], 429);
+    assert_eq!(e["error"]["code"], "rate_limit_exceeded");
+    h.fake.push(streamed(&["fine now"]));
+    send(&mut ws, &create("turn two", None)).await;
+    let events = response_events(&mut ws).await;
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    let _ = within(ws.close(None)).await;
+}
