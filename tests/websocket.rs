@@ -155,7 +155,11 @@ async fn previous_response_id_continues_on_the_socket_against_an_upstream_that_s
     h.fake.push(streamed(&["second answer"]));
     send(&mut ws, &create("turn two", Some(&id1))).await;
     let events = response_events(&mut ws).await;
-    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    assert_eq!(
+        events.last().unwrap()["type"],
+        "response.completed",
+        "{events:?}"
+    );
     let sent = last_client_call(&h);
     assert!(sent.get("previous_response_id").is_none(), "{sent}");
     let input = sent["input"].as_array().unwrap();

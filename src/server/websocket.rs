@@ -60,6 +60,10 @@ pub(super) const ENDPOINT: &str = "responses_websocket";
 /// it.
 const MAX_ERROR_BODY: usize = 1 << 20;
 
+/// Longest wait for the end of a stream whose final event was sent, when
+/// the client asks for the next response.
+const DRAIN: Duration = Duration::from_secs(5);
+
 type Socket = WebSocketStream<TokioIo<Upgraded>>;
 type Answering = Pin<Box<dyn Future<Output = Response<ProxyBody>> + Send>>;
 
@@ -361,6 +365,16 @@ impl Session {
             Ok(None) => return true,
             Err((code, msg)) => return self.refuse(StatusCode::BAD_REQUEST, code, &msg).await,
         };
+        if let Turn::Streaming {
+            body, ended: true, ..
+        } = turn
+        {
+            // The client read the final event; the stream's end (recorded
+            // already) is on its way.
+            let _ =
+                tokio::time::timeout(DRAIN, async { while body.frame().await.is_some() {} }).await;
+            *turn = Turn::Idle;
+        }
         if !matches!(turn, Turn::Idle) {
             return self
                 .refuse(
