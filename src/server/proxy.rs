@@ -158,7 +158,7 @@ async fn settle(
                 // summarizer's in its place, in this request.
                 Sent::Refused(status) => {
                     if compact_now::local_instead(state, pending, status).await {
-                        tried.stale_retried = false;
+                        tried.new_body();
                     } else {
                         send::resend_uncompacted(pending, &mut tried, Some(status));
                     }
@@ -167,9 +167,9 @@ async fn settle(
                 // The provider refused its own compaction item: rebuilt
                 // from the record and sent again, once; else its answer.
                 Sent::ItemRefused { how, answer } => {
-                    tried.rebuilt = true;
+                    tried.rebuilt();
                     if compact_now::rebuild_from_record(state, pending, how).await {
-                        tried.stale_retried = false;
+                        tried.new_body();
                         continue;
                     }
                     answer

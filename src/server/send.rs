@@ -4,9 +4,11 @@
 //! answer whole, a Responses stream's first events), and decides with
 //! [`decide`], a pure function of what the attempt came to and what was
 //! tried before, whether to hand the answer on, compact and send again,
-//! resend the client's own request, send again on a new connection, or
-//! give up; the driver acts on it ([`Sent`]). It must not compact, answer
-//! the client or record the exchange.
+//! resend the client's own request, apply the stored compaction it went
+//! without, take the recall rounds back, rebuild it from the record, send
+//! again on a new connection, or give up; it changes the exchange for what
+//! needs no compaction, and the driver acts on the rest ([`Sent`]). It
+//! must not compact, answer the client or record the exchange.
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -53,23 +55,40 @@ pub(super) enum Reply {
         /// A 4xx (the request was refused, not the upstream broken).
         client_error: bool,
     },
+    /// "Too long", in a mode where the upstream's "too long" is the
+    /// client's (the proxy compacts nothing then).
+    TooLongForTheClient,
+    /// "Too long", to the client's own compaction request sent without the
+    /// stored compaction of its prefix, which there is.
+    TooLongWithoutStored,
+    /// "Too long", with what the recall rounds added after the request.
+    TooLongWithRounds,
+    /// The provider refused its own compaction item (see [`refusal`]); as
+    /// an answer, an error answer (`Some(client_error)`) or a held stream
+    /// that failed before any output (`None`).
+    ItemRefused {
+        /// As for [`Reply::Refused`], for a stream `None`.
+        client_error: Option<bool>,
+    },
 }
 
-/// What was tried for this request before the attempt judged.
+/// What was tried for this request before the attempt judged. Kept by
+/// [`send`] and the driver's acts on it ([`Tried::new_body`],
+/// [`Tried::compacted_again`], [`Tried::rebuilt`]); read by [`decide`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub(super) struct Tried {
     /// Reactive compactions made.
-    pub reactive: u32,
+    reactive: u32,
     /// The request was sent again after a refusal (compacted after "too
     /// long", or as the client sent it).
-    pub resent: bool,
+    resent: bool,
     /// The body of this attempt was already sent again on a new connection.
-    pub stale_retried: bool,
+    stale_retried: bool,
     /// A compaction applies to the body of this attempt.
-    pub compacted: bool,
+    compacted: bool,
     /// The request was rebuilt from the record once already, after the
     /// provider refused its own compaction item.
-    pub rebuilt: bool,
+    rebuilt: bool,
 }
 
 /// What to do after an attempt.
@@ -85,16 +104,36 @@ pub(super) enum Next {
     RetryStale,
     /// Answer the client with the failure.
     GiveUp,
+    /// Apply the stored compaction of the request's prefix and send again.
+    ApplyStored,
+    /// Take back what the recall rounds added and send again.
+    WithdrawRecall,
+    /// Rebuild the request from the record and send it again.
+    RebuildFromRecord,
 }
 
 /// The retry decision. A closed pooled connection is retried once per
 /// body; "too long" is compacted and sent again up to
-/// [`MAX_REACTIVE_RETRIES`] times, then relayed; a compacted request
-/// refused with another 4xx is sent once as the client sent it, since a
-/// compaction must never turn a request that would have succeeded into a
-/// failure; everything else is relayed as the upstream said it.
+/// [`MAX_REACTIVE_RETRIES`] times, then relayed (first without the recall
+/// rounds, or, for the client's own compaction request, with the stored
+/// compaction it went without; in a mode that compacts nothing, relayed at
+/// once); a compacted request refused with another 4xx is sent once as the
+/// client sent it, since a compaction must never turn a request that would
+/// have succeeded into a failure; a request whose provider compaction item
+/// is refused is rebuilt from the record once; everything else is relayed
+/// as the upstream said it.
 pub(super) fn decide(reply: Reply, tried: Tried) -> Next {
+    let room = tried.reactive < MAX_REACTIVE_RETRIES;
     match reply {
+        Reply::ItemRefused { .. } if !tried.rebuilt => Next::RebuildFromRecord,
+        Reply::ItemRefused {
+            client_error: Some(client_error),
+        } => decide(Reply::Refused { client_error }, tried),
+        Reply::ItemRefused { client_error: None } => decide(Reply::Answer, tried),
+        Reply::TooLongForTheClient => Next::Relay,
+        Reply::TooLongWithoutStored if room => Next::ApplyStored,
+        Reply::TooLongWithRounds if room => Next::WithdrawRecall,
+        Reply::TooLongWithoutStored | Reply::TooLongWithRounds => Next::Relay,
         Reply::Failed {
             retry_allowed: true,
         } if !tried.stale_retried => Next::RetryStale,
@@ -153,7 +192,20 @@ impl Tried {
     /// The request goes again with another body.
     pub(super) fn resent(&mut self) {
         self.resent = true;
+        self.new_body();
+    }
+
+    /// The request goes again with another body, made in place of a
+    /// refused one (a local compaction, a rebuild): its connection may be
+    /// retried again.
+    pub(super) fn new_body(&mut self) {
         self.stale_retried = false;
+    }
+
+    /// The request is rebuilt from the record (after the provider refused
+    /// its own compaction item): never a second time.
+    pub(super) fn rebuilt(&mut self) {
+        self.rebuilt = true;
     }
 
     /// The request goes again compacted after "too long".
@@ -187,75 +239,90 @@ pub(super) async fn send(
             .map_err(SendFailure::Failed),
         Err(failure) => Err(failure.into()),
     };
+    let auto = matches!(pending.request().mode(), Mode::Auto | Mode::Manual);
+    // The client's own compaction request goes with the stored compaction
+    // of its prefix, if it went without, before it is compacted: its
+    // overflow is never the client's.
+    let stored = match &got {
+        Ok((_, Some(_)))
+            if auto && pending.client_compaction() && pending.compaction().is_none() =>
+        {
+            state
+                .compactions
+                .find(pending.request().tenant(), pending.chains())
+        }
+        _ => None,
+    };
+    let refused_item = match &got {
+        Ok((answer, None)) => item_refused(pending, answer),
+        _ => None,
+    };
     let reply = match &got {
         Err(failure) => Reply::Failed {
             retry_allowed: failure.retry_allowed(),
         },
+        Ok((answer, None)) if refused_item.is_some() => Reply::ItemRefused {
+            client_error: match answer {
+                Answer::Error(status, ..) => Some(status.is_client_error()),
+                _ => None,
+            },
+        },
+        Ok((_, Some(_))) if !auto => Reply::TooLongForTheClient,
+        Ok((_, Some(_))) if stored.is_some() => Reply::TooLongWithoutStored,
+        Ok((_, Some(_))) if !pending.extra().is_empty() => Reply::TooLongWithRounds,
         Ok((_, Some(_))) => Reply::TooLong,
         Ok((Answer::Error(status, ..), None)) => Reply::Refused {
             client_error: status.is_client_error(),
         },
         Ok(_) => Reply::Answer,
     };
-    // The provider refused its own compaction item: the driver rebuilds
-    // the request from the record, once.
-    let got = match got {
-        Ok((answer, None)) if !tried.rebuilt => match item_refused(pending, &answer) {
-            Some(how) => return Ok(Sent::ItemRefused { how, answer }),
-            None => Ok((answer, None)),
-        },
-        got => got,
-    };
-    let (answer, overflow) = match (decide(reply, *tried), got) {
+    let next = decide(reply, *tried);
+    let (answer, overflow) = match (next, got) {
         (Next::RetryStale, Err(failure)) => {
             tracing::debug!(error = %failure, "retrying once");
             tried.stale_retried = true;
             return Ok(Sent::Again);
         }
         (_, Err(failure)) => return Err(failure.into_proxy_error()),
-        (next, Ok(got)) => match next {
-            Next::CompactAndRetry => got,
-            Next::ResendUncompacted => {
-                if let Answer::Error(status, ..) = &got.0 {
-                    return Ok(Sent::Refused(*status));
-                }
-                resend_uncompacted(pending, tried, None);
-                return Ok(Sent::Again);
-            }
-            _ => return Ok(Sent::Answer(got.0)),
+        (_, Ok(got)) => got,
+    };
+    match next {
+        Next::CompactAndRetry => match overflow {
+            Some((stated, why)) => Ok(Sent::Overflow {
+                stated,
+                why,
+                answer,
+            }),
+            None => Ok(Sent::Answer(answer)),
         },
-    };
-    // Outside auto mode the upstream's "too long" is the client's.
-    let Some((stated, why)) =
-        overflow.filter(|_| matches!(pending.request().mode(), Mode::Auto | Mode::Manual))
-    else {
-        return Ok(Sent::Answer(answer));
-    };
-    // The client's own compaction request: the stored compaction of its
-    // prefix, if it went without. Only when that is not enough is it
-    // compacted: its overflow is never the client's.
-    if pending.client_compaction() && pending.compaction().is_none() {
-        let found = state
-            .compactions
-            .find(pending.request().tenant(), pending.chains());
-        if let Some(c) = found {
-            pending.apply(c);
-            tried.resent();
-            return Ok(Sent::Again);
+        Next::ResendUncompacted => {
+            if let Answer::Error(status, ..) = &answer {
+                return Ok(Sent::Refused(*status));
+            }
+            resend_uncompacted(pending, tried, None);
+            Ok(Sent::Again)
         }
+        Next::ApplyStored => {
+            if let Some(c) = stored {
+                pending.apply(c);
+            }
+            tried.resent();
+            Ok(Sent::Again)
+        }
+        // What recall rounds added goes first: the request fitted without.
+        Next::WithdrawRecall => {
+            tracing::info!("too long with the recall rounds: sent again without them");
+            pending.withdraw_recall(true);
+            tried.resent();
+            Ok(Sent::Again)
+        }
+        // The driver rebuilds the request from the record, once.
+        Next::RebuildFromRecord => Ok(Sent::ItemRefused {
+            how: refused_item.unwrap_or_default(),
+            answer,
+        }),
+        Next::Relay | Next::GiveUp | Next::RetryStale => Ok(Sent::Answer(answer)),
     }
-    // What recall rounds added goes first: the request fitted without.
-    if !pending.extra().is_empty() {
-        tracing::info!("too long with the recall rounds: sent again without them");
-        pending.withdraw_recall(true);
-        tried.resent();
-        return Ok(Sent::Again);
-    }
-    Ok(Sent::Overflow {
-        stated,
-        why,
-        answer,
-    })
 }
 
 /// A compacted request refused (with `status`), and no local compaction
