@@ -1,8 +1,10 @@
 //! Phase 2, identify and apply compaction: runs once the request is read
 //! and parsed, before anything goes upstream. Hashes the request's items
 //! and parameters, names the conversation, opens the exchange (the request
-//! moved into it whole), applies the stored compaction that covers it, and
-//! says whether it needs one made now ([`Compact`], which the driver has
+//! moved into it whole): the match. Then plans what compaction the
+//! request needs (a pure function of its mode and kind, and of the hard
+//! limit's check), applies the stored compaction that covers it, and says
+//! whether it needs one made now ([`Compact`], which the driver has
 //! `server::compact_now` make). It must not compact, send the request or
 //! answer the client.
 
@@ -44,6 +46,19 @@ pub(super) async fn identify(
     started: Instant,
     started_ms: i64,
 ) -> Result<(Unanswered, Compact), ProxyError> {
+    let mut pending = matched(state, read, started, started_ms).await?;
+    let compact = prepare(state, &mut pending).await;
+    Ok((pending, compact))
+}
+
+/// The match: hashes the request, names its conversation and opens its
+/// exchange.
+async fn matched(
+    state: &Arc<AppState>,
+    read: ReadRequest,
+    started: Instant,
+    started_ms: i64,
+) -> Result<Unanswered, ProxyError> {
     // A stalled database refuses the request now, before it reads the
     // database or anything goes upstream.
     state.store.available().map_err(ProxyError::store_down)?;
@@ -89,8 +104,7 @@ pub(super) async fn identify(
         .store
         .next_exchange_id()
         .map_err(ProxyError::store_down)?;
-    let raw_len = read.raw_len();
-    let mut pending = Unanswered::new(
+    let pending = Unanswered::new(
         state,
         PendingExchange::open(
             read,
@@ -101,64 +115,121 @@ pub(super) async fn identify(
             Timing::new(started, started_ms, span),
         ),
     );
-    let request = pending.request();
     // The first request of a model asks the upstream for its window
     // (bounded in time), so that the check below already uses it.
+    let request = pending.request();
     super::discovery::discover(state, request.model(), request.auth()).await;
+    Ok(pending)
+}
+
+/// What compaction a request matched needs, as far as its mode and kind
+/// say before anything is looked up in size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Plan {
+    /// Nothing: compaction is off.
+    Nothing,
+    /// Observe: what would have applied is recorded, never sent.
+    Observe,
+    /// Held out of compaction (`compaction.holdout_ratio`): observed.
+    HoldOut,
+    /// The client's own compaction request: as it came while it fits,
+    /// else with the stored compaction of its prefix, never a fresh one (a
+    /// summary of the proxy's summary would be the client's summary).
+    ClientCompaction,
+    /// The stored compaction covering a prefix, then the hard limit's
+    /// check ([`after_check`]).
+    Stored,
+}
+
+/// The plan for a request in `mode`: `held_out` when its conversation is
+/// held out of compaction and no compaction applies to it yet (it began
+/// before the holdout: its request could need it to fit),
+/// `client_compaction` when it is the client's own compaction request.
+fn plan(mode: Mode, held_out: bool, client_compaction: bool) -> Plan {
+    match mode {
+        Mode::Auto if held_out => Plan::HoldOut,
+        Mode::Observe => Plan::Observe,
+        Mode::Off => Plan::Nothing,
+        Mode::Auto | Mode::Manual if client_compaction => Plan::ClientCompaction,
+        Mode::Auto | Mode::Manual => Plan::Stored,
+    }
+}
+
+/// What a request over the hard limit needs after the check: `newer`,
+/// a stored compaction another replica stored since the request looked,
+/// applies; else one is made now, except in manual mode (nothing compacts
+/// on its own then: the request goes as it is, and the reactive path
+/// answers a refusal).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Over {
+    /// Apply the stored compaction found.
+    ApplyNewer,
+    /// Send it as it is.
+    AsItIs,
+    /// Compact it now.
+    Compact,
+}
+
+fn after_check(newer: bool, mode: Mode) -> Over {
+    if newer {
+        Over::ApplyNewer
+    } else if mode == Mode::Manual {
+        Over::AsItIs
+    } else {
+        Over::Compact
+    }
+}
+
+/// Carries out the plan for a request matched: applies the stored
+/// compaction it takes and says what it needs compacted now.
+async fn prepare(state: &Arc<AppState>, pending: &mut Unanswered) -> Compact {
+    let request = pending.request();
     let agent_tool = state
         .config
         .agent_tool_for(request.tenant(), request.model());
-    // A conversation held out of compaction (`compaction.holdout_ratio`)
-    // runs in observe mode, unless a compaction already applies to it (it
-    // began before the holdout): its request could need it to fit.
-    if request.mode() == Mode::Auto
+    let held_out = request.mode() == Mode::Auto
         && state.config.held_out(pending.conversation())
-        && find(state, &pending).is_none()
-    {
-        pending.hold_out();
-    }
-    let request = pending.request();
-    match request.mode() {
-        Mode::Auto | Mode::Manual => {}
-        // What would have applied: recorded, never sent.
-        Mode::Observe => {
-            let observed = state
-                .compactions
-                .find_observed(request.tenant(), pending.chains());
-            pending.observe(observed);
-            return Ok((pending, Compact::No));
-        }
-        Mode::Off => return Ok((pending, Compact::No)),
-    }
+        && find(state, pending).is_none();
     // Claude Code's own compaction request says so in its last message.
     let items = request.items();
     let format = request.api().format();
-    if items
-        .len()
-        .checked_sub(1)
-        .is_some_and(|last| format.is_client_compaction(&items.item(last)))
-    {
-        pending.treat_as_client_compaction();
-    }
-    // The client's own compaction request goes as it came while it fits;
-    // otherwise with the stored compaction of its prefix, never a fresh
-    // one: a summary of the proxy's summary would be the client's summary.
-    if pending.client_compaction() {
-        let check = pending.fit_check(Some(raw_len));
-        if !matches!(engine::check_fit(state, check).await, engine::Fit::Fits) {
-            if let Some(c) = find(state, &pending) {
-                pending.apply(c);
+    let client_compaction = pending.client_compaction()
+        || items
+            .len()
+            .checked_sub(1)
+            .is_some_and(|last| format.is_client_compaction(&items.item(last)));
+    let raw_len = request.raw_len();
+    match plan(request.mode(), held_out, client_compaction) {
+        Plan::Nothing => return Compact::No,
+        Plan::HoldOut | Plan::Observe => {
+            if held_out {
+                pending.hold_out();
             }
+            let observed = state
+                .compactions
+                .find_observed(pending.request().tenant(), pending.chains());
+            pending.observe(observed);
+            return Compact::No;
         }
-        return Ok((pending, Compact::No));
+        Plan::ClientCompaction => {
+            pending.treat_as_client_compaction();
+            let check = pending.fit_check(Some(raw_len));
+            if !matches!(engine::check_fit(state, check).await, engine::Fit::Fits) {
+                if let Some(c) = find(state, pending) {
+                    pending.apply(c);
+                }
+            }
+            return Compact::No;
+        }
+        Plan::Stored => {}
     }
     // A stored compaction covering a prefix of this request replaces it
     // (the model's own still waiting for its first turn boundary only at
     // one: see `apply_stored`); a request too large to go without one
     // waits for one under way.
     let boundary = at_boundary(pending.request().items());
-    if let Some(c) = find(state, &pending) {
-        apply_stored(state, &mut pending, c, boundary, false);
+    if let Some(c) = find(state, pending) {
+        apply_stored(state, pending, c, boundary, false);
     }
     let bytes = pending.compaction().is_none().then_some(raw_len);
     let check = pending.fit_check(bytes);
@@ -166,8 +237,8 @@ pub(super) async fn identify(
     match engine::check_fit(state, check).await {
         engine::Fit::Fits => {}
         engine::Fit::Waited => {
-            if let Some(c) = find(state, &pending) {
-                if apply_stored(state, &mut pending, c, boundary, true) {
+            if let Some(c) = find(state, pending) {
+                if apply_stored(state, pending, c, boundary, true) {
                     compact = Compact::IfStillOver;
                 }
             }
@@ -177,17 +248,20 @@ pub(super) async fn identify(
         engine::Fit::Over(tokens) => {
             // Unless another replica stored one for it since it looked.
             let newer =
-                find(state, &pending).filter(|c| pending.compaction().is_none_or(|p| p.id != c.id));
-            if let Some(c) = newer {
-                if apply_stored(state, &mut pending, c, boundary, true) {
-                    compact = Compact::IfStillOver;
+                find(state, pending).filter(|c| pending.compaction().is_none_or(|p| p.id != c.id));
+            match (
+                after_check(newer.is_some(), pending.request().mode()),
+                newer,
+            ) {
+                (Over::ApplyNewer, Some(c)) => {
+                    if apply_stored(state, pending, c, boundary, true) {
+                        compact = Compact::IfStillOver;
+                    }
                 }
-            } else if pending.request().mode() == Mode::Manual {
-                // Nothing compacts on its own in manual mode: the request
-                // goes as it is, and the reactive path answers a refusal.
-                tracing::info!(tokens, "over the hard limit in manual mode: sent as it is");
-            } else {
-                compact = Compact::HardLimit(tokens);
+                (Over::AsItIs, _) => {
+                    tracing::info!(tokens, "over the hard limit in manual mode: sent as it is");
+                }
+                _ => compact = Compact::HardLimit(tokens),
             }
         }
     }
@@ -204,7 +278,7 @@ pub(super) async fn identify(
     {
         pending.mark_hidden_thinking();
     }
-    Ok((pending, compact))
+    compact
 }
 
 /// The stored compaction that covers the longest prefix of the request, if
@@ -318,4 +392,27 @@ fn carries_answer(items: &ItemList) -> bool {
         };
         crate::wire::class::is_model_output(member("role"), member("type"))
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_plan_follows_the_mode_then_the_kind_of_request() {
+        assert_eq!(plan(Mode::Off, false, true), Plan::Nothing);
+        assert_eq!(plan(Mode::Observe, false, true), Plan::Observe);
+        assert_eq!(plan(Mode::Auto, true, true), Plan::HoldOut);
+        // Only auto mode holds a conversation out.
+        assert_eq!(plan(Mode::Manual, true, false), Plan::Stored);
+        assert_eq!(plan(Mode::Manual, false, true), Plan::ClientCompaction);
+        assert_eq!(plan(Mode::Auto, false, false), Plan::Stored);
+    }
+
+    #[test]
+    fn over_the_hard_limit_a_newer_compaction_wins_and_manual_mode_sends_as_it_is() {
+        assert_eq!(after_check(true, Mode::Manual), Over::ApplyNewer);
+        assert_eq!(after_check(false, Mode::Manual), Over::AsItIs);
+        assert_eq!(after_check(false, Mode::Auto), Over::Compact);
+    }
 }
