@@ -27,7 +27,7 @@ pub async fn compact<S: Context>(
     state: &Arc<S>,
     input: Input,
 ) -> Result<Arc<Compaction>, CompactError> {
-    let key = (input.tenant.clone(), input.conversation.clone());
+    let key = (input.who.tenant.clone(), input.who.conversation.clone());
     let result = compute(state, input).await;
     state.compactions().attempted(key, Attempt::of(&result));
     result
@@ -58,9 +58,9 @@ async fn compute<S: Context>(
 /// compaction before; the new one extends it, as it would in auto mode.
 fn observe(input: Input) -> Input {
     let mut input = input;
-    if input.observe {
-        if let Some(b) = &input.base {
-            input.view = Arc::new(rewrite::rewrite(&input.view.values(), b).into());
+    if input.serving.observe {
+        if let Some(b) = &input.request.base {
+            input.request.view = Arc::new(rewrite::rewrite(&input.request.view.values(), b).into());
         }
     }
     input
@@ -94,9 +94,9 @@ impl<'a> Breaker<'a> {
                 .cut
                 .saturating_sub(prepared.lead)
                 .saturating_sub(made.applied.kept_users),
-            whole: input.whole,
+            whole: input.ask.whole,
             limit: counted.limit,
-            conversation: &input.conversation,
+            conversation: &input.who.conversation,
             rung: made.rung,
         }
     }
@@ -163,7 +163,7 @@ fn audit(input: &Input, counted: &Counted, made: Made) -> Audited {
             &extracted
         }
     };
-    let ceiling = match input.goal {
+    let ceiling = match input.ask.goal {
         Goal::Shrink => limit.min(counted.params.target_tokens.max(after)),
         _ => limit,
     };
@@ -213,7 +213,7 @@ fn finish_messages(
     breaker: &Breaker<'_>,
     audited: Audited,
 ) -> Result<Audited, CompactError> {
-    if input.api != Api::Messages || audited.by_provider {
+    if input.who.api != Api::Messages || audited.by_provider {
         return Ok(audited);
     }
     let count = |v: &Value| counted.count(v);
@@ -243,8 +243,10 @@ fn finish_messages(
 /// The reason a compaction records: the input's, and how it was made.
 fn reason(input: &Input, a: &Audited) -> String {
     let mut reason = match a.step {
-        Some(s) if s != fit::Step::Ladder => format!("{}; escalated: {}", input.reason, s.as_str()),
-        _ => input.reason.clone(),
+        Some(s) if s != fit::Step::Ladder => {
+            format!("{}; escalated: {}", input.ask.reason, s.as_str())
+        }
+        _ => input.ask.reason.clone(),
     };
     if a.by_provider {
         reason.push_str("; ");
@@ -258,7 +260,7 @@ fn reason(input: &Input, a: &Audited) -> String {
         }
         None => {}
     }
-    if input.observe {
+    if input.serving.observe {
         reason.push_str("; observed");
         if a.rung == Rung::Summary && a.cost.calls == 0 {
             reason.push_str(", summary size estimated without a summarizer call");
@@ -270,7 +272,7 @@ fn reason(input: &Input, a: &Audited) -> String {
 /// The compaction made of `a`.
 fn compaction(input: &Input, a: Audited, started: Instant) -> Compaction {
     let reason = reason(input, &a);
-    let base = input.base.as_deref();
+    let base = input.request.base.as_deref();
     let Audited {
         rung,
         prepared,
@@ -286,10 +288,10 @@ fn compaction(input: &Input, a: Audited, started: Instant) -> Compaction {
     } = a;
     Compaction {
         id: crate::ids::new_compaction_id(),
-        tenant: input.tenant.clone(),
-        conversation: input.conversation.clone(),
+        tenant: input.who.tenant.clone(),
+        conversation: input.who.conversation.clone(),
         covered_len: prepared.covered_len,
-        covered_chain: input.chains[prepared.covered_len - 1],
+        covered_chain: input.request.chains[prepared.covered_len - 1],
         replacement,
         rung,
         reason,
@@ -306,7 +308,7 @@ fn compaction(input: &Input, a: Audited, started: Instant) -> Compaction {
         summary_cache: cost.cache,
         tokens_saved: prepared.before.saturating_sub(after)
             + base.map(Compaction::saved).unwrap_or(0),
-        observed: input.observe,
+        observed: input.serving.observe,
         audit: Some(audit),
         duration_ms: started.elapsed().as_millis() as u64,
         created_ms: crate::ids::now_ms(),
@@ -327,7 +329,7 @@ async fn keep<S: Context>(
         tracing::error!(error = %e, "compaction not recorded");
     }
     let c = Arc::new(c);
-    if input.soft && !c.observed {
+    if input.ask.soft && !c.observed {
         state.compactions().running().wait(&c.id);
     }
     state.compactions().insert(c.clone());
@@ -353,7 +355,7 @@ async fn keep<S: Context>(
     state
         .metrics()
         .summary_cost(cost.calls, cost.tokens, cost.output_tokens);
-    let summarizer = state.config().summarizer_model_for(&input.model);
+    let summarizer = state.config().summarizer_model_for(&input.who.model);
     let output = cost.output_tokens.min(cost.tokens);
     state.metrics().summary_bill(
         crate::prices::of(state.config(), summarizer),

@@ -47,7 +47,7 @@ impl Counted {
     }
 
     pub(super) fn base<'a>(&self, input: &'a Input) -> Option<&'a Compaction> {
-        input.base.as_deref()
+        input.request.base.as_deref()
     }
 }
 
@@ -56,17 +56,18 @@ pub(super) async fn count<S: Context>(
     state: &Arc<S>,
     input: &Input,
 ) -> Result<Counted, CompactError> {
-    let limits = state.model_limits(&input.model);
+    let limits = state.model_limits(&input.who.model);
     let params = Params::new(&state.config().compaction, &limits);
-    let (hashes, mut tokens) = count_items(state, input.view.clone(), None).await?;
-    let tools_tokens = count_tools(state, input.tools.clone()).await;
-    let values = input.view.values();
+    let (hashes, mut tokens) = count_items(state, input.request.view.clone(), None).await?;
+    let tools_tokens = count_tools(state, input.request.tools.clone()).await;
+    let values = input.request.view.values();
     // The provider does not read what precedes its compaction item.
     crate::compaction::boundary::count_from_boundary(&values, &mut tokens);
     let before: u64 = tokens.iter().sum();
     let limit = items_limit(state, input, before, tools_tokens);
     let counter = state.tokens().clone();
     let system = input
+        .request
         .system
         .as_ref()
         .map_or(0, |v| counter.count_item(&item_hash(v), v));
@@ -89,10 +90,10 @@ pub(super) async fn count<S: Context>(
 /// upstream reported for this conversation, less the tool definitions. An
 /// overflow answer that states the refused size calibrates the scale first.
 fn items_limit<S: Context>(state: &Arc<S>, input: &Input, before: u64, tools_tokens: u64) -> u64 {
-    let limits = state.model_limits(&input.model);
-    let (tenant, conversation) = (input.tenant.as_str(), input.conversation.as_str());
+    let limits = state.model_limits(&input.who.model);
+    let (tenant, conversation) = (input.who.tenant.as_str(), input.who.conversation.as_str());
     let sent = before + tools_tokens;
-    let upstream_limit = match input.goal {
+    let upstream_limit = match input.ask.goal {
         Goal::Shrink => return (before as f64 * (1.0 - FIT_MARGIN)) as u64,
         Goal::HardLimit => hard_limit(&limits),
         Goal::Overflow { stated, max_output } => {

@@ -59,13 +59,14 @@ fn ttl_of<S: Context>(state: &Arc<S>, input: &Input) -> Duration {
     let secs = state.config().compaction.cache_ttl_secs;
     let setting = Duration::from_secs_f64(secs);
     let hour = input
+        .request
         .sent
         .as_ref()
         .is_some_and(|s| asks_hour(s.body.get("system")) || asks_hour(s.body.get("tools")))
-        || (0..input.view.len())
+        || (0..input.request.view.len())
             .rev()
             .take(4)
-            .any(|i| asks_hour(Some(input.view.item(i).as_ref())));
+            .any(|i| asks_hour(Some(input.request.view.item(i).as_ref())));
     if hour {
         setting.max(HOUR)
     } else {
@@ -94,15 +95,15 @@ fn asks_hour(v: Option<&Value>) -> bool {
 /// when it is past the cold threshold but under the trigger.
 pub fn after_exchange<S: Context>(state: &Arc<S>, input: &Input, used: u64) {
     let cfg = &state.config().compaction;
-    let Some(thread) = thread(&input.chains) else {
+    let Some(thread) = thread(&input.request.chains) else {
         return;
     };
-    let limits = state.model_limits(&input.model);
+    let limits = state.model_limits(&input.who.model);
     let watched = cfg.background
         && cfg.cache_ttl_secs > 0.0
-        && !input.observe
-        && !input.no_trigger
-        && !input.provider_compaction
+        && !input.serving.observe
+        && !input.serving.no_trigger
+        && !input.serving.provider_compaction
         && used >= cold_tokens(&limits, cfg.cold_ratio)
         && used < trigger_tokens(&limits);
     let ttl = if watched {
@@ -110,8 +111,10 @@ pub fn after_exchange<S: Context>(state: &Arc<S>, input: &Input, used: u64) {
     } else {
         Duration::from_secs_f64(cfg.cache_ttl_secs)
     };
-    state.compactions().read_now(&input.tenant, &thread, ttl);
-    let key = (input.tenant.clone(), thread);
+    state
+        .compactions()
+        .read_now(&input.who.tenant, &thread, ttl);
+    let key = (input.who.tenant.clone(), thread);
     let running = state.compactions().running();
     if !watched {
         running.unwatch_idle(&key);
@@ -138,27 +141,29 @@ async fn watch_idle<S: Context>(state: &Arc<S>, key: (String, ItemHash), ttl: Du
     };
     // Not while a compaction of the conversation is computed.
     let thread = key.1;
-    let key = (input.tenant.clone(), input.conversation.clone());
+    let key = (input.who.tenant.clone(), input.who.conversation.clone());
     let Some(tx) = state.compactions().running().start_unless_running(&key) else {
         return;
     };
     let mut input = input;
-    input.reason = format!(
+    input.ask.reason = format!(
         "{COLD}: idle for {:.0}% of the cache's {}s lifetime at reported {used} tokens, past the cold threshold",
         IDLE_SHARE * 100.0,
         ttl.as_secs_f64()
     );
-    input.soft = true;
+    input.ask.soft = true;
     if let super::jobs::Claimed::Yes = claim(state, &input).await {
         match compact(state, input.clone()).await {
             Ok(c) => {
-                tracing::info!(compaction = %c.id, conversation = %input.conversation, "compaction for an idle conversation, applied when it comes back after its cache expired");
+                tracing::info!(compaction = %c.id, conversation = %input.who.conversation, "compaction for an idle conversation, applied when it comes back after its cache expired");
                 // The summary call that repeated the request read its
                 // prefix: the upstream keeps it from now on.
                 if c.reason.contains("; summary from the cached request")
                     && !c.reason.contains("cached request missed")
                 {
-                    state.compactions().read_now(&input.tenant, &thread, ttl);
+                    state
+                        .compactions()
+                        .read_now(&input.who.tenant, &thread, ttl);
                 }
             }
             Err(e) => {

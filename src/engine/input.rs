@@ -11,9 +11,24 @@ use crate::compaction::Compaction;
 use crate::wire::items::{ItemList, Tools};
 use crate::wire::{Api, ItemHash};
 
-/// What a compaction starts from: the request as it would go upstream.
+/// What a compaction starts from, grouped by subject: whose conversation
+/// it is, the request as it would go upstream, what is asked of the
+/// compaction, and how the conversation is served.
 #[derive(Clone)]
 pub struct Input {
+    /// Whose conversation it is, and how its upstream is called.
+    pub who: Who,
+    /// The request as it would go upstream.
+    pub request: Request,
+    /// What is asked of the compaction.
+    pub ask: Ask,
+    /// How the conversation is served.
+    pub serving: Serving,
+}
+
+/// Whose conversation a compaction is of, and how its upstream is called.
+#[derive(Clone)]
+pub struct Who {
     /// The conversation's wire format (the summary call uses it too).
     pub api: Api,
     /// Tenant.
@@ -22,54 +37,70 @@ pub struct Input {
     pub conversation: String,
     /// The conversation's model.
     pub model: String,
+    /// The client's credential headers, for the summarizer call (memory only).
+    pub auth: HeaderMap,
+}
+
+/// The request a compaction starts from, as it would go upstream.
+#[derive(Clone)]
+pub struct Request {
     /// The request's items after any compaction already applied.
     pub view: Arc<ItemList>,
     /// Chain hashes of the original (client-sent) items.
     pub chains: Arc<Vec<ItemHash>>,
     /// The compaction already applied, if any.
     pub base: Option<Arc<Compaction>>,
-    /// The client's credential headers, for the summarizer call (memory only).
-    pub auth: HeaderMap,
-    /// Why.
-    pub reason: String,
-    /// When the request arrived (Unix ms).
-    pub requested_ms: i64,
-    /// Compact the whole history, keeping no verbatim tail (explicit
-    /// compaction requests: `/v1/responses/compact`, `compaction_trigger`).
-    pub whole: bool,
-    /// What the result must achieve.
-    pub goal: Goal,
     /// The request's tool definitions (they count against the window).
     pub tools: Option<Tools>,
     /// The request's top-level `system` (Anthropic Messages), which the
     /// provider's compaction call sends as the conversation does.
     pub system: Option<Value>,
-    /// Observe mode: the result is recorded as what the proxy would have
-    /// done, never applied. `view` is then the client's items and `base`
-    /// the would-be compaction before, which is applied here first.
-    pub observe: bool,
-    /// The request asks the provider to compact
-    /// ([`crate::compaction::boundary::asks_provider_compaction`]): the
-    /// threshold trigger leaves the conversation to it.
-    pub provider_compaction: bool,
+    /// The request as the upstream last saw it, for a summary call that
+    /// reads its history from the upstream's prompt cache.
+    pub sent: Option<Arc<Sent>>,
+    /// When the request arrived (Unix ms).
+    pub requested_ms: i64,
+}
+
+/// What is asked of a compaction.
+#[derive(Clone)]
+pub struct Ask {
+    /// Why.
+    pub reason: String,
+    /// What the result must achieve.
+    pub goal: Goal,
+    /// Compact the whole history, keeping no verbatim tail (explicit
+    /// compaction requests: `/v1/responses/compact`, `compaction_trigger`).
+    pub whole: bool,
+    /// The model's own notes of what to keep (its `compactor_compact`
+    /// call): the compaction is a summary, and they are a section of it.
+    pub keep: Option<String>,
     /// The result is a background compaction (threshold, agent), counted at
     /// its first application: a threshold one's on the next request that
     /// extends it, the model's at the conversation's next turn boundary
     /// unless a request over the hard limit needs it sooner.
     pub soft: bool,
-    /// The model's own notes of what to keep (its `compactor_compact`
-    /// call): the compaction is a summary, and they are a section of it.
-    pub keep: Option<String>,
+}
+
+/// How the conversation a compaction is of is served.
+#[derive(Clone, Copy)]
+pub struct Serving {
+    /// Observe mode: the result is recorded as what the proxy would have
+    /// done, never applied. [`Request::view`] is then the client's items
+    /// and [`Request::base`] the would-be compaction before, which is
+    /// applied here first.
+    pub observe: bool,
+    /// The request asks the provider to compact
+    /// ([`crate::compaction::boundary::asks_provider_compaction`]): the
+    /// threshold trigger leaves the conversation to it.
+    pub provider_compaction: bool,
     /// The threshold starts no compaction after this exchange: one already
     /// waits for the turn boundary, or the mode is manual.
     pub no_trigger: bool,
-    /// The request as the upstream last saw it, for a summary call that
-    /// reads its history from the upstream's prompt cache.
-    pub sent: Option<Arc<Sent>>,
 }
 
 /// What the upstream last saw of a conversation's request, but its items
-/// (the [`Input::view`]): a summary call that repeats it, with one user
+/// (the [`Request::view`]): a summary call that repeats it, with one user
 /// message appended, reads everything before that message from the
 /// upstream's prompt cache (see `engine::summarizer`).
 #[derive(Debug, Clone)]
@@ -80,7 +111,7 @@ pub struct Sent {
     pub body: Value,
     /// The request's provider headers that decide what its body means
     /// (`anthropic-version`, `anthropic-beta`); the credentials are
-    /// [`Input::auth`].
+    /// [`Who::auth`].
     pub headers: HeaderMap,
 }
 

@@ -18,19 +18,19 @@ use crate::store::LookUp;
 /// background compaction that the next request will find.
 pub fn after_exchange<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) {
     let cfg = &state.config().compaction;
-    if !cfg.background || input.no_trigger {
+    if !cfg.background || input.serving.no_trigger {
         return;
     }
     // The client asked the provider to compact: a summary of the proxy's
     // own now would be a second compaction of the same history. Only the
     // hard limit and an upstream "too long" compact it.
-    if input.provider_compaction {
+    if input.serving.provider_compaction {
         if crosses(state, &input, used, estimated).is_some() {
-            tracing::debug!(conversation = %input.conversation, "threshold compaction left to the provider the request asks");
+            tracing::debug!(conversation = %input.who.conversation, "threshold compaction left to the provider the request asks");
         }
         return;
     }
-    let key = (input.tenant.clone(), input.conversation.clone());
+    let key = (input.who.tenant.clone(), input.who.conversation.clone());
     // The job under way was started by an earlier, shorter request: this
     // one is decided when it ends, from what it stored (a request sent the
     // moment the stream before ended gets here while the job of that
@@ -81,7 +81,7 @@ fn crosses<S: Context>(
     used: u64,
     estimated: bool,
 ) -> Option<String> {
-    let limits = state.model_limits(&input.model);
+    let limits = state.model_limits(&input.who.model);
     let d = decide(
         used,
         estimated,
@@ -96,15 +96,16 @@ fn crosses<S: Context>(
 /// newest compaction is counted, when the request was not sent with it.
 fn needed<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) -> Option<Input> {
     let reason = crosses(state, &input, used, estimated)?;
-    let trigger = trigger_tokens(&state.model_limits(&input.model));
+    let trigger = trigger_tokens(&state.model_limits(&input.who.model));
     if let Some(base) = input
+        .request
         .base
         .as_ref()
         .filter(|b| bought_no_room(trigger, b, used))
     {
         state.metrics().storm_avoided();
         tracing::warn!(
-            conversation = %input.conversation,
+            conversation = %input.who.conversation,
             compaction = %base.id,
             tokens_after = base.tokens_after,
             used,
@@ -120,21 +121,22 @@ fn needed<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) 
     let newer = state
         .compactions()
         .stored()
-        .newest(&input.tenant, &input.conversation)
+        .newest(&input.who.tenant, &input.who.conversation)
         .filter(|(t, id)| {
-            *t >= input.requested_ms && input.base.as_ref().is_none_or(|b| &b.id != id)
+            *t >= input.request.requested_ms
+                && input.request.base.as_ref().is_none_or(|b| &b.id != id)
         })
         .map(|(_, id)| id.clone());
     if let Some(id) = newer {
         // Unreadable: left to the next request's usage.
         let c = state.compactions().stored().body(&id)?;
-        let had = input.base.as_ref().map_or(0, |b| b.saved());
+        let had = input.request.base.as_ref().map_or(0, |b| b.saved());
         let next = used.saturating_sub(c.saved().saturating_sub(had));
         crosses(state, &input, next, true)?;
     }
     let mut input = input;
-    input.reason = reason;
-    input.soft = true;
+    input.ask.reason = reason;
+    input.ask.soft = true;
     Some(input)
 }
 
@@ -153,9 +155,9 @@ fn bought_no_room(trigger: u64, base: &Compaction, used: u64) -> bool {
 /// Whether the tenant's compactions are backed off (two in a row were
 /// never matched: the client rewrites its history); counts this one.
 fn backed_off<S: Context>(state: &Arc<S>, input: &Input) -> bool {
-    let off = state.compactions().learned().backing_off(&input.tenant);
+    let off = state.compactions().learned().backing_off(&input.who.tenant);
     if off {
-        tracing::info!(conversation = %input.conversation, "compaction backed off: earlier compactions were never matched (client rewrites its history)");
+        tracing::info!(conversation = %input.who.conversation, "compaction backed off: earlier compactions were never matched (client rewrites its history)");
     }
     off
 }
@@ -163,7 +165,7 @@ fn backed_off<S: Context>(state: &Arc<S>, input: &Input) -> bool {
 /// One background compaction: claimed (with a shared store), computed,
 /// released.
 async fn run_job<S: Context>(state: &Arc<S>, input: Input) {
-    let tenant = input.tenant.clone();
+    let tenant = input.who.tenant.clone();
     match claim(state, &input).await {
         Claimed::Yes => {
             if let Err(e) = compact(state, input.clone()).await {
@@ -173,24 +175,24 @@ async fn run_job<S: Context>(state: &Arc<S>, input: Input) {
             release(state, &input).await;
         }
         Claimed::Elsewhere => {
-            tracing::info!(conversation = %input.conversation, "compaction left to the replica that claimed or stored it");
+            tracing::info!(conversation = %input.who.conversation, "compaction left to the replica that claimed or stored it");
             state.compactions().learned().job_failed(&tenant);
         }
     }
 }
 
-/// Schedules the compaction the model asked for (`input.reason`,
-/// `input.keep` set): computed now in the background, applied at the
+/// Schedules the compaction the model asked for (`input.ask.reason`,
+/// `input.ask.keep` set): computed now in the background, applied at the
 /// conversation's next turn boundary. False when a job for the
 /// conversation is under way already (it will be applied the same way).
 pub fn schedule_agent<S: Context>(state: &Arc<S>, input: Input) -> bool {
-    let key = (input.tenant.clone(), input.conversation.clone());
+    let key = (input.who.tenant.clone(), input.who.conversation.clone());
     let Some(tx) = state.compactions().running().start_unless_running(&key) else {
         return false;
     };
     let state = state.clone();
     let mut input = input;
-    input.soft = true;
+    input.ask.soft = true;
     tokio::spawn(async move {
         if let Claimed::Yes = claim(&state, &input).await {
             if let Err(e) = compact(&state, input.clone()).await {
@@ -218,7 +220,7 @@ pub(super) async fn claim<S: Context>(state: &Arc<S>, input: &Input) -> Claimed 
     let Some(shared) = state.compactions().shared().cloned() else {
         return Claimed::Yes;
     };
-    let (tenant, conversation) = (input.tenant.clone(), input.conversation.clone());
+    let (tenant, conversation) = (input.who.tenant.clone(), input.who.conversation.clone());
     let taker = shared.clone();
     let claimed = tokio::task::spawn_blocking(move || {
         taker.claim(&tenant, &conversation, CLAIM_FOR.as_millis() as i64)
@@ -237,8 +239,10 @@ pub(super) async fn claim<S: Context>(state: &Arc<S>, input: &Input) -> Claimed 
         covering_from: Some(0),
         ..LookUp::default()
     };
-    let found = shared.look_up(&input.tenant, &input.chains, ask).await;
-    let applied = input.base.as_ref().map(|b| &b.id);
+    let found = shared
+        .look_up(&input.who.tenant, &input.request.chains, ask)
+        .await;
+    let applied = input.request.base.as_ref().map(|b| &b.id);
     let missed = found.compaction.is_some_and(|c| Some(&c.id) != applied);
     if missed {
         release(state, input).await;
@@ -252,7 +256,7 @@ pub(super) async fn release<S: Context>(state: &Arc<S>, input: &Input) {
     let Some(shared) = state.compactions().shared().cloned() else {
         return;
     };
-    let (tenant, conversation) = (input.tenant.clone(), input.conversation.clone());
+    let (tenant, conversation) = (input.who.tenant.clone(), input.who.conversation.clone());
     let _ = tokio::task::spawn_blocking(move || shared.release(&tenant, &conversation)).await;
 }
 

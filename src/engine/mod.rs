@@ -40,7 +40,7 @@ pub use count::estimate_view;
 pub use error::CompactError;
 pub use idle::{is_cold, thread as idle_thread};
 pub use index::Compactions;
-pub use input::{Goal, Input, Sent};
+pub use input::{Ask, Goal, Input, Request, Sent, Serving, Who};
 pub use jobs::schedule_agent;
 pub use learned::Reported;
 pub use stored::LoadCompaction;

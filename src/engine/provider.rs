@@ -71,20 +71,26 @@ impl Failure {
 }
 
 fn support_key<S: Context>(state: &Arc<S>, input: &Input) -> (String, String) {
-    (state.summarizer().base().to_string(), input.model.clone())
+    (
+        state.summarizer().base().to_string(),
+        input.who.model.clone(),
+    )
 }
 
 /// Whether this compaction asks the provider: `provider`, or `auto` where
 /// the upstream was not seen to lack it, on an API that has one.
 pub fn wanted<S: Context>(state: &Arc<S>, input: &Input) -> bool {
-    if !matches!(input.api, Api::Responses | Api::Messages) {
+    if !matches!(input.who.api, Api::Responses | Api::Messages) {
         return false;
     }
-    let key = (input.tenant.clone(), input.conversation.clone());
+    let key = (input.who.tenant.clone(), input.who.conversation.clone());
     if state.compactions().learned().provider_refused(&key) {
         return false;
     }
-    match state.config().summarizer_for(&input.tenant, &input.model) {
+    match state
+        .config()
+        .summarizer_for(&input.who.tenant, &input.who.model)
+    {
         Summarizer::Local => false,
         Summarizer::Provider => true,
         Summarizer::Auto => {
@@ -165,8 +171,8 @@ async fn call<S: Context>(
     max_output: u64,
 ) -> Result<Compacted, Failure> {
     let up = state.summarizer();
-    let mut headers = input.auth.clone();
-    let (endpoint, body) = match input.api {
+    let mut headers = input.who.auth.clone();
+    let (endpoint, body) = match input.who.api {
         Api::Messages => {
             headers
                 .entry("anthropic-version")
@@ -181,22 +187,22 @@ async fn call<S: Context>(
             // turns kept after the block stays valid only if they match. No `context_management`: the API
             // refuses it beside `compaction`.
             let mut body = json!({
-                "model": input.model,
+                "model": input.who.model,
                 "max_tokens": max_output,
                 "messages": part,
                 "compaction": {"type": "summarize"},
             });
-            if let Some(tools) = &input.tools {
+            if let Some(tools) = &input.request.tools {
                 body["tools"] = tools.value().clone();
             }
-            if let Some(system) = &input.system {
+            if let Some(system) = &input.request.system {
                 body["system"] = system.clone();
             }
             ("/messages", body)
         }
         _ => (
             "/responses/compact",
-            json!({"model": input.model, "input": part}),
+            json!({"model": input.who.model, "input": part}),
         ),
     };
     headers.insert(
@@ -223,7 +229,7 @@ async fn call<S: Context>(
     if !status.is_success() {
         // Redacted whole, then cut: a cut first could leave part of a key.
         let text = String::from_utf8_lossy(&answer);
-        let text = up.redact(&text, &input.auth);
+        let text = up.redact(&text, &input.who.auth);
         let shown =
             text[..crate::compaction::items::floor_boundary(&text, MAX_LOGGED_ERROR)].to_string();
         return Err(if unsupported(status, &text) {
@@ -234,12 +240,12 @@ async fn call<S: Context>(
     }
     let v: Value =
         serde_json::from_slice(&answer).map_err(|e| Failure::Invalid(format!("not JSON: {e}")))?;
-    let window = match input.api {
+    let window = match input.who.api {
         Api::Messages => pure::messages_window(&v),
         _ => pure::responses_window(&v),
     }
     .map_err(|e| Failure::Invalid(e.to_string()))?;
-    let usage = input.api.usage(&v);
+    let usage = input.who.api.usage(&v);
     let (tokens, output_tokens) = usage
         .map(|u| (u.total(), u.output_tokens))
         .unwrap_or((0, 0));
@@ -298,7 +304,7 @@ pub(super) async fn summary_rung<S: Context, F: Fn(&Value) -> u64 + Sync>(
     let p = &r.plan.prepared;
     let part = &r.view[p.lead..p.cut];
     let sent = p.lead
-        + match input.api {
+        + match input.who.api {
             Api::Messages => pure::closed_len(part),
             _ => part.len(),
         };
@@ -337,7 +343,7 @@ pub(super) async fn summary_rung<S: Context, F: Fn(&Value) -> u64 + Sync>(
         crate::compaction::ladder::truncate_outputs(&r.view[p.cut..], &r.hashes[p.cut..], level).0
     });
     let placed = pure::place(pure::Window {
-        api: input.api,
+        api: input.who.api,
         view: r.view,
         lead: p.lead,
         sent,
@@ -423,7 +429,7 @@ pub fn refused<S: Context>(
 pub fn fell_back<S: Context>(state: &Arc<S>, input: &Input, reason: &'static str, why: &str) {
     state.metrics().provider_fallback(reason);
     tracing::warn!(
-        conversation = %input.conversation, model = %input.model, reason, error = %why,
+        conversation = %input.who.conversation, model = %input.who.model, reason, error = %why,
         "provider compaction failed; the local summarizer writes the summary"
     );
 }

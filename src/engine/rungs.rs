@@ -38,7 +38,7 @@ pub(super) struct Made {
 /// The cheap rungs: they cost no model call. The model's notes of what to
 /// keep go in a summary: no cheap rung then, nor for a whole compaction.
 pub(super) fn cheap(input: &Input, counted: &Counted) -> Option<Made> {
-    if input.whole || input.keep.is_some() {
+    if input.ask.whole || input.ask.keep.is_some() {
         return None;
     }
     let (view, base, params) = (counted.view(), counted.base(input), counted.params);
@@ -84,7 +84,7 @@ pub(super) async fn summary_rung<S: Context>(
     let prepared = &plan.prepared;
     let part = &view[prepared.lead..prepared.cut];
     let facts = summary::extract_facts(part, base.and_then(|b| b.facts.as_ref()));
-    if !input.observe && provider::wanted(state, input) {
+    if !input.serving.observe && provider::wanted(state, input) {
         if let Some(d) = by_provider(state, input, counted, &plan, &facts).await {
             return Ok(Made {
                 rung: Rung::Summary,
@@ -115,7 +115,7 @@ fn fit_input<'a>(
         hashes: &counted.hashes,
         base,
         limit: counted.limit,
-        whole: input.whole,
+        whole: input.ask.whole,
         summary_floor: floor,
     }
 }
@@ -161,16 +161,16 @@ fn plan<S: Context>(
         let tools_tokens = counted.tools_tokens;
         let calibration = state
             .compactions()
-            .calibration(&input.tenant, &input.conversation);
+            .calibration(&input.who.tenant, &input.who.conversation);
         let upstream = |t: u64| (t as f64 * calibration).ceil() as u64;
         let e = CannotFit {
             core: upstream(e.core + tools_tokens),
             limit: upstream(e.limit + tools_tokens),
         };
-        state.metrics().unfittable(goal_kind(input.goal));
+        state.metrics().unfittable(goal_kind(input.ask.goal));
         tracing::warn!(
-            conversation = %input.conversation, core = e.core, limit = e.limit,
-            tools_tokens, goal = goal_kind(input.goal),
+            conversation = %input.who.conversation, core = e.core, limit = e.limit,
+            tools_tokens, goal = goal_kind(input.ask.goal),
             "no compaction can fit: system items, tools, the newest user message and the pending tool batch alone are over the limit; no summarizer call made"
         );
         e.into()
@@ -215,7 +215,7 @@ async fn by_summarizer<S: Context>(
     // Observe mode pays for no summary unless told to: the rung is
     // the summary's, its size the facts' plus the answer it would
     // have asked for (see below).
-    let estimate = input.observe && !state.config().compaction.observe_summaries;
+    let estimate = input.serving.observe && !state.config().compaction.observe_summaries;
     let (narrative, cost) = if estimate {
         (None, SummaryCost::default())
     } else {
@@ -224,7 +224,7 @@ async fn by_summarizer<S: Context>(
             // with the instruction and the answer.
             let calibration = state
                 .compactions()
-                .calibration(&input.tenant, &input.conversation);
+                .calibration(&input.who.tenant, &input.who.conversation);
             let answer = ["max_tokens", "max_completion_tokens"]
                 .iter()
                 .find_map(|k| body.get(*k).and_then(Value::as_u64))
@@ -250,7 +250,7 @@ async fn by_summarizer<S: Context>(
         plan.summary_budget,
         &count,
     );
-    let text = match input.keep.as_deref() {
+    let text = match input.ask.keep.as_deref() {
         Some(notes) => summary::with_notes(
             &text,
             facts.task.as_deref(),

@@ -258,11 +258,11 @@ pub(super) async fn call_summarizer<S: Context>(
 ) -> Result<(String, CallTokens), SummarizerError> {
     let cfg = &state.config().compaction;
     let model = if cfg.summarizer_model.is_empty() {
-        input.model.as_str()
+        input.who.model.as_str()
     } else {
         cfg.summarizer_model.as_str()
     };
-    let mut body = match input.api {
+    let mut body = match input.who.api {
         // Anthropic Messages: the system prompt is a top-level field.
         Api::Messages => json!({
             "model": model,
@@ -273,7 +273,7 @@ pub(super) async fn call_summarizer<S: Context>(
         }),
         _ => json!({"model": model, "messages": messages, "stream": false}),
     };
-    if input.api != Api::Messages {
+    if input.who.api != Api::Messages {
         // Reasoning-model families reject `max_tokens`.
         let lower = model.to_ascii_lowercase();
         let key = if lower.starts_with('o')
@@ -287,14 +287,14 @@ pub(super) async fn call_summarizer<S: Context>(
         body[key] = json!(params.summary_output_tokens);
     }
     let v = post_summary(state, input, &body, None).await?;
-    let text = answer_text(input.api, &v).ok_or(SummarizerError::NoContent)?;
-    let usage = input.api.usage(&v);
+    let text = answer_text(input.who.api, &v).ok_or(SummarizerError::NoContent)?;
+    let usage = input.who.api.usage(&v);
     let mut cache = SummaryCache::default();
     if let Some(u) = &usage {
         cache.add(u);
     }
     let reported = match usage {
-        Some(u) if input.api == Api::Messages => (Some(u.total()), Some(u.output_tokens)),
+        Some(u) if input.who.api == Api::Messages => (Some(u.total()), Some(u.output_tokens)),
         _ => (
             v.pointer("/usage/total_tokens").and_then(Value::as_u64),
             v.pointer("/usage/completion_tokens")
@@ -350,13 +350,13 @@ async fn post_summary<S: Context>(
     body: &Value,
     provider: Option<&HeaderMap>,
 ) -> Result<Value, SummarizerError> {
-    let mut headers = input.auth.clone();
+    let mut headers = input.who.auth.clone();
     if let Some(p) = provider {
         for (name, v) in p {
             headers.append(name.clone(), v.clone());
         }
     }
-    if input.api == Api::Messages {
+    if input.who.api == Api::Messages {
         // The API refuses a request without a version.
         headers
             .entry("anthropic-version")
@@ -371,7 +371,9 @@ async fn post_summary<S: Context>(
         http::header::ACCEPT_ENCODING,
         http::HeaderValue::from_static("identity"),
     );
-    let url = state.summarizer().url(input.api.summary_endpoint(), None)?;
+    let url = state
+        .summarizer()
+        .url(input.who.api.summary_endpoint(), None)?;
     let bytes = bytes::Bytes::from(serde_json::to_vec(body).map_err(SummarizerError::Encode)?);
     let resp = state
         .summarizer()
@@ -382,7 +384,7 @@ async fn post_summary<S: Context>(
     if !status.is_success() {
         // Redacted whole, then cut: a cut first could leave part of a key.
         let text = String::from_utf8_lossy(&answer);
-        let text = state.summarizer().redact(&text, &input.auth);
+        let text = state.summarizer().redact(&text, &input.who.auth);
         let shown = &text[..crate::compaction::items::floor_boundary(&text, MAX_LOGGED_ERROR)];
         return Err(SummarizerError::Refused {
             status,
@@ -431,11 +433,11 @@ pub(super) fn cached_body<S: Context>(
     input: &Input,
     params: &Params,
 ) -> Option<Value> {
-    let sent = input.sent.as_ref()?;
+    let sent = input.request.sent.as_ref()?;
     let cfg = &state.config().compaction;
-    if input.observe
-        || !matches!(input.api, Api::Chat | Api::Messages)
-        || (!cfg.summarizer_model.is_empty() && cfg.summarizer_model != input.model)
+    if input.serving.observe
+        || !matches!(input.who.api, Api::Chat | Api::Messages)
+        || (!cfg.summarizer_model.is_empty() && cfg.summarizer_model != input.who.model)
     {
         return None;
     }
@@ -453,8 +455,8 @@ pub(super) fn cached_body<S: Context>(
     let mut body = sent.body.clone();
     let object = body.as_object_mut()?;
     let instruction = summary::cached_instruction();
-    let mut items = input.view.values().to_vec();
-    items.push(match input.api {
+    let mut items = input.request.view.values().to_vec();
+    items.push(match input.who.api {
         Api::Messages => {
             json!({"role": "user", "content": [{"type": "text", "text": instruction}]})
         }
@@ -469,7 +471,7 @@ pub(super) fn cached_body<S: Context>(
         .and_then(Value::as_u64)
         .unwrap_or(0);
     let answer = params.summary_output_tokens + thinking;
-    let key = match input.api {
+    let key = match input.who.api {
         Api::Messages => "max_tokens",
         _ if object.contains_key("max_completion_tokens") => "max_completion_tokens",
         _ if object.contains_key("max_tokens") => "max_tokens",
@@ -487,7 +489,7 @@ pub(super) async fn call_cached<S: Context>(
     input: &Input,
     body: &Value,
 ) -> Result<(String, CallTokens), (CachedMiss, CallTokens)> {
-    let provider = input.sent.as_ref().map(|s| &s.headers);
+    let provider = input.request.sent.as_ref().map(|s| &s.headers);
     let v = match post_summary(state, input, body, provider).await {
         Ok(v) => v,
         Err(e) => {
@@ -495,8 +497,8 @@ pub(super) async fn call_cached<S: Context>(
             return Err((CachedMiss::Failed, CallTokens::default()));
         }
     };
-    let call = CallTokens::reported(input.api.usage(&v));
-    let called = match input.api {
+    let call = CallTokens::reported(input.who.api.usage(&v));
+    let called = match input.who.api {
         Api::Messages => v
             .get("content")
             .and_then(Value::as_array)
@@ -509,7 +511,7 @@ pub(super) async fn call_cached<S: Context>(
     if called {
         return Err((CachedMiss::ToolCall, call));
     }
-    match answer_text(input.api, &v) {
+    match answer_text(input.who.api, &v) {
         Some(t) if summary::validate(&t).is_ok() => Ok((t, call)),
         _ => Err((CachedMiss::Unusable, call)),
     }

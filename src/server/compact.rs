@@ -137,7 +137,7 @@ async fn compact_whole(
     reason: &str,
 ) -> Result<Arc<Compaction>, engine::CompactError> {
     let mut input = pending.input(reason.into(), true);
-    input.goal = engine::Goal::HardLimit;
+    input.ask.goal = engine::Goal::HardLimit;
     engine::compact(state, input).await
 }
 

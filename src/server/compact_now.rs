@@ -25,7 +25,7 @@ pub(super) async fn compact_now(
     goal: engine::Goal,
 ) -> bool {
     let mut input = pending.input(reason, false);
-    input.goal = goal;
+    input.ask.goal = goal;
     match engine::compact(state, input).await {
         Ok(c) => {
             pending.apply(c);

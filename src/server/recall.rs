@@ -252,7 +252,7 @@ fn answer_compacts(
     });
     if first {
         let mut input = pending.input(agent_tool::reason(calls), false);
-        input.keep = agent_tool::notes(calls);
+        input.ask.keep = agent_tool::notes(calls);
         if !crate::engine::schedule_agent(state, input) {
             tracing::info!(
                 "compactor_compact: a compaction of the conversation is under way already"

@@ -101,33 +101,41 @@ impl PendingExchange {
         let mode = request.mode();
         let observe = mode == Mode::Observe;
         Input {
-            api: request.api(),
-            tenant: request.tenant().to_string(),
-            conversation: self.conversation().to_string(),
-            model: request.model().to_string(),
-            view: self.upstream.view.clone(),
-            chains: self.digest.chains.clone(),
-            base: if observe {
-                self.upstream.observed.clone()
-            } else {
-                self.upstream.compaction.clone()
+            who: engine::Who {
+                api: request.api(),
+                tenant: request.tenant().to_string(),
+                conversation: self.conversation().to_string(),
+                model: request.model().to_string(),
+                auth: request.auth().clone(),
             },
-            auth: request.auth().clone(),
-            reason,
-            requested_ms: self.timing.started_ms,
-            whole,
-            goal: engine::Goal::Shrink,
-            tools: request.tools().cloned(),
-            system: request.api().format().system(request.body()),
-            observe,
-            provider_compaction: crate::compaction::boundary::asks_provider_compaction(
-                request.api(),
-                request.body(),
-            ),
-            soft: false,
-            keep: None,
-            no_trigger: self.conversation.deferred || mode == Mode::Manual,
-            sent: self.as_sent(),
+            request: engine::Request {
+                view: self.upstream.view.clone(),
+                chains: self.digest.chains.clone(),
+                base: if observe {
+                    self.upstream.observed.clone()
+                } else {
+                    self.upstream.compaction.clone()
+                },
+                tools: request.tools().cloned(),
+                system: request.api().format().system(request.body()),
+                sent: self.as_sent(),
+                requested_ms: self.timing.started_ms,
+            },
+            ask: engine::Ask {
+                reason,
+                goal: engine::Goal::Shrink,
+                whole,
+                keep: None,
+                soft: false,
+            },
+            serving: engine::Serving {
+                observe,
+                provider_compaction: crate::compaction::boundary::asks_provider_compaction(
+                    request.api(),
+                    request.body(),
+                ),
+                no_trigger: self.conversation.deferred || mode == Mode::Manual,
+            },
         }
     }
 
