@@ -12,9 +12,9 @@
 
 use std::sync::Arc;
 
+use futures_util::future::BoxFuture;
 use serde_json::Value;
 
-use super::record;
 use super::request::ReadRequest;
 use crate::app::AppState;
 use crate::compaction::{agent_tool, items, recall, Compaction};
@@ -59,6 +59,34 @@ pub struct PendingExchange {
     offered: Offered,
     /// When it arrived.
     timing: Timing,
+    /// The record phase, as the driver handed it.
+    recorder: Recorder,
+}
+
+/// The record phase as the driver hands it to an exchange it opens, to
+/// run when the exchange ends (the relay and the splice end it while they
+/// stream, so the driver cannot call it after them itself).
+#[derive(Clone, Copy)]
+pub struct Recorder {
+    /// Records an exchange, waiting for the commit (see
+    /// [`PendingExchange::finish`]).
+    pub finish: for<'a> fn(&'a Arc<AppState>, &'a PendingExchange, Outcome) -> BoxFuture<'a, bool>,
+    /// Records an exchange without waiting.
+    pub detached: fn(&Arc<AppState>, &PendingExchange, Outcome),
+}
+
+/// Most characters of an upstream error body kept in a record.
+const MAX_ERROR_CHARS: usize = 4096;
+
+/// What a record keeps of an error: redacted of the client's credentials
+/// (`auth`) and the proxy's own, and cut short.
+fn error_text(state: &AppState, error: &str, auth: &http::HeaderMap) -> String {
+    let mut s = state.upstream.redact(error, auth).into_owned();
+    if s.len() > MAX_ERROR_CHARS {
+        s.truncate(items::floor_boundary(&s, MAX_ERROR_CHARS));
+        s.push('…');
+    }
+    s
 }
 
 /// How an exchange ended.
@@ -141,6 +169,7 @@ impl PendingExchange {
         digest: Digest,
         recall_rounds: u32,
         timing: Timing,
+        recorder: Recorder,
     ) -> Self {
         Self {
             conversation: Conversation {
@@ -170,6 +199,7 @@ impl PendingExchange {
             request,
             digest,
             timing,
+            recorder,
         }
     }
 
@@ -448,7 +478,7 @@ impl PendingExchange {
             partial: outcome.partial,
             error: outcome
                 .error
-                .map(|e| record::error_text(state, &e, self.request.auth())),
+                .map(|e| error_text(state, &e, self.request.auth())),
             started_ms: self.timing.started_ms,
             latency_ms: self.timing.started.elapsed().as_secs_f64() * 1000.0,
             ttfb_ms: outcome.ttfb_ms,
@@ -570,52 +600,37 @@ impl PendingExchange {
         first
     }
 
-    /// Records the exchange (waiting for the commit), indexes it, and logs
-    /// the accounting line in the background. False when the answer must
-    /// not reach the client: a store shared by replicas could not commit it
-    /// (released, it would be an answer no replica knows of).
+    /// Records the exchange through the record phase the driver opened it
+    /// with ([`Recorder`]), waiting for the commit. False when the answer
+    /// must not reach the client: a store shared by replicas could not
+    /// commit it (released, it would be an answer no replica knows of).
     pub async fn finish(&self, state: &Arc<AppState>, outcome: Outcome) -> bool {
-        // The provider compacted in this answer (a client that asked it to).
-        if outcome
-            .response_items
-            .iter()
-            .any(crate::compaction::boundary::is_provider_item)
-        {
-            state.metrics.provider_compaction();
-        }
-        let rec = self.to_record(state, outcome);
-        self.record_on_span(&rec);
-        let usage = rec.usage;
-        let potential = rec.savings.tokens_saved_potential;
-        let status = rec.status;
-        let complete = !rec.partial && (200..300).contains(&rec.status);
-        let recorded = record::commit(state, rec).await;
-        // With reported usage the decision needs no tokenizer: take it now,
-        // before the answer's last bytes are released, so a client that
-        // sends its next request at once finds the compaction under way.
-        // In observe mode the decision is taken on the size the request
-        // would have had, as it would be in auto mode.
-        // A client's own compaction request starts none of the proxy's.
-        let decides = self.request.mode() != Mode::Off && !self.conversation.client_compaction;
-        if let (true, Some(u), true) = (complete, usage, decides) {
-            let used = u.total().saturating_sub(potential);
-            engine::after_exchange(state, self.input(String::new(), false), used, false);
-        }
-        self.account(state, usage, status, complete);
-        recorded || !state.store.is_shared()
+        (self.recorder.finish)(state, self, outcome).await
     }
 
     /// Records without waiting (the client is gone; nothing can wait).
     pub fn finish_detached(&self, state: &Arc<AppState>, outcome: Outcome) {
-        let rec = self.to_record(state, outcome);
-        record::commit_detached(state, rec);
+        (self.recorder.detached)(state, self, outcome)
+    }
+
+    /// Whether the proxy decides on the next compaction after this
+    /// exchange: not when compaction is off, nor after a client's own
+    /// compaction request (which starts none of the proxy's).
+    pub(super) fn decides_next(&self) -> bool {
+        self.request.mode() != Mode::Off && !self.conversation.client_compaction
     }
 
     /// The per-exchange accounting line: reported usage, estimate by
     /// section of what was sent (where something reads it: see
     /// [`needs_estimate`]), fraction of the model's window, whether past
     /// `warn_ratio`. Then the compaction decision for the next request.
-    fn account(&self, state: &Arc<AppState>, usage: Option<Usage>, status: u16, complete: bool) {
+    pub(super) fn account(
+        &self,
+        state: &Arc<AppState>,
+        usage: Option<Usage>,
+        status: u16,
+        complete: bool,
+    ) {
         let background = state.background;
         let state = state.clone();
         let (api, tools, view) = (
@@ -727,7 +742,7 @@ impl PendingExchange {
     }
 
     /// The record's token figures and compaction, on the request's span.
-    fn record_on_span(&self, rec: &ExchangeRecord) {
+    pub(super) fn record_on_span(&self, rec: &ExchangeRecord) {
         if let Some(u) = rec.usage {
             self.timing.span.record("input_tokens", u.input_tokens);
             self.timing.span.record("output_tokens", u.output_tokens);

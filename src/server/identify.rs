@@ -11,7 +11,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::exchange::{Digest, PendingExchange, Timing, Unanswered};
+use super::exchange::{Digest, PendingExchange, Recorder, Timing, Unanswered};
 use super::request::ReadRequest;
 use crate::app::AppState;
 use crate::compaction::Compaction;
@@ -45,8 +45,9 @@ pub(super) async fn identify(
     read: ReadRequest,
     started: Instant,
     started_ms: i64,
+    recorder: Recorder,
 ) -> Result<(Unanswered, Compact), ProxyError> {
-    let mut pending = matched(state, read, started, started_ms).await?;
+    let mut pending = matched(state, read, (started, started_ms), recorder).await?;
     let compact = prepare(state, &mut pending).await;
     Ok((pending, compact))
 }
@@ -56,8 +57,8 @@ pub(super) async fn identify(
 async fn matched(
     state: &Arc<AppState>,
     read: ReadRequest,
-    started: Instant,
-    started_ms: i64,
+    (started, started_ms): (Instant, i64),
+    recorder: Recorder,
 ) -> Result<Unanswered, ProxyError> {
     // A stalled database refuses the request now, before it reads the
     // database or anything goes upstream.
@@ -113,6 +114,7 @@ async fn matched(
             Digest::new(params, hashes, chains, claims, forgets),
             state.config.compaction.recall_max_rounds,
             Timing::new(started, started_ms, span),
+            recorder,
         ),
     );
     // The first request of a model asks the upstream for its window

@@ -15,7 +15,9 @@
 //!    whether to send the continued request;
 //! 6. [`super::relay`], or [`super::splice`] for a stream that began with
 //!    reasoning: relay the answer and tee it;
-//! 7. [`super::record`]: record the exchange.
+//! 7. [`super::record`]: record the exchange, which the driver hands to
+//!    every exchange it opens, for the relay, the splice, the compact
+//!    endpoint or a failure to run when the exchange ends.
 //!
 //! [`super::compact`] answers in place of 4 to 6 when the client asked the
 //! proxy for a compaction. The loop of sends (retries, reactive
@@ -39,7 +41,7 @@ use super::read::{read_request, RequestBody};
 use super::recall::Settled;
 use super::request::ReadRequest;
 use super::send::{Sent, Tried};
-use super::{compact, compact_now, recall, relay, send, splice};
+use super::{compact, compact_now, recall, record, relay, send, splice};
 use crate::app::AppState;
 use crate::config::Mode;
 use crate::engine;
@@ -127,7 +129,8 @@ async fn open(
     started: Instant,
     started_ms: i64,
 ) -> Result<Unanswered, ProxyError> {
-    let (mut pending, compact) = identify(state, read, started, started_ms).await?;
+    let (mut pending, compact) =
+        identify(state, read, started, started_ms, record::RECORDER).await?;
     match compact {
         Compact::No => {}
         Compact::HardLimit(tokens) => compact_now::hard_limit(state, &mut pending, tokens).await,

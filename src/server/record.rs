@@ -1,21 +1,77 @@
-//! Phase 5, record: runs when the answer is complete, cut short, or
-//! refused by the proxy, through `PendingExchange::finish` (beside the
-//! exchange, which builds the record). Commits the record (before the last
-//! frame of an answer is released), counts its figures and indexes it; the
-//! exchange then queues the accounting line. It must not change what the
-//! client receives.
+//! Phase 7, record: runs when the answer is complete, cut short, or
+//! refused by the proxy. The driver opens each exchange with it
+//! ([`RECORDER`]), and the exchange's end runs it (`PendingExchange::finish`,
+//! from the relay, the splice, the compact endpoint or a failure). Builds
+//! the record through the exchange, commits it (before the last frame of
+//! an answer is released), counts its figures and indexes it, takes the
+//! decision on the next compaction, and queues the accounting line. It
+//! must not change what the client receives.
 
 use std::sync::Arc;
 
+use futures_util::future::BoxFuture;
+
+use super::exchange::{Outcome, PendingExchange, Recorder};
 use crate::app::AppState;
+use crate::engine;
 use crate::store::{ExchangeRecord, IndexedExchange};
 
-/// Most characters of an upstream error body kept in a record.
-const MAX_ERROR_CHARS: usize = 4096;
+/// This phase, as the driver hands it to the exchanges it opens.
+pub(super) const RECORDER: Recorder = Recorder {
+    finish: finish_boxed,
+    detached: finish_detached,
+};
+
+fn finish_boxed<'a>(
+    state: &'a Arc<AppState>,
+    pending: &'a PendingExchange,
+    outcome: Outcome,
+) -> BoxFuture<'a, bool> {
+    Box::pin(finish(state, pending, outcome))
+}
+
+/// Records the exchange (waiting for the commit), indexes it, and logs
+/// the accounting line in the background. False when the answer must
+/// not reach the client: a store shared by replicas could not commit it
+/// (released, it would be an answer no replica knows of).
+async fn finish(state: &Arc<AppState>, pending: &PendingExchange, outcome: Outcome) -> bool {
+    // The provider compacted in this answer (a client that asked it to).
+    if outcome
+        .response_items
+        .iter()
+        .any(crate::compaction::boundary::is_provider_item)
+    {
+        state.metrics.provider_compaction();
+    }
+    let rec = pending.to_record(state, outcome);
+    pending.record_on_span(&rec);
+    let usage = rec.usage;
+    let potential = rec.savings.tokens_saved_potential;
+    let status = rec.status;
+    let complete = !rec.partial && (200..300).contains(&rec.status);
+    let recorded = commit(state, rec).await;
+    // With reported usage the decision needs no tokenizer: take it now,
+    // before the answer's last bytes are released, so a client that
+    // sends its next request at once finds the compaction under way.
+    // In observe mode the decision is taken on the size the request
+    // would have had, as it would be in auto mode.
+    if let (true, Some(u), true) = (complete, usage, pending.decides_next()) {
+        let used = u.total().saturating_sub(potential);
+        engine::after_exchange(state, pending.input(String::new(), false), used, false);
+    }
+    pending.account(state, usage, status, complete);
+    recorded || !state.store.is_shared()
+}
+
+/// Records without waiting (the client is gone; nothing can wait).
+fn finish_detached(state: &Arc<AppState>, pending: &PendingExchange, outcome: Outcome) {
+    let rec = pending.to_record(state, outcome);
+    commit_detached(state, rec);
+}
 
 /// Commits a finished exchange's record, waiting for the commit, counts
 /// its figures and indexes it. False when the store could not commit it.
-pub(super) async fn commit(state: &Arc<AppState>, rec: ExchangeRecord) -> bool {
+async fn commit(state: &Arc<AppState>, rec: ExchangeRecord) -> bool {
     observe(state, &rec);
     let indexed = indexed(&rec);
     if !rec.partial && (200..300).contains(&rec.status) {
@@ -34,17 +90,10 @@ pub(super) async fn commit(state: &Arc<AppState>, rec: ExchangeRecord) -> bool {
 }
 
 /// Commits a record without waiting (the client is gone; nothing can wait).
-pub(super) fn commit_detached(state: &Arc<AppState>, rec: ExchangeRecord) {
+fn commit_detached(state: &Arc<AppState>, rec: ExchangeRecord) {
     observe(state, &rec);
     state.conversations.remember(&indexed(&rec));
     state.store.record_detached(rec);
-}
-
-/// What a record keeps of an error: redacted of the client's credentials
-/// (`auth`) and the proxy's own, and cut short.
-pub(super) fn error_text(state: &AppState, error: &str, auth: &http::HeaderMap) -> String {
-    let redacted = state.upstream.redact(error, auth).into_owned();
-    truncate(redacted, MAX_ERROR_CHARS)
 }
 
 /// Latency figures and input tokens of a finished exchange, for `/metrics`.
@@ -100,12 +149,4 @@ fn indexed(rec: &ExchangeRecord) -> IndexedExchange {
         response_id: rec.response_id.clone(),
         prefix_exchange: rec.prefix.map(|p| p.exchange),
     }
-}
-
-fn truncate(mut s: String, max: usize) -> String {
-    if s.len() > max {
-        s.truncate(crate::compaction::items::floor_boundary(&s, max));
-        s.push('…');
-    }
-    s
 }
