@@ -9,28 +9,33 @@
 //! Part 1, probes. The continuity bench's trail sessions (files, commands
 //! with their exit status, standing rules, in eight agents' vocabularies)
 //! and its planted-fact sessions (the next step), made small, go through
-//! the real proxy at three rungs — truncate, prune and the summary rung
-//! with a summarizer that writes nothing useful (so what survives is what
-//! the proxy keeps: the facts-only fallback) — against the fake upstream,
-//! which records the compacted request. Then the llama-server answers a
-//! few questions per kind (see `probes/questions.rs`) from that compacted
-//! history and from the full one, each over several sampling seeds. The
-//! grade is deterministic: the expected path, exit code, flag or word
-//! within the answer. Printed per kind and rung: right answers from the
-//! full history, from the compacted one, their ratio, and its spread over
-//! the seeds.
+//! the real proxy against the fake upstream, which records the compacted
+//! request, with a summarizer that writes nothing useful (so what survives
+//! is what the proxy keeps): at a window of the session's own size and at
+//! 4,000 tokens, each row named by the rung the proxy used. Then the
+//! llama-server answers a few questions per kind (see
+//! `probes/questions.rs`) from that compacted history and from the full
+//! one, each over several sampling seeds, asked open and as a choice among
+//! the session's own alternatives (held to them by a grammar). The grade
+//! is deterministic: the expected path, exit code, flag or word within the
+//! answer, or equal to it. Printed per kind and rung: right answers from
+//! the full history, from the compacted one, their ratio, and its spread
+//! over the seeds.
 //!
 //! Part 2, the summary call's cache (see `probes/summary_cache.rs`):
 //! latency and `cached_tokens` of the summary call that repeats the
 //! request the upstream last saw, against today's transcript calls (forced
 //! by a `summarizer_model` other than the conversation's, which cannot
-//! share its cache; llama-server ignores the name).
+//! share its cache; llama-server ignores the name). The cached call is then
+//! sent once more with llama.cpp's `cache_prompt: false`: what reading its
+//! history would cost without the cache.
 //!
 //! Env: `PROBE_SEEDS` (default 3), `PROBE_TEMPERATURE` (0.7),
 //! `PROBE_TRAIL` / `PROBE_NEXT` (how many trail / planted-fact sessions,
-//! default 4 / 3), `PROBE_SCALE` (their filler volume, 0.1),
+//! default 4 / 2), `PROBE_SCALE` (their filler volume, 0.1),
 //! `PROBE_PART` (`probes`, `cache` or both when unset), `PROBE_VERBOSE=1`
-//! (every question and answer).
+//! (every question and answer), `PROBE_CACHE_RUNS` (compactions of each
+//! form, 3) and `PROBE_CACHE_SCALE` (the cache part's session, 0.15).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 #[path = "continuity/sessions.rs"]

@@ -46,6 +46,8 @@ struct Call {
     prompt_ms: f64,
     predicted_n: u64,
     predicted_ms: f64,
+    /// The body, for the call that repeats the conversation's request.
+    sent: Option<Value>,
 }
 
 fn form_of(body: &Value) -> &'static str {
@@ -72,6 +74,7 @@ fn call_of(form: &'static str, status: u16, ms: f64, v: &Value) -> Call {
         prompt_ms: f("/timings/prompt_ms"),
         predicted_n: n("/timings/predicted_n"),
         predicted_ms: f("/timings/predicted_ms"),
+        sent: None,
     }
 }
 
@@ -87,10 +90,12 @@ async fn router(llama: String, calls: Arc<Mutex<Vec<Call>>>) -> String {
             let sent: Value = serde_json::from_slice(r.body).unwrap_or(Value::Null);
             let v: Value = serde_json::from_slice(r.answer).unwrap_or(Value::Null);
             let ms = r.elapsed.as_secs_f64() * 1e3;
-            calls
-                .lock()
-                .expect("calls")
-                .push(call_of(form_of(&sent), r.status, ms, &v));
+            let form = form_of(&sent);
+            let mut call = call_of(form, r.status, ms, &v);
+            if form == "cached" {
+                call.sent = Some(sent);
+            }
+            calls.lock().expect("calls").push(call);
         },
     )
     .await
@@ -174,15 +179,14 @@ pub async fn run(llama: &str) {
         .into_iter()
         .next()
         .expect("a trail session");
-    // Each compaction's conversation is its own (the system prompt names
-    // the run): llama.cpp also keeps earlier prompts in host memory, and
-    // a transcript sent by an earlier run would read as cached.
+    // Each compaction's conversation is its own (its system prompt and
+    // task name the run): llama.cpp also keeps earlier prompts in host
+    // memory, and a transcript an earlier run sent would read as cached.
     let body = |nonce: &str| {
         let mut messages = session.messages.clone();
-        messages[0]["content"] = json!(format!(
-            "[{nonce}] {}",
-            messages[0]["content"].as_str().unwrap_or("")
-        ));
+        for m in messages.iter_mut().take(2) {
+            m["content"] = json!(format!("[{nonce}] {}", m["content"].as_str().unwrap_or("")));
+        }
         let mut body = json!({
             "model": sessions::MODEL,
             "messages": messages,
@@ -209,6 +213,7 @@ pub async fn run(llama: &str) {
     // Per form, each compaction's summary calls and whether its summary
     // was the model's (rung `summary`) or the facts alone (`fallback`).
     let mut done: Vec<Vec<(Vec<Call>, bool)>> = vec![Vec::new(); forms.len()];
+    let mut uncached: Vec<Call> = Vec::new();
     for run in 1..=runs {
         for (i, (label, model)) in forms.iter().enumerate() {
             let (row, calls, _) = one(llama, &body(&format!("{label} {run}")), model).await;
@@ -225,6 +230,24 @@ pub async fn run(llama: &str) {
             if calls.is_empty() {
                 println!("{label:<11}{run:>4}  (no summary call)  {shown}");
             }
+            // The same request with llama.cpp told not to reuse its cache:
+            // what the history would cost to read without it (one token
+            // generated).
+            if let Some(sent) = calls.iter().find_map(|c| c.sent.clone()) {
+                let mut cold = sent;
+                cold["cache_prompt"] = json!(false);
+                cold["max_tokens"] = json!(1);
+                let t = Instant::now();
+                let client = reqwest::Client::new();
+                if let Ok(v) = super::chat(&client, llama, &cold).await {
+                    let c = call_of("uncached", 200, t.elapsed().as_secs_f64() * 1e3, &v);
+                    println!(
+                        "{label:<11}{run:>4}  {:<10}{:>7}{:>9.0}{:>9}{:>8}{:>11.0}{:>9}{:>11.0}  (the cached call again, its cache not used)",
+                        c.form, c.status, c.ms, c.prompt_tokens, c.cached_tokens, c.prompt_ms, c.predicted_n, c.predicted_ms
+                    );
+                    uncached.push(c);
+                }
+            }
             done[i].push((calls, model_wrote));
         }
     }
@@ -240,9 +263,17 @@ pub async fn run(llama: &str) {
         "generation ms",
         "model's"
     );
-    for ((label, _), runs) in forms.iter().zip(&done) {
+    // The cached call sent again without its cache, as a third form.
+    let cold: Vec<(Vec<Call>, bool)> = uncached.into_iter().map(|c| (vec![c], false)).collect();
+    let labels = forms.iter().map(|(l, _)| *l).chain(["uncached"]);
+    for (label, runs) in labels.zip(done.iter().chain([&cold])) {
         let wrote = runs.iter().filter(|(_, w)| *w).count();
-        for (which, take) in [("first", 1), ("all", usize::MAX)] {
+        let rows: &[(&str, usize)] = if label == "uncached" {
+            &[("first", 1)]
+        } else {
+            &[("first", 1), ("all", usize::MAX)]
+        };
+        for &(which, take) in rows {
             let col = |f: fn(&Call) -> f64| {
                 let v: Vec<f64> = runs
                     .iter()
