@@ -26,6 +26,12 @@ pub fn new_compaction_id() -> String {
     format!("cmp_{}", unique_hex())
 }
 
+/// A new id for a response the proxy answers itself (a WebSocket's
+/// warm-up), from the same sequence.
+pub fn new_response_id() -> String {
+    format!("resp_{}", unique_hex())
+}
+
 /// 24 hex digits, distinct for every call in the process and unguessable
 /// across processes. The key is process-wide on purpose: uniqueness needs
 /// one counter, and an id carries no tenant state.

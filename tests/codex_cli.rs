@@ -124,8 +124,18 @@ struct Codex {
 }
 
 impl Codex {
-    /// Codex configured to talk to `base_url` (with `/v1`).
+    /// Codex configured to talk to `base_url` (with `/v1`) over HTTP.
     fn new(base_url: &str) -> Codex {
+        Self::with_transport(base_url, false)
+    }
+
+    /// Codex configured to talk to `base_url` over a WebSocket, as
+    /// `compactor connect codex` writes it.
+    fn over_websocket(base_url: &str) -> Codex {
+        Self::with_transport(base_url, true)
+    }
+
+    fn with_transport(base_url: &str, websocket: bool) -> Codex {
         let home = tempfile::tempdir().expect("tempdir");
         let work = tempfile::tempdir().expect("tempdir");
         std::fs::create_dir_all(home.path().join("codex")).unwrap();
@@ -154,6 +164,7 @@ wire_api = "responses"
 # No client retries: a proxy failure must show, not be papered over.
 request_max_retries = 0
 stream_max_retries = 0
+supports_websockets = {websocket}
 "#
         );
         std::fs::write(home.path().join("codex/config.toml"), config).unwrap();
@@ -803,4 +814,74 @@ async fn codex_leaves_compaction_to_the_proxy_on_the_window_connect_writes() {
     let written = compactor::cli::connect::codex_context_window(window);
     let kinds = kinds_after_a_turn_of(written, window).await;
     assert_eq!(kinds, ["turn"], "no compaction request of Codex's own");
+}
+
+/// `compactor_requests_total` of the WebSocket endpoint for `status`.
+async fn websocket_requests(h: &Harness, status: u16) -> u64 {
+    let metrics = h.scrape().await;
+    let series = format!(
+        "compactor_requests_total{{endpoint=\"responses_websocket\",status=\"{status}\"}} "
+    );
+    metrics
+        .lines()
+        .find_map(|l| l.strip_prefix(&series))
+        .map_or(0, |v| v.trim().parse::<f64>().unwrap() as u64)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the Codex CLI: run scripts/test"]
+async fn codex_over_the_websocket_runs_a_compacted_session() {
+    let h = Harness::start_with(small_window).await;
+    let codex = Codex::over_websocket(&h.url());
+    long_turn(&codex, &h.fake, 1, true).await;
+    let threshold = ((WINDOW - MAX_OUTPUT) as f64 * 0.75) as i64;
+    let mut n = 2;
+    loop {
+        long_turn(&codex, &h.fake, n, false).await;
+        let used = count(
+            &h,
+            "SELECT input_tokens + output_tokens FROM exchanges ORDER BY id DESC LIMIT 1",
+        );
+        eprintln!("turn {n}: reported {used} tokens, threshold {threshold}");
+        if used >= threshold {
+            break;
+        }
+        n += 1;
+        assert!(n < 12, "the session never crossed the threshold");
+    }
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while count(&h, "SELECT count(*) FROM compactions") == 0 {
+        assert!(Instant::now() < deadline, "no compaction after turn {n}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = turns(&h.fake).len();
+    let out = codex.resume("turn after compaction: summarize").await;
+    expect_ok("turn after compaction", &out);
+    assert!(out.stdout.contains(AUTO_TEXT), "{}", out.describe());
+    let last = turns(&h.fake)[before].json();
+    assert!(
+        has_summary(&last),
+        "the turn after the compaction went upstream rewritten: {:?}",
+        input_texts(&last)
+    );
+    assert_eq!(
+        input_texts(&last).last().map(String::as_str),
+        Some("turn after compaction: summarize")
+    );
+    assert_eq!(
+        count(&h, "SELECT count(DISTINCT conversation_id) FROM exchanges"),
+        1,
+        "all turns in one conversation"
+    );
+    // Every turn came over a WebSocket: one upgrade per `codex` process at
+    // least, and each turn's request answered on one.
+    let upgrades = websocket_requests(&h, 101).await;
+    let answered = websocket_requests(&h, 200).await;
+    eprintln!("{upgrades} upgrades, {answered} answers over them");
+    assert!(
+        upgrades > u64::from(n),
+        "{upgrades} upgrades for {} processes",
+        n + 1
+    );
+    assert_eq!(answered, before as u64 + 1, "every turn over the socket");
 }

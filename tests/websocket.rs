@@ -202,3 +202,37 @@ async fn an_error_answer_is_an_error_event_and_the_socket_goes_on() {
     assert_eq!(events.last().unwrap()["type"], "response.completed");
     let _ = within(ws.close(None)).await;
 }
+
+/// Codex's warm-up (`generate: false`) is answered by the proxy (an upstream
+/// asked over HTTP would generate), and the response that continues it
+/// goes upstream with the warm-up's input in front of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_warm_up_is_answered_by_the_proxy_and_its_input_goes_with_the_next_response() {
+    let h = Harness::start().await;
+    let mut ws = connect(&h, KEY).await;
+    let mut warm = create("context first", None);
+    warm["generate"] = json!(false);
+    send(&mut ws, &warm).await;
+    let events = response_events(&mut ws).await;
+    assert_eq!(events.len(), 2, "{events:?}");
+    assert_eq!(events[0]["type"], "response.created");
+    let done = &events[1];
+    assert_eq!(done["type"], "response.completed");
+    assert_eq!(done["response"]["output"], json!([]));
+    assert!(h.fake.received().is_empty(), "nothing went upstream");
+    let warm_id = done["response"]["id"].as_str().unwrap().to_string();
+    h.fake.push(streamed(&["answer"]));
+    send(&mut ws, &create("then this", Some(&warm_id))).await;
+    let events = response_events(&mut ws).await;
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    let sent = last_client_call(&h);
+    assert!(sent.get("previous_response_id").is_none(), "{sent}");
+    assert!(sent.get("generate").is_none(), "{sent}");
+    let texts: Vec<&str> = sent["input"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["content"].as_str().unwrap())
+        .collect();
+    assert_eq!(texts, ["context first", "then this"]);
+}

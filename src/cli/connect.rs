@@ -346,6 +346,9 @@ fn codex_config(existing: Option<&str>, t: &Target) -> anyhow::Result<String> {
     provider["base_url"] = value(t.base_url.as_str());
     provider["env_key"] = value("OPENAI_API_KEY");
     provider["wire_api"] = value("responses");
+    // Codex's default transport with OpenAI: one WebSocket per session,
+    // which compactor serves on /v1/responses as it does the HTTP requests.
+    provider["supports_websockets"] = value(true);
     let providers = doc["model_providers"]
         .as_table_mut()
         .context("model_providers is not a table")?;
@@ -676,6 +679,7 @@ mod tests {
         let ours = providers["compactor"].as_table().unwrap();
         assert_eq!(ours["base_url"].as_str(), Some("http://127.0.0.1:8787/v1"));
         assert_eq!(ours["stream_max_retries"].as_integer(), Some(0));
+        assert_eq!(ours["supports_websockets"].as_bool(), Some(true));
         assert_eq!(
             codex_config(Some(&new), &target()).unwrap(),
             new,

@@ -238,6 +238,25 @@ struct Session {
     write_limit: Duration,
     /// Most bytes of one event of an answer.
     max_event: usize,
+    /// The last warm-up answered.
+    warmed: Option<Warmed>,
+}
+
+/// A warm-up the session answered: its response id, and its input items
+/// (the JSON of an array's members).
+struct Warmed {
+    id: String,
+    input: String,
+}
+
+/// What a client event asks.
+enum ClientEvent {
+    /// A response: the body of its request.
+    Create(Vec<u8>),
+    /// A warm-up: its model and input items.
+    WarmUp { model: String, input: String },
+    /// Nothing.
+    Nothing,
 }
 
 impl Session {
@@ -257,6 +276,7 @@ impl Session {
             idle: (idle_secs > 0).then(|| Duration::from_secs(idle_secs)),
             write_limit,
             max_event,
+            warmed: None,
         }
     }
 
@@ -360,9 +380,10 @@ impl Session {
 
     /// A client event (the text of a message).
     async fn event(&mut self, text: &str, turn: &mut Turn) -> bool {
-        let body = match read_event(text) {
-            Ok(Some(body)) => body,
-            Ok(None) => return true,
+        let body = match read_event(text, self.warmed.as_ref()) {
+            Ok(ClientEvent::Create(body)) => body,
+            Ok(ClientEvent::Nothing) => return true,
+            Ok(ClientEvent::WarmUp { model, input }) => return self.warm_up(model, input).await,
             Err((code, msg)) => return self.refuse(StatusCode::BAD_REQUEST, code, &msg).await,
         };
         if let Turn::Streaming {
@@ -400,6 +421,24 @@ impl Session {
             body,
         )));
         true
+    }
+
+    /// Answers a warm-up (`generate: false`) itself: an empty response,
+    /// whose input the next `response.create` that continues it gets in
+    /// front of its own. An upstream asked over HTTP would generate.
+    async fn warm_up(&mut self, model: String, input: String) -> bool {
+        let id = crate::ids::new_response_id();
+        let mut response = json!({"id": id, "object": "response", "status": "in_progress",
+            "model": model, "output": []});
+        let created = json!({"type": "response.created", "response": response.clone()});
+        response["status"] = json!("completed");
+        response["usage"] = json!({"input_tokens": 0, "output_tokens": 0, "total_tokens": 0,
+            "input_tokens_details": {"cached_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": 0}});
+        let completed = json!({"type": "response.completed", "response": response});
+        self.warmed = Some(Warmed { id, input });
+        self.send_all(vec![created.to_string(), completed.to_string()])
+            .await
     }
 
     /// The driver's answer to a `response.create`.
@@ -555,32 +594,65 @@ async fn read_capped(mut body: ProxyBody) -> Vec<u8> {
     out
 }
 
-/// A client event: the body of the request a `response.create` stands for,
-/// `None` for an event that asks nothing, or why it is refused.
-fn read_event(text: &str) -> Result<Option<Vec<u8>>, (&'static str, String)> {
+/// A client event: the request a `response.create` stands for (with the
+/// input of the warm-up it continues, if it continues `warmed`), or why it
+/// is refused.
+fn read_event(text: &str, warmed: Option<&Warmed>) -> Result<ClientEvent, (&'static str, String)> {
     let members = parse_members(text).map_err(|e| {
         (
             "invalid_json",
             format!("the message is not a JSON object: {e}"),
         )
     })?;
-    let kind = members
-        .iter()
-        .find(|(k, _)| k == "type")
-        .and_then(|(_, v)| serde_json::from_str::<String>(v.get()).ok());
+    let member = |name: &str| members.iter().find(|(k, _)| k == name).map(|(_, v)| *v);
+    let kind = member("type").and_then(|v| serde_json::from_str::<String>(v.get()).ok());
     match kind.as_deref() {
-        Some("response.create") => Ok(Some(request_body(text.len(), &members))),
+        Some("response.create") => {}
         // Codex's acknowledgement of an answer it has read: nothing to do.
-        Some("response.processed") => Ok(None),
-        Some(t) => Err((
-            "unsupported_event",
-            format!("unsupported event type `{t}`: this socket takes `response.create`"),
-        )),
-        None => Err((
-            "unsupported_event",
-            "the event has no `type`: this socket takes `response.create`".into(),
-        )),
+        Some("response.processed") => return Ok(ClientEvent::Nothing),
+        Some(t) => {
+            return Err((
+                "unsupported_event",
+                format!("unsupported event type `{t}`: this socket takes `response.create`"),
+            ))
+        }
+        None => {
+            return Err((
+                "unsupported_event",
+                "the event has no `type`: this socket takes `response.create`".into(),
+            ))
+        }
     }
+    if member("generate").is_some_and(|v| v.get() == "false") {
+        let model = member("model")
+            .and_then(|v| serde_json::from_str::<String>(v.get()).ok())
+            .unwrap_or_default();
+        let input = member("input").map_or_else(String::new, |v| items_of(v.get()));
+        return Ok(ClientEvent::WarmUp { model, input });
+    }
+    let continues = warmed.filter(|w| {
+        member("previous_response_id")
+            .and_then(|v| serde_json::from_str::<String>(v.get()).ok())
+            .is_some_and(|p| p == w.id)
+    });
+    Ok(ClientEvent::Create(request_body(
+        text.len(),
+        &members,
+        continues,
+    )))
+}
+
+/// The items of an `input` (JSON): an array's members, or a string as the
+/// user message it stands for.
+fn items_of(input: &str) -> String {
+    let input = input.trim();
+    if let Some(inner) = input.strip_prefix('[').and_then(|i| i.strip_suffix(']')) {
+        return inner.trim().to_string();
+    }
+    if input.starts_with('"') {
+        return format!(r#"{{"role":"user","content":{input}}}"#);
+    }
+    input.to_string()
 }
 
 /// The members of a JSON object in their order, values unparsed.
@@ -616,11 +688,17 @@ impl<'de> serde::Deserialize<'de> for Members<'de> {
 
 /// The body of the `POST /v1/responses` a `response.create` stands for:
 /// its members but `type`, streamed.
-fn request_body(len: usize, members: &[(String, &RawValue)]) -> Vec<u8> {
-    let mut out = Vec::with_capacity(len + 16);
+fn request_body(len: usize, members: &[(String, &RawValue)], warmed: Option<&Warmed>) -> Vec<u8> {
+    let mut out = Vec::with_capacity(len + warmed.map_or(0, |w| w.input.len()) + 16);
     out.push(b'{');
     for (k, v) in members {
-        if k == "type" || k == "stream" {
+        let skip = match k.as_str() {
+            "type" | "stream" | "generate" => true,
+            // The warm-up's id, which nobody upstream knows.
+            "previous_response_id" => warmed.is_some(),
+            _ => false,
+        };
+        if skip {
             continue;
         }
         if out.len() > 1 {
@@ -629,7 +707,19 @@ fn request_body(len: usize, members: &[(String, &RawValue)]) -> Vec<u8> {
         // A key that came from JSON serializes back.
         let _ = serde_json::to_writer(&mut out, k);
         out.push(b':');
-        out.extend_from_slice(v.get().as_bytes());
+        match warmed {
+            Some(w) if k == "input" => {
+                let own = items_of(v.get());
+                out.push(b'[');
+                out.extend_from_slice(w.input.as_bytes());
+                if !w.input.is_empty() && !own.is_empty() {
+                    out.push(b',');
+                }
+                out.extend_from_slice(own.as_bytes());
+                out.push(b']');
+            }
+            _ => out.extend_from_slice(v.get().as_bytes()),
+        }
     }
     if out.len() > 1 {
         out.push(b',');
