@@ -426,6 +426,28 @@ async fn long_turn(codex: &Codex, fake: &FakeUpstream, n: u32, first: bool) -> O
     out
 }
 
+/// Long turns from turn `n` until one's reported usage crosses the trigger
+/// (nothing compacted before); the last turn's number.
+async fn long_turns_to_the_trigger(codex: &Codex, h: &Harness, mut n: u32) -> u32 {
+    // The trigger is a share of the effective limit: the window less the
+    // answer's budget.
+    let threshold = ((WINDOW - MAX_OUTPUT) as f64 * 0.75) as i64;
+    loop {
+        long_turn(codex, &h.fake, n, false).await;
+        let used = count(
+            h,
+            "SELECT input_tokens + output_tokens FROM exchanges ORDER BY id DESC LIMIT 1",
+        );
+        eprintln!("turn {n}: reported {used} tokens, threshold {threshold}");
+        if used >= threshold {
+            return n;
+        }
+        assert_eq!(count(h, "SELECT count(*) FROM compactions"), 0);
+        n += 1;
+        assert!(n < 12, "the session never crossed the threshold");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the Codex CLI: run scripts/test"]
 async fn codex_session_crossing_the_threshold_is_compacted_in_one_conversation() {
@@ -483,24 +505,7 @@ async fn codex_session_crossing_the_threshold_is_compacted_in_one_conversation()
 
     // Long turns until one's reported usage crosses the trigger; the proxy
     // compacts in the background right after that answer.
-    // The trigger is a share of the effective limit: the window less the
-    // answer's budget.
-    let threshold = ((WINDOW - MAX_OUTPUT) as f64 * 0.75) as i64;
-    let mut n = 3;
-    loop {
-        long_turn(&codex, &h.fake, n, false).await;
-        let used = count(
-            &h,
-            "SELECT input_tokens + output_tokens FROM exchanges ORDER BY id DESC LIMIT 1",
-        );
-        eprintln!("turn {n}: reported {used} tokens, threshold {threshold}");
-        if used >= threshold {
-            break;
-        }
-        assert_eq!(count(&h, "SELECT count(*) FROM compactions"), 0);
-        n += 1;
-        assert!(n < 12, "the session never crossed the threshold");
-    }
+    let n = long_turns_to_the_trigger(&codex, &h, 3).await;
     assert!(
         n >= 5,
         "crossed the threshold over several turns, not at once"
@@ -834,21 +839,7 @@ async fn codex_over_the_websocket_runs_a_compacted_session() {
     let h = Harness::start_with(small_window).await;
     let codex = Codex::over_websocket(&h.url());
     long_turn(&codex, &h.fake, 1, true).await;
-    let threshold = ((WINDOW - MAX_OUTPUT) as f64 * 0.75) as i64;
-    let mut n = 2;
-    loop {
-        long_turn(&codex, &h.fake, n, false).await;
-        let used = count(
-            &h,
-            "SELECT input_tokens + output_tokens FROM exchanges ORDER BY id DESC LIMIT 1",
-        );
-        eprintln!("turn {n}: reported {used} tokens, threshold {threshold}");
-        if used >= threshold {
-            break;
-        }
-        n += 1;
-        assert!(n < 12, "the session never crossed the threshold");
-    }
+    let n = long_turns_to_the_trigger(&codex, &h, 2).await;
     let deadline = Instant::now() + Duration::from_secs(20);
     while count(&h, "SELECT count(*) FROM compactions") == 0 {
         assert!(Instant::now() < deadline, "no compaction after turn {n}");
