@@ -13,6 +13,9 @@
 use serde_json::{json, Value};
 
 use super::items::floor_boundary;
+use crate::wire::format::may_add_tool;
+#[cfg(test)]
+use crate::wire::format::tool_name;
 use crate::wire::Api;
 
 /// The tool's name.
@@ -56,13 +59,6 @@ pub fn definition(api: Api) -> Value {
     api.format().tool(TOOL, DESCRIPTION, parameters)
 }
 
-/// A tool definition's name, in any API's shape.
-fn tool_name(tool: &Value) -> Option<&str> {
-    tool.pointer("/function/name")
-        .or_else(|| tool.get("name"))
-        .and_then(Value::as_str)
-}
-
 /// Whether the tool may be added to a request: it has tools of its own,
 /// none of them named [`TOOL`] (the client's own tool of that name wins,
 /// and its calls go to the client), does not forbid calling them, asks for
@@ -70,15 +66,7 @@ fn tool_name(tool: &Value) -> Option<&str> {
 /// continues no upstream-stored response (a continuation would have to
 /// name the hidden round).
 pub fn offers(body: &Value, tools: Option<&Value>) -> bool {
-    let list = tools.and_then(Value::as_array);
-    let has_tools = list.is_some_and(|t| !t.is_empty());
-    let taken = list.is_some_and(|t| t.iter().any(|t| tool_name(t) == Some(TOOL)));
-    let allowed = body.get("tool_choice").and_then(Value::as_str) != Some("none");
-    let one_choice = body
-        .get("n")
-        .is_none_or(|n| n.is_null() || n.as_u64() == Some(1));
-    let stateless = body.get("previous_response_id").is_none_or(Value::is_null);
-    has_tools && !taken && allowed && one_choice && stateless
+    may_add_tool(body, tools, TOOL)
 }
 
 /// The client's tool definitions with the proxy's [`added`] at the end.

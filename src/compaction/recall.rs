@@ -26,6 +26,7 @@ use serde_json::{json, Value};
 
 use super::items::{floor_boundary, is_tool_output, output_field, value_text};
 use super::ladder::archive_ref;
+use crate::wire::format::may_add_tool;
 use crate::wire::{Api, ItemHash};
 
 /// The tool's name.
@@ -60,22 +61,7 @@ pub fn definition(api: Api) -> Value {
 /// continues no upstream-stored response (a continuation would have to name
 /// the recall round).
 pub fn may_offer(body: &Value, tools: Option<&Value>) -> bool {
-    let list = tools.and_then(Value::as_array);
-    let has_tools = list.is_some_and(|t| !t.is_empty());
-    let taken = list.is_some_and(|t| t.iter().any(|t| tool_name(t) == Some(TOOL)));
-    let allowed = body.get("tool_choice").and_then(Value::as_str) != Some("none");
-    let one_choice = body
-        .get("n")
-        .is_none_or(|n| n.is_null() || n.as_u64() == Some(1));
-    let stateless = body.get("previous_response_id").is_none_or(Value::is_null);
-    has_tools && !taken && allowed && one_choice && stateless
-}
-
-/// A tool definition's name, in either API's shape.
-fn tool_name(tool: &Value) -> Option<&str> {
-    tool.pointer("/function/name")
-        .or_else(|| tool.get("name"))
-        .and_then(Value::as_str)
+    may_add_tool(body, tools, TOOL)
 }
 
 /// Most recall calls of one answer that are looked up; the others are

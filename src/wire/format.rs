@@ -128,3 +128,29 @@ pub trait Format: Sync {
 pub(super) fn text_of(v: &Value, k: &str) -> String {
     v.get(k).and_then(Value::as_str).unwrap_or("").to_string()
 }
+
+/// A tool definition's name, in any API's shape.
+pub fn tool_name(tool: &Value) -> Option<&str> {
+    tool.pointer("/function/name")
+        .or_else(|| tool.get("name"))
+        .and_then(Value::as_str)
+}
+
+/// Whether the proxy may add its tool `name` to a request (`body`, with
+/// `tools`): it has tools of its own, none of them named `name` (the
+/// client's own tool of that name wins, and its calls go to the client),
+/// does not forbid calling them, asks for one choice (a call in another
+/// choice could not be answered without answering them all), and
+/// continues no upstream-stored response (a continuation would have to
+/// name the proxy's round).
+pub fn may_add_tool(body: &Value, tools: Option<&Value>, name: &str) -> bool {
+    let list = tools.and_then(Value::as_array);
+    let has_tools = list.is_some_and(|t| !t.is_empty());
+    let taken = list.is_some_and(|t| t.iter().any(|t| tool_name(t) == Some(name)));
+    let allowed = body.get("tool_choice").and_then(Value::as_str) != Some("none");
+    let one_choice = body
+        .get("n")
+        .is_none_or(|n| n.is_null() || n.as_u64() == Some(1));
+    let stateless = body.get("previous_response_id").is_none_or(Value::is_null);
+    has_tools && !taken && allowed && one_choice && stateless
+}
