@@ -10,6 +10,8 @@ pub mod media;
 mod pieces;
 mod text;
 
+use text::SEALED_FIELD;
+
 use std::borrow::Cow;
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -357,10 +359,6 @@ enum Section {
     Messages,
     ToolOutputs,
 }
-
-/// The member of reasoning and compaction items that carries their content
-/// encrypted (Responses API, `include: ["reasoning.encrypted_content"]`).
-const SEALED_FIELD: &str = "encrypted_content";
 
 /// An item's encrypted content, if it is a reasoning or compaction item
 /// that carries one.

@@ -2,7 +2,7 @@
 
 use std::io::Write;
 
-use super::{DemoReport, FAKE_COMPLETION_TOKENS};
+use super::report::{DemoReport, FAKE_COMPLETION_TOKENS};
 
 pub(super) fn print_table(r: &DemoReport, out: &mut (dyn Write + Send)) -> std::io::Result<()> {
     let un = r.uncompacted_input_tokens();

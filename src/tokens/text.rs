@@ -7,7 +7,9 @@ use std::fmt;
 
 use serde::de::{DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-use super::SEALED_FIELD;
+/// The member of reasoning and compaction items that carries their content
+/// encrypted (Responses API, `include: ["reasoning.encrypted_content"]`).
+pub(super) const SEALED_FIELD: &str = "encrypted_content";
 
 /// What an item's counting needs besides its text.
 #[derive(Default)]
