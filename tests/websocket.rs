@@ -12,6 +12,7 @@ use serde_json::{json, Value};
 use support::{client_calls, last_client_call, number, within, Harness};
 use tokio::net::TcpStream;
 use tokio_tungstenite::tungstenite::client::IntoClientRequest;
+use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::Message;
 use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
@@ -235,4 +236,156 @@ async fn a_warm_up_is_answered_by_the_proxy_and_its_input_goes_with_the_next_res
         .map(|i| i["content"].as_str().unwrap())
         .collect();
     assert_eq!(texts, ["context first", "then this"]);
+}
+
+/// A stream that sends its first two events and waits for `gate`.
+fn gated(gate: &std::sync::Arc<tokio::sync::Notify>) -> Reply {
+    let Reply::Sse { chunks, .. } = streamed(&["held", " back", " answer"]) else {
+        unreachable!()
+    };
+    Reply::Gated {
+        chunks,
+        at: 2,
+        gate: gate.clone(),
+    }
+}
+
+/// What is not a `response.create` is refused with an `error` event and
+/// the socket goes on: binary, not JSON, another type, and a second
+/// `response.create` while one is under way (one response at a time).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_messages_get_error_events_and_a_second_create_waits_its_turn() {
+    let h = Harness::start().await;
+    let mut ws = connect(&h, KEY).await;
+    within(ws.send(Message::Binary(vec![1u8, 2, 3].into())))
+        .await
+        .unwrap();
+    let e = next_event(&mut ws).await;
+    assert_eq!(
+        (e["type"].as_str(), e["error"]["code"].as_str()),
+        (Some("error"), Some("unsupported_message"))
+    );
+    within(ws.send(Message::Text("{not json".into())))
+        .await
+        .unwrap();
+    let e = next_event(&mut ws).await;
+    assert_eq!(e["error"]["code"], "invalid_json", "{e}");
+    assert_eq!(e["status"], 400);
+    send(&mut ws, &json!({"type": "session.update"})).await;
+    let e = next_event(&mut ws).await;
+    assert_eq!(e["error"]["code"], "unsupported_event", "{e}");
+    assert!(h.fake.received().is_empty());
+
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    h.fake.push(gated(&gate));
+    send(&mut ws, &create("first", None)).await;
+    assert_eq!(next_event(&mut ws).await["type"], "response.created");
+    send(&mut ws, &create("second", None)).await;
+    let e = next_event(&mut ws).await;
+    assert_eq!(e["type"], "response.in_progress", "the first goes on: {e}");
+    let e = next_event(&mut ws).await;
+    assert_eq!(e["error"]["code"], "response_in_progress", "{e}");
+    gate.notify_one();
+    let events = response_events(&mut ws).await;
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    h.wait_exchanges(1).await;
+    assert_eq!(client_calls(&h).len(), 1, "the second never went upstream");
+}
+
+/// A message over `server.max_body_bytes` closes the socket with 1009
+/// after an `error` event.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_over_the_size_limit_closes_the_socket() {
+    let h = Harness::start_with(|c| c.server.max_body_bytes = 70_000).await;
+    let mut ws = connect(&h, KEY).await;
+    send(&mut ws, &create(&"x".repeat(80_000), None)).await;
+    let e = next_event(&mut ws).await;
+    assert_eq!(e["error"]["code"], "message_too_large", "{e}");
+    assert_eq!(e["status"], 413);
+    match within(ws.next()).await {
+        Some(Ok(Message::Close(Some(frame)))) => assert_eq!(frame.code, CloseCode::Size),
+        other => panic!("expected a close frame, got {other:?}"),
+    }
+    assert!(h.fake.received().is_empty());
+}
+
+/// An upstream that breaks off mid-stream: an `error` event, the exchange
+/// recorded once, as failed; the socket takes the next response.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_breaks_off_is_an_error_event_recorded_once() {
+    let h = Harness::start().await;
+    let Reply::Sse { chunks, gap, .. } = streamed(&["cut", " short", " here"]) else {
+        unreachable!()
+    };
+    h.fake.push(Reply::Sse {
+        chunks,
+        gap,
+        reset_after: Some(3),
+    });
+    let mut ws = connect(&h, KEY).await;
+    send(&mut ws, &create("turn one", None)).await;
+    let events = response_events(&mut ws).await;
+    let e = events.last().unwrap();
+    assert_eq!(e["type"], "error", "{events:?}");
+    assert_eq!(e["status"], 502);
+    h.wait_exchanges(1).await;
+    h.fake.push(streamed(&["fine"]));
+    send(&mut ws, &create("turn two", None)).await;
+    assert_eq!(
+        response_events(&mut ws).await.last().unwrap()["type"],
+        "response.completed"
+    );
+    h.wait_exchanges(2).await;
+    let sql = h.sql();
+    assert_eq!(number(&*sql, "SELECT count(*) FROM exchanges"), 2);
+    assert_eq!(
+        number(
+            &*sql,
+            "SELECT count(*) FROM exchanges WHERE error IS NOT NULL OR partial = 1"
+        ),
+        1,
+        "the broken answer is recorded as failed, once"
+    );
+}
+
+/// A client that goes away mid-answer: the exchange is recorded as
+/// partial, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_vanishes_mid_answer_leaves_a_partial_record() {
+    let h = Harness::start().await;
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    h.fake.push(gated(&gate));
+    let mut ws = connect(&h, KEY).await;
+    send(&mut ws, &create("turn one", None)).await;
+    assert_eq!(next_event(&mut ws).await["type"], "response.created");
+    drop(ws);
+    h.wait_exchanges(1).await;
+    gate.notify_one();
+    let sql = h.sql();
+    assert_eq!(number(&*sql, "SELECT count(*) FROM exchanges"), 1);
+    assert_eq!(
+        number(&*sql, "SELECT count(*) FROM exchanges WHERE partial = 1"),
+        1
+    );
+}
+
+/// A client that never reads: the proxy stops reading the upstream once
+/// its writes wait, and drops the socket after the write limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_never_reads_is_dropped_with_its_answer_partial() {
+    let h = Harness::start_with(|c| c.upstream.idle_timeout_secs = 1).await;
+    // ~8 MB of deltas: more than the socket buffers hold.
+    let piece = "y".repeat(16_000);
+    let pieces: Vec<&str> = std::iter::repeat_n(piece.as_str(), 500).collect();
+    h.fake.push(streamed(&pieces));
+    let mut ws = connect(&h, KEY).await;
+    send(&mut ws, &create("turn one", None)).await;
+    // Never read; the record says the client went away.
+    h.wait_exchanges(1).await;
+    let sql = h.sql();
+    assert_eq!(
+        number(&*sql, "SELECT count(*) FROM exchanges WHERE partial = 1"),
+        1
+    );
+    drop(ws);
 }
