@@ -118,6 +118,10 @@ pub struct Metrics {
     summary_failures: Counter,
     /// Compactions stored with the deterministic fallback.
     summary_fallbacks: Counter,
+    /// Summaries appended after the earlier ones, their bytes kept.
+    summaries_appended: Counter,
+    /// Summaries that rewrote the earlier ones, past their budget.
+    summaries_rewritten: Counter,
     /// Threshold compactions held back because the last one bought no room.
     storms_avoided: Counter,
     /// Requests retried compacted after an upstream overflow.
@@ -292,6 +296,14 @@ impl Metrics {
             "compactor_summary_fallbacks",
             "Compactions that fell back to the deterministic summary",
         );
+        let summaries_appended = counter(
+            "compactor_summaries_appended",
+            "Summary compactions that kept the earlier summaries as the upstream cached them and appended theirs",
+        );
+        let summaries_rewritten = counter(
+            "compactor_summaries_rewritten",
+            "Summary compactions that rewrote the earlier summaries into one: with the new one they would have passed their budget",
+        );
         let storms_avoided = counter(
             "compactor_compaction_storms_avoided",
             "Threshold compactions not started because the conversation's last compaction left it at its trigger and it has not grown since",
@@ -378,6 +390,8 @@ impl Metrics {
             triggers,
             summary_failures,
             summary_fallbacks,
+            summaries_appended,
+            summaries_rewritten,
             storms_avoided,
             reactive_retries,
             summary_calls,
@@ -475,6 +489,17 @@ impl Metrics {
     /// once per compaction stored with the `fallback` rung.
     pub fn summary_fallback(&self) {
         self.summary_fallbacks.inc();
+    }
+
+    /// A summary compaction appended after the earlier summaries (`true`)
+    /// or rewrote them past their budget: call once per such compaction
+    /// stored (not observed).
+    pub fn summaries(&self, appended: bool) {
+        if appended {
+            self.summaries_appended.inc();
+        } else {
+            self.summaries_rewritten.inc();
+        }
     }
 
     /// A threshold compaction not started because the one the request was

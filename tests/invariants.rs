@@ -279,6 +279,7 @@ proptest! {
             limit,
             whole,
             summary_floor: floor,
+            kept: 0,
         };
         let core = match fit::plan(&input(0), &p, &count) {
             Err(e) => e.core,

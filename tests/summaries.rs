@@ -85,7 +85,6 @@ async fn a_partial_one_line_summary_is_kept_and_the_retry_names_what_is_missing(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rules_reminders_and_the_ledger_survive_every_later_compaction() {
     use compactor::compaction::items::{is_summary, text_of};
-    use compactor::fake_upstream::Reply;
     let h = Harness::start_with(small_window_foreground).await;
     h.fake
         .set_summary_reply(Some("I could not summarize this.".into()));
@@ -98,26 +97,13 @@ async fn rules_reminders_and_the_ledger_survive_every_later_compaction() {
     ];
     let mut ran: Vec<String> = Vec::new();
     for step in 0..24 {
-        let id = format!("call_{step}");
-        let body = json!({"model": "tiny-1", "messages": items});
-        let prompt_tokens = serde_json::to_vec(&body).unwrap().len() as u64 / 4;
         let cmd = format!("make check_{step}");
-        h.fake.push(Reply::chat_tool_calls(
-            &[(&id, "bash", &json!({"command": cmd}).to_string())],
-            prompt_tokens,
-            10,
-        ));
-        let url = format!("{}/chat/completions", h.url());
-        let (status, _, answer) = post(&url, KEY, &body).await;
-        assert_eq!(status, 200, "step {step}");
-        let answer: serde_json::Value = serde_json::from_slice(&answer).unwrap();
-        items.push(answer["choices"][0]["message"].clone());
         let out = format!(
             "<returncode>{}</returncode>\n<output>\n{}</output>",
             step % 3,
             format!("checked part {step}\n").repeat(100)
         );
-        items.push(json!({"role": "tool", "tool_call_id": id, "content": out}));
+        bash_step(&h, &mut items, step, &cmd, out).await;
         ran.push(format!("{cmd} → <returncode>{}</returncode>", step % 3));
     }
     let n = support::compactions(&h);
@@ -146,4 +132,122 @@ async fn rules_reminders_and_the_ledger_survive_every_later_compaction() {
         assert!(at(newest) > at("## LEDGER"), "{newest}:\n{summary}");
     }
     assert!(compacted >= 2, "{compacted} compacted requests");
+}
+
+/// One step of a bash tool loop through the proxy: the model calls `cmd`
+/// (the fake's answer), the call and its `out` join `items`.
+async fn bash_step(
+    h: &Harness,
+    items: &mut Vec<serde_json::Value>,
+    step: usize,
+    cmd: &str,
+    out: String,
+) {
+    let id = format!("call_{step}");
+    let body = json!({"model": "tiny-1", "messages": items});
+    let prompt_tokens = serde_json::to_vec(&body).unwrap().len() as u64 / 4;
+    h.fake
+        .push(compactor::fake_upstream::Reply::chat_tool_calls(
+            &[(&id, "bash", &json!({"command": cmd}).to_string())],
+            prompt_tokens,
+            10,
+        ));
+    let url = format!("{}/chat/completions", h.url());
+    let (status, _, answer) = post(&url, KEY, &body).await;
+    assert_eq!(status, 200, "step {step}");
+    let answer: serde_json::Value = serde_json::from_slice(&answer).unwrap();
+    items.push(answer["choices"][0]["message"].clone());
+    items.push(json!({"role": "tool", "tool_call_id": id, "content": out}));
+}
+
+/// A later summary compaction keeps the earlier summary's bytes where the
+/// upstream last saw them (its prefix stays a cache read) and appends its
+/// own after them; once the summaries together would pass their budget
+/// (two summaries' worth), the next one rewrites them into one, counted.
+/// The standing rule, in the first summary only, reaches every request.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_summary_is_appended_until_the_summaries_pass_their_budget() {
+    use compactor::compaction::items::{is_summary, text_of};
+    let h = Harness::start_with(small_window_foreground).await;
+    let rule = "From now on, never push to main without a review.";
+    let mut items = vec![
+        json!({"role": "system", "content": "You are a coding agent with one tool: bash."}),
+        json!({"role": "user", "content": "Task: make the api tests pass."}),
+        json!({"role": "user", "content": rule}),
+    ];
+    // The messages of each request that went upstream with summaries.
+    let mut seen: Vec<Vec<serde_json::Value>> = Vec::new();
+    for step in 0..60 {
+        let out = format!("checked part {step}\n").repeat(100);
+        bash_step(&h, &mut items, step, &format!("make check_{step}"), out).await;
+        let sent = support::last_client_call(&h)["messages"]
+            .as_array()
+            .unwrap()
+            .clone();
+        if sent.iter().any(is_summary) {
+            seen.push(sent);
+        }
+        let reasons = support::column::<String>(&*h.sql(), "SELECT reason FROM compactions");
+        if reasons
+            .iter()
+            .any(|r| r.contains("earlier summaries rewritten"))
+        {
+            break;
+        }
+    }
+    let reasons = support::column::<String>(&*h.sql(), "SELECT reason FROM compactions");
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("appended after the earlier summary")),
+        "{reasons:#?}"
+    );
+    assert!(
+        reasons
+            .iter()
+            .any(|r| r.contains("earlier summaries rewritten")),
+        "{reasons:#?}"
+    );
+    let summaries = |m: &[serde_json::Value]| -> Vec<String> {
+        m.iter().filter(|i| is_summary(i)).map(text_of).collect()
+    };
+    // The first request with two summaries: everything up to and through
+    // the first is what the request before it sent, byte for byte.
+    let two = seen
+        .iter()
+        .position(|m| summaries(m).len() == 2)
+        .expect("a request with the appended summary");
+    assert!(two > 0, "a request with one summary came first");
+    let first = seen[two].iter().position(is_summary).unwrap();
+    assert_eq!(
+        seen[two][..=first],
+        seen[two - 1][..=first],
+        "the prefix through the earlier summary is kept"
+    );
+    let second = seen[two].iter().rposition(is_summary).unwrap();
+    assert!(second > first + 1, "after what the earlier one kept");
+    assert!(
+        text_of(&seen[two][second]).contains("(stated in the summary above"),
+        "the appended summary points to the task: {}",
+        text_of(&seen[two][second])
+    );
+    // After the rewrite, one summary again.
+    assert_eq!(summaries(seen.last().unwrap()).len(), 1);
+    for m in &seen {
+        assert!(
+            m.iter().any(|i| text_of(i).contains(rule)),
+            "the rule is sent: {m:#?}"
+        );
+    }
+    let scrape = h.scrape().await;
+    for name in [
+        "compactor_summaries_appended_total",
+        "compactor_summaries_rewritten_total",
+    ] {
+        let line = scrape
+            .lines()
+            .find(|l| l.starts_with(name))
+            .unwrap_or_else(|| panic!("{name} in\n{scrape}"));
+        assert!(!line.ends_with(" 0"), "{line}");
+    }
 }

@@ -89,6 +89,10 @@ pub struct FitInput<'a> {
     pub whole: bool,
     /// Tokens of the smallest summary message (see [`summary_floor`]).
     pub summary_floor: u64,
+    /// Leading items of `view` kept as they are, the summary after them:
+    /// an earlier compaction's replacement a new summary is appended to
+    /// (see [`super::append`]); 0 for none.
+    pub kept: usize,
 }
 
 /// Truncation levels of the tail's tool outputs, gentlest first: the
@@ -140,12 +144,15 @@ pub fn plan(
         limit,
         whole,
         summary_floor,
+        kept,
     } = *input;
     let n = view.len();
     let total: u64 = tokens.iter().sum();
     let safe = cut::safe_cuts(view);
     // A provider compaction item and what precedes it stay as they are.
-    let lead = leading_system(view).max(super::boundary::safe_floor(view, &safe));
+    let lead = leading_system(view)
+        .max(super::boundary::safe_floor(view, &safe))
+        .max(kept.min(n));
     let lead_tokens: u64 = tokens[..lead].iter().sum();
     let min_cut = base.map(|b| b.replacement.len()).unwrap_or(0);
     // A cut must map back to the client's items and leave a tail (unless
@@ -408,6 +415,7 @@ mod tests {
             limit,
             whole: false,
             summary_floor: 50,
+            kept: 0,
         }
     }
 

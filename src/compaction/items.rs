@@ -181,7 +181,18 @@ pub fn leading_system(items: &[Value]) -> usize {
 
 /// Index of the latest real user message.
 pub fn latest_user(items: &[Value]) -> Option<usize> {
-    items.iter().rposition(is_user_message)
+    items
+        .iter()
+        .rposition(|i| is_user_message(i) && !is_facts_message(i))
+}
+
+/// Opens the message in which an audit restores the facts a cheap rung
+/// left out (see [`super::summary::audit_and_repair`]).
+pub const FACTS_MESSAGE: &str = "<compactor_facts>";
+
+/// A message of facts the proxy restored: the user's words are elsewhere.
+pub fn is_facts_message(item: &Value) -> bool {
+    role(item) == "user" && text_of(item).starts_with(FACTS_MESSAGE)
 }
 
 /// The largest char boundary of `s` at or below `i`.

@@ -9,6 +9,8 @@
 //! - [`fit`]: escalation past the ladder until a request fits a limit
 //! - [`summary`]: facts the proxy extracts itself, the summarizer prompt,
 //!   validation, the assembled summary and its deterministic fallback
+//! - [`append`]: a later summary after the earlier ones, their bytes kept,
+//!   until together they pass their budget
 //! - [`rewrite`]: applying a stored compaction to a request (longest match)
 //! - [`recall`]: the `compactor_recall` tool that reads back what the cheap
 //!   rungs elided
@@ -29,10 +31,14 @@
 //! cover — with `replacement`: the leading system items verbatim, then either
 //! the older items with tool outputs truncated or pruned, or one summary
 //! message plus the most recent user messages verbatim. Compacting again
-//! works on the rewritten view, so a new summary covers [previous summary +
-//! newer items], never the raw history again.
+//! works on the rewritten view: a new summary goes after the earlier
+//! compaction's replacement, kept as it was sent, and covers the newer
+//! items; once the summaries together pass their budget, one covers
+//! [previous summaries + newer items] ([`append`]). Never the raw history
+//! again.
 
 pub mod agent_tool;
+pub mod append;
 pub mod boundary;
 pub mod cut;
 pub mod fit;
@@ -262,6 +268,10 @@ pub struct Params {
     pub truncate: TruncateLimits,
     /// Largest summary message, bytes.
     pub summary_max_bytes: usize,
+    /// Largest the summaries of one request may be together, bytes: a
+    /// later summary is appended after the earlier ones while they stay
+    /// within it, else they are rewritten into one ([`append`]).
+    pub summaries_max_bytes: usize,
     /// Largest answer asked of the summarizer, tokens.
     pub summary_output_tokens: u64,
     /// Largest transcript chunk per summarizer call, tokens.
@@ -280,6 +290,16 @@ pub const HYSTERESIS: f64 = 0.5;
 /// proxy's facts, the newest turn), as a client's own compaction does.
 pub const SUMMARY_MAX_BYTES: usize = 24_000;
 
+/// The summaries of one request together, in summary budgets: a later
+/// summary is appended while the earlier ones and it fit (see [`append`]).
+/// Two: one summary appended, then a rewrite. Measured on the economics
+/// bench's Claude-Code-shaped sessions, the bill is the same as rewriting
+/// every time ($7.58 against $7.58, three seeds) with later compactions
+/// reading 68–74% of their first prompt from the cache instead of 51–61%
+/// and a few more facts kept; three budgets cost 2% more (every later
+/// request reads the summaries kept, at 0.1× each).
+pub const SUMMARIES_BUDGET: usize = 2;
+
 impl Params {
     /// Budgets for `limits`, scaled down for small windows so a compacted
     /// request always has room left.
@@ -287,6 +307,7 @@ impl Params {
         let w = limits.context_window;
         let frac = |f: f64| (w as f64 * f) as u64;
         let summary_output_tokens = frac(0.12).clamp(128, 4096);
+        let summary_max_bytes = (frac(0.15) * 4).clamp(1024, SUMMARY_MAX_BYTES as u64) as usize;
         let hysteresis = (policy::trigger_tokens(limits) as f64 * HYSTERESIS) as u64;
         Params {
             tail_budget: cfg.tail_tokens.min(frac(0.2)),
@@ -297,7 +318,8 @@ impl Params {
                 keep_head: cfg.tool_output_keep_bytes * 2 / 3,
                 keep_tail: cfg.tool_output_keep_bytes / 3,
             },
-            summary_max_bytes: (frac(0.15) * 4).clamp(1024, SUMMARY_MAX_BYTES as u64) as usize,
+            summary_max_bytes,
+            summaries_max_bytes: summary_max_bytes * SUMMARIES_BUDGET,
             summary_output_tokens,
             // Room for the prompt, the previous summary and the answer.
             summary_chunk_tokens: w.saturating_sub(summary_output_tokens * 3 + 400).max(256),

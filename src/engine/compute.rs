@@ -15,6 +15,7 @@ use super::error::CompactError;
 use super::input::{Goal, Input};
 use super::rungs::{cheap, summary_rung, Made};
 use super::summarizer::SummaryCost;
+use crate::compaction::append::Earlier;
 use crate::compaction::fit;
 use crate::compaction::summary;
 use crate::compaction::{rewrite, Compaction, Prepared, Rung};
@@ -50,8 +51,9 @@ async fn compute<S: Context>(
     let audited = audit(&input, &counted, made);
     let finished = finish_messages(&input, &counted, &breaker, audited)?;
     let (cost, by_provider) = (finished.cost, finished.by_provider);
+    let summaries = finished.summaries;
     let c = compaction(&input, finished, started);
-    Ok(keep(state, &input, c, cost, by_provider).await)
+    Ok(keep(state, &input, c, cost, by_provider, summaries).await)
 }
 
 /// Observe mode: what the request would have been with the would-be
@@ -128,6 +130,7 @@ struct Audited {
     cost: SummaryCost,
     step: Option<fit::Step>,
     by_provider: bool,
+    summaries: Earlier,
 }
 
 /// The audit of a compaction about to be stored: the facts the proxy
@@ -147,6 +150,7 @@ fn audit(input: &Input, counted: &Counted, made: Made) -> Audited {
         cost,
         step,
         by_provider,
+        summaries,
     } = made;
     let (after, kept_users, tail_len) = (applied.after, applied.kept_users, applied.tail_len);
     prepared.covered_len = applied.covered_len;
@@ -184,6 +188,7 @@ fn audit(input: &Input, counted: &Counted, made: Made) -> Audited {
         ceiling,
         removed,
         &count,
+        summary_text.is_some(),
     );
     Audited {
         rung,
@@ -192,14 +197,15 @@ fn audit(input: &Input, counted: &Counted, made: Made) -> Audited {
         tail_len,
         replacement: audited.replacement,
         after: audited.after,
-        // A cheap rung over an earlier summary restores facts into that
-        // summary's message, which stays the earlier compaction's text.
+        // A summary rung restores facts into the summary it wrote; a cheap
+        // rung into a message of their own after what it kept.
         summary: summary_text.map(|t| audited.summary.unwrap_or(t)),
         facts,
         audit: audited.audit,
         cost,
         step,
         by_provider,
+        summaries,
     }
 }
 
@@ -259,6 +265,18 @@ fn reason(input: &Input, a: &Audited) -> String {
             reason.push_str(miss.as_str());
         }
         None => {}
+    }
+    // A summary's earlier summaries: appended to, or rewritten (counted
+    // in `keep`).
+    match a.summaries {
+        Earlier::Append { .. } => reason.push_str("; appended after the earlier summary"),
+        Earlier::Rewrite { bytes, budget } => reason.push_str(&format!(
+            "; earlier summaries rewritten: {bytes} bytes and a new one would pass their budget of {budget}"
+        )),
+        Earlier::Crowded => {
+            reason.push_str("; earlier summaries rewritten: no room to append within the limit")
+        }
+        Earlier::None => {}
     }
     if input.serving.observe {
         reason.push_str("; observed");
@@ -324,6 +342,7 @@ async fn keep<S: Context>(
     c: Compaction,
     cost: SummaryCost,
     by_provider: bool,
+    summaries: Earlier,
 ) -> Arc<Compaction> {
     if let Err(e) = state.store().record_compaction(c.clone()).await {
         tracing::error!(error = %e, "compaction not recorded");
@@ -351,6 +370,11 @@ async fn keep<S: Context>(
     }
     if c.rung == Rung::Fallback {
         state.metrics().summary_fallback();
+    }
+    match (c.observed, summaries) {
+        (false, Earlier::Append { .. }) => state.metrics().summaries(true),
+        (false, Earlier::Rewrite { .. } | Earlier::Crowded) => state.metrics().summaries(false),
+        _ => {}
     }
     state
         .metrics()

@@ -12,6 +12,7 @@ use super::error::CompactError;
 use super::input::{goal_kind, Input};
 use super::provider;
 use super::summarizer::{cached_body, summarize, SummaryCost, INSTRUCTION_TOKENS};
+use crate::compaction::append::{self, Earlier};
 use crate::compaction::fit::{self, CannotFit, FitInput};
 use crate::compaction::summary;
 use crate::compaction::{cheap_rungs, prepare, Compaction, Params, Prepared, Rung};
@@ -33,6 +34,8 @@ pub(super) struct Made {
     pub(super) step: Option<fit::Step>,
     /// The summary came from the provider's compaction.
     pub(super) by_provider: bool,
+    /// What a summary did with the earlier summaries.
+    pub(super) summaries: Earlier,
 }
 
 /// The cheap rungs: they cost no model call. The model's notes of what to
@@ -68,6 +71,7 @@ pub(super) fn cheap(input: &Input, counted: &Counted) -> Option<Made> {
         cost: SummaryCost::default(),
         step: None,
         by_provider: false,
+        summaries: Earlier::None,
     })
 }
 
@@ -79,12 +83,33 @@ pub(super) async fn summary_rung<S: Context>(
     input: &Input,
     counted: &Counted,
 ) -> Result<Made, CompactError> {
-    let (plan, floor) = plan(state, input, counted)?;
     let (view, base) = (counted.view(), counted.base(input));
+    // An earlier summary stays as the upstream cached it, the new one after
+    // it, while the summaries fit their budget; not under the provider's
+    // compaction, which is its own window.
+    let provider_wanted = !input.serving.observe && provider::wanted(state, input);
+    let earlier = match (input.ask.whole, input.ask.keep.is_some(), provider_wanted) {
+        (false, false, false) => append::earlier(view, base, &counted.params),
+        _ => Earlier::None,
+    };
+    let (plan, floor, summaries) = match earlier {
+        Earlier::Append { kept } => match plan(state, input, counted, kept) {
+            Ok((plan, floor)) => (plan, floor, earlier),
+            // The earlier summaries leave no room within the limit: one.
+            Err(_) => {
+                let (plan, floor) = plan(state, input, counted, 0)?;
+                (plan, floor, Earlier::Crowded)
+            }
+        },
+        _ => {
+            let (plan, floor) = plan(state, input, counted, 0)?;
+            (plan, floor, earlier)
+        }
+    };
     let prepared = &plan.prepared;
     let part = &view[prepared.lead..prepared.cut];
     let facts = summary::extract_facts(part, base.and_then(|b| b.facts.as_ref()));
-    if !input.serving.observe && provider::wanted(state, input) {
+    if provider_wanted {
         if let Some(d) = by_provider(state, input, counted, &plan, &facts).await {
             return Ok(Made {
                 rung: Rung::Summary,
@@ -95,10 +120,11 @@ pub(super) async fn summary_rung<S: Context>(
                 cost: d.cost,
                 step: Some(plan.step),
                 by_provider: true,
+                summaries,
             });
         }
     }
-    Ok(by_summarizer(state, input, counted, (plan, floor), facts).await)
+    Ok(by_summarizer(state, input, counted, (plan, floor), facts, summaries).await)
 }
 
 /// The fit plan's input: the counted view, its figures, and the
@@ -108,6 +134,7 @@ fn fit_input<'a>(
     counted: &'a Counted,
     base: Option<&'a Compaction>,
     floor: u64,
+    kept: usize,
 ) -> FitInput<'a> {
     FitInput {
         view: counted.view(),
@@ -117,33 +144,43 @@ fn fit_input<'a>(
         limit: counted.limit,
         whole: input.ask.whole,
         summary_floor: floor,
+        kept,
     }
 }
 
 /// The summary's floor: the facts of everything after the leading items
-/// bound the smallest summary of any cut.
-fn summary_floor(input: &Input, counted: &Counted) -> (summary::Facts, u64) {
+/// (those an appended summary shows, after the `kept` ones: its own) bound
+/// the smallest summary of any cut.
+fn summary_floor(input: &Input, counted: &Counted, kept: usize) -> (summary::Facts, u64) {
     let view = counted.view();
     let lead = crate::compaction::items::leading_system(view)
-        .max(crate::compaction::boundary::floor(view));
+        .max(crate::compaction::boundary::floor(view))
+        .max(kept.min(view.len()));
     let base = counted.base(input);
-    let widest = summary::extract_facts(&view[lead..], base.and_then(|b| b.facts.as_ref()));
+    let widest = if kept > 0 {
+        append::appended_facts(&view[lead..])
+    } else {
+        summary::extract_facts(&view[lead..], base.and_then(|b| b.facts.as_ref()))
+    };
     let floor = fit::summary_floor(&widest, view.len(), &|v: &Value| counted.count(v));
     (widest, floor)
 }
 
 /// The summary's plan, decided from the counts before a summarizer call
-/// is paid for, and the summary's floor it was planned with; none when not
-/// even the irreducible core fits (counted and logged).
+/// is paid for, with the view's first `kept` items kept as they are (an
+/// appended summary), and the summary's floor it was planned with; none
+/// when not even the irreducible core fits (counted and logged, unless
+/// `kept`: a plan without them may).
 fn plan<S: Context>(
     state: &Arc<S>,
     input: &Input,
     counted: &Counted,
+    kept: usize,
 ) -> Result<(fit::Plan, u64), CompactError> {
     let (view, params, limit) = (counted.view(), counted.params, counted.limit);
     let count = |v: &Value| counted.count(v);
-    let (widest, floor) = summary_floor(input, counted);
-    let fit_input = fit_input(input, counted, counted.base(input), floor);
+    let (widest, floor) = summary_floor(input, counted, kept);
+    let fit_input = fit_input(input, counted, counted.base(input), floor, kept);
     // Facts first: plan with room for the whole facts summary (at most
     // a third of the limit), so that the tail's bulk is cut before
     // the facts are; only when no plan leaves that much, with the
@@ -158,6 +195,9 @@ fn plan<S: Context>(
     let planned =
         fit::plan(&roomy, &params, &count).or_else(|_| fit::plan(&fit_input, &params, &count));
     planned.map(|plan| (plan, floor)).map_err(|e| {
+        if kept > 0 {
+            return CompactError::CannotFit(e);
+        }
         let tools_tokens = counted.tools_tokens;
         let calibration = state
             .compactions()
@@ -207,11 +247,24 @@ async fn by_summarizer<S: Context>(
     counted: &Counted,
     (plan, floor): (fit::Plan, u64),
     facts: summary::Facts,
+    summaries: Earlier,
 ) -> Made {
     let (view, params) = (counted.view(), counted.params);
     let count = |v: &Value| counted.count(v);
     let prepared = plan.prepared.clone();
     let part = &view[prepared.lead..prepared.cut];
+    let kept = match summaries {
+        Earlier::Append { kept } => kept,
+        _ => 0,
+    };
+    let appended = kept > 0;
+    // An appended summary shows its own facts; the merged ones are kept
+    // for the next compaction and the audit.
+    let own_facts = if appended {
+        append::appended_facts(part)
+    } else {
+        facts.clone()
+    };
     // Observe mode pays for no summary unless told to: the rung is
     // the summary's, its size the facts' plus the answer it would
     // have asked for (see below).
@@ -219,7 +272,7 @@ async fn by_summarizer<S: Context>(
     let (narrative, cost) = if estimate {
         (None, SummaryCost::default())
     } else {
-        let cached = cached_body(state, input, &params).filter(|body| {
+        let cached = cached_body(state, input, &params, appended).filter(|body| {
             // It goes with the whole view: it must fit the window
             // with the instruction and the answer.
             let calibration = state
@@ -242,10 +295,15 @@ async fn by_summarizer<S: Context>(
     } else {
         Rung::Fallback
     };
+    // An appended summary's header counts the items it covers.
+    let covered = match (appended, counted.base(input)) {
+        (true, Some(b)) => prepared.covered_len.saturating_sub(b.covered_len),
+        _ => prepared.covered_len,
+    };
     let text = fit::fitted_summary(
-        &facts,
+        &own_facts,
         narrative.as_deref(),
-        prepared.covered_len,
+        covered,
         params.summary_max_bytes,
         plan.summary_budget,
         &count,
@@ -258,7 +316,7 @@ async fn by_summarizer<S: Context>(
         ),
         None => text,
     };
-    let fit_input = fit_input(input, counted, counted.base(input), floor);
+    let fit_input = fit_input(input, counted, counted.base(input), floor, kept);
     let mut applied = fit::apply(&fit_input, &plan, &params, text.clone(), &count);
     if estimate {
         let facts_only = count(&crate::compaction::items::user_message(text.clone()));
@@ -274,5 +332,6 @@ async fn by_summarizer<S: Context>(
         cost,
         step: Some(plan.step),
         by_provider: false,
+        summaries,
     }
 }

@@ -424,6 +424,7 @@ impl CachedMiss {
 /// The request a summary call that reads its history from the cache sends:
 /// the one the upstream last saw ([`super::input::Sent`], the view as its items),
 /// with one user message appended carrying the summarizer's instructions,
+/// (with `continuing`, asking for what follows the last summary only),
 /// not streamed, its answer bounded by the summary's budget (and the room
 /// thinking takes, which must stay under it). `None` where it cannot share
 /// the conversation's cache or cannot answer in text: another summarizer
@@ -432,6 +433,7 @@ pub(super) fn cached_body<S: Context>(
     state: &Arc<S>,
     input: &Input,
     params: &Params,
+    continuing: bool,
 ) -> Option<Value> {
     let sent = input.request.sent.as_ref()?;
     let cfg = &state.config().compaction;
@@ -454,7 +456,7 @@ pub(super) fn cached_body<S: Context>(
     }
     let mut body = sent.body.clone();
     let object = body.as_object_mut()?;
-    let instruction = summary::cached_instruction();
+    let instruction = summary::cached_instruction(continuing);
     let mut items = input.request.view.values().to_vec();
     items.push(match input.who.api {
         Api::Messages => {

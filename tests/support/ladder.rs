@@ -122,6 +122,7 @@ pub fn compact_within(
                 limit,
                 whole: false,
                 summary_floor: floor,
+                kept: 0,
             };
             let wanted = fit::summary_wanted(&widest, view.len(), p.summary_max_bytes, &count)
                 .min(limit / 3)

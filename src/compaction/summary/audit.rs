@@ -15,7 +15,7 @@ use serde_json::Value;
 use super::checklist::{checklist, Check, FactKind};
 use super::text::{clip, fenced};
 use super::{Facts, FACTS_LABEL};
-use crate::compaction::items::{is_summary, leading_system, text_of, user_message};
+use crate::compaction::items::{is_summary, text_of, user_message, FACTS_MESSAGE};
 
 /// Longest fact text an audit keeps (longer ones are clipped with `…`):
 /// a failure block is at most 1,000 bytes, a task can be any size.
@@ -269,7 +269,12 @@ pub struct Audited {
 /// then the `tail` sent verbatim after it; `after` its tokens) and restores
 /// the absent facts that fit under `ceiling` tokens, the first to keep
 /// first ([`to_repair`]); the rest are recorded as forgotten. `removed`
-/// names the items it removed.
+/// names the items it removed. With `written`, the compaction wrote the
+/// replacement's last summary message, which takes the restored facts;
+/// else (a cheap rung, whose replacement may hold an earlier compaction's
+/// summary, kept as the upstream cached it) they go in a message of their
+/// own at the replacement's end.
+#[allow(clippy::too_many_arguments)]
 pub fn audit_and_repair(
     facts: &Facts,
     replacement: Vec<Value>,
@@ -278,6 +283,7 @@ pub fn audit_and_repair(
     ceiling: u64,
     removed: Vec<String>,
     count: &dyn Fn(&Value) -> u64,
+    written: bool,
 ) -> Audited {
     let checks = checklist(facts, &sent_text(replacement.iter().chain(tail)));
     let missing = to_repair(&checks);
@@ -289,14 +295,18 @@ pub fn audit_and_repair(
             summary: None,
         };
     }
-    // The facts message: the summary's, or a new one after the leading
-    // items (one whole tag block, so a later compaction does not take it
-    // for the task or for the user's requests).
-    let at = replacement.iter().position(is_summary);
+    // The facts message: the summary's, or a new one at the end of the
+    // replacement (one whole tag block, so a later compaction does not take
+    // it for the task or for the user's requests). At the end, because what
+    // precedes it is what the upstream has cached: a cheap rung leaves the
+    // items before its first rewritten output as they were sent, and a
+    // later one keeps the earlier facts message where it was, so each
+    // repair changes the cached prefix no earlier than the rung itself.
+    let at = replacement.iter().rposition(is_summary).filter(|_| written);
     let old_tokens = at.map(|i| count(&replacement[i])).unwrap_or(0);
     let message = |block: &str| match at {
         Some(i) => user_message(format!("{}\n\n{block}", text_of(&replacement[i]))),
-        None => user_message(format!("<compactor_facts>\n{block}\n</compactor_facts>")),
+        None => user_message(format!("{FACTS_MESSAGE}\n{block}\n</compactor_facts>")),
     };
     let tokens_with = |chosen: &[&Check]| -> Option<(Value, u64)> {
         let block = repair_block(chosen)?;
@@ -343,7 +353,7 @@ pub fn audit_and_repair(
     let summary = at.map(|_| text_of(&m));
     match at {
         Some(i) => replacement[i] = m,
-        None => replacement.insert(leading_system(&replacement), m),
+        None => replacement.push(m),
     }
     let repaired = checklist(facts, &sent_text(replacement.iter().chain(tail)));
     Audited {
@@ -447,6 +457,7 @@ mod tests {
             u64::MAX,
             vec![],
             &quarter,
+            true,
         );
         assert!(
             all.audit
@@ -457,7 +468,8 @@ mod tests {
             all.audit
         );
         assert_eq!(all.replacement.len(), 3);
-        let facts_message = text_of(&all.replacement[1]);
+        assert_eq!(all.replacement[..2], replacement[..], "after them");
+        let facts_message = text_of(&all.replacement[2]);
         assert!(facts_message.starts_with("<compactor_facts>"));
         assert!(super::super::is_injected(&facts_message));
         assert_eq!(
@@ -491,6 +503,7 @@ mod tests {
             after + room,
             vec![],
             &quarter,
+            true,
         );
         assert!(tight.after <= after + room);
         let state = |k: FactKind| {
@@ -513,6 +526,7 @@ mod tests {
             after,
             vec![],
             &quarter,
+            true,
         );
         assert_eq!(none.replacement, replacement);
         assert!(none
@@ -526,13 +540,23 @@ mod tests {
             1,
             user_message("[compactor summary of 3 earlier items]\n## TASK\n".into()),
         );
-        let s = audit_and_repair(&f, with_summary, &tail, after, u64::MAX, vec![], &quarter);
+        let repair = |written: bool| {
+            let r = with_summary.clone();
+            audit_and_repair(&f, r, &tail, after, u64::MAX, vec![], &quarter, written)
+        };
+        let s = repair(true);
         assert_eq!(s.replacement.len(), 3);
         let text = s.summary.expect("the summary changed");
         assert!(
             text.contains("## FACTS RESTORED") && text.contains("KeyError: 'session'"),
             "{text}"
         );
+        // An earlier compaction's summary a cheap rung keeps stays as the
+        // upstream cached it: the facts go after it, at the end.
+        let s = repair(false);
+        assert_eq!(s.summary, None);
+        assert_eq!(s.replacement[..3], with_summary[..]);
+        assert!(text_of(&s.replacement[3]).starts_with(FACTS_MESSAGE));
     }
 
     #[test]

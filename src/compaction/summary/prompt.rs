@@ -7,7 +7,7 @@ use serde_json::{json, Value};
 use super::calls::calls_of;
 use super::text::{head_tail, kind, role};
 use super::{NARRATIVE_SECTIONS, SUMMARIZER_MARKER};
-use crate::compaction::items::{is_summary, is_tool_output, outputs, text_of};
+use crate::compaction::items::{is_summary, is_tool_output, outputs, text_of, SUMMARY_MARKER};
 
 /// One line/paragraph of transcript per item, for the summarizer: user and
 /// assistant text, tool calls with their arguments, tool outputs (head and
@@ -119,12 +119,24 @@ and the tool-call log, so do not copy long code or logs and do not restate the t
 /// The user message a summary call appends to the request the upstream
 /// last saw (see `engine::summarizer`), so that everything before it is
 /// read from the upstream's prompt cache: the summarizer's instructions
-/// (carrying [`SUMMARIZER_MARKER`]), asked of the conversation above.
-pub fn cached_instruction() -> String {
+/// (carrying [`SUMMARIZER_MARKER`]), asked of the conversation above; with
+/// `continuing`, of what follows its last summary (the new summary is
+/// appended after the earlier ones, see [`crate::compaction::append`]).
+pub fn cached_instruction(continuing: bool) -> String {
+    let what = if continuing {
+        format!(
+            "The transcript is this conversation after its last message that starts \
+\"{SUMMARY_MARKER}\": the summaries above already cover what came before it. Write the \
+hand-off summary of what came after that summary only"
+        )
+    } else {
+        "The transcript is this conversation, everything above this message. Write the hand-off \
+summary of it"
+            .to_string()
+    };
     format!(
         "{}
-The transcript is this conversation, everything above this message. Write the hand-off \
-summary of it now, as text: call no tool, and do not continue the work.",
+{what} now, as text: call no tool, and do not continue the work.",
         system_prompt()
     )
 }
