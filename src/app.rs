@@ -47,6 +47,9 @@ pub struct AppState {
     pub tenant_salt: [u8; 32],
     /// Stored compactions and running compaction jobs.
     pub compactions: Compactions,
+    /// The trails of histories clients compacted themselves, until the
+    /// request that goes on from their summary.
+    pub handoffs: crate::engine::Handoffs,
     /// Prometheus metrics (`GET /metrics`).
     pub metrics: crate::metrics::Metrics,
     /// The thread for the accounting that follows each answer.
@@ -112,6 +115,7 @@ impl AppState {
         store.observe_commits(Box::new(metrics.commit_observer()));
         let state = Arc::new(AppState {
             compactions,
+            handoffs: Default::default(),
             upstream: Upstream::new(&config.upstream)?,
             store,
             reads,

@@ -73,6 +73,9 @@ pub enum Rung {
     Summary,
     /// The summary model failed twice: extracted facts only.
     Fallback,
+    /// The client's own summary (it compacted by itself), kept as it came,
+    /// with what it left out of the trail appended.
+    Handoff,
 }
 
 impl Rung {
@@ -83,14 +86,21 @@ impl Rung {
             Rung::Prune => "prune",
             Rung::Summary => "summary",
             Rung::Fallback => "fallback",
+            Rung::Handoff => "handoff",
         }
     }
 
     /// Parses [`Rung::as_str`].
     pub fn parse(s: &str) -> Option<Rung> {
-        [Rung::Truncate, Rung::Prune, Rung::Summary, Rung::Fallback]
-            .into_iter()
-            .find(|r| r.as_str() == s)
+        [
+            Rung::Truncate,
+            Rung::Prune,
+            Rung::Summary,
+            Rung::Fallback,
+            Rung::Handoff,
+        ]
+        .into_iter()
+        .find(|r| r.as_str() == s)
     }
 }
 

@@ -19,7 +19,9 @@ pub const ENDPOINTS: &[&str] = &[
 ];
 
 /// Rung labels of the compaction counters; anything else counts as `other`.
-pub const RUNGS: &[&str] = &["truncate", "prune", "summary", "fallback", "other"];
+pub const RUNGS: &[&str] = &[
+    "truncate", "prune", "summary", "fallback", "handoff", "other",
+];
 
 /// Reason labels of `compactor_compactions_total`; anything else counts as `other`.
 pub const REASONS: &[&str] = &[
@@ -30,6 +32,7 @@ pub const REASONS: &[&str] = &[
     "requested",
     "agent",
     "cold",
+    "handoff",
     "other",
 ];
 

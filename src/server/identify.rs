@@ -215,6 +215,12 @@ async fn prepare(state: &Arc<AppState>, pending: &mut Unanswered) -> Compact {
         }
         Plan::ClientCompaction => {
             pending.treat_as_client_compaction();
+            // What its summary may leave out of the trail, for the request
+            // that goes on from it.
+            let request = pending.request();
+            state
+                .handoffs
+                .remember(request.tenant(), pending.conversation(), request.items());
             let check = pending.fit_check(Some(raw_len));
             if !matches!(engine::check_fit(state, check).await, engine::Fit::Fits) {
                 if let Some(c) = find(state, pending) {
@@ -230,6 +236,18 @@ async fn prepare(state: &Arc<AppState>, pending: &mut Unanswered) -> Compact {
     // one: see `apply_stored`); a request too large to go without one
     // waits for one under way.
     let boundary = at_boundary(pending.request().items());
+    // The first request that goes on from a client's own summary: what the
+    // summary left out of the trail is appended to it, by a compaction
+    // stored for `find` to apply from now on.
+    engine::after_client_compaction(
+        state.as_ref(),
+        &state.handoffs,
+        pending.request().tenant(),
+        pending.conversation(),
+        pending.request().items(),
+        pending.chains(),
+    )
+    .await;
     if let Some(c) = find(state, pending) {
         apply_stored(state, pending, c, boundary, false);
     }

@@ -75,6 +75,7 @@ mod edits;
 mod errors;
 mod facts;
 mod failures;
+mod handoff;
 mod ledger;
 mod narrative;
 mod ops;
@@ -92,6 +93,7 @@ pub use audit::{
 pub use checklist::{checklist, Check, FactKind};
 pub use errors::{is_error_line, output_digest};
 pub use facts::{extract_facts, is_injected, CommandFact, Facts, FileFact};
+pub use handoff::{is_handoff, left_out, trail_of, with_block, HANDOFF_NOTE};
 pub use narrative::{usable, validate};
 pub use prompt::{cached_instruction, render_transcript, retry_messages, summarizer_messages};
 
