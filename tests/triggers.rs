@@ -385,6 +385,13 @@ async fn a_repeat_after_the_compaction_stays_in_its_conversation(shape: Shape) {
     let l = long_loop(shape, &format!("sk-repeat-{shape:?}-000001"));
     step(&h, &l, l.shell_reply()).await;
     wait_compactions(&h, 1).await;
+    // Recorded before it is indexed: the repeat comes once it is found.
+    support::within(async {
+        while h.state.compactions.is_empty() {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await;
     let headers = step(&h, &l, l.shell_reply()).await;
     h.wait_exchanges(2).await;
     let seen: Vec<String> = support::column(
