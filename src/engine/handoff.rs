@@ -17,7 +17,7 @@ use crate::compaction::{items, Compaction, Rung};
 use crate::wire::items::ItemList;
 use crate::wire::ItemHash;
 
-use super::Context;
+use super::context::Context;
 
 /// Conversations kept per generation between a client's compaction request
 /// and the request that goes on from its summary.
