@@ -485,7 +485,11 @@ async fn manual_compaction_through_the_api_and_the_cli_applies_to_the_next_reque
     let (_, show) = get(&h, &format!("/admin/api/conversations/{id}"), &[]).await;
     let ks = show["compactions"].as_array().unwrap();
     assert_eq!(ks.len(), 2, "{show}");
-    assert_eq!(ks[1]["reason"], "manual");
+    // Its summary goes after the first one's, which keeps its bytes.
+    assert_eq!(
+        ks[1]["reason"], "manual; appended after the earlier summary",
+        "{show}"
+    );
     assert_eq!(ks[1]["base"], ks[0]["id"], "extends the first");
     assert_eq!(
         chat.turn("And now?").await.as_deref(),
