@@ -238,16 +238,19 @@ async fn prepare(state: &Arc<AppState>, pending: &mut Unanswered) -> Compact {
     let boundary = at_boundary(pending.request().items());
     // The first request that goes on from a client's own summary: what the
     // summary left out of the trail is appended to it, by a compaction
-    // stored for `find` to apply from now on.
-    engine::after_client_compaction(
-        state.as_ref(),
-        &state.handoffs,
-        pending.request().tenant(),
-        pending.conversation(),
-        pending.request().items(),
-        pending.chains(),
-    )
-    .await;
+    // stored for `find` to apply from now on (not in manual mode, where
+    // nothing rewrites a request unasked).
+    if pending.request().mode() == Mode::Auto {
+        engine::after_client_compaction(
+            state.as_ref(),
+            &state.handoffs,
+            pending.request().tenant(),
+            pending.conversation(),
+            pending.request().items(),
+            pending.chains(),
+        )
+        .await;
+    }
     if let Some(c) = find(state, pending) {
         apply_stored(state, pending, c, boundary, false);
     }
