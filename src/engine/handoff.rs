@@ -48,10 +48,7 @@ impl Handoffs {
     /// compaction request in `tenant`'s `conversation` (nothing when it
     /// has none).
     pub fn remember(&self, tenant: &str, conversation: &str, history: &ItemList) {
-        let values: Vec<serde_json::Value> = (0..history.len())
-            .map(|i| history.item(i).into_owned())
-            .collect();
-        let trail = trail_of(&values);
+        let trail = trail_of(&history.values());
         if trail.rules.is_empty() && trail.files.is_empty() && trail.commands.is_empty() {
             return;
         }
