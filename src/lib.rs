@@ -1,48 +1,44 @@
-//! compactor: a transparent, OpenAI-compatible reverse proxy that records
-//! each conversation and keeps long ones alive by compacting them.
+//! compactor: a transparent reverse proxy for the OpenAI Chat Completions
+//! and Responses APIs (over HTTP, and Responses over a WebSocket) and the
+//! Anthropic Messages API. It records each conversation and keeps long ones
+//! alive by compacting what goes upstream.
 //!
 //! # Layout
 //!
-//! - [`admin`]: the admin page and JSON API (`/admin/`): conversations,
-//!   their compactions and token figures, manual compaction.
-//! - [`app`]: the composition root, `AppState` (what every handler shares)
-//!   and its construction.
-//! - [`config`]: `proxy.toml` schema, defaults, layering, the models table.
-//! - [`cli`]: the `compactor` command line; [`cli::doctor`] checks a setup,
-//!   [`cli::connect`] configures clients for the proxy.
-//! - [`compaction`]: when, where and how a history is compacted (the pure
-//!   layer: it imports only `config`, `wire` and itself).
+//! The modules, from the bottom layer up (`tests/module_graph.rs` keeps a
+//! module from using a layer above its own):
+//!
+//! - foundations: [`config`] (`proxy.toml`: schema, defaults, layering, the
+//!   models table), [`bounded`] (a map kept within a fixed size: the bound
+//!   of every cache), [`error`] (the error of every answer the proxy gives
+//!   itself and its one OpenAI-style JSON mapping), [`ids`] (ids and the
+//!   clock), [`redact`] (credentials out of whatever is logged, recorded or
+//!   relayed), [`background`] (the accounting thread), [`windows`] (the
+//!   upstream's real context windows, learned and remembered), [`prices`]
+//!   (what tokens cost).
+//! - [`wire`]: the three APIs' bodies as items (taken and set as the
+//!   client's bytes), what the phases ask of each API ([`wire::format`]),
+//!   content hashes, usage, the SSE framer and tee.
+//! - [`tokens`] (tiktoken estimates by section, media priced as billed) and
+//!   [`upstream`] (the pooled client to the real API, header hygiene,
+//!   credentials).
+//! - [`compaction`]: when, where and how a history is compacted; pure, no
+//!   I/O.
+//! - [`store`] (records: conversations, exchanges, content-addressed items,
+//!   on SQLite or PostgreSQL behind one door, [`store::open`]),
+//!   [`conversation`] (tenants, and matching a request to its
+//!   conversation), [`metrics`] (Prometheus, `GET /metrics`).
 //! - [`engine`]: the I/O around the pure layer (stored compactions, summary
 //!   calls, background jobs, the hard-limit check), over a narrow
-//!   `engine::Context`.
-//! - [`ids`]: conversation and compaction ids, the clock.
-//! - [`server`]: accept loop, graceful shutdown, routing, the proxied endpoints.
-//! - [`upstream`]: the pooled client to the real API, header hygiene, credentials.
-//! - [`wire`]: the item view of Chat Completions and Responses (taking and
-//!   setting a body's items), what an item is (`wire::class`), content
-//!   hashes, usage, the SSE tee.
-//! - [`conversation`]: tenants and matching a request to its conversation.
-//! - [`store`]: records (conversations, exchanges, content-addressed items):
-//!   the writer's `Backend`, the point `Reads` and the views' `Queries`,
-//!   each implemented for SQLite and for PostgreSQL (the views' SQL written
-//!   once over `store::sql::Sql`); it imports nothing above it.
-//! - [`tokens`]: tiktoken estimates by section.
-//! - [`windows`]: the upstream's real context windows, learned from its
-//!   overflow answers or discovered by asking it, and remembered.
-//! - [`background`]: the accounting thread (token estimates and the
-//!   per-exchange line, off the request path).
-//! - [`bounded`]: a map that keeps recent entries within a fixed size: the
-//!   one bound of every cache and index that would otherwise grow with
-//!   every request.
-//! - [`error`]: the error type of every answer the proxy gives itself (the
-//!   admin API's included) and its one OpenAI-style JSON mapping.
-//! - [`redact`]: credentials out of whatever is logged, recorded or relayed.
-//! - [`fake_upstream`]: a scriptable OpenAI-compatible server for tests,
-//!   benchmarks and the offline demo.
-//! - [`metrics`]: Prometheus counters, histograms and scrape-time gauges
-//!   (`GET /metrics`).
-//! - [`demo`]: `compactor demo`, a scripted agent session through the proxy
-//!   against the fake upstream, offline.
+//!   [`engine::Context`].
+//! - [`app`]: the composition root, `AppState`, what every handler shares.
+//! - the edges: [`server`] (accept loop, routing, the request's phases),
+//!   [`admin`] (the page and JSON API under `/admin/`), [`cli`] (the
+//!   `compactor` command line), [`demo`] (an offline scripted session),
+//!   [`fake_upstream`] (a scriptable upstream on a real socket, for tests,
+//!   benchmarks and the demo).
+//!
+//! `docs/ARCHITECTURE.md` walks one request through them.
 
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]

@@ -8,7 +8,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use super::{connect, doctor};
 use crate::config::{Config, ConfigError};
 
-/// A transparent OpenAI-compatible proxy that keeps long conversations alive.
+/// A transparent proxy for the OpenAI and Anthropic APIs that keeps long conversations alive.
 #[derive(Debug, Parser)]
 #[command(name = "compactor", version, about)]
 pub struct Cli {

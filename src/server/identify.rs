@@ -1,4 +1,4 @@
-//! Phase 2, identify and apply compaction: runs once the request is read
+//! The identify phase: runs once the request is read
 //! and parsed, before anything goes upstream. Hashes the request's items
 //! and parameters, names the conversation, opens the exchange (the request
 //! moved into it whole): the match. Then plans what compaction the

@@ -1,4 +1,4 @@
-//! Phase 1, read and parse: runs first, when a parsed endpoint's request
+//! The read phase: runs first, when a parsed endpoint's request
 //! arrives. Reads the body within its limits, splits it into its items,
 //! validates it, parses once what the later phases read of it (its model,
 //! whether it streams, the client's credentials and the names it gives its

@@ -1,4 +1,4 @@
-//! Phase 7, record: runs when the answer is complete, cut short, or
+//! The record phase: runs when the answer is complete, cut short, or
 //! refused by the proxy. The driver opens each exchange with it
 //! ([`RECORDER`]), and the exchange's end runs it (`PendingExchange::finish`,
 //! from the relay, the splice, the compact endpoint or a failure). Builds

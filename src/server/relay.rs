@@ -1,4 +1,4 @@
-//! Phase 4, relay and tee: runs once the driver has the client's answer
+//! The relay phase (relay and tee): runs once the driver has the client's answer
 //! (the send handed it on, the recall rounds found no call in it). Hands the upstream's answer to the client as it arrives
 //! (chunks delivered together joined into one write), tees it for usage
 //! and output, hides the usage the client did not ask for, and has the

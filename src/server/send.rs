@@ -1,4 +1,4 @@
-//! Phase 3, send: runs once the items that go upstream are chosen, and
+//! The send phase: runs once the items that go upstream are chosen, and
 //! again each time the driver sends the request again. Sends the request
 //! once, reads as much of the answer as the decision needs (an error
 //! answer whole, a Responses stream's first events), and decides with

@@ -1,5 +1,5 @@
-//! Tool calls in both wire formats (Chat Completions `tool_calls`, Responses
-//! `*_call` items, hosted tools that carry their own outcome) and their
+//! Tool calls in the three wire formats (Chat Completions `tool_calls`, Responses
+//! `*_call` items, hosted tools that carry their own outcome, Messages `tool_use`) and their
 //! one-line rendering for the tool-call log.
 
 use serde_json::Value;
