@@ -647,6 +647,61 @@ async fn connect_writes_each_agents_window_where_it_reads_it() {
     );
 }
 
+/// Gemini CLI assumes 1,048,576 tokens for every model and compresses at
+/// `model.compressionThreshold` of it: the share written puts that point a
+/// quarter past the proxy's window when the proxy compacts (never reached),
+/// at half the window when it only observes. Read back from the file.
+#[tokio::test(flavor = "multi_thread")]
+async fn connect_gemini_cli_writes_the_window_as_its_compression_threshold() {
+    let fake = within(FakeUpstream::start()).await.expect("fake");
+    let home = tempfile::tempdir().unwrap();
+    let file = home.path().join(".gemini/settings.json");
+    std::fs::create_dir_all(file.parent().unwrap()).unwrap();
+    std::fs::write(&file, r#"{"ui": {"theme": "Dracula"}}"#).unwrap();
+    let point = |settings: &Value| {
+        let share = settings["model"]["compressionThreshold"].as_f64().unwrap();
+        (share * 1_048_576.0).round() as u64
+    };
+    let read = || -> Value {
+        serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).expect("JSON")
+    };
+    fake.push(models_answer(&[("served-gemini", Some(24_576))]));
+    fake.push(models_answer(&[("served-gemini", Some(24_576))]));
+    let out = run(connect(
+        "gemini-cli",
+        &fake,
+        home.path(),
+        &["--write", "--yes"],
+    ))
+    .await;
+    assert_eq!(out.code, Some(0), "{out:#?}");
+    let settings = read();
+    assert_eq!(point(&settings), 24_576 * 5 / 4, "{settings}");
+    assert_eq!(settings["model"]["name"], "served-gemini");
+    assert_eq!(
+        settings["security"]["auth"]["selectedType"],
+        "gemini-api-key"
+    );
+    assert_eq!(settings["ui"]["theme"], "Dracula", "the user's keys stay");
+    assert!(
+        out.stderr
+            .contains("GOOGLE_GEMINI_BASE_URL=http://127.0.0.1:8787 gemini"),
+        "{out:#?}"
+    );
+
+    // A proxy that only observes: Gemini CLI compresses at half the window.
+    let config = home.path().join("proxy.toml");
+    std::fs::write(&config, "[compaction]\nmode = \"observe\"\n").unwrap();
+    let args = ["--write", "--yes", "--model", "served-gemini", "--offline"];
+    let mut c = connect("gemini-cli", &fake, home.path(), &args);
+    c.arg("--config").arg(&config);
+    let out = run(c).await;
+    assert_eq!(out.code, Some(0), "{out:#?}");
+    let table = compactor::config::Config::default().model_limits("served-gemini");
+    assert_eq!(point(&read()), table.context_window / 2, "{out:#?}");
+    assert!(out.stderr.contains("compresses by itself"), "{out:#?}");
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn connect_llm_writes_yaml_llm_can_load() {
     let fake = within(FakeUpstream::start()).await.expect("fake");
@@ -730,13 +785,13 @@ async fn connect_openai_env_and_run_set_the_base_url() {
         "--",
         "sh",
         "-c",
-        "printf '%s %s' \"$OPENAI_BASE_URL\" \"$OPENAI_API_BASE\"; exit 7",
+        "printf '%s %s %s' \"$OPENAI_BASE_URL\" \"$OPENAI_API_BASE\" \"$GOOGLE_GEMINI_BASE_URL\"; exit 7",
     ]))
     .await;
     assert_eq!(out.code, Some(7), "the client's status: {out:#?}");
     assert_eq!(
         out.stdout,
-        "http://127.0.0.1:4322/v1 http://127.0.0.1:4322/v1"
+        "http://127.0.0.1:4322/v1 http://127.0.0.1:4322/v1 http://127.0.0.1:4322"
     );
 }
 

@@ -19,6 +19,7 @@ use super::{admin_target, layered_config, print_out, EXIT_USAGE};
 use crate::config::Config;
 
 mod agents;
+mod gemini;
 
 /// The environment variables the OpenAI SDKs (Python, Node) read for their
 /// base URL, and the older one LiteLLM and aider read.
@@ -49,6 +50,10 @@ pub enum Client {
     Qwen,
     /// goose: its `openai` provider at the proxy in `~/.config/goose/config.yaml`.
     Goose,
+    /// Gemini CLI: API-key auth, the model and its compression threshold in
+    /// `~/.gemini/settings.json` (`$GEMINI_CLI_HOME/.gemini`); the base URL
+    /// is `GOOGLE_GEMINI_BASE_URL`, which `compactor run` sets.
+    GeminiCli,
 }
 
 /// Where the proxy is: the same layering as `serve`.
@@ -109,6 +114,9 @@ pub struct Target {
     pub window: u64,
     /// Room for the answer the proxy assumes, in tokens.
     pub max_output: u64,
+    /// Whether the proxy compacts this model's conversations (its mode
+    /// rewrites them), or only observes them.
+    pub proxy_compacts: bool,
 }
 
 /// The proxy's base URL as clients reach it.
@@ -217,11 +225,15 @@ fn target(
     let runtime = super::command_runtime()?;
     let (model, window, max_output) =
         runtime.block_on(super::doctor::effective_window(config, model, offline))?;
+    // A client's own settings are not a tenant's: the model's mode, else
+    // the proxy's.
+    let proxy_compacts = config.mode_for("", &model).rewrites();
     Ok(Target {
         base_url,
         model,
         window,
         max_output,
+        proxy_compacts,
     })
 }
 
@@ -265,6 +277,7 @@ pub fn client_file(client: Client) -> Option<PathBuf> {
         Client::Opencode => agents::opencode_file(),
         Client::Qwen => agents::qwen_file(),
         Client::Goose => agents::goose_file(),
+        Client::GeminiCli => gemini::settings_file(),
     }
 }
 
@@ -294,6 +307,7 @@ fn how_to_use(client: Client, t: &Target, path: &std::path::Path) -> String {
         Client::Goose => format!(
             "for {file}; then run `goose session` (its openai provider reads OPENAI_API_KEY)"
         ),
+        Client::GeminiCli => gemini::how_to_use(path, t),
     }
 }
 
@@ -313,6 +327,7 @@ pub fn render(client: Client, existing: Option<&str>, t: &Target) -> anyhow::Res
         Client::Opencode => agents::opencode_config(existing, t),
         Client::Qwen => agents::qwen_settings(existing, t),
         Client::Goose => agents::goose_config(existing, t),
+        Client::GeminiCli => gemini::settings(existing, t),
     }
 }
 
@@ -511,6 +526,7 @@ pub fn run(args: RunArgs) -> ExitCode {
         cmd.env(var, &base_url);
     }
     cmd.env(ANTHROPIC_BASE_URL_VAR, anthropic_base_url(&base_url));
+    cmd.env(gemini::BASE_URL_VAR, anthropic_base_url(&base_url));
     let shown = program.to_string_lossy();
     // The client takes over this process: signals (Ctrl-C) and the exit
     // status are its own.
@@ -662,6 +678,7 @@ mod tests {
             model: "gpt-4o".into(),
             window: 128_000,
             max_output: 16_384,
+            proxy_compacts: true,
         }
     }
 

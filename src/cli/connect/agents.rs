@@ -39,7 +39,7 @@ pub fn goose_file() -> Option<PathBuf> {
 }
 
 /// A JSON settings file as an object: `{}` when new or empty.
-fn json_object(existing: Option<&str>) -> anyhow::Result<Value> {
+pub(super) fn json_object(existing: Option<&str>) -> anyhow::Result<Value> {
     let doc: Value = match existing {
         Some(text) if !text.trim().is_empty() => serde_json::from_str(text)
             .context("not valid JSON (comments are not kept: edit it by hand, or move it aside)")?,
@@ -50,7 +50,7 @@ fn json_object(existing: Option<&str>) -> anyhow::Result<Value> {
 }
 
 /// `doc[key]` as an object, made when missing.
-fn object_at<'a>(
+pub(super) fn object_at<'a>(
     doc: &'a mut serde_json::Map<String, Value>,
     key: &str,
 ) -> anyhow::Result<&'a mut serde_json::Map<String, Value>> {
@@ -60,7 +60,7 @@ fn object_at<'a>(
         .with_context(|| format!("`{key}` is not a JSON object"))
 }
 
-fn pretty(doc: &Value) -> anyhow::Result<String> {
+pub(super) fn pretty(doc: &Value) -> anyhow::Result<String> {
     let mut text = serde_json::to_string_pretty(doc)?;
     text.push('\n');
     Ok(text)
@@ -177,6 +177,7 @@ mod tests {
             model: "qwen3-coder".into(),
             window: 65_536,
             max_output: 8_192,
+            proxy_compacts: true,
         }
     }
 
