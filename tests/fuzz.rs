@@ -539,6 +539,11 @@ async fn any_per_request_controls_are_answered_and_never_forwarded() {
     }
     // Unknown words and bytes are refused; the cases must have made some.
     assert!(refused > 0);
+    assert_healthy(&h).await;
+}
+
+/// The proxy answers its health check.
+async fn assert_healthy(h: &support::Harness) {
     let health = support::within(
         support::client()
             .get(format!("http://{}/healthz", h.addr))
@@ -647,4 +652,260 @@ async fn any_recall_calls_are_answered_bounded_and_never_relayed() {
             );
         }
     }
+}
+
+/// A message of a WebSocket client: a `response.create` made of a mutated
+/// seed body, any JSON event, any text, or any bytes.
+#[derive(Debug, Clone)]
+enum SocketMessage {
+    Text(String),
+    Binary(Vec<u8>),
+}
+
+fn any_socket_message() -> impl Strategy<Value = SocketMessage> {
+    let create = any_body().prop_map(|(_, body)| {
+        // The seed's members after the event's type, mutations and all.
+        let text = String::from_utf8_lossy(&body).into_owned();
+        SocketMessage::Text(match text.strip_prefix('{') {
+            Some(rest) => format!("{{\"type\":\"response.create\",{rest}"),
+            None => text,
+        })
+    });
+    prop_oneof![
+        6 => create,
+        2 => any_json().prop_map(|mut v| {
+            if let Value::Object(o) = &mut v {
+                o.insert("type".into(), "response.create".into());
+            }
+            SocketMessage::Text(v.to_string())
+        }),
+        1 => any_json().prop_map(|v| SocketMessage::Text(v.to_string())),
+        1 => "[ -~é]{0,40}".prop_map(SocketMessage::Text),
+        1 => proptest::collection::vec(any::<u8>(), 0..64).prop_map(SocketMessage::Binary),
+    ]
+}
+
+/// One frame as a client might garble it: any header bits and opcode,
+/// masked or not, a length that says more or less than follows.
+fn any_frame() -> impl Strategy<Value = Vec<u8>> {
+    (
+        any::<u8>(),
+        any::<bool>(),
+        prop_oneof![Just(None), (0u64..=u64::MAX).prop_map(Some)],
+        proptest::collection::vec(any::<u8>(), 0..48),
+    )
+        .prop_map(|(head, masked, claimed, payload)| {
+            let mut f = vec![head];
+            let len = claimed.unwrap_or(payload.len() as u64);
+            let mask_bit = if masked { 0x80 } else { 0 };
+            match len {
+                0..=125 => f.push(mask_bit | len as u8),
+                126..=0xffff => {
+                    f.push(mask_bit | 126);
+                    f.extend_from_slice(&(len as u16).to_be_bytes());
+                }
+                _ => {
+                    f.push(mask_bit | 127);
+                    f.extend_from_slice(&len.to_be_bytes());
+                }
+            }
+            if masked {
+                f.extend_from_slice(&[0x37, 0xfa, 0x21, 0x3d]);
+            }
+            f.extend_from_slice(&payload);
+            f
+        })
+}
+
+/// Opens a WebSocket on the proxy's `/v1/responses` by hand: the stream
+/// after the 101.
+async fn raw_socket(addr: std::net::SocketAddr) -> tokio::net::TcpStream {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = support::within(tokio::net::TcpStream::connect(addr))
+        .await
+        .expect("connect");
+    let head = "GET /v1/responses HTTP/1.1\r\nhost: x\r\nauthorization: Bearer fuzz-socket\r\n\
+                connection: Upgrade\r\nupgrade: websocket\r\nsec-websocket-version: 13\r\n\
+                sec-websocket-key: dGhlIHNhbXBsZSBub25jZQ==\r\n\r\n";
+    support::within(s.write_all(head.as_bytes()))
+        .await
+        .expect("send");
+    let mut got = Vec::new();
+    while !got.ends_with(b"\r\n\r\n") {
+        let mut byte = [0u8; 1];
+        let n = support::within(s.read(&mut byte)).await.expect("read");
+        assert_eq!(
+            n,
+            1,
+            "the head of the 101: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.push(byte[0]);
+    }
+    assert!(
+        got.starts_with(b"HTTP/1.1 101"),
+        "{}",
+        String::from_utf8_lossy(&got)
+    );
+    s
+}
+
+/// The server's frames in `bytes` (unmasked): (opcode, payload) each.
+fn server_frames(mut bytes: &[u8]) -> Vec<(u8, Vec<u8>)> {
+    let mut out = Vec::new();
+    while bytes.len() >= 2 {
+        let opcode = bytes[0] & 0x0f;
+        assert_eq!(bytes[1] & 0x80, 0, "server frames are not masked");
+        let (len, at) = match bytes[1] & 0x7f {
+            126 => (u16::from_be_bytes([bytes[2], bytes[3]]) as usize, 4),
+            127 => (
+                u64::from_be_bytes(bytes[2..10].try_into().unwrap()) as usize,
+                10,
+            ),
+            n => (n as usize, 2),
+        };
+        assert!(bytes.len() >= at + len, "a whole frame");
+        out.push((opcode, bytes[at..at + len].to_vec()));
+        bytes = &bytes[at + len..];
+    }
+    assert!(bytes.is_empty(), "nothing but frames");
+    out
+}
+
+/// An `error` event as the socket sends it: a status and an OpenAI-style
+/// error object.
+fn assert_error_event(e: &Value) {
+    assert_eq!(e["type"], "error", "{e}");
+    assert!(e["status"].is_u64(), "{e}");
+    assert!(e["error"]["message"].is_string(), "{e}");
+    assert!(e["error"]["type"].is_string(), "{e}");
+}
+
+/// Any message on the WebSocket endpoint: the upstream's answer, or an
+/// `error` event with a status and an OpenAI-style error, the socket going
+/// on; any garbled frames: error events, then a close frame with a code
+/// that says why (or none, for a client gone without one), and the socket
+/// ends; and the proxy keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_websocket_answers_any_message_and_any_frame() {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio_tungstenite::tungstenite::Message;
+    let h = support::Harness::start().await;
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases: compactor::fuzz_cases(64),
+        ..ProptestConfig::default()
+    });
+    let connect = || async {
+        let mut req =
+            tokio_tungstenite::tungstenite::client::IntoClientRequest::into_client_request(
+                format!("ws://{}/v1/responses", h.addr),
+            )
+            .unwrap();
+        req.headers_mut()
+            .insert("authorization", "Bearer fuzz-socket".parse().unwrap());
+        support::within(tokio_tungstenite::connect_async(req))
+            .await
+            .expect("upgrade")
+            .0
+    };
+    let mut ws = connect().await;
+    let (mut refused, mut answered) = (0, 0);
+    for _ in 0..runner.config().cases {
+        let case = any_socket_message()
+            .new_tree(&mut runner)
+            .expect("a case")
+            .current();
+        let message = match &case {
+            SocketMessage::Text(t) => Message::Text(t.clone().into()),
+            SocketMessage::Binary(b) => Message::Binary(b.clone().into()),
+        };
+        support::within(ws.send(message)).await.expect("sent");
+        // The events of its answer, up to the final one.
+        loop {
+            let m = support::within(ws.next()).await;
+            let Some(Ok(Message::Text(t))) = m else {
+                panic!("an event for {case:?}, got {m:?}");
+            };
+            let e: Value = serde_json::from_str(&t).expect("a JSON event");
+            match e["type"].as_str() {
+                Some("error") => {
+                    assert_error_event(&e);
+                    let status = e["status"].as_u64().unwrap();
+                    assert!((400..500).contains(&status), "{e} for {case:?}");
+                    refused += 1;
+                    break;
+                }
+                Some("response.completed" | "response.failed" | "response.incomplete") => {
+                    answered += 1;
+                    break;
+                }
+                Some(_) => {}
+                None => panic!("an event without a type: {e}"),
+            }
+        }
+    }
+    assert!(refused > 0, "the cases must make some refusals");
+    assert!(answered > 0, "and some answers");
+    drop(ws);
+
+    let mut closes = 0;
+    for _ in 0..compactor::fuzz_cases(48) {
+        let frames = proptest::collection::vec(any_frame(), 1..4)
+            .new_tree(&mut runner)
+            .expect("a case")
+            .current();
+        let mut s = raw_socket(h.addr).await;
+        let bytes = frames.concat();
+        // The server may close before it read it all.
+        let _ = support::within(s.write_all(&bytes)).await;
+        let _ = support::within(s.shutdown()).await;
+        let mut back = Vec::new();
+        let _ = support::within(s.read_to_end(&mut back)).await;
+        let frames = server_frames(&back);
+        // A close frame, if any (a client gone without one may get none),
+        // is the last thing the socket sends.
+        let close = frames.iter().position(|f| f.0 == 0x8);
+        assert!(
+            close.is_none_or(|at| at + 1 == frames.len()),
+            "{frames:?} for {bytes:?}"
+        );
+        closes += usize::from(close.is_some());
+        for (opcode, payload) in frames {
+            match opcode {
+                0x1 => assert_error_event(&serde_json::from_slice(&payload).expect("JSON")),
+                0x8 => {
+                    if payload.len() >= 2 {
+                        let code = u16::from_be_bytes([payload[0], payload[1]]);
+                        assert!(
+                            [1000, 1001, 1002, 1007, 1009].contains(&code),
+                            "close code {code} for {bytes:?}"
+                        );
+                    }
+                }
+                // The answer to a ping.
+                0xa => {}
+                other => panic!("frame {other} for {bytes:?}"),
+            }
+        }
+    }
+    assert!(closes > 0, "garbled frames must get close frames");
+
+    // Still serving, sockets and all.
+    let mut ws = connect().await;
+    let create = serde_json::json!({"type": "response.create", "model": "m", "input": "hi"});
+    support::within(ws.send(Message::Text(create.to_string().into())))
+        .await
+        .unwrap();
+    loop {
+        let Some(Ok(Message::Text(t))) = support::within(ws.next()).await else {
+            panic!("an event")
+        };
+        let e: Value = serde_json::from_str(&t).unwrap();
+        if e["type"] == "response.completed" {
+            break;
+        }
+        assert_ne!(e["type"], "error", "{e}");
+    }
+    assert_healthy(&h).await;
 }

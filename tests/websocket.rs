@@ -389,3 +389,93 @@ async fn a_client_that_never_reads_is_dropped_with_its_answer_partial() {
     );
     drop(ws);
 }
+
+/// Two keys over sockets, with byte-identical histories: two tenants, each
+/// its own conversation; one's `previous_response_id` on the other's socket
+/// (a response's, or a warm-up's) continues nothing of the other's and goes
+/// upstream as sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_keys_over_sockets_never_see_each_others_conversations() {
+    const ALICE: &str = "sk-ws-alice-aaaaaaaaaaaa";
+    const BOB: &str = "sk-ws-bob-bbbbbbbbbbbbbb";
+    let h = Harness::start().await;
+    let mut a = connect(&h, ALICE).await;
+    let mut b = connect(&h, BOB).await;
+    let mut ids = Vec::new();
+    for ws in [&mut a, &mut b] {
+        h.fake.push(streamed(&["the same answer"]));
+        send(ws, &create("the same question", None)).await;
+        let events = response_events(ws).await;
+        let done = events.last().unwrap();
+        assert_eq!(done["type"], "response.completed", "{events:?}");
+        ids.push(done["response"]["id"].as_str().unwrap().to_string());
+    }
+    h.wait_exchanges(2).await;
+    let sql = h.sql();
+    assert_eq!(
+        number(&*sql, "SELECT count(DISTINCT tenant) FROM exchanges"),
+        2
+    );
+    assert_eq!(
+        number(
+            &*sql,
+            "SELECT count(DISTINCT conversation_id) FROM exchanges"
+        ),
+        2,
+        "identical histories under two keys are two conversations"
+    );
+
+    // Bob continues Alice's response: nothing of hers is put in front.
+    h.fake.push(streamed(&["bob's"]));
+    send(&mut b, &create("bob goes on", Some(&ids[0]))).await;
+    let events = response_events(&mut b).await;
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    let sent = last_client_call(&h);
+    assert_eq!(sent["previous_response_id"], ids[0], "{sent}");
+    assert_eq!(sent["input"].as_array().unwrap().len(), 1, "{sent}");
+    assert!(
+        !sent.to_string().contains("the same answer"),
+        "nothing of another tenant's conversation: {sent}"
+    );
+
+    // Alice's warm-up id means nothing on Bob's socket.
+    let mut warm = create("alice's context, private", None);
+    warm["generate"] = json!(false);
+    send(&mut a, &warm).await;
+    let events = response_events(&mut a).await;
+    let warm_id = events.last().unwrap()["response"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    h.fake.push(streamed(&["bob's again"]));
+    send(&mut b, &create("bob again", Some(&warm_id))).await;
+    let events = response_events(&mut b).await;
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    let sent = last_client_call(&h);
+    assert_eq!(sent["previous_response_id"], warm_id.as_str());
+    assert!(!sent.to_string().contains("alice's context"), "{sent}");
+    // Alice's own conversation goes on as hers alone.
+    h.fake.push(streamed(&["alice's"]));
+    send(&mut a, &create("alice goes on", Some(&ids[0]))).await;
+    response_events(&mut a).await;
+    let sent = last_client_call(&h);
+    assert!(sent.get("previous_response_id").is_none(), "{sent}");
+    assert_eq!(sent["input"].as_array().unwrap().len(), 3, "{sent}");
+    assert!(!sent.to_string().contains("bob"), "{sent}");
+    assert_eq!(
+        last_client_request_key(&h),
+        format!("Bearer {ALICE}"),
+        "each request goes upstream with its own socket's key"
+    );
+}
+
+/// The authorization header of the last request upstream.
+fn last_client_request_key(h: &Harness) -> String {
+    support::last_client_request(h)
+        .headers
+        .get("authorization")
+        .unwrap()
+        .to_str()
+        .unwrap()
+        .to_string()
+}

@@ -15,7 +15,8 @@
 //! stays open). A failure of the answer itself (an error status, the
 //! upstream breaking off) is an `error` event carrying the status, as
 //! OpenAI's WebSocket mode reports it. Messages over `server.max_body_bytes`
-//! close the socket (1009); no response and nothing from the client for
+//! close the socket (1009), as do text that is not UTF-8 (1007) and frames
+//! that break the protocol (1002); no response and nothing from the client for
 //! `server.websocket_idle_secs` closes it (1001).
 //!
 //! Backpressure: the next part of the answer is read only once the last
@@ -349,6 +350,11 @@ impl Session {
                 self.refuse(StatusCode::PAYLOAD_TOO_LARGE, "message_too_large", &msg)
                     .await;
                 self.close(CloseCode::Size, "message too large").await;
+                false
+            }
+            Some(Err(WsError::Utf8)) => {
+                self.close(CloseCode::Invalid, "a text message that is not UTF-8")
+                    .await;
                 false
             }
             Some(Err(WsError::Protocol(e))) => {
