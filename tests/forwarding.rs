@@ -529,3 +529,96 @@ async fn the_models_listing_tells_each_models_window() {
     assert_eq!(error["error"]["message"], "bad key", "{error}");
     assert!(error.get("data").is_none(), "{error}");
 }
+
+/// Gemini's `GET /v1beta/models` (and one model) answers the upstream's
+/// listing with each model's `inputTokenLimit` and `outputTokenLimit` the
+/// proxy's: a `[[models]]` entry's over what the upstream states, the
+/// upstream's where the proxy only guesses from the name. The key goes
+/// upstream in `x-goog-api-key`, the query (pagination) as it came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gemini_listing_tells_each_models_window() {
+    use compactor::config::ModelConfig;
+    let h = Harness::start_with(|c| {
+        c.models.insert(
+            0,
+            ModelConfig {
+                pattern: "my-gemini*".into(),
+                context_window: 9000,
+                max_output_tokens: Some(1000),
+                ..Default::default()
+            },
+        );
+    })
+    .await;
+    let origin = h.url().strip_suffix("/v1").unwrap().to_string();
+    let key = "AIza-test-listing-key";
+    h.fake.push(Reply::json(
+        200,
+        json!({"models": [
+            {"name": "models/my-gemini-pro", "displayName": "Mine", "inputTokenLimit": 1_048_576,
+             "outputTokenLimit": 65_536, "supportedGenerationMethods": ["generateContent"]},
+            {"name": "models/served-flash", "inputTokenLimit": 32_768, "outputTokenLimit": 4096},
+        ], "nextPageToken": "page-2"}),
+    ));
+    let get = |path: &str| {
+        client()
+            .get(format!("{origin}{path}"))
+            .header("x-goog-api-key", key)
+            .send()
+    };
+    let resp = within(get("/v1beta/models?pageSize=2")).await.unwrap();
+    assert_eq!(resp.status(), 200);
+    let body: Value = within(resp.json()).await.unwrap();
+    let model = |name: &str| {
+        body["models"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|m| m["name"] == format!("models/{name}"))
+            .unwrap_or_else(|| panic!("{name} in {body}"))
+            .clone()
+    };
+    let limits = |m: &Value| (m["inputTokenLimit"].clone(), m["outputTokenLimit"].clone());
+    let mine = model("my-gemini-pro");
+    assert_eq!(
+        limits(&mine),
+        (json!(9000), json!(1000)),
+        "configured: {body}"
+    );
+    assert_eq!(mine["displayName"], "Mine", "the rest stays: {body}");
+    let served = model("served-flash");
+    assert_eq!(
+        limits(&served),
+        (json!(32_768), json!(4096)),
+        "stated: {body}"
+    );
+    assert_eq!(body["nextPageToken"], "page-2", "{body}");
+    let asked = h.fake.last().unwrap();
+    assert_eq!(asked.path, "/v1/models", "below the upstream's base");
+    assert_eq!(asked.query.as_deref(), Some("pageSize=2"));
+    assert_eq!(asked.headers.get("x-goog-api-key").unwrap(), key);
+
+    h.fake.push(Reply::json(
+        200,
+        json!({"name": "models/my-gemini-pro", "inputTokenLimit": 1_048_576}),
+    ));
+    let resp = within(get("/v1beta/models/my-gemini-pro")).await.unwrap();
+    let one: Value = within(resp.json()).await.unwrap();
+    assert_eq!(limits(&one), (json!(9000), json!(1000)), "{one}");
+    assert_eq!(h.fake.last().unwrap().path, "/v1/models/my-gemini-pro");
+
+    // An error goes through as it came; a path that would leave the base
+    // is refused.
+    h.fake.push(Reply::json(
+        400,
+        json!({"error": {"code": 400, "message": "API key not valid.", "status": "INVALID_ARGUMENT"}}),
+    ));
+    let resp = within(get("/v1beta/models")).await.unwrap();
+    assert_eq!(resp.status(), 400);
+    let error: Value = within(resp.json()).await.unwrap();
+    assert_eq!(error["error"]["status"], "INVALID_ARGUMENT", "{error}");
+    let asked = h.fake.count();
+    let resp = within(get("/v1beta/models/a%2fb")).await.unwrap();
+    assert_eq!(resp.status(), 400);
+    assert_eq!(h.fake.count(), asked, "nothing sent upstream");
+}
