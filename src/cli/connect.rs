@@ -15,18 +15,21 @@ use anyhow::Context as _;
 use clap::ValueEnum;
 use serde_json::{json, Value};
 
-use super::{admin_target, layered_config, print_out, EXIT_USAGE};
+use super::layered::layered_config;
+use super::out::{print_out, said, EXIT_USAGE};
+use super::reach::{admin_target, command_runtime};
 use crate::config::Config;
 
 mod agents;
 mod gemini;
+mod target;
+
+pub use target::{anthropic_base_url, Target};
+use target::{env_dir, PROVIDER};
 
 /// The environment variables the OpenAI SDKs (Python, Node) read for their
 /// base URL, and the older one LiteLLM and aider read.
 pub const BASE_URL_VARS: [&str; 2] = ["OPENAI_BASE_URL", "OPENAI_API_BASE"];
-
-/// The name of the provider (Codex) and the prefix of the model id (llm).
-const PROVIDER: &str = "compactor";
 
 /// A client `connect` knows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -103,22 +106,6 @@ pub struct RunArgs {
     pub command: Vec<OsString>,
 }
 
-/// What a client needs to know about this proxy and the model.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Target {
-    /// The proxy's base URL, with `/v1`.
-    pub base_url: String,
-    /// The model.
-    pub model: String,
-    /// The window the proxy uses for it, in tokens.
-    pub window: u64,
-    /// Room for the answer the proxy assumes, in tokens.
-    pub max_output: u64,
-    /// Whether the proxy compacts this model's conversations (its mode
-    /// rewrites them), or only observes them.
-    pub proxy_compacts: bool,
-}
-
 /// The proxy's base URL as clients reach it.
 pub fn proxy_base_url(config: &Config) -> anyhow::Result<String> {
     let addr = config.listen_addr().context("server.listen")?;
@@ -142,7 +129,7 @@ pub fn main(args: ConnectArgs) -> ExitCode {
     let base_url = match proxy_base_url(&config) {
         Ok(u) => u,
         Err(e) => {
-            eprintln!("compactor: configuration error: {}", super::said(&e));
+            eprintln!("compactor: configuration error: {}", said(&e));
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -161,7 +148,7 @@ pub fn main(args: ConnectArgs) -> ExitCode {
             Some(m) => match target(&config, base_url.clone(), Some(m), args.offline) {
                 Ok(t) => Some((t.model, t.window)),
                 Err(e) => {
-                    eprintln!("compactor: {}", super::said(&e));
+                    eprintln!("compactor: {}", said(&e));
                     return ExitCode::FAILURE;
                 }
             },
@@ -171,7 +158,7 @@ pub fn main(args: ConnectArgs) -> ExitCode {
     let target = match target(&config, base_url, args.model.as_deref(), args.offline) {
         Ok(t) => t,
         Err(e) => {
-            eprintln!("compactor: {}", super::said(&e));
+            eprintln!("compactor: {}", said(&e));
             return ExitCode::FAILURE;
         }
     };
@@ -197,7 +184,7 @@ pub fn main(args: ConnectArgs) -> ExitCode {
     let new = match render(args.client, existing.as_deref(), &target) {
         Ok(text) => text,
         Err(e) => {
-            eprintln!("compactor: {}: {}", path.display(), super::said(&e));
+            eprintln!("compactor: {}: {}", path.display(), said(&e));
             return ExitCode::FAILURE;
         }
     };
@@ -208,7 +195,7 @@ pub fn main(args: ConnectArgs) -> ExitCode {
             code
         }
         Err(e) => {
-            eprintln!("compactor: {}", super::said(&e));
+            eprintln!("compactor: {}", said(&e));
             ExitCode::FAILURE
         }
     }
@@ -222,7 +209,7 @@ fn target(
     model: Option<&str>,
     offline: bool,
 ) -> anyhow::Result<Target> {
-    let runtime = super::command_runtime()?;
+    let runtime = command_runtime()?;
     let (model, window, max_output) =
         runtime.block_on(super::doctor::effective_window(config, model, offline))?;
     // A client's own settings are not a tenant's: the model's mode, else
@@ -253,13 +240,6 @@ fn shell_quote(s: &str) -> String {
     } else {
         format!("'{}'", s.replace('\'', r"'\''"))
     }
-}
-
-/// A path the variable `var` names, when it is set and not empty.
-fn env_dir(var: &str) -> Option<PathBuf> {
-    std::env::var_os(var)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
 }
 
 /// The file `client` reads its configuration from.
@@ -512,7 +492,7 @@ pub fn run(args: RunArgs) -> ExitCode {
     let base_url = match base_url {
         Ok(u) => u,
         Err(e) => {
-            eprintln!("compactor: configuration error: {}", super::said(&e));
+            eprintln!("compactor: configuration error: {}", said(&e));
             return ExitCode::from(EXIT_USAGE);
         }
     };
@@ -549,12 +529,6 @@ pub fn run(args: RunArgs) -> ExitCode {
 
 /// The variable Claude Code and the Anthropic SDKs read for their base URL.
 pub const ANTHROPIC_BASE_URL_VAR: &str = "ANTHROPIC_BASE_URL";
-
-/// The proxy's address as an Anthropic client wants it: the origin, since
-/// the client appends `/v1/messages` itself.
-pub fn anthropic_base_url(base_url: &str) -> String {
-    base_url.strip_suffix("/v1").unwrap_or(base_url).to_string()
-}
 
 /// Claude Code's user `settings.json`: in `$CLAUDE_CONFIG_DIR`, which it
 /// reads instead of `~/.claude` when set.
@@ -651,7 +625,7 @@ fn connect_claude_code(
     let new = match claude_settings(existing.as_deref(), &origin, model) {
         Ok(text) => text,
         Err(e) => {
-            eprintln!("compactor: {}: {}", path.display(), super::said(&e));
+            eprintln!("compactor: {}: {}", path.display(), said(&e));
             return ExitCode::FAILURE;
         }
     };
@@ -662,7 +636,7 @@ fn connect_claude_code(
             code
         }
         Err(e) => {
-            eprintln!("compactor: {}", super::said(&e));
+            eprintln!("compactor: {}", said(&e));
             ExitCode::FAILURE
         }
     }

@@ -13,7 +13,9 @@ use std::time::Duration;
 use anyhow::Context as _;
 use serde_json::Value;
 
-use super::ConfigArgs;
+use super::layered::ConfigArgs;
+use super::out::{print_out, said};
+use super::reach::command_runtime;
 use crate::config::Config;
 use crate::demo::thousands;
 use crate::upstream::Upstream;
@@ -93,10 +95,10 @@ pub fn main(args: DoctorArgs) -> ExitCode {
                 }
                 (None, None) => "valid (built-in defaults, flags and environment)".to_string(),
             };
-            let runtime = match super::command_runtime() {
+            let runtime = match command_runtime() {
                 Ok(r) => r,
                 Err(e) => {
-                    eprintln!("compactor: {}", super::said(&e));
+                    eprintln!("compactor: {}", said(&e));
                     return ExitCode::FAILURE;
                 }
             };
@@ -112,7 +114,7 @@ pub fn main(args: DoctorArgs) -> ExitCode {
         "{failures} failed, {warnings} to look at, {} fine\n",
         count(Verdict::Ok)
     ));
-    let printed = super::print_out(&text);
+    let printed = print_out(&text);
     if failures > 0 {
         ExitCode::FAILURE
     } else {
@@ -203,7 +205,7 @@ async fn check_upstream(config: &Config, out: &mut Vec<Finding>) -> Option<(Upst
     match answer {
         Err(why) => {
             out.push(Finding::new(Verdict::Fail, "upstream", {
-                let said = super::said(&why);
+                let said = said(&why);
                 let detail = said.strip_prefix("upstream unreachable: ").unwrap_or(&said);
                 format!("cannot reach {base}: {detail}")
             }));
@@ -523,7 +525,7 @@ pub fn check_store(path: &Path) -> Finding {
             Err(why) => Finding::new(
                 Verdict::Fail,
                 "store",
-                format!("{shown} cannot be created: {}", super::said(&why)),
+                format!("{shown} cannot be created: {}", said(&why)),
             ),
         };
     }
@@ -536,11 +538,7 @@ pub fn check_store(path: &Path) -> Finding {
                 thousands(conversations)
             ),
         ),
-        Err(why) => Finding::new(
-            Verdict::Fail,
-            "store",
-            format!("{shown}: {}", super::said(&why)),
-        ),
+        Err(why) => Finding::new(Verdict::Fail, "store", format!("{shown}: {}", said(&why))),
     }
 }
 

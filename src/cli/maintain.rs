@@ -6,9 +6,10 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 
-use super::args::{layered_config, with_database_url, CompactArgs, MaintainArgs, PruneArgs};
-use super::EXIT_USAGE;
-use super::{print_out, to_json};
+use super::args::{CompactArgs, MaintainArgs, PruneArgs};
+use super::layered::{layered_config, with_database_url};
+use super::out::{print_out, said, to_json, EXIT_USAGE};
+use super::reach::{admin_target, command_runtime};
 use crate::config::Config;
 use crate::demo::thousands;
 use crate::store::query::{self};
@@ -135,7 +136,7 @@ pub(super) fn maintain(
         };
     match removed {
         Err(e) => {
-            eprintln!("compactor: {}", super::said(&e));
+            eprintln!("compactor: {}", said(&e));
             ExitCode::FAILURE
         }
         Ok(r) if target.store.json => {
@@ -233,7 +234,7 @@ pub(super) fn compact(args: CompactArgs) -> ExitCode {
     let value = match admin_call(&config, reqwest::Method::POST, &path) {
         Ok(v) => v,
         Err(e) => {
-            eprintln!("compactor: {}", super::said(&e));
+            eprintln!("compactor: {}", said(&e));
             return ExitCode::FAILURE;
         }
     };
@@ -254,7 +255,7 @@ pub(super) fn compact(args: CompactArgs) -> ExitCode {
             }
             Ok(_) => std::thread::sleep(COMPACT_POLL),
             Err(e) => {
-                eprintln!("compactor: {}", super::said(&e));
+                eprintln!("compactor: {}", said(&e));
                 return ExitCode::FAILURE;
             }
         }
@@ -295,26 +296,6 @@ pub(super) fn outcome_text(o: &serde_json::Value) -> String {
     }
 }
 
-/// A one-thread runtime for a command's few requests (`compact`,
-/// `doctor`, `connect`).
-pub(crate) fn command_runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .context("cannot start the runtime")
-}
-
-/// Where to reach a proxy listening on `addr`: an unspecified address
-/// (`0.0.0.0`, `::`) is reached over loopback.
-pub fn admin_target(addr: std::net::SocketAddr) -> std::net::SocketAddr {
-    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
-    match addr.ip() {
-        IpAddr::V4(ip) if ip.is_unspecified() => (Ipv4Addr::LOCALHOST, addr.port()).into(),
-        IpAddr::V6(ip) if ip.is_unspecified() => (Ipv6Addr::LOCALHOST, addr.port()).into(),
-        _ => addr,
-    }
-}
-
 pub(super) fn describe_error(e: &reqwest::Error) -> String {
     let mut text = e.to_string();
     let mut source = std::error::Error::source(e);
@@ -352,21 +333,5 @@ mod tests {
         for bad in ["", "d", "30x", "-1d", "1.5d"] {
             assert_eq!(parse_age(bad), None, "{bad}");
         }
-    }
-
-    #[test]
-    fn unspecified_listen_is_reached_over_loopback() {
-        assert_eq!(
-            admin_target("0.0.0.0:8787".parse().unwrap()).to_string(),
-            "127.0.0.1:8787"
-        );
-        assert_eq!(
-            admin_target("[::]:1".parse().unwrap()).to_string(),
-            "[::1]:1"
-        );
-        assert_eq!(
-            admin_target("10.1.2.3:5".parse().unwrap()).to_string(),
-            "10.1.2.3:5"
-        );
     }
 }

@@ -3,10 +3,11 @@
 
 use std::process::ExitCode;
 
-use super::args::{layered_config, with_database_url, ConversationsCommand};
+use super::args::ConversationsCommand;
 use super::audit;
+use super::layered::{layered_config, with_database_url};
 use super::maintain::delete;
-use super::{print_out, to_json, unsafe_for_terminal, EXIT_USAGE};
+use super::out::{print_out, said, to_json, unsafe_for_terminal, EXIT_USAGE};
 use crate::demo::thousands;
 use crate::store::query::{self, CompactionRow, ConversationDetail, ConversationSummary};
 
@@ -29,7 +30,7 @@ pub(super) fn conversations(cmd: ConversationsCommand) -> ExitCode {
     let conn = match crate::store::views(&config) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("compactor: {}", super::said(&e));
+            eprintln!("compactor: {}", said(&e));
             return ExitCode::FAILURE;
         }
     };
@@ -76,7 +77,7 @@ pub(super) fn conversations(cmd: ConversationsCommand) -> ExitCode {
             return match shown {
                 Ok(text) => print_out(&text),
                 Err(e) => {
-                    eprintln!("compactor: {}", super::said(&e));
+                    eprintln!("compactor: {}", said(&e));
                     ExitCode::FAILURE
                 }
             };

@@ -6,9 +6,10 @@ use std::process::ExitCode;
 
 use anyhow::Context as _;
 
-use super::args::{ConfigArgs, DemoArgs, LogFormat, ServeArgs};
+use super::args::{DemoArgs, LogFormat, ServeArgs};
+use super::layered::ConfigArgs;
+use super::out::{said, EXIT_USAGE};
 use super::render::table;
-use super::EXIT_USAGE;
 use crate::app::AppState;
 use crate::config::Config;
 use crate::server;
@@ -131,7 +132,7 @@ pub(super) fn demo(args: DemoArgs) -> ExitCode {
     match runtime.block_on(crate::demo::run_and_print(opts, &mut out)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("compactor demo: {}", super::said(&e));
+            eprintln!("compactor demo: {}", said(&e));
             ExitCode::FAILURE
         }
     }
@@ -193,7 +194,7 @@ pub(super) fn serve(args: ServeArgs) -> ExitCode {
     match runtime.block_on(serve_async(config)) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
-            eprintln!("compactor: {}", super::said(&e));
+            eprintln!("compactor: {}", said(&e));
             ExitCode::FAILURE
         }
     }

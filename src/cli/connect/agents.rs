@@ -14,7 +14,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use serde_json::{json, Value};
 
-use super::{env_dir, Target, PROVIDER};
+use super::target::{anthropic_base_url, env_dir, Target, PROVIDER};
 
 /// `$XDG_CONFIG_HOME`, else `~/.config` (on every platform: these agents
 /// follow the XDG layout on macOS too).
@@ -137,7 +137,7 @@ pub fn qwen_settings(existing: Option<&str>, t: &Target) -> anyhow::Result<Strin
 /// replaced on its own line, or appended, and every other line (comments,
 /// extensions) stays as it was.
 pub fn goose_config(existing: Option<&str>, t: &Target) -> anyhow::Result<String> {
-    let origin = super::anthropic_base_url(&t.base_url);
+    let origin = anthropic_base_url(&t.base_url);
     let q = |s: &str| Value::from(s).to_string();
     let keys: [(&str, String); 5] = [
         ("GOOSE_PROVIDER", q("openai")),

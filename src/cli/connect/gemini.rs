@@ -23,7 +23,7 @@ use anyhow::Context;
 use serde_json::Value;
 
 use super::agents::{json_object, object_at, pretty};
-use super::{env_dir, Target};
+use super::target::{anthropic_base_url, env_dir, Target};
 
 /// The variable Gemini CLI reads its Gemini API base URL from (the origin:
 /// it appends `/v1beta/models/…` itself).
@@ -99,7 +99,7 @@ pub fn settings(existing: Option<&str>, t: &Target) -> anyhow::Result<String> {
 /// What to tell the user after the file: how to start Gemini CLI through
 /// the proxy, and where its own compression now sits.
 pub fn how_to_use(path: &std::path::Path, t: &Target) -> String {
-    let origin = super::anthropic_base_url(&t.base_url);
+    let origin = anthropic_base_url(&t.base_url);
     let threshold = compression_threshold(&t.model, t.window, t.proxy_compacts);
     let point = compression_point(&t.model, threshold);
     let assumed = assumed_window(&t.model);
