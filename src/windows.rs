@@ -184,10 +184,18 @@ pub fn effective(
 /// its one model under any name: its one entry (with `meta`) stands for
 /// every name. Any other server's window is its named model's alone: a
 /// gateway that lists one small model of its own may route other names to
-/// models of any size.
+/// models of any size. Gemini's listing (`models`, each entry named
+/// `models/{model}`) gives the entry's `inputTokenLimit`.
 pub fn window_in_models(body: &Value, model: &str) -> Option<u64> {
-    let data = body.get("data")?.as_array()?;
     let window = |w: Option<&Value>| w.and_then(Value::as_u64).filter(|&w| w > 0);
+    if let Some(models) = body.get("models").and_then(Value::as_array) {
+        let name = format!("models/{model}");
+        let entry = models
+            .iter()
+            .find(|m| m.get("name").and_then(Value::as_str) == Some(name.as_str()))?;
+        return window(entry.get("inputTokenLimit"));
+    }
+    let data = body.get("data")?.as_array()?;
     match data
         .iter()
         .find(|m| m.get("id").and_then(Value::as_str) == Some(model))
@@ -287,6 +295,15 @@ mod tests {
         assert_eq!(window_in_models(&gateway, "gpt-4o"), None, "not its model");
         let openai = json!({"object": "list", "data": [{"id": "gpt-4o", "object": "model"}]});
         assert_eq!(window_in_models(&openai, "gpt-4o"), None);
+        let gemini = json!({"models": [
+            {"name": "models/gemini-2.5-flash", "inputTokenLimit": 1_048_576, "outputTokenLimit": 65_536},
+            {"name": "models/gemma-3-4b-it", "inputTokenLimit": 32_768}], "nextPageToken": "x"});
+        assert_eq!(window_in_models(&gemini, "gemma-3-4b-it"), Some(32_768));
+        assert_eq!(
+            window_in_models(&gemini, "gemini-2.5-pro"),
+            None,
+            "not listed"
+        );
         let props = json!({"default_generation_settings": {"n_ctx": 2048}, "total_slots": 1});
         assert_eq!(window_in_props(&props), Some(2048));
         assert_eq!(window_in_props(&json!({})), None);

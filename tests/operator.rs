@@ -665,8 +665,10 @@ async fn connect_gemini_cli_writes_the_window_as_its_compression_threshold() {
     let read = || -> Value {
         serde_json::from_str(&std::fs::read_to_string(&file).unwrap()).expect("JSON")
     };
-    fake.push(models_answer(&[("served-gemini", Some(24_576))]));
-    fake.push(models_answer(&[("served-gemini", Some(24_576))]));
+    // A Gemini upstream's listing names the model and states its window.
+    let listing = json!({"models": [{"name": "models/served-gemini", "inputTokenLimit": 24_576}]});
+    fake.push(Reply::json(200, listing.clone()));
+    fake.push(Reply::json(200, listing));
     let out = run(connect(
         "gemini-cli",
         &fake,

@@ -248,17 +248,23 @@ async fn check_upstream(config: &Config, out: &mut Vec<Finding>) -> Option<(Upst
     }
 }
 
-/// The `id`s of a `/v1/models` answer.
+/// The `id`s of a `/v1/models` answer, or the model names of Gemini's
+/// (`models`, each `name` being `models/{model}`).
 pub fn model_ids(body: &Value) -> Vec<String> {
-    body.get("data")
-        .and_then(Value::as_array)
-        .map(|d| {
-            d.iter()
-                .filter_map(|m| m.get("id").and_then(Value::as_str))
-                .map(str::to_string)
-                .collect()
-        })
-        .unwrap_or_default()
+    let listed = |list: &str, name: fn(&Value) -> Option<&str>| -> Vec<String> {
+        body.get(list)
+            .and_then(Value::as_array)
+            .map(|d| d.iter().filter_map(name).map(str::to_string).collect())
+            .unwrap_or_default()
+    };
+    let gemini = listed("models", |m| {
+        m.get("name")?.as_str()?.strip_prefix("models/")
+    });
+    if gemini.is_empty() {
+        listed("data", |m| m.get("id")?.as_str())
+    } else {
+        gemini
+    }
 }
 
 fn preview(ids: &[String]) -> String {
