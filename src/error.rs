@@ -405,6 +405,13 @@ impl ProxyError {
                     "message": self.to_string(),
                 }
             }),
+            ErrorShape::Google => serde_json::json!({
+                "error": {
+                    "code": self.status().as_u16(),
+                    "message": self.to_string(),
+                    "status": google_status(self.status()),
+                }
+            }),
         }
     }
 
@@ -452,6 +459,22 @@ pub enum ErrorShape {
     OpenAi,
     /// `{"type":"error","error":{"type","message"}}`.
     Anthropic,
+    /// Google's `{"error":{"code","message","status"}}` (Gemini).
+    Google,
+}
+
+/// Google's error `status` for a status the proxy answers with.
+fn google_status(status: StatusCode) -> &'static str {
+    match status.as_u16() {
+        401 => "UNAUTHENTICATED",
+        403 => "PERMISSION_DENIED",
+        404 => "NOT_FOUND",
+        408 | 504 => "DEADLINE_EXCEEDED",
+        429 => "RESOURCE_EXHAUSTED",
+        503 => "UNAVAILABLE",
+        400..=499 => "INVALID_ARGUMENT",
+        _ => "INTERNAL",
+    }
 }
 
 /// Anthropic's error `type` for a status the proxy answers with.

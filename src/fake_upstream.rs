@@ -27,11 +27,11 @@ pub mod anthropic;
 mod auto;
 mod bodies;
 pub mod cache;
+pub mod gemini;
 pub mod provider;
 pub mod provider_compact;
 
-pub use auto::auto_reply;
-use auto::is_summarizer_request;
+pub use auto::{auto_reply, is_summarizer_request};
 pub use bodies::{
     chat_body, chat_stream_events, next_response_id, responses_body, responses_stream_events,
     usage_chat,
@@ -371,7 +371,8 @@ impl FakeUpstream {
         sh.received = Vec::new();
     }
 
-    /// Makes `/v1/messages` refuse prompts over `tokens` as the API does.
+    /// Makes `/v1/messages` and the Gemini endpoints refuse prompts over
+    /// `tokens` as those APIs do.
     pub fn set_messages_window(&self, tokens: Option<u64>) {
         self.lock().messages_window = tokens;
     }
@@ -465,6 +466,7 @@ impl FakeUpstream {
             body,
         };
         let messages = rec.path.ends_with("/messages");
+        let gemini = gemini::is_gemini(&rec.path);
         // Parsed once for a simulated cache (its bodies are large).
         let parsed = std::sync::OnceLock::new();
         let json = || parsed.get_or_init(|| rec.json());
@@ -481,6 +483,12 @@ impl FakeUpstream {
                 (messages && !sh.forget)
                     .then(|| anthropic::check(json(), &rec.headers, sh.messages_window))
                     .flatten()
+                    .or_else(|| {
+                        let len = rec.body.len();
+                        (gemini && !sh.forget)
+                            .then(|| gemini::check(json(), len, sh.messages_window))
+                            .flatten()
+                    })
                     // The provider's compaction answers itself (and refuses a
                     // compaction item it did not mint).
                     .or_else(|| provider_compact::answer(&sh.provider_compact, &rec))
@@ -520,12 +528,16 @@ impl FakeUpstream {
                     Some(text) if summary && messages => {
                         Some(Reply::Messages(anthropic::Answer::text(text)))
                     }
+                    Some(text) if summary && gemini => {
+                        Some(gemini::text(text, (rec.body.len() as u64 / 4).max(1), 60))
+                    }
                     Some(text) if summary => {
                         Some(Reply::chat(text, (rec.body.len() as u64 / 4).max(1), 60))
                     }
                     // A Messages test scripts the agent's answers: the
                     // proxy's summary calls take none of them.
                     _ if messages && anthropic::is_summarizer_request(json()) => None,
+                    _ if gemini && is_summarizer_request(json()) => None,
                     // With a simulated cache, only the model's turns take
                     // them (a bench scripts its agent's turns).
                     _ if sh.sim.is_some() && (summary || api.is_none()) => None,
@@ -570,6 +582,7 @@ impl FakeUpstream {
 fn caller_key(headers: &HeaderMap) -> String {
     headers
         .get("x-api-key")
+        .or_else(|| headers.get("x-goog-api-key"))
         .or_else(|| headers.get(http::header::AUTHORIZATION))
         .and_then(|v| v.to_str().ok())
         .unwrap_or("")

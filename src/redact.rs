@@ -15,7 +15,8 @@ use regex::Regex;
 
 /// The headers a client may authenticate with (all of them name its
 /// tenant, and all are kept for the summarizer's calls).
-pub const CREDENTIAL_HEADERS: [&str; 3] = ["authorization", "api-key", "x-api-key"];
+pub const CREDENTIAL_HEADERS: [&str; 4] =
+    ["authorization", "api-key", "x-api-key", "x-goog-api-key"];
 
 /// What a credential is replaced with.
 pub const REDACTED: &str = "[REDACTED]";
@@ -120,6 +121,7 @@ mod tests {
             ("authorization", key.to_string()),
             ("api-key", key.to_string()),
             ("x-api-key", key.to_string()),
+            ("x-goog-api-key", key.to_string()),
             ("Api-Key", key.to_string()),
         ] {
             let h = headers(&[(auth.0, &auth.1)]);

@@ -327,6 +327,7 @@ impl Upstream {
             // Every credential header the proxy accepts from a client.
             out.remove("api-key");
             out.remove("x-api-key");
+            out.remove("x-goog-api-key");
             if let Ok(v) = HeaderValue::from_str(&format!("Bearer {key}")) {
                 let mut v = v;
                 v.set_sensitive(true);
@@ -337,25 +338,34 @@ impl Upstream {
     }
 
     /// [`Upstream::request_headers`] for a parsed endpoint: on Anthropic
-    /// Messages a server-side key goes in `x-api-key`, where that API reads it.
+    /// Messages a server-side key goes in `x-api-key`, on Gemini in
+    /// `x-goog-api-key`, where those APIs read it.
     pub fn request_headers_for(&self, api: Api, incoming: &HeaderMap, identity: bool) -> HeaderMap {
         let mut out = self.request_headers(incoming, identity);
-        if api == Api::Messages {
-            self.key_as_x_api_key(&mut out);
+        match api {
+            Api::Messages => self.key_as_x_api_key(&mut out),
+            Api::Gemini => self.key_as(&mut out, crate::wire::gemini::KEY_HEADER),
+            _ => {}
         }
         out
     }
 
     /// Moves the server-side key, if one is configured, from
-    /// `Authorization` to `x-api-key` (Anthropic's header).
-    pub fn key_as_x_api_key(&self, headers: &mut HeaderMap) {
+    /// `Authorization` to the API's own key header `name`.
+    pub fn key_as(&self, headers: &mut HeaderMap, name: &'static str) {
         if let Some(Secret(key)) = &self.api_key {
             headers.remove(header::AUTHORIZATION);
             if let Ok(mut v) = HeaderValue::from_str(key) {
                 v.set_sensitive(true);
-                headers.insert("x-api-key", v);
+                headers.insert(name, v);
             }
         }
+    }
+
+    /// Moves the server-side key, if one is configured, from
+    /// `Authorization` to `x-api-key` (Anthropic's header).
+    pub fn key_as_x_api_key(&self, headers: &mut HeaderMap) {
+        self.key_as(headers, "x-api-key");
     }
 
     /// Sends a request whose body streams from the client; maps connection

@@ -488,6 +488,9 @@ async fn any_per_request_controls_are_answered_and_never_forwarded() {
             Api::Responses => serde_json::json!({"model": "m", "input": "hi"}),
             Api::Messages => serde_json::json!({"model": "m", "max_tokens": 5,
                 "messages": [{"role": "user", "content": "hi"}]}),
+            Api::Gemini => {
+                serde_json::json!({"contents": [{"role": "user", "parts": [{"text": "hi"}]}]})
+            }
         };
         let mut metadata = c.metadata.clone();
         if let Some(mode) = &c.metadata_mode {

@@ -43,7 +43,7 @@ pub fn asks_provider_compaction(api: Api, body: &Value) -> bool {
                 });
             edits || body.get("compaction").is_some_and(Value::is_object)
         }
-        Api::Chat => false,
+        Api::Chat | Api::Gemini => false,
     }
 }
 

@@ -10,7 +10,7 @@
 
 use serde_json::Value;
 
-use crate::wire::messages;
+use crate::wire::{gemini, messages};
 
 /// Marker that opens every summary message the proxy writes.
 pub const SUMMARY_MARKER: &str = "[compactor summary";
@@ -33,6 +33,7 @@ pub fn is_user_message(item: &Value) -> bool {
     role(item) == "user"
         && matches!(kind(item), "" | "message")
         && !messages::is_tool_result_message(item)
+        && !gemini::is_function_response(item)
         && !is_summary(item)
 }
 
@@ -45,6 +46,9 @@ pub fn is_summary(item: &Value) -> bool {
 /// `*_call` item with a `call_id`, the `tool_use` blocks of an Anthropic
 /// assistant message).
 pub fn call_ids(item: &Value) -> Vec<&str> {
+    if gemini::is_content(item) {
+        return gemini::call_ids(item);
+    }
     if item.get("content").is_some_and(Value::is_array) {
         let uses = messages::tool_use_ids(item);
         if !uses.is_empty() {
@@ -69,6 +73,9 @@ pub fn call_ids(item: &Value) -> Vec<&str> {
 /// `*_call_output` item's one, the `tool_result` blocks of an Anthropic
 /// user message.
 pub fn output_ids(item: &Value) -> Vec<&str> {
+    if gemini::is_content(item) {
+        return gemini::output_ids(item);
+    }
     if role(item) == "user" {
         return messages::tool_results(item)
             .filter_map(|b| b.get("tool_use_id").and_then(Value::as_str))
@@ -82,6 +89,9 @@ pub fn output_ids(item: &Value) -> Vec<&str> {
 /// item, one per `tool_result` block of an Anthropic user message
 /// (`is_error` marks a failure).
 pub fn outputs(item: &Value) -> Vec<(&str, String, bool)> {
+    if gemini::is_content(item) {
+        return gemini::outputs(item);
+    }
     if role(item) == "user" && messages::is_tool_result_message(item) {
         return messages::tool_results(item)
             .map(|b| {
@@ -115,6 +125,7 @@ pub fn output_id(item: &Value) -> Option<&str> {
 pub fn is_tool_output(item: &Value) -> bool {
     crate::wire::class::is_tool_output(role(item), kind(item))
         || messages::is_tool_result_message(item)
+        || gemini::is_function_response(item)
 }
 
 /// The field holding a tool output's payload.
@@ -128,6 +139,9 @@ pub fn output_field(item: &Value) -> &'static str {
 
 /// The text of a message or tool output: a string, or the text parts of a list.
 pub fn text_of(item: &Value) -> String {
+    if gemini::is_content(item) {
+        return gemini::text_of(item);
+    }
     if messages::is_tool_result_message(item) {
         // Each result's text, then the message's own text blocks.
         let blocks = messages::blocks(item);
@@ -238,12 +252,12 @@ pub fn media_markers(item: &Value) -> Vec<String> {
     } else {
         match role(item) {
             "user" => "a user message",
-            "assistant" => "an assistant message",
+            "assistant" | "model" => "an assistant message",
             _ => "a message",
         }
     };
     let mut out = Vec::new();
-    for key in ["content", "output"] {
+    for key in ["content", "output", "parts"] {
         if let Some(blocks) = item.get(key).and_then(Value::as_array) {
             walk(blocks, place, &mut out);
         }

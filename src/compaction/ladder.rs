@@ -14,7 +14,7 @@ use super::items::{ceil_boundary, floor_boundary, is_tool_output, output_field, 
 use super::summary::output_digest;
 use crate::tokens::media::omitted_marker;
 use crate::wire::hash::hex;
-use crate::wire::{messages, ItemHash};
+use crate::wire::{gemini, messages, ItemHash};
 
 /// Limits of rung 1.
 #[derive(Debug, Clone, Copy)]
@@ -109,6 +109,13 @@ fn rewrite_outputs(
             }
             if messages::is_tool_result_message(item) {
                 return rewrite_results(item, hash, &mut new_text, &mut changed);
+            }
+            if gemini::is_function_response(item) {
+                let mut new = item.clone();
+                if gemini::rewrite_responses(&mut new, |t| new_text(t, hash)) > 0 {
+                    changed += 1;
+                }
+                return new;
             }
             let field = output_field(item);
             let text = item.get(field).map(value_text).unwrap_or_default();

@@ -219,11 +219,14 @@ fn finish_messages(
     breaker: &Breaker<'_>,
     audited: Audited,
 ) -> Result<Audited, CompactError> {
+    let mut audited = audited;
+    // The items the compaction wrote, in the API's own shape.
+    let written = std::mem::take(&mut audited.replacement);
+    audited.replacement = input.who.api.format().finish_replacement(written);
     if input.who.api != Api::Messages || audited.by_provider {
         return Ok(audited);
     }
     let count = |v: &Value| counted.count(v);
-    let mut audited = audited;
     // The replacement starts with the view's items up to the lead.
     let keep = match crate::compaction::boundary::floor(&audited.replacement) {
         0 => 0,

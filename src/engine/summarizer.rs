@@ -271,9 +271,11 @@ pub(super) async fn call_summarizer<S: Context>(
             "messages": messages.iter().filter(|m| m["role"] != "system").collect::<Vec<_>>(),
             "stream": false,
         }),
+        // Gemini: the system prompt is `systemInstruction`, the model in the path.
+        Api::Gemini => gemini_summary_body(messages, params.summary_output_tokens),
         _ => json!({"model": model, "messages": messages, "stream": false}),
     };
-    if input.who.api != Api::Messages {
+    if !matches!(input.who.api, Api::Messages | Api::Gemini) {
         // Reasoning-model families reject `max_tokens`.
         let lower = model.to_ascii_lowercase();
         let key = if lower.starts_with('o')
@@ -286,7 +288,8 @@ pub(super) async fn call_summarizer<S: Context>(
         };
         body[key] = json!(params.summary_output_tokens);
     }
-    let v = post_summary(state, input, &body, None).await?;
+    let path = summary_path(input.who.api, model);
+    let v = post_summary(state, input, &path, &body, None).await?;
     let text = answer_text(input.who.api, &v).ok_or(SummarizerError::NoContent)?;
     let usage = input.who.api.usage(&v);
     let mut cache = SummaryCache::default();
@@ -294,7 +297,9 @@ pub(super) async fn call_summarizer<S: Context>(
         cache.add(u);
     }
     let reported = match usage {
-        Some(u) if input.who.api == Api::Messages => (Some(u.total()), Some(u.output_tokens)),
+        Some(u) if matches!(input.who.api, Api::Messages | Api::Gemini) => {
+            (Some(u.total()), Some(u.output_tokens))
+        }
         _ => (
             v.pointer("/usage/total_tokens").and_then(Value::as_u64),
             v.pointer("/usage/completion_tokens")
@@ -330,10 +335,44 @@ pub(super) async fn call_summarizer<S: Context>(
     ))
 }
 
+/// A summary call's body on Gemini: the system messages as
+/// `systemInstruction`, the others as `contents`, the answer bounded.
+fn gemini_summary_body(messages: &[Value], max_output: u64) -> Value {
+    let text = |m: &Value| crate::compaction::items::value_text(&m["content"]);
+    let system: Vec<String> = messages
+        .iter()
+        .filter(|m| m["role"] == "system")
+        .map(text)
+        .collect();
+    let contents: Vec<Value> = messages
+        .iter()
+        .filter(|m| m["role"] != "system")
+        .map(|m| crate::wire::gemini::as_content(m.clone()))
+        .collect();
+    let mut body = json!({
+        "contents": contents,
+        "generationConfig": {"maxOutputTokens": max_output},
+    });
+    if !system.is_empty() {
+        body["systemInstruction"] = json!({"parts": [{"text": system.join("\n\n")}]});
+    }
+    body
+}
+
+/// The path below the summarizer's base a summary call of `api` for
+/// `model` goes to (Gemini names the model in it).
+fn summary_path(api: Api, model: &str) -> String {
+    match api {
+        Api::Gemini => crate::wire::gemini::model_path(model, "generateContent"),
+        _ => api.summary_endpoint().to_string(),
+    }
+}
+
 /// The text of a summary call's answer `v` in `api`'s shape.
 fn answer_text(api: Api, v: &Value) -> Option<String> {
     match api {
         Api::Messages => crate::wire::messages::answer_text(v),
+        Api::Gemini => crate::wire::gemini::answer_text(v),
         _ => v
             .pointer("/choices/0/message/content")
             .and_then(Value::as_str)
@@ -347,6 +386,7 @@ fn answer_text(api: Api, v: &Value) -> Option<String> {
 async fn post_summary<S: Context>(
     state: &Arc<S>,
     input: &Input,
+    path: &str,
     body: &Value,
     provider: Option<&HeaderMap>,
 ) -> Result<Value, SummarizerError> {
@@ -363,6 +403,10 @@ async fn post_summary<S: Context>(
             .or_insert(http::HeaderValue::from_static(ANTHROPIC_VERSION));
         state.summarizer().key_as_x_api_key(&mut headers);
     }
+    if input.who.api == Api::Gemini {
+        let name = crate::wire::gemini::KEY_HEADER;
+        state.summarizer().key_as(&mut headers, name);
+    }
     headers.insert(
         http::header::CONTENT_TYPE,
         http::HeaderValue::from_static("application/json"),
@@ -371,9 +415,7 @@ async fn post_summary<S: Context>(
         http::header::ACCEPT_ENCODING,
         http::HeaderValue::from_static("identity"),
     );
-    let url = state
-        .summarizer()
-        .url(input.who.api.summary_endpoint(), None)?;
+    let url = state.summarizer().url(path, None)?;
     let bytes = bytes::Bytes::from(serde_json::to_vec(body).map_err(SummarizerError::Encode)?);
     let resp = state
         .summarizer()
@@ -492,7 +534,8 @@ pub(super) async fn call_cached<S: Context>(
     body: &Value,
 ) -> Result<(String, CallTokens), (CachedMiss, CallTokens)> {
     let provider = input.request.sent.as_ref().map(|s| &s.headers);
-    let v = match post_summary(state, input, body, provider).await {
+    let path = summary_path(input.who.api, &input.who.model);
+    let v = match post_summary(state, input, &path, body, provider).await {
         Ok(v) => v,
         Err(e) => {
             tracing::warn!(error = %e, "summary call from the cached request failed");

@@ -9,6 +9,10 @@ use super::{anthropic, Received, Reply, AUTO_TEXT};
 /// What the fake answers when nothing is scripted.
 pub fn auto_reply(rec: &Received) -> Reply {
     let body = rec.json();
+    if super::gemini::is_gemini(&rec.path) {
+        let chat = super::gemini::as_chat(&body);
+        return super::gemini::auto_reply(rec, summarizer_narrative(&chat));
+    }
     let prompt = (rec.body.len() as u64 / 4).max(1);
     let completion = 7;
     let stream = body.get("stream").and_then(Value::as_bool) == Some(true);
@@ -118,10 +122,14 @@ fn summarizer_narrative(body: &Value) -> Option<String> {
 
 /// A chat request whose system message carries the summarizer marker, or
 /// whose last message does (a summary call repeating the conversation's
-/// request with the instruction appended).
-pub(super) fn is_summarizer_request(body: &Value) -> bool {
+/// request with the instruction appended); an Anthropic or a Gemini
+/// request that is the proxy's summary call.
+pub fn is_summarizer_request(body: &Value) -> bool {
     if anthropic::is_summarizer_request(body) {
         return true;
+    }
+    if body.get("contents").is_some() {
+        return is_summarizer_request(&super::gemini::as_chat(body));
     }
     let text =
         |m: &Value| crate::compaction::items::value_text(m.get("content").unwrap_or(&Value::Null));

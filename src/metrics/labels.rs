@@ -10,6 +10,8 @@ pub const ENDPOINTS: &[&str] = &[
     "responses_websocket",
     "messages",
     "messages_count_tokens",
+    "gemini",
+    "gemini_count_tokens",
     "passthrough",
     "admin",
     "metrics",

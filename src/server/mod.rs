@@ -11,6 +11,7 @@ mod count_tokens;
 pub mod discovery;
 mod exchange;
 mod gather;
+mod gemini;
 mod health;
 mod identify;
 mod models;
@@ -514,6 +515,7 @@ async fn route(
             (&Method::POST, "/v1/responses/compact") => {
                 ("responses_compact", proxy::handle_compact(state, req).await)
             }
+            (m, p) if gemini::is_gemini(m, p) => gemini::handle(state, req).await,
             // The listing, each model with the window the proxy uses for it
             // (counted as passthrough: the endpoint labels are fixed).
             (&Method::GET, p) if models::is_listing(p) => {

@@ -68,6 +68,13 @@ pub fn check_path(path: &str) -> Result<(), ProxyError> {
             canonical.push_str(&name.to_ascii_lowercase());
         }
     }
+    // Gemini's parsed endpoints, in a spelling the route did not take.
+    let gemini = [":generatecontent", ":streamgeneratecontent", ":counttokens"];
+    if canonical.starts_with("/v1/models/") && gemini.iter().any(|m| canonical.ends_with(m)) {
+        return refuse(
+            "it spells a Gemini endpoint another way; send /v1beta/models/{model}:{method} exactly",
+        );
+    }
     if let Some(endpoint) = PARSED.iter().find(|p| **p == canonical) {
         return refuse(&format!(
             "it spells {endpoint} another way; send {endpoint} exactly"
@@ -86,12 +93,23 @@ pub fn upstream_url(state: &AppState, uri: &http::Uri) -> Result<reqwest::Url, P
 
 /// Forwards the request as is and streams the answer back.
 pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
-    let (parts, body) = req.into_parts();
-    let url = match upstream_url(&state, &parts.uri) {
+    let url = match upstream_url(&state, req.uri()) {
         Ok(url) => url,
         Err(e) => return e.into_response(),
     };
-    let headers = state.upstream.request_headers(&parts.headers, false);
+    let headers = state.upstream.request_headers(req.headers(), false);
+    forward(state, req, url, headers).await
+}
+
+/// Forwards the request as is to `url` with `headers`, and streams the
+/// answer back.
+pub async fn forward(
+    state: Arc<AppState>,
+    req: Request<Incoming>,
+    url: reqwest::Url,
+    headers: http::HeaderMap,
+) -> Response<ProxyBody> {
+    let (parts, body) = req.into_parts();
     let sent = if body.is_end_stream() {
         // Nothing to stream (a GET, mostly): it can be sent again if a
         // pooled connection turns out closed. A declared empty body is

@@ -103,7 +103,9 @@ async fn handle_inner(
         let reason = format!("requested: {}", super::control::COMPACT_HEADER);
         compact_now::compact_now(&state, &mut pending, reason, goal).await;
     }
-    let url = state.upstream.url(api.endpoint(), parts.uri.query())?;
+    let url = state
+        .upstream
+        .url(&api.upstream_path(parts.uri.path()), parts.uri.query())?;
     let headers = state
         .upstream
         .request_headers_for(api, &parts.headers, true);

@@ -84,11 +84,7 @@ pub(super) async fn read_request(
     };
     api.validate(&body)?;
     // Parsed once, here: the request carries it (`ReadRequest::model`).
-    let model = body
-        .get("model")
-        .and_then(Value::as_str)
-        .unwrap_or_default()
-        .to_string();
+    let (model, streamed) = api.model_and_stream(&body, &parts.uri);
     let (control, metadata_taken) =
         super::control::control(&state.config, &parts.headers, &mut body, &tenant, &model)?;
     // Observe and off send the client's request as it came: no expanded
@@ -161,7 +157,7 @@ pub(super) async fn read_request(
     let body_key = body_key.filter(|_| !rewritten && !metadata_taken);
     Ok(ReadRequest::new(
         client,
-        Parsed::new(api, model, body, items, tools),
+        Parsed::new(api, model, streamed, body, items, tools),
         AsSent::new(original, strip_usage, body_key, raw_len),
         control,
         previous,

@@ -105,16 +105,16 @@ impl Client {
 }
 
 impl Parsed {
-    /// A body of `api` asking for `model`, split into its parameters,
-    /// `items` and `tools`.
+    /// A body of `api` asking for `model`, `streamed` or not, split into
+    /// its parameters, `items` and `tools`.
     pub(super) fn new(
         api: Api,
         model: String,
+        streamed: bool,
         body: Value,
         items: ItemList,
         tools: Option<Tools>,
     ) -> Self {
-        let streamed = body.get("stream").and_then(Value::as_bool) == Some(true);
         Self {
             api,
             model,

@@ -30,6 +30,9 @@ use serde_json::{Map, Value};
 /// of the APIs (its text members, a document's `title` and `context`, are
 /// the caller's to count); `None` when it is not one.
 pub(super) fn block_tokens(block: &Map<String, Value>) -> Option<u64> {
+    if let Some(tokens) = gemini_part_tokens(block) {
+        return Some(tokens);
+    }
     match str_of(block.get("type"))? {
         // Anthropic Messages.
         "image" => {
@@ -95,6 +98,51 @@ pub(super) fn block_tokens(block: &Map<String, Value>) -> Option<u64> {
     }
 }
 
+/// Tokens a Gemini part costs when it carries media (`inlineData` with its
+/// base64, `fileData` with a URI): an image 258 a 768-px tile (one tile
+/// when both sides are at most 384 px; [`GEMINI_IMAGE_MAX`] when its size is
+/// not in the request), a PDF 258 a page, audio 32 a second.
+fn gemini_part_tokens(part: &Map<String, Value>) -> Option<u64> {
+    let media = part
+        .get("inlineData")
+        .or_else(|| part.get("fileData"))?
+        .as_object()?;
+    let mime = str_of(media.get("mimeType")).unwrap_or("");
+    let data = str_of(media.get("data"));
+    Some(if mime.starts_with("image/") {
+        data.and_then(|d| image_size(&Base64(d.as_bytes())))
+            .map_or(GEMINI_IMAGE_MAX, |(w, h, _)| gemini_image(w, h))
+    } else if mime.starts_with("audio/") {
+        data.map_or(GEMINI_MEDIA_MAX, |d| {
+            audio_tokens(d) / AUDIO_TOKENS_PER_SECOND * 32
+        })
+    } else if mime == "application/pdf" {
+        let pages = data.and_then(|d| pdf_pages(&Base64(d.as_bytes())));
+        pages.unwrap_or(PDF_MAX_PAGES).min(PDF_MAX_PAGES) * GEMINI_TILE_TOKENS
+    } else {
+        GEMINI_MEDIA_MAX
+    })
+}
+
+/// Tokens of one Gemini image tile (and of one PDF page).
+const GEMINI_TILE_TOKENS: u64 = 258;
+/// What a Gemini image of unknown size is taken at: the most one costs at
+/// high media resolution.
+pub const GEMINI_IMAGE_MAX: u64 = 1_120;
+/// What other Gemini media (video, an unknown type) is taken at: an upper
+/// bound for a short clip, never the length of its base64.
+const GEMINI_MEDIA_MAX: u64 = 16_000;
+
+/// Tokens of a `w` × `h` image on Gemini: 258 when both sides are at most
+/// 384 px, else 258 a 768 × 768 tile.
+pub fn gemini_image(w: u32, h: u32) -> u64 {
+    if w <= 384 && h <= 384 {
+        return GEMINI_TILE_TOKENS;
+    }
+    let tiles = |side: u32| u64::from(side.div_ceil(768).max(1));
+    tiles(w) * tiles(h) * GEMINI_TILE_TOKENS
+}
+
 /// What stands in for `block`, an image, document or audio block, when a
 /// rung of the compaction cuts the content holding it: a line that says
 /// what was there and what it cost (`[image omitted by compactor: 1568×1000
@@ -103,9 +151,16 @@ pub(super) fn block_tokens(block: &Map<String, Value>) -> Option<u64> {
 pub fn omitted_marker(block: &Value) -> Option<String> {
     let map = block.as_object()?;
     let tokens = block_tokens(map)?;
-    let kind = match str_of(map.get("type")) {
-        Some("image" | "image_url" | "input_image") => "image",
-        Some("input_audio") => "audio",
+    let gemini = map
+        .get("inlineData")
+        .or_else(|| map.get("fileData"))
+        .and_then(|m| str_of(m.get("mimeType")));
+    let kind = match (str_of(map.get("type")), gemini) {
+        (Some("image" | "image_url" | "input_image"), _) => "image",
+        (Some("input_audio"), _) => "audio",
+        (_, Some(m)) if m.starts_with("image/") => "image",
+        (_, Some(m)) if m.starts_with("audio/") => "audio",
+        (_, Some(m)) if m.starts_with("video/") => "video",
         _ => "document",
     };
     let size = image_data(map)
@@ -119,6 +174,9 @@ pub fn omitted_marker(block: &Value) -> Option<String> {
 
 /// The base64 of an image block, wherever its API puts it.
 fn image_data(block: &Map<String, Value>) -> Option<&str> {
+    if let Some(inline) = block.get("inlineData") {
+        return str_of(inline.get("data"));
+    }
     match str_of(block.get("type"))? {
         "image" => str_of(block.get("source")?.get("data")),
         "image_url" => match block.get("image_url")? {
@@ -141,7 +199,15 @@ pub(super) fn is_block_type(s: &str) -> bool {
     matches!(
         s,
         "image" | "document" | "image_url" | "input_audio" | "file" | "input_image" | "input_file"
-    )
+    ) || is_media_type(s)
+}
+
+/// A media type a Gemini part's `mimeType` may name.
+fn is_media_type(s: &str) -> bool {
+    ["image/", "audio/", "video/", "application/pdf"]
+        .iter()
+        .any(|p| s.starts_with(p))
+        && s.len() < 64
 }
 
 /// The most an image costs on Anthropic Messages, taken when its size is

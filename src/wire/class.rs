@@ -16,8 +16,10 @@ pub fn is_tool_output(role: &str, kind: &str) -> bool {
     role == "tool" || kind.ends_with("_call_output")
 }
 
-/// What the model wrote: an assistant message, a Responses call or
+/// What the model wrote: an assistant message (a Gemini `model` content), a Responses call or
 /// reasoning item (not a tool's output).
 pub fn is_model_output(role: &str, kind: &str) -> bool {
-    role == "assistant" || kind == "reasoning" || (kind.ends_with("_call") && role.is_empty())
+    matches!(role, "assistant" | "model")
+        || kind == "reasoning"
+        || (kind.ends_with("_call") && role.is_empty())
 }

@@ -105,6 +105,13 @@ pub trait Format: Sync {
         false
     }
 
+    /// A compaction's replacement in this API's shape: the messages the
+    /// compaction wrote (`{"role", "content": text}`, a summary, restored
+    /// facts) made the API's own; the client's items kept as they came.
+    fn finish_replacement(&self, replacement: Vec<Value>) -> Vec<Value> {
+        replacement
+    }
+
     /// The body's system prompt, where it is a field of its own beside the
     /// items (a summary call repeats it).
     fn system(&self, _body: &Value) -> Option<Value> {

@@ -2,12 +2,13 @@
 //!
 //! Owns the knowledge of where the history lives in a request body
 //! (`messages` for Chat Completions and Anthropic Messages, `instructions` +
-//! `input` for Responses) and where usage and output live in an answer. Works on `serde_json::Value`
+//! `input` for Responses, `contents` for Gemini) and where usage and output live in an answer. Works on `serde_json::Value`
 //! so nothing the proxy does not understand is ever dropped.
 
 pub mod chat;
 pub mod class;
 pub mod format;
+pub mod gemini;
 pub mod hash;
 pub mod items;
 pub mod messages;
@@ -24,7 +25,7 @@ use crate::error::InvalidField;
 
 pub use hash::{chain_extend, chain_hashes, item_hash, ItemHash};
 
-/// Which of the three parsed APIs a request belongs to.
+/// Which of the parsed APIs a request belongs to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum Api {
@@ -34,6 +35,8 @@ pub enum Api {
     Responses,
     /// `POST /v1/messages` (Anthropic Messages)
     Messages,
+    /// `POST /v1beta/models/{model}:generateContent` (Gemini)
+    Gemini,
 }
 
 impl Api {
@@ -43,6 +46,7 @@ impl Api {
             Api::Chat => &chat::Chat,
             Api::Responses => &responses::Responses,
             Api::Messages => &messages::Messages,
+            Api::Gemini => &gemini::Gemini,
         }
     }
 
@@ -52,15 +56,49 @@ impl Api {
             Api::Chat => "/chat/completions",
             Api::Responses => "/responses",
             Api::Messages => "/messages",
+            Api::Gemini => "/generateContent",
         }
+    }
+
+    /// The path below the upstream's base a request to `client_path` goes
+    /// to: the endpoint, or for Gemini the client's path below its version
+    /// prefix (it names the model).
+    pub fn upstream_path(self, client_path: &str) -> std::borrow::Cow<'static, str> {
+        match (self, gemini::route(client_path)) {
+            (Api::Gemini, Some(route)) => route.below.into(),
+            _ => self.endpoint().into(),
+        }
+    }
+
+    /// The model a request asks for and whether it streams: the body's
+    /// `model` and `stream`, or for Gemini the path's model and method
+    /// (`:streamGenerateContent` with `alt=sse`; without it the answer is
+    /// one JSON array, read whole).
+    pub fn model_and_stream(self, body: &Value, uri: &http::Uri) -> (String, bool) {
+        if self == Api::Gemini {
+            return match gemini::route(uri.path()) {
+                Some(r) => {
+                    let sse = r.method == gemini::Method::Stream && gemini::asks_sse(uri.query());
+                    (r.model, sse)
+                }
+                None => (String::new(), false),
+            };
+        }
+        let model = body
+            .get("model")
+            .and_then(Value::as_str)
+            .unwrap_or_default();
+        let streamed = body.get("stream").and_then(Value::as_bool) == Some(true);
+        (model.to_string(), streamed)
     }
 
     /// The endpoint a summary call for a conversation of this API goes to:
     /// Chat Completions for both OpenAI APIs (every compatible server has
-    /// it), Messages for Anthropic's.
+    /// it), Messages for Anthropic's, `generateContent` for Gemini's (below
+    /// `/models/{model}`, see [`gemini::model_path`]).
     pub fn summary_endpoint(self) -> &'static str {
         match self {
-            Api::Messages => "/messages",
+            Api::Messages | Api::Gemini => self.endpoint(),
             _ => "/chat/completions",
         }
     }
@@ -69,13 +107,14 @@ impl Api {
     /// API's own endpoint, so it may repeat the request as sent (its
     /// history then a cache read).
     pub fn summary_repeats_request(self) -> bool {
-        self.summary_endpoint() == self.endpoint()
+        self != Api::Gemini && self.summary_endpoint() == self.endpoint()
     }
 
     /// The shape of the errors this endpoint's clients read.
     pub fn error_shape(self) -> crate::error::ErrorShape {
         match self {
             Api::Messages => crate::error::ErrorShape::Anthropic,
+            Api::Gemini => crate::error::ErrorShape::Google,
             _ => crate::error::ErrorShape::OpenAi,
         }
     }
@@ -86,6 +125,7 @@ impl Api {
             Api::Chat => "chat",
             Api::Responses => "responses",
             Api::Messages => "messages",
+            Api::Gemini => "gemini",
         }
     }
 
@@ -95,6 +135,7 @@ impl Api {
         match self {
             Api::Chat | Api::Messages => "messages",
             Api::Responses => "input",
+            Api::Gemini => "contents",
         }
     }
 
@@ -111,7 +152,7 @@ impl Api {
         match spans {
             Some(spans) => {
                 let head = match self {
-                    Api::Chat | Api::Messages => Vec::new(),
+                    Api::Chat | Api::Messages | Api::Gemini => Vec::new(),
                     Api::Responses => responses::instructions_item(body).into_iter().collect(),
                 };
                 items::ItemList::raw(head, raw, spans)
@@ -131,7 +172,7 @@ impl Api {
     /// items of the history, in order, without copying them.
     pub fn take_items(self, body: &mut Value) -> Vec<Value> {
         match self {
-            Api::Chat | Api::Messages => match body.get_mut("messages") {
+            Api::Chat | Api::Messages | Api::Gemini => match body.get_mut(self.items_key()) {
                 Some(Value::Array(a)) => std::mem::take(a),
                 _ => Vec::new(),
             },
@@ -145,7 +186,9 @@ impl Api {
     /// instructions pseudo-item is dropped).
     pub fn set_items(self, body: &mut Value, items: &[Value]) {
         match self {
-            Api::Chat | Api::Messages => body["messages"] = Value::Array(items.to_vec()),
+            Api::Chat | Api::Messages | Api::Gemini => {
+                body[self.items_key()] = Value::Array(items.to_vec())
+            }
             Api::Responses => {
                 let skip = usize::from(items.first().is_some_and(responses::is_instructions_item));
                 body["input"] = Value::Array(items[skip..].to_vec());
@@ -190,11 +233,15 @@ impl Api {
             Api::Chat => chat::validate(obj),
             Api::Responses => responses::validate(obj),
             Api::Messages => messages::validate(obj),
+            Api::Gemini => gemini::validate(obj),
         }
     }
 
     /// Usage figures of a complete (non-streamed) answer body.
     pub fn usage(self, body: &Value) -> Option<Usage> {
+        if self == Api::Gemini {
+            return gemini::usage(body);
+        }
         let usage = body.get("usage")?;
         match self {
             Api::Messages => messages::usage_of(usage),
@@ -208,6 +255,7 @@ impl Api {
             Api::Chat => chat::response_items(body),
             Api::Responses => responses::response_items(body),
             Api::Messages => messages::response_items(body),
+            Api::Gemini => gemini::response_items(body),
         }
     }
 
@@ -216,7 +264,7 @@ impl Api {
     pub fn echoed(self, item: &Value) -> Option<Value> {
         match self {
             Api::Chat => chat::echoed(item),
-            Api::Responses | Api::Messages => None,
+            Api::Responses | Api::Messages | Api::Gemini => None,
         }
     }
 }

@@ -93,6 +93,11 @@ pub fn from_json(api: Api, names: &[&str], v: &mut Value) -> Vec<String> {
                 }
             }
         }
+        Api::Gemini => {
+            for name in super::gemini::drop_calls(v, |n| ours(names, Some(n))) {
+                note(&mut removed, Some(&name));
+            }
+        }
     }
     removed
 }
@@ -189,12 +194,33 @@ impl OwnCalls {
             Some(Api::Chat) => self.chat(&mut v),
             Some(Api::Responses) => self.responses(&ev.name, &mut v),
             Some(Api::Messages) => self.messages(&mut v),
+            Some(Api::Gemini) => self.gemini(&mut v),
             None => Fate::Keep,
         };
         match fate {
             Fate::Keep => Some(block.raw.clone()),
             Fate::Drop => None,
             Fate::Rewrite => Some(event_bytes(&ev.name, &Value::Object(v))),
+        }
+    }
+
+    /// A Gemini chunk: the proxy's calls' parts out (each chunk holds whole
+    /// parts); a chunk left with nothing but an empty candidate is kept,
+    /// as it may carry the answer's end and usage.
+    fn gemini(&mut self, v: &mut Map<String, Value>) -> Fate {
+        let mut chunk = Value::Object(std::mem::take(v));
+        let names = &self.names;
+        let removed = super::gemini::drop_calls(&mut chunk, |n| ours(names, Some(n)));
+        if let Value::Object(back) = chunk {
+            *v = back;
+        }
+        for name in &removed {
+            note(&mut self.removed, Some(name));
+        }
+        if removed.is_empty() {
+            Fate::Keep
+        } else {
+            Fate::Rewrite
         }
     }
 

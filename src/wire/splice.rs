@@ -62,7 +62,7 @@ impl Splice {
             Some(Api::Chat) => self.chat(&mut v, first),
             Some(Api::Responses) => self.responses(&ev.name, &mut v, first),
             // Not spliced: see `Format::starts_reasoning`.
-            Some(Api::Messages) | None => true,
+            Some(Api::Messages | Api::Gemini) | None => true,
         };
         if !keep {
             return None;

@@ -219,6 +219,8 @@ pub enum Collected {
     Responses(ResponsesCollector),
     /// An Anthropic Messages stream.
     Messages(MessagesCollector),
+    /// A Gemini stream (`alt=sse`).
+    Gemini(super::gemini::Collector),
 }
 
 /// Frames a copy of an SSE body while it is forwarded.
@@ -263,6 +265,7 @@ impl SseTee {
                 Api::Chat => Collected::Chat(ChatCollector::default()),
                 Api::Responses => Collected::Responses(ResponsesCollector::default()),
                 Api::Messages => Collected::Messages(MessagesCollector::default()),
+                Api::Gemini => Collected::Gemini(Default::default()),
             },
             strip: strip_usage,
             seen: 0,
@@ -344,6 +347,7 @@ impl SseTee {
                 Collected::Chat(c) => c.capped = true,
                 Collected::Responses(c) => c.capped = true,
                 Collected::Messages(c) => c.capped = true,
+                Collected::Gemini(c) => c.capped = true,
             }
         }
         match &mut self.collected {
@@ -354,6 +358,10 @@ impl SseTee {
             }
             Collected::Messages(c) => {
                 c.push(&ev.name, &ev.data);
+                false
+            }
+            Collected::Gemini(c) => {
+                c.push(&ev.data);
                 false
             }
         }
@@ -415,6 +423,7 @@ impl SseTee {
             Collected::Chat(c) => c.finished(),
             Collected::Responses(c) => c.finished(),
             Collected::Messages(c) => c.finished(),
+            Collected::Gemini(c) => c.finished(),
         }
     }
 
@@ -424,6 +433,7 @@ impl SseTee {
             Collected::Chat(c) => c.usage,
             Collected::Responses(c) => c.usage,
             Collected::Messages(c) => c.usage,
+            Collected::Gemini(c) => c.usage,
         }
     }
 
@@ -433,6 +443,7 @@ impl SseTee {
             Collected::Chat(c) => c.items(),
             Collected::Responses(c) => c.items(),
             Collected::Messages(c) => c.items(),
+            Collected::Gemini(c) => c.items(),
         }
     }
 
@@ -442,6 +453,7 @@ impl SseTee {
             Collected::Chat(c) => c.id.clone(),
             Collected::Responses(c) => c.id.clone(),
             Collected::Messages(c) => c.id.clone(),
+            Collected::Gemini(c) => c.id.clone(),
         }
     }
 
@@ -451,6 +463,7 @@ impl SseTee {
             Collected::Chat(c) => c.error.clone(),
             Collected::Responses(c) => c.error.clone(),
             Collected::Messages(c) => c.error.clone(),
+            Collected::Gemini(c) => c.error.clone(),
         }
     }
 }

@@ -19,6 +19,20 @@ pub(super) struct Call {
 
 /// The tool calls an item makes, in the three wire formats.
 pub(super) fn calls_of(item: &Value) -> Vec<Call> {
+    // A Gemini `model` content: its `functionCall` parts, `args` an object,
+    // paired by id or else by name (`wire::gemini`).
+    if crate::wire::gemini::is_content(item) {
+        let keys = crate::wire::gemini::call_ids(item);
+        return crate::wire::gemini::function_calls(item)
+            .zip(keys)
+            .map(|(c, key)| Call {
+                id: key.to_string(),
+                name: str_field(c, &["name"]).unwrap_or("tool").to_string(),
+                args: c.get("args").cloned().unwrap_or(Value::Null),
+                inline: None,
+            })
+            .collect();
+    }
     // An Anthropic assistant message: its `tool_use` blocks, `input` an object.
     if let Some(blocks) = item.get("content").and_then(Value::as_array) {
         let uses: Vec<Call> = blocks
