@@ -33,6 +33,8 @@ use label_sets::{
 
 mod label_sets;
 mod labels;
+mod storms;
+pub use storms::Storms;
 
 pub use labels::{
     reason_kind, trigger_of, BILL_KINDS, ENDPOINTS, FACT_KINDS, FACT_STATES, GOALS, INPUT_KINDS,
@@ -122,8 +124,8 @@ pub struct Metrics {
     summaries_appended: Counter,
     /// Summaries that rewrote the earlier ones, past their budget.
     summaries_rewritten: Counter,
-    /// Threshold compactions held back because the last one bought no room.
-    storms_avoided: Counter,
+    /// Compaction storms held back or seen, the proxy's and clients'.
+    storms: storms::Storms,
     /// Requests retried compacted after an upstream overflow.
     reactive_retries: Counter,
     /// Summarizer calls made by stored compactions.
@@ -304,10 +306,7 @@ impl Metrics {
             "compactor_summaries_rewritten",
             "Summary compactions that rewrote the earlier summaries into one: with the new one they would have passed their budget",
         );
-        let storms_avoided = counter(
-            "compactor_compaction_storms_avoided",
-            "Threshold compactions not started because the conversation's last compaction left it at its trigger and it has not grown since",
-        );
+        let storms = storms::Storms::new(&mut counter);
         let reactive_retries = counter(
             "compactor_reactive_retries",
             "Requests retried compacted after the upstream said the prompt was too long",
@@ -392,7 +391,7 @@ impl Metrics {
             summary_fallbacks,
             summaries_appended,
             summaries_rewritten,
-            storms_avoided,
+            storms,
             reactive_retries,
             summary_calls,
             summary_tokens,
@@ -502,15 +501,9 @@ impl Metrics {
         }
     }
 
-    /// A threshold compaction not started because the one the request was
-    /// built on bought no room (see `engine::jobs`): call once per request.
-    pub fn storm_avoided(&self) {
-        self.storms_avoided.inc();
-    }
-
-    /// Threshold compactions held back so far.
-    pub fn storms_avoided(&self) -> u64 {
-        self.storms_avoided.get()
+    /// The storm counters, the proxy's and its clients'.
+    pub fn storms(&self) -> &Storms {
+        &self.storms
     }
 
     /// A stored compaction's audit: call once per compaction applied to

@@ -429,6 +429,15 @@ async fn the_admin_page_shows_the_net_bill_and_its_tables_fit_the_window() {
         "{holdout}"
     );
     assert!(!dom.contains(r#"id="holdout-box" hidden"#), "shown");
+    // Compaction storms on both sides, the proxy's and its clients'.
+    let storms = &dom[dom.find(r#"<p id="storms""#).expect("the storms line")..];
+    let storms = &storms[..storms.find("</p>").unwrap()];
+    assert!(
+        storms.contains(
+            "Compaction storms since the proxy started: 0 of the proxy's own compactions held back"
+        ) && storms.contains("· 0 compaction requests of clients repeated"),
+        "{storms}"
+    );
     // Every table within its box in a 1,400-px window: nothing to scroll
     // sideways.
     let overflow: i64 = attr_of(&dom, "data-overflow", "data-overflow")

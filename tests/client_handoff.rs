@@ -3,11 +3,21 @@
 //! trail — the user's rule, the file written, the command with its exit
 //! status — the upstream still gets, appended once to the summary's
 //! message, the same bytes on every later request (so its cache holds).
+//!
+//! A client that keeps compacting: its own compaction request sent again
+//! over the same history, or again within a few requests of the last one,
+//! is forwarded as it came (never failed nor answered by the proxy),
+//! counted (`compactor_client_compaction_repeats_total`), logged, shown in
+//! the admin API's savings report beside the proxy's own storms avoided,
+//! and the proxy backs off its part of the restart: no trail appended
+//! after a repeat. A failed compaction request sent again is a retry, not
+//! a repeat; one that comes after the conversation went on for a while is
+//! a new compaction.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 
-use compactor::fake_upstream::Received;
+use compactor::fake_upstream::{Received, Reply};
 use serde_json::{json, Value};
 use support::*;
 
@@ -179,4 +189,149 @@ async fn codexs_summary_gets_what_it_left_out() {
     }
     assert_eq!(last["input"][0], next[0]);
     assert_eq!(last["input"][2], next[2]);
+}
+
+/// `messages` with Claude Code's summary instruction after them.
+fn compaction_request(messages: &[Value]) -> Vec<Value> {
+    let mut ask = messages.to_vec();
+    ask.push(json!({"role": "user", "content":
+        "Your task is to create a detailed summary of the conversation so far."}));
+    ask
+}
+
+/// The first messages of a window that goes on from the client's
+/// summary (each summary its own: `n`).
+fn restart(n: usize) -> Vec<Value> {
+    let summary = format!(
+        "This session is being continued from a previous conversation that ran out of \
+         context. The summary below covers the earlier portion of the conversation.\n\n\
+         The user asked to fix the build; work is under way (summary {n})."
+    );
+    vec![
+        json!({"role": "user", "content": summary}),
+        json!({"role": "user", "content": "Go on."}),
+    ]
+}
+
+/// Sends `messages` under `key`: the status.
+async fn status_of(h: &Harness, key: &str, messages: &[Value]) -> u16 {
+    let resp = post_messages(h, key, "", &body(messages)).await;
+    let status = resp.status().as_u16();
+    within(resp.bytes()).await.unwrap();
+    status
+}
+
+fn received_messages(h: &Harness) -> Vec<Received> {
+    h.fake
+        .received()
+        .into_iter()
+        .filter(|r| r.path.ends_with("/messages"))
+        .collect()
+}
+
+/// Whether the upstream got the proxy's trail in the last request's first
+/// message (the client's own summary carries none of it).
+fn trail_appended(h: &Harness) -> bool {
+    let last = received_messages(h).pop().unwrap().json();
+    last["messages"][0]
+        .to_string()
+        .contains("never push to main")
+}
+
+async fn repeats(h: &Harness) -> (u64, Value) {
+    let report = h.get_json("/admin/api/savings").await;
+    (
+        h.state.metrics.storms().client_compaction_repeats(),
+        report["storms"].clone(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_compaction_request_again_is_forwarded_counted_and_gets_no_trail() {
+    let h = Harness::start().await;
+    let logs = captured_logs();
+    let key = "sk-ant-storm-same-0001";
+    assert_eq!(status_of(&h, key, &history()).await, 200);
+    let ask = compaction_request(&history());
+    assert_eq!(status_of(&h, key, &ask).await, 200);
+    assert_eq!(repeats(&h).await.0, 0, "a first compaction is no repeat");
+    // The client asks for the same summary again: it goes upstream as it
+    // came, and is answered.
+    assert_eq!(status_of(&h, key, &ask).await, 200);
+    let got = received_messages(&h);
+    assert_eq!(got.len(), 3);
+    assert_eq!(
+        got[2].json()["messages"],
+        json!(ask),
+        "forwarded as it came"
+    );
+    let (count, storms) = repeats(&h).await;
+    assert_eq!(count, 1);
+    assert_eq!(storms, json!({"proxy_avoided": 0, "client_repeats": 1}));
+    let scraped = h.scrape().await;
+    assert!(
+        scraped.contains("compactor_client_compaction_repeats_total 1"),
+        "{scraped}"
+    );
+    let logs = captured_logs()[logs.len()..].to_string();
+    assert!(
+        logs.contains("the client compacts again before its last compaction bought any turns")
+            && logs.contains("same_history=true"),
+        "{logs}"
+    );
+    // The proxy backs off its part: the restart goes as the client made it.
+    assert_eq!(status_of(&h, key, &restart(1)).await, 200);
+    assert!(!trail_appended(&h), "no trail after a repeat");
+    let last = received_messages(&h).pop().unwrap().json();
+    assert_eq!(last["messages"], json!(restart(1)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_compaction_soon_after_the_last_is_a_repeat_and_a_later_one_is_not() {
+    let h = Harness::start().await;
+    let key = "sk-ant-storm-soon-0001";
+    assert_eq!(status_of(&h, key, &history()).await, 200);
+    assert_eq!(
+        status_of(&h, key, &compaction_request(&history())).await,
+        200
+    );
+    // The first restart gets the trail its summary left out.
+    let mut window = restart(1);
+    assert_eq!(status_of(&h, key, &window).await, 200);
+    assert!(trail_appended(&h), "the trail after a first compaction");
+    // One more request, and the client compacts its new window already.
+    window.push(json!({"role": "assistant", "content": "Running the tests again."}));
+    window.push(json!({"role": "user", "content": "And then?"}));
+    assert_eq!(status_of(&h, key, &window).await, 200);
+    assert_eq!(status_of(&h, key, &compaction_request(&window)).await, 200);
+    assert_eq!(repeats(&h).await.0, 1, "compacted again two requests on");
+    assert_eq!(status_of(&h, key, &restart(2)).await, 200);
+    assert!(!trail_appended(&h), "no trail after a repeat");
+    // A window that bought turns: its compaction is a new one.
+    let mut window = restart(3);
+    for i in 0..=compactor::engine::FEW_REQUESTS {
+        window.push(json!({"role": "assistant", "content": format!("Step {i} done.")}));
+        window.push(json!({"role": "user", "content": format!("Next, step {}.", i + 1)}));
+        assert_eq!(status_of(&h, key, &window).await, 200);
+    }
+    assert_eq!(status_of(&h, key, &compaction_request(&window)).await, 200);
+    assert_eq!(repeats(&h).await.0, 1, "not a repeat");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_compaction_request_sent_again_is_a_retry() {
+    let h = Harness::start().await;
+    let key = "sk-ant-storm-retry-0001";
+    assert_eq!(status_of(&h, key, &history()).await, 200);
+    let ask = compaction_request(&history());
+    h.fake.push(Reply::json(
+        529,
+        json!({"type": "error", "error": {"type": "overloaded_error", "message": "Overloaded"}}),
+    ));
+    assert_eq!(status_of(&h, key, &ask).await, 529);
+    assert_eq!(status_of(&h, key, &ask).await, 200);
+    assert_eq!(repeats(&h).await.0, 0, "a retry of a failed request");
+    // Its trail still follows the summary.
+    assert_eq!(status_of(&h, key, &restart(1)).await, 200);
+    assert!(trail_appended(&h));
 }

@@ -72,6 +72,7 @@ async fn metrics_are_prometheus_text_with_help_and_type() {
         ("compactor_summary_fallbacks_total", "counter"),
         ("compactor_reactive_retries_total", "counter"),
         ("compactor_compaction_storms_avoided_total", "counter"),
+        ("compactor_client_compaction_repeats_total", "counter"),
         ("compactor_summaries_appended_total", "counter"),
         ("compactor_summaries_rewritten_total", "counter"),
         ("compactor_store_bytes", "gauge"),

@@ -367,7 +367,7 @@ async fn a_compaction_that_bought_no_room_is_not_repeated_every_request() {
     }
     tokio::time::sleep(Duration::from_millis(400)).await;
     assert_eq!(compactions(&h), 1, "no compaction after each request");
-    assert_eq!(h.state.metrics.storms_avoided(), 4);
+    assert_eq!(h.state.metrics.storms().storms_avoided(), 4);
     let scraped = h.scrape().await;
     assert!(
         scraped.contains("compactor_compaction_storms_avoided_total 4"),

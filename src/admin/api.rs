@@ -77,9 +77,21 @@ pub async fn show(state: Arc<AppState>, id: String) -> Response<ProxyBody> {
 }
 
 /// `GET /admin/api/savings`: what compaction saved, per conversation, per
-/// tenant and in total (see [`crate::store::savings`]).
+/// tenant and in total (see [`crate::store::savings`]), and the compaction
+/// storms this process held back or saw (`storms`).
 pub async fn savings(state: Arc<AppState>) -> Response<ProxyBody> {
-    read_json(state, move |reads, st| reads.savings(&st.config)).await
+    let storms = serde_json::json!({
+        "proxy_avoided": state.metrics.storms().storms_avoided(),
+        "client_repeats": state.metrics.storms().client_compaction_repeats(),
+    });
+    let answer = read(state, move |reads, st| reads.savings(&st.config))
+        .await
+        .and_then(|report| serde_json::to_value(report).map_err(ProxyError::internal))
+        .map(|mut report| {
+            report["storms"] = storms;
+            json_response(StatusCode::OK, &report)
+        });
+    answer.unwrap_or_else(ProxyError::into_response)
 }
 
 /// `GET /admin/api/conversations/ID/export`

@@ -7,7 +7,9 @@
 //! through it ([`after_client_compaction`]). Stored like every compaction,
 //! it gives every later request of the conversation the same bytes, so the
 //! upstream's cache of the prefix holds, and a later compaction of the
-//! proxy's own starts from it.
+//! proxy's own starts from it. A compaction request that repeats the
+//! client's last one (see `engine::repeats`) leaves its trail out: the
+//! proxy backs off its part of the restart.
 
 use std::sync::{Arc, Mutex};
 
@@ -18,6 +20,7 @@ use crate::wire::items::ItemList;
 use crate::wire::ItemHash;
 
 use super::context::Context;
+use super::repeats::{Repeat, Repeats};
 
 /// Conversations kept per generation between a client's compaction request
 /// and the request that goes on from its summary.
@@ -27,12 +30,14 @@ const KEPT: usize = 1024;
 /// conversation, until the request that goes on from the summary.
 pub struct Handoffs {
     trails: Mutex<Generations<(String, String), Arc<Facts>>>,
+    repeats: Repeats,
 }
 
 impl Default for Handoffs {
     fn default() -> Self {
         Self {
             trails: Mutex::new(Generations::new(KEPT)),
+            repeats: Repeats::default(),
         }
     }
 }
@@ -44,10 +49,50 @@ impl Handoffs {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
+    /// The client's own compaction request of `tenant`'s `conversation`
+    /// was answered whole.
+    pub fn answered(&self, tenant: &str, conversation: &str) {
+        self.repeats.answered(tenant, conversation);
+    }
+
+    /// A request of `tenant`'s `conversation` that is not a compaction
+    /// request of its client's.
+    pub fn went_on(&self, tenant: &str, conversation: &str) {
+        self.repeats.went_on(tenant, conversation);
+    }
+
+    /// The client's own compaction request of `tenant`'s `conversation`,
+    /// its items `request`, the last the ask: its trail is kept for the
+    /// request that goes on from its summary, unless it repeats the
+    /// conversation's last one (see `engine::repeats`): then it is counted
+    /// in `metrics`, logged, and no trail is appended after it.
+    pub fn asked(
+        &self,
+        metrics: &crate::metrics::Metrics,
+        (tenant, conversation): (&str, &str),
+        request: &ItemList,
+        history: ItemHash,
+    ) -> Option<Repeat> {
+        let Some(repeat) = self.repeats.asked(tenant, conversation, history) else {
+            self.remember(tenant, conversation, request);
+            return None;
+        };
+        self.forget(tenant, conversation);
+        metrics.storms().client_compaction_repeated();
+        tracing::warn!(
+            conversation,
+            same_history = repeat.same_history,
+            requests_between = repeat.requests_between,
+            in_a_row = repeat.in_a_row,
+            "the client compacts again before its last compaction bought any turns: forwarded as it came, counted, and no trail appended to its summary"
+        );
+        Some(repeat)
+    }
+
     /// Keeps the trail of `history`, the items of the client's own
     /// compaction request in `tenant`'s `conversation` (nothing when it
     /// has none).
-    pub fn remember(&self, tenant: &str, conversation: &str, history: &ItemList) {
+    fn remember(&self, tenant: &str, conversation: &str, history: &ItemList) {
         let trail = trail_of(&history.values());
         if trail.rules.is_empty() && trail.files.is_empty() && trail.commands.is_empty() {
             return;

@@ -103,7 +103,7 @@ fn needed<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) 
         .as_ref()
         .filter(|b| bought_no_room(trigger, b, used))
     {
-        state.metrics().storm_avoided();
+        state.metrics().storms().storm_avoided();
         tracing::warn!(
             conversation = %input.who.conversation,
             compaction = %base.id,

@@ -218,9 +218,17 @@ async fn prepare(state: &Arc<AppState>, pending: &mut Unanswered) -> Compact {
             // What its summary may leave out of the trail, for the request
             // that goes on from it.
             let request = pending.request();
-            state
-                .handoffs
-                .remember(request.tenant(), pending.conversation(), request.items());
+            // The history it compacts: its items but the last, the ask.
+            let history = request.items().len().checked_sub(2);
+            state.handoffs.asked(
+                &state.metrics,
+                (request.tenant(), pending.conversation()),
+                request.items(),
+                history
+                    .and_then(|i| pending.chains().get(i))
+                    .copied()
+                    .unwrap_or_default(),
+            );
             let check = pending.fit_check(Some(raw_len));
             if !matches!(engine::check_fit(state, check).await, engine::Fit::Fits) {
                 if let Some(c) = find(state, pending) {
@@ -240,6 +248,9 @@ async fn prepare(state: &Arc<AppState>, pending: &mut Unanswered) -> Compact {
     // summary left out of the trail is appended to it, by a compaction
     // stored for `find` to apply from now on (not in manual mode, where
     // nothing rewrites a request unasked).
+    state
+        .handoffs
+        .went_on(pending.request().tenant(), pending.conversation());
     if pending.request().mode() == Mode::Auto {
         engine::after_client_compaction(
             state.as_ref(),

@@ -49,6 +49,11 @@ async fn finish(state: &Arc<AppState>, pending: &PendingExchange, outcome: Outco
     let potential = rec.savings.tokens_saved_potential;
     let status = rec.status;
     let complete = !rec.partial && (200..300).contains(&rec.status);
+    if complete && pending.client_compaction() {
+        state
+            .handoffs
+            .answered(pending.request().tenant(), pending.conversation());
+    }
     let recorded = commit(state, rec).await;
     // With reported usage the decision needs no tokenizer: take it now,
     // before the answer's last bytes are released, so a client that
