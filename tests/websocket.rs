@@ -479,3 +479,127 @@ fn last_client_request_key(h: &Harness) -> String {
         .unwrap()
         .to_string()
 }
+
+/// A socket holds its connection's slot: with `server.max_connections` at
+/// 1, nothing else is served while it is open, and the next connection is
+/// once it closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_socket_counts_against_the_connection_limit() {
+    let h = Harness::start_with(|c| c.server.max_connections = 1).await;
+    let mut ws = connect(&h, KEY).await;
+    h.fake.push(streamed(&["still", " served"]));
+    send(&mut ws, &create("turn one", None)).await;
+    assert_eq!(
+        response_events(&mut ws).await.last().unwrap()["type"],
+        "response.completed"
+    );
+    let healthz = format!("http://{}/healthz", h.addr);
+    let waiting = tokio::spawn(async move {
+        let started = std::time::Instant::now();
+        let resp = within(support::client().get(healthz).send()).await.unwrap();
+        (resp.status(), started.elapsed())
+    });
+    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    assert!(!waiting.is_finished(), "served beside an open socket");
+    within(ws.close(None)).await.unwrap();
+    let (status, waited) = within(waiting).await.unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        waited >= std::time::Duration::from_millis(800),
+        "{waited:?}"
+    );
+}
+
+/// The close frame a socket ends with (after any events), or None if the
+/// connection ended without one.
+async fn close_code(ws: &mut Ws) -> Option<CloseCode> {
+    loop {
+        match within(ws.next()).await {
+            Some(Ok(Message::Close(frame))) => return frame.map(|f| f.code),
+            Some(Ok(Message::Text(t))) => panic!("an event after the last response: {t}"),
+            Some(Ok(_)) => continue,
+            Some(Err(_)) | None => return None,
+        }
+    }
+}
+
+/// At shutdown an idle socket is closed with 1001 at once; one with a
+/// response under way finishes it, its events all sent and the exchange
+/// recorded whole, a `response.create` sent meanwhile refused with a 503,
+/// then is closed with 1001; the server then stops.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_lets_a_socket_finish_its_response_then_closes_it() {
+    let mut h = Harness::start().await;
+    let mut idle = connect(&h, KEY).await;
+    let mut busy = connect(&h, KEY).await;
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    let reply = streamed(&["held", " back", " answer"]);
+    let expected = sse_data(&reply);
+    let Reply::Sse { chunks, .. } = reply else {
+        unreachable!()
+    };
+    let reply = Reply::Gated {
+        chunks,
+        at: 2,
+        gate: gate.clone(),
+    };
+    h.fake.push(reply);
+    send(&mut busy, &create("a long one", None)).await;
+    let mut events = vec![next_event(&mut busy).await];
+    assert_eq!(events[0]["type"], "response.created");
+    let db = h.db.clone();
+    let stopped = tokio::spawn(async move {
+        h.stop().await;
+        h
+    });
+    assert_eq!(close_code(&mut idle).await, Some(CloseCode::Away));
+    events.push(next_event(&mut busy).await);
+    send(&mut busy, &create("one more", None)).await;
+    let refused = next_event(&mut busy).await;
+    assert_eq!(refused["status"], 503, "{refused}");
+    assert_eq!(refused["error"]["code"], "server_shutting_down");
+    gate.notify_one();
+    events.extend(response_events(&mut busy).await);
+    assert_eq!(events, expected, "the whole response, in order");
+    assert_eq!(close_code(&mut busy).await, Some(CloseCode::Away));
+    let h = within(stopped).await.unwrap();
+    assert_eq!(client_calls(&h).len(), 1, "the refused one went nowhere");
+    let sql = h.sql();
+    assert_eq!(number(&*sql, "SELECT count(*) FROM exchanges"), 1);
+    assert_eq!(
+        number(
+            &*sql,
+            "SELECT count(*) FROM exchanges WHERE partial = 0 AND error IS NULL"
+        ),
+        1,
+        "recorded whole ({})",
+        db.display()
+    );
+}
+
+/// A socket still answering when the grace period is over: its answer is
+/// dropped, recorded as partial because the proxy shut down, and the
+/// socket closed with 1001, within the grace period and a little.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_socket_answering_past_the_grace_period_is_cut_and_recorded() {
+    let mut h = Harness::start_with(|c| c.server.shutdown_grace_secs = 1).await;
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    h.fake.push(gated(&gate));
+    let mut ws = connect(&h, KEY).await;
+    send(&mut ws, &create("never finishes", None)).await;
+    assert_eq!(next_event(&mut ws).await["type"], "response.created");
+    assert_eq!(next_event(&mut ws).await["type"], "response.in_progress");
+    let started = std::time::Instant::now();
+    h.stop().await;
+    let took = started.elapsed();
+    assert!(took < std::time::Duration::from_secs(4), "{took:?}");
+    assert_eq!(close_code(&mut ws).await, Some(CloseCode::Away));
+    let sql = h.sql();
+    let errors: Vec<String> = support::column(
+        &*sql,
+        "SELECT error FROM exchanges WHERE partial = 1 AND error IS NOT NULL",
+    );
+    assert_eq!(errors.len(), 1, "recorded once, as partial");
+    assert!(errors[0].contains("shut down"), "{errors:?}");
+    gate.notify_one();
+}

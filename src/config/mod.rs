@@ -166,7 +166,8 @@ pub struct ServerConfig {
     /// whether the proxy reads it before forwarding or streams it through;
     /// then 408. 0: no limit.
     pub body_read_timeout_secs: u64,
-    /// Most client connections open at once; more wait to be accepted.
+    /// Most client connections open at once, WebSockets included; more
+    /// wait to be accepted.
     pub max_connections: usize,
     /// How long a WebSocket on `/v1/responses` may sit with no response
     /// under way and nothing from its client before it is closed; 0: no

@@ -279,9 +279,25 @@ where
     }
 }
 
+/// What a client connection holds of the server: its slot among the
+/// [`connection_limit`] open ones, and the server's shutdown. A connection
+/// upgraded to a WebSocket keeps it for as long as the socket is open, so
+/// sockets count against the limit and are drained at shutdown.
+pub(crate) struct Lease {
+    _slot: tokio::sync::OwnedSemaphorePermit,
+    /// Set when the server stops accepting: finish what is under way.
+    pub(crate) closing: tokio::sync::watch::Receiver<bool>,
+    /// Set when the grace period is over: drop what is under way.
+    pub(crate) cut: tokio::sync::watch::Receiver<bool>,
+    /// Held until the lease is gone: the server waits for every one.
+    _open: tokio::sync::mpsc::Sender<()>,
+}
+
 /// Serves connections from `listener` until `shutdown` resolves, then stops
 /// accepting and gives in-flight requests `server.shutdown_grace_secs` to
 /// end; streams still going then are cut, and recorded as partial.
+/// WebSockets finish the response under way, if any, and are closed
+/// (1001), or are cut with it at the end of the grace period.
 ///
 /// A connection has `server.header_read_timeout_secs` from its accept to
 /// send a request's headers, and as long again after each request ends:
@@ -291,7 +307,10 @@ where
 pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Future<Output = ()>) {
     let (cut, cut_rx) = tokio::sync::watch::channel(false);
     let (live, mut all_ended) = tokio::sync::mpsc::channel::<()>(1);
-    let mut builder = auto::Builder::new(StreamTasks { cut: cut_rx, live });
+    let mut builder = auto::Builder::new(StreamTasks {
+        cut: cut_rx.clone(),
+        live,
+    });
     let header_read = state.config.server.header_read_timeout_secs;
     let idle = (header_read > 0).then(|| Duration::from_secs(header_read));
     builder
@@ -309,6 +328,9 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
     tracing::info!(max_connections = limit, "accepting connections");
     let permits = Arc::new(tokio::sync::Semaphore::new(limit));
     let (closing, closing_rx) = tokio::sync::watch::channel(false);
+    // Every lease holds a sender: the receiver ends once all are gone.
+    let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
+    let mut open = Some(open);
     let mut conns = tokio::task::JoinSet::new();
     let mut backoff: Option<Duration> = None;
     let mut failed_accepts = 0u64;
@@ -354,14 +376,22 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
             failed_accepts = 0;
         }
         let _ = stream.set_nodelay(true);
+        let Some(open) = open.clone() else { break };
+        let lease = Arc::new(Lease {
+            _slot: permit,
+            closing: closing_rx.clone(),
+            cut: cut_rx.clone(),
+            _open: open,
+        });
         let state = state.clone();
         let activity = Activity::new();
         let busy = activity.clone();
         let service = service_fn(move |req| {
             let state = state.clone();
             let busy = busy.begin();
+            let lease = lease.clone();
             async move {
-                let resp = route(state, peer, req).await;
+                let resp = route(state, peer, req, lease).await;
                 Ok::<_, Infallible>(resp.map(|body| Tracked { body, _busy: busy }))
             }
         });
@@ -370,7 +400,6 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
             .into_owned();
         let mut closing = closing_rx.clone();
         conns.spawn(async move {
-            let _permit = permit;
             tokio::pin!(conn);
             let mut stopping = false;
             let mut not_before = tokio::time::Instant::now();
@@ -412,8 +441,14 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
         "shutting down: draining in-flight requests"
     );
     let started = std::time::Instant::now();
-    let drained =
-        tokio::time::timeout(grace, async { while conns.join_next().await.is_some() {} }).await;
+    let drained = tokio::time::timeout(grace, async {
+        while conns.join_next().await.is_some() {}
+        // The connections are gone; the WebSockets they became finish
+        // their responses.
+        open = None;
+        let _ = all_closed.recv().await;
+    })
+    .await;
     if drained.is_err() {
         tracing::warn!(
             connections = conns.len(),
@@ -428,10 +463,12 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
     }
     // With their connections gone, stream tasks still running have no one
     // to answer: end them, and wait until the last one (each holds a
-    // sender) is dropped.
+    // sender) is dropped; WebSockets drop their responses and close.
     let _ = cut.send(true);
+    drop(open);
     drop(builder);
     let _ = all_ended.recv().await;
+    let _ = all_closed.recv().await;
     // The accounting lines (and estimate-based decisions) of the last
     // exchanges.
     let left = grace
@@ -454,6 +491,7 @@ async fn route(
     state: Arc<AppState>,
     peer: SocketAddr,
     req: Request<Incoming>,
+    lease: Arc<Lease>,
 ) -> Response<ProxyBody> {
     let path = req.uri().path().to_string();
     let method = req.method().clone();
@@ -500,7 +538,7 @@ async fn route(
                 ("chat", proxy::handle(state, Api::Chat, req).await)
             }
             (&Method::GET, "/v1/responses") if websocket::is_upgrade(&req) => {
-                (websocket::ENDPOINT, websocket::handle(state, req))
+                (websocket::ENDPOINT, websocket::handle(state, req, lease))
             }
             (&Method::POST, "/v1/responses") => {
                 ("responses", proxy::handle(state, Api::Responses, req).await)

@@ -25,6 +25,13 @@
 //! `upstream.idle_timeout_secs` is dropped. A client that goes away
 //! mid-answer drops it, which records the exchange as partial, as a
 //! dropped HTTP stream does.
+//!
+//! A socket holds its connection's slot among `server.max_connections`
+//! while it is open. At shutdown an idle socket is closed (1001) at once;
+//! one with a response under way finishes it (a `response.create` sent
+//! meanwhile is refused with a 503 `error` event), then is closed; one
+//! still answering when `server.shutdown_grace_secs` is over drops its
+//! answer (recorded as partial, the proxy having shut down) and is closed.
 
 use std::future::Future;
 use std::pin::Pin;
@@ -48,6 +55,7 @@ use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
 use super::answer::is_sse;
+use super::Lease;
 use crate::app::AppState;
 use crate::error::{json_response, ProxyBody};
 use crate::wire::sse::Framer;
@@ -64,6 +72,10 @@ const MAX_ERROR_BODY: usize = 1 << 20;
 /// Longest wait for the end of a stream whose final event was sent, when
 /// the client asks for the next response.
 const DRAIN: Duration = Duration::from_secs(5);
+
+/// Longest wait to send the close frame of a socket whose answer was cut
+/// at the end of the shutdown grace period.
+const CUT_CLOSE: Duration = Duration::from_secs(1);
 
 type Socket = WebSocketStream<TokioIo<Upgraded>>;
 type Answering = Pin<Box<dyn Future<Output = Response<ProxyBody>> + Send>>;
@@ -85,7 +97,11 @@ fn has_token(headers: &HeaderMap, name: &HeaderName, token: &str) -> bool {
 
 /// Answers the upgrade (101, or a JSON error for a malformed handshake)
 /// and runs the socket's session once hyper hands the connection over.
-pub(super) fn handle(state: Arc<AppState>, mut req: Request<Incoming>) -> Response<ProxyBody> {
+pub(super) fn handle(
+    state: Arc<AppState>,
+    mut req: Request<Incoming>,
+    lease: Arc<Lease>,
+) -> Response<ProxyBody> {
     let headers = req.headers();
     let version_ok = headers
         .get(header::SEC_WEBSOCKET_VERSION)
@@ -130,7 +146,7 @@ pub(super) fn handle(state: Arc<AppState>, mut req: Request<Incoming>) -> Respon
                     )
                     .await;
                     tracing::debug!("websocket opened");
-                    Session::new(state, ws, forwarded, uri).run().await;
+                    Session::new(state, ws, forwarded, uri, lease).run().await;
                     tracing::debug!("websocket closed");
                 }
                 Err(e) => tracing::debug!(error = %e, "websocket upgrade failed"),
@@ -222,6 +238,10 @@ enum Turn {
 enum Step {
     Client(Option<Result<Message, WsError>>),
     Idle,
+    /// The server stops accepting.
+    Closing,
+    /// The shutdown grace period is over.
+    Cut,
     Answer(Response<ProxyBody>),
     Frame(Option<Result<hyper::body::Frame<Bytes>, crate::error::BodyError>>),
 }
@@ -241,6 +261,10 @@ struct Session {
     max_event: usize,
     /// The last warm-up answered.
     warmed: Option<Warmed>,
+    /// Its connection's slot and the server's shutdown.
+    lease: Arc<Lease>,
+    /// The server is shutting down: close once no response is under way.
+    stopping: bool,
 }
 
 /// A warm-up the session answered: its response id, and its input items
@@ -261,7 +285,13 @@ enum ClientEvent {
 }
 
 impl Session {
-    fn new(state: Arc<AppState>, ws: Socket, headers: HeaderMap, uri: String) -> Self {
+    fn new(
+        state: Arc<AppState>,
+        ws: Socket,
+        headers: HeaderMap,
+        uri: String,
+        lease: Arc<Lease>,
+    ) -> Self {
         let idle_secs = state.config.server.websocket_idle_secs;
         let write_limit = state.upstream.idle_timeout;
         let max_event = state
@@ -278,15 +308,35 @@ impl Session {
             write_limit,
             max_event,
             warmed: None,
+            lease,
+            stopping: false,
         }
     }
 
     async fn run(mut self) {
         let mut turn = Turn::Idle;
         let mut quiet_since = tokio::time::Instant::now();
+        // Its own receivers, polled beside the socket.
+        let (mut closing, mut cut) = (self.lease.closing.clone(), self.lease.cut.clone());
         loop {
+            if self.stopping && matches!(turn, Turn::Idle) {
+                self.close(
+                    CloseCode::Away,
+                    "the server is shutting down",
+                    self.write_limit,
+                )
+                .await;
+                return;
+            }
             let step = {
                 let next = self.ws.next();
+                let stopping = self.stopping;
+                let shutdown = async {
+                    tokio::select! {
+                        _ = closing.wait_for(|c| *c), if !stopping => Step::Closing,
+                        _ = cut.wait_for(|c| *c) => Step::Cut,
+                    }
+                };
                 match &mut turn {
                     Turn::Idle => {
                         let idle = async {
@@ -298,15 +348,18 @@ impl Session {
                         tokio::select! {
                             m = next => Step::Client(m),
                             () = idle => Step::Idle,
+                            s = shutdown => s,
                         }
                     }
                     Turn::Starting(answering) => tokio::select! {
                         m = next => Step::Client(m),
                         resp = answering => Step::Answer(resp),
+                        s = shutdown => s,
                     },
                     Turn::Streaming { body, .. } => tokio::select! {
                         m = next => Step::Client(m),
                         f = body.frame() => Step::Frame(f),
+                        s = shutdown => s,
                     },
                 }
             };
@@ -317,7 +370,20 @@ impl Session {
                 }
                 Step::Idle => {
                     let reason = "no response and nothing from the client for the idle limit";
-                    self.close(CloseCode::Away, reason).await;
+                    self.close(CloseCode::Away, reason, self.write_limit).await;
+                    false
+                }
+                Step::Closing => {
+                    // Closed once the response under way, if any, ended.
+                    self.stopping = true;
+                    true
+                }
+                Step::Cut => {
+                    // Dropped first, so that it is recorded as cut by the
+                    // shutdown before the store closes.
+                    turn = Turn::Idle;
+                    let reason = "the server shut down before the response ended";
+                    self.close(CloseCode::Away, reason, CUT_CLOSE).await;
                     false
                 }
                 Step::Answer(resp) => self.answer(resp, &mut turn).await,
@@ -349,16 +415,19 @@ impl Session {
                 let msg = format!("message too large: {e}; the limit is server.max_body_bytes");
                 self.refuse(StatusCode::PAYLOAD_TOO_LARGE, "message_too_large", &msg)
                     .await;
-                self.close(CloseCode::Size, "message too large").await;
+                self.close(CloseCode::Size, "message too large", self.write_limit)
+                    .await;
                 false
             }
             Some(Err(WsError::Utf8)) => {
-                self.close(CloseCode::Invalid, "a text message that is not UTF-8")
+                let reason = "a text message that is not UTF-8";
+                self.close(CloseCode::Invalid, reason, self.write_limit)
                     .await;
                 false
             }
             Some(Err(WsError::Protocol(e))) => {
-                self.close(CloseCode::Protocol, &e.to_string()).await;
+                self.close(CloseCode::Protocol, &e.to_string(), self.write_limit)
+                    .await;
                 false
             }
             Some(Err(e)) => {
@@ -401,6 +470,15 @@ impl Session {
             let _ =
                 tokio::time::timeout(DRAIN, async { while body.frame().await.is_some() {} }).await;
             *turn = Turn::Idle;
+        }
+        if self.stopping {
+            return self
+                .refuse(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "server_shutting_down",
+                    "the server is shutting down: send it again on a new connection",
+                )
+                .await;
         }
         if !matches!(turn, Turn::Idle) {
             return self
@@ -574,13 +652,14 @@ impl Session {
         }
     }
 
-    /// Closes the socket with `code` and `reason`.
-    async fn close(&mut self, code: CloseCode, reason: &str) {
+    /// Closes the socket with `code` and `reason`, waiting at most `limit`
+    /// for the client to take the close frame.
+    async fn close(&mut self, code: CloseCode, reason: &str, limit: Duration) {
         let frame = CloseFrame {
             code,
             reason: reason.to_string().into(),
         };
-        let _ = tokio::time::timeout(self.write_limit, self.ws.close(Some(frame))).await;
+        let _ = tokio::time::timeout(limit, self.ws.close(Some(frame))).await;
     }
 }
 
