@@ -46,7 +46,6 @@ use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper::upgrade::Upgraded;
 use hyper_util::rt::TokioIo;
-use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use tokio_tungstenite::tungstenite::handshake::derive_accept_key;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
@@ -54,12 +53,15 @@ use tokio_tungstenite::tungstenite::protocol::{CloseFrame, Role, WebSocketConfig
 use tokio_tungstenite::tungstenite::{Error as WsError, Message};
 use tokio_tungstenite::WebSocketStream;
 
+mod event;
+
 use super::answer::is_sse;
 use super::Lease;
 use crate::app::AppState;
 use crate::error::{json_response, ProxyBody};
 use crate::wire::sse::Framer;
 use crate::wire::Api;
+use event::{is_final, read_event, ClientEvent, Warmed};
 
 /// The label its upgrade and each of its answers are counted under in
 /// `compactor_requests_total` (the upgrade with status 101).
@@ -265,23 +267,6 @@ struct Session {
     lease: Arc<Lease>,
     /// The server is shutting down: close once no response is under way.
     stopping: bool,
-}
-
-/// A warm-up the session answered: its response id, and its input items
-/// (the JSON of an array's members).
-struct Warmed {
-    id: String,
-    input: String,
-}
-
-/// What a client event asks.
-enum ClientEvent {
-    /// A response: the body of its request.
-    Create(Vec<u8>),
-    /// A warm-up: its model and input items.
-    WarmUp { model: String, input: String },
-    /// Nothing.
-    Nothing,
 }
 
 impl Session {
@@ -677,160 +662,4 @@ async fn read_capped(mut body: ProxyBody) -> Vec<u8> {
         }
     }
     out
-}
-
-/// A client event: the request a `response.create` stands for (with the
-/// input of the warm-up it continues, if it continues `warmed`), or why it
-/// is refused.
-fn read_event(text: &str, warmed: Option<&Warmed>) -> Result<ClientEvent, (&'static str, String)> {
-    let members = parse_members(text).map_err(|e| {
-        (
-            "invalid_json",
-            format!("the message is not a JSON object: {e}"),
-        )
-    })?;
-    let member = |name: &str| members.iter().find(|(k, _)| k == name).map(|(_, v)| *v);
-    let kind = member("type").and_then(|v| serde_json::from_str::<String>(v.get()).ok());
-    match kind.as_deref() {
-        Some("response.create") => {}
-        // Codex's acknowledgement of an answer it has read: nothing to do.
-        Some("response.processed") => return Ok(ClientEvent::Nothing),
-        Some(t) => {
-            return Err((
-                "unsupported_event",
-                format!("unsupported event type `{t}`: this socket takes `response.create`"),
-            ))
-        }
-        None => {
-            return Err((
-                "unsupported_event",
-                "the event has no `type`: this socket takes `response.create`".into(),
-            ))
-        }
-    }
-    if member("generate").is_some_and(|v| v.get() == "false") {
-        let model = member("model")
-            .and_then(|v| serde_json::from_str::<String>(v.get()).ok())
-            .unwrap_or_default();
-        let input = member("input").map_or_else(String::new, |v| items_of(v.get()));
-        return Ok(ClientEvent::WarmUp { model, input });
-    }
-    let continues = warmed.filter(|w| {
-        member("previous_response_id")
-            .and_then(|v| serde_json::from_str::<String>(v.get()).ok())
-            .is_some_and(|p| p == w.id)
-    });
-    Ok(ClientEvent::Create(request_body(
-        text.len(),
-        &members,
-        continues,
-    )))
-}
-
-/// The items of an `input` (JSON): an array's members, or a string as the
-/// user message it stands for.
-fn items_of(input: &str) -> String {
-    let input = input.trim();
-    if let Some(inner) = input.strip_prefix('[').and_then(|i| i.strip_suffix(']')) {
-        return inner.trim().to_string();
-    }
-    if input.starts_with('"') {
-        return format!(r#"{{"role":"user","content":{input}}}"#);
-    }
-    input.to_string()
-}
-
-/// The members of a JSON object in their order, values unparsed.
-fn parse_members(text: &str) -> Result<Vec<(String, &RawValue)>, serde_json::Error> {
-    serde_json::from_str::<Members<'_>>(text).map(|m| m.0)
-}
-
-/// An object's members in order (a map would sort or merge them).
-struct Members<'a>(Vec<(String, &'a RawValue)>);
-
-impl<'de> serde::Deserialize<'de> for Members<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = Members<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<Members<'de>, A::Error> {
-                let mut out = Vec::new();
-                while let Some((k, v)) = map.next_entry::<String, &'de RawValue>()? {
-                    out.push((k, v));
-                }
-                Ok(Members(out))
-            }
-        }
-        d.deserialize_map(Visit)
-    }
-}
-
-/// The body of the `POST /v1/responses` a `response.create` stands for:
-/// its members but `type`, streamed.
-fn request_body(len: usize, members: &[(String, &RawValue)], warmed: Option<&Warmed>) -> Vec<u8> {
-    let mut out = Vec::with_capacity(len + warmed.map_or(0, |w| w.input.len()) + 16);
-    out.push(b'{');
-    for (k, v) in members {
-        let skip = match k.as_str() {
-            "type" | "stream" | "generate" => true,
-            // The warm-up's id, which nobody upstream knows.
-            "previous_response_id" => warmed.is_some(),
-            _ => false,
-        };
-        if skip {
-            continue;
-        }
-        if out.len() > 1 {
-            out.push(b',');
-        }
-        // A key that came from JSON serializes back.
-        let _ = serde_json::to_writer(&mut out, k);
-        out.push(b':');
-        match warmed {
-            Some(w) if k == "input" => {
-                let own = items_of(v.get());
-                out.push(b'[');
-                out.extend_from_slice(w.input.as_bytes());
-                if !w.input.is_empty() && !own.is_empty() {
-                    out.push(b',');
-                }
-                out.extend_from_slice(own.as_bytes());
-                out.push(b']');
-            }
-            _ => out.extend_from_slice(v.get().as_bytes()),
-        }
-    }
-    if out.len() > 1 {
-        out.push(b',');
-    }
-    out.extend_from_slice(b"\"stream\":true}");
-    out
-}
-
-/// Whether an event ends a response.
-fn is_final(name: &str, data: &str) -> bool {
-    const FINAL: [&str; 4] = [
-        "response.completed",
-        "response.failed",
-        "response.incomplete",
-        "error",
-    ];
-    if FINAL.contains(&name) {
-        return true;
-    }
-    // Named by its `type` alone (no `event:` line).
-    name == "message"
-        && serde_json::from_str::<TypeOnly>(data).is_ok_and(|t| FINAL.contains(&t.kind.as_str()))
-}
-
-#[derive(serde::Deserialize)]
-struct TypeOnly {
-    #[serde(rename = "type")]
-    kind: String,
 }
