@@ -1,4 +1,4 @@
-//! A scriptable upstream (Chat Completions, Responses, Anthropic Messages) on a real socket, for tests,
+//! A scriptable upstream (Chat Completions, Responses, Anthropic Messages, Gemini) on a real socket, for tests,
 //! benchmarks and the offline demo.
 //!
 //! It records every request it receives and answers from a queue of

@@ -1,7 +1,7 @@
 //! compactor: a transparent reverse proxy for the OpenAI Chat Completions
-//! and Responses APIs (over HTTP, and Responses over a WebSocket) and the
-//! Anthropic Messages API. It records each conversation and keeps long ones
-//! alive by compacting what goes upstream.
+//! and Responses APIs (over HTTP, and Responses over a WebSocket), the
+//! Anthropic Messages API and Gemini's generateContent. It records each
+//! conversation and keeps long ones alive by compacting what goes upstream.
 //!
 //! # Layout
 //!
@@ -16,7 +16,7 @@
 //!   relayed), [`background`] (the accounting thread), [`windows`] (the
 //!   upstream's real context windows, learned and remembered), [`prices`]
 //!   (what tokens cost).
-//! - [`wire`]: the three APIs' bodies as items (taken and set as the
+//! - [`wire`]: the four APIs' bodies as items (taken and set as the
 //!   client's bytes), what the phases ask of each API ([`wire::format`]),
 //!   content hashes, usage, the SSE framer and tee.
 //! - [`tokens`] (tiktoken estimates by section, media priced as billed) and

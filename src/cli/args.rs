@@ -9,7 +9,7 @@ use super::layered::ConfigArgs;
 use super::{connect, doctor};
 use crate::config::{Config, ConfigError};
 
-/// A transparent proxy for the OpenAI and Anthropic APIs that keeps long conversations alive.
+/// A transparent proxy for the OpenAI, Anthropic and Gemini APIs that keeps long conversations alive.
 #[derive(Debug, Parser)]
 #[command(name = "compactor", version, about)]
 pub struct Cli {

@@ -1,5 +1,5 @@
-//! `POST /v1/chat/completions`, `/v1/responses`, `/v1/messages` (a WebSocket
-//! message too) and `/v1/responses/compact`: the driver of a request's phases. Each
+//! `POST /v1/chat/completions`, `/v1/responses`, `/v1/messages`, Gemini's
+//! `generateContent` (a WebSocket message too) and `/v1/responses/compact`: the driver of a request's phases. Each
 //! phase is a file of `server/` that returns what it decided to this
 //! driver, which takes the next step; no phase calls another.
 //!

@@ -1,4 +1,4 @@
-//! Wire formats: an *item* view over the three APIs, what the phases ask of each ([`mod@format`]), content hashes, usage.
+//! Wire formats: an *item* view over the four APIs, what the phases ask of each ([`mod@format`]), content hashes, usage.
 //!
 //! Owns the knowledge of where the history lives in a request body
 //! (`messages` for Chat Completions and Anthropic Messages, `instructions` +
