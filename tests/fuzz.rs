@@ -38,6 +38,8 @@ fn corpus() -> &'static [(String, Api, Vec<u8>)] {
                 let name = p.file_name().unwrap().to_string_lossy().into_owned();
                 let api = if name.starts_with("chat-") {
                     Api::Chat
+                } else if name.starts_with("gemini-") {
+                    Api::Gemini
                 } else {
                     Api::Responses
                 };
@@ -126,6 +128,14 @@ fn mutate(mut body: Vec<u8>, mutations: &[Mutation]) -> Vec<u8> {
         }
     }
     body
+}
+
+/// The path below `/v1` a request of `api` is sent to.
+fn path_of(api: Api) -> String {
+    match api {
+        Api::Gemini => "/models/gemini-2.5-pro:generateContent".into(),
+        _ => api.endpoint().into(),
+    }
 }
 
 /// A seed, mutated (or, a tenth of the time, as it is).
@@ -234,7 +244,7 @@ async fn the_proxy_answers_any_body_with_json_errors() {
     }
     let mut refused = 0;
     for (api, body) in cases {
-        let url = format!("{}{}", h.url(), api.endpoint());
+        let url = format!("{}{}", h.url(), path_of(api));
         let resp = support::within(
             client
                 .post(&url)
@@ -258,7 +268,9 @@ async fn the_proxy_answers_any_body_with_json_errors() {
         );
         let v: Value = serde_json::from_slice(&answer).expect("a JSON error");
         let e = &v["error"];
-        assert!(e["message"].is_string() && e["type"].is_string(), "{v}");
+        // Gemini's errors are Google's shape: a `status`, no `type`.
+        let kind = if api == Api::Gemini { "status" } else { "type" };
+        assert!(e["message"].is_string() && e[kind].is_string(), "{v}");
         assert!(e.get("code").is_some(), "{v}");
     }
     // Mutations break most bodies; some must have been refused, or the
@@ -472,11 +484,11 @@ async fn any_per_request_controls_are_answered_and_never_forwarded() {
     });
     let mut cases = Vec::new();
     for _ in 0..runner.config().cases {
-        let tree = (0u8..3, any_controls())
+        let tree = (0u8..4, any_controls())
             .new_tree(&mut runner)
             .expect("a case");
         let (which, controls) = tree.current();
-        let api = [Api::Chat, Api::Responses, Api::Messages][which as usize];
+        let api = [Api::Chat, Api::Responses, Api::Messages, Api::Gemini][which as usize];
         cases.push((api, controls));
     }
     let mut refused = 0;
@@ -517,7 +529,7 @@ async fn any_per_request_controls_are_answered_and_never_forwarded() {
         let before = h.fake.received().len();
         let raw = serde_json::to_vec(&body).unwrap();
         let (status, answer) =
-            raw_post(h.addr, &format!("/v1{}", api.endpoint()), &headers, &raw).await;
+            raw_post(h.addr, &format!("/v1{}", path_of(api)), &headers, &raw).await;
         if status != 200 {
             refused += 1;
             assert!((400..500).contains(&status), "{status} for {c:?}");

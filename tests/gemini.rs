@@ -326,3 +326,293 @@ async fn an_error_inside_a_stream_reaches_the_client_and_is_recorded() {
     assert!(text.contains("overloaded"), "{status} {text}");
     h.wait_exchanges(2).await;
 }
+
+fn tiny_gemini(c: &mut compactor::config::Config) {
+    c.models.push(compactor::config::ModelConfig {
+        pattern: "tiny-gemini*".into(),
+        context_window: 6000,
+        max_output_tokens: Some(500),
+        trigger_ratio: None,
+        ..Default::default()
+    });
+}
+
+/// A 2.5 KB tool output, different every time, as Gemini CLI's shell
+/// tool reports a command.
+fn tool_output(step: usize) -> String {
+    let lines: String = (0..60)
+        .map(|i| format!("test module_{step}::case_{i:02} ... ok (line {i})\n"))
+        .collect();
+    let mut out = format!("Command: cargo test step{step}\nDirectory: (root)\nStdout: {lines}");
+    out.truncate(2400);
+    out.push_str("\nStderr: (empty)\nError: (none)\nExit Code: 0");
+    out
+}
+
+/// A Gemini-CLI-shaped agent: a shell tool, 2.5 KB results, calls with
+/// ids on odd steps and without on even ones, a thought signature on each
+/// call, and a part of a kind the proxy does not know on every answer.
+struct Agent {
+    contents: Vec<Value>,
+    step: usize,
+}
+
+impl Agent {
+    fn new(task: &str) -> Agent {
+        Agent {
+            contents: vec![user(task)],
+            step: 0,
+        }
+    }
+
+    fn body(&self) -> Value {
+        json!({"contents": self.contents,
+            "systemInstruction": {"parts": [{"text": "You are a coding agent."}]},
+            "tools": [{"functionDeclarations": [{"name": "run_shell_command",
+                "description": "Runs a command.",
+                "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}]}],
+            "generationConfig": {"temperature": 0}})
+    }
+
+    /// One request and its answer: a call, or every sixth step the end of
+    /// the turn and a new user message.
+    async fn step(&mut self, h: &Harness) -> http::HeaderMap {
+        let step = self.step;
+        self.step += 1;
+        let end_of_turn = step % 6 == 5;
+        let id = format!("call-{step}");
+        let reply = if end_of_turn {
+            fake::text(&format!("Step {step} done."), 100, 5)
+        } else {
+            let id = (step % 2 == 1).then_some(id.as_str());
+            fake::calls(
+                &[(
+                    "run_shell_command",
+                    json!({"command": format!("cargo test step{step}")}),
+                    id,
+                )],
+                100,
+                5,
+            )
+        };
+        h.fake
+            .push(compactor::fake_upstream::cache::edit_json(reply, |v| {
+                let parts = v["candidates"][0]["content"]["parts"]
+                    .as_array_mut()
+                    .unwrap();
+                parts[0]["thoughtSignature"] = json!(format!("sig-{step}"));
+                parts.push(json!({"executableCode": {"language": "PYTHON", "code": "print(1)"}}));
+            }));
+        let raw = serde_json::to_vec(&self.body()).unwrap();
+        let (status, headers, bytes) = post_gemini(h, &generate(MODEL), Some(KEY), &raw).await;
+        assert_eq!(
+            status,
+            200,
+            "step {step}: {}",
+            String::from_utf8_lossy(&bytes)
+        );
+        let answer: Value = serde_json::from_slice(&bytes).unwrap();
+        let content = answer["candidates"][0]["content"].clone();
+        let calls: Vec<Value> = compactor::wire::gemini::function_calls(&content)
+            .cloned()
+            .collect();
+        self.contents.push(content);
+        if calls.is_empty() {
+            self.contents.push(user(&format!("Now step {}.", step + 1)));
+        } else {
+            let parts: Vec<Value> = calls
+                .iter()
+                .map(|c| {
+                    let mut r =
+                        json!({"name": c["name"], "response": {"output": tool_output(step)}});
+                    if let Some(id) = c.get("id") {
+                        r["id"] = id.clone();
+                    }
+                    json!({ "functionResponse": r })
+                })
+                .collect();
+            self.contents.push(json!({"role": "user", "parts": parts}));
+        }
+        headers
+    }
+}
+
+fn client_requests(h: &Harness) -> Vec<Value> {
+    h.fake
+        .received()
+        .into_iter()
+        .filter(|r| r.path.ends_with(":generateContent"))
+        .map(|r| r.json())
+        .filter(|v| !compactor::fake_upstream::is_summarizer_request(v))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_tool_loop_is_compacted_with_its_calls_paired_and_unknown_parts_kept() {
+    let h = Harness::start_with(tiny_gemini).await;
+    // The fake refuses, as the API does, a response that does not answer
+    // the calls right before it, and a prompt over the window.
+    h.fake.set_messages_window(Some(6000));
+    let mut agent = Agent::new("TASK: make every test in the workspace pass");
+    let mut compactions = std::collections::HashSet::new();
+    for _ in 0..30 {
+        let headers = agent.step(&h).await;
+        if let Some(id) = headers.get("x-compactor-compacted") {
+            compactions.insert(id.clone());
+        }
+    }
+    assert!(
+        !compactions.is_empty(),
+        "the conversation was never compacted"
+    );
+    let sent = client_requests(&h);
+    let last = sent.last().unwrap();
+    let contents = last["contents"].as_array().unwrap();
+    assert!(
+        contents.len() < agent.contents.len(),
+        "{} items sent for {}",
+        contents.len(),
+        agent.contents.len()
+    );
+    let summary = contents.iter().find_map(|c| {
+        c["parts"][0]["text"]
+            .as_str()
+            .filter(|t| t.contains("[compactor summary"))
+    });
+    assert!(
+        summary.is_some_and(|s| s.contains("make every test")),
+        "{last}"
+    );
+    assert_eq!(last["systemInstruction"], agent.body()["systemInstruction"]);
+    // The tail went as the client sent it: thought signatures and unknown
+    // parts included.
+    // (The last request went before its answer and the next message.)
+    let n = agent.contents.len();
+    let tail = &agent.contents[n - 5..n - 2];
+    assert_eq!(&contents[contents.len() - 3..], tail);
+    let kept = |key: &str| {
+        tail.iter().any(|c| {
+            c["parts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|p| p.get(key).is_some())
+        })
+    };
+    assert!(
+        kept("thoughtSignature") && kept("executableCode"),
+        "{tail:?}"
+    );
+    // Every function response in what went up answers the call right before
+    // it (the fake would have refused otherwise): some were summarized away
+    // with their calls, by summary calls to the same model's endpoint.
+    let summary = h
+        .fake
+        .received()
+        .into_iter()
+        .find(|r| compactor::fake_upstream::is_summarizer_request(&r.json()))
+        .expect("a summary call");
+    assert_eq!(summary.path, format!("/v1/models/{MODEL}:generateContent"));
+    assert_eq!(summary.headers["x-goog-api-key"], KEY);
+    // Another tenant sending the same contents gets none of it: over the
+    // window, its request is compacted anew, with its own key.
+    let raw = serde_json::to_vec(&agent.body()).unwrap();
+    let other = "AIza-other-tenant-99";
+    let before = h.fake.received().len();
+    let (status, headers, _) = post_gemini(&h, &generate(MODEL), Some(other), &raw).await;
+    assert_eq!(status, 200);
+    let id = headers
+        .get("x-compactor-compacted")
+        .expect("over the window");
+    assert!(
+        !compactions.contains(id),
+        "another tenant's compaction applied"
+    );
+    let received = h.fake.received();
+    assert!(received[before..]
+        .iter()
+        .all(|r| r.headers["x-goog-api-key"] == other));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_input_token_count_refusal_is_compacted_and_retried_unseen() {
+    let h = Harness::start_with(|c| {
+        tiny_gemini(c);
+        c.compaction.background = false;
+    })
+    .await;
+    let mut agent = Agent::new("TASK: fix the build");
+    for _ in 0..8 {
+        agent.step(&h).await;
+    }
+    // The upstream's window turns out smaller than configured.
+    let before = h.fake.received().len();
+    h.fake.set_messages_window(Some(2500));
+    let headers = agent.step(&h).await;
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let received = h.fake.received();
+    let refused = received[before..]
+        .iter()
+        .filter(|r| !compactor::fake_upstream::is_summarizer_request(&r.json()))
+        .count();
+    assert!(
+        refused >= 2,
+        "the refused request and its compacted retry: {refused}"
+    );
+    let exchanges = number(
+        &*h.sql(),
+        "SELECT count(*) FROM exchanges WHERE status = 200",
+    );
+    assert_eq!(exchanges, 9);
+}
+
+#[tokio::test]
+async fn a_function_call_without_its_response_goes_through_and_is_recorded() {
+    let h = Harness::start().await;
+    let body = json!({"contents": [user("list"),
+        {"role": "model", "parts": [{"functionCall": {"name": "ls", "args": {}}}]},
+        user("never mind, just say hi")]});
+    let raw = serde_json::to_vec(&body).unwrap();
+    let (status, _, bytes) = post_gemini(&h, &generate(MODEL), Some(KEY), &raw).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    assert_eq!(h.fake.last().unwrap().body, raw);
+    h.wait_exchanges(1).await;
+}
+
+/// An image in a content the summary replaces is not dropped silently:
+/// the summary says what it was, at what Gemini charges for it (258 a
+/// 768-px tile), and where.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_inline_image_the_summary_replaces_leaves_a_marker() {
+    let h = Harness::start_with(tiny_gemini).await;
+    let mut png = b"\x89PNG\r\n\x1a\n\0\0\0\x0dIHDR".to_vec();
+    png.extend(800u32.to_be_bytes());
+    png.extend(600u32.to_be_bytes());
+    png.extend([8, 6, 0, 0, 0, 0, 0, 0, 0]);
+    let png = compactor::tokens::media::encode_base64(&png);
+    let mut contents = vec![json!({"role": "user", "parts": [
+        {"text": "This dialog renders its buttons off screen. Fix the layout."},
+        {"inlineData": {"mimeType": "image/png", "data": png}}]})];
+    for i in 0..6 {
+        contents.push(json!({"role": "model", "parts": [{"text": format!("Step {i}: looked at the dialog code.")}]}));
+        contents.push(user(&format!(
+            "Turn {i}: {}",
+            "the dialog's buttons sit in a flex row whose width comes from the parent. ".repeat(12)
+        )));
+    }
+    let raw = serde_json::to_vec(&json!({ "contents": contents })).unwrap();
+    let resp = client()
+        .post(format!("http://{}{}", h.addr, generate(MODEL)))
+        .header("x-goog-api-key", KEY)
+        .header("x-compactor-compact", "now")
+        .body(raw);
+    let resp = within(resp.send()).await.expect("request");
+    assert_eq!(resp.status(), 200);
+    assert!(resp.headers().get("x-compactor-compacted").is_some());
+    let sent = client_requests(&h).pop().unwrap().to_string();
+    assert!(!sent.contains(&png), "the image went as it came");
+    assert!(
+        sent.contains("[image omitted by compactor: 800×600 PNG, ~516 tokens] (in a user message)"),
+        "{sent}"
+    );
+}

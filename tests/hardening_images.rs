@@ -1,6 +1,6 @@
 //! Images are not text: a conversation at ~1% of its window whose next
 //! turn carries a ~1 MB screenshot goes upstream as it came, on each of
-//! the three APIs — no compaction, no summarizer call, the image's bytes
+//! the four APIs — no compaction, no summarizer call, the image's bytes
 //! unchanged. Tokenized as words, its base64 counted a million tokens and
 //! the turn was compacted on the spot.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
@@ -81,13 +81,14 @@ fn history() -> Vec<(&'static str, String)> {
         .collect()
 }
 
-/// The three APIs: where a request goes, how it is sent, the image block,
+/// The four APIs: where a request goes, how it is sent, the image block,
 /// and a scripted answer reporting `prompt` input tokens.
 #[derive(Clone, Copy, Debug)]
 enum Api {
     Chat,
     Responses,
     Messages,
+    Gemini,
 }
 
 impl Api {
@@ -96,6 +97,7 @@ impl Api {
             Api::Chat => "/chat/completions",
             Api::Responses => "/responses",
             Api::Messages => "/messages",
+            Api::Gemini => "/models/shot-gemini:generateContent",
         }
     }
 
@@ -110,12 +112,14 @@ impl Api {
             Api::Messages => {
                 json!({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": png}})
             }
+            Api::Gemini => json!({"inlineData": {"mimeType": "image/png", "data": png}}),
         }
     }
 
     fn text(self, text: &str) -> Value {
         match self {
             Api::Responses => json!({"type": "input_text", "text": text}),
+            Api::Gemini => json!({ "text": text }),
             _ => json!({"type": "text", "text": text}),
         }
     }
@@ -127,6 +131,24 @@ impl Api {
             Api::Messages => {
                 json!({"model": "shot-messages", "max_tokens": 1024, "messages": items})
             }
+            Api::Gemini => json!({"contents": items.iter().map(as_content).collect::<Vec<_>>()}),
+        }
+    }
+
+    /// Where the history is in a request body.
+    fn items(self, body: &Value) -> &Value {
+        match self {
+            Api::Responses => &body["input"],
+            Api::Gemini => &body["contents"],
+            _ => &body["messages"],
+        }
+    }
+
+    /// Where the parts are in an item the client sent.
+    fn parts(self) -> &'static str {
+        match self {
+            Api::Gemini => "parts",
+            _ => "content",
         }
     }
 
@@ -143,6 +165,7 @@ impl Api {
                     "usage": {"input_tokens": prompt, "output_tokens": 40},
                 }),
             ),
+            Api::Gemini => compactor::fake_upstream::gemini::text(text, prompt, 40),
         }
     }
 
@@ -155,6 +178,7 @@ impl Api {
             Api::Messages => req
                 .header("x-api-key", KEY)
                 .header("anthropic-version", "2023-06-01"),
+            Api::Gemini => req.header("x-goog-api-key", KEY),
             _ => req.header("authorization", format!("Bearer {KEY}")),
         };
         let resp = within(req.send()).await.expect("request");
@@ -165,6 +189,21 @@ impl Api {
 
 fn message(role: &str, content: Value) -> Value {
     json!({"role": role, "content": content})
+}
+
+/// A message as a Gemini content: `assistant` is `model`, the content its
+/// parts.
+fn as_content(m: &Value) -> Value {
+    let role = if m["role"] == "assistant" {
+        "model"
+    } else {
+        "user"
+    };
+    let parts = match &m["content"] {
+        Value::String(t) => json!([{ "text": t }]),
+        parts => parts.clone(),
+    };
+    json!({"role": role, "parts": parts})
 }
 
 async fn a_screenshot_at_one_percent_goes_as_it_came(api: Api) {
@@ -220,12 +259,9 @@ async fn a_screenshot_at_one_percent_goes_as_it_came(api: Api) {
             "{api:?}: the base64 went as it came"
         );
         let sent = r.json();
-        let list = match api {
-            Api::Responses => &sent["input"],
-            _ => &sent["messages"],
-        };
+        let list = api.items(&sent);
         assert_eq!(list.as_array().map(Vec::len), Some(n), "{api:?}");
-        assert_eq!(list[at]["content"][1], image, "{api:?}");
+        assert_eq!(list[at][api.parts()][1], image, "{api:?}");
     }
 }
 
@@ -242,6 +278,11 @@ async fn a_responses_screenshot_at_one_percent_is_not_compacted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_messages_screenshot_at_one_percent_is_not_compacted() {
     a_screenshot_at_one_percent_goes_as_it_came(Api::Messages).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gemini_screenshot_at_one_percent_is_not_compacted() {
+    a_screenshot_at_one_percent_goes_as_it_came(Api::Gemini).await;
 }
 
 /// The estimate may be far above what the upstream counts (three PDFs by

@@ -561,6 +561,8 @@ async fn every_stored_body_hashes_to_its_key() {
         let name = path.file_name().unwrap().to_string_lossy().into_owned();
         let endpoint = if name.starts_with("chat-") {
             "/chat/completions"
+        } else if name.starts_with("gemini-") {
+            "/models/gemini-2.5-pro:generateContent"
         } else {
             "/responses"
         };

@@ -152,6 +152,28 @@ async fn identical_histories_under_two_keys_are_two_tenants() {
     );
     let tenants = number(&*h.sql(), "SELECT count(DISTINCT tenant) FROM exchanges");
     assert_eq!(tenants, 2);
+    // Gemini: a key in `x-goog-api-key` or in `?key=` names its tenant the
+    // same way; the same contents under two keys are two conversations.
+    let gemini = |key: &'static str, in_query: bool| {
+        let path = "/v1beta/models/gemini-2.5-flash:generateContent";
+        let mut req = support::client()
+            .post(format!("http://{}{path}", h.addr))
+            .json(&json!({"contents": [{"role": "user", "parts": [{"text": "same"}]}]}));
+        req = if in_query {
+            req.query(&[("key", key)])
+        } else {
+            req.header("x-goog-api-key", key)
+        };
+        async move { conv(within(req.send()).await.unwrap().headers()) }
+    };
+    let (alice, bob) = ("AIza-alice-aaaaaaaaaaaa", "AIza-bob-bbbbbbbbbbbbbb");
+    assert_ne!(gemini(alice, false).await, gemini(bob, false).await);
+    assert_ne!(gemini(alice, true).await, gemini(bob, true).await);
+    let tenants = number(&*h.sql(), "SELECT count(DISTINCT tenant) FROM exchanges");
+    assert_eq!(
+        tenants, 4,
+        "a key is one tenant, in the header or the query"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
