@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use compactor::fake_upstream::Reply;
 use serde_json::{json, Value};
-use support::{cli, client, compactions, post, small_window, within, Harness};
+use support::{cli, client, compactions, filler, post, small_window, within, Harness};
 
 const KEY: &str = "sk-bill-tests";
 const SONNET: &str = "claude-sonnet-4-5-20250929";
@@ -264,32 +264,10 @@ async fn holdout_harness() -> Harness {
     .await
 }
 
-/// One chat turn on the priced small-window model: `text` and the answer
-/// appended to `history`; the conversation, and whether the request went
-/// upstream compacted.
+/// One chat turn on the priced small-window model (see
+/// [`support::chat_turn`]).
 async fn chat_turn(url: &str, history: &mut Vec<Value>, text: String) -> (String, bool) {
-    history.push(json!({"role": "user", "content": text}));
-    let (status, headers, body) = post(
-        url,
-        KEY,
-        &json!({"model": "tiny-bill", "messages": history}),
-    )
-    .await;
-    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
-    let v: Value = serde_json::from_slice(&body).unwrap();
-    history.push(v["choices"][0]["message"].clone());
-    let id = headers["x-compactor-conversation"]
-        .to_str()
-        .unwrap()
-        .to_string();
-    (id, headers.contains_key("x-compactor-compacted"))
-}
-
-fn filler(i: usize) -> String {
-    format!(
-        "Step {i}: please look at src/module_{i}.rs and explain it. {}",
-        "lorem ipsum dolor ".repeat(25)
-    )
+    support::chat_turn(url, KEY, None, "tiny-bill", history, text).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -581,7 +559,7 @@ async fn a_conversation_compacted_before_the_holdout_stays_compacted() {
     if support::sqlite_only("restarts on the harness's SQLite file with another config") {
         return;
     }
-    let mut h = Harness::start_with(priced_small_window).await;
+    let h = Harness::start_with(priced_small_window).await;
     let url = format!("{}/chat/completions", h.url());
     let mut history = vec![json!({"role": "system", "content": "Agent."})];
     let mut id = String::new();
@@ -595,18 +573,9 @@ async fn a_conversation_compacted_before_the_holdout_stays_compacted() {
     }
     assert!(compactions(&h) >= 1, "compacted");
     // The same store, now holding every new conversation out.
-    h.stop().await;
-    let Harness {
-        fake,
-        state,
-        db,
-        dir,
-        ..
-    } = h;
-    let mut config = state.config.clone();
-    config.compaction.holdout_ratio = 1.0;
-    drop(state);
-    let h = Harness::start_on(fake, dir, db, config).await;
+    let h = h
+        .restart_with(|_, config| config.compaction.holdout_ratio = 1.0)
+        .await;
     assert!(h.state.config.held_out(&id));
     let url = format!("{}/chat/completions", h.url());
     let (again, compacted) = chat_turn(&url, &mut history, "And the next step?".into()).await;

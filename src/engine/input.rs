@@ -58,8 +58,10 @@ pub struct Request {
     /// The request as the upstream last saw it, for a summary call that
     /// reads its history from the upstream's prompt cache.
     pub sent: Option<Arc<Sent>>,
-    /// When the request arrived (Unix ms).
-    pub requested_ms: i64,
+    /// When the request arrived, on the process's monotonic clock (a
+    /// wall clock set back would make a compaction stored before it look
+    /// stored after it: see `engine::jobs`).
+    pub requested: std::time::Instant,
 }
 
 /// What is asked of a compaction.

@@ -123,8 +123,7 @@ fn needed<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) 
         .stored()
         .newest(&input.who.tenant, &input.who.conversation)
         .filter(|(t, id)| {
-            *t >= input.request.requested_ms
-                && input.request.base.as_ref().is_none_or(|b| &b.id != id)
+            *t >= input.request.requested && input.request.base.as_ref().is_none_or(|b| &b.id != id)
         })
         .map(|(_, id)| id.clone());
     if let Some(id) = newer {

@@ -5,6 +5,7 @@
 
 use foldhash::HashMap;
 use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use super::guard::lock;
 use crate::bounded::Generations;
@@ -54,8 +55,8 @@ struct Index {
     /// `compaction` items).
     by_id: HashMap<String, String>,
     /// Per (tenant, conversation): when its newest compaction became
-    /// visible here (Unix ms), and its id. The recent conversations only.
-    newest: Generations<(String, String), (i64, String)>,
+    /// visible here, and its id. The recent conversations only.
+    newest: Generations<(String, String), (Instant, String)>,
     /// The compaction bodies used lately, by id.
     bodies: Generations<String, Arc<Compaction>>,
 }
@@ -97,12 +98,14 @@ impl Stored {
             conversation,
             covered_len,
             covered_chain,
-            created_ms,
+            created_ms: _,
             observed,
         } = c;
-        // The time it became visible, not when it was computed: a request
-        // that started before this moment may have missed it.
-        let visible = crate::ids::now_ms().max(created_ms);
+        // The time it became visible here, not when it was computed (by
+        // another process's clock, or this one's before it was set back): a
+        // request that started before this moment may have missed it. The
+        // monotonic clock, so that one indexed later is always the newer.
+        let visible = Instant::now();
         let mut index = lock(&self.index);
         let key = (tenant.clone(), conversation);
         if index.newest.get(&key).is_none_or(|at| visible >= at.0) {
@@ -208,9 +211,9 @@ impl Stored {
         }
     }
 
-    /// When the conversation's newest compaction became visible here (Unix
-    /// ms), and its id, if it is among the recent ones.
-    pub(super) fn newest(&self, tenant: &str, conversation: &str) -> Option<(i64, String)> {
+    /// When the conversation's newest compaction became visible here, and
+    /// its id, if it is among the recent ones.
+    pub(super) fn newest(&self, tenant: &str, conversation: &str) -> Option<(Instant, String)> {
         let key = (tenant.to_string(), conversation.to_string());
         lock(&self.index).newest.get(&key).cloned()
     }

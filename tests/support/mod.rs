@@ -299,7 +299,16 @@ impl Harness {
     }
 
     /// Stops the proxy and starts another on the same store and config.
-    pub async fn restart(mut self) -> Harness {
+    pub async fn restart(self) -> Harness {
+        self.restart_with(|_, _| {}).await
+    }
+
+    /// Stops the proxy, lets `between` change its store's file (SQLite)
+    /// and its config, and starts another on them.
+    pub async fn restart_with(
+        mut self,
+        between: impl FnOnce(&std::path::Path, &mut Config),
+    ) -> Harness {
         self.stop().await;
         let Harness {
             fake,
@@ -309,9 +318,10 @@ impl Harness {
             cluster,
             ..
         } = self;
-        let config = state.config.clone();
+        let mut config = state.config.clone();
         // The store is one process's until its state is gone.
         drop(state);
+        between(&db, &mut config);
         let mut h = Self::start_on(fake, dir, db, config).await;
         h.cluster = cluster;
         h
@@ -449,6 +459,48 @@ pub async fn post(
     body: &serde_json::Value,
 ) -> (u16, http::HeaderMap, bytes::Bytes) {
     post_raw(url, key, serde_json::to_vec(body).unwrap()).await
+}
+
+/// One chat turn of a conversation: `text` and the answer appended to
+/// `history`, sent to `url` under `key` for `model`, named by the client
+/// (`x-compactor-conversation`) when `conversation` is given; the
+/// conversation id, and whether the request went upstream compacted.
+pub async fn chat_turn(
+    url: &str,
+    key: &str,
+    conversation: Option<&str>,
+    model: &str,
+    history: &mut Vec<serde_json::Value>,
+    text: String,
+) -> (String, bool) {
+    history.push(serde_json::json!({"role": "user", "content": text}));
+    let mut req = client()
+        .post(url)
+        .header("authorization", format!("Bearer {key}"))
+        .json(&serde_json::json!({"model": model, "messages": history}));
+    if let Some(c) = conversation {
+        req = req.header("x-compactor-conversation", c);
+    }
+    let resp = within(req.send()).await.expect("request");
+    let status = resp.status().as_u16();
+    let headers = resp.headers().clone();
+    let body = within(resp.bytes()).await.expect("body");
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&body));
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    history.push(v["choices"][0]["message"].clone());
+    let id = headers["x-compactor-conversation"]
+        .to_str()
+        .unwrap()
+        .to_string();
+    (id, headers.contains_key("x-compactor-compacted"))
+}
+
+/// A user message of about 130 tokens, `i` its own.
+pub fn filler(i: usize) -> String {
+    format!(
+        "Step {i}: please look at src/module_{i}.rs and explain it. {}",
+        "lorem ipsum dolor ".repeat(25)
+    )
 }
 
 /// POSTs raw bytes with a bearer key.

@@ -119,7 +119,7 @@ impl PendingExchange {
                 tools: request.tools().cloned(),
                 system: request.api().format().system(request.body()),
                 sent: self.as_sent(),
-                requested_ms: self.timing.started_ms,
+                requested: self.timing.started,
             },
             ask: engine::Ask {
                 reason,
