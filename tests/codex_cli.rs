@@ -17,13 +17,14 @@
 mod support;
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use compactor::config::{Config, ModelConfig};
 use compactor::fake_upstream::{next_response_id, FakeUpstream, Received, Reply, AUTO_TEXT};
 use serde_json::{json, Value};
+use support::real_cli::{self, long_answer, Outcome};
 use support::{is_summary_call, Harness};
 
 const MODEL: &str = "tiny-codex";
@@ -45,32 +46,7 @@ const RAN_OUT: &str = "ran out of room in the model's context window";
 /// install` prints as its last line.
 fn codex_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        if let Some(bin) = std::env::var_os("COMPACTOR_CODEX_BIN") {
-            let bin = PathBuf::from(bin);
-            assert!(
-                bin.is_file(),
-                "COMPACTOR_CODEX_BIN={} is not a file; run scripts/codex.sh install",
-                bin.display()
-            );
-            return bin;
-        }
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/codex.sh");
-        let out = Command::new(&script)
-            .arg("install")
-            .stderr(Stdio::inherit())
-            .output()
-            .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-        assert!(
-            out.status.success(),
-            "scripts/codex.sh install failed ({}); the Codex CLI tests need npm and the network once",
-            out.status
-        );
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let bin = PathBuf::from(stdout.lines().last().unwrap_or_default().trim());
-        assert!(bin.is_file(), "scripts/codex.sh printed no binary path: {stdout}");
-        bin
-    })
+    BIN.get_or_init(|| real_cli::installed("COMPACTOR_CODEX_BIN", "codex"))
 }
 
 fn small_window(c: &mut Config) {
@@ -81,39 +57,6 @@ fn small_window(c: &mut Config) {
         trigger_ratio: None,
         ..Default::default()
     });
-}
-
-/// One finished `codex` process.
-#[derive(Debug)]
-struct Outcome {
-    code: Option<i32>,
-    stdout: String,
-    stderr: String,
-    elapsed: Duration,
-}
-
-impl Outcome {
-    fn ok(&self) -> bool {
-        self.code == Some(0)
-    }
-
-    fn describe(&self) -> String {
-        format!(
-            "exit {:?} after {:.1?}\n--- stdout\n{}\n--- stderr\n{}",
-            self.code,
-            self.elapsed,
-            self.stdout,
-            tail(&self.stderr, 4000)
-        )
-    }
-}
-
-fn tail(s: &str, n: usize) -> &str {
-    let mut start = s.len().saturating_sub(n);
-    while !s.is_char_boundary(start) {
-        start += 1;
-    }
-    &s[start..]
 }
 
 /// A Codex installation of its own: `CODEX_HOME`, `HOME` and a working
@@ -223,13 +166,6 @@ fn run_bounded(
     codex_home: &Path,
     work: &Path,
 ) -> (Outcome, bool) {
-    use std::os::unix::process::CommandExt;
-    let n = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let out_path = home.join(format!("stdout-{n}"));
-    let err_path = home.join(format!("stderr-{n}"));
     let mut cmd = Command::new(bin);
     cmd.args(args)
         .current_dir(work)
@@ -240,38 +176,8 @@ fn run_bounded(
         .env("OPENAI_API_KEY", KEY)
         .env("NO_PROXY", "127.0.0.1,localhost")
         .env("LANG", "C.UTF-8")
-        .env("TERM", "dumb")
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out_path).unwrap())
-        .stderr(std::fs::File::create(&err_path).unwrap())
-        // Its own process group, so a timeout kills the node launcher and the
-        // native binary it starts together.
-        .process_group(0);
-    let start = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning {}: {e}", bin.display()));
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            break Some(status);
-        }
-        if start.elapsed() > TURN_TIMEOUT {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .status();
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    };
-    let outcome = Outcome {
-        code: status.and_then(|s| s.code()),
-        stdout: std::fs::read_to_string(&out_path).unwrap_or_default(),
-        stderr: std::fs::read_to_string(&err_path).unwrap_or_default(),
-        elapsed: start.elapsed(),
-    };
-    (outcome, status.is_some())
+        .env("TERM", "dumb");
+    real_cli::run_bounded(cmd, home, TURN_TIMEOUT)
 }
 
 /// A streamed Responses answer with the given output items, as OpenAI sends
@@ -382,18 +288,6 @@ fn count(h: &Harness, sql: &str) -> i64 {
 fn expect_ok(turn: &str, out: &Outcome) {
     eprintln!("{turn}: codex exit {:?} in {:.1?}", out.code, out.elapsed);
     assert!(out.ok(), "{turn}: codex failed\n{}", out.describe());
-}
-
-/// A long answer (~5 KB, ~1.2k tokens): what makes the session grow. The
-/// assistant's words are what a summary replaces (user messages are kept).
-fn long_answer(n: u32) -> String {
-    let mut a = format!("Answer {n}: here is what I found in the parser. ");
-    for i in 0..60 {
-        a.push_str(&format!(
-            "Step {n}.{i}: the lexer hands token {i} to parse_expr, which checks its span. "
-        ));
-    }
-    a
 }
 
 /// One turn whose answer is a reasoning item and a long message; the usage

@@ -607,8 +607,23 @@ async fn the_gemini_listing_tells_each_models_window() {
     assert_eq!(limits(&one), (json!(9000), json!(1000)), "{one}");
     assert_eq!(h.fake.last().unwrap().path, "/v1/models/my-gemini-pro");
 
+    // A key in the query goes upstream in the header, and nowhere in the
+    // query.
+    h.fake.push(Reply::json(200, json!({"models": []})));
+    let resp = within(
+        client()
+            .get(format!("{origin}/v1beta/models?key={key}&pageSize=5"))
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 200);
+    let asked = h.fake.last().unwrap();
+    assert_eq!(asked.query.as_deref(), Some("pageSize=5"));
+    assert_eq!(asked.headers.get("x-goog-api-key").unwrap(), key);
+
     // An error goes through as it came; a path that would leave the base
-    // is refused.
+    // is refused, in Google's shape.
     h.fake.push(Reply::json(
         400,
         json!({"error": {"code": 400, "message": "API key not valid.", "status": "INVALID_ARGUMENT"}}),
@@ -620,5 +635,7 @@ async fn the_gemini_listing_tells_each_models_window() {
     let asked = h.fake.count();
     let resp = within(get("/v1beta/models/a%2fb")).await.unwrap();
     assert_eq!(resp.status(), 400);
+    let error: Value = within(resp.json()).await.unwrap();
+    assert_eq!(error["error"]["status"], "INVALID_ARGUMENT", "{error}");
     assert_eq!(h.fake.count(), asked, "nothing sent upstream");
 }

@@ -66,7 +66,7 @@ async fn count_tokens(
 
 /// Moves a `key` query parameter into [`KEY_HEADER`] (a key already sent
 /// in a credential header wins, and the query's is dropped).
-fn key_into_header(req: &mut Request<Incoming>) -> Result<(), ProxyError> {
+pub(super) fn key_into_header(req: &mut Request<Incoming>) -> Result<(), ProxyError> {
     let Some(query) = req.uri().query() else {
         return Ok(());
     };

@@ -23,9 +23,10 @@ use serde_json::Value;
 
 use super::passthrough;
 use crate::app::AppState;
-use crate::error::{ProxyBody, ProxyError};
+use crate::error::{ErrorShape, ProxyBody, ProxyError};
 use crate::upstream::strip_hop_by_hop;
 use crate::windows::Source;
+use crate::wire::Api;
 
 /// The version prefixes of the listings: Gemini's, then everyone else's.
 const VERSIONS: [&str; 2] = ["/v1beta", "/v1"];
@@ -43,8 +44,21 @@ pub fn is_listing(path: &str) -> bool {
     below(path).is_some()
 }
 
-/// Forwards the listing request and annotates the answer.
-pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<ProxyBody> {
+/// Forwards the listing request and annotates the answer. Gemini's
+/// (`/v1beta/`) carries a key given in the query as `x-goog-api-key`, as
+/// Gemini's other endpoints do, and answers errors in Google's shape.
+pub async fn handle(state: Arc<AppState>, mut req: Request<Incoming>) -> Response<ProxyBody> {
+    let gemini = req.uri().path().starts_with("/v1beta/");
+    let shape = if gemini {
+        ErrorShape::Google
+    } else {
+        ErrorShape::OpenAi
+    };
+    if gemini {
+        if let Err(e) = super::gemini::key_into_header(&mut req) {
+            return e.into_response_as(shape);
+        }
+    }
     let (parts, _body) = req.into_parts();
     let url = passthrough::check_path(parts.uri.path()).and_then(|()| {
         let below = below(parts.uri.path()).unwrap_or_default();
@@ -52,17 +66,24 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
     });
     let url = match url {
         Ok(url) => url,
-        Err(e) => return e.into_response(),
+        Err(e) => return e.into_response_as(shape),
     };
-    // Unencoded, so the proxy can read it.
-    let headers = state.upstream.request_headers(&parts.headers, true);
+    // Unencoded, so the proxy can read it; a server-side key where the
+    // API reads it.
+    let headers = if gemini {
+        state
+            .upstream
+            .request_headers_for(Api::Gemini, &parts.headers, true)
+    } else {
+        state.upstream.request_headers(&parts.headers, true)
+    };
     let resp = match state
         .upstream
         .send_bodyless(parts.method.clone(), &url, headers)
         .await
     {
         Ok(r) => r,
-        Err(e) => return ProxyError::from(e).into_response(),
+        Err(e) => return ProxyError::from(e).into_response_as(shape),
     };
     let json = resp
         .headers()
@@ -77,7 +98,7 @@ pub async fn handle(state: Arc<AppState>, req: Request<Incoming>) -> Response<Pr
     let mut headers = strip_hop_by_hop(resp.headers());
     let body = match state.upstream.read_body(resp).await {
         Ok(b) => b,
-        Err(e) => return ProxyError::from(e).into_response(),
+        Err(e) => return ProxyError::from(e).into_response_as(shape),
     };
     let body = annotate(&state, &body).unwrap_or(body);
     headers.insert(header::CONTENT_LENGTH, HeaderValue::from(body.len()));

@@ -10,9 +10,12 @@
 #![allow(dead_code)]
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use crate::support::real_cli;
+pub use crate::support::real_cli::Outcome;
 
 /// The model Claude Code is told to use; `[[models]]` gives it a window.
 pub const MODEL: &str = "claude-tiny-1";
@@ -28,64 +31,7 @@ pub const MAX_OUTPUT: u64 = 1024;
 /// `scripts/claude.sh install` prints as its last line.
 pub fn claude_bin() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        if let Some(bin) = std::env::var_os("COMPACTOR_CLAUDE_BIN") {
-            let bin = PathBuf::from(bin);
-            assert!(
-                bin.is_file(),
-                "COMPACTOR_CLAUDE_BIN={} is not a file; run scripts/claude.sh install",
-                bin.display()
-            );
-            return bin;
-        }
-        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("scripts/claude.sh");
-        let out = Command::new(&script)
-            .arg("install")
-            .stderr(Stdio::inherit())
-            .output()
-            .unwrap_or_else(|e| panic!("running {}: {e}", script.display()));
-        assert!(
-            out.status.success(),
-            "scripts/claude.sh install failed ({}); the Claude Code tests need npm and the network once",
-            out.status
-        );
-        let stdout = String::from_utf8_lossy(&out.stdout);
-        let bin = PathBuf::from(stdout.lines().last().unwrap_or_default().trim());
-        assert!(
-            bin.is_file(),
-            "scripts/claude.sh printed no binary path: {stdout}"
-        );
-        bin
-    })
-}
-
-/// One finished `claude` process.
-#[derive(Debug)]
-pub struct Outcome {
-    pub code: Option<i32>,
-    pub stdout: String,
-    pub stderr: String,
-    pub elapsed: Duration,
-}
-
-impl Outcome {
-    pub fn describe(&self) -> String {
-        format!(
-            "exit {:?} after {:.1?}\n--- stdout\n{}\n--- stderr\n{}",
-            self.code,
-            self.elapsed,
-            self.stdout,
-            tail(&self.stderr, 4000)
-        )
-    }
-}
-
-fn tail(s: &str, n: usize) -> &str {
-    let mut start = s.len().saturating_sub(n);
-    while !s.is_char_boundary(start) {
-        start += 1;
-    }
-    &s[start..]
+    BIN.get_or_init(|| real_cli::installed("COMPACTOR_CLAUDE_BIN", "claude"))
 }
 
 /// A Claude Code installation of its own: `HOME` (its config dir inside)
@@ -177,13 +123,6 @@ fn run_bounded(
     config: &Path,
     work: &Path,
 ) -> (Outcome, bool) {
-    use std::os::unix::process::CommandExt;
-    let n = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let out_path = home.join(format!("stdout-{n}"));
-    let err_path = home.join(format!("stderr-{n}"));
     let mut cmd = Command::new(bin);
     cmd.args(args)
         .current_dir(work)
@@ -205,36 +144,8 @@ fn run_bounded(
         .env("NO_PROXY", "127.0.0.1,localhost")
         .env("LANG", "C.UTF-8")
         .env("TERM", "dumb")
-        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-        .stdin(Stdio::null())
-        .stdout(std::fs::File::create(&out_path).unwrap())
-        .stderr(std::fs::File::create(&err_path).unwrap())
-        // Its own process group, so a timeout kills the launcher and
-        // whatever it started (the Bash tool's shells) together.
-        .process_group(0);
-    let start = Instant::now();
-    let mut child = cmd
-        .spawn()
-        .unwrap_or_else(|e| panic!("spawning {}: {e}", bin.display()));
-    let status = loop {
-        if let Some(status) = child.try_wait().expect("try_wait") {
-            break Some(status);
-        }
-        if start.elapsed() > RUN_TIMEOUT {
-            let _ = Command::new("kill")
-                .args(["-KILL", "--", &format!("-{}", child.id())])
-                .status();
-            let _ = child.kill();
-            let _ = child.wait();
-            break None;
-        }
-        std::thread::sleep(Duration::from_millis(25));
-    };
-    let outcome = Outcome {
-        code: status.and_then(|s| s.code()),
-        stdout: std::fs::read_to_string(&out_path).unwrap_or_default(),
-        stderr: std::fs::read_to_string(&err_path).unwrap_or_default(),
-        elapsed: start.elapsed(),
-    };
-    (outcome, status.is_some())
+        .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    // Its own process group: a timeout kills the launcher and whatever it
+    // started (the Bash tool's shells) together.
+    real_cli::run_bounded(cmd, home, RUN_TIMEOUT)
 }

@@ -9,6 +9,7 @@
 
 pub mod ladder;
 pub mod postgres;
+pub mod real_cli;
 pub mod responses;
 
 use std::future::Future;

@@ -61,15 +61,15 @@ pub fn assumed_window(model: &str) -> u64 {
 /// The `model.compressionThreshold` that puts Gemini CLI's compression at
 /// the point the proxy's `window` calls for (see the module's header):
 /// half of it when `proxy_compacts` is false, a quarter past it when true.
-/// Rounded to six decimals (a fraction of a token at Gemini CLI's sizes).
+/// Not rounded: Gemini CLI multiplies it back by the window it assumes,
+/// which gives the point meant (exactly, for 1,048,576, a power of two).
 pub fn compression_threshold(model: &str, window: u64, proxy_compacts: bool) -> f64 {
     let share = if proxy_compacts {
         PAST_THE_WINDOW
     } else {
         OWN_SHARE
     };
-    let threshold = share * window as f64 / assumed_window(model) as f64;
-    (threshold * 1e6).round() / 1e6
+    share * window as f64 / assumed_window(model) as f64
 }
 
 /// The tokens of the last prompt at which Gemini CLI compresses, given
