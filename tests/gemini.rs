@@ -355,6 +355,8 @@ fn tool_output(step: usize) -> String {
 struct Agent {
     contents: Vec<Value>,
     step: usize,
+    /// Every third request streams.
+    stream: bool,
 }
 
 impl Agent {
@@ -362,6 +364,7 @@ impl Agent {
         Agent {
             contents: vec![user(task)],
             step: 0,
+            stream: false,
         }
     }
 
@@ -381,38 +384,61 @@ impl Agent {
         self.step += 1;
         let end_of_turn = step % 6 == 5;
         let id = format!("call-{step}");
-        let reply = if end_of_turn {
-            fake::text(&format!("Step {step} done."), 100, 5)
+        let mut first = if end_of_turn {
+            json!({ "text": format!("Step {step} done.") })
         } else {
-            let id = (step % 2 == 1).then_some(id.as_str());
-            fake::calls(
-                &[(
-                    "run_shell_command",
-                    json!({"command": format!("cargo test step{step}")}),
-                    id,
-                )],
-                100,
-                5,
-            )
+            let mut call = json!({"name": "run_shell_command",
+                "args": {"command": format!("cargo test step{step}")}});
+            if step % 2 == 1 {
+                call["id"] = json!(id);
+            }
+            json!({ "functionCall": call })
         };
-        h.fake
-            .push(compactor::fake_upstream::cache::edit_json(reply, |v| {
-                let parts = v["candidates"][0]["content"]["parts"]
-                    .as_array_mut()
-                    .unwrap();
-                parts[0]["thoughtSignature"] = json!(format!("sig-{step}"));
-                parts.push(json!({"executableCode": {"language": "PYTHON", "code": "print(1)"}}));
-            }));
+        first["thoughtSignature"] = json!(format!("sig-{step}"));
+        let unknown = json!({"executableCode": {"language": "PYTHON", "code": "print(1)"}});
+        let streamed = self.stream && step % 3 == 1;
         let raw = serde_json::to_vec(&self.body()).unwrap();
-        let (status, headers, bytes) = post_gemini(h, &generate(MODEL), Some(KEY), &raw).await;
+        // The upstream counts a token per 4 bytes, as the fake does.
+        let prompt = raw.len() as u64 / 4;
+        if streamed {
+            // Two chunks: the first part, then the rest with the end and usage.
+            let one = json!({"candidates": [{"content": {"role": "model", "parts": [first]}}],
+                "usageMetadata": {"promptTokenCount": prompt}});
+            let two = fake::body(json!([unknown]), prompt, 5);
+            h.fake.push(Reply::sse(vec![
+                format!("data: {one}\r\n\r\n"),
+                format!("data: {two}\r\n\r\n"),
+            ]));
+        } else {
+            h.fake.push(Reply::json(
+                200,
+                fake::body(json!([first, unknown]), prompt, 5),
+            ));
+        }
+        let path = if streamed {
+            format!("/v1beta/models/{MODEL}:streamGenerateContent?alt=sse")
+        } else {
+            generate(MODEL)
+        };
+        let (status, headers, bytes) = post_gemini(h, &path, Some(KEY), &raw).await;
         assert_eq!(
             status,
             200,
             "step {step}: {}",
             String::from_utf8_lossy(&bytes)
         );
-        let answer: Value = serde_json::from_slice(&bytes).unwrap();
-        let content = answer["candidates"][0]["content"].clone();
+        let content = if streamed {
+            let c = collect_stream(&bytes);
+            assert!(
+                c.finished(),
+                "step {step}: {}",
+                String::from_utf8_lossy(&bytes)
+            );
+            c.items().remove(0)
+        } else {
+            let answer: Value = serde_json::from_slice(&bytes).unwrap();
+            answer["candidates"][0]["content"].clone()
+        };
         let calls: Vec<Value> = compactor::wire::gemini::function_calls(&content)
             .cloned()
             .collect();
@@ -448,12 +474,14 @@ fn client_requests(h: &Harness) -> Vec<Value> {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_long_tool_loop_is_compacted_with_its_calls_paired_and_unknown_parts_kept() {
+async fn a_long_tool_loop_streamed_or_not_is_compacted_with_its_calls_paired_and_unknown_parts_kept(
+) {
     let h = Harness::start_with(tiny_gemini).await;
     // The fake refuses, as the API does, a response that does not answer
     // the calls right before it, and a prompt over the window.
     h.fake.set_messages_window(Some(6000));
     let mut agent = Agent::new("TASK: make every test in the workspace pass");
+    agent.stream = true;
     let mut compactions = std::collections::HashSet::new();
     for _ in 0..30 {
         let headers = agent.step(&h).await;
@@ -488,8 +516,8 @@ async fn a_long_tool_loop_is_compacted_with_its_calls_paired_and_unknown_parts_k
     // parts included.
     // (The last request went before its answer and the next message.)
     let n = agent.contents.len();
-    let tail = &agent.contents[n - 5..n - 2];
-    assert_eq!(&contents[contents.len() - 3..], tail);
+    let tail = &agent.contents[n - 4..n - 2];
+    assert_eq!(&contents[contents.len() - 2..], tail);
     let kept = |key: &str| {
         tail.iter().any(|c| {
             c["parts"]
@@ -542,10 +570,12 @@ async fn the_input_token_count_refusal_is_compacted_and_retried_unseen() {
     })
     .await;
     let mut agent = Agent::new("TASK: fix the build");
-    for _ in 0..8 {
+    agent.stream = true;
+    for _ in 0..7 {
         agent.step(&h).await;
     }
-    // The upstream's window turns out smaller than configured.
+    // The upstream's window turns out smaller than configured (and the
+    // refused request is a stream's).
     let before = h.fake.received().len();
     h.fake.set_messages_window(Some(2500));
     let headers = agent.step(&h).await;
@@ -563,7 +593,7 @@ async fn the_input_token_count_refusal_is_compacted_and_retried_unseen() {
         &*h.sql(),
         "SELECT count(*) FROM exchanges WHERE status = 200",
     );
-    assert_eq!(exchanges, 9);
+    assert_eq!(exchanges, 8);
 }
 
 #[tokio::test]
@@ -614,5 +644,57 @@ async fn an_inline_image_the_summary_replaces_leaves_a_marker() {
     assert!(
         sent.contains("[image omitted by compactor: 800×600 PNG, ~516 tokens] (in a user message)"),
         "{sent}"
+    );
+}
+
+/// A truncated tool output names its archived original; the model's call
+/// of `compactor_recall` for it is answered by the proxy, in Gemini's
+/// shape, and the client gets only the answer that follows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recall_call_is_answered_by_the_proxy_in_geminis_shape() {
+    let h = Harness::start_with(|c| {
+        tiny_gemini(c);
+        c.compaction.tool_output_max_bytes = 600;
+        c.compaction.tool_output_keep_bytes = 200;
+    })
+    .await;
+    let mut agent = Agent::new("TASK: make every test in the workspace pass");
+    let mut reference = None;
+    for _ in 0..30 {
+        agent.step(&h).await;
+        let sent = client_requests(&h).pop().unwrap().to_string();
+        let offered = sent.contains("compactor_recall");
+        if let (true, Some(at)) = (offered, sent.find("archived as item:")) {
+            let start = at + "archived as ".len();
+            reference = Some(sent[start..start + "item:".len() + 16].to_string());
+            break;
+        }
+    }
+    let reference = reference.expect("a truncated output, the recall tool offered");
+    h.fake.push(fake::calls(
+        &[("compactor_recall", json!({ "ref": reference }), Some("r-1"))],
+        100,
+        5,
+    ));
+    h.fake.push(fake::text("Recalled it.", 100, 5));
+    let raw = serde_json::to_vec(&agent.body()).unwrap();
+    let (status, _, bytes) = post_gemini(&h, &generate(MODEL), Some(KEY), &raw).await;
+    assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+    let answer: Value = serde_json::from_slice(&bytes).unwrap();
+    assert_eq!(
+        answer["candidates"][0]["content"]["parts"][0]["text"],
+        "Recalled it."
+    );
+    assert!(!String::from_utf8_lossy(&bytes).contains("compactor_recall"));
+    let continued = client_requests(&h).pop().unwrap();
+    let contents = continued["contents"].as_array().unwrap();
+    let response = &contents[contents.len() - 1]["parts"][0]["functionResponse"];
+    assert_eq!(response["name"], "compactor_recall");
+    assert_eq!(response["id"], "r-1");
+    let text = response["response"]["output"].as_str().unwrap();
+    assert!(text.contains("Exit Code: 0"), "the original, whole: {text}");
+    assert_eq!(
+        contents[contents.len() - 2]["parts"][0]["functionCall"]["name"],
+        "compactor_recall"
     );
 }

@@ -181,7 +181,7 @@ mod tests {
 
     #[test]
     fn definitions_are_byte_stable_in_each_shape() {
-        for api in [Api::Chat, Api::Responses, Api::Messages] {
+        for api in [Api::Chat, Api::Responses, Api::Messages, Api::Gemini] {
             let a = serde_json::to_vec(&definition(api)).unwrap();
             let b = serde_json::to_vec(&definition(api)).unwrap();
             assert_eq!(a, b);

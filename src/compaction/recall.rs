@@ -129,9 +129,12 @@ fn echoed(reference: &str) -> String {
     }
 }
 
-/// The text of a tool output (every `tool_result` of an Anthropic message).
+/// The text of a tool output (every `tool_result` of an Anthropic message,
+/// every `functionResponse` of a Gemini content).
 fn output_text(item: &Value) -> String {
-    if crate::wire::messages::is_tool_result_message(item) {
+    if crate::wire::messages::is_tool_result_message(item)
+        || crate::wire::gemini::is_function_response(item)
+    {
         return super::items::text_of(item);
     }
     item.get(output_field(item))

@@ -136,11 +136,26 @@ pub(super) fn text_of(v: &Value, k: &str) -> String {
     v.get(k).and_then(Value::as_str).unwrap_or("").to_string()
 }
 
-/// A tool definition's name, in any API's shape.
+/// A tool definition's name, in any API's shape (a Gemini tool's first
+/// function declaration's).
 pub fn tool_name(tool: &Value) -> Option<&str> {
-    tool.pointer("/function/name")
+    tool_names(tool).next()
+}
+
+/// The names a tool definition declares: one, or a Gemini tool's
+/// `functionDeclarations`, each.
+fn tool_names(tool: &Value) -> impl Iterator<Item = &str> {
+    let one = tool
+        .pointer("/function/name")
         .or_else(|| tool.get("name"))
-        .and_then(Value::as_str)
+        .and_then(Value::as_str);
+    let declared = tool
+        .get("functionDeclarations")
+        .and_then(Value::as_array)
+        .into_iter()
+        .flatten()
+        .filter_map(|d| d.get("name").and_then(Value::as_str));
+    one.into_iter().chain(declared)
 }
 
 /// Whether the proxy may add its tool `name` to a request (`body`, with
@@ -153,11 +168,14 @@ pub fn tool_name(tool: &Value) -> Option<&str> {
 pub fn may_add_tool(body: &Value, tools: Option<&Value>, name: &str) -> bool {
     let list = tools.and_then(Value::as_array);
     let has_tools = list.is_some_and(|t| !t.is_empty());
-    let taken = list.is_some_and(|t| t.iter().any(|t| tool_name(t) == Some(name)));
-    let allowed = body.get("tool_choice").and_then(Value::as_str) != Some("none");
-    let one_choice = body
-        .get("n")
-        .is_none_or(|n| n.is_null() || n.as_u64() == Some(1));
+    let taken = list.is_some_and(|t| t.iter().flat_map(tool_names).any(|n| n == name));
+    let allowed = body.get("tool_choice").and_then(Value::as_str) != Some("none")
+        && body
+            .pointer("/toolConfig/functionCallingConfig/mode")
+            .and_then(Value::as_str)
+            != Some("NONE");
+    let one = |n: Option<&Value>| n.is_none_or(|n| n.is_null() || n.as_u64() == Some(1));
+    let one_choice = one(body.get("n")) && one(body.pointer("/generationConfig/candidateCount"));
     let stateless = body.get("previous_response_id").is_none_or(Value::is_null);
     has_tools && !taken && allowed && one_choice && stateless
 }
