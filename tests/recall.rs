@@ -294,6 +294,87 @@ async fn a_recall_beside_a_client_tool_call_is_sent_again_without_the_tool() {
         .contains(TOOL));
 }
 
+/// A client that changes its own tools after the proxy compacted: the
+/// same conversation, still compacted; the upstream gets the client's
+/// tools byte for byte as it sent them, then the recall tool, the same
+/// definition every time; a recall after the change is answered by the
+/// proxy. A request without tools of its own is offered none (nothing
+/// could call it) and still goes compacted; its tools back, the recall
+/// tool is back after them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_changes_its_tools_keeps_its_conversation_and_its_recall() {
+    let h = Harness::start_with(small_window).await;
+    let key = "sk-recall-tools-change";
+    let (history, reference) = conversation("tools");
+    compacted(&h, key, &history).await;
+    let url = format!("{}/chat/completions", h.url());
+    let recall = compactor::compaction::recall::definition(compactor::wire::Api::Chat);
+    // The shell's description edited, a tool added.
+    let tools = json!([
+        {"type": "function", "function": {"name": "shell", "description": "run a command in bash",
+            "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}}}},
+        {"type": "function", "function": {"name": "read_file", "description": "read a file",
+            "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}
+    ]);
+    let mut body = next_turn(&history, false);
+    body["tools"] = tools.clone();
+    let call = recall_call("call_r", &reference);
+    h.fake.push(Reply::chat_tool_calls(
+        &[(&call.0, &call.1, &call.2)],
+        900,
+        12,
+    ));
+    h.fake.push(Reply::chat("E0308 in src/tools.rs.", 1500, 9));
+    let (status, headers, answer) = post(&url, key, &body).await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let answer: Value = serde_json::from_slice(&answer).unwrap();
+    assert_eq!(
+        answer["choices"][0]["message"]["content"],
+        "E0308 in src/tools.rs."
+    );
+    let received = h.fake.received();
+    let offered = &received[received.len() - 2];
+    let text = String::from_utf8_lossy(&offered.body);
+    let clients = serde_json::to_string(&tools).unwrap();
+    let recall_bytes = serde_json::to_string(&recall).unwrap();
+    assert!(
+        text.contains(&format!(
+            "{},{recall_bytes}]",
+            &clients[..clients.len() - 1]
+        )),
+        "the client's tools as it sent them, then the recall tool: {text}"
+    );
+    assert!(recalled_text(&h).starts_with("error[E0308]: mismatched types in src/tools.rs"));
+    // Without tools of its own.
+    let mut body = next_turn(&history, false);
+    body.as_object_mut().unwrap().remove("tools");
+    h.fake.push(Reply::chat("Nothing to run.", 800, 5));
+    let (status, headers, _) = post(&url, key, &body).await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
+    let sent = h.fake.last().unwrap().json();
+    assert!(sent.get("tools").is_none(), "{sent}");
+    assert!(
+        sent["messages"].to_string().contains("original archived"),
+        "compacted"
+    );
+    // Its tools back.
+    let mut body = next_turn(&history, false);
+    body["tools"] = tools.clone();
+    h.fake.push(Reply::chat("Back to work.", 800, 5));
+    assert_eq!(post(&url, key, &body).await.0, 200);
+    let sent = h.fake.last().unwrap().json();
+    assert_eq!(sent["tools"], json!([tools[0], tools[1], recall]));
+    let conversations: Vec<String> =
+        support::column(&*h.sql(), "SELECT DISTINCT conversation_id FROM exchanges");
+    assert_eq!(
+        conversations.len(),
+        1,
+        "one conversation: {conversations:?}"
+    );
+}
+
 /// The same agent conversation in the Responses API's items.
 fn responses_conversation() -> (Vec<Value>, String) {
     let log = format!(
