@@ -189,6 +189,19 @@ async fn codexs_summary_gets_what_it_left_out() {
     }
     assert_eq!(last["input"][0], next[0]);
     assert_eq!(last["input"][2], next[2]);
+    let repeats = || h.state.metrics.storms().client_compaction_repeats();
+    assert_eq!(repeats(), 0, "a first compaction is no repeat");
+    // Codex compacts its new window at once: a repeat, forwarded as it came.
+    let mut again = next.clone();
+    again.push(user(
+        "You are performing a CONTEXT CHECKPOINT COMPACTION. Create a handoff summary.",
+    ));
+    post(again.clone(), true).await;
+    assert_eq!(repeats(), 1);
+    assert_eq!(
+        h.fake.received().pop().unwrap().json()["input"],
+        json!(again)
+    );
 }
 
 /// `messages` with Claude Code's summary instruction after them.
