@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 
 use compactor::compaction::summary::SUMMARIZER_MARKER;
 use compactor::config::{Config, ModelConfig};
-use compactor::fake_upstream::{FakeUpstream, Received, Reply};
+use compactor::fake_upstream::{gemini, FakeUpstream, Received, Reply};
 use serde_json::{json, Value};
 use support::real_cli::{self, long_answer, Outcome};
 use support::{number, Harness};
@@ -85,6 +85,12 @@ impl Gemini {
     /// The user's settings (nothing phones home), then `compactor connect
     /// gemini-cli --write --yes` for [`MODEL`] at the harness's proxy.
     async fn connect(h: &Harness) -> Gemini {
+        Self::connect_with(h, "").await
+    }
+
+    /// [`Gemini::connect`] with `toml` added to the proxy.toml `connect`
+    /// reads (the harness's own settings are its config's).
+    async fn connect_with(h: &Harness, toml: &str) -> Gemini {
         let home = tempfile::tempdir().expect("tempdir");
         let work = tempfile::tempdir().expect("tempdir");
         std::fs::write(
@@ -101,7 +107,7 @@ impl Gemini {
         });
         std::fs::write(dir.join("settings.json"), mine.to_string()).unwrap();
         let config = home.path().join("proxy.toml");
-        std::fs::write(&config, small_window_toml()).unwrap();
+        std::fs::write(&config, format!("{}{toml}", small_window_toml())).unwrap();
         let listen = h.addr.to_string();
         let gemini = Gemini { home, work, listen };
         let args = [
@@ -545,4 +551,92 @@ async fn the_recorded_gemini_cli_turn_goes_through_as_sent() {
         1,
         "the tool call's result continues the turn's conversation"
     );
+}
+
+/// With the proxy set to observe, `connect gemini-cli` puts Gemini CLI's
+/// own compression at half the proxy's window: the real CLI compresses
+/// once a prompt reported past that, not before, with the model written
+/// for it (not gemini-3-pro-preview, its choice for a name it does not
+/// know), and the proxy forwards all of it as it came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the Gemini CLI: run scripts/test"]
+async fn gemini_cli_compresses_by_itself_at_half_the_window_when_the_proxy_observes() {
+    let h = Harness::start_with(|c| {
+        small_window(c);
+        c.compaction.mode = compactor::config::Mode::Observe;
+    })
+    .await;
+    let gemini = Gemini::connect_with(&h, "[compaction]\nmode = \"observe\"\n").await;
+    let share = gemini.settings()["model"]["compressionThreshold"]
+        .as_f64()
+        .unwrap();
+    let point = (share * ASSUMED).round() as u64;
+    assert_eq!(point, WINDOW / 2);
+
+    // Turn 1: a long answer. A resumed session starts from Gemini CLI's
+    // own estimate of its history (no system prompt, no tools), so what
+    // it compares with the point is a prompt reported within a process:
+    // turn 2 is a tool loop, its first call reported under the point, its
+    // second past it.
+    h.fake.push(sse(long_parts(1), 5_000));
+    let out = gemini.first("turn 1: what does the parser do next?").await;
+    expect_ok("turn 1", &out);
+    let call = |reported| {
+        sse(
+            vec![
+                json!({"functionCall": {"name": "read_file", "args": {"file_path": "notes.txt"}}}),
+            ],
+            reported,
+        )
+    };
+    h.fake.push(call(point - 100));
+    h.fake.push(call(point + 100));
+    // Its compression's two calls, when they come, then the turn's end.
+    let snapshot = "<state_snapshot>the parser, turn 1</state_snapshot>";
+    h.fake.push(gemini::text(snapshot, 4_000, 50));
+    h.fake.push(gemini::text(snapshot, 4_100, 50));
+    h.fake
+        .push(sse(vec![json!({"text": "Answer 2: done."})], 3_000));
+    let out = gemini.next("turn 2: read the notes twice").await;
+    expect_ok("turn 2", &out);
+    assert!(out.stdout.contains("Answer 2: done."), "{}", out.describe());
+
+    // Gemini CLI compressed once, after the prompt reported past the point
+    // and before the request that followed it: a summary and a check of
+    // it, each a generateContent call.
+    let received = h.fake.received();
+    let stream_at: Vec<usize> = (0..received.len())
+        .filter(|&i| received[i].path.ends_with(":streamGenerateContent"))
+        .collect();
+    assert_eq!(stream_at.len(), 4, "turn 1, then turn 2's three requests");
+    let own: Vec<usize> = (0..received.len())
+        .filter(|&i| received[i].path.ends_with(":generateContent"))
+        .collect();
+    assert_eq!(own.len(), 2, "a summary and its check");
+    assert!(
+        own.iter().all(|&i| stream_at[2] < i && i < stream_at[3]),
+        "after the prompt past the point, not after the one under it: {own:?} {stream_at:?}"
+    );
+    for &i in &own {
+        let r = &received[i];
+        assert_eq!(r.path, format!("/v1/models/{MODEL}:generateContent"));
+        assert!(
+            r.json().to_string().contains("state_snapshot"),
+            "its compression prompt"
+        );
+    }
+    let last = turns(&h.fake).pop().unwrap().json();
+    let sent = texts(&last);
+    assert!(
+        sent.iter()
+            .any(|t| t.contains("Got it. Thanks for the additional context!")),
+        "turn 2 went on with Gemini CLI's summary: {sent:?}"
+    );
+    assert!(
+        !sent.iter().any(|t| t.contains("Answer 1: ")),
+        "turn 1's answer was compressed away"
+    );
+    // The proxy only observed: nothing of its own reached the upstream.
+    assert!(!h.fake.received().iter().any(is_summary_call));
+    assert!(!has_summary(&last));
 }

@@ -20,7 +20,7 @@
 use std::path::PathBuf;
 
 use anyhow::Context;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 use super::agents::{json_object, object_at, pretty};
 use super::target::{anthropic_base_url, env_dir, Target};
@@ -32,6 +32,10 @@ pub const BASE_URL_VAR: &str = "GOOGLE_GEMINI_BASE_URL";
 /// The auth type under which Gemini CLI sends `GEMINI_API_KEY` to
 /// [`BASE_URL_VAR`].
 pub const AUTH_TYPE: &str = "gemini-api-key";
+
+/// The preset Gemini CLI's own compression uses for a model it has no
+/// preset of its own for (in `modelConfigs.customAliases`).
+const COMPRESSION_ALIAS: &str = "chat-compression-default";
 
 /// Gemini CLI's own compression share, used when the proxy only observes.
 const OWN_SHARE: f64 = 0.5;
@@ -79,8 +83,9 @@ fn compression_point(model: &str, threshold: f64) -> u64 {
 }
 
 /// Gemini CLI's `settings.json`: `security.auth.selectedType` API-key
-/// auth, `model.name`, and `model.compressionThreshold` from the window and
-/// whether the proxy compacts; every other key kept in its place.
+/// auth, `model.name`, `model.compressionThreshold` from the window and
+/// whether the proxy compacts, and the model its own compression calls;
+/// every other key kept in its place.
 pub fn settings(existing: Option<&str>, t: &Target) -> anyhow::Result<String> {
     let mut doc = json_object(existing)?;
     let map = doc.as_object_mut().context("not a JSON object")?;
@@ -92,6 +97,14 @@ pub fn settings(existing: Option<&str>, t: &Target) -> anyhow::Result<String> {
     model.insert(
         "compressionThreshold".into(),
         serde_json::Number::from_f64(threshold).map_or(Value::Null, Value::Number),
+    );
+    // Its compression of a model it has no preset for calls
+    // gemini-3-pro-preview: this one calls the model written, which the
+    // proxy serves.
+    let aliases = object_at(object_at(map, "modelConfigs")?, "customAliases")?;
+    aliases.insert(
+        COMPRESSION_ALIAS.into(),
+        json!({"modelConfig": {"model": t.model}}),
     );
     pretty(&doc)
 }
@@ -169,6 +182,10 @@ mod tests {
         assert_eq!(v["model"]["compressionThreshold"], 0.15625);
         assert_eq!(v["security"]["auth"]["selectedType"], "gemini-api-key");
         assert_eq!(v["security"]["folderTrust"]["enabled"], true);
+        assert_eq!(
+            v["modelConfigs"]["customAliases"]["chat-compression-default"]["modelConfig"]["model"],
+            "gemini-2.5-flash"
+        );
         assert_eq!(
             settings(Some(&new), &target(true)).unwrap(),
             new,
