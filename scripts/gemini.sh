@@ -52,6 +52,8 @@ install() {
     return 0
   fi
   command -v npm >/dev/null || die "npm not found (Node.js >= 20 is needed)"
+  node -e 'process.exit(Number(process.versions.node.split(".")[0]) >= 20 ? 0 : 1)' \
+    || die "Gemini CLI $GEMINI_VERSION needs Node.js >= 20; this is $(node --version)"
   mkdir -p "$PREFIX"
   # A package.json of our own keeps npm from walking up to some parent project.
   [[ -f "$PREFIX/package.json" ]] \
