@@ -1706,7 +1706,53 @@ fn breakdown(o: &Opts) {
          thread — cold = all items new)"
     );
     compacted_steps(reps, &median_us);
+    sent_steps(reps, &median_us);
     tee_per_chunk(reps);
+}
+
+/// What every recorded Chat Completions or Messages exchange keeps for a
+/// summary call that may repeat it (`engine::Sent`, made when the record
+/// decides on the next compaction): its body as sent put together at once
+/// (the client's tools parsed and listed with the proxy's), or only when a
+/// compaction reads it. The client's bytes are split afresh each time, as
+/// each request's are, so the tools are parsed again as each request's
+/// would be.
+fn sent_steps(reps: usize, median_us: &dyn Fn(usize, &mut dyn FnMut()) -> f64) {
+    use compactor::engine::Sent;
+    use compactor::wire::items::{split_body, ItemCaches, Tools};
+    use compactor::wire::Api;
+    println!("what a recorded exchange keeps for a summary call, one thread, median µs:");
+    for size in [30_000, 300_000] {
+        let head = body_head(false);
+        let tail = b"]}";
+        let mut conv = Conv::new(1 << 16, size, head.len() + tail.len(), Shape::Chat);
+        let body = bytes::Bytes::from(conv.body(&head, tail).0);
+        let caches = ItemCaches::default();
+        let split = split_body(&body, "messages").expect("body splits");
+        let (span, key) = split.tools.clone().expect("the bench's bodies have tools");
+        let sent = || {
+            let tools = Tools::raw(body.clone(), span.clone(), key, &caches);
+            Sent::new(
+                Api::Chat,
+                split.body.clone(),
+                Some(tools),
+                (false, false),
+                http::HeaderMap::new(),
+            )
+        };
+        let eager = median_us(reps, &mut || {
+            let sent = sent();
+            std::hint::black_box(sent.body());
+        });
+        let lazy = median_us(reps, &mut || {
+            std::hint::black_box(sent());
+        });
+        println!(
+            "  {:>5.1} KB body, {:.1} KB of tools: made at once {eager:.1}, made when read {lazy:.1}",
+            body.len() as f64 / 1000.0,
+            span.len() as f64 / 1000.0,
+        );
+    }
 }
 
 /// What a request a stored compaction applies to costs beyond the

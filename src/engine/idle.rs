@@ -62,7 +62,7 @@ fn ttl_of<S: Context>(state: &Arc<S>, input: &Input) -> Duration {
         .request
         .sent
         .as_ref()
-        .is_some_and(|s| asks_hour(s.body.get("system")) || asks_hour(s.body.get("tools")))
+        .is_some_and(|s| asks_hour(s.body().get("system")) || asks_hour(s.body().get("tools")))
         || (0..input.request.view.len())
             .rev()
             .take(4)

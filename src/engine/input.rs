@@ -1,13 +1,13 @@
 //! What a compaction starts from: the request as it would go upstream,
 //! what is asked of the result, and what the upstream last saw.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
 use http::HeaderMap;
 use serde_json::Value;
 
 use crate::compaction::policy::Stated;
-use crate::compaction::Compaction;
+use crate::compaction::{agent_tool, recall, Compaction};
 use crate::wire::items::{ItemList, Tools};
 use crate::wire::{Api, ItemHash};
 
@@ -105,16 +105,81 @@ pub struct Serving {
 /// (the [`Request::view`]): a summary call that repeats it, with one user
 /// message appended, reads everything before that message from the
 /// upstream's prompt cache (see `engine::summarizer`).
-#[derive(Debug, Clone)]
+///
+/// Every exchange makes one, and few are read (a compaction's summary
+/// call, an idle watch): the body as sent is put together on its first
+/// read ([`Sent::body`]), so an exchange that no compaction follows never
+/// parses its tools, nor lists the proxy's among them.
 pub struct Sent {
-    /// The body without its items: the model, `system`, `tool_choice`,
-    /// thinking, sampling parameters, and `tools` as sent (the proxy's
-    /// own among them).
-    pub body: Value,
+    api: Api,
+    /// The body without its items and tools.
+    params: Value,
+    /// The client's tools, as it sent them.
+    tools: Option<Tools>,
+    /// Whether `compactor_compact` and `compactor_recall` went with them.
+    offered: (bool, bool),
     /// The request's provider headers that decide what its body means
     /// (`anthropic-version`, `anthropic-beta`); the credentials are
     /// [`Who::auth`].
     pub headers: HeaderMap,
+    body: OnceLock<Value>,
+}
+
+impl Sent {
+    /// What went upstream of an `api` request: `params` (its body without
+    /// items and tools), the client's `tools`, whether the proxy's
+    /// `compactor_compact` and `compactor_recall` were `offered` after
+    /// them, and its provider `headers`.
+    pub fn new(
+        api: Api,
+        params: Value,
+        tools: Option<Tools>,
+        offered: (bool, bool),
+        headers: HeaderMap,
+    ) -> Sent {
+        Sent {
+            api,
+            params,
+            tools,
+            offered,
+            headers,
+            body: OnceLock::new(),
+        }
+    }
+
+    /// The body without its items: the model, `system`, `tool_choice`,
+    /// thinking, sampling parameters, and `tools` as sent (the proxy's own
+    /// among them).
+    pub fn body(&self) -> &Value {
+        self.body.get_or_init(|| {
+            let mut body = self.params.clone();
+            if let Some(object) = body.as_object_mut() {
+                match self.tools.as_ref().map(Tools::value) {
+                    Some(tools) => {
+                        let (agent, offered_recall) = self.offered;
+                        let recall = offered_recall.then(|| recall::definition(self.api));
+                        let listed = agent_tool::with_tools(self.api, tools, agent, recall);
+                        object.insert("tools".into(), listed);
+                    }
+                    None => {
+                        object.remove("tools");
+                    }
+                }
+            }
+            body
+        })
+    }
+}
+
+impl std::fmt::Debug for Sent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Sent")
+            .field("api", &self.api)
+            .field("params", &self.params)
+            .field("tools", &self.tools.as_ref().map(|t| t.hash))
+            .field("offered", &self.offered)
+            .finish_non_exhaustive()
+    }
 }
 
 /// What a compaction must achieve; it escalates past the ladder until it
@@ -142,5 +207,57 @@ pub(super) fn goal_kind(goal: Goal) -> &'static str {
         Goal::Shrink => "shrink",
         Goal::HardLimit => "hard_limit",
         Goal::Overflow { .. } => "overflow",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #![allow(clippy::unwrap_used, clippy::expect_used)]
+    use super::*;
+    use crate::wire::items::{split_body, ItemCaches};
+
+    /// The body a summary call repeats: the parameters, then the client's
+    /// tools with the proxy's offered after them, put together when first
+    /// read and the same on every read.
+    #[test]
+    fn the_body_as_sent_lists_the_proxys_tools_after_the_clients() {
+        let raw = bytes::Bytes::from_static(
+            br#"{"model":"m","tools":[{"type":"function","function":{"name":"read"}}],"messages":[{"role":"user","content":"hi"}]}"#,
+        );
+        let split = split_body(&raw, "messages").expect("splits");
+        let caches = ItemCaches::default();
+        let (span, key) = split.tools.expect("tools");
+        let tools = Tools::raw(raw.clone(), span, key, &caches);
+        let names = |body: &Value| -> Vec<String> {
+            body["tools"]
+                .as_array()
+                .expect("tools")
+                .iter()
+                .map(|t| {
+                    let name = t.pointer("/function/name").or_else(|| t.get("name"));
+                    name.and_then(Value::as_str).unwrap_or_default().to_string()
+                })
+                .collect()
+        };
+        let sent = Sent::new(
+            Api::Chat,
+            split.body.clone(),
+            Some(tools.clone()),
+            (true, true),
+            HeaderMap::new(),
+        );
+        assert_eq!(names(sent.body()), ["read", agent_tool::TOOL, recall::TOOL]);
+        assert_eq!(sent.body()["model"], "m");
+        assert!(std::ptr::eq(sent.body(), sent.body()));
+        let plain = Sent::new(
+            Api::Chat,
+            split.body.clone(),
+            Some(tools),
+            (false, false),
+            HeaderMap::new(),
+        );
+        assert_eq!(names(plain.body()), ["read"]);
+        let none = Sent::new(Api::Chat, split.body, None, (true, true), HeaderMap::new());
+        assert!(none.body().get("tools").is_none());
     }
 }

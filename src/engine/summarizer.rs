@@ -485,7 +485,7 @@ pub(super) fn cached_body<S: Context>(
     {
         return None;
     }
-    let forced = match sent.body.get("tool_choice") {
+    let forced = match sent.body().get("tool_choice") {
         Some(Value::String(s)) => s == "required" || s == "any",
         Some(Value::Object(o)) => o
             .get("type")
@@ -496,7 +496,7 @@ pub(super) fn cached_body<S: Context>(
     if forced {
         return None;
     }
-    let mut body = sent.body.clone();
+    let mut body = sent.body().clone();
     let object = body.as_object_mut()?;
     let instruction = summary::cached_instruction(continuing);
     let mut items = input.request.view.values().to_vec();

@@ -149,21 +149,12 @@ impl PendingExchange {
         if !api.summary_repeats_request() || !request.mode().rewrites() {
             return None;
         }
-        let mut body = request.body().clone();
-        let object = body.as_object_mut()?;
-        match request.tools().map(Tools::value) {
-            Some(tools) => {
-                let recall = self.offered.recall.then(|| recall::definition(api));
-                let listed = agent_tool::with_tools(api, tools, self.offered.agent_tool, recall);
-                object.insert("tools".into(), listed);
-            }
-            None => {
-                object.remove("tools");
-            }
-        }
-        Some(Arc::new(engine::Sent {
-            body,
-            headers: request.provider_headers().clone(),
-        }))
+        Some(Arc::new(engine::Sent::new(
+            api,
+            request.body().clone(),
+            request.tools().cloned(),
+            (self.offered.agent_tool, self.offered.recall),
+            request.provider_headers().clone(),
+        )))
     }
 }
