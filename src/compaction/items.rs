@@ -1,12 +1,13 @@
-//! What the compaction layer needs to know about an item, for the three wire
+//! What the compaction layer needs to know about an item, for the four wire
 //! formats: is it leading system text, a real user message, a tool call or a
 //! tool output, and which call ids pair them.
 //!
 //! Chat items carry a `role`; Responses items a `type` (messages may carry
 //! only a `role`); an Anthropic message a `role` and content blocks, where a
 //! `tool_use` block is a call and a user message holding `tool_result`
-//! blocks answers them (several at once). The helpers look at all of these,
-//! so one pure layer serves the three APIs.
+//! blocks answers them (several at once); a Gemini content a `role` and
+//! parts, `functionCall` and `functionResponse` among them. The helpers look
+//! at all of these, so one pure layer serves the four APIs.
 
 use serde_json::Value;
 

@@ -1,5 +1,6 @@
-//! Tool calls in the three wire formats (Chat Completions `tool_calls`, Responses
-//! `*_call` items, hosted tools that carry their own outcome, Messages `tool_use`) and their
+//! Tool calls in the four wire formats (Chat Completions `tool_calls`, Responses
+//! `*_call` items, hosted tools that carry their own outcome, Messages `tool_use`,
+//! Gemini `functionCall`) and their
 //! one-line rendering for the tool-call log.
 
 use serde_json::Value;

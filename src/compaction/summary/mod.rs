@@ -49,7 +49,7 @@
 //! Where each part lives:
 //!
 //! - `facts`: the [`Facts`] record, the task, [`extract_facts`]
-//! - `calls`: tool calls in the three wire formats, the tool-log line
+//! - `calls`: tool calls in the four wire formats, the tool-log line
 //! - `errors`: exit status and exact failures of a tool output
 //! - `failures`: failure markers and the blocks quoted around them
 //! - `edits`: patches, edits, writes, heredocs and their effect on files
