@@ -127,27 +127,8 @@ async fn ordinary_passthrough_still_reaches_the_upstream_as_sent() {
 /// descriptors run out.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_that_comes_back_to_the_proxy_gets_508_instead_of_recursing() {
-    let forwarder = within(tokio::net::TcpListener::bind("127.0.0.1:0"))
-        .await
-        .unwrap();
-    let forwarder_url = format!("http://{}/v1", forwarder.local_addr().unwrap());
-    let target: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
-    let forwarded = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    let (to, count) = (target.clone(), forwarded.clone());
-    tokio::spawn(async move {
-        while let Ok((mut inbound, _)) = forwarder.accept().await {
-            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-            let Some(addr) = *to.lock().unwrap() else {
-                continue;
-            };
-            tokio::spawn(async move {
-                if let Ok(mut outbound) = TcpStream::connect(addr).await {
-                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
-                }
-            });
-        }
-    });
-    let h = Harness::start_with(|c| c.upstream.base_url = forwarder_url).await;
+    let (forwarder, target, forwarded) = loop_forwarder().await;
+    let h = Harness::start_with(|c| c.upstream.base_url = format!("{forwarder}/v1")).await;
     *target.lock().unwrap() = Some(h.addr);
 
     let c = client();
@@ -184,6 +165,59 @@ async fn a_request_that_comes_back_to_the_proxy_gets_508_instead_of_recursing() 
         .await
         .unwrap();
     assert_eq!(health.status(), 200);
+}
+
+/// Gemini's endpoints live under `/v1beta/`, outside `/v1/`: a Gemini
+/// request that comes back to the proxy there is caught as well.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_gemini_request_that_comes_back_to_the_proxy_gets_508() {
+    let (forwarder, target, forwarded) = loop_forwarder().await;
+    let h = Harness::start_with(|c| c.upstream.base_url = format!("{forwarder}/v1beta")).await;
+    *target.lock().unwrap() = Some(h.addr);
+    let resp = within(
+        client()
+            .post(format!("http://{}/v1beta/models/m:generateContent", h.addr))
+            .header("x-goog-api-key", KEY)
+            .json(&json!({"contents": [{"role": "user", "parts": [{"text": "loop?"}]}]}))
+            .send(),
+    )
+    .await
+    .unwrap();
+    assert_eq!(resp.status(), 508);
+    let trips = forwarded.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(trips, 1, "{trips} connections round the loop");
+}
+
+/// A TCP forwarder to the address put in its target once known (the
+/// proxy's own): an upstream that points back at the proxy under a
+/// spelling the start-up check cannot know. Its root URL, its target, and
+/// how many connections it forwarded.
+async fn loop_forwarder() -> (
+    String,
+    Arc<Mutex<Option<SocketAddr>>>,
+    Arc<std::sync::atomic::AtomicUsize>,
+) {
+    let forwarder = within(tokio::net::TcpListener::bind("127.0.0.1:0"))
+        .await
+        .unwrap();
+    let root = format!("http://{}", forwarder.local_addr().unwrap());
+    let target: Arc<Mutex<Option<SocketAddr>>> = Arc::default();
+    let forwarded = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (to, count) = (target.clone(), forwarded.clone());
+    tokio::spawn(async move {
+        while let Ok((mut inbound, _)) = forwarder.accept().await {
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let Some(addr) = *to.lock().unwrap() else {
+                continue;
+            };
+            tokio::spawn(async move {
+                if let Ok(mut outbound) = TcpStream::connect(addr).await {
+                    let _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound).await;
+                }
+            });
+        }
+    });
+    (root, target, forwarded)
 }
 
 /// A stream still going when the shutdown grace period ends is cut, and

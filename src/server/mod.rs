@@ -510,7 +510,10 @@ async fn route(
         let metrics_state = state.clone();
         let (endpoint, response) = match (&method, path.as_str()) {
             // Counted under `other`: the metrics' endpoint labels are fixed.
-            (_, p) if p.starts_with("/v1/") && state.upstream.looped(req.headers()) => {
+            (_, p)
+                if (p.starts_with("/v1/") || p.starts_with("/v1beta/"))
+                    && state.upstream.looped(req.headers()) =>
+            {
                 ("other", ProxyError::LoopDetected.into_response())
             }
             // Someone who opens the proxy's address finds where to go; JSON,
