@@ -22,7 +22,12 @@ type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
 
 /// Opens a WebSocket on the proxy's `/v1/responses` with `key`.
 async fn connect(h: &Harness, key: &str) -> Ws {
-    let mut req = format!("ws://{}/v1/responses", h.addr)
+    connect_to(h.addr, key).await
+}
+
+/// Opens a WebSocket on `/v1/responses` of the proxy at `addr`.
+async fn connect_to(addr: std::net::SocketAddr, key: &str) -> Ws {
+    let mut req = format!("ws://{addr}/v1/responses")
         .into_client_request()
         .unwrap();
     req.headers_mut()
@@ -602,4 +607,83 @@ async fn a_socket_answering_past_the_grace_period_is_cut_and_recorded() {
     assert_eq!(errors.len(), 1, "recorded once, as partial");
     assert!(errors[0].contains("shut down"), "{errors:?}");
     gate.notify_one();
+}
+
+/// The real binary, stopped by SIGTERM while a socket's response is under
+/// way: the response finishes, the socket is closed with 1001, the process
+/// exits, and the store holds the exchange whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_binary_finishes_a_sockets_response_at_shutdown() {
+    let fake = within(compactor::fake_upstream::FakeUpstream::start())
+        .await
+        .unwrap();
+    let gate = std::sync::Arc::new(tokio::sync::Notify::new());
+    fake.push(gated(&gate));
+    let dir = tempfile::tempdir().unwrap();
+    let db = dir.path().join("c.db");
+    let config = dir.path().join("proxy.toml");
+    // No window discovery: its `GET /v1/models` would take the scripted
+    // stream meant for the socket's response.
+    std::fs::write(
+        &config,
+        format!(
+            "[server]\nshutdown_grace_secs = 10\n[upstream]\nbase_url = \"{}\"\n\
+             discover_windows = false\n[store]\npath = \"{}\"\n",
+            fake.url(),
+            db.display()
+        ),
+    )
+    .unwrap();
+    let port = support::free_port();
+    let args = [
+        std::ffi::OsString::from("--config"),
+        config.into_os_string(),
+    ];
+    let mut child = within(tokio::task::spawn_blocking(move || {
+        let args: Vec<&std::ffi::OsStr> = args.iter().map(|a| a.as_os_str()).collect();
+        support::spawn_binary(port, &args)
+    }))
+    .await
+    .unwrap();
+    let addr = ([127, 0, 0, 1], port).into();
+    let mut idle = connect_to(addr, KEY).await;
+    let mut ws = connect_to(addr, KEY).await;
+    send(&mut ws, &create("finish me", None)).await;
+    assert_eq!(next_event(&mut ws).await["type"], "response.created");
+    assert_eq!(next_event(&mut ws).await["type"], "response.in_progress");
+    let term = std::process::Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(term.success());
+    // Draining (the idle socket closed at once): the busy one still
+    // answers, refusing a new response.
+    assert_eq!(close_code(&mut idle).await, Some(CloseCode::Away));
+    send(&mut ws, &create("one more", None)).await;
+    assert_eq!(next_event(&mut ws).await["status"], 503);
+    gate.notify_one();
+    let events = response_events(&mut ws).await;
+    assert_eq!(events.last().unwrap()["type"], "response.completed");
+    assert_eq!(close_code(&mut ws).await, Some(CloseCode::Away));
+    let status = within(async {
+        loop {
+            if let Some(status) = child.try_wait().unwrap() {
+                return status;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(status.success(), "{status:?}");
+    let conn =
+        rusqlite::Connection::open_with_flags(&db, rusqlite::OpenFlags::SQLITE_OPEN_READ_ONLY)
+            .unwrap();
+    let (count, whole): (i64, i64) = conn
+        .query_row(
+            "SELECT count(*), sum(partial = 0 AND error IS NULL) FROM exchanges",
+            [],
+            |r| Ok((r.get(0)?, r.get(1)?)),
+        )
+        .unwrap();
+    assert_eq!((count, whole), (1, 1), "recorded once, whole");
 }
