@@ -528,6 +528,10 @@ enum Variant {
     Hop,
     /// Like `Grow`, as Codex CLI sends it: `/v1/responses`, streamed.
     Codex,
+    /// `Codex`, the proxied side over the proxy's WebSocket (one socket
+    /// per session, each request a `response.create`), the direct side
+    /// over HTTP + SSE as for `Codex` (c=1 only).
+    CodexWs,
     /// Every client sends the same bytes every time, as a load tool that
     /// repeats one body does: one conversation, whose requests all arrive
     /// together (c=32 only).
@@ -543,14 +547,17 @@ enum Variant {
 impl Variant {
     fn shape(self) -> Shape {
         match self {
-            Variant::Codex => Shape::Codex,
+            Variant::Codex | Variant::CodexWs => Shape::Codex,
             Variant::Messages => Shape::Messages,
             _ => Shape::Chat,
         }
     }
 
     fn grows(self) -> bool {
-        matches!(self, Variant::Grow | Variant::Codex | Variant::Messages)
+        matches!(
+            self,
+            Variant::Grow | Variant::Codex | Variant::CodexWs | Variant::Messages
+        )
     }
 }
 
@@ -710,6 +717,18 @@ async fn send(
         // A chat answer, or the fake's answer to any other path (the hop rows).
         contains(&buf, AUTO_TEXT.as_bytes()) || contains(&buf, b"\"path\":\"/v1/embeddings\"")
     };
+    sample(ok, &buf, total, ttfb, bytes, compacted)
+}
+
+/// The sample of an answer `buf` that was as expected (`ok`).
+fn sample(
+    ok: bool,
+    buf: &[u8],
+    total: Duration,
+    ttfb: Option<Duration>,
+    bytes: usize,
+    compacted: bool,
+) -> Result<Sample, String> {
     if !ok {
         return Err(format!(
             "unexpected answer: {}",
@@ -722,6 +741,68 @@ async fn send(
         bytes,
         compacted,
     })
+}
+
+type Ws =
+    tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
+
+/// One request over the proxy's WebSocket at `url` (its `http://` URL),
+/// opened on the first: the body as a `response.create`, the clock from
+/// just before sending to the message with its final event.
+async fn send_ws(socket: &mut Option<Ws>, url: &str, body: Vec<u8>) -> Result<Sample, String> {
+    use futures_util::{SinkExt, StreamExt};
+    use tokio_tungstenite::tungstenite::{client::IntoClientRequest, Message};
+    let ws = match socket {
+        Some(ws) => ws,
+        None => {
+            let mut req = url
+                .replacen("http://", "ws://", 1)
+                .into_client_request()
+                .map_err(|e| format!("ws url: {e}"))?;
+            req.headers_mut().insert(
+                "authorization",
+                http::HeaderValue::from_static("Bearer sk-bench-0000000000000000"),
+            );
+            let (ws, _) = tokio_tungstenite::connect_async_with_config(req, None, true)
+                .await
+                .map_err(|e| format!("ws connect: {e}"))?;
+            socket.insert(ws)
+        }
+    };
+    let bytes = body.len();
+    // The same members, after the event's type.
+    let text = format!(
+        "{{\"type\":\"response.create\",{}",
+        std::str::from_utf8(&body[1..]).map_err(|e| e.to_string())?
+    );
+    let t0 = Instant::now();
+    if let Err(e) = ws.send(Message::Text(text.into())).await {
+        *socket = None;
+        return Err(format!("ws send: {e}"));
+    }
+    let mut ttfb = None;
+    let mut buf = Vec::with_capacity(2048);
+    loop {
+        let m = match ws.next().await {
+            Some(Ok(Message::Text(t))) => t,
+            Some(Ok(_)) => continue,
+            other => {
+                *socket = None;
+                return Err(format!("ws: {other:?}"));
+            }
+        };
+        ttfb.get_or_insert_with(|| t0.elapsed());
+        buf.extend_from_slice(m.as_bytes());
+        if contains(m.as_bytes(), b"\"type\":\"error\"") {
+            return Err(format!("error event: {m}"));
+        }
+        if contains(m.as_bytes(), b"\"response.completed\"") {
+            break;
+        }
+    }
+    let total = t0.elapsed();
+    let ok = contains(&buf, b"fake upstream.");
+    sample(ok, &buf, total, ttfb, bytes, false)
 }
 
 #[derive(Default)]
@@ -975,7 +1056,7 @@ impl Rig {
     fn urls(&self, variant: Variant) -> (String, Vec<String>) {
         let path = match variant {
             Variant::Hop => "embeddings",
-            Variant::Codex => "responses",
+            Variant::Codex | Variant::CodexWs => "responses",
             Variant::Messages => "messages",
             _ => "chat/completions",
         };
@@ -1055,12 +1136,16 @@ impl Scenario {
                 Variant::Last => "last",
                 Variant::Grow => "grow",
                 Variant::Hop => "hop ",
-                Variant::Codex => "codx",
+                Variant::Codex | Variant::CodexWs => "codx",
                 Variant::Same => "same",
                 Variant::Messages => "msgs",
                 Variant::Compacted => "cmpt",
             },
-            if self.stream { "sse " } else { "json" },
+            match (self.variant, self.stream) {
+                (Variant::CodexWs, _) => "ws  ",
+                (_, true) => "sse ",
+                (_, false) => "json",
+            },
             self.conc
         ) + &match (self.pg, self.replicas) {
             (false, _) => String::new(),
@@ -1125,6 +1210,8 @@ struct Row {
     sc: Scenario,
     name: String,
     side: [SideStats; 2],
+    /// `CodexWs`: the proxy over HTTP + SSE, in turn with the two sides.
+    over_sse: Option<SideStats>,
     recorded: i64,
     /// Mean time of the store's commits, ms, and how many there were
     /// (those after the warm-up).
@@ -1210,7 +1297,12 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
     };
     let (collected, settle, cpu, machine_busy, load_ns, db, commit) = rig.load_rt.block_on(async {
         let client = client();
-        let mut out = [Collected::default(), Collected::default()];
+        // Direct, proxied, and for `CodexWs` proxied over HTTP + SSE.
+        let mut out = [
+            Collected::default(),
+            Collected::default(),
+            Collected::default(),
+        ];
         let mut settle = Duration::ZERO;
         let mut cpu0 = ThreadCpu::default();
         // The database's CPU seconds and the request path's reads of it;
@@ -1222,7 +1314,18 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         // CPU ns of the load runtime during each side's rounds.
         let mut load_ns = [0u64; 2];
         if sc.conc == 1 {
-            let mut s = [sessions(1).pop().unwrap(), sessions(1).pop().unwrap()];
+            // `CodexWs`: a third side, the proxy over HTTP + SSE in turn
+            // with the other two, its session another (the proxy would
+            // find the WebSocket's bytes in its caches).
+            let mut s = vec![sessions(1).pop().unwrap(), sessions(1).pop().unwrap()];
+            let mut urls = urls.to_vec();
+            if sc.variant == Variant::CodexWs {
+                s.push(Session::new(sc.variant, sc.stream, sc.size, 2));
+                urls.push(urls[1].clone());
+            }
+            let sides = s.len();
+            // `CodexWs`: the proxied session's WebSocket.
+            let mut socket = None;
             for i in 0..o.c1_warm + o.c1_n {
                 if i == o.c1_warm {
                     flush().await;
@@ -1232,11 +1335,21 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
                     commits0 = commits();
                     reset_statements();
                 }
-                let order = if i % 2 == 0 { [0, 1] } else { [1, 0] };
-                for side in order {
+                for k in 0..sides {
+                    // Each side first, second, … in turn.
+                    let side = if sides == 2 && i % 2 == 1 {
+                        1 - k
+                    } else {
+                        (i + k) % sides
+                    };
                     let url = s[side].url(&urls[side]).to_string();
                     let (body, user) = s[side].next();
-                    match send(&client, &url, body, sc.stream).await {
+                    let sent = if side == 1 && sc.variant == Variant::CodexWs {
+                        send_ws(&mut socket, &url, body).await
+                    } else {
+                        send(&client, &url, body, sc.stream).await
+                    };
+                    match sent {
                         Ok(sample) => {
                             s[side].done(&user);
                             if i >= o.c1_warm {
@@ -1343,7 +1456,8 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         eprintln!("  {}: {}", sc.name(), shown.join("; "));
     }
     rig.stop();
-    let [d, p] = collected;
+    let [d, p, over_sse] = collected;
+    let over_sse = (sc.variant == Variant::CodexWs).then(|| stats(over_sse));
     if sc.variant == Variant::Compacted {
         eprintln!(
             "  {}: {} of {} measured requests sent compacted",
@@ -1352,7 +1466,10 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
             p.samples.len()
         );
     }
-    let (dn, pn) = (d.samples.len() + d.errors, p.samples.len() + p.errors);
+    let (dn, pn) = (
+        d.samples.len() + d.errors,
+        p.samples.len() + p.errors + over_sse.as_ref().map_or(0, |s| s.n + s.errors),
+    );
     let proxy_cpu_ms = cpu.proxy * 1000.0 / pn.max(1) as f64;
     let proxy_cpu_by_thread = cpu
         .proxy_by_name
@@ -1369,6 +1486,7 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         sc,
         name: sc.name(),
         side: [stats(d), stats(p)],
+        over_sse,
         recorded,
         commit,
         settle: settle.as_secs_f64(),
@@ -1987,6 +2105,7 @@ fn main() {
             Variant::Last,
             Variant::Grow,
             Variant::Codex,
+            Variant::CodexWs,
             Variant::Messages,
             Variant::Same,
             Variant::Compacted,
@@ -1996,7 +2115,8 @@ fn main() {
                 for conc in [1, 32] {
                     // The hop: a reference, not streamed; Codex always streams.
                     if (variant == Variant::Hop && stream)
-                        || (variant == Variant::Codex && !stream)
+                        || (matches!(variant, Variant::Codex | Variant::CodexWs) && !stream)
+                        || (variant == Variant::CodexWs && conc > 1)
                         || (variant == Variant::Same && conc == 1)
                     {
                         continue;
@@ -2048,6 +2168,9 @@ fn main() {
          last = history fixed, last user message varies; grow = each request extends the previous \
          (a conversation runs from {GROW_FROM}% to {GROW_TO}% of the size, then a new one starts); \
          codx = Codex-shaped Responses sessions to /v1/responses, streamed, growing as grow does; \
+         codx ws = the same, the proxied side over the proxy's WebSocket (a socket per session, each \
+         request a response.create), the direct side over HTTP + SSE, and in turn with them a third \
+         side, another session through the proxy over HTTP + SSE; \
          same = one body, byte for byte, from every client every time (one conversation); \
          hop = the `last` bodies to /v1/embeddings, which the proxy relays unparsed and unrecorded \
          (what the HTTP hop alone costs). SSE requests do not ask for usage, so the proxy \
@@ -2230,6 +2353,23 @@ fn main() {
         &|v| v < 1.0,
         " ms",
     );
+    // The WebSocket against HTTP + SSE through the proxy, in turn in the
+    // same row, each against the same direct side.
+    for ws in rows.iter().filter(|r| r.sc.variant == Variant::CodexWs) {
+        let Some(sse) = &ws.over_sse else { continue };
+        let over_sse = sse.p50 - ws.side[0].p50;
+        println!(
+            "  {:<44} {:>7.3} ms ({:<20}) {}",
+            format!("WebSocket added p50 <= SSE's ({over_sse:+.3} ms)"),
+            added(ws),
+            ws.name,
+            verdict(added(ws) <= over_sse)
+        );
+        println!(
+            "    (p50 direct {:.3}, proxy over the WebSocket {:.3}, over HTTP + SSE {:.3}; p99 {:.2} / {:.2} / {:.2} ms)",
+            ws.side[0].p50, ws.side[1].p50, sse.p50, ws.side[0].p99, ws.side[1].p99, sse.p99
+        );
+    }
     for r in rows
         .iter()
         .filter(|r| r.sc.variant == Variant::Hop && r.sc.conc > 1)
