@@ -698,3 +698,44 @@ async fn a_recall_call_is_answered_by_the_proxy_in_geminis_shape() {
         "compactor_recall"
     );
 }
+
+/// Once a conversation is compacted, `countTokens` of its contents counts
+/// what the proxy sends for it, not the whole history; another tenant's
+/// count of the same contents is forwarded as it came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn count_tokens_of_a_compacted_conversation_counts_what_the_proxy_sends() {
+    let h = Harness::start_with(tiny_gemini).await;
+    let mut agent = Agent::new("TASK: make every test in the workspace pass");
+    let mut compacted = false;
+    for _ in 0..30 {
+        compacted |= agent.step(&h).await.get("x-compactor-compacted").is_some();
+    }
+    assert!(compacted);
+    let count = |key: &'static str, body: Value| {
+        let h = &h;
+        async move {
+            let raw = serde_json::to_vec(&body).unwrap();
+            let path = format!("/v1beta/models/{MODEL}:countTokens");
+            let (status, _, bytes) = post_gemini(h, &path, Some(key), &raw).await;
+            assert_eq!(status, 200, "{}", String::from_utf8_lossy(&bytes));
+            let v: Value = serde_json::from_slice(&bytes).unwrap();
+            let sent = h.fake.last().unwrap().json();
+            (v["totalTokens"].as_u64().unwrap(), sent)
+        }
+    };
+    let whole = serde_json::to_vec(&json!({"contents": agent.contents}))
+        .unwrap()
+        .len() as u64
+        / 4;
+    let (tokens, sent) = count(KEY, json!({"contents": agent.contents})).await;
+    assert!(tokens < whole / 2, "{tokens} of {whole}");
+    assert!(sent.to_string().contains("[compactor summary"));
+    // The wrapped form counts the same way.
+    let wrapped = json!({"generateContentRequest": {"model": format!("models/{MODEL}"),
+        "contents": agent.contents}});
+    let (wrapped_tokens, _) = count(KEY, wrapped).await;
+    assert!(wrapped_tokens < whole / 2);
+    let (other, sent) = count("AIza-other-tenant-99", json!({"contents": agent.contents})).await;
+    assert_eq!(other, whole.max(1));
+    assert_eq!(sent["contents"], json!(agent.contents));
+}

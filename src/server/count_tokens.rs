@@ -64,6 +64,15 @@ async fn count(
         .upstream
         .send_bytes(http::Method::POST, &url, headers, bytes)
         .await?;
+    answer(state, resp).await
+}
+
+/// A count's answer as the client gets it: the upstream's status, type,
+/// request id and body (without the server's key).
+pub(super) async fn answer(
+    state: &AppState,
+    resp: reqwest::Response,
+) -> Result<Response<ProxyBody>, ProxyError> {
     let status = resp.status();
     let resp_headers = resp.headers().clone();
     let body = state.upstream.read_body(resp).await?;

@@ -1,7 +1,7 @@
 //! Gemini's endpoints: `POST /v1beta/models/{model}:generateContent`,
 //! `:streamGenerateContent` (`alt=sse`) and `:countTokens` (also below
 //! `/v1/`). The first two go through the same phases as the other parsed
-//! APIs (`super::proxy`); a count is forwarded. Each goes upstream to its
+//! APIs (`super::proxy`); a count counts what the proxy would send. Each goes upstream to its
 //! path below the version prefix, under the configured base URL.
 //!
 //! A key given in the query (`?key=`) is moved to `x-goog-api-key`, which
@@ -14,10 +14,14 @@ use std::sync::Arc;
 use http::{HeaderValue, Request, Response};
 use hyper::body::Incoming;
 
-use super::{passthrough, proxy};
+use serde_json::Value;
+
+use super::read::read_client_body;
+use super::{count_tokens, proxy};
 use crate::app::AppState;
 use crate::error::{ErrorShape, ProxyBody, ProxyError};
 use crate::wire::gemini::{self, Method, KEY_HEADER};
+use crate::wire::items::ItemList;
 use crate::wire::Api;
 
 /// Whether a request is one of Gemini's endpoints.
@@ -48,20 +52,59 @@ pub(super) async fn handle(
     }
 }
 
-/// `:countTokens`, forwarded as it came.
+/// `:countTokens`: a client that sizes its history (Gemini CLI does,
+/// before it compresses by itself) is told the size of what the proxy
+/// would send for it. Contents that extend a conversation a stored
+/// compaction covers (matched by content, for the key's tenant) are counted
+/// by the upstream with that compaction applied; any other body is
+/// forwarded as it came. Nothing is recorded or computed.
 async fn count_tokens(
     state: Arc<AppState>,
     req: Request<Incoming>,
     route: &gemini::Route,
 ) -> Response<ProxyBody> {
-    let url = match state.upstream.url(&route.below, req.uri().query()) {
-        Ok(url) => url,
-        Err(e) => return ProxyError::from(e).into_response_as(ErrorShape::Google),
+    let (parts, body) = req.into_parts();
+    let counted = async {
+        let (raw, tenant) = read_client_body(&state, &parts, body).await?;
+        let bytes = compacted(&state, &tenant, &raw).unwrap_or(raw);
+        let url = state.upstream.url(&route.below, parts.uri.query())?;
+        let headers = state
+            .upstream
+            .request_headers_for(Api::Gemini, &parts.headers, true);
+        let resp = state
+            .upstream
+            .send_bytes(http::Method::POST, &url, headers, bytes)
+            .await?;
+        count_tokens::answer(&state, resp).await
     };
-    let headers = state
-        .upstream
-        .request_headers_for(Api::Gemini, req.headers(), false);
-    passthrough::forward(state, req, url, headers).await
+    counted
+        .await
+        .unwrap_or_else(|e| e.into_response_as(ErrorShape::Google))
+}
+
+/// A count's body with the stored compaction that covers a prefix of its
+/// contents applied (the contents of the body, or of the
+/// `generateContentRequest` it wraps), when one does.
+fn compacted(state: &AppState, tenant: &str, raw: &[u8]) -> Option<bytes::Bytes> {
+    let mut body: Value = serde_json::from_slice(raw).ok()?;
+    let wrapped = body.get("generateContentRequest").is_some();
+    let request = if wrapped {
+        body.get_mut("generateContentRequest")?
+    } else {
+        &mut body
+    };
+    let values = Api::Gemini.take_items(request);
+    if values.is_empty() {
+        return None;
+    }
+    let items = ItemList::from(values);
+    let (_, chains, _) = items.hashes_and_chains(tenant);
+    let c = state.compactions.find(tenant, &chains)?;
+    let view = items
+        .with_prefix_replaced(c.covered_len, &c.replacement)
+        .into_values();
+    Api::Gemini.set_items(request, &view);
+    serde_json::to_vec(&body).ok().map(bytes::Bytes::from)
 }
 
 /// Moves a `key` query parameter into [`KEY_HEADER`] (a key already sent
