@@ -259,6 +259,8 @@ struct Agent {
     sent: usize,
     /// Its `anthropic-beta` header lines.
     betas: Vec<&'static str>,
+    /// Sends no session id (`metadata.user_id` left out).
+    anonymous: bool,
 }
 
 fn agent_tools() -> Value {
@@ -274,6 +276,7 @@ impl Agent {
             step: 0,
             sent: 0,
             betas: vec!["context-management-2025-06-27"],
+            anonymous: false,
         }
     }
 
@@ -316,7 +319,10 @@ impl Agent {
         };
         h.fake.push(Reply::Messages(answer));
         let streamed = step % 2 == 1;
-        let body = Agent::body(&self.messages(), streamed);
+        let mut body = Agent::body(&self.messages(), streamed);
+        if self.anonymous {
+            body.as_object_mut().unwrap().remove("metadata");
+        }
         self.sent += serde_json::to_vec(&body).unwrap().len();
         let betas: Vec<_> = self.betas.iter().map(|b| ("anthropic-beta", *b)).collect();
         let (status, _, bytes) = send(h, &body, &betas).await;
@@ -342,6 +348,72 @@ impl Agent {
 }
 
 const TASK: &str = "Task: make every test in crates/ledger pass; do not touch the public API.";
+
+/// A client that names no session and moves its one breakpoint onto the
+/// newest block every request, as Anthropic's docs advise: the breakpoint
+/// is not content, so its requests stay one conversation, which is
+/// compacted once past the threshold, and that compaction is found and
+/// applied to the requests that follow.
+#[tokio::test]
+async fn a_client_moving_its_breakpoint_without_a_session_keeps_one_conversation() {
+    let h = Harness::start_with(tiny_claude).await;
+    h.fake.set_messages_window(Some(9000));
+    let mut agent = Agent::new(TASK);
+    agent.anonymous = true;
+    let mut steps = 0;
+    while compactions(&h) == 0 {
+        assert!(
+            steps < 16,
+            "compacted past the threshold within 16 requests"
+        );
+        agent.step(&h).await;
+        steps += 1;
+    }
+    wait_compactions(&h, 1).await;
+    for _ in 0..4 {
+        agent.step(&h).await;
+    }
+    let received = messages_requests(&h);
+    let client_requests: Vec<Value> = received
+        .iter()
+        .filter(|r| !is_summary(r))
+        .map(Received::json)
+        .collect();
+    assert_eq!(client_requests.len(), steps + 4);
+    let conversations: Vec<String> =
+        column(&*h.sql(), "SELECT DISTINCT conversation_id FROM exchanges");
+    assert_eq!(
+        conversations.len(),
+        1,
+        "{} requests: {conversations:?}",
+        steps + 4
+    );
+    // Each request's breakpoint was on its newest block only.
+    for r in &client_requests {
+        let last = r["messages"].as_array().unwrap().last().unwrap();
+        let blocks = last["content"].as_array().unwrap();
+        assert!(
+            blocks.last().unwrap().get("cache_control").is_some(),
+            "{last}"
+        );
+    }
+    let stored: Vec<String> = column(&*h.sql(), "SELECT id FROM compactions");
+    assert_eq!(stored.len(), 1, "compacted once: {stored:?}");
+    // The four requests after it went upstream compacted, with the stored
+    // compaction, and every rule the API has held.
+    for r in &client_requests[steps..] {
+        let first = &r["messages"][0];
+        assert!(compactor::compaction::items::is_summary(first), "{first}");
+    }
+    for r in received.iter().filter(|r| !is_summary(r)) {
+        assert!(anthropic::check(&r.json(), &r.headers, None).is_none());
+    }
+    let applied: Vec<Option<String>> = column(
+        &*h.sql(),
+        "SELECT compaction_id FROM exchanges ORDER BY id DESC LIMIT 4",
+    );
+    assert_eq!(applied, vec![Some(stored[0].clone()); 4]);
+}
 
 /// A client that sends its betas on two header lines: a request the proxy
 /// adds its own beta to (compacted inside an open tool loop with thinking

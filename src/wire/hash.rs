@@ -2,6 +2,10 @@
 //!
 //! The canonical form sorts object keys, so two serialisations of the same
 //! item (key order, whitespace) hash alike; any change of content does not.
+//! A `cache_control` member, at any depth, is left out: a cache breakpoint
+//! is a hint to the upstream, not content, and clients move it every turn
+//! (Anthropic's advice: on the last block), so an item with it and the same
+//! item without it, or with another, are one item.
 
 use std::borrow::Cow;
 use std::io::Write;
@@ -14,7 +18,26 @@ pub type ItemHash = [u8; 32];
 
 /// Hash of one item's canonical form.
 pub fn item_hash(item: &Value) -> ItemHash {
-    hash_canonical(|buf| write_canonical(buf, item))
+    hash_canonical(|buf| write_canonical(buf, item, Hints::Skipped))
+}
+
+/// The key the canonical form leaves out: a cache breakpoint.
+const HINT: &str = "cache_control";
+
+/// Whether the canonical form leaves [`HINT`] members out (it does; only
+/// [`legacy_item_hash`] keeps them).
+#[derive(Clone, Copy, PartialEq)]
+enum Hints {
+    Skipped,
+    Kept,
+}
+
+/// The hash an item given as JSON text had in versions whose canonical
+/// form kept `cache_control` members: `None` if the text is not JSON.
+/// Only to check a body recorded by such a version against its hash.
+pub fn legacy_item_hash(json: &[u8]) -> Option<ItemHash> {
+    let v: Value = serde_json::from_slice(json).ok()?;
+    Some(hash_canonical(|buf| write_canonical(buf, &v, Hints::Kept)))
 }
 
 /// [`item_hash`] of an item given as JSON text, read without building a
@@ -96,8 +119,9 @@ pub fn hex(hash: &ItemHash) -> String {
 
 /// The canonical form: a type tag per value, strings and numbers
 /// length-prefixed as raw bytes (no escaping to do), object keys sorted.
-/// Unambiguous, so equal forms mean equal values.
-fn write_canonical(out: &mut Vec<u8>, v: &Value) {
+/// Unambiguous, so equal forms mean equal values; `cache_control` members
+/// left out unless `hints` says to keep them.
+fn write_canonical(out: &mut Vec<u8>, v: &Value, hints: Hints) {
     match v {
         Value::Null => out.push(b'n'),
         Value::Bool(b) => out.push(if *b { b't' } else { b'f' }),
@@ -106,16 +130,19 @@ fn write_canonical(out: &mut Vec<u8>, v: &Value) {
         Value::Array(items) => {
             write_head(out, b'[', items.len());
             for item in items {
-                write_canonical(out, item);
+                write_canonical(out, item, hints);
             }
         }
         Value::Object(map) => {
-            write_head(out, b'{', map.len());
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
+            let mut entries: Vec<(&String, &Value)> = map
+                .iter()
+                .filter(|(k, _)| hints == Hints::Kept || k.as_str() != HINT)
+                .collect();
+            write_head(out, b'{', entries.len());
             entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
             for (k, v) in entries {
                 write_str(out, k);
-                write_canonical(out, v);
+                write_canonical(out, v, hints);
             }
         }
     }
@@ -129,7 +156,7 @@ enum Node<'a> {
     String(Cow<'a, str>),
     Array(Vec<Node<'a>>),
     /// Members sorted by key (a repeated key: the last one counts, as in
-    /// a [`Value`]).
+    /// a [`Value`]), `cache_control` left out.
     Object(Vec<(Cow<'a, str>, Node<'a>)>),
 }
 
@@ -208,6 +235,10 @@ impl<'de> Visitor<'de> for NodeVisitor {
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Node<'de>, A::Error> {
         let mut members = Vec::new();
         while let Some(Text(k)) = map.next_key()? {
+            if k == HINT {
+                map.next_value::<de::IgnoredAny>()?;
+                continue;
+            }
             members.push((k, map.next_value()?));
         }
         // Sorted by key, a repeated key's last value kept: reversed, the
@@ -298,10 +329,30 @@ mod tests {
         leaf.prop_recursive(4, 40, 6, |inner| {
             prop_oneof![
                 proptest::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
-                proptest::collection::vec(("[aAb\"]{0,3}", inner), 0..5)
+                proptest::collection::vec((key(), inner), 0..5)
                     .prop_map(|m| Value::Object(m.into_iter().collect())),
             ]
         })
+    }
+
+    /// A key: short ones alike but for case, or a cache breakpoint's.
+    fn key() -> impl proptest::strategy::Strategy<Value = String> {
+        use proptest::prelude::*;
+        prop_oneof![4 => "[aAb\"]{0,3}", 1 => Just(HINT.to_string())]
+    }
+
+    /// `v` without its `cache_control` members, at any depth.
+    fn without_hints(v: &Value) -> Value {
+        match v {
+            Value::Array(l) => l.iter().map(without_hints).collect(),
+            Value::Object(o) => Value::Object(
+                o.iter()
+                    .filter(|(k, _)| *k != HINT)
+                    .map(|(k, v)| (k.clone(), without_hints(v)))
+                    .collect(),
+            ),
+            other => other.clone(),
+        }
     }
 
     /// `a` inside strings written as `\u0061`.
@@ -351,6 +402,66 @@ mod tests {
             let value: Value = serde_json::from_str(&text).unwrap();
             proptest::prop_assert_eq!(raw_item_hash(text.as_bytes()), Some(item_hash(&value)));
         }
+
+        /// A `cache_control` member, wherever it is and whatever it holds,
+        /// is not part of the item: from the value and from the text.
+        #[test]
+        fn breakpoints_are_not_hashed(v in any_json()) {
+            // As read back (a float's text need not read as the same float).
+            let text = serde_json::to_string(&v).unwrap();
+            let v: Value = serde_json::from_str(&text).unwrap();
+            let bare = item_hash(&without_hints(&v));
+            proptest::prop_assert_eq!(item_hash(&v), bare);
+            proptest::prop_assert_eq!(raw_item_hash(text.as_bytes()), Some(bare));
+            proptest::prop_assert_eq!(legacy_item_hash(text.as_bytes()), Some(
+                hash_canonical(|buf| write_canonical(buf, &v, Hints::Kept))));
+        }
+    }
+
+    #[test]
+    fn a_message_whose_breakpoint_moved_is_the_same_item() {
+        let block = |cc: Option<Value>| {
+            let mut b = json!({"type": "text", "text": "Run the tests."});
+            if let Some(cc) = cc {
+                b["cache_control"] = cc;
+            }
+            json!({"role": "user", "content": [b]})
+        };
+        let bare = item_hash(&block(None));
+        for cc in [
+            json!({"type": "ephemeral"}),
+            json!({"type": "ephemeral", "ttl": "1h"}),
+            Value::Null,
+        ] {
+            let marked = block(Some(cc));
+            assert_eq!(item_hash(&marked), bare, "{marked}");
+            assert_eq!(
+                text_item_hash(marked.to_string().as_bytes()),
+                bare,
+                "{marked}"
+            );
+        }
+        // Even spelt with an escape, given twice, or holding what no value holds.
+        let odd = br#"{"content":[{"text":"Run the tests.","type":"text","cache\u005fcontrol":1,"cache_control":{"a":"\ud800"}}],"role":"user"}"#;
+        assert_eq!(raw_item_hash(odd), Some(bare));
+        // What the hint sits beside still counts.
+        assert_ne!(
+            item_hash(&json!({"role": "user", "content": [{"type": "text", "text": "Run them."}]})),
+            bare
+        );
+        // The form earlier versions hashed kept it.
+        assert_ne!(
+            legacy_item_hash(
+                block(Some(json!({"type": "ephemeral"})))
+                    .to_string()
+                    .as_bytes()
+            ),
+            Some(bare)
+        );
+        assert_eq!(
+            legacy_item_hash(block(None).to_string().as_bytes()),
+            Some(bare)
+        );
     }
 
     #[test]

@@ -5,7 +5,7 @@
 use std::io;
 
 use crate::store::records::ExchangeRecord;
-use crate::wire::hash::text_item_hash;
+use crate::wire::hash::{legacy_item_hash, text_item_hash};
 use crate::wire::ItemHash;
 
 /// The first bytes of a journal file: a name, then the format version.
@@ -93,8 +93,12 @@ fn decode_frame(mut data: &[u8]) -> Option<ExchangeRecord> {
         let n = len(&mut data)?;
         let body = String::from_utf8(take(&mut data, n)?.to_vec()).ok()?;
         // The store is content-addressed and keeps the first body of a
-        // hash for good: a damaged one must not go in under it.
-        if text_item_hash(body.as_bytes()) != hash {
+        // hash for good: a damaged one must not go in under it. A journal
+        // an earlier version left hashed `cache_control` in; its bodies go
+        // in under the hashes its records name.
+        if text_item_hash(body.as_bytes()) != hash
+            && legacy_item_hash(body.as_bytes()) != Some(hash)
+        {
             return None;
         }
         rec.new_items.push((hash, body));
@@ -255,6 +259,30 @@ mod tests {
             cut_short: true,
         };
         assert_eq!(out.skipped, [cut]);
+    }
+
+    #[test]
+    fn a_body_journaled_when_its_breakpoint_was_hashed_still_reads() {
+        let body = r#"{"role":"user","content":[{"type":"text","text":"hi","cache_control":{"type":"ephemeral"}}]}"#;
+        let old = crate::wire::hash::legacy_item_hash(body.as_bytes()).unwrap();
+        assert_ne!(
+            old,
+            text_item_hash(body.as_bytes()),
+            "the breakpoint was hashed"
+        );
+        let with = |hash: ItemHash| {
+            let mut rec = record(1);
+            rec.suffix_items[0] = hash;
+            rec.new_items = vec![(hash, body.to_string())];
+            let mut bytes = MAGIC.to_vec();
+            bytes.extend(encode_frame(&rec).unwrap());
+            decode_file(&bytes)
+        };
+        let read = with(old);
+        assert_eq!(ids(&read.records), [1]);
+        assert_eq!(read.records[0].new_items, [(old, body.to_string())]);
+        // A body neither hash names is still not imported.
+        assert!(with([9; 32]).records.is_empty());
     }
 
     #[test]
