@@ -328,9 +328,14 @@ async fn an_error_inside_a_stream_reaches_the_client_and_is_recorded() {
 }
 
 fn tiny_gemini(c: &mut compactor::config::Config) {
+    gemini_window(c, 6000);
+}
+
+/// `tiny-gemini*` models get a window of `window` tokens.
+fn gemini_window(c: &mut compactor::config::Config, window: u64) {
     c.models.push(compactor::config::ModelConfig {
         pattern: "tiny-gemini*".into(),
-        context_window: 6000,
+        context_window: window,
         max_output_tokens: Some(500),
         trigger_ratio: None,
         ..Default::default()
@@ -738,4 +743,37 @@ async fn count_tokens_of_a_compacted_conversation_counts_what_the_proxy_sends() 
     let (other, sent) = count("AIza-other-tenant-99", json!({"contents": agent.contents})).await;
     assert_eq!(other, whole.max(1));
     assert_eq!(sent["contents"], json!(agent.contents));
+}
+
+/// Gemini CLI's own compression (its history, then the ask for a
+/// `<state_snapshot>`) is the client's: forwarded as it came while it
+/// fits, the proxy's waiting compaction not applied to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gemini_clis_own_compression_goes_as_it_came_while_it_fits() {
+    let h = Harness::start_with(|c| gemini_window(c, 15_000)).await;
+    let mut agent = Agent::new("TASK: make every test in the workspace pass");
+    for _ in 0..20 {
+        agent.step(&h).await;
+    }
+    // Past the trigger: the proxy's compaction waits for the next turn.
+    wait_compactions(&h, 1).await;
+    let mut ask = agent.contents.clone();
+    ask.push(user(
+        "First, reason in your scratchpad. Then, generate the <state_snapshot>.",
+    ));
+    let body = json!({ "contents": ask });
+    let raw = serde_json::to_vec(&body).unwrap();
+    h.fake
+        .push(fake::text("<state_snapshot/>", raw.len() as u64 / 4, 50));
+    let (status, headers, _) = post_gemini(&h, &generate(MODEL), Some(KEY), &raw).await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_none());
+    assert_eq!(h.fake.last().unwrap().body, raw, "forwarded as it came");
+    // The same history with a user's turn instead takes the compaction.
+    let mut turn = agent.contents.clone();
+    turn.push(user("Go on."));
+    let raw = serde_json::to_vec(&json!({ "contents": turn })).unwrap();
+    let (status, headers, _) = post_gemini(&h, &generate(MODEL), Some(KEY), &raw).await;
+    assert_eq!(status, 200);
+    assert!(headers.get("x-compactor-compacted").is_some());
 }

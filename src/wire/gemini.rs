@@ -344,6 +344,17 @@ pub fn as_content(item: Value) -> Value {
     json!({"role": role, "parts": [{"text": text}]})
 }
 
+/// Whether `last`, a request's last content, is Gemini CLI's own
+/// compression asking for its `<state_snapshot>` of the history before it
+/// (after "First, reason in your scratchpad").
+pub fn is_client_compaction(last: &Value) -> bool {
+    if role(last) != "user" {
+        return false;
+    }
+    let text = text_of(last);
+    text.contains("<state_snapshot>") && text.contains("scratchpad")
+}
+
 /// Takes the `functionCall` parts `drop` names (given the call's name) out
 /// of an answer or a stream's chunk, each candidate's; the names of those
 /// taken out, in order.
@@ -570,6 +581,10 @@ impl Format for Gemini {
 
     fn finish_replacement(&self, replacement: Vec<Value>) -> Vec<Value> {
         replacement.into_iter().map(as_content).collect()
+    }
+
+    fn is_client_compaction(&self, last: &Value) -> bool {
+        is_client_compaction(last)
     }
 }
 
