@@ -302,13 +302,24 @@ pub(super) async fn summary_rung<S: Context, F: Fn(&Value) -> u64 + Sync>(
     count: &F,
 ) -> Option<Delegated> {
     let p = &r.plan.prepared;
-    let part = &r.view[p.lead..p.cut];
-    let sent = p.lead
+    // A Messages history that holds the provider's earlier compaction
+    // block goes to it from that block on: the API starts a history there
+    // (its first message must otherwise be the user's), and folds the
+    // earlier block into the new one, which then takes its place.
+    let lead = match input.who.api {
+        Api::Messages => crate::compaction::boundary::newest(&r.view[..p.lead])
+            .filter(|&b| pure::carries_block(&r.view[b..=b]))
+            .unwrap_or(p.lead),
+        _ => p.lead,
+    };
+    let part = &r.view[lead..p.cut];
+    let sent = lead
         + match input.who.api {
             Api::Messages => pure::closed_len(part),
             _ => part.len(),
         };
-    if sent == p.lead {
+    // Nothing past what the earlier block already covers: nothing new.
+    if sent <= p.lead {
         fell_back(
             state,
             input,
@@ -320,7 +331,7 @@ pub(super) async fn summary_rung<S: Context, F: Fn(&Value) -> u64 + Sync>(
     let got = match compact(
         state,
         input,
-        &r.view[p.lead..sent],
+        &r.view[lead..sent],
         r.params.summary_output_tokens,
     )
     .await
@@ -345,7 +356,7 @@ pub(super) async fn summary_rung<S: Context, F: Fn(&Value) -> u64 + Sync>(
     let placed = pure::place(pure::Window {
         api: input.who.api,
         view: r.view,
-        lead: p.lead,
+        lead,
         sent,
         cut: p.cut,
         truncated_tail,

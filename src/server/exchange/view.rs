@@ -149,12 +149,20 @@ impl PendingExchange {
         if !api.summary_repeats_request() || !request.mode().rewrites() {
             return None;
         }
+        let mut body = request.body().clone();
+        if self.upstream.drop_block {
+            crate::wire::messages::with_block_binding(&mut body);
+        }
         Some(Arc::new(engine::Sent::new(
             api,
-            request.body().clone(),
+            body,
             request.tools().cloned(),
             (self.offered.agent_tool, self.offered.recall),
-            request.provider_headers().clone(),
+            // With the betas the attempt added (a provider's compaction
+            // block, a thinking block the API may drop): the repeated body
+            // means what it meant upstream only under them.
+            self.upstream_headers(request.provider_headers())
+                .into_owned(),
         )))
     }
 }
