@@ -329,6 +329,12 @@ enum Shape {
     /// top-level field, `tool_use` blocks and user messages of
     /// `tool_result` blocks.
     Messages,
+    /// A Gemini `generateContent` request as Gemini CLI sends one:
+    /// `contents` of `user` and `model` parts (`functionCall` parts with
+    /// their `thoughtSignature`, user contents of `functionResponse`
+    /// parts), then `systemInstruction`, the tools as
+    /// `functionDeclarations` and `generationConfig`.
+    Gemini,
 }
 
 impl Shape {
@@ -344,6 +350,10 @@ impl Shape {
                 json!({"type": "message", "role": role, "content": [{"type": kind, "text": text}]})
             }
             Shape::Messages => json!({"role": role, "content": [{"type": "text", "text": text}]}),
+            Shape::Gemini => {
+                let role = if role == "assistant" { "model" } else { "user" };
+                json!({"role": role, "parts": [{"text": text}]})
+            }
         }
     }
 
@@ -381,22 +391,49 @@ fn codex_head() -> Arc<Vec<u8>> {
     Arc::new(b"{\"model\":\"gpt-5-codex\",\"stream\":true,\"input\":[".to_vec())
 }
 
-/// What follows a Codex session's items: its tools and parameters.
-fn codex_tail(session: u64) -> Arc<Vec<u8>> {
-    let tools: Vec<_> = tools_json()
+/// The tools' functions (`name`, `description`, `parameters`), each as
+/// `declare` makes it into an API's declaration.
+fn declared_tools(declare: impl Fn(&serde_json::Value) -> serde_json::Value) -> serde_json::Value {
+    tools_json()
         .as_array()
         .into_iter()
         .flatten()
-        .map(|t| {
-            let f = &t["function"];
-            json!({"type": "function", "name": f["name"], "description": f["description"],
-                   "strict": false, "parameters": f["parameters"]})
-        })
-        .collect();
+        .map(|t| declare(&t["function"]))
+        .collect()
+}
+
+/// What follows a Codex session's items: its tools and parameters.
+fn codex_tail(session: u64) -> Arc<Vec<u8>> {
+    let tools = declared_tools(|f| {
+        json!({"type": "function", "name": f["name"], "description": f["description"],
+               "strict": false, "parameters": f["parameters"]})
+    });
     let rest = json!({"tools": tools, "tool_choice": "auto", "parallel_tool_calls": false,
         "reasoning": {"effort": "medium", "summary": "auto"}, "store": false,
         "include": ["reasoning.encrypted_content"],
         "prompt_cache_key": format!("01a229d2-2989-7b93-bd82-{session:012x}")})
+    .to_string();
+    // `],` then the parameters' members.
+    Arc::new(format!("],{}", &rest[1..]).into_bytes())
+}
+
+/// `{"contents":[` — shared by all Gemini sessions.
+fn gemini_head() -> Arc<Vec<u8>> {
+    Arc::new(b"{\"contents\":[".to_vec())
+}
+
+/// What follows a Gemini session's contents: the system instruction, the
+/// tools and the generation parameters, as Gemini CLI sends them.
+fn gemini_tail() -> Arc<Vec<u8>> {
+    let declarations = declared_tools(|f| {
+        json!({"name": f["name"], "description": f["description"],
+               "parametersJsonSchema": f["parameters"]})
+    });
+    let system = prose(&mut Rng::new(SYSTEM_SEED), 3000);
+    let rest = json!({"systemInstruction": {"role": "user", "parts": [{"text": system}]},
+        "tools": [{"functionDeclarations": declarations}],
+        "generationConfig": {"temperature": 0, "topP": 1,
+            "thinkingConfig": {"includeThoughts": true, "thinkingBudget": 8192}}})
     .to_string();
     // `],` then the parameters' members.
     Arc::new(format!("],{}", &rest[1..]).into_bytes())
@@ -420,8 +457,11 @@ impl Conv {
         // All sessions share the system prompt, as agents do.
         let system = prose(&mut Rng::new(SYSTEM_SEED), 3000);
         let mut hist = match shape {
-            // The system prompt is in the head: the history opens with the user.
-            Shape::Messages => shape.text("user", "Begin.").to_string().into_bytes(),
+            // The system prompt is in the head or the tail: the history
+            // opens with the user.
+            Shape::Messages | Shape::Gemini => {
+                shape.text("user", "Begin.").to_string().into_bytes()
+            }
             _ => shape.system(&system).to_string().into_bytes(),
         };
         let max_tool = (target / 40).clamp(1500, 6000);
@@ -466,6 +506,18 @@ impl Conv {
                         {"type": "tool_use", "id": call_id, "name": name, "input": args}]}));
                     push(json!({"role": "user", "content": [
                         {"type": "tool_result", "tool_use_id": call_id, "content": output}]}));
+                }
+                Shape::Gemini => {
+                    // The call's signature rides along, as the API needs
+                    // it back; the API gives calls no id, so they pair
+                    // by name.
+                    let sealed: String = (0..400)
+                        .map(|_| rng.pick(&["A", "b", "7", "+", "Q", "z"]))
+                        .collect();
+                    push(json!({"role": "model", "parts": [
+                        {"functionCall": {"name": name, "args": args}, "thoughtSignature": sealed}]}));
+                    push(json!({"role": "user", "parts": [
+                        {"functionResponse": {"name": name, "response": {"output": output}}}]}));
                 }
             }
             if k % 3 == 2 {
@@ -538,6 +590,9 @@ enum Variant {
     Same,
     /// Like `Grow`, as Claude Code sends it: `/v1/messages`.
     Messages,
+    /// Like `Grow`, as Gemini CLI sends it: `:generateContent`, or
+    /// streamed `:streamGenerateContent?alt=sse` (c=1 only).
+    Gemini,
     /// `Last` for a model whose window the history overflows: once the
     /// session's compaction is stored (during the warm-up), every request
     /// goes upstream compacted.
@@ -549,6 +604,7 @@ impl Variant {
         match self {
             Variant::Codex | Variant::CodexWs => Shape::Codex,
             Variant::Messages => Shape::Messages,
+            Variant::Gemini => Shape::Gemini,
             _ => Shape::Chat,
         }
     }
@@ -556,7 +612,7 @@ impl Variant {
     fn grows(self) -> bool {
         matches!(
             self,
-            Variant::Grow | Variant::Codex | Variant::CodexWs | Variant::Messages
+            Variant::Grow | Variant::Codex | Variant::CodexWs | Variant::Messages | Variant::Gemini
         )
     }
 }
@@ -596,6 +652,8 @@ impl Session {
             Shape::Chat => (body_head(stream), Arc::new(b"]}".to_vec())),
             Shape::Codex => (codex_head(), codex_tail(seed)),
             Shape::Messages => (messages_head(stream), Arc::new(b"]}".to_vec())),
+            // The path says whether it streams.
+            Shape::Gemini => (gemini_head(), gemini_tail()),
         };
         let first = if variant.grows() {
             // Staggered, so sessions do not all start over at once.
@@ -672,18 +730,25 @@ fn contains(hay: &[u8], needle: &[u8]) -> bool {
     hay.windows(needle.len()).any(|w| w == needle)
 }
 
-/// One request; the clock runs from just before sending to the last byte.
+/// One request of a session of `shape`; the clock runs from just before
+/// sending to the last byte.
 async fn send(
     client: &reqwest::Client,
     url: &str,
     body: Vec<u8>,
     stream: bool,
+    shape: Shape,
 ) -> Result<Sample, String> {
     let bytes = body.len();
+    // Gemini's key goes in its own header.
+    let key = match shape {
+        Shape::Gemini => ("x-goog-api-key", "AIzaSy-bench-00000000000000000000000"),
+        _ => ("authorization", "Bearer sk-bench-0000000000000000"),
+    };
     let t0 = Instant::now();
     let mut resp = client
         .post(url)
-        .header("authorization", "Bearer sk-bench-0000000000000000")
+        .header(key.0, key.1)
         .header("content-type", "application/json")
         .body(body)
         .send()
@@ -708,10 +773,12 @@ async fn send(
     }
     let ok = if stream {
         // A chat stream ends with [DONE], a Responses stream with its
-        // completed event, a Messages stream with `message_stop`.
+        // completed event, a Messages stream with `message_stop`, a
+        // Gemini stream with a chunk that gives the finish reason.
         (buf.ends_with(b"data: [DONE]\n\n")
             || contains(&buf, b"\"response.completed\"")
-            || contains(&buf, b"\"message_stop\""))
+            || contains(&buf, b"\"message_stop\"")
+            || (shape == Shape::Gemini && contains(&buf, b"\"finishReason\":\"STOP\"")))
             && contains(&buf, b"fake upstream.")
     } else {
         // A chat answer, or the fake's answer to any other path (the hop rows).
@@ -848,7 +915,7 @@ async fn burst(
                 while next.fetch_add(1, Ordering::Relaxed) < count {
                     let url = s.url(&urls).to_string();
                     let (body, user) = s.next();
-                    match send(&client, &url, body, stream).await {
+                    match send(&client, &url, body, stream, s.shape).await {
                         Ok(sample) => {
                             s.done(&user);
                             c.samples.push(sample);
@@ -1025,6 +1092,17 @@ impl Rig {
                 ..Default::default()
             },
         );
+        // Gemini 2.5's window, as the chat rows' model has a 1M one: no
+        // size here comes near a compaction threshold.
+        config.models.insert(
+            0,
+            compactor::config::ModelConfig {
+                pattern: "gemini-2.5-*".into(),
+                context_window: 1_048_576,
+                max_output_tokens: Some(65_536),
+                ..Default::default()
+            },
+        );
         // Several replicas share a store only on PostgreSQL.
         let n = if pg_url.is_some() { replicas.max(1) } else { 1 };
         // Each with a path of its own (a PostgreSQL store's local journal
@@ -1053,18 +1131,26 @@ impl Rig {
     }
 
     /// The direct URL, and one per replica.
-    fn urls(&self, variant: Variant) -> (String, Vec<String>) {
+    fn urls(&self, variant: Variant, stream: bool) -> (String, Vec<String>) {
         let path = match variant {
             Variant::Hop => "embeddings",
             Variant::Codex | Variant::CodexWs => "responses",
             Variant::Messages => "messages",
+            Variant::Gemini if stream => "models/gemini-2.5-flash:streamGenerateContent?alt=sse",
+            Variant::Gemini => "models/gemini-2.5-flash:generateContent",
             _ => "chat/completions",
+        };
+        // Gemini CLI's version prefix; the proxy sends it below the base.
+        let version = if variant == Variant::Gemini {
+            "v1beta"
+        } else {
+            "v1"
         };
         (
             format!("{}/{path}", self.fake.url()),
             self.replicas
                 .iter()
-                .map(|r| format!("http://{}/v1/{path}", r.addr))
+                .map(|r| format!("http://{}/{version}/{path}", r.addr))
                 .collect(),
         )
     }
@@ -1139,6 +1225,7 @@ impl Scenario {
                 Variant::Codex | Variant::CodexWs => "codx",
                 Variant::Same => "same",
                 Variant::Messages => "msgs",
+                Variant::Gemini => "gmni",
                 Variant::Compacted => "cmpt",
             },
             match (self.variant, self.stream) {
@@ -1258,7 +1345,7 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
             }
         }
     };
-    let (direct_url, proxy_urls) = rig.urls(sc.variant);
+    let (direct_url, proxy_urls) = rig.urls(sc.variant, sc.stream);
     let urls = [vec![direct_url], proxy_urls];
     // Both sides get byte-identical sessions (same seeds).
     let sessions = |n: usize| -> Vec<Session> {
@@ -1347,7 +1434,7 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
                     let sent = if side == 1 && sc.variant == Variant::CodexWs {
                         send_ws(&mut socket, &url, body).await
                     } else {
-                        send(&client, &url, body, sc.stream).await
+                        send(&client, &url, body, sc.stream, s[side].shape).await
                     };
                     match sent {
                         Ok(sample) => {
@@ -2104,6 +2191,7 @@ fn main() {
         for variant in [
             Variant::Last,
             Variant::Grow,
+            Variant::Gemini,
             Variant::Codex,
             Variant::CodexWs,
             Variant::Messages,
@@ -2116,7 +2204,7 @@ fn main() {
                     // The hop: a reference, not streamed; Codex always streams.
                     if (variant == Variant::Hop && stream)
                         || (matches!(variant, Variant::Codex | Variant::CodexWs) && !stream)
-                        || (variant == Variant::CodexWs && conc > 1)
+                        || (matches!(variant, Variant::CodexWs | Variant::Gemini) && conc > 1)
                         || (variant == Variant::Same && conc == 1)
                     {
                         continue;
@@ -2171,6 +2259,8 @@ fn main() {
          codx ws = the same, the proxied side over the proxy's WebSocket (a socket per session, each \
          request a response.create), the direct side over HTTP + SSE, and in turn with them a third \
          side, another session through the proxy over HTTP + SSE; \
+         gmni = Gemini-CLI-shaped sessions to :generateContent (json) or \
+         :streamGenerateContent?alt=sse (sse), growing as grow does (c=1 only); \
          same = one body, byte for byte, from every client every time (one conversation); \
          hop = the `last` bodies to /v1/embeddings, which the proxy relays unparsed and unrecorded \
          (what the HTTP hop alone costs). SSE requests do not ask for usage, so the proxy \
@@ -2368,6 +2458,25 @@ fn main() {
         println!(
             "    (p50 direct {:.3}, proxy over the WebSocket {:.3}, over HTTP + SSE {:.3}; p99 {:.2} / {:.2} / {:.2} ms)",
             ws.side[0].p50, ws.side[1].p50, sse.p50, ws.side[0].p99, ws.side[1].p99, sse.p99
+        );
+    }
+    // Gemini against chat: each `gmni` row beside the `grow` row of its
+    // size, streaming and store, measured in the same run.
+    for g in rows.iter().filter(|r| r.sc.variant == Variant::Gemini) {
+        let Some(chat) = rows.iter().find(|r| {
+            let (a, b) = (&r.sc, &g.sc);
+            a.variant == Variant::Grow
+                && (a.size, a.stream, a.conc, a.pg, a.replicas, a.sticky)
+                    == (b.size, b.stream, b.conc, b.pg, b.replicas, b.sticky)
+        }) else {
+            continue;
+        };
+        println!(
+            "  {:<44} {:>7.3} ms ({:<20}) {}",
+            format!("Gemini added p50 <= chat's + 0.1 ({:+.3} ms)", added(chat)),
+            added(g),
+            g.name,
+            verdict(added(g) - added(chat) <= 0.1)
         );
     }
     for r in rows

@@ -1,7 +1,8 @@
 //! Fuzz targets, run for a bounded number of cases in every test run
 //! (`COMPACTOR_FUZZ_CASES=N` runs each for N instead): the request-body
 //! split of both endpoints, the proxy's answer to any body, and the SSE
-//! tee on any chunking of any event stream. (The journal reader's target
+//! tee on any chunking of any event stream, a Gemini stream's usage, text
+//! and calls among them. (The journal reader's target
 //! is with the reader, in `store::journal`.) Seeds: `tests/corpus/`.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
@@ -16,7 +17,7 @@ use compactor::wire::sse::SseTee;
 use compactor::wire::{item_hash, Api};
 use proptest::prelude::*;
 use proptest::strategy::ValueTree;
-use serde_json::Value;
+use serde_json::{json, Value};
 
 /// The seed bodies: (file name, endpoint, bytes).
 /// The caches the reusing split reads, shared by the cases as a proxy's
@@ -282,7 +283,7 @@ async fn the_proxy_answers_any_body_with_json_errors() {
     assert_eq!(health.status(), 200);
 }
 
-/// An event of either API's stream, or something that is not one.
+/// An event of any of the APIs' streams, or something that is not one.
 fn any_event() -> impl Strategy<Value = String> {
     let text = "[a-z \"\\\\é{}:,]{0,8}";
     prop_oneof![
@@ -303,6 +304,12 @@ fn any_event() -> impl Strategy<Value = String> {
             "event: response.completed\r\ndata: {{\"type\":\"response.completed\",\"response\":{{\"id\":\"resp_1\",\"output\":[],\"usage\":{{\"input_tokens\":{n},\"output_tokens\":2}}}}}}\r\n\r\n"
         )),
         Just("event: error\ndata: {\"error\":{\"message\":\"overloaded\"}}\n\n".to_string()),
+        gemini_part().prop_map(|p| format!("data: {}\r\n\r\n", gemini_chunk(&p.json(), None))),
+        (1u64..99, 0u64..9).prop_map(|(p, o)| format!(
+            "data: {}\r\n\r\n",
+            gemini_chunk(&[], Some(json!({"promptTokenCount": p, "candidatesTokenCount": o})))
+        )),
+        Just("data: {\"error\":{\"code\":503,\"message\":\"overloaded\",\"status\":\"UNAVAILABLE\"}}\r\n\r\n".to_string()),
         Just(": keep-alive\n\n".to_string()),
         Just("data: {\"half\": \n".to_string()),
         // Any bytes as text, lines and all.
@@ -311,13 +318,12 @@ fn any_event() -> impl Strategy<Value = String> {
     ]
 }
 
-/// Runs `body` through a tee cut at `cuts` (offsets, taken modulo the
-/// length): the client's bytes and what was collected.
-fn tee(api: Api, strip: bool, body: &[u8], cuts: &[usize]) -> (Vec<u8>, String) {
+/// Feeds `body` to `tee` cut at `cuts` (offsets, taken modulo the
+/// length) and ends it: the client's bytes.
+fn feed(tee: &mut SseTee, body: &[u8], cuts: &[usize]) -> Vec<u8> {
     let mut cuts: Vec<usize> = cuts.iter().map(|c| c % (body.len() + 1)).collect();
     cuts.sort_unstable();
     cuts.dedup();
-    let mut tee = SseTee::new(api, strip);
     let mut out = Vec::new();
     let mut at = 0;
     for cut in cuts.into_iter().chain([body.len()]) {
@@ -325,6 +331,14 @@ fn tee(api: Api, strip: bool, body: &[u8], cuts: &[usize]) -> (Vec<u8>, String) 
         at = cut;
     }
     out.extend_from_slice(&tee.finish());
+    out
+}
+
+/// Runs `body` through a tee cut at `cuts`: the client's bytes and what
+/// was collected.
+fn tee(api: Api, strip: bool, body: &[u8], cuts: &[usize]) -> (Vec<u8>, String) {
+    let mut tee = SseTee::new(api, strip);
+    let out = feed(&mut tee, body, cuts);
     let collected = format!(
         "{:?} {:?} {:?} {:?} {}",
         tee.usage(),
@@ -339,7 +353,7 @@ fn tee(api: Api, strip: bool, body: &[u8], cuts: &[usize]) -> (Vec<u8>, String) 
 proptest! {
     #![proptest_config(ProptestConfig::with_cases(compactor::fuzz_cases(256)))]
 
-    /// The SSE tee on any chunking of any event stream of either API: never
+    /// The SSE tee on any chunking of any event stream of any API: never
     /// panics; passes every byte through unless it hides usage; and what
     /// the client gets and what is collected do not depend on how the
     /// upstream cut the stream.
@@ -347,10 +361,9 @@ proptest! {
     fn the_sse_tee_does_not_depend_on_chunking(
         events in proptest::collection::vec(any_event(), 0..10),
         cuts in proptest::collection::vec(any::<usize>(), 0..12),
-        responses in any::<bool>(),
+        api in prop_oneof![Just(Api::Chat), Just(Api::Responses), Just(Api::Gemini)],
         strip in any::<bool>(),
     ) {
-        let api = if responses { Api::Responses } else { Api::Chat };
         let strip = strip && api == Api::Chat;
         let body = events.concat().into_bytes();
         let whole = tee(api, strip, &body, &[]);
@@ -359,6 +372,184 @@ proptest! {
             prop_assert_eq!(&whole.0, &body);
         }
         prop_assert_eq!(whole, cut);
+    }
+}
+
+/// A part of a streamed Gemini answer.
+#[derive(Debug, Clone)]
+enum GeminiPart {
+    Text(String),
+    Thought(String),
+    /// A call of one of the client's tools, with its signature.
+    Call(String),
+    /// A call of the proxy's own tool, which a rewriting tee takes out.
+    Own,
+}
+
+/// The proxy's tool whose calls a rewriting tee takes out.
+const OWN_TOOL: &str = "compactor_recall";
+
+impl GeminiPart {
+    fn json(&self) -> Vec<Value> {
+        let call = |name: &str| {
+            json!({"functionCall": {"name": name, "args": {"path": "src/lib.rs"}},
+                   "thoughtSignature": "c2lnbmF0dXJlLW9mLXRoZS1jYWxs"})
+        };
+        vec![match self {
+            GeminiPart::Text(t) => json!({ "text": t }),
+            GeminiPart::Thought(t) => json!({"text": t, "thought": true}),
+            GeminiPart::Call(name) => call(name),
+            GeminiPart::Own => call(OWN_TOOL),
+        }]
+    }
+}
+
+fn gemini_part() -> impl Strategy<Value = GeminiPart> {
+    let text = "[a-z \"\\\\é€{}:,\n]{0,12}";
+    prop_oneof![
+        3 => text.prop_map(GeminiPart::Text),
+        1 => text.prop_map(GeminiPart::Thought),
+        1 => "(read_file|run_shell|list_dir)".prop_map(GeminiPart::Call),
+        1 => Just(GeminiPart::Own),
+    ]
+}
+
+/// A `GenerateContentResponse` of `parts`, with its `usageMetadata` when given.
+fn gemini_chunk(parts: &[Value], usage: Option<Value>) -> Value {
+    let mut chunk = json!({"candidates": [{"content": {"role": "model", "parts": parts}, "index": 0}],
+                           "modelVersion": "gemini-2.5-flash", "responseId": "resp-gemini-1"});
+    if let Some(u) = usage {
+        chunk["usageMetadata"] = u;
+    }
+    chunk
+}
+
+/// A Gemini stream (`alt=sse`): a chunk per part, each with the prompt's
+/// count as the API sends it, keep-alive comments between them when
+/// asked, then the last chunk with the finish reason and the whole usage,
+/// `(prompt, cached, candidates, thoughts, tool use prompt)`.
+fn gemini_body(
+    parts: &[GeminiPart],
+    (prompt, cached, output, thoughts, tool): (u64, u64, u64, u64, u64),
+    crlf: bool,
+    comments: bool,
+) -> Vec<u8> {
+    let end = if crlf { "\r\n\r\n" } else { "\n\n" };
+    let mut body = String::new();
+    for (i, p) in parts.iter().enumerate() {
+        if comments && i % 2 == 1 {
+            body.push_str(&format!(": keep-alive{end}"));
+        }
+        let meta = json!({"promptTokenCount": prompt, "totalTokenCount": prompt});
+        body.push_str(&format!(
+            "data: {}{end}",
+            gemini_chunk(&p.json(), Some(meta))
+        ));
+    }
+    let meta = json!({"promptTokenCount": prompt, "cachedContentTokenCount": cached,
+        "candidatesTokenCount": output, "thoughtsTokenCount": thoughts,
+        "toolUsePromptTokenCount": tool,
+        "totalTokenCount": prompt + output + thoughts + tool});
+    let mut last = gemini_chunk(&[], Some(meta));
+    last["candidates"][0]["finishReason"] = json!("STOP");
+    body.push_str(&format!("data: {last}{end}"));
+    body.into_bytes()
+}
+
+/// What a tee relayed and collected of a Gemini stream.
+#[derive(Debug, PartialEq)]
+struct GeminiTee {
+    bytes: Vec<u8>,
+    usage: Option<compactor::wire::Usage>,
+    items: Vec<Value>,
+    finished: bool,
+}
+
+/// Runs a Gemini stream through a tee cut at `cuts`, taking the calls of
+/// `own` out when given.
+fn gemini_tee(body: &[u8], cuts: &[usize], own: Option<&str>) -> GeminiTee {
+    let names: Vec<&str> = own.into_iter().collect();
+    let mut tee = SseTee::new(Api::Gemini, false)
+        .rewritten(compactor::wire::own_calls::rewrite(Api::Gemini, &names));
+    let bytes = feed(&mut tee, body, cuts);
+    GeminiTee {
+        bytes,
+        usage: tee.usage(),
+        items: tee.items(),
+        finished: tee.finished(),
+    }
+}
+
+/// The answer's text, its thoughts' text and its calls' names, as collected.
+fn gemini_collected(items: &[Value]) -> (String, String, Vec<String>) {
+    let (mut text, mut thoughts, mut calls) = (String::new(), String::new(), Vec::new());
+    for part in items
+        .iter()
+        .flat_map(|i| i["parts"].as_array().cloned().unwrap_or_default())
+    {
+        if let Some(name) = part.pointer("/functionCall/name").and_then(Value::as_str) {
+            calls.push(name.to_string());
+        } else if part["thought"] == json!(true) {
+            thoughts.push_str(part["text"].as_str().unwrap_or_default());
+        } else {
+            text.push_str(part["text"].as_str().unwrap_or_default());
+        }
+    }
+    (text, thoughts, calls)
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(compactor::fuzz_cases(256)))]
+
+    /// A Gemini stream (`alt=sse`, a whole `GenerateContentResponse` an
+    /// event, usage in each and whole in the last) cut anywhere gives what
+    /// it gives whole: the client gets the upstream's bytes; the usage is
+    /// the last chunk's (the prompt with the tool use's, the output with
+    /// the thoughts, the cached part); the text, the thoughts and the calls
+    /// are the chunks' in order; the answer is seen to end. Through a tee
+    /// that takes the proxy's own calls out (whole events at a time), the
+    /// same holds of what is left, and the client never sees those calls.
+    #[test]
+    fn a_gemini_stream_gives_the_same_usage_and_bytes_however_it_is_cut(
+        parts in proptest::collection::vec(gemini_part(), 0..12),
+        usage in (1u64..200_000, 0u64..1000, 0u64..5000, 0u64..5000, 0u64..300),
+        crlf in any::<bool>(),
+        comments in any::<bool>(),
+        cuts in proptest::collection::vec(any::<usize>(), 0..16),
+    ) {
+        let body = gemini_body(&parts, usage, crlf, comments);
+        let (prompt, cached, output, thoughts, tool) = usage;
+        let expected = compactor::wire::Usage {
+            input_tokens: prompt + tool,
+            output_tokens: output + thoughts,
+            cached_tokens: Some(cached),
+            ..Default::default()
+        };
+        let of = |keep: &dyn Fn(&GeminiPart) -> Option<String>| -> Vec<String> {
+            parts.iter().filter_map(keep).collect()
+        };
+        let text = of(&|p| match p { GeminiPart::Text(t) => Some(t.clone()), _ => None }).concat();
+        let thought = of(&|p| match p { GeminiPart::Thought(t) => Some(t.clone()), _ => None }).concat();
+        for own in [None, Some(OWN_TOOL)] {
+            let whole = gemini_tee(&body, &[], own);
+            let cut = gemini_tee(&body, &cuts, own);
+            prop_assert_eq!(&cut, &whole);
+            prop_assert_eq!(cut.usage, Some(expected));
+            prop_assert!(cut.finished);
+            let calls = of(&|p| match p {
+                GeminiPart::Call(n) => Some(n.clone()),
+                GeminiPart::Own if own.is_none() => Some(OWN_TOOL.to_string()),
+                _ => None,
+            });
+            prop_assert_eq!(gemini_collected(&cut.items), (text.clone(), thought.clone(), calls));
+            let has_own = parts.iter().any(|p| matches!(p, GeminiPart::Own));
+            if own.is_none() || !has_own {
+                prop_assert_eq!(&cut.bytes, &body);
+            } else {
+                let relayed = String::from_utf8(cut.bytes.clone()).unwrap();
+                prop_assert!(!relayed.contains(OWN_TOOL), "{}", relayed);
+            }
+        }
     }
 }
 
