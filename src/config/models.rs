@@ -33,6 +33,10 @@ const BUILTIN_MODELS: &[(&str, u64, u64)] = &[
     ("gpt-3.5-turbo*", 16_385, 4_096),
     ("gpt-oss*", 131_072, 32_768),
     ("claude*", 200_000, 32_000),
+    ("gemini-1.5-pro*", 2_097_152, 8_192),
+    ("gemini-1.5*", 1_048_576, 8_192),
+    ("gemini-2.0*", 1_048_576, 8_192),
+    ("gemini*", 1_048_576, 65_536),
     ("*llama-3*", 131_072, 8_192),
     ("*qwen2.5*", 32_768, 8_192),
     ("*qwen3*", 40_960, 8_192),
@@ -171,6 +175,15 @@ mod tests {
         assert_eq!(l.trigger_ratio, 0.5);
         assert_eq!(c.model_limits("gpt-5-codex").context_window, 400_000);
         assert_eq!(c.model_limits("something-new").context_window, 128_000);
+        // Gemini's families, not the fallback's 128k; Gemma is not Gemini.
+        assert_eq!(c.model_limits("gemini-2.5-flash").context_window, 1_048_576);
+        assert_eq!(c.model_limits("gemini-2.5-pro").max_output_tokens, 65_536);
+        assert_eq!(c.model_limits("gemini-2.0-flash").max_output_tokens, 8_192);
+        assert_eq!(
+            c.model_limits("gemini-1.5-pro-002").context_window,
+            2_097_152
+        );
+        assert_eq!(c.model_limits("gemma-3-27b-it").context_window, 131_072);
         let c = Config::from_toml("[[models]]\nmatch = \"*\"\ncontext_window = 4096\n").unwrap();
         assert_eq!(c.model_limits("gpt-5").context_window, 400_000);
         assert_eq!(c.model_limits("my-local-model").context_window, 4096);
