@@ -203,6 +203,48 @@ impl AsRef<[Value]> for Compaction {
 }
 
 impl Compaction {
+    /// A compaction made now under a fresh id that no summary call paid
+    /// for: `replacement` standing for the first `covered_len` items of
+    /// `tenant`'s `conversation` (prefix chain `covered_chain`), every
+    /// figure zero and nothing beside it, for the maker to fill in what it
+    /// knows.
+    pub fn made_now(
+        tenant: &str,
+        conversation: &str,
+        (covered_len, covered_chain): (usize, ItemHash),
+        replacement: Vec<Value>,
+        rung: Rung,
+        reason: String,
+    ) -> Compaction {
+        Compaction {
+            id: crate::ids::new_compaction_id(),
+            tenant: tenant.into(),
+            conversation: conversation.into(),
+            covered_len,
+            covered_chain,
+            replacement,
+            rung,
+            reason,
+            tokens_before: 0,
+            tokens_after: 0,
+            items_removed: 0,
+            items_kept: 0,
+            summary: None,
+            facts: None,
+            base: None,
+            summary_calls: 0,
+            summary_tokens: 0,
+            summary_output_tokens: 0,
+            summary_cache: Default::default(),
+            tokens_saved: 0,
+            observed: false,
+            audit: None,
+            duration_ms: 0,
+            created_ms: crate::ids::now_ms(),
+            made: Default::default(),
+        }
+    }
+
     /// The canonical hashes of the replacement's items.
     pub fn replacement_hashes(&self) -> &std::sync::Arc<Vec<ItemHash>> {
         self.made.hashes(&self.replacement)

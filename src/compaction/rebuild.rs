@@ -100,32 +100,16 @@ pub fn standing_for(
     history: Vec<Value>,
 ) -> Compaction {
     Compaction {
-        id: crate::ids::new_compaction_id(),
-        tenant: tenant.into(),
-        conversation: conversation.into(),
-        covered_len,
-        covered_chain,
         items_kept: history.len(),
-        replacement: history,
-        // What the record holds, put back as it was: nothing shortened.
-        rung: Rung::Truncate,
-        reason: format!("{REBUILD_REASON}: what the provider's compaction item stood for"),
-        tokens_before: 0,
-        tokens_after: 0,
-        items_removed: 0,
-        summary: None,
-        facts: None,
-        base: None,
-        summary_calls: 0,
-        summary_tokens: 0,
-        summary_output_tokens: 0,
-        summary_cache: Default::default(),
-        tokens_saved: 0,
-        observed: false,
-        audit: None,
-        duration_ms: 0,
-        created_ms: crate::ids::now_ms(),
-        made: Default::default(),
+        ..Compaction::made_now(
+            tenant,
+            conversation,
+            (covered_len, covered_chain),
+            history,
+            // What the record holds, put back as it was: nothing shortened.
+            Rung::Truncate,
+            format!("{REBUILD_REASON}: what the provider's compaction item stood for"),
+        )
     }
 }
 

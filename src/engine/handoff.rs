@@ -147,35 +147,23 @@ pub async fn after_client_compaction<C: Context>(
     let added = tokens.count_text(&block);
     let lines = block.lines().filter(|l| l.starts_with("- ")).count();
     let c = Compaction {
-        id: crate::ids::new_compaction_id(),
-        tenant: tenant.to_string(),
-        conversation: conversation.to_string(),
-        covered_len: at + 1,
-        covered_chain: *chains.get(at)?,
-        replacement,
-        rung: Rung::Handoff,
-        reason: format!(
-            "handoff: the client's own summary, with {lines} lines of the trail it left out"
-        ),
         tokens_before: before,
         tokens_after: before + added,
-        items_removed: 0,
         items_kept: at + 1,
         summary: Some(block),
         // Carried into the proxy's own next compaction, as any
         // compaction's facts are: the trail outlives it too.
         facts: Some((*trail).clone()),
-        base: None,
-        summary_calls: 0,
-        summary_tokens: 0,
-        summary_output_tokens: 0,
-        summary_cache: Default::default(),
-        tokens_saved: 0,
-        observed: false,
-        audit: None,
-        duration_ms: 0,
-        created_ms: crate::ids::now_ms(),
-        made: Default::default(),
+        ..Compaction::made_now(
+            tenant,
+            conversation,
+            (at + 1, *chains.get(at)?),
+            replacement,
+            Rung::Handoff,
+            format!(
+                "handoff: the client's own summary, with {lines} lines of the trail it left out"
+            ),
+        )
     };
     if let Err(e) = state.store().record_compaction(c.clone()).await {
         tracing::error!(error = %e, "hand-off compaction not recorded");
