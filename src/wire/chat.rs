@@ -6,7 +6,8 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 
 use super::format::{text_of, First, Format, Start, ToolCall};
-use super::{RawMembers, Usage};
+use super::raw::RawMembers;
+use super::usage::Usage;
 use crate::error::InvalidField;
 
 /// `messages` must be a list of objects.

@@ -12,7 +12,7 @@
 use serde_json::{json, Map, Value};
 
 use super::format::{First, Format, Start, ToolCall};
-use super::Usage;
+use super::usage::Usage;
 use crate::error::InvalidField;
 
 /// What a Gemini path asks of a model.

@@ -20,14 +20,17 @@ use serde_json::Value;
 use super::hash::{item_hash, ItemHash};
 
 mod reuse;
+mod seen;
 mod split;
 mod tools;
 
 pub use reuse::ItemCaches;
-pub use split::{split_body, Shell, SplitBody};
+pub use seen::{Reuse, Shell};
+pub use split::{split_body, SplitBody};
 pub use tools::Tools;
 
-use reuse::{best_candidate, common_prefix, recent_key};
+use reuse::{best_candidate, recent_key};
+use seen::{parse, Seen};
 
 /// The items of one request: parsed values, or ranges of the client's body
 /// (after `head`, items the proxy made up, such as the Responses
@@ -60,14 +63,6 @@ impl std::ops::Deref for Head {
             Head::Shared(values) => (**values).as_ref(),
         }
     }
-}
-
-/// A recent request (of the same scope) whose first `items` items a body
-/// repeats byte for byte at the same places, found while splitting it.
-pub struct Reuse {
-    key: ItemHash,
-    seen: Arc<Seen>,
-    items: usize,
 }
 
 impl From<Vec<Value>> for ItemList {
@@ -315,16 +310,16 @@ impl ItemList {
     pub fn hashes_and_chains(&self, scope: &str) -> (Vec<ItemHash>, Vec<ItemHash>, Claims) {
         let Some(caches) = self.caches.as_deref().filter(|_| self.is_raw()) else {
             let hashes = self.hashes();
-            let chains = super::chain_hashes(&hashes);
+            let chains = super::hash::chain_hashes(&hashes);
             return (hashes, chains, Claims::default());
         };
         if self.spans.is_empty() {
             let hashes = self.hashes();
-            let chains = super::chain_hashes(&hashes);
+            let chains = super::hash::chain_hashes(&hashes);
             return (hashes, chains, Claims::default());
         }
         let head: Vec<ItemHash> = self.head.iter().map(item_hash).collect();
-        let mut chains = super::chain_hashes(&head);
+        let mut chains = super::hash::chain_hashes(&head);
         let head_chain = chains.last().copied().unwrap_or([0; 32]);
         let (key, best) = match &self.reuse {
             // The split found it already.
@@ -351,7 +346,7 @@ impl ItemList {
         }
         let mut prev = item_chains.last().copied().unwrap_or(head_chain);
         for h in &items[item_chains.len()..] {
-            prev = super::chain_extend(prev, std::slice::from_ref(h));
+            prev = super::hash::chain_extend(prev, std::slice::from_ref(h));
             item_chains.push(prev);
         }
         // A request that repeats all of a recent one takes its place: the
@@ -429,23 +424,6 @@ impl ItemList {
     }
 }
 
-/// A recent request's raw items and their hashes.
-#[cfg_attr(test, derive(Default))]
-struct Seen {
-    id: u64,
-    raw: Bytes,
-    spans: Vec<Range<usize>>,
-    hashes: Vec<ItemHash>,
-    /// The chain hash before the raw items (over the request's head).
-    head_chain: ItemHash,
-    /// The chain hashes after each raw item.
-    chains: Vec<ItemHash>,
-    /// What is around its items, when its split found it.
-    shell: Option<Arc<Shell>>,
-    /// Set once the store has claimed all of its items.
-    claimed: Arc<AtomicBool>,
-}
-
 /// Which of a request's item hashes the store has claimed already (see
 /// `Store::claim_items`): those it repeats of a recent request whose
 /// exchange was recorded. Lets the record skip looking them up again.
@@ -472,29 +450,6 @@ impl Claims {
             own.store(true, Ordering::Release);
         }
     }
-}
-
-impl Seen {
-    /// How many leading items of a body are these, byte for byte and at
-    /// the same places (so all the bytes before them are the same, too).
-    fn leading_items(&self, raw: &[u8]) -> usize {
-        let same = common_prefix(&self.raw, raw);
-        self.spans.partition_point(|s| s.end <= same)
-    }
-
-    /// How many leading items of a request are byte for byte these.
-    fn matching(&self, raw: &[u8], spans: &[Range<usize>]) -> usize {
-        self.spans
-            .iter()
-            .zip(spans)
-            .take_while(|(a, b)| self.raw[(*a).clone()] == raw[(*b).clone()])
-            .count()
-    }
-}
-
-/// One item from bytes [`split_body`] already parsed once (so valid).
-fn parse(bytes: &[u8]) -> Value {
-    serde_json::from_slice(bytes).unwrap_or_default()
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 
 use serde_json::{json, Map, Value};
 
-use super::Usage;
+use super::usage::Usage;
 
 /// Collects the assistant message, usage and the end of a Messages stream.
 #[derive(Debug, Default)]

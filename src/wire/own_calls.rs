@@ -14,8 +14,8 @@
 use bytes::{Bytes, BytesMut};
 use serde_json::{Map, Value};
 
+use super::api::Api;
 use super::sse::{event_bytes, Block, Framer};
-use super::Api;
 
 /// Whether a call's name is one of `names`.
 fn ours<S: AsRef<str>>(names: &[S], name: Option<&str>) -> bool {

@@ -7,7 +7,7 @@ use serde_json::value::RawValue;
 use serde_json::{json, Map, Value};
 
 use super::format::{text_of, First, Format, Start, ToolCall};
-use super::Usage;
+use super::usage::Usage;
 use crate::error::InvalidField;
 
 /// `instructions` (as a leading pseudo-item, so two conversations with

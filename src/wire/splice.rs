@@ -6,8 +6,8 @@
 use bytes::Bytes;
 use serde_json::{Map, Value};
 
+use super::api::Api;
 use super::sse::Block;
-use super::Api;
 
 /// How a continuation's events follow what the client already has.
 #[derive(Debug, Default)]

@@ -17,10 +17,11 @@
 use bytes::{Bytes, BytesMut};
 use serde_json::Value;
 
+use super::api::Api;
 use super::chat::{self, ChatCollector, Strip};
 use super::messages::MessagesCollector;
 use super::responses::ResponsesCollector;
-use super::{Api, Usage};
+use super::usage::Usage;
 
 /// One block of a stream: the bytes up to and including the blank line
 /// that ends it, and the event they dispatch, if any (a block of comments

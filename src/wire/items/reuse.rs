@@ -10,11 +10,10 @@ use bytes::Bytes;
 use serde_json::value::RawValue;
 use serde_json::Value;
 
+use super::seen::{Reuse, Seen, Shell};
 use super::split::{
-    finish_split, first_items_at, parse_split, probe_items, skip_whitespace, split_body, Shell,
-    SplitBody,
+    finish_split, first_items_at, parse_split, probe_items, skip_whitespace, split_body, SplitBody,
 };
-use super::{Reuse, Seen};
 use crate::bounded::Generations;
 use crate::wire::hash::ItemHash;
 
@@ -337,23 +336,6 @@ pub(super) fn best_candidate(
         }
     }
     best
-}
-
-/// Length of the longest common prefix of `a` and `b`.
-pub(super) fn common_prefix(a: &[u8], b: &[u8]) -> usize {
-    const BLOCK: usize = 4096;
-    let n = a.len().min(b.len());
-    let mut at = 0;
-    // Whole blocks compare as slices (memcmp); the first unequal one byte
-    // by byte.
-    while at + BLOCK <= n && a[at..at + BLOCK] == b[at..at + BLOCK] {
-        at += BLOCK;
-    }
-    at + a[at..n]
-        .iter()
-        .zip(&b[at..n])
-        .take_while(|(x, y)| x == y)
-        .count()
 }
 
 /// Bytes of recent requests kept for [`ItemList::hashes_and_chains`]

@@ -11,7 +11,7 @@ use serde::de::{self, Deserializer as _, MapAccess, Visitor};
 use serde_json::value::RawValue;
 use serde_json::{Map, Value};
 
-use super::Reuse;
+use super::seen::{Reuse, Shell};
 use crate::wire::hash::ItemHash;
 
 /// A request body parsed with its item array left unparsed.
@@ -31,17 +31,6 @@ pub struct SplitBody {
     pub reuse: Option<Reuse>,
     /// What the split found outside the items, for [`ItemList::with_shell`](super::ItemList::with_shell).
     pub shell: Option<Arc<Shell>>,
-}
-
-/// What a split finds outside a body's items: the body without them, its
-/// tools and key. Kept with a recent request, so that a next request whose
-/// bytes outside its items are the same (the same parameters, tools,
-/// instructions: a conversation's next turn) takes it over instead of
-/// parsing and hashing those bytes again.
-pub struct Shell {
-    pub(super) obj: Map<String, Value>,
-    pub(super) tools: Option<(Range<usize>, ItemHash)>,
-    pub(super) body_key: ItemHash,
 }
 
 /// Parses a JSON object, leaving the array of objects under `key` as byte

@@ -7,8 +7,8 @@ use std::sync::{Arc, OnceLock};
 use bytes::Bytes;
 use serde_json::Value;
 
-use super::parse;
 use super::reuse::ItemCaches;
+use super::seen::parse;
 use crate::wire::hash::{item_hash, ItemHash};
 
 /// A request's tool definitions: the client's bytes, parsed on first need,
