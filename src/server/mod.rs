@@ -14,6 +14,7 @@ mod gather;
 mod gemini;
 mod health;
 mod identify;
+mod lease;
 mod models;
 mod passthrough;
 mod proxy;
@@ -40,6 +41,8 @@ use hyper_util::rt::{TokioIo, TokioTimer};
 use hyper_util::server::conn::auto;
 use tokio::net::TcpListener;
 use tracing::Instrument;
+
+use lease::Lease;
 
 use crate::app::AppState;
 use crate::error::{json_response, ProxyBody, ProxyError};
@@ -279,20 +282,6 @@ where
     }
 }
 
-/// What a client connection holds of the server: its slot among the
-/// [`connection_limit`] open ones, and the server's shutdown. A connection
-/// upgraded to a WebSocket keeps it for as long as the socket is open, so
-/// sockets count against the limit and are drained at shutdown.
-pub(crate) struct Lease {
-    _slot: tokio::sync::OwnedSemaphorePermit,
-    /// Set when the server stops accepting: finish what is under way.
-    pub(crate) closing: tokio::sync::watch::Receiver<bool>,
-    /// Set when the grace period is over: drop what is under way.
-    pub(crate) cut: tokio::sync::watch::Receiver<bool>,
-    /// Held until the lease is gone: the server waits for every one.
-    _open: tokio::sync::mpsc::Sender<()>,
-}
-
 /// Serves connections from `listener` until `shutdown` resolves, then stops
 /// accepting and gives in-flight requests `server.shutdown_grace_secs` to
 /// end; streams still going then are cut, and recorded as partial.
@@ -377,12 +366,7 @@ pub async fn run(listener: TcpListener, state: Arc<AppState>, shutdown: impl Fut
         }
         let _ = stream.set_nodelay(true);
         let Some(open) = open.clone() else { break };
-        let lease = Arc::new(Lease {
-            _slot: permit,
-            closing: closing_rx.clone(),
-            cut: cut_rx.clone(),
-            _open: open,
-        });
+        let lease = Arc::new(Lease::new(permit, closing_rx.clone(), cut_rx.clone(), open));
         let state = state.clone();
         let activity = Activity::new();
         let busy = activity.clone();

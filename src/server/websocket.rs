@@ -56,7 +56,7 @@ use tokio_tungstenite::WebSocketStream;
 mod event;
 
 use super::answer::is_sse;
-use super::Lease;
+use super::lease::Lease;
 use crate::app::AppState;
 use crate::error::{json_response, ProxyBody};
 use crate::wire::sse::Framer;

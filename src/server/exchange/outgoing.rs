@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::PendingExchange;
+use super::pending::PendingExchange;
 use crate::compaction::{agent_tool, recall, Compaction};
 use crate::error::ProxyError;
 use crate::upstream::Payload;

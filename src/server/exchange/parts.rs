@@ -1,5 +1,5 @@
 //! The parts of an exchange under way beside the request as read (see
-//! [`super::PendingExchange`]), each a small value of its own: the
+//! [`super::pending::PendingExchange`]), each a small value of its own: the
 //! exchange's methods read and change them, the phases only call those.
 
 use std::sync::Arc;

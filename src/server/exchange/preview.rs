@@ -3,6 +3,70 @@
 
 use serde_json::Value;
 
+use super::pending::PendingExchange;
+use crate::app::AppState;
+use crate::compaction::items;
+use crate::store::{bounded_text, MAX_PREVIEW_CHARS};
+
+/// Items looked through for a conversation's first user message.
+const PREVIEW_SCAN: usize = 32;
+
+impl PendingExchange {
+    /// The person's first message, redacted and cut short, to tell the
+    /// conversation it opens from others. Context a client wraps in tags
+    /// (Codex's `<environment_context>…`, Claude Code's
+    /// `<system-reminder>…` blocks before or after the person's words) is
+    /// not theirs; nor are the turns a client writes before the first
+    /// request of a conversation reaches any model (aider's few-shot
+    /// examples): when the request already holds answers, the person's
+    /// message is the one after the last of them.
+    pub(super) fn preview(&self, state: &AppState) -> Option<String> {
+        let items = self.request.items();
+        let n = items.len();
+        let shown = |text: &str| {
+            // Cut before redacting (a pasted file may be long), and again
+            // after: a credential cut in two at the first cut is gone by
+            // the second.
+            let cut = bounded_text(text, 4 * MAX_PREVIEW_CHARS);
+            bounded_text(
+                &state.upstream.redact(&cut, self.request.auth()),
+                MAX_PREVIEW_CHARS,
+            )
+        };
+        // The user messages after the last answer, looked for in the tail.
+        let mut after_answers = Vec::new();
+        for i in (n.saturating_sub(PREVIEW_SCAN)..n).rev() {
+            let item = items.item(i);
+            if is_answer(&item) {
+                after_answers.reverse();
+                let own = after_answers.iter().find_map(|t: &String| own_text(t));
+                if let Some(own) = own {
+                    return Some(shown(own));
+                }
+                break;
+            }
+            if items::is_user_message(&item) {
+                after_answers.push(items::text_of(&item));
+            }
+        }
+        let mut first: Option<String> = None;
+        for i in 0..n.min(PREVIEW_SCAN) {
+            let item = items.item(i);
+            if !items::is_user_message(&item) {
+                continue;
+            }
+            let text = items::text_of(&item);
+            if let Some(own) = own_text(&text) {
+                return Some(shown(own));
+            }
+            if !text.trim().is_empty() {
+                first.get_or_insert_with(|| shown(text.trim()));
+            }
+        }
+        first
+    }
+}
+
 /// An answer a request carries: an assistant message or one of its calls.
 pub(super) fn is_answer(item: &Value) -> bool {
     item.get("role").and_then(Value::as_str) == Some("assistant")
@@ -74,4 +138,26 @@ pub(super) fn trailing_block(text: &str) -> Option<&str> {
                 .is_some_and(|c| c == '>' || c.is_whitespace())
         })?;
     Some(&text[..start])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::own_text;
+
+    #[test]
+    fn own_text_drops_the_tagged_context_around_the_persons_words() {
+        assert_eq!(
+            own_text("<environment_context>\n<cwd>/w</cwd>\n</environment_context>"),
+            None
+        );
+        assert_eq!(
+            own_text("<system-reminder>\nctx\n</system-reminder>\nFix it\n<system-reminder a=\"1\">x</system-reminder>"),
+            Some("Fix it")
+        );
+        assert_eq!(own_text("  plain words "), Some("plain words"));
+        assert_eq!(own_text("<b>bold</b> words"), Some("words"));
+        assert_eq!(own_text("a < b and c > d"), Some("a < b and c > d"));
+        assert_eq!(own_text("<unclosed> words"), Some("<unclosed> words"));
+        assert_eq!(own_text("   "), None);
+    }
 }

@@ -3,7 +3,8 @@
 
 use std::sync::Arc;
 
-use super::{Outcome, PendingExchange};
+use super::outcome::Outcome;
+use super::pending::PendingExchange;
 use crate::app::AppState;
 
 /// An exchange whose answer has not been handed to the client yet. A

@@ -2,7 +2,13 @@
 //! proxy's tools offered and taken away, the client's own items back, and
 //! what a summary call repeats of the request.
 
-use super::*;
+use std::sync::Arc;
+
+use super::pending::PendingExchange;
+use crate::compaction::{agent_tool, recall, Compaction};
+use crate::config::Mode;
+use crate::engine::{self, Input};
+use crate::wire::items::Tools;
 
 impl PendingExchange {
     /// Applies a compaction: the view becomes its replacement followed by
