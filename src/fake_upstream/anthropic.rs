@@ -26,53 +26,9 @@
 
 use serde_json::{json, Map, Value};
 
-use super::Reply;
+use super::reply::Reply;
+pub use super::reply::{Answer, SIGN_HERE};
 use crate::wire::messages::{self, BLOCK_BINDING_BETA};
-
-/// What the answer is made of: `content` blocks (a `thinking` block whose
-/// `signature` is `"SIGN"` is signed for the request it answers), and the
-/// output tokens reported.
-#[derive(Debug, Clone)]
-pub struct Answer {
-    /// The content blocks.
-    pub content: Vec<Value>,
-    /// `stop_reason`.
-    pub stop_reason: String,
-    /// Output tokens reported.
-    pub output_tokens: u64,
-}
-
-impl Answer {
-    /// A text answer.
-    pub fn text(text: &str) -> Answer {
-        Answer {
-            content: vec![json!({"type": "text", "text": text})],
-            stop_reason: "end_turn".into(),
-            output_tokens: 7,
-        }
-    }
-
-    /// A call of `name` with `input`, id `id`.
-    pub fn tool_use(id: &str, name: &str, input: Value) -> Answer {
-        Answer {
-            content: vec![json!({"type": "tool_use", "id": id, "name": name, "input": input})],
-            stop_reason: "tool_use".into(),
-            output_tokens: 20,
-        }
-    }
-
-    /// The same answer, opened by a thinking block signed for its request.
-    pub fn thinking(mut self, thought: &str) -> Answer {
-        self.content.insert(
-            0,
-            json!({"type": "thinking", "thinking": thought, "signature": SIGN_HERE}),
-        );
-        self
-    }
-}
-
-/// The placeholder signature the fake replaces with the request's own.
-pub const SIGN_HERE: &str = "SIGN";
 
 /// The refusal of a request the API would refuse, if any.
 pub fn check(body: &Value, headers: &http::HeaderMap, window: Option<u64>) -> Option<Reply> {
@@ -292,7 +248,7 @@ pub fn reply_with_usage(body: &Value, answer: &Answer, usage: Value) -> Reply {
     } else {
         answer.content.clone()
     };
-    let id = format!("msg_{}", super::next_response_id());
+    let id = format!("msg_{}", super::bodies::next_response_id());
     let model = body.get("model").cloned().unwrap_or(json!("fake"));
     if body.get("stream").and_then(Value::as_bool) != Some(true) {
         return Reply::json(

@@ -4,7 +4,8 @@
 
 use serde_json::{json, Value};
 
-use super::{anthropic, Received, Reply, AUTO_TEXT};
+use super::anthropic;
+use super::reply::{Received, Reply, AUTO_TEXT};
 
 /// What the fake answers when nothing is scripted.
 pub fn auto_reply(rec: &Received) -> Reply {

@@ -51,7 +51,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::Reply;
+use super::reply::Reply;
 use crate::tokens::TokenCounter;
 
 /// Anthropic's limit on `cache_control` breakpoints per request.

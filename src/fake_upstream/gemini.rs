@@ -18,7 +18,7 @@
 
 use serde_json::{json, Value};
 
-use super::{Received, Reply, AUTO_TEXT};
+use super::reply::{Received, Reply, AUTO_TEXT};
 
 /// Whether a path is one of the Gemini endpoints.
 pub fn is_gemini(path: &str) -> bool {

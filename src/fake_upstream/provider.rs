@@ -29,7 +29,7 @@ use std::collections::HashSet;
 use serde_json::{json, Value};
 
 use super::anthropic::{self, Answer};
-use super::{Received, Reply};
+use super::reply::{Received, Reply};
 
 /// The beta Anthropic's threshold compaction needs.
 pub const COMPACT_BETA: &str = "compact-2026-01-12";

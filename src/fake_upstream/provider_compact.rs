@@ -29,7 +29,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 
-use super::{Received, Reply};
+use super::reply::{Received, Reply};
 use crate::compaction::provider::COMPACT_BETA;
 use crate::wire::messages;
 
