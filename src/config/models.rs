@@ -123,16 +123,28 @@ impl Config {
 
 /// Glob match with `*` (any run) and `?` (one char); everything else literal.
 pub fn glob_match(pattern: &str, text: &str) -> bool {
+    // Every request looks its model up in the tables several times: byte
+    // by byte when both are ASCII (a byte is then a char), as the built-in
+    // patterns and model names are, without collecting either.
+    if pattern.is_ascii() && text.is_ascii() {
+        return glob(pattern.as_bytes(), text.as_bytes(), b'*', b'?');
+    }
     let p: Vec<char> = pattern.chars().collect();
     let t: Vec<char> = text.chars().collect();
+    glob(&p, &t, '*', '?')
+}
+
+/// [`glob_match`] over units of one kind (bytes or chars), `any` and
+/// `one` its wildcards.
+fn glob<T: Copy + PartialEq>(p: &[T], t: &[T], any: T, one: T) -> bool {
     let (mut pi, mut ti) = (0, 0);
     // Position of the last `*` and the text index it was tried at, for backtracking.
     let mut star: Option<(usize, usize)> = None;
     while ti < t.len() {
-        if pi < p.len() && (p[pi] == '?' || p[pi] == t[ti]) {
+        if pi < p.len() && (p[pi] == one || p[pi] == t[ti]) {
             pi += 1;
             ti += 1;
-        } else if pi < p.len() && p[pi] == '*' {
+        } else if pi < p.len() && p[pi] == any {
             star = Some((pi, ti));
             pi += 1;
         } else if let Some((sp, st)) = star {
@@ -143,7 +155,7 @@ pub fn glob_match(pattern: &str, text: &str) -> bool {
             return false;
         }
     }
-    p[pi..].iter().all(|c| *c == '*')
+    p[pi..].iter().all(|c| *c == any)
 }
 
 #[cfg(test)]
@@ -162,6 +174,10 @@ mod tests {
         assert!(!glob_match("gpt-4o*", "gpt-4.1"));
         assert!(!glob_match("gpt-4", "gpt-4o"));
         assert!(glob_match("*a*b", "xxaxxbxb"));
+        // `?` is one char, not one byte, in a name that is not ASCII.
+        assert!(glob_match("modèle-?", "modèle-é"));
+        assert!(!glob_match("modèle-??", "modèle-é"));
+        assert!(glob_match("*-?b", "x-éb"));
     }
 
     #[test]
