@@ -418,13 +418,8 @@ fn apply_stored(
 /// is a session's opening).
 fn carries_answer(items: &ItemList) -> bool {
     (0..items.len()).any(|i| {
-        let item = items.item(i);
-        let member = |m: &str| {
-            item.get(m)
-                .and_then(serde_json::Value::as_str)
-                .unwrap_or("")
-        };
-        crate::wire::class::is_model_output(member("role"), member("type"))
+        let (role, kind) = items.role_and_type(i);
+        crate::wire::class::is_model_output(&role, &kind)
     })
 }
 

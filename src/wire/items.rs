@@ -19,6 +19,7 @@ use serde_json::Value;
 
 use super::hash::{item_hash, ItemHash};
 
+mod members;
 mod reuse;
 mod seen;
 mod split;
@@ -226,6 +227,24 @@ impl ItemList {
             None => Cow::Borrowed(&self.head[i]),
             Some(j) => Cow::Owned(parse(&self.raw[self.spans[j].clone()])),
         }
+    }
+
+    /// Item `i`'s `role` and `type` members (empty when absent or not
+    /// text), read from the client's bytes without building the item while
+    /// the list is raw: what kind of item it is, for a look along a
+    /// history whose items are mostly long text.
+    pub fn role_and_type(&self, i: usize) -> (Cow<'_, str>, Cow<'_, str>) {
+        if let Some(found) = self.raw_json(i).and_then(members::role_and_type) {
+            return found;
+        }
+        let member =
+            |item: &Value, m: &str| item.get(m).and_then(Value::as_str).map(str::to_string);
+        let item = self.item(i);
+        let (role, kind) = (member(&item, "role"), member(&item, "type"));
+        (
+            role.unwrap_or_default().into(),
+            kind.unwrap_or_default().into(),
+        )
     }
 
     /// Item `i` as the client's own JSON bytes, when the list is raw and
