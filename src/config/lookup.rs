@@ -3,7 +3,7 @@
 //! of compaction: the tenant's entry, then the model's,
 //! then the `[compaction]` table's.
 
-use super::{Config, Mode, ModelConfig, Summarizer, TenantConfig};
+use super::schema::{Config, Mode, ModelConfig, Summarizer, TenantConfig};
 
 impl Config {
     /// The model the summarizer calls for a conversation with `model`:

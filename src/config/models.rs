@@ -1,7 +1,7 @@
 //! The models table: each model's window, answer budget and trigger from
 //! the `[[models]]` entries, then the built-in families.
 
-use super::{Config, ModelConfig};
+use super::schema::{Config, ModelConfig};
 
 /// What the proxy knows about one model's limits.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -2,7 +2,9 @@
 //! came from (`--check-config`), and the masking of what may carry a
 //! secret (URLs' passwords and credential parameters, keys' values).
 
-use super::Config;
+use std::path::Path;
+
+use super::schema::{Config, StoreConfig};
 
 /// Where an effective setting came from.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -160,6 +162,23 @@ impl Config {
             }
         }
         out
+    }
+}
+
+impl StoreConfig {
+    /// The URL as it may be shown: its passwords (userinfo, `?password=`,
+    /// `?sslpassword=`) replaced by `***` ([`shown_url`]).
+    pub fn shown_url(&self) -> String {
+        shown_url(&self.url)
+    }
+
+    /// Where records are, as the banner and `--check-config` show it.
+    pub fn shown(&self, path: &Path) -> String {
+        if self.is_postgres() {
+            self.shown_url()
+        } else {
+            path.display().to_string()
+        }
     }
 }
 

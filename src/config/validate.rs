@@ -1,6 +1,7 @@
 //! Configuration values that parse but make no sense, refused by key.
 
-use super::{Config, ConfigError, MAX_RECALL_ROUNDS, MIN_TENANT_PREFIX, SYNCHRONOUS_COMMIT};
+use super::error::ConfigError;
+use super::schema::{Config, MAX_RECALL_ROUNDS, MIN_TENANT_PREFIX, SYNCHRONOUS_COMMIT};
 
 impl Config {
     /// Checks values that parse but make no sense.
