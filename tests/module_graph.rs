@@ -83,6 +83,7 @@ const BACKENDS: &[&str] = &["store::sqlite", "store::postgres"];
 const NO_ARROW_BACK_UP: &[&str] = &[
     "admin",
     "cli",
+    "compaction",
     "config",
     "demo",
     "engine",

@@ -21,9 +21,11 @@
 
 use serde_json::Value;
 
+use super::boundary;
+use super::computed::{Compaction, Rung};
 use super::items::{is_summary, text_of};
+use super::params::Params;
 use super::summary::{extract_facts, Facts};
-use super::{boundary, Compaction, Params, Rung};
 
 /// What a summary compaction does with the earlier summaries in its view.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

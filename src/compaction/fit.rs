@@ -17,9 +17,13 @@
 
 use serde_json::Value;
 
+use super::computed::Compaction;
 use super::items::{self, latest_user, leading_system};
 use super::ladder::{self, TruncateLimits};
-use super::{cut, rewrite, summary, summary_replacement, Compaction, Params, Prepared};
+use super::params::Params;
+use super::prepare::Prepared;
+use super::rungs::summary_replacement;
+use super::{cut, rewrite, summary};
 use crate::wire::ItemHash;
 
 /// The step of the escalation a plan reached.

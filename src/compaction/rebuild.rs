@@ -17,7 +17,8 @@
 
 use serde_json::Value;
 
-use super::{boundary, Compaction, Rung};
+use super::boundary;
+use super::computed::{Compaction, Rung};
 use crate::wire::{Api, ItemHash};
 
 /// The head of the reason of a compaction computed over a rebuilt history.

@@ -7,8 +7,8 @@
 
 use serde_json::{json, Value};
 
+use super::computed::Compaction;
 use super::items::{is_summary, leading_system};
-use super::Compaction;
 
 const TOKEN_PREFIX: &str = "compactor.v1.";
 

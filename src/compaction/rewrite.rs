@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use serde_json::Value;
 
-use super::Compaction;
+use super::computed::Compaction;
 use crate::wire::ItemHash;
 
 /// The request as it goes upstream: the replacement, then the original

@@ -3,12 +3,13 @@
 //! byte budget; and reading a previous summary's narrative back for
 //! re-compaction.
 
+use super::facts::Facts;
+use super::labels::{FACTS_LABEL, NARRATIVE_SECTIONS, NOT_PROVIDED, UNAVAILABLE};
 use super::ledger::{
     decision_line, ledger_block, rules_block, Shown, LEDGER_HEADING, RULES_HEADING,
 };
 use super::narrative::{heading_of, is_fence, written_sections};
 use super::text::{clip, fenced, head_tail};
-use super::{Facts, FACTS_LABEL, NARRATIVE_SECTIONS, NOT_PROVIDED, UNAVAILABLE};
 use crate::compaction::items::SUMMARY_MARKER;
 
 /// Shortest a narrative body is clipped to before it is cut altogether.

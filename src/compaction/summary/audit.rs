@@ -13,8 +13,9 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::checklist::{checklist, Check, FactKind};
+use super::facts::Facts;
+use super::labels::FACTS_LABEL;
 use super::text::{clip, fenced};
-use super::{Facts, FACTS_LABEL};
 use crate::compaction::items::{is_summary, text_of, user_message, FACTS_MESSAGE};
 
 /// Longest fact text an audit keeps (longer ones are clipped with `…`):

@@ -7,8 +7,8 @@ use serde_json::Value;
 
 use super::edits::patch_files;
 use super::errors::Outcome;
+use super::limits::{MAX_ERROR_LINE, MAX_LOG_CALL};
 use super::text::{clip, first_line, kind, parse_args, str_field, value_or_json};
-use super::{MAX_ERROR_LINE, MAX_LOG_CALL};
 
 pub(super) struct Call {
     pub(super) id: String,

@@ -6,7 +6,7 @@
 
 use serde::{Deserialize, Serialize};
 
-use super::Facts;
+use super::facts::Facts;
 
 /// What a checked fact is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]

@@ -1,16 +1,32 @@
 //! What tool calls do to files: apply_patch envelopes, old/new-string
 //! edits, whole-file writes, heredoc writes in shell calls, reads and
-//! deletes; and how each change lands on a file's recorded state (applied
-//! onto a known full content, else kept in a capped chain of changes).
+//! deletes; and how each change lands on a file's recorded state, its
+//! [`FileFact`] (applied onto a known full content, else kept in a capped
+//! chain of changes).
 
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
+use super::limits::{MAX_CHANGE_CHAIN, MAX_FILE_CONTENT};
 pub(super) use super::ops::Op;
 use super::ops::{clean_path, shell_words};
 use super::plan::{is_plan_tool, render_plan};
 use super::text::{head_tail, name_has, str_field, string_leaves};
-use super::{FileFact, MAX_CHANGE_CHAIN, MAX_FILE_CONTENT};
 use crate::compaction::items::ceil_boundary;
+
+/// What the conversation did to one file.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct FileFact {
+    /// The path exactly as the tool call gave it (a leading `./` dropped).
+    pub path: String,
+    /// What `content` holds: `write` = the full current content is known;
+    /// `patch` / `edit` = the patches / edits written since the last known
+    /// full content, oldest first; `delete`; `read` (never modified here).
+    pub action: String,
+    /// Last full content, or the changes written (see `action`).
+    pub content: Option<String>,
+}
 
 #[derive(Debug, Clone, PartialEq)]
 pub(super) enum Effect {

@@ -8,8 +8,8 @@ use serde_json::Value;
 use std::borrow::Cow;
 
 use super::failures::failures;
+use super::limits::MAX_ERROR_LINE;
 use super::text::{clip, str_field, value_or_json};
-use super::MAX_ERROR_LINE;
 use crate::compaction::items::{ceil_boundary, floor_boundary};
 
 /// Opens the digest line naming an output's paths.

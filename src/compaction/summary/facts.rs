@@ -9,17 +9,17 @@ use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::calls::{calls_of, short_args};
-use super::edits::{apply_op, effects_of, text_edits, Effect, Op};
+use super::edits::{apply_op, effects_of, text_edits, Effect, FileFact, Op};
 use super::errors::{outcome, Outcome};
 use super::failures::headline;
+use super::limits::{
+    MAX_COMMANDS, MAX_ERRORS, MAX_FILES, MAX_LOG_OUTCOME, MAX_RULES, MAX_SYSTEM_NOTE,
+    MAX_SYSTEM_NOTES, MAX_TOOL_LOG,
+};
 use super::shell::{command_of, file_ops, shell_blocks, MAX_COMMAND};
 use super::statements::{classify_assistant_line, push_statement, user_statements, Statement};
 use super::statements::{push_pinned, reverses, system_blocks};
 use super::text::{clip, role};
-use super::{
-    MAX_COMMANDS, MAX_ERRORS, MAX_FILES, MAX_LOG_OUTCOME, MAX_RULES, MAX_SYSTEM_NOTE,
-    MAX_SYSTEM_NOTES, MAX_TOOL_LOG,
-};
 use crate::compaction::items::{is_summary, is_user_message, outputs, text_of};
 
 /// Facts the proxy extracts deterministically, so they survive any model.
@@ -91,20 +91,6 @@ impl CommandFact {
     pub fn line(&self) -> String {
         format!("{} → {}", self.command, self.status)
     }
-}
-
-/// What the conversation did to one file.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default)]
-pub struct FileFact {
-    /// The path exactly as the tool call gave it (a leading `./` dropped).
-    pub path: String,
-    /// What `content` holds: `write` = the full current content is known;
-    /// `patch` / `edit` = the patches / edits written since the last known
-    /// full content, oldest first; `delete`; `read` (never modified here).
-    pub action: String,
-    /// Last full content, or the changes written (see `action`).
-    pub content: Option<String>,
 }
 
 /// User messages a harness injects rather than the person typed. A small

@@ -10,8 +10,9 @@
 
 use serde_json::Value;
 
+use super::facts::{extract_facts, Facts};
+use super::labels::FACTS_LABEL;
 use super::ledger::{ledger_block, rules_block, Shown, LEDGER_HEADING, RULES_HEADING};
-use super::{extract_facts, Facts, FACTS_LABEL};
 
 /// The words a client's own summary message opens with: Claude Code's, and
 /// Codex's.

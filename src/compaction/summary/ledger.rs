@@ -6,7 +6,8 @@
 //! its exit status in the words of the output that stated it). Both are
 //! bounded: what is left out is counted.
 
-use super::{Facts, FileFact};
+use super::edits::FileFact;
+use super::facts::Facts;
 
 /// Heading of the rules section.
 pub(super) const RULES_HEADING: &str = "RULES & SYSTEM MESSAGES";

@@ -46,13 +46,18 @@
 //!   items). A decision that says it reverses ("instead", "revert", …)
 //!   marks the newest earlier one replaced.
 //!
-//! Where each part lives:
+//! Where each part lives (this file only declares the parts and hands
+//! their names on; what they share is a part of its own, which they name):
 //!
 //! - `facts`: the [`Facts`] record, the task, [`extract_facts`]
+//! - `limits`: how much of each kind of fact is kept
+//! - `labels`: the narrative sections, the summarizer's marker, the
+//!   labels the proxy writes
 //! - `calls`: tool calls in the four wire formats, the tool-log line
 //! - `errors`: exit status and exact failures of a tool output
 //! - `failures`: failure markers and the blocks quoted around them
 //! - `edits`: patches, edits, writes, heredocs and their effect on files
+//!   (each file's [`FileFact`])
 //! - `shell`: deletes, renames and Python writes in shell commands; a
 //!   shell call's command line
 //! - `plan`: plan and todo tools
@@ -76,7 +81,9 @@ mod errors;
 mod facts;
 mod failures;
 mod handoff;
+mod labels;
 mod ledger;
+mod limits;
 mod narrative;
 mod ops;
 mod plan;
@@ -91,58 +98,17 @@ pub use audit::{
     MAX_FACT_BYTES, MAX_REMOVED_REFS,
 };
 pub use checklist::{checklist, Check, FactKind};
+pub use edits::FileFact;
 pub use errors::{is_error_line, output_digest};
-pub use facts::{extract_facts, is_injected, CommandFact, Facts, FileFact};
+pub use facts::{extract_facts, is_injected, CommandFact, Facts};
 pub use handoff::{is_handoff, left_out, trail_of, with_block, HANDOFF_NOTE};
+pub use labels::{NARRATIVE_SECTIONS, SUMMARIZER_MARKER};
+pub use limits::{
+    MAX_CHANGE_CHAIN, MAX_COMMANDS, MAX_ERRORS, MAX_FILES, MAX_FILE_CONTENT, MAX_RULES,
+    MAX_SYSTEM_NOTE, MAX_SYSTEM_NOTES, MAX_TOOL_LOG,
+};
 pub use narrative::{usable, validate};
 pub use prompt::{cached_instruction, render_transcript, retry_messages, summarizer_messages};
-
-/// Most failures kept in [`Facts::errors`] (newest kept).
-pub const MAX_ERRORS: usize = 20;
-/// Most lines kept in [`Facts::tool_log`] (newest kept).
-pub const MAX_TOOL_LOG: usize = 40;
-/// Most files kept in [`Facts::files`] (the rest counted).
-pub const MAX_FILES: usize = 200;
-/// Most commands kept in [`Facts::commands`] (newest kept, the rest counted).
-pub const MAX_COMMANDS: usize = 40;
-/// Most standing rules kept in [`Facts::rules`] (newest kept, the rest counted).
-pub const MAX_RULES: usize = 24;
-/// Most system messages kept in [`Facts::system`] (newest kept, the rest counted).
-pub const MAX_SYSTEM_NOTES: usize = 12;
-/// Longest system message kept (longer ones are clipped with `…`).
-pub const MAX_SYSTEM_NOTE: usize = 2_000;
-/// Largest full file content kept per file (head and tail kept beyond it).
-pub const MAX_FILE_CONTENT: usize = 32 * 1024;
-/// Largest chain of patches/edits kept per file (newest kept).
-pub const MAX_CHANGE_CHAIN: usize = 8 * 1024;
-/// Longest error line kept (longer ones are clipped with `…`).
-const MAX_ERROR_LINE: usize = 400;
-/// Longest `name(args)` part of a tool-log line.
-const MAX_LOG_CALL: usize = 150;
-/// Longest outcome part of a tool-log line.
-const MAX_LOG_OUTCOME: usize = 150;
-
-/// The narrative sections the model must write, as headings.
-pub const NARRATIVE_SECTIONS: [&str; 6] = [
-    "PLAN STATE",
-    "DECISIONS",
-    "FILE/WORKSPACE STATE",
-    "CONSTRAINTS & PREFERENCES",
-    "ERRORS & FIXES",
-    "OPEN ITEMS / NEXT STEP",
-];
-
-/// A marker present in every summarizer system prompt (lets fakes and logs
-/// recognise summary requests).
-pub const SUMMARIZER_MARKER: &str = "[compactor-summarizer v1]";
-
-/// Label that opens every block of proxy-recorded facts in an assembled
-/// summary ([`previous_narrative`] cuts sections there).
-const FACTS_LABEL: &str = "Recorded by the proxy";
-/// Body of a narrative section in the deterministic fallback.
-const UNAVAILABLE: &str = "(narrative unavailable)";
-/// Body of a narrative section the model left out.
-const NOT_PROVIDED: &str = "(not provided by the summarizer)";
 
 #[cfg(test)]
 pub(crate) mod testing {

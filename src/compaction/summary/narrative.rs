@@ -1,8 +1,8 @@
 //! Reading the model's answer: headings in the styles models write, the
 //! body of each narrative section, and validation.
 
+use super::labels::NARRATIVE_SECTIONS;
 use super::prompt::SECTION_DESCRIPTIONS;
-use super::NARRATIVE_SECTIONS;
 
 /// Uppercase words, `&`/`and` and leading numbering dropped, joined.
 fn normalize(s: &str) -> String {

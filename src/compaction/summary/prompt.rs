@@ -5,8 +5,8 @@
 use serde_json::{json, Value};
 
 use super::calls::calls_of;
+use super::labels::{NARRATIVE_SECTIONS, SUMMARIZER_MARKER};
 use super::text::{head_tail, kind, role};
-use super::{NARRATIVE_SECTIONS, SUMMARIZER_MARKER};
 use crate::compaction::items::{is_summary, is_tool_output, outputs, text_of, SUMMARY_MARKER};
 
 /// One line/paragraph of transcript per item, for the summarizer: user and

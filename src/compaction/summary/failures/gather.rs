@@ -5,8 +5,15 @@ use std::borrow::Cow;
 
 use crate::compaction::summary::text::clip;
 
+use super::line::Line;
 use super::markers::{is_code_frame, is_eslint_line, Shape};
-use super::{Line, MAX_BLOCK_BYTES, MAX_BLOCK_LINES, MAX_TRACE_LINES};
+
+/// Most lines quoted per failure.
+pub(super) const MAX_BLOCK_LINES: usize = 8;
+/// Most bytes quoted per failure (its lines joined by newlines).
+pub(super) const MAX_BLOCK_BYTES: usize = 1_000;
+/// Lines a traceback or stack trace is followed for before giving up.
+const MAX_TRACE_LINES: usize = 200;
 
 /// A detail line that belongs to the heading above it.
 fn is_detail(line: &Line<'_>) -> bool {

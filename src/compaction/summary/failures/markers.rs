@@ -1,7 +1,7 @@
 //! The failure markers: which (cleaned) line opens a failure block, how
 //! important it is, and how the lines around it are gathered.
 
-use super::Line;
+use super::line::Line;
 
 /// How important a failure marker is: a summary line (`test result:
 /// FAILED`, `make: *** … Error 1`) says that something failed, a primary

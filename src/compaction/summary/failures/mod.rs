@@ -15,26 +15,23 @@
 //! (terraform's `│`) and BuildKit's `#8 2.114` step prefix stripped; what is
 //! quoted is the line as the tool printed it (trailing blanks trimmed).
 //!
-//! Bounds: at most [`MAX_BLOCK_LINES`] lines and [`MAX_BLOCK_BYTES`] bytes per
-//! failure, [`MAX_FAILURES`] failures per output; an output over
-//! [`MAX_SCAN_BYTES`] or [`MAX_SCAN_LINES`] is read at its head and tail
-//! only, and a line is matched on its first [`MAX_MATCH_LINE`] bytes, so the
-//! cost is linear in at most a megabyte whatever the output.
-
-use std::borrow::Cow;
+//! Bounds: at most [`MAX_BLOCK_LINES`](gather::MAX_BLOCK_LINES) lines and
+//! [`MAX_BLOCK_BYTES`](gather::MAX_BLOCK_BYTES) bytes per failure,
+//! [`MAX_FAILURES`] failures per output; an output over [`MAX_SCAN_BYTES`]
+//! or [`MAX_SCAN_LINES`] is read at its head and tail only, and a line is
+//! matched on its first [`MAX_MATCH_LINE`](line::MAX_MATCH_LINE) bytes, so
+//! the cost is linear in at most a megabyte whatever the output.
 
 use crate::compaction::items::{ceil_boundary, floor_boundary};
 
 mod gather;
+mod line;
 mod markers;
 
 use gather::{gather, quote};
+use line::{line_of, Line};
 use markers::{marker, Rank, Shape};
 
-/// Most lines quoted per failure.
-pub const MAX_BLOCK_LINES: usize = 8;
-/// Most bytes quoted per failure (its lines joined by newlines).
-pub const MAX_BLOCK_BYTES: usize = 1_000;
 /// Most failures quoted per tool output.
 pub const MAX_FAILURES: usize = 3;
 /// Most bytes of an output read: the head and tail of a longer one.
@@ -44,21 +41,6 @@ pub const MAX_SCAN_BYTES: usize = 1 << 20;
 const SCAN_HEAD_BYTES: usize = MAX_SCAN_BYTES / 4;
 /// Most lines read: the first quarter and the rest from the end.
 pub const MAX_SCAN_LINES: usize = 40_000;
-/// Bytes of a line matched against the markers.
-const MAX_MATCH_LINE: usize = 4_096;
-/// Lines a traceback or stack trace is followed for before giving up.
-const MAX_TRACE_LINES: usize = 200;
-
-/// One line of the output: as printed, and as matched.
-struct Line<'a> {
-    raw: &'a str,
-    /// ANSI codes, box-drawing frames and step prefixes stripped, trimmed.
-    clean: Cow<'a, str>,
-    /// Leading whitespace of the cleaned line, in bytes.
-    indent: usize,
-    /// The line sits inside a box-drawing frame.
-    boxed: bool,
-}
 
 /// A failure found in an output: the quoted block.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -66,106 +48,6 @@ pub(super) struct Failure {
     pub(super) text: String,
     /// Only a summary line (`test result: FAILED`).
     summary: bool,
-}
-
-/// Whether `c` is a box-drawing character (U+2500–U+257F).
-fn is_box(c: char) -> bool {
-    ('\u{2500}'..='\u{257f}').contains(&c)
-}
-
-/// `s` without ANSI escape sequences (CSI `ESC [ … letter`, OSC `ESC ] …
-/// BEL`, two-byte escapes) and other control characters but tab.
-fn strip_ansi(s: &str) -> Cow<'_, str> {
-    if !s.bytes().any(|b| (b < 0x20 && b != b'\t') || b == 0x7f) {
-        return Cow::Borrowed(s);
-    }
-    let mut out = String::with_capacity(s.len());
-    let mut it = s.chars().peekable();
-    while let Some(c) = it.next() {
-        if c == '\u{1b}' {
-            match it.next() {
-                Some('[') => {
-                    // Parameters and intermediates, then one final byte.
-                    for d in it.by_ref() {
-                        if ('@'..='~').contains(&d) {
-                            break;
-                        }
-                    }
-                }
-                Some(']') => {
-                    while let Some(d) = it.next() {
-                        if d == '\u{7}' {
-                            break;
-                        }
-                        if d == '\u{1b}' {
-                            it.next();
-                            break;
-                        }
-                    }
-                }
-                _ => {}
-            }
-        } else if !c.is_control() || c == '\t' {
-            out.push(c);
-        }
-    }
-    Cow::Owned(out)
-}
-
-/// BuildKit's `#8 2.114 ` (step and seconds) or `#8 ` prefix.
-fn strip_step_prefix(s: &str) -> &str {
-    let Some(rest) = s.strip_prefix('#') else {
-        return s;
-    };
-    let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
-    if digits == 0 || !rest[digits..].starts_with(' ') {
-        return s;
-    }
-    let rest = &rest[digits + 1..];
-    let secs = rest
-        .bytes()
-        .take_while(|b| b.is_ascii_digit() || *b == b'.')
-        .count();
-    if secs > 0 && rest[..secs].contains('.') && rest[secs..].starts_with(' ') {
-        &rest[secs + 1..]
-    } else {
-        rest
-    }
-}
-
-fn line_of(raw: &str) -> Line<'_> {
-    let raw = raw.trim_end();
-    // Colour codes can outweigh the text: strip first, then bound.
-    let plain = match strip_ansi(raw) {
-        Cow::Borrowed(b) => Cow::Borrowed(&b[..floor_boundary(b, MAX_MATCH_LINE)]),
-        Cow::Owned(mut o) => {
-            o.truncate(floor_boundary(&o, MAX_MATCH_LINE));
-            Cow::Owned(o)
-        }
-    };
-    let boxed = plain.trim_start().starts_with(is_box);
-    let clean: Cow<'_, str> = if boxed {
-        Cow::Owned(
-            plain
-                .trim_start()
-                .trim_start_matches(is_box)
-                .trim_end_matches(is_box)
-                .to_string(),
-        )
-    } else {
-        plain
-    };
-    let indent = clean.len() - clean.trim_start().len();
-    let clean = match clean {
-        Cow::Borrowed(b) => Cow::Borrowed(strip_step_prefix(b.trim())),
-        Cow::Owned(o) => Cow::Owned(strip_step_prefix(o.trim()).to_string()),
-    };
-    Line {
-        raw,
-        clean,
-        indent,
-        boxed,
-    }
 }
 
 /// The part of `text` read: all of it, or its head and tail when it is
@@ -293,6 +175,7 @@ pub(super) fn headline(block: &str) -> &str {
 
 #[cfg(test)]
 mod tests {
+    use super::gather::{MAX_BLOCK_BYTES, MAX_BLOCK_LINES};
     use super::*;
 
     fn texts(out: &str) -> Vec<String> {
