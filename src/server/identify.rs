@@ -192,14 +192,21 @@ async fn prepare(state: &Arc<AppState>, pending: &mut Unanswered) -> Compact {
     let held_out = request.mode() == Mode::Auto
         && state.config.held_out(pending.conversation())
         && find(state, pending).is_none();
-    // Claude Code's own compaction request says so in its last message.
+    // Claude Code's own compaction request says so in its last message;
+    // a new user message there (not a tool result, not the proxy's
+    // summary) is a turn boundary. The last item, built once for both,
+    // unless the client said already.
     let items = request.items();
     let format = request.api().format();
+    let last = if pending.client_compaction() {
+        None
+    } else {
+        items.len().checked_sub(1).map(|i| items.item(i))
+    };
     let client_compaction = pending.client_compaction()
-        || items
-            .len()
-            .checked_sub(1)
-            .is_some_and(|last| format.is_client_compaction(&items.item(last)));
+        || last
+            .as_deref()
+            .is_some_and(|last| format.is_client_compaction(last));
     let raw_len = request.raw_len();
     match plan(request.mode(), held_out, client_compaction) {
         Plan::Nothing => return Compact::No,
@@ -243,7 +250,9 @@ async fn prepare(state: &Arc<AppState>, pending: &mut Unanswered) -> Compact {
     // (the model's own still waiting for its first turn boundary only at
     // one: see `apply_stored`); a request too large to go without one
     // waits for one under way.
-    let boundary = at_boundary(pending.request().items());
+    let boundary = last
+        .as_deref()
+        .is_some_and(crate::compaction::items::is_user_message);
     // The first request that goes on from a client's own summary: what the
     // summary left out of the trail is appended to it, by a compaction
     // stored for `find` to apply from now on (not in manual mode, where
@@ -321,16 +330,6 @@ fn find(state: &AppState, pending: &PendingExchange) -> Option<Arc<Compaction>> 
     state
         .compactions
         .find(pending.request().tenant(), pending.chains())
-}
-
-/// Whether a request is at a turn boundary: its last item is a new user
-/// message (not a tool result, not the proxy's summary), in any of the
-/// three APIs' shapes.
-fn at_boundary(items: &ItemList) -> bool {
-    items
-        .len()
-        .checked_sub(1)
-        .is_some_and(|last| crate::compaction::items::is_user_message(&items.item(last)))
 }
 
 /// Applies stored compaction `c` found for the request, unless it is the
