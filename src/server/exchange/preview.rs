@@ -1,8 +1,6 @@
 //! What a conversation's preview reads of its items: the user's own words,
 //! not the tags harnesses wrap around them.
 
-use serde_json::Value;
-
 use super::pending::PendingExchange;
 use crate::app::AppState;
 use crate::compaction::items;
@@ -34,10 +32,13 @@ impl PendingExchange {
             )
         };
         // The user messages after the last answer, looked for in the tail.
+        // What an item is is read from its role and type: only a user's
+        // message is built (a tool's output or a system prompt is
+        // kilobytes of text the preview never shows).
         let mut after_answers = Vec::new();
         for i in (n.saturating_sub(PREVIEW_SCAN)..n).rev() {
-            let item = items.item(i);
-            if is_answer(&item) {
+            let (role, kind) = items.role_and_type(i);
+            if is_answer(&role, &kind) {
                 after_answers.reverse();
                 let own = after_answers.iter().find_map(|t: &String| own_text(t));
                 if let Some(own) = own {
@@ -45,12 +46,19 @@ impl PendingExchange {
                 }
                 break;
             }
+            if role != "user" {
+                continue;
+            }
+            let item = items.item(i);
             if items::is_user_message(&item) {
                 after_answers.push(items::text_of(&item));
             }
         }
         let mut first: Option<String> = None;
         for i in 0..n.min(PREVIEW_SCAN) {
+            if items.role_and_type(i).0 != "user" {
+                continue;
+            }
             let item = items.item(i);
             if !items::is_user_message(&item) {
                 continue;
@@ -67,13 +75,10 @@ impl PendingExchange {
     }
 }
 
-/// An answer a request carries: an assistant message or one of its calls.
-pub(super) fn is_answer(item: &Value) -> bool {
-    item.get("role").and_then(Value::as_str) == Some("assistant")
-        || item
-            .get("type")
-            .and_then(Value::as_str)
-            .is_some_and(|t| t.ends_with("_call") || t == "reasoning")
+/// An answer a request carries, by the item's role and type: an
+/// assistant message or one of its calls.
+pub(super) fn is_answer(role: &str, kind: &str) -> bool {
+    role == "assistant" || kind.ends_with("_call") || kind == "reasoning"
 }
 
 /// A message's text without the tagged context blocks a client puts before
