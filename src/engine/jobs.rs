@@ -12,7 +12,7 @@ use super::index::{CLAIM_FOR, FOREIGN_POLL};
 use super::input::Input;
 use crate::compaction::policy::{decide, trigger_tokens};
 use crate::compaction::Compaction;
-use crate::store::LookUp;
+use crate::store::{LookUp, Reads};
 
 /// After an exchange: decides from its usage and, past the trigger, starts a
 /// background compaction that the next request will find.
@@ -261,6 +261,10 @@ pub(super) async fn release<S: Context>(state: &Arc<S>, input: &Input) {
 
 /// Waits (within `wait`) for a compaction another replica computes for
 /// the conversation, if one claimed it: true if one did.
+///
+/// The other replica's compaction is told by the conversation's newest
+/// compaction changing from what the first look saw, not by its time
+/// against this replica's clock: the two replicas' clocks need not agree.
 pub(super) async fn wait_foreign<S: Context>(
     state: &Arc<S>,
     tenant: &str,
@@ -270,28 +274,139 @@ pub(super) async fn wait_foreign<S: Context>(
     let Some(shared) = state.compactions().shared().cloned() else {
         return false;
     };
+    wait_on(shared, tenant, conversation, wait).await
+}
+
+/// [`wait_foreign`] once the store is known to be shared.
+async fn wait_on(shared: Arc<dyn Reads>, tenant: &str, conversation: &str, wait: Duration) -> bool {
     let (t, c) = (tenant.to_string(), conversation.to_string());
-    let since = crate::ids::now_ms();
-    let probe = move || {
-        // A claim granted here means nobody computes one: given up at once.
-        if shared.claim(&t, &c, FOREIGN_POLL.as_millis() as i64) {
-            shared.release(&t, &c);
-            return None;
-        }
-        Some(
-            shared
-                .newest_compaction_ms(&t, &c)
-                .is_some_and(|ms| ms >= since),
-        )
-    };
+    let mut first: Option<Option<i64>> = None;
     let deadline = Instant::now() + wait;
     loop {
-        let probe = probe.clone();
-        match tokio::task::spawn_blocking(probe).await.ok().flatten() {
-            None => return false,
-            Some(true) => return true,
-            Some(false) if Instant::now() >= deadline => return true,
-            Some(false) => tokio::time::sleep(FOREIGN_POLL).await,
+        let (shared, t, c) = (shared.clone(), t.clone(), c.clone());
+        let look = move || {
+            let newest = shared.newest_compaction_ms(&t, &c);
+            let start = first.unwrap_or(newest);
+            if newest != start {
+                return (start, Some(true));
+            }
+            // A claim granted here means nobody computes one now: whether
+            // one was finished meanwhile is the last look.
+            if shared.claim(&t, &c, FOREIGN_POLL.as_millis() as i64) {
+                shared.release(&t, &c);
+                return (start, Some(shared.newest_compaction_ms(&t, &c) != start));
+            }
+            (start, None)
+        };
+        match tokio::task::spawn_blocking(look).await {
+            Err(_) => return false,
+            Ok((_, Some(done))) => return done,
+            Ok((_, None)) if Instant::now() >= deadline => return true,
+            Ok((start, None)) => {
+                first = Some(start);
+                tokio::time::sleep(FOREIGN_POLL).await;
+            }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    use super::wait_on;
+    use crate::store::{Queries, Reads, StoreError};
+
+    /// Another replica as the store shows it: it holds the claim while
+    /// `holds` says so, and its compaction appears (stamped `finished_ms` by
+    /// its own clock) from the `lands_at`-th look at the newest one on.
+    struct Other {
+        looks: AtomicUsize,
+        lands_at: usize,
+        finished_ms: i64,
+        holds: fn(usize) -> bool,
+    }
+
+    impl Queries for Other {
+        fn views(&self) -> Result<Box<dyn crate::store::sql::Sql>, StoreError> {
+            Err(StoreError::Closed)
+        }
+    }
+
+    impl Reads for Other {
+        fn compaction(&self, _: &str) -> Option<crate::compaction::Compaction> {
+            None
+        }
+        fn conversation_of_key(&self, _: &str, _: &str) -> Option<String> {
+            None
+        }
+        fn response_history(&self, _: &str, _: &str) -> Option<Vec<serde_json::Value>> {
+            None
+        }
+        fn shared(&self) -> bool {
+            true
+        }
+        fn newest_compaction_ms(&self, _: &str, _: &str) -> Option<i64> {
+            let n = self.looks.fetch_add(1, Ordering::SeqCst) + 1;
+            // An earlier compaction, then the other replica's new one.
+            Some(if n >= self.lands_at {
+                self.finished_ms
+            } else {
+                1_000
+            })
+        }
+        fn claim(&self, _: &str, _: &str, _: i64) -> bool {
+            !(self.holds)(self.looks.load(Ordering::SeqCst))
+        }
+    }
+
+    async fn wait(other: Other) -> bool {
+        let shared: Arc<dyn Reads> = Arc::new(other);
+        // Far longer than the test's own bound: an answer within it came
+        // from what the store showed, not from running out of time.
+        let waiting = wait_on(shared, "t", "c", Duration::from_secs(600));
+        tokio::time::timeout(Duration::from_secs(20), waiting)
+            .await
+            .expect("the wait ended when the store said, not at its deadline")
+    }
+
+    #[tokio::test]
+    async fn a_compaction_stamped_by_a_clock_behind_this_one_ends_the_wait() {
+        // The other replica's clock is an hour behind: its compaction's
+        // time is earlier than this replica's now, yet it is new.
+        let behind = crate::ids::now_ms() - 3_600_000;
+        let other = Other {
+            looks: AtomicUsize::new(0),
+            lands_at: 3,
+            finished_ms: behind,
+            holds: |_| true,
+        };
+        assert!(wait(other).await);
+    }
+
+    #[tokio::test]
+    async fn a_claim_granted_with_nothing_new_means_nobody_computes_one() {
+        let other = Other {
+            looks: AtomicUsize::new(0),
+            lands_at: usize::MAX,
+            finished_ms: 0,
+            holds: |_| false,
+        };
+        assert!(!wait(other).await);
+    }
+
+    #[tokio::test]
+    async fn a_compaction_finished_between_two_looks_is_seen_after_the_claim() {
+        // The other replica holds the claim for the first two looks and has
+        // released it by the third, its compaction stored just before.
+        let other = Other {
+            looks: AtomicUsize::new(0),
+            lands_at: 3,
+            finished_ms: 2_000,
+            holds: |looks| looks < 2,
+        };
+        assert!(wait(other).await);
     }
 }

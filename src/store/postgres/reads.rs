@@ -158,24 +158,23 @@ impl Reads for PostgresReads {
         // replica of one database should be given the same.
         let for_ms = self.pg.claim_lapse.as_millis() as i64;
         // An expired claim (its replica died, or overran) is taken over.
+        // The lapse runs on the database's clock, the one clock every
+        // replica reads alike.
         let claimed = self.read("claim", |pool| async move {
             let client = pool.get().await?;
-            let now = crate::ids::now_ms();
             let stmt = client
                 .prepare_cached(
                     "INSERT INTO compaction_claims (tenant, conversation_id, owner, expires_ms)
-                     VALUES ($1, $2, $3, $4)
+                     VALUES ($1, $2, $3, (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::bigint + $4)
                      ON CONFLICT (tenant, conversation_id) DO UPDATE
                          SET owner = excluded.owner, expires_ms = excluded.expires_ms
-                         WHERE compaction_claims.expires_ms < $5
+                         WHERE compaction_claims.expires_ms
+                             < (EXTRACT(EPOCH FROM clock_timestamp()) * 1000)::bigint
                      RETURNING owner",
                 )
                 .await?;
             let row = client
-                .query_opt(
-                    &stmt,
-                    &[&tenant, &conversation, &owner, &(now + for_ms), &now],
-                )
+                .query_opt(&stmt, &[&tenant, &conversation, &owner, &for_ms])
                 .await?;
             Ok(Some(row.is_some()))
         });
