@@ -34,6 +34,7 @@ pub mod gemini;
 pub mod provider;
 pub mod provider_compact;
 mod reply;
+mod websocket;
 
 pub use auto::{auto_reply, is_summarizer_request};
 pub use bodies::{
@@ -64,6 +65,13 @@ struct Shared {
     provider: provider::State,
     /// How the provider's own compaction answers.
     provider_compact: provider_compact::Behaviour,
+    /// `GET /v1/responses` upgrades to a WebSocket (else refused, 404).
+    websocket: bool,
+    /// WebSocket upgrades taken, refused, and `response.create`s answered
+    /// on them.
+    ws_upgrades: usize,
+    ws_refusals: usize,
+    ws_requests: usize,
 }
 
 /// Request bodies a simulated prompt cache keeps.
@@ -132,7 +140,7 @@ impl FakeUpstream {
                     async move { Ok::<_, Infallible>(me.answer(req).await) }
                 });
                 let conn = builder
-                    .serve_connection(TokioIo::new(stream), svc)
+                    .serve_connection_with_upgrades(TokioIo::new(stream), svc)
                     .into_owned();
                 tokio::spawn(async move {
                     let _ = conn.await;
@@ -261,6 +269,22 @@ impl FakeUpstream {
         self.lock().provider_compact = behaviour;
     }
 
+    /// Whether `GET /v1/responses` takes a WebSocket from now on (off at
+    /// start, refused with a 404): each `response.create` on one is
+    /// received and answered as the streamed `POST /v1/responses` it stands
+    /// for, its answer's events one message each, an error answer an
+    /// `error` event, a stream scripted to break off a socket dropped.
+    pub fn take_websockets(&self, on: bool) {
+        self.lock().websocket = on;
+    }
+
+    /// WebSocket upgrades taken, upgrades refused, and requests answered
+    /// over WebSockets, so far.
+    pub fn websockets(&self) -> (usize, usize, usize) {
+        let sh = self.lock();
+        (sh.ws_upgrades, sh.ws_refusals, sh.ws_requests)
+    }
+
     /// The most recent request.
     pub fn last(&self) -> Option<Received> {
         self.lock().received.last().cloned()
@@ -311,7 +335,49 @@ impl FakeUpstream {
         self.shared.lock().unwrap_or_else(|p| p.into_inner())
     }
 
+    /// A WebSocket asked on `GET /v1/responses`: taken, or refused.
+    fn upgrade(&self, mut req: Request<Incoming>) -> Response<ProxyBody> {
+        let on = {
+            let mut sh = self.lock();
+            *if sh.websocket {
+                &mut sh.ws_upgrades
+            } else {
+                &mut sh.ws_refusals
+            } += 1;
+            sh.websocket
+        };
+        let accepted = on.then(|| websocket::accept(&mut req)).flatten();
+        let Some((resp, upgrade)) = accepted else {
+            return websocket::refusal();
+        };
+        let headers = websocket::request_headers(req.headers());
+        let (path, query) = (req.uri().path().to_string(), req.uri().query());
+        let query = query.map(String::from);
+        let me = self.clone();
+        tokio::spawn(websocket::serve(upgrade, move |body| {
+            let rec = Received {
+                method: http::Method::POST,
+                path: path.clone(),
+                query: query.clone(),
+                headers: headers.clone(),
+                body,
+            };
+            let me = me.clone();
+            async move {
+                me.lock().ws_requests += 1;
+                me.answer_received(rec).await
+            }
+        }));
+        resp
+    }
+
     async fn answer(&self, req: Request<Incoming>) -> Response<ProxyBody> {
+        if req.method() == http::Method::GET
+            && req.uri().path().ends_with("/responses")
+            && websocket::is_upgrade(&req)
+        {
+            return self.upgrade(req);
+        }
         let (parts, body) = req.into_parts();
         let body = body
             .collect()
@@ -325,6 +391,10 @@ impl FakeUpstream {
             headers: parts.headers,
             body,
         };
+        self.answer_received(rec).await
+    }
+
+    async fn answer_received(&self, rec: Received) -> Response<ProxyBody> {
         let messages = rec.path.ends_with("/messages");
         let gemini = gemini::is_gemini(&rec.path);
         // Parsed once for a simulated cache (its bodies are large).

@@ -9,12 +9,14 @@ use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
 
-use crate::config::UpstreamConfig;
+use crate::config::{UpstreamConfig, UpstreamWebSocket};
 use crate::error::{ProxyError, UpstreamFailure};
 use crate::wire::Api;
 
 mod payload;
+mod websocket;
 pub use payload::Payload;
+pub use websocket::{Broke, Socket};
 
 /// Why the upstream client got no usable answer. The message is the one a
 /// client gets (`ProxyError` shows it as it is), so it names the innermost
@@ -63,6 +65,9 @@ pub enum Error {
     /// not the client's to read here.
     #[error("upstream unreachable: {0}")]
     Misbehaved(String),
+    /// The upstream's WebSocket failed before the answer began.
+    #[error("upstream unreachable: {0}")]
+    Socket(#[source] websocket::Broke),
 }
 
 impl Error {
@@ -140,6 +145,12 @@ pub const HOP_HEADER: &str = "x-compactor-hop";
 /// The configured upstream.
 pub struct Upstream {
     client: reqwest::Client,
+    /// The client of WebSocket handshakes (HTTP/1.1 only: an upgrade has
+    /// no HTTP/2 form here); none with `upstream.websocket = "off"`.
+    ws_client: Option<reqwest::Client>,
+    /// The upstream refused a WebSocket once: every request goes over
+    /// HTTP from then on.
+    ws_refused: std::sync::atomic::AtomicBool,
     base: String,
     /// `base`, parsed once: each request's URL is derived from it.
     base_url: reqwest::Url,
@@ -168,15 +179,22 @@ impl Upstream {
     /// Builds the client. Reads the server-side key from the environment
     /// variable the config names, if any.
     pub fn new(cfg: &UpstreamConfig) -> anyhow::Result<Self> {
-        let client = reqwest::Client::builder()
-            .connect_timeout(Duration::from_secs(cfg.connect_timeout_secs))
-            .pool_idle_timeout(Duration::from_secs(90))
+        let builder = || {
+            reqwest::Client::builder()
+                .connect_timeout(Duration::from_secs(cfg.connect_timeout_secs))
+                .pool_idle_timeout(Duration::from_secs(90))
+                .tcp_nodelay(true)
+                // Redirects are the client's business, as with a direct connection.
+                .redirect(reqwest::redirect::Policy::none())
+        };
+        let client = builder()
             .pool_max_idle_per_host(256)
-            .tcp_nodelay(true)
-            // Redirects are the client's business, as with a direct connection.
-            .redirect(reqwest::redirect::Policy::none())
             .connector_layer(NoteOpened)
             .build()?;
+        let ws_client = match cfg.websocket {
+            UpstreamWebSocket::Auto => Some(builder().http1_only().build()?),
+            UpstreamWebSocket::Off => None,
+        };
         let api_key = cfg.api_key()?.map(Secret);
         let mut name = [0u8; 8];
         getrandom::fill(&mut name).map_err(|e| anyhow::anyhow!("no randomness: {e}"))?;
@@ -186,6 +204,8 @@ impl Upstream {
             .map_err(|e| anyhow::anyhow!("upstream.base_url `{base}` is not a URL: {e}"))?;
         let mut upstream = Self {
             client,
+            ws_client,
+            ws_refused: Default::default(),
             base,
             base_url,
             endpoints: Vec::new(),
@@ -248,6 +268,16 @@ impl Upstream {
         &self,
         method: http::Method,
         url: &reqwest::Url,
+        headers: HeaderMap,
+    ) -> reqwest::RequestBuilder {
+        self.request_on(&self.client, method, url, headers)
+    }
+
+    fn request_on(
+        &self,
+        client: &reqwest::Client,
+        method: http::Method,
+        url: &reqwest::Url,
         mut headers: HeaderMap,
     ) -> reqwest::RequestBuilder {
         let names: Vec<&str> = headers
@@ -259,7 +289,7 @@ impl Upstream {
         if let Ok(v) = HeaderValue::from_str(&names.join(", ")) {
             headers.insert(HOP_HEADER, v);
         }
-        self.client.request(method, url.clone()).headers(headers)
+        client.request(method, url.clone()).headers(headers)
     }
 
     /// Reads a whole (small) answer body: 502 if the upstream breaks off or
@@ -430,6 +460,69 @@ impl Upstream {
     ) -> Result<reqwest::Response, SendFailure> {
         self.attempt(self.request(method, url, headers).body(body.body()))
             .await
+    }
+
+    /// [`Upstream::send_once`] for a Responses request that came over the
+    /// client's WebSocket `socket`: over the upstream's own WebSocket when
+    /// it takes one (opened at the socket's first response, kept between
+    /// responses), else over HTTP. An upgrade refused is remembered for
+    /// the process. A socket that was kept and closed before the answer
+    /// began is replaced once, as a closed pooled connection is.
+    pub async fn send_over(
+        &self,
+        socket: &std::sync::Arc<Socket>,
+        url: &reqwest::Url,
+        headers: HeaderMap,
+        body: &Payload,
+    ) -> Result<reqwest::Response, SendFailure> {
+        use std::sync::atomic::Ordering;
+        let event = match &self.ws_client {
+            Some(_) if !self.ws_refused.load(Ordering::Relaxed) => {
+                websocket::create_event(&body.to_bytes())
+            }
+            _ => None,
+        };
+        let (Some(ws_client), Some(event)) = (&self.ws_client, event) else {
+            return self.send_once(http::Method::POST, url, headers, body).await;
+        };
+        let failed = |e| Err::<reqwest::Response, _>(SendFailure::Failed(e));
+        for _ in 0..2 {
+            let (conn, kept) = match socket.take() {
+                Some(conn) => (conn, true),
+                None => {
+                    let mut handshake = headers.clone();
+                    let key = websocket::handshake(&mut handshake, socket);
+                    let req = self.request_on(ws_client, http::Method::GET, url, handshake);
+                    let resp = self.execute(req).await.map_err(SendFailure::Failed)?;
+                    if !websocket::accepted(&resp, &key) {
+                        if !self.ws_refused.swap(true, Ordering::Relaxed) {
+                            tracing::info!(
+                                status = resp.status().as_u16(),
+                                "the upstream takes no WebSocket on /v1/responses: \
+                                 responses asked over one go to it over HTTP with SSE"
+                            );
+                        }
+                        return self.send_once(http::Method::POST, url, headers, body).await;
+                    }
+                    let conn = websocket::open(resp, MAX_ANSWER_BYTES).await;
+                    let conn = conn.map_err(|e| SendFailure::Failed(Error::broke(e)))?;
+                    (conn, false)
+                }
+            };
+            match websocket::exchange(socket.clone(), conn, event.clone(), self.response_timeout)
+                .await
+            {
+                Ok(resp) => return Ok(resp),
+                Err(websocket::Broke::Closed) if kept => {
+                    tracing::debug!("the upstream's kept WebSocket was closed; opening another");
+                }
+                Err(websocket::Broke::Silent) => {
+                    return failed(Error::silent(self.response_timeout))
+                }
+                Err(e) => return failed(Error::Socket(e)),
+            }
+        }
+        failed(Error::Socket(websocket::Broke::Closed))
     }
 
     async fn send_again_if_stale(

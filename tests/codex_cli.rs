@@ -730,7 +730,20 @@ async fn websocket_requests(h: &Harness, status: u16) -> u64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "needs the Codex CLI: run scripts/test"]
 async fn codex_over_the_websocket_runs_a_compacted_session() {
+    over_the_websocket(false).await;
+}
+
+/// The same, with an upstream that takes the WebSocket too: each turn's
+/// requests go over the upstream socket of its client socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the Codex CLI: run scripts/test"]
+async fn codex_over_the_websocket_to_an_upstream_websocket_runs_a_compacted_session() {
+    over_the_websocket(true).await;
+}
+
+async fn over_the_websocket(upstream_takes_one: bool) {
     let h = Harness::start_with(small_window).await;
+    h.fake.take_websockets(upstream_takes_one);
     let codex = Codex::over_websocket(&h.url());
     long_turn(&codex, &h.fake, 1, true).await;
     let n = long_turns_to_the_trigger(&codex, &h, 2).await;
@@ -769,4 +782,13 @@ async fn codex_over_the_websocket_runs_a_compacted_session() {
         n + 1
     );
     assert_eq!(answered, before as u64 + 1, "every turn over the socket");
+    let (up_upgrades, refused, up_requests) = h.fake.websockets();
+    let all = turns(&h.fake).len();
+    if upstream_takes_one {
+        assert_eq!(refused, 0);
+        assert!(up_upgrades >= 1 && up_upgrades as u64 <= upgrades);
+        assert_eq!(up_requests, all, "every turn over the upstream's socket");
+    } else {
+        assert_eq!((up_upgrades, refused, up_requests), (0, 1, 0));
+    }
 }

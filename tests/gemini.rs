@@ -49,16 +49,6 @@ fn user(text: &str) -> Value {
     json!({"role": "user", "parts": [{"text": text}]})
 }
 
-/// Every text the store holds, for a search.
-fn store_text(h: &Harness) -> String {
-    let _ = h.sql();
-    let mut all = Vec::new();
-    for entry in std::fs::read_dir(h.dir.path()).unwrap() {
-        all.extend(std::fs::read(entry.unwrap().path()).unwrap_or_default());
-    }
-    String::from_utf8_lossy(&all).into_owned()
-}
-
 #[tokio::test]
 async fn a_generate_content_exchange_is_forwarded_below_the_base_and_recorded_with_its_usage() {
     let h = Harness::start().await;

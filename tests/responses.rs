@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use compactor::fake_upstream::{responses_stream_events, Reply};
 use serde_json::{json, Value};
+use support::responses::Session;
 use support::{
     client, client_calls, compactions, last_client_call, post, raw_upstream, read_request,
     small_window, small_window_foreground, within, Harness,
@@ -18,46 +19,6 @@ use support::{
 
 const KEY: &str = "sk-responses-tests";
 const MODEL: &str = "tiny-codex";
-
-/// A Codex-like session: developer prompt, environment context, task, then
-/// reasoning + function calls with outputs every turn. Full input each turn.
-struct Session {
-    input: Vec<Value>,
-    n: usize,
-}
-
-impl Session {
-    fn new() -> Session {
-        Session {
-            input: vec![
-                json!({"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You are a coding agent."}]}),
-                json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "<environment_context>cwd=/work</environment_context>"}]}),
-                json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "TASK: fix the flaky parser test"}]}),
-            ],
-            n: 0,
-        }
-    }
-
-    /// Appends one agent step: reasoning, a shell call and its (long) output.
-    fn step(&mut self) {
-        let n = self.n;
-        self.n += 1;
-        self.input.push(json!({"type": "reasoning", "id": format!("rs_{n}"), "summary": [], "encrypted_content": format!("gAAAA-opaque-{n}")}));
-        self.input.push(json!({"type": "function_call", "call_id": format!("call_{n}"), "name": "shell",
-                               "arguments": format!("{{\"command\":[\"cat\",\"src/parser_{n}.rs\"]}}")}));
-        self.input.push(
-            json!({"type": "function_call_output", "call_id": format!("call_{n}"),
-                               "output": format!("fn parse_{n}() {{ let x = tokens.next(); }}")}),
-        );
-        self.input.push(json!({"type": "message", "role": "assistant", "content": [{"type": "output_text",
-                               "text": format!("parse_{n} reads one token; {}", "the lexer hands tokens over one at a time and ".repeat(12))}]}));
-    }
-
-    fn body(&self, stream: bool) -> Value {
-        json!({"model": MODEL, "instructions": "Be precise.", "input": self.input, "store": false,
-               "stream": stream, "prompt_cache_key": "019a-codex-session"})
-    }
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn full_input_sessions_compact_and_keep_reasoning_only_in_the_tail() {

@@ -1,111 +1,24 @@
 //! The Responses API over a WebSocket (`GET /v1/responses` upgraded), as
 //! Codex speaks it, through real sockets: a tokio-tungstenite client
-//! against the proxy in front of the scripted fake upstream, which is asked
-//! over HTTP with SSE.
+//! against the proxy in front of the scripted fake upstream, which takes
+//! no WebSocket here, so it is asked over HTTP with SSE (an upstream that
+//! takes one: `tests/websocket_upstream.rs`).
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
 
 use compactor::fake_upstream::Reply;
 use futures_util::{SinkExt, StreamExt};
-use serde_json::{json, Value};
+use serde_json::json;
+use support::websocket::{
+    broken, connect, connect_to, create, next_event, next_response_after_a_break, response_events,
+    send, sse_data, streamed, Ws,
+};
 use support::{client_calls, last_client_call, number, within, Harness};
-use tokio::net::TcpStream;
-use tokio_tungstenite::tungstenite::client::IntoClientRequest;
 use tokio_tungstenite::tungstenite::protocol::frame::coding::CloseCode;
 use tokio_tungstenite::tungstenite::Message;
-use tokio_tungstenite::{MaybeTlsStream, WebSocketStream};
 
 const KEY: &str = "sk-ws-test";
-
-type Ws = WebSocketStream<MaybeTlsStream<TcpStream>>;
-
-/// Opens a WebSocket on the proxy's `/v1/responses` with `key`.
-async fn connect(h: &Harness, key: &str) -> Ws {
-    connect_to(h.addr, key).await
-}
-
-/// Opens a WebSocket on `/v1/responses` of the proxy at `addr`.
-async fn connect_to(addr: std::net::SocketAddr, key: &str) -> Ws {
-    let mut req = format!("ws://{addr}/v1/responses")
-        .into_client_request()
-        .unwrap();
-    req.headers_mut()
-        .insert("authorization", format!("Bearer {key}").parse().unwrap());
-    req.headers_mut().insert(
-        "openai-beta",
-        "responses_websockets=2026-02-06".parse().unwrap(),
-    );
-    let (ws, resp) = within(tokio_tungstenite::connect_async(req))
-        .await
-        .expect("upgrade");
-    assert_eq!(resp.status(), 101);
-    ws
-}
-
-/// Sends `event` as a text message.
-async fn send(ws: &mut Ws, event: &Value) {
-    within(ws.send(Message::Text(event.to_string().into())))
-        .await
-        .unwrap();
-}
-
-/// The next text message, as JSON.
-async fn next_event(ws: &mut Ws) -> Value {
-    loop {
-        match within(ws.next()).await {
-            Some(Ok(Message::Text(t))) => return serde_json::from_str(&t).expect("a JSON event"),
-            Some(Ok(Message::Ping(_) | Message::Pong(_))) => continue,
-            other => panic!("expected an event, got {other:?}"),
-        }
-    }
-}
-
-/// The events of one response, up to its final one (or an `error`).
-async fn response_events(ws: &mut Ws) -> Vec<Value> {
-    let mut events = Vec::new();
-    loop {
-        let e = next_event(ws).await;
-        let end = matches!(
-            e["type"].as_str(),
-            Some("response.completed" | "response.failed" | "response.incomplete" | "error")
-        );
-        events.push(e);
-        if end {
-            return events;
-        }
-    }
-}
-
-fn create(input: &str, previous: Option<&str>) -> Value {
-    let mut e = json!({"type": "response.create", "model": "gpt-5", "instructions": "be brief",
-        "input": [{"role": "user", "content": input}], "store": false});
-    if let Some(p) = previous {
-        e["previous_response_id"] = json!(p);
-    }
-    e
-}
-
-fn streamed(pieces: &[&str]) -> Reply {
-    Reply::responses_stream(pieces, 40, 5)
-}
-
-/// The SSE events of a scripted stream, each's JSON.
-fn sse_data(reply: &Reply) -> Vec<Value> {
-    let Reply::Sse { chunks, .. } = reply else {
-        panic!("an SSE reply")
-    };
-    chunks
-        .iter()
-        .flat_map(|c| {
-            String::from_utf8_lossy(c)
-                .lines()
-                .filter_map(|l| l.strip_prefix("data: ").map(str::to_string))
-                .collect::<Vec<_>>()
-        })
-        .map(|d| serde_json::from_str(&d).unwrap())
-        .collect()
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_response_create_streams_back_the_upstreams_events_and_is_recorded() {
@@ -319,38 +232,14 @@ async fn a_message_over_the_size_limit_closes_the_socket() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_breaks_off_is_an_error_event_recorded_once() {
     let h = Harness::start().await;
-    let Reply::Sse { chunks, gap, .. } = streamed(&["cut", " short", " here"]) else {
-        unreachable!()
-    };
-    h.fake.push(Reply::Sse {
-        chunks,
-        gap,
-        reset_after: Some(3),
-    });
+    h.fake.push(broken(&["cut", " short", " here"], 3));
     let mut ws = connect(&h, KEY).await;
     send(&mut ws, &create("turn one", None)).await;
     let events = response_events(&mut ws).await;
     let e = events.last().unwrap();
     assert_eq!(e["type"], "error", "{events:?}");
     assert_eq!(e["status"], 502);
-    h.wait_exchanges(1).await;
-    h.fake.push(streamed(&["fine"]));
-    send(&mut ws, &create("turn two", None)).await;
-    assert_eq!(
-        response_events(&mut ws).await.last().unwrap()["type"],
-        "response.completed"
-    );
-    h.wait_exchanges(2).await;
-    let sql = h.sql();
-    assert_eq!(number(&*sql, "SELECT count(*) FROM exchanges"), 2);
-    assert_eq!(
-        number(
-            &*sql,
-            "SELECT count(*) FROM exchanges WHERE error IS NOT NULL OR partial = 1"
-        ),
-        1,
-        "the broken answer is recorded as failed, once"
-    );
+    next_response_after_a_break(&h, &mut ws).await;
 }
 
 /// A client that goes away mid-answer: the exchange is recorded as

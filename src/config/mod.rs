@@ -25,8 +25,8 @@ pub use models::{glob_match, ModelLimits};
 pub use read::{file_in_effect, FOUND_CONFIG};
 pub use schema::{
     default_store_path, AdminConfig, CompactionConfig, Config, Mode, ModelConfig, ServerConfig,
-    StoreConfig, Summarizer, TenantConfig, UpstreamConfig, DEFAULT_LISTEN, DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_MAX_CONNECTIONS, DEFAULT_UPSTREAM, MAX_RECALL_ROUNDS, MIN_TENANT_PREFIX,
-    SYNCHRONOUS_COMMIT,
+    StoreConfig, Summarizer, TenantConfig, UpstreamConfig, UpstreamWebSocket, DEFAULT_LISTEN,
+    DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CONNECTIONS, DEFAULT_UPSTREAM, MAX_RECALL_ROUNDS,
+    MIN_TENANT_PREFIX, SYNCHRONOUS_COMMIT,
 };
 pub use shown::{masked, shown_url, Origin, Setting};

@@ -200,6 +200,21 @@ pub struct UpstreamConfig {
     /// At a model's first request, ask the upstream for its context window
     /// (vLLM's `/v1/models`, llama.cpp's `/props`), at most 2 s.
     pub discover_windows: bool,
+    /// Whether a response a client asked over a WebSocket goes to the
+    /// upstream over one when it takes one.
+    pub websocket: UpstreamWebSocket,
+}
+
+/// `upstream.websocket`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum UpstreamWebSocket {
+    /// Try the upgrade; an upstream that refuses it is asked over HTTP
+    /// with SSE from then on.
+    #[default]
+    Auto,
+    /// Always HTTP with SSE.
+    Off,
 }
 
 impl Default for UpstreamConfig {
@@ -211,6 +226,7 @@ impl Default for UpstreamConfig {
             response_timeout_secs: 600,
             idle_timeout_secs: 300,
             discover_windows: true,
+            websocket: UpstreamWebSocket::Auto,
         }
     }
 }

@@ -270,5 +270,17 @@ mod tests {
             let err = Config::from_toml(&format!("[upstream]\n{key} = 0\n")).unwrap_err();
             assert!(err.to_string().contains(key), "{err}");
         }
+        let err = Config::from_toml("[upstream]\nwebsocket = \"on\"\n").unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("line 2, column 13: unknown variant `on`")
+                && err.to_string().contains("`auto` or `off`"),
+            "{err}"
+        );
+        let off = Config::from_toml("[upstream]\nwebsocket = \"off\"\n").unwrap();
+        assert_eq!(
+            off.upstream.websocket,
+            crate::config::UpstreamWebSocket::Off
+        );
     }
 }

@@ -40,13 +40,14 @@ use super::identify::{identify, Compact};
 use super::read::{read_request, RequestBody};
 use super::recall::Settled;
 use super::request::ReadRequest;
-use super::send::{Sent, Tried};
+use super::send::{Sent, Target, Tried};
 use super::{compact, compact_now, recall, record, relay, send, splice};
 use crate::app::AppState;
 use crate::config::Mode;
 use crate::engine;
 use crate::error::{ProxyBody, ProxyError};
 use crate::ids::now_ms;
+use crate::upstream::Socket;
 use crate::wire::Api;
 
 /// Handles one parsed-endpoint request; every failure becomes a JSON error.
@@ -109,13 +110,20 @@ async fn handle_inner(
     let headers = state
         .upstream
         .request_headers_for(api, &parts.headers, true);
-    match settle(&state, &mut pending, &url, &headers, None).await {
+    // A request that came over a WebSocket carries its upstream socket.
+    let socket = parts.extensions.get::<Arc<Socket>>().cloned();
+    let target = Target {
+        url,
+        headers,
+        socket,
+    };
+    match settle(&state, &mut pending, &target, None).await {
         Ok(Answer::Live(held)) => {
             // The spliced stream's tool calls come back to this loop.
             let driver = state.clone();
             let rounds = splice::rounds(move |pending, answer| {
-                let (state, url, headers) = (driver.clone(), url.clone(), headers.clone());
-                Box::pin(async move { settle(&state, pending, &url, &headers, Some(answer)).await })
+                let (state, target) = (driver.clone(), target.clone());
+                Box::pin(async move { settle(&state, pending, &target, Some(answer)).await })
             });
             Ok(splice::relay_live(state, pending, rounds, held, started))
         }
@@ -148,15 +156,14 @@ async fn open(
 async fn settle(
     state: &Arc<AppState>,
     pending: &mut Unanswered,
-    url: &reqwest::Url,
-    headers: &http::HeaderMap,
+    target: &Target,
     mut answer: Option<Answer>,
 ) -> Result<Answer, ProxyError> {
     let mut tried = Tried::default();
     loop {
         let got = match answer.take() {
             Some(got) => got,
-            None => match send::send(state, pending, url, headers, &mut tried).await? {
+            None => match send::send(state, pending, target, &mut tried).await? {
                 Sent::Answer(got) => got,
                 Sent::Again => continue,
                 // The provider's compaction refused: the local

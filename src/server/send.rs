@@ -215,25 +215,43 @@ impl Tried {
     }
 }
 
+/// Where a request's attempts go: the upstream URL and headers, and, for
+/// a request that came over the client's WebSocket, its upstream socket
+/// (see [`crate::upstream::Upstream::send_over`]).
+#[derive(Clone)]
+pub(super) struct Target {
+    pub(super) url: reqwest::Url,
+    pub(super) headers: http::HeaderMap,
+    pub(super) socket: Option<Arc<crate::upstream::Socket>>,
+}
+
 /// Sends the exchange's request once and says, through [`decide`], what
 /// the driver does next. `tried` is what was tried for it before, and is
 /// kept up to date. The error is the client's; the driver records it.
 pub(super) async fn send(
     state: &Arc<AppState>,
     pending: &mut Unanswered,
-    url: &reqwest::Url,
-    headers: &http::HeaderMap,
+    target: &Target,
     tried: &mut Tried,
 ) -> Result<Sent, ProxyError> {
     tried.compacted = pending.compaction().is_some();
     // The client's bytes, or the body with the compaction applied now.
     let body = pending.upstream_bytes()?;
-    let attempt_headers = pending.upstream_headers(headers).into_owned();
-    let got = match state
-        .upstream
-        .send_once(Method::POST, url, attempt_headers, &body)
-        .await
-    {
+    let attempt_headers = pending.upstream_headers(&target.headers).into_owned();
+    let (url, upstream) = (&target.url, &state.upstream);
+    let sent = match &target.socket {
+        Some(socket) => {
+            upstream
+                .send_over(socket, url, attempt_headers, &body)
+                .await
+        }
+        None => {
+            upstream
+                .send_once(Method::POST, url, attempt_headers, &body)
+                .await
+        }
+    };
+    let got = match sent {
         Ok(resp) => read_start(state, pending.request().api(), resp)
             .await
             .map_err(SendFailure::Failed),

@@ -6,8 +6,10 @@
 //! ([`super::proxy::handle`]: conversation match, compaction, recording,
 //! retries, recall), as a streamed request carrying the upgrade's headers,
 //! and the events of its answer go back one message each (the JSON of the
-//! event), in order. The upstream is asked over HTTP with SSE; the client
-//! cannot tell.
+//! event), in order. The upstream is asked over a WebSocket of its own
+//! when it takes one (`upstream.websocket`, see [`crate::upstream::Socket`]:
+//! one per client socket, opened at its first response, closed with it),
+//! else over HTTP with SSE; the client cannot tell.
 //!
 //! One response at a time: a `response.create` while one is under way is
 //! refused with an `error` event, as is a binary message, a message that
@@ -131,6 +133,7 @@ pub(super) fn handle(
     };
     let accept = derive_accept_key(key.as_bytes());
     let forwarded = forwarded_headers(req.headers());
+    let upstream = Arc::new(crate::upstream::Socket::new(websocket_beta(req.headers())));
     let uri = match req.uri().query() {
         Some(q) => format!("{}?{q}", Api::Responses.endpoint()),
         None => Api::Responses.endpoint().to_string(),
@@ -148,7 +151,10 @@ pub(super) fn handle(
                     )
                     .await;
                     tracing::debug!("websocket opened");
-                    Session::new(state, ws, forwarded, uri, lease).run().await;
+                    Session::new(state, ws, forwarded, uri, lease, upstream.clone())
+                        .run()
+                        .await;
+                    upstream.close().await;
                     tracing::debug!("websocket closed");
                 }
                 Err(e) => tracing::debug!(error = %e, "websocket upgrade failed"),
@@ -187,12 +193,9 @@ fn forwarded_headers(headers: &HeaderMap) -> HeaderMap {
             || name == header::UPGRADE
             || name == header::CONTENT_LENGTH
             || name == header::TRANSFER_ENCODING
-            // Asks OpenAI for its WebSocket mode, which the HTTP request
-            // upstream is not.
-            || (n == "openai-beta"
-                && value
-                    .to_str()
-                    .is_ok_and(|v| v.contains("responses_websockets")))
+            // Asks OpenAI for its WebSocket mode: the upstream's
+            // handshake carries it (`websocket_beta`), an HTTP request not.
+            || (n == "openai-beta" && is_websocket_beta(value))
         {
             continue;
         }
@@ -203,6 +206,24 @@ fn forwarded_headers(headers: &HeaderMap) -> HeaderMap {
         HeaderValue::from_static("application/json"),
     );
     out
+}
+
+/// The headers asking for OpenAI's WebSocket mode, which only the
+/// upstream's handshake carries.
+fn websocket_beta(headers: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::new();
+    for value in headers.get_all("openai-beta") {
+        if is_websocket_beta(value) {
+            out.append("openai-beta", value.clone());
+        }
+    }
+    out
+}
+
+fn is_websocket_beta(value: &HeaderValue) -> bool {
+    value
+        .to_str()
+        .is_ok_and(|v| v.contains("responses_websockets"))
 }
 
 /// An OpenAI-style error object's body (`{"error": {…}}`).
@@ -267,6 +288,9 @@ struct Session {
     lease: Arc<Lease>,
     /// The server is shutting down: close once no response is under way.
     stopping: bool,
+    /// The upstream's WebSocket of this socket, which each
+    /// `response.create` carries to the driver.
+    upstream: Arc<crate::upstream::Socket>,
 }
 
 impl Session {
@@ -276,6 +300,7 @@ impl Session {
         headers: HeaderMap,
         uri: String,
         lease: Arc<Lease>,
+        upstream: Arc<crate::upstream::Socket>,
     ) -> Self {
         let idle_secs = state.config.server.websocket_idle_secs;
         let write_limit = state.upstream.idle_timeout;
@@ -295,6 +320,7 @@ impl Session {
             warmed: None,
             lease,
             stopping: false,
+            upstream,
         }
     }
 
@@ -481,6 +507,7 @@ impl Session {
             parts.uri = uri;
         }
         parts.headers = self.headers.clone();
+        parts.extensions.insert(self.upstream.clone());
         let state = self.state.clone();
         let body = Bytes::from(body);
         *turn = Turn::Starting(Box::pin(super::proxy::handle_whole(

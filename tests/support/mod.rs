@@ -11,6 +11,7 @@ pub mod ladder;
 pub mod postgres;
 pub mod real_cli;
 pub mod responses;
+pub mod websocket;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -611,6 +612,17 @@ pub fn keys(v: &Value) -> Vec<&str> {
 /// The body of [`last_client_request`], as JSON.
 pub fn last_client_call(h: &Harness) -> Value {
     last_client_request(h).json()
+}
+
+/// Every text the store holds, for a search: the bytes of the files in
+/// its directory (a PostgreSQL store keeps its rows elsewhere).
+pub fn store_text(h: &Harness) -> String {
+    let _ = h.sql();
+    let mut all = Vec::new();
+    for entry in std::fs::read_dir(h.dir.path()).unwrap() {
+        all.extend(std::fs::read(entry.unwrap().path()).unwrap_or_default());
+    }
+    String::from_utf8_lossy(&all).into_owned()
 }
 
 /// How many compactions the store holds.

@@ -75,3 +75,60 @@ pub fn responses_output(bytes: &[u8], streamed: bool) -> Vec<Value> {
         .and_then(|v| v["response"]["output"].as_array().cloned())
         .unwrap_or_else(|| panic!("a completed stream: {text}"))
 }
+
+/// The model a [`Session`] asks for (a `tiny*` window, see `small_window`).
+pub const CODEX_MODEL: &str = "tiny-codex";
+
+/// A Codex-like session: developer prompt, environment context, task, then
+/// reasoning + function calls with outputs every turn. Full input each turn.
+pub struct Session {
+    pub input: Vec<Value>,
+    pub n: usize,
+}
+
+impl Session {
+    pub fn new() -> Session {
+        Session {
+            input: vec![
+                json!({"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "You are a coding agent."}]}),
+                json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "<environment_context>cwd=/work</environment_context>"}]}),
+                json!({"type": "message", "role": "user", "content": [{"type": "input_text", "text": "TASK: fix the flaky parser test"}]}),
+            ],
+            n: 0,
+        }
+    }
+
+    /// Appends one agent step: reasoning, a shell call and its (long) output.
+    pub fn step(&mut self) {
+        let n = self.n;
+        self.n += 1;
+        self.input.push(json!({"type": "reasoning", "id": format!("rs_{n}"), "summary": [], "encrypted_content": format!("gAAAA-opaque-{n}")}));
+        self.input.push(json!({"type": "function_call", "call_id": format!("call_{n}"), "name": "shell",
+                               "arguments": format!("{{\"command\":[\"cat\",\"src/parser_{n}.rs\"]}}")}));
+        self.input.push(
+            json!({"type": "function_call_output", "call_id": format!("call_{n}"),
+                               "output": format!("fn parse_{n}() {{ let x = tokens.next(); }}")}),
+        );
+        self.input.push(json!({"type": "message", "role": "assistant", "content": [{"type": "output_text",
+                               "text": format!("parse_{n} reads one token; {}", "the lexer hands tokens over one at a time and ".repeat(12))}]}));
+    }
+
+    pub fn body(&self, stream: bool) -> Value {
+        json!({"model": CODEX_MODEL, "instructions": "Be precise.", "input": self.input, "store": false,
+               "stream": stream, "prompt_cache_key": "019a-codex-session"})
+    }
+
+    /// The `response.create` a WebSocket client sends for it.
+    pub fn event(&self) -> Value {
+        let mut e = self.body(false);
+        e.as_object_mut().unwrap().remove("stream");
+        e["type"] = json!("response.create");
+        e
+    }
+}
+
+impl Default for Session {
+    fn default() -> Self {
+        Self::new()
+    }
+}

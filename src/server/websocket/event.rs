@@ -4,6 +4,8 @@
 
 use serde_json::value::RawValue;
 
+use crate::wire::RawMembers;
+
 /// A warm-up the session answered: its response id, and its input items
 /// (the JSON of an array's members).
 pub(super) struct Warmed {
@@ -87,33 +89,7 @@ fn items_of(input: &str) -> String {
 
 /// The members of a JSON object in their order, values unparsed.
 fn parse_members(text: &str) -> Result<Vec<(String, &RawValue)>, serde_json::Error> {
-    serde_json::from_str::<Members<'_>>(text).map(|m| m.0)
-}
-
-/// An object's members in order (a map would sort or merge them).
-struct Members<'a>(Vec<(String, &'a RawValue)>);
-
-impl<'de> serde::Deserialize<'de> for Members<'de> {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> serde::de::Visitor<'de> for Visit {
-            type Value = Members<'de>;
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a JSON object")
-            }
-            fn visit_map<A: serde::de::MapAccess<'de>>(
-                self,
-                mut map: A,
-            ) -> Result<Members<'de>, A::Error> {
-                let mut out = Vec::new();
-                while let Some((k, v)) = map.next_entry::<String, &'de RawValue>()? {
-                    out.push((k, v));
-                }
-                Ok(Members(out))
-            }
-        }
-        d.deserialize_map(Visit)
-    }
+    serde_json::from_str::<RawMembers<'_>>(text).map(|m| m.0)
 }
 
 /// The body of the `POST /v1/responses` a `response.create` stands for:
