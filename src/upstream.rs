@@ -1,10 +1,8 @@
 //! The upstream client: one pooled reqwest client (keep-alive, HTTP/1.1 and
 //! HTTP/2 by ALPN, rustls), URL mapping, header hygiene and credentials.
 
-use std::cell::Cell;
 use std::fmt;
 use std::future::Future;
-use std::task::{Context, Poll};
 use std::time::Duration;
 
 use http::header::{self, HeaderMap, HeaderName, HeaderValue};
@@ -13,6 +11,7 @@ use crate::config::{UpstreamConfig, UpstreamWebSocket};
 use crate::error::{ProxyError, UpstreamFailure};
 use crate::wire::Api;
 
+mod opened;
 mod payload;
 mod websocket;
 pub use payload::Payload;
@@ -189,7 +188,7 @@ impl Upstream {
         };
         let client = builder()
             .pool_max_idle_per_host(256)
-            .connector_layer(NoteOpened)
+            .connector_layer(opened::NoteOpened)
             .build()?;
         let ws_client = match cfg.websocket {
             UpstreamWebSocket::Auto => Some(builder().http1_only().build()?),
@@ -543,12 +542,8 @@ impl Upstream {
         &self,
         req: reqwest::RequestBuilder,
     ) -> Result<reqwest::Response, SendFailure> {
-        let (sent, opened) = OPENED
-            .scope(Cell::new(false), async {
-                let sent = tokio::time::timeout(self.response_timeout, req.send()).await;
-                (sent, OPENED.with(Cell::get))
-            })
-            .await;
+        let (sent, opened) =
+            opened::watched(tokio::time::timeout(self.response_timeout, req.send())).await;
         self.classify(sent, opened)
     }
 
@@ -673,54 +668,6 @@ fn stale_connection(e: &reqwest::Error, opened: bool) -> bool {
     }
     false
 }
-
-tokio::task_local! {
-    /// Within [`Upstream::send_bytes`]: whether its send got a new
-    /// connection.
-    static OPENED: Cell<bool>;
-}
-
-/// A connector layer that notes, for the send being made, that it got a new
-/// connection. When no idle connection is at hand the pool connects within
-/// the send's own task while it waits for one to come back; a connection
-/// that comes back first is taken instead and the connecting goes on in a
-/// task of its own, so the note is made only when a connection is made
-/// within the send's task.
-#[derive(Clone, Copy)]
-struct NoteOpened;
-
-impl<S> tower_layer::Layer<S> for NoteOpened {
-    type Service = Noted<S>;
-    fn layer(&self, inner: S) -> Noted<S> {
-        Noted(inner)
-    }
-}
-
-#[derive(Clone)]
-struct Noted<S>(S);
-
-impl<S: tower_service::Service<R>, R> tower_service::Service<R> for Noted<S> {
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = futures_util::future::Map<S::Future, fn(Connecting<S, R>) -> Connecting<S, R>>;
-
-    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), S::Error>> {
-        self.0.poll_ready(cx)
-    }
-
-    fn call(&mut self, dst: R) -> Self::Future {
-        fn note<T, E>(made: Result<T, E>) -> Result<T, E> {
-            if made.is_ok() {
-                let _ = OPENED.try_with(|o| o.set(true));
-            }
-            made
-        }
-        futures_util::FutureExt::map(self.0.call(dst), note as fn(_) -> _)
-    }
-}
-
-type Connecting<S, R> =
-    Result<<S as tower_service::Service<R>>::Response, <S as tower_service::Service<R>>::Error>;
 
 /// Most bytes of an answer the proxy reads whole (JSON and error answers,
 /// which it parses for usage and output). A larger one is refused (502)
