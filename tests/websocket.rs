@@ -388,8 +388,8 @@ async fn a_socket_counts_against_the_connection_limit() {
         "response.completed"
     );
     let healthz = format!("http://{}/healthz", h.addr);
+    let started = std::time::Instant::now();
     let waiting = tokio::spawn(async move {
-        let started = std::time::Instant::now();
         let resp = within(support::client().get(healthz).send()).await.unwrap();
         (resp.status(), started.elapsed())
     });

@@ -339,6 +339,8 @@ impl Session {
                 .await;
                 return;
             }
+            // The shutdown first: a message that arrives once the server
+            // stops accepting is answered as the server is stopping.
             let step = {
                 let next = self.ws.next();
                 let stopping = self.stopping;
@@ -357,20 +359,23 @@ impl Session {
                             }
                         };
                         tokio::select! {
+                            biased;
+                            s = shutdown => s,
                             m = next => Step::Client(m),
                             () = idle => Step::Idle,
-                            s = shutdown => s,
                         }
                     }
                     Turn::Starting(answering) => tokio::select! {
+                        biased;
+                        s = shutdown => s,
                         m = next => Step::Client(m),
                         resp = answering => Step::Answer(resp),
-                        s = shutdown => s,
                     },
                     Turn::Streaming { body, .. } => tokio::select! {
+                        biased;
+                        s = shutdown => s,
                         m = next => Step::Client(m),
                         f = body.frame() => Step::Frame(f),
-                        s = shutdown => s,
                     },
                 }
             };
