@@ -48,6 +48,9 @@
 //!   run on CPU `N` alone and this process on the others, in every row
 //!   (direct and SQLite too), as when the database has a host of its own:
 //!   the database's CPU then takes nothing from the proxy's or the load's.
+//! - `BENCH_UPSTREAM_WS=1`: the fake upstream takes the Responses WebSocket,
+//!   so the `codx ws` rows' proxied side is asked over one (the other
+//!   sides over HTTP + SSE, as without it).
 //!
 //! Set-up, per scenario (so each starts from an empty store and the fake
 //! upstream's record of received bodies is freed afterwards):
@@ -1064,6 +1067,7 @@ impl Rig {
         // The fake would keep every body it receives; peak memory should be
         // the proxy's.
         fake.forget_requests();
+        fake.take_websockets(env_flag("BENCH_UPSTREAM_WS"));
         let dir = tempfile::tempdir().expect("tempdir");
         let db = dir.path().join("bench.db");
         let mut config = Config::default();
