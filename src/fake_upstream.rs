@@ -72,6 +72,9 @@ struct Shared {
     ws_upgrades: usize,
     ws_refusals: usize,
     ws_requests: usize,
+    /// The statuses the next upgrades are refused with, in order, before
+    /// `websocket` decides again.
+    ws_refuse_next: VecDeque<StatusCode>,
 }
 
 /// Request bodies a simulated prompt cache keeps.
@@ -278,6 +281,12 @@ impl FakeUpstream {
         self.lock().websocket = on;
     }
 
+    /// Refuses the next upgrade with `status` (a refusal of the moment: a
+    /// rate limit, a server error), whether or not WebSockets are taken.
+    pub fn refuse_next_websocket(&self, status: StatusCode) {
+        self.lock().ws_refuse_next.push_back(status);
+    }
+
     /// WebSocket upgrades taken, upgrades refused, and requests answered
     /// over WebSockets, so far.
     pub fn websockets(&self) -> (usize, usize, usize) {
@@ -337,18 +346,20 @@ impl FakeUpstream {
 
     /// A WebSocket asked on `GET /v1/responses`: taken, or refused.
     fn upgrade(&self, mut req: Request<Incoming>) -> Response<ProxyBody> {
-        let on = {
+        let (on, refused_with) = {
             let mut sh = self.lock();
-            *if sh.websocket {
+            let refused_with = sh.ws_refuse_next.pop_front();
+            let on = sh.websocket && refused_with.is_none();
+            *if on {
                 &mut sh.ws_upgrades
             } else {
                 &mut sh.ws_refusals
             } += 1;
-            sh.websocket
+            (on, refused_with)
         };
         let accepted = on.then(|| websocket::accept(&mut req)).flatten();
         let Some((resp, upgrade)) = accepted else {
-            return websocket::refusal();
+            return websocket::refusal(refused_with.unwrap_or(StatusCode::NOT_FOUND));
         };
         let headers = websocket::request_headers(req.headers());
         let (path, query) = (req.uri().path().to_string(), req.uri().query());

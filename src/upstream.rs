@@ -465,7 +465,8 @@ impl Upstream {
     /// client's WebSocket `socket`: over the upstream's own WebSocket when
     /// it takes one (opened at the socket's first response, kept between
     /// responses), else over HTTP. An upgrade refused is remembered for
-    /// the process. A socket that was kept and closed before the answer
+    /// the process, unless the refusal was of the moment (a key refused, a
+    /// rate limit, a server error). A socket that was kept and closed before the answer
     /// began is replaced once, as a closed pooled connection is.
     pub async fn send_over(
         &self,
@@ -494,6 +495,16 @@ impl Upstream {
                     let req = self.request_on(ws_client, http::Method::GET, url, handshake);
                     let resp = self.execute(req).await.map_err(SendFailure::Failed)?;
                     if !websocket::accepted(&resp, &key) {
+                        // A key refused, a limit or a failure of the moment
+                        // says nothing of whether the upstream takes a
+                        // WebSocket: this request alone goes over HTTP.
+                        if websocket::refusal_of_the_moment(resp.status()) {
+                            tracing::debug!(
+                                status = resp.status().as_u16(),
+                                "the upstream's WebSocket was refused for now: over HTTP"
+                            );
+                            return self.send_once(http::Method::POST, url, headers, body).await;
+                        }
                         if !self.ws_refused.swap(true, Ordering::Relaxed) {
                             tracing::info!(
                                 status = resp.status().as_u16(),

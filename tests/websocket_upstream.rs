@@ -151,6 +151,30 @@ async fn an_upstream_that_refuses_the_upgrade_is_asked_over_http_and_the_refusal
     assert!(said[0].contains("INFO"), "{said:?}");
 }
 
+/// A rate limit or a server error at the handshake is of the moment: that
+/// response goes over HTTP, and the next asks for a WebSocket again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handshake_refused_for_the_moment_is_not_remembered() {
+    let h = Harness::start().await;
+    h.fake.take_websockets(true);
+    h.fake
+        .refuse_next_websocket(http::StatusCode::TOO_MANY_REQUESTS);
+    h.fake
+        .refuse_next_websocket(http::StatusCode::SERVICE_UNAVAILABLE);
+    let mut ws = connect(&h, KEY).await;
+    for n in 0..3 {
+        let reply = streamed(&["turn", &format!(" {n}")]);
+        let expected = sse_data(&reply);
+        h.fake.push(reply);
+        send(&mut ws, &create(&format!("turn {n}"), None)).await;
+        assert_eq!(response_events(&mut ws).await, expected);
+    }
+    // Two refusals, each followed by the response over HTTP; the third
+    // response went over the upstream's WebSocket.
+    assert_eq!(h.fake.websockets(), (1, 2, 1));
+    assert_eq!(responses_requests(&h), 3);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn with_the_upstream_websocket_off_no_upgrade_is_tried() {
     let h = Harness::start_with(|c| c.upstream.websocket = UpstreamWebSocket::Off).await;

@@ -49,12 +49,14 @@ pub fn accept(req: &mut Request<Incoming>) -> Option<(Response<ProxyBody>, OnUpg
     Some((resp, upgrade))
 }
 
-/// The refusal of an upstream that takes no WebSocket there.
-pub fn refusal() -> Response<ProxyBody> {
-    let body = json!({"error": {"type": "invalid_request_error", "code": "not_found",
+/// A refusal of the upgrade: `404` from an upstream that takes no
+/// WebSocket there, another status for a refusal of the moment.
+pub fn refusal(status: StatusCode) -> Response<ProxyBody> {
+    let body = json!({"error": {"type": "invalid_request_error",
+        "code": status.canonical_reason().unwrap_or("refused"),
         "message": "no WebSocket here", "param": null}});
     let mut resp = Response::new(crate::error::full(body.to_string()));
-    *resp.status_mut() = StatusCode::NOT_FOUND;
+    *resp.status_mut() = status;
     resp.headers_mut().insert(
         header::CONTENT_TYPE,
         HeaderValue::from_static("application/json"),

@@ -140,6 +140,18 @@ pub fn handshake(headers: &mut HeaderMap, socket: &Socket) -> String {
     key
 }
 
+/// Whether a handshake answered `status` was refused for the moment (a key
+/// refused, a rate limit, a server error), which says nothing of whether
+/// the upstream takes a WebSocket, rather than for good (no such endpoint,
+/// no upgrade there).
+pub fn refusal_of_the_moment(status: http::StatusCode) -> bool {
+    use http::StatusCode as S;
+    matches!(
+        status,
+        S::UNAUTHORIZED | S::FORBIDDEN | S::TOO_MANY_REQUESTS
+    ) || status.is_server_error()
+}
+
 /// Whether the upstream took the upgrade asked with `key`: a 101 with the
 /// accept key derived from it.
 pub fn accepted(resp: &reqwest::Response, key: &str) -> bool {
