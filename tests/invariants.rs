@@ -307,30 +307,17 @@ proptest! {
         let chains = chain_hashes(&hashes);
         let c = Compaction {
             id: "cmp_fit".into(),
-            tenant: "t".into(),
-            conversation: "c".into(),
-            covered_len: a.covered_len,
-            covered_chain: chains[a.covered_len - 1],
-            replacement: a.replacement.clone(),
-            rung: Rung::Fallback,
-            reason: "test".into(),
             tokens_before: total,
             tokens_after: a.after,
-            items_removed: 0,
-            items_kept: 0,
-            summary: None,
-            facts: None,
-            base: None,
-            summary_calls: 0,
-            summary_tokens: 0,
-            summary_output_tokens: 0,
-            summary_cache: Default::default(),
-            tokens_saved: 0,
-            observed: false,
-            audit: None,
-            duration_ms: 0,
             created_ms: 0,
-            made: Default::default(),
+            ..Compaction::made_now(
+                "t",
+                "c",
+                (a.covered_len, chains[a.covered_len - 1]),
+                a.replacement.clone(),
+                Rung::Fallback,
+                "test".into(),
+            )
         };
         let sent = rewrite::rewrite(&items, &c);
         prop_assert_eq!(sent.iter().map(count).sum::<u64>(), a.after);

@@ -199,29 +199,17 @@ fn stored(
     let chains = chain_hashes(&items.iter().map(item_hash).collect::<Vec<_>>());
     Compaction {
         id: format!("cmp_{covered_len}"),
-        tenant: "t".into(),
-        conversation: "c".into(),
-        covered_len,
-        covered_chain: chains[covered_len - 1],
-        replacement,
-        rung,
-        reason: "test".into(),
         tokens_before: before,
         tokens_after: after,
-        items_removed: 0,
-        items_kept: 0,
-        summary: None,
-        facts: None,
         base: base.map(|b| b.id.clone()),
-        summary_calls: 0,
-        summary_tokens: 0,
-        summary_output_tokens: 0,
-        summary_cache: Default::default(),
-        tokens_saved: 0,
-        observed: false,
-        audit: None,
-        duration_ms: 0,
         created_ms: 0,
-        made: Default::default(),
+        ..Compaction::made_now(
+            "t",
+            "c",
+            (covered_len, chains[covered_len - 1]),
+            replacement,
+            rung,
+            "test".into(),
+        )
     }
 }
