@@ -495,19 +495,18 @@ impl Upstream {
                     let req = self.request_on(ws_client, http::Method::GET, url, handshake);
                     let resp = self.execute(req).await.map_err(SendFailure::Failed)?;
                     if !websocket::accepted(&resp, &key) {
+                        let status = resp.status().as_u16();
                         // A key refused, a limit or a failure of the moment
                         // says nothing of whether the upstream takes a
                         // WebSocket: this request alone goes over HTTP.
                         if websocket::refusal_of_the_moment(resp.status()) {
                             tracing::debug!(
-                                status = resp.status().as_u16(),
+                                status,
                                 "the upstream's WebSocket was refused for now: over HTTP"
                             );
-                            return self.send_once(http::Method::POST, url, headers, body).await;
-                        }
-                        if !self.ws_refused.swap(true, Ordering::Relaxed) {
+                        } else if !self.ws_refused.swap(true, Ordering::Relaxed) {
                             tracing::info!(
-                                status = resp.status().as_u16(),
+                                status,
                                 "the upstream takes no WebSocket on /v1/responses: \
                                  responses asked over one go to it over HTTP with SSE"
                             );
