@@ -10,12 +10,22 @@
 //! proxy's own starts from it. A compaction request that repeats the
 //! client's last one (see `engine::repeats`) leaves its trail out: the
 //! proxy backs off its part of the restart.
+//!
+//! Claude Code and Codex name their session in every request, so the
+//! request after their compaction is of the same conversation. Gemini CLI
+//! names none, and goes on from a history that opens with its summary:
+//! the text of each answer to a client's own compaction request that
+//! named no session is kept, as a hash, with its conversation
+//! ([`Handoffs::summarized`]), and a request naming none that opens with
+//! that text goes on in it ([`Handoffs::linked`]). By tenant: the same
+//! text sent with another credential is another conversation.
 
 use std::sync::{Arc, Mutex};
 
 use crate::bounded::Generations;
-use crate::compaction::summary::{is_handoff, left_out, trail_of, with_block, Facts};
+use crate::compaction::summary::{carried_text, is_handoff, left_out, trail_of, with_block, Facts};
 use crate::compaction::{items, Compaction, Rung};
+use crate::wire::class::is_model_output;
 use crate::wire::items::ItemList;
 use crate::wire::ItemHash;
 
@@ -26,10 +36,28 @@ use super::repeats::{Repeat, Repeats};
 /// and the request that goes on from its summary.
 const KEPT: usize = 1024;
 
+/// Summaries kept per tenant: the answers to its latest compaction
+/// requests that named no session.
+const SUMMARIES_PER_TENANT: usize = 4;
+
+/// The first items of a request looked at for a summary it goes on from:
+/// Gemini CLI's opens with its session's context, then the summary.
+const OPENING: usize = 4;
+
+/// An answer to a client's own compaction request that named no session.
+struct Summary {
+    /// Its text's length and hash (see [`carried_text`]).
+    len: usize,
+    hash: [u8; 32],
+    conversation: String,
+}
+
 /// The trails of the histories clients compacted themselves, by tenant and
-/// conversation, until the request that goes on from the summary.
+/// conversation, until the request that goes on from the summary; the
+/// summaries answered to clients that name no session, by tenant.
 pub struct Handoffs {
     trails: Mutex<Generations<(String, String), Arc<Facts>>>,
+    summaries: Mutex<Generations<String, Vec<Summary>>>,
     repeats: Repeats,
 }
 
@@ -37,16 +65,74 @@ impl Default for Handoffs {
     fn default() -> Self {
         Self {
             trails: Mutex::new(Generations::new(KEPT)),
+            summaries: Mutex::new(Generations::new(KEPT)),
             repeats: Repeats::default(),
         }
     }
 }
 
+fn locked<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl Handoffs {
     fn lock(&self) -> std::sync::MutexGuard<'_, Generations<(String, String), Arc<Facts>>> {
-        self.trails
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
+        locked(&self.trails)
+    }
+
+    /// The answer `answer` (its items) to a client's own compaction
+    /// request of `tenant`'s `conversation` that named no session: the
+    /// request that goes on from its text goes on in `conversation`.
+    pub fn summarized(&self, tenant: &str, conversation: &str, answer: &[serde_json::Value]) {
+        let text: String = answer.iter().map(carried_text).collect();
+        let text = text.trim();
+        if text.is_empty() {
+            return;
+        }
+        let summary = Summary {
+            len: text.len(),
+            hash: *blake3::hash(text.as_bytes()).as_bytes(),
+            conversation: conversation.to_string(),
+        };
+        let mut summaries = locked(&self.summaries);
+        let mut kept = summaries.remove(tenant).unwrap_or_default();
+        kept.retain(|s| s.hash != summary.hash);
+        if kept.len() == SUMMARIES_PER_TENANT {
+            kept.remove(0);
+        }
+        kept.push(summary);
+        summaries.insert(tenant.to_string(), kept);
+    }
+
+    /// The conversation a request of `tenant` that names no session goes
+    /// on in, when one of its opening user messages (before the first
+    /// answer of the model) is the text of a summary answered to the
+    /// tenant ([`Handoffs::summarized`]), and where that message is.
+    pub fn linked(&self, tenant: &str, request: &ItemList) -> Option<(String, usize)> {
+        let summaries = locked(&self.summaries);
+        let kept = summaries.get(tenant)?;
+        for i in 0..request.len().min(OPENING) {
+            let (role, kind) = request.role_and_type(i);
+            if is_model_output(&role, &kind) {
+                break;
+            }
+            if role != "user" {
+                continue;
+            }
+            let text = carried_text(&request.item(i));
+            let mut hash = None;
+            let found = kept.iter().rev().find(|s| {
+                s.len == text.len()
+                    && s.hash
+                        == *hash
+                            .get_or_insert_with(|| blake3::hash(text.as_bytes()))
+                            .as_bytes()
+            });
+            if let Some(s) = found {
+                return Some((s.conversation.clone(), i));
+            }
+        }
+        None
     }
 
     /// The client's own compaction request of `tenant`'s `conversation`
@@ -177,4 +263,48 @@ pub async fn after_client_compaction<C: Context>(
         "the client's own summary left out part of the trail: appended"
     );
     Some(c)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn user(text: &str) -> serde_json::Value {
+        json!({"role": "user", "parts": [{"text": text}]})
+    }
+
+    fn answer(text: &str) -> Vec<serde_json::Value> {
+        vec![json!({"role": "model", "parts": [{"text": text}]})]
+    }
+
+    #[test]
+    fn a_summary_answered_leads_its_tenants_opening_to_its_conversation() {
+        let h = Handoffs::default();
+        h.summarized(
+            "t",
+            "c1",
+            &answer("  <state_snapshot>one</state_snapshot>\n"),
+        );
+        let opening = |texts: &[&str]| -> ItemList {
+            let mut v: Vec<serde_json::Value> = texts.iter().map(|t| user(t)).collect();
+            v.push(json!({"role": "model", "parts": [{"text": "Got it."}]}));
+            v.push(user("<state_snapshot>one</state_snapshot>"));
+            v.into()
+        };
+        let request = opening(&["context", "<state_snapshot>one</state_snapshot>"]);
+        assert_eq!(h.linked("t", &request), Some(("c1".to_string(), 1)));
+        assert_eq!(h.linked("u", &request), None, "another tenant's");
+        // Past the model's first answer, the text is the history's, not
+        // what the request goes on from.
+        assert_eq!(h.linked("t", &opening(&["context"])), None);
+        // A tenant keeps its latest few.
+        for i in 0..SUMMARIES_PER_TENANT {
+            h.summarized("t", &format!("d{i}"), &answer(&format!("summary {i}")));
+        }
+        assert_eq!(h.linked("t", &request), None, "the oldest went");
+        let last = SUMMARIES_PER_TENANT - 1;
+        let request = opening(&[&format!("summary {last}")]);
+        assert_eq!(h.linked("t", &request), Some((format!("d{last}"), 0)));
+    }
 }

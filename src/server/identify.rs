@@ -75,7 +75,7 @@ async fn matched(
         .compactions
         .prefetch(&state.conversations, tenant, &chains)
         .await;
-    let ident = state.conversations.identify_with(
+    let mut ident = state.conversations.identify_with(
         tenant,
         read.explicit_key(),
         read.previous(),
@@ -83,6 +83,22 @@ async fn matched(
         prefetched.chain.clone(),
         || carries_answer(read.items()),
     );
+    // A client that names no session (Gemini CLI) goes on from its own
+    // summary in a history that shares nothing with the one it compacted:
+    // the summary's text leads to the conversation of its compaction
+    // request, unless the request goes on from that summary already.
+    if read.explicit_key().is_none() && read.previous().is_none() {
+        if let Some((conversation, at)) = state.handoffs.linked(tenant, read.items()) {
+            if ident.prefix.is_none_or(|p| p.len <= at) && ident.conversation != conversation {
+                ident = crate::conversation::Identified {
+                    conversation,
+                    is_new: false,
+                    prefix: None,
+                    branched_from: None,
+                };
+            }
+        }
+    }
     state
         .compactions
         .matched(tenant, &ident.conversation, &prefetched);

@@ -43,6 +43,14 @@ async fn finish(state: &Arc<AppState>, pending: &PendingExchange, outcome: Outco
     {
         state.metrics.provider_compaction();
     }
+    // The answer to a client's own compaction request that named no
+    // session (Gemini CLI's): the request that goes on from its summary
+    // is matched by that text (see `engine::handoff`).
+    let request = pending.request();
+    let summary = (pending.client_compaction()
+        && request.explicit_key().is_none()
+        && request.previous().is_none())
+    .then(|| outcome.response_items.clone());
     let rec = pending.to_record(state, outcome);
     pending.record_on_span(&rec);
     let usage = rec.usage;
@@ -50,9 +58,11 @@ async fn finish(state: &Arc<AppState>, pending: &PendingExchange, outcome: Outco
     let status = rec.status;
     let complete = !rec.partial && (200..300).contains(&rec.status);
     if complete && pending.client_compaction() {
-        state
-            .handoffs
-            .answered(pending.request().tenant(), pending.conversation());
+        let (tenant, conversation) = (request.tenant(), pending.conversation());
+        state.handoffs.answered(tenant, conversation);
+        if let Some(answer) = summary {
+            state.handoffs.summarized(tenant, conversation, &answer);
+        }
     }
     let recorded = commit(state, rec).await;
     // With reported usage the decision needs no tokenizer: take it now,

@@ -346,13 +346,17 @@ pub fn as_content(item: Value) -> Value {
 
 /// Whether `last`, a request's last content, is Gemini CLI's own
 /// compression asking for its `<state_snapshot>` of the history before it
-/// (after "First, reason in your scratchpad").
+/// (after "First, reason in your scratchpad"), or its second call, which
+/// asks the model to check the snapshot it just wrote: the answer to that
+/// one is the summary Gemini CLI goes on from.
 pub fn is_client_compaction(last: &Value) -> bool {
     if role(last) != "user" {
         return false;
     }
     let text = text_of(last);
-    text.contains("<state_snapshot>") && text.contains("scratchpad")
+    text.contains("<state_snapshot>")
+        && (text.contains("scratchpad")
+            || text.contains("Critically evaluate the <state_snapshot>"))
 }
 
 /// Takes the `functionCall` parts `drop` names (given the call's name) out
@@ -678,5 +682,21 @@ mod tests {
         let items = c.items();
         assert_eq!(items[0]["parts"][0]["text"], "Hello");
         assert_eq!(items[0]["parts"][1]["thoughtSignature"], "s");
+    }
+
+    #[test]
+    fn gemini_clis_compression_is_its_two_asks_for_a_snapshot() {
+        let ask = |text: &str| json!({"role": "user", "parts": [{"text": text}]});
+        assert!(is_client_compaction(&ask(
+            "Generate a new <state_snapshot> based on the provided history.\n\nFirst, reason in \
+             your scratchpad. Then, generate the updated <state_snapshot>."
+        )));
+        assert!(is_client_compaction(&ask(
+            "Critically evaluate the <state_snapshot> you just generated. Did you omit any \
+             specific technical details?"
+        )));
+        assert!(!is_client_compaction(&ask("What is a <state_snapshot>?")));
+        let answer = json!({"role": "model", "parts": [{"text": "First, reason in your scratchpad. <state_snapshot>"}]});
+        assert!(!is_client_compaction(&answer));
     }
 }

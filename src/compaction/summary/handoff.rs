@@ -1,6 +1,7 @@
 //! After a client's own compaction (Claude Code at its window, Codex at
-//! 90% of it), the client goes on from its own summary: a user message
-//! that opens with the client's hand-off words. What that summary left
+//! 90% of it, Gemini CLI at half of it), the client goes on from its own
+//! summary: a user message that opens with the client's hand-off words,
+//! or Gemini CLI's `<state_snapshot>`. What that summary left
 //! out of the trail — the user's standing rules, the files changed, the
 //! commands run with their exit status — the proxy still holds, extracted
 //! from the history the client's compaction request carried; the block
@@ -26,10 +27,29 @@ pub const HANDOFF_NOTE: &str =
     "[compactor: from the conversation before this summary, what the summary does not state]";
 
 /// Whether `text` is a client's own compaction hand-off (its summary of
-/// the history it compacted).
+/// the history it compacted): it opens with Claude Code's or Codex's
+/// words, or holds Gemini CLI's whole `<state_snapshot>` (its asks for
+/// one name the opening tag only).
 pub fn is_handoff(text: &str) -> bool {
     let t = text.trim_start();
     HANDOFF_PREFIXES.iter().any(|p| t.starts_with(p))
+        || (t.contains("<state_snapshot>") && t.contains("</state_snapshot>"))
+}
+
+/// The text a client carries over of `item`, an answer or the message
+/// that carries it back: its text, trimmed; of a Gemini content, its text
+/// parts that are no thoughts, joined as they are (how Gemini CLI takes
+/// its summary from the answer to its compression).
+pub fn carried_text(item: &Value) -> String {
+    if !crate::wire::gemini::is_content(item) {
+        return crate::compaction::items::text_of(item).trim().to_string();
+    }
+    let text: String = crate::wire::gemini::parts(item)
+        .iter()
+        .filter(|p| p.get("thought").and_then(Value::as_bool) != Some(true))
+        .filter_map(|p| p.get("text").and_then(Value::as_str))
+        .collect();
+    text.trim().to_string()
 }
 
 /// What [`left_out`] is taken from: the facts of `history`, the items a
@@ -78,9 +98,14 @@ pub fn left_out(all: &Facts, summary: &str) -> Option<String> {
 
 /// `item` (a client's hand-off message) with `block` appended: to its text
 /// when its content is a string, else as one more text part of the same
-/// type as its text parts (`text`, or `input_text` on Responses).
+/// type as its text parts (`text`, or `input_text` on Responses; a part of
+/// its own in a Gemini content's `parts`).
 pub fn with_block(item: &Value, block: &str) -> Value {
     let mut out = item.clone();
+    if let Some(Value::Array(parts)) = out.get_mut("parts") {
+        parts.push(serde_json::json!({ "text": block }));
+        return out;
+    }
     match out.get_mut("content") {
         Some(Value::String(text)) => {
             text.push_str("\n\n");
@@ -166,6 +191,30 @@ mod tests {
             with_block(&parts, "B")["content"][1],
             json!({"type": "input_text", "text": "B"})
         );
+        let gemini = json!({"role": "user", "parts": [{"text": "<state_snapshot/>"}]});
+        assert_eq!(
+            with_block(&gemini, "B")["parts"],
+            json!([{"text": "<state_snapshot/>"}, {"text": "B"}])
+        );
+    }
+
+    #[test]
+    fn gemini_clis_summary_is_what_its_answer_said_and_no_thought() {
+        let answer = json!({"role": "model", "parts": [
+            {"text": "Weighing what matters.", "thought": true},
+            {"text": "\n<state_snapshot>\n  <goal>x</goal>"},
+            {"text": "\n</state_snapshot>\n"},
+        ]});
+        let said = carried_text(&answer);
+        assert_eq!(
+            said,
+            "<state_snapshot>\n  <goal>x</goal>\n</state_snapshot>"
+        );
+        assert_eq!(
+            carried_text(&json!({"role": "user", "parts": [{"text": said}]})),
+            said
+        );
+        assert!(is_handoff(&said));
     }
 
     #[test]
@@ -174,5 +223,9 @@ mod tests {
             "  Another language model started to solve this problem and produced a summary"
         ));
         assert!(!is_handoff("Please continue from where we left off."));
+        // Gemini CLI's asks for a snapshot are not one.
+        assert!(!is_handoff(
+            "Critically evaluate the <state_snapshot> you just generated."
+        ));
     }
 }
