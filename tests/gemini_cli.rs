@@ -24,7 +24,7 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use compactor::compaction::summary::SUMMARIZER_MARKER;
+use compactor::compaction::summary::{HANDOFF_NOTE, SUMMARIZER_MARKER};
 use compactor::config::{Config, ModelConfig};
 use compactor::fake_upstream::{gemini, FakeUpstream, Received, Reply};
 use serde_json::{json, Value};
@@ -639,4 +639,79 @@ async fn gemini_cli_compresses_by_itself_at_half_the_window_when_the_proxy_obser
     // The proxy only observed: nothing of its own reached the upstream.
     assert!(!h.fake.received().iter().any(is_summary_call));
     assert!(!has_summary(&last));
+}
+
+/// In auto mode, what Gemini CLI's own compression left out of the trail
+/// follows its snapshot: the real CLI, told a rule in turn 2, compresses
+/// turns 1 and 2 away in turn 3, and the upstream gets the snapshot it
+/// goes on from with the rule appended, in the conversation of the check whose
+/// answer that snapshot is (Gemini CLI names no session). The turns before
+/// the compression run no tool: Gemini CLI 0.61 resumes a session whose history holds function
+/// calls with each function response twice, which the API refuses.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs the Gemini CLI: run scripts/test"]
+async fn the_trail_gemini_clis_own_compression_left_out_follows_its_snapshot() {
+    let h = Harness::start_with(small_window).await;
+    let gemini = Gemini::connect(&h).await;
+    // In auto mode `connect` puts Gemini CLI's compression past the
+    // proxy's window (the proxy compacts first); a user's own threshold
+    // puts it at half the window, under the proxy's trigger.
+    let point = WINDOW / 2;
+    let mut settings = gemini.settings();
+    settings["model"]["compressionThreshold"] = json!(point as f64 / ASSUMED);
+    let path = gemini.home.path().join(".gemini/settings.json");
+    std::fs::write(path, settings.to_string()).unwrap();
+    // Turn 1, the task; turn 2, a rule (what the user types after the
+    // task), under the point.
+    h.fake.push(sse(long_parts(1), 5_000));
+    let out = gemini.first("turn 1: what does the parser do next?").await;
+    expect_ok("turn 1", &out);
+    h.fake.push(sse(long_parts(2), 6_500));
+    let out = gemini.next("From now on, never push to main.").await;
+    expect_ok("turn 2", &out);
+    // Turn 3: past the point, then its compression of turns 1 and 2 (a
+    // snapshot that says nothing of the rule, the same again on its
+    // check), then the end.
+    let read = |reported| {
+        sse(
+            vec![
+                json!({"functionCall": {"name": "read_file", "args": {"file_path": "notes.txt"}}}),
+            ],
+            reported,
+        )
+    };
+    h.fake.push(read(point - 100));
+    h.fake.push(read(point + 100));
+    let snapshot = "<state_snapshot>the parser, turn 1</state_snapshot>";
+    h.fake.push(gemini::text(snapshot, 4_000, 50));
+    h.fake.push(gemini::text(snapshot, 4_100, 50));
+    h.fake
+        .push(sse(vec![json!({"text": "Answer 3: done."})], 3_000));
+    let out = gemini.next("turn 3: read the notes twice").await;
+    expect_ok("turn 3", &out);
+
+    let last = turns(&h.fake).pop().unwrap().json();
+    // Its context and the snapshot, two parts of its first content, then
+    // the trail appended.
+    let parts = contents(&last)[0]["parts"].as_array().unwrap();
+    assert_eq!(parts[1]["text"], snapshot, "{:?}", texts(&last));
+    let block = parts
+        .get(2)
+        .and_then(|p| p["text"].as_str())
+        .unwrap_or_else(|| panic!("the trail appended: {parts:?}"));
+    assert!(block.starts_with(HANDOFF_NOTE), "{block}");
+    assert!(block.contains("never push to main"), "{block}");
+    // The request after the compression is of the conversation of its
+    // check, the exchange before it (its compression's first call and the
+    // turns before went elsewhere: the check shares no answer with them).
+    let rows = h
+        .sql()
+        .rows("SELECT conversation_id FROM exchanges ORDER BY id", &[])
+        .unwrap();
+    let conversations: Vec<String> = rows.iter().map(|r| r.get(0).unwrap()).collect();
+    let [.., turn, asked, checked, went_on] = conversations.as_slice() else {
+        panic!("{conversations:?}")
+    };
+    assert_eq!(went_on, checked, "{conversations:?}");
+    assert!(went_on != asked && went_on != turn, "{conversations:?}");
 }

@@ -143,12 +143,14 @@ async fn the_trail_gemini_clis_snapshot_left_out_follows_it_in_the_same_conversa
     let (checked, _) = turn(&h, &check, model(&format!("\n{CHECKED}\n\n"))).await;
     assert_ne!(asked, main, "the compression went on from an older prefix");
 
-    // The history it goes on from.
-    let mut next = vec![
-        context(),
-        user(CHECKED),
-        model("Got it. Thanks for the additional context!"),
-    ];
+    // The history it goes on from: its context and the snapshot, two
+    // parts of one content, then its thanks and what it kept.
+    let mut opening = context();
+    opening["parts"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({ "text": CHECKED }));
+    let mut next = vec![opening, model("Got it. Thanks for the additional context!")];
     next.extend(kept);
     next.push(user("Now fix it."));
 
@@ -174,9 +176,9 @@ async fn the_trail_gemini_clis_snapshot_left_out_follows_it_in_the_same_conversa
     let (went_on, mut after) = turn(&h, &next, model("Importing the port.")).await;
     assert_eq!(went_on, checked);
     let sent = last(&h).json();
-    let summary = &sent["contents"][1]["parts"];
-    assert_eq!(summary[0]["text"], CHECKED);
-    let block = summary[1]["text"].as_str().expect("the trail appended");
+    let summary = sent["contents"][0]["parts"].as_array().unwrap();
+    assert_eq!(summary[..2], next[0]["parts"].as_array().unwrap()[..]);
+    let block = summary[2]["text"].as_str().expect("the trail appended");
     assert!(block.starts_with(HANDOFF_NOTE), "{block}");
     for fact in [
         "never push to main",
@@ -187,8 +189,8 @@ async fn the_trail_gemini_clis_snapshot_left_out_follows_it_in_the_same_conversa
         assert!(block.contains(fact), "{fact} in {block}");
     }
     assert_eq!(
-        sent["contents"].as_array().unwrap()[2..],
-        next[2..],
+        sent["contents"].as_array().unwrap()[1..],
+        next[1..],
         "what followed the snapshot went as it came"
     );
 
@@ -197,7 +199,7 @@ async fn the_trail_gemini_clis_snapshot_left_out_follows_it_in_the_same_conversa
     after.push(user("And the tests?"));
     let (later, _) = turn(&h, &after, model("Running them.")).await;
     assert_eq!(later, checked);
-    assert_eq!(last(&h).json()["contents"][1], sent["contents"][1]);
+    assert_eq!(last(&h).json()["contents"][0], sent["contents"][0]);
     let stored = number(
         &*h.sql(),
         "SELECT count(*) FROM compactions WHERE rung = 'handoff'",

@@ -23,7 +23,9 @@
 use std::sync::{Arc, Mutex};
 
 use crate::bounded::Generations;
-use crate::compaction::summary::{carried_text, is_handoff, left_out, trail_of, with_block, Facts};
+use crate::compaction::summary::{
+    carried_text, carried_texts, is_handoff, left_out, trail_of, with_block, Facts,
+};
 use crate::compaction::{items, Compaction, Rung};
 use crate::wire::class::is_model_output;
 use crate::wire::items::ItemList;
@@ -106,8 +108,9 @@ impl Handoffs {
 
     /// The conversation a request of `tenant` that names no session goes
     /// on in, when one of its opening user messages (before the first
-    /// answer of the model) is the text of a summary answered to the
-    /// tenant ([`Handoffs::summarized`]), and where that message is.
+    /// answer of the model), or a text part of one, is the text of a
+    /// summary answered to the tenant ([`Handoffs::summarized`]), and
+    /// where that message is.
     pub fn linked(&self, tenant: &str, request: &ItemList) -> Option<(String, usize)> {
         let summaries = locked(&self.summaries);
         let kept = summaries.get(tenant)?;
@@ -119,17 +122,18 @@ impl Handoffs {
             if role != "user" {
                 continue;
             }
-            let text = carried_text(&request.item(i));
-            let mut hash = None;
-            let found = kept.iter().rev().find(|s| {
-                s.len == text.len()
-                    && s.hash
-                        == *hash
-                            .get_or_insert_with(|| blake3::hash(text.as_bytes()))
-                            .as_bytes()
-            });
-            if let Some(s) = found {
-                return Some((s.conversation.clone(), i));
+            for text in carried_texts(&request.item(i)) {
+                let mut hash = None;
+                let found = kept.iter().rev().find(|s| {
+                    s.len == text.len()
+                        && s.hash
+                            == *hash
+                                .get_or_insert_with(|| blake3::hash(text.as_bytes()))
+                                .as_bytes()
+                });
+                if let Some(s) = found {
+                    return Some((s.conversation.clone(), i));
+                }
             }
         }
         None

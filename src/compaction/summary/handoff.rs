@@ -96,6 +96,25 @@ pub fn left_out(all: &Facts, summary: &str) -> Option<String> {
     (!blocks.is_empty()).then(|| format!("{HANDOFF_NOTE}\n\n{}", blocks.join("\n\n")))
 }
 
+/// What of `item`, a user message, may be a summary a client carries
+/// over: its whole text ([`carried_text`]), and each text part of a Gemini
+/// content of several (Gemini CLI sends its session's context and the
+/// summary it goes on from as two parts of one content).
+pub fn carried_texts(item: &Value) -> Vec<String> {
+    let mut out = vec![carried_text(item)];
+    let parts = crate::wire::gemini::parts(item);
+    if parts.len() > 1 {
+        out.extend(
+            parts
+                .iter()
+                .filter(|p| p.get("thought").and_then(Value::as_bool) != Some(true))
+                .filter_map(|p| p.get("text").and_then(Value::as_str))
+                .map(|t| t.trim().to_string()),
+        );
+    }
+    out
+}
+
 /// `item` (a client's hand-off message) with `block` appended: to its text
 /// when its content is a string, else as one more text part of the same
 /// type as its text parts (`text`, or `input_text` on Responses; a part of
@@ -215,6 +234,9 @@ mod tests {
             said
         );
         assert!(is_handoff(&said));
+        let opening =
+            json!({"role": "user", "parts": [{"text": "<session_context/>"}, {"text": said}]});
+        assert!(carried_texts(&opening).contains(&said));
     }
 
     #[test]

@@ -101,7 +101,9 @@ pub use checklist::{checklist, Check, FactKind};
 pub use edits::FileFact;
 pub use errors::{is_error_line, output_digest};
 pub use facts::{extract_facts, is_injected, CommandFact, Facts};
-pub use handoff::{carried_text, is_handoff, left_out, trail_of, with_block, HANDOFF_NOTE};
+pub use handoff::{
+    carried_text, carried_texts, is_handoff, left_out, trail_of, with_block, HANDOFF_NOTE,
+};
 pub use labels::{NARRATIVE_SECTIONS, SUMMARIZER_MARKER};
 pub use limits::{
     MAX_CHANGE_CHAIN, MAX_COMMANDS, MAX_ERRORS, MAX_FILES, MAX_FILE_CONTENT, MAX_RULES,
