@@ -88,6 +88,42 @@ fn last(h: &Harness) -> Received {
     h.fake.last().expect("a request")
 }
 
+/// Gemini CLI's compression of `compressed`: the snapshot asked for
+/// (answered `snapshot`, after a thought), then checked (answered
+/// `checked`); the conversations of the two requests.
+async fn compresses(
+    h: &Harness,
+    compressed: &[Value],
+    snapshot: &str,
+    checked: &str,
+) -> (String, String) {
+    let mut ask = compressed.to_vec();
+    ask.push(user("Generate a new <state_snapshot> based on the provided history.\n\nFirst, reason in your scratchpad. Then, generate the updated <state_snapshot>."));
+    let answer = json!({"role": "model", "parts": [
+        {"text": "Weighing the history.", "thought": true}, {"text": snapshot}]});
+    let (asked, _) = turn(h, &ask, answer).await;
+    let mut check = compressed.to_vec();
+    check.push(model(snapshot));
+    check.push(user("Critically evaluate the <state_snapshot> you just generated. Did you omit any specific technical details, file paths, tool results, or user constraints mentioned in the history? If anything is missing or could be more precise, generate a FINAL, improved <state_snapshot>. Otherwise, repeat the exact same <state_snapshot> again."));
+    let (checked, _) = turn(h, &check, model(checked)).await;
+    (asked, checked)
+}
+
+/// The history Gemini CLI goes on from after its compression: its
+/// context and `snapshot`, two parts of one content, its thanks, what it
+/// `kept`, then the user's `next` message.
+fn goes_on(snapshot: &str, kept: &[Value], next: &str) -> Vec<Value> {
+    let mut opening = context();
+    opening["parts"]
+        .as_array_mut()
+        .unwrap()
+        .push(json!({ "text": snapshot }));
+    let mut out = vec![opening, model("Got it. Thanks for the additional context!")];
+    out.extend_from_slice(kept);
+    out.push(user(next));
+    out
+}
+
 const SNAPSHOT: &str =
     "<state_snapshot>\n  <overall_goal>Make the svc tests pass.</overall_goal>\n</state_snapshot>";
 
@@ -132,27 +168,9 @@ async fn the_trail_gemini_clis_snapshot_left_out_follows_it_in_the_same_conversa
 
     // Its compression: the snapshot asked for, then checked; the check's
     // answer (trimmed) is what it goes on from.
-    let mut ask = compressed.clone();
-    ask.push(user("Generate a new <state_snapshot> based on the provided history.\n\nFirst, reason in your scratchpad. Then, generate the updated <state_snapshot>."));
-    let answer = json!({"role": "model", "parts": [
-        {"text": "Weighing the history.", "thought": true}, {"text": SNAPSHOT}]});
-    let (asked, _) = turn(&h, &ask, answer).await;
-    let mut check = compressed.clone();
-    check.push(model(SNAPSHOT));
-    check.push(user("Critically evaluate the <state_snapshot> you just generated. Did you omit any specific technical details, file paths, tool results, or user constraints mentioned in the history? If anything is missing or could be more precise, generate a FINAL, improved <state_snapshot>. Otherwise, repeat the exact same <state_snapshot> again."));
-    let (checked, _) = turn(&h, &check, model(&format!("\n{CHECKED}\n\n"))).await;
+    let (asked, checked) = compresses(&h, &compressed, SNAPSHOT, &format!("\n{CHECKED}\n\n")).await;
     assert_ne!(asked, main, "the compression went on from an older prefix");
-
-    // The history it goes on from: its context and the snapshot, two
-    // parts of one content, then its thanks and what it kept.
-    let mut opening = context();
-    opening["parts"]
-        .as_array_mut()
-        .unwrap()
-        .push(json!({ "text": CHECKED }));
-    let mut next = vec![opening, model("Got it. Thanks for the additional context!")];
-    next.extend(kept);
-    next.push(user("Now fix it."));
+    let next = goes_on(CHECKED, &kept, "Now fix it.");
 
     // The same text under another key is another tenant's: nothing of
     // this one's conversation or trail.
@@ -205,4 +223,65 @@ async fn the_trail_gemini_clis_snapshot_left_out_follows_it_in_the_same_conversa
         "SELECT count(*) FROM compactions WHERE rung = 'handoff'",
     );
     assert_eq!(stored, 1);
+}
+
+/// Gemini CLI's next compression goes on from its last snapshot: its two
+/// requests, and the one after, are of the conversation already, the
+/// check of the snapshot is no repeat of the compression it checks, and
+/// the trail of the history compressed again follows the new snapshot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_compression_goes_on_in_the_conversation_with_its_trail() {
+    let h = Harness::start().await;
+    let mut history = vec![context(), user("Make the svc tests pass.")];
+    let (_, h1) = turn(&h, &history, model("Looking at svc.")).await;
+    history = h1;
+    let compressed = history.clone();
+    history.push(user("Go on."));
+    let (_, h2) = turn(&h, &history, model("Reading svc/src/main.rs.")).await;
+    let kept = h2[compressed.len()..].to_vec();
+    let (_, first) = compresses(&h, &compressed, SNAPSHOT, SNAPSHOT).await;
+
+    // After the first: a rule, a failing command.
+    let next = goes_on(
+        SNAPSHOT,
+        &kept,
+        "Run the tests. From now on, never push to main.",
+    );
+    let test = call("run_shell_command", json!({"command": "cargo test -p svc"}));
+    let (went_on, mut history) = turn(&h, &next, test).await;
+    assert_eq!(went_on, first);
+    history.push(response(
+        "run_shell_command",
+        "Command: cargo test -p svc\nStdout: (empty)\nStderr: error[E0425]\nError: (none)\nExit Code: 101",
+    ));
+    let (_, h3) = turn(&h, &history, model("The tests fail.")).await;
+    history = h3;
+    let compressed = history.clone();
+    history.push(user("Fix it."));
+    let (_, h4) = turn(&h, &history, model("Fixed.")).await;
+    history = h4;
+    // More than a few requests after the first compression (sooner, the
+    // next is a repeat of it: see `engine::repeats`).
+    history.push(user("And the port?"));
+    let (_, h5) = turn(&h, &history, model("The port is right.")).await;
+    let kept = h5[compressed.len()..].to_vec();
+
+    // The second compression, from a history that opens with the first
+    // snapshot.
+    let (asked, checked) = compresses(&h, &compressed, CHECKED, CHECKED).await;
+    assert_eq!(
+        (asked.as_str(), checked.as_str()),
+        (first.as_str(), first.as_str())
+    );
+    assert_eq!(h.state.metrics.storms().client_compaction_repeats(), 0);
+    let next = goes_on(CHECKED, &kept, "Go on.");
+    let (went_on, _) = turn(&h, &next, model("Done.")).await;
+    assert_eq!(went_on, first);
+    let sent = last(&h).json();
+    let block = sent["contents"][0]["parts"][2]["text"]
+        .as_str()
+        .unwrap_or_else(|| panic!("the trail appended: {}", sent["contents"][0]));
+    for fact in ["never push to main", "cargo test -p svc", "101"] {
+        assert!(block.contains(fact), "{fact} in {block}");
+    }
 }

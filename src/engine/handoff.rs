@@ -152,7 +152,9 @@ impl Handoffs {
     }
 
     /// The client's own compaction request of `tenant`'s `conversation`,
-    /// its items `request`, the last the ask: its trail is kept for the
+    /// its items `request`, the last the ask, over the history whose chain
+    /// hash is `history` (and `follows`, that history's but its last item
+    /// when that item is an answer of the model): its trail is kept for the
     /// request that goes on from its summary, unless it repeats the
     /// conversation's last one (see `engine::repeats`): then it is counted
     /// in `metrics`, logged, and no trail is appended after it.
@@ -161,7 +163,7 @@ impl Handoffs {
         metrics: &crate::metrics::Metrics,
         (tenant, conversation): (&str, &str),
         request: &ItemList,
-        history: ItemHash,
+        history: (ItemHash, Option<ItemHash>),
     ) -> Option<Repeat> {
         let Some(repeat) = self.repeats.asked(tenant, conversation, history) else {
             self.remember(tenant, conversation, request);

@@ -8,7 +8,9 @@
 //! was answered, over the same history (the items before its last message,
 //! which carries the ask), or within [`FEW_REQUESTS`] requests of it. A
 //! failed compaction request that the client sends again is a retry, not a
-//! repeat.
+//! repeat; one whose history is the previous one's and its answer goes on
+//! from it (Gemini CLI's check of the snapshot it was just given), no
+//! repeat either.
 //!
 //! The request still goes upstream as it came: it is the client's, and an
 //! answer made up from the earlier summary would hand a client that found
@@ -77,18 +79,23 @@ impl Repeats {
     }
 
     /// A compaction request of `tenant`'s `conversation` over the history
-    /// whose chain hash is `history`: the repeat it is, if it is one.
+    /// whose chain hash is `history`: the repeat it is, if it is one. One
+    /// whose history is the last one's and its answer (`follows`, the
+    /// chain hash of its history but its last item, when that item is an
+    /// answer of the model) goes on from that compaction, as Gemini CLI's
+    /// check of its snapshot does: no repeat.
     pub(super) fn asked(
         &self,
         tenant: &str,
         conversation: &str,
-        history: ItemHash,
+        (history, follows): (ItemHash, Option<ItemHash>),
     ) -> Option<Repeat> {
         let key = (tenant.to_string(), conversation.to_string());
         let mut last = self.lock();
         let repeat = last
             .get(&key)
-            .filter(|l| l.answered && (l.history == history || l.since <= FEW_REQUESTS))
+            .filter(|l| l.answered && follows != Some(l.history))
+            .filter(|l| l.history == history || l.since <= FEW_REQUESTS)
             .map(|l| Repeat {
                 same_history: l.history == history,
                 requests_between: l.since,
@@ -139,28 +146,43 @@ mod tests {
     fn a_repeat_follows_an_answered_request_over_the_same_history_or_soon() {
         let r = Repeats::default();
         let (a, b) = ([1u8; 32], [2u8; 32]);
-        assert_eq!(r.asked("t", "c", a), None, "the first");
+        assert_eq!(r.asked("t", "c", (a, None)), None, "the first");
         // Not answered: the next is a retry.
-        assert_eq!(r.asked("t", "c", a), None);
+        assert_eq!(r.asked("t", "c", (a, None)), None);
         r.answered("t", "c");
-        let again = r.asked("t", "c", a).expect("the same history again");
+        let again = r
+            .asked("t", "c", (a, None))
+            .expect("the same history again");
         assert!(again.same_history);
         assert_eq!((again.requests_between, again.in_a_row), (0, 1));
         r.answered("t", "c");
         for _ in 0..FEW_REQUESTS {
             r.went_on("t", "c");
         }
-        let soon = r.asked("t", "c", b).expect("within a few requests");
+        let soon = r.asked("t", "c", (b, None)).expect("within a few requests");
         assert!(!soon.same_history);
         assert_eq!((soon.requests_between, soon.in_a_row), (FEW_REQUESTS, 2));
         r.answered("t", "c");
         for _ in 0..=FEW_REQUESTS {
             r.went_on("t", "c");
         }
-        assert_eq!(r.asked("t", "c", a), None, "it bought turns");
+        assert_eq!(r.asked("t", "c", (a, None)), None, "it bought turns");
         // Another tenant's, or another conversation's, is its own.
         r.answered("t", "c");
-        assert_eq!(r.asked("u", "c", a), None);
-        assert_eq!(r.asked("t", "d", a), None);
+        assert_eq!(r.asked("u", "c", (a, None)), None);
+        assert_eq!(r.asked("t", "d", (a, None)), None);
+    }
+
+    #[test]
+    fn a_request_that_goes_on_from_the_last_ones_answer_follows_it() {
+        let r = Repeats::default();
+        let (a, b, c) = ([1u8; 32], [2u8; 32], [3u8; 32]);
+        assert_eq!(r.asked("t", "c", (a, None)), None);
+        r.answered("t", "c");
+        // Its history is the last one's and that one's answer.
+        assert_eq!(r.asked("t", "c", (b, Some(a))), None, "a check of it");
+        r.answered("t", "c");
+        // Going on from another answer, soon: a repeat.
+        assert!(r.asked("t", "c", (c, Some(a))).is_some());
     }
 }

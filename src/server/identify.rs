@@ -241,16 +241,25 @@ async fn prepare(state: &Arc<AppState>, pending: &mut Unanswered) -> Compact {
             // What its summary may leave out of the trail, for the request
             // that goes on from it.
             let request = pending.request();
-            // The history it compacts: its items but the last, the ask.
-            let history = request.items().len().checked_sub(2);
+            // The history it compacts: its items but the last, the ask;
+            // and that history but its last item, when that is an answer
+            // of the model (Gemini CLI's check of its snapshot goes on from
+            // the answer to its compaction request).
+            let items = request.items();
+            let history = items.len().checked_sub(2);
+            let chain = |i: Option<usize>| i.and_then(|i| pending.chains().get(i)).copied();
+            let answered = history.filter(|&i| {
+                let (role, kind) = items.role_and_type(i);
+                crate::wire::class::is_model_output(&role, &kind)
+            });
             state.handoffs.asked(
                 &state.metrics,
                 (request.tenant(), pending.conversation()),
-                request.items(),
-                history
-                    .and_then(|i| pending.chains().get(i))
-                    .copied()
-                    .unwrap_or_default(),
+                items,
+                (
+                    chain(history).unwrap_or_default(),
+                    chain(answered.and_then(|i| i.checked_sub(1))),
+                ),
             );
             let check = pending.fit_check(Some(raw_len));
             if !matches!(engine::check_fit(state, check).await, engine::Fit::Fits) {
