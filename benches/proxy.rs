@@ -49,8 +49,10 @@
 //!   (direct and SQLite too), as when the database has a host of its own:
 //!   the database's CPU then takes nothing from the proxy's or the load's.
 //! - `BENCH_UPSTREAM_WS=1`: the fake upstream takes the Responses WebSocket,
-//!   so the `codx ws` rows' proxied side is asked over one (the other
-//!   sides over HTTP + SSE, as without it).
+//!   so the `codx ws` rows' proxied side is asked over one, and their
+//!   direct side goes to it over one too (a socket per session, as
+//!   through the proxy); a fourth side goes direct over HTTP + SSE, so
+//!   that each transport's added latency is against its own direct side.
 //!
 //! Set-up, per scenario (so each starts from an empty store and the fake
 //! upstream's record of received bodies is freed afterwards):
@@ -117,6 +119,9 @@ struct Opts {
     sticky: bool,
     /// `BENCH_PG_CPU`: the CPU the database has to itself.
     pg_cpu: Option<usize>,
+    /// `BENCH_UPSTREAM_WS`: the fake takes the Responses WebSocket, and
+    /// the `codx ws` rows' direct side goes to it over one.
+    upstream_ws: bool,
     /// `BENCH_PG_FILL`: exchanges of another tenant each PostgreSQL
     /// scenario's database holds, analyzed, before its first request.
     pg_fill: usize,
@@ -157,6 +162,7 @@ fn opts() -> Opts {
         pg_statements: env_flag("BENCH_PG_STATEMENTS"),
         replicas: env_usize("BENCH_REPLICAS", 1).min(4),
         sticky: env_flag("BENCH_STICKY"),
+        upstream_ws: env_flag("BENCH_UPSTREAM_WS"),
         pg_cpu: std::env::var("BENCH_PG_CPU")
             .ok()
             .and_then(|v| v.parse().ok()),
@@ -585,7 +591,8 @@ enum Variant {
     Codex,
     /// `Codex`, the proxied side over the proxy's WebSocket (one socket
     /// per session, each request a `response.create`), the direct side
-    /// over HTTP + SSE as for `Codex` (c=1 only).
+    /// over HTTP + SSE as for `Codex`, or over the upstream's WebSocket
+    /// when it takes one ([`Opts::upstream_ws`]) (c=1 only).
     CodexWs,
     /// Every client sends the same bytes every time, as a load tool that
     /// repeats one body does: one conversation, whose requests all arrive
@@ -816,9 +823,10 @@ fn sample(
 type Ws =
     tokio_tungstenite::WebSocketStream<tokio_tungstenite::MaybeTlsStream<tokio::net::TcpStream>>;
 
-/// One request over the proxy's WebSocket at `url` (its `http://` URL),
-/// opened on the first: the body as a `response.create`, the clock from
-/// just before sending to the message with its final event.
+/// One request over the WebSocket at `url` (its `http://` URL: the
+/// proxy's, or the upstream's when it takes one), opened on the first: the
+/// body as a `response.create`, the clock from just before sending to the
+/// message with its final event.
 async fn send_ws(socket: &mut Option<Ws>, url: &str, body: Vec<u8>) -> Result<Sample, String> {
     use futures_util::{SinkExt, StreamExt};
     use tokio_tungstenite::tungstenite::{client::IntoClientRequest, Message};
@@ -1067,7 +1075,7 @@ impl Rig {
         // The fake would keep every body it receives; peak memory should be
         // the proxy's.
         fake.forget_requests();
-        fake.take_websockets(env_flag("BENCH_UPSTREAM_WS"));
+        fake.take_websockets(o.upstream_ws);
         let dir = tempfile::tempdir().expect("tempdir");
         let db = dir.path().join("bench.db");
         let mut config = Config::default();
@@ -1303,6 +1311,10 @@ struct Row {
     side: [SideStats; 2],
     /// `CodexWs`: the proxy over HTTP + SSE, in turn with the two sides.
     over_sse: Option<SideStats>,
+    /// `CodexWs` with the upstream taking the WebSocket: the direct side
+    /// over HTTP + SSE (of `over_sse`'s session), `side[0]` then being the
+    /// direct side over the upstream's WebSocket.
+    direct_sse: Option<SideStats>,
     recorded: i64,
     /// Mean time of the store's commits, ms, and how many there were
     /// (those after the warm-up).
@@ -1326,6 +1338,20 @@ struct Row {
     /// Round trips of the request path's reads per proxied request.
     db_reads: f64,
     secs: f64,
+}
+
+impl Row {
+    /// Each side measured, named.
+    fn sides(&self) -> impl Iterator<Item = (&'static str, &SideStats)> {
+        let [d, p] = &self.side;
+        [("direct", Some(d)), ("proxy", Some(p))]
+            .into_iter()
+            .chain([
+                ("proxy over HTTP + SSE", self.over_sse.as_ref()),
+                ("direct over HTTP + SSE", self.direct_sse.as_ref()),
+            ])
+            .filter_map(|(name, s)| Some((name, s?)))
+    }
 }
 
 fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> Row {
@@ -1388,12 +1414,9 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
     };
     let (collected, settle, cpu, machine_busy, load_ns, db, commit) = rig.load_rt.block_on(async {
         let client = client();
-        // Direct, proxied, and for `CodexWs` proxied over HTTP + SSE.
-        let mut out = [
-            Collected::default(),
-            Collected::default(),
-            Collected::default(),
-        ];
+        // Direct, proxied, and for `CodexWs` proxied over HTTP + SSE and
+        // (with the upstream taking the WebSocket) direct over HTTP + SSE.
+        let mut out: [Collected; 4] = Default::default();
         let mut settle = Duration::ZERO;
         let mut cpu0 = ThreadCpu::default();
         // The database's CPU seconds and the request path's reads of it;
@@ -1407,16 +1430,24 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         if sc.conc == 1 {
             // `CodexWs`: a third side, the proxy over HTTP + SSE in turn
             // with the other two, its session another (the proxy would
-            // find the WebSocket's bytes in its caches).
+            // find the WebSocket's bytes in its caches). With the upstream
+            // taking the WebSocket, the direct side goes over one too, and
+            // a fourth side, direct over HTTP + SSE with the third's
+            // bodies, is what the third is against.
             let mut s = vec![sessions(1).pop().unwrap(), sessions(1).pop().unwrap()];
             let mut urls = urls.to_vec();
-            if sc.variant == Variant::CodexWs {
+            let ws = sc.variant == Variant::CodexWs;
+            if ws {
                 s.push(Session::new(sc.variant, sc.stream, sc.size, 2));
                 urls.push(urls[1].clone());
+                if o.upstream_ws {
+                    s.push(Session::new(sc.variant, sc.stream, sc.size, 2));
+                    urls.push(urls[0].clone());
+                }
             }
             let sides = s.len();
-            // `CodexWs`: the proxied session's WebSocket.
-            let mut socket = None;
+            // `CodexWs`: the direct and the proxied session's WebSockets.
+            let mut sockets = [None, None];
             for i in 0..o.c1_warm + o.c1_n {
                 if i == o.c1_warm {
                     flush().await;
@@ -1435,8 +1466,8 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
                     };
                     let url = s[side].url(&urls[side]).to_string();
                     let (body, user) = s[side].next();
-                    let sent = if side == 1 && sc.variant == Variant::CodexWs {
-                        send_ws(&mut socket, &url, body).await
+                    let sent = if ws && (side == 1 || (side == 0 && o.upstream_ws)) {
+                        send_ws(&mut sockets[side], &url, body).await
                     } else {
                         send(&client, &url, body, sc.stream, s[side].shape).await
                     };
@@ -1547,8 +1578,10 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         eprintln!("  {}: {}", sc.name(), shown.join("; "));
     }
     rig.stop();
-    let [d, p, over_sse] = collected;
-    let over_sse = (sc.variant == Variant::CodexWs).then(|| stats(over_sse));
+    let [d, p, over_sse, direct_sse] = collected;
+    let ws = sc.variant == Variant::CodexWs && sc.conc == 1;
+    let over_sse = ws.then(|| stats(over_sse));
+    let direct_sse = (ws && o.upstream_ws).then(|| stats(direct_sse));
     if sc.variant == Variant::Compacted {
         eprintln!(
             "  {}: {} of {} measured requests sent compacted",
@@ -1558,7 +1591,7 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         );
     }
     let (dn, pn) = (
-        d.samples.len() + d.errors,
+        d.samples.len() + d.errors + direct_sse.as_ref().map_or(0, |s| s.n + s.errors),
         p.samples.len() + p.errors + over_sse.as_ref().map_or(0, |s| s.n + s.errors),
     );
     let proxy_cpu_ms = cpu.proxy * 1000.0 / pn.max(1) as f64;
@@ -1578,6 +1611,7 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         name: sc.name(),
         side: [stats(d), stats(p)],
         over_sse,
+        direct_sse,
         recorded,
         commit,
         settle: settle.as_secs_f64(),
@@ -2262,13 +2296,20 @@ fn main() {
          codx = Codex-shaped Responses sessions to /v1/responses, streamed, growing as grow does; \
          codx ws = the same, the proxied side over the proxy's WebSocket (a socket per session, each \
          request a response.create), the direct side over HTTP + SSE, and in turn with them a third \
-         side, another session through the proxy over HTTP + SSE; \
+         side, another session through the proxy over HTTP + SSE{}; \
          gmni = Gemini-CLI-shaped sessions to :generateContent (json) or \
          :streamGenerateContent?alt=sse (sse), growing as grow does (c=1 only); \
          same = one body, byte for byte, from every client every time (one conversation); \
          hop = the `last` bodies to /v1/embeddings, which the proxy relays unparsed and unrecorded \
          (what the HTTP hop alone costs). SSE requests do not ask for usage, so the proxy \
          splices stream_options into the client's bytes.",
+        if o.upstream_ws {
+            " (BENCH_UPSTREAM_WS: the upstream takes the WebSocket, and the direct side goes to it over \
+             one, a socket per session; a fourth side, the third's session direct over HTTP + SSE, is \
+             what the third is against)"
+        } else {
+            ""
+        },
         o.load_threads,
         o.proxy_threads,
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
@@ -2375,7 +2416,7 @@ fn main() {
     }
     on_postgres(&rows);
     for r in &rows {
-        for (side, s) in ["direct", "proxy"].iter().zip(&r.side) {
+        for (side, s) in r.sides() {
             if s.errors > 0 {
                 println!(
                     "ERRORS {} {side}: {} failed ({} ok); first: {}",
@@ -2448,10 +2489,13 @@ fn main() {
         " ms",
     );
     // The WebSocket against HTTP + SSE through the proxy, in turn in the
-    // same row, each against the same direct side.
+    // same row: each against the same direct side, or, with the upstream
+    // taking the WebSocket, each against the direct side of its own
+    // transport.
     for ws in rows.iter().filter(|r| r.sc.variant == Variant::CodexWs) {
         let Some(sse) = &ws.over_sse else { continue };
-        let over_sse = sse.p50 - ws.side[0].p50;
+        let direct_sse = ws.direct_sse.as_ref().unwrap_or(&ws.side[0]);
+        let over_sse = sse.p50 - direct_sse.p50;
         println!(
             "  {:<44} {:>7.3} ms ({:<20}) {}",
             format!("WebSocket added p50 <= SSE's ({over_sse:+.3} ms)"),
@@ -2459,10 +2503,18 @@ fn main() {
             ws.name,
             verdict(added(ws) <= over_sse)
         );
-        println!(
-            "    (p50 direct {:.3}, proxy over the WebSocket {:.3}, over HTTP + SSE {:.3}; p99 {:.2} / {:.2} / {:.2} ms)",
-            ws.side[0].p50, ws.side[1].p50, sse.p50, ws.side[0].p99, ws.side[1].p99, sse.p99
-        );
+        let [d, p] = &ws.side;
+        match &ws.direct_sse {
+            None => println!(
+                "    (p50 direct {:.3}, proxy over the WebSocket {:.3}, over HTTP + SSE {:.3}; p99 {:.2} / {:.2} / {:.2} ms)",
+                d.p50, p.p50, sse.p50, d.p99, p.p99, sse.p99
+            ),
+            Some(ds) => println!(
+                "    (p50 over the WebSocket direct {:.3}, through the proxy {:.3}; over HTTP + SSE direct {:.3}, \
+                 through the proxy {:.3}; p99 {:.2} / {:.2}; {:.2} / {:.2} ms)",
+                d.p50, p.p50, ds.p50, sse.p50, d.p99, p.p99, ds.p99, sse.p99
+            ),
+        }
     }
     // Gemini against chat: each `gmni` row beside the `grow` row of its
     // size, streaming and store, measured in the same run.
@@ -2496,8 +2548,8 @@ fn main() {
     against_the_hop(&rows);
     let errors: usize = rows
         .iter()
-        .flat_map(|r| r.side.iter())
-        .map(|s| s.errors)
+        .flat_map(|r| r.sides())
+        .map(|(_, s)| s.errors)
         .sum();
     if errors > 0 {
         println!("  WARNING: {errors} requests failed; see ERRORS above");
