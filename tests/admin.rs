@@ -870,7 +870,8 @@ async fn conversations_are_found_by_the_ids_their_clients_sent() {
 
 /// A conversation is listed by the person's first message: not by the
 /// `<system-reminder>` blocks Claude Code puts around it, nor by the
-/// few-shot turns aider sends before it.
+/// few-shot turns aider sends before it, nor by the turns a Gemini client
+/// begins with (`model` is Gemini's role of an answer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conversations_are_listed_by_the_persons_first_message() {
     let h = Harness::start_with(small_window).await;
@@ -899,6 +900,16 @@ async fn conversations_are_listed_by_the_persons_first_message() {
         &[],
     )
     .await;
+    let gemini = send_as(
+        &h,
+        &format!("/models/{MODEL}:generateContent"),
+        json!({"contents": [
+            {"role": "user", "parts": [{"text": "Change the greeting to be more casual"}]},
+            {"role": "model", "parts": [{"text": "Ok, I will: show_greeting.py"}]},
+            {"role": "user", "parts": [{"text": "Rename the gemini module to models"}]}]}),
+        &[],
+    )
+    .await;
     within(h.state.store.flush()).await.unwrap();
     let config = config_file(&h, "");
     let config = path_str(&config);
@@ -923,6 +934,10 @@ async fn conversations_are_listed_by_the_persons_first_message() {
     assert_eq!(
         preview(&aider),
         Some(json!("Rename the ledger module to accounts"))
+    );
+    assert_eq!(
+        preview(&gemini),
+        Some(json!("Rename the gemini module to models"))
     );
 }
 

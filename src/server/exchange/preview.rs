@@ -76,9 +76,9 @@ impl PendingExchange {
 }
 
 /// An answer a request carries, by the item's role and type: an
-/// assistant message or one of its calls.
+/// assistant message (a Gemini `model` content) or one of its calls.
 pub(super) fn is_answer(role: &str, kind: &str) -> bool {
-    role == "assistant" || kind.ends_with("_call") || kind == "reasoning"
+    matches!(role, "assistant" | "model") || kind.ends_with("_call") || kind == "reasoning"
 }
 
 /// A message's text without the tagged context blocks a client puts before
