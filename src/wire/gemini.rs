@@ -9,11 +9,15 @@
 //! the same `id` when the client sends ids, else with the next one of the
 //! same name ([`call_ids`], [`output_ids`]).
 
+use std::borrow::Cow;
+
 use serde_json::{json, Map, Value};
 
 use super::format::{First, Format, Start, ToolCall};
 use super::usage::Usage;
 use crate::error::InvalidField;
+
+mod chunk;
 
 /// What a Gemini path asks of a model.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -170,15 +174,64 @@ pub fn usage(body: &Value) -> Option<Usage> {
     }
     let meta = body.get("usageMetadata")?.as_object()?;
     let get = |k: &str| meta.get(k).and_then(Value::as_u64);
-    let prompt = get("promptTokenCount")?;
+    usage_of(
+        get("promptTokenCount"),
+        get("toolUsePromptTokenCount"),
+        get("candidatesTokenCount"),
+        get("thoughtsTokenCount"),
+        get("cachedContentTokenCount"),
+    )
+}
+
+/// Usage of `usageMetadata`'s counts: none without the prompt's.
+fn usage_of(
+    prompt: Option<u64>,
+    tool_use: Option<u64>,
+    candidates: Option<u64>,
+    thoughts: Option<u64>,
+    cached: Option<u64>,
+) -> Option<Usage> {
     Some(Usage {
-        input_tokens: prompt + get("toolUsePromptTokenCount").unwrap_or(0),
-        output_tokens: get("candidatesTokenCount").unwrap_or(0)
-            + get("thoughtsTokenCount").unwrap_or(0),
-        cached_tokens: get("cachedContentTokenCount"),
+        input_tokens: prompt? + tool_use.unwrap_or(0),
+        output_tokens: candidates.unwrap_or(0) + thoughts.unwrap_or(0),
+        cached_tokens: cached,
         cache_write_tokens: None,
         cache_write_1h_tokens: None,
     })
+}
+
+/// An answer's first candidate, as the pointer `/candidates/0` reads it
+/// (without the pointer's copy of each step it unescapes).
+fn first_candidate(v: &Value) -> Option<&Value> {
+    match v.get("candidates")? {
+        Value::Array(a) => a.first(),
+        Value::Object(m) => m.get("0"),
+        _ => None,
+    }
+}
+
+/// A candidate's parts (`/content/parts`), when they are a list.
+fn candidate_parts(candidate: &Value) -> Option<&Vec<Value>> {
+    candidate.get("content")?.get("parts")?.as_array()
+}
+
+/// What a stream's chunk says of the answer's start: an `error` failed it;
+/// parts or a finish reason of its first candidate committed it; anything
+/// else is its prelude.
+fn start_of(chunk: &Value) -> Start {
+    if chunk.get("error").is_some() {
+        return Start::Failed;
+    }
+    let first = first_candidate(chunk);
+    let has_parts = first
+        .and_then(candidate_parts)
+        .is_some_and(|p| !p.is_empty());
+    let ended = first.is_some_and(|c| c.get("finishReason").is_some());
+    if has_parts || ended {
+        Start::Committed
+    } else {
+        Start::Prelude
+    }
 }
 
 /// The first candidate's content as one `model` item (the parts of every
@@ -404,10 +457,45 @@ pub struct Collector {
 const MAX_PARTS: usize = 4096;
 
 impl Collector {
-    /// Feeds one SSE event's data.
+    /// Feeds one SSE event's data: read into borrowed fields and the parts
+    /// alone, with no tree built of the rest; a chunk with a member of
+    /// another type than the API's is read as a tree.
     pub fn push(&mut self, data: &str) {
-        if let Ok(v) = serde_json::from_str::<Value>(data) {
-            self.chunk(&v);
+        match serde_json::from_str::<chunk::ChunkView>(data) {
+            Ok(view) => self.view(view),
+            Err(_) => {
+                if let Ok(v) = serde_json::from_str::<Value>(data) {
+                    self.chunk(&v);
+                }
+            }
+        }
+    }
+
+    /// Feeds one chunk read as a [`chunk::ChunkView`]: what
+    /// [`Collector::chunk`] does with its tree.
+    fn view(&mut self, v: chunk::ChunkView) {
+        if let Some(e) = v.error {
+            self.error = Some(e);
+            return;
+        }
+        if self.id.is_none() {
+            self.id = v.response_id.map(Cow::into_owned);
+        }
+        if let Some(u) = v.usage.and_then(|u| u.usage()) {
+            self.usage = Some(u);
+        }
+        let first = v.candidates.and_then(|c| c.into_iter().next());
+        let Some(cand) = first.flatten() else {
+            return;
+        };
+        if let Some(f) = cand.finish {
+            self.finish = Some(f.into_owned());
+        }
+        if self.capped {
+            return;
+        }
+        for p in cand.content.and_then(|c| c.parts).into_iter().flatten() {
+            self.part(p);
         }
     }
 
@@ -426,7 +514,7 @@ impl Collector {
         if let Some(u) = usage(v) {
             self.usage = Some(u);
         }
-        let Some(cand) = v.pointer("/candidates/0") else {
+        let Some(cand) = first_candidate(v) else {
             return;
         };
         if let Some(f) = cand.get("finishReason").and_then(Value::as_str) {
@@ -435,17 +523,12 @@ impl Collector {
         if self.capped {
             return;
         }
-        for p in cand
-            .pointer("/content/parts")
-            .and_then(Value::as_array)
-            .into_iter()
-            .flatten()
-        {
-            self.part(p);
+        for p in candidate_parts(cand).into_iter().flatten() {
+            self.part(p.clone());
         }
     }
 
-    fn part(&mut self, p: &Value) {
+    fn part(&mut self, p: Value) {
         let plain = |p: &Value| {
             p.as_object().is_some_and(|o| {
                 o.get("text").is_some_and(Value::is_string)
@@ -454,7 +537,7 @@ impl Collector {
         };
         let thought = |p: &Value| p.get("thought").and_then(Value::as_bool) == Some(true);
         if let Some(last) = self.parts.last_mut() {
-            if plain(p) && plain(last) && thought(p) == thought(last) {
+            if plain(&p) && plain(last) && thought(&p) == thought(last) {
                 let more = p.get("text").and_then(Value::as_str).unwrap_or("");
                 if let Some(Value::String(t)) = last.get_mut("text") {
                     t.push_str(more);
@@ -463,7 +546,7 @@ impl Collector {
             }
         }
         if self.parts.len() < MAX_PARTS {
-            self.parts.push(p.clone());
+            self.parts.push(p);
         }
     }
 
@@ -492,22 +575,14 @@ impl Format for Gemini {
         ]})
     }
 
+    /// Read into a `chunk::StartView`, nothing built; a chunk with a
+    /// member of another type than the API's is read as a tree.
     fn stream_start(&self, _name: &str, data: &str) -> Start {
-        let Ok(v) = serde_json::from_str::<Value>(data) else {
-            return Start::Committed;
-        };
-        if v.get("error").is_some() {
-            return Start::Failed;
-        }
-        let has_parts = v
-            .pointer("/candidates/0/content/parts")
-            .and_then(Value::as_array)
-            .is_some_and(|p| !p.is_empty());
-        let ended = v.pointer("/candidates/0/finishReason").is_some();
-        if has_parts || ended {
-            Start::Committed
-        } else {
-            Start::Prelude
+        match serde_json::from_str::<chunk::StartView>(data) {
+            Ok(v) => v.start(),
+            Err(_) => {
+                serde_json::from_str::<Value>(data).map_or(Start::Committed, |v| start_of(&v))
+            }
         }
     }
 
@@ -664,6 +739,64 @@ mod tests {
             ]
         );
         assert!(is_function_response(&user) && !is_function_response(&model));
+    }
+
+    /// A chunk read into its view is collected, and judged at a stream's
+    /// start, as its tree is; a chunk the view does not take (a member of
+    /// another type) is read as a tree.
+    #[test]
+    fn a_chunk_read_unbuilt_is_read_as_its_tree() {
+        let chunks = [
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"Hel"}]},"index":0}],"usageMetadata":{"promptTokenCount":9,"totalTokenCount":9,"promptTokensDetails":[{"modality":"TEXT","tokenCount":9}]},"modelVersion":"m","responseId":"r1"}"#,
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"text":"lo","thought":false}]}}],"responseId":"r2"}"#,
+            r#"{"candidates":[{"content":{"role":"model","parts":[{"functionCall":{"name":"ls","args":{}},"thoughtSignature":"s"}]},"finishReason":"STOP"}],"usageMetadata":{"promptTokenCount":9,"candidatesTokenCount":3,"thoughtsTokenCount":2,"cachedContentTokenCount":4,"toolUsePromptTokenCount":1}}"#,
+            r#"{"candidates":[{"content":{"role":"model"}}]}"#,
+            r#"{"candidates":[{"content":{"parts":[]},"finishReason":null}]}"#,
+            r#"{"candidates":[null]}"#,
+            r#"{"candidates":[],"usageMetadata":{"candidatesTokenCount":3}}"#,
+            r#"{"candidates":null,"usageMetadata":null,"responseId":null}"#,
+            r#"{"error":null}"#,
+            r#"{"error":{"code":429,"message":"quota"},"candidates":[{"content":{"parts":[{"text":"x"}]}}]}"#,
+            // Not the API's types: read as a tree.
+            r#"{"candidates":{"0":{"content":{"parts":[{"text":"x"}]},"finishReason":"STOP"}}}"#,
+            r#"{"candidates":[{"content":{"parts":{"text":"x"}},"finishReason":7}]}"#,
+            r#"{"candidates":[{"content":[{"text":"x"}]}],"responseId":5}"#,
+            r#"{"usageMetadata":{"promptTokenCount":1.5,"candidatesTokenCount":-1}}"#,
+            r#"{"usageMetadata":{"promptTokenCount":3},"usageMetadata":{"promptTokenCount":4}}"#,
+            r#"[{"usageMetadata":{"promptTokenCount":5}}]"#,
+            r#"{"candidates":[{"content":{"parts":[{"text":"unterminated"#,
+        ];
+        for (i, data) in chunks.iter().enumerate() {
+            let tree = serde_json::from_str::<Value>(data).ok();
+            assert_eq!(
+                Gemini.stream_start("message", data),
+                tree.as_ref().map_or(Start::Committed, start_of),
+                "{data}"
+            );
+            // The chunk alone, and after those before it.
+            for from in [i, 0] {
+                let (mut read, mut built) = (Collector::default(), Collector::default());
+                for d in &chunks[from..=i] {
+                    read.push(d);
+                    if let Ok(v) = serde_json::from_str::<Value>(d) {
+                        built.chunk(&v);
+                    }
+                }
+                assert_eq!(read.parts, built.parts, "{data}");
+                assert_eq!(read.id, built.id, "{data}");
+                assert_eq!(read.usage, built.usage, "{data}");
+                assert_eq!(read.finish, built.finish, "{data}");
+                assert_eq!(read.error, built.error, "{data}");
+            }
+        }
+        let mut c = Collector::default();
+        chunks[..3].iter().for_each(|d| c.push(d));
+        assert_eq!(c.items()[0]["parts"][0], json!({"text": "Hello"}));
+        assert_eq!(
+            c.usage.map(|u| (u.input_tokens, u.output_tokens)),
+            Some((10, 5))
+        );
+        assert_eq!(c.id.as_deref(), Some("r1"));
     }
 
     #[test]
