@@ -63,7 +63,7 @@ use crate::app::AppState;
 use crate::error::{json_response, ProxyBody};
 use crate::wire::sse::Framer;
 use crate::wire::Api;
-use event::{is_final, read_event, ClientEvent, Warmed};
+use event::{is_final, read_event, ClientEvent, Last, Warmed};
 
 /// The label its upgrade and each of its answers are counted under in
 /// `compactor_requests_total` (the upgrade with status 101).
@@ -284,6 +284,8 @@ struct Session {
     max_event: usize,
     /// The last warm-up answered.
     warmed: Option<Warmed>,
+    /// The last `response.create`, which the next is read against.
+    last: Last,
     /// Its connection's slot and the server's shutdown.
     lease: Arc<Lease>,
     /// The server is shutting down: close once no response is under way.
@@ -318,6 +320,7 @@ impl Session {
             write_limit,
             max_event,
             warmed: None,
+            last: Last::default(),
             lease,
             stopping: false,
             upstream,
@@ -471,7 +474,7 @@ impl Session {
 
     /// A client event (the text of a message).
     async fn event(&mut self, text: &str, turn: &mut Turn) -> bool {
-        let body = match read_event(text, self.warmed.as_ref()) {
+        let body = match read_event(text, self.warmed.as_ref(), &mut self.last) {
             Ok(ClientEvent::Create(body)) => body,
             Ok(ClientEvent::Nothing) => return true,
             Ok(ClientEvent::WarmUp { model, input }) => return self.warm_up(model, input).await,

@@ -26,6 +26,7 @@ mod split;
 mod tools;
 
 pub use reuse::ItemCaches;
+pub(crate) use seen::common_prefix;
 pub use seen::{Reuse, Shell};
 pub use split::{split_body, SplitBody};
 pub use tools::Tools;

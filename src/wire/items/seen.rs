@@ -66,7 +66,7 @@ impl Seen {
 }
 
 /// Length of the longest common prefix of `a` and `b`.
-pub(super) fn common_prefix(a: &[u8], b: &[u8]) -> usize {
+pub(crate) fn common_prefix(a: &[u8], b: &[u8]) -> usize {
     const BLOCK: usize = 4096;
     let n = a.len().min(b.len());
     let mut at = 0;
