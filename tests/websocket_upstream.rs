@@ -238,3 +238,22 @@ async fn the_clients_key_reaches_the_upstream_handshake_and_never_the_record_or_
     assert!(!captured_logs().contains(KEY), "the key reached the logs");
     drop(ws);
 }
+
+/// Events larger than the upstream socket's read buffer, and answers far
+/// larger together, arrive whole and in order, turn after turn on the one
+/// socket.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_larger_than_the_upstream_sockets_read_buffer_arrive_whole() {
+    let h = Harness::start().await;
+    h.fake.take_websockets(true);
+    let mut ws = connect(&h, KEY).await;
+    for (n, size) in [100, 40_000, 100_000, 100].into_iter().enumerate() {
+        let piece = "x".repeat(size);
+        let reply = streamed(&[&piece, " and ", &piece]);
+        let expected = sse_data(&reply);
+        h.fake.push(reply);
+        send(&mut ws, &create(&format!("turn {n}"), None)).await;
+        assert_eq!(response_events(&mut ws).await, expected, "turn {n}");
+    }
+    assert_eq!(h.fake.websockets(), (1, 0, 4), "one upstream socket");
+}

@@ -42,6 +42,13 @@ pub type Conn = WebSocketStream<reqwest::Upgraded>;
 /// socket when the client socket closes.
 const CLOSE_WAIT: Duration = Duration::from_secs(1);
 
+/// The read buffer of an upstream socket: a few events' worth (a larger
+/// message grows it as it arrives). Tungstenite zeroes all of its buffer's
+/// room before each read, the try that finds nothing too, so its default
+/// of 128 KiB cost a 128 KiB memset at every read of a turn's events, and
+/// at every check that a kept socket is still open.
+const READ_BUFFER: usize = 16 * 1024;
+
 /// The events that end a response.
 const FINAL: [&str; 4] = [
     "response.completed",
@@ -167,6 +174,7 @@ pub fn accepted(resp: &reqwest::Response, key: &str) -> bool {
 pub async fn open(resp: reqwest::Response, max: usize) -> Result<Conn, reqwest::Error> {
     let io = resp.upgrade().await?;
     let config = WebSocketConfig::default()
+        .read_buffer_size(READ_BUFFER)
         .max_message_size(Some(max))
         .max_frame_size(Some(max));
     Ok(WebSocketStream::from_raw_socket(io, Role::Client, Some(config)).await)
