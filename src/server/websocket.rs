@@ -174,9 +174,14 @@ pub(super) fn handle(
 }
 
 /// Frame and message limits: a message may be as large as a request body.
+/// The read buffer starts small and grows with the messages: tungstenite
+/// zeroes all of its room before each read (the try that finds nothing, at
+/// every turn of the socket's loop, too), which its 128 KiB default made a
+/// 128 KiB memset each time.
 fn socket_config(state: &AppState) -> WebSocketConfig {
     let max = state.config.server.max_body_bytes.max(1 << 16);
     WebSocketConfig::default()
+        .read_buffer_size(16 * 1024)
         .max_message_size(Some(max))
         .max_frame_size(Some(max))
         .max_write_buffer_size(max.saturating_mul(2))
