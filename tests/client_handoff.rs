@@ -3,6 +3,9 @@
 //! trail — the user's rule, the file written, the command with its exit
 //! status — the upstream still gets, appended once to the summary's
 //! message, the same bytes on every later request (so its cache holds).
+//! When the client compacts again, from a history that opens with its own
+//! summary, its compaction request carries that block too, and what its
+//! next summary leaves out of the whole trail follows it.
 //!
 //! A client that keeps compacting: its own compaction request sent again
 //! over the same history, or again within a few requests of the last one,
@@ -299,19 +302,26 @@ async fn the_same_compaction_request_again_is_forwarded_counted_and_gets_no_trai
     assert_eq!(last["messages"], json!(restart(1)));
 }
 
+/// The session under `key`, Claude Code's compaction of it, and the first
+/// request that goes on from its summary, which gets the trail the
+/// summary left out: that request's messages.
+async fn first_restart(h: &Harness, key: &str) -> Vec<Value> {
+    assert_eq!(status_of(h, key, &history()).await, 200);
+    assert_eq!(
+        status_of(h, key, &compaction_request(&history())).await,
+        200
+    );
+    let window = restart(1);
+    assert_eq!(status_of(h, key, &window).await, 200);
+    assert!(trail_appended(h), "the trail after a first compaction");
+    window
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_compaction_soon_after_the_last_is_a_repeat_and_a_later_one_is_not() {
     let h = Harness::start().await;
     let key = "sk-ant-storm-soon-0001";
-    assert_eq!(status_of(&h, key, &history()).await, 200);
-    assert_eq!(
-        status_of(&h, key, &compaction_request(&history())).await,
-        200
-    );
-    // The first restart gets the trail its summary left out.
-    let mut window = restart(1);
-    assert_eq!(status_of(&h, key, &window).await, 200);
-    assert!(trail_appended(&h), "the trail after a first compaction");
+    let mut window = first_restart(&h, key).await;
     // One more request, and the client compacts its new window already.
     window.push(json!({"role": "assistant", "content": "Running the tests again."}));
     window.push(json!({"role": "user", "content": "And then?"}));
@@ -347,4 +357,82 @@ async fn a_failed_compaction_request_sent_again_is_a_retry() {
     // Its trail still follows the summary.
     assert_eq!(status_of(&h, key, &restart(1)).await, 200);
     assert!(trail_appended(&h));
+}
+
+/// A window that goes on from the client's summary `n`, after a turn that
+/// runs a new failing command, and `turns` more exchanges of words.
+fn window_with_a_new_command(n: usize, turns: usize) -> Vec<Value> {
+    let mut window = restart(n);
+    window.push(json!({"role": "assistant", "content": [
+        {"type": "tool_use", "id": "toolu_9", "name": "Bash", "input": {"command": "npm run lint"}}]}));
+    window.push(json!({"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "toolu_9", "is_error": true,
+         "content": "Exit code 2\nlint: 3 problems"}]}));
+    for i in 0..turns {
+        window.push(json!({"role": "assistant", "content": format!("Step {i} done.")}));
+        window.push(json!({"role": "user", "content": format!("Next, step {}.", i + 1)}));
+    }
+    window
+}
+
+/// The client compacts a second time, its history opening with its first
+/// summary (which said nothing of the rule, the file or the command), and
+/// its second summary says nothing either: the trail appended after it is
+/// the whole trail, the hand-off's before the first summary and the new
+/// command after it. The second compaction request itself goes with the
+/// first hand-off, as every request since: the model summarizing sees the
+/// trail, and the prefix is the one the upstream cached.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_compaction_keeps_the_trail_of_the_first() {
+    let h = Harness::start().await;
+    let key = "sk-ant-second-compaction-0001";
+    let first = first_restart(&h, key).await;
+    let appended = received_messages(&h).pop().unwrap().json()["messages"][0].clone();
+    assert_ne!(appended, first[0]);
+    // The turns after the first summary: a new failing command, then
+    // more than a few requests (sooner, the next is a repeat).
+    let few = compactor::engine::FEW_REQUESTS as usize;
+    for turns in 0..=few {
+        let window = window_with_a_new_command(1, turns);
+        assert_eq!(status_of(&h, key, &window).await, 200);
+        let sent = received_messages(&h).pop().unwrap().json();
+        assert_eq!(sent["messages"][0], appended, "the same bytes");
+    }
+    let window = window_with_a_new_command(1, few);
+    let ask = compaction_request(&window);
+    assert_eq!(status_of(&h, key, &ask).await, 200);
+    assert_eq!(repeats(&h).await.0, 0, "no repeat");
+    let sent = received_messages(&h).pop().unwrap().json();
+    assert_eq!(
+        sent["messages"][0], appended,
+        "the compaction request goes with the hand-off of its prefix"
+    );
+    assert_eq!(sent["messages"].as_array().unwrap()[1..], ask[1..]);
+
+    // The client goes on from its second summary.
+    let next = restart(2);
+    assert_eq!(status_of(&h, key, &next).await, 200);
+    let sent = received_messages(&h).pop().unwrap().json();
+    let first = sent["messages"][0]["content"]
+        .as_str()
+        .expect("a text message")
+        .to_string();
+    assert!(first.starts_with(next[0]["content"].as_str().unwrap()));
+    let block = &first[next[0]["content"].as_str().unwrap().len()..];
+    for fact in [
+        "never push to main",
+        "svc/port.rs",
+        "cargo test -p svc",
+        "Exit code 101",
+        "npm run lint",
+        "Exit code 2",
+    ] {
+        assert!(block.contains(fact), "{fact} in {block}");
+    }
+    assert_eq!(
+        block.matches("cargo test -p svc").count(),
+        1,
+        "each command once: {block}"
+    );
+    assert_eq!(sent["messages"][1], next[1]);
 }

@@ -7,7 +7,9 @@
 //! the trail — the user's rule, the file written, the command with its
 //! exit status — follows it upstream, appended once, the same bytes on
 //! every later request. The same text under another key, or with a
-//! conversation named, leads nowhere.
+//! conversation named, leads nowhere. A second compression carries that
+//! block, and what its snapshot leaves out of the whole trail, the first
+//! hand-off's included, follows it.
 #![allow(clippy::unwrap_used, clippy::expect_used)]
 
 mod support;
@@ -131,10 +133,9 @@ const SNAPSHOT: &str =
 /// (trimmed): it still says nothing of the rule, the file or the command.
 const CHECKED: &str = "<state_snapshot>\n  <overall_goal>Make the svc tests pass.</overall_goal>\n  <key_knowledge>The port lives in the svc crate.</key_knowledge>\n</state_snapshot>";
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_trail_gemini_clis_snapshot_left_out_follows_it_in_the_same_conversation() {
-    let h = Harness::start().await;
-    // A session that writes a file and runs a failing command.
+/// A session with a rule that writes a file and runs a failing command:
+/// its conversation and history.
+async fn a_session_with_a_trail(h: &Harness) -> (String, Vec<Value>) {
     let opening = vec![
         context(),
         user("Make the svc tests pass. From now on, never push to main."),
@@ -143,21 +144,27 @@ async fn the_trail_gemini_clis_snapshot_left_out_follows_it_in_the_same_conversa
         "write_file",
         json!({"file_path": "/home/u/svc/src/port.rs", "content": "pub const PORT: u16 = 8123;\n"}),
     );
-    let (main, mut history) = turn(&h, &opening, write).await;
+    let (main, mut history) = turn(h, &opening, write).await;
     history.push(response(
         "write_file",
         "Successfully created and wrote to new file: /home/u/svc/src/port.rs.",
     ));
     let test = call("run_shell_command", json!({"command": "cargo test -p svc"}));
-    let (again, h2) = turn(&h, &history, test).await;
+    let (again, h2) = turn(h, &history, test).await;
     assert_eq!(again, main);
     history = h2;
     history.push(response(
         "run_shell_command",
         "Command: cargo test -p svc\nDirectory: (root)\nStdout: error[E0425]: cannot find value `PORT`\nStderr: (empty)\nError: (none)\nExit Code: 101",
     ));
-    let (_, h3) = turn(&h, &history, model("The port constant is not in scope.")).await;
-    history = h3;
+    let (_, h3) = turn(h, &history, model("The port constant is not in scope.")).await;
+    (main, h3)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_trail_gemini_clis_snapshot_left_out_follows_it_in_the_same_conversation() {
+    let h = Harness::start().await;
+    let (main, mut history) = a_session_with_a_trail(&h).await;
     // What Gemini CLI compresses: the history up to its last user's turn;
     // what it keeps: that turn.
     let compressed = history.clone();
@@ -284,4 +291,77 @@ async fn a_second_compression_goes_on_in_the_conversation_with_its_trail() {
     for fact in ["never push to main", "cargo test -p svc", "101"] {
         assert!(block.contains(fact), "{fact} in {block}");
     }
+}
+
+/// Gemini CLI compresses a second time, its history opening with its first
+/// snapshot (which said nothing of the rule, the file or the command), and
+/// its second snapshot says nothing of them either: the trail appended
+/// after it is the whole trail, the first hand-off's and the new command's.
+/// Both requests of the second compression go with the first hand-off, as
+/// every request since: the model writing the snapshot sees the trail.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_second_compression_keeps_the_trail_of_the_first() {
+    let h = Harness::start().await;
+    let (_, compressed) = a_session_with_a_trail(&h).await;
+    let (_, first) = compresses(&h, &compressed, SNAPSHOT, CHECKED).await;
+    let next = goes_on(CHECKED, &[], "Now run the linter.");
+    let lint = call("run_shell_command", json!({"command": "npm run lint"}));
+    let (went_on, mut history) = turn(&h, &next, lint).await;
+    assert_eq!(went_on, first);
+    let appended = last(&h).json()["contents"][0].clone();
+    let block = appended["parts"][2]["text"].as_str().unwrap_or_default();
+    assert!(block.contains("never push to main"), "{appended}");
+    history.push(response(
+        "run_shell_command",
+        "Command: npm run lint\nStdout: (empty)\nStderr: lint: 3 problems\nError: (none)\nExit Code: 2",
+    ));
+    let (_, h2) = turn(&h, &history, model("The linter fails.")).await;
+    history = h2;
+    // More than a few requests (sooner, the next is a repeat).
+    for i in 0..=compactor::engine::FEW_REQUESTS {
+        history.push(user(&format!("Next, step {i}.")));
+        let (_, h3) = turn(&h, &history, model(&format!("Step {i} done."))).await;
+        history = h3;
+        assert_eq!(last(&h).json()["contents"][0], appended, "the same bytes");
+    }
+
+    const AGAIN: &str =
+        "<state_snapshot>\n  <overall_goal>Make the svc tests and the linter pass.</overall_goal>\n</state_snapshot>";
+    let (asked, checked) = compresses(&h, &history, AGAIN, AGAIN).await;
+    assert_eq!(
+        (asked.as_str(), checked.as_str()),
+        (first.as_str(), first.as_str())
+    );
+    assert_eq!(h.state.metrics.storms().client_compaction_repeats(), 0);
+    let got = h.fake.received();
+    for r in &got[got.len() - 2..] {
+        let contents = r.json()["contents"].clone();
+        assert_eq!(
+            contents[0], appended,
+            "the compression goes with the hand-off"
+        );
+        assert_eq!(contents.as_array().unwrap()[1..history.len()], history[1..]);
+    }
+
+    let next = goes_on(AGAIN, &[], "Go on.");
+    let (went_on, _) = turn(&h, &next, model("Done.")).await;
+    assert_eq!(went_on, first);
+    let sent = last(&h).json();
+    let summary = sent["contents"][0]["parts"].as_array().unwrap();
+    assert_eq!(summary[..2], next[0]["parts"].as_array().unwrap()[..]);
+    let block = summary
+        .get(2)
+        .and_then(|p| p["text"].as_str())
+        .unwrap_or_else(|| panic!("the trail appended: {}", sent["contents"][0]));
+    for fact in [
+        "never push to main",
+        "src/port.rs",
+        "cargo test -p svc",
+        "101",
+        "npm run lint",
+        "Exit Code: 2",
+    ] {
+        assert!(block.contains(fact), "{fact} in {block}");
+    }
+    assert_eq!(block.matches("cargo test -p svc").count(), 1, "{block}");
 }

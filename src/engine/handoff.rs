@@ -11,6 +11,13 @@
 //! client's last one (see `engine::repeats`) leaves its trail out: the
 //! proxy backs off its part of the restart.
 //!
+//! A client that compacts again sends a history that opens with its last
+//! summary, not the block the proxy appended to it: the trail of its next
+//! compaction request is the hand-off's trail, stored with it, merged with
+//! that of the items after the hand-off's prefix ([`handoff_under`]), so
+//! what only the first hand-off held — a rule stated early, a file changed
+//! early — follows the next summary too.
+//!
 //! Claude Code and Codex name their session in every request, so the
 //! request after their compaction is of the same conversation. Gemini CLI
 //! names none, and goes on from a history that opens with its summary:
@@ -32,11 +39,16 @@ use crate::wire::items::ItemList;
 use crate::wire::ItemHash;
 
 use super::context::Context;
+use super::index::Compactions;
 use super::repeats::{Repeat, Repeats};
 
 /// Conversations kept per generation between a client's compaction request
 /// and the request that goes on from its summary.
 const KEPT: usize = 1024;
+
+/// The compactions looked through, from the one covering a client's
+/// compaction request, for the hand-off it extends.
+const BASES: usize = 16;
 
 /// Summaries kept per tenant: the answers to its latest compaction
 /// requests that named no session.
@@ -157,16 +169,18 @@ impl Handoffs {
     /// when that item is an answer of the model): its trail is kept for the
     /// request that goes on from its summary, unless it repeats the
     /// conversation's last one (see `engine::repeats`): then it is counted
-    /// in `metrics`, logged, and no trail is appended after it.
+    /// in `metrics`, logged, and no trail is appended after it. `handoff`,
+    /// the hand-off of a prefix of `request` ([`handoff_under`]): its trail
+    /// is the trail of what the client compacted before.
     pub fn asked(
         &self,
         metrics: &crate::metrics::Metrics,
         (tenant, conversation): (&str, &str),
-        request: &ItemList,
+        (request, handoff): (&ItemList, Option<&Compaction>),
         history: (ItemHash, Option<ItemHash>),
     ) -> Option<Repeat> {
         let Some(repeat) = self.repeats.asked(tenant, conversation, history) else {
-            self.remember(tenant, conversation, request);
+            self.remember(tenant, conversation, request, handoff);
             return None;
         };
         self.forget(tenant, conversation);
@@ -183,9 +197,25 @@ impl Handoffs {
 
     /// Keeps the trail of `history`, the items of the client's own
     /// compaction request in `tenant`'s `conversation` (nothing when it
-    /// has none).
-    fn remember(&self, tenant: &str, conversation: &str, history: &ItemList) {
-        let trail = trail_of(&history.values());
+    /// has none): of those after the prefix `handoff` covers merged onto
+    /// its trail, when a hand-off covers one.
+    fn remember(
+        &self,
+        tenant: &str,
+        conversation: &str,
+        history: &ItemList,
+        handoff: Option<&Compaction>,
+    ) {
+        let carried = handoff.and_then(|c| Some((c.covered_len, c.facts.as_ref()?)));
+        let trail = match carried {
+            Some((from, facts)) => {
+                let after: Vec<serde_json::Value> = (from.min(history.len())..history.len())
+                    .map(|i| history.item(i).into_owned())
+                    .collect();
+                trail_of(&after, Some(facts))
+            }
+            None => trail_of(&history.values(), None),
+        };
         if trail.rules.is_empty() && trail.files.is_empty() && trail.commands.is_empty() {
             return;
         }
@@ -206,6 +236,30 @@ impl Handoffs {
         self.lock()
             .remove(&(tenant.to_string(), conversation.to_string()));
     }
+}
+
+/// The hand-off `found` is or extends: `found`, the stored compaction of
+/// `tenant` covering the longest prefix of a request (its chain hashes
+/// `chains`), when it is one, else the nearest of its bases that is one and
+/// covers a prefix of the request. A compaction of the proxy's after a
+/// hand-off carries the hand-off's trail merged with the facts of the
+/// items it summarized, which the request still holds: the hand-off's own
+/// trail, merged with the items after its prefix, counts each once.
+pub fn handoff_under(
+    compactions: &Compactions,
+    tenant: &str,
+    found: Option<Arc<Compaction>>,
+    chains: &[ItemHash],
+) -> Option<Arc<Compaction>> {
+    let mut c = found?;
+    for _ in 0..BASES {
+        if c.rung == Rung::Handoff {
+            let covers = chains.get(c.covered_len.wrapping_sub(1)) == Some(&c.covered_chain);
+            return covers.then_some(c);
+        }
+        c = compactions.get(tenant, c.base.as_deref()?)?;
+    }
+    None
 }
 
 /// For a request of `tenant`'s `conversation` (its items and their chain
@@ -282,6 +336,36 @@ mod tests {
 
     fn answer(text: &str) -> Vec<serde_json::Value> {
         vec![json!({"role": "model", "parts": [{"text": text}]})]
+    }
+
+    #[test]
+    fn the_hand_off_under_a_compaction_is_found_through_its_bases() {
+        let compactions = Compactions::default();
+        let chains: Vec<ItemHash> = (0..6u8).map(|i| [i; 32]).collect();
+        let stored = |id: &str, len: usize, rung: Rung, base: Option<&str>| {
+            let mut c =
+                crate::compaction::test_compaction(id, "t", len, chains[len - 1], Vec::new());
+            c.rung = rung;
+            c.base = base.map(String::from);
+            let c = Arc::new(c);
+            compactions.insert(c.clone());
+            c
+        };
+        let handoff = stored("cmp_h", 2, Rung::Handoff, None);
+        let summary = stored("cmp_s", 5, Rung::Summary, Some("cmp_h"));
+        let found = |c: &Arc<Compaction>, chains: &[ItemHash]| {
+            handoff_under(&compactions, "t", Some(c.clone()), chains).map(|c| c.id.clone())
+        };
+        assert_eq!(found(&handoff, &chains).as_deref(), Some("cmp_h"));
+        assert_eq!(found(&summary, &chains).as_deref(), Some("cmp_h"));
+        // Another tenant's base is none of its, nor a prefix the request
+        // does not share.
+        assert!(handoff_under(&compactions, "u", Some(summary.clone()), &chains).is_none());
+        let mut other = chains.clone();
+        other[1] = [9; 32];
+        assert_eq!(found(&summary, &other), None);
+        let lone = stored("cmp_p", 4, Rung::Prune, None);
+        assert_eq!(found(&lone, &chains), None);
     }
 
     #[test]

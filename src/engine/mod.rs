@@ -40,7 +40,7 @@ pub use compute::compact;
 pub use context::Context;
 pub use count::estimate_view;
 pub use error::CompactError;
-pub use handoff::{after_client_compaction, Handoffs};
+pub use handoff::{after_client_compaction, handoff_under, Handoffs};
 pub use idle::{is_cold, thread as idle_thread};
 pub use index::Compactions;
 pub use input::{Ask, Goal, Input, Request, Sent, Serving, Who};

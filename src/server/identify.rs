@@ -14,7 +14,7 @@ use std::time::Instant;
 use super::exchange::{Digest, PendingExchange, Recorder, Timing, Unanswered};
 use super::request::ReadRequest;
 use crate::app::AppState;
-use crate::compaction::Compaction;
+use crate::compaction::{Compaction, Rung};
 use crate::config::Mode;
 use crate::engine;
 use crate::error::ProxyError;
@@ -150,9 +150,10 @@ enum Plan {
     Observe,
     /// Held out of compaction (`compaction.holdout_ratio`): observed.
     HoldOut,
-    /// The client's own compaction request: as it came while it fits,
-    /// else with the stored compaction of its prefix, never a fresh one (a
-    /// summary of the proxy's summary would be the client's summary).
+    /// The client's own compaction request: as it came while it fits (the
+    /// hand-off of its prefix applied, if one is stored), else with the
+    /// stored compaction of its prefix, never a fresh one (a summary of the
+    /// proxy's summary would be the client's summary).
     ClientCompaction,
     /// The stored compaction covering a prefix, then the hard limit's
     /// check ([`after_check`]).
@@ -236,39 +237,7 @@ async fn prepare(state: &Arc<AppState>, pending: &mut Unanswered) -> Compact {
             pending.observe(observed);
             return Compact::No;
         }
-        Plan::ClientCompaction => {
-            pending.treat_as_client_compaction();
-            // What its summary may leave out of the trail, for the request
-            // that goes on from it.
-            let request = pending.request();
-            // The history it compacts: its items but the last, the ask;
-            // and that history but its last item, when that is an answer
-            // of the model (Gemini CLI's check of its snapshot goes on from
-            // the answer to its compaction request).
-            let items = request.items();
-            let history = items.len().checked_sub(2);
-            let chain = |i: Option<usize>| i.and_then(|i| pending.chains().get(i)).copied();
-            let answered = history.filter(|&i| {
-                let (role, kind) = items.role_and_type(i);
-                crate::wire::class::is_model_output(&role, &kind)
-            });
-            state.handoffs.asked(
-                &state.metrics,
-                (request.tenant(), pending.conversation()),
-                items,
-                (
-                    chain(history).unwrap_or_default(),
-                    chain(answered.and_then(|i| i.checked_sub(1))),
-                ),
-            );
-            let check = pending.fit_check(Some(raw_len));
-            if !matches!(engine::check_fit(state, check).await, engine::Fit::Fits) {
-                if let Some(c) = find(state, pending) {
-                    pending.apply(c);
-                }
-            }
-            return Compact::No;
-        }
+        Plan::ClientCompaction => return compaction_of_the_client(state, pending, raw_len).await,
         Plan::Stored => {}
     }
     // A stored compaction covering a prefix of this request replaces it
@@ -347,6 +316,70 @@ async fn prepare(state: &Arc<AppState>, pending: &mut Unanswered) -> Compact {
         pending.mark_hidden_thinking();
     }
     compact
+}
+
+/// The client's own compaction request: what its summary may leave out of
+/// the trail is kept for the request that goes on from it; it goes as it
+/// came while it fits (the hand-off of its prefix applied, if one is
+/// stored), else with the stored compaction of its prefix. Nothing is
+/// compacted now for it.
+async fn compaction_of_the_client(
+    state: &Arc<AppState>,
+    pending: &mut Unanswered,
+    raw_len: usize,
+) -> Compact {
+    pending.treat_as_client_compaction();
+    // The stored compaction of its prefix, and the hand-off that is or
+    // that it extends: the trail of what the client compacted before, which
+    // its history holds only as its summary.
+    let found = find(state, pending);
+    let handoff = engine::handoff_under(
+        &state.compactions,
+        pending.request().tenant(),
+        found.clone(),
+        pending.chains(),
+    );
+    // What its summary may leave out of the trail, for the request that
+    // goes on from it.
+    let request = pending.request();
+    // The history it compacts: its items but the last, the ask; and that
+    // history but its last item, when that is an answer of the model
+    // (Gemini CLI's check of its snapshot goes on from the answer to its
+    // compaction request).
+    let items = request.items();
+    let history = items.len().checked_sub(2);
+    let chain = |i: Option<usize>| i.and_then(|i| pending.chains().get(i)).copied();
+    let answered = history.filter(|&i| {
+        let (role, kind) = items.role_and_type(i);
+        crate::wire::class::is_model_output(&role, &kind)
+    });
+    let repeat = state.handoffs.asked(
+        &state.metrics,
+        (request.tenant(), pending.conversation()),
+        (items, handoff.as_deref()),
+        (
+            chain(history).unwrap_or_default(),
+            chain(answered.and_then(|i| i.checked_sub(1))),
+        ),
+    );
+    // A hand-off of its prefix goes with it, as with every request since:
+    // it removes nothing the model summarizing should see, adds the trail
+    // the client's last summary left out, and keeps the prefix the
+    // upstream cached byte for byte (a summary of the proxy's goes only
+    // when the history does not fit: the client's summary would be a
+    // summary of it). Not with a repeat of the client's last compaction:
+    // the proxy backs off its part.
+    if let Some(c) = found.filter(|c| repeat.is_none() && c.rung == Rung::Handoff) {
+        pending.apply(c);
+    }
+    let bytes = pending.compaction().is_none().then_some(raw_len);
+    let check = pending.fit_check(bytes);
+    if !matches!(engine::check_fit(state, check).await, engine::Fit::Fits) {
+        if let Some(c) = find(state, pending) {
+            pending.apply(c);
+        }
+    }
+    Compact::No
 }
 
 /// The stored compaction that covers the longest prefix of the request, if

@@ -53,9 +53,12 @@ pub fn carried_text(item: &Value) -> String {
 }
 
 /// What [`left_out`] is taken from: the facts of `history`, the items a
-/// client's own compaction request carried.
-pub fn trail_of(history: &[Value]) -> Facts {
-    extract_facts(history, None)
+/// client's own compaction request carried, merged onto `carried` (the
+/// trail a hand-off of the history before them kept, when the client
+/// compacted it already: its items hold only its summary of it) the way a
+/// compaction of the proxy's carries its base's facts forward.
+pub fn trail_of(history: &[Value], carried: Option<&Facts>) -> Facts {
+    extract_facts(history, carried)
 }
 
 /// The block to append to a client's hand-off `summary`: the rules, the
@@ -177,7 +180,7 @@ mod tests {
         let summary = "This session is being continued from a previous conversation that ran out \
             of context. The user asked to fix the build.";
         assert!(is_handoff(summary));
-        let block = left_out(&trail_of(&history()), summary).expect("something was left out");
+        let block = left_out(&trail_of(&history(), None), summary).expect("something was left out");
         assert!(block.starts_with(HANDOFF_NOTE), "{block}");
         for fact in [
             "never push to main",
@@ -190,10 +193,36 @@ mod tests {
     }
 
     #[test]
+    fn a_trail_carried_over_a_summary_keeps_each_fact_once() {
+        let carried = trail_of(&history(), None);
+        // After the client's summary: the rule said again, a new command.
+        let after = vec![
+            json!({"role": "user", "content": "From now on, never push to main."}),
+            json!({"role": "assistant", "content": [
+                {"type": "tool_use", "id": "t3", "name": "Bash", "input": {"command": "npm run lint"}},
+            ]}),
+            json!({"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t3", "is_error": true, "content": "Exit code 2"},
+            ]}),
+        ];
+        let trail = trail_of(&after, Some(&carried));
+        let block = left_out(&trail, "This session is being continued.").expect("left out");
+        for (fact, times) in [
+            ("never push to main", 1),
+            ("src/port.rs", 1),
+            ("cargo test", 1),
+            ("npm run lint", 1),
+            ("Exit code 2", 1),
+        ] {
+            assert_eq!(block.matches(fact).count(), times, "{fact} in\n{block}");
+        }
+    }
+
+    #[test]
     fn what_the_summary_states_is_not_repeated() {
         let summary = "This session is being continued from a previous conversation. The user \
             said: From now on, never push to main. Wrote src/port.rs. Ran cargo test: Exit code 101";
-        let block = left_out(&trail_of(&history()), summary);
+        let block = left_out(&trail_of(&history(), None), summary);
         let listed = block.as_deref().unwrap_or("");
         for fact in ["never push to main", "src/port.rs", "cargo test"] {
             assert!(!listed.contains(fact), "{fact} repeated in\n{listed}");
