@@ -26,7 +26,7 @@ use crate::wire::Api;
 
 /// Whether a request is one of Gemini's endpoints.
 pub(super) fn is_gemini(method: &http::Method, path: &str) -> bool {
-    method == http::Method::POST && gemini::route(path).is_some()
+    method == http::Method::POST && gemini::route_below(path).is_some()
 }
 
 /// Serves a Gemini request; the metrics' endpoint label with the answer.

@@ -48,8 +48,8 @@ impl Api {
     /// to: the endpoint, or for Gemini the client's path below its version
     /// prefix (it names the model).
     pub fn upstream_path(self, client_path: &str) -> std::borrow::Cow<'static, str> {
-        match (self, gemini::route(client_path)) {
-            (Api::Gemini, Some(route)) => route.below.into(),
+        match (self, gemini::route_below(client_path)) {
+            (Api::Gemini, Some(below)) => below.to_string().into(),
             _ => self.endpoint().into(),
         }
     }

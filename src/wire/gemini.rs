@@ -50,6 +50,23 @@ const VERSIONS: &[&str] = &["/v1beta", "/v1"];
 /// letters, digits, `-`, `_` and `.` (so nothing a client sends leaves the
 /// upstream's base path).
 pub fn route(path: &str) -> Option<Route> {
+    let (model, method, below) = read_route(path)?;
+    Some(Route {
+        model: model.to_string(),
+        method,
+        below: below.to_string(),
+    })
+}
+
+/// The path below the version prefix of a Gemini path [`route`] reads,
+/// borrowed from it.
+pub fn route_below(path: &str) -> Option<&str> {
+    read_route(path).map(|(_, _, below)| below)
+}
+
+/// What [`route`] reads of a path, borrowed from it: the model, the
+/// method, the path below the version prefix.
+fn read_route(path: &str) -> Option<(&str, Method, &str)> {
     let below = VERSIONS
         .iter()
         .find_map(|v| path.strip_prefix(v).filter(|r| r.starts_with("/models/")))?;
@@ -66,11 +83,7 @@ pub fn route(path: &str) -> Option<Route> {
     if model.is_empty() || !plain || model.bytes().all(|b| b == b'.') {
         return None;
     }
-    Some(Route {
-        model: model.to_string(),
-        method,
-        below: below.to_string(),
-    })
+    Some((model, method, below))
 }
 
 /// The path below the version prefix that asks `model` for `method`
@@ -173,14 +186,21 @@ pub fn usage(body: &Value) -> Option<Usage> {
         return chunks.iter().rev().find_map(usage);
     }
     let meta = body.get("usageMetadata")?.as_object()?;
-    let get = |k: &str| meta.get(k).and_then(Value::as_u64);
-    usage_of(
-        get("promptTokenCount"),
-        get("toolUsePromptTokenCount"),
-        get("candidatesTokenCount"),
-        get("thoughtsTokenCount"),
-        get("cachedContentTokenCount"),
-    )
+    // One pass over the members, not a hashed look-up for each count.
+    let (mut prompt, mut tool_use, mut candidates, mut thoughts, mut cached) =
+        (None, None, None, None, None);
+    for (k, v) in meta {
+        let count = match k.as_str() {
+            "promptTokenCount" => &mut prompt,
+            "toolUsePromptTokenCount" => &mut tool_use,
+            "candidatesTokenCount" => &mut candidates,
+            "thoughtsTokenCount" => &mut thoughts,
+            "cachedContentTokenCount" => &mut cached,
+            _ => continue,
+        };
+        *count = v.as_u64();
+    }
+    usage_of(prompt, tool_use, candidates, thoughts, cached)
 }
 
 /// Usage of `usageMetadata`'s counts: none without the prompt's.
@@ -242,7 +262,7 @@ pub fn response_items(body: &Value) -> Vec<Value> {
         Value::Array(chunks) => chunks.iter().for_each(|c| acc.chunk(c)),
         v => acc.chunk(v),
     }
-    acc.items()
+    acc.into_items()
 }
 
 /// The text of a complete answer: its text parts that are no thoughts.
@@ -453,6 +473,18 @@ pub struct Collector {
     pub capped: bool,
 }
 
+/// A `model` content of `parts` (none without parts), the parts moved in,
+/// not written out and read again as `json!` would.
+fn model_content(parts: Vec<Value>) -> Vec<Value> {
+    if parts.is_empty() {
+        return Vec::new();
+    }
+    let mut content = Map::new();
+    content.insert("role".into(), "model".into());
+    content.insert("parts".into(), Value::Array(parts));
+    vec![Value::Object(content)]
+}
+
 /// Most parts one answer may collect (more are ignored).
 const MAX_PARTS: usize = 4096;
 
@@ -552,10 +584,12 @@ impl Collector {
 
     /// The answer's content as one `model` item (none if it had no parts).
     pub fn items(&self) -> Vec<Value> {
-        if self.parts.is_empty() {
-            return Vec::new();
-        }
-        vec![json!({"role": "model", "parts": self.parts})]
+        model_content(self.parts.clone())
+    }
+
+    /// [`Collector::items`], its parts moved into the item.
+    pub fn into_items(self) -> Vec<Value> {
+        model_content(self.parts)
     }
 
     /// The answer ended: a `finishReason` came, or an error (which ends a
@@ -678,6 +712,10 @@ mod tests {
         assert_eq!(r.method, Method::Stream);
         assert_eq!(r.below, "/models/gemini-2.5-pro:streamGenerateContent");
         assert_eq!(
+            route_below("/v1beta/models/gemini-2.5-pro:streamGenerateContent"),
+            Some(r.below.as_str())
+        );
+        assert_eq!(
             route("/v1/models/gemini-2.0-flash:countTokens").map(|r| r.method),
             Some(Method::CountTokens)
         );
@@ -691,6 +729,7 @@ mod tests {
             "/v2/models/m:generateContent",
         ] {
             assert_eq!(route(bad), None, "{bad}");
+            assert_eq!(route_below(bad), None, "{bad}");
         }
     }
 
