@@ -1,6 +1,7 @@
 //! The upstream client: one pooled reqwest client (keep-alive, HTTP/1.1 and
 //! HTTP/2 by ALPN, rustls), URL mapping, header hygiene and credentials.
 
+use std::collections::VecDeque;
 use std::fmt;
 use std::future::Future;
 use std::time::Duration;
@@ -141,6 +142,10 @@ const HOP_BY_HOP: &[&str] = &[
 /// has come back to it, as when `upstream.base_url` is the proxy itself.
 pub const HOP_HEADER: &str = "x-compactor-hop";
 
+/// URLs kept derived beside the endpoints' (each derivation parses the
+/// URL again).
+const DERIVED_URLS: usize = 16;
+
 /// The configured upstream.
 pub struct Upstream {
     client: reqwest::Client,
@@ -156,6 +161,9 @@ pub struct Upstream {
     /// The URLs of the parsed endpoints, derived once: building a URL
     /// parses it again, which costs as much as a small request's parse.
     endpoints: Vec<(&'static str, reqwest::Url)>,
+    /// The URLs derived lately for other paths (a Gemini path names its
+    /// model), newest last, with the path and query each is for.
+    derived: std::sync::Mutex<VecDeque<(String, Option<String>, reqwest::Url)>>,
     api_key: Option<Secret>,
     /// This instance's name in [`HOP_HEADER`], random per process.
     hop: String,
@@ -208,6 +216,7 @@ impl Upstream {
             base,
             base_url,
             endpoints: Vec::new(),
+            derived: Default::default(),
             api_key,
             hop,
             response_timeout: Duration::from_secs(cfg.response_timeout_secs),
@@ -224,10 +233,22 @@ impl Upstream {
     /// refused unless it stays below the base URL's path.
     pub fn url(&self, below_v1: &str, query: Option<&str>) -> Result<reqwest::Url, Error> {
         let known = self.endpoints.iter().find(|(p, _)| *p == below_v1);
-        match (known, query) {
-            (Some((_, url)), None) => Ok(url.clone()),
-            _ => self.derive_url(below_v1, query),
+        if let (Some((_, url)), None) = (known, query) {
+            return Ok(url.clone());
         }
+        let mut derived = self.derived.lock().unwrap_or_else(|p| p.into_inner());
+        let same = |(p, q, _): &&(String, Option<String>, reqwest::Url)| {
+            p == below_v1 && q.as_deref() == query
+        };
+        if let Some((_, _, url)) = derived.iter().find(same) {
+            return Ok(url.clone());
+        }
+        let url = self.derive_url(below_v1, query)?;
+        if derived.len() == DERIVED_URLS {
+            derived.pop_front();
+        }
+        derived.push_back((below_v1.to_string(), query.map(String::from), url.clone()));
+        Ok(url)
     }
 
     fn derive_url(&self, below_v1: &str, query: Option<&str>) -> Result<reqwest::Url, Error> {
@@ -776,7 +797,18 @@ mod tests {
                 .as_str(),
             "http://127.0.0.1:9/v1/chat/completions?a=1&b=%20"
         );
-        // The endpoints' URLs, kept from the start, are those derived.
+        // The endpoints' URLs, kept from the start, and those kept once
+        // derived, are those derived; a path refused is refused again.
+        let model = "/models/gemini-2.5-flash:streamGenerateContent";
+        for _ in 0..2 {
+            for query in [None, Some("alt=sse")] {
+                assert_eq!(
+                    u.url(model, query).unwrap(),
+                    u.derive_url(model, query).unwrap()
+                );
+            }
+            assert!(u.url("/../admin", None).is_err());
+        }
         for path in ["/chat/completions", "/responses"] {
             assert_eq!(
                 u.url(path, None).unwrap(),
