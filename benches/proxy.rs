@@ -2303,16 +2303,16 @@ fn main() {
          hop = the `last` bodies to /v1/embeddings, which the proxy relays unparsed and unrecorded \
          (what the HTTP hop alone costs). SSE requests do not ask for usage, so the proxy \
          splices stream_options into the client's bytes.",
+        o.load_threads,
+        o.proxy_threads,
+        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         if o.upstream_ws {
             " (BENCH_UPSTREAM_WS: the upstream takes the WebSocket, and the direct side goes to it over \
              one, a socket per session; a fourth side, the third's session direct over HTTP + SSE, is \
              what the third is against)"
         } else {
             ""
-        },
-        o.load_threads,
-        o.proxy_threads,
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0)
+        }
     );
     let cluster = if o.postgres {
         let c = pg_cluster::PgCluster::start_profiled(true, o.pg_statements);
