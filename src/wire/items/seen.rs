@@ -67,13 +67,14 @@ impl Seen {
 
 /// Length of the longest common prefix of `a` and `b`.
 pub(crate) fn common_prefix(a: &[u8], b: &[u8]) -> usize {
-    const BLOCK: usize = 4096;
     let n = a.len().min(b.len());
     let mut at = 0;
-    // Whole blocks compare as slices (memcmp); the first unequal one byte
-    // by byte.
-    while at + BLOCK <= n && a[at..at + BLOCK] == b[at..at + BLOCK] {
-        at += BLOCK;
+    // Whole blocks compare as slices (memcmp); the first unequal one by
+    // smaller blocks, and the first unequal of those byte by byte.
+    for block in [4096, 64] {
+        while at + block <= n && a[at..at + block] == b[at..at + block] {
+            at += block;
+        }
     }
     at + a[at..n]
         .iter()
@@ -85,4 +86,32 @@ pub(crate) fn common_prefix(a: &[u8], b: &[u8]) -> usize {
 /// One item from bytes [`split_body`](super::split_body) already parsed once (so valid).
 pub(super) fn parse(bytes: &[u8]) -> Value {
     serde_json::from_slice(bytes).unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use proptest::prelude::*;
+
+    use super::common_prefix;
+
+    proptest! {
+        /// The bytes equal from the start, whichever block the first
+        /// difference falls in.
+        #[test]
+        fn common_prefix_counts_the_equal_bytes(
+            a in prop::collection::vec(0u8..3, 0..9000),
+            at in 0usize..9000,
+            by in 0u8..3,
+            len in 0usize..9000,
+        ) {
+            let mut b = a.clone();
+            if let Some(x) = b.get_mut(at) {
+                *x = by;
+            }
+            b.truncate(len);
+            let naive = a.iter().zip(&b).take_while(|(x, y)| x == y).count();
+            prop_assert_eq!(common_prefix(&a, &b), naive);
+            prop_assert_eq!(common_prefix(&b, &a), naive);
+        }
+    }
 }
