@@ -175,9 +175,10 @@ pub(super) fn handle(
 
 /// Frame and message limits: a message may be as large as a request body.
 /// The read buffer starts small and grows with the messages: tungstenite
-/// zeroes all of its room before each read (the try that finds nothing, at
-/// every turn of the socket's loop, too), which its 128 KiB default made a
-/// 128 KiB memset each time.
+/// zeroes the room it reads into before each read (the try that finds
+/// nothing, at every turn of the socket's loop, too), as much as the read
+/// buffer's size however far a large message grew the buffer, so its 128 KiB
+/// default would be a 128 KiB memset each time.
 fn socket_config(state: &AppState) -> WebSocketConfig {
     let max = state.config.server.max_body_bytes.max(1 << 16);
     WebSocketConfig::default()
@@ -443,7 +444,7 @@ impl Session {
                     .await;
                 false
             }
-            Some(Err(WsError::Utf8)) => {
+            Some(Err(WsError::Utf8(_))) => {
                 let reason = "a text message that is not UTF-8";
                 self.close(CloseCode::Invalid, reason, self.write_limit)
                     .await;

@@ -43,10 +43,10 @@ pub type Conn = WebSocketStream<reqwest::Upgraded>;
 const CLOSE_WAIT: Duration = Duration::from_secs(1);
 
 /// The read buffer of an upstream socket: a few events' worth (a larger
-/// message grows it as it arrives). Tungstenite zeroes all of its buffer's
-/// room before each read, the try that finds nothing too, so its default
-/// of 128 KiB cost a 128 KiB memset at every read of a turn's events, and
-/// at every check that a kept socket is still open.
+/// message grows it as it arrives). Tungstenite zeroes the room it reads
+/// into before each read, the try that finds nothing too, as much as this
+/// size, so its default of 128 KiB would cost a 128 KiB memset at every read
+/// of a turn's events, and at every check that a kept socket is still open.
 const READ_BUFFER: usize = 16 * 1024;
 
 /// The events that end a response.
