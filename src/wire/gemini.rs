@@ -200,24 +200,7 @@ pub fn usage(body: &Value) -> Option<Usage> {
         };
         *count = v.as_u64();
     }
-    usage_of(prompt, tool_use, candidates, thoughts, cached)
-}
-
-/// Usage of `usageMetadata`'s counts: none without the prompt's.
-fn usage_of(
-    prompt: Option<u64>,
-    tool_use: Option<u64>,
-    candidates: Option<u64>,
-    thoughts: Option<u64>,
-    cached: Option<u64>,
-) -> Option<Usage> {
-    Some(Usage {
-        input_tokens: prompt? + tool_use.unwrap_or(0),
-        output_tokens: candidates.unwrap_or(0) + thoughts.unwrap_or(0),
-        cached_tokens: cached,
-        cache_write_tokens: None,
-        cache_write_1h_tokens: None,
-    })
+    chunk::usage_of(prompt, tool_use, candidates, thoughts, cached)
 }
 
 /// An answer's first candidate, as the pointer `/candidates/0` reads it

@@ -13,7 +13,7 @@ use serde_json::Value;
 use super::super::format::Start;
 use super::super::usage::Usage;
 
-/// What [`super::Collector`] reads of a chunk (a `GenerateContentResponse`).
+/// What the stream's collector reads of a chunk (a `GenerateContentResponse`).
 #[derive(Deserialize)]
 pub(super) struct ChunkView<'a> {
     /// Present, even `null`: the stream failed.
@@ -41,7 +41,7 @@ pub(super) struct ContentView {
     pub parts: Option<Vec<Value>>,
 }
 
-/// `usageMetadata`'s counts ([`super::usage`]).
+/// `usageMetadata`'s counts.
 #[derive(Deserialize)]
 pub(super) struct UsageView {
     #[serde(rename = "promptTokenCount")]
@@ -58,7 +58,7 @@ pub(super) struct UsageView {
 
 impl UsageView {
     pub fn usage(&self) -> Option<Usage> {
-        super::usage_of(
+        usage_of(
             self.prompt,
             self.tool_use,
             self.candidates,
@@ -68,8 +68,7 @@ impl UsageView {
     }
 }
 
-/// What a stream's start needs of a chunk ([`super::Gemini`]'s
-/// `stream_start`): whether it is an error, and whether its first
+/// What a stream's start needs of a chunk (the format's `stream_start`): whether it is an error, and whether its first
 /// candidate has parts or ended; nothing of it is built.
 #[derive(Deserialize)]
 pub(super) struct StartView {
@@ -79,7 +78,7 @@ pub(super) struct StartView {
 }
 
 impl StartView {
-    /// What [`super::start_of`] says of the same chunk's tree.
+    /// What the reading of the same chunk's tree says.
     pub fn start(self) -> Start {
         if self.error.is_some() {
             return Start::Failed;
@@ -116,4 +115,21 @@ pub(super) struct StartContent {
 /// A member that is present, `null` included, is `Some`.
 fn present<'de, D: Deserializer<'de>, T: Deserialize<'de>>(d: D) -> Result<Option<T>, D::Error> {
     T::deserialize(d).map(Some)
+}
+
+/// Usage of `usageMetadata`'s counts: none without the prompt's.
+pub(super) fn usage_of(
+    prompt: Option<u64>,
+    tool_use: Option<u64>,
+    candidates: Option<u64>,
+    thoughts: Option<u64>,
+    cached: Option<u64>,
+) -> Option<Usage> {
+    Some(Usage {
+        input_tokens: prompt? + tool_use.unwrap_or(0),
+        output_tokens: candidates.unwrap_or(0) + thoughts.unwrap_or(0),
+        cached_tokens: cached,
+        cache_write_tokens: None,
+        cache_write_1h_tokens: None,
+    })
 }
