@@ -182,7 +182,7 @@ pub(super) fn handle(
 fn socket_config(state: &AppState) -> WebSocketConfig {
     let max = state.config.server.max_body_bytes.max(1 << 16);
     WebSocketConfig::default()
-        .read_buffer_size(16 * 1024)
+        .read_buffer_size(8 * 1024)
         .max_message_size(Some(max))
         .max_frame_size(Some(max))
         .max_write_buffer_size(max.saturating_mul(2))

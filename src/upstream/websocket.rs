@@ -47,7 +47,7 @@ const CLOSE_WAIT: Duration = Duration::from_secs(1);
 /// into before each read, the try that finds nothing too, as much as this
 /// size, so its default of 128 KiB would cost a 128 KiB memset at every read
 /// of a turn's events, and at every check that a kept socket is still open.
-const READ_BUFFER: usize = 16 * 1024;
+const READ_BUFFER: usize = 8 * 1024;
 
 /// The events that end a response.
 const FINAL: [&str; 4] = [
