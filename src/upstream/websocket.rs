@@ -183,7 +183,25 @@ pub async fn open(resp: reqwest::Response, max: usize) -> Result<Conn, reqwest::
 /// The `response.create` event a Responses request body stands for: its
 /// members but `stream` (the socket always streams) after the event's
 /// `type`; `None` if the body is not a JSON object.
+///
+/// The body is one the proxy built for a client socket's `response.create`
+/// and read whole on its way here: that event's `type` and `stream` were
+/// taken out and `"stream":true` put last, and what rebuilds a body keeps
+/// one member per key. Such a body becomes its event by moving its ends,
+/// without a second parse of its 30 KB or 300 KB; any other is read.
 pub fn create_event(body: &[u8]) -> Option<String> {
+    const STREAMED: &[u8] = br#","stream":true}"#;
+    let members = body
+        .strip_prefix(b"{")
+        .and_then(|b| b.strip_suffix(STREAMED))
+        .and_then(|m| std::str::from_utf8(m).ok());
+    if let Some(members) = members {
+        let mut out = String::with_capacity(body.len() + 16);
+        out.push_str(r#"{"type":"response.create","#);
+        out.push_str(members);
+        out.push('}');
+        return Some(out);
+    }
     let RawMembers(members) = serde_json::from_slice(body).ok()?;
     let mut out = String::with_capacity(body.len() + 32);
     out.push_str(r#"{"type":"response.create""#);
@@ -395,6 +413,18 @@ mod tests {
             create_event(body).unwrap(),
             r#"{"type":"response.create","model":"m","input":[{"role":"user","content":"a\"b"}],"store":false}"#
         );
+        // As a client socket's body ends: its members taken as they are.
+        let built = br#"{"model":"m","input":[{"type":"message","role":"user","content":"a"}],"store":false,"stream":true}"#;
+        let event = create_event(built).unwrap();
+        assert_eq!(
+            event,
+            r#"{"type":"response.create","model":"m","input":[{"type":"message","role":"user","content":"a"}],"store":false}"#
+        );
+        // Either way, the same event.
+        let read: serde_json::Value = serde_json::from_str(&event).unwrap();
+        let moved = br#"{"stream":true,"model":"m","input":[{"type":"message","role":"user","content":"a"}],"store":false}"#;
+        let other: serde_json::Value = serde_json::from_str(&create_event(moved).unwrap()).unwrap();
+        assert_eq!(read, other);
         assert!(create_event(b"[1]").is_none());
         assert!(create_event(b"{").is_none());
     }
