@@ -277,6 +277,29 @@ fn expect_ok(turn: &str, out: &Outcome) {
     );
 }
 
+/// The snapshot the fake answers Gemini CLI's compression with.
+const SNAPSHOT: &str = "<state_snapshot>the parser, turn 1</state_snapshot>";
+
+/// A turn that reads the notes twice, its first call reported under
+/// `point` and its second past it, then Gemini CLI's compression (its
+/// snapshot, the same again on its check: it says nothing of the trail),
+/// then the turn's end, `answer`.
+fn push_compressing_turn(fake: &FakeUpstream, point: u64, answer: &str) {
+    let read = |reported| {
+        sse(
+            vec![
+                json!({"functionCall": {"name": "read_file", "args": {"file_path": "notes.txt"}}}),
+            ],
+            reported,
+        )
+    };
+    fake.push(read(point - 100));
+    fake.push(read(point + 100));
+    fake.push(gemini::text(SNAPSHOT, 4_000, 50));
+    fake.push(gemini::text(SNAPSHOT, 4_100, 50));
+    fake.push(sse(vec![json!({"text": answer})], 3_000));
+}
+
 /// One turn whose answer is a thought and a long text; the usage reported
 /// is what the request will weigh, as the fake counts it (bytes / 4): the
 /// previous request, the previous answer, the prompt.
@@ -581,22 +604,8 @@ async fn gemini_cli_compresses_by_itself_at_half_the_window_when_the_proxy_obser
     h.fake.push(sse(long_parts(1), 5_000));
     let out = gemini.first("turn 1: what does the parser do next?").await;
     expect_ok("turn 1", &out);
-    let call = |reported| {
-        sse(
-            vec![
-                json!({"functionCall": {"name": "read_file", "args": {"file_path": "notes.txt"}}}),
-            ],
-            reported,
-        )
-    };
-    h.fake.push(call(point - 100));
-    h.fake.push(call(point + 100));
     // Its compression's two calls, when they come, then the turn's end.
-    let snapshot = "<state_snapshot>the parser, turn 1</state_snapshot>";
-    h.fake.push(gemini::text(snapshot, 4_000, 50));
-    h.fake.push(gemini::text(snapshot, 4_100, 50));
-    h.fake
-        .push(sse(vec![json!({"text": "Answer 2: done."})], 3_000));
+    push_compressing_turn(&h.fake, point, "Answer 2: done.");
     let out = gemini.next("turn 2: read the notes twice").await;
     expect_ok("turn 2", &out);
     assert!(out.stdout.contains("Answer 2: done."), "{}", out.describe());
@@ -672,21 +681,7 @@ async fn the_trail_gemini_clis_own_compression_left_out_follows_its_snapshot() {
     // Turn 3: past the point, then its compression of turns 1 and 2 (a
     // snapshot that says nothing of the rule, the same again on its
     // check), then the end.
-    let read = |reported| {
-        sse(
-            vec![
-                json!({"functionCall": {"name": "read_file", "args": {"file_path": "notes.txt"}}}),
-            ],
-            reported,
-        )
-    };
-    h.fake.push(read(point - 100));
-    h.fake.push(read(point + 100));
-    let snapshot = "<state_snapshot>the parser, turn 1</state_snapshot>";
-    h.fake.push(gemini::text(snapshot, 4_000, 50));
-    h.fake.push(gemini::text(snapshot, 4_100, 50));
-    h.fake
-        .push(sse(vec![json!({"text": "Answer 3: done."})], 3_000));
+    push_compressing_turn(&h.fake, point, "Answer 3: done.");
     let out = gemini.next("turn 3: read the notes twice").await;
     expect_ok("turn 3", &out);
 
@@ -694,7 +689,7 @@ async fn the_trail_gemini_clis_own_compression_left_out_follows_its_snapshot() {
     // Its context and the snapshot, two parts of its first content, then
     // the trail appended.
     let parts = contents(&last)[0]["parts"].as_array().unwrap();
-    assert_eq!(parts[1]["text"], snapshot, "{:?}", texts(&last));
+    assert_eq!(parts[1]["text"], SNAPSHOT, "{:?}", texts(&last));
     let block = parts
         .get(2)
         .and_then(|p| p["text"].as_str())

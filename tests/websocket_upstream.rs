@@ -41,6 +41,15 @@ async fn turn(ws: &mut Ws, s: &mut Session) -> Vec<Value> {
     response_events(ws).await
 }
 
+/// The fake answers `reply`; a `response.create` of `text` sent on `ws`
+/// gets the reply's events, in order, whichever way the proxy asked.
+async fn relayed(h: &Harness, ws: &mut Ws, reply: Reply, text: &str) {
+    let expected = sse_data(&reply);
+    h.fake.push(reply);
+    send(ws, &create(text, None)).await;
+    assert_eq!(response_events(ws).await, expected, "{text}");
+}
+
 fn completed(events: &[Value]) {
     assert_eq!(
         events.last().unwrap()["type"],
@@ -127,10 +136,7 @@ async fn an_upstream_that_refuses_the_upgrade_is_asked_over_http_and_the_refusal
         let mut ws = connect(&h, KEY).await;
         for n in 0..2 {
             let reply = streamed(&["over", " HTTP"]);
-            let expected = sse_data(&reply);
-            h.fake.push(reply);
-            send(&mut ws, &create(&format!("socket {socket} turn {n}"), None)).await;
-            assert_eq!(response_events(&mut ws).await, expected);
+            relayed(&h, &mut ws, reply, &format!("socket {socket} turn {n}")).await;
         }
     }
     // One handshake tried, by the first response of the first socket.
@@ -164,10 +170,7 @@ async fn a_handshake_refused_for_the_moment_is_not_remembered() {
     let mut ws = connect(&h, KEY).await;
     for n in 0..3 {
         let reply = streamed(&["turn", &format!(" {n}")]);
-        let expected = sse_data(&reply);
-        h.fake.push(reply);
-        send(&mut ws, &create(&format!("turn {n}"), None)).await;
-        assert_eq!(response_events(&mut ws).await, expected);
+        relayed(&h, &mut ws, reply, &format!("turn {n}")).await;
     }
     // Two refusals, each followed by the response over HTTP; the third
     // response went over the upstream's WebSocket.
@@ -250,10 +253,7 @@ async fn answers_larger_than_the_upstream_sockets_read_buffer_arrive_whole() {
     for (n, size) in [100, 40_000, 100_000, 100].into_iter().enumerate() {
         let piece = "x".repeat(size);
         let reply = streamed(&[&piece, " and ", &piece]);
-        let expected = sse_data(&reply);
-        h.fake.push(reply);
-        send(&mut ws, &create(&format!("turn {n}"), None)).await;
-        assert_eq!(response_events(&mut ws).await, expected, "turn {n}");
+        relayed(&h, &mut ws, reply, &format!("turn {n}")).await;
     }
     assert_eq!(h.fake.websockets(), (1, 0, 4), "one upstream socket");
 }
