@@ -51,8 +51,8 @@
 //! - `BENCH_UPSTREAM_WS=1`: the fake upstream takes the Responses WebSocket,
 //!   so the `codx ws` rows' proxied side is asked over one, and their
 //!   direct side goes to it over one too (a socket per session, as
-//!   through the proxy); a fourth side goes direct over HTTP + SSE, so
-//!   that each transport's added latency is against its own direct side.
+//!   through the proxy), so that each transport's added latency is
+//!   against a direct side over its own transport.
 //!
 //! Set-up, per scenario (so each starts from an empty store and the fake
 //! upstream's record of received bodies is freed afterwards):
@@ -1311,9 +1311,9 @@ struct Row {
     side: [SideStats; 2],
     /// `CodexWs`: the proxy over HTTP + SSE, in turn with the two sides.
     over_sse: Option<SideStats>,
-    /// `CodexWs` with the upstream taking the WebSocket: the direct side
-    /// over HTTP + SSE (of `over_sse`'s session), `side[0]` then being the
-    /// direct side over the upstream's WebSocket.
+    /// `CodexWs`: the direct side over HTTP + SSE of `over_sse`'s session
+    /// (`side[0]` being that of the WebSocket's session: over the
+    /// upstream's WebSocket when it takes one).
     direct_sse: Option<SideStats>,
     recorded: i64,
     /// Mean time of the store's commits, ms, and how many there were
@@ -1415,7 +1415,7 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
     let (collected, settle, cpu, machine_busy, load_ns, db, commit) = rig.load_rt.block_on(async {
         let client = client();
         // Direct, proxied, and for `CodexWs` proxied over HTTP + SSE and
-        // (with the upstream taking the WebSocket) direct over HTTP + SSE.
+        // direct with the same session's bodies.
         let mut out: [Collected; 4] = Default::default();
         let mut settle = Duration::ZERO;
         let mut cpu0 = ThreadCpu::default();
@@ -1430,20 +1430,21 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         if sc.conc == 1 {
             // `CodexWs`: a third side, the proxy over HTTP + SSE in turn
             // with the other two, its session another (the proxy would
-            // find the WebSocket's bytes in its caches). With the upstream
-            // taking the WebSocket, the direct side goes over one too, and
-            // a fourth side, direct over HTTP + SSE with the third's
-            // bodies, is what the third is against.
+            // find the WebSocket's bytes in its caches), and a fourth,
+            // direct over HTTP + SSE with the third's bodies, which is
+            // what the third is against: the fake serves two sessions'
+            // bodies in times some tens of µs apart, so each transport's
+            // added latency is against a direct side with its own bodies.
+            // With the upstream taking the WebSocket, the direct side of
+            // the WebSocket's session goes over one too.
             let mut s = vec![sessions(1).pop().unwrap(), sessions(1).pop().unwrap()];
             let mut urls = urls.to_vec();
             let ws = sc.variant == Variant::CodexWs;
             if ws {
                 s.push(Session::new(sc.variant, sc.stream, sc.size, 2));
                 urls.push(urls[1].clone());
-                if o.upstream_ws {
-                    s.push(Session::new(sc.variant, sc.stream, sc.size, 2));
-                    urls.push(urls[0].clone());
-                }
+                s.push(Session::new(sc.variant, sc.stream, sc.size, 2));
+                urls.push(urls[0].clone());
             }
             let sides = s.len();
             // `CodexWs`: the direct and the proxied session's WebSockets.
@@ -1581,7 +1582,7 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
     let [d, p, over_sse, direct_sse] = collected;
     let ws = sc.variant == Variant::CodexWs && sc.conc == 1;
     let over_sse = ws.then(|| stats(over_sse));
-    let direct_sse = (ws && o.upstream_ws).then(|| stats(direct_sse));
+    let direct_sse = ws.then(|| stats(direct_sse));
     if sc.variant == Variant::Compacted {
         eprintln!(
             "  {}: {} of {} measured requests sent compacted",
@@ -2296,7 +2297,8 @@ fn main() {
          codx = Codex-shaped Responses sessions to /v1/responses, streamed, growing as grow does; \
          codx ws = the same, the proxied side over the proxy's WebSocket (a socket per session, each \
          request a response.create), the direct side over HTTP + SSE, and in turn with them a third \
-         side, another session through the proxy over HTTP + SSE{}; \
+         side, another session through the proxy over HTTP + SSE, and a fourth, that session direct \
+         over HTTP + SSE, which the third is against{}; \
          gmni = Gemini-CLI-shaped sessions to :generateContent (json) or \
          :streamGenerateContent?alt=sse (sse), growing as grow does (c=1 only); \
          same = one body, byte for byte, from every client every time (one conversation); \
@@ -2308,8 +2310,7 @@ fn main() {
         std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
         if o.upstream_ws {
             " (BENCH_UPSTREAM_WS: the upstream takes the WebSocket, and the direct side goes to it over \
-             one, a socket per session; a fourth side, the third's session direct over HTTP + SSE, is \
-             what the third is against)"
+             one, a socket per session)"
         } else {
             ""
         }
@@ -2489,9 +2490,8 @@ fn main() {
         " ms",
     );
     // The WebSocket against HTTP + SSE through the proxy, in turn in the
-    // same row: each against the same direct side, or, with the upstream
-    // taking the WebSocket, each against the direct side of its own
-    // transport.
+    // same row: each against the direct side of its own session (and, with
+    // the upstream taking the WebSocket, of its own transport).
     for ws in rows.iter().filter(|r| r.sc.variant == Variant::CodexWs) {
         let Some(sse) = &ws.over_sse else { continue };
         let direct_sse = ws.direct_sse.as_ref().unwrap_or(&ws.side[0]);
@@ -2504,17 +2504,11 @@ fn main() {
             verdict(added(ws) <= over_sse)
         );
         let [d, p] = &ws.side;
-        match &ws.direct_sse {
-            None => println!(
-                "    (p50 direct {:.3}, proxy over the WebSocket {:.3}, over HTTP + SSE {:.3}; p99 {:.2} / {:.2} / {:.2} ms)",
-                d.p50, p.p50, sse.p50, d.p99, p.p99, sse.p99
-            ),
-            Some(ds) => println!(
-                "    (p50 over the WebSocket direct {:.3}, through the proxy {:.3}; over HTTP + SSE direct {:.3}, \
-                 through the proxy {:.3}; p99 {:.2} / {:.2}; {:.2} / {:.2} ms)",
-                d.p50, p.p50, ds.p50, sse.p50, d.p99, p.p99, ds.p99, sse.p99
-            ),
-        }
+        println!(
+            "    (p50 the WebSocket's session direct {:.3}, through the proxy {:.3}; HTTP + SSE's session direct {:.3}, \
+             through the proxy {:.3}; p99 {:.2} / {:.2}; {:.2} / {:.2} ms)",
+            d.p50, p.p50, direct_sse.p50, sse.p50, d.p99, p.p99, direct_sse.p99, sse.p99
+        );
     }
     // Gemini against chat: each `gmni` row beside the `grow` row of its
     // size, streaming and store, measured in the same run.
