@@ -5,7 +5,8 @@
 //! message, the same bytes on every later request (so its cache holds).
 //! When the client compacts again, from a history that opens with its own
 //! summary, its compaction request carries that block too, and what its
-//! next summary leaves out of the whole trail follows it.
+//! next summary leaves out of the whole trail follows it; so does the
+//! trail a first summary stated whole, which got no block.
 //!
 //! A client that keeps compacting: its own compaction request sent again
 //! over the same history, or again within a few requests of the last one,
@@ -362,7 +363,13 @@ async fn a_failed_compaction_request_sent_again_is_a_retry() {
 /// A window that goes on from the client's summary `n`, after a turn that
 /// runs a new failing command, and `turns` more exchanges of words.
 fn window_with_a_new_command(n: usize, turns: usize) -> Vec<Value> {
-    let mut window = restart(n);
+    window_after(restart(n), turns)
+}
+
+/// `opening` (a summary and the user's next message), then a turn that
+/// runs a new failing command, and `turns` more exchanges of words.
+fn window_after(opening: Vec<Value>, turns: usize) -> Vec<Value> {
+    let mut window = opening;
     window.push(json!({"role": "assistant", "content": [
         {"type": "tool_use", "id": "toolu_9", "name": "Bash", "input": {"command": "npm run lint"}}]}));
     window.push(json!({"role": "user", "content": [
@@ -410,15 +417,29 @@ async fn a_second_compaction_keeps_the_trail_of_the_first() {
     assert_eq!(sent["messages"].as_array().unwrap()[1..], ask[1..]);
 
     // The client goes on from its second summary.
+    let block = after_the_second_summary(&h, key).await;
+    assert_eq!(
+        block.matches("cargo test -p svc").count(),
+        1,
+        "each command once: {block}"
+    );
+}
+
+/// The client goes on from its second summary, which says nothing of the
+/// trail: the block the upstream gets after that summary, which holds the
+/// whole trail, before the first summary and after it.
+async fn after_the_second_summary(h: &Harness, key: &str) -> String {
     let next = restart(2);
-    assert_eq!(status_of(&h, key, &next).await, 200);
-    let sent = received_messages(&h).pop().unwrap().json();
+    assert_eq!(status_of(h, key, &next).await, 200);
+    let sent = received_messages(h).pop().unwrap().json();
+    assert_eq!(sent["messages"][1], next[1]);
     let first = sent["messages"][0]["content"]
         .as_str()
-        .expect("a text message")
-        .to_string();
-    assert!(first.starts_with(next[0]["content"].as_str().unwrap()));
-    let block = &first[next[0]["content"].as_str().unwrap().len()..];
+        .expect("a text message");
+    let summary = next[0]["content"].as_str().unwrap();
+    let block = first
+        .strip_prefix(summary)
+        .unwrap_or_else(|| panic!("the summary first: {first}"));
     for fact in [
         "never push to main",
         "svc/port.rs",
@@ -429,10 +450,46 @@ async fn a_second_compaction_keeps_the_trail_of_the_first() {
     ] {
         assert!(block.contains(fact), "{fact} in {block}");
     }
-    assert_eq!(
-        block.matches("cargo test -p svc").count(),
-        1,
-        "each command once: {block}"
+    block.to_string()
+}
+
+/// The whole trail the first summary stated, which its window holds only
+/// as the client's prose: `restart`'s first messages, that summary's.
+fn full_restart() -> Vec<Value> {
+    let summary = format!(
+        "{HANDOFF} The user said: From now on, never push to main. Wrote svc/port.rs. \
+         Ran cargo test -p svc: Exit code 101."
     );
-    assert_eq!(sent["messages"][1], next[1]);
+    vec![
+        json!({"role": "user", "content": summary}),
+        json!({"role": "user", "content": "Go on."}),
+    ]
+}
+
+/// The client's first summary stated the whole trail, so nothing was
+/// appended to it; its second says nothing of it. The trail the first one
+/// stated still follows the second: it was kept with the first summary's
+/// place, as a hand-off's is, since the history after it holds it only as
+/// prose.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trail_the_first_summary_stated_whole_follows_the_second() {
+    let h = Harness::start().await;
+    let key = "sk-ant-stated-whole-0001";
+    assert_eq!(status_of(&h, key, &history()).await, 200);
+    assert_eq!(
+        status_of(&h, key, &compaction_request(&history())).await,
+        200
+    );
+    let few = compactor::engine::FEW_REQUESTS as usize;
+    for turns in 0..=few {
+        let window = window_after(full_restart(), turns);
+        assert_eq!(status_of(&h, key, &window).await, 200);
+        let sent = received_messages(&h).pop().unwrap().json();
+        assert_eq!(sent["messages"], json!(window), "as it came");
+    }
+    let ask = compaction_request(&window_after(full_restart(), few));
+    assert_eq!(status_of(&h, key, &ask).await, 200);
+    assert_eq!(repeats(&h).await.0, 0, "no repeat");
+
+    after_the_second_summary(&h, key).await;
 }

@@ -16,7 +16,11 @@
 //! compaction request is the hand-off's trail, stored with it, merged with
 //! that of the items after the hand-off's prefix ([`handoff_under`]), so
 //! what only the first hand-off held — a rule stated early, a file changed
-//! early — follows the next summary too.
+//! early — follows the next summary too. A first summary that stated the
+//! whole trail gets no hand-off: its trail is kept with where the summary
+//! sits ([`Handoffs::settled_under`]), and plays the hand-off's part for
+//! the conversation's next compaction request (the history then holds it
+//! only as the client's prose, which the trail is not read from).
 //!
 //! Claude Code and Codex name their session in every request, so the
 //! request after their compaction is of the same conversation. Gemini CLI
@@ -58,6 +62,15 @@ const SUMMARIES_PER_TENANT: usize = 4;
 /// Gemini CLI's opens with its session's context, then the summary.
 const OPENING: usize = 4;
 
+/// The trail of a history the client compacted, whose summary stated it
+/// whole: what the summary's message and the items before it stand for.
+struct Settled {
+    /// The items through the summary's message, and their chain hash.
+    covered_len: usize,
+    covered_chain: ItemHash,
+    facts: Arc<Facts>,
+}
+
 /// An answer to a client's own compaction request that named no session.
 struct Summary {
     /// Its text's length and hash (see [`carried_text`]).
@@ -71,6 +84,7 @@ struct Summary {
 /// summaries answered to clients that name no session, by tenant.
 pub struct Handoffs {
     trails: Mutex<Generations<(String, String), Arc<Facts>>>,
+    settled: Mutex<Generations<(String, String), Arc<Settled>>>,
     summaries: Mutex<Generations<String, Vec<Summary>>>,
     repeats: Repeats,
 }
@@ -79,6 +93,7 @@ impl Default for Handoffs {
     fn default() -> Self {
         Self {
             trails: Mutex::new(Generations::new(KEPT)),
+            settled: Mutex::new(Generations::new(KEPT)),
             summaries: Mutex::new(Generations::new(KEPT)),
             repeats: Repeats::default(),
         }
@@ -169,18 +184,19 @@ impl Handoffs {
     /// when that item is an answer of the model): its trail is kept for the
     /// request that goes on from its summary, unless it repeats the
     /// conversation's last one (see `engine::repeats`): then it is counted
-    /// in `metrics`, logged, and no trail is appended after it. `handoff`,
-    /// the hand-off of a prefix of `request` ([`handoff_under`]): its trail
-    /// is the trail of what the client compacted before.
+    /// in `metrics`, logged, and no trail is appended after it. `carried`,
+    /// the items of a prefix of `request` and their trail, what the client
+    /// compacted before (of the hand-off of that prefix, [`handoff_under`],
+    /// or settled, [`Handoffs::settled_under`]).
     pub fn asked(
         &self,
         metrics: &crate::metrics::Metrics,
         (tenant, conversation): (&str, &str),
-        (request, handoff): (&ItemList, Option<&Compaction>),
+        (request, carried): (&ItemList, Option<(usize, &Facts)>),
         history: (ItemHash, Option<ItemHash>),
     ) -> Option<Repeat> {
         let Some(repeat) = self.repeats.asked(tenant, conversation, history) else {
-            self.remember(tenant, conversation, request, handoff);
+            self.remember(tenant, conversation, request, carried);
             return None;
         };
         self.forget(tenant, conversation);
@@ -197,16 +213,15 @@ impl Handoffs {
 
     /// Keeps the trail of `history`, the items of the client's own
     /// compaction request in `tenant`'s `conversation` (nothing when it
-    /// has none): of those after the prefix `handoff` covers merged onto
-    /// its trail, when a hand-off covers one.
+    /// has none): of those after the prefix `carried` covers merged onto
+    /// its trail, when it covers one.
     fn remember(
         &self,
         tenant: &str,
         conversation: &str,
         history: &ItemList,
-        handoff: Option<&Compaction>,
+        carried: Option<(usize, &Facts)>,
     ) {
-        let carried = handoff.and_then(|c| Some((c.covered_len, c.facts.as_ref()?)));
         let trail = match carried {
             Some((from, facts)) => {
                 let after: Vec<serde_json::Value> = (from.min(history.len())..history.len())
@@ -235,6 +250,43 @@ impl Handoffs {
     fn forget(&self, tenant: &str, conversation: &str) {
         self.lock()
             .remove(&(tenant.to_string(), conversation.to_string()));
+    }
+
+    /// `trail`, stated whole by the client's summary at item `at` of a
+    /// request of `tenant`'s `conversation` (its chain hashes `chains`).
+    fn settle(
+        &self,
+        (tenant, conversation): (&str, &str),
+        (at, chains): (usize, &[ItemHash]),
+        trail: Arc<Facts>,
+    ) {
+        let Some(&covered_chain) = chains.get(at) else {
+            return;
+        };
+        locked(&self.settled).insert(
+            (tenant.to_string(), conversation.to_string()),
+            Arc::new(Settled {
+                covered_len: at + 1,
+                covered_chain,
+                facts: trail,
+            }),
+        );
+    }
+
+    /// The trail a client's summary stated whole, in `tenant`'s
+    /// `conversation`, when a request (its chain hashes `chains`) still
+    /// goes on from that summary: the items it stands for and the trail.
+    pub fn settled_under(
+        &self,
+        tenant: &str,
+        conversation: &str,
+        chains: &[ItemHash],
+    ) -> Option<(usize, Arc<Facts>)> {
+        let settled = locked(&self.settled)
+            .get(&(tenant.to_string(), conversation.to_string()))
+            .cloned()?;
+        let covers = chains.get(settled.covered_len - 1) == Some(&settled.covered_chain);
+        covers.then(|| (settled.covered_len, settled.facts.clone()))
     }
 }
 
@@ -267,8 +319,10 @@ pub fn handoff_under(
 /// summary message and the summary left out part of the trail, the
 /// compaction that appends that part to it, stored and indexed, for the
 /// request to apply. `None` when no trail waits, the request carries no
-/// summary, or the summary states the whole trail (the trail is then
-/// forgotten, as it is once its compaction is stored).
+/// summary, or the summary states the whole trail (the trail is then kept
+/// as settled, [`Handoffs::settled_under`], for the conversation's next
+/// compaction request; it is forgotten as waiting, as it is once its
+/// compaction is stored).
 pub async fn after_client_compaction<C: Context>(
     state: &C,
     handoffs: &Handoffs,
@@ -284,7 +338,10 @@ pub async fn after_client_compaction<C: Context>(
     })?;
     handoffs.forget(tenant, conversation);
     let summary = request.item(at);
-    let block = left_out(&trail, &items::text_of(&summary))?;
+    let Some(block) = left_out(&trail, &items::text_of(&summary)) else {
+        handoffs.settle((tenant, conversation), (at, chains), trail);
+        return None;
+    };
     let mut replacement: Vec<serde_json::Value> =
         (0..at).map(|i| request.item(i).into_owned()).collect();
     replacement.push(with_block(&summary, &block));

@@ -353,10 +353,24 @@ async fn compaction_of_the_client(
         let (role, kind) = items.role_and_type(i);
         crate::wire::class::is_model_output(&role, &kind)
     });
+    // What the client compacted before: the hand-off's trail, else the
+    // trail its last summary stated whole.
+    let settled = match handoff {
+        Some(_) => None,
+        None => {
+            state
+                .handoffs
+                .settled_under(request.tenant(), pending.conversation(), pending.chains())
+        }
+    };
+    let carried = match &handoff {
+        Some(c) => c.facts.as_ref().map(|f| (c.covered_len, f)),
+        None => settled.as_ref().map(|(len, f)| (*len, f.as_ref())),
+    };
     let repeat = state.handoffs.asked(
         &state.metrics,
         (request.tenant(), pending.conversation()),
-        (items, handoff.as_deref()),
+        (items, carried),
         (
             chain(history).unwrap_or_default(),
             chain(answered.and_then(|i| i.checked_sub(1))),
