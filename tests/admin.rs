@@ -535,7 +535,8 @@ async fn manual_compaction_through_the_api_and_the_cli_applies_to_the_next_reque
     assert!(err.contains("no running proxy serves"), "{err}");
 
     // No proxy there: the error names the address.
-    let dead_addr = format!("127.0.0.1:{}", support::free_port());
+    let (dead, _held) = support::dead_port();
+    let dead_addr = format!("127.0.0.1:{dead}");
     let (code, _, err) = cli(&["compact", &id, "--listen", &dead_addr], &[]).await;
     assert_eq!(code, 1);
     assert!(err.contains(&format!("http://{dead_addr}")), "{err}");

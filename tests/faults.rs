@@ -258,8 +258,8 @@ async fn upstream_errors_pass_through_verbatim_and_are_recorded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreachable_upstream_gives_502() {
-    // A port that was just free: nothing listens there.
-    let port = support::free_port();
+    // Nothing listens there.
+    let (port, _dead) = support::dead_port();
     let h =
         Harness::start_with(|c| c.upstream.base_url = format!("http://127.0.0.1:{port}/v1")).await;
     chat_gets_a_recorded_502(&h).await;

@@ -388,7 +388,7 @@ async fn readyz_answers_for_the_store_and_the_upstream_healthz_for_the_process()
 
     // Down: nothing listens where the upstream should be. Not ready, with
     // the reason; the process itself is alive.
-    let port = support::free_port();
+    let (port, _dead) = support::dead_port();
     let mut h =
         Harness::start_with(|c| c.upstream.base_url = format!("http://127.0.0.1:{port}/v1")).await;
     let (status, body) = get_json_status(&h, "/readyz").await;
@@ -455,7 +455,7 @@ fn banner(extra: &[&std::ffi::OsStr]) -> String {
 /// first request's 502 names it too.
 #[tokio::test(flavor = "multi_thread")]
 async fn an_unreachable_upstream_is_said_at_start_up_and_in_the_502() {
-    let dead = support::free_port();
+    let (dead, _held) = support::dead_port();
     let (_child, port, _dir, lines) = serve_logged(&format!("http://127.0.0.1:{dead}/v1"), &[]);
     let warned = loop {
         let line = lines

@@ -641,6 +641,19 @@ pub async fn wait_compactions(h: &Harness, n: i64) {
 }
 
 /// A port that was free a moment ago (for the real binary, which binds it).
+/// A port of 127.0.0.1 where nothing listens while the socket returned
+/// lives: bound by a socket that does not listen, so a connection to it is
+/// refused, and no other test can take the port meanwhile (a port found
+/// free and let go may be another test's server by the time it is used).
+pub fn dead_port() -> (u16, tokio::net::TcpSocket) {
+    let socket = tokio::net::TcpSocket::new_v4().expect("socket");
+    socket
+        .bind(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))
+        .expect("bind");
+    let port = socket.local_addr().expect("addr").port();
+    (port, socket)
+}
+
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .expect("bind")
