@@ -151,7 +151,19 @@ impl AsRef<[Value]> for Compaction {
     }
 }
 
+/// Whether the first `len` items of a request whose chain hashes are
+/// `chains` are those whose chain hash is `chain`.
+pub fn covers_prefix(chains: &[ItemHash], len: usize, chain: &ItemHash) -> bool {
+    chains.get(len.wrapping_sub(1)) == Some(chain)
+}
+
 impl Compaction {
+    /// Whether it stands for a prefix of a request whose chain hashes are
+    /// `chains`.
+    pub fn covers(&self, chains: &[ItemHash]) -> bool {
+        covers_prefix(chains, self.covered_len, &self.covered_chain)
+    }
+
     /// A compaction made now under a fresh id that no summary call paid
     /// for: `replacement` standing for the first `covered_len` items of
     /// `tenant`'s `conversation` (prefix chain `covered_chain`), every

@@ -64,7 +64,7 @@ pub mod summary;
 
 #[cfg(test)]
 pub(crate) use computed::test_compaction;
-pub use computed::{Compaction, Rung, SummaryCache};
+pub use computed::{covers_prefix, Compaction, Rung, SummaryCache};
 pub use params::{Params, HYSTERESIS, SUMMARIES_BUDGET, SUMMARY_MAX_BYTES};
 pub use prepare::{prepare, prepare_whole, Prepared};
 pub use rungs::{cheap_rungs, summary_replacement};

@@ -37,7 +37,7 @@ use crate::bounded::Generations;
 use crate::compaction::summary::{
     carried_text, carried_texts, is_handoff, left_out, trail_of, with_block, Facts,
 };
-use crate::compaction::{items, Compaction, Rung};
+use crate::compaction::{covers_prefix, items, Compaction, Rung};
 use crate::wire::class::is_model_output;
 use crate::wire::items::ItemList;
 use crate::wire::ItemHash;
@@ -285,8 +285,8 @@ impl Handoffs {
         let settled = locked(&self.settled)
             .get(&(tenant.to_string(), conversation.to_string()))
             .cloned()?;
-        let covers = chains.get(settled.covered_len - 1) == Some(&settled.covered_chain);
-        covers.then(|| (settled.covered_len, settled.facts.clone()))
+        covers_prefix(chains, settled.covered_len, &settled.covered_chain)
+            .then(|| (settled.covered_len, settled.facts.clone()))
     }
 }
 
@@ -306,8 +306,7 @@ pub fn handoff_under(
     let mut c = found?;
     for _ in 0..BASES {
         if c.rung == Rung::Handoff {
-            let covers = chains.get(c.covered_len.wrapping_sub(1)) == Some(&c.covered_chain);
-            return covers.then_some(c);
+            return c.covers(chains).then_some(c);
         }
         c = compactions.get(tenant, c.base.as_deref()?)?;
     }

@@ -183,9 +183,7 @@ impl Compactions {
         if let Some(c) = found.compaction {
             if Some(&c.id) == body_of.as_ref() {
                 self.stored.keep_body(Arc::new(c));
-            } else if c.covered_len > covered
-                && chains.get(c.covered_len - 1) == Some(&c.covered_chain)
-            {
+            } else if c.covered_len > covered && c.covers(chains) {
                 self.stored.insert(Arc::new(c));
             }
         }
@@ -241,7 +239,7 @@ impl Compactions {
             let longer = &chains[covered.min(chains.len())..];
             if let Some(c) = shared.compaction_covering(tenant, longer) {
                 if c.covered_len > covered
-                    && chains.get(c.covered_len - 1) == Some(&c.covered_chain)
+                    && crate::compaction::covers_prefix(chains, c.covered_len, &c.covered_chain)
                 {
                     id = Some(c.id.clone());
                     self.stored.index(c);

@@ -355,17 +355,17 @@ async fn compaction_of_the_client(
     });
     // What the client compacted before: the hand-off's trail, else the
     // trail its last summary stated whole.
-    let settled = match handoff {
-        Some(_) => None,
-        None => {
-            state
-                .handoffs
-                .settled_under(request.tenant(), pending.conversation(), pending.chains())
-        }
-    };
+    let settled;
     let carried = match &handoff {
         Some(c) => c.facts.as_ref().map(|f| (c.covered_len, f)),
-        None => settled.as_ref().map(|(len, f)| (*len, f.as_ref())),
+        None => {
+            settled = state.handoffs.settled_under(
+                request.tenant(),
+                pending.conversation(),
+                pending.chains(),
+            );
+            settled.as_ref().map(|(len, f)| (*len, f.as_ref()))
+        }
     };
     let repeat = state.handoffs.asked(
         &state.metrics,
@@ -437,10 +437,7 @@ fn apply_stored(
         c.base
             .as_deref()
             .and_then(|id| state.compactions.get(pending.request().tenant(), id))
-            .filter(|b| {
-                !state.compactions.is_waiting(&b.id)
-                    && pending.chains().get(b.covered_len.wrapping_sub(1)) == Some(&b.covered_chain)
-            })
+            .filter(|b| !state.compactions.is_waiting(&b.id) && b.covers(pending.chains()))
     };
     // One computed for an idle conversation applies when it comes back
     // after the upstream's cache of its prefix expired (written again then
