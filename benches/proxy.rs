@@ -1253,6 +1253,18 @@ impl Scenario {
             (true, n) => format!(" pg{n}"),
         }
     }
+
+    /// The sessions measured in turn with the row's own at c=1, as the
+    /// third and fourth sides: `CodexWs`'s over HTTP + SSE, chat
+    /// completions beside `Gemini`'s.
+    fn beside(&self) -> Option<Variant> {
+        match self.variant {
+            _ if self.conc != 1 => None,
+            Variant::CodexWs => Some(Variant::CodexWs),
+            Variant::Gemini => Some(Variant::Grow),
+            _ => None,
+        }
+    }
 }
 
 struct SideStats {
@@ -1305,16 +1317,28 @@ fn stats(c: Collected) -> SideStats {
     }
 }
 
+/// The other transport or API of a row, measured in turn with it.
+struct Beside {
+    direct: SideStats,
+    proxy: SideStats,
+}
+
+impl Beside {
+    /// Its added p50, ms.
+    fn added(&self) -> f64 {
+        self.proxy.p50 - self.direct.p50
+    }
+}
+
 struct Row {
     sc: Scenario,
     name: String,
     side: [SideStats; 2],
-    /// `CodexWs`: the proxy over HTTP + SSE, in turn with the two sides.
-    over_sse: Option<SideStats>,
-    /// `CodexWs`: the direct side over HTTP + SSE of `over_sse`'s session
-    /// (`side[0]` being that of the WebSocket's session: over the
-    /// upstream's WebSocket when it takes one).
-    direct_sse: Option<SideStats>,
+    /// The row's other transport or API, measured in turn with its two
+    /// sides (c=1): for `CodexWs` the proxy over HTTP + SSE, for `Gemini`
+    /// chat completions (`Grow`'s sessions, same streaming); each against
+    /// a direct side of its own sessions.
+    beside: Option<Beside>,
     recorded: i64,
     /// Mean time of the store's commits, ms, and how many there were
     /// (those after the warm-up).
@@ -1347,8 +1371,8 @@ impl Row {
         [("direct", Some(d)), ("proxy", Some(p))]
             .into_iter()
             .chain([
-                ("proxy over HTTP + SSE", self.over_sse.as_ref()),
-                ("direct over HTTP + SSE", self.direct_sse.as_ref()),
+                ("proxy beside", self.beside.as_ref().map(|b| &b.proxy)),
+                ("direct beside", self.beside.as_ref().map(|b| &b.direct)),
             ])
             .filter_map(|(name, s)| Some((name, s?)))
     }
@@ -1428,23 +1452,26 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         // CPU ns of the load runtime during each side's rounds.
         let mut load_ns = [0u64; 2];
         if sc.conc == 1 {
-            // `CodexWs`: a third side, the proxy over HTTP + SSE in turn
-            // with the other two, its session another (the proxy would
-            // find the WebSocket's bytes in its caches), and a fourth,
-            // direct over HTTP + SSE with the third's bodies, which is
-            // what the third is against: the fake serves two sessions'
-            // bodies in times some tens of µs apart, so each transport's
-            // added latency is against a direct side with its own bodies.
-            // With the upstream taking the WebSocket, the direct side of
-            // the WebSocket's session goes over one too.
+            // `CodexWs` and `Gemini`: a third side, the proxy over HTTP +
+            // SSE (for `Gemini`, on chat completions) in turn with the
+            // other two, its session another (the proxy would find the
+            // WebSocket's bytes in its caches), and a fourth, direct with
+            // the third's bodies, which is what the third is against: the
+            // fake serves two sessions' bodies in times some tens of µs
+            // apart, so each transport's added latency is against a
+            // direct side with its own bodies, and two rows measured one
+            // after the other drift apart by more than the margin looked
+            // for. With the upstream taking the WebSocket, the direct side
+            // of the WebSocket's session goes over one too.
             let mut s = vec![sessions(1).pop().unwrap(), sessions(1).pop().unwrap()];
             let mut urls = urls.to_vec();
             let ws = sc.variant == Variant::CodexWs;
-            if ws {
-                s.push(Session::new(sc.variant, sc.stream, sc.size, 2));
-                urls.push(urls[1].clone());
-                s.push(Session::new(sc.variant, sc.stream, sc.size, 2));
-                urls.push(urls[0].clone());
+            if let Some(variant) = sc.beside() {
+                let (direct, proxied) = rig.urls(variant, sc.stream);
+                for url in [proxied, vec![direct]] {
+                    s.push(Session::new(variant, sc.stream, sc.size, 2));
+                    urls.push(url);
+                }
             }
             let sides = s.len();
             // `CodexWs`: the direct and the proxied session's WebSockets.
@@ -1579,10 +1606,11 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         eprintln!("  {}: {}", sc.name(), shown.join("; "));
     }
     rig.stop();
-    let [d, p, over_sse, direct_sse] = collected;
-    let ws = sc.variant == Variant::CodexWs && sc.conc == 1;
-    let over_sse = ws.then(|| stats(over_sse));
-    let direct_sse = ws.then(|| stats(direct_sse));
+    let [d, p, proxy_beside, direct_beside] = collected;
+    let beside = sc.beside().map(|_| Beside {
+        direct: stats(direct_beside),
+        proxy: stats(proxy_beside),
+    });
     if sc.variant == Variant::Compacted {
         eprintln!(
             "  {}: {} of {} measured requests sent compacted",
@@ -1592,8 +1620,8 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         );
     }
     let (dn, pn) = (
-        d.samples.len() + d.errors + direct_sse.as_ref().map_or(0, |s| s.n + s.errors),
-        p.samples.len() + p.errors + over_sse.as_ref().map_or(0, |s| s.n + s.errors),
+        d.samples.len() + d.errors + beside.as_ref().map_or(0, |b| b.direct.n + b.direct.errors),
+        p.samples.len() + p.errors + beside.as_ref().map_or(0, |b| b.proxy.n + b.proxy.errors),
     );
     let proxy_cpu_ms = cpu.proxy * 1000.0 / pn.max(1) as f64;
     let proxy_cpu_by_thread = cpu
@@ -1611,8 +1639,7 @@ fn run_scenario(o: &Opts, sc: Scenario, pg: Option<&pg_cluster::PgCluster>) -> R
         sc,
         name: sc.name(),
         side: [stats(d), stats(p)],
-        over_sse,
-        direct_sse,
+        beside,
         recorded,
         commit,
         settle: settle.as_secs_f64(),
@@ -2300,7 +2327,8 @@ fn main() {
          side, another session through the proxy over HTTP + SSE, and a fourth, that session direct \
          over HTTP + SSE, which the third is against{}; \
          gmni = Gemini-CLI-shaped sessions to :generateContent (json) or \
-         :streamGenerateContent?alt=sse (sse), growing as grow does (c=1 only); \
+         :streamGenerateContent?alt=sse (sse), growing as grow does, chat completions' sessions \
+         (grow's) in turn beside them (c=1 only); \
          same = one body, byte for byte, from every client every time (one conversation); \
          hop = the `last` bodies to /v1/embeddings, which the proxy relays unparsed and unrecorded \
          (what the HTTP hop alone costs). SSE requests do not ask for usage, so the proxy \
@@ -2489,44 +2517,40 @@ fn main() {
         &|v| v < 1.0,
         " ms",
     );
-    // The WebSocket against HTTP + SSE through the proxy, in turn in the
-    // same row: each against the direct side of its own session (and, with
-    // the upstream taking the WebSocket, of its own transport).
-    for ws in rows.iter().filter(|r| r.sc.variant == Variant::CodexWs) {
-        let Some(sse) = &ws.over_sse else { continue };
-        let direct_sse = ws.direct_sse.as_ref().unwrap_or(&ws.side[0]);
-        let over_sse = sse.p50 - direct_sse.p50;
-        println!(
-            "  {:<44} {:>7.3} ms ({:<20}) {}",
-            format!("WebSocket added p50 <= SSE's ({over_sse:+.3} ms)"),
-            added(ws),
-            ws.name,
-            verdict(added(ws) <= over_sse)
-        );
-        let [d, p] = &ws.side;
-        println!(
-            "    (p50 the WebSocket's session direct {:.3}, through the proxy {:.3}; HTTP + SSE's session direct {:.3}, \
-             through the proxy {:.3}; p99 {:.2} / {:.2}; {:.2} / {:.2} ms)",
-            d.p50, p.p50, direct_sse.p50, sse.p50, d.p99, p.p99, direct_sse.p99, sse.p99
-        );
-    }
-    // Gemini against chat: each `gmni` row beside the `grow` row of its
-    // size, streaming and store, measured in the same run.
-    for g in rows.iter().filter(|r| r.sc.variant == Variant::Gemini) {
-        let Some(chat) = rows.iter().find(|r| {
-            let (a, b) = (&r.sc, &g.sc);
-            a.variant == Variant::Grow
-                && (a.size, a.stream, a.conc, a.pg, a.replicas, a.sticky)
-                    == (b.size, b.stream, b.conc, b.pg, b.replicas, b.sticky)
-        }) else {
-            continue;
+    // The WebSocket against HTTP + SSE through the proxy, and Gemini
+    // against chat completions, each in turn in the same row: each against
+    // the direct side of its own sessions (and, with the upstream taking
+    // the WebSocket, of its own transport).
+    for r in &rows {
+        let Some(beside) = &r.beside else { continue };
+        let (budget, pass) = match r.sc.variant {
+            Variant::CodexWs => (
+                format!("WebSocket added p50 <= SSE's ({:+.3} ms)", beside.added()),
+                added(r) <= beside.added(),
+            ),
+            _ => (
+                format!(
+                    "Gemini added p50 <= chat's + 0.1 ({:+.3} ms)",
+                    beside.added()
+                ),
+                added(r) - beside.added() <= 0.1,
+            ),
         };
         println!(
-            "  {:<44} {:>7.3} ms ({:<20}) {}",
-            format!("Gemini added p50 <= chat's + 0.1 ({:+.3} ms)", added(chat)),
-            added(g),
-            g.name,
-            verdict(added(g) - added(chat) <= 0.1)
+            "  {budget:<44} {:>7.3} ms ({:<20}) {}",
+            added(r),
+            r.name,
+            verdict(pass)
+        );
+        let ([d, p], b) = (&r.side, beside);
+        let (own, other) = match r.sc.variant {
+            Variant::CodexWs => ("the WebSocket's session", "HTTP + SSE's session"),
+            _ => ("Gemini's session", "chat's session"),
+        };
+        println!(
+            "    (p50 {own} direct {:.3}, through the proxy {:.3}; {other} direct {:.3}, \
+             through the proxy {:.3}; p99 {:.2} / {:.2}; {:.2} / {:.2} ms)",
+            d.p50, p.p50, b.direct.p50, b.proxy.p50, d.p99, p.p99, b.direct.p99, b.proxy.p99
         );
     }
     for r in rows
