@@ -301,6 +301,22 @@ async fn taking_out_the_metadata_mode_keeps_every_other_byte_of_the_body() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_sent_the_moment_a_stream_ends_use_the_existing_compaction() {
     let h = Harness::start_with(support::small_window).await;
+    back_to_back_turns_compact_only_at_the_threshold(&h).await;
+}
+
+/// The same with summary calls that take several turns: a job's
+/// follow-up then starts from a request sent before the job's own
+/// compaction was stored, on an earlier base, and may cover less than
+/// the compaction later requests are sent with. A request is not left
+/// over the hard limit with nothing under way for that.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn summaries_that_take_several_turns_leave_no_request_over_the_hard_limit() {
+    let h = Harness::start_with(support::small_window).await;
+    h.fake.set_summary_delay(Some(Duration::from_millis(12)));
+    back_to_back_turns_compact_only_at_the_threshold(&h).await;
+}
+
+async fn back_to_back_turns_compact_only_at_the_threshold(h: &Harness) {
     let url = format!("{}/chat/completions", h.url());
     let http = client();
     let mut messages = vec![

@@ -117,13 +117,21 @@ fn needed<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) 
     // A compaction stored after this request left was not applied to it;
     // the next request will be, which sends what it saves fewer. One the
     // request waited for and was sent with is no such compaction: the
-    // usage is already its own.
-    let newer = state
-        .compactions()
-        .stored()
+    // usage is already its own. Nor is one the next request does not
+    // apply: a request finds the compaction covering the longest prefix
+    // of its items, and one computed from an earlier request, on an
+    // earlier base, may cover less than the one this request was sent
+    // with (counting its savings, the job was left out, and the next
+    // request, over the hard limit with nothing under way, was compacted
+    // in its own time).
+    let stored = state.compactions().stored();
+    let (applies, _) = stored.covering(&input.who.tenant, &input.request.chains, false);
+    let newer = stored
         .newest(&input.who.tenant, &input.who.conversation)
         .filter(|(t, id)| {
-            *t >= input.request.requested && input.request.base.as_ref().is_none_or(|b| &b.id != id)
+            *t >= input.request.requested
+                && input.request.base.as_ref().is_none_or(|b| &b.id != id)
+                && applies.as_ref() == Some(id)
         })
         .map(|(_, id)| id.clone());
     if let Some(id) = newer {
