@@ -125,13 +125,16 @@ fn needed<S: Context>(state: &Arc<S>, input: Input, used: u64, estimated: bool) 
     // request, over the hard limit with nothing under way, was compacted
     // in its own time).
     let stored = state.compactions().stored();
-    let (applies, _) = stored.covering(&input.who.tenant, &input.request.chains, false);
+    let applies = |id: &String| {
+        let (found, _) = stored.covering(&input.who.tenant, &input.request.chains, false);
+        found.as_ref() == Some(id)
+    };
     let newer = stored
         .newest(&input.who.tenant, &input.who.conversation)
         .filter(|(t, id)| {
             *t >= input.request.requested
                 && input.request.base.as_ref().is_none_or(|b| &b.id != id)
-                && applies.as_ref() == Some(id)
+                && applies(id)
         })
         .map(|(_, id)| id.clone());
     if let Some(id) = newer {

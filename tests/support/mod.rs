@@ -640,7 +640,6 @@ pub async fn wait_compactions(h: &Harness, n: i64) {
     .await
 }
 
-/// A port that was free a moment ago (for the real binary, which binds it).
 /// A port of 127.0.0.1 where nothing listens while the socket returned
 /// lives: bound by a socket that does not listen, so a connection to it is
 /// refused, and no other test can take the port meanwhile (a port found
@@ -654,6 +653,7 @@ pub fn dead_port() -> (u16, tokio::net::TcpSocket) {
     (port, socket)
 }
 
+/// A port that was free a moment ago (for the real binary, which binds it).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .expect("bind")
